@@ -1,0 +1,82 @@
+"""Architecture descriptions of the Wan2.1 networks, in runnerkit's own names.
+
+Each class holds the numbers that define one network; the defaults are the public Wan2.1
+release values (Wan-Video/Wan2.1, `wan/configs/` and `wan/modules/*.py`). They are read from a
+checkpoint (our `runnerkit.json`, Wan's `config.json`, or diffusers' `*/config.json`) or given
+under the `model` key of a runnerkit JSON config.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Per-channel statistics of the Wan2.1 VAE latent space (Wan2.1 `wan/modules/vae.py`, WanVAE).
+WAN21_LATENTS_MEAN: tuple[float, ...] = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+)
+WAN21_LATENTS_STD: tuple[float, ...] = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+)
+
+
+class _Arch(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WanTransformerArch(_Arch):
+    """Wan2.1 diffusion transformer (`WanModel`); defaults are the 1.3B model."""
+
+    model_type: Literal["t2v", "i2v", "flf2v"] = Field("t2v", description="Task family of the weights.")
+    patch_size: tuple[int, int, int] = Field((1, 2, 2), description="(t, h, w) patch of the latent grid.")
+    text_len: int = Field(512, gt=0, description="Context length the text embeddings are padded to.")
+    in_dim: int = Field(16, gt=0, description="Latent channels in.")
+    dim: int = Field(1536, gt=0, description="Hidden size.")
+    ffn_dim: int = Field(8960, gt=0, description="FFN inner size.")
+    freq_dim: int = Field(256, gt=0, description="Sinusoidal timestep embedding size.")
+    text_dim: int = Field(4096, gt=0, description="Text encoder output size.")
+    out_dim: int = Field(16, gt=0, description="Latent channels out.")
+    num_heads: int = Field(12, gt=0, description="Attention heads.")
+    num_layers: int = Field(30, gt=0, description="Transformer blocks.")
+    qk_norm: bool = Field(True, description="RMSNorm on queries and keys.")
+    cross_attn_norm: bool = Field(True, description="LayerNorm (affine) before cross-attention.")
+    eps: float = Field(1e-6, gt=0, description="Norm epsilon.")
+
+
+class UMT5Arch(_Arch):
+    """UMT5 encoder as Wan uses it (`umt5-xxl` encoder only); defaults are umt5-xxl."""
+
+    vocab_size: int = Field(256384, gt=0)
+    dim: int = Field(4096, gt=0, description="Model width.")
+    dim_attn: int = Field(4096, gt=0, description="Attention inner width (heads * head_dim).")
+    dim_ffn: int = Field(10240, gt=0, description="Gated-GELU FFN inner width.")
+    num_heads: int = Field(64, gt=0)
+    num_layers: int = Field(24, gt=0)
+    num_buckets: int = Field(32, gt=0, description="Relative position buckets.")
+    max_distance: int = Field(128, gt=0, description="Largest relative distance with its own bucket range.")
+    eps: float = Field(1e-6, gt=0)
+    text_len: int = Field(512, gt=0, description="Tokens per prompt (padded/truncated).")
+
+
+class WanVAEArch(_Arch):
+    """Wan2.1 causal 3D VAE (`WanVAE_`); defaults are the released Wan2.1 VAE."""
+
+    dim: int = Field(96, gt=0, description="Base channel count.")
+    z_dim: int = Field(16, gt=0, description="Latent channels.")
+    dim_mult: tuple[int, ...] = Field((1, 2, 4, 4), description="Channel multipliers per level.")
+    num_res_blocks: int = Field(2, gt=0)
+    attn_scales: tuple[float, ...] = Field((), description="Scales with an attention block (Wan2.1: none).")
+    temporal_downsample: tuple[bool, ...] = Field((False, True, True), description="Levels that halve time.")
+    latents_mean: tuple[float, ...] = Field(WAN21_LATENTS_MEAN, description="Per-channel latent mean.")
+    latents_std: tuple[float, ...] = Field(WAN21_LATENTS_STD, description="Per-channel latent std.")
+
+
+class WanArch(_Arch):
+    """The three networks of a Wan2.1 text-to-video pipeline."""
+
+    transformer: WanTransformerArch = WanTransformerArch()
+    text_encoder: UMT5Arch = UMT5Arch()
+    vae: WanVAEArch = WanVAEArch()
