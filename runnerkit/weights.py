@@ -117,3 +117,29 @@ def read_pth(path: Path, component: str) -> dict[str, torch.Tensor]:
     if not isinstance(sd, dict):
         raise CheckpointError(f"{component}: {path} does not hold a state dict (got {type(sd).__name__})")
     return sd
+
+
+def synthetic_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """A deterministic random tensor for `name` (independent of file, shard and layout).
+
+    Scale: weights with >= 2 dims ~ N(0, 1/fan_in); norm gains (`*norm*.weight`, `gamma`) ~ 1 + N(0, 0.05^2);
+    AdaLN modulation tables ~ N(0, 1/dim); biases and other vectors ~ N(0, 0.02^2). The values are
+    noise: a pipeline with them produces noise, but runs every real operator on realistic scales.
+    """
+    import zlib
+
+    gen = torch.Generator("cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    leaf = name.rsplit(".", 1)[-1]
+    if "modulation" in name or "scale_shift_table" in name:
+        x = x / shape[-1] ** 0.5
+    elif leaf == "gamma" or ("norm" in name and leaf == "weight" and len(shape) == 1):
+        x = 1.0 + 0.05 * x
+    elif leaf == "bias" or len(shape) < 2:
+        x = 0.02 * x
+    else:
+        fan_in = 1
+        for s in shape[1:]:
+            fan_in *= s
+        x = x / fan_in**0.5
+    return x.to(dtype)

@@ -1,0 +1,13 @@
+"""Flow-matching schedulers; each owns one request's denoising state (ARCHITECTURE §2)."""
+
+from runnerkit.schedulers.base import Scheduler, shift_sigmas
+from runnerkit.schedulers.euler import FlowEulerScheduler
+from runnerkit.schedulers.unipc import FlowUniPCScheduler
+
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    "unipc": FlowUniPCScheduler,
+    "euler": FlowEulerScheduler,
+}
+"""Scheduler classes by config name (the `scheduler` key of a runnerkit config)."""
+
+__all__ = ["SCHEDULERS", "FlowEulerScheduler", "FlowUniPCScheduler", "Scheduler", "shift_sigmas"]

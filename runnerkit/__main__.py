@@ -1,0 +1,5 @@
+import sys
+
+from runnerkit.infer import main
+
+sys.exit(main())

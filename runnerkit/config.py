@@ -1,0 +1,217 @@
+"""Typed, validated configuration: the one place where runnerkit's defaults live.
+
+A run is described by `RunnerConfig` (JSON file + CLI overrides, validated once before any
+loading) and one `RequestConfig` per request (CLI flags or one line of a `--requests` .jsonl).
+Unknown keys, wrong types and out-of-range values are errors that name the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration or request is invalid; the message names the field, value and what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OffloadConfig(_Strict):
+    """Where weights live between uses (ARCHITECTURE §4)."""
+
+    mode: Literal["none", "model", "block", "phase"] = Field(
+        "none", description="none: all resident; model: whole modules visit the GPU for their stage; "
+        "block/phase: transformer blocks (or their self-attn / cross-attn / FFN phases) stream through GPU slots.")
+    storage: Literal["cpu", "disk"] = Field(
+        "cpu", description="cpu: streamed weights live in (pinned) host memory; disk: they stream from the "
+        "checkpoint's safetensors files every step.")
+    lazy_load: bool = Field(False, description="Build the transformer per request and tear it down after (block/phase + disk only).")
+    pin_memory: bool = Field(True, description="Use page-locked host memory (env RUNNERKIT_DISABLE_PINNED=1 forces false).")
+    gpu_slots: int = Field(2, ge=2, le=64, description="Device slots that streamed blocks/phases rotate through.")
+    prefetch_depth: int = Field(1, ge=1, le=63, description="Units copied ahead of the one computing (< gpu_slots).")
+    reader: Literal["mmap", "pread"] = Field("mmap", description="How disk storage reads safetensors files.")
+    weight_dtype: Literal["same", "fp8_e4m3"] = Field("same", description="Storage dtype of streamed weights (fp8 upcasts at compute).")
+    vae_tiling: bool = Field(False, description="Decode the VAE in spatial tiles to bound memory.")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "OffloadConfig":
+        streaming = self.mode in ("block", "phase")
+        if self.prefetch_depth >= self.gpu_slots:
+            raise ValueError(f"`offload.prefetch_depth` ({self.prefetch_depth}) must be < `offload.gpu_slots` "
+                             f"({self.gpu_slots}): a slot is needed for the unit computing now")
+        if self.storage == "disk" and not streaming:
+            raise ValueError(f"`offload.storage`='disk' needs `offload.mode` 'block' or 'phase' (got {self.mode!r}): "
+                             "only streamed transformer blocks are read from disk")
+        if self.lazy_load and not (streaming and self.storage == "disk"):
+            raise ValueError("`offload.lazy_load`=true needs `offload.mode` 'block'/'phase' and `offload.storage`='disk' "
+                             f"(got mode={self.mode!r}, storage={self.storage!r})")
+        if self.weight_dtype != "same" and not streaming:
+            raise ValueError(f"`offload.weight_dtype`={self.weight_dtype!r} applies to streamed weights only; "
+                             f"`offload.mode` must be 'block' or 'phase' (got {self.mode!r})")
+        if self.weight_dtype != "same" and self.storage == "disk":
+            raise ValueError("`offload.weight_dtype`='fp8_e4m3' needs `offload.storage`='cpu': disk storage streams "
+                             "the checkpoint's bytes as they are")
+        return self
+
+
+class CompileConfig(_Strict):
+    """torch.compile of the transformer (one compile path, shared by warmup and requests)."""
+
+    enabled: bool = Field(False, description="Compile the transformer's forward.")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    dynamic: bool = Field(False, description="Compile with dynamic shapes.")
+
+
+class MemoryConfig(_Strict):
+    """Thresholds of the pressure-aware `maybe_empty_cache` (runnerkit.memory)."""
+
+    empty_cache_min_free_gib: float = Field(2.0, ge=0, description="Empty the cache when free device memory is below this.")
+    empty_cache_min_reclaimable_gib: float = Field(
+        16.0, ge=0, description="Empty the cache when reserved-but-unallocated memory is above this.")
+
+
+class SyntheticCheckpointConfig(_Strict):
+    """Write deterministic random weights (once) when no checkpoint exists. The output is noise."""
+
+    seed: int = Field(0, ge=0, description="Seed of the random weights.")
+
+
+class RunnerConfig(_Strict):
+    """Everything that stays fixed for the life of a runner (locked after `load_modules`)."""
+
+    model_cls: str = Field(description="Registered runner name, e.g. 'wan2.1'.")
+    task: str = Field("t2v", description="Task of the runner, e.g. 't2v'.")
+    model_path: str | None = Field(None, description="Checkpoint folder (runnerkit, original or diffusers layout).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Compute dtype of transformer and text encoder.")
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
+    infer_steps: int = Field(50, ge=1, le=1000, description="Denoising steps.")
+    target_height: int = Field(480, gt=0, description="Default output height in pixels.")
+    target_width: int = Field(832, gt=0, description="Default output width in pixels.")
+    target_video_length: int = Field(81, gt=0, description="Default number of frames (4n+1 for Wan).")
+    fps: int = Field(16, gt=0, le=240, description="Frames per second of saved video.")
+    sample_shift: float = Field(5.0, gt=0, description="Flow-matching sigma shift.")
+    sample_guide_scale: float | tuple[float, float] = Field(
+        5.0, description="CFG scale; a pair [high-noise, low-noise] for MoE models.")
+    boundary: float | None = Field(None, gt=0, lt=1, description="MoE expert switch point (fraction of timesteps).")
+    enable_cfg: bool = Field(True, description="Classifier-free guidance (two branches per step).")
+    negative_prompt: str | None = Field(None, description="Default negative prompt; None: the family's reference default.")
+    scheduler: Literal["unipc", "euler"] = Field("unipc", description="Flow-matching sampler.")
+    seed: int = Field(42, ge=0, description="Default seed of a request.")
+    warmup: bool = Field(False, description="Run the one-time warmup in init_modules (CLI --warmup).")
+    unload_modules: bool = Field(False, description="Load every module per request (warmup refuses this mode).")
+    offload: OffloadConfig = OffloadConfig()
+    compile: CompileConfig = CompileConfig()
+    memory: MemoryConfig = MemoryConfig()
+    synthetic_checkpoint: SyntheticCheckpointConfig | None = Field(
+        None, description="Write random weights to model_path (or a cache folder) if no checkpoint is there.")
+    model: dict[str, Any] | None = Field(None, description="Architecture in runnerkit's names; normally read from the checkpoint.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"`device` must be 'auto', 'cpu', 'cuda' or 'cuda:N' (got {v!r})")
+        return v
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "RunnerConfig":
+        if self.unload_modules and self.offload.mode != "none":
+            raise ValueError(f"`unload_modules`=true loads whole modules per request; it cannot be combined with "
+                             f"`offload.mode`={self.offload.mode!r}")
+        if self.model_path is None and self.synthetic_checkpoint is None:
+            raise ValueError("`model_path` is required unless `synthetic_checkpoint` is set")
+        return self
+
+
+class RequestConfig(_Strict):
+    """One request: what to generate and where to save it."""
+
+    prompt: str = Field(min_length=1, description="Text prompt.")
+    negative_prompt: str | None = Field(None, description="Overrides the runner's negative prompt.")
+    image_path: str | None = Field(None, description="Conditioning image (image tasks).")
+    last_frame_path: str | None = Field(None, description="Last-frame image (FLF2V).")
+    seed: int | None = Field(None, ge=0, description="Seed; None: the runner config's seed.")
+    target_height: int | None = Field(None, gt=0)
+    target_width: int | None = Field(None, gt=0)
+    target_video_length: int | None = Field(None, gt=0)
+    save_result_path: str | None = Field(None, description=".mp4 (video) or .png (image); a sidecar .json is written beside it.")
+    save_tensor_path: str | None = Field(None, description=".safetensors with key 'video' float32 [C, F, H, W] in [-1, 1].")
+
+    @field_validator("save_result_path")
+    @classmethod
+    def _media_suffix(cls, v: str | None) -> str | None:
+        if v is not None and Path(v).suffix.lower() not in (".mp4", ".png"):
+            raise ValueError(f"`save_result_path` must end in .mp4 or .png (got {v!r})")
+        return v
+
+    @field_validator("save_tensor_path")
+    @classmethod
+    def _tensor_suffix(cls, v: str | None) -> str | None:
+        if v is not None and Path(v).suffix.lower() != ".safetensors":
+            raise ValueError(f"`save_tensor_path` must end in .safetensors (got {v!r})")
+        return v
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per problem: `field: message (got value)`."""
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        value = e.get("input")
+        shown = "" if e["type"] == "missing" or isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"  {field}: {msg}{shown}")
+    return f"invalid {source}:\n" + "\n".join(lines)
+
+
+def load_runner_config(path: str | Path | None, overrides: dict[str, Any]) -> RunnerConfig:
+    """Read a JSON config, apply CLI overrides (non-None values), validate.
+
+    Raises:
+        ConfigError: unreadable file, bad JSON, unknown keys, wrong types, out-of-range values.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a JSON object (got {type(data).__name__})")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return RunnerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, f"config {str(path) if path else '(CLI)'}")) from None
+
+
+def load_requests(path: str | Path) -> list[RequestConfig]:
+    """Read and validate every line of a `--requests` .jsonl file before anything is loaded.
+
+    Raises:
+        ConfigError: naming the line number and field of the first bad line.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"requests file {str(p)!r} does not exist")
+    requests = []
+    for n, line in enumerate(p.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            requests.append(RequestConfig.model_validate_json(line))
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, f"request on line {n} of {str(p)!r}")) from None
+    if not requests:
+        raise ConfigError(f"requests file {str(p)!r} holds no request")
+    return requests

@@ -1,0 +1,56 @@
+"""Writing results: mp4/png media (media library imported only here), tensors, sidecar JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+
+def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:
+    """[3, F, H, W] float in [-1, 1] -> [F, H, W, 3] uint8 (round to nearest)."""
+    C, F, H, W = video.shape
+    if C != 3:
+        raise ValueError(f"`video` must have 3 channels, [3, F, H, W] (got shape {tuple(video.shape)})")
+    x = ((video.float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+    return x.permute(1, 2, 3, 0).contiguous()  # [F, H, W, 3]
+
+
+def save_media(video: torch.Tensor, path: str | Path, fps: int) -> None:
+    """Write [3, F, H, W] in [-1, 1] as H.264 mp4 (yuv420p) or, for .png, the first frame."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frames = to_uint8_frames(video).numpy()
+    if path.suffix.lower() == ".png":
+        import imageio.v3 as iio  # imported only when writing
+
+        iio.imwrite(path, frames[0])
+        return
+    import imageio_ffmpeg  # brings its own ffmpeg binary; imported only when writing
+
+    F, H, W, _ = frames.shape
+    writer = imageio_ffmpeg.write_frames(str(path), (W, H), fps=fps, codec="libx264", pix_fmt_out="yuv420p",
+                                         quality=8, macro_block_size=1, ffmpeg_log_level="error")
+    writer.send(None)  # start the encoder
+    try:
+        for frame in frames:
+            writer.send(frame.tobytes())
+    finally:
+        writer.close()
+
+
+def save_tensor(video: torch.Tensor, path: str | Path, key: str = "video") -> None:
+    """Write the float32 tensor ([C, F, H, W] for 'video', [C, H, W] for 'image') to a .safetensors file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({key: video.float().contiguous().cpu()}, str(path))
+
+
+def write_sidecar(media_path: str | Path, record: dict[str, Any]) -> Path:
+    """Write `record` (seed, prompt, resolved config) as JSON next to the media file (same stem, .json)."""
+    side = Path(media_path).with_suffix(".json")
+    side.write_text(json.dumps(record, indent=2, default=str))
+    return side

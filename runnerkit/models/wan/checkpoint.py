@@ -1,0 +1,259 @@
+"""Wan2.1 checkpoint layouts: detect, read the architecture, load state dicts, write synthetic ones.
+
+Three layouts are understood (ARCHITECTURE §5), all mapped to runnerkit's native key names (the
+original Wan2.1 names):
+
+- runnerkit: `runnerkit.json` (format, family, arch) + `transformer/`, `text_encoder/`, `vae/`
+  safetensors (native names) + `tokenizer/tokenizer.json`.
+- original (Wan-Video/Wan2.1 release): `config.json` (WanModel), `diffusion_pytorch_model*.safetensors`
+  (sharded with an index), `models_t5_umt5-xxl-enc-bf16.pth`, `Wan2.1_VAE.pth` (read with
+  `torch.load(weights_only=True)`), `google/umt5-xxl/tokenizer.json`.
+- diffusers (Wan-AI/Wan2.1-T2V-*-Diffusers): `model_index.json`, `transformer/`, `text_encoder/`
+  (transformers UMT5EncoderModel), `vae/` (AutoencoderKLWan), `tokenizer/`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from loguru import logger
+from safetensors.torch import save_file
+
+from runnerkit.models.wan import text_encoder as te
+from runnerkit.models.wan import transformer_keys as tk
+from runnerkit.models.wan import vae as vae_mod
+from runnerkit.models.wan.arch import UMT5Arch, WanArch, WanTransformerArch, WanVAEArch
+from runnerkit.models.wan.tokenizer import write_debug_tokenizer
+from runnerkit.models.wan.transformer import WanTransformer3D
+from runnerkit.weights import CheckpointError, build_on_meta, read_pth, read_safetensors, safetensors_files, synthetic_tensor
+
+Layout = Literal["runnerkit", "original", "diffusers"]
+LAYOUTS: tuple[Layout, ...] = ("runnerkit", "original", "diffusers")
+ORIGINAL_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
+ORIGINAL_VAE = "Wan2.1_VAE.pth"
+ORIGINAL_TOKENIZER = "google/umt5-xxl"
+SHARD_BYTES = 2 * 1024**3  # largest safetensors shard written (bytes)
+
+
+def detect_layout(path: Path) -> Layout:
+    """Which layout `path` holds.
+
+    Raises:
+        CheckpointError: the folder is missing or matches no layout (lists what each needs).
+    """
+    if not path.is_dir():
+        raise CheckpointError(f"`model_path` {str(path)!r} does not exist or is not a folder "
+                              "(set `synthetic_checkpoint` to write random weights there)")
+    if (path / "runnerkit.json").is_file():
+        return "runnerkit"
+    if (path / "model_index.json").is_file():
+        return "diffusers"
+    if (path / "config.json").is_file() and safetensors_files(path, "diffusion_pytorch_model"):
+        return "original"
+    raise CheckpointError(
+        f"`model_path` {str(path)!r} holds no recognised checkpoint: expected runnerkit.json (runnerkit layout), "
+        "model_index.json (diffusers layout) or config.json + diffusion_pytorch_model*.safetensors (original Wan layout)")
+
+
+def _read_json(path: Path, component: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{component}: {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{component}: {path} is not valid JSON: {exc}") from None
+
+
+@dataclass(frozen=True)
+class WanCheckpoint:
+    """A located checkpoint: its layout, folder and the architecture read from it."""
+
+    path: Path
+    layout: Layout
+    arch: WanArch
+
+    @classmethod
+    def open(cls, path: str | Path, override: dict[str, Any] | None = None) -> "WanCheckpoint":
+        """Detect the layout and read the architecture; `override` (config `model`) wins per component."""
+        path = Path(path)
+        layout = detect_layout(path)
+        if layout == "runnerkit":
+            meta = _read_json(path / "runnerkit.json", "checkpoint")
+            if meta.get("family") != "wan2.1":
+                raise CheckpointError(f"{path}/runnerkit.json is for family {meta.get('family')!r}, not 'wan2.1'")
+            arch = WanArch.model_validate(meta["arch"])
+        elif layout == "original":
+            arch = WanArch(transformer=tk.arch_from_original_config(_read_json(path / "config.json", "transformer")))
+        else:
+            t = tk.arch_from_diffusers_config(_read_json(path / "transformer" / "config.json", "transformer"))
+            arch = WanArch(
+                transformer=t,
+                text_encoder=te.arch_from_hf_config(_read_json(path / "text_encoder" / "config.json", "text_encoder")),
+                vae=vae_mod.arch_from_diffusers_config(_read_json(path / "vae" / "config.json", "vae")),
+            )
+        if override:
+            merged = arch.model_dump()
+            for component, values in override.items():
+                if component not in merged:
+                    raise CheckpointError(f"`model.{component}` is not a Wan2.1 component; allowed: {sorted(merged)}")
+                merged[component] = {**merged[component], **values}
+            arch = WanArch.model_validate(merged)
+        return cls(path=path, layout=layout, arch=arch)
+
+    # ---- transformer -------------------------------------------------------------------
+    def transformer_files(self) -> list[Path]:
+        folder = {"runnerkit": self.path / "transformer", "original": self.path,
+                  "diffusers": self.path / "transformer"}[self.layout]
+        stem = "model" if self.layout == "runnerkit" else "diffusion_pytorch_model"
+        files = safetensors_files(folder, stem)
+        if not files:
+            raise CheckpointError(f"transformer: no {stem}*.safetensors in {folder}")
+        return files
+
+    def transformer_key_map(self, native_names: list[str]) -> dict[str, str]:
+        """native name -> name in the files (identity except for diffusers)."""
+        if self.layout != "diffusers":
+            return {n: n for n in native_names}
+        probe = {n: torch.empty(0) for n in native_names}
+        return dict(zip(native_names, tk.native_to_diffusers(probe).keys(), strict=True))
+
+    def transformer_state_dict(self) -> dict[str, torch.Tensor]:
+        sd = read_safetensors(self.transformer_files(), "transformer")
+        return tk.diffusers_to_native(sd) if self.layout == "diffusers" else sd
+
+    # ---- text encoder ------------------------------------------------------------------
+    def text_encoder_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.layout == "runnerkit":
+            return read_safetensors(safetensors_files(self.path / "text_encoder"), "text_encoder")
+        if self.layout == "original":
+            return read_pth(self.path / ORIGINAL_T5, "text_encoder")
+        files = safetensors_files(self.path / "text_encoder")
+        if not files:
+            raise CheckpointError(f"text_encoder: no .safetensors files in {self.path / 'text_encoder'}")
+        return te.hf_to_native(read_safetensors(files, "text_encoder"))
+
+    def tokenizer_path(self) -> Path:
+        return {"runnerkit": self.path / "tokenizer", "original": self.path / ORIGINAL_TOKENIZER,
+                "diffusers": self.path / "tokenizer"}[self.layout]
+
+    # ---- vae ---------------------------------------------------------------------------
+    def vae_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.layout == "runnerkit":
+            return read_safetensors(safetensors_files(self.path / "vae"), "vae")
+        if self.layout == "original":
+            return read_pth(self.path / ORIGINAL_VAE, "vae")
+        return vae_mod.diffusers_to_native(read_safetensors(safetensors_files(self.path / "vae"), "vae"))
+
+
+# ---- writing synthetic checkpoints ----------------------------------------------------------
+def _native_shapes(arch: WanArch) -> dict[str, dict[str, tuple[int, ...]]]:
+    """name -> shape of every tensor of the three networks, from meta-built skeletons (no memory)."""
+    nets = {
+        "transformer": build_on_meta(lambda: WanTransformer3D(arch.transformer)),
+        "text_encoder": build_on_meta(lambda: te.UMT5Encoder(arch.text_encoder)),
+        "vae": build_on_meta(lambda: vae_mod.WanVAE(arch.vae)),
+    }
+    return {c: {k: tuple(v.shape) for k, v in net.state_dict().items()} for c, net in nets.items()}
+
+
+def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path, stem: str, seed: int,
+                   dtype: torch.dtype, keep_fp32: Any) -> None:
+    """Generate tensors one by one and write safetensors shards of at most SHARD_BYTES (plus an index)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    plan: list[list[str]] = [[]]
+    for name, shape in shapes.items():  # plan first so the shard count is known for the names
+        nbytes = torch.Size(shape).numel() * (4 if keep_fp32(name) else torch.empty(0, dtype=dtype).element_size())
+        if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
+            plan.append([])
+            sizes.append(0)
+        plan[-1].append(name)
+        sizes[-1] += nbytes
+    n = len(plan)
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(plan):
+        fname = f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
+        shard = {name: synthetic_tensor(name, shapes[name], seed, torch.float32 if keep_fp32(name) else dtype)
+                 for name in names}
+        shard = rename(shard)
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(folder / fname))
+        weight_map.update({k: fname for k in shard})
+        del shard
+    if n > 1:
+        (folder / f"{stem}.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=1))
+    del shards
+
+
+def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, layout: Layout = "runnerkit") -> Path:
+    """Write deterministic random weights for `arch` to `out` in `layout` (atomically: tmp folder, then rename).
+
+    Values depend only on (tensor name, seed): every layout holds the same network. The transformer
+    is written shard by shard, so peak host memory is about one shard (SHARD_BYTES), not the model.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"`layout` must be one of {LAYOUTS} (got {layout!r})")
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shapes = _native_shapes(arch)
+    from runnerkit.models.wan.transformer import keep_fp32 as t_fp32
+
+    def ident(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return sd
+
+    def te_fp32(name: str) -> bool:
+        return te.keep_fp32(name)
+
+    def vae_all(name: str) -> bool:
+        return True  # the VAE is kept (and run) in float32, as the reference does
+
+    def one(component: str, fp32: Any) -> dict[str, torch.Tensor]:
+        return {k: synthetic_tensor(k, s, seed, torch.float32 if fp32(k) else dtype) for k, s in shapes[component].items()}
+
+    if layout == "runnerkit":
+        (tmp / "runnerkit.json").write_text(json.dumps(
+            {"format": "runnerkit", "version": 1, "family": "wan2.1", "synthetic_seed": seed,
+             "arch": arch.model_dump(mode="json")}, indent=1))
+        _write_sharded(shapes["transformer"], ident, tmp / "transformer", "model", seed, dtype, t_fp32)
+        _write_sharded(shapes["text_encoder"], ident, tmp / "text_encoder", "model", seed, dtype, te_fp32)
+        _write_sharded(shapes["vae"], ident, tmp / "vae", "model", seed, torch.float32, vae_all)
+        write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
+    elif layout == "original":
+        (tmp / "config.json").write_text(json.dumps(tk.arch_to_original_config(arch.transformer), indent=1))
+        _write_sharded(shapes["transformer"], ident, tmp, "diffusion_pytorch_model", seed, dtype, t_fp32)
+        torch.save(one("text_encoder", te_fp32), tmp / ORIGINAL_T5)
+        torch.save(one("vae", vae_all), tmp / ORIGINAL_VAE)
+        write_debug_tokenizer(tmp / ORIGINAL_TOKENIZER, arch.text_encoder.vocab_size)
+    else:
+        (tmp / "model_index.json").write_text(json.dumps({
+            "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+            "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
+            "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"]}, indent=1))
+        for sub, cfg in (("transformer", tk.arch_to_diffusers_config(arch.transformer)),
+                         ("text_encoder", te.arch_to_hf_config(arch.text_encoder)),
+                         ("vae", vae_mod.arch_to_diffusers_config(arch.vae))):
+            (tmp / sub).mkdir()
+            (tmp / sub / "config.json").write_text(json.dumps(cfg, indent=1))
+        _write_sharded(shapes["transformer"], tk.native_to_diffusers, tmp / "transformer", "diffusion_pytorch_model",
+                       seed, dtype, t_fp32)
+        _write_sharded(shapes["text_encoder"], te.native_to_hf, tmp / "text_encoder", "model", seed, dtype, te_fp32)
+        _write_sharded(shapes["vae"], vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", seed,
+                       torch.float32, vae_all)
+        write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    logger.warning("wrote a SYNTHETIC checkpoint of RANDOM weights (seed {}, {} layout) to {}: its output is noise",
+                   seed, layout, out)
+    return out
+
+
+__all__ = ["LAYOUTS", "WanCheckpoint", "detect_layout", "write_synthetic", "UMT5Arch", "WanTransformerArch", "WanVAEArch"]

@@ -1,0 +1,266 @@
+"""The scheduler contract: a scheduler owns one request's denoising state.
+
+A request drives a scheduler with a few verbs in one order (ARCHITECTURE §2):
+
+```
+scheduler.prepare(latent_shape, infer_steps, seed, device, dtype)   # noise, sigmas, timesteps
+for i in range(infer_steps):
+    latents, timestep = scheduler.step_pre(i)                       # model inputs of step i
+    noise_pred = ...                                                # the runner's model call(s), CFG
+    scheduler.step_post(noise_pred)                                 # update latents, advance
+video_latents = scheduler.latents                                   # [B, C, F, H, W] float32
+scheduler.clear()                                                   # back to the fresh state
+```
+
+The scheduler holds the latents, sigmas, timesteps, solver history and the request's CPU
+`torch.Generator`; the model output reaches it only as the argument of `step_post`, and it never
+holds the model. Warmup may jump straight to a later step with `set_step` (ARCHITECTURE §3).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar, TypeVar
+
+import torch
+from loguru import logger
+
+ArrayOrTensor = TypeVar("ArrayOrTensor")
+
+
+def shift_sigmas(sigmas: ArrayOrTensor, shift: float) -> ArrayOrTensor:
+    """Apply the SD3 time shift `sigma' = shift * sigma / (1 + (shift - 1) * sigma)`.
+
+    Source: Esser et al. 2024, "Scaling Rectified Flow Transformers for High-Resolution Image
+    Synthesis" (SD3), as Wan2.1 and diffusers use it for flow matching. `shift > 1` spends more
+    steps at high noise. Works on numpy arrays and tensors alike and keeps their dtype, so a
+    schedule can be reproduced in the same precision as the reference computes it.
+
+    Args:
+        sigmas: noise levels in [0, 1], any shape.
+        shift: the shift factor (> 0); 1 leaves the sigmas unchanged.
+
+    Returns:
+        The shifted sigmas, same shape, type and dtype.
+    """
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+class Scheduler(abc.ABC):
+    """Base of runnerkit's flow-matching schedulers; owns one request's denoising state.
+
+    Flow matching (Lipman et al. 2022; rectified flow, Liu et al. 2022) writes the noisy latents
+    at noise level `sigma` as `x = (1 - sigma) * x0 + sigma * noise`, and the model predicts the
+    velocity `v = noise - x0`. A scheduler integrates from `sigma ~ 1` down to `sigma = 0`.
+
+    Request state (all dropped by `clear()`):
+        latents: `[B, C, F, H, W]` float32 on the request's device, or None before `prepare`.
+        sigmas: `[infer_steps + 1]` float32 on the CPU (the last one is 0), or None.
+        timesteps: `[infer_steps]` on the request's device, as the model takes them, or None.
+        generator: the request's CPU `torch.Generator`, or None.
+        step_index: the step `step_pre`/`step_post` act on next (0 .. infer_steps).
+        infer_steps: number of denoising steps of the request (0 before `prepare`).
+        model_dtype: dtype `step_pre` returns the latents in, or None.
+        plus the solver history of subclasses that keep one (see `reset_history`).
+
+    Subclasses implement `_schedule` (sigmas and timesteps), `_update` (one step of the
+    solver) and `reset_history`, and declare `keeps_history`.
+    """
+
+    keeps_history: ClassVar[bool]
+    """True if the update at step i depends on earlier steps (multistep solvers). Warmup resets
+    such a scheduler between non-consecutive steps."""
+
+    def __init__(self, num_train_timesteps: int = 1000, shift: float = 5.0) -> None:
+        """Build a scheduler with no request state.
+
+        Args:
+            num_train_timesteps: timesteps of the training schedule (1000 for Wan2.1); the model's
+                timestep is `sigma * num_train_timesteps`.
+            shift: SD3 time shift of the sigmas (Wan2.1 uses 5.0 for 720p, 3.0 for 480p t2v).
+
+        Raises:
+            ValueError: `num_train_timesteps` < 1 or `shift` <= 0.
+        """
+        if not isinstance(num_train_timesteps, int) or num_train_timesteps < 1:
+            raise ValueError(f"`num_train_timesteps` must be an integer >= 1, got {num_train_timesteps!r}")
+        if not shift > 0:
+            raise ValueError(f"`shift` must be > 0, got {shift!r}")
+        self.num_train_timesteps = num_train_timesteps
+        self.shift = float(shift)
+        self._reset_request_state()
+
+    # ---------------------------------------------------------------- subclass hooks
+
+    @abc.abstractmethod
+    def _schedule(self, infer_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return `(sigmas [infer_steps + 1] float32, timesteps [infer_steps])`, both on the CPU."""
+
+    @abc.abstractmethod
+    def _update(self, velocity: torch.Tensor) -> torch.Tensor:
+        """Return the latents at `sigmas[step_index + 1]` from the float32 `velocity` of this step."""
+
+    @abc.abstractmethod
+    def reset_history(self) -> None:
+        """Drop the solver history only, keeping latents, sigmas, timesteps and the generator.
+
+        The next `step_post` then runs the solver's first-order update, as at the start of a
+        request. Warmup calls it (or `set_step`) before running a non-consecutive step.
+        """
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def prepare(
+        self,
+        latent_shape: tuple[int, ...],
+        infer_steps: int,
+        seed: int,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """Start a request: draw the initial noise and compute the sigmas and timesteps.
+
+        The noise is drawn in float32 on the CPU from `self.generator` and then moved to
+        `device`, so one seed gives the same noise on every device. If `self.generator` is None
+        it is created here as `torch.Generator("cpu").manual_seed(seed)`; if an encoder of the
+        same request already created it (and drew from it), it is reused as it is and `seed` is
+        not applied again, which keeps the request's order of random draws.
+
+        Args:
+            latent_shape: `(B, C, F, H, W)` of the latents (any rank >= 1; dim 0 is the batch).
+            infer_steps: number of denoising steps (>= 1).
+            seed: the request's seed, used only when `self.generator` is None.
+            device: device of the latents and timesteps.
+            dtype: the model's dtype; `step_pre` returns the latents in it. The latents
+                themselves stay float32 for the update math.
+
+        Raises:
+            ValueError: `infer_steps` < 1, a dim of `latent_shape` <= 0, or `dtype` not floating.
+        """
+        if not isinstance(infer_steps, int) or infer_steps < 1:
+            raise ValueError(f"`infer_steps` must be an integer >= 1, got {infer_steps!r}")
+        if len(latent_shape) == 0 or not all(isinstance(d, int) and d > 0 for d in latent_shape):
+            raise ValueError(f"`latent_shape` must be a non-empty tuple of integers > 0, got {latent_shape!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"`dtype` must be a floating-point dtype, got {dtype}")
+
+        generator = self.generator
+        self._reset_request_state()
+        if generator is None:
+            generator = torch.Generator("cpu").manual_seed(seed)
+        self.generator = generator
+
+        noise = torch.randn(tuple(latent_shape), generator=generator, dtype=torch.float32, device="cpu")
+        self.latents = noise.to(device=device)
+        sigmas, timesteps = self._schedule(infer_steps)
+        self.sigmas = sigmas
+        self.timesteps = timesteps.to(device=device)
+        self.infer_steps = infer_steps
+        self.model_dtype = dtype
+        logger.debug(
+            f"{type(self).__name__}.prepare: latents {tuple(latent_shape)}, {infer_steps} steps, "
+            f"shift {self.shift}, device {device}, model dtype {dtype}"
+        )
+
+    def step_pre(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the model inputs of step `i`.
+
+        Args:
+            i: the step to run; must equal `self.step_index` (steps run in order; use `set_step`
+                to jump).
+
+        Returns:
+            latents: `[B, C, F, H, W]` in the model dtype given to `prepare`. When that dtype is
+                float32 this is the scheduler's own tensor: treat it as read-only.
+            timestep: `[B]` on the latents' device, `timesteps[i]` repeated over the batch
+                (dtype per subclass: int64 for UniPC, float32 for Euler, as diffusers gives them).
+
+        Raises:
+            RuntimeError: `prepare` was not called.
+            ValueError: `i` is not the current step index, or every step is already done.
+        """
+        self._check_prepared("step_pre")
+        if self.step_index >= self.infer_steps:
+            raise ValueError(f"`i` = {i!r}: all {self.infer_steps} steps are done; call prepare() for a new request")
+        if i != self.step_index:
+            raise ValueError(
+                f"`i` must equal the current step index {self.step_index} (steps run in order; "
+                f"use set_step() to jump), got {i!r}"
+            )
+        batch = self.latents.shape[0]
+        return self.latents.to(self.model_dtype), self.timesteps[i].repeat(batch)
+
+    def step_post(self, noise_pred: torch.Tensor) -> None:
+        """Take the model output of the current step, update the latents and advance one step.
+
+        Args:
+            noise_pred: `[B, C, F, H, W]` flow velocity predicted at `sigmas[step_index]` (after
+                CFG), any floating dtype, on the latents' device; it is upcast to float32 and
+                not kept beyond what the solver history needs.
+
+        Raises:
+            RuntimeError: `prepare` was not called.
+            ValueError: every step is already done, or `noise_pred` has another shape.
+        """
+        self._check_prepared("step_post")
+        if self.step_index >= self.infer_steps:
+            raise ValueError(f"all {self.infer_steps} steps are done; step_post got one more `noise_pred`")
+        if noise_pred.shape != self.latents.shape:
+            raise ValueError(
+                f"`noise_pred` must have the latents' shape {tuple(self.latents.shape)}, got {tuple(noise_pred.shape)}"
+            )
+        self.latents = self._update(noise_pred.to(torch.float32))
+        self.step_index += 1
+
+    def set_step(self, i: int) -> None:
+        """Jump to step `i` (warmup runs a representative later step right after `prepare`).
+
+        Jumping to another step than the current one drops the solver history
+        (`reset_history`), so the next `step_post` is the solver's first-order update from
+        `sigmas[i]` to `sigmas[i + 1]`; for flow matching that is the Euler step
+        `latents + (sigmas[i + 1] - sigmas[i]) * noise_pred`. The latents are kept as they are
+        (warmup does not need them to match `sigmas[i]`). `set_step(step_index)` changes nothing.
+
+        Args:
+            i: the step to run next, 0 <= i < infer_steps.
+
+        Raises:
+            RuntimeError: `prepare` was not called.
+            ValueError: `i` is out of range.
+        """
+        self._check_prepared("set_step")
+        if not isinstance(i, int) or not 0 <= i < self.infer_steps:
+            raise ValueError(f"`i` must be an integer in [0, {self.infer_steps - 1}], got {i!r}")
+        if i != self.step_index:
+            self.reset_history()
+            self.step_index = i
+
+    def clear(self) -> None:
+        """Drop all request state (latents, sigmas, timesteps, history, generator, step index).
+
+        Afterwards the scheduler is exactly as freshly constructed (same attributes and values).
+        """
+        self._reset_request_state()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _reset_request_state(self) -> None:
+        # The one place the request state is defined, so `__init__` and `clear` agree exactly.
+        self.latents: torch.Tensor | None = None
+        self.sigmas: torch.Tensor | None = None
+        self.timesteps: torch.Tensor | None = None
+        self.generator: torch.Generator | None = None
+        self.step_index: int = 0
+        self.infer_steps: int = 0
+        self.model_dtype: torch.dtype | None = None
+        self.reset_history()
+
+    def _check_prepared(self, verb: str) -> None:
+        if self.latents is None:
+            raise RuntimeError(f"{type(self).__name__}.{verb}() called before prepare()")
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_train_timesteps={self.num_train_timesteps}, shift={self.shift}, "
+            f"step {self.step_index}/{self.infer_steps})"
+        )
