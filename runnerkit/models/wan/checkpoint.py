@@ -165,7 +165,6 @@ def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path
                    dtype: torch.dtype, keep_fp32: Any) -> None:
     """Generate tensors one by one and write safetensors shards of at most SHARD_BYTES (plus an index)."""
     folder.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
     plan: list[list[str]] = [[]]
     for name, shape in shapes.items():  # plan first so the shard count is known for the names
@@ -188,7 +187,6 @@ def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path
     if n > 1:
         (folder / f"{stem}.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=1))
-    del shards
 
 
 def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, layout: Layout = "runnerkit") -> Path:
@@ -244,7 +242,7 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
             (tmp / sub / "config.json").write_text(json.dumps(cfg, indent=1))
         _write_sharded(shapes["transformer"], tk.native_to_diffusers, tmp / "transformer", "diffusion_pytorch_model",
                        seed, dtype, t_fp32)
-        _write_sharded(shapes["text_encoder"], te.native_to_hf, tmp / "text_encoder", "model", seed, dtype, te_fp32)
+        _write_sharded(shapes["text_encoder"], lambda sd: te.native_to_hf(sd, embed_tokens_alias=False), tmp / "text_encoder", "model", seed, dtype, te_fp32)
         _write_sharded(shapes["vae"], vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", seed,
                        torch.float32, vae_all)
         write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)

@@ -157,9 +157,11 @@ class UMT5Encoder(nn.Module):
         if arch.dim_attn % arch.num_heads:
             raise ValueError(f"`dim_attn` ({arch.dim_attn}) must be divisible by `num_heads` ({arch.num_heads})")
         if arch.num_buckets < 4:
-            raise ValueError(f"`num_buckets` must be >= 4 (two directions, exact and log ranges), got {arch.num_buckets}")
+            raise ValueError(f"`num_buckets` must be >= 4 (two directions, each with exact and log buckets), "
+                             f"got {arch.num_buckets}")
         if arch.max_distance <= arch.num_buckets // 4:
-            raise ValueError(f"`max_distance` must be > num_buckets // 4 = {arch.num_buckets // 4}, got {arch.max_distance}")
+            raise ValueError(f"`max_distance` must be > num_buckets // 4 = {arch.num_buckets // 4}, "
+                             f"got {arch.max_distance}")
         self.arch = arch
         self.token_embedding = nn.Embedding(arch.vocab_size, arch.dim)
         self.blocks = nn.ModuleList([UMT5Block(arch) for _ in range(arch.num_layers)])

@@ -32,8 +32,8 @@ def clean_prompt(text: str) -> str:
     """Wan's `clean='whitespace'`: unescape HTML twice, strip, collapse whitespace runs to one space.
 
     Wan first runs `ftfy.fix_text` (mojibake and odd-unicode repair). runnerkit does not depend
-    on ftfy, so text that ftfy would change (e.g. mis-decoded UTF-8, curly quotes in broken
-    encodings) may tokenize differently from Wan; ordinary text is unaffected.
+    on ftfy, so text that ftfy would repair (mojibake such as mis-decoded UTF-8, stray control
+    or compatibility characters) may tokenize differently from Wan; ordinary text is unaffected.
     """
     text = html.unescape(html.unescape(text)).strip()
     return _WHITESPACE.sub(" ", text).strip()
@@ -120,7 +120,8 @@ def write_debug_tokenizer(path: Path, vocab_size: int) -> Path:
     Ids: `<pad>` 0, `</s>` 1, `<unk>` 2, then the printable ASCII characters from space (3) to
     `~` (97), cut to fit below `vocab_size`; any other character maps to `<unk>`. A
     post-processor appends `</s>`. The folder also gets a `tokenizer_config.json`, so
-    transformers' `AutoTokenizer` / `PreTrainedTokenizerFast` load it too.
+    transformers loads it too (`AutoTokenizer.from_pretrained(folder)`, or
+    `PreTrainedTokenizerFast(tokenizer_file=..., pad_token="<pad>")`).
 
     Returns:
         The path of the written tokenizer.json.

@@ -61,19 +61,25 @@ class WanVAE(nn.Module):
         return self._cache
 
     def clear_cache(self) -> None:
-        """Drop the feature cache (the frames carried between chunks)."""
-        self._cache = None
+        """Drop the feature cache (the frames carried between chunks) and free its tensors.
+
+        A `decode_iter` still in progress then raises RuntimeError at its next chunk.
+        """
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
 
     def _open_cache(self) -> FeatureCache:
-        self.clear_cache()
+        self.clear_cache()  # as the reference, every call starts from an empty cache
         self._cache = FeatureCache()
         return self._cache
 
     def _close_cache(self, cache: FeatureCache) -> None:
-        # Only drop our own cache: an abandoned `decode_iter` finalized late must not drop the
-        # cache of a newer call.
+        cache.close()
+        # Only forget our own cache: an abandoned `decode_iter` finalized late must not touch
+        # the cache of a newer call.
         if self._cache is cache:
-            self.clear_cache()
+            self._cache = None
 
     # ---- encode --------------------------------------------------------------------------
 
@@ -138,7 +144,8 @@ class WanVAE(nn.Module):
         """
         self._check_latents(latents)
         weight = self.conv2.weight
-        return torch.cat(list(self._decode_frames(latents.to(device=weight.device, dtype=weight.dtype))), dim=2)
+        z = latents.to(device=weight.device, dtype=weight.dtype)
+        return torch.cat(list(self._decode_frames(z, out_dtype=weight.dtype)), dim=2)
 
     def decode_iter(self, latents: Tensor) -> Iterator[Tensor]:
         """Decode normalized latents one latent frame at a time (Wan's `WanVAE.decode`).
@@ -158,8 +165,7 @@ class WanVAE(nn.Module):
         weight = self.conv2.weight
         mean, std = self._latent_stats(latents.device)
         z = latents.float() * std + mean  # [B, z, f, h, w]
-        frames = self._decode_frames(z.to(device=weight.device, dtype=weight.dtype))
-        return (chunk.float() for chunk in frames)
+        return self._decode_frames(z.to(device=weight.device, dtype=weight.dtype), out_dtype=torch.float32)
 
     def decode(self, latents: Tensor) -> Tensor:
         """Decode normalized latents to video: the concatenation of `decode_iter`.
@@ -176,13 +182,14 @@ class WanVAE(nn.Module):
         return torch.cat(list(self.decode_iter(latents)), dim=2)
 
     @torch.no_grad()
-    def _decode_frames(self, z: Tensor) -> Iterator[Tensor]:
+    def _decode_frames(self, z: Tensor, out_dtype: torch.dtype) -> Iterator[Tensor]:
+        """Un-normalized latents [B, z, f, h, w] -> one video chunk per latent frame, clamped."""
         cache = self._open_cache()
         try:
             x = self.conv2(z)  # [B, z, f, h, w]
             for i in range(x.shape[2]):
                 frames = self.decoder(x[:, :, i:i + 1], cache)  # [B, 3, 1 | 4, 8h, 8w]
-                yield frames.clamp_(-1.0, 1.0)
+                yield frames.clamp_(-1.0, 1.0).to(out_dtype)
         finally:
             self._close_cache(cache)
 

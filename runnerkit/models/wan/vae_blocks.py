@@ -26,19 +26,34 @@ class FeatureCache:
     """The tail frames each layer saw in the previous chunk (Wan's `feat_cache`).
 
     Keyed by the layer itself rather than by call order (the reference's `feat_idx` counter), so
-    a layer always reads back its own frames. One cache serves one encode or decode call.
+    a layer always reads back its own frames. One cache serves one encode or decode call; once
+    closed it frees its tensors and refuses further use, so a stale iterator fails loudly
+    instead of decoding without its history.
     """
 
     def __init__(self) -> None:
         self._frames: dict[nn.Module, Tensor] = {}
+        self._closed = False
 
     def get(self, layer: nn.Module) -> Tensor | None:
         """Frames `layer` stored during the previous chunk, or None in the first chunk."""
+        self._check_open()
         return self._frames.get(layer)
 
     def put(self, layer: nn.Module, frames: Tensor) -> None:
         """Store `frames` [B, C, T<=CACHE_T, H, W] for `layer`'s next chunk."""
+        self._check_open()
         self._frames[layer] = frames
+
+    def close(self) -> None:
+        """Free the stored frames; later `get`/`put` raise."""
+        self._frames.clear()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the VAE feature cache was cleared while an encode/decode was in progress "
+                               "(clear_cache(), or a newer encode/decode call)")
 
     def __len__(self) -> int:
         return len(self._frames)
@@ -149,7 +164,8 @@ class AttentionBlock(nn.Module):
         identity = x
         x = x.permute(0, 2, 1, 3, 4).reshape(B * T, C, H, W)  # [B*T, C, H, W]
         qkv = self.to_qkv(self.norm(x))  # [B*T, 3C, H, W]
-        qkv = qkv.reshape(B * T, 1, 3 * C, H * W).transpose(2, 3)  # [B*T, 1, H*W, 3C]
+        # Contiguous as in the reference: SDPA's bf16 result depends on the memory layout.
+        qkv = qkv.reshape(B * T, 1, 3 * C, H * W).transpose(2, 3).contiguous()  # [B*T, 1, H*W, 3C]
         q, k, v = qkv.chunk(3, dim=-1)  # [B*T, 1, H*W, C] each
         x = F.scaled_dot_product_attention(q, k, v)  # [B*T, 1, H*W, C]
         x = x.squeeze(1).transpose(1, 2).reshape(B * T, C, H, W)  # [B*T, C, H, W]
@@ -187,7 +203,7 @@ class Resample(nn.Module):
             self.time_conv = CausalConv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1), padding=0)
 
     def forward(self, x: Tensor, cache: FeatureCache) -> Tensor:
-        """[B, C, T, H, W] -> upsample: [B, C/2, T' , 2H, 2W]; downsample: [B, C, T', H/2, W/2].
+        """[B, C, T, H, W] -> upsample: [B, C/2, T', 2H, 2W]; downsample: [B, C, T', H/2, W/2].
 
         T' = T for the 2d modes and for the first chunk; 2T (upsample3d) or T/2 (downsample3d,
         T even) for later chunks.

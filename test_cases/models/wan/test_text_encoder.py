@@ -281,3 +281,10 @@ def test_encode_rejects_tokenizer_larger_than_vocab(tokenizer_file: Path) -> Non
     tokenizer = WanTokenizer.from_file(tokenizer_file)  # 3 specials + 95 characters
     with pytest.raises(ValueError, match="98 ids but the encoder embeds only 90"):
         WanTextEncoder(tokenizer, UMT5Encoder(ARCH.model_copy(update={"vocab_size": 90})))
+
+
+@pytest.mark.parametrize("update,field", [({"num_heads": 5}, "`dim_attn`"), ({"num_buckets": 2}, "`num_buckets`"),
+                                          ({"max_distance": 2}, "`max_distance`")])
+def test_encoder_rejects_unbuildable_arch(update: dict[str, int], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        UMT5Encoder(ARCH.model_copy(update=update))

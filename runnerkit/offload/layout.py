@@ -1,0 +1,199 @@
+"""Streamed units and their byte layouts; fp8 (e4m3) storage of streamed weights.
+
+A *unit* is what one forward hook streams: all streamed parameters of `blocks[i]` (mode
+"block") or of one phase `blocks[i].self_attn` / `.cross_attn` / `.ffn` (mode "phase").
+Its *layout* says where each tensor lives in the unit's contiguous bytes:
+
+    raw region (copied H2D, identical in the host slab and the device slot):
+        [tensor 0 stored bytes | pad to 256] [tensor 1 ...] ... [fp8 scales float32 [n] | pad]
+    compute region (device slot only, weight_dtype="fp8_e4m3"):
+        [tensor 0 in the compute dtype | pad] ...
+
+With weight_dtype="same" the stored dtype is the compute dtype and the modules read the raw
+region directly (no compute region).
+
+fp8 error: e4m3 keeps 3 mantissa bits, so each weight is rounded with a relative error of at
+most 2^-4 (6.25%) when |w| >= absmax * 2^-14 (normal range after scaling by absmax/448);
+smaller weights are subnormal (absolute step absmax/448 * 2^-9) or flush to zero. Upcasting is
+exact into bf16/fp16/fp32, then the scale multiplication rounds once in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from runnerkit.offload.pinned import align_up, plan_offsets
+
+StreamMode = Literal["block", "phase"]
+WeightDtype = Literal["same", "fp8_e4m3"]
+FP8_E4M3_MAX = 448.0
+"""Largest finite float8_e4m3fn value; the per-tensor scale is absmax / FP8_E4M3_MAX."""
+WAN_PHASES: tuple[str, ...] = ("self_attn", "cross_attn", "ffn")
+
+
+@dataclass(frozen=True)
+class StreamUnit:
+    """One streamed unit: the module whose forward hooks drive it and the parameters it streams.
+
+    Attributes:
+        module: dotted name of the hooked module, e.g. "blocks.3" or "blocks.3.ffn".
+        params: full dotted parameter names, e.g. ("blocks.3.ffn.0.weight", ...).
+    """
+
+    module: str
+    params: tuple[str, ...]
+
+
+def plan_units(model: nn.Module, mode: StreamMode, blocks_attr: str = "blocks",
+               phases: Sequence[str] = WAN_PHASES,
+               resident: Callable[[str], bool] = lambda name: False) -> list[StreamUnit]:
+    """The streamed units of `model`, in execution order.
+
+    Args:
+        model: network with `blocks_attr` an `nn.ModuleList` (may be on the meta device).
+        mode: "block": one unit per block, every parameter of the block except `resident`
+            ones; "phase": one unit per phase submodule of each block, in `phases` order.
+        blocks_attr: attribute name of the block list.
+        phases: phase submodule names, in the order block.forward calls them.
+        resident: full parameter name -> True when it stays on the device (small float32
+            tensors such as `modulation`, `norm3`, and every keep-float32 layer).
+
+    Raises:
+        ValueError: unknown `mode`, missing block list or phase submodule.
+    """
+    if mode not in ("block", "phase"):
+        raise ValueError(f"`mode` must be 'block' or 'phase', got {mode!r}")
+    blocks = getattr(model, blocks_attr, None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"`blocks_attr`={blocks_attr!r}: model {type(model).__name__} has no nn.ModuleList there")
+    units: list[StreamUnit] = []
+    for i, block in enumerate(blocks):
+        prefix = f"{blocks_attr}.{i}"
+        if mode == "block":
+            targets = [(prefix, block)]
+        else:
+            targets = []
+            for phase in phases:
+                sub = getattr(block, phase, None)
+                if not isinstance(sub, nn.Module):
+                    raise ValueError(f"`phases`: block {prefix} has no submodule {phase!r} (phases={list(phases)})")
+                targets.append((f"{prefix}.{phase}", sub))
+        for name, module in targets:
+            params = tuple(f"{name}.{n}" for n, _ in module.named_parameters() if not resident(f"{name}.{n}"))
+            if params:
+                units.append(StreamUnit(name, params))
+    return units
+
+
+def resident_names(model: nn.Module, units: Sequence[StreamUnit]) -> list[str]:
+    """Every parameter and persistent buffer name of `model` that no unit streams (load these yourself)."""
+    streamed = {p for u in units for p in u.params}
+    return [n for n in model.state_dict(keep_vars=True) if n not in streamed]
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """One tensor of a unit: its name, shape, dtypes and byte offsets.
+
+    Attributes:
+        name: full parameter name.
+        shape: tensor shape.
+        dtype: compute dtype (what the module sees).
+        stored_dtype: dtype of the bytes copied H2D (== dtype, or float8_e4m3fn).
+        offset: byte offset in the raw region.
+        nbytes: stored bytes.
+        compute_offset: byte offset in the compute region, None when stored == compute dtype.
+        scale_index: index into the unit's float32 scales, None without fp8.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stored_dtype: torch.dtype
+    offset: int
+    nbytes: int
+    compute_offset: int | None
+    scale_index: int | None
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """Byte layout of one unit (see module docstring). All sizes in bytes, exact."""
+
+    module: str
+    tensors: tuple[TensorPlacement, ...]
+    raw_nbytes: int
+    compute_nbytes: int
+    scales_offset: int | None
+
+    @property
+    def num_scales(self) -> int:
+        return sum(1 for t in self.tensors if t.scale_index is not None)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def plan_unit_layout(unit: StreamUnit, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype,
+                     weight_dtype: WeightDtype = "same") -> UnitLayout:
+    """Place `unit`'s tensors (shapes from `shapes`) in raw and compute regions.
+
+    Raises:
+        ValueError: unknown `weight_dtype`, or fp8 with a non-floating compute `dtype`.
+    """
+    if weight_dtype not in ("same", "fp8_e4m3"):
+        raise ValueError(f"`weight_dtype` must be 'same' or 'fp8_e4m3', got {weight_dtype!r}")
+    fp8 = weight_dtype == "fp8_e4m3"
+    if fp8 and not dtype.is_floating_point:
+        raise ValueError(f"`weight_dtype`='fp8_e4m3' needs a floating compute dtype, got {dtype}")
+    stored = torch.float8_e4m3fn if fp8 else dtype
+    stored_sizes = [_numel(shapes[n]) * _itemsize(stored) for n in unit.params]
+    raw_offsets, tensors_end = plan_offsets(stored_sizes)
+    scales_offset = tensors_end if fp8 else None
+    raw_nbytes = tensors_end + (align_up(4 * len(unit.params)) if fp8 else 0)
+    compute_offsets: list[int | None] = [None] * len(unit.params)
+    compute_nbytes = 0
+    if fp8:
+        offs, compute_nbytes = plan_offsets([_numel(shapes[n]) * _itemsize(dtype) for n in unit.params])
+        compute_offsets = list(offs)
+    tensors = tuple(
+        TensorPlacement(name=n, shape=tuple(int(d) for d in shapes[n]), dtype=dtype, stored_dtype=stored,
+                        offset=raw_offsets[i], nbytes=stored_sizes[i], compute_offset=compute_offsets[i],
+                        scale_index=i if fp8 else None)
+        for i, n in enumerate(unit.params))
+    return UnitLayout(unit.module, tensors, raw_nbytes, compute_nbytes, scales_offset)
+
+
+def quantize_fp8_e4m3(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor symmetric fp8 quantization.
+
+    Args:
+        weight: any floating tensor.
+
+    Returns:
+        (q float8_e4m3fn, same shape; scale float32 [1]) with weight ~= q.float() * scale,
+        scale = absmax / 448 (1.0 for an all-zero tensor).
+    """
+    w = weight.detach().to(torch.float32)
+    absmax = w.abs().amax() if w.numel() else torch.zeros(())
+    scale = torch.where(absmax > 0, absmax / FP8_E4M3_MAX, torch.ones_like(absmax)).reshape(1)
+    q = (w / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8_e4m3(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`q * scale` rounded once to `dtype`: bit-identical to what the streamer computes in a slot."""
+    return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)

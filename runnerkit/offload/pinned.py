@@ -1,0 +1,225 @@
+"""Host memory slabs for H2D weight copies: one contiguous buffer of exact size per use.
+
+A slab is obtained through a fallback chain (ARCHITECTURE §4):
+
+1. ``registered``: a plain anonymous mapping of exactly ``nbytes`` (page aligned, zero pages
+   until touched) page-locked with ``cudaHostRegister``. Preferred because PyTorch's pinned
+   allocator (``pin_memory=True``) rounds every block up to a power of two: a 9 GiB model
+   would lock 16 GiB.
+2. ``pinned``: ``torch.empty(nbytes, dtype=uint8, pin_memory=True)`` (the caching host
+   allocator; rounded up internally, but the tensor we expose still has exactly ``nbytes``).
+3. ``pageable``: ``torch.empty(nbytes, dtype=uint8)``. Used without CUDA, when
+   ``pin_memory=False``, when env ``RUNNERKIT_DISABLE_PINNED=1`` is set, or when both steps
+   above fail. Copies from pageable memory must be synchronous (see ``streams.py``).
+
+"Exact size": the buffer holds exactly the bytes asked for. Tensors packed into one slab are
+placed at offsets aligned to ``ALIGNMENT`` (256 bytes, enough for every dtype and for the
+128-byte vectorised loads of GPU kernels); each tensor occupies its size rounded up to the
+alignment, and the slab size is exactly the sum of those (no power-of-two rounding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from loguru import logger
+
+ALIGNMENT = 256
+"""Byte alignment of every tensor placed in a slab (and in a device slot)."""
+
+DISABLE_PINNED_ENV = "RUNNERKIT_DISABLE_PINNED"
+
+SlabKind = Literal["registered", "pinned", "pageable"]
+
+
+def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
+    """`nbytes` rounded up to a multiple of `alignment` (bytes)."""
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+def plan_offsets(sizes: Sequence[int], alignment: int = ALIGNMENT) -> tuple[list[int], int]:
+    """Pack tensors of `sizes` bytes back to back at `alignment`-aligned offsets.
+
+    Returns:
+        (offsets in bytes, total bytes); total == sum(align_up(s) for s in sizes), exactly.
+
+    Raises:
+        ValueError: a size is negative.
+    """
+    offsets: list[int] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if size < 0:
+            raise ValueError(f"`sizes[{i}]` must be >= 0 bytes, got {size}")
+        offsets.append(total)
+        total += align_up(size, alignment)
+    return offsets, total
+
+
+def pinning_disabled_by_env() -> bool:
+    """True when env `RUNNERKIT_DISABLE_PINNED` is set to 1/true/yes."""
+    return os.environ.get(DISABLE_PINNED_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def _cuda_ok(code: object) -> bool:
+    """True when a `torch.cuda.cudart()` call returned cudaSuccess (an enum or an int)."""
+    try:
+        return int(code) == 0  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return getattr(code, "value", code) == 0
+
+
+def _clear_cuda_last_error() -> None:
+    """Reset the CUDA runtime's per-thread 'last error' after a failed cudaHostRegister.
+
+    PyTorch checks `cudaGetLastError()` after each kernel launch, so a failed register left
+    unreported would surface later as a bogus launch error. `torch.cuda.cudart()` has no
+    `cudaGetLastError`, so call it in the libcudart the process already loaded.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {parts[-1] for parts in (line.split() for line in f)
+                     if len(parts) >= 6 and "libcudart" in os.path.basename(parts[-1])}
+        for path in sorted(paths):
+            ctypes.CDLL(path).cudaGetLastError()
+        if not paths:
+            logger.warning("cudaHostRegister failed and libcudart was not found to clear the error state")
+    except OSError as exc:  # no /proc (not Linux) or the library cannot be opened
+        logger.warning(f"could not clear the CUDA error state after a failed cudaHostRegister: {exc}")
+
+
+def _unregister(buffer: torch.Tensor) -> None:
+    """Finalizer of a registered slab: unlock the pages while `buffer` still owns them."""
+    try:
+        code = torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        if not _cuda_ok(code):
+            _clear_cuda_last_error()
+            logger.warning(f"cudaHostUnregister failed with {code} for a {buffer.numel()}-byte slab")
+    except Exception as exc:  # interpreter shutdown: CUDA may already be torn down
+        logger.debug(f"cudaHostUnregister skipped: {exc}")
+
+
+class HostSlab:
+    """One contiguous uint8 host buffer of exactly `nbytes` bytes, pinned where possible.
+
+    Attributes:
+        nbytes: size in bytes (exact, no rounding).
+        kind: "registered" | "pinned" | "pageable" (see module docstring), "pageable" after
+            `release()` of a registered slab.
+        buffer: uint8 tensor [nbytes] on the CPU.
+
+    Args:
+        nbytes: bytes to allocate (>= 0).
+        pin_memory: try page-locked memory (needs CUDA); False, or env
+            RUNNERKIT_DISABLE_PINNED=1, forces pageable memory.
+        label: name used in log lines (e.g. "blocks.3").
+
+    Raises:
+        ValueError: `nbytes` < 0.
+
+    Design source: diffusers group offloading (one pinned buffer per group) and LightX2V's
+    pinned CPU buffers, with cudaHostRegister first to avoid the allocator's rounding.
+    """
+
+    def __init__(self, nbytes: int, pin_memory: bool = True, label: str = "slab") -> None:
+        if nbytes < 0:
+            raise ValueError(f"`nbytes` must be >= 0, got {nbytes}")
+        self.nbytes = int(nbytes)
+        self.label = label
+        self._finalizer: weakref.finalize | None = None
+        want_pinned = pin_memory and not pinning_disabled_by_env() and torch.cuda.is_available() and nbytes > 0
+        self.kind: SlabKind = "pageable"
+        buffer = None
+        if want_pinned:
+            buffer = self._try_register(self.nbytes)
+            if buffer is not None:
+                self.kind = "registered"
+                self._finalizer = weakref.finalize(self, _unregister, buffer)
+            else:
+                buffer = self._try_pin(self.nbytes)
+                if buffer is not None:
+                    self.kind = "pinned"
+        if buffer is None:
+            buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.buffer: torch.Tensor | None = buffer
+        reason = "" if want_pinned or self.kind != "pageable" else (
+            " (pinning off: " + ("env " + DISABLE_PINNED_ENV if pinning_disabled_by_env()
+                                 else "no CUDA" if not torch.cuda.is_available() else "pin_memory=False") + ")")
+        logger.debug(f"host slab {label}: {self.nbytes / 2**30:.3f} GiB, {self.kind}{reason}")
+
+    @property
+    def is_pinned(self) -> bool:
+        """True when the buffer is page-locked (registered or pinned): async H2D copies are safe."""
+        return self.kind in ("registered", "pinned")
+
+    @staticmethod
+    def _try_register(nbytes: int) -> torch.Tensor | None:
+        """Anonymous mapping of exactly `nbytes`, page-locked with cudaHostRegister; None on failure."""
+        try:
+            region = mmap.mmap(-1, nbytes)
+            tensor = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+            code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        except Exception as exc:
+            logger.info(f"cudaHostRegister unavailable ({exc}); falling back to pin_memory")
+            return None
+        if not _cuda_ok(code):
+            _clear_cuda_last_error()
+            logger.info(f"cudaHostRegister of {nbytes} bytes returned {code}; falling back to pin_memory")
+            return None
+        return tensor
+
+    @staticmethod
+    def _try_pin(nbytes: int) -> torch.Tensor | None:
+        """torch's pinned (caching host) allocator; None on failure."""
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:
+            logger.info(f"pin_memory allocation of {nbytes} bytes failed ({exc}); using pageable memory")
+            return None
+
+    def view(self, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """A typed tensor of `shape` aliasing bytes [offset, offset + numel * itemsize).
+
+        Raises:
+            ValueError: the slab was released, `offset` is not a multiple of the dtype's item
+                size, or the range does not fit in the slab.
+        """
+        if self.buffer is None:
+            raise ValueError(f"host slab {self.label!r} was released; no views can be taken")
+        return typed_view(self.buffer, offset, dtype, shape)
+
+    def release(self) -> None:
+        """Unregister (registered kind) and drop the slab's own reference to the buffer.
+
+        Views handed out earlier keep the memory alive, as pageable memory for a registered
+        slab. Call only when no copy from the slab is in flight.
+        """
+        if self._finalizer is not None:
+            self._finalizer()  # unregisters once; a no-op if already called
+            self._finalizer = None
+            self.kind = "pageable"
+        self.buffer = None
+
+
+def typed_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """View bytes [offset, offset + nbytes) of a uint8 `buffer` [N] as `dtype` tensor `shape`.
+
+    Raises:
+        ValueError: misaligned `offset` or a range past the end of `buffer`.
+    """
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    nbytes = numel * itemsize
+    if offset % itemsize:
+        raise ValueError(f"`offset` {offset} is not a multiple of the {dtype} item size {itemsize}")
+    if offset < 0 or offset + nbytes > buffer.numel():
+        raise ValueError(f"`offset` {offset} + {nbytes} bytes does not fit in a {buffer.numel()}-byte buffer")
+    return buffer[offset:offset + nbytes].view(dtype).view(tuple(int(d) for d in shape))

@@ -1,0 +1,199 @@
+"""Host-side sources of streamed units: pinned host memory (`HostSource`) or the checkpoint files (`DiskSource`).
+
+A source hands the streamer, for unit j going to slot s, a uint8 CPU tensor [raw_nbytes]
+laid out as `layouts[j]` says; the streamer copies it H2D in one copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+from loguru import logger
+
+from runnerkit.offload.disk import SafetensorsDiskReader
+from runnerkit.offload.layout import (StreamUnit, UnitLayout, WeightDtype, plan_unit_layout,
+                                      quantize_fp8_e4m3)
+from runnerkit.offload.pinned import HostSlab
+from runnerkit.offload.streams import CopyEngine
+from runnerkit.weights import CheckpointError
+
+
+def _short(items: list[str], limit: int = 8) -> str:
+    return ", ".join(items[:limit]) + (f", ... (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+class UnitSource(Protocol):
+    """What the block streamer reads units from."""
+
+    layouts: list[UnitLayout]
+
+    @property
+    def pinned(self) -> bool:
+        """True when every buffer `fetch` returns is page-locked (valid after `bind`)."""
+
+    def bind(self, num_slots: int) -> None:
+        """Called once by the streamer with its number of device slots."""
+
+    def fetch(self, unit: int, slot: int, engine: CopyEngine) -> torch.Tensor:
+        """Host bytes of `unit` (uint8 [layouts[unit].raw_nbytes]) for a copy into `slot`."""
+
+    def close(self) -> None:
+        """Free host memory and file handles."""
+
+    def stats(self) -> dict[str, float]:
+        """Source-side counters (host bytes, disk reads)."""
+
+
+class HostSource:
+    """Streamed weights kept in host memory: one exact-size `HostSlab` per unit, filled once.
+
+    Args:
+        units: the streamed units (see `plan_units`).
+        tensors: full parameter name -> CPU tensor (model names); only the units' names are read,
+            cast to `dtype` (or quantized to fp8) while filling. The caller may drop it after.
+        dtype: compute dtype of the streamed weights.
+        weight_dtype: "same" (store in `dtype`) or "fp8_e4m3" (store fp8 + float32 scale per
+            tensor; upcast on the device before compute, see `layout.py` for the error).
+        pin_memory: page-locked slabs where possible (see `HostSlab`).
+
+    Raises:
+        CheckpointError: `tensors` lacks unit parameters.
+        ValueError: a streamed tensor is not floating point, or bad `weight_dtype`.
+    """
+
+    def __init__(self, units: Sequence[StreamUnit], tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                 weight_dtype: WeightDtype = "same", pin_memory: bool = True) -> None:
+        start = time.perf_counter()
+        missing = [n for u in units for n in u.params if n not in tensors]
+        if missing:
+            raise CheckpointError(f"host source: {len(missing)} streamed tensors missing: {_short(missing)}")
+        not_float = [n for u in units for n in u.params if not tensors[n].is_floating_point()]
+        if not_float:
+            raise ValueError(f"host source: streamed tensors must be floating point; got {_short(not_float)}")
+        self.weight_dtype = weight_dtype
+        self.layouts = [plan_unit_layout(u, {n: tensors[n].shape for n in u.params}, dtype, weight_dtype)
+                        for u in units]
+        self.slabs: list[HostSlab] = []
+        for layout in self.layouts:
+            slab = HostSlab(layout.raw_nbytes, pin_memory=pin_memory, label=layout.module)
+            scales = (slab.view(layout.scales_offset, torch.float32, (layout.num_scales,))
+                      if layout.scales_offset is not None else None)
+            for t in layout.tensors:
+                dst = slab.view(t.offset, t.stored_dtype, t.shape)
+                if t.scale_index is not None:
+                    q, scale = quantize_fp8_e4m3(tensors[t.name])
+                    dst.copy_(q)
+                    scales[t.scale_index] = scale[0]
+                else:
+                    dst.copy_(tensors[t.name])  # casts to the compute dtype
+            self.slabs.append(slab)
+        kinds = sorted({s.kind for s in self.slabs})
+        nbytes = sum(s.nbytes for s in self.slabs)
+        logger.info(f"host source: {len(self.slabs)} units, {nbytes / 2**30:.3f} GiB ({weight_dtype}, "
+                    f"{'/'.join(kinds)}) filled in {time.perf_counter() - start:.2f}s")
+
+    @property
+    def pinned(self) -> bool:
+        """True when every slab is page-locked."""
+        return bool(self.slabs) and all(s.is_pinned for s in self.slabs)
+
+    def bind(self, num_slots: int) -> None:
+        """Nothing to allocate: each unit has its own slab."""
+
+    def fetch(self, unit: int, slot: int, engine: CopyEngine) -> torch.Tensor:
+        """The unit's slab (read-only after filling, so no wait is needed)."""
+        buffer = self.slabs[unit].buffer
+        assert buffer is not None, f"host source closed; unit {unit} fetched"
+        return buffer
+
+    def close(self) -> None:
+        """Release every slab (call after all copies finished)."""
+        for slab in self.slabs:
+            slab.release()
+        self.slabs = []
+
+    def stats(self) -> dict[str, float]:
+        return {"host_bytes": float(sum(s.nbytes for s in self.slabs))}
+
+
+class DiskSource:
+    """Streamed weights read from the checkpoint's safetensors files at every fetch.
+
+    File bytes are streamed as they are: every streamed tensor's checkpoint dtype must equal
+    the compute dtype. Each device slot has one host staging slab (pinned where possible); a
+    staging slab is refilled only after its previous H2D copy has read it (host waits for
+    that single copy's event).
+
+    Args:
+        units: the streamed units (model parameter names).
+        reader: the checkpoint's `SafetensorsDiskReader` (its long-lived handles open at the
+            first fetch; `close()` closes them).
+        dtype: compute dtype of the streamed weights.
+        key_map: model name -> checkpoint name, for names that differ (default: identical).
+        weight_dtype: must be "same".
+        pin_memory: page-locked staging slabs where possible.
+
+    Raises:
+        NotImplementedError: `weight_dtype` is not "same", or a checkpoint dtype differs from `dtype`.
+        CheckpointError: tensors missing from the checkpoint.
+    """
+
+    def __init__(self, units: Sequence[StreamUnit], reader: SafetensorsDiskReader, dtype: torch.dtype,
+                 key_map: Mapping[str, str] | None = None, weight_dtype: WeightDtype = "same",
+                 pin_memory: bool = True) -> None:
+        if weight_dtype != "same":
+            raise NotImplementedError(f"`weight_dtype`={weight_dtype!r} with disk storage: the checkpoint's bytes "
+                                      "are streamed as they are; use storage 'cpu' for fp8 streaming")
+        key_map = dict(key_map or {})
+        self.reader = reader
+        self.pin_memory = pin_memory
+        self._ckpt_names = [[key_map.get(n, n) for n in u.params] for u in units]
+        missing = [c for names in self._ckpt_names for c in names if c not in reader.index]
+        if missing:
+            raise CheckpointError(f"disk source: {len(missing)} streamed tensors are not in the checkpoint: "
+                                  f"{_short(missing)}")
+        wrong = [f"{c} ({reader.index[c].dtype})" for names in self._ckpt_names for c in names
+                 if reader.index[c].dtype != dtype]
+        if wrong:
+            raise NotImplementedError(
+                f"disk storage streams file bytes as they are, so checkpoint dtypes must equal the compute dtype "
+                f"{dtype}; {len(wrong)} tensors differ: {_short(wrong)}. Write the checkpoint in {dtype}, "
+                "use storage 'cpu', or keep those tensors resident")
+        self.layouts = [plan_unit_layout(u, {n: reader.index[c].shape for n, c in zip(u.params, names)}, dtype)
+                        for u, names in zip(units, self._ckpt_names)]
+        self.staging: list[HostSlab] = []
+
+    @property
+    def pinned(self) -> bool:
+        """True when every staging slab is page-locked."""
+        return bool(self.staging) and all(s.is_pinned for s in self.staging)
+
+    def bind(self, num_slots: int) -> None:
+        """Allocate one staging slab per slot, of the largest unit's size."""
+        size = max(layout.raw_nbytes for layout in self.layouts)
+        self.staging = [HostSlab(size, pin_memory=self.pin_memory, label=f"staging{s}") for s in range(num_slots)]
+
+    def fetch(self, unit: int, slot: int, engine: CopyEngine) -> torch.Tensor:
+        """Read the unit's tensors from disk into the slot's staging slab."""
+        buffer = self.staging[slot].buffer
+        assert buffer is not None, f"disk source closed; unit {unit} fetched"
+        engine.wait_copy_host(slot)  # the slab's previous H2D copy must have read it
+        layout = self.layouts[unit]
+        for t, name in zip(layout.tensors, self._ckpt_names[unit]):
+            self.reader.read_into(name, buffer[t.offset:t.offset + t.nbytes])
+        return buffer[:layout.raw_nbytes]
+
+    def close(self) -> None:
+        """Close the reader's long-lived handles and release the staging slabs."""
+        self.reader.close()
+        for slab in self.staging:
+            slab.release()
+        self.staging = []
+
+    def stats(self) -> dict[str, float]:
+        s = self.reader.stats()
+        return {"disk_bytes_read": s["bytes_read"], "disk_seconds": s["seconds"], "disk_gb_per_s": s["gb_per_s"]}
+

@@ -1,0 +1,392 @@
+"""The launch script (`runnerkit.infer.main`, `python -m runnerkit`): determinism, batches, outputs,
+the profile report, and input validation (exit codes, messages, no tracebacks).
+
+Most cases run in-process through `main([...])` (loguru is re-added to `sys.stderr` inside `main`,
+so `capsys` sees its lines); cross-process determinism runs two real subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from loguru import logger
+from safetensors.torch import load_file, save_file
+
+from runnerkit import memory
+from runnerkit.infer import main
+from runnerkit.media import to_uint8_frames
+from test_cases.conftest import REPO, tiny_config_dict, write_config
+
+# The tiny config's default shape and steps (configs/wan/wan_t2v_tiny.json).
+H, W, F = 48, 80, 9
+STEPS = 4
+
+# Three requests of the batch tests: different prompts and seeds, the second with another shape.
+REQUESTS: list[dict[str, Any]] = [
+    {"prompt": "a red fox in the snow", "seed": 1},
+    {"prompt": "ocean waves at dusk", "seed": 2, "target_height": 32, "target_width": 32, "target_video_length": 5},
+    {"prompt": "a city at night", "seed": 3},
+]
+
+
+@pytest.fixture(autouse=True)
+def _restore_logger() -> Any:
+    """`main` binds loguru to the `sys.stderr` of its call (a capsys buffer here); rebind afterwards."""
+    yield
+    logger.remove()
+    logger.add(lambda message: sys.stderr.write(message), level="INFO")
+
+
+@pytest.fixture(autouse=True)
+def _no_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process warmups must not freeze the test process's gc (nor consume the once-per-process freeze)."""
+    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str]:
+    """Run `main` in-process; returns (exit status, everything it wrote to stderr)."""
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+def _flags(request: dict[str, Any]) -> list[str]:
+    out = []
+    for key, value in request.items():
+        out += [f"--{key}", str(value)]
+    return out
+
+
+def _video(path: Path) -> torch.Tensor:
+    tensors = load_file(str(path))
+    assert sorted(tensors) == ["video"], f"{path} keys {sorted(tensors)}"
+    return tensors["video"]
+
+
+def _assert_video(video: torch.Tensor, shape: tuple[int, int, int]) -> None:
+    h, w, f = shape
+    assert video.dtype == torch.float32
+    assert tuple(video.shape) == (3, f, h, w)
+    assert torch.isfinite(video).all()
+    assert video.min() >= -1.0 and video.max() <= 1.0
+    assert video.std() > 1e-3, "decoded video is constant"
+
+
+@pytest.fixture(scope="module")
+def config_path(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny config (CPU, 4 steps, 48x80x9) pointing at the session checkpoint."""
+    return write_config(tmp_path_factory.mktemp("cfg") / "tiny.json", tiny_config_dict(tiny_ckpt))
+
+
+@pytest.fixture(scope="module")
+def isolated(config_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    """Each of REQUESTS run alone: its own `main` call (a fresh runner) with the single-request flags."""
+    out_dir = tmp_path_factory.mktemp("isolated")
+    videos = []
+    for n, req in enumerate(REQUESTS):
+        path = out_dir / f"{n}.safetensors"
+        rc = main(["--config_json", str(config_path), *_flags(req), "--save_tensor_path", str(path)])
+        assert rc == 0, f"isolated request {n} exited {rc}"
+        videos.append(_video(path))
+    return videos
+
+
+def _write_requests(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+# ---- determinism ------------------------------------------------------------------------------
+def test_same_seed_bit_identical_across_processes(config_path: Path, isolated: list[torch.Tensor],
+                                                  tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    outs = [tmp_path / f"proc{i}.safetensors" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "runnerkit", "--config_json", str(config_path),
+                               *_flags(REQUESTS[0]), "--save_tensor_path", str(out)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for out in outs]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+    a, b = _video(outs[0]), _video(outs[1])
+    _assert_video(a, (H, W, F))
+    assert torch.equal(a, b)
+    # ... and equal to the same request served in-process (another process again).
+    assert torch.equal(a, isolated[0])
+
+
+def test_different_seeds_differ(config_path: Path, isolated: list[torch.Tensor], tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "seed5.safetensors"
+    rc, err = _cli(capsys, "--config_json", config_path, *_flags({**REQUESTS[0], "seed": 5}), "--save_tensor_path", out)
+    assert rc == 0, err
+    other = _video(out)
+    _assert_video(other, (H, W, F))
+    assert not torch.equal(other, isolated[0])
+    assert (other - isolated[0]).abs().mean() > 1e-3
+
+
+# ---- --requests batches ------------------------------------------------------------------------
+def test_requests_file_matches_isolated_runs(config_path: Path, isolated: list[torch.Tensor], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [{**req, "save_tensor_path": str(tmp_path / f"b{n}.safetensors")} for n, req in enumerate(REQUESTS)]
+    reqs = _write_requests(tmp_path / "reqs.jsonl", lines)
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
+    assert rc == 0, err
+    assert "Traceback" not in err
+    for n, req in enumerate(REQUESTS):
+        video = _video(tmp_path / f"b{n}.safetensors")
+        shape = (req.get("target_height", H), req.get("target_width", W), req.get("target_video_length", F))
+        _assert_video(video, shape)
+        assert torch.equal(video, isolated[n]), f"request {n} differs from its isolated run"
+
+
+def test_failed_request_mid_batch_is_reported_and_others_unaffected(
+        config_path: Path, isolated: list[torch.Tensor], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a regular file, not a folder")
+    paths = [tmp_path / "b0.safetensors", blocker / "b1.safetensors", tmp_path / "b2.safetensors"]
+    lines = [{**req, "save_tensor_path": str(p)} for req, p in zip(REQUESTS, paths, strict=True)]
+    reqs = _write_requests(tmp_path / "reqs.jsonl", lines)
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
+    assert rc == 1, err
+    assert "request 1 failed" in err
+    assert "request 0 failed" not in err and "request 2 failed" not in err
+    assert "1 of 3 requests failed: [1]" in err
+    assert "Traceback" not in err
+    assert blocker.read_text() == "a regular file, not a folder"
+    # The requests before and after the failure are exactly their isolated outputs.
+    assert torch.equal(_video(paths[0]), isolated[0])
+    assert torch.equal(_video(paths[2]), isolated[2])
+
+
+# ---- saved media ----------------------------------------------------------------------------------
+def test_save_result_mp4_png_and_sidecar(config_path: Path, tiny_ckpt: Path, isolated: list[torch.Tensor],
+                                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import imageio.v3 as iio
+    import imageio_ffmpeg
+
+    mp4, png = tmp_path / "sub" / "x.mp4", tmp_path / "y.png"
+    lines = [{**REQUESTS[0], "save_result_path": str(mp4)}, {**REQUESTS[0], "save_result_path": str(png)}]
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", _write_requests(tmp_path / "r.jsonl", lines))
+    assert rc == 0, err
+    expected = to_uint8_frames(isolated[0]).numpy()  # [F, H, W, 3] uint8
+
+    # mp4: playable, 9 frames of 80x48, close to the tensor (H.264 is lossy).
+    reader = imageio_ffmpeg.read_frames(str(mp4))
+    meta = next(reader)
+    assert tuple(meta["size"]) == (W, H)
+    frames = [bytes(f) for f in reader]
+    assert len(frames) == F
+    assert imageio_ffmpeg.count_frames_and_secs(str(mp4))[0] == F
+    first = torch.frombuffer(bytearray(frames[0]), dtype=torch.uint8).reshape(H, W, 3)
+    assert first.shape == (H, W, 3)
+    err_mean = (first.float() - torch.from_numpy(expected[0]).float()).abs().mean().item()
+    assert err_mean < 40, f"mp4 frame 0 far from the tensor (mean abs error {err_mean:.1f} of 255)"
+
+    # png: the first frame, lossless.
+    image = iio.imread(png)
+    assert image.shape == (H, W, 3) and image.dtype.name == "uint8"
+    assert (image == expected[0]).all()
+
+    # Sidecars: seed, prompt and the resolved config.
+    for media in (mp4, png):
+        side = json.loads(media.with_suffix(".json").read_text())
+        assert side["seed"] == REQUESTS[0]["seed"]
+        assert side["prompt"] == REQUESTS[0]["prompt"]
+        cfg = side["config"]
+        assert cfg["model_cls"] == "wan2.1" and cfg["infer_steps"] == STEPS
+        assert cfg["model_path"] == str(tiny_ckpt)
+        assert cfg["target_height"] == H and cfg["target_width"] == W and cfg["target_video_length"] == F
+        assert cfg["model"]["transformer"]["num_layers"] == 2  # resolved from the checkpoint
+
+
+# ---- profile report -------------------------------------------------------------------------------
+def _check_request_profile(entry: dict[str, Any], index: int, shape: list[int]) -> None:
+    assert entry["index"] == index
+    assert entry["shape"] == shape
+    assert entry["seconds"] > 0
+    stages = entry["stages"]
+    assert set(stages) == {"text_encoder", "image_encoder", "vae_encoder", "transformer", "vae_decoder", "save"}
+    for name in ("text_encoder", "transformer", "vae_decoder", "save"):
+        assert stages[name] > 0, f"stage {name} not timed"
+    assert stages["image_encoder"] == 0 and stages["vae_encoder"] == 0  # t2v has no image stages
+    assert sum(stages.values()) <= entry["seconds"] + 1e-6
+    assert len(entry["steps"]) == STEPS and all(s > 0 for s in entry["steps"])
+    assert sum(entry["steps"]) <= stages["transformer"] + 1e-6
+    assert set(entry["memory"]) == {"allocated_gib", "reserved_gib", "peak_allocated_gib"}
+    assert all(isinstance(v, (int, float)) for v in entry["memory"].values())
+    assert set(entry["audit"]) >= {"compilations", "recompilations", "reserved_growth_gib", "warmed_shape"}
+    assert entry["audit"]["compilations"] == 0 and entry["audit"]["recompilations"] == 0  # compile is off
+
+
+def test_profile_json_without_warmup(config_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [REQUESTS[0], REQUESTS[1]]
+    prof = tmp_path / "prof" / "p.json"
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", _write_requests(tmp_path / "r.jsonl", lines),
+                   "--profile_json", prof)
+    assert rc == 0, err
+    report = json.loads(prof.read_text())
+    assert report["warmup"] is None
+    assert len(report["requests"]) == 2
+    _check_request_profile(report["requests"][0], 0, [H, W, F])
+    _check_request_profile(report["requests"][1], 1, [32, 32, 5])
+    assert [r["audit"]["warmed_shape"] for r in report["requests"]] == [False, False]
+
+
+def test_profile_json_with_warmup_and_same_output(config_path: Path, isolated: list[torch.Tensor], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "w.safetensors"
+    prof = tmp_path / "p.json"
+    rc, err = _cli(capsys, "--config_json", config_path, *_flags(REQUESTS[0]), "--save_tensor_path", out,
+                   "--warmup", "--profile_json", prof)
+    assert rc == 0, err
+    report = json.loads(prof.read_text())
+    warm = report["warmup"]
+    assert warm is not None
+    assert set(warm) >= {"seconds", "shapes", "steps_per_shape", "memory_before", "memory_after"}
+    assert warm["shapes"] == [[32, 32, 5], [H, W, F]]
+    assert warm["steps_per_shape"] == [0]
+    assert warm["seconds"] > 0
+    [entry] = report["requests"]
+    _check_request_profile(entry, 0, [H, W, F])
+    assert entry["audit"]["warmed_shape"] is True
+    # Same seed => same output with or without warmup (bit-identical on the CPU).
+    assert torch.equal(_video(out), isolated[0])
+
+
+# ---- invalid input ---------------------------------------------------------------------------------
+def _assert_invalid(rc: int, err: str, *needles: str, code: int = 2) -> None:
+    assert rc == code, err
+    assert "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in:\n{err}"
+
+
+@pytest.mark.parametrize(("overrides", "needles"), [
+    ({"foo": 1}, ["foo", "Extra inputs are not permitted"]),
+    ({"infer_steps": "four"}, ["infer_steps", "valid integer", "'four'"]),
+    ({"infer_steps": 0}, ["infer_steps", "greater than or equal to 1", "got 0"]),
+    ({"offload": {"gpu_slots": 1}}, ["offload.gpu_slots", "greater than or equal to 2", "got 1"]),
+    ({"model_cls": "wan9"}, ["model_cls", "'wan9'", "wan2.1"]),
+    ({"task": "i2v"}, ["task", "'i2v'", "t2v"]),
+    ({"dtype": "fp64"}, ["dtype", "float32", "bfloat16", "'fp64'"]),
+], ids=["unknown_key", "wrong_type", "steps_0", "gpu_slots_1", "unknown_model_cls", "unknown_task", "bad_dtype"])
+def test_invalid_config_values(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                               overrides: dict[str, Any], needles: list[str]) -> None:
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, **overrides))
+    out = tmp_path / "o.safetensors"
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x", "--save_tensor_path", out)
+    _assert_invalid(rc, err, "invalid input", *needles)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("flags", "needles"), [
+    (["--target_video_length", "8"], ["target_video_length", "4n+1", "got 8"]),
+    (["--target_height", "40"], ["target_height", "multiple of 16", "got 40"]),
+    (["--target_width", "81"], ["target_width", "multiple of 16", "got 81"]),
+    (["--seed", "-1"], ["seed", "greater than or equal to 0"]),
+    (["--save_result_path", "x.gif"], ["save_result_path", ".mp4", ".png", "x.gif"]),
+    (["--save_tensor_path", "x.pt"], ["save_tensor_path", ".safetensors", "x.pt"]),
+], ids=["frames_8", "height_40", "width_81", "seed_neg", "media_suffix", "tensor_suffix"])
+def test_invalid_request_flags(config_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+                               needles: list[str]) -> None:
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", *flags)
+    _assert_invalid(rc, err, *needles)
+
+
+def test_missing_checkpoint_folder(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no_such_ckpt"
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, model_path=str(missing)))
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x")
+    _assert_invalid(rc, err, "load failed", str(missing), "does not exist", "synthetic_checkpoint")
+    assert not missing.exists()  # never written without synthetic_checkpoint
+
+
+def test_checkpoint_missing_tensor_is_named(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_ckpt, broken)
+    files = sorted((broken / "transformer").glob("*.safetensors"))
+    assert len(files) == 1, files  # the tiny transformer fits one shard
+    sd = load_file(str(files[0]))
+    dropped = "blocks.1.ffn.0.weight"
+    del sd[dropped]
+    save_file(sd, str(files[0]))
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(broken))
+    out = tmp_path / "o.safetensors"
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x", "--save_tensor_path", out)
+    _assert_invalid(rc, err, "load failed", "transformer", "missing keys (1)", dropped)
+    assert not out.exists()
+
+
+def test_unknown_model_cls_flag_is_rejected_by_argparse(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--config_json", str(config_path), "--model_cls", "wan9", "--prompt", "x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model_cls" in err and "'wan9'" in err and "wan2.1" in err
+    assert "Traceback" not in err
+
+
+def test_prompt_and_requests_are_exclusive(config_path: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    reqs = _write_requests(tmp_path / "r.jsonl", [{"prompt": "a"}])
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--requests", reqs)
+    _assert_invalid(rc, err, "--requests", "--prompt")
+
+
+def test_prompt_or_requests_required(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _cli(capsys, "--config_json", config_path)
+    _assert_invalid(rc, err, "--prompt", "--requests")
+
+
+def test_requests_line_with_unknown_key(config_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "first.safetensors"
+    reqs = _write_requests(tmp_path / "r.jsonl", [{"prompt": "a", "save_tensor_path": str(out)},
+                                                  {"prompt": "b", "bogus": 1}])
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
+    _assert_invalid(rc, err, "line 2", "bogus", "Extra inputs are not permitted")
+    assert not out.exists()  # every line is validated before anything runs
+
+
+def test_requests_line_with_bad_shape(config_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "first.safetensors"
+    reqs = _write_requests(tmp_path / "r.jsonl", [{"prompt": "a", "save_tensor_path": str(out)},
+                                                  {"prompt": "b", "target_video_length": 6}])
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
+    _assert_invalid(rc, err, "request 1", "target_video_length", "4n+1", "got 6")
+    assert not out.exists()
+
+
+def test_config_file_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.json"
+    rc, err = _cli(capsys, "--config_json", missing, "--prompt", "x")
+    _assert_invalid(rc, err, str(missing), "does not exist")
+
+
+def test_config_file_invalid_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model_cls": "wan2.1",')
+    rc, err = _cli(capsys, "--config_json", bad, "--prompt", "x")
+    _assert_invalid(rc, err, str(bad), "not valid JSON")
+
+
+# ---- warmup gate ---------------------------------------------------------------------------------
+def test_warmup_with_unload_modules_refused_before_any_request(tiny_ckpt: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, unload_modules=True))
+    out, prof = tmp_path / "o.safetensors", tmp_path / "p.json"
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x", "--save_tensor_path", out, "--warmup",
+                   "--profile_json", prof)
+    assert rc != 0
+    _assert_invalid(rc, err, "unload_modules", "NotImplementedError")
+    assert "step 1/" not in err  # no denoising step ran
+    assert not out.exists() and not prof.exists()

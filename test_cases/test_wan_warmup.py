@@ -1,0 +1,319 @@
+"""Warmup of the Wan2.1 text-to-video runner (ARCHITECTURE §3), on the tiny CPU config."""
+
+from __future__ import annotations
+
+import gc
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runnerkit import memory
+from runnerkit.config import RequestConfig, load_runner_config
+from runnerkit.models.wan.runner import WanT2VRunner
+from runnerkit.runners.base import error_phase
+from runnerkit.schedulers import SCHEDULERS
+from test_cases.conftest import tiny_config_dict
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_runner(ckpt: Path, cls: type[WanT2VRunner] = WanT2VRunner, **overrides: Any) -> WanT2VRunner:
+    return cls(load_runner_config(None, tiny_config_dict(ckpt, **overrides)))
+
+
+def scheduler_state(sched: Any) -> dict[str, Any]:
+    """The scheduler's attributes, tensors turned into comparable tuples."""
+    out = {}
+    for k, v in vars(sched).items():
+        out[k] = ("tensor", tuple(v.shape), v.dtype, v.flatten().tolist()) if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def assert_start_up_baseline(runner: WanT2VRunner) -> None:
+    fresh = SCHEDULERS[runner.config.scheduler](shift=runner.config.sample_shift)
+    assert scheduler_state(runner.scheduler) == scheduler_state(fresh)
+    assert runner.scheduler.generator is None
+    assert runner.input_info is None and runner.inputs is None
+    assert runner.transformer._rope_cache == {}
+    assert runner.vae.feature_cache is None
+
+
+@pytest.fixture(autouse=True)
+def _no_real_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count gc.freeze calls without freezing the test process; reset the once-flag."""
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "_frozen", False)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append(1))
+    return calls
+
+
+# ---- gates --------------------------------------------------------------------------------
+class UnlistedVariant(WanT2VRunner):
+    """A subclass that did not opt in: it must be refused even though its parent did."""
+
+
+class NoTaskVariant(WanT2VRunner):
+    WARMUP_TASKS = ("i2v",)
+    WARMUP_OFFLOAD_MODES = ("none",)
+    WARMUP_SHAPES = WanT2VRunner.WARMUP_SHAPES
+
+
+class NoOffloadModesVariant(WanT2VRunner):
+    WARMUP_TASKS = ("t2v",)
+    WARMUP_OFFLOAD_MODES: tuple[str, ...] = ()
+    WARMUP_SHAPES = WanT2VRunner.WARMUP_SHAPES
+
+
+@pytest.mark.parametrize(
+    ("cls", "overrides", "reason"),
+    [
+        (WanT2VRunner, {"unload_modules": True}, r"unload_modules"),
+        (UnlistedVariant, {}, r"UnlistedVariant has not opted in.*not inherited"),
+        (NoTaskVariant, {}, r"does not cover task 't2v'"),
+        (NoOffloadModesVariant, {}, r"does not support offload mode 'none'"),
+        (WanT2VRunner, {"model": {"transformer": {"dim": 32}}}, r"no shapes for this checkpoint's flavour None"),
+    ],
+)
+def test_gates_refuse_before_anything_runs(tiny_ckpt: Path, mocker: Any, cls: type, overrides: dict, reason: str) -> None:
+    runner = make_runner(tiny_ckpt, cls, warmup=True, **overrides)
+    load = mocker.spy(cls, "load_modules")
+    run_warmup = mocker.spy(cls, "run_warmup")
+    with pytest.raises(NotImplementedError, match=reason) as exc:
+        runner.init_modules()
+    assert error_phase(exc.value) == "load"  # refused before loading, so before any device work
+    assert load.call_count == 0 and run_warmup.call_count == 0
+    assert runner.transformer is None
+
+
+def test_gate_also_refuses_on_direct_warmup_call(tiny_ckpt: Path, mocker: Any) -> None:
+    runner = make_runner(tiny_ckpt, NoTaskVariant)
+    runner.init_modules()  # no --warmup: loads fine
+    object.__setattr__(runner, "_config", runner.config.model_copy(update={"warmup": True}))
+    spy = mocker.spy(NoTaskVariant, "run_warmup")
+    with pytest.raises(NotImplementedError, match="does not cover task"):
+        runner.warmup()
+    assert spy.call_count == 0
+
+
+def test_without_flag_warmup_is_a_no_op(tiny_ckpt: Path, mocker: Any) -> None:
+    runner = make_runner(tiny_ckpt)
+    spy = mocker.spy(WanT2VRunner, "run_warmup")
+    runner.init_modules()
+    assert spy.call_count == 0 and runner.profiler.warmup is None
+
+
+def test_shape_table_is_class_constant_and_covers_shipped_configs() -> None:
+    import json
+
+    table = WanT2VRunner.__dict__["WARMUP_SHAPES"]
+    for flavour, shapes in table.items():
+        assert len(shapes) == 2, flavour
+        (h0, w0, _), (h1, w1, _) = shapes
+        assert h0 == w0, f"{flavour}: first shape must be square"
+        assert h1 != w1, f"{flavour}: second shape must be non-square"
+        for h, w, f in shapes:
+            WanT2VRunner.validate_shape(h, w, f)
+    assert (480, 832, 81) in table["1.3B"]
+    shipped = {"wan_t2v_tiny.json": "debug", "wan_t2v_1.3b.json": "1.3B", "wan_t2v_14b.json": "14B"}
+    for name, flavour in shipped.items():
+        cfg = json.loads((REPO / "configs" / "wan" / name).read_text())
+        assert (cfg["target_height"], cfg["target_width"], cfg["target_video_length"]) in table[flavour], name
+
+
+# ---- the real path, in order ----------------------------------------------------------------
+def test_warmup_drives_real_path_in_order(tiny_ckpt: Path, mocker: Any) -> None:
+    runner = make_runner(tiny_ckpt, warmup=True)
+    calls: list[str] = []
+    orig_load = runner.load_modules
+
+    def load_and_instrument() -> None:
+        orig_load()
+        sched, model = runner.scheduler, runner.transformer
+        for name, obj, attr in [("prepare", sched, "prepare"), ("step_pre", sched, "step_pre"),
+                                ("step_post", sched, "step_post"), ("decode", runner.vae, "decode")]:
+            real = getattr(obj, attr)
+
+            def wrapper(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+                calls.append(_name)
+                return _real(*a, **k)
+
+            setattr(obj, attr, wrapper)
+        model.register_forward_pre_hook(lambda m, args: calls.append(f"infer{tuple(args[0].shape[2:])}"))
+
+    runner.load_modules = load_and_instrument  # type: ignore[method-assign]
+    run_pipeline = mocker.spy(WanT2VRunner, "run_pipeline")
+    save = mocker.spy(WanT2VRunner, "save_outputs")
+    real_encode = runner.run_text_encoder
+
+    def counting_encode(*a: Any, **k: Any) -> Any:
+        calls.append("encode")
+        return real_encode(*a, **k)
+
+    runner.run_text_encoder = counting_encode  # type: ignore[method-assign]
+    runner.init_modules()
+
+    (h0, w0, f0), (h1, w1, f1) = WanT2VRunner.WARMUP_SHAPES["debug"]
+    g0 = ((f0 - 1) // 4 + 1, h0 // 16, w0 // 16)
+    g1 = ((f1 - 1) // 4 + 1, h1 // 16, w1 // 16)
+    # latent grid seen by the model: [F', H/8, W/8] -> infer hook shows latent [F', H/8, W/8]
+    l0 = (g0[0], h0 // 8, w0 // 8)
+    l1 = (g1[0], h1 // 8, w1 // 8)
+    per_shape = lambda lat: ["prepare", "step_pre", f"infer{lat}", f"infer{lat}", "step_post", "decode"]  # noqa: E731
+    assert calls == ["encode", *per_shape(l0), *per_shape(l1)]  # text encoded once, cond + uncond each shape
+    assert run_pipeline.call_count == 0 and save.call_count == 0
+    assert runner.profiler.warmup["shapes"] == [[h0, w0, f0], [h1, w1, f1]]
+    assert runner.profiler.warmup["steps_per_shape"] == [0]
+    assert set(runner.profiler.warmup) == {"seconds", "shapes", "steps_per_shape", "memory_before", "memory_after"}
+
+
+def test_decoder_iterator_is_consumed_fully(tiny_ckpt: Path) -> None:
+    runner = make_runner(tiny_ckpt, warmup=True)
+    consumed: list[int] = []
+
+    class Chunks:
+        def __init__(self, video: torch.Tensor) -> None:
+            self.video = video
+
+        def __iter__(self) -> Any:
+            for i in range(self.video.shape[2]):
+                consumed.append(i)
+                yield self.video[:, :, i : i + 1]
+            consumed.append(-1)  # reached only if the iterator is exhausted
+
+    real = WanT2VRunner.run_vae_decoder
+    runner.run_vae_decoder = lambda latents: Chunks(real(runner, latents))  # type: ignore[method-assign]
+    runner.init_modules()
+    assert consumed.count(-1) == 2  # both shapes' decoders ran to the end
+
+
+def test_state_after_warmup_is_start_up_baseline(tiny_ckpt: Path, _no_real_gc_freeze: list[int]) -> None:
+    runner = make_runner(tiny_ckpt, warmup=True)
+    runner.init_modules()
+    assert_start_up_baseline(runner)
+    assert _no_real_gc_freeze == [1]  # eager path: frozen once
+    runner.warmup()  # second call: no-op
+    assert _no_real_gc_freeze == [1]
+
+
+def test_exception_in_decoder_leaves_clean_state_and_names_warmup(tiny_ckpt: Path) -> None:
+    runner = make_runner(tiny_ckpt, warmup=True)
+
+    def broken_decoder(latents: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("decoder exploded")
+
+    runner.run_vae_decoder = broken_decoder  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="decoder exploded") as exc:
+        runner.init_modules()
+    assert error_phase(exc.value) == "warmup"
+    assert any("warmup" in note for note in exc.value.__notes__)
+    assert_start_up_baseline(runner)
+
+
+# ---- isolation: same seed => same output, with or without warmup -------------------------------
+def _request(seed: int, **kw: Any) -> RequestConfig:
+    return RequestConfig(prompt=kw.pop("prompt", "a red fox in the snow"), seed=seed, **kw)
+
+
+def _video(runner: WanT2VRunner, request: RequestConfig, tmp_path: Path, name: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    out = tmp_path / f"{name}.safetensors"
+    runner.run_pipeline(request.model_copy(update={"save_tensor_path": str(out)}), 0)
+    return load_file(str(out))["video"]
+
+
+def test_same_seed_bit_identical_with_and_without_warmup(tiny_ckpt: Path, tmp_path: Path) -> None:
+    cold = make_runner(tiny_ckpt)
+    cold.init_modules()
+    warm = make_runner(tiny_ckpt, warmup=True)
+    warm.init_modules()
+    for i, shape in enumerate([(48, 80, 9), (32, 32, 5)]):  # both warmup shapes, default first
+        h, w, f = shape
+        req = _request(7 + i, target_height=h, target_width=w, target_video_length=f)
+        a = _video(cold, req, tmp_path, f"cold{i}")
+        b = _video(warm, req, tmp_path, f"warm{i}")
+        assert torch.equal(a, b)
+        assert warm.profiler.requests[-1].audit["warmed_shape"] is True
+
+
+def test_consecutive_requests_after_warmup_equal_isolated_runs(tiny_ckpt: Path, tmp_path: Path) -> None:
+    reqs = [_request(1), _request(2, prompt="a boat", target_height=32, target_width=32, target_video_length=5),
+            _request(3, negative_prompt="blurry")]
+    warm = make_runner(tiny_ckpt, warmup=True)
+    warm.init_modules()
+    served = [_video(warm, r, tmp_path, f"served{i}") for i, r in enumerate(reqs)]
+    assert_start_up_baseline(warm)
+    for i, r in enumerate(reqs):
+        fresh = make_runner(tiny_ckpt)
+        fresh.init_modules()
+        assert torch.equal(served[i], _video(fresh, r, tmp_path, f"iso{i}")), f"request {i}"
+    assert not torch.equal(served[0], served[2])
+
+
+def test_failed_request_is_cleaned_and_next_request_unaffected(tiny_ckpt: Path, tmp_path: Path) -> None:
+    runner = make_runner(tiny_ckpt, warmup=True)
+    runner.init_modules()
+    expected = _video(runner, _request(5), tmp_path, "ref")
+    real_step = runner.run_step
+    boom = {"armed": True}
+
+    def failing_step(latents: torch.Tensor, timestep: torch.Tensor, i: int) -> torch.Tensor:
+        if boom["armed"] and i == 2:
+            raise torch.cuda.OutOfMemoryError("simulated OOM")
+        return real_step(latents, timestep, i)
+
+    runner.run_step = failing_step  # type: ignore[method-assign]
+    with pytest.raises(torch.cuda.OutOfMemoryError) as exc:
+        runner.run_pipeline(_request(9), 3)
+    assert error_phase(exc.value) == "request 3"
+    assert any("allocated" in n and "reserved" in n for n in exc.value.__notes__)
+    assert_start_up_baseline(runner)
+    boom["armed"] = False
+    assert torch.equal(_video(runner, _request(5), tmp_path, "after"), expected)
+
+
+# ---- memory -----------------------------------------------------------------------------------
+def test_no_unconditional_empty_cache_in_package() -> None:
+    """Only memory.maybe_empty_cache may call torch.cuda.empty_cache (pressure-aware)."""
+    offenders = []
+    for path in (REPO / "runnerkit").rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\bempty_cache\(\)", line) and path.name != "memory.py":
+                offenders.append(f"{path.relative_to(REPO)}:{n}")
+    assert offenders == []
+
+
+def test_warmup_and_first_step_never_empty_cache(tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between warmup and the first formal transformer step, cache emptying only goes through
+    maybe_empty_cache, and with memory to spare it keeps the cache."""
+    decisions: list[tuple[str, bool]] = []
+    real = memory.maybe_empty_cache
+
+    def recording(device: torch.device, reason: str, *a: Any, **k: Any) -> bool:
+        acted = real(device, reason, *a, **k)
+        decisions.append((reason, acted))
+        return acted
+
+    monkeypatch.setattr(memory, "maybe_empty_cache", recording)
+    first_step: list[int] = []
+    runner = make_runner(tiny_ckpt, warmup=True)
+    runner.init_modules()
+    assert decisions == []  # nothing emptied (or even considered) between warmup and the request
+    real_step = runner.run_step
+    runner.run_step = lambda l, t, i: (first_step.append(len(decisions)), real_step(l, t, i))[1]  # type: ignore
+    runner.run_pipeline(_request(1), 0)
+    assert first_step[0] == 0 and decisions == [("end_run", False)]
+
+
+@pytest.mark.parametrize(("free", "reserved", "allocated", "expect"),
+                         [(40.0, 10.0, 9.0, False), (1.0, 10.0, 9.0, True), (40.0, 30.0, 5.0, True)])
+def test_maybe_empty_cache_acts_only_under_pressure(monkeypatch: pytest.MonkeyPatch, free: float, reserved: float,
+                                                    allocated: float, expect: bool) -> None:
+    emptied: list[int] = []
+    monkeypatch.setattr(memory, "snapshot", lambda d: memory.MemorySnapshot(allocated, reserved, allocated, free))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    acted = memory.maybe_empty_cache(torch.device("cuda"), "test", min_free_gib=2.0, min_reclaimable_gib=16.0)
+    assert acted is expect and emptied == ([1] if expect else [])
