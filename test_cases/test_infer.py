@@ -42,7 +42,7 @@ def _restore_logger() -> Any:
     """`main` binds loguru to the `sys.stderr` of its call (a capsys buffer here); rebind afterwards."""
     yield
     logger.remove()
-    logger.add(lambda message: sys.stderr.write(message), level="INFO")
+    logger.add(lambda message: sys.stderr.write(message), level="DEBUG")  # loguru's default level
 
 
 @pytest.fixture(autouse=True)
@@ -190,7 +190,7 @@ def test_save_result_mp4_png_and_sidecar(config_path: Path, tiny_ckpt: Path, iso
     first = torch.frombuffer(bytearray(frames[0]), dtype=torch.uint8).reshape(H, W, 3)
     assert first.shape == (H, W, 3)
     err_mean = (first.float() - torch.from_numpy(expected[0]).float()).abs().mean().item()
-    assert err_mean < 40, f"mp4 frame 0 far from the tensor (mean abs error {err_mean:.1f} of 255)"
+    assert err_mean < 25, f"mp4 frame 0 far from the tensor (mean abs error {err_mean:.1f} of 255)"
 
     # png: the first frame, lossless.
     image = iio.imread(png)

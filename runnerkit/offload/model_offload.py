@@ -75,10 +75,15 @@ class ModelOffloader:
 
     @staticmethod
     def _rebind(module: nn.Module, leaf: str, is_param: bool, tensor: torch.Tensor) -> None:
-        if is_param:
-            module._parameters[leaf].data = tensor
-        else:
+        """Point a parameter (same Parameter object: compile guards keep holding) or buffer at `tensor`."""
+        if not is_param:
             module._buffers[leaf] = tensor
+            return
+        param = module._parameters[leaf]
+        try:
+            param.data = tensor  # CPU <-> CUDA: compatible tensor types
+        except RuntimeError:  # e.g. the meta device: swap the whole tensor, identity kept
+            torch.utils.swap_tensors(param, nn.Parameter(tensor, requires_grad=param.requires_grad))
 
     def resident(self) -> set[str]:
         """Names of the modules currently on the device (inside an `on_device` block)."""

@@ -114,8 +114,7 @@ def build_streamed(sd: dict[str, torch.Tensor], mode: Literal["block", "phase"],
         reader = reader or SafetensorsDiskReader(files, reader=storage)
         resident_sd = reader.load_tensors(resident)  # closed before any block fetch
         source = DiskSource(units, reader, dtype, pin_memory=pin_memory)
-    resident_sd = {k: v.to(device=device, dtype=torch.float32 if is_resident(k) else dtype)
-                   for k, v in resident_sd.items()}
+    resident_sd = {k: v.to(device=device, dtype=dtype) for k, v in resident_sd.items()}
     model.load_state_dict(resident_sd, strict=False, assign=True)
     streamer = BlockStreamer(model, units, source, device, gpu_slots=gpu_slots,
                              prefetch_depth=prefetch_depth, copy_engine=engine)

@@ -1,0 +1,167 @@
+"""SafetensorsDiskReader: header-only planning, one handle per file, lazy long-lived handles."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from runnerkit.offload import SafetensorsDiskReader
+from runnerkit.weights import CheckpointError
+from test_cases.offload._toy import build_streamed, make_reference, state_dict_of, write_checkpoint
+
+
+@pytest.fixture()
+def sd() -> dict[str, torch.Tensor]:
+    return state_dict_of(make_reference(seed=3))
+
+
+@pytest.fixture()
+def files(tmp_path, sd) -> list[Path]:
+    return write_checkpoint(sd, tmp_path, split_block=1)
+
+
+@pytest.fixture()
+def handle_log(monkeypatch) -> list[tuple[str, str]]:
+    """Every open/close of a reader handle, in order: ("open"|"close", file name)."""
+    log: list[tuple[str, str]] = []
+    orig_open, orig_close = SafetensorsDiskReader._open, SafetensorsDiskReader._close
+
+    def _open(self, path):
+        handle = orig_open(self, path)
+        log.append(("open", path.name))
+        return handle
+
+    def _close(self, handle):
+        log.append(("close", handle.path.name))
+        orig_close(self, handle)
+
+    monkeypatch.setattr(SafetensorsDiskReader, "_open", _open)
+    monkeypatch.setattr(SafetensorsDiskReader, "_close", _close)
+    return log
+
+
+def _max_open(log: list[tuple[str, str]]) -> dict[str, int]:
+    count: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    for kind, name in log:
+        count[name] = count.get(name, 0) + (1 if kind == "open" else -1)
+        assert count[name] >= 0, f"{name} closed more often than opened"
+        peak[name] = max(peak.get(name, 0), count[name])
+    return peak
+
+
+@pytest.mark.parametrize("reader", ["mmap", "pread"])
+@pytest.mark.parametrize("mode", ["block", "phase"])
+def test_one_handle_per_file_and_lazy_long_lived(sd, files, handle_log, reader, mode):
+    reader_obj = SafetensorsDiskReader(files, reader=reader)
+    blocks1 = {reader_obj.index[k].path.name for k in sd if k.startswith("blocks.1.")}
+    assert len(blocks1) == 2, "block 1 must be split over the two shards"
+    assert handle_log == [("open", files[0].name), ("close", files[0].name),
+                          ("open", files[1].name), ("close", files[1].name)]  # index: short-lived handles
+
+    model, streamer = build_streamed(sd, mode, reader, 2, 1, reader=reader_obj)
+    built = len(handle_log)
+    # non-block weights (embed, head, modulation, norm3) were read with short-lived handles, already closed
+    assert handle_log[4:] == [("open", files[0].name), ("close", files[0].name),
+                              ("open", files[1].name), ("close", files[1].name)]
+    assert reader_obj.open_handles() == {}  # long-lived handles are not opened at construction
+
+    x = torch.randn(1, 3, 8)
+    with torch.no_grad():
+        model(x)
+        model(x)
+    first_block_fetch = handle_log[built:]
+    assert sorted(first_block_fetch) == [("open", files[0].name), ("open", files[1].name)]  # once each, kept open
+    assert reader_obj.open_handles() == {files[0]: 1, files[1]: 1}
+
+    again = reader_obj.load_tensors(["embed.weight", "head.bias"])  # reuses the long-lived handles
+    assert torch.equal(again["embed.weight"], sd["embed.weight"]) and torch.equal(again["head.bias"], sd["head.bias"])
+    assert len(handle_log) == built + 2
+    streamer.close()
+    assert reader_obj.open_handles() == {}
+    assert max(_max_open(handle_log).values()) == 1
+
+
+def test_second_handle_on_a_file_is_refused(files):
+    reader = SafetensorsDiskReader(files, reader="pread")
+    handle = reader._open(files[0])
+    with pytest.raises(AssertionError, match="second handle"):
+        reader._open(files[0])
+    reader._close(handle)
+
+
+def test_planning_reads_headers_only(files, monkeypatch, mocker):
+    reads: list[tuple[int, int, int]] = []
+    orig_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: reads.append((fd, n, offset)) or orig_pread(fd, n, offset))
+    spy = mocker.spy(SafetensorsDiskReader, "_read")
+    reader = SafetensorsDiskReader(files, reader="mmap")
+    assert spy.call_count == 0 and reader.bytes_read == 0
+    header_ends = []
+    for path in files:
+        with open(path, "rb") as f:
+            header_ends.append(8 + struct.unpack("<Q", f.read(8))[0])
+    assert reader.header_bytes_read == sum(header_ends)
+    assert len(reads) == 4  # length prefix + JSON header, per file
+    assert all(offset + n <= max(header_ends) for _, n, offset in reads)
+    assert [n for _, n, _ in reads] == [8, header_ends[0] - 8, 8, header_ends[1] - 8]
+    e = reader.index["blocks.1.ffn.fc1.weight"]
+    assert (e.dtype, e.shape, e.nbytes) == (torch.float32, (32, 16), 32 * 16 * 4)
+
+
+def test_mmap_tensors_are_cloned_out_of_the_mapping(sd, files):
+    reader = SafetensorsDiskReader(files, reader="mmap")
+    dst = torch.empty(reader.index["blocks.0.ffn.fc2.weight"].nbytes, dtype=torch.uint8)
+    reader.read_into("blocks.0.ffn.fc2.weight", dst)
+    loaded = reader.load_tensors(["blocks.2.self_attn.q.weight"])
+    reader.close()  # unmapping would raise BufferError if anything still aliased the mapping
+    assert torch.equal(dst.view(torch.float32).view(16, 32), sd["blocks.0.ffn.fc2.weight"])
+    assert torch.equal(loaded["blocks.2.self_attn.q.weight"], sd["blocks.2.self_attn.q.weight"])
+
+
+def test_pread_drops_the_page_cache(sd, files, monkeypatch):
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    reader = SafetensorsDiskReader(files, reader="pread")
+    e = reader.index["blocks.3.ffn.fc1.bias"]
+    dst = torch.empty(e.nbytes, dtype=torch.uint8)
+    reader.read_into(e.name, dst)
+    assert calls == [(e.offset, e.nbytes, os.POSIX_FADV_DONTNEED)]
+    assert torch.equal(dst.view(torch.float32), sd[e.name])
+    assert reader.stats()["bytes_read"] == e.nbytes
+    reader.close()
+    no_drop = SafetensorsDiskReader(files, reader="pread", drop_page_cache=False)
+    no_drop.read_into(e.name, dst)
+    assert len(calls) == 1
+    no_drop.close()
+
+
+def _write_raw(path: Path, header: dict | bytes, data: bytes = b"") -> Path:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def test_malformed_checkpoints_raise(tmp_path, files):
+    with pytest.raises(ValueError, match="`reader` must be 'mmap' or 'pread', got 'aio'"):
+        SafetensorsDiskReader(files, reader="aio")  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match="does not exist"):
+        SafetensorsDiskReader([tmp_path / "missing.safetensors"])
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        SafetensorsDiskReader([_write_raw(tmp_path / "a.safetensors", b"{not json")])
+    bad_range = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}
+    with pytest.raises(CheckpointError, match=r"byte range \[0, 12\) does not hold"):
+        SafetensorsDiskReader([_write_raw(tmp_path / "b.safetensors", bad_range, bytes(16))])
+    with pytest.raises(CheckpointError, match="dtype 'F7'"):
+        SafetensorsDiskReader([_write_raw(tmp_path / "c.safetensors", {"w": {"dtype": "F7", "shape": [1],
+                                                                                "data_offsets": [0, 4]}}, bytes(4))])
+    with pytest.raises(CheckpointError, match="appears in"):
+        SafetensorsDiskReader([files[0], files[0]])
+    reader = SafetensorsDiskReader(files)
+    with pytest.raises(CheckpointError, match="2 tensors are not in the checkpoint: nope, nada"):
+        reader.load_tensors(["embed.weight", "nope", "nada"])
