@@ -43,6 +43,9 @@ from runnerkit.offload.streams import CopyEngine, make_copy_engine
 from runnerkit.weights import CheckpointError
 
 
+# The hooks move bytes and mutate Python state: never traced by torch.compile (a graph break at
+# each unit boundary; compile the units' own forwards).
+@torch.compiler.disable
 def _pre_hook(ref: weakref.ref, unit: int, module: nn.Module, args: Any) -> None:
     streamer = ref()
     if streamer is None:
@@ -50,6 +53,7 @@ def _pre_hook(ref: weakref.ref, unit: int, module: nn.Module, args: Any) -> None
     streamer._before(unit)
 
 
+@torch.compiler.disable
 def _post_hook(ref: weakref.ref, unit: int, module: nn.Module, args: Any, output: Any) -> None:
     streamer = ref()
     if streamer is None:
@@ -238,8 +242,10 @@ class BlockStreamer:
         Waits (host) for the copy stream and for each slot's last marked compute; call it
         between requests and after warmup, never inside a forward.
         """
+        start = time.perf_counter()
         self.engine.reset()
         self._clear_state()
+        logger.debug(f"block streamer reset to the request boundary in {time.perf_counter() - start:.4f}s")
 
     def state(self) -> dict[str, Any]:
         """{"next_prefetch": int, "issued": [units issued, not yet computed], "in_flight": int,

@@ -35,7 +35,8 @@ def fake_cuda(monkeypatch):
     return pins, clears
 
 
-def test_exact_size_pageable_without_cuda():
+def test_exact_size_pageable_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     slab = HostSlab(1000, pin_memory=True)
     assert slab.buffer.numel() == 1000 and slab.buffer.dtype == torch.uint8
     assert slab.kind == "pageable" and not slab.is_pinned

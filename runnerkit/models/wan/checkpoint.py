@@ -119,8 +119,9 @@ class WanCheckpoint:
         """native name -> name in the files (identity except for diffusers)."""
         if self.layout != "diffusers":
             return {n: n for n in native_names}
-        probe = {n: torch.empty(0) for n in native_names}
-        return dict(zip(native_names, tk.native_to_diffusers(probe).keys(), strict=True))
+        probes = {n: torch.empty(0) for n in native_names}  # distinct objects: match names by identity
+        renamed = {id(v): k for k, v in tk.native_to_diffusers(probes).items()}
+        return {n: renamed[id(v)] for n, v in probes.items()}
 
     def transformer_state_dict(self) -> dict[str, torch.Tensor]:
         sd = read_safetensors(self.transformer_files(), "transformer")
@@ -175,12 +176,16 @@ def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path
         plan[-1].append(name)
         sizes[-1] += nbytes
     n = len(plan)
+    # Renames can depend on the whole key set (e.g. the VAE's decoder grouping): map all names once.
+    probes = {k: torch.empty(0) for k in shapes}  # distinct objects: map old -> new names by identity
+    renamed = {id(v): k for k, v in rename(probes).items()}
+    file_name = {k: renamed[id(v)] for k, v in probes.items()}
     weight_map: dict[str, str] = {}
-    for i, names in enumerate(plan):
+    for i, shard_names in enumerate(plan):
         fname = f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
         shard = {name: synthetic_tensor(name, shapes[name], seed, torch.float32 if keep_fp32(name) else dtype)
-                 for name in names}
-        shard = rename(shard)
+                 for name in shard_names}
+        shard = {file_name[k]: v for k, v in shard.items()}
         save_file({k: v.contiguous() for k, v in shard.items()}, str(folder / fname))
         weight_map.update({k: fname for k in shard})
         del shard
