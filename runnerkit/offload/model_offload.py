@@ -50,8 +50,10 @@ class ModelOffloader:
         if self.device.type == "cpu":
             return
         for name, module in self.modules.items():
-            tensors = [(m, leaf, True, t) for m in module.modules() for leaf, t in m._parameters.items() if t is not None]
-            tensors += [(m, leaf, False, t) for m in module.modules() for leaf, t in m._buffers.items() if t is not None]
+            tensors = [(m, leaf, True, t) for m in module.modules()
+                       for leaf, t in m._parameters.items() if t is not None]
+            tensors += [(m, leaf, False, t) for m in module.modules()
+                        for leaf, t in m._buffers.items() if t is not None]
             bad = [f"{leaf} ({t.device})" for _, leaf, _, t in tensors if t.device.type != "cpu"]
             if bad:
                 raise ValueError(f"`modules[{name!r}]`: tensors must be on the CPU before model offload, got {bad[:4]}")

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from pytest_mock import MockerFixture
 
 from runnerkit.offload import SafetensorsDiskReader
+from runnerkit.offload.disk import _Handle
 from runnerkit.weights import CheckpointError
 from test_cases.offload._toy import build_streamed, make_reference, state_dict_of, write_checkpoint
 
@@ -21,22 +23,22 @@ def sd() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture()
-def files(tmp_path, sd) -> list[Path]:
+def files(tmp_path: Path, sd: dict[str, torch.Tensor]) -> list[Path]:
     return write_checkpoint(sd, tmp_path, split_block=1)
 
 
 @pytest.fixture()
-def handle_log(monkeypatch) -> list[tuple[str, str]]:
+def handle_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """Every open/close of a reader handle, in order: ("open"|"close", file name)."""
     log: list[tuple[str, str]] = []
     orig_open, orig_close = SafetensorsDiskReader._open, SafetensorsDiskReader._close
 
-    def _open(self, path):
+    def _open(self: SafetensorsDiskReader, path: Path) -> _Handle:
         handle = orig_open(self, path)
         log.append(("open", path.name))
         return handle
 
-    def _close(self, handle):
+    def _close(self: SafetensorsDiskReader, handle: _Handle) -> None:
         log.append(("close", handle.path.name))
         orig_close(self, handle)
 
@@ -57,7 +59,8 @@ def _max_open(log: list[tuple[str, str]]) -> dict[str, int]:
 
 @pytest.mark.parametrize("reader", ["mmap", "pread"])
 @pytest.mark.parametrize("mode", ["block", "phase"])
-def test_one_handle_per_file_and_lazy_long_lived(sd, files, handle_log, reader, mode):
+def test_one_handle_per_file_and_lazy_long_lived(sd: dict[str, torch.Tensor], files: list[Path],
+                                                 handle_log: list[tuple[str, str]], reader: str, mode: str) -> None:
     reader_obj = SafetensorsDiskReader(files, reader=reader)
     blocks1 = {reader_obj.index[k].path.name for k in sd if k.startswith("blocks.1.")}
     assert len(blocks1) == 2, "block 1 must be split over the two shards"
@@ -87,7 +90,7 @@ def test_one_handle_per_file_and_lazy_long_lived(sd, files, handle_log, reader, 
     assert max(_max_open(handle_log).values()) == 1
 
 
-def test_second_handle_on_a_file_is_refused(files):
+def test_second_handle_on_a_file_is_refused(files: list[Path]) -> None:
     reader = SafetensorsDiskReader(files, reader="pread")
     handle = reader._open(files[0])
     with pytest.raises(AssertionError, match="second handle"):
@@ -95,7 +98,7 @@ def test_second_handle_on_a_file_is_refused(files):
     reader._close(handle)
 
 
-def test_planning_reads_headers_only(files, monkeypatch, mocker):
+def test_planning_reads_headers_only(files: list[Path], monkeypatch: pytest.MonkeyPatch, mocker: MockerFixture) -> None:
     reads: list[tuple[int, int, int]] = []
     orig_pread = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, offset: reads.append((fd, n, offset)) or orig_pread(fd, n, offset))
@@ -114,7 +117,7 @@ def test_planning_reads_headers_only(files, monkeypatch, mocker):
     assert (e.dtype, e.shape, e.nbytes) == (torch.float32, (32, 16), 32 * 16 * 4)
 
 
-def test_mmap_tensors_are_cloned_out_of_the_mapping(sd, files):
+def test_mmap_tensors_are_cloned_out_of_the_mapping(sd: dict[str, torch.Tensor], files: list[Path]) -> None:
     reader = SafetensorsDiskReader(files, reader="mmap")
     dst = torch.empty(reader.index["blocks.0.ffn.fc2.weight"].nbytes, dtype=torch.uint8)
     reader.read_into("blocks.0.ffn.fc2.weight", dst)
@@ -124,7 +127,8 @@ def test_mmap_tensors_are_cloned_out_of_the_mapping(sd, files):
     assert torch.equal(loaded["blocks.2.self_attn.q.weight"], sd["blocks.2.self_attn.q.weight"])
 
 
-def test_pread_drops_the_page_cache(sd, files, monkeypatch):
+def test_pread_drops_the_page_cache(sd: dict[str, torch.Tensor], files: list[Path],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int, int]] = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
     reader = SafetensorsDiskReader(files, reader="pread")
@@ -147,7 +151,7 @@ def _write_raw(path: Path, header: dict | bytes, data: bytes = b"") -> Path:
     return path
 
 
-def test_malformed_checkpoints_raise(tmp_path, files):
+def test_malformed_checkpoints_raise(tmp_path: Path, files: list[Path]) -> None:
     with pytest.raises(ValueError, match="`reader` must be 'mmap' or 'pread', got 'aio'"):
         SafetensorsDiskReader(files, reader="aio")  # type: ignore[arg-type]
     with pytest.raises(CheckpointError, match="does not exist"):

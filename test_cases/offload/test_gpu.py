@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -15,7 +17,7 @@ from test_cases.offload._toy import build_streamed, make_reference, state_dict_o
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def test_host_slab_is_registered_and_pinned():
+def test_host_slab_is_registered_and_pinned() -> None:
     slab = HostSlab(10_000_017)
     assert slab.kind == "registered", f"fallback chain stopped at {slab.kind}"
     assert slab.is_pinned and slab.buffer.is_pinned() and slab.buffer.numel() == 10_000_017
@@ -28,7 +30,7 @@ def test_host_slab_is_registered_and_pinned():
     assert not slab.is_pinned
 
 
-def test_failed_register_does_not_poison_the_next_kernel():
+def test_failed_register_does_not_poison_the_next_kernel() -> None:
     slab = HostSlab(1 << 20)
     code = torch.cuda.cudart().cudaHostRegister(slab.buffer.data_ptr(), slab.nbytes, 0)  # registered twice
     assert not _cuda_ok(code)
@@ -40,7 +42,8 @@ def test_failed_register_does_not_poison_the_next_kernel():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("storage", ["host", "mmap", "pread"])
 @pytest.mark.parametrize("mode,gpu_slots,depth", [("block", 2, 1), ("phase", 3, 2), ("phase", 2, 1)])
-def test_cuda_streaming_bit_identical(tmp_path, dtype, storage, mode, gpu_slots, depth):
+def test_cuda_streaming_bit_identical(tmp_path: Path, dtype: torch.dtype, storage: str, mode: str, gpu_slots: int,
+                                      depth: int) -> None:
     ref = make_reference(seed=0).to("cuda", dtype)
     sd = {k: v.to(dtype) for k, v in state_dict_of(make_reference(seed=0)).items()}
     files = write_checkpoint(sd, tmp_path)
@@ -65,7 +68,7 @@ def test_cuda_streaming_bit_identical(tmp_path, dtype, storage, mode, gpu_slots,
     streamer.close()
 
 
-def test_fp8_streaming_on_cuda_matches_dequantized():
+def test_fp8_streaming_on_cuda_matches_dequantized() -> None:
     from runnerkit.offload import dequantize_fp8_e4m3, quantize_fp8_e4m3
     dtype = torch.bfloat16
     sd = {k: v.to(dtype) for k, v in state_dict_of(make_reference(seed=0)).items()}
@@ -82,7 +85,7 @@ def test_fp8_streaming_on_cuda_matches_dequantized():
     streamer.close()
 
 
-def test_pageable_host_memory_uses_synchronous_copies(monkeypatch):
+def test_pageable_host_memory_uses_synchronous_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     sd = state_dict_of(make_reference(seed=0))
     model, streamer = build_streamed(sd, "block", "host", 2, 1, device="cuda", pin_memory=False)
     assert isinstance(streamer.engine, SyncCopyEngine)
@@ -117,7 +120,7 @@ class _Big(nn.Module):
 
 
 @pytest.mark.parametrize("pin", [True, False])
-def test_h2d_bandwidth_is_reported(pin, capsys):
+def test_h2d_bandwidth_is_reported(pin: bool, capsys: pytest.CaptureFixture[str]) -> None:
     torch.manual_seed(0)
     ref = _Big().to(torch.bfloat16)
     sd = state_dict_of(ref)
@@ -138,7 +141,7 @@ def test_h2d_bandwidth_is_reported(pin, capsys):
     streamer.close()
 
 
-def test_model_offload_on_cuda():
+def test_model_offload_on_cuda() -> None:
     torch.manual_seed(0)
     enc = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64))
     resident = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64)).cuda()
@@ -151,3 +154,16 @@ def test_model_offload_on_cuda():
         assert torch.equal(m(x), resident(x))
     assert off.resident() == set() and all(p.device.type == "cpu" for p in enc.parameters())
     off.close()
+
+
+def test_torch_compile_graph_breaks_at_unit_hooks() -> None:
+    ref = make_reference(seed=0).to("cuda")
+    model, streamer = build_streamed(state_dict_of(make_reference(seed=0)), "phase", "host", 2, 1, device="cuda",
+                                     pin_memory=True)
+    compiled = torch.compile(model)
+    x = torch.randn(2, 64, 8, device="cuda")
+    with torch.no_grad():
+        for _ in range(2):  # the second call reuses the graphs and wraps the prefetch
+            torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-5)
+    assert streamer.state()["issued"] == [0]
+    streamer.close()

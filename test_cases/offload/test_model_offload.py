@@ -16,7 +16,7 @@ def _modules() -> dict[str, nn.Module]:
     return {"text_encoder": enc, "vae": nn.Conv2d(2, 3, 3)}
 
 
-def test_cpu_device_is_a_noop_that_tracks_residency():
+def test_cpu_device_is_a_noop_that_tracks_residency() -> None:
     mods = _modules()
     before = {n: p.data_ptr() for n, p in mods["vae"].named_parameters()}
     off = ModelOffloader(mods, "cpu")
@@ -33,7 +33,7 @@ def test_cpu_device_is_a_noop_that_tracks_residency():
             pass
 
 
-def test_tensors_visit_the_device_and_return_to_the_slab():
+def test_tensors_visit_the_device_and_return_to_the_slab() -> None:
     # device "meta" stands in for CUDA on a CPU-only machine: the copy and re-binding run for real
     mods = _modules()
     enc = mods["text_encoder"]

@@ -24,18 +24,19 @@ class FakeCudart:
 
 
 @pytest.fixture()
-def fake_cuda(monkeypatch):
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[bool]]:
     """Pretend CUDA exists; pinned allocations become plain ones (CPU-only torch cannot pin)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("RUNNERKIT_DISABLE_PINNED", raising=False)
     pins: list[int] = []
-    monkeypatch.setattr(HostSlab, "_try_pin", staticmethod(lambda n: pins.append(n) or torch.empty(n, dtype=torch.uint8)))
+    monkeypatch.setattr(HostSlab, "_try_pin",
+                        staticmethod(lambda n: pins.append(n) or torch.empty(n, dtype=torch.uint8)))
     clears: list[bool] = []
     monkeypatch.setattr(pinned_mod, "_clear_cuda_last_error", lambda: clears.append(True))
     return pins, clears
 
 
-def test_exact_size_pageable_without_cuda(monkeypatch):
+def test_exact_size_pageable_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     slab = HostSlab(1000, pin_memory=True)
     assert slab.buffer.numel() == 1000 and slab.buffer.dtype == torch.uint8
@@ -45,7 +46,8 @@ def test_exact_size_pageable_without_cuda(monkeypatch):
         HostSlab(-1)
 
 
-def test_registered_first_exact_size_and_release(fake_cuda, monkeypatch):
+def test_registered_first_exact_size_and_release(fake_cuda: tuple[list[int], list[bool]],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     pins, clears = fake_cuda
     cudart = FakeCudart(register_code=0)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
@@ -62,7 +64,8 @@ def test_registered_first_exact_size_and_release(fake_cuda, monkeypatch):
         slab.view(0, torch.float32, (1,))
 
 
-def test_failed_register_falls_back_to_pin_and_clears_error(fake_cuda, monkeypatch):
+def test_failed_register_falls_back_to_pin_and_clears_error(fake_cuda: tuple[list[int], list[bool]],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     pins, clears = fake_cuda
     cudart = FakeCudart(register_code=2)  # cudaErrorMemoryAllocation
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
@@ -71,7 +74,8 @@ def test_failed_register_falls_back_to_pin_and_clears_error(fake_cuda, monkeypat
     assert slab.buffer.numel() == 5000
 
 
-def test_failed_pin_falls_back_to_pageable(fake_cuda, monkeypatch):
+def test_failed_pin_falls_back_to_pageable(fake_cuda: tuple[list[int], list[bool]],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(register_code=1))
 
     def fail(n: int) -> None:
@@ -82,7 +86,7 @@ def test_failed_pin_falls_back_to_pageable(fake_cuda, monkeypatch):
 
 
 @pytest.mark.parametrize("how", ["env", "argument"])
-def test_pinning_disabled(fake_cuda, monkeypatch, how):
+def test_pinning_disabled(fake_cuda: tuple[list[int], list[bool]], monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     pins, _ = fake_cuda
     cudart = FakeCudart(register_code=0)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
@@ -93,7 +97,7 @@ def test_pinning_disabled(fake_cuda, monkeypatch, how):
     assert cudart.calls == [] and pins == []
 
 
-def test_plan_offsets_exact_and_views_disjoint():
+def test_plan_offsets_exact_and_views_disjoint() -> None:
     sizes = [10, 300, 0, 256, 5]
     offsets, total = plan_offsets(sizes)
     assert offsets == [0, 256, 768, 768, 1024]

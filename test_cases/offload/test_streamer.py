@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import weakref
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,7 +14,8 @@ from runnerkit.offload import (BlockStreamer, DiskSource, HostSource, Safetensor
                                plan_units, quantize_fp8_e4m3)
 from runnerkit.weights import CheckpointError, build_on_meta
 from test_cases.offload._engines import DeferredEngine, RecordingEngine
-from test_cases.offload._toy import ToyModel, build_streamed, is_resident, make_reference, state_dict_of, write_checkpoint
+from test_cases.offload._toy import (ToyModel, build_streamed, is_resident, make_reference, state_dict_of,
+                                     write_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,7 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture()
-def files(tmp_path, reference):
+def files(tmp_path: Path, reference: ToyModel) -> list[Path]:
     return write_checkpoint(state_dict_of(reference), tmp_path)
 
 
@@ -38,8 +41,9 @@ SLOT_DEPTH = [(2, 1), (3, 1), (3, 2)]
 @pytest.mark.parametrize("mode", ["block", "phase"])
 @pytest.mark.parametrize("gpu_slots,prefetch_depth", SLOT_DEPTH)
 @pytest.mark.parametrize("engine_kind", ["sync", "deferred"])
-def test_parity_bit_identical_two_steps(reference, inputs, files, storage, mode, gpu_slots, prefetch_depth,
-                                        engine_kind):
+def test_parity_bit_identical_two_steps(reference: ToyModel, inputs: tuple[torch.Tensor, torch.Tensor],
+                                        files: list[Path], storage: str, mode: str, gpu_slots: int,
+                                        prefetch_depth: int, engine_kind: str) -> None:
     engine = DeferredEngine(gpu_slots) if engine_kind == "deferred" else None
     model, streamer = build_streamed(state_dict_of(reference), mode, storage, gpu_slots, prefetch_depth,
                                      files=files, engine=engine)
@@ -55,7 +59,8 @@ def _unit_names(mode: str) -> list[str]:
     return [u.module for u in plan_units(build_on_meta(ToyModel), mode, resident=is_resident)]
 
 
-def _run_recorded(reference, inputs, mode, gpu_slots, depth):
+def _run_recorded(reference: ToyModel, inputs: tuple[torch.Tensor, torch.Tensor], mode: str, gpu_slots: int,
+                  depth: int) -> tuple[list[tuple], BlockStreamer]:
     log: list[tuple] = []
     model, streamer = build_streamed(state_dict_of(reference), mode, "host", gpu_slots, depth,
                                      engine=RecordingEngine(gpu_slots, log))
@@ -67,7 +72,7 @@ def _run_recorded(reference, inputs, mode, gpu_slots, depth):
     return log, streamer
 
 
-def test_exact_event_order_block_mode(reference, inputs):
+def test_exact_event_order_block_mode(reference: ToyModel, inputs: tuple[torch.Tensor, torch.Tensor]) -> None:
     log, streamer = _run_recorded(reference, inputs, "block", gpu_slots=2, depth=1)
 
     def unit(j: int, prefetch: int | None, first: bool = False) -> list[tuple]:
@@ -87,7 +92,8 @@ def test_exact_event_order_block_mode(reference, inputs):
 
 @pytest.mark.parametrize("mode", ["block", "phase"])
 @pytest.mark.parametrize("gpu_slots,depth", [(2, 1), (3, 1), (3, 2), (4, 3)])
-def test_event_order_invariants(reference, inputs, mode, gpu_slots, depth):
+def test_event_order_invariants(reference: ToyModel, inputs: tuple[torch.Tensor, torch.Tensor], mode: str,
+                                gpu_slots: int, depth: int) -> None:
     log, _ = _run_recorded(reference, inputs, mode, gpu_slots, depth)
     names = _unit_names(mode)
     n = len(names)
@@ -124,7 +130,8 @@ def test_event_order_invariants(reference, inputs, mode, gpu_slots, depth):
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_reset_reaches_the_fresh_boundary(reference, inputs, depth):
+def test_reset_reaches_the_fresh_boundary(reference: ToyModel, inputs: tuple[torch.Tensor, torch.Tensor],
+                                          depth: int) -> None:
     engine = DeferredEngine(3)
     model, streamer = build_streamed(state_dict_of(reference), "phase", "host", 3, depth, engine=engine)
     fresh = streamer.state()
@@ -141,7 +148,7 @@ def test_reset_reaches_the_fresh_boundary(reference, inputs, depth):
     assert stats["h2d_copies"] == 12 + depth and stats["h2d_bytes"] > 0
 
 
-def test_close_drops_every_reference(reference, inputs):
+def test_close_drops_every_reference(reference: ToyModel, inputs: tuple[torch.Tensor, torch.Tensor]) -> None:
     model, streamer = build_streamed(state_dict_of(reference), "block", "host", 2, 1)
     with torch.no_grad():
         model(inputs[0])
@@ -158,7 +165,7 @@ def test_close_drops_every_reference(reference, inputs):
     assert not model.embed.weight.is_meta  # resident tensors untouched
 
 
-def test_streamer_collected_without_close_detaches(reference):
+def test_streamer_collected_without_close_detaches(reference: ToyModel) -> None:
     model, streamer = build_streamed(state_dict_of(reference), "phase", "host", 2, 1)
     ref = weakref.ref(streamer)
     del streamer
@@ -168,7 +175,8 @@ def test_streamer_collected_without_close_detaches(reference):
     assert not model.blocks[0].ffn._forward_pre_hooks
 
 
-def test_fp8_matches_dequantized_weights_exactly_and_fp32_loosely(reference, inputs):
+def test_fp8_matches_dequantized_weights_exactly_and_fp32_loosely(reference: ToyModel,
+                                                                  inputs: tuple[torch.Tensor, torch.Tensor]) -> None:
     sd = state_dict_of(reference)
     model, streamer = build_streamed(sd, "phase", "host", 2, 1, weight_dtype="fp8_e4m3")
     roundtrip = make_reference(seed=0)
@@ -187,7 +195,7 @@ def test_fp8_matches_dequantized_weights_exactly_and_fp32_loosely(reference, inp
     streamer.close()
 
 
-def test_quantize_fp8_scale_and_range():
+def test_quantize_fp8_scale_and_range() -> None:
     w = torch.tensor([[-3.0, 1.5], [0.0, 0.75]])
     q, scale = quantize_fp8_e4m3(w)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (1,)
@@ -198,7 +206,7 @@ def test_quantize_fp8_scale_and_range():
     assert zscale.item() == 1.0 and torch.equal(zq.float(), torch.zeros(3))
 
 
-def test_rejected_combinations(reference, files):
+def test_rejected_combinations(reference: ToyModel, files: list[Path]) -> None:
     sd = state_dict_of(reference)
     with pytest.raises(ValueError, match="`gpu_slots` must be >= 2"):
         build_streamed(sd, "block", "host", gpu_slots=1, prefetch_depth=1)
@@ -226,7 +234,7 @@ def test_rejected_combinations(reference, files):
         plan_units(model, "phase", phases=("self_attn", "attn2"))
 
 
-def test_plan_units_block_and_phase():
+def test_plan_units_block_and_phase() -> None:
     model = build_on_meta(ToyModel)
     block = plan_units(model, "block", resident=is_resident)
     phase = plan_units(model, "phase", resident=is_resident)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,19 +12,19 @@ from test_cases.offload._toy import build_streamed, make_reference, state_dict_o
 
 
 @pytest.mark.parametrize("device,pinned", [("cpu", True), ("cpu", False), ("cuda", False)])
-def test_factory_picks_sync_without_cuda_or_pinning(device, pinned):
+def test_factory_picks_sync_without_cuda_or_pinning(device: str, pinned: bool) -> None:
     assert isinstance(make_copy_engine(device, 2, source_pinned=pinned), SyncCopyEngine)
 
 
 @pytest.mark.parametrize("storage", ["host", "mmap", "pread"])
-def test_no_non_blocking_copy_with_pinning_off(tmp_path, monkeypatch, storage):
+def test_no_non_blocking_copy_with_pinning_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, storage: str) -> None:
     sd = state_dict_of(make_reference(seed=5))
     files = write_checkpoint(sd, tmp_path)
     model, streamer = build_streamed(sd, "phase", storage, 3, 2, files=files, pin_memory=True)  # no CUDA: pageable
     calls: list[bool] = []
     orig = torch.Tensor.copy_
 
-    def spy(self, src, non_blocking=False):
+    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         calls.append(non_blocking)
         return orig(self, src, non_blocking=non_blocking)
 
@@ -33,7 +35,7 @@ def test_no_non_blocking_copy_with_pinning_off(tmp_path, monkeypatch, storage):
     assert len(calls) >= 12 and not any(calls)
 
 
-def test_sync_engine_counts_bytes():
+def test_sync_engine_counts_bytes() -> None:
     engine = SyncCopyEngine(2)
     dst, src = torch.empty(1000, dtype=torch.uint8), torch.arange(1000, dtype=torch.int64).to(torch.uint8)
     engine.h2d(1, dst, src)
