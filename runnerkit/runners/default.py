@@ -14,9 +14,9 @@ Warmup (ARCHITECTURE §3) is opt-in per class: a runner class declares `WARMUP_T
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -27,6 +27,7 @@ from runnerkit import memory
 from runnerkit.config import RequestConfig
 from runnerkit.profiling import RequestProfile, StepTimer
 from runnerkit.runners.base import BaseRunner, lifecycle_phase
+from runnerkit.runners.placement import Placement
 from runnerkit.schedulers import SCHEDULERS
 from runnerkit.schedulers.base import Scheduler
 
@@ -74,6 +75,8 @@ class DefaultRunner(BaseRunner):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.scheduler: Scheduler | None = None
+        self.placement: Placement | None = None
+        self.stage_modules: dict[str, Any] = {}
         self._warmup_ran = False
         self._request_index = 0
 
@@ -154,11 +157,31 @@ class DefaultRunner(BaseRunner):
     def run_warmup(self, shapes: Sequence[Shape]) -> None:
         """Family warmup: drive the real path on `shapes` via `warmup_shape` / the stage methods."""
 
+    # ---- module placement -----------------------------------------------------------------
+    @contextmanager
+    def module_on_device(self, name: str) -> Iterator[Any]:
+        """Module `name` on the compute device for one stage (see runners/placement.py); while the
+        block runs it is also `self.stage_modules[name]`. Without a placement: a no-op yielding None."""
+        if self.placement is None:
+            yield None
+            return
+        with self.placement.on_device(name) as module:
+            self.stage_modules[name] = module
+            try:
+                yield module
+            finally:
+                del self.stage_modules[name]
+
+    def encode_text(self, prompt: str, negative_prompt: str | None) -> Any:
+        """`run_text_encoder` with the text encoder on the device (requests and warmup)."""
+        with self.module_on_device("text_encoder"):
+            return self.run_text_encoder(prompt, negative_prompt)
+
     # ---- request path -------------------------------------------------------------------
     def run_encoders(self, info: InputInfo) -> Any:
         """Text encoder, then (image tasks) image and VAE encoders; stores and returns `self.inputs`."""
         with self.profiler.stage("text_encoder"):
-            inputs = self.run_text_encoder(info.prompt, info.negative_prompt if self.config.enable_cfg else None)
+            inputs = self.encode_text(info.prompt, info.negative_prompt if self.config.enable_cfg else None)
         self.inputs = inputs
         if self.needs_image():
             with self.profiler.stage("image_encoder"):
@@ -180,6 +203,11 @@ class DefaultRunner(BaseRunner):
         total = self.config.infer_steps
         sched.prepare(self.latent_shape(info), total, info.seed, self.device, self.dtype)
         order = list(range(total)) if steps is None else list(steps)
+        with self.module_on_device("transformer"):
+            self._denoise_loop(sched, order, total, timer)
+        return sched.latents
+
+    def _denoise_loop(self, sched: Scheduler, order: list[int], total: int, timer: StepTimer | None) -> None:
         previous = -1
         for i in order:
             if i != previous + 1:
@@ -193,15 +221,14 @@ class DefaultRunner(BaseRunner):
                 sched.step_post(noise_pred)
             logger.info("step {}/{}", i + 1, total)
             previous = i
-        return sched.latents
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Run the decoder and consume an iterator fully; returns [B, 3, F, H, W]."""
-        out = self.run_vae_decoder(latents)
-        if isinstance(out, torch.Tensor):
-            return out
-        chunks = list(out)
-        return torch.cat(chunks, dim=2)
+        with self.module_on_device("vae"):
+            out = self.run_vae_decoder(latents)
+            if isinstance(out, torch.Tensor):
+                return out
+            return torch.cat(list(out), dim=2)  # consume the iterator fully while the VAE is on the device
 
     def run_pipeline(self, request: RequestConfig, index: int = 0) -> RequestProfile:
         """Serve one request: encoders -> denoise -> decode -> save -> end_run (always).

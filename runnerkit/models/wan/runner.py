@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 from loguru import logger
+from torch import nn
 
 from runnerkit.config import RunnerConfig
 from runnerkit.media import save_media, save_tensor, write_sidecar
@@ -26,8 +27,11 @@ from runnerkit.models.wan.checkpoint import WanCheckpoint, write_synthetic
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE
+from runnerkit.offload.setup import pin_memory_enabled, stream_module
+from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner, InputInfo, Shape
+from runnerkit.runners.placement import Loader, Placement
 from runnerkit.weights import assign_state_dict, build_on_meta
 
 # Wan2.1's default negative prompt (`wan/configs/shared_config.py`, sample_neg_prompt).
@@ -80,7 +84,7 @@ class WanT2VRunner(DefaultRunner):
 
     # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
     WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("t2v",)
-    WARMUP_OFFLOAD_MODES: ClassVar[tuple[str, ...]] = ("none",)
+    WARMUP_OFFLOAD_MODES: ClassVar[tuple[str, ...]] = ("none", "model", "block", "phase", "lazy_load")
     #: flavour -> (small/square, production/non-square) shapes as (height, width, frames).
     WARMUP_SHAPES: ClassVar[dict[str, tuple[Shape, Shape]]] = {
         "debug": ((32, 32, 5), (48, 80, 9)),
@@ -93,15 +97,13 @@ class WanT2VRunner(DefaultRunner):
         if not isinstance(config.sample_guide_scale, (int, float)):
             raise ValueError(f"`sample_guide_scale` must be one number for wan2.1 (a pair is for MoE models); "
                              f"got {config.sample_guide_scale!r}")
-        if config.offload.mode != "none":
-            raise NotImplementedError(f"`offload.mode`={config.offload.mode!r} is not available for wan2.1 yet "
-                                      "(only 'none')")
         if config.compile.enabled:
             raise NotImplementedError("`compile.enabled`=true is not available yet for wan2.1")
         self.checkpoint: WanCheckpoint | None = None
-        self.transformer: WanTransformer3D | None = None
-        self.text_encoder: te.WanTextEncoder | None = None
-        self.vae: WanVAE | None = None
+        self.tokenizer: WanTokenizer | None = None
+        self.transformer: WanTransformer3D | None = None  # None when built per stage (lazy_load, unload_modules)
+        self.vae: WanVAE | None = None  # None when built per stage (unload_modules)
+        self.streamer: BlockStreamer | None = None
 
     # ---- loading -----------------------------------------------------------------------
     def locate_checkpoint(self) -> WanCheckpoint:
@@ -122,26 +124,83 @@ class WanT2VRunner(DefaultRunner):
             logger.warning("model_path {} holds SYNTHETIC RANDOM weights: the output will be noise", path)
         return ckpt
 
+    def build_text_encoder(self, device: torch.device) -> te.UMT5Encoder:
+        assert self.checkpoint is not None, "locate_checkpoint first"
+        arch = self.checkpoint.arch.text_encoder
+        return te.load_umt5_encoder(arch, self.checkpoint.text_encoder_state_dict(), dtype=self.dtype).to(device)
+
+    def build_vae(self, device: torch.device) -> WanVAE:
+        assert self.checkpoint is not None, "locate_checkpoint first"
+        vae = build_on_meta(lambda: WanVAE(self.checkpoint.arch.vae))
+        assign_state_dict(vae, self.checkpoint.vae_state_dict(), "vae", dtype=torch.float32)  # fp32, as the reference
+        return vae.to(device).eval().requires_grad_(False)
+
+    def build_transformer(self, device: torch.device) -> WanTransformer3D:
+        """The transformer on `device` (mode none/model), or streamed (mode block/phase: sets `self.streamer`)."""
+        ckpt = self.checkpoint
+        assert ckpt is not None, "locate_checkpoint first"
+        model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
+        off = self.config.offload
+        if off.mode in ("block", "phase"):
+            if off.storage == "cpu":
+                self.streamer = stream_module(model, off, self.device, self.dtype, keep_fp32, "transformer",
+                                              state_dict=ckpt.transformer_state_dict())
+            else:
+                names = list(model.state_dict(keep_vars=True))
+                self.streamer = stream_module(model, off, self.device, self.dtype, keep_fp32, "transformer",
+                                              files=ckpt.transformer_files(), key_map=ckpt.transformer_key_map(names))
+            return model.eval().requires_grad_(False)
+        assign_state_dict(model, ckpt.transformer_state_dict(), "transformer", dtype=self.dtype, keep_fp32=keep_fp32)
+        return model.to(device).eval().requires_grad_(False)
+
+    def _per_stage(self, build: Callable[[torch.device], nn.Module]) -> Loader:
+        def load() -> tuple[nn.Module, Callable[[], None]]:
+            return build(self.device), self._drop_streamer
+
+        return load
+
+    def _drop_streamer(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+
     def load_modules(self) -> None:
-        """Load tokenizer + UMT5, the transformer and the VAE onto `device`; build the scheduler."""
-        ckpt = self.locate_checkpoint()
-        self.checkpoint = ckpt
-        arch = ckpt.arch
-        logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(arch.transformer))
-        self.update_config(model=arch.model_dump(mode="json"), model_path=str(ckpt.path))
-
-        tokenizer = WanTokenizer.from_file(ckpt.tokenizer_path())
-        encoder = te.load_umt5_encoder(arch.text_encoder, ckpt.text_encoder_state_dict(), dtype=self.dtype)
-        self.text_encoder = te.WanTextEncoder(tokenizer, encoder.to(self.device))
-
-        transformer = build_on_meta(lambda: WanTransformer3D(arch.transformer))
-        assign_state_dict(transformer, ckpt.transformer_state_dict(), "transformer", dtype=self.dtype, keep_fp32=keep_fp32)
-        self.transformer = transformer.to(self.device).eval().requires_grad_(False)
-
-        vae = build_on_meta(lambda: WanVAE(arch.vae))
-        assign_state_dict(vae, ckpt.vae_state_dict(), "vae", dtype=torch.float32)  # the reference runs its VAE in fp32
-        self.vae = vae.to(self.device).eval().requires_grad_(False)
-
+        """Tokenizer, then text encoder, transformer and VAE placed as the offload config says."""
+        cfg, off = self.config, self.config.offload
+        self.checkpoint = ckpt = self.locate_checkpoint()
+        logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
+        self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
+        self.tokenizer = WanTokenizer.from_file(ckpt.tokenizer_path())
+        thresholds = dict(empty_cache_min_free_gib=cfg.memory.empty_cache_min_free_gib,
+                          empty_cache_min_reclaimable_gib=cfg.memory.empty_cache_min_reclaimable_gib)
+        pin = pin_memory_enabled(off)
+        cpu = torch.device("cpu")
+        if cfg.unload_modules:  # every module built for its stage and dropped after
+            loaders = {"text_encoder": self._per_stage(self.build_text_encoder),
+                       "transformer": self._per_stage(self.build_transformer),
+                       "vae": self._per_stage(self.build_vae)}
+            self.placement = Placement(self.device, loaders=loaders, pin_memory=pin, **thresholds)
+        elif off.mode == "none":
+            text_encoder = self.build_text_encoder(self.device)
+            self.transformer, self.vae = self.build_transformer(self.device), self.build_vae(self.device)
+            self.placement = Placement(self.device, resident={
+                "text_encoder": text_encoder, "transformer": self.transformer, "vae": self.vae}, **thresholds)
+        elif off.mode == "model":  # each module visits the device for its stage
+            text_encoder = self.build_text_encoder(cpu)
+            self.transformer, self.vae = self.build_transformer(cpu), self.build_vae(cpu)
+            self.placement = Placement(self.device, offloaded={
+                "text_encoder": text_encoder, "transformer": self.transformer, "vae": self.vae},
+                pin_memory=pin, **thresholds)
+        else:  # block/phase: transformer streamed (built per stage under lazy_load); encoders offloaded
+            offloaded = {"text_encoder": self.build_text_encoder(cpu)}
+            self.vae = offloaded["vae"] = self.build_vae(cpu)
+            if off.lazy_load:
+                self.placement = Placement(self.device, offloaded=offloaded, pin_memory=pin,
+                                           loaders={"transformer": self._per_stage(self.build_transformer)}, **thresholds)
+            else:
+                self.transformer = self.build_transformer(self.device)
+                self.placement = Placement(self.device, resident={"transformer": self.transformer},
+                                           offloaded=offloaded, pin_memory=pin, **thresholds)
         self.scheduler = self.build_scheduler()
 
     def flavour(self) -> str | None:
@@ -152,33 +211,34 @@ class WanT2VRunner(DefaultRunner):
     # ---- request stages ------------------------------------------------------------------
     def latent_shape(self, info: InputInfo) -> tuple[int, ...]:
         """[1, z_dim, (F-1)/4 + 1, H/8, W/8]."""
-        assert self.vae is not None, "load_modules first"
-        z = self.vae.arch.z_dim
+        assert self.checkpoint is not None, "load_modules first"
+        z = self.checkpoint.arch.vae.z_dim
         return (1, z, (info.frames - 1) // self.TEMPORAL_FACTOR + 1, info.height // 8, info.width // 8)
 
     @torch.inference_mode()
     def run_text_encoder(self, prompt: str, negative_prompt: str | None) -> WanInputs:
         """Prompt (and negative prompt, for CFG) -> WanInputs with [1, L, text_dim] embeddings."""
-        assert self.text_encoder is not None, "load_modules first"
+        assert self.tokenizer is not None, "load_modules first"
+        encoder = te.WanTextEncoder(self.tokenizer, self.stage_modules["text_encoder"])
         prompts = [prompt] if negative_prompt is None else [prompt, negative_prompt]
-        embeds = self.text_encoder.encode(prompts)
+        embeds = encoder.encode(prompts)
         return WanInputs(context=embeds[0][None], context_null=embeds[1][None] if len(embeds) > 1 else None)
 
     @torch.inference_mode()
     def run_step(self, latents: torch.Tensor, timestep: torch.Tensor, step_index: int) -> torch.Tensor:
         """Transformer on the cond (and uncond) branch; CFG combine in float32. Returns [1, C, F', H', W']."""
-        assert self.transformer is not None and isinstance(self.inputs, WanInputs), "load_modules/encoders first"
-        cond = self.transformer(latents, timestep, self.inputs.context).float()
+        assert isinstance(self.inputs, WanInputs), "run the encoders first"
+        transformer = self.stage_modules["transformer"]
+        cond = transformer(latents, timestep, self.inputs.context).float()
         if self.inputs.context_null is None:
             return cond
-        uncond = self.transformer(latents, timestep, self.inputs.context_null).float()
+        uncond = transformer(latents, timestep, self.inputs.context_null).float()
         return uncond + float(self.config.sample_guide_scale) * (cond - uncond)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def run_vae_decoder(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalized latents [1, z, f, h, w] -> video [1, 3, 4(f-1)+1, 8h, 8w] in [-1, 1] (float32)."""
-        assert self.vae is not None, "load_modules first"
-        return self.vae.decode(latents.float())
+        return self.stage_modules["vae"].decode(latents.float())
 
     def save_outputs(self, video: torch.Tensor, info: InputInfo) -> None:
         """--save_tensor_path (.safetensors 'video' [3, F, H, W]) and --save_result_path (+ sidecar json)."""
@@ -192,11 +252,13 @@ class WanT2VRunner(DefaultRunner):
             logger.info("saved {}", info.save_result_path)
 
     def clear_request_state(self) -> None:
-        """Per-grid RoPE tables and the VAE feature cache are request state."""
+        """Per-grid RoPE tables, the VAE feature cache and the streamer's position are request state."""
         if self.transformer is not None:
             self.transformer.clear_cache()
         if self.vae is not None:
             self.vae.clear_cache()
+        if self.streamer is not None:
+            self.streamer.reset()  # slots, prefetch index and events back at the request boundary
 
     # ---- warmup ----------------------------------------------------------------------------
     def run_warmup(self, shapes: Sequence[Shape]) -> None:
@@ -205,7 +267,6 @@ class WanT2VRunner(DefaultRunner):
         assert self.scheduler is not None, "load_modules first"
         self.scheduler.generator = None  # before any encoder that could draw random numbers
         negative = self.config.negative_prompt or self.DEFAULT_NEGATIVE_PROMPT if self.config.enable_cfg else None
-        with torch.inference_mode():
-            inputs = self.run_text_encoder(WARMUP_PROMPT, negative)
+        inputs = self.encode_text(WARMUP_PROMPT, negative)
         for shape in shapes:
             self.warmup_shape(shape, inputs)

@@ -1,0 +1,87 @@
+"""Turn a meta-device network into a block/phase-streamed one (ARCHITECTURE §4).
+
+    streamer = stream_module(model, mode, storage, ...)   # resident tensors on the device,
+                                                          # streamed ones in host slabs or on disk
+    model(...)                                            # hooks stream blocks through gpu_slots
+    streamer.reset()                                      # at every request boundary
+    streamer.close()                                      # lazy load: before dropping the model
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from loguru import logger
+from torch import nn
+
+from runnerkit.config import OffloadConfig
+from runnerkit.offload.disk import SafetensorsDiskReader
+from runnerkit.offload.layout import plan_units, resident_names
+from runnerkit.offload.pinned import pinning_disabled_by_env
+from runnerkit.offload.sources import DiskSource, HostSource
+from runnerkit.offload.streamer import BlockStreamer
+from runnerkit.weights import CheckpointError, _short
+
+
+def pin_memory_enabled(cfg: OffloadConfig) -> bool:
+    """Config `pin_memory`, forced off by env RUNNERKIT_DISABLE_PINNED=1."""
+    return cfg.pin_memory and not pinning_disabled_by_env()
+
+
+def stream_module(model: nn.Module, cfg: OffloadConfig, device: torch.device, dtype: torch.dtype,
+                  keep_fp32: Callable[[str], bool], component: str,
+                  state_dict: Mapping[str, torch.Tensor] | None = None,
+                  files: list[Path] | None = None, key_map: Mapping[str, str] | None = None) -> BlockStreamer:
+    """Load the resident part of meta-built `model` onto `device` and stream its blocks.
+
+    Args:
+        model: network on the meta device with an `nn.ModuleList` named `blocks`.
+        cfg: offload config (`mode` block/phase, `storage`, slots, prefetch, reader, weight_dtype).
+        keep_fp32: names kept in float32; inside blocks they stay resident (small tables, norms).
+        state_dict: all tensors in model names (storage "cpu").
+        files, key_map: the checkpoint's safetensors files and model name -> file name (storage "disk").
+
+    Raises:
+        CheckpointError: missing or unexpected tensors (listed), wrong shapes.
+        NotImplementedError: disk storage with checkpoint dtypes other than `dtype`.
+    """
+    assert cfg.mode in ("block", "phase"), f"stream_module needs mode block/phase, got {cfg.mode}"
+    pin = pin_memory_enabled(cfg)
+    units = plan_units(model, cfg.mode, resident=keep_fp32)
+    resident = resident_names(model, units)
+    expected = set(model.state_dict(keep_vars=True))
+    if cfg.storage == "cpu":
+        assert state_dict is not None, "storage cpu needs the state dict"
+        available = set(state_dict)
+        resident_tensors = {n: state_dict[n] for n in resident if n in state_dict}
+    else:
+        assert files is not None, "storage disk needs the checkpoint files"
+        key_map = dict(key_map or {n: n for n in expected})
+        reader = SafetensorsDiskReader(files, reader=cfg.reader)
+        inverse = {v: k for k, v in key_map.items()}
+        available = {inverse.get(n, n) for n in reader.index}
+        # non-block weights first: their short-lived handles close before any block fetch opens one
+        loaded = reader.load_tensors([key_map[n] for n in resident if key_map.get(n) in reader.index])
+        resident_tensors = {inverse[k]: v for k, v in loaded.items()}
+    missing, unexpected = sorted(expected - available), sorted(available - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{component}: checkpoint does not match the architecture; missing keys "
+                              f"({len(missing)}): {_short(missing)}; unexpected keys ({len(unexpected)}): {_short(unexpected)}")
+    cast = {n: t.to(device=device, dtype=torch.float32 if keep_fp32(n) else dtype) if t.is_floating_point()
+            else t.to(device) for n, t in resident_tensors.items()}
+    model.load_state_dict(cast, strict=False, assign=True)
+    init = getattr(model, "init_non_persistent_buffers", None)
+    if init is not None:
+        init()
+    if cfg.storage == "cpu":
+        source = HostSource(units, state_dict, dtype, cfg.weight_dtype, pin_memory=pin)
+    else:
+        source = DiskSource(units, reader, dtype, key_map=key_map, pin_memory=pin)
+    streamer = BlockStreamer(model, units, source, device, cfg.gpu_slots, cfg.prefetch_depth)
+    logger.info("{}: {} streaming of {} units from {} (pinned={}, slots={}, prefetch={}, reader={}, pid {})",
+                component, cfg.mode, len(units), cfg.storage, pin, cfg.gpu_slots, cfg.prefetch_depth,
+                cfg.reader if cfg.storage == "disk" else "-", os.getpid())
+    return streamer

@@ -1,0 +1,162 @@
+"""Offload modes of the Wan2.1 runner on the CPU: same output as `offload.mode: none`, with and
+without warmup; request-boundary state after warmup and after every request (ARCHITECTURE §3-4)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from runnerkit import memory
+from runnerkit.config import ConfigError, RequestConfig, load_runner_config
+from runnerkit.models.wan.runner import WanT2VRunner
+from test_cases.conftest import tiny_config_dict
+
+MODES: dict[str, dict[str, Any]] = {
+    "model": {"offload": {"mode": "model"}},
+    "block_cpu": {"offload": {"mode": "block"}},
+    "phase_cpu_3slots": {"offload": {"mode": "phase", "gpu_slots": 3, "prefetch_depth": 2}},
+    "block_cpu_unpinned": {"offload": {"mode": "block", "pin_memory": False}},
+    "block_disk_mmap": {"offload": {"mode": "block", "storage": "disk", "reader": "mmap"}},
+    "phase_disk_pread": {"offload": {"mode": "phase", "storage": "disk", "reader": "pread"}},
+    "block_disk_lazy": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
+    "unload_modules": {"unload_modules": True},
+}
+REQUESTS = [RequestConfig(prompt="a red fox in the snow", seed=11),
+            RequestConfig(prompt="a boat", seed=12, target_height=32, target_width=32, target_video_length=5)]
+
+
+@pytest.fixture(autouse=True)
+def _no_real_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "_frozen", False)
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+
+
+def make_runner(ckpt: Path, **overrides: Any) -> WanT2VRunner:
+    runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(ckpt, **overrides)))
+    runner.init_modules()
+    return runner
+
+
+def serve(runner: WanT2VRunner, tmp_path: Path, tag: str) -> list[torch.Tensor]:
+    out = []
+    for i, req in enumerate(REQUESTS):
+        path = tmp_path / f"{tag}_{i}.safetensors"
+        runner.run_pipeline(req.model_copy(update={"save_tensor_path": str(path)}), i)
+        out.append(load_file(str(path))["video"])
+        assert_request_boundary(runner)
+    return out
+
+
+def assert_request_boundary(runner: WanT2VRunner) -> None:
+    assert runner.input_info is None and runner.inputs is None and runner.scheduler.generator is None
+    assert runner.placement.on_device_now() == set(), "model-offloaded/per-stage modules must be off the device"
+    assert runner.stage_modules == {}
+    if runner.streamer is not None:
+        state = runner.streamer.state()
+        assert state["next_prefetch"] == 0 and state["issued"] == [] and state["in_flight"] == 0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    return serve(make_runner(tiny_ckpt), tmp_path_factory.mktemp("ref"), "none")
+
+
+@pytest.mark.parametrize("warmup", [False, True], ids=["cold", "warmup"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mode_is_bit_identical_to_none(tiny_ckpt: Path, tmp_path: Path, reference: list[torch.Tensor],
+                                       mode: str, warmup: bool) -> None:
+    overrides = MODES[mode]
+    if warmup and overrides.get("unload_modules"):
+        with pytest.raises(NotImplementedError, match="unload_modules"):
+            make_runner(tiny_ckpt, warmup=True, **overrides)
+        return
+    runner = make_runner(tiny_ckpt, warmup=warmup, **overrides)
+    if warmup:
+        assert_request_boundary(runner)
+    videos = serve(runner, tmp_path, mode)
+    for got, want in zip(videos, reference):
+        assert torch.equal(got, want), mode
+
+
+def test_fp8_weights_within_tolerance(tiny_ckpt: Path, tmp_path: Path, reference: list[torch.Tensor]) -> None:
+    """fp8 e4m3 streamed weights (per-tensor absmax scale): the decoded video stays close to fp32's.
+    Stated tolerance: mean abs error < 0.05 and max abs error < 0.5 on values in [-1, 1]."""
+    runner = make_runner(tiny_ckpt, warmup=True, offload={"mode": "block", "weight_dtype": "fp8_e4m3"})
+    videos = serve(runner, tmp_path, "fp8")
+    for got, want in zip(videos, reference):
+        err = (got - want).abs()
+        assert not torch.equal(got, want)  # really quantized
+        assert err.mean() < 0.05 and err.max() < 0.5, (err.mean(), err.max())
+
+
+def test_lazy_load_frees_transformer_after_each_request(tiny_ckpt: Path, tmp_path: Path) -> None:
+    runner = make_runner(tiny_ckpt, warmup=True, offload={"mode": "block", "storage": "disk", "lazy_load": True})
+    assert runner.transformer is None and runner.streamer is None
+    seen: list[weakref.ref] = []
+    loader = runner.placement.loaders["transformer"]
+
+    def tracking_loader() -> Any:
+        module, teardown = loader()
+        seen.append(weakref.ref(module))
+        seen.append(weakref.ref(runner.streamer))
+        return module, teardown
+
+    runner.placement.loaders["transformer"] = tracking_loader
+    for i, req in enumerate(REQUESTS):
+        runner.run_pipeline(req, i)
+        gc.collect()
+        assert all(ref() is None for ref in seen), f"transformer or streamer still alive after request {i}"
+        assert runner.streamer is None
+    assert len(seen) == 4
+
+
+def test_disk_streaming_never_opens_two_handles_on_a_file(tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runnerkit.offload import disk
+
+    open_now: dict[Path, int] = {}
+    peak: dict[Path, int] = {}
+    real_open, real_close = disk.SafetensorsDiskReader._open, disk.SafetensorsDiskReader._close
+
+    def spy_open(self: Any, path: Path) -> Any:
+        open_now[path] = open_now.get(path, 0) + 1
+        peak[path] = max(peak.get(path, 0), open_now[path])
+        return real_open(self, path)
+
+    def spy_close(self: Any, handle: Any) -> None:
+        open_now[handle.path] -= 1
+        real_close(self, handle)
+
+    monkeypatch.setattr(disk.SafetensorsDiskReader, "_open", spy_open)
+    monkeypatch.setattr(disk.SafetensorsDiskReader, "_close", spy_close)
+    runner = make_runner(tiny_ckpt, warmup=True, offload={"mode": "phase", "storage": "disk"})
+    runner.run_pipeline(REQUESTS[0], 0)
+    assert peak and set(peak.values()) == {1}
+
+
+@pytest.mark.parametrize(("offload", "reason"), [
+    ({"mode": "none", "storage": "disk"}, "needs `offload.mode` 'block' or 'phase'"),
+    ({"mode": "model", "lazy_load": True}, "lazy_load"),
+    ({"mode": "block", "storage": "disk", "weight_dtype": "fp8_e4m3"}, "fp8_e4m3"),
+    ({"mode": "block", "gpu_slots": 2, "prefetch_depth": 2}, "prefetch_depth"),
+    ({"mode": "model", "weight_dtype": "fp8_e4m3"}, "streamed weights only"),
+])
+def test_rejected_combinations(tiny_ckpt: Path, offload: dict[str, Any], reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        load_runner_config(None, tiny_config_dict(tiny_ckpt, offload=offload))
+
+
+def test_unload_modules_with_offload_is_rejected(tiny_ckpt: Path) -> None:
+    with pytest.raises(ConfigError, match="unload_modules"):
+        load_runner_config(None, tiny_config_dict(tiny_ckpt, unload_modules=True, offload={"mode": "block"}))
+
+
+def test_disk_storage_with_other_dtype_is_refused_at_load(tiny_ckpt: Path) -> None:
+    """The tiny checkpoint is float32: streaming its bytes into bfloat16 compute is refused with the reason."""
+    with pytest.raises(NotImplementedError, match="checkpoint dtypes must equal the compute dtype"):
+        make_runner(tiny_ckpt, dtype="bfloat16", offload={"mode": "block", "storage": "disk"})
