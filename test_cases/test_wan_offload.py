@@ -160,3 +160,22 @@ def test_disk_storage_with_other_dtype_is_refused_at_load(tiny_ckpt: Path) -> No
     """The tiny checkpoint is float32: streaming its bytes into bfloat16 compute is refused with the reason."""
     with pytest.raises(NotImplementedError, match="checkpoint dtypes must equal the compute dtype"):
         make_runner(tiny_ckpt, dtype="bfloat16", offload={"mode": "block", "storage": "disk"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["model", "block_cpu", "phase_cpu_3slots", "block_cpu_unpinned", "block_disk_mmap",
+                                  "phase_disk_pread", "block_disk_lazy"])
+def test_cuda_mode_is_bit_identical_to_none_under_deterministic_algorithms(
+        tiny_ckpt: Path, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        want = serve(make_runner(tiny_ckpt, device="cuda"), tmp_path, "none")
+        runner = make_runner(tiny_ckpt, device="cuda", warmup=True, **MODES[mode])
+        got = serve(runner, tmp_path, mode)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), mode
+    if runner.streamer is not None:
+        assert runner.streamer.stats()["h2d_copies"] > 0

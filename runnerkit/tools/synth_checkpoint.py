@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of transformer and text encoder weights")
     p.add_argument("--layout", choices=LAYOUTS, default="runnerkit")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generator_device", default="cpu", help="draw the random values on this device (cuda: fast)")
+    p.add_argument("--transformer_only", action="store_true", help="write only the transformer (runnerkit layout)")
     args = p.parse_args(argv)
     try:
         config = load_runner_config(args.config, {"synthetic_checkpoint": {"seed": args.seed}})
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     arch = WanArch.model_validate(config.model or {})
     t0 = time.perf_counter()
-    write_synthetic(arch, Path(args.out), args.seed, DTYPES[args.dtype], args.layout)
+    write_synthetic(arch, Path(args.out), args.seed, DTYPES[args.dtype], args.layout,
+                    generator_device=args.generator_device, transformer_only=args.transformer_only)
     logger.info("synthetic checkpoint written in {:.1f} s", time.perf_counter() - t0)
     return 0
 

@@ -163,7 +163,7 @@ def _native_shapes(arch: WanArch) -> dict[str, dict[str, tuple[int, ...]]]:
 
 
 def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path, stem: str, seed: int,
-                   dtype: torch.dtype, keep_fp32: Any) -> None:
+                   dtype: torch.dtype, keep_fp32: Any, generator_device: str = "cpu") -> None:
     """Generate tensors one by one and write safetensors shards of at most SHARD_BYTES (plus an index)."""
     folder.mkdir(parents=True, exist_ok=True)
     sizes = [0]
@@ -183,8 +183,8 @@ def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path
     weight_map: dict[str, str] = {}
     for i, shard_names in enumerate(plan):
         fname = f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
-        shard = {name: synthetic_tensor(name, shapes[name], seed, torch.float32 if keep_fp32(name) else dtype)
-                 for name in shard_names}
+        shard = {name: synthetic_tensor(name, shapes[name], seed, torch.float32 if keep_fp32(name) else dtype,
+                                        generator_device) for name in shard_names}
         shard = {file_name[k]: v for k, v in shard.items()}
         save_file({k: v.contiguous() for k, v in shard.items()}, str(folder / fname))
         weight_map.update({k: fname for k in shard})
@@ -194,12 +194,17 @@ def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path
             json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=1))
 
 
-def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, layout: Layout = "runnerkit") -> Path:
+def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, layout: Layout = "runnerkit",
+                    generator_device: str = "cpu", transformer_only: bool = False) -> Path:
     """Write deterministic random weights for `arch` to `out` in `layout` (atomically: tmp folder, then rename).
 
     Values depend only on (tensor name, seed): every layout holds the same network. The transformer
     is written shard by shard, so peak host memory is about one shard (SHARD_BYTES), not the model.
+    `generator_device` (see `synthetic_tensor`); `transformer_only` (runnerkit layout) skips the
+    text encoder, VAE and tokenizer (benchmarks of the transformer alone).
     """
+    if transformer_only and layout != "runnerkit":
+        raise ValueError(f"`transformer_only` needs the runnerkit layout (got {layout!r})")
     if layout not in LAYOUTS:
         raise ValueError(f"`layout` must be one of {LAYOUTS} (got {layout!r})")
     out = Path(out)
@@ -219,19 +224,22 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
         return True  # the VAE is kept (and run) in float32, as the reference does
 
     def one(component: str, fp32: Any) -> dict[str, torch.Tensor]:
-        return {k: synthetic_tensor(k, s, seed, torch.float32 if fp32(k) else dtype) for k, s in shapes[component].items()}
+        return {k: synthetic_tensor(k, s, seed, torch.float32 if fp32(k) else dtype, generator_device)
+                for k, s in shapes[component].items()}
 
     if layout == "runnerkit":
         (tmp / "runnerkit.json").write_text(json.dumps(
             {"format": "runnerkit", "version": 1, "family": "wan2.1", "synthetic_seed": seed,
              "arch": arch.model_dump(mode="json")}, indent=1))
-        _write_sharded(shapes["transformer"], ident, tmp / "transformer", "model", seed, dtype, t_fp32)
-        _write_sharded(shapes["text_encoder"], ident, tmp / "text_encoder", "model", seed, dtype, te_fp32)
-        _write_sharded(shapes["vae"], ident, tmp / "vae", "model", seed, torch.float32, vae_all)
+        _write_sharded(shapes["transformer"], ident, tmp / "transformer", "model", seed, dtype, t_fp32, generator_device)
+        if transformer_only:
+            return _finish(tmp, out, seed, layout)
+        _write_sharded(shapes["text_encoder"], ident, tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
+        _write_sharded(shapes["vae"], ident, tmp / "vae", "model", seed, torch.float32, vae_all, generator_device)
         write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
     elif layout == "original":
         (tmp / "config.json").write_text(json.dumps(tk.arch_to_original_config(arch.transformer), indent=1))
-        _write_sharded(shapes["transformer"], ident, tmp, "diffusion_pytorch_model", seed, dtype, t_fp32)
+        _write_sharded(shapes["transformer"], ident, tmp, "diffusion_pytorch_model", seed, dtype, t_fp32, generator_device)
         torch.save(one("text_encoder", te_fp32), tmp / ORIGINAL_T5)
         torch.save(one("vae", vae_all), tmp / ORIGINAL_VAE)
         write_debug_tokenizer(tmp / ORIGINAL_TOKENIZER, arch.text_encoder.vocab_size)
@@ -246,11 +254,16 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
             (tmp / sub).mkdir()
             (tmp / sub / "config.json").write_text(json.dumps(cfg, indent=1))
         _write_sharded(shapes["transformer"], tk.native_to_diffusers, tmp / "transformer", "diffusion_pytorch_model",
-                       seed, dtype, t_fp32)
-        _write_sharded(shapes["text_encoder"], lambda sd: te.native_to_hf(sd, embed_tokens_alias=False), tmp / "text_encoder", "model", seed, dtype, te_fp32)
+                       seed, dtype, t_fp32, generator_device)
+        _write_sharded(shapes["text_encoder"], lambda sd: te.native_to_hf(sd, embed_tokens_alias=False),
+                       tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
         _write_sharded(shapes["vae"], vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", seed,
-                       torch.float32, vae_all)
+                       torch.float32, vae_all, generator_device)
         write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
+    return _finish(tmp, out, seed, layout)
+
+
+def _finish(tmp: Path, out: Path, seed: int, layout: str) -> Path:
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
