@@ -104,7 +104,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    ensure_synthetic(Path(args.config), Path(args.model_path), args.synth_dtype)
+    ensure_synthetic(Path(args.config), Path(args.model_path), args.synth_dtype,
+                     "cuda" if args.device.startswith("cuda") else "cpu")
     common = ["--config", args.config, "--model_path", args.model_path, "--steps", str(args.steps),
               "--requests", str(args.requests), "--device", args.device, "--shape", *map(str, args.shape)]
     runs: dict[str, list[dict[str, Any]]] = {"no_warmup": [], "warmup": []}

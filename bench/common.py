@@ -13,12 +13,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def ensure_synthetic(config_path: Path, out: Path, dtype: str = "bf16") -> Path:
+def ensure_synthetic(config_path: Path, out: Path, dtype: str = "bf16", generator_device: str = "cpu") -> Path:
     """Write the config architecture's synthetic checkpoint to `out` once (skipped if present)."""
     if (out / "runnerkit.json").is_file():
         return out
     subprocess.run([sys.executable, "-m", "runnerkit.tools.synth_checkpoint", "--config", str(config_path),
-                    "--out", str(out), "--dtype", dtype], check=True, cwd=REPO)
+                    "--out", str(out), "--dtype", dtype, "--generator_device", generator_device], check=True, cwd=REPO)
     return out
 
 
