@@ -15,12 +15,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+MAX_SIDE = 8192  # pixels: bounds a request far above any released Wan resolution (720p)
+MAX_FRAMES = 1025  # frames
+
+
 class ConfigError(ValueError):
     """A configuration or request is invalid; the message names the field, value and what is allowed."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "4" is not an int and 1 is not a bool (nothing is silently converted); floats accept ints.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class OffloadConfig(_Strict):
@@ -43,6 +48,14 @@ class OffloadConfig(_Strict):
     @model_validator(mode="after")
     def _combinations(self) -> "OffloadConfig":
         streaming = self.mode in ("block", "phase")
+        inert = [f for f in ("gpu_slots", "prefetch_depth", "reader") if f in self.model_fields_set and not streaming]
+        if "pin_memory" in self.model_fields_set and self.mode == "none":
+            inert.append("pin_memory")
+        if inert:
+            raise ValueError(f"`offload.{inert[0]}` has no effect with `offload.mode`={self.mode!r} "
+                             f"(set for: {inert}); remove it or choose a mode that uses it")
+        if self.reader != "mmap" and self.storage != "disk":
+            raise ValueError(f"`offload.reader`={self.reader!r} applies to `offload.storage`='disk' only")
         if self.prefetch_depth >= self.gpu_slots:
             raise ValueError(f"`offload.prefetch_depth` ({self.prefetch_depth}) must be < `offload.gpu_slots` "
                              f"({self.gpu_slots}): a slot is needed for the unit computing now")
@@ -92,9 +105,9 @@ class RunnerConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Compute dtype of transformer and text encoder.")
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
     infer_steps: int = Field(50, ge=1, le=1000, description="Denoising steps.")
-    target_height: int = Field(480, gt=0, description="Default output height in pixels.")
-    target_width: int = Field(832, gt=0, description="Default output width in pixels.")
-    target_video_length: int = Field(81, gt=0, description="Default number of frames (4n+1 for Wan).")
+    target_height: int = Field(480, gt=0, le=MAX_SIDE, description="Default output height in pixels.")
+    target_width: int = Field(832, gt=0, le=MAX_SIDE, description="Default output width in pixels.")
+    target_video_length: int = Field(81, gt=0, le=MAX_FRAMES, description="Default number of frames (4n+1 for Wan).")
     fps: int = Field(16, gt=0, le=240, description="Frames per second of saved video.")
     sample_shift: float = Field(5.0, gt=0, description="Flow-matching sigma shift.")
     sample_guide_scale: float | tuple[float, float] = Field(
@@ -103,7 +116,7 @@ class RunnerConfig(_Strict):
     enable_cfg: bool = Field(True, description="Classifier-free guidance (two branches per step).")
     negative_prompt: str | None = Field(None, description="Default negative prompt; None: the family's reference default.")
     scheduler: Literal["unipc", "euler"] = Field("unipc", description="Flow-matching sampler.")
-    seed: int = Field(42, ge=0, description="Default seed of a request.")
+    seed: int = Field(42, ge=0, le=2**63 - 1, description="Default seed of a request.")
     warmup: bool = Field(False, description="Run the one-time warmup in init_modules (CLI --warmup).")
     unload_modules: bool = Field(False, description="Load every module per request (warmup refuses this mode).")
     offload: OffloadConfig = OffloadConfig()
@@ -112,6 +125,11 @@ class RunnerConfig(_Strict):
     synthetic_checkpoint: SyntheticCheckpointConfig | None = Field(
         None, description="Write random weights to model_path (or a cache folder) if no checkpoint is there.")
     model: dict[str, Any] | None = Field(None, description="Architecture in runnerkit's names; normally read from the checkpoint.")
+
+    @field_validator("sample_guide_scale", mode="before")
+    @classmethod
+    def _pair_from_json(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v  # JSON has no tuples; the pair arrives as a list
 
     @field_validator("device")
     @classmethod
@@ -133,16 +151,24 @@ class RunnerConfig(_Strict):
 class RequestConfig(_Strict):
     """One request: what to generate and where to save it."""
 
-    prompt: str = Field(min_length=1, description="Text prompt.")
+    prompt: str = Field(min_length=1, description="Text prompt (not only whitespace).")
     negative_prompt: str | None = Field(None, description="Overrides the runner's negative prompt.")
     image_path: str | None = Field(None, description="Conditioning image (image tasks).")
     last_frame_path: str | None = Field(None, description="Last-frame image (FLF2V).")
-    seed: int | None = Field(None, ge=0, description="Seed; None: the runner config's seed.")
-    target_height: int | None = Field(None, gt=0)
-    target_width: int | None = Field(None, gt=0)
-    target_video_length: int | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed; None: the runner config's seed.")
+    target_height: int | None = Field(None, gt=0, le=MAX_SIDE)
+    target_width: int | None = Field(None, gt=0, le=MAX_SIDE)
+    target_video_length: int | None = Field(None, gt=0, le=MAX_FRAMES)
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("`prompt` must contain text, not only whitespace")
+        return v
     save_result_path: str | None = Field(None, description=".mp4 (video) or .png (image); a sidecar .json is written beside it.")
     save_tensor_path: str | None = Field(None, description=".safetensors with key 'video' float32 [C, F, H, W] in [-1, 1].")
+    source: str = Field("command line", exclude=True, description="Where the request came from (for messages).")
 
     @field_validator("save_result_path")
     @classmethod
@@ -166,7 +192,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         field = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         value = e.get("input")
-        shown = "" if e["type"] == "missing" or isinstance(value, dict) else f" (got {value!r})"
+        shown = "" if e["type"] == "missing" or isinstance(value, dict) or "(got " in msg else f" (got {value!r})"
         lines.append(f"  {field}: {msg}{shown}")
     return f"invalid {source}:\n" + "\n".join(lines)
 
@@ -181,11 +207,11 @@ def load_runner_config(path: str | Path | None, overrides: dict[str, Any]) -> Ru
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+            raise ConfigError(f"config file {str(p)!r} " + ("is a folder, not a file" if p.is_dir() else "does not exist"))
         try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid JSON: {exc}") from None
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid UTF-8 JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a JSON object (got {type(data).__name__})")
     data.update({k: v for k, v in overrides.items() if v is not None})
@@ -203,15 +229,20 @@ def load_requests(path: str | Path) -> list[RequestConfig]:
     """
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"requests file {str(p)!r} does not exist")
+        raise ConfigError(f"requests file {str(p)!r} " + ("is a folder, not a file" if p.is_dir() else "does not exist"))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"requests file {str(p)!r} is not UTF-8 text: {exc}") from None
     requests = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            requests.append(RequestConfig.model_validate_json(line))
+            request = RequestConfig.model_validate_json(line)
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, f"request on line {n} of {str(p)!r}")) from None
+        requests.append(request.model_copy(update={"source": f"line {n} of {str(p)!r}"}))
     if not requests:
         raise ConfigError(f"requests file {str(p)!r} holds no request")
     return requests

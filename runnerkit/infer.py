@@ -11,6 +11,7 @@ rest still run). Exit status 0 only if every request succeeded; 2 for invalid in
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,18 +28,24 @@ REQUEST_FLAGS = ("prompt", "negative_prompt", "image_path", "last_frame_path", "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="runnerkit", description="Run a runnerkit generation pipeline.")
-    p.add_argument("--model_cls", choices=sorted(load_families()), help="registered model family")
+    p = argparse.ArgumentParser(
+        prog="runnerkit", description="Run a runnerkit generation pipeline (load, optional warmup, requests).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  runnerkit --config_json configs/wan/wan_t2v_tiny.json --prompt 'a corgi surfing' "
+               "--save_result_path outputs/corgi.mp4 --warmup\n\n"
+               "exit status: 0 all requests succeeded; 1 a request failed (the others still ran) or an "
+               "unexpected error; 2 invalid input (config, request, checkpoint, unsupported mode); 130 interrupted")
+    p.add_argument("--model_cls", choices=sorted(load_families()), help="registered model family (or in --config_json)")
     p.add_argument("--task", help="task of the model family, e.g. t2v")
     p.add_argument("--model_path", help="checkpoint folder (runnerkit, original Wan, or diffusers layout)")
     p.add_argument("--config_json", help="JSON runner config (CLI flags override its values)")
-    p.add_argument("--prompt")
-    p.add_argument("--negative_prompt")
-    p.add_argument("--image_path")
-    p.add_argument("--last_frame_path")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--target_height", type=int)
-    p.add_argument("--target_width", type=int)
+    p.add_argument("--prompt", help="text prompt of the single request")
+    p.add_argument("--negative_prompt", help="CFG negative prompt (default: the config's, else the family's reference one)")
+    p.add_argument("--image_path", help="conditioning image (image-conditioned tasks only)")
+    p.add_argument("--last_frame_path", help="last-frame image (first-last-frame tasks only)")
+    p.add_argument("--seed", type=int, help="seed of the request's noise (default: the config's seed)")
+    p.add_argument("--target_height", type=int, help="pixels, a multiple of 16 for Wan")
+    p.add_argument("--target_width", type=int, help="pixels, a multiple of 16 for Wan")
     p.add_argument("--target_video_length", type=int, help="frames; 4n+1 for Wan")
     p.add_argument("--save_result_path", help=".mp4 video or .png image (+ sidecar .json)")
     p.add_argument("--save_tensor_path", help=".safetensors: key 'video' float32 [C, F, H, W] in [-1, 1]")
@@ -48,14 +55,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_writable(path: str, field: str) -> None:
+    """Raise ConfigError unless `path` can be created as a file (checked before any loading)."""
+    p = Path(path).expanduser().absolute()
+    if p.is_dir():
+        raise ConfigError(f"`{field}` {path!r} is a folder; give a file path")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"`{field}` {path!r} cannot be created: {str(parent)!r} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"`{field}` {path!r} cannot be created: no write permission in {str(parent)!r}")
+
+
 def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     """Validate the runner config and every request before anything is loaded.
 
     Raises:
-        ConfigError: invalid config or request, or conflicting flags.
+        ConfigError: invalid config or request, conflicting flags, unwritable or repeated output paths.
     """
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
                  "warmup": True if args.warmup else None}
+    if args.config_json is None and args.model_cls is None:
+        raise ConfigError("give --config_json FILE (or at least --model_cls and --model_path); see --help")
     config = load_runner_config(args.config_json, overrides)
     runner_cls = get_runner_cls(config.model_cls)
     given = {k: getattr(args, k) for k in REQUEST_FLAGS if getattr(args, k) is not None}
@@ -71,13 +94,28 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
             requests = [RequestConfig.model_validate(given)]
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, "request flags")) from None
-    for n, req in enumerate(requests):
+    outputs: dict[str, str] = {}
+    for req in requests:
         try:
-            runner_cls.validate_shape(req.target_height or config.target_height, req.target_width or config.target_width,
-                                      req.target_video_length or config.target_video_length)
+            runner_cls.validate_request(req, config)
         except ValueError as exc:
-            raise ConfigError(f"request {n}: {exc}") from None
+            raise ConfigError(f"request on {req.source}: {exc}") from None
+        for field in ("save_result_path", "save_tensor_path"):
+            path = getattr(req, field)
+            if path is None:
+                continue
+            check_writable(path, field)
+            key = str(Path(path).expanduser().absolute())
+            if key in outputs:
+                raise ConfigError(f"`{field}` {path!r} of the request on {req.source} is also written by the request "
+                                  f"on {outputs[key]}: each request needs its own output files")
+            outputs[key] = req.source
+    if args.profile_json:
+        check_writable(args.profile_json, "--profile_json")
     return config, requests
+
+
+INPUT_ERRORS = (ValueError, NotImplementedError, OSError)  # bad config, request, checkpoint files, modes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,24 +125,29 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, NotImplementedError) as exc:
         logger.error("invalid input: {}", exc)
         return 2
+    failed: list[int] = []
     try:
-        runner.init_modules()
-    except Exception as exc:  # load or warmup: nothing can be served
-        phase = error_phase(exc) or "load"
-        logger.error("{} failed: {}: {}", phase, type(exc).__name__, exc)
-        logger.opt(exception=exc).debug("traceback")
-        return 2 if isinstance(exc, (ValueError, NotImplementedError)) else 1
-    failed = []
-    for index, request in enumerate(requests):
         try:
-            runner.run_pipeline(request, index)
-        except Exception as exc:
-            failed.append(index)
-            logger.error("request {} failed: {}: {}", index, type(exc).__name__, exc)
+            runner.init_modules()
+        except Exception as exc:  # load or warmup: nothing can be served
+            phase = error_phase(exc) or "load"
+            logger.error("{} failed: {}: {}", phase, type(exc).__name__, exc)
             logger.opt(exception=exc).debug("traceback")
-    if args.profile_json:
-        runner.profiler.write(args.profile_json)
-        logger.info("profile written to {}", args.profile_json)
+            return 2 if isinstance(exc, INPUT_ERRORS) else 1
+        for index, request in enumerate(requests):
+            try:
+                runner.run_pipeline(request, index)
+            except Exception as exc:
+                failed.append(index)
+                logger.error("request {} ({}) failed: {}: {}", index, request.source, type(exc).__name__, exc)
+                logger.opt(exception=exc).debug("traceback")
+    except KeyboardInterrupt:
+        logger.error("interrupted; {} of {} requests finished", sum(r.ok for r in runner.profiler.requests), len(requests))
+        return 130
+    finally:
+        if args.profile_json and runner.profiler.phases:  # written once init succeeded, also after a failure
+            runner.profiler.write(args.profile_json)
+            logger.info("profile written to {}", args.profile_json)
     if failed:
         logger.error("{} of {} requests failed: {}", len(failed), len(requests), failed)
         return 1

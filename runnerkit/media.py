@@ -52,5 +52,5 @@ def save_tensor(video: torch.Tensor, path: str | Path, key: str = "video") -> No
 def write_sidecar(media_path: str | Path, record: dict[str, Any]) -> Path:
     """Write `record` (seed, prompt, resolved config) as JSON next to the media file (same stem, .json)."""
     side = Path(media_path).with_suffix(".json")
-    side.write_text(json.dumps(record, indent=2, default=str))
+    side.write_text(json.dumps(record, indent=2, default=str, ensure_ascii=False), encoding="utf-8")
     return side

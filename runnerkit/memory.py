@@ -29,6 +29,8 @@ class MemorySnapshot:
         return {k: round(v, 4) for k, v in asdict(self).items()}
 
     def describe(self) -> str:
+        if self == MemorySnapshot():
+            return "cpu: no device memory (allocated 0 GiB, reserved 0 GiB)"
         return (f"allocated {self.allocated_gib:.2f} GiB live, reserved {self.reserved_gib:.2f} GiB "
                 f"(cache {self.reserved_gib - self.allocated_gib:.2f} GiB), free {self.free_gib:.2f} GiB")
 

@@ -95,16 +95,22 @@ def read_safetensors(files: Iterable[Path], component: str) -> dict[str, torch.T
     """Read every tensor of `files` into CPU memory (one handle open at a time)."""
     files = list(files)
     if not files:
-        raise CheckpointError(f"{component}: no .safetensors files found")
+        raise CheckpointError(f"{component}: no .safetensors files found (is the checkpoint folder complete?)")
     out: dict[str, torch.Tensor] = {}
     for path in files:
         if not Path(path).is_file():
             raise CheckpointError(f"{component}: checkpoint file {path} does not exist")
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key in out:
-                    raise CheckpointError(f"{component}: tensor {key!r} appears in two files (second: {path})")
-                out[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if key in out:
+                        raise CheckpointError(f"{component}: tensor {key!r} appears in two files (second: {path})")
+                    out[key] = f.get_tensor(key)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
+            raise CheckpointError(f"{component}: cannot read {path} ({type(exc).__name__}: {exc}); the file is "
+                                  "truncated or not safetensors") from None
     return out
 
 

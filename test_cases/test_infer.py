@@ -150,19 +150,27 @@ def test_requests_file_matches_isolated_runs(config_path: Path, isolated: list[t
 
 
 def test_failed_request_mid_batch_is_reported_and_others_unaffected(
-        config_path: Path, isolated: list[torch.Tensor], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    blocker = tmp_path / "blocker"
-    blocker.write_text("a regular file, not a folder")
-    paths = [tmp_path / "b0.safetensors", blocker / "b1.safetensors", tmp_path / "b2.safetensors"]
+        config_path: Path, isolated: list[torch.Tensor], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import runnerkit.models.wan.runner as wan_runner
+
+    real_save = wan_runner.save_tensor
+
+    def disk_full_on_b1(video: torch.Tensor, path: Any, key: str = "video") -> None:
+        if str(path).endswith("b1.safetensors"):  # fails after the whole request was generated
+            raise OSError(28, "No space left on device")
+        real_save(video, path, key=key)
+
+    monkeypatch.setattr(wan_runner, "save_tensor", disk_full_on_b1)
+    paths = [tmp_path / "b0.safetensors", tmp_path / "b1.safetensors", tmp_path / "b2.safetensors"]
     lines = [{**req, "save_tensor_path": str(p)} for req, p in zip(REQUESTS, paths, strict=True)]
     reqs = _write_requests(tmp_path / "reqs.jsonl", lines)
     rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
     assert rc == 1, err
-    assert "request 1 failed" in err
-    assert "request 0 failed" not in err and "request 2 failed" not in err
+    assert "request 1 (line 2 of" in err and "failed: OSError" in err
+    assert "request 0 (" not in err and "request 2 (" not in err
     assert "1 of 3 requests failed: [1]" in err
-    assert "Traceback" not in err
-    assert blocker.read_text() == "a regular file, not a folder"
+    assert "Traceback" not in err and not paths[1].exists()
     # The requests before and after the failure are exactly their isolated outputs.
     assert torch.equal(_video(paths[0]), isolated[0])
     assert torch.equal(_video(paths[2]), isolated[2])
@@ -174,8 +182,9 @@ def test_save_result_mp4_png_and_sidecar(config_path: Path, tiny_ckpt: Path, iso
     import imageio.v3 as iio
     import imageio_ffmpeg
 
-    mp4, png = tmp_path / "sub" / "x.mp4", tmp_path / "y.png"
-    lines = [{**REQUESTS[0], "save_result_path": str(mp4)}, {**REQUESTS[0], "save_result_path": str(png)}]
+    mp4, png, png_tensor = tmp_path / "sub" / "x.mp4", tmp_path / "y.png", tmp_path / "y.safetensors"
+    lines = [{**REQUESTS[0], "save_result_path": str(mp4)},
+             {**REQUESTS[0], "target_video_length": 1, "save_result_path": str(png), "save_tensor_path": str(png_tensor)}]
     rc, err = _cli(capsys, "--config_json", config_path, "--requests", _write_requests(tmp_path / "r.jsonl", lines))
     assert rc == 0, err
     expected = to_uint8_frames(isolated[0]).numpy()  # [F, H, W, 3] uint8
@@ -192,10 +201,10 @@ def test_save_result_mp4_png_and_sidecar(config_path: Path, tiny_ckpt: Path, iso
     err_mean = (first.float() - torch.from_numpy(expected[0]).float()).abs().mean().item()
     assert err_mean < 25, f"mp4 frame 0 far from the tensor (mean abs error {err_mean:.1f} of 255)"
 
-    # png: the first frame, lossless.
+    # png: a one-frame request, lossless.
     image = iio.imread(png)
     assert image.shape == (H, W, 3) and image.dtype.name == "uint8"
-    assert (image == expected[0]).all()
+    assert (image == to_uint8_frames(_video(png_tensor)).numpy()[0]).all()
 
     # Sidecars: seed, prompt and the resolved config.
     for media in (mp4, png):
@@ -362,7 +371,7 @@ def test_requests_line_with_bad_shape(config_path: Path, tmp_path: Path, capsys:
     reqs = _write_requests(tmp_path / "r.jsonl", [{"prompt": "a", "save_tensor_path": str(out)},
                                                   {"prompt": "b", "target_video_length": 6}])
     rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
-    _assert_invalid(rc, err, "request 1", "target_video_length", "4n+1", "got 6")
+    _assert_invalid(rc, err, "line 2", "target_video_length", "4n+1", "got 6")
     assert not out.exists()
 
 
@@ -376,7 +385,48 @@ def test_config_file_invalid_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     bad = tmp_path / "bad.json"
     bad.write_text('{"model_cls": "wan2.1",')
     rc, err = _cli(capsys, "--config_json", bad, "--prompt", "x")
-    _assert_invalid(rc, err, str(bad), "not valid JSON")
+    _assert_invalid(rc, err, str(bad), "not valid UTF-8 JSON")
+
+
+def test_png_for_a_multi_frame_video_is_refused(config_path: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--save_result_path", tmp_path / "a.png")
+    _assert_invalid(rc, err, "save_result_path", "9-frame video", ".mp4")
+
+
+def test_output_under_a_file_is_refused_before_loading(config_path: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a regular file")
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--save_tensor_path", blocker / "o.safetensors")
+    _assert_invalid(rc, err, "save_tensor_path", "is a file, not a folder")
+    assert "load:" not in err and blocker.read_text() == "a regular file"
+
+
+def test_two_requests_writing_one_file_are_refused(config_path: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    same = str(tmp_path / "same.safetensors")
+    reqs = _write_requests(tmp_path / "r.jsonl", [{"prompt": "a", "save_tensor_path": same},
+                                                  {"prompt": "b", "save_tensor_path": same}])
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
+    _assert_invalid(rc, err, "line 2", "also written by the request on line 1")
+
+
+def test_image_path_on_text_to_video_is_refused(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--image_path", "/nonexistent.png")
+    _assert_invalid(rc, err, "image_path", "not used by task 't2v'")
+
+
+@pytest.mark.parametrize(("key", "value", "needle"), [("infer_steps", "4", "valid integer"),
+                                                      ("infer_steps", True, "valid integer"),
+                                                      ("enable_cfg", "yes", "valid boolean"),
+                                                      ("boundary", 0.9, "MoE"),
+                                                      ("offload", {"mode": "none", "gpu_slots": 3}, "no effect")])
+def test_no_silent_coercion_or_ignored_settings(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                key: str, value: Any, needle: str) -> None:
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, **{key: value}))
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x")
+    _assert_invalid(rc, err, key, needle)
 
 
 # ---- warmup gate ---------------------------------------------------------------------------------

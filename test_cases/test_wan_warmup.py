@@ -83,7 +83,7 @@ def test_gates_refuse_before_anything_runs(tiny_ckpt: Path, mocker: Any, cls: ty
     run_warmup = mocker.spy(cls, "run_warmup")
     with pytest.raises(NotImplementedError, match=reason) as exc:
         runner.init_modules()
-    assert error_phase(exc.value) == "load"  # refused before loading, so before any device work
+    assert error_phase(exc.value) == "warmup"  # the warmup gate, checked before loading (no device work)
     assert load.call_count == 0 and run_warmup.call_count == 0
     assert runner.transformer is None
 

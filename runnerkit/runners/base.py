@@ -90,14 +90,15 @@ class BaseRunner(ABC):
         """Record values resolved while loading (e.g. the architecture); refused after the lock."""
         if self._config_locked:
             raise ConfigLockedError(f"config is locked after load_modules; refused change of {sorted(changes)}")
-        self._config = RunnerConfig.model_validate({**self._config.model_dump(), **changes})
+        self._config = RunnerConfig.model_validate({**self._config.model_dump(exclude_unset=True), **changes})
 
     # -- lifecycle ------------------------------------------------------------------------
     def init_modules(self) -> None:
         """Load modules, lock the config, run the one-time warmup (a no-op without --warmup)."""
-        with lifecycle_phase("load"):
-            if self.config.warmup:
+        if self.config.warmup:
+            with lifecycle_phase("warmup"):
                 self.check_warmup_supported()  # refuse before anything is loaded
+        with lifecycle_phase("load"):
             t0 = time.perf_counter()
             self.load_modules()
             seconds = time.perf_counter() - t0

@@ -14,6 +14,7 @@ Warmup (ARCHITECTURE §3) is opt-in per class: a runner class declares `WARMUP_T
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from contextlib import contextmanager, nullcontext
 from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
@@ -92,6 +93,33 @@ class DefaultRunner(BaseRunner):
         if (frames - 1) % t:
             raise ValueError(f"`target_video_length` must be {t}n+1, e.g. 5, 9, 81 (got {frames})")
 
+    #: Image inputs a task takes (request fields); text-only tasks take none.
+    IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    @classmethod
+    def validate_request(cls, request: RequestConfig, config: Any) -> None:
+        """Check a request against the runner before anything loads.
+
+        Raises:
+            ValueError: naming the field: shape factors, image inputs the task does not take or
+                lacks, a .png result for a multi-frame video.
+        """
+        h = request.target_height or config.target_height
+        w = request.target_width or config.target_width
+        f = request.target_video_length or config.target_video_length
+        cls.validate_shape(h, w, f)
+        wanted = cls.IMAGE_INPUTS.get(config.task, ())
+        for field in ("image_path", "last_frame_path"):
+            value = getattr(request, field)
+            if value is not None and field not in wanted:
+                raise ValueError(f"`{field}` is not used by task {config.task!r} (got {value!r}); "
+                                 f"image inputs of this task: {list(wanted) or 'none'}")
+            if field in wanted and (value is None or not Path(value).is_file()):
+                raise ValueError(f"`{field}` must name an existing image file for task {config.task!r} (got {value!r})")
+        if request.save_result_path and Path(request.save_result_path).suffix.lower() == ".png" and f > 1:
+            raise ValueError(f"`save_result_path` {request.save_result_path!r}: a .png holds one image but this "
+                             f"request makes a {f}-frame video; use .mp4")
+
     def resolve_request(self, request: RequestConfig) -> InputInfo:
         """Fill request defaults from the runner config and validate the shape."""
         cfg = self.config
@@ -108,7 +136,7 @@ class DefaultRunner(BaseRunner):
             image_path=request.image_path,
             last_frame_path=request.last_frame_path,
         )
-        self.validate_shape(info.height, info.width, info.frames)
+        self.validate_request(request, cfg)
         return info
 
     # ---- family hooks -------------------------------------------------------------------
@@ -192,7 +220,7 @@ class DefaultRunner(BaseRunner):
         return inputs
 
     def run_denoise(self, info: InputInfo, steps: Sequence[int] | None = None,
-                    timer: StepTimer | None = None) -> torch.Tensor:
+                    timer: StepTimer | None = None, label: str = "step") -> torch.Tensor:
         """prepare -> (step_pre -> run_step -> step_post) for `steps` (default: all) -> final latents.
 
         Warmup passes a subset of steps; a non-consecutive jump resets the solver history
@@ -204,10 +232,11 @@ class DefaultRunner(BaseRunner):
         sched.prepare(self.latent_shape(info), total, info.seed, self.device, self.dtype)
         order = list(range(total)) if steps is None else list(steps)
         with self.module_on_device("transformer"):
-            self._denoise_loop(sched, order, total, timer)
+            self._denoise_loop(sched, order, total, timer, label)
         return sched.latents
 
-    def _denoise_loop(self, sched: Scheduler, order: list[int], total: int, timer: StepTimer | None) -> None:
+    def _denoise_loop(self, sched: Scheduler, order: list[int], total: int, timer: StepTimer | None,
+                      label: str) -> None:
         previous = -1
         for i in order:
             if i != previous + 1:
@@ -219,7 +248,7 @@ class DefaultRunner(BaseRunner):
                 latents, timestep = sched.step_pre(i)
                 noise_pred = self.run_step(latents, timestep, i)
                 sched.step_post(noise_pred)
-            logger.info("step {}/{}", i + 1, total)
+            logger.info("{} {}/{}", label, i + 1, total)
             previous = i
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -252,6 +281,12 @@ class DefaultRunner(BaseRunner):
                     info = self.resolve_request(request)
                     self.input_info = info
                     prof.shape = list(info.shape)
+                    if self._warmup_ran and info.shape not in self.warmup_shapes():
+                        logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower "
+                                       "first step", index, list(info.shape), [list(x) for x in self.warmup_shapes()])
+                    if not (info.save_result_path or info.save_tensor_path):
+                        logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved",
+                                       index)
                     # 2. encoders
                     self.run_encoders(info)
                     # 3. denoise
@@ -397,7 +432,7 @@ class DefaultRunner(BaseRunner):
             self.inputs = inputs
             if self.needs_image():
                 self.inputs = self.run_vae_encoder(info, self.run_image_encoder(info, inputs))
-            latents = self.run_denoise(info, steps=self.warmup_steps())
+            latents = self.run_denoise(info, steps=self.warmup_steps(), label="warmup step")
             self.decode(latents)
         finally:
             self._reset_request_state()

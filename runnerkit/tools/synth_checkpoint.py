@@ -18,38 +18,57 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from runnerkit.config import ConfigError, load_runner_config
+from pydantic import ValidationError
+
+from runnerkit.config import ConfigError, format_validation_error, load_runner_config
 from runnerkit.models.wan.arch import WanArch
 from runnerkit.models.wan.checkpoint import LAYOUTS, write_synthetic
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def _is_checkpoint(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("runnerkit.json", "model_index.json", "config.json"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    logger.remove()
+    logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}")
     p = argparse.ArgumentParser(prog="runnerkit.tools.synth_checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="runner JSON config whose `model` (or defaults) gives the architecture")
-    p.add_argument("--out", required=True, help="output folder (replaced if it exists)")
+    p.add_argument("--out", required=True, help="output folder: new, empty, or an earlier checkpoint (replaced)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of transformer and text encoder weights")
     p.add_argument("--layout", choices=LAYOUTS, default="runnerkit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generator_device", default="cpu", help="draw the random values on this device (cuda: fast)")
     p.add_argument("--transformer_only", action="store_true", help="write only the transformer (runnerkit layout)")
+    p.add_argument("--force", action="store_true", help="replace --out even if it holds files that are not a checkpoint")
     args = p.parse_args(argv)
+    out = Path(args.out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        logger.error("--out {!r} is a file; give a folder", args.out)
+        return 2
+    if out.is_dir() and any(out.iterdir()) and not _is_checkpoint(out) and not args.force:
+        logger.error("--out {!r} is a non-empty folder that holds no checkpoint; refusing to replace it "
+                     "(pass --force to replace its contents)", args.out)
+        return 2
     try:
         config = load_runner_config(args.config, {"synthetic_checkpoint": {"seed": args.seed}})
-    except ConfigError as exc:
-        logger.error("{}", exc)
+        if config.model_cls != "wan2.1":
+            raise ConfigError(f"`model_cls` {config.model_cls!r}: synthetic checkpoints exist for 'wan2.1' only")
+        arch = WanArch.model_validate(config.model or {})
+        WanArch.model_validate(arch.model_dump())
+        t0 = time.perf_counter()
+        write_synthetic(arch, out, args.seed, DTYPES[args.dtype], args.layout,
+                        generator_device=args.generator_device, transformer_only=args.transformer_only)
+    except ValidationError as exc:
+        logger.error("{}", format_validation_error(exc, f"`model` of {args.config!r}"))
         return 2
-    if config.model_cls != "wan2.1":
-        logger.error("`model_cls` {!r}: synthetic checkpoints are implemented for 'wan2.1' only", config.model_cls)
+    except (ConfigError, ValueError, NotImplementedError, OSError, RuntimeError) as exc:
+        logger.error("{}: {}", type(exc).__name__, exc)
         return 2
-    arch = WanArch.model_validate(config.model or {})
-    t0 = time.perf_counter()
-    write_synthetic(arch, Path(args.out), args.seed, DTYPES[args.dtype], args.layout,
-                    generator_device=args.generator_device, transformer_only=args.transformer_only)
-    logger.info("synthetic checkpoint written in {:.1f} s", time.perf_counter() - t0)
+    logger.info("synthetic checkpoint written to {} in {:.1f} s", out, time.perf_counter() - t0)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

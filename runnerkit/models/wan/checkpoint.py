@@ -69,6 +69,13 @@ def _read_json(path: Path, component: str) -> dict[str, Any]:
         raise CheckpointError(f"{component}: {path} is not valid JSON: {exc}") from None
 
 
+def _read_folder(folder: Path, component: str) -> dict[str, torch.Tensor]:
+    files = safetensors_files(folder)
+    if not files:
+        raise CheckpointError(f"{component}: no .safetensors files in {folder} (is the checkpoint complete?)")
+    return read_safetensors(files, component)
+
+
 @dataclass(frozen=True)
 class WanCheckpoint:
     """A located checkpoint: its layout, folder and the architecture read from it."""
@@ -130,13 +137,10 @@ class WanCheckpoint:
     # ---- text encoder ------------------------------------------------------------------
     def text_encoder_state_dict(self) -> dict[str, torch.Tensor]:
         if self.layout == "runnerkit":
-            return read_safetensors(safetensors_files(self.path / "text_encoder"), "text_encoder")
+            return _read_folder(self.path / "text_encoder", "text_encoder")
         if self.layout == "original":
             return read_pth(self.path / ORIGINAL_T5, "text_encoder")
-        files = safetensors_files(self.path / "text_encoder")
-        if not files:
-            raise CheckpointError(f"text_encoder: no .safetensors files in {self.path / 'text_encoder'}")
-        return te.hf_to_native(read_safetensors(files, "text_encoder"))
+        return te.hf_to_native(_read_folder(self.path / "text_encoder", "text_encoder"))
 
     def tokenizer_path(self) -> Path:
         return {"runnerkit": self.path / "tokenizer", "original": self.path / ORIGINAL_TOKENIZER,
@@ -145,10 +149,10 @@ class WanCheckpoint:
     # ---- vae ---------------------------------------------------------------------------
     def vae_state_dict(self) -> dict[str, torch.Tensor]:
         if self.layout == "runnerkit":
-            return read_safetensors(safetensors_files(self.path / "vae"), "vae")
+            return _read_folder(self.path / "vae", "vae")
         if self.layout == "original":
             return read_pth(self.path / ORIGINAL_VAE, "vae")
-        return vae_mod.diffusers_to_native(read_safetensors(safetensors_files(self.path / "vae"), "vae"))
+        return vae_mod.diffusers_to_native(_read_folder(self.path / "vae", "vae"))
 
 
 # ---- writing synthetic checkpoints ----------------------------------------------------------

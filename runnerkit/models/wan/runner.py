@@ -19,7 +19,9 @@ import torch
 from loguru import logger
 from torch import nn
 
-from runnerkit.config import RunnerConfig
+from pydantic import ValidationError
+
+from runnerkit.config import RunnerConfig, format_validation_error
 from runnerkit.media import save_media, save_tensor, write_sidecar
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
@@ -32,7 +34,7 @@ from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner, InputInfo, Shape
 from runnerkit.runners.placement import Loader, Placement
-from runnerkit.weights import assign_state_dict, build_on_meta
+from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta
 
 # Wan2.1's default negative prompt (`wan/configs/shared_config.py`, sample_neg_prompt).
 WAN_NEGATIVE_PROMPT = (
@@ -91,6 +93,7 @@ class WanT2VRunner(DefaultRunner):
         "1.3B": ((320, 320, 17), (480, 832, 81)),
         "14B": ((320, 320, 17), (480, 832, 81)),
     }
+    IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2v": ()}
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
@@ -99,6 +102,18 @@ class WanT2VRunner(DefaultRunner):
                              f"got {config.sample_guide_scale!r}")
         if config.compile.enabled:
             raise NotImplementedError("`compile.enabled`=true is not available yet for wan2.1")
+        if config.boundary is not None:
+            raise ValueError(f"`boundary` ({config.boundary}) switches MoE experts (Wan2.2); wan2.1 has one "
+                             "transformer: remove it")
+        if config.offload.vae_tiling:
+            raise NotImplementedError("`offload.vae_tiling`=true is not implemented yet: the Wan VAE decodes whole "
+                                      "frames (its causal feature cache is per frame chunk); set it to false")
+        try:
+            self.arch_override = WanArch.model_validate(config.model or {})
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, "`model` (wan2.1 architecture)").replace("\n  ", "\n  model.")
+                             + f"\n  (`model` takes the components {sorted(WanArch.model_fields)}, with the fields of "
+                             "runnerkit/models/wan/arch.py)") from None
         self.checkpoint: WanCheckpoint | None = None
         self.tokenizer: WanTokenizer | None = None
         self.transformer: WanTransformer3D | None = None  # None when built per stage (lazy_load, unload_modules)
@@ -106,22 +121,42 @@ class WanT2VRunner(DefaultRunner):
         self.streamer: BlockStreamer | None = None
 
     # ---- loading -----------------------------------------------------------------------
-    def locate_checkpoint(self) -> WanCheckpoint:
-        """Open `model_path`, writing a synthetic checkpoint first if configured and absent."""
+    def checkpoint_path(self) -> Path:
+        """`model_path`, or the cache folder of this architecture's synthetic checkpoint."""
         cfg = self.config
-        path = Path(cfg.model_path) if cfg.model_path else None
-        if cfg.synthetic_checkpoint is not None:
-            arch = WanArch.model_validate(cfg.model or {})
-            if path is None:
-                digest = hashlib.sha1(json.dumps(arch.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
-                path = synthetic_cache_dir() / f"wan2.1-{digest}-seed{cfg.synthetic_checkpoint.seed}-{cfg.dtype}"
-            if not path.exists() or not any(path.iterdir()):
-                write_synthetic(arch, path, cfg.synthetic_checkpoint.seed, self.dtype)
-        assert path is not None, "config validation requires model_path or synthetic_checkpoint"
+        if cfg.model_path:
+            return Path(cfg.model_path)
+        assert cfg.synthetic_checkpoint is not None, "config validation requires model_path or synthetic_checkpoint"
+        digest = hashlib.sha1(json.dumps(self.arch_override.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        return synthetic_cache_dir() / f"wan2.1-{digest[:12]}-seed{cfg.synthetic_checkpoint.seed}-{cfg.dtype}"
+
+    def _synthetic_pending(self, path: Path) -> bool:
+        """True if a synthetic checkpoint is configured and not written yet at `path`."""
+        if self.config.synthetic_checkpoint is None:
+            return False
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(f"`model_path` {str(path)!r} is a file; a synthetic checkpoint needs a folder")
+        return not path.exists() or not any(path.iterdir())
+
+    def locate_checkpoint(self) -> WanCheckpoint:
+        """Open the checkpoint, writing a synthetic one first if configured and absent.
+
+        Raises:
+            CheckpointError: no checkpoint there, or a synthetic one written with another seed.
+        """
+        cfg = self.config
+        path = self.checkpoint_path()
+        if self._synthetic_pending(path):
+            write_synthetic(self.arch_override, path, cfg.synthetic_checkpoint.seed, self.dtype)
         ckpt = WanCheckpoint.open(path, override=cfg.model)
         meta = path / "runnerkit.json"
-        if meta.is_file() and "synthetic_seed" in json.loads(meta.read_text()):
-            logger.warning("model_path {} holds SYNTHETIC RANDOM weights: the output will be noise", path)
+        seed = json.loads(meta.read_text()).get("synthetic_seed") if meta.is_file() else None
+        if seed is not None:
+            wanted = cfg.synthetic_checkpoint.seed if cfg.synthetic_checkpoint else seed
+            if wanted != seed:
+                raise CheckpointError(f"`model_path` {str(path)!r} holds synthetic weights of seed {seed}, but "
+                                      f"`synthetic_checkpoint.seed` is {wanted}: use another model_path or delete it")
+            logger.warning("model_path {} holds SYNTHETIC RANDOM weights (seed {}): the output will be noise", path, seed)
         return ckpt
 
     def build_text_encoder(self, device: torch.device) -> te.UMT5Encoder:
@@ -204,9 +239,14 @@ class WanT2VRunner(DefaultRunner):
         self.scheduler = self.build_scheduler()
 
     def flavour(self) -> str | None:
-        if self.checkpoint is None:  # warmup gate before loading: read the architecture only
-            self.checkpoint = self.locate_checkpoint()
-        return flavour_of(self.checkpoint.arch.transformer)
+        """From the loaded checkpoint; before loading (the warmup gate) from its config files only,
+        or from the configured architecture if a synthetic checkpoint is still to be written."""
+        if self.checkpoint is not None:
+            return flavour_of(self.checkpoint.arch.transformer)
+        path = self.checkpoint_path()
+        if self._synthetic_pending(path):
+            return flavour_of(self.arch_override.transformer)
+        return flavour_of(WanCheckpoint.open(path, override=self.config.model).arch.transformer)
 
     # ---- request stages ------------------------------------------------------------------
     def latent_shape(self, info: InputInfo) -> tuple[int, ...]:
@@ -222,6 +262,10 @@ class WanT2VRunner(DefaultRunner):
         encoder = te.WanTextEncoder(self.tokenizer, self.stage_modules["text_encoder"])
         prompts = [prompt] if negative_prompt is None else [prompt, negative_prompt]
         embeds = encoder.encode(prompts)
+        text_len = self.checkpoint.arch.text_encoder.text_len
+        for name, e in zip(("prompt", "negative_prompt"), embeds):
+            if e.shape[0] >= text_len:
+                logger.warning("`{}` fills all {} tokens and is truncated there (as the reference does)", name, text_len)
         return WanInputs(context=embeds[0][None], context_null=embeds[1][None] if len(embeds) > 1 else None)
 
     @torch.inference_mode()
