@@ -6,8 +6,10 @@ laid out as `layouts[j]` says; the streamer copies it H2D in one copy.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -39,6 +41,9 @@ class UnitSource(Protocol):
 
     def fetch(self, unit: int, slot: int, engine: CopyEngine) -> torch.Tensor:
         """Host bytes of `unit` (uint8 [layouts[unit].raw_nbytes]) for a copy into `slot`."""
+
+    def reset(self) -> None:
+        """Drop any read-ahead: back to the request boundary."""
 
     def close(self) -> None:
         """Free host memory and file handles."""
@@ -109,6 +114,9 @@ class HostSource:
         assert buffer is not None, f"host source closed; unit {unit} fetched"
         return buffer
 
+    def reset(self) -> None:
+        """Nothing read ahead: host slabs are filled once."""
+
     def close(self) -> None:
         """Release every slab (call after all copies finished)."""
         for slab in self.slabs:
@@ -135,6 +143,7 @@ class DiskSource:
         key_map: model name -> checkpoint name, for names that differ (default: identical).
         weight_dtype: must be "same".
         pin_memory: page-locked staging slabs where possible.
+        read_ahead: read the next unit on a background thread while the current one is used.
 
     Raises:
         NotImplementedError: `weight_dtype` is not "same", or a checkpoint dtype differs from `dtype`.
@@ -143,7 +152,7 @@ class DiskSource:
 
     def __init__(self, units: Sequence[StreamUnit], reader: SafetensorsDiskReader, dtype: torch.dtype,
                  key_map: Mapping[str, str] | None = None, weight_dtype: WeightDtype = "same",
-                 pin_memory: bool = True) -> None:
+                 pin_memory: bool = True, read_ahead: bool = True) -> None:
         if weight_dtype != "same":
             raise NotImplementedError(f"`weight_dtype`={weight_dtype!r} with disk storage: the checkpoint's bytes "
                                       "are streamed as they are; use storage 'cpu' for fp8 streaming")
@@ -165,6 +174,13 @@ class DiskSource:
         self.layouts = [plan_unit_layout(u, {n: reader.index[c].shape for n, c in zip(u.params, names)}, dtype)
                         for u, names in zip(units, self._ckpt_names)]
         self.staging: list[HostSlab] = []
+        # Read-ahead: while unit j is copied and computed, one background thread reads unit j+1 from
+        # disk into the next staging slab, so disk reads overlap compute instead of stalling the
+        # pre-hook. Reads are serialized by a lock (one reader at a time, one handle per file).
+        self.read_ahead = read_ahead
+        self._executor: ThreadPoolExecutor | None = None
+        self._ahead: dict[int, tuple[Future, int]] = {}  # unit -> (its background read, staging slot)
+        self._lock = threading.Lock()
 
     @property
     def pinned(self) -> bool:
@@ -176,18 +192,47 @@ class DiskSource:
         size = max(layout.raw_nbytes for layout in self.layouts)
         self.staging = [HostSlab(size, pin_memory=self.pin_memory, label=f"staging{s}") for s in range(num_slots)]
 
-    def fetch(self, unit: int, slot: int, engine: CopyEngine) -> torch.Tensor:
-        """Read the unit's tensors from disk into the slot's staging slab."""
+    def _read_unit(self, unit: int, slot: int, engine: CopyEngine) -> None:
         buffer = self.staging[slot].buffer
         assert buffer is not None, f"disk source closed; unit {unit} fetched"
         engine.wait_copy_host(slot)  # the slab's previous H2D copy must have read it
-        layout = self.layouts[unit]
-        for t, name in zip(layout.tensors, self._ckpt_names[unit]):
-            self.reader.read_into(name, buffer[t.offset:t.offset + t.nbytes])
-        return buffer[:layout.raw_nbytes]
+        with self._lock:
+            for t, name in zip(self.layouts[unit].tensors, self._ckpt_names[unit]):
+                self.reader.read_into(name, buffer[t.offset:t.offset + t.nbytes])
+
+    def fetch(self, unit: int, slot: int, engine: CopyEngine) -> torch.Tensor:
+        """The unit's tensors in the slot's staging slab (read ahead in the background, or read now);
+        then start reading the next unit into the next unit's slot."""
+        ahead = self._ahead.pop(unit, None)
+        if ahead is not None and ahead[1] == slot:
+            ahead[0].result()  # re-raises a failed background read here
+        else:
+            if ahead is not None:
+                ahead[0].result()
+            self._read_unit(unit, slot, engine)
+        if self.read_ahead and len(self.staging) > 1:
+            nxt = (unit + 1) % len(self.layouts)
+            nslot = nxt % len(self.staging)  # the streamer's slot of unit nxt
+            if nslot != slot and nxt not in self._ahead:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runnerkit-disk-read")
+                self._ahead[nxt] = (self._executor.submit(self._read_unit, nxt, nslot, engine), nslot)
+        buffer = self.staging[slot].buffer
+        assert buffer is not None, f"disk source closed; unit {unit} fetched"
+        return buffer[:self.layouts[unit].raw_nbytes]
+
+    def reset(self) -> None:
+        """Wait for and drop any read-ahead (its bytes are not used): the request boundary."""
+        pending, self._ahead = list(self._ahead.values()), {}
+        for future, _ in pending:
+            future.exception()  # wait; an error of a read nobody needs is dropped
 
     def close(self) -> None:
-        """Close the reader's long-lived handles and release the staging slabs."""
+        """Stop read-ahead, close the reader's long-lived handles and release the staging slabs."""
+        self.reset()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         self.reader.close()
         for slab in self.staging:
             slab.release()

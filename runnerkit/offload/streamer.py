@@ -243,6 +243,7 @@ class BlockStreamer:
         between requests and after warmup, never inside a forward.
         """
         start = time.perf_counter()
+        self.source.reset()  # background reads may wait on copy events: drain them first
         self.engine.reset()
         self._clear_state()
         logger.debug(f"block streamer reset to the request boundary in {time.perf_counter() - start:.4f}s")
