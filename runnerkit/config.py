@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-
 MAX_SIDE = 8192  # pixels: bounds a request far above any released Wan resolution (720p)
 MAX_FRAMES = 1025  # frames
 

@@ -51,12 +51,12 @@ def assign_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], co
     if missing or unexpected:
         raise CheckpointError(
             f"{component}: checkpoint does not match the architecture; "
-            f"missing keys ({len(missing)}): {_short(missing)}; unexpected keys ({len(unexpected)}): {_short(unexpected)}"
+            f"missing keys ({len(missing)}): {short_list(missing)}; unexpected keys ({len(unexpected)}): {short_list(unexpected)}"
         )
     bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
            for k, v in state_dict.items() if tuple(v.shape) != tuple(expected[k].shape)]
     if bad:
-        raise CheckpointError(f"{component}: shape mismatch for {len(bad)} tensors: {_short(bad)}")
+        raise CheckpointError(f"{component}: shape mismatch for {len(bad)} tensors: {short_list(bad)}")
     cast = {}
     for k, v in state_dict.items():
         if v.is_floating_point():
@@ -71,11 +71,12 @@ def assign_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], co
         init()
     leftover = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if leftover:
-        raise CheckpointError(f"{component}: tensors left on the meta device after loading: {_short(leftover)}")
+        raise CheckpointError(f"{component}: tensors left on the meta device after loading: {short_list(leftover)}")
     return module
 
 
-def _short(items: list[str], limit: int = 12) -> str:
+def short_list(items: list[str], limit: int = 12) -> str:
+    """'a, b, c, ... (+N more)' for error messages that list names."""
     shown = ", ".join(items[:limit])
     return shown + (f", ... (+{len(items) - limit} more)" if len(items) > limit else "") if items else "none"
 

@@ -10,9 +10,18 @@ See ARCHITECTURE §4. Typical block/phase streaming setup (storage "cpu"):
 """
 
 from runnerkit.offload.disk import SafetensorsDiskReader, TensorIndexEntry, read_header
-from runnerkit.offload.layout import (FP8_E4M3_MAX, WAN_PHASES, StreamUnit, TensorPlacement, UnitLayout,
-                                      dequantize_fp8_e4m3, plan_unit_layout, plan_units, quantize_fp8_e4m3,
-                                      resident_names)
+from runnerkit.offload.layout import (
+                                      FP8_E4M3_MAX,
+                                      WAN_PHASES,
+                                      StreamUnit,
+                                      TensorPlacement,
+                                      UnitLayout,
+                                      dequantize_fp8_e4m3,
+                                      plan_unit_layout,
+                                      plan_units,
+                                      quantize_fp8_e4m3,
+                                      resident_names,
+)
 from runnerkit.offload.model_offload import ModelOffloader
 from runnerkit.offload.pinned import ALIGNMENT, HostSlab, align_up, plan_offsets, typed_view
 from runnerkit.offload.sources import DiskSource, HostSource, UnitSource

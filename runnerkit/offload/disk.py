@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 from loguru import logger
 
-from runnerkit.weights import CheckpointError
+from runnerkit.weights import CheckpointError, short_list
 
 ReaderKind = Literal["mmap", "pread"]
 
@@ -44,10 +44,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8, "BOOL": torch.bool,
 }
 _MAX_HEADER_BYTES = 100 * 2**20  # the safetensors reference rejects larger headers
-
-
-def _short(items: list[str], limit: int = 8) -> str:
-    return ", ".join(items[:limit]) + (f", ... (+{len(items) - limit} more)" if len(items) > limit else "")
 
 
 @dataclass(frozen=True)
@@ -240,7 +236,7 @@ class SafetensorsDiskReader:
         names = list(names)
         missing = [n for n in names if n not in self.index]
         if missing:
-            raise CheckpointError(f"disk reader: {len(missing)} tensors are not in the checkpoint: {_short(missing)}")
+            raise CheckpointError(f"disk reader: {len(missing)} tensors are not in the checkpoint: {short_list(missing)}")
         by_file: dict[Path, list[TensorIndexEntry]] = {}
         for n in names:
             by_file.setdefault(self.index[n].path, []).append(self.index[n])

@@ -23,7 +23,7 @@ from runnerkit.offload.layout import plan_units, resident_names
 from runnerkit.offload.pinned import pinning_disabled_by_env
 from runnerkit.offload.sources import DiskSource, HostSource
 from runnerkit.offload.streamer import BlockStreamer
-from runnerkit.weights import CheckpointError, _short
+from runnerkit.weights import CheckpointError, short_list
 
 
 def pin_memory_enabled(cfg: OffloadConfig) -> bool:
@@ -69,7 +69,7 @@ def stream_module(model: nn.Module, cfg: OffloadConfig, device: torch.device, dt
     missing, unexpected = sorted(expected - available), sorted(available - expected)
     if missing or unexpected:
         raise CheckpointError(f"{component}: checkpoint does not match the architecture; missing keys "
-                              f"({len(missing)}): {_short(missing)}; unexpected keys ({len(unexpected)}): {_short(unexpected)}")
+                              f"({len(missing)}): {short_list(missing)}; unexpected keys ({len(unexpected)}): {short_list(unexpected)}")
     cast = {n: t.to(device=device, dtype=torch.float32 if keep_fp32(n) else dtype) if t.is_floating_point()
             else t.to(device) for n, t in resident_tensors.items()}
     model.load_state_dict(cast, strict=False, assign=True)

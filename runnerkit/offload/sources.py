@@ -16,15 +16,10 @@ import torch
 from loguru import logger
 
 from runnerkit.offload.disk import SafetensorsDiskReader
-from runnerkit.offload.layout import (StreamUnit, UnitLayout, WeightDtype, plan_unit_layout,
-                                      quantize_fp8_e4m3)
+from runnerkit.offload.layout import StreamUnit, UnitLayout, WeightDtype, plan_unit_layout, quantize_fp8_e4m3
 from runnerkit.offload.pinned import HostSlab
 from runnerkit.offload.streams import CopyEngine
-from runnerkit.weights import CheckpointError
-
-
-def _short(items: list[str], limit: int = 8) -> str:
-    return ", ".join(items[:limit]) + (f", ... (+{len(items) - limit} more)" if len(items) > limit else "")
+from runnerkit.weights import CheckpointError, short_list
 
 
 class UnitSource(Protocol):
@@ -74,10 +69,10 @@ class HostSource:
         start = time.perf_counter()
         missing = [n for u in units for n in u.params if n not in tensors]
         if missing:
-            raise CheckpointError(f"host source: {len(missing)} streamed tensors missing: {_short(missing)}")
+            raise CheckpointError(f"host source: {len(missing)} streamed tensors missing: {short_list(missing)}")
         not_float = [n for u in units for n in u.params if not tensors[n].is_floating_point()]
         if not_float:
-            raise ValueError(f"host source: streamed tensors must be floating point; got {_short(not_float)}")
+            raise ValueError(f"host source: streamed tensors must be floating point; got {short_list(not_float)}")
         self.weight_dtype = weight_dtype
         self.layouts = [plan_unit_layout(u, {n: tensors[n].shape for n in u.params}, dtype, weight_dtype)
                         for u in units]
@@ -163,13 +158,13 @@ class DiskSource:
         missing = [c for names in self._ckpt_names for c in names if c not in reader.index]
         if missing:
             raise CheckpointError(f"disk source: {len(missing)} streamed tensors are not in the checkpoint: "
-                                  f"{_short(missing)}")
+                                  f"{short_list(missing)}")
         wrong = [f"{c} ({reader.index[c].dtype})" for names in self._ckpt_names for c in names
                  if reader.index[c].dtype != dtype]
         if wrong:
             raise NotImplementedError(
                 f"disk storage streams file bytes as they are, so checkpoint dtypes must equal the compute dtype "
-                f"{dtype}; {len(wrong)} tensors differ: {_short(wrong)}. Write the checkpoint in {dtype}, "
+                f"{dtype}; {len(wrong)} tensors differ: {short_list(wrong)}. Write the checkpoint in {dtype}, "
                 "use storage 'cpu', or keep those tensors resident")
         self.layouts = [plan_unit_layout(u, {n: reader.index[c].shape for n, c in zip(u.params, names)}, dtype)
                         for u, names in zip(units, self._ckpt_names)]

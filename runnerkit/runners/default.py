@@ -14,11 +14,11 @@ Warmup (ARCHITECTURE §3) is opt-in per class: a runner class declares `WARMUP_T
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from contextlib import contextmanager, nullcontext
 from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch

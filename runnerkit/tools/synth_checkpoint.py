@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from loguru import logger
-
 from pydantic import ValidationError
 
 from runnerkit.config import ConfigError, format_validation_error, load_runner_config

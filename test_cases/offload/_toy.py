@@ -13,8 +13,15 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from runnerkit.offload import (BlockStreamer, CopyEngine, DiskSource, HostSource, SafetensorsDiskReader,
-                               plan_units, resident_names)
+from runnerkit.offload import (
+    BlockStreamer,
+    CopyEngine,
+    DiskSource,
+    HostSource,
+    SafetensorsDiskReader,
+    plan_units,
+    resident_names,
+)
 from runnerkit.weights import build_on_meta
 
 DIM, IN, NUM_BLOCKS = 16, 8, 4

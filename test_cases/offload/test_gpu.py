@@ -8,8 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from runnerkit.offload import (BlockStreamer, CudaCopyEngine, HostSlab, HostSource, ModelOffloader,
-                               SyncCopyEngine, plan_units, resident_names)
+from runnerkit.offload import (
+    BlockStreamer,
+    CudaCopyEngine,
+    HostSlab,
+    HostSource,
+    ModelOffloader,
+    SyncCopyEngine,
+    plan_units,
+    resident_names,
+)
 from runnerkit.offload.pinned import _clear_cuda_last_error, _cuda_ok
 from runnerkit.weights import build_on_meta
 from test_cases.offload._toy import build_streamed, make_reference, state_dict_of, write_checkpoint

@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import gc
 import weakref
-
 from pathlib import Path
 
 import pytest
 import torch
 
-from runnerkit.offload import (BlockStreamer, DiskSource, HostSource, SafetensorsDiskReader, dequantize_fp8_e4m3,
-                               plan_units, quantize_fp8_e4m3)
+from runnerkit.offload import (
+    BlockStreamer,
+    DiskSource,
+    HostSource,
+    SafetensorsDiskReader,
+    dequantize_fp8_e4m3,
+    plan_units,
+    quantize_fp8_e4m3,
+)
 from runnerkit.weights import CheckpointError, build_on_meta
 from test_cases.offload._engines import DeferredEngine, RecordingEngine
-from test_cases.offload._toy import (ToyModel, build_streamed, is_resident, make_reference, state_dict_of,
-                                     write_checkpoint)
+from test_cases.offload._toy import (
+    ToyModel,
+    build_streamed,
+    is_resident,
+    make_reference,
+    state_dict_of,
+    write_checkpoint,
+)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,14 @@ from runnerkit.models.wan import vae as vae_mod
 from runnerkit.models.wan.arch import UMT5Arch, WanArch, WanTransformerArch, WanVAEArch
 from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D
-from runnerkit.weights import CheckpointError, build_on_meta, read_pth, read_safetensors, safetensors_files, synthetic_tensor
+from runnerkit.weights import (
+    CheckpointError,
+    build_on_meta,
+    read_pth,
+    read_safetensors,
+    safetensors_files,
+    synthetic_tensor,
+)
 
 Layout = Literal["runnerkit", "original", "diffusers"]
 LAYOUTS: tuple[Layout, ...] = ("runnerkit", "original", "diffusers")

@@ -17,9 +17,8 @@ from typing import ClassVar
 
 import torch
 from loguru import logger
-from torch import nn
-
 from pydantic import ValidationError
+from torch import nn
 
 from runnerkit.config import RunnerConfig, format_validation_error
 from runnerkit.media import save_media, save_tensor, write_sidecar

@@ -24,7 +24,7 @@ from torch import nn
 
 from runnerkit.models.wan.arch import UMT5Arch
 from runnerkit.models.wan.tokenizer import WanTokenizer
-from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta
+from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta, short_list
 
 
 def keep_fp32(name: str) -> bool:
@@ -252,8 +252,8 @@ def _rename(state_dict: Mapping[str, torch.Tensor], pairs: list[tuple[str, str]]
         else:
             unknown.append(key)
     if unknown:
-        shown = ", ".join(sorted(unknown)[:12]) + (f", ... (+{len(unknown) - 12} more)" if len(unknown) > 12 else "")
-        raise CheckpointError(f"text_encoder: {len(unknown)} keys unknown to the {layout} umt5 encoder layout: {shown}")
+        raise CheckpointError(f"text_encoder: {len(unknown)} keys unknown to the {layout} umt5 encoder layout: "
+                              f"{short_list(sorted(unknown))}")
     return out
 
 

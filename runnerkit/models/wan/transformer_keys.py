@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from runnerkit.models.wan.arch import WanTransformerArch
-from runnerkit.weights import CheckpointError
+from runnerkit.weights import CheckpointError, short_list
 
 # Module prefixes outside the blocks: (native, diffusers). Each maps both `.weight` and `.bias`.
 _TOP_MODULES: tuple[tuple[str, str], ...] = (
@@ -77,8 +77,8 @@ def _rename(sd: dict[str, torch.Tensor], top: dict[str, str], block: dict[str, s
         else:
             unknown.append(key)
     if unknown:
-        shown = ", ".join(sorted(unknown)[:12]) + (f", ... (+{len(unknown) - 12} more)" if len(unknown) > 12 else "")
-        raise CheckpointError(f"transformer: {len(unknown)} keys are not {source} Wan transformer keys: {shown}")
+        raise CheckpointError(f"transformer: {len(unknown)} keys are not {source} Wan transformer keys: "
+                              f"{short_list(sorted(unknown))}")
     return out
 
 
