@@ -26,6 +26,7 @@ MODES: dict[str, dict[str, Any]] = {
     "phase_disk_pread": {"offload": {"mode": "phase", "storage": "disk", "reader": "pread"}},
     "block_disk_lazy": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
     "unload_modules": {"unload_modules": True},
+    "vae_tiling_one_tile": {"offload": {"vae_tiling": True}},  # 48x80 fits one 256-px tile: exact
 }
 REQUESTS = [RequestConfig(prompt="a red fox in the snow", seed=11),
             RequestConfig(prompt="a boat", seed=12, target_height=32, target_width=32, target_video_length=5)]
@@ -179,3 +180,25 @@ def test_cuda_mode_is_bit_identical_to_none_under_deterministic_algorithms(
         assert torch.equal(a, b), mode
     if runner.streamer is not None:
         assert runner.streamer.stats()["h2d_copies"] > 0
+
+
+def test_vae_tiling_decodes_in_tiles_through_the_runner(tiny_ckpt: Path, tmp_path: Path,
+                                                         reference: list[torch.Tensor],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from runnerkit.models.wan import vae_tiling
+
+    calls: list[tuple[int, ...]] = []
+    real_decode = vae_tiling.WanVAE.decode
+
+    def spy(self: Any, latents: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(latents.shape[-2:]))
+        return real_decode(self, latents)
+
+    monkeypatch.setattr(vae_tiling, "TILE_LATENT", 4)
+    monkeypatch.setattr(vae_tiling, "OVERLAP_LATENT", 2)
+    monkeypatch.setattr(vae_tiling.WanVAE, "decode", spy)
+    runner = make_runner(tiny_ckpt, offload={"vae_tiling": True})
+    video = serve(runner, tmp_path, "tiled")[0]
+    assert calls[:8] == [(4, 4)] * 8  # 48x80 -> latent 6x10: 2 x 4 tiles of 4x4 latent pixels
+    assert video.shape == reference[0].shape and not torch.equal(video, reference[0])
+    assert (video.abs() <= 1).all()

@@ -28,6 +28,7 @@ from runnerkit.models.wan.checkpoint import WanCheckpoint, write_synthetic
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE
+from runnerkit.models.wan import vae_tiling
 from runnerkit.offload.setup import pin_memory_enabled, stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
@@ -104,9 +105,6 @@ class WanT2VRunner(DefaultRunner):
         if config.boundary is not None:
             raise ValueError(f"`boundary` ({config.boundary}) switches MoE experts (Wan2.2); wan2.1 has one "
                              "transformer: remove it")
-        if config.offload.vae_tiling:
-            raise NotImplementedError("`offload.vae_tiling`=true is not implemented yet: the Wan VAE decodes whole "
-                                      "frames (its causal feature cache is per frame chunk); set it to false")
         try:
             self.arch_override = WanArch.model_validate(config.model or {})
         except ValidationError as exc:
@@ -281,6 +279,9 @@ class WanT2VRunner(DefaultRunner):
     @torch.inference_mode()
     def run_vae_decoder(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalized latents [1, z, f, h, w] -> video [1, 3, 4(f-1)+1, 8h, 8w] in [-1, 1] (float32)."""
+        if self.config.offload.vae_tiling:
+            return vae_tiling.decode_tiled(self.stage_modules["vae"], latents.float(), vae_tiling.TILE_LATENT,
+                                           vae_tiling.OVERLAP_LATENT)
         return self.stage_modules["vae"].decode(latents.float())
 
     def save_outputs(self, video: torch.Tensor, info: InputInfo) -> None:
