@@ -7,6 +7,8 @@ allocator cache unconditionally would throw away exactly what warmup paid for (A
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -90,3 +92,13 @@ def freeze_gc_once() -> bool:
     _frozen = True
     logger.info("gc: collected and froze {} start-up objects", gc.get_freeze_count())
     return True
+
+
+@contextmanager
+def oom_note(device: torch.device, where: str) -> Iterator[None]:
+    """Add live-allocated vs reserved-cache memory to a CUDA OOM raised inside the block."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        exc.add_note(f"[runnerkit] out of memory during {where}: {snapshot(device).describe()}")
+        raise

@@ -275,32 +275,28 @@ class DefaultRunner(BaseRunner):
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
         try:
-            with lifecycle_phase(f"request {index}"):
-                try:
-                    # 1. resolve and check the request
-                    info = self.resolve_request(request)
-                    self.input_info = info
-                    prof.shape = list(info.shape)
-                    if self._warmup_ran and info.shape not in self.warmup_shapes():
-                        logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower "
-                                       "first step", index, list(info.shape), [list(x) for x in self.warmup_shapes()])
-                    if not (info.save_result_path or info.save_tensor_path):
-                        logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved",
-                                       index)
-                    # 2. encoders
-                    self.run_encoders(info)
-                    # 3. denoise
-                    with self.profiler.stage("transformer"):
-                        latents = self.run_denoise(info, timer=timer)
-                    # 4. decode
-                    with self.profiler.stage("vae_decoder"):
-                        video = self.decode(latents)
-                    # 5. save
-                    with self.profiler.stage("save"):
-                        self.save_outputs(video[0].float().cpu(), info)
-                except torch.cuda.OutOfMemoryError as exc:
-                    exc.add_note(f"[runnerkit] at OOM: {memory.snapshot(self.device).describe()}")
-                    raise
+            with lifecycle_phase(f"request {index}"), memory.oom_note(self.device, f"request {index}"):
+                # 1. resolve and check the request
+                info = self.resolve_request(request)
+                self.input_info = info
+                prof.shape = list(info.shape)
+                if self._warmup_ran and info.shape not in self.warmup_shapes():
+                    logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower "
+                                   "first step", index, list(info.shape), [list(x) for x in self.warmup_shapes()])
+                if not (info.save_result_path or info.save_tensor_path):
+                    logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved",
+                                   index)
+                # 2. encoders
+                self.run_encoders(info)
+                # 3. denoise
+                with self.profiler.stage("transformer"):
+                    latents = self.run_denoise(info, timer=timer)
+                # 4. decode
+                with self.profiler.stage("vae_decoder"):
+                    video = self.decode(latents)
+                # 5. save
+                with self.profiler.stage("save"):
+                    self.save_outputs(video[0].float().cpu(), info)
         except BaseException as exc:
             prof.ok = False
             prof.error = f"{type(exc).__name__}: {exc}"
@@ -391,7 +387,8 @@ class DefaultRunner(BaseRunner):
         before = memory.snapshot(self.device)
         t0 = time.perf_counter()
         try:
-            self.run_warmup(shapes)
+            with memory.oom_note(self.device, "warmup"):
+                self.run_warmup(shapes)
         finally:
             self._reset_request_state()
             if self.scheduler is not None:
