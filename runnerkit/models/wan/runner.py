@@ -23,12 +23,12 @@ from torch import nn
 from runnerkit.config import RunnerConfig, format_validation_error
 from runnerkit.media import save_media, save_tensor, write_sidecar
 from runnerkit.models.wan import text_encoder as te
+from runnerkit.models.wan import vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
 from runnerkit.models.wan.checkpoint import WanCheckpoint, write_synthetic
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE
-from runnerkit.models.wan import vae_tiling
 from runnerkit.offload.setup import pin_memory_enabled, stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
