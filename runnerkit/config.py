@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     # strict: "4" is not an int and 1 is not a bool (nothing is silently converted); floats accept ints.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class OffloadConfig(_Strict):

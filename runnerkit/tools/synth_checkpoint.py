@@ -21,13 +21,12 @@ from pydantic import ValidationError
 
 from runnerkit.config import ConfigError, format_validation_error, load_runner_config
 from runnerkit.models.wan.arch import WanArch
-from runnerkit.models.wan.checkpoint import LAYOUTS, write_synthetic
+from runnerkit.models.wan.checkpoint import LAYOUTS, synthetic_seed_of, write_synthetic
+from runnerkit.weights import CheckpointError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _is_checkpoint(path: Path) -> bool:
-    return any((path / name).is_file() for name in ("runnerkit.json", "model_index.json", "config.json"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}")
     p = argparse.ArgumentParser(prog="runnerkit.tools.synth_checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="runner JSON config whose `model` (or defaults) gives the architecture")
-    p.add_argument("--out", required=True, help="output folder: new, empty, or an earlier checkpoint (replaced)")
+    p.add_argument("--out", required=True, help="output folder: new, empty, or an earlier synthetic checkpoint (replaced)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of transformer and text encoder weights")
     p.add_argument("--layout", choices=LAYOUTS, default="runnerkit")
     p.add_argument("--seed", type=int, default=0)
@@ -47,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not out.is_dir():
         logger.error("--out {!r} is a file; give a folder", args.out)
         return 2
-    if out.is_dir() and any(out.iterdir()) and not _is_checkpoint(out) and not args.force:
-        logger.error("--out {!r} is a non-empty folder that holds no checkpoint; refusing to replace it "
+    try:
+        earlier_synthetic = out.is_dir() and synthetic_seed_of(out) is not None
+    except CheckpointError as exc:
+        logger.error("{}", exc)
+        return 2
+    if out.is_dir() and any(out.iterdir()) and not earlier_synthetic and not args.force:
+        logger.error("--out {!r} is a non-empty folder that holds no synthetic checkpoint; refusing to delete it "
                      "(pass --force to replace its contents)", args.out)
         return 2
     try:
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         WanArch.model_validate(arch.model_dump())
         t0 = time.perf_counter()
         write_synthetic(arch, out, args.seed, DTYPES[args.dtype], args.layout,
-                        generator_device=args.generator_device, transformer_only=args.transformer_only)
+                        generator_device=args.generator_device, transformer_only=args.transformer_only, replace=True)
     except ValidationError as exc:
         logger.error("{}", format_validation_error(exc, f"`model` of {args.config!r}"))
         return 2

@@ -24,14 +24,15 @@ WAN21_LATENTS_STD: tuple[float, ...] = (
 
 
 class _Arch(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "64" is not an int, true is not a layer count; JSON lists still fill tuple fields
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class WanTransformerArch(_Arch):
     """Wan2.1 diffusion transformer (`WanModel`); defaults are the 1.3B model."""
 
     model_type: Literal["t2v", "i2v", "flf2v"] = Field("t2v", description="Task family of the weights.")
-    patch_size: tuple[int, int, int] = Field((1, 2, 2), description="(t, h, w) patch of the latent grid.")
+    patch_size: tuple[int, int, int] = Field((1, 2, 2), strict=False, description="(t, h, w) patch of the latent grid.")
     text_len: int = Field(512, gt=0, description="Context length the text embeddings are padded to.")
     in_dim: int = Field(16, gt=0, description="Latent channels in.")
     dim: int = Field(1536, gt=0, description="Hidden size.")
@@ -66,12 +67,12 @@ class WanVAEArch(_Arch):
 
     dim: int = Field(96, gt=0, description="Base channel count.")
     z_dim: int = Field(16, gt=0, description="Latent channels.")
-    dim_mult: tuple[int, ...] = Field((1, 2, 4, 4), description="Channel multipliers per level.")
+    dim_mult: tuple[int, ...] = Field((1, 2, 4, 4), strict=False, description="Channel multipliers per level.")
     num_res_blocks: int = Field(2, gt=0)
-    attn_scales: tuple[float, ...] = Field((), description="Scales with an attention block (Wan2.1: none).")
-    temporal_downsample: tuple[bool, ...] = Field((False, True, True), description="Levels that halve time.")
-    latents_mean: tuple[float, ...] = Field(WAN21_LATENTS_MEAN, description="Per-channel latent mean.")
-    latents_std: tuple[float, ...] = Field(WAN21_LATENTS_STD, description="Per-channel latent std.")
+    attn_scales: tuple[float, ...] = Field((), strict=False, description="Scales with an attention block (Wan2.1: none).")
+    temporal_downsample: tuple[bool, ...] = Field((False, True, True), strict=False, description="Levels that halve time.")
+    latents_mean: tuple[float, ...] = Field(WAN21_LATENTS_MEAN, strict=False, description="Per-channel latent mean.")
+    latents_std: tuple[float, ...] = Field(WAN21_LATENTS_STD, strict=False, description="Per-channel latent std.")
 
 
 class WanArch(_Arch):

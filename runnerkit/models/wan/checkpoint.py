@@ -15,7 +15,9 @@ original Wan2.1 names):
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -205,23 +207,44 @@ def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path
             json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=1))
 
 
+SYNTHETIC_MARKER = "runnerkit_synthetic.json"  # written into every synthetic checkpoint, in every layout
+
+
+def synthetic_seed_of(path: Path) -> int | None:
+    """The seed of a synthetic checkpoint at `path`, or None if it holds no synthetic weights."""
+    marker = Path(path) / SYNTHETIC_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        return int(json.loads(marker.read_text())["seed"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{marker} is unreadable ({exc}); delete {path} to write it again") from None
+
+
 def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, layout: Layout = "runnerkit",
-                    generator_device: str = "cpu", transformer_only: bool = False) -> Path:
+                    generator_device: str = "cpu", transformer_only: bool = False, replace: bool = False) -> Path:
     """Write deterministic random weights for `arch` to `out` in `layout` (atomically: tmp folder, then rename).
 
     Values depend only on (tensor name, seed): every layout holds the same network. The transformer
     is written shard by shard, so peak host memory is about one shard (SHARD_BYTES), not the model.
     `generator_device` (see `synthetic_tensor`); `transformer_only` (runnerkit layout) skips the
-    text encoder, VAE and tokenizer (benchmarks of the transformer alone).
+    text encoder, VAE and tokenizer (benchmarks of the transformer alone). `replace`: delete an
+    existing `out` first (the caller has checked it may); otherwise `out` must be missing or empty,
+    and a concurrent writer that finished first wins (its identical checkpoint is kept).
+
+    Raises:
+        CheckpointError: `out` is not empty (and `replace` is false) and holds no synthetic
+            checkpoint of this seed.
     """
     if transformer_only and layout != "runnerkit":
         raise ValueError(f"`transformer_only` needs the runnerkit layout (got {layout!r})")
     if layout not in LAYOUTS:
         raise ValueError(f"`layout` must be one of {LAYOUTS} (got {layout!r})")
-    out = Path(out)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out = Path(out).absolute()
+    # a private temporary folder per writer: concurrent first runs never write into each other's
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
+    (tmp / SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
     shapes = _native_shapes(arch)
     from runnerkit.models.wan.transformer import keep_fp32 as t_fp32
 
@@ -244,7 +267,7 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
              "arch": arch.model_dump(mode="json")}, indent=1))
         _write_sharded(shapes["transformer"], ident, tmp / "transformer", "model", seed, dtype, t_fp32, generator_device)
         if transformer_only:
-            return _finish(tmp, out, seed, layout)
+            return _finish(tmp, out, seed, layout, replace)
         _write_sharded(shapes["text_encoder"], ident, tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
         _write_sharded(shapes["vae"], ident, tmp / "vae", "model", seed, torch.float32, vae_all, generator_device)
         write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
@@ -271,13 +294,20 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
         _write_sharded(shapes["vae"], vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", seed,
                        torch.float32, vae_all, generator_device)
         write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
-    return _finish(tmp, out, seed, layout)
+    return _finish(tmp, out, seed, layout, replace)
 
 
-def _finish(tmp: Path, out: Path, seed: int, layout: str) -> Path:
-    if out.exists():
+def _finish(tmp: Path, out: Path, seed: int, layout: str, replace: bool) -> Path:
+    if replace and out.exists():
         shutil.rmtree(out)
-    tmp.rename(out)
+    try:
+        os.rename(tmp, out)  # atomic; succeeds onto a missing or empty folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if synthetic_seed_of(out) == seed:  # another process finished the same checkpoint first
+            logger.info("synthetic checkpoint {} was written by another process meanwhile; using it", out)
+            return out
+        raise CheckpointError(f"cannot write a synthetic checkpoint to {out}: the folder is not empty") from None
     logger.warning("wrote a SYNTHETIC checkpoint of RANDOM weights (seed {}, {} layout) to {}: its output is noise",
                    seed, layout, out)
     return out

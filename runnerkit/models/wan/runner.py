@@ -25,7 +25,7 @@ from runnerkit.media import save_media, save_tensor, write_sidecar
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
-from runnerkit.models.wan.checkpoint import WanCheckpoint, write_synthetic
+from runnerkit.models.wan.checkpoint import WanCheckpoint, synthetic_seed_of, write_synthetic
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE
@@ -146,8 +146,7 @@ class WanT2VRunner(DefaultRunner):
         if self._synthetic_pending(path):
             write_synthetic(self.arch_override, path, cfg.synthetic_checkpoint.seed, self.dtype)
         ckpt = WanCheckpoint.open(path, override=cfg.model)
-        meta = path / "runnerkit.json"
-        seed = json.loads(meta.read_text()).get("synthetic_seed") if meta.is_file() else None
+        seed = synthetic_seed_of(path)
         if seed is not None:
             wanted = cfg.synthetic_checkpoint.seed if cfg.synthetic_checkpoint else seed
             if wanted != seed:
