@@ -8,6 +8,7 @@ Unknown keys, wrong types and out-of-range values are errors that name the field
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -168,6 +169,11 @@ class RequestConfig(_Strict):
     save_result_path: str | None = Field(None, description=".mp4 (video) or .png (image); a sidecar .json is written beside it.")
     save_tensor_path: str | None = Field(None, description=".safetensors with key 'video' float32 [C, F, H, W] in [-1, 1].")
     source: str = Field("command line", exclude=True, description="Where the request came from (for messages).")
+
+    @field_validator("save_result_path", "save_tensor_path", "image_path", "last_frame_path", mode="before")
+    @classmethod
+    def _home(cls, v: Any) -> Any:
+        return os.path.expanduser(v) if isinstance(v, str) else v  # "~/x" means the home folder, as in a shell
 
     @field_validator("save_result_path")
     @classmethod

@@ -20,6 +20,7 @@ from loguru import logger
 from pydantic import ValidationError
 
 from runnerkit.config import ConfigError, RequestConfig, format_validation_error, load_requests, load_runner_config
+from runnerkit.media import sidecar_path
 from runnerkit.registry import get_runner_cls, load_families
 from runnerkit.runners.base import BaseRunner, error_phase
 
@@ -94,24 +95,32 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
             requests = [RequestConfig.model_validate(given)]
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, "request flags")) from None
-    outputs: dict[str, str] = {}
+    if config.task not in runner_cls.TASKS:
+        raise ConfigError(f"`task` {config.task!r} is not served by model_cls {config.model_cls!r}; "
+                          f"allowed: {list(runner_cls.TASKS)}")
+    outputs: dict[str, str] = {}  # real path -> who writes it
+
+    def claim(path: str, field: str, owner: str) -> None:
+        check_writable(path, field)
+        key = os.path.realpath(os.path.expanduser(path))
+        if key in outputs:
+            raise ConfigError(f"`{field}` {path!r} ({owner}) is also written by {outputs[key]}: every output file "
+                              "(media, its .json sidecar, tensor, profile) needs its own path")
+        outputs[key] = f"{field} of {owner}"
+
+    if args.profile_json:
+        claim(args.profile_json, "--profile_json", "the run")
     for req in requests:
         try:
             runner_cls.validate_request(req, config)
         except ValueError as exc:
             raise ConfigError(f"request on {req.source}: {exc}") from None
-        for field in ("save_result_path", "save_tensor_path"):
-            path = getattr(req, field)
-            if path is None:
-                continue
-            check_writable(path, field)
-            key = str(Path(path).expanduser().absolute())
-            if key in outputs:
-                raise ConfigError(f"`{field}` {path!r} of the request on {req.source} is also written by the request "
-                                  f"on {outputs[key]}: each request needs its own output files")
-            outputs[key] = req.source
-    if args.profile_json:
-        check_writable(args.profile_json, "--profile_json")
+        owner = f"the request on {req.source}"
+        if req.save_tensor_path:
+            claim(req.save_tensor_path, "save_tensor_path", owner)
+        if req.save_result_path:
+            claim(req.save_result_path, "save_result_path", owner)
+            claim(str(sidecar_path(req.save_result_path)), "sidecar .json of save_result_path", owner)
     return config, requests
 
 
@@ -126,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid input: {}", exc)
         return 2
     failed: list[int] = []
+    profile_failed = False
     try:
         try:
             runner.init_modules()
@@ -146,12 +156,16 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         if args.profile_json and runner.profiler.phases:  # written once init succeeded, also after a failure
-            runner.profiler.write(args.profile_json)
-            logger.info("profile written to {}", args.profile_json)
+            try:
+                runner.profiler.write(args.profile_json)
+                logger.info("profile written to {}", args.profile_json)
+            except OSError as exc:
+                logger.error("could not write --profile_json {!r}: {}", args.profile_json, exc)
+                profile_failed = True
     if failed:
         logger.error("{} of {} requests failed: {}", len(failed), len(requests), failed)
         return 1
-    return 0
+    return 1 if profile_failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

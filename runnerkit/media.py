@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +53,41 @@ def save_tensor(video: torch.Tensor, path: str | Path, key: str = "video") -> No
     save_file({key: video.float().contiguous().cpu()}, str(path))
 
 
-def write_sidecar(media_path: str | Path, record: dict[str, Any]) -> Path:
-    """Write `record` (seed, prompt, resolved config) as JSON next to the media file (same stem, .json)."""
-    side = Path(media_path).with_suffix(".json")
-    side.write_text(json.dumps(record, indent=2, default=str, ensure_ascii=False), encoding="utf-8")
-    return side
+def sidecar_path(media_path: str | Path) -> Path:
+    """The sidecar JSON of a media file: same folder and stem, suffix .json."""
+    return Path(media_path).with_suffix(".json")
+
+
+def write_sidecar(path: str | Path, record: dict[str, Any]) -> None:
+    """Write `record` (seed, prompt, resolved config) as UTF-8 JSON to `path`."""
+    Path(path).write_text(json.dumps(record, indent=2, default=str, ensure_ascii=False), encoding="utf-8")
+
+
+class OutputSet:
+    """Files of one request, written under temporary names and renamed into place together."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Path, Path]] = []  # (temporary, final)
+
+    def temp(self, final: str | Path) -> Path:
+        """A temporary path beside `final` with the same suffix (writers pick formats by suffix)."""
+        final = Path(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.stem}.partial-{os.getpid()}-{uuid.uuid4().hex[:6]}{final.suffix}")
+        self.pending.append((tmp, final))
+        return tmp
+
+
+@contextmanager
+def atomic_outputs() -> Iterator[OutputSet]:
+    """All-or-nothing outputs: on success every temporary file is renamed to its final name; on
+    failure (or interrupt) the temporary files are removed and no final file is touched."""
+    outputs = OutputSet()
+    try:
+        yield outputs
+    except BaseException:
+        for tmp, _ in outputs.pending:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, final in outputs.pending:
+        os.replace(tmp, final)

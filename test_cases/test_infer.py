@@ -157,7 +157,7 @@ def test_failed_request_mid_batch_is_reported_and_others_unaffected(
     real_save = wan_runner.save_tensor
 
     def disk_full_on_b1(video: torch.Tensor, path: Any, key: str = "video") -> None:
-        if str(path).endswith("b1.safetensors"):  # fails after the whole request was generated
+        if Path(path).name.startswith(".b1."):  # fails after the whole request was generated
             raise OSError(28, "No space left on device")
         real_save(video, path, key=key)
 
@@ -171,6 +171,7 @@ def test_failed_request_mid_batch_is_reported_and_others_unaffected(
     assert "request 0 (" not in err and "request 2 (" not in err
     assert "1 of 3 requests failed: [1]" in err
     assert "Traceback" not in err and not paths[1].exists()
+    assert not list(tmp_path.glob(".*partial*")), "a failed request must leave no partial file"
     # The requests before and after the failure are exactly their isolated outputs.
     assert torch.equal(_video(paths[0]), isolated[0])
     assert torch.equal(_video(paths[2]), isolated[2])
@@ -409,7 +410,7 @@ def test_two_requests_writing_one_file_are_refused(config_path: Path, tmp_path: 
     reqs = _write_requests(tmp_path / "r.jsonl", [{"prompt": "a", "save_tensor_path": same},
                                                   {"prompt": "b", "save_tensor_path": same}])
     rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
-    _assert_invalid(rc, err, "line 2", "also written by the request on line 1")
+    _assert_invalid(rc, err, "line 2", "is also written by save_tensor_path of the request on line 1")
 
 
 def test_image_path_on_text_to_video_is_refused(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -440,3 +441,15 @@ def test_warmup_with_unload_modules_refused_before_any_request(tiny_ckpt: Path, 
     _assert_invalid(rc, err, "unload_modules", "NotImplementedError")
     assert "step 1/" not in err  # no denoising step ran
     assert not out.exists() and not prof.exists()
+
+
+def test_sidecar_and_profile_collisions_are_refused(config_path: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--save_result_path", tmp_path / "pc.mp4",
+                   "--profile_json", tmp_path / "pc.json")
+    _assert_invalid(rc, err, "sidecar .json of save_result_path", "--profile_json")
+    same = tmp_path / "d.safetensors"
+    reqs = _write_requests(tmp_path / "r.jsonl", [{"prompt": "a", "save_tensor_path": str(same)},
+                                                  {"prompt": "b", "save_tensor_path": f"{tmp_path}/../{tmp_path.name}/d.safetensors"}])
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
+    _assert_invalid(rc, err, "line 2", "is also written by")

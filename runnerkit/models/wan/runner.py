@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from runnerkit.config import RunnerConfig, format_validation_error
-from runnerkit.media import save_media, save_tensor, write_sidecar
+from runnerkit.media import atomic_outputs, save_media, save_tensor, sidecar_path, write_sidecar
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
@@ -284,15 +284,19 @@ class WanT2VRunner(DefaultRunner):
         return self.stage_modules["vae"].decode(latents.float())
 
     def save_outputs(self, video: torch.Tensor, info: InputInfo) -> None:
-        """--save_tensor_path (.safetensors 'video' [3, F, H, W]) and --save_result_path (+ sidecar json)."""
-        if info.save_tensor_path:
-            save_tensor(video, info.save_tensor_path, key="video")
-        if info.save_result_path:
-            save_media(video, info.save_result_path, fps=self.config.fps)
-            write_sidecar(info.save_result_path, {
-                "seed": info.seed, "prompt": info.prompt, "negative_prompt": info.negative_prompt,
-                "shape": list(info.shape), "config": self.config.model_dump(mode="json")})
-            logger.info("saved {}", info.save_result_path)
+        """--save_tensor_path (.safetensors 'video' [3, F, H, W]) and --save_result_path (+ sidecar json),
+        written all-or-nothing (a failure leaves no partial file)."""
+        with atomic_outputs() as out:
+            if info.save_tensor_path:
+                save_tensor(video, out.temp(info.save_tensor_path), key="video")
+            if info.save_result_path:
+                save_media(video, out.temp(info.save_result_path), fps=self.config.fps)
+                write_sidecar(out.temp(sidecar_path(info.save_result_path)), {
+                    "seed": info.seed, "prompt": info.prompt, "negative_prompt": info.negative_prompt,
+                    "shape": list(info.shape), "config": self.config.model_dump(mode="json")})
+        for path in (info.save_tensor_path, info.save_result_path):
+            if path:
+                logger.info("saved {}", path)
 
     def clear_request_state(self) -> None:
         """Per-grid RoPE tables, the VAE feature cache and the streamer's position are request state."""
