@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 MAX_SIDE = 8192  # pixels: bounds a request far above any released Wan resolution (720p)
 MAX_FRAMES = 1025  # frames
@@ -168,7 +168,11 @@ class RequestConfig(_Strict):
         return v
     save_result_path: str | None = Field(None, description=".mp4 (video) or .png (image); a sidecar .json is written beside it.")
     save_tensor_path: str | None = Field(None, description=".safetensors with key 'video' float32 [C, F, H, W] in [-1, 1].")
-    source: str = Field("command line", exclude=True, description="Where the request came from (for messages).")
+    _source: str = PrivateAttr("command line")  # where the request came from, for messages (not a request field)
+
+    @property
+    def source(self) -> str:
+        return self._source
 
     @field_validator("save_result_path", "save_tensor_path", "image_path", "last_frame_path", mode="before")
     @classmethod
@@ -247,7 +251,8 @@ def load_requests(path: str | Path) -> list[RequestConfig]:
             request = RequestConfig.model_validate_json(line)
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, f"request on line {n} of {str(p)!r}")) from None
-        requests.append(request.model_copy(update={"source": f"line {n} of {str(p)!r}"}))
+        request._source = f"line {n} of {str(p)!r}"
+        requests.append(request)
     if not requests:
         raise ConfigError(f"requests file {str(p)!r} holds no request")
     return requests

@@ -453,3 +453,15 @@ def test_sidecar_and_profile_collisions_are_refused(config_path: Path, tmp_path:
                                                   {"prompt": "b", "save_tensor_path": f"{tmp_path}/../{tmp_path.name}/d.safetensors"}])
     rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
     _assert_invalid(rc, err, "line 2", "is also written by")
+
+
+@pytest.mark.parametrize("content", ['{"format": "runnerkit", "family": "wan2.1"}', "[]",
+                                     '{"family": "wan2.1", "arch": {"transformer": {"dim": "64"}}}'])
+def test_bad_runnerkit_json_is_a_load_error(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            content: str) -> None:
+    broken = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, broken)
+    (broken / "runnerkit.json").write_text(content)
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(broken))
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x", "--warmup")
+    _assert_invalid(rc, err, "load failed: CheckpointError", "runnerkit.json")

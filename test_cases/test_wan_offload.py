@@ -157,10 +157,15 @@ def test_unload_modules_with_offload_is_rejected(tiny_ckpt: Path) -> None:
         load_runner_config(None, tiny_config_dict(tiny_ckpt, unload_modules=True, offload={"mode": "block"}))
 
 
-def test_disk_storage_with_other_dtype_is_refused_at_load(tiny_ckpt: Path) -> None:
-    """The tiny checkpoint is float32: streaming its bytes into bfloat16 compute is refused with the reason."""
-    with pytest.raises(NotImplementedError, match="checkpoint dtypes must equal the compute dtype"):
-        make_runner(tiny_ckpt, dtype="bfloat16", offload={"mode": "block", "storage": "disk"})
+@pytest.mark.parametrize("lazy", [False, True])
+def test_disk_storage_with_other_dtype_is_refused_at_load(tiny_ckpt: Path, lazy: bool) -> None:
+    """The tiny checkpoint is float32: streaming its bytes into bfloat16 compute is refused with the
+    reason at load (also under lazy_load, where the transformer is otherwise built per request)."""
+    from runnerkit.runners.base import error_phase
+
+    with pytest.raises(NotImplementedError, match="checkpoint dtypes must equal the compute dtype") as exc:
+        make_runner(tiny_ckpt, dtype="bfloat16", offload={"mode": "block", "storage": "disk", "lazy_load": lazy})
+    assert error_phase(exc.value) == "load"
 
 
 @pytest.mark.gpu

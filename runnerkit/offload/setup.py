@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -81,7 +80,7 @@ def stream_module(model: nn.Module, cfg: OffloadConfig, device: torch.device, dt
     else:
         source = DiskSource(units, reader, dtype, key_map=key_map, pin_memory=pin)
     streamer = BlockStreamer(model, units, source, device, cfg.gpu_slots, cfg.prefetch_depth)
-    logger.info("{}: {} streaming of {} units from {} (pinned={}, slots={}, prefetch={}, reader={}, pid {})",
-                component, cfg.mode, len(units), cfg.storage, pin, cfg.gpu_slots, cfg.prefetch_depth,
-                cfg.reader if cfg.storage == "disk" else "-", os.getpid())
+    logger.info("{}: {} streaming of {} units from {} (host memory pinned: {}, slots={}, prefetch={}, reader={})",
+                component, cfg.mode, len(units), cfg.storage, source.pinned, cfg.gpu_slots, cfg.prefetch_depth,
+                cfg.reader if cfg.storage == "disk" else "-")
     return streamer

@@ -362,7 +362,8 @@ class DefaultRunner(BaseRunner):
         if mode not in modes:
             raise NotImplementedError(
                 f"warmup of {cls} does not support offload mode {mode!r} (supported: {list(modes)})")
-        flavour = self.flavour()
+        with lifecycle_phase("load"):  # reading the checkpoint's architecture is a load problem if it fails
+            flavour = self.flavour()
         if flavour not in table:
             raise NotImplementedError(
                 f"warmup of {cls} has no shapes for this checkpoint's flavour {flavour!r} "

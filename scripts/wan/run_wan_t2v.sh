@@ -5,8 +5,8 @@
 # checkpoints use configs/wan/wan_t2v_1.3b.json or wan_t2v_14b.json with --model_path.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-config="${1:-$here/configs/wan/wan_t2v_tiny.json}"
-shift || true
+config="$here/configs/wan/wan_t2v_tiny.json"
+if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then config="$1"; shift; fi  # first argument, unless it is a flag
 prompt="${PROMPT:-a red fox running through fresh snow, cinematic lighting}"
 out="${OUT:-$here/outputs/wan_t2v.mp4}"
 exec python -m runnerkit.infer \

@@ -24,8 +24,10 @@ from typing import Any, Literal
 
 import torch
 from loguru import logger
+from pydantic import ValidationError
 from safetensors.torch import save_file
 
+from runnerkit.config import format_validation_error
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import transformer_keys as tk
 from runnerkit.models.wan import vae as vae_mod
@@ -100,9 +102,13 @@ class WanCheckpoint:
         layout = detect_layout(path)
         if layout == "runnerkit":
             meta = _read_json(path / "runnerkit.json", "checkpoint")
-            if meta.get("family") != "wan2.1":
-                raise CheckpointError(f"{path}/runnerkit.json is for family {meta.get('family')!r}, not 'wan2.1'")
-            arch = WanArch.model_validate(meta["arch"])
+            if not isinstance(meta, dict) or meta.get("family") != "wan2.1" or not isinstance(meta.get("arch"), dict):
+                raise CheckpointError(f"{path}/runnerkit.json must be an object with \"family\": \"wan2.1\" and an "
+                                      f"\"arch\" object (got {str(meta)[:120]})")
+            try:
+                arch = WanArch.model_validate(meta["arch"])
+            except ValidationError as exc:
+                raise CheckpointError(format_validation_error(exc, f"architecture in {path}/runnerkit.json")) from None
         elif layout == "original":
             arch = WanArch(transformer=tk.arch_from_original_config(_read_json(path / "config.json", "transformer")))
         else:

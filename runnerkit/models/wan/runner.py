@@ -226,6 +226,9 @@ class WanT2VRunner(DefaultRunner):
             offloaded = {"text_encoder": self.build_text_encoder(cpu)}
             self.vae = offloaded["vae"] = self.build_vae(cpu)
             if off.lazy_load:
+                # build once now so a checkpoint that cannot stream fails at load, not in every request
+                self.build_transformer(self.device)
+                self._drop_streamer()
                 self.placement = Placement(self.device, offloaded=offloaded, pin_memory=pin,
                                            loaders={"transformer": self._per_stage(self.build_transformer)}, **thresholds)
             else:
