@@ -72,6 +72,8 @@ class DefaultRunner(BaseRunner):
     TEMPORAL_FACTOR: ClassVar[int] = 4
     #: Family default negative prompt (used when neither config nor request gives one).
     DEFAULT_NEGATIVE_PROMPT: ClassVar[str] = ""
+    #: Seed of warmup's own noise; the generator is dropped after warmup, so requests never see it.
+    WARMUP_SEED: ClassVar[int] = 0
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -79,7 +81,6 @@ class DefaultRunner(BaseRunner):
         self.placement: Placement | None = None
         self.stage_modules: dict[str, Any] = {}
         self._warmup_ran = False
-        self._request_index = 0
 
     # ---- request validation ---------------------------------------------------------------
     @classmethod
@@ -424,7 +425,7 @@ class DefaultRunner(BaseRunner):
         -> decode (iterator consumed). Nothing is saved and no request profile is written.
         """
         h, w, f = shape
-        info = InputInfo(prompt="", negative_prompt="", seed=0, height=h, width=w, frames=f)
+        info = InputInfo(prompt="", negative_prompt="", seed=self.WARMUP_SEED, height=h, width=w, frames=f)
         try:
             self.input_info = info
             self.inputs = inputs

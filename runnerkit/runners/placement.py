@@ -13,7 +13,6 @@ device for the length of the `with` block:
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -81,8 +80,3 @@ class Placement:
         if self.offloader is not None:
             now |= self.offloader.resident()
         return now
-
-    def close(self) -> None:
-        if self.offloader is not None:
-            self.offloader.close()
-        gc.collect()

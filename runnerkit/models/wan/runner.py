@@ -28,7 +28,7 @@ from runnerkit.models.wan.arch import WanArch, WanTransformerArch
 from runnerkit.models.wan.checkpoint import WanCheckpoint, synthetic_seed_of, write_synthetic
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
-from runnerkit.models.wan.vae import WanVAE
+from runnerkit.models.wan.vae import WanVAE, build_wan_vae
 from runnerkit.offload.setup import pin_memory_enabled, stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
@@ -51,7 +51,6 @@ FLAVOURS: dict[tuple[int, int, int, int], str] = {
 }
 
 WARMUP_PROMPT = "warmup"  # dummy user content; only its embedding shape matters (padded to text_len)
-WARMUP_SEED = 0
 
 
 def flavour_of(arch: WanTransformerArch) -> str | None:
@@ -162,9 +161,8 @@ class WanT2VRunner(DefaultRunner):
 
     def build_vae(self, device: torch.device) -> WanVAE:
         assert self.checkpoint is not None, "locate_checkpoint first"
-        vae = build_on_meta(lambda: WanVAE(self.checkpoint.arch.vae))
-        assign_state_dict(vae, self.checkpoint.vae_state_dict(), "vae", dtype=torch.float32)  # fp32, as the reference
-        return vae.to(device).eval().requires_grad_(False)
+        # float32, as the reference runs its VAE
+        return build_wan_vae(self.checkpoint.arch.vae, self.checkpoint.vae_state_dict(), dtype=torch.float32).to(device)
 
     def build_transformer(self, device: torch.device) -> WanTransformer3D:
         """The transformer on `device` (mode none/model), or streamed (mode block/phase: sets `self.streamer`)."""
