@@ -15,12 +15,53 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-MAX_SIDE = 8192  # pixels: bounds a request far above any released Wan resolution (720p)
+MAX_SIDE = 8192  # pixels: bounds a request far above any released model resolution (720p video, 1328 px images)
 MAX_FRAMES = 1025  # frames
+
+#: Run settings whose defaults belong to the model family (`BaseRunner.DEFAULTS`); None here means
+#: "the family's default", filled in by `BaseRunner.resolve_config` before anything else reads them.
+FAMILY_DEFAULTED = ("infer_steps", "target_height", "target_width", "target_video_length", "fps",
+                    "sample_shift", "sample_guide_scale", "scheduler")
 
 
 class ConfigError(ValueError):
     """A configuration or request is invalid; the message names the field, value and what is allowed."""
+
+
+class ConfigLockedError(RuntimeError):
+    """The runner's config was changed after `load_modules` (it is locked from then on)."""
+
+
+class FrozenDict(dict):
+    """A dict that refuses every change (the locked config's `model`); serialises as a plain dict."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigLockedError("the runner config is locked after load_modules (deeply frozen): "
+                                "its `model` architecture cannot be changed")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+
+class FrozenList(list):
+    """A list that refuses every change (lists inside the locked config's `model`)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigLockedError("the runner config is locked after load_modules (deeply frozen): "
+                                "its `model` architecture cannot be changed")
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse  # type: ignore[assignment]
+    append = extend = insert = pop = remove = clear = sort = reverse = _refuse  # type: ignore[assignment]
+
+
+def deep_freeze(value: Any) -> Any:
+    """dicts -> FrozenDict, lists -> FrozenList, recursively; other values unchanged."""
+    if isinstance(value, dict):
+        return FrozenDict({k: deep_freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        frozen = [deep_freeze(v) for v in value]
+        return FrozenList(frozen) if isinstance(value, list) else tuple(frozen)
+    return value
 
 
 class _Strict(BaseModel):
@@ -99,23 +140,24 @@ class SyntheticCheckpointConfig(_Strict):
 class RunnerConfig(_Strict):
     """Everything that stays fixed for the life of a runner (locked after `load_modules`)."""
 
-    model_cls: str = Field(description="Registered runner name, e.g. 'wan2.1'.")
+    model_cls: str = Field(description="Registered runner name (runnerkit.registry; `runnerkit --help` lists them).")
     task: str = Field("t2v", description="Task of the runner, e.g. 't2v'.")
     model_path: str | None = Field(None, description="Checkpoint folder (runnerkit, original or diffusers layout).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Compute dtype of transformer and text encoder.")
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
-    infer_steps: int = Field(50, ge=1, le=1000, description="Denoising steps.")
-    target_height: int = Field(480, gt=0, le=MAX_SIDE, description="Default output height in pixels.")
-    target_width: int = Field(832, gt=0, le=MAX_SIDE, description="Default output width in pixels.")
-    target_video_length: int = Field(81, gt=0, le=MAX_FRAMES, description="Default number of frames (4n+1 for Wan).")
-    fps: int = Field(16, gt=0, le=240, description="Frames per second of saved video.")
-    sample_shift: float = Field(5.0, gt=0, description="Flow-matching sigma shift.")
-    sample_guide_scale: float | tuple[float, float] = Field(
-        5.0, description="CFG scale; a pair [high-noise, low-noise] for MoE models.")
+    infer_steps: int | None = Field(None, ge=1, le=1000, description="Denoising steps (None: the family's default).")
+    target_height: int | None = Field(None, gt=0, le=MAX_SIDE, description="Default output height in pixels (None: family default).")
+    target_width: int | None = Field(None, gt=0, le=MAX_SIDE, description="Default output width in pixels (None: family default).")
+    target_video_length: int | None = Field(
+        None, gt=0, le=MAX_FRAMES, description="Default number of frames, e.g. 4n+1 for video families, 1 for images (None: family default).")
+    fps: int | None = Field(None, gt=0, le=240, description="Frames per second of saved video (None: family default).")
+    sample_shift: float | None = Field(None, gt=0, description="Flow-matching sigma shift (None: family default).")
+    sample_guide_scale: float | tuple[float, float] | None = Field(
+        None, description="CFG scale; a pair [high-noise, low-noise] for MoE models (None: family default).")
     boundary: float | None = Field(None, gt=0, lt=1, description="MoE expert switch point (fraction of timesteps).")
     enable_cfg: bool = Field(True, description="Classifier-free guidance (two branches per step).")
     negative_prompt: str | None = Field(None, description="Default negative prompt; None: the family's reference default.")
-    scheduler: Literal["unipc", "euler"] = Field("unipc", description="Flow-matching sampler.")
+    scheduler: Literal["unipc", "euler"] | None = Field(None, description="Flow-matching sampler (None: family default).")
     seed: int = Field(42, ge=0, le=2**63 - 1, description="Default seed of a request.")
     warmup: bool = Field(False, description="Run the one-time warmup in init_modules (CLI --warmup).")
     unload_modules: bool = Field(False, description="Load every module per request (warmup refuses this mode).")
@@ -148,6 +190,9 @@ class RunnerConfig(_Strict):
         return self
 
 
+MEDIA_SUFFIXES = (".mp4", ".png", ".wav")
+
+
 class RequestConfig(_Strict):
     """One request: what to generate and where to save it."""
 
@@ -166,8 +211,10 @@ class RequestConfig(_Strict):
         if not v.strip():
             raise ValueError("`prompt` must contain text, not only whitespace")
         return v
-    save_result_path: str | None = Field(None, description=".mp4 (video) or .png (image); a sidecar .json is written beside it.")
-    save_tensor_path: str | None = Field(None, description=".safetensors with key 'video' float32 [C, F, H, W] in [-1, 1].")
+    save_result_path: str | None = Field(
+        None, description=".mp4 (video), .png (image or one-frame video) or .wav (audio); a sidecar .json is written beside it.")
+    save_tensor_path: str | None = Field(
+        None, description=".safetensors with every output of the pipeline, e.g. 'video' float32 [C, F, H, W] in [-1, 1].")
     _source: str = PrivateAttr("command line")  # where the request came from, for messages (not a request field)
 
     @property
@@ -182,8 +229,8 @@ class RequestConfig(_Strict):
     @field_validator("save_result_path")
     @classmethod
     def _media_suffix(cls, v: str | None) -> str | None:
-        if v is not None and Path(v).suffix.lower() not in (".mp4", ".png"):
-            raise ValueError(f"`save_result_path` must end in .mp4 or .png (got {v!r})")
+        if v is not None and Path(v).suffix.lower() not in MEDIA_SUFFIXES:
+            raise ValueError(f"`save_result_path` must end in one of {list(MEDIA_SUFFIXES)} (got {v!r})")
         return v
 
     @field_validator("save_tensor_path")

@@ -1,11 +1,13 @@
 """Launch script: `python -m runnerkit.infer` (console script `runnerkit`).
 
-    runnerkit --config_json configs/wan/wan_t2v_tiny.json --prompt "a cat surfing" \
+    runnerkit --config_json configs/<family>/<config>.json --prompt "a cat surfing" \
         --save_result_path outputs/cat.mp4 --warmup
 
 One process: validate config and every request -> build runner -> init_modules (load, lock,
 warmup once) -> run each request (a failed request is reported with its index, cleaned up, and the
 rest still run). Exit status 0 only if every request succeeded; 2 for invalid input; 1 otherwise.
+Input errors (config, request, checkpoint, unsupported mode) are reported in one line; unexpected
+errors also print their traceback.
 """
 
 from __future__ import annotations
@@ -32,24 +34,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="runnerkit", description="Run a runnerkit generation pipeline (load, optional warmup, requests).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  runnerkit --config_json configs/wan/wan_t2v_tiny.json --prompt 'a corgi surfing' "
+        epilog="example:\n  runnerkit --config_json configs/<family>/<config>.json --prompt 'a corgi surfing' "
                "--save_result_path outputs/corgi.mp4 --warmup\n\n"
                "exit status: 0 all requests succeeded; 1 a request failed (the others still ran) or an "
                "unexpected error; 2 invalid input (config, request, checkpoint, unsupported mode); 130 interrupted")
     p.add_argument("--model_cls", choices=sorted(load_families()), help="registered model family (or in --config_json)")
     p.add_argument("--task", help="task of the model family, e.g. t2v")
-    p.add_argument("--model_path", help="checkpoint folder (runnerkit, original Wan, or diffusers layout)")
+    p.add_argument("--model_path", help="checkpoint folder (runnerkit, the original release, or diffusers layout)")
     p.add_argument("--config_json", help="JSON runner config (CLI flags override its values)")
     p.add_argument("--prompt", help="text prompt of the single request")
     p.add_argument("--negative_prompt", help="CFG negative prompt (default: the config's, else the family's reference one)")
     p.add_argument("--image_path", help="conditioning image (image-conditioned tasks only)")
     p.add_argument("--last_frame_path", help="last-frame image (first-last-frame tasks only)")
     p.add_argument("--seed", type=int, help="seed of the request's noise (default: the config's seed)")
-    p.add_argument("--target_height", type=int, help="pixels, a multiple of 16 for Wan")
-    p.add_argument("--target_width", type=int, help="pixels, a multiple of 16 for Wan")
-    p.add_argument("--target_video_length", type=int, help="frames; 4n+1 for Wan")
-    p.add_argument("--save_result_path", help=".mp4 video or .png image (+ sidecar .json)")
-    p.add_argument("--save_tensor_path", help=".safetensors: key 'video' float32 [C, F, H, W] in [-1, 1]")
+    p.add_argument("--target_height", type=int, help="pixels, a multiple of the family's factor (e.g. 16)")
+    p.add_argument("--target_width", type=int, help="pixels, a multiple of the family's factor (e.g. 16)")
+    p.add_argument("--target_video_length", type=int, help="frames, as the family allows (e.g. 4n+1; 1 for images)")
+    p.add_argument("--save_result_path", help=".mp4 video, .png image or .wav audio (+ sidecar .json)")
+    p.add_argument("--save_tensor_path", help=".safetensors with every output, e.g. 'video' float32 [C, F, H, W] in [-1, 1]")
     p.add_argument("--warmup", action="store_true", help="run the one-time warmup before the first request")
     p.add_argument("--profile_json", help="write the profile report (warmup, per-request stages and steps) here")
     p.add_argument("--requests", help=".jsonl file, one request per line (excludes the single-request flags)")
@@ -127,6 +129,15 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
 INPUT_ERRORS = (ValueError, NotImplementedError, OSError)  # bad config, request, checkpoint files, modes
 
 
+def report_failure(what: str, exc: BaseException) -> None:
+    """One clear line for input errors; unexpected errors also get their traceback (and notes)."""
+    if isinstance(exc, INPUT_ERRORS):
+        logger.error("{}: {}: {}", what, type(exc).__name__, exc)
+        logger.opt(exception=exc).debug("traceback")
+    else:
+        logger.opt(exception=exc).error("{}: {}: {}", what, type(exc).__name__, exc)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config, requests = parse_inputs(args)
@@ -140,17 +151,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             runner.init_modules()
         except Exception as exc:  # load or warmup: nothing can be served
-            phase = error_phase(exc) or "load"
-            logger.error("{} failed: {}: {}", phase, type(exc).__name__, exc)
-            logger.opt(exception=exc).debug("traceback")
+            report_failure(f"{error_phase(exc) or 'load'} failed", exc)
             return 2 if isinstance(exc, INPUT_ERRORS) else 1
         for index, request in enumerate(requests):
             try:
                 runner.run_pipeline(request, index)
             except Exception as exc:
                 failed.append(index)
-                logger.error("request {} ({}) failed: {}: {}", index, request.source, type(exc).__name__, exc)
-                logger.opt(exception=exc).debug("traceback")
+                report_failure(f"request {index} ({request.source}) failed", exc)
     except KeyboardInterrupt:
         logger.error("interrupted; {} of {} requests finished", sum(r.ok for r in runner.profiler.requests), len(requests))
         return 130

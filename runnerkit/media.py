@@ -1,17 +1,26 @@
-"""Writing results: mp4/png media (media library imported only here), tensors, sidecar JSON."""
+"""Writing results: mp4/png/wav media (media library imported only here), tensors, sidecar JSON.
+
+`save_outputs` is what runners call: every output of a pipeline goes to the tensor file under its
+key, the primary one to the result file (by its kind), and all files of a request are written
+under temporary names and renamed into place together (a failure leaves no partial file).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import uuid
-from collections.abc import Iterator
+import wave
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from runnerkit.runners.pipeline import OutputSpec
 
 
 def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:
@@ -46,11 +55,64 @@ def save_media(video: torch.Tensor, path: str | Path, fps: int) -> None:
         writer.close()
 
 
+def save_image(image: torch.Tensor, path: str | Path) -> None:
+    """Write [3, H, W] in [-1, 1] as an 8-bit RGB png."""
+    import imageio.v3 as iio  # imported only when writing
+
+    iio.imwrite(Path(path), to_uint8_frames(image[:, None])[0].numpy())
+
+
+def save_audio(audio: torch.Tensor, path: str | Path, sample_rate: int) -> None:
+    """Write [channels, samples] in [-1, 1] as 16-bit PCM .wav (stdlib `wave`)."""
+    C, N = audio.shape
+    pcm = (audio.float().clamp(-1, 1) * 32767.0).round().to(torch.int16).T.contiguous()  # [N, C] interleaved
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(C)
+        f.setsampwidth(2)
+        f.setframerate(sample_rate)
+        f.writeframes(pcm.numpy().tobytes())
+
+
 def save_tensor(video: torch.Tensor, path: str | Path, key: str = "video") -> None:
     """Write the float32 tensor ([C, F, H, W] for 'video', [C, H, W] for 'image') to a .safetensors file."""
+    save_tensors({key: video}, path)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write float32 copies of `tensors` (key -> tensor) to one .safetensors file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({key: video.float().contiguous().cpu()}, str(path))
+    save_file({k: v.float().contiguous().cpu() for k, v in tensors.items()}, str(path))
+
+
+def save_outputs(outputs: dict[str, torch.Tensor], specs: Sequence["OutputSpec"], result_path: str | None,
+                 tensor_path: str | None, fps: int, sidecar: dict[str, Any]) -> list[str]:
+    """Write one request's outputs, all-or-nothing; returns the final paths written.
+
+    Args:
+        outputs: output key -> tensor without batch dim (video [3, F, H, W], image [3, H, W],
+            audio [channels, samples]), values in [-1, 1].
+        specs: the pipeline's outputs; the first is primary and goes to `result_path`.
+        result_path: .mp4 (video; .png for one frame), .png (image) or .wav (audio), with a sidecar .json.
+        tensor_path: .safetensors holding every output under its key.
+        fps: frames per second of a video result.
+        sidecar: the record written beside `result_path` (seed, prompt, resolved config, ...).
+    """
+    with atomic_outputs() as out:
+        if tensor_path:
+            save_tensors(outputs, out.temp(tensor_path))
+        if result_path:
+            primary = specs[0]
+            tensor, tmp = outputs[primary.key], out.temp(result_path)
+            if primary.kind == "video":
+                save_media(tensor, tmp, fps=fps)
+            elif primary.kind == "image":
+                save_image(tensor, tmp)
+            else:
+                assert primary.sample_rate is not None, f"audio output {primary.key!r} needs a sample_rate"
+                save_audio(tensor, tmp, primary.sample_rate)
+            write_sidecar(out.temp(sidecar_path(result_path)), sidecar)
+    return [p for p in (tensor_path, result_path) if p]
 
 
 def sidecar_path(media_path: str | Path) -> Path:

@@ -19,7 +19,14 @@ import torch
 
 from runnerkit.memory import synchronize
 
-STAGES = ("text_encoder", "image_encoder", "vae_encoder", "transformer", "vae_decoder", "save")
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, recompilations) so far in this process, from torch._dynamo's counters."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - very old torch
+        return 0, 0
+    return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["recompiles"].values()))
 
 
 class StepTimer:
@@ -57,8 +64,9 @@ class RequestProfile:
 
     index: int
     shape: list[int]
+    stages: dict[str, float]
+    """Seconds per profiling stage of the family's pipeline (`Pipeline.profile_stages`), in order."""
     seconds: float = 0.0
-    stages: dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in STAGES})
     steps: list[float] = field(default_factory=list)
     memory: dict[str, float] = field(default_factory=dict)
     audit: dict[str, Any] = field(default_factory=dict)
@@ -75,12 +83,41 @@ class Profiler:
         self.warmup: dict[str, Any] | None = None
         self.requests: list[RequestProfile] = []
         self.current: RequestProfile | None = None
+        self._timer: StepTimer | None = None
+
+    def begin_request(self, index: int, stages: tuple[str, ...]) -> RequestProfile:
+        """Start the profile of request `index` with the pipeline's profiling `stages`."""
+        prof = RequestProfile(index=index, shape=[0, 0, 0], stages={s: 0.0 for s in stages})
+        self.requests.append(prof)
+        self.current, self._timer = prof, StepTimer(self.device)
+        return prof
+
+    def end_request(self) -> None:
+        """Read the request's step timers (one synchronize on CUDA) and close its profile."""
+        if self.current is not None and self._timer is not None:
+            try:
+                self.current.steps = self._timer.seconds()
+            finally:
+                self.current, self._timer = None, None
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Time one denoising step of the current request (no-op outside a request, e.g. warmup)."""
+        if self._timer is None:
+            yield
+            return
+        with self._timer.step():
+            yield
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Time a request stage (adds up if entered twice, e.g. two text encodes)."""
-        if name not in STAGES:
-            raise ValueError(f"unknown stage {name!r}; allowed: {STAGES}")
+        """Time a request stage (adds up if entered twice, e.g. two text encodes).
+
+        Raises:
+            ValueError: inside a request, `name` is not one of the pipeline's profiling stages.
+        """
+        if self.current is not None and name not in self.current.stages:
+            raise ValueError(f"unknown profiling stage {name!r}; this pipeline's stages: {list(self.current.stages)}")
         t0 = time.perf_counter()
         try:
             yield
@@ -93,7 +130,9 @@ class Profiler:
         return {
             "phases": self.phases,
             "warmup": self.warmup,
-            "requests": [r.__dict__ for r in self.requests],
+            "requests": [{"index": r.index, "shape": r.shape, "seconds": r.seconds, "stages": r.stages,
+                          "steps": r.steps, "memory": r.memory, "audit": r.audit, "ok": r.ok, "error": r.error}
+                         for r in self.requests],
         }
 
     def write(self, path: str | Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import pkgutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -13,8 +15,19 @@ R = TypeVar("R", bound="type[BaseRunner]")
 
 RUNNERS: dict[str, type["BaseRunner"]] = {}
 
-# Family packages whose import registers their runners. Adding a family = one folder + one line here.
-FAMILY_MODULES: tuple[str, ...] = ("runnerkit.models.wan.runner",)
+#: Where families live: every package `runnerkit/models/<family>/` with a `runner` module registers
+#: its runners when imported. Adding a family = one folder; nothing else names it.
+MODELS_PACKAGE = "runnerkit.models"
+
+
+def family_modules() -> list[str]:
+    """The `runner` modules of every family package under runnerkit/models/, sorted."""
+    package = importlib.import_module(MODELS_PACKAGE)
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.ispkg and importlib.util.find_spec(f"{MODELS_PACKAGE}.{info.name}.runner") is not None:
+            found.append(f"{MODELS_PACKAGE}.{info.name}.runner")
+    return sorted(found)
 
 
 def register_runner(name: str) -> Callable[[R], R]:
@@ -35,7 +48,7 @@ def register_runner(name: str) -> Callable[[R], R]:
 
 def load_families() -> dict[str, type["BaseRunner"]]:
     """Import every family package once so their runners are registered; return the registry."""
-    for module in FAMILY_MODULES:
+    for module in family_modules():
         importlib.import_module(module)
     return RUNNERS
 

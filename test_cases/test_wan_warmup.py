@@ -13,7 +13,7 @@ import torch
 from runnerkit import memory
 from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
-from runnerkit.runners.base import error_phase
+from runnerkit.runners.base import LifecycleError, error_phase
 from runnerkit.schedulers import SCHEDULERS
 from test_cases.conftest import tiny_config_dict
 
@@ -88,14 +88,16 @@ def test_gates_refuse_before_anything_runs(tiny_ckpt: Path, mocker: Any, cls: ty
     assert runner.transformer is None
 
 
-def test_gate_also_refuses_on_direct_warmup_call(tiny_ckpt: Path, mocker: Any) -> None:
-    runner = make_runner(tiny_ckpt, NoTaskVariant)
-    runner.init_modules()  # no --warmup: loads fine
-    object.__setattr__(runner, "_config", runner.config.model_copy(update={"warmup": True}))
-    spy = mocker.spy(NoTaskVariant, "run_warmup")
-    with pytest.raises(NotImplementedError, match="does not cover task"):
-        runner.warmup()
-    assert spy.call_count == 0
+def test_warmup_cannot_be_called_directly(tiny_ckpt: Path, mocker: Any) -> None:
+    runner = make_runner(tiny_ckpt, warmup=True)
+    spy = mocker.spy(WanT2VRunner, "run_warmup")
+    with pytest.raises(LifecycleError, match="only inside init_modules"):
+        runner.warmup()  # before init_modules
+    runner.init_modules()
+    assert spy.call_count == 1
+    with pytest.raises(LifecycleError, match="only inside init_modules"):
+        runner.warmup()  # after: warmup runs at most once
+    assert spy.call_count == 1
 
 
 def test_without_flag_warmup_is_a_no_op(tiny_ckpt: Path, mocker: Any) -> None:
@@ -165,7 +167,7 @@ def test_warmup_drives_real_path_in_order(tiny_ckpt: Path, mocker: Any) -> None:
     assert calls == ["encode", *per_shape(l0), *per_shape(l1)]  # text encoded once, cond + uncond each shape
     assert run_pipeline.call_count == 0 and save.call_count == 0
     assert runner.profiler.warmup["shapes"] == [[h0, w0, f0], [h1, w1, f1]]
-    assert runner.profiler.warmup["steps_per_shape"] == [0]
+    assert runner.profiler.warmup["steps_per_shape"] == {"transformer": [0]}
     assert set(runner.profiler.warmup) == {"seconds", "shapes", "steps_per_shape", "memory_before", "memory_after"}
 
 
@@ -194,8 +196,6 @@ def test_state_after_warmup_is_start_up_baseline(tiny_ckpt: Path, _no_real_gc_fr
     runner.init_modules()
     assert_start_up_baseline(runner)
     assert _no_real_gc_freeze == [1]  # eager path: frozen once
-    runner.warmup()  # second call: no-op
-    assert _no_real_gc_freeze == [1]
 
 
 def test_exception_in_decoder_leaves_clean_state_and_names_warmup(tiny_ckpt: Path) -> None:
@@ -260,10 +260,10 @@ def test_failed_request_is_cleaned_and_next_request_unaffected(tiny_ckpt: Path, 
     real_step = runner.run_step
     boom = {"armed": True}
 
-    def failing_step(latents: torch.Tensor, timestep: torch.Tensor, i: int) -> torch.Tensor:
+    def failing_step(stage: Any, model: Any, latents: torch.Tensor, timestep: torch.Tensor, i: int) -> torch.Tensor:
         if boom["armed"] and i == 2:
             raise torch.cuda.OutOfMemoryError("simulated OOM")
-        return real_step(latents, timestep, i)
+        return real_step(stage, model, latents, timestep, i)
 
     runner.run_step = failing_step  # type: ignore[method-assign]
     with pytest.raises(torch.cuda.OutOfMemoryError) as exc:
@@ -303,7 +303,7 @@ def test_warmup_and_first_step_never_empty_cache(tiny_ckpt: Path, monkeypatch: p
     runner.init_modules()
     assert decisions == []  # nothing emptied (or even considered) between warmup and the request
     real_step = runner.run_step
-    runner.run_step = lambda l, t, i: (first_step.append(len(decisions)), real_step(l, t, i))[1]  # type: ignore
+    runner.run_step = lambda *a: (first_step.append(len(decisions)), real_step(*a))[1]  # type: ignore
     runner.run_pipeline(_request(1), 0)
     assert first_step[0] == 0 and decisions == [("end_run", False)]
 

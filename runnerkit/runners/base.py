@@ -1,32 +1,45 @@
-"""BaseRunner: the lifecycle template (ARCHITECTURE §2).
+"""BaseRunner: the lifecycle template and every guarantee it holds (ARCHITECTURE §2, §3).
 
-    runner = build_runner(config)        # registry lookup, config validated
-    runner.init_modules()                # load_modules -> config lock -> warmup (once)
+    runner = get_runner_cls(config.model_cls)(config)   # family defaults resolved, config validated
+    runner.init_modules()                # once: warmup gate -> load_modules -> config lock -> warmup
     runner.run_pipeline(request, index)  # one request; end_run() always runs after it
 
-Families override `load_modules`, the `run_*` stage methods and `run_warmup`; `init_modules` is
-final (a subclass that defines it is rejected at class creation). Every error leaves with the
-phase it came from (`load`, `warmup`, `request N`) in its notes and in `error_phase(exc)`.
+`init_modules`, `warmup` and `run_pipeline` are final: a subclass that defines one of them is
+refused when the class is created. Families fill in hooks (`load_modules`, `serve_request`,
+`run_warmup`, `end_run`, ...); the guarantees stay here:
+
+- `init_modules` runs once (a second call raises); the config is deeply frozen at the lock.
+- `warmup` runs at most once, only inside `init_modules`, behind its gate; the request state
+  (schedulers, generators, inputs, caches) is reset in `finally`.
+- `run_pipeline` tags every error with its phase (`load`, `warmup`, `request N`), writes the
+  request profile, always runs `end_run`, and never lets a cleanup error hide the request's
+  error (the cleanup error is attached to it as a note and logged with its traceback).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
 from loguru import logger
 
-from runnerkit.config import RunnerConfig
+from runnerkit import memory
+from runnerkit.config import FAMILY_DEFAULTED, ConfigLockedError, RunnerConfig, deep_freeze
 from runnerkit.memory import snapshot
-from runnerkit.profiling import Profiler
+from runnerkit.profiling import Profiler, RequestProfile, dynamo_counts
+from runnerkit.runners.pipeline import Shape
+
+__all__ = ["BaseRunner", "ConfigLockedError", "LifecycleError", "error_phase", "lifecycle_phase", "resolve_device"]
+
+FINAL_METHODS = ("init_modules", "warmup", "run_pipeline")
 
 
-class ConfigLockedError(RuntimeError):
-    """The runner's config was changed after `load_modules` (it is locked from then on)."""
+class LifecycleError(RuntimeError):
+    """A lifecycle verb was called out of order (a second init_modules, a request before init, ...)."""
 
 
 def error_phase(exc: BaseException) -> str | None:
@@ -60,21 +73,34 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 
 
 class BaseRunner(ABC):
-    """Owns a pipeline's modules and lifecycle. Subclasses must not override `init_modules`."""
+    """Owns a pipeline's modules and lifecycle; holds the lifecycle guarantees (see module doc)."""
 
     #: Tasks this runner serves (validated at build time).
     TASKS: ClassVar[tuple[str, ...]] = ()
+    #: The family's defaults of the run settings the config leaves at None (config.FAMILY_DEFAULTED):
+    #: resolution, frames, fps, steps, shift, guidance, scheduler.
+    DEFAULTS: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "init_modules" in cls.__dict__:
-            raise TypeError(f"{cls.__qualname__} overrides init_modules; override load_modules/run_warmup instead")
+        overridden = [m for m in FINAL_METHODS if m in cls.__dict__]
+        if overridden:
+            raise TypeError(
+                f"{cls.__qualname__} overrides {', '.join(overridden)}: these lifecycle verbs are final in BaseRunner "
+                "(they hold the once-only, phase-tagging, profiling and cleanup guarantees); describe the pipeline "
+                "and override the hooks instead (load_modules, describe_pipeline, run_warmup, clear_request_state)")
+        unknown = sorted(set(cls.__dict__.get("DEFAULTS", {})) - set(FAMILY_DEFAULTED))
+        if unknown:
+            raise TypeError(f"{cls.__qualname__}.DEFAULTS names {unknown}; family defaults are for {list(FAMILY_DEFAULTED)}")
 
     def __init__(self, config: RunnerConfig) -> None:
+        config = self.resolve_config(config)
         if config.task not in self.TASKS:
             raise ValueError(f"`task` {config.task!r} is not served by model_cls {config.model_cls!r}; allowed: {list(self.TASKS)}")
         self._config = config
         self._config_locked = False
+        self._lifecycle = "new"  # new -> initialising -> ready | failed
+        self._warmup_ran = False
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.profiler = Profiler(self.device)
@@ -82,49 +108,208 @@ class BaseRunner(ABC):
         self.inputs: Any = None
 
     # -- config ---------------------------------------------------------------------------
+    @classmethod
+    def resolve_config(cls, config: RunnerConfig) -> RunnerConfig:
+        """`config` with every family-defaulted setting left at None filled from `DEFAULTS`.
+
+        Raises:
+            ValueError: the family's defaults miss a setting the config leaves unset.
+        """
+        unset = [k for k in FAMILY_DEFAULTED if getattr(config, k) is None]
+        missing = [k for k in unset if k not in cls.DEFAULTS]
+        if missing:
+            raise ValueError(f"model_cls {config.model_cls!r} has no default for {missing}; set them in the config")
+        if not unset:
+            return config
+        return RunnerConfig.model_validate({**config.model_dump(exclude_unset=True), **{k: cls.DEFAULTS[k] for k in unset}})
+
     @property
     def config(self) -> RunnerConfig:
+        """The run config: validated, with the family's defaults; deeply frozen after `load_modules`."""
         return self._config
 
     def update_config(self, **changes: Any) -> None:
-        """Record values resolved while loading (e.g. the architecture); refused after the lock."""
+        """Record values resolved while loading (e.g. the architecture); refused after the lock.
+
+        Raises:
+            ConfigLockedError: after `load_modules` returned.
+        """
         if self._config_locked:
             raise ConfigLockedError(f"config is locked after load_modules; refused change of {sorted(changes)}")
         self._config = RunnerConfig.model_validate({**self._config.model_dump(exclude_unset=True), **changes})
 
-    # -- lifecycle ------------------------------------------------------------------------
-    def init_modules(self) -> None:
-        """Load modules, lock the config, run the one-time warmup (a no-op without --warmup)."""
-        if self.config.warmup:
-            with lifecycle_phase("warmup"):
-                self.check_warmup_supported()  # refuse before anything is loaded
-        with lifecycle_phase("load"):
-            t0 = time.perf_counter()
-            self.load_modules()
-            seconds = time.perf_counter() - t0
-            self.profiler.phases["load_seconds"] = seconds
-            logger.info("load: {:.2f} s, {}", seconds, snapshot(self.device).describe())
+    def _lock_config(self) -> None:
+        # pydantic models are frozen already; the free-form `model` dict is frozen here, recursively.
+        self._config = self._config.model_copy(update={"model": deep_freeze(self._config.model)})
         self._config_locked = True
-        logger.info("resolved config: {}", self.config.model_dump_json())
-        with lifecycle_phase("warmup"):
-            self.warmup()
 
+    # -- lifecycle (final) ------------------------------------------------------------------
+    def init_modules(self) -> None:
+        """Load modules, lock the config, run the one-time warmup (a no-op without `warmup`).
+
+        Raises:
+            LifecycleError: called a second time (build a new runner to reload).
+            whatever loading or warmup raises, tagged with phase `load` or `warmup`.
+        """
+        if self._lifecycle != "new":
+            raise LifecycleError(f"init_modules runs once per runner and already ran (state: {self._lifecycle}); "
+                                 "build a new runner to load again")
+        self._lifecycle = "initialising"
+        try:
+            if self.config.warmup:
+                with lifecycle_phase("warmup"):
+                    self.check_warmup_supported()  # refuse before anything is loaded
+            with lifecycle_phase("load"):
+                t0 = time.perf_counter()
+                self.load_modules()
+                seconds = time.perf_counter() - t0
+                self.profiler.phases["load_seconds"] = seconds
+                logger.info("load: {:.2f} s, {}", seconds, snapshot(self.device).describe())
+            self._lock_config()
+            logger.info("resolved config: {}", self.config.model_dump_json())
+            with lifecycle_phase("warmup"):
+                self.warmup()
+        except BaseException:
+            self._lifecycle = "failed"
+            raise
+        self._lifecycle = "ready"
+
+    def warmup(self) -> None:
+        """The one-time warmup: `run_warmup` on the class-constant shapes (ARCHITECTURE §3).
+
+        A no-op without `config.warmup`. Runs only inside `init_modules`, at most once. Afterwards
+        the request state is the start-up baseline (`reset_request_state`: schedulers fresh with
+        generator None, `input_info`/`inputs` None, family caches cleared), also on failure.
+
+        Raises:
+            LifecycleError: called outside `init_modules` or a second time.
+            NotImplementedError: the gate refuses this runner, task, flavour or mode.
+        """
+        if self._lifecycle != "initialising":
+            raise LifecycleError("warmup runs only inside init_modules (once); it cannot be called directly")
+        if self._warmup_ran:
+            raise LifecycleError("warmup already ran on this runner; it runs at most once")
+        if not self.config.warmup:
+            return
+        self.check_warmup_supported()
+        shapes = self.warmup_shapes()
+        before = memory.snapshot(self.device)
+        t0 = time.perf_counter()
+        self._warmup_ran = True
+        try:
+            with memory.oom_note(self.device, "warmup"):
+                self.run_warmup(shapes)
+        finally:
+            self.reset_request_state()
+        memory.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        self.after_warmup()
+        after = memory.snapshot(self.device)
+        self.profiler.warmup = {
+            "seconds": round(seconds, 4),
+            "shapes": [list(s) for s in shapes],
+            "steps_per_shape": self.warmup_step_report(),
+            "memory_before": before.as_dict(),
+            "memory_after": after.as_dict(),
+        }
+        logger.info("warmup: {:.2f} s over shapes {}; {}", seconds, [list(s) for s in shapes], after.describe())
+
+    def run_pipeline(self, request: Any, index: int = 0) -> RequestProfile:
+        """Serve one request through `serve_request`, then `end_run` (always).
+
+        Raises whatever the request raises, tagged with phase `request {index}` (a CUDA OOM gets a
+        note separating live allocated memory from the allocator's reserved cache). If `end_run`
+        fails too, its error is attached to the request's error as a note and logged; if only
+        `end_run` fails, its error is raised, tagged `request {index} (end_run)`.
+
+        Raises:
+            LifecycleError: `init_modules` has not completed.
+        """
+        if self._lifecycle != "ready":
+            raise LifecycleError(f"run_pipeline needs a runner whose init_modules completed (state: {self._lifecycle})")
+        prof = self.profiler.begin_request(index, self.profile_stages())
+        graphs0, recompiles0 = dynamo_counts()
+        reserved0 = memory.snapshot(self.device).reserved_gib
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            with lifecycle_phase(f"request {index}"), memory.oom_note(self.device, f"request {index}"):
+                self.serve_request(request, index, prof)
+        except BaseException as exc:
+            error = exc
+            prof.ok, prof.error = False, f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            cleanup_error = self._end_run_reporting(index, error)
+            prof.seconds = time.perf_counter() - t0
+            graphs1, recompiles1 = dynamo_counts()
+            snap = memory.snapshot(self.device)
+            prof.memory = {k: round(v, 4) for k, v in snap.as_dict().items() if k != "free_gib"}
+            prof.audit = {
+                "compilations": graphs1 - graphs0,
+                "recompilations": recompiles1 - recompiles0,
+                "reserved_growth_gib": round(snap.reserved_gib - reserved0, 4),
+                "warmed_shape": self._warmup_ran and tuple(prof.shape) in set(self.warmup_shapes()),
+            }
+            self.profiler.end_request()
+            if cleanup_error is not None and error is None:
+                prof.ok, prof.error = False, f"end_run: {type(cleanup_error).__name__}: {cleanup_error}"
+                raise cleanup_error
+        logger.info("request {}: {:.2f} s, stages {}", index, prof.seconds, {k: round(v, 3) for k, v in prof.stages.items()})
+        return prof
+
+    def _end_run_reporting(self, index: int, error: BaseException | None) -> BaseException | None:
+        """Run `end_run`; return its exception (tagged) instead of letting it replace `error`."""
+        try:
+            with lifecycle_phase(f"request {index} (end_run)"):
+                self.end_run()
+        except BaseException as cleanup:
+            if error is None:
+                return cleanup
+            error.add_note(f"[runnerkit] end_run also failed after this error: {type(cleanup).__name__}: {cleanup}")
+            error.runnerkit_cleanup_error = cleanup  # type: ignore[attr-defined]
+            logger.opt(exception=cleanup).error("request {}: end_run failed after the request failed: {}: {}",
+                                                index, type(cleanup).__name__, cleanup)
+        return None
+
+    # -- hooks ------------------------------------------------------------------------------
     @abstractmethod
     def load_modules(self) -> None:
-        """Family hook: build encoders, transformer(s), VAE and scheduler."""
+        """Family hook: build encoders, transformer(s), decoders and schedulers."""
+
+    @abstractmethod
+    def serve_request(self, request: Any, index: int, prof: RequestProfile) -> None:
+        """The request path (DefaultRunner: encoders -> denoise stages -> decoders -> save)."""
+
+    @abstractmethod
+    def end_run(self) -> None:
+        """Request-level cleanup: back to the start-up baseline (runs after every request)."""
+
+    @abstractmethod
+    def reset_request_state(self) -> None:
+        """Drop every piece of request state (also after warmup): schedulers, inputs, caches."""
+
+    @abstractmethod
+    def profile_stages(self) -> tuple[str, ...]:
+        """The profiling stages of one request, in order."""
 
     @abstractmethod
     def check_warmup_supported(self) -> None:
         """Raise NotImplementedError with the reason if warmup cannot run for this runner/config."""
 
     @abstractmethod
-    def warmup(self) -> None:
-        """One-time warmup (no-op unless config.warmup); a second call is a no-op."""
+    def warmup_shapes(self) -> tuple[Shape, ...]:
+        """The class-constant warmup shapes of this checkpoint's flavour."""
 
     @abstractmethod
-    def run_pipeline(self, request: Any, index: int = 0) -> Any:
-        """Serve one request; must call `end_run` in `finally`."""
+    def run_warmup(self, shapes: Sequence[Shape]) -> None:
+        """Drive the real request path on `shapes` (never `run_pipeline`)."""
 
-    @abstractmethod
-    def end_run(self) -> None:
-        """Request-level cleanup: back to the start-up baseline."""
+    def warmup_step_report(self) -> Any:
+        """What the profile's `warmup.steps_per_shape` records (the steps warmup ran)."""
+        return None
+
+    def after_warmup(self) -> None:
+        """Called once after a successful warmup (DefaultRunner: gc freeze on the eager path)."""

@@ -1,71 +1,55 @@
-"""DefaultRunner: the standard request path, the warmup gates and request-state cleanup.
+"""DefaultRunner: serves a family's pipeline description (runners/pipeline.py).
 
-Request path (ARCHITECTURE §2), each step a method a family may override:
+The family returns a `Pipeline` from `describe_pipeline()` and fills in a few hooks; this class
+runs it, for requests and for warmup alike (ARCHITECTURE §2, §3):
 
-    run_encoders (run_text_encoder [+ image encoders]) -> scheduler.prepare
-    -> for each step: scheduler.step_pre -> run_step (model.infer per CFG branch) -> scheduler.step_post
-    -> run_vae_decoder -> save_outputs -> end_run (always)
+    # 1. resolve and check the request            resolve_request
+    # 2. encoders (text, image, VAE encode)         pipeline.encoders, each with its module on the device
+    # 3. denoise stages, in order                   transition (e.g. upsampler) -> scheduler.prepare
+    #                                               -> (step_pre -> select_transformer -> run_step
+    #                                                   -> step_post)*  per stage
+    # 4. decoders (iterators consumed fully)        pipeline.decoders -> {output key: tensor}
+    # 5. save (all-or-nothing, through media.py)    save_outputs
+    # end_run (always, from BaseRunner.run_pipeline)
 
-Warmup (ARCHITECTURE §3) is opt-in per class: a runner class declares `WARMUP_TASKS`,
-`WARMUP_SHAPES` and `WARMUP_OFFLOAD_MODES` in its own class body; they are read from the class
-`__dict__`, so a subclass does not inherit the opt-in and must declare its own.
+Module placement (offload mode none/model/block/phase, lazy_load, unload_modules) is decided here
+from the pipeline's `ModuleSpec`s; a family only says how to build (or stream) each module.
+
+Warmup opt-in is per class: a runner class declares `WARMUP_TASKS`, `WARMUP_SHAPES` and
+`WARMUP_OFFLOAD_MODES` in its own class body; they are read from the class `__dict__`, so a
+subclass does not inherit the opt-in and must declare its own.
 """
 
 from __future__ import annotations
 
-import time
 from abc import abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from loguru import logger
+from torch import nn
 
 from runnerkit import memory
-from runnerkit.config import RequestConfig
-from runnerkit.profiling import RequestProfile, StepTimer
+from runnerkit.config import RequestConfig, RunnerConfig
+from runnerkit.media import save_outputs as write_outputs
+from runnerkit.profiling import RequestProfile
 from runnerkit.runners.base import BaseRunner, lifecycle_phase
-from runnerkit.runners.placement import Placement
+from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, OutputKind, Pipeline, Shape
+from runnerkit.runners.placement import Loader, Placement
 from runnerkit.schedulers import SCHEDULERS
 from runnerkit.schedulers.base import Scheduler
 
-Shape = tuple[int, int, int]  # (height, width, frames)
+__all__ = ["DefaultRunner", "InputInfo", "Shape"]
 
-
-@dataclass(frozen=True)
-class InputInfo:
-    """One request with every default resolved (what `run_pipeline` works from)."""
-
-    prompt: str
-    negative_prompt: str
-    seed: int
-    height: int
-    width: int
-    frames: int
-    save_result_path: str | None = None
-    save_tensor_path: str | None = None
-    image_path: str | None = None
-    last_frame_path: str | None = None
-
-    @property
-    def shape(self) -> Shape:
-        return (self.height, self.width, self.frames)
-
-
-def _dynamo_counts() -> tuple[int, int]:
-    """(graphs compiled, recompilations) so far in this process, from torch._dynamo's counters."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:  # pragma: no cover - very old torch
-        return 0, 0
-    return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["recompiles"].values()))
+#: Dummy user content of warmup: only its shapes matter (a prompt is padded to the text length).
+WARMUP_PROMPT = "warmup"
 
 
 class DefaultRunner(BaseRunner):
-    """Standard text/image-to-video request path with warmup gates. Families subclass it."""
+    """Runs a family's `Pipeline`: requests, warmup, profiling, placement and offload."""
 
     #: Spatial and temporal factors a request shape must respect (VAE stride x patch size).
     SPATIAL_FACTOR: ClassVar[int] = 16
@@ -74,13 +58,173 @@ class DefaultRunner(BaseRunner):
     DEFAULT_NEGATIVE_PROMPT: ClassVar[str] = ""
     #: Seed of warmup's own noise; the generator is dropped after warmup, so requests never see it.
     WARMUP_SEED: ClassVar[int] = 0
+    #: Image inputs a task takes (request fields); text-only tasks take none.
+    IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: The kind of each task's primary output (what `save_result_path` holds); default "video".
+    RESULT_KINDS: ClassVar[dict[str, OutputKind]] = {}
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
-        self.scheduler: Scheduler | None = None
+        self.pipeline: Pipeline | None = None
+        self.schedulers: dict[str, Scheduler] = {}
         self.placement: Placement | None = None
-        self.stage_modules: dict[str, Any] = {}
-        self._warmup_ran = False
+        self.modules: dict[str, nn.Module] = {}  # resident and model-offloaded modules (not per-stage ones)
+        self.streamers: dict[str, Any] = {}  # block/phase streamers of streamed modules, by module name
+        self.stage_modules: dict[str, nn.Module] = {}  # modules on the device for the running stage
+        self._warmup_steps_run: dict[str, list[int]] = {}
+
+    # ---- family hooks -------------------------------------------------------------------
+    @abstractmethod
+    def prepare_load(self) -> None:
+        """Open the checkpoint, record the resolved architecture (`update_config`), load tokenizers."""
+
+    @abstractmethod
+    def describe_pipeline(self) -> Pipeline:
+        """The family's pipeline for this config (called once, in `load_modules`, after `prepare_load`)."""
+
+    @abstractmethod
+    def flavour(self) -> str | None:
+        """Model flavour recognised from the checkpoint's architecture (e.g. 'debug', '1.3B'), or None."""
+
+    @abstractmethod
+    def run_step(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
+                 step_index: int) -> torch.Tensor:
+        """One denoising step's model output for the scheduler (all CFG branches combined).
+
+        Args:
+            stage: the denoise stage running.
+            model: the transformer (or MoE expert) `select_transformer` chose, on the device.
+            latents: `[B, C, ...]` in the model dtype; timestep: `[B]`.
+        """
+
+    def select_transformer(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> str:
+        """The transformer (MoE expert) of `stage` that runs step `step_index` (default: the only one).
+
+        Raises:
+            NotImplementedError: the stage lists several experts and the family did not say how to choose.
+        """
+        if len(stage.transformers) != 1:
+            raise NotImplementedError(f"{type(self).__name__}: denoise stage {stage.name!r} has experts "
+                                      f"{list(stage.transformers)}; override select_transformer to choose per step")
+        return stage.transformers[0]
+
+    def run_transition(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Latents of the previous stage -> this stage's initial latents (default: `model(latents)`)."""
+        with torch.inference_mode():
+            return model(latents)
+
+    def clear_request_state(self) -> None:
+        """Family hook: drop request-specific caches (RoPE tables, VAE feature caches, branch state)."""
+
+    #: Checkpoint layouts `write_synthetic_checkpoint` can write (empty: the family writes none).
+    CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def write_synthetic_checkpoint(cls, config: RunnerConfig, out: Path, seed: int, dtype: torch.dtype,
+                                   layout: str, **options: Any) -> None:
+        """Write deterministic random weights of `config`'s architecture to `out` (runnerkit.tools.synth_checkpoint)."""
+        raise NotImplementedError(f"{cls.__name__} cannot write synthetic checkpoints")
+
+    @staticmethod
+    def synthetic_seed_of(path: Path) -> int | None:
+        """The seed of the synthetic checkpoint at `path`, or None if it holds none."""
+        return None
+
+    def sidecar_extra(self, info: InputInfo) -> dict[str, Any]:
+        """Family fields added to the sidecar JSON of a saved result."""
+        return {}
+
+    # ---- loading and placement --------------------------------------------------------------
+    def load_modules(self) -> None:
+        """prepare_load -> describe_pipeline -> place every module as the offload config says -> schedulers."""
+        self.prepare_load()
+        self.pipeline = pipeline = self.describe_pipeline()
+        self.placement = self.place_modules(pipeline)
+        self.schedulers = {s.name: self.build_scheduler(s) for s in pipeline.denoise}
+
+    def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
+        """A fresh scheduler of `stage` (no request state)."""
+        return SCHEDULERS[stage.scheduler](shift=stage.shift)
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The first denoise stage's scheduler (the one a single-stage family has)."""
+        return next(iter(self.schedulers.values()), None)
+
+    def place_modules(self, pipeline: Pipeline) -> Placement:
+        """Build every module where the offload config puts it (ARCHITECTURE §4).
+
+        none: all resident on the device; model: all in host memory, each visits the device for
+        its stage; block/phase: streamable modules stream their blocks (built per stage under
+        lazy_load), the others are model-offloaded; unload_modules: every module built per stage.
+
+        Raises:
+            NotImplementedError: block/phase offload of a pipeline without a streamable module.
+        """
+        cfg, off = self.config, self.config.offload
+        thresholds = dict(empty_cache_min_free_gib=cfg.memory.empty_cache_min_free_gib,
+                          empty_cache_min_reclaimable_gib=cfg.memory.empty_cache_min_reclaimable_gib)
+        from runnerkit.offload.setup import pin_memory_enabled  # offload imports torch extensions lazily
+
+        pin = pin_memory_enabled(off)
+        cpu = torch.device("cpu")
+        resident: dict[str, nn.Module] = {}
+        offloaded: dict[str, nn.Module] = {}
+        loaders: dict[str, Loader] = {}
+        if cfg.unload_modules:
+            loaders = {m.name: self._per_stage(m, streamed=False) for m in pipeline.modules}
+        elif off.mode == "none":
+            resident = {m.name: m.build(self.device) for m in pipeline.modules}
+        elif off.mode == "model":
+            offloaded = {m.name: m.build(cpu) for m in pipeline.modules}
+        else:
+            streamable = [m for m in pipeline.modules if m.stream is not None]
+            if not streamable:
+                raise NotImplementedError(f"`offload.mode`={off.mode!r}: {type(self).__name__} has no module that "
+                                          "streams its blocks; use 'none' or 'model'")
+            offloaded = {m.name: m.build(cpu) for m in pipeline.modules if m.stream is None}
+            for m in streamable:
+                if off.lazy_load:
+                    self._stream(m)  # once now, so a checkpoint that cannot stream fails at load
+                    self._drop_streamer(m.name)
+                    loaders[m.name] = self._per_stage(m, streamed=True)
+                else:
+                    resident[m.name] = self._stream(m)
+        self.modules = {**resident, **offloaded}
+        return Placement(self.device, resident=resident, offloaded=offloaded, loaders=loaders, pin_memory=pin,
+                         **thresholds)
+
+    def _stream(self, spec: ModuleSpec) -> nn.Module:
+        assert spec.stream is not None, f"module {spec.name} does not stream"
+        module, streamer = spec.stream()
+        self.streamers[spec.name] = streamer
+        return module
+
+    def _drop_streamer(self, name: str) -> None:
+        streamer = self.streamers.pop(name, None)
+        if streamer is not None:
+            streamer.close()
+
+    def _per_stage(self, spec: ModuleSpec, streamed: bool) -> Loader:
+        def load() -> tuple[nn.Module, Callable[[], None]]:
+            module = self._stream(spec) if streamed else spec.build(self.device)
+            return module, lambda: self._drop_streamer(spec.name)
+
+        return load
+
+    @contextmanager
+    def module_on_device(self, name: str | None) -> Iterator[nn.Module | None]:
+        """Module `name` on the compute device for one stage (runners/placement.py); while the block
+        runs it is also `self.stage_modules[name]`. `name` None: yields None."""
+        if name is None or self.placement is None:
+            yield None
+            return
+        with self.placement.on_device(name) as module:
+            self.stage_modules[name] = module
+            try:
+                yield module
+            finally:
+                del self.stage_modules[name]
 
     # ---- request validation ---------------------------------------------------------------
     @classmethod
@@ -94,17 +238,15 @@ class DefaultRunner(BaseRunner):
         if (frames - 1) % t:
             raise ValueError(f"`target_video_length` must be {t}n+1, e.g. 5, 9, 81 (got {frames})")
 
-    #: Image inputs a task takes (request fields); text-only tasks take none.
-    IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {}
-
     @classmethod
-    def validate_request(cls, request: RequestConfig, config: Any) -> None:
-        """Check a request against the runner before anything loads.
+    def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
+        """Check a request against the runner before anything loads (`config` as given by the user).
 
         Raises:
             ValueError: naming the field: shape factors, image inputs the task does not take or
-                lacks, a .png result for a multi-frame video.
+                lacks, a result file suffix that does not fit the task's primary output.
         """
+        config = cls.resolve_config(config)
         h = request.target_height or config.target_height
         w = request.target_width or config.target_width
         f = request.target_video_length or config.target_video_length
@@ -117,14 +259,20 @@ class DefaultRunner(BaseRunner):
                                  f"image inputs of this task: {list(wanted) or 'none'}")
             if field in wanted and (value is None or not Path(value).is_file()):
                 raise ValueError(f"`{field}` must name an existing image file for task {config.task!r} (got {value!r})")
-        if request.save_result_path and Path(request.save_result_path).suffix.lower() == ".png" and f > 1:
-            raise ValueError(f"`save_result_path` {request.save_result_path!r}: a .png holds one image but this "
-                             f"request makes a {f}-frame video; use .mp4")
+        if request.save_result_path:
+            suffix = Path(request.save_result_path).suffix.lower()
+            kind = cls.RESULT_KINDS.get(config.task, "video")
+            allowed = {"video": (".mp4", ".png") if f == 1 else (".mp4",), "image": (".png",), "audio": (".wav",)}[kind]
+            if suffix not in allowed:
+                what = f"a {f}-frame video" if kind == "video" else f"an {kind}" if kind == "image" else "audio"
+                raise ValueError(f"`save_result_path` {request.save_result_path!r}: task {config.task!r} makes {what}; "
+                                 f"use {' or '.join(allowed)}")
 
     def resolve_request(self, request: RequestConfig) -> InputInfo:
-        """Fill request defaults from the runner config and validate the shape."""
+        """Fill request defaults from the runner config and validate the request."""
         cfg = self.config
-        info = InputInfo(
+        self.validate_request(request, cfg)
+        return InputInfo(
             prompt=request.prompt,
             negative_prompt=request.negative_prompt if request.negative_prompt is not None
             else (cfg.negative_prompt if cfg.negative_prompt is not None else self.DEFAULT_NEGATIVE_PROMPT),
@@ -137,202 +285,140 @@ class DefaultRunner(BaseRunner):
             image_path=request.image_path,
             last_frame_path=request.last_frame_path,
         )
-        self.validate_request(request, cfg)
-        return info
-
-    # ---- family hooks -------------------------------------------------------------------
-    def build_scheduler(self) -> Scheduler:
-        """The configured flow-matching scheduler (fresh state)."""
-        return SCHEDULERS[self.config.scheduler](shift=self.config.sample_shift)
-
-    @abstractmethod
-    def flavour(self) -> str | None:
-        """Model flavour recognised from the checkpoint's architecture (e.g. 'debug', '1.3B'), or None."""
-
-    @abstractmethod
-    def latent_shape(self, info: InputInfo) -> tuple[int, ...]:
-        """Latent tensor shape for a request, e.g. [B, C, F', H', W']."""
-
-    @abstractmethod
-    def run_text_encoder(self, prompt: str, negative_prompt: str | None) -> Any:
-        """Encode the prompt (and the CFG negative prompt); returns the family's typed inputs."""
-
-    def run_image_encoder(self, info: InputInfo, inputs: Any) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} task {self.config.task!r} has no image encoder stage")
-
-    def run_vae_encoder(self, info: InputInfo, inputs: Any) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} task {self.config.task!r} has no VAE encoder stage")
-
-    def needs_image(self) -> bool:
-        """True for image-conditioned tasks (run_image_encoder/run_vae_encoder run per request)."""
-        return False
-
-    @abstractmethod
-    def run_step(self, latents: torch.Tensor, timestep: torch.Tensor, step_index: int) -> torch.Tensor:
-        """One denoising step's model output (all CFG branches combined) for the scheduler."""
-
-    @abstractmethod
-    def run_vae_decoder(self, latents: torch.Tensor) -> torch.Tensor | Iterable[torch.Tensor]:
-        """Decode latents to pixels [B, 3, F, H, W] in [-1, 1] (a tensor, or an iterator of chunks along F)."""
-
-    @abstractmethod
-    def save_outputs(self, video: torch.Tensor, info: InputInfo) -> None:
-        """Write the requested files for a decoded video [3, F, H, W] in [-1, 1]."""
-
-    def clear_request_state(self) -> None:
-        """Family hook: drop request-specific caches (RoPE tables, branch state, transient inputs)."""
-
-    @abstractmethod
-    def run_warmup(self, shapes: Sequence[Shape]) -> None:
-        """Family warmup: drive the real path on `shapes` via `warmup_shape` / the stage methods."""
-
-    # ---- module placement -----------------------------------------------------------------
-    @contextmanager
-    def module_on_device(self, name: str) -> Iterator[Any]:
-        """Module `name` on the compute device for one stage (see runners/placement.py); while the
-        block runs it is also `self.stage_modules[name]`. Without a placement: a no-op yielding None."""
-        if self.placement is None:
-            yield None
-            return
-        with self.placement.on_device(name) as module:
-            self.stage_modules[name] = module
-            try:
-                yield module
-            finally:
-                del self.stage_modules[name]
-
-    def encode_text(self, prompt: str, negative_prompt: str | None) -> Any:
-        """`run_text_encoder` with the text encoder on the device (requests and warmup)."""
-        with self.module_on_device("text_encoder"):
-            return self.run_text_encoder(prompt, negative_prompt)
 
     # ---- request path -------------------------------------------------------------------
-    def run_encoders(self, info: InputInfo) -> Any:
-        """Text encoder, then (image tasks) image and VAE encoders; stores and returns `self.inputs`."""
-        with self.profiler.stage("text_encoder"):
-            inputs = self.encode_text(info.prompt, info.negative_prompt if self.config.enable_cfg else None)
-        self.inputs = inputs
-        if self.needs_image():
-            with self.profiler.stage("image_encoder"):
-                inputs = self.run_image_encoder(info, inputs)
-            with self.profiler.stage("vae_encoder"):
-                inputs = self.run_vae_encoder(info, inputs)
+    def profile_stages(self) -> tuple[str, ...]:
+        assert self.pipeline is not None, "load_modules sets the pipeline"
+        return self.pipeline.profile_stages()
+
+    def serve_request(self, request: RequestConfig, index: int, prof: RequestProfile) -> None:
+        """encoders -> denoise stages -> decoders -> save (see the module docstring)."""
+        # 1. resolve and check the request
+        info = self.resolve_request(request)
+        self.input_info = info
+        prof.shape = list(info.shape)
+        if self._warmup_ran and info.shape not in self.warmup_shapes():
+            logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower first step",
+                           index, list(info.shape), [list(x) for x in self.warmup_shapes()])
+        if not (info.save_result_path or info.save_tensor_path):
+            logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
+        # 2. encoders
+        self.run_encoders(info)
+        # 3. denoise stages
+        latents = self.run_denoise(info)
+        # 4. decoders
+        outputs = self.decode(latents)
+        # 5. save
+        with self.profiler.stage("save"):
+            self.save_outputs(outputs, info)
+
+    def run_encoders(self, info: InputInfo, per_shape: bool | None = None) -> Any:
+        """Run the pipeline's encoder stages (only those with `per_shape` == `per_shape` unless None),
+        each with its module on the device; stores and returns `self.inputs`."""
+        assert self.pipeline is not None, "load_modules first"
+        inputs = self.inputs
+        for enc in self.pipeline.encoders:
+            if per_shape is not None and enc.per_shape != per_shape:
+                continue
+            with self.profiler.stage(enc.name), self.module_on_device(enc.module):
+                inputs = enc.run(info, inputs)
             self.inputs = inputs
         return inputs
 
-    def run_denoise(self, info: InputInfo, steps: Sequence[int] | None = None,
-                    timer: StepTimer | None = None, label: str = "step") -> torch.Tensor:
-        """prepare -> (step_pre -> run_step -> step_post) for `steps` (default: all) -> final latents.
+    def run_denoise(self, info: InputInfo, warmup: bool = False) -> torch.Tensor:
+        """Every denoise stage in order (with its transition); returns the final latents."""
+        assert self.pipeline is not None, "load_modules first"
+        latents: torch.Tensor | None = None
+        generator = None
+        for stage in self.pipeline.denoise:
+            if stage.transition is not None:
+                assert latents is not None, "a transition needs the previous stage's latents"
+                with self.profiler.stage(stage.transition), self.module_on_device(stage.transition) as model:
+                    latents = self.run_transition(stage, model, latents)
+            sched = self.schedulers[stage.name]
+            sched.generator = generator  # one generator per request, drawn from in a fixed order
+            with self.profiler.stage(stage.name):
+                latents = self.run_denoise_stage(info, stage, sched, latents, warmup)
+            generator = sched.generator
+        assert latents is not None
+        return latents
 
-        Warmup passes a subset of steps; a non-consecutive jump resets the solver history
-        (only for schedulers that keep one).
+    def run_denoise_stage(self, info: InputInfo, stage: DenoiseStage, sched: Scheduler,
+                          init_latents: torch.Tensor | None, warmup: bool = False) -> torch.Tensor:
+        """prepare -> (step_pre -> select_transformer -> run_step -> step_post)* -> the stage's latents.
+
+        Warmup runs `warmup_steps` only; a non-consecutive jump resets the solver history (only
+        for schedulers that keep one). The chosen transformer is kept on the device while
+        consecutive steps use it (an MoE switch moves the other expert in).
         """
-        assert self.scheduler is not None, "load_modules must set self.scheduler"
-        sched = self.scheduler
-        total = self.config.infer_steps
-        sched.prepare(self.latent_shape(info), total, info.seed, self.device, self.dtype)
-        order = list(range(total)) if steps is None else list(steps)
-        with self.module_on_device("transformer"):
-            self._denoise_loop(sched, order, total, timer, label)
+        sched.prepare(stage.latent_shape(info), stage.steps, info.seed, self.device, self.dtype,
+                      init_latents=init_latents, strength=stage.strength)
+        order = self.warmup_steps(stage, sched) if warmup else list(range(sched.infer_steps))
+        if warmup:
+            self._warmup_steps_run[stage.name] = order
+        label = f"{stage.name} warmup step" if warmup else f"{stage.name} step"
+        with ExitStack() as placed:
+            current: str | None = None
+            model: nn.Module | None = None
+            previous = -1
+            for i in order:
+                if i != previous + 1:
+                    if sched.keeps_history:
+                        sched.reset_history()
+                    sched.set_step(i)
+                with self.profiler.step():
+                    latents, timestep = sched.step_pre(i)
+                    name = self.select_transformer(stage, i, timestep)
+                    if name != current:
+                        placed.close()  # the previous expert leaves the device first
+                        model = placed.enter_context(self.module_on_device(name))
+                        current = name
+                    noise_pred = self.run_step(stage, model, latents, timestep, i)
+                    sched.step_post(noise_pred)
+                logger.info("{} {}/{}", label, i + 1, sched.infer_steps)
+                previous = i
         return sched.latents
 
-    def _denoise_loop(self, sched: Scheduler, order: list[int], total: int, timer: StepTimer | None,
-                      label: str) -> None:
-        previous = -1
-        for i in order:
-            if i != previous + 1:
-                if sched.keeps_history:
-                    sched.reset_history()
-                sched.set_step(i)
-            ctx = timer.step() if timer is not None else nullcontext()
-            with ctx:
-                latents, timestep = sched.step_pre(i)
-                noise_pred = self.run_step(latents, timestep, i)
-                sched.step_post(noise_pred)
-            logger.info("{} {}/{}", label, i + 1, total)
-            previous = i
+    def decode(self, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Run every decoder (iterators consumed fully while the module is on the device).
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Run the decoder and consume an iterator fully; returns [B, 3, F, H, W]."""
-        with self.module_on_device("vae"):
-            out = self.run_vae_decoder(latents)
-            if isinstance(out, torch.Tensor):
-                return out
-            return torch.cat(list(out), dim=2)  # consume the iterator fully while the VAE is on the device
-
-    def run_pipeline(self, request: RequestConfig, index: int = 0) -> RequestProfile:
-        """Serve one request: encoders -> denoise -> decode -> save -> end_run (always).
-
-        Raises whatever the stages raise, tagged with phase `request {index}`; CUDA OOM errors
-        get a note that separates live allocated memory from the allocator's reserved cache.
+        Returns:
+            output key -> tensor `[B, ...]` (e.g. video `[B, 3, F, H, W]`).
         """
-        prof = RequestProfile(index=index, shape=[0, 0, 0])
-        self.profiler.requests.append(prof)
-        self.profiler.current = prof
-        timer = StepTimer(self.device)
-        graphs0, recompiles0 = _dynamo_counts()
-        reserved0 = memory.snapshot(self.device).reserved_gib
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        t0 = time.perf_counter()
-        try:
-            with lifecycle_phase(f"request {index}"), memory.oom_note(self.device, f"request {index}"):
-                # 1. resolve and check the request
-                info = self.resolve_request(request)
-                self.input_info = info
-                prof.shape = list(info.shape)
-                if self._warmup_ran and info.shape not in self.warmup_shapes():
-                    logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower "
-                                   "first step", index, list(info.shape), [list(x) for x in self.warmup_shapes()])
-                if not (info.save_result_path or info.save_tensor_path):
-                    logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved",
-                                   index)
-                # 2. encoders
-                self.run_encoders(info)
-                # 3. denoise
-                with self.profiler.stage("transformer"):
-                    latents = self.run_denoise(info, timer=timer)
-                # 4. decode
-                with self.profiler.stage("vae_decoder"):
-                    video = self.decode(latents)
-                # 5. save
-                with self.profiler.stage("save"):
-                    self.save_outputs(video[0].float().cpu(), info)
-        except BaseException as exc:
-            prof.ok = False
-            prof.error = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            try:
-                prof.steps = timer.seconds()
-            finally:
-                self.end_run()
-            prof.seconds = time.perf_counter() - t0
-            snap = memory.snapshot(self.device)
-            graphs1, recompiles1 = _dynamo_counts()
-            prof.memory = {k: round(v, 4) for k, v in snap.as_dict().items() if k != "free_gib"}
-            prof.audit = {
-                "compilations": graphs1 - graphs0,
-                "recompilations": recompiles1 - recompiles0,
-                "reserved_growth_gib": round(snap.reserved_gib - reserved0, 4),
-                "warmed_shape": self._warmup_ran and tuple(prof.shape) in set(self.warmup_shapes()),
-            }
-            self.profiler.current = None
-        logger.info("request {}: {:.2f} s, stages {}", index, prof.seconds,
-                    {k: round(v, 3) for k, v in prof.stages.items()})
-        return prof
+        assert self.pipeline is not None, "load_modules first"
+        outputs: dict[str, torch.Tensor] = {}
+        for dec in self.pipeline.decoders:
+            with self.profiler.stage(dec.name), self.module_on_device(dec.module):
+                out = dec.run(latents)
+                outputs[dec.output] = out if isinstance(out, torch.Tensor) else torch.cat(list(out), dim=2)
+        return outputs
+
+    def save_outputs(self, outputs: dict[str, torch.Tensor], info: InputInfo) -> None:
+        """Write the request's files through the media module, all-or-nothing (runnerkit/media.py)."""
+        assert self.pipeline is not None, "load_modules first"
+        sidecar = {"seed": info.seed, "prompt": info.prompt, "negative_prompt": info.negative_prompt,
+                   "shape": list(info.shape), **self.sidecar_extra(info), "config": self.config.model_dump(mode="json")}
+        written = write_outputs({k: v[0].float().cpu() for k, v in outputs.items()}, self.pipeline.outputs,
+                                result_path=info.save_result_path, tensor_path=info.save_tensor_path,
+                                fps=self.config.fps, sidecar=sidecar)
+        for path in written:
+            logger.info("saved {}", path)
 
     def end_run(self) -> None:
-        """Back to the start-up baseline: scheduler state, request info, inputs, family caches."""
-        self._reset_request_state()
+        """Back to the start-up baseline, then a pressure-aware cache cleanup."""
+        self.reset_request_state()
         memory.maybe_empty_cache(self.device, "end_run", self.config.memory.empty_cache_min_free_gib,
                                  self.config.memory.empty_cache_min_reclaimable_gib)
 
-    def _reset_request_state(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.clear()
+    def reset_request_state(self) -> None:
+        """Schedulers (latents, sigmas, history, generator), request info, inputs, streamer
+        positions and the family's caches all go back to the start-up baseline."""
+        for sched in self.schedulers.values():
+            sched.clear()
         self.input_info = None
         self.inputs = None
+        for streamer in self.streamers.values():
+            streamer.reset()  # slots, prefetch index and events back at the request boundary
         self.clear_request_state()
 
     # ---- warmup ------------------------------------------------------------------------
@@ -369,69 +455,49 @@ class DefaultRunner(BaseRunner):
             raise NotImplementedError(
                 f"warmup of {cls} has no shapes for this checkpoint's flavour {flavour!r} "
                 f"(recognised flavours: {sorted(table)}); an unrecognised architecture is not warmed")
-        shapes = table[flavour]
-        assert len(shapes) == 2, f"{cls}.WARMUP_SHAPES[{flavour!r}] must hold exactly two shapes"
+        assert len(table[flavour]) == 2, f"{cls}.WARMUP_SHAPES[{flavour!r}] must hold exactly two shapes"
 
-    def warmup(self) -> None:
-        """Run `run_warmup` once on the class-constant shapes; a no-op without --warmup or if already run.
+    def warmup_info(self, shape: Shape) -> InputInfo:
+        """The dummy request of warmup at `shape`: placeholder prompt, the configured negative prompt."""
+        cfg = self.config
+        negative = cfg.negative_prompt if cfg.negative_prompt is not None else self.DEFAULT_NEGATIVE_PROMPT
+        h, w, f = shape
+        return InputInfo(prompt=WARMUP_PROMPT, negative_prompt=negative, seed=self.WARMUP_SEED, height=h, width=w,
+                         frames=f, warmup=True)
 
-        Afterwards: `input_info` and `inputs` are None, the scheduler is fresh (generator None), family
-        caches are cleared; the allocator cache and resident weights are kept. Eager runners then
-        freeze the gc once.
-        """
-        if not self.config.warmup:
-            return
-        if self._warmup_ran:
-            logger.debug("warmup already ran; second call ignored")
-            return
-        self.check_warmup_supported()
-        shapes = self.warmup_shapes()
-        before = memory.snapshot(self.device)
-        t0 = time.perf_counter()
-        try:
-            with memory.oom_note(self.device, "warmup"):
-                self.run_warmup(shapes)
-        finally:
-            self._reset_request_state()
-            if self.scheduler is not None:
-                self.scheduler.generator = None
-        memory.synchronize(self.device)
-        seconds = time.perf_counter() - t0
-        self._warmup_ran = True
-        self.after_warmup()
-        after = memory.snapshot(self.device)
-        self.profiler.warmup = {
-            "seconds": round(seconds, 4),
-            "shapes": [list(s) for s in shapes],
-            "steps_per_shape": self.warmup_steps(),
-            "memory_before": before.as_dict(),
-            "memory_after": after.as_dict(),
-        }
-        logger.info("warmup: {:.2f} s over shapes {}; {}", seconds, [list(s) for s in shapes], after.describe())
+    def run_warmup(self, shapes: Sequence[Shape]) -> None:
+        """Both shapes through the real path: shape-independent encoders (text) once, then per shape
+        the per-shape encoders (images), every denoise stage (transitions included) on
+        `warmup_steps`, and the decoders. Nothing is saved; no request profile is written."""
+        for sched in self.schedulers.values():
+            sched.generator = None  # before any encoder that could draw random numbers
+        shared = self.run_encoders(self.warmup_info(shapes[0]), per_shape=False)
+        for shape in shapes:
+            info = self.warmup_info(shape)
+            try:
+                self.input_info, self.inputs = info, shared
+                self.run_encoders(info, per_shape=True)
+                self.decode(self.run_denoise(info, warmup=True))
+            finally:
+                self.reset_request_state()
 
-    def warmup_steps(self) -> list[int]:
-        """Steps warmup runs per shape: step 0 (every Wan2.1 step shares one layout)."""
-        return [0]
+    def warmup_steps(self, stage: DenoiseStage, sched: Scheduler) -> list[int]:
+        """Steps warmup runs in `stage` (after `prepare`): step 0, plus the first step of every
+        other MoE expert the stage would choose (every branch runs at least once)."""
+        steps, seen = [0], {self.select_transformer(stage, 0, sched.timesteps[0:1])}
+        for i in range(1, sched.infer_steps):
+            expert = self.select_transformer(stage, i, sched.timesteps[i : i + 1])
+            if expert not in seen:
+                seen.add(expert)
+                steps.append(i)
+        return steps
+
+    def warmup_step_report(self) -> dict[str, list[int]]:
+        """Per denoise stage, the steps warmup ran on each shape."""
+        return dict(self._warmup_steps_run)
 
     def after_warmup(self) -> None:
         """Eager default: collect and freeze the gc once (never under lazy load or unload_modules)."""
         if not (self.config.offload.lazy_load or self.config.unload_modules):
             memory.freeze_gc_once()
 
-    def warmup_shape(self, shape: Shape, inputs: Any) -> None:
-        """Drive the real request path on one shape with the shared text `inputs`; clean up in finally.
-
-        encoders (image tasks only: per shape) -> prepare -> warmup_steps (step_pre/run_step/step_post)
-        -> decode (iterator consumed). Nothing is saved and no request profile is written.
-        """
-        h, w, f = shape
-        info = InputInfo(prompt="", negative_prompt="", seed=self.WARMUP_SEED, height=h, width=w, frames=f)
-        try:
-            self.input_info = info
-            self.inputs = inputs
-            if self.needs_image():
-                self.inputs = self.run_vae_encoder(info, self.run_image_encoder(info, inputs))
-            latents = self.run_denoise(info, steps=self.warmup_steps(), label="warmup step")
-            self.decode(latents)
-        finally:
-            self._reset_request_state()

@@ -117,8 +117,10 @@ class Scheduler(abc.ABC):
         seed: int,
         device: torch.device | str,
         dtype: torch.dtype = torch.float32,
+        init_latents: torch.Tensor | None = None,
+        strength: float = 1.0,
     ) -> None:
-        """Start a request: draw the initial noise and compute the sigmas and timesteps.
+        """Start a request (or a later denoise stage): draw the noise, compute sigmas and timesteps.
 
         The noise is drawn in float32 on the CPU from `self.generator` and then moved to
         `device`, so one seed gives the same noise on every device. If `self.generator` is None
@@ -133,9 +135,16 @@ class Scheduler(abc.ABC):
             device: device of the latents and timesteps.
             dtype: the model's dtype; `step_pre` returns the latents in it. The latents
                 themselves stay float32 for the update math.
+            init_latents: `latent_shape` latents to start from (a later stage of a multi-stage
+                pipeline, e.g. after a latent upsampler), or None to start from pure noise.
+            strength: with `init_latents`, the fraction of the `infer_steps` schedule that runs
+                (as diffusers' image-to-image: the first `infer_steps - round(infer_steps *
+                strength)` steps are skipped); the start is the flow-matching forward process at
+                the first remaining sigma, `(1 - sigma) * init_latents + sigma * noise`.
 
         Raises:
-            ValueError: `infer_steps` < 1, a dim of `latent_shape` <= 0, or `dtype` not floating.
+            ValueError: `infer_steps` < 1, a dim of `latent_shape` <= 0, `dtype` not floating,
+                `init_latents` of another shape, or `strength` outside (0, 1] or leaving no step.
         """
         if not isinstance(infer_steps, int) or infer_steps < 1:
             raise ValueError(f"`infer_steps` must be an integer >= 1, got {infer_steps!r}")
@@ -143,6 +152,13 @@ class Scheduler(abc.ABC):
             raise ValueError(f"`latent_shape` must be a non-empty tuple of integers > 0, got {latent_shape!r}")
         if not dtype.is_floating_point:
             raise ValueError(f"`dtype` must be a floating-point dtype, got {dtype}")
+        if init_latents is not None and tuple(init_latents.shape) != tuple(latent_shape):
+            raise ValueError(f"`init_latents` must have shape {tuple(latent_shape)}, got {tuple(init_latents.shape)}")
+        skip = infer_steps - round(infer_steps * strength)
+        if not 0 < strength <= 1 or skip >= infer_steps:
+            raise ValueError(f"`strength` must be in (0, 1] and leave at least one of {infer_steps} steps, got {strength!r}")
+        if init_latents is None and strength != 1.0:
+            raise ValueError(f"`strength` {strength!r} needs `init_latents` (pure noise always runs the whole schedule)")
 
         generator = self.generator
         self._reset_request_state()
@@ -151,11 +167,16 @@ class Scheduler(abc.ABC):
         self.generator = generator
 
         noise = torch.randn(tuple(latent_shape), generator=generator, dtype=torch.float32, device="cpu")
-        self.latents = noise.to(device=device)
         sigmas, timesteps = self._schedule(infer_steps)
+        sigmas, timesteps = sigmas[skip:], timesteps[skip:]  # [S' + 1], [S']
+        if init_latents is None:
+            self.latents = noise.to(device=device)
+        else:
+            sigma = float(sigmas[0])
+            self.latents = (1.0 - sigma) * init_latents.to(device=device, dtype=torch.float32) + sigma * noise.to(device)
         self.sigmas = sigmas
         self.timesteps = timesteps.to(device=device)
-        self.infer_steps = infer_steps
+        self.infer_steps = infer_steps - skip
         self.model_dtype = dtype
         logger.debug(
             f"{type(self).__name__}.prepare: latents {tuple(latent_shape)}, {infer_steps} steps, "

@@ -1,10 +1,11 @@
 """Write a synthetic (deterministic random) checkpoint for a runner config's architecture.
 
-    python -m runnerkit.tools.synth_checkpoint --config configs/wan/wan_t2v_1.3b.json --out /data/wan13b \
-        [--dtype bf16] [--layout runnerkit|original|diffusers] [--seed 0]
+    python -m runnerkit.tools.synth_checkpoint --config CONFIG.json --out /data/ckpt \
+        [--dtype bf16] [--layout LAYOUT] [--seed 0]
 
-The transformer is generated and written shard by shard (at most ~2 GiB of tensors in memory),
-so a 14B checkpoint never needs its full size in RAM. The weights are noise: outputs are noise,
+The family of the config's `model_cls` writes it (`write_synthetic_checkpoint` of its runner, in
+one of its `CHECKPOINT_LAYOUTS`); large transformers are generated and written shard by shard,
+so a big checkpoint never needs its full size in RAM. The weights are noise: outputs are noise,
 but every operator, shape and byte count is the real one (for warmup, offload and benchmarks).
 """
 
@@ -20,13 +21,9 @@ from loguru import logger
 from pydantic import ValidationError
 
 from runnerkit.config import ConfigError, format_validation_error, load_runner_config
-from runnerkit.models.wan.arch import WanArch
-from runnerkit.models.wan.checkpoint import LAYOUTS, synthetic_seed_of, write_synthetic
-from runnerkit.weights import CheckpointError
+from runnerkit.registry import get_runner_cls
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="runner JSON config whose `model` (or defaults) gives the architecture")
     p.add_argument("--out", required=True, help="output folder: new, empty, or an earlier synthetic checkpoint (replaced)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of transformer and text encoder weights")
-    p.add_argument("--layout", choices=LAYOUTS, default="runnerkit")
+    p.add_argument("--layout", default="runnerkit", help="checkpoint layout of the family (e.g. runnerkit, original, diffusers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generator_device", default="cpu", help="draw the random values on this device (cuda: fast)")
     p.add_argument("--transformer_only", action="store_true", help="write only the transformer (runnerkit layout)")
@@ -47,8 +44,15 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("--out {!r} is a file; give a folder", args.out)
         return 2
     try:
-        earlier_synthetic = out.is_dir() and synthetic_seed_of(out) is not None
-    except CheckpointError as exc:
+        config = load_runner_config(args.config, {"synthetic_checkpoint": {"seed": args.seed}})
+        family = get_runner_cls(config.model_cls)
+        if not family.CHECKPOINT_LAYOUTS:
+            raise ConfigError(f"`model_cls` {config.model_cls!r} cannot write synthetic checkpoints")
+        if args.layout not in family.CHECKPOINT_LAYOUTS:
+            raise ConfigError(f"--layout {args.layout!r} is not a layout of {config.model_cls!r}; "
+                              f"allowed: {list(family.CHECKPOINT_LAYOUTS)}")
+        earlier_synthetic = out.is_dir() and family.synthetic_seed_of(out) is not None
+    except (ConfigError, ValueError) as exc:
         logger.error("{}", exc)
         return 2
     if out.is_dir() and any(out.iterdir()) and not earlier_synthetic and not args.force:
@@ -56,14 +60,10 @@ def main(argv: list[str] | None = None) -> int:
                      "(pass --force to replace its contents)", args.out)
         return 2
     try:
-        config = load_runner_config(args.config, {"synthetic_checkpoint": {"seed": args.seed}})
-        if config.model_cls != "wan2.1":
-            raise ConfigError(f"`model_cls` {config.model_cls!r}: synthetic checkpoints exist for 'wan2.1' only")
-        arch = WanArch.model_validate(config.model or {})
-        WanArch.model_validate(arch.model_dump())
         t0 = time.perf_counter()
-        write_synthetic(arch, out, args.seed, DTYPES[args.dtype], args.layout,
-                        generator_device=args.generator_device, transformer_only=args.transformer_only, replace=True)
+        family.write_synthetic_checkpoint(config, out, args.seed, DTYPES[args.dtype], args.layout,
+                                          generator_device=args.generator_device,
+                                          transformer_only=args.transformer_only, replace=True)
     except ValidationError as exc:
         logger.error("{}", format_validation_error(exc, f"`model` of {args.config!r}"))
         return 2

@@ -1,32 +1,118 @@
-"""The lifecycle template: final init_modules, config lock, phase tagging, registry."""
+"""The lifecycle guarantees BaseRunner holds for every family: final verbs, once-only init and
+warmup, a deeply frozen config, phase tags, end_run always, and cleanup errors never hiding the
+request's own error."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pydantic
 import pytest
+import torch
 
-from runnerkit.config import load_runner_config
+from runnerkit import memory
+from runnerkit.config import ConfigLockedError, RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
-from runnerkit.registry import get_runner_cls, register_runner
-from runnerkit.runners.base import ConfigLockedError, error_phase, lifecycle_phase
+from runnerkit.registry import RUNNERS, family_modules, get_runner_cls, register_runner
+from runnerkit.runners.base import LifecycleError, error_phase, lifecycle_phase
 from test_cases.conftest import tiny_config_dict
+from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
 
 
-def test_init_modules_cannot_be_overridden() -> None:
-    with pytest.raises(TypeError, match="overrides init_modules"):
-        class Sneaky(WanT2VRunner):  # noqa: F841
-            def init_modules(self) -> None:  # type: ignore[override]
-                pass
+@pytest.fixture(autouse=True)
+def _no_real_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "_frozen", True)
 
 
-def test_config_is_locked_after_load(tiny_ckpt: Path) -> None:
+def toy(tmp_path: Path, **overrides: Any) -> TwoStageImageRunner:
+    return TwoStageImageRunner(load_runner_config(None, config_dict(tmp_path, **overrides)))
+
+
+@pytest.mark.parametrize("verb", ["init_modules", "warmup", "run_pipeline"])
+def test_final_verbs_cannot_be_overridden(verb: str) -> None:
+    with pytest.raises(TypeError, match=rf"overrides {verb}: these lifecycle verbs are final"):
+        type("Sneaky", (WanT2VRunner,), {verb: lambda self, *a: None})
+
+
+def test_init_modules_runs_once(tmp_path: Path, mocker: Any) -> None:
+    runner = toy(tmp_path, warmup=True)
+    load = mocker.spy(TwoStageImageRunner, "load_modules")
+    warm = mocker.spy(TwoStageImageRunner, "run_warmup")
+    runner.init_modules()
+    with pytest.raises(LifecycleError, match="init_modules runs once per runner and already ran"):
+        runner.init_modules()
+    assert load.call_count == 1 and warm.call_count == 1
+
+
+def test_failed_init_cannot_be_retried_or_serve(tmp_path: Path, mocker: Any) -> None:
+    runner = toy(tmp_path)
+    mocker.patch.object(TwoStageImageRunner, "prepare_load", side_effect=OSError("disk gone"))
+    with pytest.raises(OSError) as exc:
+        runner.init_modules()
+    assert error_phase(exc.value) == "load"
+    with pytest.raises(LifecycleError, match="state: failed"):
+        runner.init_modules()
+    with pytest.raises(LifecycleError, match="init_modules completed"):
+        runner.run_pipeline(RequestConfig(prompt="x"), 0)
+
+
+def test_request_before_init_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(LifecycleError, match=r"init_modules completed \(state: new\)"):
+        toy(tmp_path).run_pipeline(RequestConfig(prompt="x"), 0)
+
+
+def test_config_is_deeply_frozen_after_load(tiny_ckpt: Path) -> None:
     runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt)))
     runner.init_modules()
-    assert runner.config.model["transformer"]["num_layers"] == 2  # resolved during load
+    model = runner.config.model
+    assert model["transformer"]["num_layers"] == 2  # resolved during load
+    with pytest.raises(ConfigLockedError):
+        model["transformer"]["num_layers"] = 3
+    with pytest.raises(ConfigLockedError):
+        model["vae"]["dim_mult"].append(4)
+    with pytest.raises(ConfigLockedError):
+        model.pop("vae")
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        runner.config.offload.mode = "block"  # type: ignore[misc]
     with pytest.raises(ConfigLockedError, match="infer_steps"):
         runner.update_config(infer_steps=8)
-    assert runner.config.infer_steps == 4
+    assert runner.config.infer_steps == 4 and model["transformer"]["num_layers"] == 2
+    assert runner.config.model_dump(mode="json")["model"]["vae"]["dim_mult"] == [1, 2, 2, 2]  # still serialisable
+
+
+def test_every_request_error_is_tagged_and_end_run_always_runs(tmp_path: Path, mocker: Any) -> None:
+    runner = toy(tmp_path)
+    end_run = mocker.spy(TwoStageImageRunner, "end_run")
+    mocker.patch.object(TwoStageImageRunner, "run_decoder", side_effect=ValueError("bad decode"))
+    runner.init_modules()  # the pipeline description holds the (patched) decoder from here on
+    with pytest.raises(ValueError, match="bad decode") as exc:
+        runner.run_pipeline(RequestConfig(prompt="x"), 4)
+    assert error_phase(exc.value) == "request 4" and end_run.call_count == 1
+    assert runner.profiler.requests[-1].error == "ValueError: bad decode" and not runner.profiler.requests[-1].ok
+    assert runner.inputs is None and runner.context_cache == {}
+
+
+def test_cleanup_error_never_hides_the_request_error(tmp_path: Path, mocker: Any) -> None:
+    runner = toy(tmp_path)
+    mocker.patch.object(TwoStageImageRunner, "run_decoder", side_effect=ValueError("bad decode"))
+    runner.init_modules()
+    mocker.patch.object(TwoStageImageRunner, "clear_request_state", side_effect=RuntimeError("cleanup broke"))
+    with pytest.raises(ValueError, match="bad decode") as exc:
+        runner.run_pipeline(RequestConfig(prompt="x"), 2)
+    assert error_phase(exc.value) == "request 2"
+    assert any("end_run also failed" in n and "RuntimeError: cleanup broke" in n for n in exc.value.__notes__)
+    assert str(exc.value.runnerkit_cleanup_error) == "cleanup broke"
+
+
+def test_cleanup_error_alone_fails_the_request(tmp_path: Path, mocker: Any) -> None:
+    runner = toy(tmp_path)
+    runner.init_modules()
+    mocker.patch.object(TwoStageImageRunner, "clear_request_state", side_effect=RuntimeError("cleanup broke"))
+    with pytest.raises(RuntimeError, match="cleanup broke") as exc:
+        runner.run_pipeline(RequestConfig(prompt="x"), 1)
+    assert error_phase(exc.value) == "request 1 (end_run)"
+    assert runner.profiler.requests[-1].ok is False
 
 
 def test_phase_tag_keeps_type_and_first_phase() -> None:
@@ -37,13 +123,53 @@ def test_phase_tag_keeps_type_and_first_phase() -> None:
     assert exc.value.__notes__ == ["[runnerkit] raised during phase: inner"]
 
 
-def test_registry_rejects_duplicates_and_lists_known_names() -> None:
+def test_registry_finds_families_by_folder_and_rejects_duplicates() -> None:
+    assert "runnerkit.models.wan.runner" in family_modules()
     with pytest.raises(ValueError, match="already registered"):
         register_runner("wan2.1")(WanT2VRunner)
-    with pytest.raises(ValueError, match=r"unknown `model_cls` 'nope'; registered: \['wan2.1'\]"):
+    with pytest.raises(ValueError, match=r"unknown `model_cls` 'nope'; registered: \[.*'wan2.1'.*\]"):
         get_runner_cls("nope")
+    assert RUNNERS["wan2.1"] is WanT2VRunner
 
 
 def test_unknown_task_is_refused(tiny_ckpt: Path) -> None:
     with pytest.raises(ValueError, match="`task` 'i2v' is not served by model_cls 'wan2.1'"):
         WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, task="i2v")))
+
+
+def test_core_names_no_family() -> None:
+    """Offload, runners, config and tools learn everything family-specific from the family."""
+    import re
+
+    root = Path(__file__).resolve().parents[2] / "runnerkit"
+    paths = [*(root / "offload").rglob("*.py"), *(root / "runners").rglob("*.py"), root / "config.py",
+             *(root / "tools").rglob("*.py"), root / "registry.py"]
+    offenders = [f"{p.relative_to(root)}:{n}: {line.strip()}" for p in paths
+                 for n, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"\b([Ww]an|WAN|[Qq]wen|QWEN|[Ll]tx|LTX)(?![a-z])", line)]
+    assert offenders == []
+
+
+def test_unexpected_error_prints_traceback_input_error_does_not(tiny_ckpt: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str], mocker: Any) -> None:
+    import json
+
+    from runnerkit.infer import main
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(tiny_config_dict(tiny_ckpt)))
+    mocker.patch.object(WanT2VRunner, "run_step", side_effect=ZeroDivisionError("a bug"))
+    assert main(["--config_json", str(cfg), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ZeroDivisionError: a bug" in err
+    assert main(["--config_json", str(cfg), "--prompt", "x", "--target_height", "33"]) == 2
+    err = capsys.readouterr().err
+    assert "`target_height` must be a multiple of 16" in err and "Traceback" not in err
+
+
+def test_request_error_outside_cuda_keeps_its_type(tmp_path: Path, mocker: Any) -> None:
+    runner = toy(tmp_path)
+    runner.init_modules()
+    mocker.patch.object(TwoStageImageRunner, "run_step", side_effect=torch.cuda.OutOfMemoryError("oom"))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        runner.run_pipeline(RequestConfig(prompt="x"), 0)

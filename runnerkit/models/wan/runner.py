@@ -10,10 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from loguru import logger
@@ -21,19 +20,27 @@ from pydantic import ValidationError
 from torch import nn
 
 from runnerkit.config import RunnerConfig, format_validation_error
-from runnerkit.media import atomic_outputs, save_media, save_tensor, sidecar_path, write_sidecar
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
-from runnerkit.models.wan.checkpoint import WanCheckpoint, synthetic_seed_of, write_synthetic
+from runnerkit.models.wan.checkpoint import LAYOUTS, WanCheckpoint, synthetic_seed_of, write_synthetic
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE, build_wan_vae
-from runnerkit.offload.setup import pin_memory_enabled, stream_module
+from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
-from runnerkit.runners.default import DefaultRunner, InputInfo, Shape
-from runnerkit.runners.placement import Loader, Placement
+from runnerkit.runners.default import DefaultRunner
+from runnerkit.runners.pipeline import (
+    DecoderStage,
+    DenoiseStage,
+    EncoderStage,
+    InputInfo,
+    ModuleSpec,
+    OutputSpec,
+    Pipeline,
+    Shape,
+)
 from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta
 
 # Wan2.1's default negative prompt (`wan/configs/shared_config.py`, sample_neg_prompt).
@@ -49,8 +56,6 @@ FLAVOURS: dict[tuple[int, int, int, int], str] = {
     (1536, 30, 12, 8960): "1.3B",
     (5120, 40, 40, 13824): "14B",
 }
-
-WARMUP_PROMPT = "warmup"  # dummy user content; only its embedding shape matters (padded to text_len)
 
 
 def flavour_of(arch: WanTransformerArch) -> str | None:
@@ -82,6 +87,12 @@ class WanT2VRunner(DefaultRunner):
     SPATIAL_FACTOR = 16  # VAE 8x * patch 2
     TEMPORAL_FACTOR = 4
     DEFAULT_NEGATIVE_PROMPT = WAN_NEGATIVE_PROMPT
+    #: Wan2.1 t2v defaults (`wan/configs/wan_t2v_*.py` and `generate.py`): 480p, 81 frames at 16 fps,
+    #: 50 UniPC steps, shift 5.0, guidance 5.0.
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        "infer_steps": 50, "target_height": 480, "target_width": 832, "target_video_length": 81, "fps": 16,
+        "sample_shift": 5.0, "sample_guide_scale": 5.0, "scheduler": "unipc"}
+    RESULT_KINDS = {"t2v": "video"}
 
     # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
     WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("t2v",)
@@ -96,6 +107,7 @@ class WanT2VRunner(DefaultRunner):
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
+        config = self.config  # with the family defaults
         if not isinstance(config.sample_guide_scale, (int, float)):
             raise ValueError(f"`sample_guide_scale` must be one number for wan2.1 (a pair is for MoE models); "
                              f"got {config.sample_guide_scale!r}")
@@ -104,17 +116,54 @@ class WanT2VRunner(DefaultRunner):
         if config.boundary is not None:
             raise ValueError(f"`boundary` ({config.boundary}) switches MoE experts (Wan2.2); wan2.1 has one "
                              "transformer: remove it")
+        self.arch_override = self.parse_arch(config.model)
+        self.checkpoint: WanCheckpoint | None = None
+        self.tokenizer: WanTokenizer | None = None
+
+    @staticmethod
+    def parse_arch(model: dict[str, Any] | None) -> WanArch:
+        """The config's `model` key as a validated Wan architecture.
+
+        Raises:
+            ValueError: naming each bad field as `model.<component>.<field>`.
+        """
         try:
-            self.arch_override = WanArch.model_validate(config.model or {})
+            return WanArch.model_validate(model or {})
         except ValidationError as exc:
             raise ValueError(format_validation_error(exc, "`model` (wan2.1 architecture)").replace("\n  ", "\n  model.")
                              + f"\n  (`model` takes the components {sorted(WanArch.model_fields)}, with the fields of "
                              "runnerkit/models/wan/arch.py)") from None
-        self.checkpoint: WanCheckpoint | None = None
-        self.tokenizer: WanTokenizer | None = None
-        self.transformer: WanTransformer3D | None = None  # None when built per stage (lazy_load, unload_modules)
-        self.vae: WanVAE | None = None  # None when built per stage (unload_modules)
-        self.streamer: BlockStreamer | None = None
+
+    # ---- modules that tests and tools look at ---------------------------------------------
+    @property
+    def transformer(self) -> WanTransformer3D | None:
+        """The loaded transformer (None when built per stage: lazy_load, unload_modules)."""
+        return self.modules.get("transformer")  # type: ignore[return-value]
+
+    @property
+    def vae(self) -> WanVAE | None:
+        """The loaded VAE (None when built per stage: unload_modules)."""
+        return self.modules.get("vae")  # type: ignore[return-value]
+
+    @property
+    def streamer(self) -> BlockStreamer | None:
+        """The transformer's block/phase streamer (None unless streaming; per request under lazy_load)."""
+        return self.streamers.get("transformer")
+
+    # ---- synthetic checkpoints (runnerkit.tools.synth_checkpoint) ----------------------------
+    CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = LAYOUTS
+
+    @classmethod
+    def write_synthetic_checkpoint(cls, config: RunnerConfig, out: Path, seed: int, dtype: torch.dtype,
+                                   layout: str, **options: Any) -> None:
+        """Write deterministic random weights of `config.model`'s architecture to `out` (see checkpoint.py)."""
+        arch = cls.parse_arch(config.model)
+        write_synthetic(arch, out, seed, dtype, layout, **options)  # type: ignore[arg-type]
+
+    @staticmethod
+    def synthetic_seed_of(path: Path) -> int | None:
+        """The seed of the synthetic checkpoint at `path`, or None if it holds no synthetic checkpoint."""
+        return synthetic_seed_of(path)
 
     # ---- loading -----------------------------------------------------------------------
     def checkpoint_path(self) -> Path:
@@ -154,6 +203,13 @@ class WanT2VRunner(DefaultRunner):
             logger.warning("model_path {} holds SYNTHETIC RANDOM weights (seed {}): the output will be noise", path, seed)
         return ckpt
 
+    def prepare_load(self) -> None:
+        """Checkpoint (written first if synthetic), its architecture into the config, the tokenizer."""
+        self.checkpoint = ckpt = self.locate_checkpoint()
+        logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
+        self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
+        self.tokenizer = WanTokenizer.from_file(ckpt.tokenizer_path())
+
     def build_text_encoder(self, device: torch.device) -> te.UMT5Encoder:
         assert self.checkpoint is not None, "locate_checkpoint first"
         arch = self.checkpoint.arch.text_encoder
@@ -165,75 +221,42 @@ class WanT2VRunner(DefaultRunner):
         return build_wan_vae(self.checkpoint.arch.vae, self.checkpoint.vae_state_dict(), dtype=torch.float32).to(device)
 
     def build_transformer(self, device: torch.device) -> WanTransformer3D:
-        """The transformer on `device` (mode none/model), or streamed (mode block/phase: sets `self.streamer`)."""
+        """The transformer with all its weights, on `device`."""
+        ckpt = self.checkpoint
+        assert ckpt is not None, "locate_checkpoint first"
+        model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
+        assign_state_dict(model, ckpt.transformer_state_dict(), "transformer", dtype=self.dtype, keep_fp32=keep_fp32)
+        return model.to(device).eval().requires_grad_(False)
+
+    def stream_transformer(self) -> tuple[WanTransformer3D, BlockStreamer]:
+        """The transformer with its blocks (or phases) streamed from host memory or the checkpoint files."""
         ckpt = self.checkpoint
         assert ckpt is not None, "locate_checkpoint first"
         model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
         off = self.config.offload
-        if off.mode in ("block", "phase"):
-            if off.storage == "cpu":
-                self.streamer = stream_module(model, off, self.device, self.dtype, keep_fp32, "transformer",
-                                              state_dict=ckpt.transformer_state_dict())
-            else:
-                names = list(model.state_dict(keep_vars=True))
-                self.streamer = stream_module(model, off, self.device, self.dtype, keep_fp32, "transformer",
-                                              files=ckpt.transformer_files(), key_map=ckpt.transformer_key_map(names))
-            return model.eval().requires_grad_(False)
-        assign_state_dict(model, ckpt.transformer_state_dict(), "transformer", dtype=self.dtype, keep_fp32=keep_fp32)
-        return model.to(device).eval().requires_grad_(False)
+        if off.storage == "cpu":
+            streamer = stream_module(model, off, self.device, self.dtype, keep_fp32, "transformer",
+                                     state_dict=ckpt.transformer_state_dict())
+        else:
+            names = list(model.state_dict(keep_vars=True))
+            streamer = stream_module(model, off, self.device, self.dtype, keep_fp32, "transformer",
+                                     files=ckpt.transformer_files(), key_map=ckpt.transformer_key_map(names))
+        return model.eval().requires_grad_(False), streamer
 
-    def _per_stage(self, build: Callable[[torch.device], nn.Module]) -> Loader:
-        def load() -> tuple[nn.Module, Callable[[], None]]:
-            return build(self.device), self._drop_streamer
-
-        return load
-
-    def _drop_streamer(self) -> None:
-        if self.streamer is not None:
-            self.streamer.close()
-            self.streamer = None
-
-    def load_modules(self) -> None:
-        """Tokenizer, then text encoder, transformer and VAE placed as the offload config says."""
-        cfg, off = self.config, self.config.offload
-        self.checkpoint = ckpt = self.locate_checkpoint()
-        logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
-        self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
-        self.tokenizer = WanTokenizer.from_file(ckpt.tokenizer_path())
-        thresholds = dict(empty_cache_min_free_gib=cfg.memory.empty_cache_min_free_gib,
-                          empty_cache_min_reclaimable_gib=cfg.memory.empty_cache_min_reclaimable_gib)
-        pin = pin_memory_enabled(off)
-        cpu = torch.device("cpu")
-        if cfg.unload_modules:  # every module built for its stage and dropped after
-            loaders = {"text_encoder": self._per_stage(self.build_text_encoder),
-                       "transformer": self._per_stage(self.build_transformer),
-                       "vae": self._per_stage(self.build_vae)}
-            self.placement = Placement(self.device, loaders=loaders, pin_memory=pin, **thresholds)
-        elif off.mode == "none":
-            text_encoder = self.build_text_encoder(self.device)
-            self.transformer, self.vae = self.build_transformer(self.device), self.build_vae(self.device)
-            self.placement = Placement(self.device, resident={
-                "text_encoder": text_encoder, "transformer": self.transformer, "vae": self.vae}, **thresholds)
-        elif off.mode == "model":  # each module visits the device for its stage
-            text_encoder = self.build_text_encoder(cpu)
-            self.transformer, self.vae = self.build_transformer(cpu), self.build_vae(cpu)
-            self.placement = Placement(self.device, offloaded={
-                "text_encoder": text_encoder, "transformer": self.transformer, "vae": self.vae},
-                pin_memory=pin, **thresholds)
-        else:  # block/phase: transformer streamed (built per stage under lazy_load); encoders offloaded
-            offloaded = {"text_encoder": self.build_text_encoder(cpu)}
-            self.vae = offloaded["vae"] = self.build_vae(cpu)
-            if off.lazy_load:
-                # build once now so a checkpoint that cannot stream fails at load, not in every request
-                self.build_transformer(self.device)
-                self._drop_streamer()
-                self.placement = Placement(self.device, offloaded=offloaded, pin_memory=pin,
-                                           loaders={"transformer": self._per_stage(self.build_transformer)}, **thresholds)
-            else:
-                self.transformer = self.build_transformer(self.device)
-                self.placement = Placement(self.device, resident={"transformer": self.transformer},
-                                           offloaded=offloaded, pin_memory=pin, **thresholds)
-        self.scheduler = self.build_scheduler()
+    def describe_pipeline(self) -> Pipeline:
+        """UMT5 text encoder -> one denoise stage of the transformer (CFG) -> VAE decoder -> video."""
+        cfg = self.config
+        return Pipeline(
+            modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder),
+                     ModuleSpec("transformer", "transformer", build=self.build_transformer,
+                                stream=self.stream_transformer),
+                     ModuleSpec("vae", "decoder", build=self.build_vae)),
+            encoders=(EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),),
+            denoise=(DenoiseStage("transformer", transformers=("transformer",), steps=cfg.infer_steps,
+                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, latent_shape=self.latent_shape),),
+            decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=self.run_vae_decoder),),
+            outputs=(OutputSpec("video", "video"),),
+        )
 
     def flavour(self) -> str | None:
         """From the loaded checkpoint; before loading (the warmup gate) from its config files only,
@@ -253,27 +276,27 @@ class WanT2VRunner(DefaultRunner):
         return (1, z, (info.frames - 1) // self.TEMPORAL_FACTOR + 1, info.height // 8, info.width // 8)
 
     @torch.inference_mode()
-    def run_text_encoder(self, prompt: str, negative_prompt: str | None) -> WanInputs:
+    def run_text_encoder(self, info: InputInfo, inputs: None) -> WanInputs:
         """Prompt (and negative prompt, for CFG) -> WanInputs with [1, L, text_dim] embeddings."""
-        assert self.tokenizer is not None, "load_modules first"
+        assert self.tokenizer is not None and self.checkpoint is not None, "load_modules first"
         encoder = te.WanTextEncoder(self.tokenizer, self.stage_modules["text_encoder"])
-        prompts = [prompt] if negative_prompt is None else [prompt, negative_prompt]
+        prompts = [info.prompt, info.negative_prompt] if self.config.enable_cfg else [info.prompt]
         embeds = encoder.encode(prompts)
         text_len = self.checkpoint.arch.text_encoder.text_len
         for name, e in zip(("prompt", "negative_prompt"), embeds):
-            if e.shape[0] >= text_len:
+            if e.shape[0] >= text_len and not info.warmup:
                 logger.warning("`{}` fills all {} tokens and is truncated there (as the reference does)", name, text_len)
         return WanInputs(context=embeds[0][None], context_null=embeds[1][None] if len(embeds) > 1 else None)
 
     @torch.inference_mode()
-    def run_step(self, latents: torch.Tensor, timestep: torch.Tensor, step_index: int) -> torch.Tensor:
+    def run_step(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
+                 step_index: int) -> torch.Tensor:
         """Transformer on the cond (and uncond) branch; CFG combine in float32. Returns [1, C, F', H', W']."""
         assert isinstance(self.inputs, WanInputs), "run the encoders first"
-        transformer = self.stage_modules["transformer"]
-        cond = transformer(latents, timestep, self.inputs.context).float()
+        cond = model(latents, timestep, self.inputs.context).float()
         if self.inputs.context_null is None:
             return cond
-        uncond = transformer(latents, timestep, self.inputs.context_null).float()
+        uncond = model(latents, timestep, self.inputs.context_null).float()
         return uncond + float(self.config.sample_guide_scale) * (cond - uncond)  # type: ignore[arg-type]
 
     @torch.inference_mode()
@@ -284,37 +307,9 @@ class WanT2VRunner(DefaultRunner):
                                            vae_tiling.OVERLAP_LATENT)
         return self.stage_modules["vae"].decode(latents.float())
 
-    def save_outputs(self, video: torch.Tensor, info: InputInfo) -> None:
-        """--save_tensor_path (.safetensors 'video' [3, F, H, W]) and --save_result_path (+ sidecar json),
-        written all-or-nothing (a failure leaves no partial file)."""
-        with atomic_outputs() as out:
-            if info.save_tensor_path:
-                save_tensor(video, out.temp(info.save_tensor_path), key="video")
-            if info.save_result_path:
-                save_media(video, out.temp(info.save_result_path), fps=self.config.fps)
-                write_sidecar(out.temp(sidecar_path(info.save_result_path)), {
-                    "seed": info.seed, "prompt": info.prompt, "negative_prompt": info.negative_prompt,
-                    "shape": list(info.shape), "config": self.config.model_dump(mode="json")})
-        for path in (info.save_tensor_path, info.save_result_path):
-            if path:
-                logger.info("saved {}", path)
-
     def clear_request_state(self) -> None:
-        """Per-grid RoPE tables, the VAE feature cache and the streamer's position are request state."""
+        """Per-grid RoPE tables and the VAE feature cache are request state."""
         if self.transformer is not None:
             self.transformer.clear_cache()
         if self.vae is not None:
             self.vae.clear_cache()
-        if self.streamer is not None:
-            self.streamer.reset()  # slots, prefetch index and events back at the request boundary
-
-    # ---- warmup ----------------------------------------------------------------------------
-    def run_warmup(self, shapes: Sequence[Shape]) -> None:
-        """Both shapes through the real path: text encoded once (cond + CFG negative), then per shape
-        prepare -> step 0 (both CFG branches) -> step_post -> decode. Dummy prompt only."""
-        assert self.scheduler is not None, "load_modules first"
-        self.scheduler.generator = None  # before any encoder that could draw random numbers
-        negative = self.config.negative_prompt or self.DEFAULT_NEGATIVE_PROMPT if self.config.enable_cfg else None
-        inputs = self.encode_text(WARMUP_PROMPT, negative)
-        for shape in shapes:
-            self.warmup_shape(shape, inputs)

@@ -1,0 +1,180 @@
+"""The pipeline seam: a two-stage image family served by the unchanged base machinery.
+
+Built through the registry, initialised with warmup, several requests, profile written; exact
+call orders for requests and warmup; same seed => bit-identical with and without warmup;
+request state back at the start-up baseline after every request.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from runnerkit import memory
+from runnerkit.config import RequestConfig, load_runner_config
+from runnerkit.registry import get_runner_cls
+from runnerkit.runners.default import DefaultRunner
+from runnerkit.schedulers import SCHEDULERS
+from test_cases.runners.two_stage import NAME, TwoStageImageRunner, config_dict
+
+
+@pytest.fixture(autouse=True)
+def _no_real_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "_frozen", True)  # never freeze the test process
+
+
+def build(tmp_path: Path, **overrides: Any) -> TwoStageImageRunner:
+    config = load_runner_config(None, config_dict(tmp_path, **overrides))
+    runner = get_runner_cls(config.model_cls)(config)
+    assert isinstance(runner, TwoStageImageRunner)
+    return runner
+
+
+def image(runner: TwoStageImageRunner, tmp_path: Path, name: str, index: int = 0, **request: Any) -> torch.Tensor:
+    out = tmp_path / f"{name}.safetensors"
+    runner.run_pipeline(RequestConfig(prompt=request.pop("prompt", "a red fox"), save_tensor_path=str(out), **request),
+                        index)
+    return load_file(str(out))["image"]
+
+
+def assert_baseline(runner: TwoStageImageRunner) -> None:
+    for stage in runner.pipeline.denoise:
+        fresh = SCHEDULERS[stage.scheduler](shift=stage.shift)
+        state = {k: v for k, v in vars(runner.schedulers[stage.name]).items() if not callable(v)}  # minus spies
+        assert state == vars(fresh), stage.name
+    assert runner.input_info is None and runner.inputs is None and runner.context_cache == {}
+    assert runner.stage_modules == {} and runner.placement.on_device_now() == set()
+
+
+def test_family_overrides_no_lifecycle_verb_or_request_path() -> None:
+    lifecycle = {"init_modules", "warmup", "run_pipeline", "serve_request", "run_denoise", "run_denoise_stage",
+                 "run_encoders", "decode", "save_outputs", "end_run", "load_modules", "run_warmup"}
+    assert lifecycle.isdisjoint(TwoStageImageRunner.__dict__)
+    from runnerkit.models.wan.runner import WanT2VRunner
+
+    assert lifecycle.isdisjoint(WanT2VRunner.__dict__)
+
+
+def test_request_runs_the_described_pipeline_in_order(tmp_path: Path) -> None:
+    runner = build(tmp_path)
+    runner.init_modules()
+    calls: list[str] = []
+    for name, sched in runner.schedulers.items():
+        for verb in ("prepare", "step_pre", "step_post"):
+            real = getattr(sched, verb)
+            setattr(sched, verb, lambda *a, _r=real, _n=f"{name}.{verb}", **k: (calls.append(_n), _r(*a, **k))[1])
+    for name, module in runner.modules.items():
+        module.register_forward_pre_hook(lambda m, args, _n=name: calls.append(_n))
+    real_save = runner.save_outputs
+    runner.save_outputs = lambda *a: (calls.append("save"), real_save(*a))[1]  # type: ignore[method-assign]
+
+    image(runner, tmp_path, "a", seed=3)
+
+    step = lambda s, m: [f"{s}.step_pre", m, m, f"{s}.step_post"]  # noqa: E731  cond + uncond
+    expected = ["text_encoder", "text_encoder", "stage1.prepare", *step("stage1", "transformer") * 4,
+                "upsampler", "stage2.prepare", *step("stage2", "transformer_2") * 3, "decoder", "save"]
+    assert calls == expected  # stage 2: 6 scheduled steps at strength 0.5 -> the last 3 run
+    prof = runner.profiler.requests[-1]
+    assert list(prof.stages) == ["text_encoder", "stage1", "upsampler", "stage2", "image_decoder", "save"]
+    assert len(prof.steps) == 4 + 3 and prof.shape == [32, 64, 1] and prof.ok
+    assert_baseline(runner)
+
+
+def test_warmup_covers_both_stages_transition_and_decoder_per_shape(tmp_path: Path, mocker: Any) -> None:
+    runner = build(tmp_path, warmup=True)
+    calls: list[str] = []
+    real_load = runner.load_modules
+
+    def load_and_instrument() -> None:
+        real_load()
+        for name, module in runner.modules.items():
+            module.register_forward_pre_hook(lambda m, args, _n=name: calls.append(f"{_n}{tuple(args[0].shape)[2:]}"
+                                                                                   if _n != "text_encoder" else _n))
+
+    runner.load_modules = load_and_instrument  # type: ignore[method-assign]
+    pipeline_calls = mocker.spy(TwoStageImageRunner, "run_pipeline")
+    runner.init_modules()
+
+    def shape(h: int, w: int) -> list[str]:
+        lo, hi = (h // 16, w // 16), (h // 8, w // 8)
+        return [f"transformer{lo}", f"transformer{lo}", f"upsampler{lo}", f"transformer_2{hi}", f"transformer_2{hi}",
+                f"decoder{hi}"]
+
+    # text encoded once (cond + uncond), then per shape: step 0 of each stage on both CFG branches
+    assert calls == ["text_encoder", "text_encoder", *shape(32, 32), *shape(32, 64)]
+    assert pipeline_calls.call_count == 0
+    assert runner.profiler.warmup["steps_per_shape"] == {"stage1": [0], "stage2": [0]}
+    assert runner.profiler.warmup["shapes"] == [[32, 32, 1], [32, 64, 1]]
+    assert_baseline(runner)
+
+
+@pytest.mark.parametrize("mode", ["none", "model"])
+def test_same_seed_bit_identical_with_and_without_warmup(tmp_path: Path, mode: str) -> None:
+    cold, warm = build(tmp_path, offload={"mode": mode}), build(tmp_path, warmup=True, offload={"mode": mode})
+    cold.init_modules()
+    warm.init_modules()
+    shapes = [(32, 64), (32, 32), (32, 64)]
+    served = []
+    for i, (h, w) in enumerate(shapes):
+        a = image(cold, tmp_path, f"cold{i}", i, seed=11, target_height=h, target_width=w)
+        b = image(warm, tmp_path, f"warm{i}", i, seed=11, target_height=h, target_width=w)
+        assert torch.equal(a, b), (mode, i)
+        served.append(b)
+        assert warm.profiler.requests[-1].audit["warmed_shape"] is True
+        assert_baseline(warm)
+    assert torch.equal(served[0], served[2])  # the middle request left nothing behind
+    assert served[0].shape == (3, 32, 64) and served[0].abs().max() <= 1
+
+
+def test_strength_changes_only_the_second_stage(tmp_path: Path) -> None:
+    runner = build(tmp_path)
+    runner.init_modules()
+    full = image(runner, tmp_path, "full", seed=2)
+    TwoStageImageRunner.STAGE2_STRENGTH = 1.0  # restored below; the pipeline is described at load
+    try:
+        other = build(tmp_path)
+        other.init_modules()
+    finally:
+        TwoStageImageRunner.STAGE2_STRENGTH = 0.5
+    assert not torch.equal(full, image(other, tmp_path, "other", seed=2))
+
+
+def test_several_requests_profile_and_png(tmp_path: Path) -> None:
+    runner = build(tmp_path, warmup=True)
+    runner.init_modules()
+    png = tmp_path / "out" / "cat.png"
+    runner.run_pipeline(RequestConfig(prompt="a cat", seed=1, save_result_path=str(png),
+                                      save_tensor_path=str(tmp_path / "cat.safetensors")), 0)
+    image(runner, tmp_path, "dog", 1, prompt="a dog", target_height=32, target_width=32)
+    runner.profiler.write(tmp_path / "profile.json")
+    report = json.loads((tmp_path / "profile.json").read_text())
+    assert [r["index"] for r in report["requests"]] == [0, 1]
+    assert [r["shape"] for r in report["requests"]] == [[32, 64, 1], [32, 32, 1]]
+    assert report["warmup"]["shapes"] == [[32, 32, 1], [32, 64, 1]]
+    saved = load_file(str(tmp_path / "cat.safetensors"))["image"]
+    expected = ((saved.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    assert np.array_equal(np.asarray(Image.open(png)), expected)
+    sidecar = json.loads(png.with_suffix(".json").read_text())
+    assert sidecar["seed"] == 1 and sidecar["config"]["model_cls"] == NAME
+
+
+def test_result_suffix_must_fit_the_primary_output(tmp_path: Path) -> None:
+    config = load_runner_config(None, config_dict(tmp_path))
+    with pytest.raises(ValueError, match=r"task 't2i' makes an image; use \.png"):
+        TwoStageImageRunner.validate_request(RequestConfig(prompt="x", save_result_path="a.mp4"), config)
+    with pytest.raises(ValueError, match="must be 1 for an image"):
+        TwoStageImageRunner.validate_request(RequestConfig(prompt="x", target_video_length=5), config)
+
+
+def test_family_defaults_fill_unset_settings_only(tmp_path: Path) -> None:
+    runner = build(tmp_path, infer_steps=2)
+    assert runner.config.infer_steps == 2 and runner.config.scheduler == "euler"
+    assert (runner.config.target_height, runner.config.target_width) == (32, 64)
+    assert isinstance(runner, DefaultRunner)
