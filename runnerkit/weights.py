@@ -3,6 +3,14 @@
 Networks are built on the meta device (no memory, no init kernels) and receive their weights
 with `load_state_dict(assign=True)`, as torchtitan and gpt-fast do. Loading is strict: every
 missing or unexpected key is listed in the error.
+
+Readers hand out tensors that may alias the file (safetensors and `torch.load(mmap=True)` map it),
+so a tensor starts wherever its bytes sit in the file: the same weights in differently sharded
+files start at different alignments. CPU kernels round differently by alignment (MKL's float32
+GEMV gives other bits for weights that are not 16-byte aligned on an AVX2 CPU; AVX-512's 64-byte
+vectors can make 64 bytes matter), so every weight is bound to a module through `to_compute`,
+which gives it contiguous memory at a `CPU_ALIGNMENT`-byte boundary: outputs then depend on the
+weights only, not on the checkpoint's layout, shard count or offload mode.
 """
 
 from __future__ import annotations
@@ -17,6 +25,10 @@ from safetensors import safe_open
 from torch import nn
 
 M = TypeVar("M", bound=nn.Module)
+
+CPU_ALIGNMENT = 64
+"""Byte alignment of every CPU weight a module computes with: the widest x86-64 vector (AVX-512)
+and what c10's CPU allocator guarantees for fresh tensors."""
 
 
 class CheckpointError(ValueError):
@@ -57,12 +69,9 @@ def assign_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], co
            for k, v in state_dict.items() if tuple(v.shape) != tuple(expected[k].shape)]
     if bad:
         raise CheckpointError(f"{component}: shape mismatch for {len(bad)} tensors: {short_list(bad)}")
-    cast = {}
-    for k, v in state_dict.items():
-        if v.is_floating_point():
-            target = torch.float32 if keep_fp32(k) else (dtype or v.dtype)
-            v = v.to(target)
-        cast[k] = v
+    # Copies (casts, aligned copies of misaligned mapped tensors) are made tensor by tensor into `cast`:
+    # at most one copy of the weights besides the caller's (usually file-mapped) `state_dict`.
+    cast = {k: to_compute(v, torch.float32 if keep_fp32(k) else dtype) for k, v in state_dict.items()}
     module.load_state_dict(cast, strict=True, assign=True)
     # Buffers that are not in the state dict (non-persistent) are still on meta: the module
     # must re-create them itself (e.g. RoPE tables) in `init_non_persistent_buffers`.
@@ -73,6 +82,31 @@ def assign_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], co
     if leftover:
         raise CheckpointError(f"{component}: tensors left on the meta device after loading: {short_list(leftover)}")
     return module
+
+
+def to_compute(tensor: torch.Tensor, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """`tensor` as a module weight: cast to `dtype`, moved to `device`, and on the CPU in fresh,
+    contiguous memory at a `CPU_ALIGNMENT`-byte boundary.
+
+    Args:
+        tensor: any shape; e.g. a tensor aliasing a safetensors file mapping, which starts at the
+            alignment of its offset in the file (4 bytes for float32 in the worst case).
+        dtype: target dtype of floating tensors (None: keep); integer tensors keep theirs.
+        device: target device (None: keep).
+
+    Returns:
+        `tensor` itself when it is already right (no copy: an aligned mapped tensor stays mapped);
+        otherwise one copy. Off the CPU, what `.to` gives (device allocators align >= 256 bytes).
+    """
+    target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    tensor = tensor.to(device=device, dtype=target)
+    if tensor.device.type != "cpu" or (tensor.is_contiguous() and tensor.data_ptr() % CPU_ALIGNMENT == 0):
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype)  # c10 allocates CPU tensors 64-byte aligned
+    assert out.data_ptr() % CPU_ALIGNMENT == 0, (
+        f"the CPU allocator returned {out.data_ptr():#x}, not {CPU_ALIGNMENT}-byte aligned")
+    return out.copy_(tensor)
 
 
 def short_list(items: list[str], limit: int = 12) -> str:
@@ -93,7 +127,11 @@ def safetensors_files(folder: Path, stem: str | None = None) -> list[Path]:
 
 
 def read_safetensors(files: Iterable[Path], component: str) -> dict[str, torch.Tensor]:
-    """Read every tensor of `files` into CPU memory (one handle open at a time)."""
+    """Read every tensor of `files` (one handle open at a time).
+
+    The tensors alias the files' mappings, at whatever alignment their file offsets give: bind
+    them to modules through `assign_state_dict` / `to_compute`, which align them.
+    """
     files = list(files)
     if not files:
         raise CheckpointError(f"{component}: no .safetensors files found (is the checkpoint folder complete?)")
@@ -116,7 +154,11 @@ def read_safetensors(files: Iterable[Path], component: str) -> dict[str, torch.T
 
 
 def read_pth(path: Path, component: str) -> dict[str, torch.Tensor]:
-    """Read a `.pth` state dict with `torch.load(weights_only=True)` (no pickled code runs)."""
+    """Read a `.pth` state dict with `torch.load(weights_only=True)` (no pickled code runs).
+
+    Memory-mapped: a tensor saved as a view of a larger storage starts at its offset in that
+    storage (any alignment); bind through `assign_state_dict` / `to_compute`, which align it.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{component}: checkpoint file {path} does not exist")

@@ -22,7 +22,7 @@ from runnerkit.offload.layout import plan_units, resident_names
 from runnerkit.offload.pinned import pinning_disabled_by_env
 from runnerkit.offload.sources import DiskSource, HostSource
 from runnerkit.offload.streamer import BlockStreamer
-from runnerkit.weights import CheckpointError, short_list
+from runnerkit.weights import CheckpointError, short_list, to_compute
 
 
 def pin_memory_enabled(cfg: OffloadConfig) -> bool:
@@ -69,8 +69,9 @@ def stream_module(model: nn.Module, cfg: OffloadConfig, device: torch.device, dt
     if missing or unexpected:
         raise CheckpointError(f"{component}: checkpoint does not match the architecture; missing keys "
                               f"({len(missing)}): {short_list(missing)}; unexpected keys ({len(unexpected)}): {short_list(unexpected)}")
-    cast = {n: t.to(device=device, dtype=torch.float32 if keep_fp32(n) else dtype) if t.is_floating_point()
-            else t.to(device) for n, t in resident_tensors.items()}
+    # to_compute: resident CPU weights 64-byte aligned whatever their file offsets (streamed ones are
+    # too: slabs and slots place them at ALIGNMENT offsets of allocator- or page-aligned buffers)
+    cast = {n: to_compute(t, torch.float32 if keep_fp32(n) else dtype, device) for n, t in resident_tensors.items()}
     model.load_state_dict(cast, strict=False, assign=True)
     init = getattr(model, "init_non_persistent_buffers", None)
     if init is not None:
