@@ -435,6 +435,7 @@ def main() -> None:
     p.add_argument("--generator_device", default="cuda", help="where synthetic weights are drawn")
     p.add_argument("--time_budget_s", type=float, help="start no round of processes that would end after this many seconds")
     p.add_argument("--out", default=str(REPO / "bench/results/offload"))
+    p.add_argument("--resume", help="an earlier OUT.json: its processes are kept, missing rounds are run")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--arm")
     p.add_argument("--ckpt")
@@ -448,15 +449,21 @@ def main() -> None:
     common = ["--shape", *map(str, args.shape), "--steps", str(args.steps), "--requests", str(args.requests),
               "--disk_steps", str(args.disk_steps), "--device", args.device, "--dtype", args.dtype]
     results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
+    if args.resume:  # continue a run cut short by a time limit: its finished processes are kept
+        earlier = json.loads(Path(args.resume).read_text())["raw"]
+        results.update({arm: procs for arm, procs in earlier.items() if arm in results})
     seconds: dict[str, float] = {}  # wall seconds of an arm's last process
     with tempfile.TemporaryDirectory() as tmp:
         for n in range(args.procs):
+            todo = [arm for arm in args.arms if n not in by_round(results[arm])]
+            if not todo:
+                continue
             estimate = 1.1 * sum(seconds.values())
             if not deadline.fits(estimate):  # whole rounds only: every arm keeps the same number of processes
                 print(f"time budget: {deadline.left():.0f} s left, a round takes ~{estimate:.0f} s; stopping after "
                       f"{n} rounds", flush=True)
                 break
-            for arm in args.arms:
+            for arm in todo:
                 t0 = time.perf_counter()
                 try:
                     if arm in LAUNCH_ARMS:

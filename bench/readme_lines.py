@@ -55,7 +55,9 @@ def offload_lines(report: dict[str, Any]) -> list[str]:
             + f"; peak device GiB none {peak.get('none')}, block {peak.get('block')}, phase {peak.get('phase')}.")
     if "diffusers group offload / diffusers all-resident" in ratios:
         g = ratios["diffusers group offload / diffusers all-resident"][last]
-        line = f"- diffusers 0.42.1 on the same weights: group offloading / all-resident = {s(g['transformer_s'])} (transformer stage)"
+        version = next((p["diffusers"] for p in report["raw"].get("diffusers_group", [])), "?")
+        line = (f"- diffusers {version} on the same weights: group offloading / all-resident = "
+                f"{s(g['transformer_s'])} (transformer stage)")
         if "runnerkit block / diffusers group offload" in ratios:
             r = ratios["runnerkit block / diffusers group offload"][last]
             line += f"; runnerkit block / diffusers group offloading = {s(r['transformer_s'])}"
