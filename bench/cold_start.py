@@ -7,7 +7,15 @@ benchmark off), so request 1's output can be compared bit for bit across arms (S
 decoded float32 video).
 
     python bench/cold_start.py --config configs/wan/wan_t2v_1.3b.json --model_path /tmp/wan13b \
-        --steps 10 --out bench/results/cold_start_h200
+        --steps 5 --procs 3 --out bench/results/cold_start_h200
+
+Every ratio (step 1 / median of steps 3..last of request 1; request 1 / last request) is computed
+inside each process, then reported as median [min–max] across the processes of its arm.
+Processes run in rounds (one per arm per round); `--time_budget_s` stops before a round that
+would not fit. CPU smoke run (tiny config; not a result):
+
+    python bench/cold_start.py --config configs/wan/wan_t2v_tiny.json --model_path /tmp/rk_tiny \
+        --shape 48 80 9 --device cpu --synth_dtype fp32 --out /tmp/smoke/cold_start
 
 Writes OUT.json (all raw numbers) and OUT.md (the table).
 """
@@ -26,7 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, device_info, ensure_synthetic, markdown_table, median, run_worker  # noqa: E402
+from bench.common import (REPO, Deadline, device_info, ensure_synthetic, fmt_spread, markdown_table,  # noqa: E402
+                          median, run_worker, spread)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -63,25 +72,34 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], list[list[Any]]]:
+    """Per arm: every ratio is computed per process, then its median and min–max across processes."""
     rows, summary = [], {}
     for arm, procs in runs.items():
         r1 = [p["requests"][0] for p in procs]
-        r3 = [p["requests"][-1] for p in procs]
-        step1 = median([r["steps"][0] for r in r1])
-        step2 = median([r["steps"][1] for r in r1])
-        rest = median([median(r["steps"][2:]) for r in r1])
-        req1 = median([r["seconds"] for r in r1])
-        req3 = median([r["seconds"] for r in r3])
-        warm = median([p["warmup"]["seconds"] for p in procs]) if procs[0]["warmup"] else 0.0
-        s = {"step1_s": step1, "step2_s": step2, "median_step3_last_s": rest, "step1_over_rest": step1 / rest,
-             "request1_s": req1, "request3_s": req3, "request1_over_request3": req1 / req3,
-             "warmup_s": warm, "warmup_plus_request1_s": warm + req1,
-             "memory_before_warmup": procs[0]["warmup"]["memory_before"] if procs[0]["warmup"] else None,
-             "memory_after_warmup": procs[0]["warmup"]["memory_after"] if procs[0]["warmup"] else None,
-             "request1_sha256": sorted({r["sha256"] for r in r1}),
-             "audit_request1": r1[0]["audit"]}
+        rl = [p["requests"][-1] for p in procs]
+        rest = [median(r["steps"][2:]) for r in r1]  # steps 3..last of request 1, per process
+        s = {
+            "processes": len(procs),
+            "step1_s": spread([r["steps"][0] for r in r1]),
+            "step2_s": spread([r["steps"][1] for r in r1]),
+            "median_step3_last_s": spread(rest),
+            "step1_over_rest": spread([r["steps"][0] / m for r, m in zip(r1, rest)]),
+            "request1_s": spread([r["seconds"] for r in r1]),
+            "request_last_s": spread([r["seconds"] for r in rl]),
+            "request1_over_request_last": spread([a["seconds"] / b["seconds"] for a, b in zip(r1, rl)]),
+            "warmup_s": spread([p["warmup"]["seconds"] for p in procs]) if procs[0]["warmup"] else None,
+            "warmup_plus_request1_s": spread([p["warmup"]["seconds"] + r["seconds"] for p, r in zip(procs, r1)])
+            if procs[0]["warmup"] else None,
+            "memory_before_warmup": procs[0]["warmup"]["memory_before"] if procs[0]["warmup"] else None,
+            "memory_after_warmup": procs[0]["warmup"]["memory_after"] if procs[0]["warmup"] else None,
+            "request1_sha256": sorted({r["sha256"] for r in r1}),
+            "audit_request1": [r["audit"] for r in r1],
+        }
         summary[arm] = s
-        rows.append([arm, step1, step2, rest, step1 / rest, req1, req3, req1 / req3, warm, warm + req1])
+        rows.append([arm, len(procs), fmt_spread(s["step1_s"]), fmt_spread(s["median_step3_last_s"]),
+                     fmt_spread(s["step1_over_rest"]), fmt_spread(s["request1_s"]), fmt_spread(s["request_last_s"]),
+                     fmt_spread(s["request1_over_request_last"]),
+                     fmt_spread(s["warmup_s"], 2) if s["warmup_s"] else "–"])
     return summary, rows
 
 
@@ -90,11 +108,12 @@ def main() -> None:
     p.add_argument("--config", default=str(REPO / "configs/wan/wan_t2v_1.3b.json"))
     p.add_argument("--model_path", required=True, help="checkpoint folder; a synthetic one is written there if absent")
     p.add_argument("--shape", type=int, nargs=3, default=[480, 832, 81], metavar=("H", "W", "F"))
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--procs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="denoising steps per request (>= 5: step 1 vs steps 3..last)")
+    p.add_argument("--procs", type=int, default=3, help="fresh processes per arm (>= 3 for a spread)")
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--device", default="cuda")
     p.add_argument("--synth_dtype", default="bf16")
+    p.add_argument("--time_budget_s", type=float, help="start no process round that would end after this many seconds")
     p.add_argument("--out", default=str(REPO / "bench/results/cold_start"))
     p.add_argument("--worker", action="store_true")
     p.add_argument("--arm", choices=["no_warmup", "warmup"])
@@ -104,6 +123,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.steps < 3:
+        p.error(f"`--steps` must be >= 3 (step 1 is compared with steps 3..last); got {args.steps}")
+    deadline = Deadline(args.time_budget_s)
     ensure_synthetic(Path(args.config), Path(args.model_path), args.synth_dtype,
                      "cuda" if args.device.startswith("cuda") else "cpu")
     common = ["--config", args.config, "--model_path", args.model_path, "--steps", str(args.steps),
@@ -111,14 +133,23 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {"no_warmup": [], "warmup": []}
     if args.resume and Path(args.resume).is_file():  # continue a run cut short by a time limit
         runs = json.loads(Path(args.resume).read_text())["raw"]
+    seconds: dict[str, list[float]] = {"no_warmup": [], "warmup": []}  # wall seconds of each process
     with tempfile.TemporaryDirectory() as tmp:
         for n in range(args.procs):
-            for arm in ("no_warmup", "warmup"):
+            estimate = 1.1 * sum(max(s or [0.0]) for s in seconds.values())
+            if not deadline.fits(estimate):  # rounds are whole: every arm keeps the same number of processes
+                print(f"time budget: {deadline.left():.0f} s left, a round of processes takes ~{estimate:.0f} s; "
+                      f"stopping after {n} rounds", flush=True)
+                break
+            for arm in ("no_warmup", "warmup"):  # interleaved: drifts hit both arms alike
                 if len(runs[arm]) > n:
                     continue
+                t0 = time.perf_counter()
                 res = run_worker(Path(__file__), [*common, "--arm", arm], Path(tmp) / f"{arm}{n}.json")
+                seconds[arm].append(time.perf_counter() - t0)
                 runs[arm].append(res)
-                print(f"{arm} process {n}: request seconds {[round(r['seconds'], 3) for r in res['requests']]}", flush=True)
+                print(f"{arm} process {n} ({seconds[arm][-1]:.0f} s): request seconds "
+                      f"{[round(r['seconds'], 3) for r in res['requests']]}", flush=True)
                 write_report(args, runs)  # after every process, so a cut-short run keeps what it measured
 
 
@@ -134,19 +165,24 @@ def write_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
     summary, rows = summarize(done)
     identical = summary["no_warmup"]["request1_sha256"] == summary["warmup"]["request1_sha256"] and \
         len(summary["warmup"]["request1_sha256"]) == 1
-    header = ["arm", "step 1 s", "step 2 s", "median step 3..last s", "step1/rest", "request 1 s", "request 3 s",
-              "req1/req3", "warmup s", "warmup + req1 s"]
+    last = args.requests
+    header = ["arm", "processes", "step 1 s", "median step 3..last s", "step 1 / rest", "request 1 s",
+              f"request {last} s", f"request 1 / request {last}", "warmup s"]
     report.update(summary=summary, request1_bit_identical_across_arms=identical)
     Path(args.out + ".json").write_text(json.dumps(report, indent=1))
     text = (f"# cold start ({report['device']}, shape {args.shape}, {args.steps} steps, "
-            f"processes per arm {report['procs_per_arm']}, {args.requests} requests per process; medians over processes)\n\n"
+            f"{args.requests} requests per process)\n\n"
+            "Each cell: median [min–max] (n = processes) of the per-process value; a ratio is computed inside "
+            "each process (request 1 of that process against its own later steps / last request), then "
+            "summarized across processes.\n\n"
             f"{markdown_table(header, rows)}\n\n"
             f"request 1 bit-identical with and without warmup (deterministic algorithms): {identical}\n"
-            f"memory before warmup: {summary['warmup']['memory_before_warmup']}\n"
-            f"memory after warmup: {summary['warmup']['memory_after_warmup']}\n"
-            f"audit of request 1 (warmup arm): {summary['warmup']['audit_request1']}\n")
+            f"memory before warmup (process 1): {summary['warmup']['memory_before_warmup']}\n"
+            f"memory after warmup (process 1): {summary['warmup']['memory_after_warmup']}\n"
+            f"audit of request 1 (warmup arm, per process): {summary['warmup']['audit_request1']}\n")
     Path(args.out + ".md").write_text(text)
     print(text, flush=True)
+
 
 if __name__ == "__main__":
     main()

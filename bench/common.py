@@ -1,4 +1,4 @@
-"""Helpers shared by the GPU benchmarks: synthetic checkpoints, subprocess arms, tables."""
+"""Helpers shared by the GPU benchmarks: synthetic checkpoints, subprocess arms, spreads, tables."""
 
 from __future__ import annotations
 
@@ -7,34 +7,147 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+SHARED_COMPONENTS = ("text_encoder", "vae", "tokenizer")  # what a transformer-only checkpoint borrows
 
 
-def ensure_synthetic(config_path: Path, out: Path, dtype: str = "bf16", generator_device: str = "cpu") -> Path:
+def ensure_synthetic(config_path: Path, out: Path, dtype: str = "bf16", generator_device: str = "cpu",
+                     transformer_only: bool = False) -> Path:
     """Write the config architecture's synthetic checkpoint to `out` once (skipped if present)."""
     if (out / "runnerkit.json").is_file():
         return out
+    t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "runnerkit.tools.synth_checkpoint", "--config", str(config_path),
-                    "--out", str(out), "--dtype", dtype, "--generator_device", generator_device], check=True, cwd=REPO)
+                    "--out", str(out), "--dtype", dtype, "--generator_device", generator_device,
+                    *(["--transformer_only"] if transformer_only else [])], check=True, cwd=REPO)
+    print(f"synthetic checkpoint {out} written in {time.perf_counter() - t0:.1f} s", flush=True)
     return out
+
+
+def borrow_components(ckpt: Path, donor: Path) -> None:
+    """Make the transformer-only checkpoint `ckpt` complete with symlinks to `donor`'s text encoder,
+    VAE and tokenizer (synthetic values depend only on tensor name and seed, so a full write of
+    `ckpt` would hold the same bytes there).
+
+    Raises:
+        ValueError: the two checkpoints' text encoder or VAE architectures (or seeds) differ.
+    """
+    mine, theirs = (json.loads((p / "runnerkit.json").read_text()) for p in (ckpt, donor))
+    for key in ("text_encoder", "vae"):
+        if mine["arch"][key] != theirs["arch"][key]:
+            raise ValueError(f"cannot borrow `{key}` from {donor}: architectures differ")
+    if mine.get("synthetic_seed") != theirs.get("synthetic_seed"):
+        raise ValueError(f"cannot borrow from {donor}: synthetic seeds differ")
+    for name in SHARED_COMPONENTS:
+        link = ckpt / name
+        if link.is_symlink() or not link.exists():
+            if link.is_symlink():
+                link.unlink()
+            link.symlink_to((donor / name).absolute(), target_is_directory=True)
+
+
+def copy_config(src: Path, dst: Path, **transformer: int) -> Path:
+    """`src` runner config with `model.transformer` fields replaced (e.g. num_layers), written to `dst`."""
+    data = json.loads(src.read_text())
+    if transformer:
+        data.setdefault("model", {}).setdefault("transformer", {}).update(transformer)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps(data, indent=1))
+    return dst
+
+
+def python_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def run_worker(script: Path, args: list[str], result: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `script --worker ...` in a fresh process; return the JSON it wrote to `result`."""
-    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
     proc = subprocess.run([sys.executable, str(script), "--worker", "--result", str(result), *args],
-                          cwd=REPO, env=full_env, capture_output=True, text=True)
+                          cwd=REPO, env={**python_env(), **(env or {})}, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-6000:])
         raise RuntimeError(f"worker {args} failed with exit status {proc.returncode}")
     return json.loads(result.read_text())
 
 
+def run_child(cmd: list[str], log: Path) -> tuple[int, float, float]:
+    """Run `cmd` from the repository root, its output to `log`.
+
+    Returns:
+        (exit status, wall seconds, peak resident host memory of the child in GiB from wait4's rusage).
+    """
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=python_env(), stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss / 1024**2  # ru_maxrss: KiB on Linux
+
+
+def drop_page_cache() -> bool:
+    """`sync; echo 3 > /proc/sys/vm/drop_caches` (root only); False if not allowed."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def storage_read_bytes() -> int:
+    """Bytes this process (all its threads) made the kernel fetch from storage: `/proc/self/io` read_bytes.
+
+    Counts reads that reach the block layer, page faults of mappings included, and nothing the page
+    cache served; the one byte count used for every reader. -1 if the kernel has no I/O accounting.
+    """
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return -1
+
+
+def sequential_read_gbps(path: Path, limit_bytes: int = 2 * 1024**3) -> dict[str, Any]:
+    """Sequential read of `path` (64 MiB reads) after dropping the page cache.
+
+    GB/s = storage bytes (`/proc/self/io` read_bytes, the same source as the disk arms) / seconds;
+    the bytes Python received are kept beside it. NaN if the page cache could not be dropped.
+    """
+    dropped = drop_page_cache()
+    got, b0 = 0, storage_read_bytes()
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while got < limit_bytes:
+            chunk = f.read(64 * 1024**2)
+            if not chunk:
+                break
+            got += len(chunk)
+    seconds = time.perf_counter() - t0
+    storage = storage_read_bytes() - b0
+    gbps = storage / seconds / 1e9 if dropped and storage > 0 else float("nan")
+    return {"gbps": gbps, "storage_bytes": storage, "bytes_returned": got, "seconds": seconds, "page_cache_dropped": dropped}
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
+
+
+def spread(xs: list[float]) -> dict[str, Any]:
+    """Median, min and max of per-process values (and the values, in process order)."""
+    xs = [float(x) for x in xs if x == x]  # drop NaN
+    if not xs:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0, "values": []}
+    return {"median": median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "values": xs}
+
+
+def fmt_spread(s: dict[str, Any], digits: int = 3) -> str:
+    """`median [min–max] (n)` for a table cell."""
+    if not s or not s.get("n"):
+        return "–"
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}] (n={s['n']})"
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
@@ -46,6 +159,20 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+class Deadline:
+    """Wall-clock budget of a benchmark: start another process only if its estimated time still fits."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.t0 = time.perf_counter()
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - (time.perf_counter() - self.t0)
+
+    def fits(self, estimate: float) -> bool:
+        return estimate <= self.left()
+
+
 def device_info() -> dict[str, Any]:
     import torch
 
@@ -54,3 +181,4 @@ def device_info() -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 1024**3, 1)
     return info
+

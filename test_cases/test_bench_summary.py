@@ -1,0 +1,73 @@
+"""bench/: spreads over processes, per-round pairing of cross-arm ratios, the storage byte count."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import cold_start, offload
+from bench.common import drop_page_cache, fmt_spread, spread, storage_read_bytes
+
+
+def test_spread_is_median_min_max_over_values_without_nan() -> None:
+    s = spread([3.0, 1.0, float("nan"), 2.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+    assert fmt_spread(s) == "2.000 [1.000–3.000] (n=3)"
+    assert spread([])["n"] == 0 and math.isnan(spread([])["median"])
+
+
+def _launch_proc(transformer_s: float, request_s: float) -> dict[str, Any]:
+    req = {"seconds": request_s, "stages": {"transformer": transformer_s}, "steps": [1.0, 1.0, 1.0],
+           "memory": {"peak_allocated_gib": 1.0}, "sha256": "x"}
+    return {"requests": [req], "host_peak_rss_gib": 1.0}
+
+
+def test_cross_arm_ratio_pairs_process_n_with_process_n() -> None:
+    # any other pairing than by index gives a ratio other than 1.1 somewhere
+    results = {"none": [_launch_proc(t, 2 * t) for t in (1.0, 2.0, 4.0)],
+               "block": [_launch_proc(1.1 * t, 2.2 * t) for t in (1.0, 2.0, 4.0)]}
+    ratios = offload.summarize_offload(results, requests=1)["ratios"]["block / none"]["request1"]
+    for key in ("transformer_s", "request_s"):
+        assert ratios[key]["n"] == 3
+        assert ratios[key]["min"] == pytest.approx(1.1) and ratios[key]["max"] == pytest.approx(1.1)
+
+
+def test_cold_start_ratio_is_per_process() -> None:
+    def proc(r1: float, r3: float, steps: list[float]) -> dict[str, Any]:
+        mk = lambda s: {"seconds": s, "steps": steps, "sha256": "h", "audit": {}}  # noqa: E731
+        return {"warmup": None, "requests": [mk(r1), mk(1.0), mk(r3)]}
+
+    procs = [proc(2.0, 1.0, [2.0, 1.0, 1.0, 1.0]), proc(6.0, 4.0, [3.0, 1.0, 1.0, 1.0]), proc(3.0, 3.0, [1.0] * 4)]
+    summary, _ = cold_start.summarize({"no_warmup": procs})
+    s = summary["no_warmup"]
+    assert s["request1_over_request_last"]["values"] == [2.0, 1.5, 1.0]  # not median(r1) / median(r3) = 1.0
+    assert s["step1_over_rest"]["values"] == [2.0, 3.0, 1.0]
+
+
+def test_storage_read_bytes_counts_reads_from_storage_not_from_the_page_cache(tmp_path: Path) -> None:
+    if storage_read_bytes() < 0 or not drop_page_cache():
+        pytest.skip("needs /proc/self/io and root to drop the page cache")
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(32 * 2**20))
+    assert drop_page_cache()
+    before = storage_read_bytes()
+    assert len(path.read_bytes()) == 32 * 2**20
+    cold = storage_read_bytes() - before
+    before = storage_read_bytes()
+    path.read_bytes()
+    warm = storage_read_bytes() - before
+    if cold == 0:
+        pytest.skip("this filesystem does not account reads in /proc/self/io (e.g. tmpfs)")
+    assert cold >= 32 * 2**20
+    assert warm < 2**20
+
+
+def test_a_failed_process_leaves_its_round_out_instead_of_shifting_the_pairs() -> None:
+    none = [_launch_proc(t, t) | {"round": n} for n, t in enumerate((1.0, 2.0, 4.0))]
+    block = [_launch_proc(1.1 * t, 1.1 * t) | {"round": n} for n, t in ((0, 1.0), (2, 4.0))]  # round 1 failed
+    r = offload.summarize_offload({"none": none, "block": block}, requests=1)["ratios"]["block / none"]["request1"]
+    assert r["transformer_s"]["n"] == 2 and r["transformer_s"]["max"] == pytest.approx(1.1)
