@@ -43,7 +43,7 @@ def build_on_meta(factory: Callable[[], M]) -> M:
 
 def assign_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], component: str,
                       dtype: torch.dtype | None = None,
-                      keep_fp32: Callable[[str], bool] = lambda name: False) -> nn.Module:
+                      keep_fp32: Callable[[str], bool] = lambda name: False, device: torch.device | None = None) -> nn.Module:
     """Load `state_dict` into a meta-built `module` strictly, with `assign=True`.
 
     Args:
@@ -53,6 +53,8 @@ def assign_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], co
         dtype: floating dtype to cast weights to; None keeps the checkpoint's dtype.
         keep_fp32: names for which the weight stays float32 whatever `dtype` is (the layers
             the reference keeps in float32: norms, modulation tables, time embedding).
+        device: where the weights go (None: where the state dict is); a device other than the CPU
+            takes them straight there, without an aligned host copy first.
 
     Raises:
         CheckpointError: listing missing and unexpected keys, or shape mismatches.
@@ -71,7 +73,7 @@ def assign_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], co
         raise CheckpointError(f"{component}: shape mismatch for {len(bad)} tensors: {short_list(bad)}")
     # Copies (casts, aligned copies of misaligned mapped tensors) are made tensor by tensor into `cast`:
     # at most one copy of the weights besides the caller's (usually file-mapped) `state_dict`.
-    cast = {k: to_compute(v, torch.float32 if keep_fp32(k) else dtype) for k, v in state_dict.items()}
+    cast = {k: to_compute(v, torch.float32 if keep_fp32(k) else dtype, device) for k, v in state_dict.items()}
     module.load_state_dict(cast, strict=True, assign=True)
     # Buffers that are not in the state dict (non-persistent) are still on meta: the module
     # must re-create them itself (e.g. RoPE tables) in `init_non_persistent_buffers`.

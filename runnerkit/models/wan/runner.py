@@ -225,7 +225,8 @@ class WanT2VRunner(DefaultRunner):
         ckpt = self.checkpoint
         assert ckpt is not None, "locate_checkpoint first"
         model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
-        assign_state_dict(model, ckpt.transformer_state_dict(), "transformer", dtype=self.dtype, keep_fp32=keep_fp32)
+        assign_state_dict(model, ckpt.transformer_state_dict(), "transformer", dtype=self.dtype, keep_fp32=keep_fp32,
+                          device=device)
         return model.to(device).eval().requires_grad_(False)
 
     def stream_transformer(self) -> tuple[WanTransformer3D, BlockStreamer]:
