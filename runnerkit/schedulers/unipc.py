@@ -40,8 +40,10 @@ class FlowUniPCScheduler(Scheduler):
     solver_type="bh2", lower_order_final=True, final_sigmas_type="zero")` (diffusers 0.42):
     sigmas are `shift(linspace(1, 1 / N, infer_steps + 1)[:-1])`, the first one lowered by 1e-6
     when it equals 1 (so `log(1 - sigma)` stays finite), then a final 0; timesteps are int64
-    `trunc(sigma * N)`. Wan2.1's own `FlowUniPCMultistepScheduler` spaces its unshifted sigmas
-    over `[1 - 1/N, 0]` instead, a difference below one training timestep.
+    `trunc(sigma * N)`. Wan2.1's own `FlowUniPCMultistepScheduler` (built with shift 1, then
+    `set_timesteps(..., shift=shift)`) spaces its unshifted sigmas over `[1 - 1/N, 0]` instead:
+    at most 1/N apart before the shift, but the shift stretches that near the end of the
+    schedule, up to about 4.3 training timesteps (50 steps, shift 5; 2.8 with shift 3).
 
     Coefficients are computed in float64 from the float32 sigmas; the latents update is float32.
     Solver history: `model_outputs` (the last `solver_order` x0 predictions, oldest first),
