@@ -207,3 +207,19 @@ def test_vae_tiling_decodes_in_tiles_through_the_runner(tiny_ckpt: Path, tmp_pat
     assert calls[:8] == [(4, 4)] * 8  # 48x80 -> latent 6x10: 2 x 4 tiles of 4x4 latent pixels
     assert video.shape == reference[0].shape and not torch.equal(video, reference[0])
     assert (video.abs() <= 1).all()
+
+
+def test_runner_streams_the_units_the_transformer_declares(tiny_ckpt: Path) -> None:
+    from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
+
+    runner = make_runner(tiny_ckpt, offload={"mode": "phase"})
+    assert runner.streamer is not None
+    num_layers = len(runner.transformer.blocks)
+    assert WanTransformer3D.STREAM_SPEC.phases == ("self_attn", "cross_attn", "ffn")
+    assert [u.module for u in runner.streamer.units] == [f"blocks.{i}.{p}" for i in range(num_layers)
+                                                         for p in ("self_attn", "cross_attn", "ffn")]
+    streamed = {p for u in runner.streamer.units for p in u.params}
+    block_params = {n for n, _ in runner.transformer.named_parameters() if n.startswith("blocks.")}
+    # every block weight streams except the float32 ones the reference keeps (modulation, norm3)
+    assert block_params - streamed == {n for n in block_params if keep_fp32(n)}
+    assert {n.split(".", 2)[2] for n in block_params - streamed} == {"modulation", "norm3.weight", "norm3.bias"}

@@ -14,6 +14,7 @@ from runnerkit.offload import (
     HostSlab,
     HostSource,
     ModelOffloader,
+    StreamSpec,
     SyncCopyEngine,
     plan_units,
     resident_names,
@@ -117,6 +118,8 @@ class _BigBlock(nn.Module):
 
 
 class _Big(nn.Module):
+    STREAM_SPEC = StreamSpec(blocks_attr="blocks", phases=("self_attn", "cross_attn", "ffn"), keep_fp32=lambda name: False)
+
     def __init__(self, d: int = 4096, n: int = 8) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(_BigBlock(d) for _ in range(n))
@@ -133,7 +136,7 @@ def test_h2d_bandwidth_is_reported(pin: bool, capsys: pytest.CaptureFixture[str]
     ref = _Big().to(torch.bfloat16)
     sd = state_dict_of(ref)
     model = build_on_meta(_Big).to(torch.bfloat16)
-    units = plan_units(model, "phase")
+    units = plan_units(model, "phase", _Big.STREAM_SPEC)
     assert resident_names(model, units) == []
     streamer = BlockStreamer(model, units, HostSource(units, sd, torch.bfloat16, pin_memory=pin), "cuda", 2, 1)
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import gc
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from runnerkit.offload import (
     BlockStreamer,
     DiskSource,
     HostSource,
     SafetensorsDiskReader,
+    StreamSpec,
     dequantize_fp8_e4m3,
     plan_units,
     quantize_fp8_e4m3,
+    resident_names,
 )
 from runnerkit.weights import CheckpointError, build_on_meta
 from test_cases.offload._engines import DeferredEngine, RecordingEngine
@@ -68,7 +72,7 @@ def test_parity_bit_identical_two_steps(reference: ToyModel, inputs: tuple[torch
 
 
 def _unit_names(mode: str) -> list[str]:
-    return [u.module for u in plan_units(build_on_meta(ToyModel), mode, resident=is_resident)]
+    return [u.module for u in plan_units(build_on_meta(ToyModel), mode, ToyModel.STREAM_SPEC)]
 
 
 def _run_recorded(reference: ToyModel, inputs: tuple[torch.Tensor, torch.Tensor], mode: str, gpu_slots: int,
@@ -227,7 +231,7 @@ def test_rejected_combinations(reference: ToyModel, files: list[Path]) -> None:
     with pytest.raises(ValueError, match="`prefetch_depth`"):
         build_streamed(sd, "block", "host", gpu_slots=2, prefetch_depth=0)
     model = build_on_meta(ToyModel)
-    units = plan_units(model, "block", resident=is_resident)
+    units = plan_units(model, "block", ToyModel.STREAM_SPEC)
     reader = SafetensorsDiskReader(files, reader="pread")
     with pytest.raises(NotImplementedError, match="checkpoint dtypes must equal the compute dtype torch.bfloat16"):
         DiskSource(units, reader, torch.bfloat16)
@@ -241,17 +245,70 @@ def test_rejected_combinations(reference: ToyModel, files: list[Path]) -> None:
     with pytest.raises(CheckpointError, match=r"blocks.0.ffn.fc1.weight.*\[3, 3\] vs model \[32, 16\]"):
         BlockStreamer(model, units, source, "cpu")
     with pytest.raises(ValueError, match="`mode` must be 'block' or 'phase'"):
-        plan_units(model, "layer")  # type: ignore[arg-type]
+        plan_units(model, "layer", ToyModel.STREAM_SPEC)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no submodule 'attn2'"):
-        plan_units(model, "phase", phases=("self_attn", "attn2"))
+        plan_units(model, "phase", replace(ToyModel.STREAM_SPEC, phases=("self_attn", "attn2")))
+    with pytest.raises(ValueError, match="`blocks_attr`='layers'"):
+        plan_units(model, "block", replace(ToyModel.STREAM_SPEC, blocks_attr="layers"))
+    with pytest.raises(ValueError, match="mode 'phase' needs phases"):
+        plan_units(model, "phase", replace(ToyModel.STREAM_SPEC, phases=()))
 
 
 def test_plan_units_block_and_phase() -> None:
     model = build_on_meta(ToyModel)
-    block = plan_units(model, "block", resident=is_resident)
-    phase = plan_units(model, "phase", resident=is_resident)
+    block = plan_units(model, "block", ToyModel.STREAM_SPEC)
+    phase = plan_units(model, "phase", ToyModel.STREAM_SPEC)
     assert [u.module for u in block] == [f"blocks.{i}" for i in range(4)]
     assert [u.module for u in phase[:3]] == ["blocks.0.self_attn", "blocks.0.cross_attn", "blocks.0.ffn"]
     assert len(phase) == 12
     assert not any(is_resident(p) for u in block for p in u.params)
     assert sorted(p for u in phase[:3] for p in u.params) == sorted(block[0].params)
+
+
+class _Layer(nn.Module):
+    """A block of another family's shape: phases `attn` then `mlp`, a resident float32 `scale`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x) * self.scale
+        return x + self.mlp(x)
+
+
+class _OtherFamily(nn.Module):
+    STREAM_SPEC = StreamSpec(blocks_attr="layers", phases=("attn", "mlp"), keep_fp32=lambda n: n.endswith(".scale"))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["block", "phase"])
+def test_stream_spec_names_the_block_list_and_phases(mode: str) -> None:
+    torch.manual_seed(0)
+    reference = _OtherFamily().eval()
+    sd = state_dict_of(reference)
+    model = build_on_meta(_OtherFamily)
+    units = plan_units(model, mode, _OtherFamily.STREAM_SPEC)
+    if mode == "block":
+        assert [u.module for u in units] == ["layers.0", "layers.1", "layers.2"]
+    else:
+        assert [u.module for u in units] == [f"layers.{i}.{p}" for i in range(3) for p in ("attn", "mlp")]
+    assert resident_names(model, units) == ["layers.0.scale", "layers.1.scale", "layers.2.scale"]
+    model.load_state_dict({n: sd[n] for n in resident_names(model, units)}, strict=False, assign=True)
+    streamer = BlockStreamer(model, units, HostSource(units, sd, torch.float32, pin_memory=False), "cpu", 2, 1,
+                             copy_engine=DeferredEngine(2))
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), reference(x))
+    streamer.close()

@@ -172,12 +172,13 @@ class WanT2VRunner(DefaultRunner):
         off = self.config.offload
         if off.mode in ("block", "phase"):
             if off.storage == "cpu":
-                self.streamer = stream_module(model, off, self.device, self.dtype, keep_fp32, "transformer",
-                                              state_dict=ckpt.transformer_state_dict())
+                self.streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, off, self.device, self.dtype,
+                                              "transformer", state_dict=ckpt.transformer_state_dict())
             else:
                 names = list(model.state_dict(keep_vars=True))
-                self.streamer = stream_module(model, off, self.device, self.dtype, keep_fp32, "transformer",
-                                              files=ckpt.transformer_files(), key_map=ckpt.transformer_key_map(names))
+                self.streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, off, self.device, self.dtype,
+                                              "transformer", files=ckpt.transformer_files(),
+                                              key_map=ckpt.transformer_key_map(names))
             return model.eval().requires_grad_(False)
         assign_state_dict(model, ckpt.transformer_state_dict(), "transformer", dtype=self.dtype, keep_fp32=keep_fp32)
         return model.to(device).eval().requires_grad_(False)
