@@ -13,6 +13,7 @@ from torch import nn
 
 from runnerkit.offload import (
     BlockStreamer,
+    CudaCopyEngine,
     DiskSource,
     HostSource,
     SafetensorsDiskReader,
@@ -24,6 +25,7 @@ from runnerkit.offload import (
 )
 from runnerkit.weights import CheckpointError, build_on_meta
 from test_cases.offload._engines import DeferredEngine, RecordingEngine
+from test_cases.offload._fake_cuda import FakeCuda, check_slot_protocol
 from test_cases.offload._toy import (
     ToyModel,
     build_streamed,
@@ -311,4 +313,78 @@ def test_stream_spec_names_the_block_list_and_phases(mode: str) -> None:
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(model(x), reference(x))
+    streamer.close()
+
+
+def _streamed_on_fake_cuda(reference: ToyModel, monkeypatch: pytest.MonkeyPatch, mode: str, gpu_slots: int,
+                           depth: int) -> tuple[ToyModel, BlockStreamer, FakeCuda]:
+    """The toy streamed from host slabs through the real CudaCopyEngine on fake streams (CPU buffers).
+    Copies are labelled "slot<s> <unit>", computes (a pre-hook after the streamer's) the same way."""
+    cuda = FakeCuda()
+    cuda.install(monkeypatch)
+    engine = CudaCopyEngine("cuda", gpu_slots)
+    cuda.name_engine_events(engine)
+    model, streamer = build_streamed(state_dict_of(reference), mode, "host", gpu_slots, depth, engine=engine)
+    slot_ptr = {t.data_ptr(): s for s, t in enumerate(streamer._slots)}
+    unit_ptr = {slab.buffer.data_ptr(): u.module for slab, u in zip(streamer.source.slabs, streamer.units)}
+    cuda.copy_label = lambda dst, src: f"slot{slot_ptr[dst.data_ptr()]} {unit_ptr[src.data_ptr()]}"
+    for j, unit in enumerate(streamer.units):
+        label = f"slot{j % streamer.num_slots} {unit.module}"
+        model.get_submodule(unit.module).register_forward_pre_hook(
+            lambda m, a, label=label: cuda.launch("compute", label) and None)
+    return model, streamer, cuda
+
+
+def test_real_cuda_engine_event_order_over_two_steps(reference: ToyModel, inputs: tuple[torch.Tensor, torch.Tensor],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block mode, 4 blocks over 2 slots, prefetch depth 1: the exact stream/event calls of two steps,
+    the last block of step 1 prefetching block 0 of step 2 (wrap)."""
+    model, streamer, cuda = _streamed_on_fake_cuda(reference, monkeypatch, "block", 2, 1)
+    with torch.no_grad():
+        for x in inputs:
+            assert torch.equal(model(x), reference(x))
+    expected: list[tuple[str, ...]] = []
+    compute_marked = [False, False]
+
+    def issue(j: int) -> None:
+        s = j % 2
+        if compute_marked[s]:
+            expected.append(("wait", "copy", f"compute_done[{s}]"))  # slot reuse waits for the last compute
+        expected.extend([("copy", "copy", f"slot{s} blocks.{j}"), ("record", "copy", f"copy_done[{s}]")])
+
+    issue(0)  # the first block of the request is issued in its own pre-hook
+    for step in range(2):
+        for j in range(4):
+            s = j % 2
+            expected.append(("wait", "compute", f"copy_done[{s}]"))
+            issue((j + 1) % 4)  # prefetch; from block 3 it wraps to block 0 of the next step
+            expected.extend([("compute", "compute", f"slot{s} blocks.{j}"), ("record", "compute", f"compute_done[{s}]")])
+            compute_marked[s] = True
+    assert cuda.protocol() == expected
+    assert check_slot_protocol(cuda.ops, lambda label: label.split()[0], lambda label: label.split()[1]) == 8
+    streamer.close()
+
+
+@pytest.mark.parametrize("mode", ["block", "phase"])
+@pytest.mark.parametrize("gpu_slots,depth", [(2, 1), (3, 1), (3, 2), (4, 3)])
+def test_real_cuda_engine_orders_every_copy_and_compute(reference: ToyModel,
+                                                        inputs: tuple[torch.Tensor, torch.Tensor],
+                                                        monkeypatch: pytest.MonkeyPatch, mode: str, gpu_slots: int,
+                                                        depth: int) -> None:
+    """Over two steps and a request boundary, for every unit: its copy happens before its compute,
+    and its compute before the next copy into its slot (as the GPU would be forced to run them)."""
+    model, streamer, cuda = _streamed_on_fake_cuda(reference, monkeypatch, mode, gpu_slots, depth)
+    with torch.no_grad():
+        for x in inputs:
+            assert torch.equal(model(x), reference(x))
+        streamer.reset()
+        model(inputs[0])
+    units = len(streamer.units)
+    assert check_slot_protocol(cuda.ops, lambda label: label.split()[0], lambda label: label.split()[1]) == 3 * units
+    first_of_step2 = [i for i, op in enumerate(cuda.ops) if op.kind == "compute"][units]
+    wrapped = [op.label.split()[1] for op in cuda.ops[:first_of_step2] if op.kind == "copy"][units:]
+    if units > streamer.num_slots:
+        assert wrapped[:1] == [streamer.units[0].module], "the prefetch did not wrap to the first unit of step 2"
+    else:
+        assert wrapped == []  # every unit owns a slot: copied once per request
     streamer.close()
