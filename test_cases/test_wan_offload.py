@@ -4,6 +4,7 @@ without warmup; request-boundary state after warmup and after every request (ARC
 from __future__ import annotations
 
 import gc
+import shutil
 import weakref
 from pathlib import Path
 from typing import Any
@@ -117,15 +118,19 @@ def test_lazy_load_frees_transformer_after_each_request(tiny_ckpt: Path, tmp_pat
     assert len(seen) == 4
 
 
-def test_disk_streaming_never_opens_two_handles_on_a_file(tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_streaming_never_opens_two_handles_on_a_file(tiny_ckpt: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Counted by the OS (`/proc/self/fd`, `/proc/self/maps`) at every tensor read and by a polling thread;
     default reader (mmap); both readers on a split block: `offload/test_disk.py::test_os_sees_one_handle_per_shard`."""
     from runnerkit.offload import disk
     from test_cases.offload._handles import HandleSampler
 
-    files = sorted((tiny_ckpt / "transformer").glob("*.safetensors"))
+    # a private copy: runners of earlier tests that are not collected yet may still hold the shared one open
+    ckpt = Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))
+    files = sorted((ckpt / "transformer").glob("*.safetensors"))
     assert files
     sampler = HandleSampler(files)
+    assert sampler.sample("start").fds == {f.name: 0 for f in files}
     real_read = disk.SafetensorsDiskReader._read
 
     def sampled_read(self: Any, handle: Any, entry: Any, dst: torch.Tensor) -> None:
@@ -136,7 +141,7 @@ def test_disk_streaming_never_opens_two_handles_on_a_file(tiny_ckpt: Path, monke
     monkeypatch.setattr(disk.SafetensorsDiskReader, "_read", sampled_read)
     sampler.start_polling(interval_s=0.01)  # the runner's process maps many regions: sample less often
     try:
-        runner = make_runner(tiny_ckpt, warmup=True, offload={"mode": "phase", "storage": "disk"})
+        runner = make_runner(ckpt, warmup=True, offload={"mode": "phase", "storage": "disk"})
         runner.run_pipeline(REQUESTS[0], 0)
     finally:
         sampler.stop_polling()

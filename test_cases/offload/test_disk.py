@@ -131,7 +131,7 @@ def test_os_sees_one_handle_per_shard(sd: dict[str, torch.Tensor], files: list[P
     closed = sampler.sample("after close")
     assert sampler.violations() == []
     assert sampler.ever_open() == {f.name for f in files}, "block 1 is split: both shards must have been read"
-    # the long-lived handles, as the OS sees them: pread keeps one descriptor per shard, mmap one mapping and no descriptor
+    # the long-lived handles as the OS sees them: pread keeps one descriptor per shard, mmap one mapping, no descriptor
     if reader == "pread":
         assert end.fds == {f.name: 1 for f in files} and end.mapped == {f.name: 0 for f in files}
     else:

@@ -120,7 +120,8 @@ class _BigBlock(nn.Module):
 
 
 class _Big(nn.Module):
-    STREAM_SPEC = StreamSpec(blocks_attr="blocks", phases=("self_attn", "cross_attn", "ffn"), keep_fp32=lambda name: False)
+    STREAM_SPEC = StreamSpec(blocks_attr="blocks", phases=("self_attn", "cross_attn", "ffn"),
+                             keep_fp32=lambda name: False)
 
     def __init__(self, d: int = 4096, n: int = 8) -> None:
         super().__init__()

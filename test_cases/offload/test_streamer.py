@@ -358,7 +358,8 @@ def test_real_cuda_engine_event_order_over_two_steps(reference: ToyModel, inputs
             s = j % 2
             expected.append(("wait", "compute", f"copy_done[{s}]"))
             issue((j + 1) % 4)  # prefetch; from block 3 it wraps to block 0 of the next step
-            expected.extend([("compute", "compute", f"slot{s} blocks.{j}"), ("record", "compute", f"compute_done[{s}]")])
+            expected.extend([("compute", "compute", f"slot{s} blocks.{j}"),
+                             ("record", "compute", f"compute_done[{s}]")])
             compute_marked[s] = True
     assert cuda.protocol() == expected
     assert check_slot_protocol(cuda.ops, lambda label: label.split()[0], lambda label: label.split()[1]) == 8
