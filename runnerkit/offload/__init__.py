@@ -2,7 +2,7 @@
 
 See ARCHITECTURE §4. Typical block/phase streaming setup (storage "cpu"):
 
-    units = plan_units(model, "phase", resident=keep_fp32)      # model built on meta
+    units = plan_units(model, "phase", Family.STREAM_SPEC)      # model built on meta
     load the `resident_names(model, units)` tensors onto the device yourself
     source = HostSource(units, state_dict, dtype, weight_dtype, pin_memory)
     streamer = BlockStreamer(model, units, source, device, gpu_slots, prefetch_depth)
@@ -12,7 +12,7 @@ See ARCHITECTURE §4. Typical block/phase streaming setup (storage "cpu"):
 from runnerkit.offload.disk import SafetensorsDiskReader, TensorIndexEntry, read_header
 from runnerkit.offload.layout import (
                                       FP8_E4M3_MAX,
-                                      WAN_PHASES,
+                                      StreamSpec,
                                       StreamUnit,
                                       TensorPlacement,
                                       UnitLayout,
@@ -29,8 +29,8 @@ from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.offload.streams import CopyEngine, CudaCopyEngine, SyncCopyEngine, make_copy_engine
 
 __all__ = [
-    "ALIGNMENT", "FP8_E4M3_MAX", "WAN_PHASES", "BlockStreamer", "CopyEngine", "CudaCopyEngine", "DiskSource",
-    "HostSlab", "HostSource", "ModelOffloader", "SafetensorsDiskReader", "StreamUnit", "SyncCopyEngine",
+    "ALIGNMENT", "FP8_E4M3_MAX", "BlockStreamer", "CopyEngine", "CudaCopyEngine", "DiskSource",
+    "HostSlab", "HostSource", "ModelOffloader", "SafetensorsDiskReader", "StreamSpec", "StreamUnit", "SyncCopyEngine",
     "TensorIndexEntry", "TensorPlacement", "UnitLayout", "UnitSource", "align_up", "dequantize_fp8_e4m3",
     "make_copy_engine", "plan_offsets", "plan_unit_layout", "plan_units", "quantize_fp8_e4m3", "read_header",
     "resident_names", "typed_view",

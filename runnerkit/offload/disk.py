@@ -13,7 +13,8 @@ Handle discipline (ARCHITECTURE §4):
 - at no moment are two handles open on the same file (enforced in `_open`).
 
 Readers: "mmap" maps each file once (lazily) and copies tensor bytes out of the mapping into
-the caller's buffer (a clone: nothing handed out aliases the mapping); "pread" reads with
+the caller's buffer (a clone: nothing handed out aliases the mapping); the mapping keeps no
+descriptor open (see `_map`); "pread" reads with
 `os.preadv` into the caller's buffer (no mapping) and, with `drop_page_cache`, tells the
 kernel to drop those pages (`POSIX_FADV_DONTNEED`) so streaming does not grow the page cache.
 """
@@ -21,7 +22,6 @@ kernel to drop those pages (`POSIX_FADV_DONTNEED`) so streaming does not grow th
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 import time
@@ -59,12 +59,13 @@ class TensorIndexEntry:
 
 
 class _Handle:
-    """An open file (fd) and, for the mmap reader, its mapping (created at first read)."""
+    """An open file: its descriptor `fd`, or, once the mmap reader mapped it (at the first read),
+    the mapping alone (`fd` is -1 then)."""
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self.fd = fd
-        self.mapping: mmap.mmap | None = None
+        self.mapping: torch.Tensor | None = None  # uint8 [file size] over a private read mapping
 
 
 def read_header(fd: int, path: Path) -> tuple[int, dict[str, dict]]:
@@ -166,9 +167,9 @@ class SafetensorsDiskReader:
 
     def _close(self, handle: _Handle) -> None:
         if handle.mapping is not None:
-            handle.mapping.close()
-            handle.mapping = None
-        os.close(handle.fd)
+            handle.mapping = None  # the last reference: unmapped now (reads hand out copies only)
+        else:
+            os.close(handle.fd)
         self._open_count[handle.path] -= 1
 
     def open_handles(self) -> dict[Path, int]:
@@ -192,15 +193,13 @@ class SafetensorsDiskReader:
         if entry.nbytes == 0:
             return
         start = time.perf_counter()
-        out = dst.numpy()
         if self.reader == "mmap":
             if handle.mapping is None:
-                handle.mapping = mmap.mmap(handle.fd, 0, access=mmap.ACCESS_READ)
-            with memoryview(handle.mapping) as whole, whole[entry.offset:entry.offset + entry.nbytes] as src:
-                out[:] = src  # the clone out of the mapping
+                handle.mapping = self._map(handle)
+            dst.copy_(handle.mapping[entry.offset:entry.offset + entry.nbytes])  # the clone out of the mapping
         else:
             done = 0
-            view = memoryview(out)
+            view = memoryview(dst.numpy())
             while done < entry.nbytes:
                 n = os.preadv(handle.fd, [view[done:]], entry.offset + done)
                 if n <= 0:
@@ -211,6 +210,20 @@ class SafetensorsDiskReader:
                 os.posix_fadvise(handle.fd, entry.offset, entry.nbytes, os.POSIX_FADV_DONTNEED)
         self.bytes_read += entry.nbytes
         self.read_seconds += time.perf_counter() - start
+
+    @staticmethod
+    def _map(handle: _Handle) -> torch.Tensor:
+        """Map the handle's whole file (private, never written) and close its descriptor.
+
+        Ours is closed before the mapping opens the file again, and the mapping closes its own
+        descriptor once mapped: the file never has two open descriptors. (Python's `mmap.mmap`
+        would keep a duplicate of ours for the mapping's lifetime.)
+        """
+        size = os.fstat(handle.fd).st_size
+        os.close(handle.fd)
+        handle.fd = -1
+        storage = torch.UntypedStorage.from_file(str(handle.path), shared=False, nbytes=size)
+        return torch.empty(0, dtype=torch.uint8).set_(storage)  # uint8 [size]
 
     def read_into(self, name: str, dst: torch.Tensor) -> None:
         """Block fetch: read `name`'s bytes into `dst` (uint8 [nbytes]) via the file's long-lived handle.

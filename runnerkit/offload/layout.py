@@ -1,7 +1,8 @@
 """Streamed units and their byte layouts; fp8 (e4m3) storage of streamed weights.
 
-A *unit* is what one forward hook streams: all streamed parameters of `blocks[i]` (mode
-"block") or of one phase `blocks[i].self_attn` / `.cross_attn` / `.ffn` (mode "phase").
+A *unit* is what one forward hook streams: all streamed parameters of block i (mode "block")
+or of one phase submodule of block i (mode "phase"). The model family names its block list and
+its phases in a `StreamSpec` (its transformer class's `STREAM_SPEC`); nothing here assumes a family.
 Its *layout* says where each tensor lives in the unit's contiguous bytes:
 
     raw region (copied H2D, identical in the host slab and the device slot):
@@ -33,7 +34,23 @@ StreamMode = Literal["block", "phase"]
 WeightDtype = Literal["same", "fp8_e4m3"]
 FP8_E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn value; the per-tensor scale is absmax / FP8_E4M3_MAX."""
-WAN_PHASES: tuple[str, ...] = ("self_attn", "cross_attn", "ffn")
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """How a model family's transformer streams: declared by the family, next to its module.
+
+    Attributes:
+        blocks_attr: attribute of the model holding the blocks, an `nn.ModuleList`.
+        phases: phase submodule names of each block, in the order `block.forward` calls them
+            (mode "phase"); each phase must bracket every use of its weights.
+        keep_fp32: full parameter name -> True when the reference keeps it float32; inside
+            blocks such tensors stay resident on the device (small tables, norms).
+    """
+
+    blocks_attr: str
+    phases: tuple[str, ...]
+    keep_fp32: Callable[[str], bool]
 
 
 @dataclass(frozen=True)
@@ -49,42 +66,42 @@ class StreamUnit:
     params: tuple[str, ...]
 
 
-def plan_units(model: nn.Module, mode: StreamMode, blocks_attr: str = "blocks",
-               phases: Sequence[str] = WAN_PHASES,
-               resident: Callable[[str], bool] = lambda name: False) -> list[StreamUnit]:
+def plan_units(model: nn.Module, mode: StreamMode, spec: StreamSpec) -> list[StreamUnit]:
     """The streamed units of `model`, in execution order.
 
     Args:
-        model: network with `blocks_attr` an `nn.ModuleList` (may be on the meta device).
-        mode: "block": one unit per block, every parameter of the block except `resident`
-            ones; "phase": one unit per phase submodule of each block, in `phases` order.
-        blocks_attr: attribute name of the block list.
-        phases: phase submodule names, in the order block.forward calls them.
-        resident: full parameter name -> True when it stays on the device (small float32
-            tensors such as `modulation`, `norm3`, and every keep-float32 layer).
+        model: network whose `spec.blocks_attr` is an `nn.ModuleList` (may be on the meta device).
+        mode: "block": one unit per block, every parameter of the block except `spec.keep_fp32`
+            ones; "phase": one unit per phase submodule of each block, in `spec.phases` order.
+        spec: the family's block list, phases and float32 layers.
 
     Raises:
-        ValueError: unknown `mode`, missing block list or phase submodule.
+        ValueError: unknown `mode`, missing block list, no phases (mode "phase") or a missing
+            phase submodule.
     """
     if mode not in ("block", "phase"):
         raise ValueError(f"`mode` must be 'block' or 'phase', got {mode!r}")
-    blocks = getattr(model, blocks_attr, None)
+    blocks = getattr(model, spec.blocks_attr, None)
     if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"`blocks_attr`={blocks_attr!r}: model {type(model).__name__} has no nn.ModuleList there")
+        raise ValueError(f"`blocks_attr`={spec.blocks_attr!r}: model {type(model).__name__} has no nn.ModuleList there")
+    if mode == "phase" and not spec.phases:
+        raise ValueError(f"mode 'phase' needs phases; the stream spec of {type(model).__name__} declares none")
     units: list[StreamUnit] = []
     for i, block in enumerate(blocks):
-        prefix = f"{blocks_attr}.{i}"
+        prefix = f"{spec.blocks_attr}.{i}"
         if mode == "block":
             targets = [(prefix, block)]
         else:
             targets = []
-            for phase in phases:
+            for phase in spec.phases:
                 sub = getattr(block, phase, None)
                 if not isinstance(sub, nn.Module):
-                    raise ValueError(f"`phases`: block {prefix} has no submodule {phase!r} (phases={list(phases)})")
+                    raise ValueError(f"`phases`: block {prefix} has no submodule {phase!r} "
+                                     f"(phases={list(spec.phases)})")
                 targets.append((f"{prefix}.{phase}", sub))
         for name, module in targets:
-            params = tuple(f"{name}.{n}" for n, _ in module.named_parameters() if not resident(f"{name}.{n}"))
+            params = tuple(f"{name}.{n}" for n, _ in module.named_parameters()
+                           if not spec.keep_fp32(f"{name}.{n}"))
             if params:
                 units.append(StreamUnit(name, params))
     return units

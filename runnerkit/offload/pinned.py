@@ -133,10 +133,10 @@ class HostSlab:
         self.nbytes = int(nbytes)
         self.label = label
         self._finalizer: weakref.finalize | None = None
-        want_pinned = pin_memory and not pinning_disabled_by_env() and torch.cuda.is_available() and nbytes > 0
+        try_pinning = pin_memory and not pinning_disabled_by_env() and torch.cuda.is_available() and nbytes > 0
         self.kind: SlabKind = "pageable"
         buffer = None
-        if want_pinned:
+        if try_pinning:
             buffer = self._try_register(self.nbytes)
             if buffer is not None:
                 self.kind = "registered"
@@ -148,7 +148,7 @@ class HostSlab:
         if buffer is None:
             buffer = torch.empty(self.nbytes, dtype=torch.uint8)
         self.buffer: torch.Tensor | None = buffer
-        reason = "" if want_pinned or self.kind != "pageable" else (
+        reason = "" if try_pinning or self.kind != "pageable" else (
             " (pinning off: " + ("env " + DISABLE_PINNED_ENV if pinning_disabled_by_env()
                                  else "no CUDA" if not torch.cuda.is_available() else "pin_memory=False") + ")")
         logger.debug(f"host slab {label}: {self.nbytes / 2**30:.3f} GiB, {self.kind}{reason}")

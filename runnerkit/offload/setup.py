@@ -1,15 +1,15 @@
 """Turn a meta-device network into a block/phase-streamed one (ARCHITECTURE §4).
 
-    streamer = stream_module(model, mode, storage, ...)   # resident tensors on the device,
-                                                          # streamed ones in host slabs or on disk
-    model(...)                                            # hooks stream blocks through gpu_slots
-    streamer.reset()                                      # at every request boundary
-    streamer.close()                                      # lazy load: before dropping the model
+    streamer = stream_module(model, Family.STREAM_SPEC, cfg, ...)  # resident tensors on the device,
+                                                                   # streamed ones in host slabs or on disk
+    model(...)                                                     # hooks stream blocks through gpu_slots
+    streamer.reset()                                               # at every request boundary
+    streamer.close()                                               # lazy load: before dropping the model
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -18,7 +18,7 @@ from torch import nn
 
 from runnerkit.config import OffloadConfig
 from runnerkit.offload.disk import SafetensorsDiskReader
-from runnerkit.offload.layout import plan_units, resident_names
+from runnerkit.offload.layout import StreamSpec, plan_units, resident_names
 from runnerkit.offload.pinned import pinning_disabled_by_env
 from runnerkit.offload.sources import DiskSource, HostSource
 from runnerkit.offload.streamer import BlockStreamer
@@ -30,16 +30,17 @@ def pin_memory_enabled(cfg: OffloadConfig) -> bool:
     return cfg.pin_memory and not pinning_disabled_by_env()
 
 
-def stream_module(model: nn.Module, cfg: OffloadConfig, device: torch.device, dtype: torch.dtype,
-                  keep_fp32: Callable[[str], bool], component: str,
-                  state_dict: Mapping[str, torch.Tensor] | None = None,
+def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device: torch.device,
+                  dtype: torch.dtype, component: str, state_dict: Mapping[str, torch.Tensor] | None = None,
                   files: list[Path] | None = None, key_map: Mapping[str, str] | None = None) -> BlockStreamer:
     """Load the resident part of meta-built `model` onto `device` and stream its blocks.
 
     Args:
-        model: network on the meta device with an `nn.ModuleList` named `blocks`.
+        model: network on the meta device.
+        spec: the family's stream spec (block list, phases, float32 layers), e.g. the
+            `STREAM_SPEC` of the transformer class; `spec.keep_fp32` names are loaded in
+            float32 and, inside blocks, stay resident (small tables, norms).
         cfg: offload config (`mode` block/phase, `storage`, slots, prefetch, reader, weight_dtype).
-        keep_fp32: names kept in float32; inside blocks they stay resident (small tables, norms).
         state_dict: all tensors in model names (storage "cpu").
         files, key_map: the checkpoint's safetensors files and model name -> file name (storage "disk").
 
@@ -49,7 +50,7 @@ def stream_module(model: nn.Module, cfg: OffloadConfig, device: torch.device, dt
     """
     assert cfg.mode in ("block", "phase"), f"stream_module needs mode block/phase, got {cfg.mode}"
     pin = pin_memory_enabled(cfg)
-    units = plan_units(model, cfg.mode, resident=keep_fp32)
+    units = plan_units(model, cfg.mode, spec)
     resident = resident_names(model, units)
     expected = set(model.state_dict(keep_vars=True))
     if cfg.storage == "cpu":
@@ -71,7 +72,7 @@ def stream_module(model: nn.Module, cfg: OffloadConfig, device: torch.device, dt
                               f"({len(missing)}): {short_list(missing)}; unexpected keys ({len(unexpected)}): {short_list(unexpected)}")
     # to_compute: resident CPU weights 64-byte aligned whatever their file offsets (streamed ones are
     # too: slabs and slots place them at ALIGNMENT offsets of allocator- or page-aligned buffers)
-    cast = {n: to_compute(t, torch.float32 if keep_fp32(n) else dtype, device) for n, t in resident_tensors.items()}
+    cast = {n: to_compute(t, torch.float32 if spec.keep_fp32(n) else dtype, device) for n, t in resident_tensors.items()}
     model.load_state_dict(cast, strict=False, assign=True)
     init = getattr(model, "init_non_persistent_buffers", None)
     if init is not None:

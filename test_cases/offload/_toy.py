@@ -7,7 +7,7 @@ a resident float32 `modulation` Parameter and a resident `norm3` LayerNorm, like
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -19,6 +19,7 @@ from runnerkit.offload import (
     DiskSource,
     HostSource,
     SafetensorsDiskReader,
+    StreamSpec,
     plan_units,
     resident_names,
 )
@@ -69,6 +70,9 @@ class Block(nn.Module):
 
 
 class ToyModel(nn.Module):
+    STREAM_SPEC: ClassVar[StreamSpec] = StreamSpec(blocks_attr="blocks", phases=("self_attn", "cross_attn", "ffn"),
+                                                   keep_fp32=is_resident)
+
     def __init__(self, num_blocks: int = NUM_BLOCKS) -> None:
         super().__init__()
         self.embed = nn.Linear(IN, DIM)
@@ -112,7 +116,7 @@ def build_streamed(sd: dict[str, torch.Tensor], mode: Literal["block", "phase"],
                    pin_memory: bool = False) -> tuple[ToyModel, BlockStreamer]:
     """Meta skeleton + resident tensors loaded + streamer over `storage` ("host", "mmap", "pread")."""
     model = build_on_meta(lambda: ToyModel(num_blocks))
-    units = plan_units(model, mode, resident=is_resident)
+    units = plan_units(model, mode, ToyModel.STREAM_SPEC)
     resident = resident_names(model, units)
     if storage == "host":
         resident_sd = {k: sd[k] for k in resident}

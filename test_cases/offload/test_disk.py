@@ -11,9 +11,10 @@ import pytest
 import torch
 from pytest_mock import MockerFixture
 
-from runnerkit.offload import SafetensorsDiskReader
+from runnerkit.offload import DiskSource, SafetensorsDiskReader
 from runnerkit.offload.disk import _Handle
 from runnerkit.weights import CheckpointError
+from test_cases.offload._handles import HandleSampler, mapped_bytes, open_fds
 from test_cases.offload._toy import build_streamed, make_reference, state_dict_of, write_checkpoint
 
 
@@ -61,6 +62,7 @@ def _max_open(log: list[tuple[str, str]]) -> dict[str, int]:
 @pytest.mark.parametrize("mode", ["block", "phase"])
 def test_one_handle_per_file_and_lazy_long_lived(sd: dict[str, torch.Tensor], files: list[Path],
                                                  handle_log: list[tuple[str, str]], reader: str, mode: str) -> None:
+    """When the reader opens and closes (its own log); the OS-side count is `test_os_sees_one_handle_per_shard`."""
     reader_obj = SafetensorsDiskReader(files, reader=reader)
     blocks1 = {reader_obj.index[k].path.name for k in sd if k.startswith("blocks.1.")}
     assert len(blocks1) == 2, "block 1 must be split over the two shards"
@@ -88,6 +90,61 @@ def test_one_handle_per_file_and_lazy_long_lived(sd: dict[str, torch.Tensor], fi
     streamer.close()
     assert reader_obj.open_handles() == {}
     assert max(_max_open(handle_log).values()) == 1
+
+
+@pytest.mark.parametrize("mode,reader,read_ahead", [("phase", "mmap", True), ("phase", "mmap", False),
+                                                     ("phase", "pread", True), ("phase", "pread", False),
+                                                     ("block", "mmap", True)])
+def test_os_sees_one_handle_per_shard(sd: dict[str, torch.Tensor], files: list[Path], monkeypatch: pytest.MonkeyPatch,
+                                      reader: str, mode: str, read_ahead: bool) -> None:
+    """At every tensor read (main and read-ahead thread), every unit fetch, all along (a polling
+    thread) and at the end, `/proc/self/fd` shows at most one descriptor per shard and
+    `/proc/self/maps` at most one mapping of it; both shards of the split block were opened."""
+    sampler = HandleSampler(files)
+    real_read, real_fetch = SafetensorsDiskReader._read, DiskSource.fetch
+
+    def sampled_read(self: SafetensorsDiskReader, handle: _Handle, entry: object, dst: torch.Tensor) -> None:
+        sampler.sample(f"before reading {entry.name}")
+        real_read(self, handle, entry, dst)
+        sampler.sample(f"after reading {entry.name}")
+
+    def sampled_fetch(self: DiskSource, unit: int, slot: int, engine: object) -> torch.Tensor:
+        out = real_fetch(self, unit, slot, engine)
+        sampler.sample(f"fetch of unit {unit}")
+        return out
+
+    monkeypatch.setattr(SafetensorsDiskReader, "_read", sampled_read)
+    monkeypatch.setattr(DiskSource, "fetch", sampled_fetch)
+    sampler.start_polling()
+    try:
+        model, streamer = build_streamed(sd, mode, reader, 2, 1, files=files)
+        streamer.source.read_ahead = read_ahead
+        x = torch.randn(1, 3, 8)
+        with torch.no_grad():
+            for _ in range(2):  # the second step reuses the long-lived handles
+                model(x)
+        streamer.reset()
+        end = sampler.sample("end of streaming")
+        streamer.close()
+    finally:
+        sampler.stop_polling()
+    closed = sampler.sample("after close")
+    assert sampler.violations() == []
+    assert sampler.ever_open() == {f.name for f in files}, "block 1 is split: both shards must have been read"
+    # the long-lived handles as the OS sees them: pread keeps one descriptor per shard, mmap one mapping, no descriptor
+    if reader == "pread":
+        assert end.fds == {f.name: 1 for f in files} and end.mapped == {f.name: 0 for f in files}
+    else:
+        assert end.fds == {f.name: 0 for f in files} and all(end.mapped[f.name] > 0 for f in files)
+    assert closed.fds == {f.name: 0 for f in files} and closed.mapped == {f.name: 0 for f in files}
+    threads = {s.thread for s in sampler.samples if s.where.startswith("before reading")}
+    if read_ahead:
+        assert any(t.startswith("runnerkit-disk-read") for t in threads), threads  # the read-ahead thread was sampled
+    else:
+        assert threads == {"MainThread"}
+    units = len(streamer.units)
+    fetched = [int(s.where.rsplit(" ", 1)[1]) for s in sampler.samples if s.where.startswith("fetch")]
+    assert fetched == list(range(units)) * 2 + [0]  # two steps, then the wrap prefetch of the next step
 
 
 def test_second_handle_on_a_file_is_refused(files: list[Path]) -> None:
@@ -122,7 +179,10 @@ def test_mmap_tensors_are_cloned_out_of_the_mapping(sd: dict[str, torch.Tensor],
     dst = torch.empty(reader.index["blocks.0.ffn.fc2.weight"].nbytes, dtype=torch.uint8)
     reader.read_into("blocks.0.ffn.fc2.weight", dst)
     loaded = reader.load_tensors(["blocks.2.self_attn.q.weight"])
-    reader.close()  # unmapping would raise BufferError if anything still aliased the mapping
+    paths = {os.path.realpath(f): f.name for f in files}
+    assert mapped_bytes(paths)[files[0].name] > 0 and open_fds(paths) == {f.name: 0 for f in files}
+    reader.close()
+    assert mapped_bytes(paths) == {f.name: 0 for f in files}  # a tensor aliasing the mapping would keep it mapped
     assert torch.equal(dst.view(torch.float32).view(16, 32), sd["blocks.0.ffn.fc2.weight"])
     assert torch.equal(loaded["blocks.2.self_attn.q.weight"], sd["blocks.2.self_attn.q.weight"])
 

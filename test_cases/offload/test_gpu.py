@@ -1,7 +1,9 @@
-"""Offload engine on CUDA: registered slabs, copy-stream parity, no host sync in hooks, model offload."""
+"""Offload engine on CUDA: registered slabs, copy-stream parity, no host sync in hooks, waits that matter
+(a missing one changes the output), model offload."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from runnerkit.offload import (
     HostSlab,
     HostSource,
     ModelOffloader,
+    StreamSpec,
     SyncCopyEngine,
     plan_units,
     resident_names,
@@ -117,6 +120,9 @@ class _BigBlock(nn.Module):
 
 
 class _Big(nn.Module):
+    STREAM_SPEC = StreamSpec(blocks_attr="blocks", phases=("self_attn", "cross_attn", "ffn"),
+                             keep_fp32=lambda name: False)
+
     def __init__(self, d: int = 4096, n: int = 8) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(_BigBlock(d) for _ in range(n))
@@ -133,7 +139,7 @@ def test_h2d_bandwidth_is_reported(pin: bool, capsys: pytest.CaptureFixture[str]
     ref = _Big().to(torch.bfloat16)
     sd = state_dict_of(ref)
     model = build_on_meta(_Big).to(torch.bfloat16)
-    units = plan_units(model, "phase")
+    units = plan_units(model, "phase", _Big.STREAM_SPEC)
     assert resident_names(model, units) == []
     streamer = BlockStreamer(model, units, HostSource(units, sd, torch.bfloat16, pin_memory=pin), "cuda", 2, 1)
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
@@ -174,4 +180,100 @@ def test_torch_compile_graph_breaks_at_unit_hooks() -> None:
         for _ in range(2):  # the second call reuses the graphs and wraps the prefetch
             torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-5)
     assert streamer.state()["issued"] == [0]
+    streamer.close()
+
+
+class _Phase(nn.Module):
+    """One Linear applied `repeats` times (tanh keeps activations bounded): compute grows with repeats
+    and tokens, the streamed bytes with `d` only."""
+
+    def __init__(self, d: int, repeats: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.repeats = repeats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.repeats):
+            x = torch.tanh(self.lin(x))  # [1, L, d]
+        return x
+
+
+class _ChainBlock(nn.Module):
+    def __init__(self, d: int, repeats: int) -> None:
+        super().__init__()
+        self.self_attn, self.cross_attn, self.ffn = (_Phase(d, repeats) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn(self.cross_attn(self.self_attn(x)))
+
+
+class _Chain(nn.Module):
+    STREAM_SPEC = StreamSpec(blocks_attr="blocks", phases=("self_attn", "cross_attn", "ffn"), keep_fp32=lambda n: False)
+
+    def __init__(self, d: int, repeats: int, num_blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ChainBlock(d, repeats) for _ in range(num_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+# (d, repeats, tokens). copy-bound: a 64 MiB float32 weight per phase unit (~1-3 ms of pinned H2D) against a
+# 4-token matmul (microseconds). compute-bound: a 4 MiB weight (~0.1 ms) against 16 matmuls of 16384 tokens
+# (~10 ms in float32). The host issues a unit in well under a millisecond, so in both cases the GPU's copy and
+# compute streams run far apart, and a missing wait lets a unit compute with another unit's bytes.
+_SIZING = {"copy_bound": (4096, 1, 4), "compute_bound": (1024, 16, 16384)}
+
+
+def _gpu_seconds(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+@pytest.mark.parametrize("bound,broken", [("copy_bound", "wait_copy"), ("compute_bound", "mark_compute_done")])
+def test_stream_waits_are_needed_and_kept(monkeypatch: pytest.MonkeyPatch, bound: str, broken: str) -> None:
+    """Streamed == resident bit for bit; then without one of CudaCopyEngine's waits the output differs.
+
+    copy_bound + `wait_copy` a no-op: compute no longer waits for its unit's copy (it reads the bytes
+    of the slot's previous unit). compute_bound + `mark_compute_done` a no-op: no compute-done event,
+    so a copy into a slot no longer waits for the compute of the slot's previous unit (it overwrites
+    weights still to be read). The measured copy/compute times check the sizing each case relies on.
+    GPU memory: < 1.5 GiB (copy_bound: 768 MiB resident reference, 2 x 64 MiB slots).
+    """
+    d, repeats, tokens = _SIZING[bound]
+    torch.manual_seed(0)
+    reference = _Chain(d, repeats)
+    sd = state_dict_of(reference)
+    reference = reference.to("cuda")
+    model = build_on_meta(lambda: _Chain(d, repeats))
+    units = plan_units(model, "phase", _Chain.STREAM_SPEC)
+    streamer = BlockStreamer(model, units, HostSource(units, sd, torch.float32, pin_memory=True), "cuda", 2, 1)
+    assert isinstance(streamer.engine, CudaCopyEngine) and streamer.source.pinned
+    x = torch.randn(1, tokens, d, device="cuda")
+    with torch.no_grad():
+        want = reference(x)
+        compute_s = _gpu_seconds(lambda: reference(x)) / len(units)
+        outs = [model(x) for _ in range(3)]  # cold start, then two steps with the wrap prefetch
+        streamer.reset()
+        stats = streamer.stats()
+        copy_s = stats["h2d_seconds"] / stats["h2d_copies"]
+        for out in outs:
+            assert torch.equal(out, want)
+        ratio = copy_s / compute_s if bound == "copy_bound" else compute_s / copy_s
+        assert ratio > 4, f"{bound} sizing does not hold: per unit copy {copy_s * 1e3:.3f} ms, compute " \
+                          f"{compute_s * 1e3:.3f} ms; a missing wait might go unnoticed"
+
+        monkeypatch.setattr(CudaCopyEngine, broken, lambda self, slot: None)
+        broken_outs = [model(x) for _ in range(2)]
+        torch.cuda.synchronize()
+        monkeypatch.undo()
+        assert all(not torch.equal(out, want) for out in broken_outs), \
+            f"with {broken} a no-op the output did not change: the test no longer detects a missing wait"
+    streamer.reset()
     streamer.close()

@@ -54,12 +54,12 @@ def test_streamed_weights_are_aligned_and_match_mode_none(weights: dict[str, tor
     model = _build()
     cfg = OffloadConfig(mode=mode, storage=storage, pin_memory=False)
     if storage == "cpu":
-        streamer = stream_module(model, cfg, torch.device("cpu"), torch.float32, keep_fp32, "transformer",
+        streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, cfg, torch.device("cpu"), torch.float32, "transformer",
                                  state_dict=weights)
     else:
         path = tmp_path / "model.safetensors"
         save_file({k: v.contiguous() for k, v in weights.items()}, str(path))
-        streamer = stream_module(model, cfg, torch.device("cpu"), torch.float32, keep_fp32, "transformer",
+        streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, cfg, torch.device("cpu"), torch.float32, "transformer",
                                  files=[path])
     try:
         # resident weights, and streamed ones (views into the device slots), at 64-byte addresses

@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import gc
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from runnerkit.offload import (
     BlockStreamer,
+    CudaCopyEngine,
     DiskSource,
     HostSource,
     SafetensorsDiskReader,
+    StreamSpec,
     dequantize_fp8_e4m3,
     plan_units,
     quantize_fp8_e4m3,
+    resident_names,
 )
 from runnerkit.weights import CheckpointError, build_on_meta
 from test_cases.offload._engines import DeferredEngine, RecordingEngine
+from test_cases.offload._fake_cuda import FakeCuda, check_slot_protocol
 from test_cases.offload._toy import (
     ToyModel,
     build_streamed,
@@ -68,7 +74,7 @@ def test_parity_bit_identical_two_steps(reference: ToyModel, inputs: tuple[torch
 
 
 def _unit_names(mode: str) -> list[str]:
-    return [u.module for u in plan_units(build_on_meta(ToyModel), mode, resident=is_resident)]
+    return [u.module for u in plan_units(build_on_meta(ToyModel), mode, ToyModel.STREAM_SPEC)]
 
 
 def _run_recorded(reference: ToyModel, inputs: tuple[torch.Tensor, torch.Tensor], mode: str, gpu_slots: int,
@@ -227,7 +233,7 @@ def test_rejected_combinations(reference: ToyModel, files: list[Path]) -> None:
     with pytest.raises(ValueError, match="`prefetch_depth`"):
         build_streamed(sd, "block", "host", gpu_slots=2, prefetch_depth=0)
     model = build_on_meta(ToyModel)
-    units = plan_units(model, "block", resident=is_resident)
+    units = plan_units(model, "block", ToyModel.STREAM_SPEC)
     reader = SafetensorsDiskReader(files, reader="pread")
     with pytest.raises(NotImplementedError, match="checkpoint dtypes must equal the compute dtype torch.bfloat16"):
         DiskSource(units, reader, torch.bfloat16)
@@ -241,17 +247,145 @@ def test_rejected_combinations(reference: ToyModel, files: list[Path]) -> None:
     with pytest.raises(CheckpointError, match=r"blocks.0.ffn.fc1.weight.*\[3, 3\] vs model \[32, 16\]"):
         BlockStreamer(model, units, source, "cpu")
     with pytest.raises(ValueError, match="`mode` must be 'block' or 'phase'"):
-        plan_units(model, "layer")  # type: ignore[arg-type]
+        plan_units(model, "layer", ToyModel.STREAM_SPEC)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no submodule 'attn2'"):
-        plan_units(model, "phase", phases=("self_attn", "attn2"))
+        plan_units(model, "phase", replace(ToyModel.STREAM_SPEC, phases=("self_attn", "attn2")))
+    with pytest.raises(ValueError, match="`blocks_attr`='layers'"):
+        plan_units(model, "block", replace(ToyModel.STREAM_SPEC, blocks_attr="layers"))
+    with pytest.raises(ValueError, match="mode 'phase' needs phases"):
+        plan_units(model, "phase", replace(ToyModel.STREAM_SPEC, phases=()))
 
 
 def test_plan_units_block_and_phase() -> None:
     model = build_on_meta(ToyModel)
-    block = plan_units(model, "block", resident=is_resident)
-    phase = plan_units(model, "phase", resident=is_resident)
+    block = plan_units(model, "block", ToyModel.STREAM_SPEC)
+    phase = plan_units(model, "phase", ToyModel.STREAM_SPEC)
     assert [u.module for u in block] == [f"blocks.{i}" for i in range(4)]
     assert [u.module for u in phase[:3]] == ["blocks.0.self_attn", "blocks.0.cross_attn", "blocks.0.ffn"]
     assert len(phase) == 12
     assert not any(is_resident(p) for u in block for p in u.params)
     assert sorted(p for u in phase[:3] for p in u.params) == sorted(block[0].params)
+
+
+class _Layer(nn.Module):
+    """A block of another family's shape: phases `attn` then `mlp`, a resident float32 `scale`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x) * self.scale
+        return x + self.mlp(x)
+
+
+class _OtherFamily(nn.Module):
+    STREAM_SPEC = StreamSpec(blocks_attr="layers", phases=("attn", "mlp"), keep_fp32=lambda n: n.endswith(".scale"))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["block", "phase"])
+def test_stream_spec_names_the_block_list_and_phases(mode: str) -> None:
+    torch.manual_seed(0)
+    reference = _OtherFamily().eval()
+    sd = state_dict_of(reference)
+    model = build_on_meta(_OtherFamily)
+    units = plan_units(model, mode, _OtherFamily.STREAM_SPEC)
+    if mode == "block":
+        assert [u.module for u in units] == ["layers.0", "layers.1", "layers.2"]
+    else:
+        assert [u.module for u in units] == [f"layers.{i}.{p}" for i in range(3) for p in ("attn", "mlp")]
+    assert resident_names(model, units) == ["layers.0.scale", "layers.1.scale", "layers.2.scale"]
+    model.load_state_dict({n: sd[n] for n in resident_names(model, units)}, strict=False, assign=True)
+    streamer = BlockStreamer(model, units, HostSource(units, sd, torch.float32, pin_memory=False), "cpu", 2, 1,
+                             copy_engine=DeferredEngine(2))
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), reference(x))
+    streamer.close()
+
+
+def _streamed_on_fake_cuda(reference: ToyModel, monkeypatch: pytest.MonkeyPatch, mode: str, gpu_slots: int,
+                           depth: int) -> tuple[ToyModel, BlockStreamer, FakeCuda]:
+    """The toy streamed from host slabs through the real CudaCopyEngine on fake streams (CPU buffers).
+    Copies are labelled "slot<s> <unit>", computes (a pre-hook after the streamer's) the same way."""
+    cuda = FakeCuda()
+    cuda.install(monkeypatch)
+    engine = CudaCopyEngine("cuda", gpu_slots)
+    cuda.name_engine_events(engine)
+    model, streamer = build_streamed(state_dict_of(reference), mode, "host", gpu_slots, depth, engine=engine)
+    slot_ptr = {t.data_ptr(): s for s, t in enumerate(streamer._slots)}
+    unit_ptr = {slab.buffer.data_ptr(): u.module for slab, u in zip(streamer.source.slabs, streamer.units)}
+    cuda.copy_label = lambda dst, src: f"slot{slot_ptr[dst.data_ptr()]} {unit_ptr[src.data_ptr()]}"
+    for j, unit in enumerate(streamer.units):
+        label = f"slot{j % streamer.num_slots} {unit.module}"
+        model.get_submodule(unit.module).register_forward_pre_hook(
+            lambda m, a, label=label: cuda.launch("compute", label) and None)
+    return model, streamer, cuda
+
+
+def test_real_cuda_engine_event_order_over_two_steps(reference: ToyModel, inputs: tuple[torch.Tensor, torch.Tensor],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block mode, 4 blocks over 2 slots, prefetch depth 1: the exact stream/event calls of two steps,
+    the last block of step 1 prefetching block 0 of step 2 (wrap)."""
+    model, streamer, cuda = _streamed_on_fake_cuda(reference, monkeypatch, "block", 2, 1)
+    with torch.no_grad():
+        for x in inputs:
+            assert torch.equal(model(x), reference(x))
+    expected: list[tuple[str, ...]] = []
+    compute_marked = [False, False]
+
+    def issue(j: int) -> None:
+        s = j % 2
+        if compute_marked[s]:
+            expected.append(("wait", "copy", f"compute_done[{s}]"))  # slot reuse waits for the last compute
+        expected.extend([("copy", "copy", f"slot{s} blocks.{j}"), ("record", "copy", f"copy_done[{s}]")])
+
+    issue(0)  # the first block of the request is issued in its own pre-hook
+    for step in range(2):
+        for j in range(4):
+            s = j % 2
+            expected.append(("wait", "compute", f"copy_done[{s}]"))
+            issue((j + 1) % 4)  # prefetch; from block 3 it wraps to block 0 of the next step
+            expected.extend([("compute", "compute", f"slot{s} blocks.{j}"),
+                             ("record", "compute", f"compute_done[{s}]")])
+            compute_marked[s] = True
+    assert cuda.protocol() == expected
+    assert check_slot_protocol(cuda.ops, lambda label: label.split()[0], lambda label: label.split()[1]) == 8
+    streamer.close()
+
+
+@pytest.mark.parametrize("mode", ["block", "phase"])
+@pytest.mark.parametrize("gpu_slots,depth", [(2, 1), (3, 1), (3, 2), (4, 3)])
+def test_real_cuda_engine_orders_every_copy_and_compute(reference: ToyModel,
+                                                        inputs: tuple[torch.Tensor, torch.Tensor],
+                                                        monkeypatch: pytest.MonkeyPatch, mode: str, gpu_slots: int,
+                                                        depth: int) -> None:
+    """Over two steps and a request boundary, for every unit: its copy happens before its compute,
+    and its compute before the next copy into its slot (as the GPU would be forced to run them)."""
+    model, streamer, cuda = _streamed_on_fake_cuda(reference, monkeypatch, mode, gpu_slots, depth)
+    with torch.no_grad():
+        for x in inputs:
+            assert torch.equal(model(x), reference(x))
+        streamer.reset()
+        model(inputs[0])
+    units = len(streamer.units)
+    assert check_slot_protocol(cuda.ops, lambda label: label.split()[0], lambda label: label.split()[1]) == 3 * units
+    first_of_step2 = [i for i, op in enumerate(cuda.ops) if op.kind == "compute"][units]
+    wrapped = [op.label.split()[1] for op in cuda.ops[:first_of_step2] if op.kind == "copy"][units:]
+    if units > streamer.num_slots:
+        assert wrapped[:1] == [streamer.units[0].module], "the prefetch did not wrap to the first unit of step 2"
+    else:
+        assert wrapped == []  # every unit owns a slot: copied once per request
+    streamer.close()

@@ -236,11 +236,11 @@ class WanT2VRunner(DefaultRunner):
         model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
         off = self.config.offload
         if off.storage == "cpu":
-            streamer = stream_module(model, off, self.device, self.dtype, keep_fp32, "transformer",
+            streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, off, self.device, self.dtype, "transformer",
                                      state_dict=ckpt.transformer_state_dict())
         else:
             names = list(model.state_dict(keep_vars=True))
-            streamer = stream_module(model, off, self.device, self.dtype, keep_fp32, "transformer",
+            streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, off, self.device, self.dtype, "transformer",
                                      files=ckpt.transformer_files(), key_map=ckpt.transformer_key_map(names))
         return model.eval().requires_grad_(False), streamer
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runnerkit.models.wan.arch import WanTransformerArch
+from runnerkit.offload.layout import StreamSpec
 
 ROPE_THETA = 10000.0
 ROPE_MAX_POSITIONS = 1024  # positions per axis (frames, height, width), as in Wan
@@ -219,6 +221,10 @@ class WanTransformer3D(nn.Module):
         ValueError: `arch.dim` not divisible by `arch.num_heads`, odd head or frequency size.
         NotImplementedError: `arch.model_type` other than "t2v" (image conditioning is not built yet).
     """
+
+    STREAM_SPEC: ClassVar[StreamSpec] = StreamSpec(blocks_attr="blocks", phases=("self_attn", "cross_attn", "ffn"),
+                                                   keep_fp32=keep_fp32)
+    """Block/phase offload: `blocks[i]` and its phases in call order (`norm3` and `modulation` stay resident)."""
 
     def __init__(self, arch: WanTransformerArch) -> None:
         super().__init__()
