@@ -1,11 +1,14 @@
-"""BlockStreamer on the CPU: bit-exact parity, hook/copy order, boundary state, close, rejections."""
+"""BlockStreamer on the CPU: bit-exact parity, hook/copy order (recording engine; the real CUDA engine on fake
+streams), boundary state, close, rejections, stream specs of other families."""
 
 from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -328,10 +331,15 @@ def _streamed_on_fake_cuda(reference: ToyModel, monkeypatch: pytest.MonkeyPatch,
     slot_ptr = {t.data_ptr(): s for s, t in enumerate(streamer._slots)}
     unit_ptr = {slab.buffer.data_ptr(): u.module for slab, u in zip(streamer.source.slabs, streamer.units)}
     cuda.copy_label = lambda dst, src: f"slot{slot_ptr[dst.data_ptr()]} {unit_ptr[src.data_ptr()]}"
+    def computes(label: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            cuda.launch("compute", label)  # after the streamer's pre-hook: the unit's kernels
+
+        return hook
+
     for j, unit in enumerate(streamer.units):
         label = f"slot{j % streamer.num_slots} {unit.module}"
-        model.get_submodule(unit.module).register_forward_pre_hook(
-            lambda m, a, label=label: cuda.launch("compute", label) and None)
+        model.get_submodule(unit.module).register_forward_pre_hook(computes(label))
     return model, streamer, cuda
 
 
