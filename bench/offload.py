@@ -144,6 +144,7 @@ def diffusers_worker(args: argparse.Namespace) -> dict[str, Any]:
     from runnerkit.models.wan.checkpoint import WanCheckpoint
     from runnerkit.models.wan.runner import WanT2VRunner
     from runnerkit.profiling import StepTimer
+    from runnerkit.schedulers import SCHEDULERS
 
     device, dtype = torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = load_runner_config(None, {"model_cls": "wan2.1", "model_path": args.ckpt, "device": args.device,
@@ -161,7 +162,7 @@ def diffusers_worker(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator("cpu").manual_seed(0)
     ctx = torch.randn(1, arch.text_len, arch.text_dim, generator=gen).to(device, dtype)  # [1, 512, 4096]
     ctx_null = torch.randn(1, arch.text_len, arch.text_dim, generator=gen).to(device, dtype)
-    scale = float(cfg.sample_guide_scale)
+    scale = float(runner.config.sample_guide_scale)  # the family's default, resolved by the runner
 
     def forward(latents: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         return model(hidden_states=latents, timestep=t, encoder_hidden_states=context, return_dict=False)[0]
@@ -169,7 +170,7 @@ def diffusers_worker(args: argparse.Namespace) -> dict[str, Any]:
     requests = []
     with torch.inference_mode():
         for _ in range(args.requests):
-            sched = runner.build_scheduler()
+            sched = SCHEDULERS[runner.config.scheduler](shift=runner.config.sample_shift)
             timer = StepTimer(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -212,8 +213,7 @@ def disk_worker(args: argparse.Namespace) -> dict[str, Any]:
     runner = WanT2VRunner(cfg)
     runner.checkpoint = WanCheckpoint.open(args.ckpt)
     arch, vae = runner.checkpoint.arch.transformer, runner.checkpoint.arch.vae
-    model = runner.build_transformer(device)
-    streamer = runner.streamer
+    model, streamer = runner.stream_transformer()
     reader = streamer.source.reader
     h, w, f = args.shape
     gen = torch.Generator("cpu").manual_seed(0)
