@@ -1,4 +1,8 @@
-"""Typed, validated configuration: the one place where runnerkit's defaults live.
+"""Typed, validated configuration: the one place where runnerkit's run defaults live.
+
+Settings whose defaults belong to a model family (resolution, frames, fps, steps, shift,
+guidance, scheduler: `FAMILY_DEFAULTED`) are None here and filled in from the family runner's
+`DEFAULTS` when the runner is built (`BaseRunner.resolve_config`).
 
 A run is described by `RunnerConfig` (JSON file + CLI overrides, validated once before any
 loading) and one `RequestConfig` per request (CLI flags or one line of a `--requests` .jsonl).

@@ -35,6 +35,7 @@ from torch import nn
 from runnerkit import memory
 from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.media import save_outputs as write_outputs
+from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.profiling import RequestProfile
 from runnerkit.runners.base import BaseRunner, lifecycle_phase
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, OutputKind, Pipeline, Shape
@@ -164,8 +165,6 @@ class DefaultRunner(BaseRunner):
         cfg, off = self.config, self.config.offload
         thresholds = dict(empty_cache_min_free_gib=cfg.memory.empty_cache_min_free_gib,
                           empty_cache_min_reclaimable_gib=cfg.memory.empty_cache_min_reclaimable_gib)
-        from runnerkit.offload.setup import pin_memory_enabled  # offload imports torch extensions lazily
-
         pin = pin_memory_enabled(off)
         cpu = torch.device("cpu")
         resident: dict[str, nn.Module] = {}
