@@ -100,11 +100,21 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     if config.task not in runner_cls.TASKS:
         raise ConfigError(f"`task` {config.task!r} is not served by model_cls {config.model_cls!r}; "
                           f"allowed: {list(runner_cls.TASKS)}")
+    try:  # the config's own default shape: a problem there is the config's, not a request's
+        resolved = runner_cls.resolve_config(config)
+        runner_cls.validate_shape(resolved.target_height, resolved.target_width, resolved.target_video_length)
+    except ValueError as exc:
+        raise ConfigError(f"config {args.config_json or '(CLI)'}: {exc} (the default shape of every request)") from None
+    inputs = {os.path.realpath(p): flag for p, flag in ((args.config_json, "--config_json"), (args.requests, "--requests"))
+              if p is not None}
     outputs: dict[str, str] = {}  # real path -> who writes it
 
     def claim(path: str, field: str, owner: str) -> None:
         check_writable(path, field)
         key = os.path.realpath(os.path.expanduser(path))
+        if key in inputs:
+            raise ConfigError(f"`{field}` {path!r} ({owner}) would overwrite the {inputs[key]} input file; "
+                              "choose another output path")
         if key in outputs:
             raise ConfigError(f"`{field}` {path!r} ({owner}) is also written by {outputs[key]}: every output file "
                               "(media, its .json sidecar, tensor, profile) needs its own path")

@@ -464,3 +464,23 @@ def test_bad_runnerkit_json_is_a_load_error(tiny_ckpt: Path, tmp_path: Path, cap
     cfg = write_config(tmp_path / "c.json", tiny_config_dict(broken))
     rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x", "--warmup")
     _assert_invalid(rc, err, "load failed: CheckpointError", "runnerkit.json")
+
+
+# ---- inputs are never overwritten; config problems blame the config --------------------------------
+def test_outputs_may_not_overwrite_the_config_or_requests_file(tiny_ckpt: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path / "job.json", tiny_config_dict(tiny_ckpt))
+    before = cfg.read_text()
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x", "--save_result_path", tmp_path / "job.mp4")
+    assert rc == 2 and "would overwrite the --config_json input file" in err, err
+    reqs = _write_requests(tmp_path / "reqs.jsonl", [{"prompt": "x", "save_tensor_path": str(tmp_path / "t.safetensors")}])
+    rc, err = _cli(capsys, "--config_json", cfg, "--requests", reqs, "--profile_json", reqs)
+    assert rc == 2 and "would overwrite the --requests input file" in err, err
+    assert cfg.read_text() == before and not (tmp_path / "job.mp4").exists()
+
+
+def test_bad_default_shape_in_config_names_the_config(tiny_ckpt: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, target_height=50))
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x")
+    assert rc == 2 and f"config {cfg}: `target_height` must be a multiple of 16 (got 50)" in err, err

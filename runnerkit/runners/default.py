@@ -492,7 +492,7 @@ class DefaultRunner(BaseRunner):
         return steps
 
     def warmup_step_report(self) -> dict[str, list[int]]:
-        """Per denoise stage, the steps warmup ran on each shape."""
+        """Per denoise stage, the steps warmup ran (the same steps on every shape)."""
         return dict(self._warmup_steps_run)
 
     def after_warmup(self) -> None:

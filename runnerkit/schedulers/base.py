@@ -77,7 +77,7 @@ class Scheduler(abc.ABC):
         Args:
             num_train_timesteps: timesteps of the training schedule (1000 for Wan2.1); the model's
                 timestep is `sigma * num_train_timesteps`.
-            shift: SD3 time shift of the sigmas (Wan2.1 uses 5.0 for 720p, 3.0 for 480p t2v).
+            shift: SD3 time shift of the sigmas (Wan2.1 uses 5.0 for t2v, 3.0 for 480p i2v).
 
         Raises:
             ValueError: `num_train_timesteps` < 1 or `shift` <= 0.

@@ -57,7 +57,7 @@ class FlowUniPCScheduler(Scheduler):
 
         Args:
             num_train_timesteps: timesteps of the training schedule (1000 for Wan2.1).
-            shift: SD3 time shift of the sigmas (Wan2.1: 5.0 for 720p, 3.0 for 480p t2v).
+            shift: SD3 time shift of the sigmas (Wan2.1: 5.0 for t2v, 3.0 for 480p i2v).
             solver_order: 2 (Wan2.1's choice) or 1 (predictor and corrector of first order).
 
         Raises:
