@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import subprocess
 import uuid
 import wave
 from collections.abc import Iterator, Sequence
@@ -45,14 +48,26 @@ def save_media(video: torch.Tensor, path: str | Path, fps: int) -> None:
     import imageio_ffmpeg  # brings its own ffmpeg binary; imported only when writing
 
     F, H, W, _ = frames.shape
-    writer = imageio_ffmpeg.write_frames(str(path), (W, H), fps=fps, codec="libx264", pix_fmt_out="yuv420p",
-                                         quality=8, macro_block_size=1, ffmpeg_log_level="error")
-    writer.send(None)  # start the encoder
-    try:
-        for frame in frames:
-            writer.send(frame.tobytes())
-    finally:
-        writer.close()
+    # ffmpeg run directly (not imageio_ffmpeg.write_frames) so that its exit status is checked: a
+    # full disk, a file-size limit or an unwritable target fails the write instead of leaving a
+    # truncated mp4. crf 10 = imageio's quality 8 for libx264.
+    cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", "-f", "rawvideo", "-vcodec", "rawvideo",
+           "-s", f"{W}x{H}", "-pix_fmt", "rgb24", "-r", str(fps), "-i", "-", "-an", "-vcodec", "libx264",
+           "-pix_fmt", "yuv420p", "-crf", "10", str(path)]
+    proc = subprocess.run(cmd, input=frames.tobytes(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if proc.returncode != 0:
+        if proc.returncode < 0:
+            reason = f"the encoder was killed by {signal.Signals(-proc.returncode).name}"
+            if -proc.returncode == signal.SIGXFSZ:
+                reason += " (file size limit exceeded)"
+        else:
+            last = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+            reason = f"the encoder exited with status {proc.returncode}: {last[0].replace(str(path), '<file>')[:200]}"
+        raise MediaWriteError(reason)
+
+
+class MediaWriteError(OSError):
+    """An output file could not be written (the message says why, without the encoder's raw output)."""
 
 
 def save_image(image: torch.Tensor, path: str | Path) -> None:
@@ -100,19 +115,40 @@ def save_outputs(outputs: dict[str, torch.Tensor], specs: Sequence["OutputSpec"]
     """
     with atomic_outputs() as out:
         if tensor_path:
-            save_tensors(outputs, out.temp(tensor_path))
+            with _naming_failures("save_tensor_path", tensor_path):
+                save_tensors(outputs, out.temp(tensor_path))
         if result_path:
             primary = specs[0]
-            tensor, tmp = outputs[primary.key], out.temp(result_path)
-            if primary.kind == "video":
-                save_media(tensor, tmp, fps=fps)
-            elif primary.kind == "image":
-                save_image(tensor, tmp)
-            else:
-                assert primary.sample_rate is not None, f"audio output {primary.key!r} needs a sample_rate"
-                save_audio(tensor, tmp, primary.sample_rate)
-            write_sidecar(out.temp(sidecar_path(result_path)), sidecar)
+            tensor = outputs[primary.key]
+            with _naming_failures("save_result_path", result_path):
+                tmp = out.temp(result_path)
+                if primary.kind == "video":
+                    save_media(tensor, tmp, fps=fps)
+                elif primary.kind == "image":
+                    save_image(tensor, tmp)
+                else:
+                    assert primary.sample_rate is not None, f"audio output {primary.key!r} needs a sample_rate"
+                    save_audio(tensor, tmp, primary.sample_rate)
+            with _naming_failures("sidecar .json of save_result_path", sidecar_path(result_path)):
+                write_sidecar(out.temp(sidecar_path(result_path)), sidecar)
     return [p for p in (tensor_path, result_path) if p]
+
+
+@contextmanager
+def _naming_failures(field: str, final: str | Path) -> Iterator[None]:
+    """Turn a failed write into MediaWriteError naming the final path (never the temporary one)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        if isinstance(exc, MediaWriteError):
+            reason = str(exc)
+        else:  # OSError: its strerror; safetensors' Rust I/O error: the OS message inside it
+            found = re.search(r'message: "([^"]+)"|I/O error: ([^(]+?) \(os error', str(exc))
+            reason = getattr(exc, "strerror", None) or (next(g for g in found.groups() if g) if found else type(exc).__name__)
+        raise MediaWriteError(f"could not write `{field}` {str(final)!r}: {reason}; nothing was saved for "
+                              "this request") from None
 
 
 def sidecar_path(media_path: str | Path) -> Path:

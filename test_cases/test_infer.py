@@ -167,7 +167,8 @@ def test_failed_request_mid_batch_is_reported_and_others_unaffected(
     reqs = _write_requests(tmp_path / "reqs.jsonl", lines)
     rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
     assert rc == 1, err
-    assert "request 1 (line 2 of" in err and "failed: OSError" in err
+    assert "request 1 (line 2 of" in err and "failed: MediaWriteError: could not write `save_tensor_path`" in err
+    assert "No space left on device" in err
     assert "request 0 (" not in err and "request 2 (" not in err
     assert "1 of 3 requests failed: [1]" in err
     assert "Traceback" not in err and not paths[1].exists()
@@ -484,3 +485,28 @@ def test_bad_default_shape_in_config_names_the_config(tiny_ckpt: Path, tmp_path:
     cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, target_height=50))
     rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x")
     assert rc == 2 and f"config {cfg}: `target_height` must be a multiple of 16 (got 50)" in err, err
+
+
+# ---- failed writes ------------------------------------------------------------------------------
+def test_failed_writes_fail_the_request_name_the_file_and_leave_nothing(config_path: Path, tmp_path: Path) -> None:
+    """Under a 16 KiB file-size limit the mp4 (~30 KiB) and the tensor file (~400 KiB) cannot be
+    written; a one-frame png (~3 KiB) can. The failed requests exit 1 naming their final paths."""
+    import resource
+    import subprocess
+    import sys
+
+    mp4, tensor, png = tmp_path / "v.mp4", tmp_path / "t.safetensors", tmp_path / "i.png"
+    reqs = _write_requests(tmp_path / "reqs.jsonl", [
+        {"prompt": "a", "save_result_path": str(mp4)},
+        {"prompt": "b", "save_tensor_path": str(tensor)},
+        {"prompt": "c", "target_height": 32, "target_width": 32, "target_video_length": 1, "save_result_path": str(png)}])
+    limit = 16 * 1024
+    proc = subprocess.run([sys.executable, "-m", "runnerkit.infer", "--config_json", str(config_path), "--requests",
+                           str(reqs)], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    err = proc.stderr
+    assert proc.returncode == 1, err
+    assert f"could not write `save_result_path` {str(mp4)!r}: the encoder was killed by SIGXFSZ" in err, err
+    assert f"could not write `save_tensor_path` {str(tensor)!r}: File too large" in err, err
+    assert "2 of 3 requests failed: [0, 1]" in err and "partial" not in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["i.json", "i.png", "reqs.jsonl"]  # no partial, no sidecar
