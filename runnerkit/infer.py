@@ -18,19 +18,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loguru import logger
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
 
-from runnerkit.config import ConfigError, RequestConfig, format_validation_error, load_requests, load_runner_config
-from runnerkit.media import sidecar_path
-from runnerkit.registry import get_runner_cls, load_families
-from runnerkit.runners.base import BaseRunner, error_phase
+from loguru import logger
+
+from runnerkit.interrupts import exit_status, install_sigterm_handler
+
+if TYPE_CHECKING:
+    from runnerkit.config import RequestConfig
+    from runnerkit.runners.base import BaseRunner
+
+# torch, pydantic and the families are imported inside `main` (after the signal handlers are in
+# place), so Ctrl-C or SIGTERM during start-up imports ends with one line, not a traceback.
 
 REQUEST_FLAGS = ("prompt", "negative_prompt", "image_path", "last_frame_path", "seed", "target_height",
                  "target_width", "target_video_length", "save_result_path", "save_tensor_path")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from runnerkit.registry import load_families
+
     p = argparse.ArgumentParser(
         prog="runnerkit", description="Run a runnerkit generation pipeline (load, optional warmup, requests).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -60,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_writable(path: str, field: str) -> None:
     """Raise ConfigError unless `path` can be created as a file (checked before any loading)."""
+    from runnerkit.config import ConfigError
+
     p = Path(path).expanduser().absolute()
     if p.is_dir():
         raise ConfigError(f"`{field}` {path!r} is a folder; give a file path")
@@ -78,6 +87,11 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     Raises:
         ConfigError: invalid config or request, conflicting flags, unwritable or repeated output paths.
     """
+    from pydantic import ValidationError
+
+    from runnerkit.config import ConfigError, RequestConfig, format_validation_error, load_requests, load_runner_config
+    from runnerkit.media import sidecar_path
+    from runnerkit.registry import get_runner_cls
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
                  "warmup": True if args.warmup else None}
     if args.config_json is None and args.model_cls is None:
@@ -149,6 +163,10 @@ def report_failure(what: str, exc: BaseException) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from runnerkit.config import ConfigError
+    from runnerkit.registry import get_runner_cls
+    from runnerkit.runners.base import error_phase
+
     try:
         config, requests = parse_inputs(args)
         runner: BaseRunner = get_runner_cls(config.model_cls)(config)
@@ -169,9 +187,11 @@ def run(args: argparse.Namespace) -> int:
             except Exception as exc:
                 failed.append(index)
                 report_failure(f"request {index} ({request.source}) failed", exc)
-    except KeyboardInterrupt:
-        logger.error("interrupted; {} of {} requests finished", sum(r.ok for r in runner.profiler.requests), len(requests))
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: nothing more runs; partial files are already removed
+        finished = sum(r.saved for r in runner.profiler.requests)
+        logger.error("interrupted ({}); {} of {} requests finished", "SIGTERM" if exit_status(exc) == 143 else "Ctrl-C",
+                     finished, len(requests))
+        return exit_status(exc)
     finally:
         if args.profile_json and runner.profiler.phases:  # written once init succeeded, also after a failure
             try:
@@ -189,8 +209,13 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}")
-    args = build_parser().parse_args(argv)
-    return run(args)
+    install_sigterm_handler()
+    try:
+        args = build_parser().parse_args(argv)
+        return run(args)
+    except KeyboardInterrupt as exc:  # during start-up imports or argument parsing
+        logger.error("interrupted before any request ran")
+        return exit_status(exc)
 
 
 if __name__ == "__main__":

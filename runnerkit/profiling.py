@@ -72,6 +72,8 @@ class RequestProfile:
     audit: dict[str, Any] = field(default_factory=dict)
     ok: bool = True
     error: str | None = None
+    saved: bool = False
+    """True once the request's outputs were written (an interrupt after that leaves them finished)."""
 
 
 class Profiler:
@@ -131,7 +133,8 @@ class Profiler:
             "phases": self.phases,
             "warmup": self.warmup,
             "requests": [{"index": r.index, "shape": r.shape, "seconds": r.seconds, "stages": r.stages,
-                          "steps": r.steps, "memory": r.memory, "audit": r.audit, "ok": r.ok, "error": r.error}
+                          "steps": r.steps, "memory": r.memory, "audit": r.audit, "ok": r.ok, "error": r.error,
+                          "saved": r.saved}
                          for r in self.requests],
         }
 

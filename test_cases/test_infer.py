@@ -510,3 +510,51 @@ def test_failed_writes_fail_the_request_name_the_file_and_leave_nothing(config_p
     assert f"could not write `save_tensor_path` {str(tensor)!r}: File too large" in err, err
     assert "2 of 3 requests failed: [0, 1]" in err and "partial" not in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["i.json", "i.png", "reqs.jsonl"]  # no partial, no sidecar
+
+
+# ---- signals ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("sig", "status", "name"), [(15, 143, "SIGTERM"), (2, 130, "Ctrl-C")])
+def test_signal_mid_batch_keeps_finished_outputs_and_removes_partial_ones(config_path: Path, tmp_path: Path,
+                                                                          sig: int, status: int, name: str) -> None:
+    """SIGTERM is handled like Ctrl-C: nothing more runs, finished outputs stay, no partial file."""
+    import subprocess
+    import sys
+
+    outs = [tmp_path / f"r{i}.safetensors" for i in range(3)]
+    reqs = _write_requests(tmp_path / "reqs.jsonl", [{**r, "save_tensor_path": str(p)} for r, p in zip(REQUESTS, outs)])
+    proc = subprocess.Popen([sys.executable, "-m", "runnerkit.infer", "--config_json", str(config_path), "--requests",
+                             str(reqs), "--profile_json", str(tmp_path / "profile.json")],
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    lines = []
+    for line in proc.stderr:  # signal right after request 0 is saved
+        lines.append(line)
+        if f"saved {outs[0]}" in line:
+            proc.send_signal(sig)
+            break
+    err = "".join(lines) + proc.stderr.read()
+    assert proc.wait(timeout=120) == status, err
+    finished = [p for p in outs if p.exists()]
+    assert f"interrupted ({name}); {len(finished)} of 3 requests finished" in err, err
+    assert outs[0] in finished and len(finished) < 3 and "Traceback" not in err
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+    assert json.loads((tmp_path / "profile.json").read_text())["requests"][0]["saved"] is True
+
+
+def test_interrupted_synthetic_write_leaves_no_partial_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runnerkit.interrupts import Terminated
+    from runnerkit.models.wan import checkpoint
+    from runnerkit.tools.synth_checkpoint import main as synth_main
+
+    calls = []
+
+    def interrupted(*a: Any, **k: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:  # the second component: something is already written
+            raise Terminated("SIGTERM")
+        real(*a, **k)
+
+    real = checkpoint._write_sharded
+    monkeypatch.setattr(checkpoint, "_write_sharded", interrupted)
+    assert synth_main(["--config", str(REPO / "configs/wan/wan_t2v_tiny.json"), "--out", str(tmp_path / "ck"),
+                       "--dtype", "fp32"]) == 143
+    assert list(tmp_path.iterdir()) == []

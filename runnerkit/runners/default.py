@@ -309,7 +309,10 @@ class DefaultRunner(BaseRunner):
         outputs = self.decode(latents)
         # 5. save
         with self.profiler.stage("save"):
-            self.save_outputs(outputs, info)
+            written = self.save_outputs(outputs, info)
+            prof.saved = True  # before logging: an interrupt from here on leaves the request finished
+        for path in written:
+            logger.info("saved {}", path)
 
     def run_encoders(self, info: InputInfo, per_shape: bool | None = None) -> Any:
         """Run the pipeline's encoder stages (only those with `per_shape` == `per_shape` unless None),
@@ -392,16 +395,15 @@ class DefaultRunner(BaseRunner):
                 outputs[dec.output] = out if isinstance(out, torch.Tensor) else torch.cat(list(out), dim=2)
         return outputs
 
-    def save_outputs(self, outputs: dict[str, torch.Tensor], info: InputInfo) -> None:
-        """Write the request's files through the media module, all-or-nothing (runnerkit/media.py)."""
+    def save_outputs(self, outputs: dict[str, torch.Tensor], info: InputInfo) -> list[str]:
+        """Write the request's files through the media module, all-or-nothing (runnerkit/media.py);
+        returns the paths written."""
         assert self.pipeline is not None, "load_modules first"
         sidecar = {"seed": info.seed, "prompt": info.prompt, "negative_prompt": info.negative_prompt,
                    "shape": list(info.shape), **self.sidecar_extra(info), "config": self.config.model_dump(mode="json")}
-        written = write_outputs({k: v[0].float().cpu() for k, v in outputs.items()}, self.pipeline.outputs,
-                                result_path=info.save_result_path, tensor_path=info.save_tensor_path,
-                                fps=self.config.fps, sidecar=sidecar)
-        for path in written:
-            logger.info("saved {}", path)
+        return write_outputs({k: v[0].float().cpu() for k, v in outputs.items()}, self.pipeline.outputs,
+                             result_path=info.save_result_path, tensor_path=info.save_tensor_path,
+                             fps=self.config.fps, sidecar=sidecar)
 
     def end_run(self) -> None:
         """Back to the start-up baseline, then a pressure-aware cache cleanup."""

@@ -21,12 +21,22 @@ from loguru import logger
 from pydantic import ValidationError
 
 from runnerkit.config import ConfigError, format_validation_error, load_runner_config
+from runnerkit.interrupts import exit_status, install_sigterm_handler
 from runnerkit.registry import get_runner_cls
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv: list[str] | None = None) -> int:
+    install_sigterm_handler()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as exc:  # the partial folder is already removed by the writer
+        logger.error("interrupted; no checkpoint was written")
+        return exit_status(exc)
+
+
+def _main(argv: list[str] | None) -> int:
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}")
     p = argparse.ArgumentParser(prog="runnerkit.tools.synth_checkpoint", description=__doc__.split("\n\n")[0])

@@ -250,56 +250,64 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
     # a private temporary folder per writer: concurrent first runs never write into each other's
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
-    (tmp / SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
-    shapes = _native_shapes(arch)
-    from runnerkit.models.wan.transformer import keep_fp32 as t_fp32
 
-    def ident(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return sd
+    def fill() -> None:
+        (tmp / SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
+        shapes = _native_shapes(arch)
+        from runnerkit.models.wan.transformer import keep_fp32 as t_fp32
 
-    def te_fp32(name: str) -> bool:
-        return te.keep_fp32(name)
+        def ident(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return sd
 
-    def vae_all(name: str) -> bool:
-        return True  # the VAE is kept (and run) in float32, as the reference does
+        def te_fp32(name: str) -> bool:
+            return te.keep_fp32(name)
 
-    def one(component: str, fp32: Any) -> dict[str, torch.Tensor]:
-        return {k: synthetic_tensor(k, s, seed, torch.float32 if fp32(k) else dtype, generator_device)
-                for k, s in shapes[component].items()}
+        def vae_all(name: str) -> bool:
+            return True  # the VAE is kept (and run) in float32, as the reference does
 
-    if layout == "runnerkit":
-        (tmp / "runnerkit.json").write_text(json.dumps(
-            {"format": "runnerkit", "version": 1, "family": "wan2.1", "synthetic_seed": seed,
-             "arch": arch.model_dump(mode="json")}, indent=1))
-        _write_sharded(shapes["transformer"], ident, tmp / "transformer", "model", seed, dtype, t_fp32, generator_device)
-        if transformer_only:
-            return _finish(tmp, out, seed, layout, replace)
-        _write_sharded(shapes["text_encoder"], ident, tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
-        _write_sharded(shapes["vae"], ident, tmp / "vae", "model", seed, torch.float32, vae_all, generator_device)
-        write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
-    elif layout == "original":
-        (tmp / "config.json").write_text(json.dumps(tk.arch_to_original_config(arch.transformer), indent=1))
-        _write_sharded(shapes["transformer"], ident, tmp, "diffusion_pytorch_model", seed, dtype, t_fp32, generator_device)
-        torch.save(one("text_encoder", te_fp32), tmp / ORIGINAL_T5)
-        torch.save(one("vae", vae_all), tmp / ORIGINAL_VAE)
-        write_debug_tokenizer(tmp / ORIGINAL_TOKENIZER, arch.text_encoder.vocab_size)
-    else:
-        (tmp / "model_index.json").write_text(json.dumps({
-            "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
-            "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
-            "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"]}, indent=1))
-        for sub, cfg in (("transformer", tk.arch_to_diffusers_config(arch.transformer)),
-                         ("text_encoder", te.arch_to_hf_config(arch.text_encoder)),
-                         ("vae", vae_mod.arch_to_diffusers_config(arch.vae))):
-            (tmp / sub).mkdir()
-            (tmp / sub / "config.json").write_text(json.dumps(cfg, indent=1))
-        _write_sharded(shapes["transformer"], tk.native_to_diffusers, tmp / "transformer", "diffusion_pytorch_model",
-                       seed, dtype, t_fp32, generator_device)
-        _write_sharded(shapes["text_encoder"], lambda sd: te.native_to_hf(sd, embed_tokens_alias=False),
-                       tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
-        _write_sharded(shapes["vae"], vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", seed,
-                       torch.float32, vae_all, generator_device)
-        write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
+        def one(component: str, fp32: Any) -> dict[str, torch.Tensor]:
+            return {k: synthetic_tensor(k, s, seed, torch.float32 if fp32(k) else dtype, generator_device)
+                    for k, s in shapes[component].items()}
+
+        if layout == "runnerkit":
+            (tmp / "runnerkit.json").write_text(json.dumps(
+                {"format": "runnerkit", "version": 1, "family": "wan2.1", "synthetic_seed": seed,
+                 "arch": arch.model_dump(mode="json")}, indent=1))
+            _write_sharded(shapes["transformer"], ident, tmp / "transformer", "model", seed, dtype, t_fp32, generator_device)
+            if transformer_only:
+                return
+            _write_sharded(shapes["text_encoder"], ident, tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
+            _write_sharded(shapes["vae"], ident, tmp / "vae", "model", seed, torch.float32, vae_all, generator_device)
+            write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
+        elif layout == "original":
+            (tmp / "config.json").write_text(json.dumps(tk.arch_to_original_config(arch.transformer), indent=1))
+            _write_sharded(shapes["transformer"], ident, tmp, "diffusion_pytorch_model", seed, dtype, t_fp32, generator_device)
+            torch.save(one("text_encoder", te_fp32), tmp / ORIGINAL_T5)
+            torch.save(one("vae", vae_all), tmp / ORIGINAL_VAE)
+            write_debug_tokenizer(tmp / ORIGINAL_TOKENIZER, arch.text_encoder.vocab_size)
+        else:
+            (tmp / "model_index.json").write_text(json.dumps({
+                "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+                "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
+                "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"]}, indent=1))
+            for sub, cfg in (("transformer", tk.arch_to_diffusers_config(arch.transformer)),
+                             ("text_encoder", te.arch_to_hf_config(arch.text_encoder)),
+                             ("vae", vae_mod.arch_to_diffusers_config(arch.vae))):
+                (tmp / sub).mkdir()
+                (tmp / sub / "config.json").write_text(json.dumps(cfg, indent=1))
+            _write_sharded(shapes["transformer"], tk.native_to_diffusers, tmp / "transformer", "diffusion_pytorch_model",
+                           seed, dtype, t_fp32, generator_device)
+            _write_sharded(shapes["text_encoder"], lambda sd: te.native_to_hf(sd, embed_tokens_alias=False),
+                           tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
+            _write_sharded(shapes["vae"], vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", seed,
+                           torch.float32, vae_all, generator_device)
+            write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
+
+    try:
+        fill()
+    except BaseException:  # failed or interrupted (Ctrl-C, SIGTERM): no .partial-* folder is left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return _finish(tmp, out, seed, layout, replace)
 
 

@@ -1,0 +1,30 @@
+"""SIGTERM handled like Ctrl-C: both stop the run through the same cleanup path.
+
+`docker stop`, Kubernetes and systemd send SIGTERM; Python's default would kill the process
+without running any `finally`, leaving temporary files behind. `install_sigterm_handler` makes
+SIGTERM raise `Terminated`, a `KeyboardInterrupt`, so every `finally`/cleanup that handles
+Ctrl-C also handles it; the launch script then exits 143 (128 + SIGTERM) instead of 130.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+
+class Terminated(KeyboardInterrupt):
+    """The process received SIGTERM."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated("SIGTERM")
+
+
+def install_sigterm_handler() -> None:
+    """Make SIGTERM raise `Terminated` in the main thread (call from the main thread)."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def exit_status(exc: KeyboardInterrupt) -> int:
+    """143 for SIGTERM, 130 for Ctrl-C (SIGINT), as shells report them."""
+    return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
