@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  runnerkit --config_json configs/<family>/<config>.json --prompt 'a corgi surfing' "
                "--save_result_path outputs/corgi.mp4 --warmup\n\n"
                "exit status: 0 all requests succeeded; 1 a request failed (the others still ran) or an "
-               "unexpected error; 2 invalid input (config, request, checkpoint, unsupported mode); 130 interrupted")
+               "unexpected error; 2 invalid input (config, request, checkpoint, unsupported mode); 130 Ctrl-C, 143 SIGTERM")
     p.add_argument("--model_cls", choices=sorted(load_families()), help="registered model family (or in --config_json)")
     p.add_argument("--task", help="task of the model family, e.g. t2v")
     p.add_argument("--model_path", help="checkpoint folder (runnerkit, the original release, or diffusers layout)")
