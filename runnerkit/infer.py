@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target_video_length", type=int, help="frames, as the family allows (e.g. 4n+1; 1 for images)")
     p.add_argument("--save_result_path", help=".mp4 video, .png image or .wav audio (+ sidecar .json)")
     p.add_argument("--save_tensor_path", help=".safetensors with every output, e.g. 'video' float32 [C, F, H, W] in [-1, 1]")
+    p.add_argument("--infer_steps", type=int, help="denoising steps (default: the config's, else the family's)")
+    p.add_argument("--device", help="'auto', 'cpu', 'cuda' or 'cuda:N' (default: the config's, else auto)")
+    p.add_argument("--log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="least severe log messages shown (default INFO)")
     p.add_argument("--warmup", action="store_true", help="run the one-time warmup before the first request")
     p.add_argument("--profile_json", help="write the profile report (warmup, per-request stages and steps) here")
     p.add_argument("--requests", help=".jsonl file, one request per line (excludes the single-request flags)")
@@ -93,7 +97,7 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     from runnerkit.media import sidecar_path
     from runnerkit.registry import get_runner_cls
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
-                 "warmup": True if args.warmup else None}
+                 "infer_steps": args.infer_steps, "device": args.device, "warmup": True if args.warmup else None}
     if args.config_json is None and args.model_cls is None:
         raise ConfigError("give --config_json FILE (or at least --model_cls and --model_path); see --help")
     config = load_runner_config(args.config_json, overrides)
@@ -212,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     install_sigterm_handler()
     try:
         args = build_parser().parse_args(argv)
+        if args.log_level != "INFO":
+            logger.remove()
+            logger.add(sys.stderr, level=args.log_level,
+                       format="<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}")
         return run(args)
     except KeyboardInterrupt as exc:  # during start-up imports or argument parsing
         logger.error("interrupted before any request ran")

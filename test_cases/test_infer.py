@@ -558,3 +558,15 @@ def test_interrupted_synthetic_write_leaves_no_partial_folder(tmp_path: Path, mo
     assert synth_main(["--config", str(REPO / "configs/wan/wan_t2v_tiny.json"), "--out", str(tmp_path / "ck"),
                        "--dtype", "fp32"]) == 143
     assert list(tmp_path.iterdir()) == []
+
+
+def test_infer_steps_device_and_log_level_flags(config_path: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "p.json"
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--infer_steps", "2", "--device", "cpu",
+                   "--log_level", "WARNING", "--profile_json", profile)
+    assert rc == 0, err
+    assert len(json.loads(profile.read_text())["requests"][0]["steps"]) == 2
+    assert "| INFO" not in err and "| WARNING" in err  # the synthetic-weights warning still shows
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--infer_steps", "0")
+    assert rc == 2 and "infer_steps" in err
