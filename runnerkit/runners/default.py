@@ -358,7 +358,7 @@ class DefaultRunner(BaseRunner):
         order = self.warmup_steps(stage, sched) if warmup else list(range(sched.infer_steps))
         if warmup:
             self._warmup_steps_run[stage.name] = order
-        label = f"{stage.name} warmup step" if warmup else f"{stage.name} step"
+        label = f"warmup {list(info.shape)}: {stage.name} step" if warmup else f"{stage.name} step"
         with ExitStack() as placed:
             current: str | None = None
             model: nn.Module | None = None
