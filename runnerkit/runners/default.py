@@ -250,13 +250,13 @@ class DefaultRunner(BaseRunner):
         w = request.target_width or config.target_width
         f = request.target_video_length or config.target_video_length
         cls.validate_shape(h, w, f)
-        wanted = cls.IMAGE_INPUTS.get(config.task, ())
+        task_inputs = cls.IMAGE_INPUTS.get(config.task, ())
         for field in ("image_path", "last_frame_path"):
             value = getattr(request, field)
-            if value is not None and field not in wanted:
+            if value is not None and field not in task_inputs:
                 raise ValueError(f"`{field}` is not used by task {config.task!r} (got {value!r}); "
-                                 f"image inputs of this task: {list(wanted) or 'none'}")
-            if field in wanted and (value is None or not Path(value).is_file()):
+                                 f"image inputs of this task: {list(task_inputs) or 'none'}")
+            if field in task_inputs and (value is None or not Path(value).is_file()):
                 raise ValueError(f"`{field}` must name an existing image file for task {config.task!r} (got {value!r})")
         if request.save_result_path:
             suffix = Path(request.save_result_path).suffix.lower()
