@@ -1,0 +1,121 @@
+"""SIGTERM and Ctrl-C (SIGINT) at every phase of a run: exit status, the report line, the files left.
+
+Each case runs the launch script in a real subprocess through `_signal_driver.py`, which makes the
+process signal itself at one phase (start-up imports, load, warmup, the denoising loop, the VAE
+decode, the tensor write, the media write, the synthetic-checkpoint write). A signal sent from
+inside a C/Rust call (the safetensors writer, ffmpeg's pipe) is handled when that call returns:
+the driver sends it right after the real call, exactly where Python then handles it.
+
+Expected everywhere: exit 143 (SIGTERM) / 130 (Ctrl-C), one "interrupted" line and no traceback,
+request 0's files complete, nothing of the interrupted request, no `.partial-*` file or folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+import pytest
+from safetensors.torch import load_file
+
+from test_cases.conftest import REPO, tiny_config_dict, write_config
+
+DRIVER = Path(__file__).with_name("_signal_driver.py")
+STATUS = {"SIGTERM": 143, "SIGINT": 130}
+REPORTED = {"SIGTERM": "SIGTERM", "SIGINT": "Ctrl-C"}
+
+
+CONFIG_OVERRIDES = {"infer_steps": 2}
+RUN_ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}  # runs go in parallel: no thread fights
+
+
+def _argv(phase: str, config: Path, folder: Path) -> list[str]:
+    if phase == "synthetic_write":
+        return ["--config", str(REPO / "configs/wan/wan_t2v_tiny.json"), "--out", str(folder / "ckpt"), "--dtype", "fp32"]
+    reqs = _requests(folder)
+    argv = ["--config_json", str(config), "--requests", str(reqs), "--profile_json", str(folder / "profile.json")]
+    return argv + (["--warmup"] if phase == "warmup" else [])
+
+
+# (phase, signal) cases; SIGINT and SIGTERM share one path (`Terminated` is a KeyboardInterrupt),
+# so Ctrl-C is checked at a few phases and SIGTERM at all of them.
+CASES = [(phase, "SIGTERM") for phase in ("imports", "load", "warmup", "denoise", "decode", "tensor_write",
+                                          "media_write", "synthetic_write")]
+CASES += [(phase, "SIGINT") for phase in ("imports", "denoise", "tensor_write", "synthetic_write")]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[Path, Any]]:
+    """Every case, run as subprocesses four at a time: (phase, signal) -> (its folder, CompletedProcess-like)."""
+    config = write_config(tmp_path_factory.mktemp("signals") / "config.json",
+                          tiny_config_dict(tiny_ckpt, **CONFIG_OVERRIDES))
+    results: dict[tuple[str, str], tuple[Path, Any]] = {}
+    pending = list(CASES)
+    running: list[tuple[tuple[str, str], Path, subprocess.Popen[str]]] = []
+    while pending or running:
+        while pending and len(running) < 4:
+            phase, sig = pending.pop(0)
+            folder = tmp_path_factory.mktemp(f"{phase}-{sig}")
+            proc = subprocess.Popen([sys.executable, str(DRIVER), phase, sig, *_argv(phase, config, folder)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=folder, env=RUN_ENV)
+            running.append(((phase, sig), folder, proc))
+        case, folder, proc = running.pop(0)
+        _, err = proc.communicate(timeout=300)
+        results[case] = (folder, subprocess.CompletedProcess(proc.args, proc.returncode, "", err))
+    return results
+
+
+def _partials(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if "partial" in p.name]
+
+
+def _requests(folder: Path) -> Path:
+    """Two requests, each writing an mp4 (+ sidecar) and a tensor file."""
+    lines = [{"prompt": f"p{i}", "seed": i, "save_result_path": str(folder / f"r{i}.mp4"),
+              "save_tensor_path": str(folder / f"r{i}.safetensors")} for i in range(2)]
+    path = folder / "reqs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+# phase -> requests finished before the signal (the driver fires in request 1 where a request runs)
+PHASES = {"imports": 0, "load": 0, "warmup": 0, "denoise": 1, "decode": 1, "tensor_write": 1, "media_write": 1}
+
+
+@pytest.mark.parametrize(("phase", "sig"), [c for c in CASES if c[0] != "synthetic_write"])
+def test_signal_at_phase(runs: dict[tuple[str, str], tuple[Path, Any]], phase: str, sig: str) -> None:
+    finished = PHASES[phase]
+    folder, proc = runs[phase, sig]
+    err = proc.stderr
+    assert proc.returncode == STATUS[sig], err
+    assert "Traceback" not in err and f"driver: fired {sig} at {phase}" in err, err
+    if phase == "imports":
+        assert "interrupted before any request ran" in err, err
+    else:
+        assert f"interrupted ({REPORTED[sig]}); {finished} of 2 requests finished" in err, err
+    written = sorted(p.name for p in folder.iterdir() if p.name not in ("reqs.jsonl", "profile.json"))
+    assert written == (["r0.json", "r0.mp4", "r0.safetensors"] if finished else []), err
+    assert not _partials(folder)
+    if finished:  # request 0's files are complete
+        assert load_file(folder / "r0.safetensors")["video"].shape == (3, 9, 48, 80)
+        assert json.loads((folder / "r0.json").read_text())["seed"] == 0
+        assert (folder / "r0.mp4").read_bytes()[4:8] == b"ftyp"
+    profile = folder / "profile.json"
+    if phase in ("imports", "load"):
+        assert not profile.exists()  # nothing was loaded: no profile to report
+    else:  # the profile reports what ran, also when interrupted
+        report = json.loads(profile.read_text())
+        assert [r["saved"] for r in report["requests"]] == ([True, False] if finished else [])
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signal_during_synthetic_checkpoint_write(runs: dict[tuple[str, str], tuple[Path, Any]], sig: str) -> None:
+    """The signal arrives while the first shard is written: the tool exits 143/130 and leaves nothing."""
+    folder, proc = runs["synthetic_write", sig]
+    assert proc.returncode == STATUS[sig], proc.stderr
+    assert f"driver: fired {sig} at synthetic_write" in proc.stderr and "Traceback" not in proc.stderr
+    assert "interrupted; no checkpoint was written" in proc.stderr
+    assert list(folder.iterdir()) == []
