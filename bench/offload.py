@@ -101,7 +101,8 @@ def run_launch_arm(arm: str, args: argparse.Namespace, ckpt: str, tmp: Path) -> 
     profile = json.loads(prof_path.read_text())
     requests = []
     for entry, tensor in zip(profile["requests"], tensors):
-        requests.append({k: entry[k] for k in ("seconds", "stages", "steps", "memory", "shape")}
+        requests.append({"seconds": entry["seconds"], "stages": entry["stage_seconds"], "steps": entry["step_seconds"],
+                         "memory": entry["memory"], "shape": entry["shape"]}
                         | {"sha256": hashlib.sha256(tensor.read_bytes()).hexdigest()})
         tensor.unlink()
     return {"arm": arm, "kind": "launch", "command": cmd, "config": config, "process_seconds": wall,

@@ -1,4 +1,4 @@
-"""Device-memory helpers: snapshots, pressure-aware cache emptying, gc freeze.
+"""Memory helpers: device and host snapshots, pressure-aware cache emptying, gc freeze.
 
 `maybe_empty_cache` is the only way runnerkit returns cached blocks to the driver: emptying the
 allocator cache unconditionally would throw away exactly what warmup paid for (ARCHITECTURE §3).
@@ -7,6 +7,9 @@ allocator cache unconditionally would throw away exactly what warmup paid for (A
 from __future__ import annotations
 
 import gc
+import os
+import resource
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -18,9 +21,83 @@ GIB = 1024**3
 
 
 @dataclass(frozen=True)
+class HostMemory:
+    """Host memory of this process in GiB.
+
+    rss: resident set size now; peak_rss: high-water mark of the RSS since `reset_host_peak`
+    succeeded (`peak_scope` "request"), or since the process started (`peak_scope` "process":
+    the kernel offers no reset, e.g. outside Linux); available: what the kernel can still hand
+    out (MemAvailable; None where unknown). Source: /proc/self/status (VmRSS, VmHWM) and
+    /proc/meminfo on Linux, `resource.getrusage` elsewhere.
+    """
+
+    rss_gib: float
+    peak_rss_gib: float
+    available_gib: float | None
+    peak_scope: str = "process"
+
+    def as_dict(self) -> dict[str, float | str]:
+        out: dict[str, float | str] = {"host_rss_gib": round(self.rss_gib, 4),
+                                       "host_peak_rss_gib": round(self.peak_rss_gib, 4),
+                                       "host_peak_scope": self.peak_scope}
+        if self.available_gib is not None:
+            out["host_available_gib"] = round(self.available_gib, 4)
+        return out
+
+
+_host_peak_scope = "process"
+
+
+def _proc_kib(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    found: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in keys:
+                    found[name] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        return {}
+    return found
+
+
+def host_memory() -> HostMemory:
+    """This process's host memory now (see `HostMemory`)."""
+    status = _proc_kib("/proc/self/status", ("VmRSS", "VmHWM"))
+    info = _proc_kib("/proc/meminfo", ("MemAvailable",))
+    if "VmRSS" in status and "VmHWM" in status:
+        rss, peak = status["VmRSS"] * 1024, status["VmHWM"] * 1024
+    else:  # not Linux: ru_maxrss is KiB on Linux, bytes on macOS; no current RSS, the peak stands in
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        rss = peak
+    available = info["MemAvailable"] * 1024 / GIB if "MemAvailable" in info else None
+    return HostMemory(rss / GIB, peak / GIB, available, _host_peak_scope)
+
+
+def reset_host_peak() -> bool:
+    """Restart the host peak-RSS high-water mark (Linux: write 5 to /proc/self/clear_refs).
+
+    Returns True if it was reset; otherwise later peaks stay process-wide (`peak_scope` "process").
+    """
+    global _host_peak_scope
+    try:
+        fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
+        try:
+            os.write(fd, b"5")
+        finally:
+            os.close(fd)
+    except OSError:
+        _host_peak_scope = "process"
+        return False
+    _host_peak_scope = "request"
+    return True
+
+
+@dataclass(frozen=True)
 class MemorySnapshot:
-    """Device memory in GiB (zeros on the CPU). allocated: live tensors; reserved: allocator cache
-    including allocated; peak_allocated: high-water mark since the last reset; free: driver-free."""
+    """Device memory in GiB (zeros on the CPU, where `as_dict` leaves these keys out). allocated:
+    live tensors; reserved: allocator cache including allocated; peak_allocated: high-water mark
+    since the last reset; free: driver-free."""
 
     allocated_gib: float = 0.0
     reserved_gib: float = 0.0
@@ -32,7 +109,9 @@ class MemorySnapshot:
 
     def describe(self) -> str:
         if self == MemorySnapshot():
-            return "cpu: no device memory (allocated 0 GiB, reserved 0 GiB)"
+            host = host_memory()
+            available = f", {host.available_gib:.2f} GiB available" if host.available_gib is not None else ""
+            return f"cpu: host RSS {host.rss_gib:.2f} GiB{available}"
         return (f"allocated {self.allocated_gib:.2f} GiB live, reserved {self.reserved_gib:.2f} GiB "
                 f"(cache {self.reserved_gib - self.allocated_gib:.2f} GiB), free {self.free_gib:.2f} GiB")
 

@@ -19,6 +19,10 @@ import torch
 
 from runnerkit.memory import synchronize
 
+SCHEMA_VERSION = 2
+"""Version of the report's layout (docs/profile.md). 2: `stage_seconds`/`step_seconds` (were
+`stages`/`steps`), host memory on every device, no device-memory zeros on the CPU."""
+
 
 def dynamo_counts() -> tuple[int, int]:
     """(graphs compiled, recompilations) so far in this process, from torch._dynamo's counters."""
@@ -64,11 +68,15 @@ class RequestProfile:
 
     index: int
     shape: list[int]
+    """[height, width, frames] of the request, pixels and frames."""
     stages: dict[str, float]
     """Seconds per profiling stage of the family's pipeline (`Pipeline.profile_stages`), in order."""
     seconds: float = 0.0
+    """Wall seconds of the whole request, `end_run` included."""
     steps: list[float] = field(default_factory=list)
-    memory: dict[str, float] = field(default_factory=dict)
+    """Seconds of each denoising step, in order (CUDA events on the GPU, wall clock on the CPU)."""
+    memory: dict[str, float | str] = field(default_factory=dict)
+    """GiB at the request's end: device allocated/reserved/peak (CUDA only) and host RSS/peak."""
     audit: dict[str, Any] = field(default_factory=dict)
     ok: bool = True
     error: str | None = None
@@ -129,12 +137,15 @@ class Profiler:
                 self.current.stages[name] += time.perf_counter() - t0
 
     def report(self) -> dict[str, Any]:
+        """The `--profile_json` report; every key is described in docs/profile.md (schema version 2)."""
         return {
+            "schema_version": SCHEMA_VERSION,
+            "device": str(self.device),
             "phases": self.phases,
             "warmup": self.warmup,
-            "requests": [{"index": r.index, "shape": r.shape, "seconds": r.seconds, "stages": r.stages,
-                          "steps": r.steps, "memory": r.memory, "audit": r.audit, "ok": r.ok, "error": r.error,
-                          "saved": r.saved}
+            "requests": [{"index": r.index, "shape": r.shape, "seconds": r.seconds, "stage_seconds": r.stages,
+                          "step_seconds": r.steps, "memory": r.memory, "audit": r.audit, "ok": r.ok,
+                          "error": r.error, "saved": r.saved}
                          for r in self.requests],
         }
 

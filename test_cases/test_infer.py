@@ -225,17 +225,42 @@ def _check_request_profile(entry: dict[str, Any], index: int, shape: list[int]) 
     assert entry["index"] == index
     assert entry["shape"] == shape
     assert entry["seconds"] > 0
-    stages = entry["stages"]
+    stages = entry["stage_seconds"]
     assert list(stages) == ["text_encoder", "transformer", "vae_decoder", "save"]  # the t2v pipeline's stages
     for name in ("text_encoder", "transformer", "vae_decoder", "save"):
         assert stages[name] > 0, f"stage {name} not timed"
     assert sum(stages.values()) <= entry["seconds"] + 1e-6
-    assert len(entry["steps"]) == STEPS and all(s > 0 for s in entry["steps"])
-    assert sum(entry["steps"]) <= stages["transformer"] + 1e-6
-    assert set(entry["memory"]) == {"allocated_gib", "reserved_gib", "peak_allocated_gib"}
-    assert all(isinstance(v, (int, float)) for v in entry["memory"].values())
+    assert len(entry["step_seconds"]) == STEPS and all(s > 0 for s in entry["step_seconds"])
+    assert sum(entry["step_seconds"]) <= stages["transformer"] + 1e-6
+    memory = entry["memory"]  # CPU run: host memory, and no device-memory zeros
+    assert set(memory) == {"host_rss_gib", "host_peak_rss_gib", "host_peak_scope"}, memory
+    assert 0 < memory["host_rss_gib"] <= memory["host_peak_rss_gib"] < 64
+    assert memory["host_peak_scope"] in ("request", "process")
     assert set(entry["audit"]) >= {"compilations", "recompilations", "reserved_growth_gib", "warmed_shape"}
     assert entry["audit"]["compilations"] == 0 and entry["audit"]["recompilations"] == 0  # compile is off
+
+
+CUDA_ONLY_KEYS = {f"requests[].memory.{k}" for k in ("allocated_gib", "reserved_gib", "peak_allocated_gib")}
+
+
+def _documented_keys() -> set[str]:
+    """The key paths of the table in docs/profile.md (first column, in backticks)."""
+    import re
+
+    text = (REPO / "docs" / "profile.md").read_text()
+    return set(re.findall(r"^\| `([^`]+)` \|", text, flags=re.M))
+
+
+def _key_paths(report: dict[str, Any]) -> set[str]:
+    """Key paths of a report, as docs/profile.md writes them (names inside stage/step maps excluded)."""
+    paths = set(report)
+    paths |= {f"phases.{k}" for k in report["phases"]}
+    if report["warmup"] is not None:
+        paths |= {f"warmup.{k}" for k in report["warmup"]}
+    for entry in report["requests"]:
+        paths |= {f"requests[].{k}" for k in entry}
+        paths |= {f"requests[].{part}.{k}" for part in ("memory", "audit") for k in entry[part]}
+    return paths
 
 
 def test_profile_json_without_warmup(config_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -269,6 +294,8 @@ def test_profile_json_with_warmup_and_same_output(config_path: Path, isolated: l
     [entry] = report["requests"]
     _check_request_profile(entry, 0, [H, W, F])
     assert entry["audit"]["warmed_shape"] is True
+    assert report["schema_version"] == 2 and report["device"] == "cpu"
+    assert _key_paths(report) == _documented_keys() - CUDA_ONLY_KEYS  # docs/profile.md lists exactly these
     # Same seed => same output with or without warmup (bit-identical on the CPU).
     assert torch.equal(_video(out), isolated[0])
 
@@ -566,7 +593,7 @@ def test_infer_steps_device_and_log_level_flags(config_path: Path, tmp_path: Pat
     rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--infer_steps", "2", "--device", "cpu",
                    "--log_level", "WARNING", "--profile_json", profile)
     assert rc == 0, err
-    assert len(json.loads(profile.read_text())["requests"][0]["steps"]) == 2
+    assert len(json.loads(profile.read_text())["requests"][0]["step_seconds"]) == 2
     assert "| INFO" not in err and "| WARNING" in err  # the synthetic-weights warning still shows
     rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--infer_steps", "0")
     assert rc == 2 and "infer_steps" in err

@@ -193,7 +193,7 @@ class BaseRunner(ABC):
             return
         self.check_warmup_supported()
         shapes = self.warmup_shapes()
-        before = memory.snapshot(self.device)
+        before = self._memory_report()
         t0 = time.perf_counter()
         self._warmup_ran = True
         try:
@@ -204,15 +204,21 @@ class BaseRunner(ABC):
         memory.synchronize(self.device)
         seconds = time.perf_counter() - t0
         self.after_warmup()
-        after = memory.snapshot(self.device)
+        after = self._memory_report()
         self.profiler.warmup = {
             "seconds": round(seconds, 4),
             "shapes": [list(s) for s in shapes],
             "steps_per_shape": self.warmup_step_report(),
-            "memory_before": before.as_dict(),
-            "memory_after": after.as_dict(),
+            "memory_before": before,
+            "memory_after": after,
         }
-        logger.info("warmup: {:.2f} s over shapes {}; {}", seconds, [list(s) for s in shapes], after.describe())
+        logger.info("warmup: {:.2f} s over shapes {}; {}", seconds, [list(s) for s in shapes],
+                    memory.snapshot(self.device).describe())
+
+    def _memory_report(self) -> dict[str, float | str]:
+        """Device memory (CUDA only: zeros on the CPU would mislead) and host memory, GiB."""
+        device = memory.snapshot(self.device).as_dict() if self.device.type == "cuda" else {}
+        return {**device, **memory.host_memory().as_dict()}
 
     def run_pipeline(self, request: Any, index: int = 0) -> RequestProfile:
         """Serve one request through `serve_request`, then `end_run` (always).
@@ -232,6 +238,7 @@ class BaseRunner(ABC):
         reserved0 = memory.snapshot(self.device).reserved_gib
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        memory.reset_host_peak()
         t0 = time.perf_counter()
         error: BaseException | None = None
         try:
@@ -246,7 +253,7 @@ class BaseRunner(ABC):
             prof.seconds = time.perf_counter() - t0
             graphs1, recompiles1 = dynamo_counts()
             snap = memory.snapshot(self.device)
-            prof.memory = {k: round(v, 4) for k, v in snap.as_dict().items() if k != "free_gib"}
+            prof.memory = {k: v for k, v in self._memory_report().items() if k not in ("free_gib", "host_available_gib")}
             prof.audit = {
                 "compilations": graphs1 - graphs0,
                 "recompilations": recompiles1 - recompiles0,
