@@ -141,6 +141,10 @@ class SyntheticCheckpointConfig(_Strict):
     seed: int = Field(0, ge=0, description="Seed of the random weights.")
 
 
+REQUEST_DEFAULT_FIELDS = ("seed", "target_height", "target_width", "target_video_length", "negative_prompt")
+"""Runner-config fields that are only defaults of a request's own values (a request may set each)."""
+
+
 class RunnerConfig(_Strict):
     """Everything that stays fixed for the life of a runner (locked after `load_modules`)."""
 

@@ -208,15 +208,16 @@ def test_save_result_mp4_png_and_sidecar(config_path: Path, tiny_ckpt: Path, iso
     assert image.shape == (H, W, 3) and image.dtype.name == "uint8"
     assert (image == to_uint8_frames(_video(png_tensor)).numpy()[0]).all()
 
-    # Sidecars: seed, prompt and the resolved config.
-    for media in (mp4, png):
+    # Sidecars: the request's own seed, prompt and shape, and the resolved runner config without
+    # the request defaults (seed 42, 9 frames) that this request replaced.
+    for media, frames in ((mp4, F), (png, 1)):
         side = json.loads(media.with_suffix(".json").read_text())
-        assert side["seed"] == REQUESTS[0]["seed"]
-        assert side["prompt"] == REQUESTS[0]["prompt"]
+        assert side["seed"] == REQUESTS[0]["seed"] and side["prompt"] == REQUESTS[0]["prompt"]
+        assert (side["height"], side["width"], side["frames"]) == (H, W, frames)
         cfg = side["config"]
         assert cfg["model_cls"] == "wan2.1" and cfg["infer_steps"] == STEPS
         assert cfg["model_path"] == str(tiny_ckpt)
-        assert cfg["target_height"] == H and cfg["target_width"] == W and cfg["target_video_length"] == F
+        assert not {"seed", "target_height", "target_width", "target_video_length", "negative_prompt"} & set(cfg)
         assert cfg["model"]["transformer"]["num_layers"] == 2  # resolved from the checkpoint
 
 

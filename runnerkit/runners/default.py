@@ -33,7 +33,7 @@ from loguru import logger
 from torch import nn
 
 from runnerkit import memory
-from runnerkit.config import RequestConfig, RunnerConfig
+from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig
 from runnerkit.media import save_outputs as write_outputs
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.profiling import RequestProfile
@@ -399,8 +399,13 @@ class DefaultRunner(BaseRunner):
         """Write the request's files through the media module, all-or-nothing (runnerkit/media.py);
         returns the paths written."""
         assert self.pipeline is not None, "load_modules first"
-        sidecar = {"seed": info.seed, "prompt": info.prompt, "negative_prompt": info.negative_prompt,
-                   "shape": list(info.shape), **self.sidecar_extra(info), "config": self.config.model_dump(mode="json")}
+        # The request's own values, and the runner config without the request defaults they replace
+        # (a sidecar that shows `seed: 42` beside the request's seed 7 would mislead).
+        sidecar = {"prompt": info.prompt, "negative_prompt": info.negative_prompt, "seed": info.seed,
+                   "height": info.height, "width": info.width, "frames": info.frames,
+                   **{k: v for k, v in (("image_path", info.image_path), ("last_frame_path", info.last_frame_path)) if v},
+                   **self.sidecar_extra(info),
+                   "config": self.config.model_dump(mode="json", exclude=set(REQUEST_DEFAULT_FIELDS))}
         return write_outputs({k: v[0].float().cpu() for k, v in outputs.items()}, self.pipeline.outputs,
                              result_path=info.save_result_path, tensor_path=info.save_tensor_path,
                              fps=self.config.fps, sidecar=sidecar)
