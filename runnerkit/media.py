@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
+from runnerkit.files import give_default_mode
+
 if TYPE_CHECKING:
     from runnerkit.runners.pipeline import OutputSpec
 
@@ -98,6 +100,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.float().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    give_default_mode(path)  # the writer creates 0o600; every other output follows the umask
 
 
 def save_outputs(outputs: dict[str, torch.Tensor], specs: Sequence["OutputSpec"], result_path: str | None,

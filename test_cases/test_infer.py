@@ -598,3 +598,38 @@ def test_infer_steps_device_and_log_level_flags(config_path: Path, tmp_path: Pat
     assert "| INFO" not in err and "| WARNING" in err  # the synthetic-weights warning still shows
     rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--infer_steps", "0")
     assert rc == 2 and "infer_steps" in err
+
+
+# ---- file permissions and the launcher script ---------------------------------------------------
+def test_every_output_file_gets_the_umask_mode(config_path: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The safetensors writer creates 0o600 files; runnerkit gives them the mode every other output gets."""
+    from runnerkit.models.wan.arch import WanArch
+    from runnerkit.models.wan.checkpoint import write_synthetic
+
+    old = os.umask(0o027)
+    try:
+        rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--infer_steps", "1",
+                       "--save_result_path", tmp_path / "v.mp4", "--save_tensor_path", tmp_path / "v.safetensors",
+                       "--profile_json", tmp_path / "p.json")
+        data = json.loads((REPO / "configs/wan/wan_t2v_tiny.json").read_text())
+        write_synthetic(WanArch.model_validate(data["model"]), tmp_path / "ck", seed=0, dtype=torch.float32)
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
+    assert "v.safetensors" in modes and "ck/transformer/model.safetensors" in modes
+    assert set(modes.values()) == {oct(0o640)}, modes
+
+
+def test_wan_t2v_script_accepts_a_requests_file(config_path: Path, tmp_path: Path) -> None:
+    reqs = _write_requests(tmp_path / "reqs.jsonl", [
+        {"prompt": "a", "seed": 1, "save_tensor_path": str(tmp_path / "a.safetensors")},
+        {"prompt": "b", "seed": 2, "save_tensor_path": str(tmp_path / "b.safetensors")}])
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(REPO), "OUT": str(tmp_path / "default.mp4")}
+    proc = subprocess.run(["bash", str(REPO / "scripts/wan/run_wan_t2v.sh"), str(config_path), "--requests", str(reqs),
+                           "--infer_steps", "1"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "reqs.jsonl"]
+    assert "warmup:" in proc.stderr  # the script warms up

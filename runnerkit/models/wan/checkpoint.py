@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from runnerkit.config import format_validation_error
+from runnerkit.files import give_default_mode
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import transformer_keys as tk
 from runnerkit.models.wan import vae as vae_mod
@@ -206,6 +207,7 @@ def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path
                                         generator_device) for name in shard_names}
         shard = {file_name[k]: v for k, v in shard.items()}
         save_file({k: v.contiguous() for k, v in shard.items()}, str(folder / fname))
+        give_default_mode(folder / fname)
         weight_map.update({k: fname for k in shard})
         del shard
     if n > 1:
