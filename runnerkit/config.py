@@ -195,7 +195,25 @@ class RunnerConfig(_Strict):
                              f"`offload.mode`={self.offload.mode!r}")
         if self.model_path is None and self.synthetic_checkpoint is None:
             raise ValueError("`model_path` is required unless `synthetic_checkpoint` is set")
+        scales = self.sample_guide_scale if isinstance(self.sample_guide_scale, tuple) else (self.sample_guide_scale,)
+        if any(s is not None and s < 0 for s in scales):
+            raise ValueError(f"`sample_guide_scale` must be >= 0 (1: the conditional prediction alone); "
+                             f"got {self.sample_guide_scale!r}")
         return self
+
+    def refuse_inert_settings(self) -> None:
+        """Refuse settings the user gave that nothing would read (call on the config as given, before
+        family defaults fill it).
+
+        Raises:
+            ConfigError: `sample_guide_scale` or `negative_prompt` set while `enable_cfg` is false.
+        """
+        if not self.enable_cfg:  # settings that only CFG reads would be silently ignored
+            inert = [k for k in ("sample_guide_scale", "negative_prompt") if getattr(self, k) is not None]
+            if inert:
+                raise ConfigError(f"{' and '.join(f'`{k}`' for k in inert)} only act{'s' if len(inert) == 1 else ''} "
+                                  "with classifier-free guidance, but `enable_cfg` is false: remove "
+                                  f"{'it' if len(inert) == 1 else 'them'} or enable CFG")
 
 
 MEDIA_SUFFIXES = (".mp4", ".png", ".wav")
@@ -247,6 +265,24 @@ class RequestConfig(_Strict):
         if v is not None and Path(v).suffix.lower() != ".safetensors":
             raise ValueError(f"`save_tensor_path` must end in .safetensors (got {v!r})")
         return v
+
+
+def as_request(request: Any) -> RequestConfig:
+    """`request` as a `RequestConfig` (Python API: a dict with the launch script's request fields is
+    validated like a line of a `--requests` file).
+
+    Raises:
+        ConfigError: the dict is not a valid request (each bad field named).
+        TypeError: neither a `RequestConfig` nor a dict.
+    """
+    if isinstance(request, RequestConfig):
+        return request
+    if isinstance(request, dict):
+        try:
+            return RequestConfig.model_validate(request)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, "request")) from None
+    raise TypeError(f"a request must be a RequestConfig or a dict of its fields (got {type(request).__name__})")
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:

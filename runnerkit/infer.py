@@ -81,8 +81,15 @@ def check_writable(path: str, field: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(f"`{field}` {path!r} cannot be created: {str(parent)!r} is a file, not a folder")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"`{field}` {path!r} cannot be created: no write permission in {str(parent)!r}")
+    # Create and remove a probe file: permission bits alone pass for root and say nothing of
+    # read-only mounts or pseudo file systems such as /proc.
+    probe = parent / f".runnerkit-probe-{os.getpid()}"
+    try:
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"`{field}` {path!r} cannot be created: {str(parent)!r} is not writable ({reason})") from None
 
 
 def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
@@ -173,9 +180,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config, requests = parse_inputs(args)
-        runner: BaseRunner = get_runner_cls(config.model_cls)(config)
     except (ConfigError, ValueError, NotImplementedError) as exc:
         logger.error("invalid input: {}", exc)
+        return 2
+    try:
+        runner: BaseRunner = get_runner_cls(config.model_cls)(config)
+    except (ValueError, NotImplementedError) as exc:  # the family refuses the config's settings
+        logger.error("invalid input: config {}: {}", args.config_json or "(command-line flags)", exc)
         return 2
     failed: list[int] = []
     profile_failed = False

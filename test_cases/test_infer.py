@@ -450,12 +450,69 @@ def test_image_path_on_text_to_video_is_refused(config_path: Path, capsys: pytes
                                                       ("infer_steps", True, "valid integer"),
                                                       ("enable_cfg", "yes", "valid boolean"),
                                                       ("boundary", 0.9, "MoE"),
-                                                      ("offload", {"mode": "none", "gpu_slots": 3}, "no effect")])
+                                                      ("offload", {"mode": "none", "gpu_slots": 3}, "no effect"),
+                                                      ("sample_guide_scale", -5.0, "must be >= 0"),
+                                                      ("model", {"transformer": {"num_heads": 3}},
+                                                       "model.transformer: `dim`=64 must be `num_heads`=3 times")])
 def test_no_silent_coercion_or_ignored_settings(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                 key: str, value: Any, needle: str) -> None:
     cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, **{key: value}))
     rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x")
     _assert_invalid(rc, err, key, needle)
+
+
+@pytest.mark.parametrize("overrides", [{"sample_guide_scale": 5.0}, {"negative_prompt": "blurry"}])
+def test_cfg_settings_without_cfg_are_refused(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              overrides: dict[str, Any]) -> None:
+    [key] = overrides
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, enable_cfg=False,
+                                                             **{"sample_guide_scale": None, **overrides}))
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x")
+    _assert_invalid(rc, err, f"`{key}` only acts with classifier-free guidance", "`enable_cfg` is false")
+
+
+def test_request_negative_prompt_without_cfg_is_refused(tiny_ckpt: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, enable_cfg=False, sample_guide_scale=None))
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x", "--negative_prompt", "blurry")
+    _assert_invalid(rc, err, "`negative_prompt` only acts with classifier-free guidance")
+
+
+def test_arch_error_is_refused_before_loading_and_names_the_config(tiny_ckpt: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    data = tiny_config_dict(tiny_ckpt)
+    data["model"]["transformer"]["num_heads"] = 3  # dim 64: head size 64/3
+    cfg = write_config(tmp_path / "c.json", data)
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x")
+    _assert_invalid(rc, err, f"invalid input: config {cfg}:", "model.transformer: `dim`=64")
+    assert "load" not in err  # refused before anything loaded
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("flag", ["--save_result_path", "--profile_json"])
+def test_outputs_on_an_unwritable_file_system_are_refused_before_loading(config_path: Path, flag: str,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """/proc accepts no new files, even for root (whom permission bits let through)."""
+    path = "/proc/x.mp4" if flag == "--save_result_path" else "/proc/profile.json"
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", flag, path)
+    _assert_invalid(rc, err, f"{path!r} cannot be created: '/proc' is not writable")
+    assert "load:" not in err
+
+
+def test_python_api_takes_a_request_dict(tiny_config: Any, tmp_path: Path) -> None:
+    from runnerkit.config import ConfigError, RequestConfig
+    from runnerkit.registry import get_runner_cls
+
+    runner = get_runner_cls(tiny_config.model_cls)(tiny_config.model_copy(update={"infer_steps": 1}))
+    runner.init_modules()
+    as_dict = {"prompt": "a fox", "seed": 3, "save_tensor_path": str(tmp_path / "d.safetensors")}
+    runner.run_pipeline(as_dict)
+    runner.run_pipeline(RequestConfig(**{**as_dict, "save_tensor_path": str(tmp_path / "r.safetensors")}), 1)
+    assert torch.equal(load_file(tmp_path / "d.safetensors")["video"], load_file(tmp_path / "r.safetensors")["video"])
+    with pytest.raises(ConfigError, match="seed"):
+        runner.run_pipeline({"prompt": "a fox", "seed": -1}, 2)
+    with pytest.raises(TypeError, match="a request must be a RequestConfig or a dict"):
+        runner.run_pipeline("a fox", 3)
 
 
 # ---- warmup gate ---------------------------------------------------------------------------------
@@ -538,6 +595,41 @@ def test_failed_writes_fail_the_request_name_the_file_and_leave_nothing(config_p
     assert f"could not write `save_tensor_path` {str(tensor)!r}: File too large" in err, err
     assert "2 of 3 requests failed: [0, 1]" in err and "partial" not in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["i.json", "i.png", "reqs.jsonl"]  # no partial, no sidecar
+
+
+def test_full_file_system_fails_the_request_and_removes_partial_files(config_path: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A full disk, faked: an encoder that writes part of its file and fails with ENOSPC as ffmpeg
+    does, and a tensor writer that raises ENOSPC after writing part of its file."""
+    import errno
+
+    import imageio_ffmpeg
+
+    from runnerkit import media
+
+    encoder = tmp_path / "bin" / "ffmpeg"
+    encoder.parent.mkdir()
+    encoder.write_text('#!/bin/sh\nfor last; do :; done\nhead -c 1000 /dev/zero > "$last"\n'
+                       'echo "av_interleaved_write_frame(): No space left on device" >&2\nexit 1\n')
+    encoder.chmod(0o755)
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: str(encoder))
+
+    def full_disk(tensors: Any, path: str) -> None:
+        Path(path).write_bytes(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(media, "save_file", full_disk)
+    out = tmp_path / "out"
+    reqs = _write_requests(tmp_path / "reqs.jsonl", [{"prompt": "a", "save_result_path": str(out / "v.mp4")},
+                                                     {"prompt": "b", "save_tensor_path": str(out / "t.safetensors")}])
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs, "--infer_steps", "1")
+    assert rc == 1, err
+    assert (f"could not write `save_result_path` {str(out / 'v.mp4')!r}: the encoder exited with status 1: "
+            "av_interleaved_write_frame(): No space left on device; nothing was saved") in err, err
+    assert f"could not write `save_tensor_path` {str(out / 't.safetensors')!r}: No space left on device" in err, err
+    assert "2 of 2 requests failed" in err and "saved" not in err.replace("nothing was saved", "")
+    assert list(out.iterdir()) == []  # no partial file, no sidecar
 
 
 # ---- signals ----------------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ class BaseRunner(ABC):
             raise TypeError(f"{cls.__qualname__}.DEFAULTS names {unknown}; family defaults are for {list(FAMILY_DEFAULTED)}")
 
     def __init__(self, config: RunnerConfig) -> None:
+        config.refuse_inert_settings()
         config = self.resolve_config(config)
         if config.task not in self.TASKS:
             raise ValueError(f"`task` {config.task!r} is not served by model_cls {config.model_cls!r}; allowed: {list(self.TASKS)}")

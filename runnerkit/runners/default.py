@@ -33,7 +33,7 @@ from loguru import logger
 from torch import nn
 
 from runnerkit import memory
-from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig
+from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig, as_request
 from runnerkit.media import save_outputs as write_outputs
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.profiling import RequestProfile
@@ -250,6 +250,9 @@ class DefaultRunner(BaseRunner):
         w = request.target_width or config.target_width
         f = request.target_video_length or config.target_video_length
         cls.validate_shape(h, w, f)
+        if request.negative_prompt is not None and not config.enable_cfg:
+            raise ValueError("`negative_prompt` only acts with classifier-free guidance, but the runner's "
+                             "`enable_cfg` is false: remove it from the request")
         task_inputs = cls.IMAGE_INPUTS.get(config.task, ())
         for field in ("image_path", "last_frame_path"):
             value = getattr(request, field)
@@ -267,9 +270,15 @@ class DefaultRunner(BaseRunner):
                 raise ValueError(f"`save_result_path` {request.save_result_path!r}: task {config.task!r} makes {what}; "
                                  f"use {' or '.join(allowed)}")
 
-    def resolve_request(self, request: RequestConfig) -> InputInfo:
-        """Fill request defaults from the runner config and validate the request."""
+    def resolve_request(self, request: RequestConfig | dict[str, Any]) -> InputInfo:
+        """Fill request defaults from the runner config and validate the request.
+
+        Raises:
+            ValueError: an invalid request (a dict is validated as a `RequestConfig` first).
+            TypeError: `request` is neither a `RequestConfig` nor a dict.
+        """
         cfg = self.config
+        request = as_request(request)
         self.validate_request(request, cfg)
         return InputInfo(
             prompt=request.prompt,

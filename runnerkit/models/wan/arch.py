@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 # Per-channel statistics of the Wan2.1 VAE latent space (Wan2.1 `wan/modules/vae.py`, WanVAE).
 WAN21_LATENTS_MEAN: tuple[float, ...] = (
@@ -26,6 +26,13 @@ WAN21_LATENTS_STD: tuple[float, ...] = (
 class _Arch(BaseModel):
     # strict: "64" is not an int, true is not a layer count; JSON lists still fill tuple fields
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    def _check(self, info: ValidationInfo, *fields: str) -> bool:
+        """Whether to check a rule between `fields`: always for a whole architecture; for a partial
+        override (validation context {"partial": True}) only if it gives every one of them (the
+        others come from the checkpoint and are checked after merging)."""
+        partial = bool(info.context and info.context.get("partial"))
+        return not partial or set(fields) <= self.model_fields_set
 
 
 class WanTransformerArch(_Arch):
@@ -46,6 +53,12 @@ class WanTransformerArch(_Arch):
     cross_attn_norm: bool = Field(True, description="LayerNorm (affine) before cross-attention.")
     eps: float = Field(1e-6, gt=0, description="Norm epsilon.")
 
+    @model_validator(mode="after")
+    def _heads_divide_dim(self, info: ValidationInfo) -> WanTransformerArch:
+        if self._check(info, "dim", "num_heads") and self.dim % self.num_heads or (self.dim // self.num_heads) % 2:  # RoPE rotates pairs of head channels
+            raise ValueError(f"`dim`={self.dim} must be `num_heads`={self.num_heads} times an even head size")
+        return self
+
 
 class UMT5Arch(_Arch):
     """UMT5 encoder as Wan uses it (`umt5-xxl` encoder only); defaults are umt5-xxl."""
@@ -61,6 +74,12 @@ class UMT5Arch(_Arch):
     eps: float = Field(1e-6, gt=0)
     text_len: int = Field(512, gt=0, description="Tokens per prompt (padded/truncated).")
 
+    @model_validator(mode="after")
+    def _heads_divide_attention(self, info: ValidationInfo) -> UMT5Arch:
+        if self._check(info, "dim_attn", "num_heads") and self.dim_attn % self.num_heads:
+            raise ValueError(f"`dim_attn`={self.dim_attn} must be a multiple of `num_heads`={self.num_heads}")
+        return self
+
 
 class WanVAEArch(_Arch):
     """Wan2.1 causal 3D VAE (`WanVAE_`); defaults are the released Wan2.1 VAE."""
@@ -73,6 +92,16 @@ class WanVAEArch(_Arch):
     temporal_downsample: tuple[bool, ...] = Field((False, True, True), strict=False, description="Levels that halve time.")
     latents_mean: tuple[float, ...] = Field(WAN21_LATENTS_MEAN, strict=False, description="Per-channel latent mean.")
     latents_std: tuple[float, ...] = Field(WAN21_LATENTS_STD, strict=False, description="Per-channel latent std.")
+
+    @model_validator(mode="after")
+    def _consistent_levels(self, info: ValidationInfo) -> WanVAEArch:
+        if self._check(info, "temporal_downsample", "dim_mult") and len(self.temporal_downsample) != len(self.dim_mult) - 1:
+            raise ValueError(f"`temporal_downsample` needs one entry per downsampling level, "
+                             f"len(`dim_mult`) - 1 = {len(self.dim_mult) - 1} (got {len(self.temporal_downsample)})")
+        for name in ("latents_mean", "latents_std"):
+            if self._check(info, name, "z_dim") and len(getattr(self, name)) != self.z_dim:
+                raise ValueError(f"`{name}` needs `z_dim`={self.z_dim} values (got {len(getattr(self, name))})")
+        return self
 
 
 class WanArch(_Arch):

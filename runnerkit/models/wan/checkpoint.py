@@ -125,7 +125,11 @@ class WanCheckpoint:
                 if component not in merged:
                     raise CheckpointError(f"`model.{component}` is not a Wan2.1 component; allowed: {sorted(merged)}")
                 merged[component] = {**merged[component], **values}
-            arch = WanArch.model_validate(merged)
+            try:
+                arch = WanArch.model_validate(merged)
+            except ValidationError as exc:  # the config's `model` does not fit this checkpoint's architecture
+                raise ValueError(format_validation_error(exc, f"config `model` over the architecture of {path}")
+                                 .replace("\n  ", "\n  model.")) from None
         return cls(path=path, layout=layout, arch=arch)
 
     # ---- transformer -------------------------------------------------------------------

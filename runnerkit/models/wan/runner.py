@@ -116,19 +116,24 @@ class WanT2VRunner(DefaultRunner):
         if config.boundary is not None:
             raise ValueError(f"`boundary` ({config.boundary}) switches MoE experts (Wan2.2); wan2.1 has one "
                              "transformer: remove it")
-        self.arch_override = self.parse_arch(config.model)
+        # Without model_path the config's `model` is the whole architecture (of the synthetic
+        # checkpoint): check every rule now. Otherwise it overrides the checkpoint's, checked merged.
+        self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
         self.checkpoint: WanCheckpoint | None = None
         self.tokenizer: WanTokenizer | None = None
 
     @staticmethod
-    def parse_arch(model: dict[str, Any] | None) -> WanArch:
-        """The config's `model` key as a validated Wan architecture.
+    def parse_arch(model: dict[str, Any] | None, partial: bool = False) -> WanArch:
+        """The config's `model` key as a validated Wan architecture (defaults fill what it omits).
+
+        `partial`: `model` overrides a checkpoint's architecture, so a rule between fields is only
+        checked where `model` gives all of them (the merged architecture is checked at load).
 
         Raises:
             ValueError: naming each bad field as `model.<component>.<field>`.
         """
         try:
-            return WanArch.model_validate(model or {})
+            return WanArch.model_validate(model or {}, context={"partial": partial})
         except ValidationError as exc:
             raise ValueError(format_validation_error(exc, "`model` (wan2.1 architecture)").replace("\n  ", "\n  model.")
                              + f"\n  (`model` takes the components {sorted(WanArch.model_fields)}, with the fields of "
@@ -192,7 +197,7 @@ class WanT2VRunner(DefaultRunner):
         cfg = self.config
         path = self.checkpoint_path()
         if self._synthetic_pending(path):
-            write_synthetic(self.arch_override, path, cfg.synthetic_checkpoint.seed, self.dtype)
+            write_synthetic(self.parse_arch(cfg.model), path, cfg.synthetic_checkpoint.seed, self.dtype)
         ckpt = WanCheckpoint.open(path, override=cfg.model)
         seed = synthetic_seed_of(path)
         if seed is not None:

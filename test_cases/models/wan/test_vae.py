@@ -289,10 +289,10 @@ def test_diffusers_config_rejects_unsupported(key: str, value: object) -> None:
 
 
 def test_arch_checks() -> None:
-    with pytest.raises(ValueError, match="`latents_mean` must have z_dim = 4 entries"):
-        WanVAE(WanVAEArch(dim=4, z_dim=4))
-    with pytest.raises(ValueError, match="`temporal_downsample` must have len"):
-        WanVAE(WanVAEArch(dim=4, dim_mult=(1, 2)))
+    with pytest.raises(ValueError, match="`latents_mean` needs `z_dim`=4 values"):  # refused with the config
+        WanVAEArch(dim=4, z_dim=4)
+    with pytest.raises(ValueError, match="`temporal_downsample` needs one entry per downsampling level"):
+        WanVAEArch(dim=4, dim_mult=(1, 2))
     with pytest.raises(NotImplementedError, match="`attn_scales`"):
         WanVAE(WanVAEArch(dim=4, attn_scales=(1.0,)))
     with pytest.raises(NotImplementedError, match="halve time exactly twice"):
