@@ -178,6 +178,21 @@ def test_failed_request_mid_batch_is_reported_and_others_unaffected(
     assert torch.equal(_video(paths[2]), isolated[2])
 
 
+def test_unexpected_error_prints_its_traceback(config_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug (not an input error) shows where it happened at the default log level; exit 1."""
+    from runnerkit.models.wan.runner import WanT2VRunner
+
+    def broken_step(*_: Any) -> torch.Tensor:
+        raise RuntimeError("a bug in a step")
+
+    monkeypatch.setattr(WanT2VRunner, "run_step", broken_step)
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x")
+    assert rc == 1, err
+    assert "request 0 (command line) failed: RuntimeError: a bug in a step" in err, err
+    assert "Traceback" in err and "in broken_step" in err, err
+
+
 # ---- saved media ----------------------------------------------------------------------------------
 def test_save_result_mp4_png_and_sidecar(config_path: Path, tiny_ckpt: Path, isolated: list[torch.Tensor],
                                          tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
