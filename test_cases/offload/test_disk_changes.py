@@ -88,6 +88,9 @@ def exercise_changes(kind: str, folder: str) -> None:
          restore_in_place),
         ("replace", lambda: rename(original + b"\0" * 64), f"replaced by another file (size {size} -> {size + 64} bytes)",
          f"its size is {size + 64} bytes", lambda: rename(original)),
+        ("reheader", lambda: rename(original.replace(b'"F32"', b'"I32"', 1)),  # same size, another header
+         f"replaced by another file (size {size} -> {size} bytes)", "its header (tensor names, dtypes, shapes or "
+         "offsets) differs from the indexed one", lambda: rename(original)),
         ("remove", first.unlink, "removed", "cannot be re-opened", lambda: first.write_bytes(original)),
     ]
     for case, change, says, again, restore in cases:
@@ -147,6 +150,36 @@ def test_mmap_reader_survives_changes(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     died = f"died of signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else ""
     assert proc.returncode == 0, f"{died or f'exit {proc.returncode}'}; stderr tail:\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("change,says", [("rewrite", "modified in place"), ("truncate", "truncated")])
+def test_pread_change_during_a_read_is_not_handed_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       change: str, says: str) -> None:
+    """A change that lands while `os.preadv` runs: a same-size rewrite after the bytes were read (seen
+    by the check after the read), or a truncation before them (a short read)."""
+    sd, files = write_earlier(tmp_path)
+    reader = SafetensorsDiskReader(files, reader="pread")
+    name = max((e for e in reader.index.values() if e.path == files[0]), key=lambda e: e.offset).name
+    size = files[0].stat().st_size
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list, offset: int) -> int:
+        if change == "truncate":
+            os.truncate(files[0], size // 2)
+        n = real(fd, buffers, offset)
+        if change == "rewrite":
+            with open(files[0], "r+b") as f:
+                f.seek(offset)
+                f.write(bytes(n))
+        return n
+
+    tick()
+    monkeypatch.setattr(os, "preadv", preadv)
+    when = "after" if change == "rewrite" else "while"
+    with pytest.raises(CheckpointChangedError, match=f"{files[0]} changed while runnerkit streams from it: {says}.*; "
+                                                     f"{when} reading {name!r}"):
+        read(reader, name)
+    assert reader.open_handles() == {}
 
 
 class HeldReadAhead:
@@ -249,6 +282,13 @@ def test_streamer_change_fails_the_forward_that_needs_the_unit_then_recovers(tmp
             streamer.reset()
         # 3. restored: bit-identical
         restore()
+        assert torch.equal(forward(), expected)
+        streamer.reset()
+        # 3b. the original renamed over between requests (another inode): the next request's first
+        # fetch re-checks the files and takes it back instead of failing on the held handle
+        tick()
+        files[0].with_suffix(".tmp").write_bytes(original)
+        os.replace(files[0].with_suffix(".tmp"), files[0])
         assert torch.equal(forward(), expected)
         streamer.reset()
         # 4. the last unit's pre-hook fetched unit 0 of the next step (the wrap), which started the
