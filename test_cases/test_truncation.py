@@ -123,3 +123,13 @@ def test_cpu_weights_do_not_alias_checkpoint_files(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert all(p.stat().st_size == 0 for p in files)
     assert torch.equal(load_file(str(outs[1]))["video"], load_file(str(outs[0]))["video"])
+
+
+def test_launch_script_enables_fault_tracebacks(mocker: Any) -> None:
+    """`main` turns on the fault handler (tested to print in test_disk_changes.py) before anything runs."""
+    from runnerkit import infer
+
+    spy = mocker.spy(infer, "enable_fault_tracebacks")
+    with pytest.raises(SystemExit):
+        infer.main(["--help"])
+    assert spy.call_count == 1

@@ -20,8 +20,9 @@ kernel to drop those pages (`POSIX_FADV_DONTNEED`) so streaming does not grow th
 
 Files that change while they are streamed (truncated, rewritten in place, or replaced): the
 reader records each file's identity when it indexes it (`FileIdentity`: device, inode, size,
-modification time) and compares the path's identity (`os.stat`) with it before and after every
-tensor read. A difference raises `CheckpointChangedError` naming the file and what changed, and
+modification time) and compares the path's identity (`os.stat`) with it before and after each
+batch of tensor reads from the file (one call of `read_many`, e.g. a streamed unit's tensors in
+that file; `read_into` is a batch of one; see bench/disk_identity_check.py for the cost). A difference raises `CheckpointChangedError` naming the file and what changed, and
 drops the file's long-lived handle (a mapping of a truncated file is never touched again): the
 read, hence the request that needed it, fails and the process goes on. The next read re-opens
 the file and streams from it only if it has the size and the header the reader indexed (the
@@ -34,7 +35,7 @@ shapes and size (the bytes are not hashed); weights that are not streamed stay t
 Residual risk (mmap only): touching a mapped page beyond the current end of the file raises
 SIGBUS, which Python cannot recover from. The checks keep every copy inside the size the file
 had a moment before, but a truncation that lands while a tensor is being copied out of the
-mapping (between the check and the end of that copy) still kills the process. Streaming spends
+mapping (between the check and the end of the batch's copies) still kills the process. Streaming spends
 a good part of each step in those copies, so the window is not negligible when files are cut in
 place (`truncate`, or `cp` over a file: it opens with O_TRUNC). Replacing a file by rename
 (`mv`, `os.replace`) never faults: the mapping keeps the old file alive. The "pread" reader
@@ -293,18 +294,21 @@ class SafetensorsDiskReader:
             return "its header (tensor names, dtypes, shapes or offsets) differs from the indexed one"
         return ""
 
-    def _check(self, handle: _Handle, entry: TensorIndexEntry, when: str) -> None:
+    def _check(self, handle: _Handle, entry: TensorIndexEntry, when: str, more: int = 0) -> None:
         """Raise if the file at the handle's path is no longer the file the handle opened.
 
         One `os.stat` of the path (the mmap reader keeps no descriptor to `fstat`; the path also
         shows a replacement by rename). On a change the file's long-lived handle is dropped.
+        The error says `when` it was seen: before / while / after reading `entry` (and `more`
+        tensors of its batch).
         """
         assert handle.identity is not None, f"{handle.path}: data handles are opened by `_open_data`"
         now = identity_of(handle.path)
         if now == handle.identity:
             return
         self._drop(handle)
-        raise self._changed_error(handle.path, handle.identity.change_to(now), f"{when} reading {entry.name!r}")
+        what = f"{entry.name!r}" + (f" and {more} more tensors" if more else "")
+        raise self._changed_error(handle.path, handle.identity.change_to(now), f"{when} reading {what}")
 
     def _drop(self, handle: _Handle) -> None:
         """Close the file's long-lived handle if `handle` is it (a short-lived one is closed by its
@@ -345,22 +349,31 @@ class SafetensorsDiskReader:
             raise CheckpointError(f"disk reader: tensor {name!r} is not in the checkpoint "
                                   f"({len(self.index)} tensors in {len(self.files)} files)") from None
 
-    def _read(self, handle: _Handle, entry: TensorIndexEntry, dst: torch.Tensor) -> None:
-        """Copy the tensor's bytes into `dst` (uint8 [nbytes], CPU, contiguous).
-
-        The file's identity is checked before the copy (no mapped page past the file's end is
-        touched, unless it shrinks during the copy: module docstring) and after it (bytes
-        rewritten during the copy are not handed out).
+    def _read_batch(self, handle: _Handle, batch: Sequence[tuple[TensorIndexEntry, torch.Tensor]]) -> None:
+        """Read tensors of the handle's file, each into its `dst`, checking the file's identity
+        before the first (no mapped page past the file's end is touched, unless it shrinks during
+        the batch: module docstring) and after the last (bytes rewritten meanwhile are not handed out).
 
         Raises:
             CheckpointChangedError: the file changed (the handle is dropped if long-lived).
+        """
+        self._check(handle, batch[0][0], "before", len(batch) - 1)
+        for entry, dst in batch:
+            self._read(handle, entry, dst)
+        self._check(handle, batch[0][0], "after", len(batch) - 1)
+
+    def _read(self, handle: _Handle, entry: TensorIndexEntry, dst: torch.Tensor) -> None:
+        """Copy the tensor's bytes into `dst` (uint8 [nbytes], CPU, contiguous). Only inside
+        `_read_batch`, which checks the file's identity around it.
+
+        Raises:
+            CheckpointChangedError: a short pread read, because the file was cut (or it could not be mapped).
         """
         assert dst.dtype == torch.uint8 and dst.device.type == "cpu" and dst.is_contiguous() \
             and dst.numel() == entry.nbytes, f"bad destination for {entry.name}: {dst.dtype} {tuple(dst.shape)}"
         if entry.nbytes == 0:
             return
         start = time.perf_counter()
-        self._check(handle, entry, "before")
         if self.reader == "mmap":
             if handle.mapping is None:
                 try:
@@ -382,7 +395,6 @@ class SafetensorsDiskReader:
             view.release()
             if self.drop_page_cache:
                 os.posix_fadvise(handle.fd, entry.offset, entry.nbytes, os.POSIX_FADV_DONTNEED)
-        self._check(handle, entry, "after")
         self.bytes_read += entry.nbytes
         self.read_seconds += time.perf_counter() - start
 
@@ -413,22 +425,31 @@ class SafetensorsDiskReader:
             raise self._changed_error(handle.path, handle.identity.change_to(now), "while it was being mapped")
         return mapping
 
-    def read_into(self, name: str, dst: torch.Tensor) -> None:
-        """Block fetch: read `name`'s bytes into `dst` (uint8 [nbytes]) via the file's long-lived handle.
+    def read_many(self, reads: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Block fetch: read each `name`'s bytes into its `dst` (uint8 [nbytes]) via the files'
+        long-lived handles, file by file (one identity check before and one after each file's batch).
 
-        The long-lived handle is opened here, at the first fetch from the file (and again after
-        a change dropped it).
+        A long-lived handle is opened here, at the first fetch from its file (and again after a
+        change dropped it).
 
         Raises:
-            CheckpointError: `name` is not in the checkpoint.
-            CheckpointChangedError: the file changed since it was indexed (module docstring).
+            CheckpointError: a name is not in the checkpoint.
+            CheckpointChangedError: a file changed since it was indexed (module docstring).
         """
-        entry = self.entry(name)
-        handle = self._long_lived.get(entry.path)
-        if handle is None:
-            handle = self._long_lived[entry.path] = self._open_data(entry.path)
-            logger.debug(f"disk reader: long-lived {self.reader} handle opened on {entry.path.name}")
-        self._read(handle, entry, dst)
+        by_file: dict[Path, list[tuple[TensorIndexEntry, torch.Tensor]]] = {}
+        for name, dst in reads:
+            entry = self.entry(name)
+            by_file.setdefault(entry.path, []).append((entry, dst))
+        for path, batch in by_file.items():
+            handle = self._long_lived.get(path)
+            if handle is None:
+                handle = self._long_lived[path] = self._open_data(path)
+                logger.debug(f"disk reader: long-lived {self.reader} handle opened on {path.name}")
+            self._read_batch(handle, batch)
+
+    def read_into(self, name: str, dst: torch.Tensor) -> None:
+        """`read_many([(name, dst)])`: one tensor's bytes into `dst` (uint8 [nbytes])."""
+        self.read_many([(name, dst)])
 
     def load_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read non-block weights into fresh CPU tensors (checkpoint dtype and shape).
@@ -454,9 +475,9 @@ class SafetensorsDiskReader:
             if short:
                 handle = self._open_data(path)
             try:
-                for e in entries:
-                    buf = torch.empty(e.nbytes, dtype=torch.uint8)
-                    self._read(handle, e, buf)
+                batch = [(e, torch.empty(e.nbytes, dtype=torch.uint8)) for e in entries]
+                self._read_batch(handle, batch)
+                for e, buf in batch:
                     out[e.name] = buf.view(e.dtype).view(e.shape)
             finally:
                 if short:

@@ -193,8 +193,8 @@ class DiskSource:
         assert buffer is not None, f"disk source closed; unit {unit} fetched"
         engine.wait_copy_host(slot)  # the slab's previous H2D copy must have read it
         with self._lock:
-            for t, name in zip(self.layouts[unit].tensors, self._ckpt_names[unit]):
-                self.reader.read_into(name, buffer[t.offset:t.offset + t.nbytes])
+            self.reader.read_many([(name, buffer[t.offset:t.offset + t.nbytes])
+                                   for t, name in zip(self.layouts[unit].tensors, self._ckpt_names[unit])])
 
     def fetch(self, unit: int, slot: int, engine: CopyEngine) -> torch.Tensor:
         """The unit's tensors in the slot's staging slab (read ahead in the background, or read now);

@@ -183,29 +183,30 @@ def test_pread_change_during_a_read_is_not_handed_out(tmp_path: Path, monkeypatc
 
 
 class HeldReadAhead:
-    """Holds a read-ahead of one unit (the read-ahead thread's read of its first tensor, after
-    `skip` earlier ones) until `release()`, so a test can change a file before that read starts;
-    records which thread each failed read ran on."""
+    """Holds a read-ahead of one unit (the read-ahead thread's `read_many` holding the unit's first
+    tensor, after `skip` earlier ones) until `release()`, so a test can change a file before that
+    read starts; records which thread each failed read ran on, and its first tensor."""
 
     def __init__(self, reader: SafetensorsDiskReader) -> None:
         self.first: str | None = None
         self.skip = 0
         self.released = threading.Event()
         self.failures: list[tuple[str, str]] = []  # (thread name, tensor name)
-        real = reader.read_into
+        real = reader.read_many
 
-        def read_into(name: str, dst: torch.Tensor) -> None:
-            if name == self.first and threading.current_thread().name.startswith("runnerkit-disk-read"):
+        def read_many(reads: list[tuple[str, torch.Tensor]]) -> None:
+            names = [name for name, _ in reads]
+            if self.first in names and threading.current_thread().name.startswith("runnerkit-disk-read"):
                 self.skip -= 1
                 if self.skip < 0:
                     assert self.released.wait(10), "the read-ahead was never released"
             try:
-                real(name, dst)
+                real(reads)
             except CheckpointChangedError:
-                self.failures.append((threading.current_thread().name, name))
+                self.failures.append((threading.current_thread().name, names[0]))
                 raise
 
-        reader.read_into = read_into  # type: ignore[method-assign]
+        reader.read_many = read_many  # type: ignore[method-assign]
 
     def hold(self, unit_params: list[str], skip: int = 0) -> None:
         self.first, self.skip, self.failures = (unit_params[0] if unit_params else None), skip, []
@@ -306,3 +307,37 @@ def test_streamer_change_fails_the_forward_that_needs_the_unit_then_recovers(tmp
         assert len(disk_read_threads()) == 1
     streamer.close()
     assert disk_read_threads() == [] and open_fds(os_paths) == {f.name: 0 for f in files}
+
+
+RACE = """
+import os, sys
+from pathlib import Path
+from runnerkit.interrupts import enable_fault_tracebacks
+from runnerkit.offload import SafetensorsDiskReader
+from test_cases.offload.test_disk_changes import read, write_earlier
+
+enable_fault_tracebacks()
+sd, files = write_earlier(Path(sys.argv[1]))
+reader = SafetensorsDiskReader(files, reader="mmap")
+name = max((e for e in reader.index.values() if e.path == files[0]), key=lambda e: e.offset).name
+read(reader, name)  # mapped
+real_read, size = reader._read, files[0].stat().st_size
+
+def cut_then_read(handle, entry, dst):  # the truncation lands after the check, before the copy ends
+    os.truncate(files[0], size // 2)
+    real_read(handle, entry, dst)
+
+reader._read = cut_then_read
+read(reader, name)
+"""
+
+
+def test_mmap_residual_race_dies_with_a_traceback(tmp_path: Path) -> None:
+    """The race the checks cannot close (module docstring of runnerkit/offload/disk.py): a file cut
+    while a tensor is copied out of its mapping. The process dies of SIGBUS, but not silently: the
+    launch script's fault handler prints the traceback, which ends in the reader."""
+    proc = subprocess.run([sys.executable, "-c", RACE, str(tmp_path)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGBUS, proc.stderr[-3000:]
+    assert "Fatal Python error: Bus error" in proc.stderr, proc.stderr[-3000:]
+    assert 'runnerkit/offload/disk.py", line' in proc.stderr and "in _read" in proc.stderr, proc.stderr[-3000:]
