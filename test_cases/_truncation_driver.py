@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,9 @@ def apply(action: str, path: Path, original: bytes) -> None:
         raise ValueError(f"unknown action {action!r}")
 
 
-def install(events: list[dict[str, Any]]) -> None:
+def install(events: list[dict[str, Any]], patch: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Count steps and requests and apply `events`; `patch` sets the class attributes (a test's
+    `monkeypatch.setattr` undoes them after an in-process run)."""
     originals = {e["file"]: Path(e["file"]).read_bytes() for e in events}
     counts = {"step": 0, "request": 0}
 
@@ -76,8 +79,8 @@ def install(events: list[dict[str, Any]]) -> None:
         end_run(self)
         fire("request")
 
-    Scheduler.step_post = counted_step_post  # type: ignore[method-assign]
-    DefaultRunner.end_run = counted_end_run  # type: ignore[method-assign]
+    patch(Scheduler, "step_post", counted_step_post)
+    patch(DefaultRunner, "end_run", counted_end_run)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Checkpoint files truncated, rewritten or replaced while the launch script serves requests (issue 8, item 4).
 
-Each case runs `python -m runnerkit` in a subprocess (through `test_cases._truncation_driver`,
-which changes a file after a given denoising step or request): the default mmap reader used to
-die of SIGBUS (exit -7) there, which must show as a failed assertion, never take pytest down.
+Each case runs the launch script through `test_cases._truncation_driver`, which changes a file
+after a given denoising step or request. mmap cases run `python -m runnerkit` in a subprocess:
+the default mmap reader used to die of SIGBUS (exit -7) there, which must show as a failed
+assertion, never take pytest down; the pread case runs `main` in-process (it cannot fault).
 
 What the user gets (README "Offload"): the request that was streaming when a file changed fails
 with one line naming the file and the change; the process goes on; a later request fails the
@@ -23,10 +24,13 @@ from typing import Any
 
 import pytest
 import torch
+from loguru import logger
 from safetensors.torch import load_file
 
+from runnerkit.infer import main
 from runnerkit.models.wan.arch import WanArch
 from runnerkit.models.wan.checkpoint import write_synthetic
+from test_cases._truncation_driver import install
 from test_cases.conftest import REPO, TINY_CONFIG, tiny_config_dict
 
 REQUEST = {"prompt": "a red fox in the snow", "seed": 1, "target_height": 16, "target_width": 16,
@@ -34,19 +38,36 @@ REQUEST = {"prompt": "a red fox in the snow", "seed": 1, "target_height": 16, "t
 STEPS = 2  # per request; the driver counts steps over the whole process (a failed request stops early)
 
 
-def serve(tmp_path: Path, config: dict[str, Any], events: list[dict[str, Any]], requests: int
+@pytest.fixture(autouse=True)
+def _restore_logger() -> Any:
+    """An in-process `main` binds loguru to the `sys.stderr` of its call (a capsys buffer); rebind afterwards."""
+    yield
+    logger.remove()
+    logger.add(lambda message: sys.stderr.write(message), level="DEBUG")
+
+
+def serve(tmp_path: Path, config: dict[str, Any], events: list[dict[str, Any]], requests: int,
+          in_process: tuple[pytest.MonkeyPatch, pytest.CaptureFixture[str]] | None = None
           ) -> tuple[subprocess.CompletedProcess[str], list[Path]]:
-    """Run `requests` copies of REQUEST in one launch-script process while `events` change files."""
+    """Run `requests` copies of REQUEST in one launch-script process while `events` change files
+    (in this process through `main` when `in_process` gives the test's monkeypatch and capsys)."""
     (tmp_path / "config.json").write_text(json.dumps(config))
     outs = [tmp_path / f"out{i}.safetensors" for i in range(requests)]
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps({**REQUEST, "save_tensor_path": str(o)}) + "\n"
                                                      for o in outs))
+    flags = ["--config_json", str(tmp_path / "config.json"), "--requests", str(tmp_path / "requests.jsonl"),
+             "--infer_steps", str(STEPS)]
+    if in_process is not None:
+        monkeypatch, capsys = in_process
+        install(events, monkeypatch.setattr)
+        capsys.readouterr()
+        rc = main(flags)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["main", *flags], rc, out, err), outs
     (tmp_path / "plan.json").write_text(json.dumps(events))
     proc = subprocess.run([sys.executable, "-m", "test_cases._truncation_driver", str(tmp_path / "plan.json"), "--",
-                           "--config_json", str(tmp_path / "config.json"), "--requests", str(tmp_path / "requests.jsonl"),
-                           "--infer_steps", str(STEPS)],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=180)
+                           *flags], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=180)
     assert proc.returncode >= 0, (f"the server died of signal {signal.Signals(-proc.returncode).name} "
                                   f"(events applied: {proc.stdout!r}); stderr tail:\n{proc.stderr[-3000:]}")
     return proc, outs
@@ -59,7 +80,9 @@ def failure_line(stderr: str, index: int) -> str:
 
 
 @pytest.mark.parametrize("reader", ["mmap", "pread"])
-def test_streamed_file_changes_fail_only_the_affected_requests(tiny_ckpt: Path, tmp_path: Path, reader: str) -> None:
+def test_streamed_file_changes_fail_only_the_affected_requests(tiny_ckpt: Path, tmp_path: Path, reader: str,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """Phase streaming from disk (6 units, 2 slots: every step reads the file again), 8 requests:
 
     | request | the transformer file                                   | outcome                     |
@@ -85,7 +108,8 @@ def test_streamed_file_changes_fail_only_the_affected_requests(tiny_ckpt: Path, 
         {"after": "request", "count": 7, "action": "restore"},
     ]
     config = tiny_config_dict(ckpt, offload={"mode": "phase", "storage": "disk", "reader": reader})
-    proc, outs = serve(tmp_path, config, [{**e, "file": str(target)} for e in events], 8)
+    proc, outs = serve(tmp_path, config, [{**e, "file": str(target)} for e in events], 8,
+                       in_process=(monkeypatch, capsys) if reader == "pread" else None)
 
     assert proc.stdout.split("\n")[:-1] == [f"EVENT {e['after']} {e['count']} {e['action']}" for e in events]
     assert proc.returncode == 1, proc.stderr[-3000:]
