@@ -1,7 +1,7 @@
 """Cost of the disk reader's file-identity check (one `os.stat` before and one after each file's batch of reads).
 
 CPU only, page cache warm (the worst case for the check: no disk time to hide it). A safetensors
-file of Wan2.1 1.3B transformer blocks in bf16 (dim 1536, ffn 8960: 22 tensors, 92.8 MB per
+file of Wan2.1 1.3B transformer blocks in bf16 (dim 1536, ffn 8960: 26 tensors, 92.9 MB per
 block) and one of the tiny debug architecture's blocks (dim 64, ffn 128: 16 KB tensors) are
 read unit by unit (`read_many` of every tensor of a block into one preallocated buffer, as
 `DiskSource` does: two checks per unit and file) with the check and with it replaced by a no-op,
