@@ -21,27 +21,30 @@ kernel to drop those pages (`POSIX_FADV_DONTNEED`) so streaming does not grow th
 Files that change while they are streamed (truncated, rewritten in place, or replaced): the
 reader records each file's identity when it indexes it (`FileIdentity`: device, inode, size,
 modification time) and compares the path's identity (`os.stat`) with it before and after each
-batch of tensor reads from the file (one call of `read_many`, e.g. a streamed unit's tensors in
-that file; `read_into` is a batch of one; see bench/disk_identity_check.py for the cost). A difference raises `CheckpointChangedError` naming the file and what changed, and
-drops the file's long-lived handle (a mapping of a truncated file is never touched again): the
-read, hence the request that needed it, fails and the process goes on. The next read re-opens
-the file and streams from it only if it has the size and the header the reader indexed (the
-file was restored); otherwise every read raises `CheckpointChangedError` again. At a request
-boundary `revalidate()` drops the handles of files that changed since they were opened, so a
-file changed between two requests fails the next one only if it does not have the indexed
-layout. A restored file cannot be told apart from other weights with the same names, dtypes,
-shapes and size (the bytes are not hashed); weights that are not streamed stay those read at load.
+batch of tensor reads from the file (one `read_many` call, e.g. a streamed unit's tensors in
+that file; `read_into` is a batch of one; bench/disk_identity_check.py measures the cost). A
+difference raises `CheckpointChangedError` naming the file and what changed, and drops the
+file's long-lived handle (a mapping of a truncated file is never touched again): the read, hence
+the request that needed it, fails and the process goes on. The next read re-opens the file and
+streams from it only if it has the size and the header the reader indexed (the file was
+restored); otherwise every read raises `CheckpointChangedError` again. At a request boundary
+`revalidate()` drops the handles of files that changed since they were opened, so a file
+changed between two requests fails the next one only if it does not have the indexed layout. A
+restored file cannot be told apart from other weights with the same names, dtypes, shapes and
+size (the bytes are not hashed); weights that are not streamed stay those read at load.
 
 Residual risk (mmap only): touching a mapped page beyond the current end of the file raises
 SIGBUS, which Python cannot recover from. The checks keep every copy inside the size the file
-had a moment before, but a truncation that lands while a tensor is being copied out of the
-mapping (between the check and the end of the batch's copies) still kills the process. Streaming spends
-a good part of each step in those copies, so the window is not negligible when files are cut in
-place (`truncate`, or `cp` over a file: it opens with O_TRUNC). Replacing a file by rename
-(`mv`, `os.replace`) never faults: the mapping keeps the old file alive. The "pread" reader
-cannot fault: a truncation shows as a short read, reported as a change. Modification times come
-from the kernel's coarse clock: an in-place rewrite of the same size within one tick (a few ms)
-of the file's previous change keeps the same identity and is not seen.
+had a moment before, but a truncation that lands while tensors are being copied out of the
+mapping (between a batch's first check and the end of its copies) still kills the process (the
+launch script prints the traceback first: `interrupts.enable_fault_tracebacks`). Streaming
+spends a good part of each step in those copies (nearly all of it when disk-bound), so the
+window is not negligible when files are cut in place (`truncate`, or `cp` over a file: it opens
+with O_TRUNC). Replacing a file by rename (`mv`, `os.replace`) never faults: the mapping keeps
+the old file alive. The "pread" reader cannot fault: a truncation shows as a short read,
+reported as a change. Modification times come from the kernel's coarse clock: an in-place
+rewrite of the same size within one tick (a few ms) of the file's previous change keeps the
+same identity and is not seen.
 """
 
 from __future__ import annotations
