@@ -131,11 +131,11 @@ def main() -> None:
                 res = run(kind, arch, Path(tmp), args.rounds)
                 results.append(res)
                 s, r = res["seconds_per_unit"], res["ratio_check_over_no_check"]
-                print(f"{kind:5} {arch:5} unit {res['unit_bytes'] / 1e6:8.3f} MB: "
-                      f"check {s['check']['median'] * 1e3:8.3f} ms [{s['check']['min'] * 1e3:.3f}-{s['check']['max'] * 1e3:.3f}], "
-                      f"no check {s['no_check']['median'] * 1e3:8.3f} ms [{s['no_check']['min'] * 1e3:.3f}-{s['no_check']['max'] * 1e3:.3f}], "
-                      f"ratio {r['median']:.4f} [{r['min']:.4f}-{r['max']:.4f}]; one check {res['check_seconds'] * 1e6:.2f} us "
-                      f"x {res['checks_per_unit']} = {res['check_share_of_unit'] * 100:.3f} % of the unit", flush=True)
+                ms = {arm: f"{x['median'] * 1e3:8.3f} ms [{x['min'] * 1e3:.3f}-{x['max'] * 1e3:.3f}]" for arm, x in s.items()}
+                print(f"{kind:5} {arch:5} unit {res['unit_bytes'] / 1e6:8.3f} MB: check {ms['check']}, "
+                      f"no check {ms['no_check']}, ratio {r['median']:.4f} [{r['min']:.4f}-{r['max']:.4f}]; "
+                      f"one check {res['check_seconds'] * 1e6:.2f} us x {res['checks_per_unit']} = "
+                      f"{res['check_share_of_unit'] * 100:.3f} % of the unit", flush=True)
     if args.out:
         meta = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
                 "python": platform.python_version()}

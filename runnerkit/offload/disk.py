@@ -421,7 +421,8 @@ class SafetensorsDiskReader:
             now = identity_of(handle.path)
             if now == handle.identity:
                 raise
-            raise self._changed_error(handle.path, handle.identity.change_to(now), f"cannot be mapped ({exc})") from None
+            change = handle.identity.change_to(now)
+            raise self._changed_error(handle.path, change, f"cannot be mapped ({exc})") from None
         mapping = torch.empty(0, dtype=torch.uint8).set_(storage)  # uint8 [size]
         now = identity_of(handle.path)
         if now != handle.identity:

@@ -86,7 +86,8 @@ def exercise_changes(kind: str, folder: str) -> None:
          f"its size is {size // 2} bytes, the indexed file had {size}", restore_in_place),
         ("rewrite", rewrite, f"modified in place (same size, {size} bytes; modification time changed)", None,
          restore_in_place),
-        ("replace", lambda: rename(original + b"\0" * 64), f"replaced by another file (size {size} -> {size + 64} bytes)",
+        ("replace", lambda: rename(original + b"\0" * 64),
+         f"replaced by another file (size {size} -> {size + 64} bytes)",
          f"its size is {size + 64} bytes", lambda: rename(original)),
         ("reheader", lambda: rename(original.replace(b'"F32"', b'"I32"', 1)),  # same size, another header
          f"replaced by another file (size {size} -> {size} bytes)", "its header (tensor names, dtypes, shapes or "
@@ -145,7 +146,8 @@ def test_pread_reader_survives_changes(tmp_path: Path) -> None:
 
 def test_mmap_reader_survives_changes(tmp_path: Path) -> None:
     """In a subprocess: a read from a mapping past the file's end kills the process with SIGBUS."""
-    code = f"from test_cases.offload.test_disk_changes import exercise_changes; exercise_changes('mmap', {str(tmp_path)!r})"
+    code = ("from test_cases.offload.test_disk_changes import exercise_changes; "
+            f"exercise_changes('mmap', {str(tmp_path)!r})")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120)
     died = f"died of signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else ""
