@@ -131,7 +131,8 @@ def main() -> None:
                 res = run(kind, arch, Path(tmp), args.rounds)
                 results.append(res)
                 s, r = res["seconds_per_unit"], res["ratio_check_over_no_check"]
-                ms = {arm: f"{x['median'] * 1e3:8.3f} ms [{x['min'] * 1e3:.3f}-{x['max'] * 1e3:.3f}]" for arm, x in s.items()}
+                ms = {arm: f"{x['median'] * 1e3:8.3f} ms [{x['min'] * 1e3:.3f}-{x['max'] * 1e3:.3f}]"
+                      for arm, x in s.items()}
                 print(f"{kind:5} {arch:5} unit {res['unit_bytes'] / 1e6:8.3f} MB: check {ms['check']}, "
                       f"no check {ms['no_check']}, ratio {r['median']:.4f} [{r['min']:.4f}-{r['max']:.4f}]; "
                       f"one check {res['check_seconds'] * 1e6:.2f} us x {res['checks_per_unit']} = "
