@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from runnerkit.interrupts import exit_status, install_sigterm_handler
+from runnerkit.interrupts import enable_fault_tracebacks, exit_status, install_sigterm_handler
 
 if TYPE_CHECKING:
     from runnerkit.config import RequestConfig
@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}")
     install_sigterm_handler()
+    enable_fault_tracebacks()
     try:
         args = build_parser().parse_args(argv)
         if args.log_level != "INFO":

@@ -4,11 +4,18 @@
 without running any `finally`, leaving temporary files behind. `install_sigterm_handler` makes
 SIGTERM raise `Terminated`, a `KeyboardInterrupt`, so every `finally`/cleanup that handles
 Ctrl-C also handles it; the launch script then exits 143 (128 + SIGTERM) instead of 130.
+
+Fatal signals (SIGBUS, SIGSEGV, ...) cannot be recovered from in Python; `enable_fault_tracebacks`
+makes the launch script print every thread's Python traceback before the process dies of one, so
+such a death is not silent: e.g. the mmap disk reader's residual race, a checkpoint file cut
+while a tensor is copied out of its mapping (runnerkit/offload/disk.py), ends in the reader's `_read`.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import signal
+import sys
 from types import FrameType
 
 
@@ -28,3 +35,10 @@ def install_sigterm_handler() -> None:
 def exit_status(exc: KeyboardInterrupt) -> int:
     """143 for SIGTERM, 130 for Ctrl-C (SIGINT), as shells report them."""
     return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+
+
+def enable_fault_tracebacks() -> None:
+    """Print all threads' tracebacks to stderr on a fatal signal (`faulthandler`), unless already
+    on (`python -X faulthandler`, pytest). The process still dies of the signal (exit -7 for SIGBUS)."""
+    if not faulthandler.is_enabled():
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)

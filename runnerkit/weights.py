@@ -9,8 +9,10 @@ so a tensor starts wherever its bytes sit in the file: the same weights in diffe
 files start at different alignments. CPU kernels round differently by alignment (MKL's float32
 GEMV gives other bits for weights that are not 16-byte aligned on an AVX2 CPU; AVX-512's 64-byte
 vectors can make 64 bytes matter), so every weight is bound to a module through `to_compute`,
-which gives it contiguous memory at a `CPU_ALIGNMENT`-byte boundary: outputs then depend on the
-weights only, not on the checkpoint's layout, shard count or offload mode.
+which gives it contiguous memory of its own at a `CPU_ALIGNMENT`-byte boundary: outputs then
+depend on the weights only, not on the checkpoint's layout, shard count or offload mode, and no
+loaded weight aliases a file mapping (a checkpoint file truncated while the process serves would
+otherwise kill it with SIGBUS at the weight's next use).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def assign_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], co
            for k, v in state_dict.items() if tuple(v.shape) != tuple(expected[k].shape)]
     if bad:
         raise CheckpointError(f"{component}: shape mismatch for {len(bad)} tensors: {short_list(bad)}")
-    # Copies (casts, aligned copies of misaligned mapped tensors) are made tensor by tensor into `cast`:
+    # Copies (casts, or copies out of the caller's memory) are made tensor by tensor into `cast`:
     # at most one copy of the weights besides the caller's (usually file-mapped) `state_dict`.
     cast = {k: to_compute(v, torch.float32 if keep_fp32(k) else dtype, device) for k, v in state_dict.items()}
     module.load_state_dict(cast, strict=True, assign=True)
@@ -98,17 +100,21 @@ def to_compute(tensor: torch.Tensor, dtype: torch.dtype | None = None,
         device: target device (None: keep).
 
     Returns:
-        `tensor` itself when it is already right (no copy: an aligned mapped tensor stays mapped);
-        otherwise one copy. Off the CPU, what `.to` gives (device allocators align >= 256 bytes).
+        On the CPU, a new tensor in memory of its own (one copy), never `tensor` itself: a weight
+        left aliasing a checkpoint's file mapping would read whatever the file holds later, and
+        kill the process with SIGBUS once the file is truncated. Off the CPU, what `.to` gives
+        (device allocators align >= 256 bytes).
     """
     target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-    tensor = tensor.to(device=device, dtype=target)
-    if tensor.device.type != "cpu" or (tensor.is_contiguous() and tensor.data_ptr() % CPU_ALIGNMENT == 0):
-        return tensor
-    out = torch.empty(tensor.shape, dtype=tensor.dtype)  # c10 allocates CPU tensors 64-byte aligned
+    converted = tensor.to(device=device, dtype=target)
+    if converted.device.type != "cpu":
+        return converted
+    if converted is not tensor and converted.is_contiguous() and converted.data_ptr() % CPU_ALIGNMENT == 0:
+        return converted  # `.to` cast it into fresh memory
+    out = torch.empty(converted.shape, dtype=converted.dtype)  # c10 allocates CPU tensors 64-byte aligned
     assert out.data_ptr() % CPU_ALIGNMENT == 0, (
         f"the CPU allocator returned {out.data_ptr():#x}, not {CPU_ALIGNMENT}-byte aligned")
-    return out.copy_(tensor)
+    return out.copy_(converted)
 
 
 def short_list(items: list[str], limit: int = 12) -> str:

@@ -9,7 +9,13 @@ See ARCHITECTURE §4. Typical block/phase streaming setup (storage "cpu"):
     ... forward passes ...; streamer.reset() at each request boundary; streamer.close()
 """
 
-from runnerkit.offload.disk import SafetensorsDiskReader, TensorIndexEntry, read_header
+from runnerkit.offload.disk import (
+    CheckpointChangedError,
+    FileIdentity,
+    SafetensorsDiskReader,
+    TensorIndexEntry,
+    read_header,
+)
 from runnerkit.offload.layout import (
                                       FP8_E4M3_MAX,
                                       StreamSpec,
@@ -29,8 +35,8 @@ from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.offload.streams import CopyEngine, CudaCopyEngine, SyncCopyEngine, make_copy_engine
 
 __all__ = [
-    "ALIGNMENT", "FP8_E4M3_MAX", "BlockStreamer", "CopyEngine", "CudaCopyEngine", "DiskSource",
-    "HostSlab", "HostSource", "ModelOffloader", "SafetensorsDiskReader", "StreamSpec", "StreamUnit", "SyncCopyEngine",
+    "ALIGNMENT", "FP8_E4M3_MAX", "BlockStreamer", "CheckpointChangedError", "CopyEngine", "CudaCopyEngine", "DiskSource",
+    "FileIdentity", "HostSlab", "HostSource", "ModelOffloader", "SafetensorsDiskReader", "StreamSpec", "StreamUnit", "SyncCopyEngine",
     "TensorIndexEntry", "TensorPlacement", "UnitLayout", "UnitSource", "align_up", "dequantize_fp8_e4m3",
     "make_copy_engine", "plan_offsets", "plan_unit_layout", "plan_units", "quantize_fp8_e4m3", "read_header",
     "resident_names", "typed_view",

@@ -17,6 +17,34 @@ the caller's buffer (a clone: nothing handed out aliases the mapping); the mappi
 descriptor open (see `_map`); "pread" reads with
 `os.preadv` into the caller's buffer (no mapping) and, with `drop_page_cache`, tells the
 kernel to drop those pages (`POSIX_FADV_DONTNEED`) so streaming does not grow the page cache.
+
+Files that change while they are streamed (truncated, rewritten in place, or replaced): the
+reader records each file's identity when it indexes it (`FileIdentity`: device, inode, size,
+modification time) and compares the path's identity (`os.stat`) with it before and after each
+batch of tensor reads from the file (one `read_many` call, e.g. a streamed unit's tensors in
+that file; `read_into` is a batch of one; bench/disk_identity_check.py measures the cost). A
+difference raises `CheckpointChangedError` naming the file and what changed, and drops the
+file's long-lived handle (a mapping of a truncated file is never touched again): the read, hence
+the request that needed it, fails and the process goes on. The next read re-opens the file and
+streams from it only if it has the size and the header the reader indexed (the file was
+restored); otherwise every read raises `CheckpointChangedError` again. At a request boundary
+`revalidate()` drops the handles of files that changed since they were opened, so a file
+changed between two requests fails the next one only if it does not have the indexed layout. A
+restored file cannot be told apart from other weights with the same names, dtypes, shapes and
+size (the bytes are not hashed); weights that are not streamed stay those read at load.
+
+Residual risk (mmap only): touching a mapped page beyond the current end of the file raises
+SIGBUS, which Python cannot recover from. The checks keep every copy inside the size the file
+had a moment before, but a truncation that lands while tensors are being copied out of the
+mapping (between a batch's first check and the end of its copies) still kills the process (the
+launch script prints the traceback first: `interrupts.enable_fault_tracebacks`). Streaming
+spends a good part of each step in those copies (nearly all of it when disk-bound), so the
+window is not negligible when files are cut in place (`truncate`, or `cp` over a file: it opens
+with O_TRUNC). Replacing a file by rename (`mv`, `os.replace`) never faults: the mapping keeps
+the old file alive. The "pread" reader cannot fault: a truncation shows as a short read,
+reported as a change. Modification times come from the kernel's coarse clock: an in-place
+rewrite of the same size within one tick (a few ms) of the file's previous change keeps the
+same identity and is not seen.
 """
 
 from __future__ import annotations
@@ -28,7 +56,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from loguru import logger
@@ -46,6 +74,44 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 _MAX_HEADER_BYTES = 100 * 2**20  # the safetensors reference rejects larger headers
 
 
+class CheckpointChangedError(CheckpointError):
+    """A checkpoint file changed (truncated, rewritten, replaced or removed) after the reader indexed it."""
+
+
+class FileIdentity(NamedTuple):
+    """What tells a file's contents apart cheaply (one `stat`): same identity, same bytes (see
+    the module docstring for the one exception, a rewrite within one clock tick)."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def change_to(self, new: FileIdentity | None) -> str:
+        """How `new` differs from `self`, in words (None: the path no longer exists)."""
+        if new is None:
+            return "removed"
+        if (new.device, new.inode) != (self.device, self.inode):
+            return f"replaced by another file (size {self.size} -> {new.size} bytes)"
+        if new.size < self.size:
+            return f"truncated (size {self.size} -> {new.size} bytes)"
+        if new.size > self.size:
+            return f"rewritten (size {self.size} -> {new.size} bytes)"
+        return f"modified in place (same size, {self.size} bytes; modification time changed)"
+
+
+def identity_of(path: Path) -> FileIdentity | None:
+    """The identity of the file at `path` now, or None if nothing is there."""
+    try:
+        return FileIdentity.of(os.stat(path))
+    except FileNotFoundError:
+        return None
+
+
 @dataclass(frozen=True)
 class TensorIndexEntry:
     """Where one tensor's bytes are: file, absolute byte offset, byte count, dtype and shape."""
@@ -60,12 +126,14 @@ class TensorIndexEntry:
 
 class _Handle:
     """An open file: its descriptor `fd`, or, once the mmap reader mapped it (at the first read),
-    the mapping alone (`fd` is -1 then)."""
+    the mapping alone (`fd` is -1 then). `identity` is the file's identity when it was opened
+    (set for data handles; reads check the path against it)."""
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self.fd = fd
         self.mapping: torch.Tensor | None = None  # uint8 [file size] over a private read mapping
+        self.identity: FileIdentity | None = None
 
 
 def read_header(fd: int, path: Path) -> tuple[int, dict[str, dict]]:
@@ -107,6 +175,9 @@ class SafetensorsDiskReader:
         ValueError: `reader` not in ("mmap", "pread").
         CheckpointError: a file is missing or malformed, a tensor appears in two files, or
             a dtype is unknown or a byte range does not match dtype x shape.
+
+    Reads (`read_into`, `load_tensors`) raise `CheckpointChangedError` when a file is no longer
+    what was indexed (module docstring); the reader stays usable and re-checks at the next read.
     """
 
     def __init__(self, files: Sequence[Path | str], reader: ReaderKind = "mmap", drop_page_cache: bool = True) -> None:
@@ -119,6 +190,8 @@ class SafetensorsDiskReader:
         self.files = [Path(f) for f in files]
         self._long_lived: dict[Path, _Handle] = {}
         self._open_count: dict[Path, int] = {}
+        self._identity: dict[Path, FileIdentity] = {}  # per file: the identity reads expect
+        self._headers: dict[Path, tuple[int, dict[str, dict]]] = {}  # per file: what a restored file must match
         self.bytes_read = 0
         self.header_bytes_read = 0
         self.read_seconds = 0.0
@@ -131,9 +204,11 @@ class SafetensorsDiskReader:
             try:
                 data_start, header = read_header(handle.fd, path)
                 self.header_bytes_read += data_start
-                file_size = os.fstat(handle.fd).st_size
+                self._identity[path] = FileIdentity.of(os.fstat(handle.fd))
+                file_size = self._identity[path].size
             finally:
                 self._close(handle)
+            self._headers[path] = (data_start, header)
             for name, meta in header.items():
                 self.index[name] = self._entry(path, name, meta, data_start, file_size)
         logger.info(f"disk reader ({reader}): indexed {len(self.index)} tensors in {len(self.files)} files "
@@ -168,13 +243,104 @@ class SafetensorsDiskReader:
     def _close(self, handle: _Handle) -> None:
         if handle.mapping is not None:
             handle.mapping = None  # the last reference: unmapped now (reads hand out copies only)
-        else:
+        elif handle.fd >= 0:  # (-1: `_map` closed it and failed to map)
             os.close(handle.fd)
         self._open_count[handle.path] -= 1
 
     def open_handles(self) -> dict[Path, int]:
         """Open handles per file right now (each value is 0 or 1)."""
         return {p: n for p, n in self._open_count.items() if n}
+
+    # -- file identity (module docstring: files that change while they are streamed) --
+
+    def _open_data(self, path: Path) -> _Handle:
+        """A handle for tensor reads, on a file that still is what was indexed.
+
+        A file whose identity differs (changed since it was indexed or last checked) is taken
+        back only if it has the indexed size and header: a restored file. Its new identity is
+        then the one later reads expect.
+
+        Raises:
+            CheckpointChangedError: the file is missing, or its size or header differ.
+        """
+        expected = self._identity[path]
+        try:
+            handle = self._open(path)
+        except FileNotFoundError:
+            raise self._changed_error(path, expected.change_to(None), "cannot be re-opened") from None
+        try:
+            now = FileIdentity.of(os.fstat(handle.fd))
+            if now != expected:
+                mismatch = self._layout_mismatch(handle, now)
+                if mismatch:
+                    raise self._changed_error(path, expected.change_to(now), f"is not taken back: {mismatch}")
+                logger.warning(f"checkpoint file {path} was {expected.change_to(now)}; it has the size and header "
+                               "indexed at load, so streaming goes on from it (its tensor bytes are not compared: "
+                               "if it holds other weights, they are used from now on)")
+                self._identity[path] = now
+        except BaseException:
+            self._close(handle)
+            raise
+        handle.identity = now
+        return handle
+
+    def _layout_mismatch(self, handle: _Handle, now: FileIdentity) -> str:
+        """'' when the open file has the indexed size and header; else what differs, in words."""
+        size = self._identity[handle.path].size
+        if now.size != size:
+            return f"its size is {now.size} bytes, the indexed file had {size}"
+        try:
+            header = read_header(handle.fd, handle.path)
+        except CheckpointError as exc:
+            return f"its header cannot be read ({exc})"
+        if header != self._headers[handle.path]:
+            return "its header (tensor names, dtypes, shapes or offsets) differs from the indexed one"
+        return ""
+
+    def _check(self, handle: _Handle, entry: TensorIndexEntry, when: str, more: int = 0) -> None:
+        """Raise if the file at the handle's path is no longer the file the handle opened.
+
+        One `os.stat` of the path (the mmap reader keeps no descriptor to `fstat`; the path also
+        shows a replacement by rename). On a change the file's long-lived handle is dropped.
+        The error says `when` it was seen: before / while / after reading `entry` (and `more`
+        tensors of its batch).
+        """
+        assert handle.identity is not None, f"{handle.path}: data handles are opened by `_open_data`"
+        now = identity_of(handle.path)
+        if now == handle.identity:
+            return
+        self._drop(handle)
+        what = f"{entry.name!r}" + (f" and {more} more tensors" if more else "")
+        raise self._changed_error(handle.path, handle.identity.change_to(now), f"{when} reading {what}")
+
+    def _drop(self, handle: _Handle) -> None:
+        """Close the file's long-lived handle if `handle` is it (a short-lived one is closed by its
+        owner): its mapping, which may reach past the file's new end, is never touched again."""
+        if self._long_lived.get(handle.path) is handle:
+            del self._long_lived[handle.path]
+            self._close(handle)
+
+    def revalidate(self) -> list[Path]:
+        """At a request boundary: drop the long-lived handle of every file that changed since it
+        was opened (one `os.stat` per file), so the next read re-opens it and takes it back if it
+        has the indexed size and header, or raises `CheckpointChangedError` if not.
+
+        Returns:
+            The files whose handle was dropped.
+        """
+        changed = [h for h in self._long_lived.values() if identity_of(h.path) != h.identity]
+        for handle in changed:
+            logger.info(f"disk reader: {handle.path} {handle.identity.change_to(identity_of(handle.path))} since it "
+                        "was opened; it is checked again at its next read")
+            self._drop(handle)
+        return [h.path for h in changed]
+
+    @staticmethod
+    def _changed_error(path: Path, change: str, where: str) -> CheckpointChangedError:
+        return CheckpointChangedError(
+            f"checkpoint file {path} changed while runnerkit streams from it: {change}; {where}. The read fails "
+            "(and the request that needed it); later reads use the file again only if it has the size and header "
+            "indexed at load: restore it, or restart to load another checkpoint")
 
     # -- reads --
 
@@ -186,8 +352,26 @@ class SafetensorsDiskReader:
             raise CheckpointError(f"disk reader: tensor {name!r} is not in the checkpoint "
                                   f"({len(self.index)} tensors in {len(self.files)} files)") from None
 
+    def _read_batch(self, handle: _Handle, batch: Sequence[tuple[TensorIndexEntry, torch.Tensor]]) -> None:
+        """Read tensors of the handle's file, each into its `dst`, checking the file's identity
+        before the first (no mapped page past the file's end is touched, unless it shrinks during
+        the batch: module docstring) and after the last (bytes rewritten meanwhile are not handed out).
+
+        Raises:
+            CheckpointChangedError: the file changed (the handle is dropped if long-lived).
+        """
+        self._check(handle, batch[0][0], "before", len(batch) - 1)
+        for entry, dst in batch:
+            self._read(handle, entry, dst)
+        self._check(handle, batch[0][0], "after", len(batch) - 1)
+
     def _read(self, handle: _Handle, entry: TensorIndexEntry, dst: torch.Tensor) -> None:
-        """Copy the tensor's bytes into `dst` (uint8 [nbytes], CPU, contiguous)."""
+        """Copy the tensor's bytes into `dst` (uint8 [nbytes], CPU, contiguous). Only inside
+        `_read_batch`, which checks the file's identity around it.
+
+        Raises:
+            CheckpointChangedError: a short pread read, because the file was cut (or it could not be mapped).
+        """
         assert dst.dtype == torch.uint8 and dst.device.type == "cpu" and dst.is_contiguous() \
             and dst.numel() == entry.nbytes, f"bad destination for {entry.name}: {dst.dtype} {tuple(dst.shape)}"
         if entry.nbytes == 0:
@@ -195,7 +379,11 @@ class SafetensorsDiskReader:
         start = time.perf_counter()
         if self.reader == "mmap":
             if handle.mapping is None:
-                handle.mapping = self._map(handle)
+                try:
+                    handle.mapping = self._map(handle)
+                except BaseException:
+                    self._drop(handle)  # its descriptor is closed and it has no mapping
+                    raise
             dst.copy_(handle.mapping[entry.offset:entry.offset + entry.nbytes])  # the clone out of the mapping
         else:
             done = 0
@@ -203,6 +391,8 @@ class SafetensorsDiskReader:
             while done < entry.nbytes:
                 n = os.preadv(handle.fd, [view[done:]], entry.offset + done)
                 if n <= 0:
+                    view.release()
+                    self._check(handle, entry, "while")  # a truncation shows here as a short read
                     raise CheckpointError(f"{entry.path}: unexpected end of file reading {entry.name!r}")
                 done += n
             view.release()
@@ -211,31 +401,59 @@ class SafetensorsDiskReader:
         self.bytes_read += entry.nbytes
         self.read_seconds += time.perf_counter() - start
 
-    @staticmethod
-    def _map(handle: _Handle) -> torch.Tensor:
+    def _map(self, handle: _Handle) -> torch.Tensor:
         """Map the handle's whole file (private, never written) and close its descriptor.
 
         Ours is closed before the mapping opens the file again, and the mapping closes its own
         descriptor once mapped: the file never has two open descriptors. (Python's `mmap.mmap`
-        would keep a duplicate of ours for the mapping's lifetime.)
+        would keep a duplicate of ours for the mapping's lifetime.) The mapping opens the path
+        anew, so the path must still hold the file the handle opened, before and after.
+
+        Raises:
+            CheckpointChangedError: the file at the path changed before it was mapped.
         """
-        size = os.fstat(handle.fd).st_size
+        assert handle.identity is not None, f"{handle.path}: data handles are opened by `_open_data`"
         os.close(handle.fd)
         handle.fd = -1
-        storage = torch.UntypedStorage.from_file(str(handle.path), shared=False, nbytes=size)
-        return torch.empty(0, dtype=torch.uint8).set_(storage)  # uint8 [size]
+        try:
+            storage = torch.UntypedStorage.from_file(str(handle.path), shared=False, nbytes=handle.identity.size)
+        except RuntimeError as exc:  # e.g. the file is now smaller than the mapping
+            now = identity_of(handle.path)
+            if now == handle.identity:
+                raise
+            change = handle.identity.change_to(now)
+            raise self._changed_error(handle.path, change, f"cannot be mapped ({exc})") from None
+        mapping = torch.empty(0, dtype=torch.uint8).set_(storage)  # uint8 [size]
+        now = identity_of(handle.path)
+        if now != handle.identity:
+            raise self._changed_error(handle.path, handle.identity.change_to(now), "while it was being mapped")
+        return mapping
+
+    def read_many(self, reads: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Block fetch: read each `name`'s bytes into its `dst` (uint8 [nbytes]) via the files'
+        long-lived handles, file by file (one identity check before and one after each file's batch).
+
+        A long-lived handle is opened here, at the first fetch from its file (and again after a
+        change dropped it).
+
+        Raises:
+            CheckpointError: a name is not in the checkpoint.
+            CheckpointChangedError: a file changed since it was indexed (module docstring).
+        """
+        by_file: dict[Path, list[tuple[TensorIndexEntry, torch.Tensor]]] = {}
+        for name, dst in reads:
+            entry = self.entry(name)
+            by_file.setdefault(entry.path, []).append((entry, dst))
+        for path, batch in by_file.items():
+            handle = self._long_lived.get(path)
+            if handle is None:
+                handle = self._long_lived[path] = self._open_data(path)
+                logger.debug(f"disk reader: long-lived {self.reader} handle opened on {path.name}")
+            self._read_batch(handle, batch)
 
     def read_into(self, name: str, dst: torch.Tensor) -> None:
-        """Block fetch: read `name`'s bytes into `dst` (uint8 [nbytes]) via the file's long-lived handle.
-
-        The long-lived handle is opened here, at the first fetch from the file.
-        """
-        entry = self.entry(name)
-        handle = self._long_lived.get(entry.path)
-        if handle is None:
-            handle = self._long_lived[entry.path] = self._open(entry.path)
-            logger.debug(f"disk reader: long-lived {self.reader} handle opened on {entry.path.name}")
-        self._read(handle, entry, dst)
+        """`read_many([(name, dst)])`: one tensor's bytes into `dst` (uint8 [nbytes])."""
+        self.read_many([(name, dst)])
 
     def load_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read non-block weights into fresh CPU tensors (checkpoint dtype and shape).
@@ -245,6 +463,7 @@ class SafetensorsDiskReader:
 
         Raises:
             CheckpointError: listing the names the checkpoint lacks.
+            CheckpointChangedError: a file changed since it was indexed (module docstring).
         """
         names = list(names)
         missing = [n for n in names if n not in self.index]
@@ -258,11 +477,11 @@ class SafetensorsDiskReader:
             handle = self._long_lived.get(path)
             short = handle is None
             if short:
-                handle = self._open(path)
+                handle = self._open_data(path)
             try:
-                for e in entries:
-                    buf = torch.empty(e.nbytes, dtype=torch.uint8)
-                    self._read(handle, e, buf)
+                batch = [(e, torch.empty(e.nbytes, dtype=torch.uint8)) for e in entries]
+                self._read_batch(handle, batch)
+                for e, buf in batch:
                     out[e.name] = buf.view(e.dtype).view(e.shape)
             finally:
                 if short:

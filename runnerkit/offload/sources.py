@@ -176,6 +176,7 @@ class DiskSource:
         self._executor: ThreadPoolExecutor | None = None
         self._ahead: dict[int, tuple[Future, int]] = {}  # unit -> (its background read, staging slot)
         self._lock = threading.Lock()
+        self._at_boundary = True  # no read since construction or `reset`: re-check the files first
 
     @property
     def pinned(self) -> bool:
@@ -192,12 +193,27 @@ class DiskSource:
         assert buffer is not None, f"disk source closed; unit {unit} fetched"
         engine.wait_copy_host(slot)  # the slab's previous H2D copy must have read it
         with self._lock:
-            for t, name in zip(self.layouts[unit].tensors, self._ckpt_names[unit]):
-                self.reader.read_into(name, buffer[t.offset:t.offset + t.nbytes])
+            self.reader.read_many([(name, buffer[t.offset:t.offset + t.nbytes])
+                                   for t, name in zip(self.layouts[unit].tensors, self._ckpt_names[unit])])
 
     def fetch(self, unit: int, slot: int, engine: CopyEngine) -> torch.Tensor:
         """The unit's tensors in the slot's staging slab (read ahead in the background, or read now);
-        then start reading the next unit into the next unit's slot."""
+        then start reading the next unit into the next unit's slot.
+
+        The first fetch after a request boundary first re-checks the checkpoint files
+        (`SafetensorsDiskReader.revalidate`): a file changed between requests fails this request
+        only if it no longer has the indexed layout.
+
+        Raises:
+            CheckpointChangedError: a checkpoint file changed while this request streams from it
+                (or between requests, to another layout); raised by the fetch of the unit whose
+                read saw it, also when a background read saw it. The source stays usable:
+                `reset()` (the request boundary) drops every read in flight.
+        """
+        if self._at_boundary:
+            self._at_boundary = False
+            with self._lock:
+                self.reader.revalidate()
         ahead = self._ahead.pop(unit, None)
         if ahead is not None and ahead[1] == slot:
             ahead[0].result()  # re-raises a failed background read here
@@ -220,7 +236,8 @@ class DiskSource:
         """Wait for and drop any read-ahead (its bytes are not used): the request boundary."""
         pending, self._ahead = list(self._ahead.values()), {}
         for future, _ in pending:
-            future.exception()  # wait; an error of a read nobody needs is dropped
+            future.exception()  # wait; an error of a read nobody needs is dropped (the next read sees it again)
+        self._at_boundary = True
 
     def close(self) -> None:
         """Stop read-ahead, close the reader's long-lived handles and release the staging slabs."""
