@@ -208,10 +208,10 @@ class WanCheckpoint:
         Raises:
             CheckpointError: naming the component, the file and the tensor.
         """
-        expected = _native_tensors(self.arch)
-        for component, infos in (("text_encoder", self.text_encoder_infos), ("transformer", self.transformer_infos),
-                                 ("vae", self.vae_infos)):
-            check_tensors(expected[component], infos(), component)
+        infos = {"text_encoder": self.text_encoder_infos, "transformer": self.transformer_infos, "vae": self.vae_infos}
+        for component, network in _networks(self.arch).items():
+            found = infos[component]()  # a damaged file is refused here, before any network is built
+            check_tensors(build_on_meta(network).state_dict(keep_vars=True), found, component)
 
     def transformer_infos(self) -> dict[str, TensorInfo]:
         """native name -> the transformer tensor's dtype, shape and file, from the headers."""
@@ -252,19 +252,16 @@ def _renamed(infos: Mapping[str, TensorInfo], rename: Callable[[dict[str, torch.
 
 
 # ---- writing synthetic checkpoints ----------------------------------------------------------
-def _native_tensors(arch: WanArch) -> dict[str, dict[str, torch.Tensor]]:
-    """component -> name -> meta tensor of every tensor of the three networks (no memory)."""
-    nets = {
-        "transformer": build_on_meta(lambda: WanTransformer3D(arch.transformer)),
-        "text_encoder": build_on_meta(lambda: te.UMT5Encoder(arch.text_encoder)),
-        "vae": build_on_meta(lambda: vae_mod.WanVAE(arch.vae)),
-    }
-    return {c: dict(net.state_dict(keep_vars=True)) for c, net in nets.items()}
+def _networks(arch: WanArch) -> dict[str, Callable[[], torch.nn.Module]]:
+    """component -> factory of its network, in pipeline order (build them with `build_on_meta`)."""
+    return {"text_encoder": lambda: te.UMT5Encoder(arch.text_encoder),
+            "transformer": lambda: WanTransformer3D(arch.transformer),
+            "vae": lambda: vae_mod.WanVAE(arch.vae)}
 
 
 def _native_shapes(arch: WanArch) -> dict[str, dict[str, tuple[int, ...]]]:
     """name -> shape of every tensor of the three networks, from meta-built skeletons (no memory)."""
-    return {c: {k: tuple(v.shape) for k, v in sd.items()} for c, sd in _native_tensors(arch).items()}
+    return {c: {k: tuple(v.shape) for k, v in build_on_meta(f).state_dict().items()} for c, f in _networks(arch).items()}
 
 
 def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path, stem: str, seed: int,
