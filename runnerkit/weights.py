@@ -216,8 +216,15 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{what}: {path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{what}: {path} must hold a JSON object, not a JSON {type(data).__name__}")
+        raise CheckpointError(f"{what}: {path} must hold a JSON object, not {_json_kind(data)}")
     return data
+
+
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words ('an array', 'a string', ...)."""
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def read_safetensors_header(fd: int, path: Path) -> tuple[int, dict[str, TensorIndexEntry]]:
@@ -259,7 +266,7 @@ def read_safetensors_header(fd: int, path: Path) -> tuple[int, dict[str, TensorI
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object; not a safetensors file")
+        raise CheckpointError(f"{path}: header is {_json_kind(header)}, not a JSON object; not a safetensors file")
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointError(f"{path}: header `__metadata__` must be an object of strings (got {str(metadata)[:80]})")
@@ -290,7 +297,7 @@ def _header_entry(path: Path, name: str, meta: Any, data_start: int) -> TensorIn
     """One checked header entry of tensor `name` (see `read_safetensors_header`)."""
     where = f"{path}: tensor {name!r}"
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{where}: header entry is a JSON {type(meta).__name__}, not an object")
+        raise CheckpointError(f"{where}: header entry is {_json_kind(meta)}, not a JSON object")
     missing = [k for k in ("dtype", "shape", "data_offsets") if k not in meta]
     if missing:
         raise CheckpointError(f"{where}: header entry lacks {missing} (it has {sorted(meta)})")
@@ -441,7 +448,8 @@ def read_pth(path: Path, component: str) -> dict[str, torch.Tensor]:
                               f"or not a torch checkpoint ({type(exc).__name__}{detail})") from None
     if not isinstance(sd, dict):
         raise CheckpointError(f"{component}: {path} does not hold a state dict (got {type(sd).__name__})")
-    bad = [f"{k!r} ({type(v).__name__})" for k, v in sd.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))]
+    bad = [f"{k!r} ({type(v).__name__})" for k, v in sd.items()
+           if not (isinstance(k, str) and isinstance(v, torch.Tensor))]
     if bad:
         raise CheckpointError(f"{component}: {path} is not a state dict of name -> tensor; entries that are not "
                               f"tensors: {short_list(bad)}")

@@ -91,7 +91,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny architecture in every layout; "<layout>-sharded" splits the transformer into shards + index."""
     arch = WanArch.model_validate(json.loads(TINY_CONFIG.read_text())["model"])
     root = tmp_path_factory.mktemp("intact")
-    out = {layout: write_synthetic(arch, root / layout, seed=0, dtype=torch.float32, layout=layout) for layout in LAYOUTS}
+    out = {layout: write_synthetic(arch, root / layout, seed=0, dtype=torch.float32, layout=layout)
+           for layout in LAYOUTS}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ckpt_mod, "SHARD_BYTES", 150_000)  # the tiny transformer is ~600 kB: 4+ shards
         for layout in LAYOUTS:
@@ -205,9 +206,10 @@ HEADER_DAMAGES: dict[str, Damage] = {
     "length_past_eof": lambda p: (struct.pack("<Q", p.stat().st_size) + p.read_bytes()[8:],
                                   ("header length", "runs past the end")),
     "not_utf8": lambda p: (p.read_bytes()[:8] + b"\xff" + p.read_bytes()[9:], ("header is not UTF-8",)),
-    "not_json": lambda p: (p.read_bytes()[:8] + p.read_bytes()[8:].replace(b'"', b"'", 1), ("header is not valid JSON",)),
+    "not_json": lambda p: (p.read_bytes()[:8] + p.read_bytes()[8:].replace(b'"', b"'", 1),
+                           ("header is not valid JSON",)),
     "not_object": lambda p: (_join(_tensors(_split(p.read_bytes())[0]), _split(p.read_bytes())[1]),
-                             ("header is a JSON list, not an object",)),
+                             ("header is an array, not a JSON object",)),
     "no_dtype": _drop("dtype"),
     "no_shape": _drop("shape"),
     "no_data_offsets": _drop("data_offsets"),
@@ -261,7 +263,8 @@ def _resident_matrix(sd: dict[str, torch.Tensor]) -> str:
 
 
 TENSOR_DAMAGES: dict[str, Damage] = {
-    "streamed_shape": _rewrite(_block_matrix, lambda t: t[:, :-1], "shape mismatch", "checkpoint (64, 63) vs model (64, 64)"),
+    "streamed_shape": _rewrite(_block_matrix, lambda t: t[:, :-1], "shape mismatch",
+                               "checkpoint (64, 63) vs model (64, 64)"),
     "resident_shape": _rewrite(_resident_matrix, lambda t: t[:-1], "shape mismatch"),
     "integer_dtype": _rewrite(_block_matrix, lambda t: t.to(torch.int32), "dtype mismatch", "torch.int32 vs model"),
 }
@@ -412,7 +415,7 @@ def test_damaged_config_json(checkpoints: dict[str, Path], tmp_path: Path, capsy
                              kind: str, rel: str) -> None:
     layout, key = CONFIGS[rel]
     damage: Damage = {"not_utf8": lambda p: (NOT_UTF8, ("is not UTF-8 text",)),
-                      "not_an_object": lambda p: (b"[1, 2]", ("must hold a JSON object, not a JSON list",)),
+                      "not_an_object": lambda p: (b"[1, 2]", ("must hold a JSON object, not an array",)),
                       "bad_value": _bad_value(key)}[kind]
     damaged, needles = _damaged(checkpoints[layout], tmp_path / "ckpt", rel, damage)
     _assert_refused_in_every_mode(tmp_path / "ckpt", damaged, tmp_path, capsys, *needles)

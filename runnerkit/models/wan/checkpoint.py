@@ -83,17 +83,13 @@ def detect_layout(path: Path) -> Layout:
         "model_index.json (diffusers layout) or config.json + diffusion_pytorch_model*.safetensors (original Wan layout)")
 
 
-def _read_json(path: Path, component: str) -> dict[str, Any]:
-    return read_json_object(path, component)
-
-
 def _arch_from(path: Path, component: str, convert: Callable[[dict[str, Any]], T]) -> T:
     """`convert` of the JSON object in `path` (a config file), its errors naming the file.
 
     Raises:
         CheckpointError: `path` is missing, not a JSON object, or holds values `convert` refuses.
     """
-    data = _read_json(path, component)
+    data = read_json_object(path, component)
     try:
         return convert(data)
     except ValidationError as exc:
@@ -128,7 +124,7 @@ class WanCheckpoint:
         path = Path(path)
         layout = detect_layout(path)
         if layout == "runnerkit":
-            meta = _read_json(path / "runnerkit.json", "checkpoint")
+            meta = read_json_object(path / "runnerkit.json", "checkpoint")
             if not isinstance(meta, dict) or meta.get("family") != "wan2.1" or not isinstance(meta.get("arch"), dict):
                 raise CheckpointError(f"{path}/runnerkit.json must be an object with \"family\": \"wan2.1\" and an "
                                       f"\"arch\" object (got {str(meta)[:120]})")
@@ -140,9 +136,9 @@ class WanCheckpoint:
             arch = WanArch(transformer=_arch_from(path / "config.json", "transformer", tk.arch_from_original_config))
         else:
             arch = WanArch(
-                transformer=_arch_from(path / "transformer" / "config.json", "transformer", tk.arch_from_diffusers_config),
-                text_encoder=_arch_from(path / "text_encoder" / "config.json", "text_encoder", te.arch_from_hf_config),
-                vae=_arch_from(path / "vae" / "config.json", "vae", vae_mod.arch_from_diffusers_config),
+                transformer=_arch_from(path / "transformer/config.json", "transformer", tk.arch_from_diffusers_config),
+                text_encoder=_arch_from(path / "text_encoder/config.json", "text_encoder", te.arch_from_hf_config),
+                vae=_arch_from(path / "vae/config.json", "vae", vae_mod.arch_from_diffusers_config),
             )
         if override:
             merged = arch.model_dump()
@@ -235,6 +231,13 @@ class WanCheckpoint:
         return _renamed(infos, vae_mod.diffusers_to_native) if self.layout == "diffusers" else infos
 
 
+def _networks(arch: WanArch) -> dict[str, Callable[[], torch.nn.Module]]:
+    """component -> factory of its network, in pipeline order (build them with `build_on_meta`)."""
+    return {"text_encoder": lambda: te.UMT5Encoder(arch.text_encoder),
+            "transformer": lambda: WanTransformer3D(arch.transformer),
+            "vae": lambda: vae_mod.WanVAE(arch.vae)}
+
+
 def _folder_infos(folder: Path, component: str) -> dict[str, TensorInfo]:
     files = safetensors_files(folder)
     if not files:
@@ -252,16 +255,10 @@ def _renamed(infos: Mapping[str, TensorInfo], rename: Callable[[dict[str, torch.
 
 
 # ---- writing synthetic checkpoints ----------------------------------------------------------
-def _networks(arch: WanArch) -> dict[str, Callable[[], torch.nn.Module]]:
-    """component -> factory of its network, in pipeline order (build them with `build_on_meta`)."""
-    return {"text_encoder": lambda: te.UMT5Encoder(arch.text_encoder),
-            "transformer": lambda: WanTransformer3D(arch.transformer),
-            "vae": lambda: vae_mod.WanVAE(arch.vae)}
-
-
 def _native_shapes(arch: WanArch) -> dict[str, dict[str, tuple[int, ...]]]:
     """name -> shape of every tensor of the three networks, from meta-built skeletons (no memory)."""
-    return {c: {k: tuple(v.shape) for k, v in build_on_meta(f).state_dict().items()} for c, f in _networks(arch).items()}
+    return {component: {k: tuple(v.shape) for k, v in build_on_meta(network).state_dict().items()}
+            for component, network in _networks(arch).items()}
 
 
 def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path, stem: str, seed: int,
