@@ -347,47 +347,49 @@ def safetensors_infos(files: Iterable[Path], component: str) -> dict[str, Tensor
     return out
 
 
-def read_shard_index(path: Path) -> dict[str, str]:
+def read_shard_index(path: Path, component: str = "checkpoint") -> dict[str, str]:
     """The `weight_map` (tensor name -> shard file name) of a `*.safetensors.index.json`.
 
     Raises:
-        CheckpointError: naming `path`: not a JSON object, no `weight_map` object of strings, or a
-            shard that is not a `.safetensors` file name in the index's folder.
+        CheckpointError: `{component}: shard index {path} ...`: not a JSON object, no `weight_map`
+            object of strings, or a shard that is not a `.safetensors` file name in the index's folder.
     """
-    index = read_json_object(path, "shard index")
+    what = f"{component}: shard index"
+    index = read_json_object(path, what)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"shard index: {path} has no `weight_map` object of tensor name -> shard file "
+        raise CheckpointError(f"{what} {path} has no `weight_map` object of tensor name -> shard file "
                               f"(keys: {sorted(index)})")
     for name, shard in weight_map.items():
         if not (isinstance(shard, str) and shard.endswith(".safetensors") and Path(shard).name == shard):
-            raise CheckpointError(f"shard index: {path} places tensor {name!r} in {shard!r}, which is not a "
+            raise CheckpointError(f"{what} {path} places tensor {name!r} in {shard!r}, which is not a "
                                   ".safetensors file name in the index's folder")
     return weight_map
 
 
-def safetensors_files(folder: Path, stem: str | None = None) -> list[Path]:
-    """The safetensors files of a folder: the shards its `*.safetensors.index.json` names, or every
-    `{stem}*.safetensors` when there is no index.
+def safetensors_files(folder: Path, stem: str | None = None, component: str = "checkpoint") -> list[Path]:
+    """The safetensors files of a folder: the shards its `*.safetensors.index.json` names (their
+    headers checked against it), or every `{stem}*.safetensors` when there is no index.
 
     Raises:
-        CheckpointError: the index is damaged (see `read_shard_index`), names a shard that does not
-            exist, or places a tensor in a shard whose header lacks it.
+        CheckpointError: starting with `component`: the index is damaged (see `read_shard_index`),
+            names a shard that does not exist or is damaged, or places a tensor in a shard whose
+            header lacks it.
     """
     folder = Path(folder)
     index = sorted(folder.glob("*.safetensors.index.json"))
     if not index:
         return sorted(folder.glob(f"{stem}*.safetensors" if stem else "*.safetensors"))
-    weight_map = read_shard_index(index[0])
+    weight_map = read_shard_index(index[0], component)
     files = [folder / name for name in sorted(set(weight_map.values()))]
     for path in files:
         if not path.is_file():
-            raise CheckpointError(f"shard index: {index[0]} names shard {path.name}, which does not exist")
-        held = safetensors_infos([path], "shard index")
+            raise CheckpointError(f"{component}: shard index {index[0]} names shard {path.name}, which does not exist")
+        held = safetensors_infos([path], component)
         lacking = sorted(name for name, shard in weight_map.items() if shard == path.name and name not in held)
         if lacking:
-            raise CheckpointError(f"shard index: {index[0]} places {len(lacking)} tensors in {path.name}, whose header "
-                                  f"lacks them: {short_list(lacking)}")
+            raise CheckpointError(f"{component}: shard index {index[0]} places {len(lacking)} tensors in {path.name}, "
+                                  f"whose header lacks them: {short_list(lacking)}")
     return files
 
 

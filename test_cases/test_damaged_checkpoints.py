@@ -378,7 +378,16 @@ INDEX_DAMAGES: dict[str, Damage] = {
 def test_damaged_shard_index(checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
                              kind: str, layout: str) -> None:
     damaged, needles = _damaged(checkpoints[f"{layout}-sharded"], tmp_path / "ckpt", INDEX[layout], INDEX_DAMAGES[kind])
-    _assert_refused_in_every_mode(tmp_path / "ckpt", damaged, tmp_path, capsys, "shard index", *needles)
+    _assert_refused_in_every_mode(tmp_path / "ckpt", damaged, tmp_path, capsys, "transformer: shard index", *needles)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_damaged_shard_header(checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                              layout: str) -> None:
+    intact = checkpoints[f"{layout}-sharded"]
+    shard = sorted((intact / INDEX[layout]).parent.glob("*-00002-of-*.safetensors"))[0]
+    damaged, needles = _damaged(intact, tmp_path / "ckpt", str(shard.relative_to(intact)), HEADER_DAMAGES["overlap"])
+    _assert_refused_in_every_mode(tmp_path / "ckpt", damaged, tmp_path, capsys, "transformer", *needles)
 
 
 NOT_UTF8 = b'{"\xff\xfe": 1}'

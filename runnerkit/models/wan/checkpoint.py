@@ -76,7 +76,7 @@ def detect_layout(path: Path) -> Layout:
         return "runnerkit"
     if (path / "model_index.json").is_file():
         return "diffusers"
-    if (path / "config.json").is_file() and safetensors_files(path, "diffusion_pytorch_model"):
+    if (path / "config.json").is_file() and safetensors_files(path, "diffusion_pytorch_model", "transformer"):
         return "original"
     raise CheckpointError(
         f"`model_path` {str(path)!r} holds no recognised checkpoint: expected runnerkit.json (runnerkit layout), "
@@ -99,7 +99,7 @@ def _arch_from(path: Path, component: str, convert: Callable[[dict[str, Any]], T
 
 
 def _read_folder(folder: Path, component: str) -> dict[str, torch.Tensor]:
-    files = safetensors_files(folder)
+    files = safetensors_files(folder, component=component)
     if not files:
         raise CheckpointError(f"{component}: no .safetensors files in {folder} (is the checkpoint complete?)")
     return read_safetensors(files, component)
@@ -154,7 +154,7 @@ class WanCheckpoint:
         folder = {"runnerkit": self.path / "transformer", "original": self.path,
                   "diffusers": self.path / "transformer"}[self.layout]
         stem = "model" if self.layout == "runnerkit" else "diffusion_pytorch_model"
-        files = safetensors_files(folder, stem)
+        files = safetensors_files(folder, stem, "transformer")
         if not files:
             raise CheckpointError(f"transformer: no {stem}*.safetensors in {folder}")
         return files
@@ -239,7 +239,7 @@ def _networks(arch: WanArch) -> dict[str, Callable[[], torch.nn.Module]]:
 
 
 def _folder_infos(folder: Path, component: str) -> dict[str, TensorInfo]:
-    files = safetensors_files(folder)
+    files = safetensors_files(folder, component=component)
     if not files:
         raise CheckpointError(f"{component}: no .safetensors files in {folder} (is the checkpoint complete?)")
     return dict(safetensors_infos(files, component))
