@@ -1,8 +1,7 @@
 """Safetensors disk reader for weight streaming: header-only planning, one handle per file.
 
-File format (safetensors spec): 8 bytes little-endian u64 N, then N bytes of JSON header
-{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the
-tensor bytes; a tensor's bytes are [8 + N + begin, 8 + N + end) of the file.
+File format: see `runnerkit.weights.read_safetensors_header`, which checks every header (the
+all-resident loader uses the same check, so a damaged file is refused the same way in every mode).
 
 Handle discipline (ARCHITECTURE §4):
 - the key index (name -> file, offset, bytes, dtype, shape) is built from headers only, with
@@ -49,29 +48,26 @@ same identity and is not seen.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
 from loguru import logger
 
-from runnerkit.weights import CheckpointError, short_list
+from runnerkit.weights import (
+    SAFETENSORS_DTYPES,
+    CheckpointError,
+    TensorIndexEntry,
+    read_safetensors_header,
+    short_list,
+)
+
+__all__ = ["SAFETENSORS_DTYPES", "ReaderKind", "SafetensorsDiskReader", "TensorIndexEntry", "read_header"]
 
 ReaderKind = Literal["mmap", "pread"]
-
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
-_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors reference rejects larger headers
 
 
 class CheckpointChangedError(CheckpointError):
@@ -112,18 +108,6 @@ def identity_of(path: Path) -> FileIdentity | None:
         return None
 
 
-@dataclass(frozen=True)
-class TensorIndexEntry:
-    """Where one tensor's bytes are: file, absolute byte offset, byte count, dtype and shape."""
-
-    name: str
-    path: Path
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
 class _Handle:
     """An open file: its descriptor `fd`, or, once the mmap reader mapped it (at the first read),
     the mapping alone (`fd` is -1 then). `identity` is the file's identity when it was opened
@@ -136,30 +120,16 @@ class _Handle:
         self.identity: FileIdentity | None = None
 
 
-def read_header(fd: int, path: Path) -> tuple[int, dict[str, dict]]:
-    """Read the header of an open safetensors file.
+def read_header(fd: int, path: Path) -> tuple[int, dict[str, TensorIndexEntry]]:
+    """Read and check the header of an open safetensors file (`weights.read_safetensors_header`).
 
     Returns:
-        (byte offset where tensor data starts, header dict without "__metadata__").
+        (byte offset where tensor data starts, name -> entry with absolute offsets).
 
     Raises:
-        CheckpointError: truncated file or malformed header.
+        CheckpointError: a truncated file or a damaged header, naming the file and the tensor.
     """
-    head = os.pread(fd, 8, 0)
-    if len(head) != 8:
-        raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-    (n,) = struct.unpack("<Q", head)
-    if n > _MAX_HEADER_BYTES:
-        raise CheckpointError(f"{path}: header length {n} bytes exceeds {_MAX_HEADER_BYTES}; not a safetensors file?")
-    raw = os.pread(fd, n, 8)
-    if len(raw) != n:
-        raise CheckpointError(f"{path}: header truncated ({len(raw)} of {n} bytes)")
-    try:
-        header = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from exc
-    header.pop("__metadata__", None)
-    return 8 + n, header
+    return read_safetensors_header(fd, path)
 
 
 class SafetensorsDiskReader:
@@ -173,8 +143,8 @@ class SafetensorsDiskReader:
 
     Raises:
         ValueError: `reader` not in ("mmap", "pread").
-        CheckpointError: a file is missing or malformed, a tensor appears in two files, or
-            a dtype is unknown or a byte range does not match dtype x shape.
+        CheckpointError: a file is missing or damaged (any header `weights.read_safetensors_header`
+            refuses: it names the file and the tensor), or a tensor appears in two files.
 
     Reads (`read_into`, `load_tensors`) raise `CheckpointChangedError` when a file is no longer
     what was indexed (module docstring); the reader stays usable and re-checks at the next read.
@@ -191,7 +161,7 @@ class SafetensorsDiskReader:
         self._long_lived: dict[Path, _Handle] = {}
         self._open_count: dict[Path, int] = {}
         self._identity: dict[Path, FileIdentity] = {}  # per file: the identity reads expect
-        self._headers: dict[Path, tuple[int, dict[str, dict]]] = {}  # per file: what a restored file must match
+        self._headers: dict[Path, tuple[int, dict[str, TensorIndexEntry]]] = {}  # per file: what a restored file must match
         self.bytes_read = 0
         self.header_bytes_read = 0
         self.read_seconds = 0.0
@@ -202,35 +172,22 @@ class SafetensorsDiskReader:
                 raise CheckpointError(f"disk reader: checkpoint file {path} does not exist")
             handle = self._open(path)
             try:
-                data_start, header = read_header(handle.fd, path)
+                data_start, entries = read_header(handle.fd, path)
                 self.header_bytes_read += data_start
                 self._identity[path] = FileIdentity.of(os.fstat(handle.fd))
-                file_size = self._identity[path].size
             finally:
                 self._close(handle)
-            self._headers[path] = (data_start, header)
-            for name, meta in header.items():
-                self.index[name] = self._entry(path, name, meta, data_start, file_size)
+            self._headers[path] = (data_start, entries)
+            for entry in entries.values():
+                self._add(entry)
         logger.info(f"disk reader ({reader}): indexed {len(self.index)} tensors in {len(self.files)} files "
                     f"from headers ({self.header_bytes_read} bytes) in {time.perf_counter() - start:.3f}s")
 
-    def _entry(self, path: Path, name: str, meta: dict, data_start: int, file_size: int) -> TensorIndexEntry:
-        if name in self.index:
-            raise CheckpointError(f"disk reader: tensor {name!r} appears in {self.index[name].path} and {path}")
-        dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {meta.get('dtype')!r}; "
-                                  f"supported: {sorted(SAFETENSORS_DTYPES)}")
-        shape = tuple(int(d) for d in meta["shape"])
-        begin, end = (int(x) for x in meta["data_offsets"])
-        numel = 1
-        for d in shape:
-            numel *= d
-        expected = numel * torch.empty((), dtype=dtype, device="meta").element_size()
-        if end - begin != expected or data_start + end > file_size:
-            raise CheckpointError(f"{path}: tensor {name!r} byte range [{begin}, {end}) does not hold "
-                                  f"{dtype} {list(shape)} ({expected} bytes) inside a {file_size}-byte file")
-        return TensorIndexEntry(name, path, data_start + begin, end - begin, dtype, shape)
+    def _add(self, entry: TensorIndexEntry) -> None:
+        if entry.name in self.index:
+            raise CheckpointError(f"disk reader: tensor {entry.name!r} appears in {self.index[entry.name].path} "
+                                  f"and {entry.path}")
+        self.index[entry.name] = entry
 
     # -- handles (every open and close goes through these two methods; tests spy on them) --
 

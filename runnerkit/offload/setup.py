@@ -22,7 +22,7 @@ from runnerkit.offload.layout import StreamSpec, plan_units, resident_names
 from runnerkit.offload.pinned import pinning_disabled_by_env
 from runnerkit.offload.sources import DiskSource, HostSource
 from runnerkit.offload.streamer import BlockStreamer
-from runnerkit.weights import CheckpointError, short_list, to_compute
+from runnerkit.weights import check_tensors, tensor_infos, to_compute
 
 
 def pin_memory_enabled(cfg: OffloadConfig) -> bool:
@@ -45,31 +45,30 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
         files, key_map: the checkpoint's safetensors files and model name -> file name (storage "disk").
 
     Raises:
-        CheckpointError: missing or unexpected tensors (listed), wrong shapes.
+        CheckpointError: a damaged safetensors file (storage "disk"), missing or unexpected
+            tensors (listed), wrong shapes or non-floating dtypes (`weights.check_tensors`, naming
+            the file and the tensor), checked before any weight is read.
         NotImplementedError: disk storage with checkpoint dtypes other than `dtype`.
     """
     assert cfg.mode in ("block", "phase"), f"stream_module needs mode block/phase, got {cfg.mode}"
     pin = pin_memory_enabled(cfg)
     units = plan_units(model, cfg.mode, spec)
     resident = resident_names(model, units)
-    expected = set(model.state_dict(keep_vars=True))
+    expected = model.state_dict(keep_vars=True)
     if cfg.storage == "cpu":
         assert state_dict is not None, "storage cpu needs the state dict"
-        available = set(state_dict)
-        resident_tensors = {n: state_dict[n] for n in resident if n in state_dict}
+        check_tensors(expected, tensor_infos(state_dict), component)
+        resident_tensors = {n: state_dict[n] for n in resident}
     else:
         assert files is not None, "storage disk needs the checkpoint files"
         key_map = dict(key_map or {n: n for n in expected})
         reader = SafetensorsDiskReader(files, reader=cfg.reader)
         inverse = {v: k for k, v in key_map.items()}
-        available = {inverse.get(n, n) for n in reader.index}
+        # names, shapes and dtypes from the headers, before any weight is read
+        check_tensors(expected, {inverse.get(n, n): entry for n, entry in reader.index.items()}, component)
         # non-block weights first: their short-lived handles close before any block fetch opens one
-        loaded = reader.load_tensors([key_map[n] for n in resident if key_map.get(n) in reader.index])
-        resident_tensors = {inverse[k]: v for k, v in loaded.items()}
-    missing, unexpected = sorted(expected - available), sorted(available - expected)
-    if missing or unexpected:
-        raise CheckpointError(f"{component}: checkpoint does not match the architecture; missing keys "
-                              f"({len(missing)}): {short_list(missing)}; unexpected keys ({len(unexpected)}): {short_list(unexpected)}")
+        loaded = reader.load_tensors([key_map.get(n, n) for n in resident])
+        resident_tensors = {inverse.get(k, k): v for k, v in loaded.items()}
     # to_compute: resident CPU weights 64-byte aligned whatever their file offsets (streamed ones are
     # too: slabs and slots place them at ALIGNMENT offsets of allocator- or page-aligned buffers)
     cast = {n: to_compute(t, torch.float32 if spec.keep_fp32(n) else dtype, device) for n, t in resident_tensors.items()}

@@ -10,6 +10,10 @@ original Wan2.1 names):
   `torch.load(weights_only=True)`), `google/umt5-xxl/tokenizer.json`.
 - diffusers (Wan-AI/Wan2.1-T2V-*-Diffusers): `model_index.json`, `transformer/`, `text_encoder/`
   (transformers UMT5EncoderModel), `vae/` (AutoencoderKLWan), `tokenizer/`.
+
+`WanCheckpoint.check_files` checks every weight file against the architecture from safetensors
+headers and memory-mapped `.pth` files (no weight is read) before anything loads, in every offload
+mode: a damaged file is refused at load, naming the file and the tensor, whatever the mode.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from loguru import logger
@@ -37,12 +42,19 @@ from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D
 from runnerkit.weights import (
     CheckpointError,
+    TensorInfo,
     build_on_meta,
+    check_tensors,
+    read_json_object,
     read_pth,
     read_safetensors,
     safetensors_files,
+    safetensors_infos,
     synthetic_tensor,
+    tensor_infos,
 )
+
+T = TypeVar("T")
 
 Layout = Literal["runnerkit", "original", "diffusers"]
 LAYOUTS: tuple[Layout, ...] = ("runnerkit", "original", "diffusers")
@@ -65,24 +77,30 @@ def detect_layout(path: Path) -> Layout:
         return "runnerkit"
     if (path / "model_index.json").is_file():
         return "diffusers"
-    if (path / "config.json").is_file() and safetensors_files(path, "diffusion_pytorch_model"):
+    if (path / "config.json").is_file() and safetensors_files(path, "diffusion_pytorch_model", "transformer"):
         return "original"
     raise CheckpointError(
         f"`model_path` {str(path)!r} holds no recognised checkpoint: expected runnerkit.json (runnerkit layout), "
         "model_index.json (diffusers layout) or config.json + diffusion_pytorch_model*.safetensors (original Wan layout)")
 
 
-def _read_json(path: Path, component: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointError(f"{component}: {path} does not exist")
+def _arch_from(path: Path, component: str, convert: Callable[[dict[str, Any]], T]) -> T:
+    """`convert` of the JSON object in `path` (a config file), its errors naming the file.
+
+    Raises:
+        CheckpointError: `path` is missing, not a JSON object, or holds values `convert` refuses.
+    """
+    data = read_json_object(path, component)
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{component}: {path} is not valid JSON: {exc}") from None
+        return convert(data)
+    except ValidationError as exc:
+        raise CheckpointError(format_validation_error(exc, f"{component} architecture in {path}")) from None
+    except (ValueError, TypeError) as exc:  # the converters name the key; wrong JSON types raise TypeError
+        raise CheckpointError(f"{component}: {path}: {exc}") from None
 
 
 def _read_folder(folder: Path, component: str) -> dict[str, torch.Tensor]:
-    files = safetensors_files(folder)
+    files = safetensors_files(folder, component=component)
     if not files:
         raise CheckpointError(f"{component}: no .safetensors files in {folder} (is the checkpoint complete?)")
     return read_safetensors(files, component)
@@ -98,11 +116,16 @@ class WanCheckpoint:
 
     @classmethod
     def open(cls, path: str | Path, override: dict[str, Any] | None = None) -> "WanCheckpoint":
-        """Detect the layout and read the architecture; `override` (config `model`) wins per component."""
+        """Detect the layout and read the architecture; `override` (config `model`) wins per component.
+
+        Raises:
+            CheckpointError: no recognised layout; a config file (runnerkit.json, config.json) that
+                is missing, not a JSON object or holds values the architecture refuses, naming it.
+        """
         path = Path(path)
         layout = detect_layout(path)
         if layout == "runnerkit":
-            meta = _read_json(path / "runnerkit.json", "checkpoint")
+            meta = read_json_object(path / "runnerkit.json", "checkpoint")
             if not isinstance(meta, dict) or meta.get("family") != "wan2.1" or not isinstance(meta.get("arch"), dict):
                 raise CheckpointError(f"{path}/runnerkit.json must be an object with \"family\": \"wan2.1\" and an "
                                       f"\"arch\" object (got {str(meta)[:120]})")
@@ -111,13 +134,12 @@ class WanCheckpoint:
             except ValidationError as exc:
                 raise CheckpointError(format_validation_error(exc, f"architecture in {path}/runnerkit.json")) from None
         elif layout == "original":
-            arch = WanArch(transformer=tk.arch_from_original_config(_read_json(path / "config.json", "transformer")))
+            arch = WanArch(transformer=_arch_from(path / "config.json", "transformer", tk.arch_from_original_config))
         else:
-            t = tk.arch_from_diffusers_config(_read_json(path / "transformer" / "config.json", "transformer"))
             arch = WanArch(
-                transformer=t,
-                text_encoder=te.arch_from_hf_config(_read_json(path / "text_encoder" / "config.json", "text_encoder")),
-                vae=vae_mod.arch_from_diffusers_config(_read_json(path / "vae" / "config.json", "vae")),
+                transformer=_arch_from(path / "transformer/config.json", "transformer", tk.arch_from_diffusers_config),
+                text_encoder=_arch_from(path / "text_encoder/config.json", "text_encoder", te.arch_from_hf_config),
+                vae=_arch_from(path / "vae/config.json", "vae", vae_mod.arch_from_diffusers_config),
             )
         if override:
             merged = arch.model_dump()
@@ -137,7 +159,7 @@ class WanCheckpoint:
         folder = {"runnerkit": self.path / "transformer", "original": self.path,
                   "diffusers": self.path / "transformer"}[self.layout]
         stem = "model" if self.layout == "runnerkit" else "diffusion_pytorch_model"
-        files = safetensors_files(folder, stem)
+        files = safetensors_files(folder, stem, "transformer")
         if not files:
             raise CheckpointError(f"transformer: no {stem}*.safetensors in {folder}")
         return files
@@ -174,16 +196,74 @@ class WanCheckpoint:
             return read_pth(self.path / ORIGINAL_VAE, "vae")
         return vae_mod.diffusers_to_native(_read_folder(self.path / "vae", "vae"))
 
+    # ---- checks before loading ------------------------------------------------------------------
+    def check_files(self) -> None:
+        """Check every weight file against the architecture before anything loads.
+
+        Safetensors headers are checked (`weights.read_safetensors_header`) and `.pth` files opened
+        memory-mapped, so no weight is read; names, shapes and dtypes are compared with meta-built
+        networks (`weights.check_tensors`), in pipeline order. Runners call it in every offload mode
+        (`unload_modules` included, which loads nothing until a request), so a damaged checkpoint
+        is refused at load the same way whatever the mode.
+
+        Raises:
+            CheckpointError: naming the component, the file and the tensor.
+        """
+        infos = {"text_encoder": self.text_encoder_infos, "transformer": self.transformer_infos, "vae": self.vae_infos}
+        for component, network in _networks(self.arch).items():
+            found = infos[component]()  # a damaged file is refused here, before any network is built
+            check_tensors(build_on_meta(network).state_dict(keep_vars=True), found, component)
+
+    def transformer_infos(self) -> dict[str, TensorInfo]:
+        """native name -> the transformer tensor's dtype, shape and file, from the headers."""
+        infos = safetensors_infos(self.transformer_files(), "transformer")
+        return _renamed(infos, tk.diffusers_to_native) if self.layout == "diffusers" else dict(infos)
+
+    def text_encoder_infos(self) -> dict[str, TensorInfo]:
+        """native name -> the text encoder tensor's dtype, shape and file (headers, or the mapped .pth)."""
+        if self.layout == "original":
+            path = self.path / ORIGINAL_T5
+            return tensor_infos(read_pth(path, "text_encoder"), path)
+        infos = _folder_infos(self.path / "text_encoder", "text_encoder")
+        return _renamed(infos, te.hf_to_native) if self.layout == "diffusers" else infos
+
+    def vae_infos(self) -> dict[str, TensorInfo]:
+        """native name -> the VAE tensor's dtype, shape and file (headers, or the mapped .pth)."""
+        if self.layout == "original":
+            path = self.path / ORIGINAL_VAE
+            return tensor_infos(read_pth(path, "vae"), path)
+        infos = _folder_infos(self.path / "vae", "vae")
+        return _renamed(infos, vae_mod.diffusers_to_native) if self.layout == "diffusers" else infos
+
+
+def _networks(arch: WanArch) -> dict[str, Callable[[], torch.nn.Module]]:
+    """component -> factory of its network, in pipeline order (build them with `build_on_meta`)."""
+    return {"text_encoder": lambda: te.UMT5Encoder(arch.text_encoder),
+            "transformer": lambda: WanTransformer3D(arch.transformer),
+            "vae": lambda: vae_mod.WanVAE(arch.vae)}
+
+
+def _folder_infos(folder: Path, component: str) -> dict[str, TensorInfo]:
+    files = safetensors_files(folder, component=component)
+    if not files:
+        raise CheckpointError(f"{component}: no .safetensors files in {folder} (is the checkpoint complete?)")
+    return dict(safetensors_infos(files, component))
+
+
+def _renamed(infos: Mapping[str, TensorInfo], rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+             ) -> dict[str, TensorInfo]:
+    """`infos` under the names `rename` (a layout's state-dict converter) gives their tensors; each
+    info keeps its name in the file. The converter sees meta tensors of the right dtype and shape."""
+    probes = {k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in infos.items()}
+    by_probe = {id(v): infos[k] for k, v in probes.items()}  # distinct objects: map names by identity
+    return {name: by_probe[id(t)] for name, t in rename(probes).items()}
+
 
 # ---- writing synthetic checkpoints ----------------------------------------------------------
 def _native_shapes(arch: WanArch) -> dict[str, dict[str, tuple[int, ...]]]:
     """name -> shape of every tensor of the three networks, from meta-built skeletons (no memory)."""
-    nets = {
-        "transformer": build_on_meta(lambda: WanTransformer3D(arch.transformer)),
-        "text_encoder": build_on_meta(lambda: te.UMT5Encoder(arch.text_encoder)),
-        "vae": build_on_meta(lambda: vae_mod.WanVAE(arch.vae)),
-    }
-    return {c: {k: tuple(v.shape) for k, v in net.state_dict().items()} for c, net in nets.items()}
+    return {component: {k: tuple(v.shape) for k, v in build_on_meta(network).state_dict().items()}
+            for component, network in _networks(arch).items()}
 
 
 def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path, stem: str, seed: int,

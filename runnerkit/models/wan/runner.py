@@ -209,8 +209,15 @@ class WanT2VRunner(DefaultRunner):
         return ckpt
 
     def prepare_load(self) -> None:
-        """Checkpoint (written first if synthetic), its architecture into the config, the tokenizer."""
+        """Checkpoint (written first if synthetic) and its files checked, its architecture into the
+        config, the tokenizer.
+
+        Raises:
+            CheckpointError: the checkpoint is missing or damaged (`WanCheckpoint.check_files`),
+                naming the file and the tensor, in every offload mode.
+        """
         self.checkpoint = ckpt = self.locate_checkpoint()
+        ckpt.check_files()
         logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
         self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
         self.tokenizer = WanTokenizer.from_file(ckpt.tokenizer_path())

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, processors
 
+from runnerkit.weights import CheckpointError
+
 PAD_ID = 0
 """Padding id of umt5 (`<pad>`); Wan pads every prompt to `text_len` with it."""
 EOS_TOKEN = "</s>"
@@ -63,13 +65,19 @@ class WanTokenizer:
 
         Raises:
             FileNotFoundError: naming the path when no tokenizer.json is there.
+            CheckpointError: naming the file when it is not a tokenizer.json the `tokenizers`
+                library can read (not UTF-8, not JSON, truncated, not a tokenizer).
         """
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(
                 f"`path`: no tokenizer.json at {path} (give the file, or a folder holding tokenizer.json)")
-        return cls(Tokenizer.from_file(str(file)), file)
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:  # the tokenizers library raises a bare Exception with serde's message
+            raise CheckpointError(f"tokenizer: {file} is not a valid tokenizer.json ({exc})") from None
+        return cls(tokenizer, file)
 
     @property
     def vocab_size(self) -> int:
