@@ -65,7 +65,8 @@ from runnerkit.weights import (
     short_list,
 )
 
-__all__ = ["SAFETENSORS_DTYPES", "ReaderKind", "SafetensorsDiskReader", "TensorIndexEntry", "read_header"]
+__all__ = ["SAFETENSORS_DTYPES", "CheckpointChangedError", "FileIdentity", "ReaderKind", "SafetensorsDiskReader",
+           "TensorIndexEntry", "identity_of", "read_header"]
 
 ReaderKind = Literal["mmap", "pread"]
 

@@ -64,15 +64,15 @@ class WanTokenizer:
         """Load `path`: a `tokenizer.json`, or a folder holding one (e.g. `google/umt5-xxl/`).
 
         Raises:
-            FileNotFoundError: naming the path when no tokenizer.json is there.
+            CheckpointError: naming the path when no tokenizer.json is there.
             CheckpointError: naming the file when it is not a tokenizer.json the `tokenizers`
                 library can read (not UTF-8, not JSON, truncated, not a tokenizer).
         """
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
-            raise FileNotFoundError(
-                f"`path`: no tokenizer.json at {path} (give the file, or a folder holding tokenizer.json)")
+            raise CheckpointError(f"tokenizer: no tokenizer.json at {path} (the checkpoint's tokenizer file, or a "
+                                  "folder holding tokenizer.json)")
         try:
             tokenizer = Tokenizer.from_file(str(file))
         except Exception as exc:  # the tokenizers library raises a bare Exception with serde's message
