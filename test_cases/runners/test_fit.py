@@ -262,20 +262,19 @@ def test_a_family_without_an_estimate_is_served_unchecked_with_one_info_line(tmp
 def test_after_loading_the_cpu_limit_adds_the_loaded_weights(tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU the loaded weights left MemAvailable but are in the estimate: the limit adds them back."""
     runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt)))
-    seen: list[int] = []
-
-    def fake_available() -> tuple[int, str]:
-        return 8 * GIB, "fake"
-
-    monkeypatch.setattr(memory, "host_available_bytes", fake_available)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: (8 * GIB, "fake"))
+    limits: list[memory.MemoryLimit | None] = []
     real_limit = memory.memory_limit
-    monkeypatch.setattr(memory, "memory_limit",
-                        lambda device, limit_gib=None, loaded_bytes=0: seen.append(loaded_bytes) or real_limit(
-                            device, limit_gib, loaded_bytes))
+
+    def spy(device: torch.device, limit_gib: float | None = None, loaded_bytes: int = 0) -> memory.MemoryLimit | None:
+        limits.append(real_limit(device, limit_gib, loaded_bytes))
+        return limits[-1]
+
+    monkeypatch.setattr(memory, "memory_limit", spy)
     runner.check_fit((48, 80, 9), "before")
     runner.init_modules()
     runner.check_fit((48, 80, 9), "after")
-    weights = sum(m.weight_bytes for m in runner.estimate_memory((48, 80, 9)).modules.values())
-    assert seen == [0, weights]
     loaded = sum(t.numel() * t.element_size() for m in runner.modules.values() for t in (*m.parameters(), *m.buffers()))
-    assert weights == loaded  # the footprint is what was loaded
+    assert sum(m.weight_bytes for m in runner.estimate_memory((48, 80, 9)).modules.values()) == loaded
+    assert [limit.bytes for limit in limits] == [8 * GIB, 8 * GIB + loaded]
+    assert limits[1].source == f"cpu: 8.00 GiB available (fake) + {loaded / GIB:.2f} GiB of weights already loaded"
