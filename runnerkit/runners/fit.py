@@ -62,8 +62,8 @@ OVERHEAD_BYTES: dict[str, int] = {"cuda": 256 * MIB, "cpu": 512 * MIB}
 """Fixed bytes added to every estimate, by device type. CUDA: cuBLAS/cuDNN workspaces. CPU: the
 process's resident memory grows beyond its live tensors: glibc keeps freed blocks below its
 dynamic mmap threshold (up to 32 MiB) in its heaps, and oneDNN caches primitives and scratchpads;
-measured up to 0.32 GiB above the tensor peak for one tiny-config request at 256x256x9
-(test_cases/models/wan/test_estimate.py)."""
+measured up to 0.32 GiB above the tensor peak for one request of the tiny test config at
+256x256x9 (the whole-request test of the first family's estimate, under test_cases/models/)."""
 
 
 def overhead_bytes(device: torch.device) -> int:
