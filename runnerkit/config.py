@@ -128,11 +128,25 @@ class CompileConfig(_Strict):
 
 
 class MemoryConfig(_Strict):
-    """Thresholds of the pressure-aware `maybe_empty_cache` (runnerkit.memory)."""
+    """Thresholds of the pressure-aware `maybe_empty_cache` and the fit check of requests (runnerkit.memory,
+    runnerkit.runners.fit)."""
 
     empty_cache_min_free_gib: float = Field(2.0, ge=0, description="Empty the cache when free device memory is below this.")
     empty_cache_min_reclaimable_gib: float = Field(
         16.0, ge=0, description="Empty the cache when reserved-but-unallocated memory is above this.")
+    check_fit: bool = Field(
+        True, description="Refuse a request (and a warmup shape) whose estimated peak memory exceeds the limit, "
+        "before any work on it starts.")
+    limit_gib: float | None = Field(
+        None, gt=0, le=1024**2, description="The device memory limit in GiB that requests are checked against "
+        "(weights included); None: read from the device (CUDA: free + held by this process; CPU: available "
+        "host memory).")
+
+    @model_validator(mode="after")
+    def _limit_needs_check(self) -> "MemoryConfig":
+        if self.limit_gib is not None and not self.check_fit:
+            raise ValueError("`memory.limit_gib` has no effect with `memory.check_fit`=false; remove one of them")
+        return self
 
 
 class SyntheticCheckpointConfig(_Strict):

@@ -5,7 +5,9 @@
 
 One process: validate config and every request -> build runner -> init_modules (load, lock,
 warmup once) -> run each request (a failed request is reported with its index, cleaned up, and the
-rest still run). Exit status 0 only if every request succeeded; 2 for invalid input; 1 otherwise.
+rest still run). Every request's shape is checked against the device's memory before loading
+(runners/fit.py). Exit status 0 only if every request succeeded; 2 for invalid input (a request
+that cannot fit included); 1 otherwise.
 Input errors (config, request, checkpoint, unsupported mode) are reported in one line; unexpected
 errors also print their traceback.
 """
@@ -44,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  runnerkit --config_json configs/<family>/<config>.json --prompt 'a corgi surfing' "
                "--save_result_path outputs/corgi.mp4 --warmup\n\n"
                "exit status: 0 all requests succeeded; 1 a request failed (the others still ran) or an "
-               "unexpected error; 2 invalid input (config, request, checkpoint, unsupported mode); 130 Ctrl-C, 143 SIGTERM")
+               "unexpected error; 2 invalid input (config, request, checkpoint, unsupported mode, a request or warmup "
+               "shape whose estimated memory exceeds the device's: config memory.limit_gib / memory.check_fit); "
+               "130 Ctrl-C, 143 SIGTERM")
     p.add_argument("--model_cls", choices=sorted(load_families()), help="registered model family (or in --config_json)")
     p.add_argument("--task", help="task of the model family, e.g. t2v")
     p.add_argument("--model_path", help="checkpoint folder (runnerkit, the original release, or diffusers layout)")
@@ -187,6 +191,11 @@ def run(args: argparse.Namespace) -> int:
         runner: BaseRunner = get_runner_cls(config.model_cls)(config)
     except (ValueError, NotImplementedError) as exc:  # the family refuses the config's settings
         logger.error("invalid input: config {}: {}", args.config_json or "(command-line flags)", exc)
+        return 2
+    try:
+        runner.check_requests_fit(requests)  # before loading: a request that cannot fit costs no load time
+    except ValueError as exc:  # MemoryFitError
+        logger.error("invalid input: {}", exc)
         return 2
     failed: list[int] = []
     profile_failed = False

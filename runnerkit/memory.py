@@ -1,4 +1,4 @@
-"""Memory helpers: device and host snapshots, pressure-aware cache emptying, gc freeze.
+"""Memory helpers: device and host snapshots, the memory limit of a device, pressure-aware cache emptying, gc freeze.
 
 `maybe_empty_cache` is the only way runnerkit returns cached blocks to the driver: emptying the
 allocator cache unconditionally would throw away exactly what warmup paid for (ARCHITECTURE §3).
@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from loguru import logger
@@ -27,8 +28,8 @@ class HostMemory:
     rss: resident set size now; peak_rss: high-water mark of the RSS since `reset_host_peak`
     succeeded (`peak_scope` "request"), or since the process started (`peak_scope` "process":
     the kernel offers no reset, e.g. outside Linux); available: what the kernel can still hand
-    out (MemAvailable; None where unknown). Source: /proc/self/status (VmRSS, VmHWM) and
-    /proc/meminfo on Linux, `resource.getrusage` elsewhere.
+    out (`host_available_bytes`; None where unknown). Source: /proc/self/status (VmRSS, VmHWM) on
+    Linux, `resource.getrusage` elsewhere.
     """
 
     rss_gib: float
@@ -64,13 +65,13 @@ def _proc_kib(path: str, keys: tuple[str, ...]) -> dict[str, int]:
 def host_memory() -> HostMemory:
     """This process's host memory now (see `HostMemory`)."""
     status = _proc_kib("/proc/self/status", ("VmRSS", "VmHWM"))
-    info = _proc_kib("/proc/meminfo", ("MemAvailable",))
     if "VmRSS" in status and "VmHWM" in status:
         rss, peak = status["VmRSS"] * 1024, status["VmHWM"] * 1024
     else:  # not Linux: ru_maxrss is KiB on Linux, bytes on macOS; no current RSS, the peak stands in
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
         rss = peak
-    available = info["MemAvailable"] * 1024 / GIB if "MemAvailable" in info else None
+    found = host_available_bytes()  # MemAvailable, psutil or free pages; a cgroup limit if smaller
+    available = found[0] / GIB if found is not None else None
     return HostMemory(rss / GIB, peak / GIB, available, _host_peak_scope)
 
 
@@ -127,6 +128,134 @@ def snapshot(device: torch.device) -> MemorySnapshot:
         peak_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB,
         free_gib=free / GIB,
     )
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """How many bytes a run may use on its device, and where the number comes from.
+
+    Attributes:
+        bytes: the limit a request's estimated peak (weights included) is compared with.
+        source: how it was obtained, for messages, e.g. "cpu: MemAvailable 21.9 GiB (/proc/meminfo)".
+    """
+
+    bytes: int
+    source: str
+
+
+MEMINFO = Path("/proc/meminfo")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge number (2^63 rounded to pages)
+
+
+def _meminfo_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (the kernel's estimate of memory a new workload can
+    use without swapping: free memory plus reclaimable page cache and slab), or None."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat_value(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def _cgroup_available() -> tuple[int, str] | None:
+    """Bytes left under this container's cgroup memory limit (limit - usage + inactive file cache,
+    the reclaimable part, as `docker stats` counts it), or None without a limit.
+
+    cgroup v2: /sys/fs/cgroup/memory.max, memory.current, memory.stat `inactive_file`;
+    v1: /sys/fs/cgroup/memory/memory.limit_in_bytes, memory.usage_in_bytes, memory.stat `total_inactive_file`.
+    """
+    for limit_file, usage_file, stat_file, key, name in (
+            (CGROUP_ROOT / "memory.max", CGROUP_ROOT / "memory.current", CGROUP_ROOT / "memory.stat",
+             "inactive_file", "cgroup v2 memory.max"),
+            (CGROUP_ROOT / "memory" / "memory.limit_in_bytes", CGROUP_ROOT / "memory" / "memory.usage_in_bytes",
+             CGROUP_ROOT / "memory" / "memory.stat", "total_inactive_file", "cgroup v1 memory.limit_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is None or usage is None or limit >= _UNLIMITED:
+            continue
+        return max(0, limit - usage + _stat_value(stat_file, key)), f"{name} {limit / GIB:.2f} GiB"
+    return None
+
+
+def host_available_bytes() -> tuple[int, str] | None:
+    """Host memory a new allocation can use, in bytes, and its source; None if unknown.
+
+    /proc/meminfo MemAvailable (Linux), else psutil's `virtual_memory().available` if psutil is
+    installed, else free pages (`os.sysconf`: conservative, ignores reclaimable cache); then the
+    smaller of that and what the container's cgroup limit leaves.
+    """
+    found: tuple[int, str] | None = None
+    available = _meminfo_available()
+    if available is not None:
+        found = available, "MemAvailable of /proc/meminfo"
+    else:
+        try:
+            import psutil  # type: ignore[import-not-found]  # optional; not a dependency
+
+            found = int(psutil.virtual_memory().available), "psutil.virtual_memory().available"
+        except ImportError:
+            try:
+                found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free pages (os.sysconf)"
+            except (ValueError, OSError, AttributeError):
+                found = None
+    cgroup = _cgroup_available()
+    if cgroup is not None and (found is None or cgroup[0] < found[0]):
+        return cgroup[0], f"{cgroup[1]} minus its usage"
+    return found
+
+
+def memory_limit(device: torch.device, limit_gib: float | None = None, loaded_bytes: int = 0) -> MemoryLimit | None:
+    """The bytes a run may use on `device`; None if they cannot be known (the check is then skipped).
+
+    - `limit_gib` given (config `memory.limit_gib`): exactly that, whatever the device has.
+    - CUDA: driver-free memory (`torch.cuda.mem_get_info`) plus what this process's caching
+      allocator already holds (`torch.cuda.memory_reserved`: its live tensors, the loaded weights
+      among them, and its cache), so the same estimate (weights included) compares with the same
+      limit before and after loading.
+    - CPU: available host memory (`host_available_bytes`) plus `loaded_bytes`, the weights the
+      runner has loaded already (they count in the estimate and are no longer available).
+
+    Args:
+        device: the run's compute device.
+        limit_gib: the configured limit in GiB, or None to read the device.
+        loaded_bytes: CPU only: bytes of the weights already loaded by this runner.
+    """
+    if limit_gib is not None:
+        return MemoryLimit(int(limit_gib * GIB), "config memory.limit_gib")
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device)
+        return MemoryLimit(free + held, f"{device}: {free / GIB:.2f} GiB free (torch.cuda.mem_get_info) + "
+                                        f"{held / GIB:.2f} GiB held by this process (torch.cuda.memory_reserved)")
+    if device.type == "cpu":
+        found = host_available_bytes()
+        if found is None:
+            return None
+        available, source = found
+        return MemoryLimit(available + loaded_bytes, f"cpu: {available / GIB:.2f} GiB available ({source}) + "
+                                                     f"{loaded_bytes / GIB:.2f} GiB of weights already loaded")
+    return None
 
 
 def maybe_empty_cache(device: torch.device, reason: str, min_free_gib: float, min_reclaimable_gib: float,

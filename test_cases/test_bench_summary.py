@@ -71,3 +71,41 @@ def test_a_failed_process_leaves_its_round_out_instead_of_shifting_the_pairs() -
     block = [_launch_proc(1.1 * t, 1.1 * t) | {"round": n} for n, t in ((0, 1.0), (2, 4.0))]  # round 1 failed
     r = offload.summarize_offload({"none": none, "block": block}, requests=1)["ratios"]["block / none"]["request1"]
     assert r["transformer_s"]["n"] == 2 and r["transformer_s"]["max"] == pytest.approx(1.1)
+
+
+# ---- estimate_vs_peak.py: its CPU-side logic (the GPU run is bench/DEVICE_RUN.md, command 4) ------------
+def _bench(*args: str) -> None:
+    import subprocess
+    import sys
+
+    from test_cases.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "bench/estimate_vs_peak.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_estimate_vs_peak_dry_run_tabulates_every_mode_and_shape(tmp_path: Path) -> None:
+    import json
+
+    _bench("--dry-run", "--out", str(tmp_path / "dry"))
+    report = json.loads((tmp_path / "dry.json").read_text())
+    cells = {(r["mode"], tuple(r["shape"])): r for r in report["results"]}
+    assert set(cells) == {(m, s) for m in ("none", "block") for s in ((480, 832, 81), (720, 1280, 81))}
+    none, block = cells["none", (480, 832, 81)], cells["block", (480, 832, 81)]
+    assert block["stages"]["transformer"]["weights_gib"] < 0.1 * none["stages"]["transformer"]["weights_gib"]
+    assert none["estimate"]["stage"] == "vae_decoder"
+    assert "| none | 480x832x81 cfg | vae_decoder |" in (tmp_path / "dry.md").read_text()
+
+
+def test_estimate_vs_peak_measures_stages_on_the_cpu(tiny_ckpt: Path, tmp_path: Path) -> None:
+    import json
+
+    from test_cases.conftest import REPO
+
+    _bench("--config", str(REPO / "configs/wan/wan_t2v_tiny.json"), "--model_path", str(tiny_ckpt), "--device", "cpu",
+           "--shapes", "32", "32", "5", "--modes", "none", "--steps", "1", "--out", str(tmp_path / "smoke"))
+    (result,) = json.loads((tmp_path / "smoke.json").read_text())["results"]
+    assert set(result["stages"]) == {"text_encoder", "transformer", "vae_decoder", "save"}
+    assert all(s["measured_gib"] > 0 and s["formula_over_measured"] >= 1.0 for s in result["stages"].values())
+    assert result["estimate_over_measured"] >= 1.0

@@ -740,3 +740,88 @@ def test_wan_t2v_script_accepts_a_requests_file(config_path: Path, tmp_path: Pat
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "reqs.jsonl"]
     assert "warmup:" in proc.stderr  # the script warms up
+
+
+# ---- memory refusal (runners/fit.py, models/wan/estimate.py) ---------------------------------------
+HUGE = ("--target_height", 4096, "--target_width", 4096)
+
+
+def _peak(config: dict[str, Any], shape: tuple[int, int, int]) -> Any:
+    from runnerkit.config import load_runner_config
+    from runnerkit.models.wan.runner import WanT2VRunner
+    from runnerkit.runners.fit import peak_of
+
+    runner = WanT2VRunner(load_runner_config(None, config))
+    return peak_of(runner.estimate_memory(shape), runner.config, runner.device)
+
+
+def test_4096_frames_on_a_16_gib_limit_exit_2_in_seconds_before_loading(tiny_ckpt: Path, tmp_path: Path, mocker: Any,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 8 item 5's example: 4096x4096 frames with the tiny config are refused before anything
+    loads (accepted before, then still on step 1 after minutes), with the estimate and the limit."""
+    import time
+
+    from runnerkit.models.wan.runner import WanT2VRunner
+
+    data = tiny_config_dict(tiny_ckpt, memory={"limit_gib": 16.0})
+    cfg = write_config(tmp_path / "c.json", data)
+    out = tmp_path / "x.safetensors"
+    load = mocker.spy(WanT2VRunner, "load_modules")
+    t0 = time.perf_counter()
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "a cat", *HUGE, "--save_tensor_path", out)
+    assert rc == 2 and time.perf_counter() - t0 < 10, err
+    assert load.call_count == 0 and "step 1/" not in err and not out.exists()
+    peak = _peak(data, (4096, 4096, 9))
+    assert peak.bytes > 16 * 1024**3 and peak.stage == "vae_decoder"
+    _assert_invalid(rc, err, "invalid input: request 0 (command line): shape 4096x4096x9 (height x width x frames) "
+                             f"needs an estimated {peak.bytes / 1024**3:.2f} GiB (peak in stage vae_decoder",
+                    "on cpu, more than the limit of 16.00 GiB (config memory.limit_gib)",
+                    "offload.vae_tiling=true", "smaller target_height/target_width/target_video_length")
+
+
+def test_4096_frames_are_refused_against_this_machines_memory(tiny_ckpt: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The same request with the limit read from the host (MemAvailable, cgroup), unless this machine
+    really has the memory the estimate asks for."""
+    data = tiny_config_dict(tiny_ckpt)
+    peak = _peak(data, (4096, 4096, 9))
+    available = memory.host_available_bytes()
+    if available is None or available[0] >= peak.bytes:
+        pytest.skip(f"this machine has {available} bytes available, enough for the {peak.bytes} estimated")
+    rc, err = _cli(capsys, "--config_json", write_config(tmp_path / "c.json", data), "--prompt", "a cat", *HUGE)
+    _assert_invalid(rc, err, "shape 4096x4096x9", "GiB available (", "of weights already loaded")
+
+
+def test_a_request_line_that_cannot_fit_stops_the_batch_before_loading(config_path: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    outs = [tmp_path / f"{i}.safetensors" for i in range(3)]
+    reqs = _write_requests(tmp_path / "r.jsonl", [
+        {"prompt": "fits", "save_tensor_path": str(outs[0])},
+        {"prompt": "does not", "target_height": 4096, "target_width": 4096, "save_tensor_path": str(outs[1])},
+        {"prompt": "fits too", "save_tensor_path": str(outs[2])}])
+    data = {**json.loads(config_path.read_text()), "memory": {"limit_gib": 8.0}}
+    rc, err = _cli(capsys, "--config_json", write_config(tmp_path / "c.json", data), "--requests", reqs)
+    _assert_invalid(rc, err, f"request 1 (line 2 of {str(reqs)!r}): shape 4096x4096x9", "limit of 8.00 GiB")
+    assert "load:" not in err and not any(p.exists() for p in outs)
+
+
+def test_requests_that_fit_run_and_warmup_shapes_are_checked(tiny_ckpt: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """With a limit between the two warmup shapes' estimates, a small request fits but --warmup is
+    refused (phase warmup, exit 2, before loading); without --warmup it runs."""
+    from runnerkit.models.wan.runner import WanT2VRunner
+
+    small, production = WanT2VRunner.WARMUP_SHAPES["debug"]
+    base = tiny_config_dict(tiny_ckpt)
+    lo, hi = _peak(base, small).bytes, _peak(base, production).bytes
+    assert lo < hi
+    data = tiny_config_dict(tiny_ckpt, memory={"limit_gib": (lo + hi) / 2 / 1024**3})
+    cfg = write_config(tmp_path / "c.json", data)
+    h, w, f = small
+    flags = ["--prompt", "a cat", "--target_height", h, "--target_width", w, "--target_video_length", f]
+    out = tmp_path / "ok.safetensors"
+    rc, err = _cli(capsys, "--config_json", cfg, *flags, "--warmup", "--save_tensor_path", out)
+    _assert_invalid(rc, err, f"warmup failed: MemoryFitError: warmup shape {list(production)}")
+    assert "load:" not in err and not out.exists()
+    rc, err = _cli(capsys, "--config_json", cfg, *flags, "--save_tensor_path", out)
+    assert rc == 0 and out.is_file(), err

@@ -304,6 +304,10 @@ class BaseRunner(ABC):
         """The profiling stages of one request, in order."""
 
     @abstractmethod
+    def check_requests_fit(self, requests: Sequence[Any]) -> None:
+        """Before loading: raise `runners.fit.MemoryFitError` if a request cannot fit in the device's memory."""
+
+    @abstractmethod
     def check_warmup_supported(self) -> None:
         """Raise NotImplementedError with the reason if warmup cannot run for this runner/config."""
 

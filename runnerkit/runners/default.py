@@ -37,7 +37,9 @@ from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig
 from runnerkit.media import save_outputs as write_outputs
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.profiling import RequestProfile
+from runnerkit.runners import fit
 from runnerkit.runners.base import BaseRunner, lifecycle_phase
+from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, PeakEstimate
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, OutputKind, Pipeline, Shape
 from runnerkit.runners.placement import Loader, Placement
 from runnerkit.schedulers import SCHEDULERS
@@ -73,6 +75,7 @@ class DefaultRunner(BaseRunner):
         self.streamers: dict[str, Any] = {}  # block/phase streamers of streamed modules, by module name
         self.stage_modules: dict[str, nn.Module] = {}  # modules on the device for the running stage
         self._warmup_steps_run: dict[str, list[int]] = {}
+        self._fit_unchecked_logged = False
 
     # ---- family hooks -------------------------------------------------------------------
     @abstractmethod
@@ -134,6 +137,15 @@ class DefaultRunner(BaseRunner):
     def sidecar_extra(self, info: InputInfo) -> dict[str, Any]:
         """Family fields added to the sidecar JSON of a saved result."""
         return {}
+
+    def estimate_memory(self, shape: Shape) -> MemoryEstimate | None:
+        """Family hook: the memory estimate of a request of `shape` (height, width, frames) on `self.device`.
+
+        Called before loading (from the checkpoint's architecture) and before each request; see
+        runners/fit.py for what the family gives (module weights, per-stage activations) and what
+        the base makes of it. None: no estimate (the default): requests are served unchecked.
+        """
+        return None
 
     # ---- loading and placement --------------------------------------------------------------
     def load_modules(self) -> None:
@@ -270,6 +282,66 @@ class DefaultRunner(BaseRunner):
                 raise ValueError(f"`save_result_path` {request.save_result_path!r}: task {config.task!r} makes {what}; "
                                  f"use {' or '.join(allowed)}")
 
+    def request_shape(self, request: RequestConfig) -> Shape:
+        """(height, width, frames) of `request`, the config's defaults filled in."""
+        cfg = self.config
+        return (request.target_height or cfg.target_height, request.target_width or cfg.target_width,
+                request.target_video_length or cfg.target_video_length)
+
+    # ---- memory fit (runners/fit.py) --------------------------------------------------------
+    def check_fit(self, shape: Shape, what: str) -> PeakEstimate | None:
+        """Refuse `shape` if its estimated peak memory exceeds the device's limit; return the estimate.
+
+        The limit is `memory.limit_gib`, else what the device offers (`memory.memory_limit`: CUDA
+        free + held by this process; CPU available host memory + the weights already loaded).
+        Returns None without a check: `memory.check_fit` false, no family estimate, or a device
+        whose memory cannot be read (each logged once).
+
+        Raises:
+            MemoryFitError: naming `what`, the shape, the estimate, the limit and what to change.
+        """
+        cfg = self.config
+        if not cfg.memory.check_fit:
+            return None
+        estimate = self.estimate_memory(shape)
+        if estimate is None:
+            self._log_unchecked(f"{type(self).__name__} gives no memory estimate (estimate_memory)")
+            return None
+        loaded = fit.weights_between_stages(estimate, cfg, self.device) if self.placement is not None else 0
+        limit = memory.memory_limit(self.device, cfg.memory.limit_gib, loaded_bytes=loaded)
+        if limit is None:
+            self._log_unchecked(f"the memory of device {self.device} cannot be read; set memory.limit_gib")
+            return None
+        peak = fit.peak_of(estimate, cfg, self.device)
+        if peak.bytes > limit.bytes:
+            raise MemoryFitError(fit.refusal_message(what, shape, peak, limit.bytes, limit.source, self.device, cfg,
+                                                     estimate.hints))
+        logger.debug("{}: shape {} fits: estimated {} of {:.2f} GiB ({})", what, list(shape), peak.describe(),
+                     limit.bytes / fit.GIB, limit.source)
+        return peak
+
+    def _log_unchecked(self, reason: str) -> None:
+        if not self._fit_unchecked_logged:
+            logger.info("memory check: requests are not checked against the device's memory: {}", reason)
+            self._fit_unchecked_logged = True
+
+    def check_requests_fit(self, requests: Sequence[RequestConfig]) -> None:
+        """Check every request's shape before anything loads (the launch script calls this first).
+
+        Raises:
+            MemoryFitError: for the first request that cannot fit (its index and source in the message).
+        """
+        peaks: dict[Shape, PeakEstimate | None] = {}
+        for index, request in enumerate(requests):
+            shape = self.request_shape(request)
+            if shape not in peaks:
+                peaks[shape] = self.check_fit(shape, f"request {index} ({request.source})")
+        checked = {s: p for s, p in peaks.items() if p is not None}
+        if checked:
+            shape, peak = max(checked.items(), key=lambda item: item[1].bytes)
+            logger.info("memory check: {} request(s) fit; largest estimate {} for shape {}", len(requests),
+                        peak.describe(), list(shape))
+
     def resolve_request(self, request: RequestConfig | dict[str, Any]) -> InputInfo:
         """Fill request defaults from the runner config and validate the request.
 
@@ -301,10 +373,11 @@ class DefaultRunner(BaseRunner):
 
     def serve_request(self, request: RequestConfig, index: int, prof: RequestProfile) -> None:
         """encoders -> denoise stages -> decoders -> save (see the module docstring)."""
-        # 1. resolve and check the request
+        # 1. resolve and check the request (its shape against the device's memory, before any stage)
         info = self.resolve_request(request)
         self.input_info = info
         prof.shape = list(info.shape)
+        self.check_fit(info.shape, f"request {index}")
         if self._warmup_ran and info.shape not in self.warmup_shapes():
             logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower first step",
                            index, list(info.shape), [list(x) for x in self.warmup_shapes()])
@@ -447,7 +520,12 @@ class DefaultRunner(BaseRunner):
         return tuple(table.get(self.flavour(), ()))
 
     def check_warmup_supported(self) -> None:
-        """Refuse (NotImplementedError with the reason) anything the warmup path does not support."""
+        """Refuse anything the warmup path does not support, and warmup shapes that cannot fit.
+
+        Raises:
+            NotImplementedError: with the reason (runner, task, offload mode or flavour not covered).
+            MemoryFitError: a warmup shape's estimated peak exceeds the device's memory limit.
+        """
         cls = type(self).__name__
         if self.config.unload_modules:
             raise NotImplementedError(
@@ -471,6 +549,8 @@ class DefaultRunner(BaseRunner):
                 f"warmup of {cls} has no shapes for this checkpoint's flavour {flavour!r} "
                 f"(recognised flavours: {sorted(table)}); an unrecognised architecture is not warmed")
         assert len(table[flavour]) == 2, f"{cls}.WARMUP_SHAPES[{flavour!r}] must hold exactly two shapes"
+        for shape in table[flavour]:  # a warmup shape that cannot fit fails here, before loading
+            self.check_fit(shape, f"warmup shape {list(shape)}")
 
     def warmup_info(self, shape: Shape) -> InputInfo:
         """The dummy request of warmup at `shape`: placeholder prompt, the configured negative prompt."""

@@ -19,6 +19,7 @@ from torch import nn
 from runnerkit.config import RunnerConfig
 from runnerkit.registry import RUNNERS, register_runner
 from runnerkit.runners.default import DefaultRunner
+from runnerkit.runners.fit import MemoryEstimate, StageFootprint, module_footprint
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,
@@ -121,6 +122,25 @@ class TwoStageImageRunner(DefaultRunner):
 
     def prepare_load(self) -> None:
         """Nothing to read: the weights come from fixed seeds."""
+
+    MODULES: ClassVar[dict[str, type[nn.Module]]] = {"text_encoder": ToyTextEncoder, "transformer": ToyDenoiser,
+                                                     "transformer_2": ToyDenoiser, "upsampler": ToyUpsampler,
+                                                     "decoder": ToyDecoder}
+
+    def estimate_memory(self, shape: Shape) -> MemoryEstimate:
+        """A deliberately simple estimate (float32): a denoiser step keeps at most 8 latent-size tensors,
+        the decoder its 1/8-resolution projection plus two full images, saving three images."""
+        h, w, _ = shape
+        with torch.device("meta"):
+            modules = {name: module_footprint(factory(), torch.float32) for name, factory in self.MODULES.items()}
+        lat1, lat2, image = C * (h // 16) * (w // 16) * 4, C * (h // 8) * (w // 8) * 4, 3 * h * w * 4
+        return MemoryEstimate(modules=modules, stages=(
+            StageFootprint("text_encoder", "text_encoder", 2 * L * D * 4),
+            StageFootprint("stage1", "transformer", 8 * lat1),
+            StageFootprint("upsampler", "upsampler", lat1 + 2 * lat2),
+            StageFootprint("stage2", "transformer_2", 8 * lat2),
+            StageFootprint("image_decoder", "decoder", lat2 + 2 * image),
+            StageFootprint("save", None, 3 * image)))
 
     def flavour(self) -> str | None:
         return "toy"

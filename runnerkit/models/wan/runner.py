@@ -24,6 +24,7 @@ from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
 from runnerkit.models.wan.checkpoint import LAYOUTS, WanCheckpoint, synthetic_seed_of, write_synthetic
+from runnerkit.models.wan.estimate import wan_t2v_estimate
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE, build_wan_vae
@@ -31,6 +32,7 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
+from runnerkit.runners.fit import MemoryEstimate
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,
@@ -280,6 +282,30 @@ class WanT2VRunner(DefaultRunner):
         if self._synthetic_pending(path):
             return flavour_of(self.arch_override.transformer)
         return flavour_of(WanCheckpoint.open(path, override=self.config.model).arch.transformer)
+
+    # ---- memory estimate (models/wan/estimate.py) ------------------------------------------
+    def architecture(self) -> WanArch | None:
+        """The checkpoint's architecture: from the loaded checkpoint; before loading from its config
+        files (or the configured one, for a synthetic checkpoint still to write); None if they
+        cannot be read (loading then reports why)."""
+        if self.checkpoint is not None:
+            return self.checkpoint.arch
+        try:
+            path = self.checkpoint_path()
+            if self._synthetic_pending(path):
+                return self.arch_override
+            return WanCheckpoint.open(path, override=self.config.model).arch
+        except (ValueError, OSError) as exc:  # CheckpointError included
+            logger.debug("architecture not readable before loading ({}); the memory check waits for the load", exc)
+            return None
+
+    def estimate_memory(self, shape: Shape) -> MemoryEstimate | None:
+        """Text encoder, one transformer step, VAE decode and save of `shape` on `self.device`
+        (formulas and sources: models/wan/estimate.py)."""
+        arch = self.architecture()
+        if arch is None:
+            return None
+        return wan_t2v_estimate(arch, shape, self.dtype, self.device, self.config.enable_cfg, self.config.offload)
 
     # ---- request stages ------------------------------------------------------------------
     def latent_shape(self, info: InputInfo) -> tuple[int, ...]:

@@ -1,0 +1,366 @@
+"""Peak memory of a Wan2.1 text-to-video request, from the architecture and the request shape.
+
+Every formula counts the tensors that are alive at once in this package's own forward code
+(transformer.py, text_encoder.py, vae.py / vae_blocks.py / vae_tiling.py), read line by line:
+an argument stays alive for the length of the call it is passed to, a local until it is
+rebound, and `a * b + c` keeps one temporary at a time. Kernel workspaces are from measurement
+(CPU, torch 2.13) or bounded (CUDA). `test_cases/models/wan/test_estimate.py` checks each
+formula against the peak of tensor allocations measured with `torch.profiler` on the CPU
+(upper bound, and how tight); `bench/estimate_vs_peak.py` against `torch.cuda.max_memory_allocated`.
+
+Units: bytes. `s` = bytes per element of the compute dtype (bf16: 2, float32: 4), `e` = 4 (the
+VAE and every norm, modulation and RoPE table run in float32).
+
+Transformer, one forward (CFG runs the two branches one after the other, batch 1; the cond
+output waits for the uncond one). Per token, in block i >= 1 (block 0 holds less), with D =
+dim, F = ffn_dim, d = head_dim, live across the block: the embedded tokens `pre.x` (4D), the
+block input (4D) and the RoPE tables cos/sin (4d). On top of that, the largest of
+- self-attention, at the SDPA call: modulated input 4D (+ sD cast) + q, k after RMSNorm 2x4D
+  (2sD without qk_norm) + v sD + q, k after RoPE 2x4D + q, k cast 2sD (when s != 4) + output sD;
+- cross-attention: current x 4D + self-attention output sD + norm3 4D (+ sD cast) + q 4D +
+  RMSNorm temporaries 2x4D + output 2sD;
+- FFN, at the GELU: current x 4D + self-attention output sD + FFN input sD + 2sF (Linear1 out,
+  GELU out).
+Plus per forward: scaled-dot-product-attention workspace (CPU flash kernel: per thread 256 x 512
+scores in float32, and in s when s != 4, plus a 256 x d output tile; CUDA flash/memory-efficient
+kernels: a float32 log-sum-exp per head and token, no L x L matrix), the patch embedding (its
+output, the float32 copy, and on the CPU the im2col buffer of `slow_conv3d`), the text context,
+and the outputs kept for CFG (3 float32 latent-size tensors).
+
+Text encoder (UMT5), batch 2 with CFG (prompt and negative prompt together), L = text_len:
+per block the input, the attention bias [B, H, L, L] (and the embedding output it comes from),
+then the larger of attention (norm out, q, k, v, output, its reshape) and the FFN (norm out,
+fc1, gate, GELU: 3F), plus the float32 RMSNorm temporaries and the relative-position buckets.
+
+VAE decoder (causal, one latent frame at a time): walked layer by layer on a meta-built
+decoder, so channels and levels are the code's own. Alive at the peak: the feature cache (two
+frames of the input of every causal 3x3x3 convolution and upsample time convolution, at its
+level's resolution), the decoded frames so far (the whole video at the last chunk), and the
+largest layer transient of a later chunk (4 output frames per latent frame): inside a
+residual block's convolution, input + activation + cache tail + [cache, x] concatenation +
+its padded copy + output + convolution workspace; inside an upsampler, the reshaped input +
+its nearest-upsampled copy + the convolution output. Convolution workspace on the CPU: the
+im2col buffer (C_in * k^3 x output positions) of the slow kernels PyTorch picks when
+N * C * T * H <= 20480 (measured: `slow_conv3d_forward`, `_slow_conv2d_forward`), else the
+oneDNN reorder of input and weights (measured <= input + weights + half the larger of input and
+output); on CUDA 2 x input + weights (cuDNN picks its algorithm and workspace at run time; the
+bound is calibrated on the H200 runs, see CUDA_CONV_WORKSPACE_INPUTS). With
+`offload.vae_tiling`, the same for one tile (all frames), plus the full video accumulator,
+its weight map and the final division. Decode ends with the concatenation: 2 x the video.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import torch
+from torch import nn
+
+from runnerkit.config import OffloadConfig
+from runnerkit.models.wan import text_encoder as te
+from runnerkit.models.wan import vae_tiling
+from runnerkit.models.wan.arch import UMT5Arch, WanArch, WanTransformerArch, WanVAEArch
+from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
+from runnerkit.models.wan.vae import WanVAE
+from runnerkit.models.wan.vae_blocks import AttentionBlock, CausalConv3d, Decoder3d, Resample, ResidualBlock
+from runnerkit.runners.fit import MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
+from runnerkit.runners.pipeline import Shape
+from runnerkit.weights import build_on_meta
+
+F32 = 4
+#: Latent-size float32 tensors the scheduler and the CFG combine keep during a step (latents,
+#: UniPC's two model outputs and last sample, the noise prediction, the combine's temporaries).
+SCHEDULER_LATENT_COPIES = 8
+#: PyTorch's CPU convolution dispatch (float32, kernels <= 3): oneDNN when N*C*T*H (5-D input) or
+#: N*C*H*W (4-D) exceeds this, else the slow im2col kernels (measured with torch 2.13).
+CPU_MKLDNN_MIN_ELEMENTS = 20480
+#: cuDNN's workspace is chosen at run time; bounded by this many copies of the convolution's input
+#: (+ its weights). Calibrated on the H200 runs of bench/results (Wan2.1 1.3B at 480x832x81: the VAE
+#: decode peaks 9.68 GiB above the weights, cold_start_h200.md: 23.41 - 13.73 GiB); checked by
+#: bench/estimate_vs_peak.py.
+CUDA_CONV_WORKSPACE_INPUTS = 2
+#: Tiles of the CPU flash-attention kernel: query and key/value block sizes (upper bounds).
+CPU_SDPA_Q_SPLIT, CPU_SDPA_KV_SPLIT = 256, 512
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def sdpa_workspace(device_type: str, heads: int, q_len: int, head_dim: int, s: int) -> int:
+    """Bytes the fused attention kernel allocates besides its output.
+
+    CPU (`_scaled_dot_product_flash_attention_for_cpu`): per thread a 256 x 512 float32 score tile
+    (plus one in the compute dtype when it is not float32) and a 256 x head_dim output tile.
+    CUDA (flash / memory-efficient): the float32 log-sum-exp [heads, q_len].
+    """
+    if device_type == "cpu":
+        scores = CPU_SDPA_Q_SPLIT * CPU_SDPA_KV_SPLIT * (F32 + (s if s != F32 else 0))
+        return _threads() * (scores + CPU_SDPA_Q_SPLIT * (head_dim + 2) * F32)
+    return 2 * heads * q_len * F32
+
+
+def conv_workspace(device_type: str, in_shape: tuple[int, ...], in_bytes: int, out_positions: int, kernel_numel: int,
+                   weight_bytes: int, out_bytes: int, e: int = F32) -> int:
+    """Workspace of one convolution (see the module docstring for the sources).
+
+    Args:
+        in_shape: the (padded) input's shape, [N, C, T, H, W] or [N, C, H, W].
+        in_bytes: its bytes; out_positions: N x output positions; kernel_numel: k_t*k_h*k_w.
+    """
+    if device_type == "cpu":
+        if math.prod(in_shape[:4]) <= CPU_MKLDNN_MIN_ELEMENTS:
+            return in_shape[1] * kernel_numel * out_positions * e  # im2col columns
+        return in_bytes + weight_bytes + max(in_bytes, out_bytes) // 2
+    return CUDA_CONV_WORKSPACE_INPUTS * in_bytes + weight_bytes
+
+
+# ---- transformer ------------------------------------------------------------------------------
+def transformer_tokens(arch: WanTransformerArch, latent_fhw: tuple[int, int, int]) -> int:
+    """Sequence length L = (f/pt)(h/ph)(w/pw) of a latent grid (f, h, w)."""
+    return math.prod(n // p for n, p in zip(latent_fhw, arch.patch_size))
+
+
+def transformer_step_bytes(arch: WanTransformerArch, latent_fhw: tuple[int, int, int], s: int,
+                           device_type: str) -> tuple[int, str]:
+    """Activation peak of one denoising step (both CFG branches, batch 1 each) and a one-line detail.
+
+    Args:
+        latent_fhw: latent (frames, height, width).
+        s: bytes per element of the compute dtype.
+        device_type: "cpu" or "cuda".
+    """
+    D, Fd, N = arch.dim, arch.ffn_dim, arch.num_heads
+    d = D // N
+    L = transformer_tokens(arch, latent_fhw)
+    cast = s if s != F32 else 0  # a .to(dtype) that copies
+    qk = 2 * F32 * D if arch.qk_norm else 2 * s * D
+    base = 2 * F32 * D + F32 * d  # pre.x + block input + RoPE cos/sin
+    self_attn = F32 * D + cast * D + qk + s * D + 2 * F32 * D + 2 * cast * D + s * D
+    cross_attn = F32 * D + s * D + F32 * D + cast * D + F32 * D + 2 * F32 * D + 2 * s * D
+    ffn = F32 * D + s * D + s * D + 2 * s * Fd
+    per_token = base + max(self_attn, cross_attn, ffn)
+    patch = math.prod(arch.patch_size)
+    embed = L * (s * D + F32 * D + (arch.in_dim * patch * s if device_type == "cpu" else 0))
+    outputs = 3 * L * arch.out_dim * patch * F32  # head output, unpatchify copy, the cond branch kept for CFG
+    context = 4 * arch.text_len * max(arch.text_dim, D) * s
+    total = L * per_token + max(embed, sdpa_workspace(device_type, N, L, d, s)) + outputs + context
+    return total, f"transformer: {L} tokens x {per_token / 1024:.1f} KiB"
+
+
+# ---- text encoder -----------------------------------------------------------------------------
+def text_encoder_bytes(arch: UMT5Arch, batch: int, s: int, device_type: str) -> int:
+    """Activation peak of encoding `batch` prompts padded to `arch.text_len` (UMT5 encoder)."""
+    B, L, D, Da, H, Fd = batch, arch.text_len, arch.dim, arch.dim_attn, arch.num_heads, arch.dim_ffn
+    bias = B * H * L * L * s  # the padding-masked position bias, alive through the block
+    norm_tmp = B * L * D * (2 * F32 + s)  # float32 RMSNorm temporaries
+    attention = B * L * (2 * D * s + 5 * Da * s)  # input, norm out, q, k, v, output, reshape
+    ffn = B * L * (3 * D * s + 3 * Fd * s)  # input, x + attn, norm out, fc1, gate/GELU, product
+    # CUDA: the memory-efficient kernel takes the bias as is; 2 float32 [B, H, L, L] bound the math fallback
+    workspace = sdpa_workspace(device_type, H, L, Da // H, s) if device_type == "cpu" else 2 * B * H * L * L * F32
+    making_bias = H * L * L * s + bias + B * L * D * s  # the embedding output while masked_fill makes the bias
+    blocks = max(making_bias, bias + max(attention + workspace, ffn) + norm_tmp)
+    buckets = L * L * 8  # int64 relative-position buckets, alive through the forward
+    # computing the buckets keeps up to 7 int64/float32 [L, L] temporaries alive (measured 6.6), before the blocks
+    return max(7 * buckets, blocks + buckets) + B * L * D * s
+
+
+# ---- VAE decoder ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _meta_decoder(arch: WanVAEArch) -> Decoder3d:
+    return build_on_meta(lambda: WanVAE(arch)).decoder
+
+
+class _Walk:
+    """Running peak of a decoder chunk: `cache` (feature cache) and the transients of each layer."""
+
+    def __init__(self, device_type: str, e: int) -> None:
+        self.device_type, self.e = device_type, e
+        self.cache = 0
+        self.peak = 0
+
+    def at(self, live: int) -> None:
+        self.peak = max(self.peak, live)
+
+    def conv(self, conv: nn.Module, shape: tuple[int, ...], held: int, cached: bool) -> int:
+        """A convolution with `held` bytes alive around it (its input among them); returns its output bytes.
+
+        `shape`: [C, T, H, W] for a `CausalConv3d` (batch 1), [N, C, H, W] for an `nn.Conv2d`. A causal
+        convolution copies its input with `F.pad`; with `cached`, it first stores two frames of its
+        input in the feature cache (beside the previous ones until it returns) and concatenates the
+        previous two frames in front.
+        """
+        e = self.e
+        w = conv.weight
+        cout, _cin, *k = w.shape
+        weight_bytes = w.numel() * e
+        if isinstance(conv, CausalConv3d):
+            C, T, H, W = shape
+            pw, ph, pt = conv.causal_padding[0], conv.causal_padding[2], conv.causal_padding[4]
+            frame = C * H * W * e
+            extra, t_in = 0, T + pt
+            if cached and pt > 0:
+                extra = 2 * frame + (T + 2) * frame  # new cache tail + [cache, x] concatenation
+                self.cache += 2 * frame
+                t_in = T + 2
+            padded_shape: tuple[int, ...] = (1, C, t_in, H + 2 * ph, W + 2 * pw)
+            copy = math.prod(padded_shape) * e  # F.pad's output
+            positions = (t_in - k[0] + 1) * H * W
+            dispatch_shape = padded_shape
+        else:  # nn.Conv2d on [N, C, H, W] with its own padding: no padded copy
+            N, C, H, W = shape
+            extra, copy = 0, 0
+            positions = N * H * W
+            dispatch_shape = shape
+        out = cout * positions * e
+        in_bytes = copy or math.prod(shape) * e
+        ws = conv_workspace(self.device_type, dispatch_shape, in_bytes, positions, math.prod(k), weight_bytes, out, e)
+        self.at(held + extra + copy + out + ws)
+        return out
+
+    def norm_act(self, size: int, held: int) -> int:
+        """RMSNorm (normalized, scaled and gamma-scaled copies: 3 at once) then SiLU; returns the activation."""
+        self.at(held + 3 * size)
+        self.at(held + 2 * size)
+        return size
+
+    def residual(self, block: ResidualBlock, shape: tuple[int, int, int, int], held: int) -> tuple[int, int, int, int]:
+        e = self.e
+        C, T, H, W = shape
+        cout = block.residual[2].weight.shape[0]
+        a_in, a_out = C * T * H * W * e, cout * T * H * W * e
+        held_in = held + a_in
+        if isinstance(block.shortcut, CausalConv3d):
+            h = self.conv(block.shortcut, shape, held_in, cached=False)
+        else:
+            h = 0
+        act = self.norm_act(a_in, held_in + h)
+        self.conv(block.residual[2], shape, held_in + h + act, cached=True)
+        act2 = self.norm_act(a_out, held_in + h + a_out)
+        self.conv(block.residual[6], (cout, T, H, W), held_in + h + a_out + act2, cached=True)
+        self.at(held_in + h + 3 * a_out)
+        return cout, T, H, W
+
+    def attention(self, block: AttentionBlock, shape: tuple[int, int, int, int], held: int) -> None:
+        C, T, H, W = shape
+        a = C * T * H * W * self.e
+        base = held + 2 * a  # input (the identity) + its [B*T, C, H, W] copy
+        self.norm_act(a, base)
+        qkv = self.conv(block.to_qkv, (T, C, H, W), base + a, cached=False)
+        self.at(base + 2 * qkv)  # contiguous copy of the reshaped qkv
+        self.at(base + qkv + a + sdpa_workspace(self.device_type, 1, T * H * W, C, self.e))
+        self.conv(block.proj, (T, C, H, W), held + a + qkv + a, cached=False)  # identity, qkv, reshaped output
+
+    def resample(self, block: Resample, shape: tuple[int, int, int, int], held: int) -> tuple[int, int, int, int]:
+        e = self.e
+        C, T, H, W = shape
+        a = C * T * H * W * e
+        held_in = held + a
+        if block.mode == "upsample3d":
+            doubled = self.conv(block.time_conv, shape, held_in, cached=True)
+            self.at(held_in + 2 * doubled)  # view/permute/reshape copy of the doubled frames
+            T *= 2
+        a2 = C * T * H * W * e
+        up = 4 * a2  # nearest 2x of the [B*T, C, H, W] copy
+        self.conv(block.resample[1], (T, C, 2 * H, 2 * W), held_in + a2 + up, cached=False)
+        return block.resample[1].weight.shape[0], T, 2 * H, 2 * W
+
+
+def vae_chunk_bytes(arch: WanVAEArch, h: int, w: int, device_type: str) -> tuple[int, int]:
+    """(feature cache, largest transient) of decoding one later latent frame of an h x w latent grid."""
+    decoder = _meta_decoder(arch)
+    walk = _Walk(device_type, F32)
+    z = arch.z_dim
+    C0 = decoder.conv1.weight.shape[0]
+    a0 = C0 * h * w * F32
+    walk.conv(decoder.conv1, (z, 1, h, w), z * h * w * F32, cached=True)
+    res1, attention, res2 = decoder.middle
+    walk.residual(res1, (C0, 1, h, w), 0)  # its input is the decoder's x
+    walk.attention(attention, (C0, 1, h, w), a0)
+    walk.residual(res2, (C0, 1, h, w), a0)
+    shape: tuple[int, int, int, int] = (C0, 1, h, w)
+    for block in decoder.upsamples:
+        if isinstance(block, ResidualBlock):
+            shape = walk.residual(block, shape, 0)
+        else:
+            assert isinstance(block, Resample), f"unexpected decoder block {type(block).__name__}"
+            shape = walk.resample(block, shape, 0)
+    C, T, H, W = shape
+    a = C * T * H * W * F32
+    act = walk.norm_act(a, a)
+    walk.conv(decoder.head[2], shape, a + act, cached=True)
+    return walk.cache, walk.peak
+
+
+def video_bytes(frames: int, height: int, width: int) -> int:
+    """A decoded float32 video [3, F, H, W]."""
+    return 3 * frames * height * width * F32
+
+
+def vae_decode_bytes(arch: WanVAEArch, latent_fhw: tuple[int, int, int], device_type: str,
+                     tiling: bool = False) -> tuple[int, str]:
+    """Activation peak of decoding latents [1, z, f, h, w] to [1, 3, 4(f-1)+1, 8h, 8w], and a detail."""
+    f, h, w = latent_fhw
+    scale = 2 ** (len(arch.dim_mult) - 1)
+    frames = 4 * (f - 1) + 1
+    video = video_bytes(frames, h * scale, w * scale)
+    ys = vae_tiling.tile_starts(h, vae_tiling.TILE_LATENT, vae_tiling.OVERLAP_LATENT)
+    xs = vae_tiling.tile_starts(w, vae_tiling.TILE_LATENT, vae_tiling.OVERLAP_LATENT)
+    if not tiling or (len(ys) == 1 and len(xs) == 1):
+        cache, chunk = vae_chunk_bytes(arch, h, w, device_type)
+        total = max(cache + video + chunk, 2 * video)
+        gib = 2**30
+        return total, f"vae: cache {cache / gib:.2f} GiB + video {video / gib:.2f} GiB + layer {chunk / gib:.2f} GiB"
+    th, tw = min(vae_tiling.TILE_LATENT, h), min(vae_tiling.TILE_LATENT, w)
+    tile, _ = vae_decode_bytes(arch, (f, th, tw), device_type, tiling=False)
+    tile_video = video_bytes(frames, th * scale, tw * scale)
+    weight_map = h * scale * w * scale * F32
+    total = video + weight_map + max(tile, 2 * tile_video) + video  # last term: `out / weight`
+    return total, f"vae (tiled {th}x{tw}): tile {tile / 2**30:.2f} GiB + video 2x{video / 2**30:.2f} GiB"
+
+
+# ---- the request ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def footprints(arch: WanArch, dtype: torch.dtype, offload: OffloadConfig) -> dict[str, ModuleFootprint]:
+    """Weight bytes of the three modules as `WanT2VRunner` loads them (meta-built, nothing allocated)."""
+    transformer = build_on_meta(lambda: WanTransformer3D(arch.transformer))
+    encoder = build_on_meta(lambda: te.UMT5Encoder(arch.text_encoder))
+    vae = build_on_meta(lambda: WanVAE(arch.vae))
+    return {
+        "text_encoder": module_footprint(encoder, dtype, te.keep_fp32),
+        "transformer": module_footprint(transformer, dtype, keep_fp32, WanTransformer3D.STREAM_SPEC, offload),
+        "vae": module_footprint(vae, torch.float32),
+    }
+
+
+def wan_t2v_estimate(arch: WanArch, shape: Shape, dtype: torch.dtype, device: torch.device, enable_cfg: bool,
+                     offload: OffloadConfig) -> MemoryEstimate:
+    """The memory estimate of one text-to-video request of `shape` (height, width, frames).
+
+    Stages: text_encoder (UMT5 on the prompt and, with CFG, the negative prompt), transformer (one
+    step: the peak repeats every step), vae_decoder, save (the decoded video until it is written;
+    on the CPU also the float->uint8 conversion and the serialization copies: 3 x the video).
+    """
+    height, width, frames = shape
+    s = torch.empty((), dtype=dtype, device="meta").element_size()
+    dev = device.type
+    latent = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    latent_bytes = arch.vae.z_dim * math.prod(latent) * F32
+    context = (2 if enable_cfg else 1) * arch.text_encoder.text_len * arch.text_encoder.dim * s
+    text = text_encoder_bytes(arch.text_encoder, 2 if enable_cfg else 1, s, dev)
+    step, step_detail = transformer_step_bytes(arch.transformer, latent, s, dev)
+    decode, decode_detail = vae_decode_bytes(arch.vae, latent, dev, tiling=offload.vae_tiling)
+    video = video_bytes(frames, height, width)
+    hints = () if offload.vae_tiling else ("offload.vae_tiling=true (the VAE decodes 256-px tiles: its memory "
+                                           "then grows with the tile, not the frame)",)
+    return MemoryEstimate(
+        modules=footprints(arch, dtype, offload),
+        stages=(
+            StageFootprint("text_encoder", "text_encoder", text + context, "umt5 on the prompt(s)"),
+            StageFootprint("transformer", "transformer", step + context + SCHEDULER_LATENT_COPIES * latent_bytes,
+                           step_detail),
+            StageFootprint("vae_decoder", "vae", decode + latent_bytes, decode_detail),
+            StageFootprint("save", None, (3 if dev == "cpu" else 1) * video, "the decoded video"),
+        ),
+        hints=hints,
+    )

@@ -1,0 +1,280 @@
+"""Will a request fit on its device? Peak-memory estimates and the refusal (issue 8, item 5).
+
+A request that cannot finish is refused before work starts, with the estimate and the limit in
+the message, instead of running for minutes and dying of an out-of-memory error (or swapping).
+The split of work:
+
+- the family estimates, from its architecture and the request shape, what each stage allocates
+  on top of the weights (`DefaultRunner.estimate_memory` -> `MemoryEstimate`: activations,
+  caches, kernel workspaces), and the bytes of each module's weights (`module_footprint`);
+- this module knows the placement rules of `DefaultRunner.place_modules` (which weights are on
+  the device during which stage, for every offload mode) and turns the estimate into a peak:
+
+      peak = max over stages s of (weights on the device during s + activations of s)
+      estimate = ceil(peak * (1 + MARGIN)) + OVERHEAD_BYTES[device type]
+
+- `runnerkit.memory.memory_limit` says how many bytes the device offers (or config
+  `memory.limit_gib`), and `refusal_message` words the refusal: the request, its shape, the
+  estimate with its peak stage, the limit with its source, and what to change.
+
+Placement per offload mode (the same rules as `DefaultRunner.place_modules` and `Placement`;
+`test_cases/runners/test_fit.py` checks them against a placed runner):
+
+| mode | weights on a CUDA device during stage s | on the CPU (device = host memory) |
+| --- | --- | --- |
+| none | every module | every module |
+| model | s's module only | every module |
+| block / phase | streamed modules: resident part + slots; others: s's module | + streamer host slabs |
+| lazy_load | as block, streamed modules only during their stage | the same |
+| unload_modules | s's module only | s's module only |
+
+(Streamer host slabs: one per unit with storage cpu, one staging slab per slot with storage disk.)
+
+A family that gives no estimate is served unchecked (one INFO line at the first check says so):
+refusing every request of a family that has not written its formulas would make the check a
+barrier to adding families, and the check exists to stop requests that are known not to fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from runnerkit.config import OffloadConfig, RunnerConfig
+from runnerkit.offload.layout import StreamSpec, plan_unit_layout, plan_units
+from runnerkit.offload.pinned import align_up
+
+__all__ = ["MARGIN", "OVERHEAD_BYTES", "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate",
+           "StageFootprint", "device_weights", "module_footprint", "overhead_bytes", "peak_of", "refusal_message",
+           "weights_between_stages"]
+
+GIB = 1024**3
+MIB = 1024**2
+
+MARGIN = 0.10
+"""Fraction added to the formula's peak: allocator rounding (CUDA caching-allocator blocks) and
+small tensors the formulas leave out."""
+OVERHEAD_BYTES: dict[str, int] = {"cuda": 256 * MIB, "cpu": 512 * MIB}
+"""Fixed bytes added to every estimate, by device type. CUDA: cuBLAS/cuDNN workspaces. CPU: the
+process's resident memory grows beyond its live tensors: glibc keeps freed blocks below its
+dynamic mmap threshold (up to 32 MiB) in its heaps, and oneDNN caches primitives and scratchpads;
+measured up to 0.32 GiB above the tensor peak for one request of the tiny test config at
+256x256x9 (the whole-request test of the first family's estimate, under test_cases/models/)."""
+
+
+def overhead_bytes(device: torch.device) -> int:
+    """The fixed part of an estimate on `device` (`OVERHEAD_BYTES`; other devices as CUDA)."""
+    return OVERHEAD_BYTES.get(device.type, OVERHEAD_BYTES["cuda"])
+
+
+class MemoryFitError(ValueError):
+    """A request (or warmup shape) whose estimated peak memory exceeds the device's limit.
+
+    An input error (the launch script exits 2): the message names the request, its shape, the
+    estimate, the limit, and what to change.
+    """
+
+
+@dataclass(frozen=True)
+class ModuleFootprint:
+    """Bytes of one pipeline module's weights (parameters and buffers, in their loaded dtypes).
+
+    Attributes:
+        weight_bytes: all of the module's weights.
+        stream_resident_bytes: block/phase offload of a streamable module: the weights that stay
+            on the device (everything outside the streamed units). None: the module does not
+            stream (or the offload mode does not stream).
+        stream_slot_bytes: all device slots together (`min(gpu_slots, units)` x the largest unit).
+        stream_host_bytes: host memory of the streamer: the slabs of every unit (storage cpu) or
+            one staging slab per slot (storage disk). Counted only when the device is the CPU.
+    """
+
+    weight_bytes: int
+    stream_resident_bytes: int | None = None
+    stream_slot_bytes: int = 0
+    stream_host_bytes: int = 0
+
+    @property
+    def streams(self) -> bool:
+        return self.stream_resident_bytes is not None
+
+
+@dataclass(frozen=True)
+class StageFootprint:
+    """What one stage of a request allocates on the device on top of the weights.
+
+    Attributes:
+        name: the stage (a profiling stage name, e.g. "text_encoder", "transformer", "vae_decoder", "save").
+        module: the module whose weights the stage needs on the device (None: none).
+        activation_bytes: the stage's peak of activations, caches, kernel workspaces and the
+            request tensors alive during it (latents, embeddings, decoded outputs), in bytes.
+        detail: one line on where the bytes come from (shown in logs and refusals).
+    """
+
+    name: str
+    module: str | None
+    activation_bytes: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """A family's estimate for one request shape: module weights and per-stage activations.
+
+    Attributes:
+        modules: module name -> its weights (every module of the pipeline).
+        stages: the request's stages in order.
+        hints: family advice shown when the request is refused (e.g. "set offload.vae_tiling").
+    """
+
+    modules: dict[str, ModuleFootprint]
+    stages: tuple[StageFootprint, ...]
+    hints: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """The estimated peak of one request on its device (bytes).
+
+    Attributes:
+        bytes: the estimate compared with the limit: ceil(formula_bytes * (1 + MARGIN)) + overhead_bytes(device).
+        formula_bytes: weight_bytes + activation_bytes at the peak stage.
+        stage: the stage at the peak.
+        weight_bytes: weights on the device during that stage.
+        activation_bytes: that stage's activations.
+        detail: the stage's own explanation.
+    """
+
+    bytes: int
+    formula_bytes: int
+    stage: str
+    weight_bytes: int
+    activation_bytes: int
+    detail: str = ""
+    overhead_bytes: int = 0
+
+    def describe(self) -> str:
+        return (f"{self.bytes / GIB:.2f} GiB (peak in stage {self.stage}: {self.weight_bytes / GIB:.2f} GiB weights + "
+                f"{self.activation_bytes / GIB:.2f} GiB activations{'; ' + self.detail if self.detail else ''}; "
+                f"+{MARGIN:.0%} margin + {self.overhead_bytes / GIB:.2f} GiB overhead)")
+
+
+def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """Bytes of `t` (any device, meta included) if stored in `dtype` (None: its own)."""
+    size = torch.empty((), dtype=dtype or t.dtype, device="meta").element_size()
+    return t.numel() * size
+
+
+def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[[str], bool] = lambda name: False,
+                     stream: StreamSpec | None = None, offload: OffloadConfig | None = None) -> ModuleFootprint:
+    """Weight bytes of a module (normally built on the meta device) as the runner loads it.
+
+    Floating parameters are counted in `dtype`, except names for which `keep_fp32` is true
+    (float32); buffers in their own dtype. With `stream` and an offload mode of block/phase, the
+    streamed units are planned exactly as `offload.setup.stream_module` plans them
+    (`plan_units`, `plan_unit_layout`, one slot = the largest unit's raw bytes aligned + its
+    compute region), giving the resident part and the slot bytes.
+
+    Args:
+        module: the network, on the meta device (no memory) or materialized.
+        dtype: the load dtype of its floating weights.
+        keep_fp32: parameter name -> stays float32.
+        stream: the family's stream spec, for a module that can stream.
+        offload: the run's offload config (mode, slots, weight_dtype, storage).
+    """
+    sizes: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, p in module.named_parameters():
+        load = p.dtype if not p.dtype.is_floating_point else (torch.float32 if keep_fp32(name) else dtype)
+        sizes[name] = tensor_bytes(p, load)
+        shapes[name] = tuple(p.shape)
+    buffers = sum(tensor_bytes(b) for _, b in module.named_buffers())
+    total = sum(sizes.values()) + buffers
+    if stream is None or offload is None or offload.mode not in ("block", "phase"):
+        return ModuleFootprint(weight_bytes=total)
+    units = plan_units(module, offload.mode, stream)
+    layouts = [plan_unit_layout(u, shapes, dtype, offload.weight_dtype) for u in units]
+    slot = align_up(max(lay.raw_nbytes for lay in layouts)) + max(lay.compute_nbytes for lay in layouts)
+    slots = min(offload.gpu_slots, len(units))
+    streamed = sum(sizes[p] for u in units for p in u.params)
+    host = sum(lay.raw_nbytes for lay in layouts) if offload.storage == "cpu" else slots * max(
+        lay.raw_nbytes for lay in layouts)
+    return ModuleFootprint(weight_bytes=total, stream_resident_bytes=total - streamed, stream_slot_bytes=slots * slot,
+                           stream_host_bytes=host)
+
+
+def _held(name: str, footprint: ModuleFootprint, stage_module: str | None, config: RunnerConfig,
+          device: torch.device) -> int:
+    """Weight bytes of module `name` on `device` while the stage of `stage_module` runs (None: between stages)."""
+    off = config.offload
+    in_stage = name == stage_module
+    on_cpu = device.type == "cpu"
+    if config.unload_modules:
+        return footprint.weight_bytes if in_stage else 0
+    if off.mode in ("block", "phase") and footprint.streams:
+        assert footprint.stream_resident_bytes is not None
+        part = footprint.stream_resident_bytes + footprint.stream_slot_bytes
+        part += footprint.stream_host_bytes if on_cpu else 0
+        return part if (in_stage or not off.lazy_load) else 0
+    if off.mode == "none" or on_cpu:
+        return footprint.weight_bytes  # resident; on the CPU offloaded modules live in the same memory
+    return footprint.weight_bytes if in_stage else 0  # model offload: visits the device for its stage
+
+
+def device_weights(estimate: MemoryEstimate, stage_module: str | None, config: RunnerConfig,
+                   device: torch.device) -> dict[str, int]:
+    """Module name -> weight bytes on `device` while the stage of `stage_module` runs (None: between
+    stages), by the placement rules of the module docstring; modules with nothing there are left out."""
+    held = {n: _held(n, m, stage_module, config, device) for n, m in estimate.modules.items()}
+    return {n: b for n, b in held.items() if b > 0}
+
+
+def weights_between_stages(estimate: MemoryEstimate, config: RunnerConfig, device: torch.device) -> int:
+    """Weight bytes that stay on `device` between requests once the modules are loaded."""
+    return sum(device_weights(estimate, None, config, device).values())
+
+
+def peak_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.device) -> PeakEstimate:
+    """The request's peak on `device`: the largest (weights on the device + activations) over its stages.
+
+    Raises:
+        ValueError: a stage names a module the estimate has no footprint for.
+    """
+    unknown = sorted({s.module for s in estimate.stages if s.module is not None} - set(estimate.modules))
+    if unknown:
+        raise ValueError(f"memory estimate: stages use modules {unknown} without a footprint; "
+                         f"footprints: {sorted(estimate.modules)}")
+    best: PeakEstimate | None = None
+    for stage in estimate.stages:
+        weights = sum(device_weights(estimate, stage.module, config, device).values())
+        formula = weights + stage.activation_bytes
+        if best is None or formula > best.formula_bytes:
+            overhead = overhead_bytes(device)
+            best = PeakEstimate(bytes=math.ceil(formula * (1 + MARGIN)) + overhead, formula_bytes=formula,
+                                stage=stage.name, weight_bytes=weights, activation_bytes=stage.activation_bytes,
+                                detail=stage.detail, overhead_bytes=overhead)
+    assert best is not None, "a memory estimate needs at least one stage"
+    return best
+
+
+def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, limit_bytes: int, limit_source: str,
+                    device: torch.device, config: RunnerConfig, hints: tuple[str, ...] = ()) -> str:
+    """The one-line reason a request is refused, with what to change.
+
+    Args:
+        what: the request, e.g. "request 3 (line 4 of 'r.jsonl')" or "warmup shape [480, 832, 81]".
+        shape: (height, width, frames).
+    """
+    h, w, f = shape
+    advice = ["a smaller target_height/target_width/target_video_length"]
+    if config.offload.mode == "none" and not config.unload_modules and device.type != "cpu" \
+            and peak.weight_bytes > peak.activation_bytes:
+        advice.append("offload.mode 'model' or 'block' (weights leave the device between their stages)")
+    advice += list(hints)
+    return (f"{what}: shape {h}x{w}x{f} (height x width x frames) needs an estimated {peak.describe()} on "
+            f"{device}, more than the limit of {limit_bytes / GIB:.2f} GiB ({limit_source}). Try "
+            f"{'; or '.join(advice)}. To override: config memory.limit_gib (GiB) or memory.check_fit=false")

@@ -1,0 +1,280 @@
+"""The memory refusal's core (runners/fit.py, memory.memory_limit), family-independent: placement
+rules per offload mode (checked against a placed runner), the limit sources, and where the check
+runs (before loading, before a request's first stage, warmup shapes), on the two-stage test family.
+
+The Wan formulas and their measurements are in test_cases/models/wan/test_estimate.py; the launch
+script's exit status in test_cases/test_infer.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from loguru import logger
+
+from runnerkit import memory
+from runnerkit.config import ConfigError, RequestConfig, load_runner_config
+from runnerkit.models.wan.runner import WanT2VRunner
+from runnerkit.runners import fit
+from runnerkit.runners.base import error_phase
+from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, ModuleFootprint, StageFootprint
+from test_cases.conftest import tiny_config_dict
+from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
+
+GIB = 1024**3
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _no_real_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "_frozen", True)
+
+
+@pytest.fixture
+def logs() -> Any:
+    lines: list[str] = []
+    handler = logger.add(lambda m: lines.append(m.rstrip("\n")), level="DEBUG", format="{level} {message}")
+    yield lines
+    logger.remove(handler)
+
+
+def toy(tmp_path: Path, **overrides: Any) -> TwoStageImageRunner:
+    return TwoStageImageRunner(load_runner_config(None, config_dict(tmp_path, **overrides)))
+
+
+# ---- the peak: weights per offload mode + stage activations ----------------------------------
+ESTIMATE = MemoryEstimate(
+    modules={"enc": ModuleFootprint(4 * GIB),
+             "dit": ModuleFootprint(10 * GIB, stream_resident_bytes=1 * GIB, stream_slot_bytes=2 * GIB,
+                                    stream_host_bytes=9 * GIB),
+             "dec": ModuleFootprint(1 * GIB)},
+    stages=(StageFootprint("encode", "enc", 1 * GIB), StageFootprint("denoise", "dit", 3 * GIB),
+            StageFootprint("decode", "dec", 6 * GIB), StageFootprint("save", None, 1 * GIB)))
+
+
+def cfg(**overrides: Any) -> Any:
+    return load_runner_config(None, {"model_cls": "x", "model_path": "/x", **overrides})
+
+
+@pytest.mark.parametrize("overrides, device, stage, weights, activations", [
+    ({}, CUDA, "decode", 15, 6),  # all resident: 4 + 10 + 1
+    ({"offload": {"mode": "model"}}, CUDA, "denoise", 10, 3),  # only the stage's module
+    ({"offload": {"mode": "block"}}, CUDA, "decode", 1 + 2 + 1, 6),  # streamed resident + slots, then the decoder
+    ({"offload": {"mode": "block"}}, CPU, "decode", 4 + 12 + 1, 6),  # host memory holds every copy
+    ({"offload": {"mode": "block", "storage": "disk", "lazy_load": True}}, CUDA, "decode", 1, 6),
+    ({"unload_modules": True}, CUDA, "denoise", 10, 3),
+    ({"unload_modules": True}, CPU, "denoise", 10, 3),
+    ({"offload": {"mode": "model"}}, CPU, "decode", 15, 6),  # offloaded modules are in the same memory
+])
+def test_peak_follows_the_placement_of_each_offload_mode(overrides: dict[str, Any], device: torch.device, stage: str,
+                                                         weights: int, activations: int) -> None:
+    peak = fit.peak_of(ESTIMATE, cfg(**overrides), device)
+    assert (peak.stage, peak.weight_bytes, peak.activation_bytes) == (stage, weights * GIB, activations * GIB)
+    assert peak.formula_bytes == (weights + activations) * GIB
+    overhead = {"cuda": 256, "cpu": 512}[device.type] * 1024**2
+    assert peak.bytes == -(-peak.formula_bytes * 11 // 10) + overhead  # ceil(x * 1.1) + overhead
+
+
+def test_a_stage_on_an_unknown_module_is_an_error() -> None:
+    bad = MemoryEstimate(modules={}, stages=(StageFootprint("s", "ghost", 1),))
+    with pytest.raises(ValueError, match=r"stages use modules \['ghost'\] without a footprint"):
+        fit.peak_of(bad, cfg(), CUDA)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"offload": {"mode": "model"}}, {"offload": {"mode": "block"}},
+                                       {"offload": {"mode": "phase"}},
+                                       {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
+                                       {"unload_modules": True}])
+def test_placement_rules_match_the_placed_runner(tiny_ckpt: Path, overrides: dict[str, Any]) -> None:
+    """What fit.py assumes is on a (CUDA) device between stages and during each stage is what
+    `DefaultRunner.place_modules` really placed: resident modules, plus the stage's own."""
+    runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, **overrides)))
+    runner.init_modules()
+    placement = runner.placement
+    estimate = runner.estimate_memory((48, 80, 9))
+    between = set(fit.device_weights(estimate, None, runner.config, CUDA))
+    assert between == set(placement.resident_modules)
+    for stage in estimate.stages:
+        during = set(fit.device_weights(estimate, stage.module, runner.config, CUDA))
+        assert during == set(placement.resident_modules) | ({stage.module} - {None}), stage.name
+    streamer = runner.streamers.get("transformer")
+    if streamer is not None and not runner.config.offload.lazy_load:  # slot bytes as the streamer allocated them
+        footprint = estimate.modules["transformer"]
+        assert footprint.stream_slot_bytes == streamer.num_slots * streamer.slot_nbytes
+
+
+def test_module_footprint_counts_load_dtypes_on_meta() -> None:
+    with torch.device("meta"):
+        module = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.LayerNorm(20))
+    module.register_buffer("table", torch.empty(7, dtype=torch.complex64, device="meta"))
+    footprint = fit.module_footprint(module, torch.bfloat16, keep_fp32=lambda n: n.startswith("1."))
+    assert footprint.weight_bytes == (200 + 20) * 2 + 40 * 4 + 7 * 8
+    assert not footprint.streams
+
+
+# ---- the limit ---------------------------------------------------------------------------------
+def test_limit_from_config_wins() -> None:
+    limit = memory.memory_limit(CPU, limit_gib=3.5, loaded_bytes=10 * GIB)
+    assert limit == memory.MemoryLimit(int(3.5 * GIB), "config memory.limit_gib")
+
+
+def test_cpu_limit_reads_available_host_memory() -> None:
+    """The real source on this machine: a positive number, /proc/meminfo's MemAvailable (or less under a
+    cgroup limit)."""
+    limit = memory.memory_limit(CPU)
+    assert limit is not None and limit.bytes > 0
+    with_loaded = memory.memory_limit(CPU, loaded_bytes=2 * GIB)
+    assert with_loaded is not None and abs(with_loaded.bytes - limit.bytes - 2 * GIB) < GIB  # other processes move it
+    if memory.MEMINFO.is_file():
+        text = memory.MEMINFO.read_text()
+        kb = next(int(line.split()[1]) for line in text.splitlines() if line.startswith("MemAvailable:"))
+        assert limit.bytes <= kb * 1024 + GIB
+        assert "MemAvailable" in limit.source or "cgroup" in limit.source
+
+
+def test_cpu_limit_sources_and_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8388608 kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", meminfo)
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path / "no_cgroup")
+    assert memory.host_available_bytes() == (8 * GIB, "MemAvailable of /proc/meminfo")
+    # a cgroup v2 limit that leaves less: limit - usage + inactive file cache
+    cg = tmp_path / "cgroup"
+    cg.mkdir()
+    (cg / "memory.max").write_text(f"{6 * GIB}\n")
+    (cg / "memory.current").write_text(f"{3 * GIB}\n")
+    (cg / "memory.stat").write_text(f"anon 1\ninactive_file {1 * GIB}\n")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", cg)
+    available, source = memory.host_available_bytes()
+    assert available == 4 * GIB and "cgroup v2 memory.max" in source
+    (cg / "memory.max").write_text("max\n")  # no limit: back to MemAvailable
+    assert memory.host_available_bytes()[0] == 8 * GIB
+    # no /proc/meminfo, no psutil: free pages from os.sysconf
+    monkeypatch.setattr(memory, "MEMINFO", tmp_path / "absent")
+    monkeypatch.setitem(__import__("sys").modules, "psutil", None)
+    available, source = memory.host_available_bytes()
+    assert available > 0 and source == "free pages (os.sysconf)"
+
+
+def test_limit_config_bounds() -> None:
+    with pytest.raises(ConfigError, match="limit_gib"):
+        cfg(memory={"limit_gib": 0})
+    with pytest.raises(ConfigError, match="`memory.limit_gib` has no effect with `memory.check_fit`=false"):
+        cfg(memory={"limit_gib": 8.0, "check_fit": False})
+
+
+# ---- where the check runs ------------------------------------------------------------------------
+TINY_LIMIT = 0.51  # GiB: above the fixed 0.5 GiB overhead on the CPU, below a 2048x2048 toy request
+
+
+def test_before_loading_a_request_that_cannot_fit_is_refused(tmp_path: Path, mocker: Any) -> None:
+    runner = toy(tmp_path, memory={"limit_gib": TINY_LIMIT})
+    load = mocker.spy(TwoStageImageRunner, "load_modules")
+    requests = [RequestConfig(prompt="small", target_height=16, target_width=16),
+                RequestConfig(prompt="big", target_height=2048, target_width=2048)]
+    requests[1]._source = "line 2 of 'r.jsonl'"
+    with pytest.raises(MemoryFitError) as exc:
+        runner.check_requests_fit(requests)
+    msg = str(exc.value)
+    assert msg.startswith("request 1 (line 2 of 'r.jsonl'): shape 2048x2048x1 (height x width x frames) "
+                          "needs an estimated")
+    peak = fit.peak_of(runner.estimate_memory((2048, 2048, 1)), runner.config, CPU)
+    assert f"{peak.bytes / GIB:.2f} GiB (peak in stage save" in msg
+    assert f"more than the limit of {TINY_LIMIT:.2f} GiB (config memory.limit_gib)" in msg
+    assert "smaller target_height/target_width/target_video_length" in msg and "memory.check_fit=false" in msg
+    assert load.call_count == 0
+
+
+def test_requests_that_fit_are_accepted_and_logged(tmp_path: Path, logs: list[str]) -> None:
+    runner = toy(tmp_path, memory={"limit_gib": 1.0})
+    runner.check_requests_fit([RequestConfig(prompt="a", target_height=32, target_width=64),
+                               RequestConfig(prompt="b", target_height=64, target_width=64)])
+    assert any(line.startswith("INFO memory check: 2 request(s) fit; largest estimate") and "[64, 64, 1]" in line
+               for line in logs)
+
+
+def test_the_limit_compares_strictly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request estimated at exactly the limit fits; one byte less of limit and it is refused."""
+    runner = toy(tmp_path)
+    peak = fit.peak_of(runner.estimate_memory((64, 64, 1)), runner.config, CPU)
+    monkeypatch.setattr(memory, "memory_limit", lambda *a, **k: memory.MemoryLimit(peak.bytes, "test"))
+    assert runner.check_fit((64, 64, 1), "request 0") == peak
+    monkeypatch.setattr(memory, "memory_limit", lambda *a, **k: memory.MemoryLimit(peak.bytes - 1, "test"))
+    with pytest.raises(MemoryFitError, match=r"request 0: shape 64x64x1 .* \(test\)"):
+        runner.check_fit((64, 64, 1), "request 0")
+
+
+def test_before_the_first_stage_a_request_that_cannot_fit_is_refused(tmp_path: Path, mocker: Any) -> None:
+    """run_pipeline (the API path) checks too: refused before any stage, end_run still runs, the
+    next request is served."""
+    runner = toy(tmp_path, memory={"limit_gib": TINY_LIMIT})
+    runner.init_modules()
+    encoders = mocker.spy(TwoStageImageRunner, "run_encoders")
+    end_run = mocker.spy(TwoStageImageRunner, "end_run")
+    with pytest.raises(MemoryFitError, match=r"^request 3: shape 4096x4096x1") as exc:
+        runner.run_pipeline(RequestConfig(prompt="huge", target_height=4096, target_width=4096), 3)
+    assert error_phase(exc.value) == "request 3"
+    assert encoders.call_count == 0 and end_run.call_count == 1
+    runner.run_pipeline(RequestConfig(prompt="fits", save_tensor_path=str(tmp_path / "ok.safetensors")), 4)
+    assert (tmp_path / "ok.safetensors").is_file()
+
+
+def test_a_warmup_shape_that_cannot_fit_fails_before_loading(tmp_path: Path, mocker: Any) -> None:
+    limit = fit.overhead_bytes(CPU) / GIB  # every estimate is above the fixed overhead
+    runner = toy(tmp_path, warmup=True, memory={"limit_gib": limit})
+    smallest = min(fit.peak_of(runner.estimate_memory(s), runner.config, CPU).bytes
+                   for s in TwoStageImageRunner.WARMUP_SHAPES["toy"])
+    assert smallest > limit * GIB, "the limit must refuse the toy's warmup shapes"
+    load = mocker.spy(TwoStageImageRunner, "load_modules")
+    with pytest.raises(MemoryFitError, match=r"^warmup shape \[32, 32, 1\]: shape 32x32x1") as exc:
+        runner.init_modules()
+    assert error_phase(exc.value) == "warmup" and load.call_count == 0
+
+
+def test_check_fit_false_skips_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "memory_limit", lambda *a, **k: memory.MemoryLimit(1, "test"))
+    runner = toy(tmp_path, memory={"check_fit": False})
+    assert runner.check_fit((4096, 4096, 1), "request 0") is None
+    runner.check_requests_fit([RequestConfig(prompt="x", target_height=4096, target_width=4096)])
+
+
+class NoEstimateRunner(TwoStageImageRunner):
+    """A family that gives no memory estimate (the base default)."""
+
+    def estimate_memory(self, shape: Any) -> None:
+        return None
+
+
+def test_a_family_without_an_estimate_is_served_unchecked_with_one_info_line(tmp_path: Path,
+                                                                               logs: list[str]) -> None:
+    runner = NoEstimateRunner(load_runner_config(None, config_dict(tmp_path, memory={"limit_gib": TINY_LIMIT})))
+    runner.check_requests_fit([RequestConfig(prompt="x", target_height=4096, target_width=4096)] * 2)
+    runner.init_modules()
+    runner.run_pipeline(RequestConfig(prompt="y", save_tensor_path=str(tmp_path / "y.safetensors")), 0)
+    unchecked = [line for line in logs if "requests are not checked against the device's memory" in line]
+    assert unchecked == ["INFO memory check: requests are not checked against the device's memory: "
+                         "NoEstimateRunner gives no memory estimate (estimate_memory)"]
+
+
+def test_after_loading_the_cpu_limit_adds_the_loaded_weights(tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the loaded weights left MemAvailable but are in the estimate: the limit adds them back."""
+    runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt)))
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: (8 * GIB, "fake"))
+    limits: list[memory.MemoryLimit | None] = []
+    real_limit = memory.memory_limit
+
+    def spy(device: torch.device, limit_gib: float | None = None, loaded_bytes: int = 0) -> memory.MemoryLimit | None:
+        limits.append(real_limit(device, limit_gib, loaded_bytes))
+        return limits[-1]
+
+    monkeypatch.setattr(memory, "memory_limit", spy)
+    runner.check_fit((48, 80, 9), "before")
+    runner.init_modules()
+    runner.check_fit((48, 80, 9), "after")
+    loaded = sum(t.numel() * t.element_size() for m in runner.modules.values() for t in (*m.parameters(), *m.buffers()))
+    assert sum(m.weight_bytes for m in runner.estimate_memory((48, 80, 9)).modules.values()) == loaded
+    assert [limit.bytes for limit in limits] == [8 * GIB, 8 * GIB + loaded]
+    assert limits[1].source == f"cpu: 8.00 GiB available (fake) + {loaded / GIB:.2f} GiB of weights already loaded"
