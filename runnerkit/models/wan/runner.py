@@ -2,7 +2,8 @@
 
 Source of the pipeline: Wan-Video/Wan2.1 `wan/text2video.py` (WanT2V.generate): UMT5 prompt
 embeddings (and the default negative prompt for CFG), noise [16, (F-1)/4+1, H/8, W/8], flow UniPC
-with shift, `uncond + scale * (cond - uncond)`, VAE decode, clamp to [-1, 1].
+with shift and the reference's own sigma spacing (`scheduler_spacing` "wan"),
+`uncond + scale * (cond - uncond)`, VAE decode, clamp to [-1, 1].
 """
 
 from __future__ import annotations
@@ -88,10 +89,10 @@ class WanT2VRunner(DefaultRunner):
     TEMPORAL_FACTOR = 4
     DEFAULT_NEGATIVE_PROMPT = WAN_NEGATIVE_PROMPT
     #: Wan2.1 t2v defaults (`wan/configs/wan_t2v_*.py` and `generate.py`): 480p, 81 frames at 16 fps,
-    #: 50 UniPC steps, shift 5.0, guidance 5.0.
+    #: 50 UniPC steps on the reference's own sigma spacing, shift 5.0, guidance 5.0.
     DEFAULTS: ClassVar[dict[str, Any]] = {
         "infer_steps": 50, "target_height": 480, "target_width": 832, "target_video_length": 81, "fps": 16,
-        "sample_shift": 5.0, "sample_guide_scale": 5.0, "scheduler": "unipc"}
+        "sample_shift": 5.0, "sample_guide_scale": 5.0, "scheduler": "unipc", "scheduler_spacing": "wan"}
     RESULT_KINDS = {"t2v": "video"}
 
     # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
@@ -259,7 +260,8 @@ class WanT2VRunner(DefaultRunner):
                      ModuleSpec("vae", "decoder", build=self.build_vae)),
             encoders=(EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),),
             denoise=(DenoiseStage("transformer", transformers=("transformer",), steps=cfg.infer_steps,
-                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, latent_shape=self.latent_shape),),
+                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, spacing=cfg.scheduler_spacing,
+                                  latent_shape=self.latent_shape),),
             decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=self.run_vae_decoder),),
             outputs=(OutputSpec("video", "video"),),
         )
