@@ -55,7 +55,8 @@ class FlowUniPCScheduler(Scheduler):
 
     Before the shift the two grids are at most 1/N apart, but the shift stretches that near the
     end of the schedule: with 50 steps and shift 5 the timesteps differ by up to 4 (last
-    timestep 92 vs 96) and the final latents by about 1e-2.
+    timestep 92 vs 96), and the final latents move far beyond float rounding (1.7e-3 with the
+    smooth stand-in model of test_cases/schedulers/test_spacing.py).
 
     Coefficients are computed in float64 from the float32 sigmas; the latents update is float32.
     Solver history: `model_outputs` (the last `solver_order` x0 predictions, oldest first),
