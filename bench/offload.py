@@ -171,7 +171,8 @@ def diffusers_worker(args: argparse.Namespace) -> dict[str, Any]:
     requests = []
     with torch.inference_mode():
         for _ in range(args.requests):
-            sched = SCHEDULERS[runner.config.scheduler](shift=runner.config.sample_shift)
+            sched = SCHEDULERS[runner.config.scheduler](shift=runner.config.sample_shift,
+                                                        spacing=runner.config.scheduler_spacing)
             timer = StepTimer(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)

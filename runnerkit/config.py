@@ -1,7 +1,7 @@
 """Typed, validated configuration: the one place where runnerkit's run defaults live.
 
 Settings whose defaults belong to a model family (resolution, frames, fps, steps, shift,
-guidance, scheduler: `FAMILY_DEFAULTED`) are None here and filled in from the family runner's
+guidance, scheduler and its sigma spacing: `FAMILY_DEFAULTED`) are None here and filled in from the family runner's
 `DEFAULTS` when the runner is built (`BaseRunner.resolve_config`).
 
 A run is described by `RunnerConfig` (JSON file + CLI overrides, validated once before any
@@ -25,7 +25,7 @@ MAX_FRAMES = 1025  # frames
 #: Run settings whose defaults belong to the model family (`BaseRunner.DEFAULTS`); None here means
 #: "the family's default", filled in by `BaseRunner.resolve_config` before anything else reads them.
 FAMILY_DEFAULTED = ("infer_steps", "target_height", "target_width", "target_video_length", "fps",
-                    "sample_shift", "sample_guide_scale", "scheduler")
+                    "sample_shift", "sample_guide_scale", "scheduler", "scheduler_spacing")
 
 
 class ConfigError(ValueError):
@@ -180,6 +180,10 @@ class RunnerConfig(_Strict):
     enable_cfg: bool = Field(True, description="Classifier-free guidance (two branches per step).")
     negative_prompt: str | None = Field(None, description="Default negative prompt; None: the family's reference default.")
     scheduler: Literal["unipc", "euler"] | None = Field(None, description="Flow-matching sampler (None: family default).")
+    scheduler_spacing: str | None = Field(
+        None, description="Where the sampler's sigmas and timesteps come from: a name in runnerkit.schedulers.SPACINGS, "
+                          "each the set_timesteps of the implementation it is named after "
+                          "(runnerkit/schedulers/spacing.py; None: family default).")
     seed: int = Field(42, ge=0, le=2**63 - 1, description="Default seed of a request.")
     warmup: bool = Field(False, description="Run the one-time warmup in init_modules (CLI --warmup).")
     unload_modules: bool = Field(False, description="Load every module per request (warmup refuses this mode).")
@@ -194,6 +198,17 @@ class RunnerConfig(_Strict):
     @classmethod
     def _pair_from_json(cls, v: Any) -> Any:
         return tuple(v) if isinstance(v, list) else v  # JSON has no tuples; the pair arrives as a list
+
+    @field_validator("scheduler_spacing")
+    @classmethod
+    def _spacing(cls, v: str | None) -> str | None:
+        # The names live with the schedulers (imported here, not at module level: this module stays
+        # free of torch, which the schedulers need).
+        from runnerkit.schedulers.spacing import SPACINGS
+
+        if v is not None and v not in SPACINGS:
+            raise ValueError(f"`scheduler_spacing` must be one of {list(SPACINGS)} (got {v!r})")
+        return v
 
     @field_validator("device")
     @classmethod

@@ -5,6 +5,10 @@ one runs the whole request path of both libraries on the same weights and compar
 videos, so a wrong stitch between the pieces (CFG combine, the sampler's schedule or update, the
 initial noise, the text embeddings each branch gets, latent un-normalization) fails here.
 
+runnerkit runs with `scheduler_spacing` "diffusers" here: diffusers' schedulers space their
+sigmas unlike the Wan2.1 reference, whose spacing ("wan") is the family's default
+(test_cases/schedulers/test_spacing.py checks that one against the reference's own numbers).
+
 Both sides read one synthetic checkpoint in the diffusers layout (the tiny `debug`
 architecture, float32, CPU), written by runnerkit's own `write_synthetic`: runnerkit through its
 checkpoint loader, diffusers/transformers through their own classes. The initial noise is drawn
@@ -85,7 +89,7 @@ def reference_modules(diffusers_ckpt: Path) -> dict[str, Any]:
 
 
 def reference_scheduler(name: str) -> Any:
-    """The diffusers scheduler runnerkit's `name` documents that it matches."""
+    """The diffusers scheduler runnerkit's `name` documents that it matches with spacing "diffusers"."""
     if name == "unipc":
         # As Wan-AI/Wan2.1-T2V-*-Diffusers ship it (flow-matching UniPC, bh2, order 2).
         return diffusers.UniPCMultistepScheduler(
@@ -104,7 +108,8 @@ def initial_noise(seed: int) -> torch.Tensor:
 def runnerkit_video(ckpt: Path, scheduler: str, out: Path) -> torch.Tensor:
     """The runner's video [3, F, H, W] in [-1, 1], through its public API."""
     config = load_runner_config(None, tiny_config_dict(
-        ckpt, scheduler=scheduler, infer_steps=STEPS, sample_guide_scale=GUIDANCE, enable_cfg=True))
+        ckpt, scheduler=scheduler, scheduler_spacing="diffusers", infer_steps=STEPS, sample_guide_scale=GUIDANCE,
+        enable_cfg=True))
     runner = get_runner_cls(config.model_cls)(config)
     runner.init_modules()
     runner.run_pipeline(RequestConfig(

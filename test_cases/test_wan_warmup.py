@@ -35,7 +35,8 @@ def scheduler_state(sched: Any) -> dict[str, Any]:
 
 
 def assert_start_up_baseline(runner: WanT2VRunner) -> None:
-    fresh = SCHEDULERS[runner.config.scheduler](shift=runner.config.sample_shift)
+    fresh = SCHEDULERS[runner.config.scheduler](shift=runner.config.sample_shift,
+                                                spacing=runner.config.scheduler_spacing)
     assert scheduler_state(runner.scheduler) == scheduler_state(fresh)
     assert runner.scheduler.generator is None
     assert runner.input_info is None and runner.inputs is None

@@ -157,7 +157,7 @@ class DefaultRunner(BaseRunner):
 
     def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
         """A fresh scheduler of `stage` (no request state)."""
-        return SCHEDULERS[stage.scheduler](shift=stage.shift)
+        return SCHEDULERS[stage.scheduler](shift=stage.shift, spacing=stage.spacing)
 
     @property
     def scheduler(self) -> Scheduler | None:

@@ -10,7 +10,7 @@ placement and offload. Example (a text-to-video family):
                  ModuleSpec("vae", "decoder", build=...)),
         encoders=(EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),),
         denoise=(DenoiseStage("transformer", transformers=("transformer",), steps=50,
-                              scheduler="unipc", shift=5.0),),
+                              scheduler="unipc", shift=5.0, spacing="diffusers"),),
         decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=self.run_vae_decoder),),
         outputs=(OutputSpec("video", "video"),),
     )
@@ -108,6 +108,8 @@ class DenoiseStage:
         steps: scheduled denoising steps (>= 1).
         scheduler: scheduler name (`runnerkit.schedulers.SCHEDULERS`).
         shift: SD3 sigma shift of the scheduler.
+        spacing: where the scheduler's sigmas and timesteps come from, a name in
+            `runnerkit.schedulers.SPACINGS` (runnerkit/schedulers/spacing.py).
         strength: fraction of the schedule that runs, from the previous stage's latents re-noised
             at the first remaining sigma (1.0: from pure noise; only 1.0 for the first stage).
         transition: module run on the previous stage's latents before this stage (e.g. a latent
@@ -120,6 +122,7 @@ class DenoiseStage:
     steps: int
     scheduler: str
     shift: float
+    spacing: str
     latent_shape: Callable[[InputInfo], tuple[int, ...]]
     strength: float = 1.0
     transition: str | None = None

@@ -2,6 +2,7 @@
 
 from runnerkit.schedulers.base import Scheduler, shift_sigmas
 from runnerkit.schedulers.euler import FlowEulerScheduler
+from runnerkit.schedulers.spacing import SPACINGS, Spacing, wan_schedule
 from runnerkit.schedulers.unipc import FlowUniPCScheduler
 
 SCHEDULERS: dict[str, type[Scheduler]] = {
@@ -10,4 +11,5 @@ SCHEDULERS: dict[str, type[Scheduler]] = {
 }
 """Scheduler classes by config name (the `scheduler` key of a runnerkit config)."""
 
-__all__ = ["SCHEDULERS", "FlowEulerScheduler", "FlowUniPCScheduler", "Scheduler", "shift_sigmas"]
+__all__ = ["SCHEDULERS", "SPACINGS", "FlowEulerScheduler", "FlowUniPCScheduler", "Scheduler", "Spacing", "shift_sigmas",
+           "wan_schedule"]

@@ -20,30 +20,14 @@ holds the model. Warmup may jump straight to a later step with `set_step` (ARCHI
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
 import torch
 from loguru import logger
 
-ArrayOrTensor = TypeVar("ArrayOrTensor")
+from runnerkit.schedulers.spacing import SPACINGS, Spacing, shift_sigmas, wan_schedule
 
-
-def shift_sigmas(sigmas: ArrayOrTensor, shift: float) -> ArrayOrTensor:
-    """Apply the SD3 time shift `sigma' = shift * sigma / (1 + (shift - 1) * sigma)`.
-
-    Source: Esser et al. 2024, "Scaling Rectified Flow Transformers for High-Resolution Image
-    Synthesis" (SD3), as Wan2.1 and diffusers use it for flow matching. `shift > 1` spends more
-    steps at high noise. Works on numpy arrays and tensors alike and keeps their dtype, so a
-    schedule can be reproduced in the same precision as the reference computes it.
-
-    Args:
-        sigmas: noise levels in [0, 1], any shape.
-        shift: the shift factor (> 0); 1 leaves the sigmas unchanged.
-
-    Returns:
-        The shifted sigmas, same shape, type and dtype.
-    """
-    return shift * sigmas / (1 + (shift - 1) * sigmas)
+__all__ = ["Scheduler", "shift_sigmas"]
 
 
 class Scheduler(abc.ABC):
@@ -57,44 +41,58 @@ class Scheduler(abc.ABC):
         latents: `[B, C, F, H, W]` float32 on the request's device, or None before `prepare`.
         sigmas: `[infer_steps + 1]` float32 on the CPU (the last one is 0), or None.
         timesteps: `[infer_steps]` on the request's device, as the model takes them, or None.
+            Both come from the scheduler's `spacing` (runnerkit/schedulers/spacing.py).
         generator: the request's CPU `torch.Generator`, or None.
         step_index: the step `step_pre`/`step_post` act on next (0 .. infer_steps).
         infer_steps: number of denoising steps of the request (0 before `prepare`).
         model_dtype: dtype `step_pre` returns the latents in, or None.
         plus the solver history of subclasses that keep one (see `reset_history`).
 
-    Subclasses implement `_schedule` (sigmas and timesteps), `_update` (one step of the
-    solver) and `reset_history`, and declare `keeps_history`.
+    Subclasses implement `_diffusers_schedule` (sigmas and timesteps of the `"diffusers"`
+    spacing: what diffusers' scheduler of the same solver gives), `_update` (one step of the
+    solver) and `reset_history`, and declare `keeps_history`. The `"wan"` spacing is shared by
+    every solver (`spacing.wan_schedule`).
     """
 
     keeps_history: ClassVar[bool]
     """True if the update at step i depends on earlier steps (multistep solvers). Warmup resets
     such a scheduler between non-consecutive steps."""
 
-    def __init__(self, num_train_timesteps: int = 1000, shift: float = 5.0) -> None:
+    def __init__(self, num_train_timesteps: int = 1000, shift: float = 5.0, *, spacing: Spacing) -> None:
         """Build a scheduler with no request state.
 
         Args:
             num_train_timesteps: timesteps of the training schedule (1000 for Wan2.1); the model's
                 timestep is `sigma * num_train_timesteps`.
             shift: SD3 time shift of the sigmas (Wan2.1 uses 5.0 for t2v, 3.0 for 480p i2v).
+            spacing: where sigmas and timesteps come from (runnerkit/schedulers/spacing.py):
+                `"wan"` (the Wan2.1 reference's `set_timesteps`) or `"diffusers"` (diffusers'
+                scheduler of the same solver). No default: the two give different outputs, and
+                the choice belongs to the model family (config `scheduler_spacing`).
 
         Raises:
-            ValueError: `num_train_timesteps` < 1 or `shift` <= 0.
+            ValueError: `num_train_timesteps` < 1 (< 2 with the "wan" spacing, whose training
+                sigmas would all be 0), `shift` <= 0, or an unknown `spacing`.
         """
         if not isinstance(num_train_timesteps, int) or num_train_timesteps < 1:
             raise ValueError(f"`num_train_timesteps` must be an integer >= 1, got {num_train_timesteps!r}")
         if not shift > 0:
             raise ValueError(f"`shift` must be > 0, got {shift!r}")
+        if spacing not in SPACINGS:
+            raise ValueError(f"`spacing` must be one of {list(SPACINGS)}, got {spacing!r}")
+        if spacing == "wan" and num_train_timesteps < 2:
+            raise ValueError(f"`num_train_timesteps` must be >= 2 with spacing 'wan', got {num_train_timesteps!r}")
         self.num_train_timesteps = num_train_timesteps
         self.shift = float(shift)
+        self.spacing: Spacing = spacing
         self._reset_request_state()
 
     # ---------------------------------------------------------------- subclass hooks
 
     @abc.abstractmethod
-    def _schedule(self, infer_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return `(sigmas [infer_steps + 1] float32, timesteps [infer_steps])`, both on the CPU."""
+    def _diffusers_schedule(self, infer_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `"diffusers"` spacing: `(sigmas [infer_steps + 1] float32, timesteps [infer_steps])`
+        on the CPU, as diffusers' scheduler of the same solver gives them."""
 
     @abc.abstractmethod
     def _update(self, velocity: torch.Tensor) -> torch.Tensor:
@@ -180,7 +178,7 @@ class Scheduler(abc.ABC):
         self.model_dtype = dtype
         logger.debug(
             f"{type(self).__name__}.prepare: latents {tuple(latent_shape)}, {infer_steps} steps, "
-            f"shift {self.shift}, device {device}, model dtype {dtype}"
+            f"shift {self.shift}, spacing {self.spacing}, device {device}, model dtype {dtype}"
         )
 
     def step_pre(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +192,8 @@ class Scheduler(abc.ABC):
             latents: `[B, C, F, H, W]` in the model dtype given to `prepare`. When that dtype is
                 float32 this is the scheduler's own tensor: treat it as read-only.
             timestep: `[B]` on the latents' device, `timesteps[i]` repeated over the batch
-                (dtype per subclass: int64 for UniPC, float32 for Euler, as diffusers gives them).
+                (int64 with the "wan" spacing and diffusers' UniPC; float32 with diffusers' Euler:
+                as each reference gives them).
 
         Raises:
             RuntimeError: `prepare` was not called.
@@ -265,6 +264,12 @@ class Scheduler(abc.ABC):
 
     # ---------------------------------------------------------------- helpers
 
+    def _schedule(self, infer_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(sigmas [infer_steps + 1] float32, timesteps [infer_steps])` of `self.spacing`, on the CPU."""
+        if self.spacing == "wan":
+            return wan_schedule(infer_steps, self.shift, self.num_train_timesteps)
+        return self._diffusers_schedule(infer_steps)
+
     def _reset_request_state(self) -> None:
         # The one place the request state is defined, so `__init__` and `clear` agree exactly.
         self.latents: torch.Tensor | None = None
@@ -283,5 +288,6 @@ class Scheduler(abc.ABC):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(num_train_timesteps={self.num_train_timesteps}, shift={self.shift}, "
+            f"spacing={self.spacing!r}, "
             f"step {self.step_index}/{self.infer_steps})"
         )

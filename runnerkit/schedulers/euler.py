@@ -12,21 +12,25 @@ class FlowEulerScheduler(Scheduler):
     """Euler integration of the flow-matching ODE: `x(sigma') = x(sigma) + (sigma' - sigma) * v`.
 
     Source: flow matching (Lipman et al. 2022) / rectified flow (Liu et al. 2022) with the SD3
-    time shift (Esser et al. 2024). The schedule reproduces diffusers'
-    `FlowMatchEulerDiscreteScheduler(num_train_timesteps, shift=shift)` exactly (diffusers
-    0.42): the training table `shift(t / N)` for t = N .. 1 gives `sigma_max` (1 for any shift)
-    and `sigma_min = shift(1 / N)`; the request's timesteps are `linspace(sigma_max * N,
-    sigma_min * N, infer_steps)`, and their sigmas `t / N` are shifted again. So the last
-    non-zero sigma is the shift applied twice to 1 / N, as in diffusers. A final sigma 0 is
-    appended, so the last step lands on the x0 prediction.
+    time shift (Esser et al. 2024). The update is computed in float32 like diffusers' (same
+    values bit for bit on the CPU). The Wan2.1 reference has no Euler solver (only UniPC and
+    DPM++); its spacing still applies, so `euler` and `unipc` sample the same sigmas:
 
-    Timesteps are float32 `sigma * N` (not rounded), as diffusers gives them. The update is
-    computed in float32 like diffusers' (same values bit for bit on the CPU).
+    - `spacing="wan"`: the Wan2.1 reference's schedule (`spacing.wan_schedule`, the one its
+      UniPC scheduler computes), with int64 timesteps as the reference gives every solver.
+    - `spacing="diffusers"`: diffusers' `FlowMatchEulerDiscreteScheduler(num_train_timesteps,
+      shift=shift)` exactly (diffusers 0.42): the training table `shift(t / N)` for t = N .. 1
+      gives `sigma_max` (1 for any shift) and `sigma_min = shift(1 / N)`; the request's
+      timesteps are `linspace(sigma_max * N, sigma_min * N, infer_steps)`, and their sigmas
+      `t / N` are shifted again. So the last non-zero sigma is the shift applied twice to 1 / N,
+      as in diffusers. Timesteps are float32 `sigma * N` (not rounded), as diffusers gives them.
+
+    Either way a final sigma 0 is appended, so the last step lands on the x0 prediction.
     """
 
     keeps_history = False
 
-    def _schedule(self, infer_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _diffusers_schedule(self, infer_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.num_train_timesteps
         # Ends of diffusers' training table, computed as it does: in float32 torch.
         table_ends = torch.tensor([float(n), 1.0], dtype=torch.float32) / n

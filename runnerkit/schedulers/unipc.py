@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from runnerkit.schedulers.base import Scheduler, shift_sigmas
+from runnerkit.schedulers.spacing import Spacing
 
 
 def _log_snr(sigma: float) -> float:
@@ -22,7 +23,7 @@ def _log_snr(sigma: float) -> float:
 
 
 class FlowUniPCScheduler(Scheduler):
-    """UniPC multistep solver for flow matching, as Wan2.1 samples with it.
+    """UniPC multistep solver for flow matching, as Wan2.1 samples with it (and diffusers' WanPipeline).
 
     Source: Zhao et al. 2023, "UniPC: A Unified Predictor-Corrector Framework for Fast Sampling
     of Diffusion Models", in its data-prediction form (the model's velocity `v` becomes
@@ -35,15 +36,27 @@ class FlowUniPCScheduler(Scheduler):
        `order` x0 predictions, where `order = min(solver_order, steps run in this history,
        infer_steps - i)` (the last step is first order, "lower_order_final").
 
-    The schedule and update match diffusers' `UniPCMultistepScheduler(prediction_type=
+    The update is the same in diffusers' `UniPCMultistepScheduler(prediction_type=
     "flow_prediction", use_flow_sigmas=True, flow_shift=shift, solver_order, predict_x0=True,
-    solver_type="bh2", lower_order_final=True, final_sigmas_type="zero")` (diffusers 0.42):
-    sigmas are `shift(linspace(1, 1 / N, infer_steps + 1)[:-1])`, the first one lowered by 1e-6
-    when it equals 1 (so `log(1 - sigma)` stays finite), then a final 0; timesteps are int64
-    `trunc(sigma * N)`. Wan2.1's own `FlowUniPCMultistepScheduler` (built with shift 1, then
-    `set_timesteps(..., shift=shift)`) spaces its unshifted sigmas over `[1 - 1/N, 0]` instead:
-    at most 1/N apart before the shift, but the shift stretches that near the end of the
-    schedule, up to about 4.3 training timesteps (50 steps, shift 5; 2.8 with shift 3).
+    solver_type="bh2", lower_order_final=True, disable_corrector=[], final_sigmas_type="zero")`
+    (diffusers 0.42) and in the Wan2.1 reference's `FlowUniPCMultistepScheduler` (Wan-Video/
+    Wan2.1 `wan/utils/fm_solvers_unipc.py`, a port of diffusers 0.31 with the same defaults): the
+    corrector runs at every step after the first, rho = 1/2 for UniC-1 and UniP-2, the order
+    drops to 1 on the last step. The two differ only in their sigmas, chosen by `spacing`
+    (runnerkit/schedulers/spacing.py):
+
+    - `"wan"`: the reference's `set_timesteps(infer_steps, shift=shift)` on a scheduler built
+      with `shift=1`, as `wan/text2video.py` does: `shift(linspace(1 - 1/N, 0, infer_steps +
+      1)[:-1])`, a final 0, int64 timesteps `trunc(sigma * N)`. What the official release
+      samples with.
+    - `"diffusers"`: `shift(linspace(1, 1/N, infer_steps + 1)[:-1])`, the first one lowered by
+      1e-6 when it equals 1 (so `log(1 - sigma)` stays finite), a final 0, int64 timesteps
+      `trunc(sigma * N)`. What diffusers' `WanPipeline` samples with.
+
+    Before the shift the two grids are at most 1/N apart, but the shift stretches that near the
+    end of the schedule: with 50 steps and shift 5 the timesteps differ by up to 4 (last
+    timestep 92 vs 96), and the final latents move far beyond float rounding (1.7e-3 with the
+    smooth stand-in model of test_cases/schedulers/test_spacing.py).
 
     Coefficients are computed in float64 from the float32 sigmas; the latents update is float32.
     Solver history: `model_outputs` (the last `solver_order` x0 predictions, oldest first),
@@ -52,13 +65,15 @@ class FlowUniPCScheduler(Scheduler):
 
     keeps_history = True
 
-    def __init__(self, num_train_timesteps: int = 1000, shift: float = 5.0, solver_order: int = 2) -> None:
+    def __init__(self, num_train_timesteps: int = 1000, shift: float = 5.0, solver_order: int = 2, *,
+                 spacing: Spacing) -> None:
         """Build the scheduler.
 
         Args:
             num_train_timesteps: timesteps of the training schedule (1000 for Wan2.1).
             shift: SD3 time shift of the sigmas (Wan2.1: 5.0 for t2v, 3.0 for 480p i2v).
             solver_order: 2 (Wan2.1's choice) or 1 (predictor and corrector of first order).
+            spacing: `"wan"` or `"diffusers"` (see the class docstring).
 
         Raises:
             ValueError: `solver_order` not in (1, 2), or a base argument out of range.
@@ -66,7 +81,7 @@ class FlowUniPCScheduler(Scheduler):
         if solver_order not in (1, 2):
             raise ValueError(f"`solver_order` must be 1 or 2, got {solver_order!r}")
         self.solver_order = solver_order
-        super().__init__(num_train_timesteps=num_train_timesteps, shift=shift)
+        super().__init__(num_train_timesteps=num_train_timesteps, shift=shift, spacing=spacing)
 
     def reset_history(self) -> None:
         """Drop the solver history (x0 predictions, corrector input), keeping latents and sigmas.
@@ -78,7 +93,7 @@ class FlowUniPCScheduler(Scheduler):
         self.last_sample: torch.Tensor | None = None
         self.last_order: int = 0
 
-    def _schedule(self, infer_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _diffusers_schedule(self, infer_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.num_train_timesteps
         # float64 numpy as diffusers computes it; float32 only at the end.
         sigmas = shift_sigmas(np.linspace(1.0, 1.0 / n, infer_steps + 1)[:-1], self.shift)  # [S]

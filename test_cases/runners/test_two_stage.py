@@ -46,7 +46,7 @@ def image(runner: TwoStageImageRunner, tmp_path: Path, name: str, index: int = 0
 
 def assert_baseline(runner: TwoStageImageRunner) -> None:
     for stage in runner.pipeline.denoise:
-        fresh = SCHEDULERS[stage.scheduler](shift=stage.shift)
+        fresh = SCHEDULERS[stage.scheduler](shift=stage.shift, spacing=stage.spacing)
         state = {k: v for k, v in vars(runner.schedulers[stage.name]).items() if not callable(v)}  # minus spies
         assert state == vars(fresh), stage.name
     assert runner.input_info is None and runner.inputs is None and runner.context_cache == {}

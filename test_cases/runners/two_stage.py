@@ -101,7 +101,8 @@ class TwoStageImageRunner(DefaultRunner):
     SPATIAL_FACTOR = 16
     DEFAULTS: ClassVar[dict[str, Any]] = {
         "infer_steps": 4, "target_height": 32, "target_width": 64, "target_video_length": 1, "fps": 1,
-        "sample_shift": 3.0, "sample_guide_scale": 4.0, "scheduler": "euler"}
+        "sample_shift": 3.0, "sample_guide_scale": 4.0, "scheduler": "euler",
+        "scheduler_spacing": "diffusers"}
     RESULT_KINDS = {"t2i": "image"}
     STAGE2_STEPS = 6
     STAGE2_STRENGTH = 0.5
@@ -162,9 +163,10 @@ class TwoStageImageRunner(DefaultRunner):
                      ModuleSpec("decoder", "decoder", build=build(ToyDecoder, 5))),
             encoders=(EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),),
             denoise=(DenoiseStage("stage1", transformers=("transformer",), steps=cfg.infer_steps,
-                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, latent_shape=latents(16)),
+                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, spacing=cfg.scheduler_spacing,
+                                  latent_shape=latents(16)),
                      DenoiseStage("stage2", transformers=("transformer_2",), steps=self.STAGE2_STEPS,
-                                  scheduler="unipc", shift=1.0, latent_shape=latents(8),
+                                  scheduler="unipc", shift=1.0, spacing="diffusers", latent_shape=latents(8),
                                   strength=self.STAGE2_STRENGTH, transition="upsampler")),
             decoders=(DecoderStage("image_decoder", module="decoder", output="image", run=self.run_decoder),),
             outputs=(OutputSpec("image", "image"),),

@@ -1,4 +1,5 @@
-"""FlowEulerScheduler: parity with diffusers' FlowMatchEulerDiscreteScheduler, state ownership, jumps."""
+"""FlowEulerScheduler with the "diffusers" spacing: parity with diffusers' FlowMatchEulerDiscreteScheduler,
+state ownership, jumps (the "wan" spacing: test_spacing.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def reference_euler(shift: float, steps: int) -> object:
 @pytest.mark.parametrize("steps", [1, 6, 10, 50])
 @pytest.mark.parametrize("shift", [5.0, 3.0, 1.0, 3.7])
 def test_schedule_matches_diffusers_exactly(steps: int, shift: float) -> None:
-    s = FlowEulerScheduler(shift=shift)
+    s = FlowEulerScheduler(shift=shift, spacing="diffusers")
     s.prepare(LATENT_SHAPE, steps, seed=0, device="cpu")
     ref = reference_euler(shift, steps)
     assert s.sigmas.dtype == torch.float32 and torch.equal(s.sigmas, ref.sigmas)
@@ -32,7 +33,7 @@ def test_schedule_matches_diffusers_exactly(steps: int, shift: float) -> None:
 
 def test_schedule_golden_values() -> None:
     # shift 5, 4 steps: linspace(1000, shift(1/1000) * 1000, 4) / 1000, shifted again.
-    s = FlowEulerScheduler(shift=5.0)
+    s = FlowEulerScheduler(shift=5.0, spacing="diffusers")
     s.prepare((1,), 4, seed=0, device="cpu")
     sigma_min = 5.0 * 0.001 / (1 + 4.0 * 0.001)
     expected = [shift_sigmas(1.0 - k * (1.0 - sigma_min) / 3, 5.0) for k in range(4)] + [0.0]
@@ -43,7 +44,7 @@ def test_schedule_golden_values() -> None:
 @pytest.mark.parametrize("shift", [5.0, 3.0])
 @pytest.mark.parametrize("steps", [6, 10])
 def test_trajectory_matches_diffusers(steps: int, shift: float) -> None:
-    s = FlowEulerScheduler(shift=shift)
+    s = FlowEulerScheduler(shift=shift, spacing="diffusers")
     s.prepare(LATENT_SHAPE, steps, seed=99, device="cpu")
     ref = reference_euler(shift, steps)
     ref_latents = torch.randn(LATENT_SHAPE, generator=torch.Generator("cpu").manual_seed(99))
@@ -60,7 +61,7 @@ def test_trajectory_matches_diffusers(steps: int, shift: float) -> None:
 
 
 def test_update_is_euler_formula() -> None:
-    s = FlowEulerScheduler(shift=3.0)
+    s = FlowEulerScheduler(shift=3.0, spacing="diffusers")
     s.prepare(LATENT_SHAPE, 5, seed=1, device="cpu")
     latents, _ = s.step_pre(0)
     v = fake_velocity(latents, 0)
@@ -70,7 +71,7 @@ def test_update_is_euler_formula() -> None:
 
 
 def test_set_step_to_last_step_lands_on_x0() -> None:
-    s = FlowEulerScheduler(shift=5.0)
+    s = FlowEulerScheduler(shift=5.0, spacing="diffusers")
     s.prepare(LATENT_SHAPE, 6, seed=3, device="cpu")
     s.set_step(5)
     latents, timestep = s.step_pre(5)
@@ -84,7 +85,7 @@ def test_set_step_to_last_step_lands_on_x0() -> None:
 
 
 def test_reset_history_changes_nothing() -> None:
-    s = FlowEulerScheduler()
+    s = FlowEulerScheduler(spacing="diffusers")
     s.prepare(LATENT_SHAPE, 4, seed=2, device="cpu")
     s.step_post(fake_velocity(s.step_pre(0)[0], 0))
     before = dict(vars(s))
@@ -93,7 +94,7 @@ def test_reset_history_changes_nothing() -> None:
 
 
 def test_same_seed_bit_identical_and_generator_rules() -> None:
-    a, b, c = FlowEulerScheduler(), FlowEulerScheduler(), FlowEulerScheduler()
+    a, b, c = (FlowEulerScheduler(spacing="diffusers") for _ in range(3))
     for s, seed in ((a, 8), (b, 8), (c, 9)):
         s.prepare(LATENT_SHAPE, 4, seed=seed, device="cpu")
         assert s.generator.device.type == "cpu"
@@ -110,16 +111,16 @@ def test_same_seed_bit_identical_and_generator_rules() -> None:
 
 
 def test_clear_restores_fresh_state() -> None:
-    s = FlowEulerScheduler(shift=3.0)
+    s = FlowEulerScheduler(shift=3.0, spacing="diffusers")
     s.prepare(LATENT_SHAPE, 6, seed=21, device="cpu", dtype=torch.bfloat16)
     for i in range(2):
         s.step_post(fake_velocity(s.step_pre(i)[0], i))
     s.clear()
-    assert_same_state(s, FlowEulerScheduler(shift=3.0))
+    assert_same_state(s, FlowEulerScheduler(shift=3.0, spacing="diffusers"))
 
 
 def test_errors_name_the_argument() -> None:
-    s = FlowEulerScheduler()
+    s = FlowEulerScheduler(spacing="diffusers")
     with pytest.raises(ValueError, match="`infer_steps`.*got 0"):
         s.prepare(LATENT_SHAPE, 0, seed=0, device="cpu")
     s.prepare(LATENT_SHAPE, 3, seed=0, device="cpu")

@@ -1,4 +1,5 @@
-"""FlowUniPCScheduler: parity with diffusers' flow UniPC, randomness, state ownership, warmup jumps."""
+"""FlowUniPCScheduler with the "diffusers" spacing: parity with diffusers' flow UniPC, randomness, state
+ownership, warmup jumps (the "wan" spacing: test_spacing.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ diffusers = require_reference("diffusers")
 
 
 def reference_unipc(shift: float, steps: int, solver_order: int = 2) -> object:
-    """diffusers' UniPC configured as Wan2.1 samples with it (flow prediction, bh2, x0 form)."""
+    """diffusers' UniPC configured as diffusers' WanPipeline samples with it (flow prediction, bh2, x0 form)."""
     ref = diffusers.UniPCMultistepScheduler(
         num_train_timesteps=1000,
         solver_order=solver_order,
@@ -33,7 +34,7 @@ def reference_unipc(shift: float, steps: int, solver_order: int = 2) -> object:
 @pytest.mark.parametrize("steps", [1, 6, 10, 50])
 @pytest.mark.parametrize("shift", [5.0, 3.0, 1.0])
 def test_schedule_matches_diffusers_exactly(steps: int, shift: float) -> None:
-    s = FlowUniPCScheduler(shift=shift)
+    s = FlowUniPCScheduler(shift=shift, spacing="diffusers")
     s.prepare(LATENT_SHAPE, steps, seed=0, device="cpu")
     ref = reference_unipc(shift, steps)
     assert s.sigmas.dtype == torch.float32 and torch.equal(s.sigmas, ref.sigmas)
@@ -45,7 +46,7 @@ def test_schedule_matches_diffusers_exactly(steps: int, shift: float) -> None:
 @pytest.mark.parametrize("shift", [5.0, 3.0])
 @pytest.mark.parametrize("steps", [6, 10])
 def test_trajectory_matches_diffusers(steps: int, shift: float, solver_order: int) -> None:
-    s = FlowUniPCScheduler(shift=shift, solver_order=solver_order)
+    s = FlowUniPCScheduler(shift=shift, solver_order=solver_order, spacing="diffusers")
     s.prepare(LATENT_SHAPE, steps, seed=1234, device="cpu")
     ref = reference_unipc(shift, steps, solver_order)
     ref.set_begin_index(0)
@@ -70,7 +71,7 @@ def test_production_step_count_matches_diffusers(shift: float) -> None:
     def velocity(x: torch.Tensor) -> torch.Tensor:
         return 0.7 * x + 0.3 * torch.sin(x)
 
-    s = FlowUniPCScheduler(shift=shift)
+    s = FlowUniPCScheduler(shift=shift, spacing="diffusers")
     s.prepare(LATENT_SHAPE, 50, seed=1234, device="cpu")
     ref = reference_unipc(shift, 50)
     ref.set_begin_index(0)
@@ -84,7 +85,7 @@ def test_production_step_count_matches_diffusers(shift: float) -> None:
 def test_jump_then_consecutive_steps_match_diffusers_begin_index() -> None:
     # After set_step(k) the solver restarts from an empty history, like diffusers started at k.
     steps, k = 10, 4
-    s = FlowUniPCScheduler(shift=5.0)
+    s = FlowUniPCScheduler(shift=5.0, spacing="diffusers")
     s.prepare(LATENT_SHAPE, steps, seed=7, device="cpu")
     s.step_post(fake_velocity(s.step_pre(0)[0], 0))  # fill some history first
     s.set_step(k)
@@ -99,7 +100,7 @@ def test_jump_then_consecutive_steps_match_diffusers_begin_index() -> None:
 
 
 def test_set_step_to_last_step_is_first_order_x0_update() -> None:
-    s = FlowUniPCScheduler(shift=5.0)
+    s = FlowUniPCScheduler(shift=5.0, spacing="diffusers")
     s.prepare(LATENT_SHAPE, 6, seed=3, device="cpu")
     s.step_post(fake_velocity(s.step_pre(0)[0], 0))
     sigmas_before, latents_before = s.sigmas.clone(), s.latents.clone()
@@ -121,7 +122,7 @@ def test_set_step_to_last_step_is_first_order_x0_update() -> None:
 
 
 def test_set_step_to_middle_step_is_euler_update() -> None:
-    s = FlowUniPCScheduler(shift=3.0)
+    s = FlowUniPCScheduler(shift=3.0, spacing="diffusers")
     s.prepare(LATENT_SHAPE, 6, seed=3, device="cpu")
     s.set_step(3)
     latents, _ = s.step_pre(3)
@@ -134,7 +135,7 @@ def test_set_step_to_middle_step_is_euler_update() -> None:
 
 
 def test_set_step_to_current_step_keeps_history() -> None:
-    s = FlowUniPCScheduler()
+    s = FlowUniPCScheduler(spacing="diffusers")
     s.prepare(LATENT_SHAPE, 6, seed=3, device="cpu")
     s.step_post(fake_velocity(s.step_pre(0)[0], 0))
     s.set_step(1)
@@ -142,7 +143,7 @@ def test_set_step_to_current_step_keeps_history() -> None:
 
 
 def test_reset_history_keeps_request_state_and_restarts_first_order() -> None:
-    s = FlowUniPCScheduler(shift=5.0)
+    s = FlowUniPCScheduler(shift=5.0, spacing="diffusers")
     s.prepare(LATENT_SHAPE, 6, seed=11, device="cpu")
     for i in range(2):
         s.step_post(fake_velocity(s.step_pre(i)[0], i))
@@ -159,7 +160,7 @@ def test_reset_history_keeps_request_state_and_restarts_first_order() -> None:
 
 
 def _trajectory(seed: int) -> list[torch.Tensor]:
-    s = FlowUniPCScheduler()
+    s = FlowUniPCScheduler(spacing="diffusers")
     s.prepare(LATENT_SHAPE, 6, seed=seed, device="cpu")
     out = [s.latents.clone()]
     for i in range(6):
@@ -176,7 +177,7 @@ def test_same_seed_is_bit_identical_and_different_seeds_differ() -> None:
 
 
 def test_generator_created_at_prepare_on_cpu() -> None:
-    s = FlowUniPCScheduler()
+    s = FlowUniPCScheduler(spacing="diffusers")
     assert s.generator is None
     s.prepare(LATENT_SHAPE, 4, seed=5, device="cpu")
     assert isinstance(s.generator, torch.Generator) and s.generator.device.type == "cpu"
@@ -185,7 +186,7 @@ def test_generator_created_at_prepare_on_cpu() -> None:
 
 
 def test_generator_is_cpu_for_other_devices() -> None:
-    s = FlowUniPCScheduler()
+    s = FlowUniPCScheduler(spacing="diffusers")
     s.prepare(LATENT_SHAPE, 4, seed=5, device="meta", dtype=torch.bfloat16)
     assert s.generator.device.type == "cpu"
     assert s.latents.device.type == "meta" and s.latents.dtype == torch.float32
@@ -193,7 +194,7 @@ def test_generator_is_cpu_for_other_devices() -> None:
 
 
 def test_generator_reused_when_an_encoder_drew_first() -> None:
-    s = FlowUniPCScheduler()
+    s = FlowUniPCScheduler(spacing="diffusers")
     encoder_generator = torch.Generator("cpu").manual_seed(7)
     s.generator = encoder_generator
     torch.randn(5, generator=encoder_generator)  # an encoder's draw, earlier in the request
@@ -205,7 +206,7 @@ def test_generator_reused_when_an_encoder_drew_first() -> None:
 
 
 def test_model_dtype_latents_stay_float32() -> None:
-    s = FlowUniPCScheduler()
+    s = FlowUniPCScheduler(spacing="diffusers")
     s.prepare(LATENT_SHAPE, 4, seed=0, device="cpu", dtype=torch.bfloat16)
     latents, timestep = s.step_pre(0)
     assert latents.dtype == torch.bfloat16 and s.latents.dtype == torch.float32
@@ -216,13 +217,13 @@ def test_model_dtype_latents_stay_float32() -> None:
 
 @pytest.mark.parametrize("solver_order", [1, 2])
 def test_clear_restores_fresh_state(solver_order: int) -> None:
-    s = FlowUniPCScheduler(shift=3.0, solver_order=solver_order)
+    s = FlowUniPCScheduler(shift=3.0, solver_order=solver_order, spacing="diffusers")
     first = _run(s, seed=21, steps=6)
     s.prepare(LATENT_SHAPE, 6, seed=21, device="cpu")
     for i in range(3):
         s.step_post(fake_velocity(s.step_pre(i)[0], i))
     s.clear()
-    assert_same_state(s, FlowUniPCScheduler(shift=3.0, solver_order=solver_order))
+    assert_same_state(s, FlowUniPCScheduler(shift=3.0, solver_order=solver_order, spacing="diffusers"))
     assert s.generator is None and s.latents is None and s.model_outputs == []
     assert torch.equal(_run(s, seed=21, steps=6), first)  # a cleared scheduler serves the next request
 
@@ -236,7 +237,7 @@ def _run(s: FlowUniPCScheduler, seed: int, steps: int) -> torch.Tensor:
 
 
 def test_errors_name_the_argument() -> None:
-    s = FlowUniPCScheduler()
+    s = FlowUniPCScheduler(spacing="diffusers")
     with pytest.raises(RuntimeError, match="before prepare"):
         s.step_pre(0)
     with pytest.raises(ValueError, match="`infer_steps`.*got 0"):
@@ -262,11 +263,11 @@ def test_errors_name_the_argument() -> None:
 
 def test_constructor_validation() -> None:
     with pytest.raises(ValueError, match="`solver_order` must be 1 or 2, got 3"):
-        FlowUniPCScheduler(solver_order=3)
+        FlowUniPCScheduler(solver_order=3, spacing="diffusers")
     with pytest.raises(ValueError, match="`shift` must be > 0, got 0"):
-        FlowUniPCScheduler(shift=0.0)
+        FlowUniPCScheduler(shift=0.0, spacing="diffusers")
     with pytest.raises(ValueError, match="`num_train_timesteps`"):
-        FlowUniPCScheduler(num_train_timesteps=0)
+        FlowUniPCScheduler(num_train_timesteps=0, spacing="diffusers")
 
 
 def test_registry_and_history_flag() -> None:

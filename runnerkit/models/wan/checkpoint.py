@@ -38,6 +38,7 @@ from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import transformer_keys as tk
 from runnerkit.models.wan import vae as vae_mod
 from runnerkit.models.wan.arch import UMT5Arch, WanArch, WanTransformerArch, WanVAEArch
+from runnerkit.models.wan.scheduler_config import write_scheduler_config
 from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D
 from runnerkit.weights import (
@@ -388,6 +389,7 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
             _write_sharded(shapes["vae"], vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", seed,
                            torch.float32, vae_all, generator_device)
             write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
+            write_scheduler_config(tmp)
 
     try:
         fill()

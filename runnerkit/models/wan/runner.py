@@ -2,7 +2,8 @@
 
 Source of the pipeline: Wan-Video/Wan2.1 `wan/text2video.py` (WanT2V.generate): UMT5 prompt
 embeddings (and the default negative prompt for CFG), noise [16, (F-1)/4+1, H/8, W/8], flow UniPC
-with shift, `uncond + scale * (cond - uncond)`, VAE decode, clamp to [-1, 1].
+with shift and the reference's own sigma spacing (`scheduler_spacing` "wan"),
+`uncond + scale * (cond - uncond)`, VAE decode, clamp to [-1, 1].
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from runnerkit.models.wan import vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
 from runnerkit.models.wan.checkpoint import LAYOUTS, WanCheckpoint, synthetic_seed_of, write_synthetic
 from runnerkit.models.wan.estimate import wan_t2v_estimate
+from runnerkit.models.wan.scheduler_config import SCHEDULER_CONFIG, read_flow_shift
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE, build_wan_vae
@@ -90,10 +92,11 @@ class WanT2VRunner(DefaultRunner):
     TEMPORAL_FACTOR = 4
     DEFAULT_NEGATIVE_PROMPT = WAN_NEGATIVE_PROMPT
     #: Wan2.1 t2v defaults (`wan/configs/wan_t2v_*.py` and `generate.py`): 480p, 81 frames at 16 fps,
-    #: 50 UniPC steps, shift 5.0, guidance 5.0.
+    #: 50 UniPC steps on the reference's own sigma spacing, shift 5.0 (a diffusers folder's
+    #: `flow_shift` replaces it: `resolve_sample_shift`), guidance 5.0.
     DEFAULTS: ClassVar[dict[str, Any]] = {
         "infer_steps": 50, "target_height": 480, "target_width": 832, "target_video_length": 81, "fps": 16,
-        "sample_shift": 5.0, "sample_guide_scale": 5.0, "scheduler": "unipc"}
+        "sample_shift": 5.0, "sample_guide_scale": 5.0, "scheduler": "unipc", "scheduler_spacing": "wan"}
     RESULT_KINDS = {"t2v": "video"}
 
     # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
@@ -108,6 +111,8 @@ class WanT2VRunner(DefaultRunner):
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2v": ()}
 
     def __init__(self, config: RunnerConfig) -> None:
+        # Before the family defaults fill it: the user's own shift wins over the checkpoint's.
+        self.sample_shift_configured = config.sample_shift is not None
         super().__init__(config)
         config = self.config  # with the family defaults
         if not isinstance(config.sample_guide_scale, (int, float)):
@@ -221,8 +226,27 @@ class WanT2VRunner(DefaultRunner):
         self.checkpoint = ckpt = self.locate_checkpoint()
         ckpt.check_files()
         logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
+        self.resolve_sample_shift(ckpt)
         self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
         self.tokenizer = WanTokenizer.from_file(ckpt.tokenizer_path())
+
+    def resolve_sample_shift(self, ckpt: WanCheckpoint) -> None:
+        """`sample_shift`: the config's own value, else a diffusers folder's `flow_shift`
+        (`scheduler/scheduler_config.json`), else the family default; recorded in the config.
+
+        Raises:
+            CheckpointError: the scheduler config is unreadable or its `flow_shift` invalid.
+        """
+        flow_shift = read_flow_shift(ckpt.path) if ckpt.layout == "diffusers" else None
+        if flow_shift is None:
+            logger.info("sample_shift {} ({})", self.config.sample_shift,
+                        "from the config" if self.sample_shift_configured else "the family default")
+        elif self.sample_shift_configured:
+            logger.info("sample_shift {} from the config (the checkpoint's {} says flow_shift {})",
+                        self.config.sample_shift, SCHEDULER_CONFIG, flow_shift)
+        else:
+            logger.info("sample_shift {} from the checkpoint's {} (the config sets none)", flow_shift, SCHEDULER_CONFIG)
+            self.update_config(sample_shift=flow_shift)
 
     def build_text_encoder(self, device: torch.device) -> te.UMT5Encoder:
         assert self.checkpoint is not None, "locate_checkpoint first"
@@ -268,7 +292,8 @@ class WanT2VRunner(DefaultRunner):
                      ModuleSpec("vae", "decoder", build=self.build_vae)),
             encoders=(EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),),
             denoise=(DenoiseStage("transformer", transformers=("transformer",), steps=cfg.infer_steps,
-                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, latent_shape=self.latent_shape),),
+                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, spacing=cfg.scheduler_spacing,
+                                  latent_shape=self.latent_shape),),
             decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=self.run_vae_decoder),),
             outputs=(OutputSpec("video", "video"),),
         )
