@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from runnerkit.weights import CheckpointError
+from runnerkit.weights import CheckpointError, read_json_object
 
 SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
 """Where a diffusers pipeline folder keeps its scheduler's config."""
@@ -37,12 +37,7 @@ def read_flow_shift(folder: Path) -> float | None:
     path = folder / SCHEDULER_CONFIG
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{str(path)!r} is not valid UTF-8 JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{str(path)!r} must hold a JSON object (got {type(data).__name__})")
+    data = read_json_object(path, "scheduler")
     if "flow_shift" not in data:
         return None
     value = data["flow_shift"]

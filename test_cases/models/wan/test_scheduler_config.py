@@ -87,7 +87,7 @@ def test_read_flow_shift(tmp_path: Path, content: str | None, expected: float | 
     ('{"flow_shift": true}', r"must be a number > 0 \(got True\)"),
     ('{"flow_shift": NaN}', r"must be a number > 0 \(got nan\)"),
     ("[3.0]", "must hold a JSON object"),
-    ("{flow_shift: 3}", "is not valid UTF-8 JSON"),
+    ("{flow_shift: 3}", "is not valid JSON"),
 ])
 def test_read_flow_shift_refuses_a_broken_file(tmp_path: Path, content: str, message: str) -> None:
     (tmp_path / "scheduler").mkdir()
