@@ -135,6 +135,11 @@ class WanMoECheckpoint:
         path = Path(path)
         layout = detect_moe_layout(path)
         folders = {e: path / f for e, f in EXPERT_FOLDERS[layout].items()}
+        if layout == "runnerkit":  # the family first: a wan2.1 checkpoint is named as such
+            meta = read_json_object(path / "runnerkit.json", "checkpoint")
+            if meta.get("family") != "wan2.2_moe" or not isinstance(meta.get("arch"), dict):
+                raise CheckpointError(f"{path}/runnerkit.json must be an object with \"family\": \"wan2.2_moe\" and an "
+                                      f"\"arch\" object (got family {meta.get('family')!r})")
         missing = [f"{folders[e].name}/ ({EXPERT_ROLES[e]} expert)" for e in EXPERTS if not folders[e].is_dir()]
         if missing:
             raise CheckpointError(
@@ -143,10 +148,6 @@ class WanMoECheckpoint:
                 f"{folders['transformer_2'].name}/ (low-noise)")
         boundary: float | None = None
         if layout == "runnerkit":
-            meta = read_json_object(path / "runnerkit.json", "checkpoint")
-            if meta.get("family") != "wan2.2_moe" or not isinstance(meta.get("arch"), dict):
-                raise CheckpointError(f"{path}/runnerkit.json must be an object with \"family\": \"wan2.2_moe\" and an "
-                                      f"\"arch\" object (got family {meta.get('family')!r})")
             try:
                 arch = WanArch.model_validate(meta["arch"])
             except ValidationError as exc:
