@@ -172,6 +172,10 @@ def test_warmup_opt_in_is_the_moe_class_own() -> None:
     assert "WARMUP_SHAPES" in WanMoERunner.__dict__ and "WARMUP_TASKS" in WanMoERunner.__dict__
     table = WanMoERunner.__dict__["WARMUP_SHAPES"]
     assert set(table) == {"debug", "A14B"}
+    for flavour, ((h0, w0, f0), (h1, w1, f1)) in table.items():
+        assert h0 == w0 and h1 != w1, f"{flavour}: one square and one non-square shape"
+        for shape in ((h0, w0, f0), (h1, w1, f1)):
+            WanMoERunner.validate_shape(*shape)
     for config in ("wan22_moe_t2v_tiny.json", "wan22_moe_t2v_a14b.json"):
         data = json.loads((REPO / "configs" / "wan" / config).read_text())
         flavour = "debug" if data["model"]["transformer"]["dim"] == 64 else "A14B"
