@@ -86,7 +86,7 @@ def test_runner_matches_diffusers_wan_pipeline_with_transformer_2(moe_ckpts: dic
     transformers = require_reference("transformers")
     from test_cases.test_wan_pipeline_parity import _diffusers_model
 
-    ckpt, scheduler = moe_ckpts["diffusers"], "unipc"  # Wan2.2's sampler (the Euler path is shared with wan2.1's parity)
+    ckpt, scheduler = moe_ckpts["diffusers"], "unipc"  # Wan2.2's sampler (Euler: wan2.1's parity test)
     runner = make_runner(ckpt, scheduler=scheduler, infer_steps=STEPS, sample_guide_scale=list(GUIDANCE))
     runner.init_modules()
     out = tmp_path / "video.safetensors"

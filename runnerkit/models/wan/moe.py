@@ -33,7 +33,16 @@ from runnerkit.models.wan.moe_checkpoint import EXPERTS, WanMoECheckpoint, write
 from runnerkit.models.wan.runner import WanT2VRunner, flavour_of
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.registry import register_runner
-from runnerkit.runners.pipeline import DecoderStage, DenoiseStage, EncoderStage, ModuleSpec, OutputSpec, Pipeline, Shape
+from runnerkit.runners.pipeline import (
+    DecoderStage,
+    DenoiseStage,
+    EncoderStage,
+    InputInfo,
+    ModuleSpec,
+    OutputSpec,
+    Pipeline,
+    Shape,
+)
 
 #: Wan2.1 flavour of the experts' architecture -> MoE flavour name.
 MOE_FLAVOURS: dict[str, str] = {"debug": "debug", "14B": "A14B"}
@@ -116,7 +125,8 @@ class WanMoERunner(WanT2VRunner):
         cfg, moe = self.config, self.moe_checkpoint
         assert moe is not None, "prepare_load first"
         experts = tuple(
-            ModuleSpec(name, "transformer", build=partial(self.build_transformer, checkpoint=moe.experts[name], name=name),
+            ModuleSpec(name, "transformer",
+                       build=partial(self.build_transformer, checkpoint=moe.experts[name], name=name),
                        stream=partial(self.stream_transformer, moe.experts[name], name))
             for name in EXPERTS)
         return Pipeline(
@@ -148,7 +158,8 @@ class WanMoERunner(WanT2VRunner):
             return float(scale)  # type: ignore[arg-type]
         return float(scale[EXPERTS.index(self.select_transformer(stage, step_index, timestep))])
 
-    def sidecar_extra(self, info: Any) -> dict[str, Any]:
+    def sidecar_extra(self, info: InputInfo) -> dict[str, Any]:
+        """The expert switch the request ran with."""
         return {"boundary": self.config.boundary}
 
     def clear_request_state(self) -> None:

@@ -165,7 +165,8 @@ class WanMoECheckpoint:
                                           f"(got {ratio!r})")
                 boundary = float(ratio)
             arch = WanCheckpoint.open(path).arch  # transformer/, text_encoder/, vae/ configs
-            second = _arch_from(folders["transformer_2"] / "config.json", "transformer_2", tk.arch_from_diffusers_config)
+            second = _arch_from(folders["transformer_2"] / "config.json", "transformer_2",
+                                tk.arch_from_diffusers_config)
         if second != arch.transformer:
             raise CheckpointError(f"{path}: the experts' architectures differ ({folders['transformer'].name}: "
                                   f"{arch.transformer}; {folders['transformer_2'].name}: {second})")
@@ -221,7 +222,8 @@ def write_synthetic_moe(arch: WanArch, out: Path, seed: int, dtype: torch.dtype,
             meta = json.loads((tmp / "runnerkit.json").read_text())
             (tmp / "runnerkit.json").write_text(json.dumps({**meta, "family": "wan2.2_moe"}, indent=1))
             stem, rename = "model", (lambda sd: sd)
-        shapes = {k: tuple(v.shape) for k, v in build_on_meta(lambda: WanTransformer3D(arch.transformer)).state_dict().items()}
+        skeleton = build_on_meta(lambda: WanTransformer3D(arch.transformer))
+        shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
         _write_sharded(shapes, rename, low, stem, seed + LOW_NOISE_SEED_OFFSET, dtype, keep_fp32, generator_device)
         marker = json.loads((tmp / SYNTHETIC_MARKER).read_text())
         marker["experts"] = {"transformer": seed, "transformer_2": seed + LOW_NOISE_SEED_OFFSET}
