@@ -178,7 +178,10 @@ def test_warmup_opt_in_is_the_moe_class_own() -> None:
             WanMoERunner.validate_shape(*shape)
     for config in ("wan22_moe_t2v_tiny.json", "wan22_moe_t2v_a14b.json"):
         data = json.loads((REPO / "configs" / "wan" / config).read_text())
-        flavour = "debug" if data["model"]["transformer"]["dim"] == 64 else "A14B"
+        cfg = load_runner_config(REPO / "configs" / "wan" / config, {})  # a valid config
+        arch = WanMoERunner.parse_arch(cfg.model, partial=cfg.model_path is not None).transformer
+        flavour = {(64, 2, 2, 128): "debug", (5120, 40, 40, 13824): "A14B"}[
+            (arch.dim, arch.num_layers, arch.num_heads, arch.ffn_dim)]
         shape = (data["target_height"], data["target_width"], data["target_video_length"])
         assert shape in table[flavour], (config, shape)
 
