@@ -115,19 +115,28 @@ class WanT2VRunner(DefaultRunner):
         self.sample_shift_configured = config.sample_shift is not None
         super().__init__(config)
         config = self.config  # with the family defaults
-        if not isinstance(config.sample_guide_scale, (int, float)):
-            raise ValueError(f"`sample_guide_scale` must be one number for wan2.1 (a pair is for MoE models); "
-                             f"got {config.sample_guide_scale!r}")
+        self.check_guidance_settings(config)
         if config.compile.enabled:
-            raise NotImplementedError("`compile.enabled`=true is not available yet for wan2.1")
-        if config.boundary is not None:
-            raise ValueError(f"`boundary` ({config.boundary}) switches MoE experts (Wan2.2); wan2.1 has one "
-                             "transformer: remove it")
+            raise NotImplementedError(f"`compile.enabled`=true is not available yet for {config.model_cls}")
         # Without model_path the config's `model` is the whole architecture (of the synthetic
         # checkpoint): check every rule now. Otherwise it overrides the checkpoint's, checked merged.
         self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
         self.checkpoint: WanCheckpoint | None = None
         self.tokenizer: WanTokenizer | None = None
+
+    @staticmethod
+    def check_guidance_settings(config: RunnerConfig) -> None:
+        """One transformer: one guidance scale and no expert `boundary`.
+
+        Raises:
+            ValueError: a pair of guidance scales or a `boundary` (both are for MoE models).
+        """
+        if not isinstance(config.sample_guide_scale, (int, float)):
+            raise ValueError(f"`sample_guide_scale` must be one number for wan2.1 (a pair is for MoE models); "
+                             f"got {config.sample_guide_scale!r}")
+        if config.boundary is not None:
+            raise ValueError(f"`boundary` ({config.boundary}) switches MoE experts (Wan2.2); wan2.1 has one "
+                             "transformer: remove it")
 
     @staticmethod
     def parse_arch(model: dict[str, Any] | None, partial: bool = False) -> WanArch:
@@ -185,7 +194,7 @@ class WanT2VRunner(DefaultRunner):
             return Path(cfg.model_path)
         assert cfg.synthetic_checkpoint is not None, "config validation requires model_path or synthetic_checkpoint"
         digest = hashlib.sha1(json.dumps(self.arch_override.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
-        return synthetic_cache_dir() / f"wan2.1-{digest[:12]}-seed{cfg.synthetic_checkpoint.seed}-{cfg.dtype}"
+        return synthetic_cache_dir() / f"{cfg.model_cls}-{digest[:12]}-seed{cfg.synthetic_checkpoint.seed}-{cfg.dtype}"
 
     def _synthetic_pending(self, path: Path) -> bool:
         """True if a synthetic checkpoint is configured and not written yet at `path`."""
@@ -195,8 +204,9 @@ class WanT2VRunner(DefaultRunner):
             raise CheckpointError(f"`model_path` {str(path)!r} is a file; a synthetic checkpoint needs a folder")
         return not path.exists() or not any(path.iterdir())
 
-    def locate_checkpoint(self) -> WanCheckpoint:
-        """Open the checkpoint, writing a synthetic one first if configured and absent.
+    def locate_checkpoint(self) -> Any:
+        """Open the checkpoint (`open_checkpoint`), writing a synthetic one first if configured and absent
+        (`write_synthetic_checkpoint`).
 
         Raises:
             CheckpointError: no checkpoint there, or a synthetic one written with another seed.
@@ -204,8 +214,8 @@ class WanT2VRunner(DefaultRunner):
         cfg = self.config
         path = self.checkpoint_path()
         if self._synthetic_pending(path):
-            write_synthetic(self.parse_arch(cfg.model), path, cfg.synthetic_checkpoint.seed, self.dtype)
-        ckpt = WanCheckpoint.open(path, override=cfg.model)
+            type(self).write_synthetic_checkpoint(cfg, path, cfg.synthetic_checkpoint.seed, self.dtype, "runnerkit")
+        ckpt = self.open_checkpoint(path)
         seed = synthetic_seed_of(path)
         if seed is not None:
             wanted = cfg.synthetic_checkpoint.seed if cfg.synthetic_checkpoint else seed
@@ -214,6 +224,10 @@ class WanT2VRunner(DefaultRunner):
                                       f"`synthetic_checkpoint.seed` is {wanted}: use another model_path or delete it")
             logger.warning("model_path {} holds SYNTHETIC RANDOM weights (seed {}): the output will be noise", path, seed)
         return ckpt
+
+    def open_checkpoint(self, path: Path) -> Any:
+        """The checkpoint at `path` with the config's `model` over its architecture (no weight read)."""
+        return WanCheckpoint.open(path, override=self.config.model)
 
     def prepare_load(self) -> None:
         """Checkpoint (written first if synthetic) and its files checked, its architecture into the
@@ -258,27 +272,31 @@ class WanT2VRunner(DefaultRunner):
         # float32, as the reference runs its VAE
         return build_wan_vae(self.checkpoint.arch.vae, self.checkpoint.vae_state_dict(), dtype=torch.float32).to(device)
 
-    def build_transformer(self, device: torch.device) -> WanTransformer3D:
-        """The transformer with all its weights, on `device`."""
-        ckpt = self.checkpoint
+    def build_transformer(self, device: torch.device, checkpoint: WanCheckpoint | None = None,
+                          name: str = "transformer") -> WanTransformer3D:
+        """The transformer of `checkpoint` (default: the runner's) with all its weights, on `device`;
+        `name` labels its errors (e.g. an MoE expert's module name)."""
+        ckpt = checkpoint or self.checkpoint
         assert ckpt is not None, "locate_checkpoint first"
         model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
-        assign_state_dict(model, ckpt.transformer_state_dict(), "transformer", dtype=self.dtype, keep_fp32=keep_fp32,
+        assign_state_dict(model, ckpt.transformer_state_dict(), name, dtype=self.dtype, keep_fp32=keep_fp32,
                           device=device)
         return model.to(device).eval().requires_grad_(False)
 
-    def stream_transformer(self) -> tuple[WanTransformer3D, BlockStreamer]:
-        """The transformer with its blocks (or phases) streamed from host memory or the checkpoint files."""
-        ckpt = self.checkpoint
+    def stream_transformer(self, checkpoint: WanCheckpoint | None = None,
+                           name: str = "transformer") -> tuple[WanTransformer3D, BlockStreamer]:
+        """The transformer of `checkpoint` (default: the runner's) with its blocks (or phases) streamed
+        from host memory or the checkpoint files; `name` labels the streamer (its module name)."""
+        ckpt = checkpoint or self.checkpoint
         assert ckpt is not None, "locate_checkpoint first"
         model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
         off = self.config.offload
         if off.storage == "cpu":
-            streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, off, self.device, self.dtype, "transformer",
+            streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, off, self.device, self.dtype, name,
                                      state_dict=ckpt.transformer_state_dict())
         else:
             names = list(model.state_dict(keep_vars=True))
-            streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, off, self.device, self.dtype, "transformer",
+            streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, off, self.device, self.dtype, name,
                                      files=ckpt.transformer_files(), key_map=ckpt.transformer_key_map(names))
         return model.eval().requires_grad_(False), streamer
 
@@ -306,7 +324,7 @@ class WanT2VRunner(DefaultRunner):
         path = self.checkpoint_path()
         if self._synthetic_pending(path):
             return flavour_of(self.arch_override.transformer)
-        return flavour_of(WanCheckpoint.open(path, override=self.config.model).arch.transformer)
+        return flavour_of(self.open_checkpoint(path).arch.transformer)
 
     # ---- memory estimate (models/wan/estimate.py) ------------------------------------------
     def architecture(self) -> WanArch | None:
@@ -361,7 +379,11 @@ class WanT2VRunner(DefaultRunner):
         if self.inputs.context_null is None:
             return cond
         uncond = model(latents, timestep, self.inputs.context_null).float()
-        return uncond + float(self.config.sample_guide_scale) * (cond - uncond)  # type: ignore[arg-type]
+        return uncond + self.guide_scale(stage, step_index, timestep) * (cond - uncond)
+
+    def guide_scale(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> float:
+        """The CFG scale of one step (one scale for wan2.1; MoE runners choose it per expert)."""
+        return float(self.config.sample_guide_scale)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def run_vae_decoder(self, latents: torch.Tensor) -> torch.Tensor:
@@ -377,3 +399,8 @@ class WanT2VRunner(DefaultRunner):
             self.transformer.clear_cache()
         if self.vae is not None:
             self.vae.clear_cache()
+
+
+# The family's other runners live in their own modules; importing them here registers them (the
+# registry imports each family's `runner` module).
+from runnerkit.models.wan import moe as _moe  # noqa: E402,F401  (wan2.2_moe)
