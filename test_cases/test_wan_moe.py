@@ -87,7 +87,8 @@ def test_runner_matches_diffusers_wan_pipeline_with_transformer_2(moe_ckpts: dic
     from test_cases.test_wan_pipeline_parity import _diffusers_model
 
     ckpt, scheduler = moe_ckpts["diffusers"], "unipc"  # Wan2.2's sampler (Euler: wan2.1's parity test)
-    runner = make_runner(ckpt, scheduler=scheduler, infer_steps=STEPS, sample_guide_scale=list(GUIDANCE))
+    runner = make_runner(ckpt, scheduler=scheduler, scheduler_spacing="diffusers", infer_steps=STEPS,
+                         sample_guide_scale=list(GUIDANCE))  # diffusers parity: its sigma spacing
     runner.init_modules()
     out = tmp_path / "video.safetensors"
     runner.run_pipeline(RequestConfig(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, seed=SEED, target_height=HEIGHT,
@@ -123,8 +124,8 @@ def test_runner_matches_diffusers_wan_pipeline_with_transformer_2(moe_ckpts: dic
 
 # ---- which expert runs each step ----------------------------------------------------------------
 @pytest.mark.parametrize(("boundary", "experts"), [
-    (0.875, [HIGH] * 4 + [LOW] * 2),  # timesteps 999 983 960 923 | 857 707 (UniPC, 6 steps, shift 12)
-    (0.95, [HIGH] * 3 + [LOW] * 3),   # 960 >= 950 > 923
+    (0.875, [HIGH] * 4 + [LOW] * 2),  # timesteps 999 983 959 922 | 856 705 (UniPC, Wan spacing, 6 steps, shift 12)
+    (0.95, [HIGH] * 3 + [LOW] * 3),   # 959 >= 950 > 922
 ])
 def test_each_step_runs_the_expert_of_its_timestep_with_both_cfg_branches(
         moe_ckpts: dict[str, Path], tmp_path: Path, boundary: float, experts: list[str]) -> None:
@@ -133,7 +134,7 @@ def test_each_step_runs_the_expert_of_its_timestep_with_both_cfg_branches(
     calls: list[tuple[str, int, int]] = []
     record_expert_calls(runner, calls)
     runner.run_pipeline(RequestConfig(prompt="a fox", target_height=32, target_width=32, target_video_length=5), 0)
-    assert [t for _, t, _ in calls[::2]] == [999, 983, 960, 923, 857, 707]
+    assert [t for _, t, _ in calls[::2]] == [999, 983, 959, 922, 856, 705]  # the Wan reference's schedule
     assert [name for name, _, _ in calls] == [e for e in experts for _ in range(2)]  # cond + uncond per step
     assert all(calls[i][2] != calls[i + 1][2] for i in range(0, len(calls), 2)), "cond and uncond contexts differ"
 
@@ -151,7 +152,7 @@ def test_guidance_is_per_expert_and_one_number_serves_both(moe_ckpts: dict[str, 
 
 # ---- warmup -----------------------------------------------------------------------------------
 def test_warmup_runs_the_first_step_of_each_expert_on_both_shapes(moe_ckpts: dict[str, Path], mocker: Any) -> None:
-    runner = make_runner(moe_ckpts["runnerkit"], warmup=True)  # 4 steps: timesteps 999 973 923 | 800
+    runner = make_runner(moe_ckpts["runnerkit"], warmup=True)  # 4 steps: timesteps 999 973 922 | 799 (Wan spacing)
     calls: list[tuple[str, int, int]] = []
     real_place = runner.place_modules
 
@@ -162,7 +163,7 @@ def test_warmup_runs_the_first_step_of_each_expert_on_both_shapes(moe_ckpts: dic
 
     mocker.patch.object(runner, "place_modules", side_effect=place_and_record)
     runner.init_modules()
-    per_shape = [(HIGH, 999), (HIGH, 999), (LOW, 800), (LOW, 800)]  # step 0, then the low-noise expert's first step
+    per_shape = [(HIGH, 999), (HIGH, 999), (LOW, 799), (LOW, 799)]  # step 0, then the low-noise expert's first step
     assert [(n, t) for n, t, _ in calls] == per_shape * 2
     assert runner.profiler.warmup["steps_per_shape"] == {"transformer": [0, 3]}
     assert all(calls[i][2] != calls[i + 1][2] for i in range(0, len(calls), 2)), "both CFG branches run"

@@ -57,7 +57,7 @@ class WanMoERunner(WanT2VRunner):
     #: 40 UniPC steps, shift 12.0, guidance [high-noise 4.0, low-noise 3.0].
     DEFAULTS: ClassVar[dict[str, Any]] = {
         "infer_steps": 40, "target_height": 720, "target_width": 1280, "target_video_length": 81, "fps": 16,
-        "sample_shift": 12.0, "sample_guide_scale": (4.0, 3.0), "scheduler": "unipc"}
+        "sample_shift": 12.0, "sample_guide_scale": (4.0, 3.0), "scheduler": "unipc", "scheduler_spacing": "wan"}
     #: Expert switch of Wan2.2 t2v A14B (`boundary = 0.875`), used when neither the config nor the
     #: checkpoint (diffusers `boundary_ratio`) gives one.
     DEFAULT_BOUNDARY: ClassVar[float] = 0.875
@@ -134,7 +134,8 @@ class WanMoERunner(WanT2VRunner):
                      ModuleSpec("vae", "decoder", build=self.build_vae)),
             encoders=(EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),),
             denoise=(DenoiseStage("transformer", transformers=EXPERTS, steps=cfg.infer_steps,
-                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, latent_shape=self.latent_shape),),
+                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, spacing=cfg.scheduler_spacing,
+                                  latent_shape=self.latent_shape),),
             decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=self.run_vae_decoder),),
             outputs=(OutputSpec("video", "video"),),
         )
