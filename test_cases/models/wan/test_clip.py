@@ -87,6 +87,9 @@ def test_preprocess_golden_values() -> None:
     wide[..., :30] = -1
     column = clip_preprocess(wide, 224)[0, 0, 100]
     assert (column[:70] < 0).all() and (column[80:] > 0).all()
+    # Bicubic (Keys a = -0.75), not bilinear: the step rings past both levels next to the edge.
+    low, high = ((torch.tensor([-1.0, 1.0]) + 1) / 2 - CLIP_MEAN[0]) / CLIP_STD[0]
+    assert column.min() < low - 0.05 and column.max() > high + 0.05
     with pytest.raises(ValueError, match=re.escape("`images` must be [B, 3, H, W]")):
         clip_preprocess(torch.zeros(3, 30, 30))
 

@@ -107,6 +107,19 @@ def test_parity_with_diffusers(task: str, batch: int, height: int, width: int, l
 
 @pytest.mark.parametrize("task", ["i2v", "flf2v"])
 @torch.no_grad()
+def test_image_projection_matches_diffusers_closely(task: str) -> None:
+    """The image projection alone, at a tolerance tight enough to tell exact from tanh GELU."""
+    reference = _diffusers_model(task)
+    model = _load(task, diffusers_to_native(reference.state_dict()))
+    clip = 3 * _inputs(task, 2, 4, 4, [3])["clip"]
+    expected = reference.condition_embedder.image_embedder(clip.reshape(-1, 257, 1280) if task == "flf2v" else clip)
+    out = model.img_emb(clip)
+    assert out.shape == (2, TOKENS[task], 64)
+    assert (out - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("task", ["i2v", "flf2v"])
+@torch.no_grad()
 def test_key_maps_cover_every_parameter(task: str) -> None:
     """Our modules, diffusers' modules and the two maps name exactly the same tensors, with the same shapes."""
     sd = _native_sd(task)
