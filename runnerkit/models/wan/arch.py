@@ -62,7 +62,8 @@ class WanTransformerArch(_Arch):
     def _heads_divide_dim(self, info: ValidationInfo) -> WanTransformerArch:
         if self._check(info, "dim", "num_heads") and self.dim % self.num_heads or (self.dim // self.num_heads) % 2:  # RoPE rotates pairs of head channels
             raise ValueError(f"`dim`={self.dim} must be `num_heads`={self.num_heads} times an even head size")
-        if self._check(info, "model_type", "in_dim", "out_dim") and self.model_type != "t2v" and self.in_dim <= self.out_dim:
+        image = self.model_type != "t2v"
+        if self._check(info, "model_type", "in_dim", "out_dim") and image and self.in_dim <= self.out_dim:
             raise ValueError(f"`model_type`={self.model_type!r} takes the conditioning channels `y` after the latents: "
                              f"`in_dim`={self.in_dim} must exceed `out_dim`={self.out_dim} (Wan2.1: 36 = 16 + 4 + 16)")
         return self

@@ -135,7 +135,8 @@ class CLIPVisionEncoder(nn.Module):
         """
         size = self.arch.image_size
         if pixels.ndim != 4 or pixels.shape[1:] != (3, size, size):
-            raise ValueError(f"`pixels` must be [B, 3, {size}, {size}] (see `clip_preprocess`), got shape {tuple(pixels.shape)}")
+            raise ValueError(f"`pixels` must be [B, 3, {size}, {size}] (see `clip_preprocess`), "
+                             f"got shape {tuple(pixels.shape)}")
         B = pixels.shape[0]
         x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))  # [B, dim, g, g]
         x = x.flatten(2).transpose(1, 2).float()  # [B, g*g, dim]

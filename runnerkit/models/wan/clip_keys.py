@@ -73,7 +73,8 @@ def hf_to_native(sd: dict[str, torch.Tensor], arch: CLIPVisionArch) -> dict[str,
     """transformers `CLIPVisionModel(WithProjection)` state dict -> native names.
 
     Keys may carry the `vision_model.` prefix (files saved by transformers 4, the diffusers Wan
-    releases, `CLIPVisionModelWithProjection`) or not (transformers 5 `CLIPVisionModel`). q/k/v projections are concatenated into `to_qkv`; the class embedding [dim] becomes
+    releases, `CLIPVisionModelWithProjection`) or not (transformers 5 `CLIPVisionModel`).
+    q/k/v projections are concatenated into `to_qkv`; the class embedding [dim] becomes
     [1, 1, dim] and the position table [L, dim] becomes [1, L, dim]. Dropped: the last layer,
     `post_layernorm`, `visual_projection` and a stored `position_ids` buffer.
 
@@ -109,8 +110,10 @@ def hf_to_native(sd: dict[str, torch.Tensor], arch: CLIPVisionArch) -> dict[str,
     _fail(unknown, "transformers")
     for (layer, param), parts in qkv.items():
         if set(parts) != {"q", "k", "v"}:
-            raise CheckpointError(f"image_encoder: layer {layer} has self_attn {sorted(parts)}_proj.{param} but not all of q, k, v")
-        out[f"transformer.{layer}.attn.to_qkv.{param}"] = torch.cat([parts["q"], parts["k"], parts["v"]])  # [3*dim, ...]
+            raise CheckpointError(f"image_encoder: layer {layer} has self_attn {sorted(parts)}_proj.{param} "
+                                  "but not all of q, k, v")
+        fused = torch.cat([parts["q"], parts["k"], parts["v"]])  # [3*dim, ...]: Wan views the output as (3, N, d)
+        out[f"transformer.{layer}.attn.to_qkv.{param}"] = fused
     return out
 
 

@@ -175,7 +175,8 @@ class WanI2VCrossAttention(WanCrossAttention):
         self.v_img = nn.Linear(dim, dim)
         self.norm_k_img: nn.Module = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
 
-    def forward(self, x: Tensor, context: Tensor, image_context: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def forward(self, x: Tensor, context: Tensor,  # type: ignore[override]
+                image_context: Tensor | None = None) -> Tensor:
         """x: [B, L, dim]; context: [B, text_len, dim] embedded text; image_context: [B, L_img, dim]
         embedded CLIP tokens (L_img 257, or 514 for flf2v). Returns [B, L, dim]."""
         assert image_context is not None, "image cross-attention needs `image_context` (checked in `check_inputs`)"
@@ -380,7 +381,8 @@ class WanTransformer3D(nn.Module):
             raise ValueError(f"`latents` must be [B, {arch.in_dim - y_dim}, F, H, W], got shape {tuple(latents.shape)}")
         B, _, F_, H, W = latents.shape
         if y is not None and y.shape != (B, y_dim, F_, H, W):
-            raise ValueError(f"`y` must be [B, C_in - C_out, F, H, W] = {(B, y_dim, F_, H, W)}, got shape {tuple(y.shape)}")
+            raise ValueError(f"`y` must be [B, C_in - C_out, F, H, W] = {(B, y_dim, F_, H, W)}, "
+                             f"got shape {tuple(y.shape)}")
         tokens = FLF2V_IMAGE_TOKENS if arch.model_type == "flf2v" else None
         if clip_context is not None and (clip_context.ndim != 3 or clip_context.shape[0] != B
                                          or clip_context.shape[2] != WAN_CLIP_DIM

@@ -134,7 +134,8 @@ def test_original_and_hf_layouts_agree() -> None:
     native = hf_to_native(reference.state_dict(), ARCH)
     # Fusion order: rows of `to_qkv` are q, then k, then v (Wan views the output as [B, L, 3, N, d]).
     hf = reference.state_dict()
-    assert torch.equal(native["transformer.1.attn.to_qkv.weight"][64:128], hf["encoder.layers.1.self_attn.k_proj.weight"])
+    k_rows = native["transformer.1.attn.to_qkv.weight"][64:128]
+    assert torch.equal(k_rows, hf["encoder.layers.1.self_attn.k_proj.weight"])
     original = native_to_original(native)
     assert original_to_native(original, ARCH).keys() == native.keys()
     # Round trips through the transformers names, with and without the `vision_model.` prefix.
@@ -184,8 +185,9 @@ def test_release_config_and_meta_shapes() -> None:
     # 31 blocks of 19,677,440 + patch, position, class embeddings and pre_norm; with the dropped last block,
     # post_norm and the 1280 x 1024 head this is open_clip ViT-H-14's 632.08M visual parameters.
     per_block = 3840 * 1281 + 1280 * 1281 + 5120 * 1281 + 1280 * 5121 + 4 * 1280
-    assert sum(torch.Size(s).numel() for s in shapes.values()) == 31 * per_block + 1280 * 3 * 196 + 257 * 1280 + 3 * 1280
-    assert 31 * per_block + 1280 * 3 * 196 + 257 * 1280 + 3 * 1280 + per_block + 2 * 1280 + 1280 * 1024 == 632_076_800
+    total = 31 * per_block + 1280 * 3 * 196 + 257 * 1280 + 3 * 1280
+    assert sum(torch.Size(s).numel() for s in shapes.values()) == total
+    assert total + per_block + 2 * 1280 + 1280 * 1024 == 632_076_800
     with pytest.raises(ValueError, match="`hidden_act`='quick_gelu'"):
         arch_from_hf_config({**WAN_I2V_IMAGE_ENCODER, "hidden_act": "quick_gelu"})
     with pytest.raises(ValueError, match="missing keys"):

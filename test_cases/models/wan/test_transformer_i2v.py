@@ -56,7 +56,8 @@ def _native_sd(task: str, seed: int = 1) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in _randomize(WanTransformer3D(ARCHS[task]), seed).state_dict().items()}
 
 
-def _inputs(task: str, batch: int, height: int, width: int, lengths: list[int], seed: int = 2) -> dict[str, torch.Tensor]:
+def _inputs(task: str, batch: int, height: int, width: int, lengths: list[int],
+            seed: int = 2) -> dict[str, torch.Tensor]:
     """Latents [B, 4, 2, H, W], y [B, 5, 2, H, W], timestep [B], context [B, max(lengths), 32]
     (zeros past each prompt's length), the same context padded to 512, clip [B, 257 | 514, 1280]."""
     gen = torch.Generator().manual_seed(seed)
@@ -191,7 +192,8 @@ def test_image_weights_stream_with_their_block(task: str) -> None:
     model = build_on_meta(lambda: WanTransformer3D(ARCHS[task]))
     spec = WanTransformer3D.STREAM_SPEC
     block_units = {u.module: set(u.params) for u in plan_units(model, "block", spec)}
-    assert {f"blocks.0.cross_attn.{n}" for n in ("k_img.weight", "v_img.bias", "norm_k_img.weight")} <= block_units["blocks.0"]
+    image_params = {f"blocks.0.cross_attn.{n}" for n in ("k_img.weight", "v_img.bias", "norm_k_img.weight")}
+    assert image_params <= block_units["blocks.0"]
     phase_units = {u.module: set(u.params) for u in plan_units(model, "phase", spec)}
     assert "blocks.1.cross_attn.v_img.weight" in phase_units["blocks.1.cross_attn"]
     resident = set(resident_names(model, plan_units(model, "block", spec)))
