@@ -22,6 +22,11 @@ WAN21_LATENTS_STD: tuple[float, ...] = (
     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
 )
 
+WAN_CLIP_DIM = 1280
+"""Width of the CLIP ViT-H/14 image features that condition the i2v / flf2v transformers."""
+WAN_CLIP_TOKENS = 257
+"""CLIP tokens per image: the class token and 16 x 16 patches of 14 pixels (224 x 224 input)."""
+
 
 class _Arch(BaseModel):
     # strict: "64" is not an int, true is not a layer count; JSON lists still fill tuple fields
@@ -57,6 +62,31 @@ class WanTransformerArch(_Arch):
     def _heads_divide_dim(self, info: ValidationInfo) -> WanTransformerArch:
         if self._check(info, "dim", "num_heads") and self.dim % self.num_heads or (self.dim // self.num_heads) % 2:  # RoPE rotates pairs of head channels
             raise ValueError(f"`dim`={self.dim} must be `num_heads`={self.num_heads} times an even head size")
+        image = self.model_type != "t2v"
+        if self._check(info, "model_type", "in_dim", "out_dim") and image and self.in_dim <= self.out_dim:
+            raise ValueError(f"`model_type`={self.model_type!r} takes the conditioning channels `y` after the latents: "
+                             f"`in_dim`={self.in_dim} must exceed `out_dim`={self.out_dim} (Wan2.1: 36 = 16 + 4 + 16)")
+        return self
+
+
+class CLIPVisionArch(_Arch):
+    """CLIP vision tower as Wan2.1 i2v / flf2v use it (open-clip xlm-roberta-large ViT-huge-14, visual
+    part: pre-norm, exact GELU, class token); defaults are the released ViT-H/14."""
+
+    image_size: int = Field(224, gt=0, description="Input side in pixels (images are resized to it).")
+    patch_size: int = Field(14, gt=0, description="Square patch side in pixels.")
+    dim: int = Field(1280, gt=0, description="Width.")
+    ffn_dim: int = Field(5120, gt=0, description="MLP inner size (4 x dim).")
+    num_heads: int = Field(16, gt=0)
+    num_layers: int = Field(32, gt=1, description="Blocks in the checkpoint; the encoder runs all but the last.")
+    eps: float = Field(1e-5, gt=0, description="LayerNorm epsilon.")
+
+    @model_validator(mode="after")
+    def _consistent(self, info: ValidationInfo) -> CLIPVisionArch:
+        if self._check(info, "dim", "num_heads") and self.dim % self.num_heads:
+            raise ValueError(f"`dim`={self.dim} must be a multiple of `num_heads`={self.num_heads}")
+        if self._check(info, "image_size", "patch_size") and self.image_size % self.patch_size:
+            raise ValueError(f"`image_size`={self.image_size} must be a multiple of `patch_size`={self.patch_size}")
         return self
 
 

@@ -1,9 +1,15 @@
-"""Wan2.1 diffusion transformer (text-to-video), in the original release's key names.
+"""Wan2.1 diffusion transformer (t2v, i2v, flf2v), in the original release's key names.
 
 Design and numerics follow `WanModel` of Wan-Video/Wan2.1 (`wan/modules/model.py`): a Conv3d
 patch embedding, a sinusoidal timestep embedding turned into six AdaLN modulation vectors per
 block, self-attention with q/k RMSNorm and 3D RoPE, cross-attention to the (zero-padded) text
-context, a tanh-GELU FFN, and a modulated output head. As in Wan, the residual stream, the
+context, a tanh-GELU FFN, and a modulated output head. The image-conditioned checkpoints
+(`model_type` "i2v" / "flf2v") add the CLIP image projection `img_emb` (Wan `MLPProj`, with
+the first/last-frame position embedding `emb_pos` for flf2v) and, in every block, a second
+cross-attention over the image tokens (`k_img`, `v_img`, `norm_k_img`; Wan
+`WanI2VCrossAttention`) whose output is added to the text attention's before the output
+projection; their latents arrive with the conditioning channels `y` (mask + VAE latents of the
+given frames) concatenated. As in Wan, the residual stream, the
 time embedding, the modulation arithmetic and the norms run in float32; every matmul runs in
 the dtype of its own weight, so bf16 weights work on the CPU and on CUDA.
 
@@ -24,16 +30,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runnerkit.models.wan.arch import WanTransformerArch
+from runnerkit.models.wan.arch import WAN_CLIP_DIM, WAN_CLIP_TOKENS, WanTransformerArch
 from runnerkit.offload.layout import StreamSpec
 
 ROPE_THETA = 10000.0
 ROPE_MAX_POSITIONS = 1024  # positions per axis (frames, height, width), as in Wan
 
 # Parameters the reference keeps in float32 (diffusers `WanTransformer3DModel._keep_in_fp32_modules`:
-# time embedder, scale-shift tables, the affine cross-attention LayerNorm), in native names.
+# time embedder, scale-shift tables, the affine cross-attention LayerNorm, and the two LayerNorms
+# of the image projection, diffusers `image_embedder.norm1/norm2`), in native names.
 # Block-relative names ("modulation", "norm3.weight") match too, for per-block loaders.
-_FP32_PATTERN = re.compile(r"^time_embedding\.\d+\.(weight|bias)$|(^|\.)modulation$|(^|\.)norm3\.(weight|bias)$")
+_FP32_PATTERN = re.compile(r"^time_embedding\.\d+\.(weight|bias)$|(^|\.)modulation$|(^|\.)norm3\.(weight|bias)$"
+                           r"|^img_emb\.proj\.[04]\.(weight|bias)$")
+FLF2V_IMAGE_TOKENS = 2 * WAN_CLIP_TOKENS
+"""Image tokens of flf2v: the first frame's 257 CLIP tokens, then the last frame's."""
 
 
 def keep_fp32(name: str) -> bool:
@@ -117,15 +127,18 @@ class WanSelfAttention(nn.Module):
         self.norm_q: nn.Module = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.norm_k: nn.Module = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """[B, Lq, N, d], [B, Lk, N, d] x2 -> output projection [B, Lq, dim] (weight dtype)."""
+    def heads(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """[B, Lq, N, d], [B, Lk, N, d] x2 -> attention output [B, Lq, N*d] (weight dtype), not projected."""
         B, Lq, N, d = q.shape
         dtype = self.o.weight.dtype
         out = F.scaled_dot_product_attention(
             q.to(dtype).transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2)
         )  # [B, N, Lq, d]
-        out = out.transpose(1, 2).reshape(B, Lq, N * d)  # [B, Lq, dim]
-        return self.o(out)
+        return out.transpose(1, 2).reshape(B, Lq, N * d)  # [B, Lq, dim]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """[B, Lq, N, d], [B, Lk, N, d] x2 -> output projection [B, Lq, dim] (weight dtype)."""
+        return self.o(self.heads(q, k, v))
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         """x: [B, L, dim] (any float dtype); rope: (cos, sin) [L, 1, d/2]. Returns [B, L, dim]."""
@@ -149,6 +162,63 @@ class WanCrossAttention(WanSelfAttention):
         return self.attend(q, k, v)
 
 
+class WanI2VCrossAttention(WanCrossAttention):
+    """Text cross-attention plus image cross-attention (Wan `WanI2VCrossAttention`).
+
+    The queries attend separately to the text keys and to the image keys (`k_img`, `v_img`,
+    RMSNorm `norm_k_img`); the two attention outputs are summed, then projected once by `o`.
+    """
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float) -> None:
+        super().__init__(dim, num_heads, qk_norm, eps)
+        self.k_img = nn.Linear(dim, dim)
+        self.v_img = nn.Linear(dim, dim)
+        self.norm_k_img: nn.Module = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
+
+    def forward(self, x: Tensor, context: Tensor,  # type: ignore[override]
+                image_context: Tensor | None = None) -> Tensor:
+        """x: [B, L, dim]; context: [B, text_len, dim] embedded text; image_context: [B, L_img, dim]
+        embedded CLIP tokens (L_img 257, or 514 for flf2v). Returns [B, L, dim]."""
+        assert image_context is not None, "image cross-attention needs `image_context` (checked in `check_inputs`)"
+        x = x.to(self.q.weight.dtype)
+        context = context.to(self.k.weight.dtype)
+        image_context = image_context.to(self.k_img.weight.dtype)
+        q = self.norm_q(self.q(x)).unflatten(2, (self.num_heads, -1))  # [B, L, N, d]
+        k = self.norm_k(self.k(context)).unflatten(2, (self.num_heads, -1))  # [B, text_len, N, d]
+        v = self.v(context).unflatten(2, (self.num_heads, -1))  # [B, text_len, N, d]
+        k_img = self.norm_k_img(self.k_img(image_context)).unflatten(2, (self.num_heads, -1))  # [B, L_img, N, d]
+        v_img = self.v_img(image_context).unflatten(2, (self.num_heads, -1))  # [B, L_img, N, d]
+        return self.o(self.heads(q, k, v) + self.heads(q, k_img, v_img))
+
+
+class WanImageEmbedding(nn.Module):
+    """CLIP image features -> image context tokens (Wan `MLPProj`, diffusers `WanImageEmbedding`).
+
+    `proj` is LayerNorm -> Linear(1280, 1280) -> GELU (exact) -> Linear(1280, dim) -> LayerNorm;
+    flf2v first adds the learned position embedding `emb_pos` [1, 514, 1280] over the first
+    frame's and the last frame's tokens.
+    """
+
+    def __init__(self, dim: int, first_last_frame: bool) -> None:
+        super().__init__()
+        self.proj = nn.Sequential(
+            FP32LayerNorm(WAN_CLIP_DIM), nn.Linear(WAN_CLIP_DIM, WAN_CLIP_DIM), nn.GELU(),
+            nn.Linear(WAN_CLIP_DIM, dim), FP32LayerNorm(dim),
+        )
+        self.emb_pos: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(1, FLF2V_IMAGE_TOKENS, WAN_CLIP_DIM)) if first_last_frame else None
+        )
+
+    def forward(self, clip_context: Tensor) -> Tensor:
+        """clip_context: [B, L_img, 1280] -> [B, L_img, dim] float32."""
+        x = clip_context.float()
+        if self.emb_pos is not None:
+            x = x + self.emb_pos.float()  # [B, 514, 1280]
+        x = self.proj[0](x).to(self.proj[1].weight.dtype)  # LayerNorm in float32
+        x = self.proj[3](self.proj[2](self.proj[1](x)))  # [B, L_img, dim]
+        return self.proj[4](x)
+
+
 class WanAttentionBlock(nn.Module):
     """One transformer block: AdaLN self-attention, cross-attention, AdaLN FFN."""
 
@@ -160,21 +230,26 @@ class WanAttentionBlock(nn.Module):
         self.norm3: nn.Module = (
             FP32LayerNorm(dim, arch.eps, elementwise_affine=True) if arch.cross_attn_norm else nn.Identity()
         )
-        self.cross_attn = WanCrossAttention(dim, arch.num_heads, arch.qk_norm, arch.eps)
+        cross = WanCrossAttention if arch.model_type == "t2v" else WanI2VCrossAttention
+        self.cross_attn = cross(dim, arch.num_heads, arch.qk_norm, arch.eps)
         self.norm2 = FP32LayerNorm(dim, arch.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(dim, arch.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(arch.ffn_dim, dim))
         # Rows: shift, scale, gate (self-attention), shift, scale, gate (FFN).
         self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
-    def forward(self, x: Tensor, time_mod: Tensor, context: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x: Tensor, time_mod: Tensor, context: Tensor, rope: tuple[Tensor, Tensor],
+                image_context: Tensor | None = None) -> Tensor:
         """Args: x [B, L, dim] float32 residual stream; time_mod [B, 6, dim] float32; context
-        [B, text_len, dim]; rope (cos, sin) [L, 1, head_dim/2]. Returns [B, L, dim] float32."""
+        [B, text_len, dim]; rope (cos, sin) [L, 1, head_dim/2]; image_context [B, L_img, dim]
+        (i2v / flf2v only, else None). Returns [B, L, dim] float32."""
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
             self.modulation.float() + time_mod
         ).chunk(6, dim=1)  # each [B, 1, dim]
         y = self.self_attn(self.norm1(x) * (1 + scale_sa) + shift_sa, rope)
         x = x + y.float() * gate_sa
-        x = x + self.cross_attn(self.norm3(x), context).float()
+        cross = self.cross_attn(self.norm3(x), context) if image_context is None else (
+            self.cross_attn(self.norm3(x), context, image_context))
+        x = x + cross.float()
         y = self.ffn((self.norm2(x) * (1 + scale_ff) + shift_ff).to(self.ffn[0].weight.dtype))
         return x + y.float() * gate_ff
 
@@ -212,14 +287,15 @@ class WanEmbedded:
     """(cos, sin), each [L, 1, head_dim/2] float32."""
     grid: tuple[int, int, int]
     """(f, h, w): the latent grid in patches."""
+    image_context: Tensor | None = None
+    """[B, L_img, dim] float32 embedded CLIP tokens (i2v: 257, flf2v: 514); None for t2v."""
 
 
 class WanTransformer3D(nn.Module):
-    """Wan2.1 `WanModel` for text-to-video, built from a `WanTransformerArch`.
+    """Wan2.1 `WanModel` (t2v, i2v or flf2v after `arch.model_type`), built from a `WanTransformerArch`.
 
     Raises:
         ValueError: `arch.dim` not divisible by `arch.num_heads`, odd head or frequency size.
-        NotImplementedError: `arch.model_type` other than "t2v" (image conditioning is not built yet).
     """
 
     STREAM_SPEC: ClassVar[StreamSpec] = StreamSpec(blocks_attr="blocks", phases=("self_attn", "cross_attn", "ffn"),
@@ -228,8 +304,6 @@ class WanTransformer3D(nn.Module):
 
     def __init__(self, arch: WanTransformerArch) -> None:
         super().__init__()
-        if arch.model_type != "t2v":
-            raise NotImplementedError(f"`model_type`={arch.model_type!r}: only 't2v' is implemented (no image encoder branch yet)")
         if arch.dim % arch.num_heads != 0 or (arch.dim // arch.num_heads) % 2 != 0:
             raise ValueError(f"`dim`={arch.dim} must be `num_heads`={arch.num_heads} times an even head size")
         if arch.freq_dim % 2 != 0:
@@ -241,6 +315,9 @@ class WanTransformer3D(nn.Module):
         self.text_embedding = nn.Sequential(nn.Linear(arch.text_dim, dim), nn.GELU(approximate="tanh"), nn.Linear(dim, dim))
         self.time_embedding = nn.Sequential(nn.Linear(arch.freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.img_emb: WanImageEmbedding | None = (
+            None if arch.model_type == "t2v" else WanImageEmbedding(dim, first_last_frame=arch.model_type == "flf2v")
+        )
         self.blocks = nn.ModuleList([WanAttentionBlock(arch) for _ in range(arch.num_layers)])
         self.head = WanHead(arch)
         self._rope_cache: dict[tuple[int, int, int, torch.device], tuple[Tensor, Tensor]] = {}
@@ -289,12 +366,29 @@ class WanTransformer3D(nn.Module):
             self._rope_cache[key] = (freqs.real.contiguous(), freqs.imag.contiguous())
         return self._rope_cache[key]
 
-    def check_inputs(self, latents: Tensor, timestep: Tensor, context: Tensor) -> None:
+    def check_inputs(self, latents: Tensor, timestep: Tensor, context: Tensor,
+                     clip_context: Tensor | None = None, y: Tensor | None = None) -> None:
         """Raise ValueError naming the argument when shapes do not fit the architecture."""
         arch = self.arch
-        if latents.ndim != 5 or latents.shape[1] != arch.in_dim:
-            raise ValueError(f"`latents` must be [B, {arch.in_dim}, F, H, W], got shape {tuple(latents.shape)}")
+        image = arch.model_type != "t2v"
+        if image and (clip_context is None or y is None):
+            raise ValueError(f"`model_type`={arch.model_type!r} needs `clip_context` and `y` "
+                             f"(got clip_context={clip_context is not None}, y={y is not None})")
+        if not image and (clip_context is not None or y is not None):
+            raise ValueError("`clip_context` and `y` are only accepted by i2v / flf2v weights (`model_type`='t2v')")
+        y_dim = arch.in_dim - arch.out_dim if image else 0
+        if latents.ndim != 5 or latents.shape[1] != arch.in_dim - y_dim:
+            raise ValueError(f"`latents` must be [B, {arch.in_dim - y_dim}, F, H, W], got shape {tuple(latents.shape)}")
         B, _, F_, H, W = latents.shape
+        if y is not None and y.shape != (B, y_dim, F_, H, W):
+            raise ValueError(f"`y` must be [B, C_in - C_out, F, H, W] = {(B, y_dim, F_, H, W)}, "
+                             f"got shape {tuple(y.shape)}")
+        tokens = FLF2V_IMAGE_TOKENS if arch.model_type == "flf2v" else None
+        if clip_context is not None and (clip_context.ndim != 3 or clip_context.shape[0] != B
+                                         or clip_context.shape[2] != WAN_CLIP_DIM
+                                         or tokens is not None and clip_context.shape[1] != tokens):
+            raise ValueError(f"`clip_context` must be [{B}, {tokens or 'L_img'}, {WAN_CLIP_DIM}], "
+                             f"got shape {tuple(clip_context.shape)}")
         for name, size, patch in zip(("frames", "height", "width"), (F_, H, W), arch.patch_size):
             if size % patch != 0 or not 0 < size // patch <= ROPE_MAX_POSITIONS:
                 raise ValueError(
@@ -308,9 +402,13 @@ class WanTransformer3D(nn.Module):
         if context.shape[1] > arch.text_len:
             raise ValueError(f"`context` length L = {context.shape[1]} exceeds `text_len` = {arch.text_len}")
 
-    def embed(self, latents: Tensor, timestep: Tensor, context: Tensor) -> WanEmbedded:
-        """Patchify the latents, embed timestep and text, look up RoPE tables (see `forward`)."""
-        self.check_inputs(latents, timestep, context)
+    def embed(self, latents: Tensor, timestep: Tensor, context: Tensor,
+              clip_context: Tensor | None = None, y: Tensor | None = None) -> WanEmbedded:
+        """Patchify the latents (with `y` concatenated), embed timestep, text and image, look up
+        RoPE tables (see `forward`)."""
+        self.check_inputs(latents, timestep, context, clip_context, y)
+        if y is not None:
+            latents = torch.cat([latents, y.to(latents.dtype)], dim=1)  # [B, C_in, F, H, W]
         x = self.patch_embedding(latents.to(self.patch_embedding.weight.dtype))  # [B, dim, f, h, w]
         f, h, w = x.shape[2:]
         x = x.flatten(2).transpose(1, 2).float()  # [B, L, dim]
@@ -323,7 +421,10 @@ class WanTransformer3D(nn.Module):
         # Wan pads each prompt's embeddings (trimmed to its true length) with zeros to text_len.
         context = F.pad(context, (0, 0, 0, self.arch.text_len - context.shape[1]))  # [B, text_len, text_dim]
         context = self.text_embedding(context.to(self.text_embedding[0].weight.dtype))  # [B, text_len, dim]
-        return WanEmbedded(x, time_emb, time_mod, context, self.rope_for_grid(f, h, w), (f, h, w))
+        image_context = None
+        if self.img_emb is not None:
+            image_context = self.img_emb(clip_context)  # [B, L_img, dim]
+        return WanEmbedded(x, time_emb, time_mod, context, self.rope_for_grid(f, h, w), (f, h, w), image_context)
 
     def unpatchify(self, x: Tensor, grid: tuple[int, int, int]) -> Tensor:
         """[B, f*h*w, C_out*pt*ph*pw] -> [B, C_out, f*pt, h*ph, w*pw]."""
@@ -334,25 +435,35 @@ class WanTransformer3D(nn.Module):
         x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C, f, pt, h, ph, w, pw]
         return x.reshape(B, self.arch.out_dim, f * pt, h * ph, w * pw)  # [B, C, F, H, W]
 
-    def forward(self, latents: Tensor, timestep: Tensor, context: Tensor) -> Tensor:
+    def forward(self, latents: Tensor, timestep: Tensor, context: Tensor,
+                clip_context: Tensor | None = None, y: Tensor | None = None) -> Tensor:
         """Predict the flow (velocity) for one denoising step.
 
         Args:
-            latents: [B, C_in, F, H, W] noisy latents; H, W (and F) multiples of `patch_size`.
+            latents: [B, C, F, H, W] noisy latents, C = `in_dim` for t2v, `out_dim` (16) for
+                i2v / flf2v; H, W (and F) multiples of `patch_size`.
             timestep: [B] timesteps in [0, 1000] (float or int).
             context: [B, L, text_dim] text-encoder output, L <= `text_len`; rows past a prompt's
                 true length should be zero (they are zero-padded to `text_len` here, as Wan does).
+            clip_context: i2v / flf2v only: [B, 257, 1280] CLIP ViT-H/14 penultimate hidden
+                states of the first frame; flf2v: [B, 514, 1280], the first frame's 257 tokens
+                then the last frame's.
+            y: i2v / flf2v only: [B, `in_dim` - `out_dim` (20), F, H, W] conditioning channels,
+                concatenated after the latents: 4 temporal mask channels (1 where a frame is
+                given) then the 16 VAE latents of the given frames (zeros elsewhere in pixels).
 
         Returns:
             [B, C_out, F, H, W] float32.
 
         Raises:
-            ValueError: a shape does not fit the architecture (the message names the argument).
+            ValueError: a shape does not fit the architecture, or `clip_context` / `y` missing for
+                i2v / flf2v weights or given to t2v weights (the message names the argument).
 
-        Source: Wan-Video/Wan2.1 `wan/modules/model.py` (`WanModel.forward`).
+        Source: Wan-Video/Wan2.1 `wan/modules/model.py` (`WanModel.forward`, `MLPProj`,
+        `WanI2VCrossAttention`).
         """
-        pre = self.embed(latents, timestep, context)
+        pre = self.embed(latents, timestep, context, clip_context, y)
         x = pre.x
         for block in self.blocks:
-            x = block(x, pre.time_mod, pre.context, pre.rope)
+            x = block(x, pre.time_mod, pre.context, pre.rope, pre.image_context)
         return self.unpatchify(self.head(x, pre.time_emb), pre.grid)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from runnerkit.models.wan.arch import WanTransformerArch
+from runnerkit.models.wan.arch import WAN_CLIP_DIM, WAN_CLIP_TOKENS, WanTransformerArch
 from runnerkit.weights import CheckpointError, short_list
 
 # Module prefixes outside the blocks: (native, diffusers). Each maps both `.weight` and `.bias`.
@@ -121,8 +121,8 @@ _DIFFUSERS_DEFAULTS: dict[str, Any] = {
     "added_kv_proj_dim": None, "rope_max_seq_len": 1024, "pos_embed_seq_len": None,
 }
 _METADATA_KEYS = ("_class_name", "_diffusers_version", "_name_or_path")
-_CLIP_DIM = 1280  # CLIP ViT-H/14 features (i2v / flf2v image conditioning)
-_FLF2V_IMAGE_TOKENS = 2 * 257  # first + last frame CLIP tokens
+_CLIP_DIM = WAN_CLIP_DIM  # CLIP ViT-H/14 features (i2v / flf2v image conditioning)
+_FLF2V_IMAGE_TOKENS = 2 * WAN_CLIP_TOKENS  # first + last frame CLIP tokens
 
 
 def _merged(d: dict[str, Any], defaults: dict[str, Any], class_name: str, source: str) -> dict[str, Any]:
