@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 
@@ -27,3 +28,13 @@ def give_default_mode(path: str | Path) -> None:
     """Give `path` the mode of a normally created file (the safetensors writer creates 0o600 files,
     unlike every other output; this makes all of a run's files alike)."""
     os.chmod(path, new_file_mode())
+
+
+def write_error_reason(exc: BaseException) -> str:
+    """The operating system's words for a failed write (`OSError.strerror`, or the OS message inside
+    a safetensors `SafetensorError`), without paths or the writer's internals."""
+    strerror = getattr(exc, "strerror", None)
+    if strerror:
+        return strerror
+    found = re.search(r'message: "([^"]+)"|I/O error: ([^(]+?) \(os error', str(exc))
+    return next(g for g in found.groups() if g) if found else type(exc).__name__

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from runnerkit.interrupts import enable_fault_tracebacks, exit_status, install_sigterm_handler
+from runnerkit.interrupts import (enable_fault_tracebacks, exit_status, install_sigterm_handler,
+                                  restore_sigterm_default)
 
 if TYPE_CHECKING:
     from runnerkit.config import RequestConfig
@@ -245,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # during start-up imports or argument parsing
         logger.error("interrupted before any request ran")
         return exit_status(exc)
+    finally:
+        restore_sigterm_default()  # done: a SIGTERM during shutdown ends the process quietly
 
 
 if __name__ == "__main__":

@@ -32,6 +32,13 @@ def install_sigterm_handler() -> None:
     signal.signal(signal.SIGTERM, _raise_terminated)
 
 
+def restore_sigterm_default() -> None:
+    """SIGTERM back to the default action (end the process, exit 143), once the work is done and
+    written: a SIGTERM during interpreter shutdown then ends the process quietly instead of
+    raising `Terminated` inside atexit callbacks (a traceback that looks like a crash)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def exit_status(exc: KeyboardInterrupt) -> int:
     """143 for SIGTERM, 130 for Ctrl-C (SIGINT), as shells report them."""
     return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 import signal
 import subprocess
 import uuid
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from runnerkit.files import give_default_mode
+from runnerkit.files import give_default_mode, write_error_reason
 
 if TYPE_CHECKING:
     from runnerkit.runners.pipeline import OutputSpec
@@ -65,6 +65,8 @@ def save_media(video: torch.Tensor, path: str | Path, fps: int) -> None:
         else:
             last = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
             reason = f"the encoder exited with status {proc.returncode}: {last[0].replace(str(path), '<file>')[:200]}"
+            if shutil.disk_usage(path.parent).free < 2**20:  # ffmpeg may only say it wrote nothing
+                reason += f" (the file system of {str(path.parent)!r} is full)"
         raise MediaWriteError(reason)
 
 
@@ -148,8 +150,7 @@ def _naming_failures(field: str, final: str | Path) -> Iterator[None]:
         if isinstance(exc, MediaWriteError):
             reason = str(exc)
         else:  # OSError: its strerror; safetensors' Rust I/O error: the OS message inside it
-            found = re.search(r'message: "([^"]+)"|I/O error: ([^(]+?) \(os error', str(exc))
-            reason = getattr(exc, "strerror", None) or (next(g for g in found.groups() if g) if found else type(exc).__name__)
+            reason = write_error_reason(exc)
         raise MediaWriteError(f"could not write `{field}` {str(final)!r}: {reason}; nothing was saved for "
                               "this request") from None
 

@@ -8,6 +8,7 @@ the end of the request, so the step loop never synchronizes; on the CPU, wall cl
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -150,5 +151,18 @@ class Profiler:
         }
 
     def write(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.report(), indent=2))
+        """Write the report to `path` atomically: a temporary file beside it, renamed into place (a
+        failed or interrupted write leaves no truncated report and keeps an older one).
+
+        Raises:
+            OSError: the file could not be written (the temporary file is removed).
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(self.report(), indent=2))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise

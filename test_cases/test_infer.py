@@ -825,3 +825,52 @@ def test_requests_that_fit_run_and_warmup_shapes_are_checked(tiny_ckpt: Path, tm
     assert "load:" not in err and not out.exists()
     rc, err = _cli(capsys, "--config_json", cfg, *flags, "--save_tensor_path", out)
     assert rc == 0 and out.is_file(), err
+
+
+# ---- fresh-eyes findings: full disks for synthetic weights and the profile --------------------------
+def test_synthetic_checkpoint_on_a_full_disk_names_the_folder_and_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The safetensors writer failing with the OS's ENOSPC (faked after the first shard) is an
+    input-side failure naming the checkpoint folder, and leaves no partial folder."""
+    from safetensors import SafetensorError
+
+    from runnerkit.models.wan import checkpoint
+
+    real = checkpoint.save_file
+    calls = []
+
+    def full_disk(tensors: Any, path: str) -> None:
+        calls.append(path)
+        if len(calls) == 2:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        real(tensors, path)
+
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    data = json.loads((REPO / "configs/wan/wan_t2v_tiny.json").read_text())
+    data.update(model_path=str(tmp_path / "ck"), device="cpu")
+    rc, err = _cli(capsys, "--config_json", write_config(tmp_path / "c.json", data), "--prompt", "x")
+    assert rc == 2, err
+    assert f"cannot write a synthetic checkpoint to {tmp_path / 'ck'}: No space left on device; nothing was written" in err
+    assert "Traceback" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
+
+
+def test_profile_is_written_atomically(config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A failing profile write keeps the older report and leaves no truncated or partial file."""
+    import errno
+
+    profile = tmp_path / "p.json"
+    profile.write_text('{"older": "report"}')
+    real_write_text = Path.write_text
+
+    def full_disk(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
+        if self.name.startswith(".p.json.partial"):
+            real_write_text(self, data[:10])  # part of it reached the disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write_text(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--infer_steps", "1", "--profile_json", profile)
+    assert rc == 1 and "could not write --profile_json" in err and "No space left on device" in err, err
+    assert profile.read_text() == '{"older": "report"}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]

@@ -21,7 +21,7 @@ from loguru import logger
 from pydantic import ValidationError
 
 from runnerkit.config import ConfigError, format_validation_error, load_runner_config
-from runnerkit.interrupts import exit_status, install_sigterm_handler
+from runnerkit.interrupts import exit_status, install_sigterm_handler, restore_sigterm_default
 from runnerkit.registry import get_runner_cls
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # the partial folder is already removed by the writer
         logger.error("interrupted; no checkpoint was written")
         return exit_status(exc)
+    finally:
+        restore_sigterm_default()  # done: a SIGTERM during shutdown ends the process quietly
 
 
 def _main(argv: list[str] | None) -> int:

@@ -30,10 +30,11 @@ from typing import Any, Literal, TypeVar
 import torch
 from loguru import logger
 from pydantic import ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from runnerkit.config import format_validation_error
-from runnerkit.files import give_default_mode
+from runnerkit.files import give_default_mode, write_error_reason
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import transformer_keys as tk
 from runnerkit.models.wan import vae as vae_mod
@@ -393,8 +394,11 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
 
     try:
         fill()
-    except BaseException:  # failed or interrupted (Ctrl-C, SIGTERM): no .partial-* folder is left
+    except BaseException as exc:  # failed or interrupted (Ctrl-C, SIGTERM): no .partial-* folder is left
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (OSError, SafetensorError)):  # full disk, file-size limit, read-only folder
+            raise CheckpointError(f"cannot write a synthetic checkpoint to {out}: {write_error_reason(exc)}; "
+                                  "nothing was written") from None
         raise
     return _finish(tmp, out, seed, layout, replace)
 

@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 from pydantic import ValidationError
+from safetensors import SafetensorError
 
 from runnerkit.config import format_validation_error
+from runnerkit.files import write_error_reason
 from runnerkit.models.wan import transformer_keys as tk
 from runnerkit.models.wan.arch import WanArch
 from runnerkit.models.wan.checkpoint import (
@@ -228,8 +230,11 @@ def write_synthetic_moe(arch: WanArch, out: Path, seed: int, dtype: torch.dtype,
         marker = json.loads((tmp / SYNTHETIC_MARKER).read_text())
         marker["experts"] = {"transformer": seed, "transformer_2": seed + LOW_NOISE_SEED_OFFSET}
         (tmp / SYNTHETIC_MARKER).write_text(json.dumps(marker))
-    except BaseException:  # failed or interrupted: no partial folder is left
+    except BaseException as exc:  # failed or interrupted: no partial folder is left
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (OSError, SafetensorError, CheckpointError)):  # name the final folder, not tmp
+            reason = str(exc).split(": ", 1)[1] if isinstance(exc, CheckpointError) else write_error_reason(exc)
+            raise CheckpointError(f"cannot write a synthetic checkpoint to {out}: {reason}") from None
         raise
     return _finish(tmp, out, seed, f"{layout} (MoE)", replace)
 
