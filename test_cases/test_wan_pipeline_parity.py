@@ -6,7 +6,7 @@ videos, so a wrong stitch between the pieces (CFG combine, the sampler's schedul
 initial noise, the text embeddings each branch gets, latent un-normalization) fails here.
 
 runnerkit runs with `scheduler_spacing` "diffusers" here: diffusers' schedulers space their
-sigmas unlike the Wan2.1 reference, whose spacing ("wan") is the family's default
+sigmas unlike the Wan2.1 reference, whose spacing ("train_range") is the family's default
 (test_cases/schedulers/test_spacing.py checks that one against the reference's own numbers).
 
 Both sides read one synthetic checkpoint in the diffusers layout (the tiny `debug`

@@ -2,7 +2,7 @@
 
 from runnerkit.schedulers.base import Scheduler, shift_sigmas
 from runnerkit.schedulers.euler import FlowEulerScheduler
-from runnerkit.schedulers.spacing import SPACINGS, Spacing, wan_schedule
+from runnerkit.schedulers.spacing import SPACINGS, Spacing, train_range_schedule
 from runnerkit.schedulers.unipc import FlowUniPCScheduler
 
 SCHEDULERS: dict[str, type[Scheduler]] = {
@@ -12,4 +12,4 @@ SCHEDULERS: dict[str, type[Scheduler]] = {
 """Scheduler classes by config name (the `scheduler` key of a runnerkit config)."""
 
 __all__ = ["SCHEDULERS", "SPACINGS", "FlowEulerScheduler", "FlowUniPCScheduler", "Scheduler", "Spacing", "shift_sigmas",
-           "wan_schedule"]
+           "train_range_schedule"]

@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 from loguru import logger
 
-from runnerkit.schedulers.spacing import SPACINGS, Spacing, shift_sigmas, wan_schedule
+from runnerkit.schedulers.spacing import SPACINGS, Spacing, shift_sigmas, train_range_schedule
 
 __all__ = ["Scheduler", "shift_sigmas"]
 
@@ -50,8 +50,8 @@ class Scheduler(abc.ABC):
 
     Subclasses implement `_diffusers_schedule` (sigmas and timesteps of the `"diffusers"`
     spacing: what diffusers' scheduler of the same solver gives), `_update` (one step of the
-    solver) and `reset_history`, and declare `keeps_history`. The `"wan"` spacing is shared by
-    every solver (`spacing.wan_schedule`).
+    solver) and `reset_history`, and declare `keeps_history`. The `"train_range"` spacing is shared by
+    every solver (`spacing.train_range_schedule`).
     """
 
     keeps_history: ClassVar[bool]
@@ -62,16 +62,16 @@ class Scheduler(abc.ABC):
         """Build a scheduler with no request state.
 
         Args:
-            num_train_timesteps: timesteps of the training schedule (1000 for Wan2.1); the model's
+            num_train_timesteps: timesteps of the training schedule (e.g. 1000); the model's
                 timestep is `sigma * num_train_timesteps`.
-            shift: SD3 time shift of the sigmas (Wan2.1 uses 5.0 for t2v, 3.0 for 480p i2v).
+            shift: SD3 time shift of the sigmas (a family default, e.g. 5.0).
             spacing: where sigmas and timesteps come from (runnerkit/schedulers/spacing.py):
-                `"wan"` (the Wan2.1 reference's `set_timesteps`) or `"diffusers"` (diffusers'
+                `"train_range"` (over the training range, `spacing.train_range_schedule`) or `"diffusers"` (diffusers'
                 scheduler of the same solver). No default: the two give different outputs, and
                 the choice belongs to the model family (config `scheduler_spacing`).
 
         Raises:
-            ValueError: `num_train_timesteps` < 1 (< 2 with the "wan" spacing, whose training
+            ValueError: `num_train_timesteps` < 1 (< 2 with the "train_range" spacing, whose training
                 sigmas would all be 0), `shift` <= 0, or an unknown `spacing`.
         """
         if not isinstance(num_train_timesteps, int) or num_train_timesteps < 1:
@@ -80,8 +80,9 @@ class Scheduler(abc.ABC):
             raise ValueError(f"`shift` must be > 0, got {shift!r}")
         if spacing not in SPACINGS:
             raise ValueError(f"`spacing` must be one of {list(SPACINGS)}, got {spacing!r}")
-        if spacing == "wan" and num_train_timesteps < 2:
-            raise ValueError(f"`num_train_timesteps` must be >= 2 with spacing 'wan', got {num_train_timesteps!r}")
+        if spacing == "train_range" and num_train_timesteps < 2:
+            raise ValueError(f"`num_train_timesteps` must be >= 2 with spacing 'train_range', "
+                             f"got {num_train_timesteps!r}")
         self.num_train_timesteps = num_train_timesteps
         self.shift = float(shift)
         self.spacing: Spacing = spacing
@@ -192,7 +193,7 @@ class Scheduler(abc.ABC):
             latents: `[B, C, F, H, W]` in the model dtype given to `prepare`. When that dtype is
                 float32 this is the scheduler's own tensor: treat it as read-only.
             timestep: `[B]` on the latents' device, `timesteps[i]` repeated over the batch
-                (int64 with the "wan" spacing and diffusers' UniPC; float32 with diffusers' Euler:
+                (int64 with the "train_range" spacing and diffusers' UniPC; float32 with diffusers' Euler:
                 as each reference gives them).
 
         Raises:
@@ -266,8 +267,8 @@ class Scheduler(abc.ABC):
 
     def _schedule(self, infer_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(sigmas [infer_steps + 1] float32, timesteps [infer_steps])` of `self.spacing`, on the CPU."""
-        if self.spacing == "wan":
-            return wan_schedule(infer_steps, self.shift, self.num_train_timesteps)
+        if self.spacing == "train_range":
+            return train_range_schedule(infer_steps, self.shift, self.num_train_timesteps)
         return self._diffusers_schedule(infer_steps)
 
     def _reset_request_state(self) -> None:

@@ -13,11 +13,11 @@ class FlowEulerScheduler(Scheduler):
 
     Source: flow matching (Lipman et al. 2022) / rectified flow (Liu et al. 2022) with the SD3
     time shift (Esser et al. 2024). The update is computed in float32 like diffusers' (same
-    values bit for bit on the CPU). The Wan2.1 reference has no Euler solver (only UniPC and
-    DPM++); its spacing still applies, so `euler` and `unipc` sample the same sigmas:
+    values bit for bit on the CPU). Both spacings apply, so `euler` and `unipc` can sample the
+    same sigmas:
 
-    - `spacing="wan"`: the Wan2.1 reference's schedule (`spacing.wan_schedule`, the one its
-      UniPC scheduler computes), with int64 timesteps as the reference gives every solver.
+    - `spacing="train_range"`: `spacing.train_range_schedule` (the grid the reference UniPC
+      scheduler computes), with int64 timesteps as that reference gives every solver.
     - `spacing="diffusers"`: diffusers' `FlowMatchEulerDiscreteScheduler(num_train_timesteps,
       shift=shift)` exactly (diffusers 0.42): the training table `shift(t / N)` for t = N .. 1
       gives `sigma_max` (1 for any shift) and `sigma_min = shift(1 / N)`; the request's

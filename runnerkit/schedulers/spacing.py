@@ -1,17 +1,18 @@
 """Sigma spacings: where a request's sigmas and timesteps come from, apart from the solver.
 
-Two implementations that runnerkit reproduces bit for bit space the same flow-matching schedule
-differently, so one model, seed and step count gives visibly different videos under each:
+Two spacings of the same flow-matching schedule, each reproduced bit for bit from a public
+implementation; one model, seed and step count gives visibly different videos under each:
 
-- `"wan"`: the Wan2.1 reference (Wan-Video/Wan2.1 `wan/utils/fm_solvers_unipc.py`,
-  `FlowUniPCMultistepScheduler`, built as `wan/text2video.py` builds it: `shift=1` at
-  construction, the real shift given to `set_timesteps`). See `wan_schedule`.
+- `"train_range"`: unshifted sigmas spaced over the training range, from its largest sigma
+  `1 - 1/N` down to 0, shifted once (the `FlowUniPCMultistepScheduler.set_timesteps` of the
+  flow-matching reference releases, built with `shift=1` and given the real shift at
+  `set_timesteps`). See `train_range_schedule`.
 - `"diffusers"`: what diffusers' scheduler of the same solver does (`UniPCMultistepScheduler`
   with `use_flow_sigmas=True`, `FlowMatchEulerDiscreteScheduler`); each scheduler class
   implements it as `_diffusers_schedule`.
 
-A spacing is named after the implementation whose `set_timesteps` it reproduces; which one a
-model family samples with by default is the family's choice (its `DEFAULTS`, config key
+A spacing is named after what it does (or the library it reproduces); which one a model family
+samples with by default is the family's choice (its `DEFAULTS`, config key
 `scheduler_spacing`).
 """
 
@@ -22,7 +23,7 @@ from typing import Literal, TypeVar, get_args
 import numpy as np
 import torch
 
-Spacing = Literal["wan", "diffusers"]
+Spacing = Literal["train_range", "diffusers"]
 SPACINGS: tuple[str, ...] = get_args(Spacing)
 """The spacing names a scheduler accepts (and the config key `scheduler_spacing` allows)."""
 
@@ -47,8 +48,9 @@ def shift_sigmas(sigmas: ArrayOrTensor, shift: float) -> ArrayOrTensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
-def wan_schedule(infer_steps: int, shift: float, num_train_timesteps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Wan2.1 reference's sigmas and timesteps for `infer_steps` steps.
+def train_range_schedule(infer_steps: int, shift: float,
+                         num_train_timesteps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmas and timesteps for `infer_steps` steps spaced over the training range, then shifted.
 
     Source: Wan-Video/Wan2.1 `FlowUniPCMultistepScheduler.__init__` and `.set_timesteps` (the
     `dpm++` path of `wan/text2video.py` passes its own sigmas instead; runnerkit has no DPM++).

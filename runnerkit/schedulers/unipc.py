@@ -23,7 +23,7 @@ def _log_snr(sigma: float) -> float:
 
 
 class FlowUniPCScheduler(Scheduler):
-    """UniPC multistep solver for flow matching, as Wan2.1 samples with it (and diffusers' WanPipeline).
+    """UniPC multistep solver for flow matching (predictor UniP + corrector UniC).
 
     Source: Zhao et al. 2023, "UniPC: A Unified Predictor-Corrector Framework for Fast Sampling
     of Diffusion Models", in its data-prediction form (the model's velocity `v` becomes
@@ -45,7 +45,7 @@ class FlowUniPCScheduler(Scheduler):
     drops to 1 on the last step. The two differ only in their sigmas, chosen by `spacing`
     (runnerkit/schedulers/spacing.py):
 
-    - `"wan"`: the reference's `set_timesteps(infer_steps, shift=shift)` on a scheduler built
+    - `"train_range"`: the reference's `set_timesteps(infer_steps, shift=shift)` on a scheduler built
       with `shift=1`, as `wan/text2video.py` does: `shift(linspace(1 - 1/N, 0, infer_steps +
       1)[:-1])`, a final 0, int64 timesteps `trunc(sigma * N)`. What the official release
       samples with.
@@ -70,10 +70,10 @@ class FlowUniPCScheduler(Scheduler):
         """Build the scheduler.
 
         Args:
-            num_train_timesteps: timesteps of the training schedule (1000 for Wan2.1).
-            shift: SD3 time shift of the sigmas (Wan2.1: 5.0 for t2v, 3.0 for 480p i2v).
-            solver_order: 2 (Wan2.1's choice) or 1 (predictor and corrector of first order).
-            spacing: `"wan"` or `"diffusers"` (see the class docstring).
+            num_train_timesteps: timesteps of the training schedule (e.g. 1000).
+            shift: SD3 time shift of the sigmas (a family default, e.g. 5.0).
+            solver_order: 2 (the references' choice) or 1 (predictor and corrector of first order).
+            spacing: `"train_range"` or `"diffusers"` (see the class docstring).
 
         Raises:
             ValueError: `solver_order` not in (1, 2), or a base argument out of range.

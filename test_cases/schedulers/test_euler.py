@@ -1,5 +1,5 @@
 """FlowEulerScheduler with the "diffusers" spacing: parity with diffusers' FlowMatchEulerDiscreteScheduler,
-state ownership, jumps (the "wan" spacing: test_spacing.py)."""
+state ownership, jumps (the "train_range" spacing: test_spacing.py)."""
 
 from __future__ import annotations
 

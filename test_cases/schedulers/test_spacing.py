@@ -1,4 +1,4 @@
-"""The "wan" sigma spacing: golden schedule of the Wan2.1 reference, its update, and the gap to diffusers'.
+"""The "train_range" sigma spacing: golden schedule of the Wan2.1 reference, its update, and the gap to diffusers'.
 
 Golden values (GOLDEN below) were taken from the reference itself: Wan-Video/Wan2.1 at commit
 9737cba9c1c3c4d04b33fcad41c111989865d315, file `wan/utils/fm_solvers_unipc.py` (last changed in
@@ -152,9 +152,9 @@ def reference_unipc_float64(sigmas: list[float], x: torch.Tensor, solver_order: 
 @pytest.mark.parametrize("name", ["unipc", "euler"])
 @pytest.mark.parametrize(("steps", "shift"), sorted(GOLDEN))
 def test_schedule_equals_the_reference_golden_values(name: str, steps: int, shift: float) -> None:
-    # Every solver samples the reference's grid under "wan" (its timesteps are int64 for all solvers).
+    # Every solver samples the reference's grid under "train_range" (its timesteps are int64 for all solvers).
     timesteps, sigmas = GOLDEN[(steps, shift)]
-    s = SCHEDULERS[name](shift=shift, spacing="wan")
+    s = SCHEDULERS[name](shift=shift, spacing="train_range")
     s.prepare(LATENT_SHAPE, steps, seed=0, device="cpu")
     assert s.sigmas.dtype == torch.float32 and s.sigmas.tolist() == sigmas
     assert s.timesteps.dtype == torch.int64 and s.timesteps.tolist() == timesteps
@@ -179,7 +179,7 @@ def test_unipc_matches_a_float64_transcription_of_the_reference(steps: int, shif
     # reference fails here. runnerkit updates float32 latents (the reference does too); 50 steps
     # accumulate ~1e-6 of float32 rounding (measured once against the reference class itself:
     # <= 9.6e-7 apart, float32 both).
-    s = FlowUniPCScheduler(shift=shift, solver_order=solver_order, spacing="wan")
+    s = FlowUniPCScheduler(shift=shift, solver_order=solver_order, spacing="train_range")
     s.prepare(LATENT_SHAPE, steps, seed=1234, device="cpu")
     start = s.latents.clone()
     for i in range(steps):
@@ -191,7 +191,7 @@ def test_unipc_matches_a_float64_transcription_of_the_reference(steps: int, shif
 
 def test_euler_matches_a_float64_euler_on_the_golden_sigmas() -> None:
     sigmas = GOLDEN[(10, 5.0)][1]
-    s = FlowEulerScheduler(shift=5.0, spacing="wan")
+    s = FlowEulerScheduler(shift=5.0, spacing="train_range")
     s.prepare(LATENT_SHAPE, 10, seed=5, device="cpu")
     x = s.latents.double()
     for i in range(10):
@@ -203,8 +203,8 @@ def test_euler_matches_a_float64_euler_on_the_golden_sigmas() -> None:
 # ---- the two spacings differ -------------------------------------------------------------------
 @pytest.mark.parametrize("shift", [5.0, 3.0])
 def test_wan_and_diffusers_spacings_differ(shift: float) -> None:
-    # If "wan" silently fell back to diffusers' grid (or the reverse), this fails.
-    wan, dif = (FlowUniPCScheduler(shift=shift, spacing=sp) for sp in ("wan", "diffusers"))
+    # If "train_range" silently fell back to diffusers' grid (or the reverse), this fails.
+    wan, dif = (FlowUniPCScheduler(shift=shift, spacing=sp) for sp in ("train_range", "diffusers"))
     finals = []
     for s in (wan, dif):
         s.prepare(LATENT_SHAPE, 50, seed=1234, device="cpu")
@@ -219,7 +219,7 @@ def test_wan_and_diffusers_spacings_differ(shift: float) -> None:
 
 
 def test_euler_spacings_differ_and_diffusers_keeps_float_timesteps() -> None:
-    wan, dif = (FlowEulerScheduler(shift=5.0, spacing=sp) for sp in ("wan", "diffusers"))
+    wan, dif = (FlowEulerScheduler(shift=5.0, spacing=sp) for sp in ("train_range", "diffusers"))
     for s in (wan, dif):
         s.prepare(LATENT_SHAPE, 10, seed=0, device="cpu")
     assert dif.sigmas[0].item() == 1.0 and wan.sigmas[0].item() == GOLDEN[(10, 5.0)][1][0]
@@ -230,28 +230,28 @@ def test_euler_spacings_differ_and_diffusers_keeps_float_timesteps() -> None:
 def test_spacing_is_required_and_validated() -> None:
     with pytest.raises(TypeError, match="spacing"):
         FlowUniPCScheduler(shift=5.0)  # type: ignore[call-arg]
-    with pytest.raises(ValueError, match=r"`spacing` must be one of \['wan', 'diffusers'\], got 'karras'"):
+    with pytest.raises(ValueError, match=r"`spacing` must be one of \['train_range', 'diffusers'\], got 'karras'"):
         FlowEulerScheduler(spacing="karras")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="`num_train_timesteps` must be >= 2 with spacing 'wan', got 1"):
-        FlowUniPCScheduler(num_train_timesteps=1, spacing="wan")
-    assert "spacing='wan'" in repr(FlowUniPCScheduler(spacing="wan"))
+    with pytest.raises(ValueError, match="`num_train_timesteps` must be >= 2 with spacing 'train_range', got 1"):
+        FlowUniPCScheduler(num_train_timesteps=1, spacing="train_range")
+    assert "spacing='train_range'" in repr(FlowUniPCScheduler(spacing="train_range"))
 
 
 def test_config_accepts_exactly_the_schedulers_spacings() -> None:
     from runnerkit.config import FAMILY_DEFAULTED, ConfigError, load_runner_config
 
-    assert SPACINGS == ("wan", "diffusers")
+    assert SPACINGS == ("train_range", "diffusers")
     assert "scheduler_spacing" in FAMILY_DEFAULTED  # None in the config: the family decides
     for name in SPACINGS:
         assert RunnerConfig(model_cls="x", model_path="p", scheduler_spacing=name).scheduler_spacing == name
-    with pytest.raises(ConfigError, match=r"`scheduler_spacing` must be one of \['wan', 'diffusers'\] \(got 'karras'\)"):
+    with pytest.raises(ConfigError, match=r"`scheduler_spacing` must be one of \['train_range', 'diffusers'\] \(got 'karras'\)"):
         load_runner_config(None, {"model_cls": "x", "model_path": "p", "scheduler_spacing": "karras"})
 
 
 @pytest.mark.parametrize("name", ["unipc", "euler"])
 def test_clear_keeps_the_spacing(name: str) -> None:
-    s = SCHEDULERS[name](shift=3.0, spacing="wan")
+    s = SCHEDULERS[name](shift=3.0, spacing="train_range")
     s.prepare(LATENT_SHAPE, 4, seed=0, device="cpu")
     s.step_post(smooth_velocity(s.step_pre(0)[0], 0))
     s.clear()
-    assert_same_state(s, SCHEDULERS[name](shift=3.0, spacing="wan"))
+    assert_same_state(s, SCHEDULERS[name](shift=3.0, spacing="train_range"))

@@ -1,5 +1,5 @@
 """FlowUniPCScheduler with the "diffusers" spacing: parity with diffusers' flow UniPC, randomness, state
-ownership, warmup jumps (the "wan" spacing: test_spacing.py)."""
+ownership, warmup jumps (the "train_range" spacing: test_spacing.py)."""
 
 from __future__ import annotations
 

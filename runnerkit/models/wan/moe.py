@@ -57,7 +57,7 @@ class WanMoERunner(WanT2VRunner):
     #: 40 UniPC steps, shift 12.0, guidance [high-noise 4.0, low-noise 3.0].
     DEFAULTS: ClassVar[dict[str, Any]] = {
         "infer_steps": 40, "target_height": 720, "target_width": 1280, "target_video_length": 81, "fps": 16,
-        "sample_shift": 12.0, "sample_guide_scale": (4.0, 3.0), "scheduler": "unipc", "scheduler_spacing": "wan"}
+        "sample_shift": 12.0, "sample_guide_scale": (4.0, 3.0), "scheduler": "unipc", "scheduler_spacing": "train_range"}
     #: Expert switch of Wan2.2 t2v A14B (`boundary = 0.875`), used when neither the config nor the
     #: checkpoint (diffusers `boundary_ratio`) gives one.
     DEFAULT_BOUNDARY: ClassVar[float] = 0.875

@@ -2,7 +2,7 @@
 
 Source of the pipeline: Wan-Video/Wan2.1 `wan/text2video.py` (WanT2V.generate): UMT5 prompt
 embeddings (and the default negative prompt for CFG), noise [16, (F-1)/4+1, H/8, W/8], flow UniPC
-with shift and the reference's own sigma spacing (`scheduler_spacing` "wan"),
+with shift and the reference's own sigma spacing (`scheduler_spacing` "train_range"),
 `uncond + scale * (cond - uncond)`, VAE decode, clamp to [-1, 1].
 """
 
@@ -96,7 +96,7 @@ class WanT2VRunner(DefaultRunner):
     #: `flow_shift` replaces it: `resolve_sample_shift`), guidance 5.0.
     DEFAULTS: ClassVar[dict[str, Any]] = {
         "infer_steps": 50, "target_height": 480, "target_width": 832, "target_video_length": 81, "fps": 16,
-        "sample_shift": 5.0, "sample_guide_scale": 5.0, "scheduler": "unipc", "scheduler_spacing": "wan"}
+        "sample_shift": 5.0, "sample_guide_scale": 5.0, "scheduler": "unipc", "scheduler_spacing": "train_range"}
     RESULT_KINDS = {"t2v": "video"}
 
     # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------

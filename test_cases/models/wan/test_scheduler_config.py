@@ -121,7 +121,7 @@ def test_checkpoint_flow_shift_replaces_the_family_default(diffusers_ckpt: Path,
                                       target_video_length=1, save_result_path=str(png)), 0)
     sidecar = json.loads(png.with_suffix(".json").read_text())
     assert sidecar["config"]["sample_shift"] == SYNTHETIC_FLOW_SHIFT
-    assert sidecar["config"]["scheduler_spacing"] == "wan"
+    assert sidecar["config"]["scheduler_spacing"] == "train_range"
 
 
 @pytest.mark.parametrize("shift", [FAMILY_SHIFT, 7.0])
@@ -157,9 +157,9 @@ def test_default_spacing_is_the_reference_one_end_to_end(tiny_ckpt: Path, mocker
     # Through the config, the family defaults, the pipeline description and the runner's scheduler
     # to the timesteps the transformer receives: a silent fallback to diffusers' grid fails here
     # (diffusers' last timestep would be 625, not 624).
-    assert WanT2VRunner.DEFAULTS["scheduler_spacing"] == "wan"
+    assert WanT2VRunner.DEFAULTS["scheduler_spacing"] == "train_range"
     runner, _ = _loaded(tiny_ckpt)
-    assert runner.config.scheduler_spacing == "wan" and runner.scheduler.spacing == "wan"
+    assert runner.config.scheduler_spacing == "train_range" and runner.scheduler.spacing == "train_range"
     forward = mocker.spy(WanTransformer3D, "forward")
     runner.run_pipeline(RequestConfig(prompt="a kite", seed=3, target_height=32, target_width=32,
                                       target_video_length=5), 0)
