@@ -32,8 +32,8 @@ class WanVAE(nn.Module):
     Build with `build_wan_vae` (meta device + strict load), or construct and load weights.
 
     Raises:
-        ValueError: the arch's `temporal_downsample`, `latents_mean` or `latents_std` lengths do
-            not fit `dim_mult` / `z_dim`, or a std is not positive.
+        ValueError: no `dim_mult` level, or a `latents_std` value is not positive (lengths are
+            checked by `WanVAEArch`).
         NotImplementedError: non-empty `attn_scales` (the reference cannot run them with its
             feature cache) or a temporal compression other than 4 (the reference's chunking).
     """
@@ -222,15 +222,10 @@ class WanVAE(nn.Module):
 
 def check_arch(arch: WanVAEArch) -> None:
     """Raise if `arch` is not a VAE this implementation runs (see `WanVAE` for the errors)."""
-    levels = len(arch.dim_mult)
-    if levels == 0:
+    # The lengths of `temporal_downsample`, `latents_mean` and `latents_std` are checked by
+    # `WanVAEArch` itself (arch.py), so a config is refused before anything loads.
+    if not arch.dim_mult:
         raise ValueError("`dim_mult` must have at least one level; got ()")
-    if len(arch.temporal_downsample) != levels - 1:
-        raise ValueError(f"`temporal_downsample` must have len(dim_mult) - 1 = {levels - 1} entries; "
-                         f"got {arch.temporal_downsample}")
-    for name in ("latents_mean", "latents_std"):
-        if len(getattr(arch, name)) != arch.z_dim:
-            raise ValueError(f"`{name}` must have z_dim = {arch.z_dim} entries; got {len(getattr(arch, name))}")
     if min(arch.latents_std) <= 0:
         raise ValueError(f"`latents_std` must be positive; got {arch.latents_std}")
     if arch.attn_scales:
