@@ -113,7 +113,10 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     if args.config_json is None and args.model_cls is None:
         raise ConfigError("give --config_json FILE (or at least --model_cls and --model_path); see --help")
     config = load_runner_config(args.config_json, overrides)
-    runner_cls = get_runner_cls(config.model_cls)
+    try:
+        runner_cls = get_runner_cls(config.model_cls, config.task)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     given = {k: getattr(args, k) for k in REQUEST_FLAGS if getattr(args, k) is not None}
     if args.requests:
         if given:
@@ -127,9 +130,6 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
             requests = [RequestConfig.model_validate(given)]
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, "request flags")) from None
-    if config.task not in runner_cls.TASKS:
-        raise ConfigError(f"`task` {config.task!r} is not served by model_cls {config.model_cls!r}; "
-                          f"allowed: {list(runner_cls.TASKS)}")
     try:  # the config's own default shape: a problem there is the config's, not a request's
         resolved = runner_cls.resolve_config(config)
         runner_cls.validate_shape(resolved.target_height, resolved.target_width, resolved.target_video_length)
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid input: {}", exc)
         return 2
     try:
-        runner: BaseRunner = get_runner_cls(config.model_cls)(config)
+        runner: BaseRunner = get_runner_cls(config.model_cls, config.task)(config)
     except (ValueError, NotImplementedError) as exc:  # the family refuses the config's settings
         logger.error("invalid input: config {}: {}", args.config_json or "(command-line flags)", exc)
         return 2

@@ -1,4 +1,8 @@
-"""Runner registry: `model_cls` name -> runner class, an explicit dict filled by a decorator."""
+"""Runner registry: (`model_cls`, `task`) -> runner class, explicit dicts filled by a decorator.
+
+A family may serve its tasks with several classes (e.g. text-to-video and image-to-video runners
+of one `model_cls`); each class registers the tasks in its `TASKS`.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,10 @@ if TYPE_CHECKING:
 
 R = TypeVar("R", bound="type[BaseRunner]")
 
+#: `model_cls` -> the first class registered under it (the family's primary runner).
 RUNNERS: dict[str, type["BaseRunner"]] = {}
+#: (`model_cls`, `task`) -> the class serving that task.
+TASK_RUNNERS: dict[tuple[str, str], type["BaseRunner"]] = {}
 
 #: Where families live: every package `runnerkit/models/<family>/` with a `runner` module registers
 #: its runners when imported. Adding a family = one folder; nothing else names it.
@@ -31,16 +38,23 @@ def family_modules() -> list[str]:
 
 
 def register_runner(name: str) -> Callable[[R], R]:
-    """Class decorator: register a runner under `name` (the config's `model_cls`).
+    """Class decorator: register a runner under `name` (the config's `model_cls`) for each task
+    in its `TASKS`.
 
     Raises:
-        ValueError: if `name` is already registered.
+        ValueError: the class lists no task, or `name` already has a runner for one of its tasks.
     """
 
     def wrap(cls: R) -> R:
-        if name in RUNNERS:
-            raise ValueError(f"model_cls {name!r} is already registered by {RUNNERS[name].__qualname__}")
-        RUNNERS[name] = cls
+        tasks = tuple(getattr(cls, "TASKS", ()))
+        if not tasks:
+            raise ValueError(f"{cls.__qualname__} lists no TASKS; a runner registers the tasks it serves")
+        taken = [t for t in tasks if (name, t) in TASK_RUNNERS]
+        if taken:
+            raise ValueError(f"model_cls {name!r} is already registered for task(s) {taken} by "
+                             f"{TASK_RUNNERS[(name, taken[0])].__qualname__}")
+        RUNNERS.setdefault(name, cls)
+        TASK_RUNNERS.update({(name, t): cls for t in tasks})
         return cls
 
     return wrap
@@ -53,13 +67,24 @@ def load_families() -> dict[str, type["BaseRunner"]]:
     return RUNNERS
 
 
-def get_runner_cls(name: str) -> type["BaseRunner"]:
-    """Look up a runner class by `model_cls`.
+def tasks_of(name: str) -> list[str]:
+    """Every task registered under `model_cls` `name`, in registration order."""
+    load_families()
+    return [t for (n, t) in TASK_RUNNERS if n == name]
+
+
+def get_runner_cls(name: str, task: str | None = None) -> type["BaseRunner"]:
+    """The runner class of `model_cls` `name` for `task` (None: the family's primary runner).
 
     Raises:
-        ValueError: unknown name, listing the registered ones.
+        ValueError: unknown name (listing the registered ones) or a task the family does not
+            serve (listing its tasks).
     """
     runners = load_families()
     if name not in runners:
         raise ValueError(f"unknown `model_cls` {name!r}; registered: {sorted(runners)}")
-    return runners[name]
+    if task is None:
+        return runners[name]
+    if (name, task) not in TASK_RUNNERS:
+        raise ValueError(f"`task` {task!r} is not served by model_cls {name!r}; allowed: {tasks_of(name)}")
+    return TASK_RUNNERS[(name, task)]

@@ -1,6 +1,6 @@
 """BaseRunner: the lifecycle template and every guarantee it holds (ARCHITECTURE §2, §3).
 
-    runner = get_runner_cls(config.model_cls)(config)   # family defaults resolved, config validated
+    runner = get_runner_cls(config.model_cls, config.task)(config)   # family defaults resolved, config validated
     runner.init_modules()                # once: warmup gate -> load_modules -> config lock -> warmup
     runner.run_pipeline(request, index)  # one request; end_run() always runs after it
 
@@ -97,7 +97,8 @@ class BaseRunner(ABC):
         config.refuse_inert_settings()
         config = self.resolve_config(config)
         if config.task not in self.TASKS:
-            raise ValueError(f"`task` {config.task!r} is not served by model_cls {config.model_cls!r}; allowed: {list(self.TASKS)}")
+            raise ValueError(f"`task` {config.task!r} is not served by {type(self).__name__} (model_cls "
+                             f"{config.model_cls!r}); its tasks: {list(self.TASKS)}")
         self._config = config
         self._config_locked = False
         self._lifecycle = "new"  # new -> initialising -> ready | failed

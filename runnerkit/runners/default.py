@@ -34,6 +34,7 @@ from torch import nn
 
 from runnerkit import memory
 from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig, as_request
+from runnerkit.images import check_image
 from runnerkit.media import save_outputs as write_outputs
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.profiling import RequestProfile
@@ -250,18 +251,26 @@ class DefaultRunner(BaseRunner):
             raise ValueError(f"`target_video_length` must be {t}n+1, e.g. 5, 9, 81 (got {frames})")
 
     @classmethod
+    def shape_of(cls, request: RequestConfig, config: RunnerConfig) -> Shape:
+        """(height, width, frames) a request runs at (`config` with the family defaults).
+
+        Default: the request's fields, else the config's. A family whose shape follows its inputs
+        (e.g. image-to-video keeping the image's aspect ratio) overrides this; its image inputs
+        have already been checked by `validate_request` when it is called.
+        """
+        return (request.target_height or config.target_height, request.target_width or config.target_width,
+                request.target_video_length or config.target_video_length)
+
+    @classmethod
     def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
         """Check a request against the runner before anything loads (`config` as given by the user).
 
         Raises:
-            ValueError: naming the field: shape factors, image inputs the task does not take or
-                lacks, a result file suffix that does not fit the task's primary output.
+            ValueError: naming the field: image inputs the task does not take, lacks, or that are
+                not readable images (`runnerkit.images.ImageInputError`), shape factors, a result
+                file suffix that does not fit the task's primary output.
         """
         config = cls.resolve_config(config)
-        h = request.target_height or config.target_height
-        w = request.target_width or config.target_width
-        f = request.target_video_length or config.target_video_length
-        cls.validate_shape(h, w, f)
         if request.negative_prompt is not None and not config.enable_cfg:
             raise ValueError("`negative_prompt` only acts with classifier-free guidance, but the runner's "
                              "`enable_cfg` is false: remove it from the request")
@@ -271,8 +280,13 @@ class DefaultRunner(BaseRunner):
             if value is not None and field not in task_inputs:
                 raise ValueError(f"`{field}` is not used by task {config.task!r} (got {value!r}); "
                                  f"image inputs of this task: {list(task_inputs) or 'none'}")
-            if field in task_inputs and (value is None or not Path(value).is_file()):
-                raise ValueError(f"`{field}` must name an existing image file for task {config.task!r} (got {value!r})")
+            if field in task_inputs:
+                if value is None:
+                    flag = "--" + field
+                    raise ValueError(f"`{field}` ({flag}) is required by task {config.task!r}: give an image file")
+                check_image(value, field)
+        h, w, f = cls.shape_of(request, config)
+        cls.validate_shape(h, w, f)
         if request.save_result_path:
             suffix = Path(request.save_result_path).suffix.lower()
             kind = cls.RESULT_KINDS.get(config.task, "video")
@@ -283,10 +297,8 @@ class DefaultRunner(BaseRunner):
                                  f"use {' or '.join(allowed)}")
 
     def request_shape(self, request: RequestConfig) -> Shape:
-        """(height, width, frames) of `request`, the config's defaults filled in."""
-        cfg = self.config
-        return (request.target_height or cfg.target_height, request.target_width or cfg.target_width,
-                request.target_video_length or cfg.target_video_length)
+        """(height, width, frames) of `request`, the config's defaults filled in (`shape_of`)."""
+        return self.shape_of(request, self.config)
 
     # ---- memory fit (runners/fit.py) --------------------------------------------------------
     def check_fit(self, shape: Shape, what: str) -> PeakEstimate | None:
@@ -352,14 +364,15 @@ class DefaultRunner(BaseRunner):
         cfg = self.config
         request = as_request(request)
         self.validate_request(request, cfg)
+        height, width, frames = self.shape_of(request, cfg)
         return InputInfo(
             prompt=request.prompt,
             negative_prompt=request.negative_prompt if request.negative_prompt is not None
             else (cfg.negative_prompt if cfg.negative_prompt is not None else self.DEFAULT_NEGATIVE_PROMPT),
             seed=request.seed if request.seed is not None else cfg.seed,
-            height=request.target_height or cfg.target_height,
-            width=request.target_width or cfg.target_width,
-            frames=request.target_video_length or cfg.target_video_length,
+            height=height,
+            width=width,
+            frames=frames,
             save_result_path=request.save_result_path,
             save_tensor_path=request.save_tensor_path,
             image_path=request.image_path,

@@ -57,7 +57,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     try:
         config = load_runner_config(args.config, {"synthetic_checkpoint": {"seed": args.seed}})
-        family = get_runner_cls(config.model_cls)
+        family = get_runner_cls(config.model_cls, config.task)
         if not family.CHECKPOINT_LAYOUTS:
             raise ConfigError(f"`model_cls` {config.model_cls!r} cannot write synthetic checkpoints")
         if args.layout not in family.CHECKPOINT_LAYOUTS:

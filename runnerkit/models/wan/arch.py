@@ -8,7 +8,7 @@ under the `model` key of a runnerkit JSON config.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
@@ -44,6 +44,10 @@ class WanTransformerArch(_Arch):
     """Wan2.1 diffusion transformer (`WanModel`); defaults are the 1.3B model."""
 
     model_type: Literal["t2v", "i2v", "flf2v"] = Field("t2v", description="Task family of the weights.")
+    image_context: bool | None = Field(
+        None, description="Whether the blocks attend to CLIP image tokens (image cross-attention, `img_emb`): "
+        "Wan2.1 i2v / flf2v true, Wan2.2 i2v false (it conditions through `y` only), t2v false. "
+        "Omitted: true for i2v / flf2v, false for t2v.")
     patch_size: tuple[int, int, int] = Field((1, 2, 2), strict=False, description="(t, h, w) patch of the latent grid.")
     text_len: int = Field(512, gt=0, description="Context length the text embeddings are padded to.")
     in_dim: int = Field(16, gt=0, description="Latent channels in.")
@@ -57,6 +61,14 @@ class WanTransformerArch(_Arch):
     qk_norm: bool = Field(True, description="RMSNorm on queries and keys.")
     cross_attn_norm: bool = Field(True, description="LayerNorm (affine) before cross-attention.")
     eps: float = Field(1e-6, gt=0, description="Norm epsilon.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_image_context(cls, data: Any, info: ValidationInfo) -> Any:
+        partial = bool(info.context and info.context.get("partial"))
+        if isinstance(data, dict) and data.get("image_context") is None and not partial:
+            data = {**data, "image_context": data.get("model_type", "t2v") in ("i2v", "flf2v")}
+        return data
 
     @model_validator(mode="after")
     def _heads_divide_dim(self, info: ValidationInfo) -> WanTransformerArch:
@@ -135,8 +147,24 @@ class WanVAEArch(_Arch):
 
 
 class WanArch(_Arch):
-    """The three networks of a Wan2.1 text-to-video pipeline."""
+    """The networks of a Wan pipeline: text encoder, transformer, VAE and, for the transformers
+    with image cross-attention (Wan2.1 i2v / flf2v), the CLIP image encoder."""
 
     transformer: WanTransformerArch = WanTransformerArch()
     text_encoder: UMT5Arch = UMT5Arch()
     vae: WanVAEArch = WanVAEArch()
+    image_encoder: CLIPVisionArch | None = Field(
+        None, description="CLIP vision tower; present exactly when `transformer.image_context` is true.")
+
+    @model_validator(mode="after")
+    def _image_encoder_fits(self, info: ValidationInfo) -> WanArch:
+        if not self._check(info, "transformer", "image_encoder"):
+            return self
+        wants = bool(self.transformer.image_context)
+        if wants and self.image_encoder is None:
+            raise ValueError(f"`transformer.model_type`={self.transformer.model_type!r} attends to CLIP image tokens "
+                             "(`image_context` true): `image_encoder` (the CLIP vision tower) is needed")
+        if not wants and self.image_encoder is not None:
+            raise ValueError(f"`image_encoder` is given but the transformer (`model_type`="
+                             f"{self.transformer.model_type!r}, `image_context` false) takes no CLIP image tokens: remove it")
+        return self

@@ -4,12 +4,18 @@ Three layouts are understood (ARCHITECTURE §5), all mapped to runnerkit's nativ
 original Wan2.1 names):
 
 - runnerkit: `runnerkit.json` (format, family, arch) + `transformer/`, `text_encoder/`, `vae/`
-  safetensors (native names) + `tokenizer/tokenizer.json`.
+  (+ `image_encoder/` for i2v / flf2v) safetensors (native names) + `tokenizer/tokenizer.json`.
 - original (Wan-Video/Wan2.1 release): `config.json` (WanModel), `diffusion_pytorch_model*.safetensors`
   (sharded with an index), `models_t5_umt5-xxl-enc-bf16.pth`, `Wan2.1_VAE.pth` (read with
-  `torch.load(weights_only=True)`), `google/umt5-xxl/tokenizer.json`.
-- diffusers (Wan-AI/Wan2.1-T2V-*-Diffusers): `model_index.json`, `transformer/`, `text_encoder/`
-  (transformers UMT5EncoderModel), `vae/` (AutoencoderKLWan), `tokenizer/`.
+  `torch.load(weights_only=True)`), `google/umt5-xxl/tokenizer.json`; i2v / flf2v add
+  `models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth` (the whole CLIP; its vision tower is used).
+- diffusers (Wan-AI/Wan2.1-{T2V,I2V,FLF2V}-*-Diffusers): `model_index.json`, `transformer/`,
+  `text_encoder/` (transformers UMT5EncoderModel), `vae/` (AutoencoderKLWan), `tokenizer/`; i2v /
+  flf2v add `image_encoder/` (transformers CLIPVisionModel(WithProjection)).
+
+The image encoder's architecture comes from `runnerkit.json` or `image_encoder/config.json`; the
+original layout has no CLIP config, so it is the released ViT-H/14 unless the config's
+`model.image_encoder` says otherwise.
 
 `WanCheckpoint.check_files` checks every weight file against the architecture from safetensors
 headers and memory-mapped `.pth` files (no weight is read) before anything loads, in every offload
@@ -35,10 +41,12 @@ from safetensors.torch import save_file
 
 from runnerkit.config import format_validation_error
 from runnerkit.files import give_default_mode, write_error_reason
+from runnerkit.models.wan import clip_keys as ck
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import transformer_keys as tk
 from runnerkit.models.wan import vae as vae_mod
-from runnerkit.models.wan.arch import UMT5Arch, WanArch, WanTransformerArch, WanVAEArch
+from runnerkit.models.wan.arch import CLIPVisionArch, UMT5Arch, WanArch, WanTransformerArch, WanVAEArch
+from runnerkit.models.wan.clip import CLIPVisionEncoder
 from runnerkit.models.wan.scheduler_config import write_scheduler_config
 from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D
@@ -63,6 +71,7 @@ LAYOUTS: tuple[Layout, ...] = ("runnerkit", "original", "diffusers")
 ORIGINAL_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
 ORIGINAL_VAE = "Wan2.1_VAE.pth"
 ORIGINAL_TOKENIZER = "google/umt5-xxl"
+ORIGINAL_CLIP = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
 SHARD_BYTES = 2 * 1024**3  # largest safetensors shard written (bytes)
 
 
@@ -101,6 +110,28 @@ def _arch_from(path: Path, component: str, convert: Callable[[dict[str, Any]], T
         raise CheckpointError(f"{component}: {path}: {exc}") from None
 
 
+def merge_override(arch: WanArch, override: dict[str, Any] | None, path: Path) -> WanArch:
+    """`arch` with the config's `model` over it, per component (a component the checkpoint lacks,
+    such as `image_encoder` of a t2v checkpoint, is taken whole from `model`).
+
+    Raises:
+        CheckpointError: `model` names a component Wan does not have.
+        ValueError: the merged architecture is invalid (naming `model.<component>.<field>`).
+    """
+    if not override:
+        return arch
+    merged = arch.model_dump()
+    for component, values in override.items():
+        if component not in merged:
+            raise CheckpointError(f"`model.{component}` is not a Wan component; allowed: {sorted(merged)}")
+        merged[component] = {**(merged[component] or {}), **values}
+    try:
+        return WanArch.model_validate(merged)
+    except ValidationError as exc:  # the config's `model` does not fit this checkpoint's architecture
+        raise ValueError(format_validation_error(exc, f"config `model` over the architecture of {path}")
+                         .replace("\n  ", "\n  model.")) from None
+
+
 def _read_folder(folder: Path, component: str) -> dict[str, torch.Tensor]:
     files = safetensors_files(folder, component=component)
     if not files:
@@ -136,25 +167,18 @@ class WanCheckpoint:
             except ValidationError as exc:
                 raise CheckpointError(format_validation_error(exc, f"architecture in {path}/runnerkit.json")) from None
         elif layout == "original":
-            arch = WanArch(transformer=_arch_from(path / "config.json", "transformer", tk.arch_from_original_config))
+            transformer = _arch_from(path / "config.json", "transformer", tk.arch_from_original_config)
+            arch = WanArch(transformer=transformer, image_encoder=CLIPVisionArch() if transformer.image_context else None)
         else:
+            transformer = _arch_from(path / "transformer/config.json", "transformer", tk.arch_from_diffusers_config)
             arch = WanArch(
-                transformer=_arch_from(path / "transformer/config.json", "transformer", tk.arch_from_diffusers_config),
+                transformer=transformer,
                 text_encoder=_arch_from(path / "text_encoder/config.json", "text_encoder", te.arch_from_hf_config),
                 vae=_arch_from(path / "vae/config.json", "vae", vae_mod.arch_from_diffusers_config),
+                image_encoder=_arch_from(path / "image_encoder/config.json", "image_encoder", ck.arch_from_hf_config)
+                if transformer.image_context else None,
             )
-        if override:
-            merged = arch.model_dump()
-            for component, values in override.items():
-                if component not in merged:
-                    raise CheckpointError(f"`model.{component}` is not a Wan2.1 component; allowed: {sorted(merged)}")
-                merged[component] = {**merged[component], **values}
-            try:
-                arch = WanArch.model_validate(merged)
-            except ValidationError as exc:  # the config's `model` does not fit this checkpoint's architecture
-                raise ValueError(format_validation_error(exc, f"config `model` over the architecture of {path}")
-                                 .replace("\n  ", "\n  model.")) from None
-        return cls(path=path, layout=layout, arch=arch)
+        return cls(path=path, layout=layout, arch=merge_override(arch, override, path))
 
     # ---- transformer -------------------------------------------------------------------
     def transformer_files(self) -> list[Path]:
@@ -198,6 +222,35 @@ class WanCheckpoint:
             return read_pth(self.path / ORIGINAL_VAE, "vae")
         return vae_mod.diffusers_to_native(_read_folder(self.path / "vae", "vae"))
 
+    # ---- image encoder (i2v / flf2v) ----------------------------------------------------------
+    def image_encoder_state_dict(self) -> dict[str, torch.Tensor]:
+        """The CLIP vision tower in native names (clip.py), from this layout's files.
+
+        Raises:
+            CheckpointError: the architecture has no image encoder, or a file is missing or damaged.
+        """
+        arch = self._clip_arch()
+        if self.layout == "runnerkit":
+            return _read_folder(self.path / "image_encoder", "image_encoder")
+        if self.layout == "original":
+            return ck.original_to_native(read_pth(self.path / ORIGINAL_CLIP, "image_encoder"), arch)
+        return ck.hf_to_native(_read_folder(self.path / "image_encoder", "image_encoder"), arch)
+
+    def image_encoder_infos(self) -> dict[str, TensorInfo]:
+        """native name -> the CLIP tensor's dtype, shape and file (headers, or the mapped .pth)."""
+        arch = self._clip_arch()
+        if self.layout == "original":
+            path = self.path / ORIGINAL_CLIP
+            return _renamed(tensor_infos(read_pth(path, "image_encoder"), path), lambda sd: ck.original_to_native(sd, arch))
+        infos = _folder_infos(self.path / "image_encoder", "image_encoder")
+        return _renamed(infos, lambda sd: ck.hf_to_native(sd, arch)) if self.layout == "diffusers" else infos
+
+    def _clip_arch(self) -> CLIPVisionArch:
+        if self.arch.image_encoder is None:
+            raise CheckpointError(f"{self.path}: the transformer (`model_type`={self.arch.transformer.model_type!r}) "
+                                  "takes no CLIP image tokens; this checkpoint has no image encoder")
+        return self.arch.image_encoder
+
     # ---- checks before loading ------------------------------------------------------------------
     def check_files(self) -> None:
         """Check every weight file against the architecture before anything loads.
@@ -211,7 +264,8 @@ class WanCheckpoint:
         Raises:
             CheckpointError: naming the component, the file and the tensor.
         """
-        infos = {"text_encoder": self.text_encoder_infos, "transformer": self.transformer_infos, "vae": self.vae_infos}
+        infos = {"text_encoder": self.text_encoder_infos, "image_encoder": self.image_encoder_infos,
+                 "transformer": self.transformer_infos, "vae": self.vae_infos}
         for component, network in _networks(self.arch).items():
             found = infos[component]()  # a damaged file is refused here, before any network is built
             check_tensors(build_on_meta(network).state_dict(keep_vars=True), found, component)
@@ -239,10 +293,15 @@ class WanCheckpoint:
 
 
 def _networks(arch: WanArch) -> dict[str, Callable[[], torch.nn.Module]]:
-    """component -> factory of its network, in pipeline order (build them with `build_on_meta`)."""
-    return {"text_encoder": lambda: te.UMT5Encoder(arch.text_encoder),
-            "transformer": lambda: WanTransformer3D(arch.transformer),
-            "vae": lambda: vae_mod.WanVAE(arch.vae)}
+    """component -> factory of its network, in pipeline order (build them with `build_on_meta`);
+    the image encoder only where the transformer takes CLIP tokens."""
+    networks: dict[str, Callable[[], torch.nn.Module]] = {"text_encoder": lambda: te.UMT5Encoder(arch.text_encoder)}
+    clip = arch.image_encoder
+    if clip is not None:
+        networks["image_encoder"] = lambda: CLIPVisionEncoder(clip)
+    networks["transformer"] = lambda: WanTransformer3D(arch.transformer)
+    networks["vae"] = lambda: vae_mod.WanVAE(arch.vae)
+    return networks
 
 
 def _folder_infos(folder: Path, component: str) -> dict[str, TensorInfo]:
@@ -258,7 +317,11 @@ def _renamed(infos: Mapping[str, TensorInfo], rename: Callable[[dict[str, torch.
     info keeps its name in the file. The converter sees meta tensors of the right dtype and shape."""
     probes = {k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in infos.items()}
     by_probe = {id(v): infos[k] for k, v in probes.items()}  # distinct objects: map names by identity
-    return {name: by_probe[id(t)] for name, t in rename(probes).items()}
+    files = {i.path for i in infos.values()}
+    only_file = files.pop() if len(files) == 1 else None
+    # A tensor the converter builds (CLIP's fused q/k/v) has no single source: named by the result.
+    return {name: by_probe.get(id(t)) or TensorInfo(name, only_file, t.dtype, tuple(t.shape))
+            for name, t in rename(probes).items()}
 
 
 # ---- writing synthetic checkpoints ----------------------------------------------------------
@@ -353,6 +416,10 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
         def vae_all(name: str) -> bool:
             return True  # the VAE is kept (and run) in float32, as the reference does
 
+        from runnerkit.models.wan.clip import keep_fp32 as clip_fp32
+
+        clip = arch.image_encoder  # i2v / flf2v with CLIP image tokens only
+
         def one(component: str, fp32: Any) -> dict[str, torch.Tensor]:
             return {k: synthetic_tensor(k, s, seed, torch.float32 if fp32(k) else dtype, generator_device)
                     for k, s in shapes[component].items()}
@@ -367,17 +434,27 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
             _write_sharded(shapes["text_encoder"], ident, tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
             _write_sharded(shapes["vae"], ident, tmp / "vae", "model", seed, torch.float32, vae_all, generator_device)
             write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
+            if clip is not None:
+                _write_sharded(shapes["image_encoder"], ident, tmp / "image_encoder", "model", seed, dtype, clip_fp32,
+                               generator_device)
         elif layout == "original":
             (tmp / "config.json").write_text(json.dumps(tk.arch_to_original_config(arch.transformer), indent=1))
             _write_sharded(shapes["transformer"], ident, tmp, "diffusion_pytorch_model", seed, dtype, t_fp32, generator_device)
             torch.save(one("text_encoder", te_fp32), tmp / ORIGINAL_T5)
             torch.save(one("vae", vae_all), tmp / ORIGINAL_VAE)
             write_debug_tokenizer(tmp / ORIGINAL_TOKENIZER, arch.text_encoder.vocab_size)
+            if clip is not None:  # the release file holds the whole CLIP; the vision tower is what Wan uses
+                torch.save(ck.native_to_original(one("image_encoder", clip_fp32)), tmp / ORIGINAL_CLIP)
         else:
+            image_task = arch.transformer.model_type != "t2v"
             (tmp / "model_index.json").write_text(json.dumps({
-                "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+                "_class_name": "WanImageToVideoPipeline" if image_task else "WanPipeline",
+                "transformer": ["diffusers", "WanTransformer3DModel"],
                 "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
-                "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"]}, indent=1))
+                "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+                **({"image_encoder": ["transformers", "CLIPVisionModel"] if clip else [None, None],
+                    "image_processor": ["transformers", "CLIPImageProcessor"] if clip else [None, None]}
+                   if image_task else {})}, indent=1))
             for sub, cfg in (("transformer", tk.arch_to_diffusers_config(arch.transformer)),
                              ("text_encoder", te.arch_to_hf_config(arch.text_encoder)),
                              ("vae", vae_mod.arch_to_diffusers_config(arch.vae))):
@@ -391,6 +468,14 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
                            torch.float32, vae_all, generator_device)
             write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
             write_scheduler_config(tmp)
+            if clip is not None:
+                (tmp / "image_encoder").mkdir()
+                (tmp / "image_encoder" / "config.json").write_text(json.dumps(
+                    {"architectures": ["CLIPVisionModel"], "model_type": "clip_vision_model",
+                     **ck.arch_to_hf_config(clip)}, indent=1))
+                save_file({k: v.contiguous() for k, v in ck.native_to_hf(one("image_encoder", clip_fp32)).items()},
+                          str(tmp / "image_encoder" / "model.safetensors"))
+                give_default_mode(tmp / "image_encoder" / "model.safetensors")
 
     try:
         fill()

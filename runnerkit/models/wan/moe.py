@@ -1,4 +1,4 @@
-"""Wan2.2 MoE text-to-video runner (the A14B release): two experts in one denoising loop.
+"""Wan2.2 MoE runners (the A14B releases, t2v and i2v): two experts in one denoising loop.
 
 Source: Wan-Video/Wan2.2 `wan/text2video.py` (WanT2V.generate) and `wan/configs/wan_t2v_A14B.py`;
 diffusers `WanPipeline` with `transformer_2` and `boundary_ratio`. Each step runs one expert,
@@ -8,7 +8,8 @@ chosen on the step's timestep `t` (an integer in [0, 1000)):
     t <  boundary * num_train_timesteps  ->  `transformer_2` (low-noise expert, the late steps)
 
 with its own CFG scale. Public defaults (t2v A14B): boundary 0.875, shift 12.0, 40 steps,
-guidance 4.0 (high-noise) and 3.0 (low-noise). Order of the pair: runnerkit's
+guidance 4.0 (high-noise) and 3.0 (low-noise); (i2v A14B, Wan2.2 `wan/configs/wan_i2v_A14B.py`):
+boundary 0.900, shift 5.0, 40 steps, guidance 3.5 for both. Order of the pair: runnerkit's
 `sample_guide_scale` is [high-noise, low-noise] (as diffusers' `guidance_scale`,
 `guidance_scale_2`); Wan2.2's `sample_guide_scale = (3.0, 4.0)` is (low-noise, high-noise).
 
@@ -28,19 +29,16 @@ import torch
 from loguru import logger
 
 from runnerkit.config import RunnerConfig
+from runnerkit.models.wan.arch import WanArch
 from runnerkit.models.wan.checkpoint import LAYOUTS
+from runnerkit.models.wan.i2v import WanImageConditioning
 from runnerkit.models.wan.moe_checkpoint import EXPERTS, WanMoECheckpoint, write_synthetic_moe
 from runnerkit.models.wan.runner import WanT2VRunner, flavour_of
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.registry import register_runner
 from runnerkit.runners.pipeline import (
-    DecoderStage,
-    DenoiseStage,
-    EncoderStage,
     InputInfo,
     ModuleSpec,
-    OutputSpec,
-    Pipeline,
     Shape,
 )
 
@@ -81,6 +79,16 @@ class WanMoERunner(WanT2VRunner):
     def check_guidance_settings(config: RunnerConfig) -> None:
         """One guidance scale (both experts) or a pair [high-noise, low-noise]; any `boundary` in (0, 1)."""
 
+    @staticmethod
+    def parse_arch(model: dict[str, Any] | None, partial: bool = False) -> WanArch:
+        """As `WanT2VRunner.parse_arch`, with Wan2.2's rule: i2v experts take no CLIP image tokens
+        (`transformer.image_context` false unless the config says otherwise, which is then refused)."""
+        model = dict(model or {})
+        transformer = dict(model.get("transformer") or {})
+        if transformer.get("model_type", "t2v") != "t2v" and "image_context" not in transformer:
+            model["transformer"] = {**transformer, "image_context": False}
+        return WanT2VRunner.parse_arch(model, partial)
+
     # ---- synthetic checkpoints ------------------------------------------------------------
     CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = LAYOUTS
 
@@ -106,6 +114,7 @@ class WanMoERunner(WanT2VRunner):
             CheckpointError: an expert folder is missing, or a file is missing or damaged (named).
         """
         self.moe_checkpoint = moe = self.locate_checkpoint()
+        self.check_task_fits(moe.arch)
         moe.check_files()
         self.checkpoint = moe.experts["transformer"]
         boundary = self.config.boundary if self.config.boundary is not None else (moe.boundary or self.DEFAULT_BOUNDARY)
@@ -120,25 +129,15 @@ class WanMoERunner(WanT2VRunner):
             return MOE_FLAVOURS.get(flavour_of(self.moe_checkpoint.arch.transformer) or "")
         return MOE_FLAVOURS.get(super().flavour() or "")
 
-    def describe_pipeline(self) -> Pipeline:
-        """UMT5 -> one denoise stage over the two experts (CFG, scale per expert) -> VAE decoder -> video."""
-        cfg, moe = self.config, self.moe_checkpoint
+    def transformer_specs(self) -> tuple[ModuleSpec, ...]:
+        """Both experts, high-noise first, each built (or streamed) from its own folder; the
+        pipeline's one denoise stage picks one per step (`select_transformer`)."""
+        moe = self.moe_checkpoint
         assert moe is not None, "prepare_load first"
-        experts = tuple(
-            ModuleSpec(name, "transformer",
-                       build=partial(self.build_transformer, checkpoint=moe.experts[name], name=name),
-                       stream=partial(self.stream_transformer, moe.experts[name], name))
-            for name in EXPERTS)
-        return Pipeline(
-            modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder), *experts,
-                     ModuleSpec("vae", "decoder", build=self.build_vae)),
-            encoders=(EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),),
-            denoise=(DenoiseStage("transformer", transformers=EXPERTS, steps=cfg.infer_steps,
-                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, spacing=cfg.scheduler_spacing,
-                                  latent_shape=self.latent_shape),),
-            decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=self.run_vae_decoder),),
-            outputs=(OutputSpec("video", "video"),),
-        )
+        return tuple(ModuleSpec(name, "transformer",
+                                build=partial(self.build_transformer, checkpoint=moe.experts[name], name=name),
+                                stream=partial(self.stream_transformer, moe.experts[name], name))
+                     for name in EXPERTS)
 
     # ---- the expert and guidance of a step ---------------------------------------------------
     def boundary_timestep(self, stage: DenoiseStage) -> float:
@@ -171,3 +170,27 @@ class WanMoERunner(WanT2VRunner):
                 expert.clear_cache()  # type: ignore[operator]
         if self.vae is not None:
             self.vae.clear_cache()
+
+
+@register_runner("wan2.2_moe")
+class WanMoEI2VRunner(WanImageConditioning, WanMoERunner):
+    """Wan2.2 MoE image-to-video (the I2V-A14B release): experts with 36 input channels that take
+    the first frame through the VAE latents `y` only (no CLIP image encoder; i2v.py)."""
+
+    TASKS = ("i2v",)
+    #: Wan2.2 i2v A14B (`wan/configs/wan_i2v_A14B.py`, `generate.py`): area 720 x 1280, 81 frames at
+    #: 16 fps, 40 UniPC steps, shift 5.0, guidance 3.5 for both experts.
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        "infer_steps": 40, "target_height": 720, "target_width": 1280, "target_video_length": 81, "fps": 16,
+        "sample_shift": 5.0, "sample_guide_scale": (3.5, 3.5), "scheduler": "unipc", "scheduler_spacing": "train_range"}
+    #: Expert switch of Wan2.2 i2v A14B (`boundary = 0.900`).
+    DEFAULT_BOUNDARY: ClassVar[float] = 0.900
+
+    # ---- warmup opt-in (this class's own) -----------------------------------------------------
+    WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("i2v",)
+    WARMUP_OFFLOAD_MODES: ClassVar[tuple[str, ...]] = ("none", "model", "block", "phase", "lazy_load")
+    #: flavour -> two request shapes (height, width, frames): Wan2.2's supported i2v sizes 480P and 720P.
+    WARMUP_SHAPES: ClassVar[dict[str, tuple[Shape, Shape]]] = {
+        "debug": ((32, 32, 5), (48, 80, 9)),
+        "A14B": ((480, 832, 81), (720, 1280, 81)),
+    }

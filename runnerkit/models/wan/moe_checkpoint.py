@@ -41,6 +41,7 @@ from runnerkit.models.wan.checkpoint import (
     _arch_from,
     _finish,
     _write_sharded,
+    merge_override,
     write_synthetic,
 )
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
@@ -96,22 +97,6 @@ def detect_moe_layout(path: Path) -> Layout:
         "low_noise_model/ (original Wan2.2 layout)")
 
 
-def _merge_override(arch: WanArch, override: dict[str, Any] | None, path: Path) -> WanArch:
-    """`arch` with the config's `model` over it, per component (as `WanCheckpoint.open` does)."""
-    if not override:
-        return arch
-    merged = arch.model_dump()
-    for component, values in override.items():
-        if component not in merged:
-            raise CheckpointError(f"`model.{component}` is not a Wan component; allowed: {sorted(merged)}")
-        merged[component] = {**merged[component], **values}
-    try:
-        return WanArch.model_validate(merged)
-    except ValidationError as exc:
-        raise ValueError(format_validation_error(exc, f"config `model` over the architecture of {path}")
-                         .replace("\n  ", "\n  model.")) from None
-
-
 @dataclass(frozen=True)
 class WanMoECheckpoint:
     """A located MoE checkpoint: layout, folder, the shared architecture, one view per expert.
@@ -156,7 +141,9 @@ class WanMoECheckpoint:
                 raise CheckpointError(format_validation_error(exc, f"architecture in {path}/runnerkit.json")) from None
             second = arch.transformer
         elif layout == "original":
-            first, second = (_arch_from(folders[e] / "config.json", e, tk.arch_from_original_config) for e in EXPERTS)
+            # Wan2.2 i2v configs read like Wan2.1's ("i2v", in_dim 36), but Wan2.2 has no CLIP image tokens
+            first, second = (_arch_from(folders[e] / "config.json", e,
+                                        lambda d: tk.arch_from_original_config(d, image_context=False)) for e in EXPERTS)
             arch = WanArch(transformer=first)
         else:
             index = read_json_object(path / "model_index.json", "checkpoint")
@@ -172,7 +159,10 @@ class WanMoECheckpoint:
         if second != arch.transformer:
             raise CheckpointError(f"{path}: the experts' architectures differ ({folders['transformer'].name}: "
                                   f"{arch.transformer}; {folders['transformer_2'].name}: {second})")
-        arch = _merge_override(arch, override, path)
+        arch = merge_override(arch, override, path)
+        if arch.transformer.image_context:
+            raise CheckpointError(f"{path}: the experts attend to CLIP image tokens (`image_context` true), which no "
+                                  "Wan2.2 MoE release does (Wan2.2 i2v conditions through the VAE latents only)")
         experts = {e: WanExpertCheckpoint(path=path, layout=layout, arch=arch, folder=folders[e]) for e in EXPERTS}
         return cls(path=path, layout=layout, arch=arch, experts=experts, boundary=boundary)
 

@@ -75,6 +75,12 @@ class WanInputs:
     """[1, L, text_dim] prompt embeddings (trimmed to the prompt's tokens)."""
     context_null: torch.Tensor | None
     """[1, L', text_dim] negative-prompt embeddings (None without CFG)."""
+    clip_context: torch.Tensor | None = None
+    """Wan2.1 i2v / flf2v: [1, 257 | 514, 1280] CLIP tokens of the conditioning frame(s) (i2v.py)."""
+    y: torch.Tensor | None = None
+    """i2v / flf2v: [1, 4 + z_dim, F_lat, H/8, W/8] temporal mask + VAE latents of the conditioning clip."""
+    frames: Any = None
+    """i2v / flf2v, between the image stages: the request's conditioning frames (i2v.ConditioningFrames)."""
 
 
 def synthetic_cache_dir() -> Path:
@@ -123,6 +129,9 @@ class WanT2VRunner(DefaultRunner):
         self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
         self.checkpoint: WanCheckpoint | None = None
         self.tokenizer: WanTokenizer | None = None
+        arch = self.architecture()  # config files only; None if unreadable (the load then says why)
+        if arch is not None:
+            self.check_task_fits(arch)  # a checkpoint of another task is refused before loading
 
     @staticmethod
     def check_guidance_settings(config: RunnerConfig) -> None:
@@ -238,6 +247,7 @@ class WanT2VRunner(DefaultRunner):
                 naming the file and the tensor, in every offload mode.
         """
         self.checkpoint = ckpt = self.locate_checkpoint()
+        self.check_task_fits(ckpt.arch)  # before any file is read: the weights cannot serve this task
         ckpt.check_files()
         logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
         self.resolve_sample_shift(ckpt)
@@ -301,20 +311,54 @@ class WanT2VRunner(DefaultRunner):
         return model.eval().requires_grad_(False), streamer
 
     def describe_pipeline(self) -> Pipeline:
-        """UMT5 text encoder -> one denoise stage of the transformer (CFG) -> VAE decoder -> video."""
+        """UMT5 text encoder (-> image stages) -> one denoise stage of the transformer(s) (CFG) -> VAE
+        decoder -> video. Image tasks add their encoder module and stages (`image_modules`,
+        `image_stages`); MoE runners list their experts (`transformer_specs`)."""
         cfg = self.config
+        specs = self.transformer_specs()
         return Pipeline(
             modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder),
-                     ModuleSpec("transformer", "transformer", build=self.build_transformer,
-                                stream=self.stream_transformer),
-                     ModuleSpec("vae", "decoder", build=self.build_vae)),
-            encoders=(EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),),
-            denoise=(DenoiseStage("transformer", transformers=("transformer",), steps=cfg.infer_steps,
+                     *self.image_modules(), *specs, ModuleSpec("vae", "decoder", build=self.build_vae)),
+            encoders=(EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),
+                      *self.image_stages()),
+            denoise=(DenoiseStage("transformer", transformers=tuple(m.name for m in specs), steps=cfg.infer_steps,
                                   scheduler=cfg.scheduler, shift=cfg.sample_shift, spacing=cfg.scheduler_spacing,
                                   latent_shape=self.latent_shape),),
             decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=self.run_vae_decoder),),
             outputs=(OutputSpec("video", "video"),),
         )
+
+    def transformer_specs(self) -> tuple[ModuleSpec, ...]:
+        """The denoising transformer(s): one for Wan2.1 (MoE runners list their experts)."""
+        return (ModuleSpec("transformer", "transformer", build=self.build_transformer, stream=self.stream_transformer),)
+
+    def image_modules(self) -> tuple[ModuleSpec, ...]:
+        """Modules of the image stages (none for text-to-video; see i2v.py)."""
+        return ()
+
+    def image_stages(self) -> tuple[EncoderStage, ...]:
+        """Encoder stages after the text encoder (none for text-to-video; see i2v.py)."""
+        return ()
+
+    def transformer_inputs(self) -> dict[str, torch.Tensor]:
+        """Extra keyword inputs of every transformer call (none for text-to-video; see i2v.py)."""
+        return {}
+
+    #: The transformer `model_type` each task needs.
+    TASK_MODEL_TYPES: ClassVar[dict[str, str]] = {"t2v": "t2v"}
+
+    def check_task_fits(self, arch: WanArch) -> None:
+        """The checkpoint's transformer must be trained for the task.
+
+        Raises:
+            CheckpointError: naming the checkpoint's `model_type` and the task to use instead.
+        """
+        want, have = self.TASK_MODEL_TYPES[self.config.task], arch.transformer.model_type
+        if want != have:
+            what = "text-only: it takes no image conditioning" if have == "t2v" else "trained for another task"
+            raise CheckpointError(f"task {self.config.task!r} needs {want} weights, but the checkpoint's transformer "
+                                  f"is `model_type`={have!r} ({what}): use --task {have}, or a Wan {want.upper()} "
+                                  "checkpoint")
 
     def flavour(self) -> str | None:
         """From the loaded checkpoint; before loading (the warmup gate) from its config files only,
@@ -337,7 +381,7 @@ class WanT2VRunner(DefaultRunner):
             path = self.checkpoint_path()
             if self._synthetic_pending(path):
                 return self.arch_override
-            return WanCheckpoint.open(path, override=self.config.model).arch
+            return self.open_checkpoint(path).arch
         except (ValueError, OSError) as exc:  # CheckpointError included
             logger.debug("architecture not readable before loading ({}); the memory check waits for the load", exc)
             return None
@@ -375,10 +419,11 @@ class WanT2VRunner(DefaultRunner):
                  step_index: int) -> torch.Tensor:
         """Transformer on the cond (and uncond) branch; CFG combine in float32. Returns [1, C, F', H', W']."""
         assert isinstance(self.inputs, WanInputs), "run the encoders first"
-        cond = model(latents, timestep, self.inputs.context).float()
+        extra = self.transformer_inputs()  # image tasks: the same clip_context and y on both branches
+        cond = model(latents, timestep, self.inputs.context, **extra).float()
         if self.inputs.context_null is None:
             return cond
-        uncond = model(latents, timestep, self.inputs.context_null).float()
+        uncond = model(latents, timestep, self.inputs.context_null, **extra).float()
         return uncond + self.guide_scale(stage, step_index, timestep) * (cond - uncond)
 
     def guide_scale(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> float:
@@ -403,4 +448,5 @@ class WanT2VRunner(DefaultRunner):
 
 # The family's other runners live in their own modules; importing them here registers them (the
 # registry imports each family's `runner` module).
-from runnerkit.models.wan import moe as _moe  # noqa: E402,F401  (wan2.2_moe)
+from runnerkit.models.wan import i2v as _i2v  # noqa: E402,F401  (wan2.1 i2v, flf2v)
+from runnerkit.models.wan import moe as _moe  # noqa: E402,F401  (wan2.2_moe t2v, i2v)

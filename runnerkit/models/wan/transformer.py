@@ -230,7 +230,7 @@ class WanAttentionBlock(nn.Module):
         self.norm3: nn.Module = (
             FP32LayerNorm(dim, arch.eps, elementwise_affine=True) if arch.cross_attn_norm else nn.Identity()
         )
-        cross = WanCrossAttention if arch.model_type == "t2v" else WanI2VCrossAttention
+        cross = WanI2VCrossAttention if arch.image_context else WanCrossAttention
         self.cross_attn = cross(dim, arch.num_heads, arch.qk_norm, arch.eps)
         self.norm2 = FP32LayerNorm(dim, arch.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(dim, arch.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(arch.ffn_dim, dim))
@@ -316,7 +316,7 @@ class WanTransformer3D(nn.Module):
         self.time_embedding = nn.Sequential(nn.Linear(arch.freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
         self.img_emb: WanImageEmbedding | None = (
-            None if arch.model_type == "t2v" else WanImageEmbedding(dim, first_last_frame=arch.model_type == "flf2v")
+            WanImageEmbedding(dim, first_last_frame=arch.model_type == "flf2v") if arch.image_context else None
         )
         self.blocks = nn.ModuleList([WanAttentionBlock(arch) for _ in range(arch.num_layers)])
         self.head = WanHead(arch)
@@ -371,11 +371,14 @@ class WanTransformer3D(nn.Module):
         """Raise ValueError naming the argument when shapes do not fit the architecture."""
         arch = self.arch
         image = arch.model_type != "t2v"
-        if image and (clip_context is None or y is None):
-            raise ValueError(f"`model_type`={arch.model_type!r} needs `clip_context` and `y` "
-                             f"(got clip_context={clip_context is not None}, y={y is not None})")
+        if image and (y is None or arch.image_context and clip_context is None):
+            raise ValueError(f"`model_type`={arch.model_type!r} needs {'`clip_context` and ' if arch.image_context else ''}"
+                             f"`y` (got clip_context={clip_context is not None}, y={y is not None})")
         if not image and (clip_context is not None or y is not None):
             raise ValueError("`clip_context` and `y` are only accepted by i2v / flf2v weights (`model_type`='t2v')")
+        if image and not arch.image_context and clip_context is not None:
+            raise ValueError("`clip_context` is not accepted by these i2v weights (`image_context` false: Wan2.2 "
+                             "conditions through `y` only)")
         y_dim = arch.in_dim - arch.out_dim if image else 0
         if latents.ndim != 5 or latents.shape[1] != arch.in_dim - y_dim:
             raise ValueError(f"`latents` must be [B, {arch.in_dim - y_dim}, F, H, W], got shape {tuple(latents.shape)}")

@@ -134,8 +134,12 @@ def _merged(d: dict[str, Any], defaults: dict[str, Any], class_name: str, source
     return {**defaults, **{k: v for k, v in d.items() if k not in _METADATA_KEYS}}
 
 
-def arch_from_original_config(d: dict[str, Any]) -> WanTransformerArch:
+def arch_from_original_config(d: dict[str, Any], image_context: bool | None = None) -> WanTransformerArch:
     """Read Wan's `config.json` (`WanModel`); missing keys take `WanModel`'s defaults.
+
+    `image_context`: whether i2v weights attend to CLIP tokens. Wan2.1 and Wan2.2 i2v configs
+    look alike (`model_type` "i2v", `in_dim` 36); the caller knows the release (Wan2.2: False).
+    None: the architecture's default (true for i2v / flf2v).
 
     Raises:
         ValueError: an unknown key, `_class_name` other than "WanModel", local attention
@@ -145,6 +149,8 @@ def arch_from_original_config(d: dict[str, Any]) -> WanTransformerArch:
     if tuple(c["window_size"]) != (-1, -1):
         raise ValueError(f"Wan original config: `window_size`={c['window_size']!r}; only (-1, -1) (global attention) is supported")
     del c["window_size"]
+    if image_context is not None and c["model_type"] != "t2v":
+        c["image_context"] = image_context
     return WanTransformerArch(**c)
 
 
@@ -181,13 +187,16 @@ def arch_from_diffusers_config(d: dict[str, Any], text_len: int = 512) -> WanTra
     tasks = {(None, None, None): "t2v", (_CLIP_DIM, dim, None): "i2v", (_CLIP_DIM, dim, _FLF2V_IMAGE_TOKENS): "flf2v"}
     if image not in tasks:
         raise ValueError(
-            f"diffusers config: (`image_dim`, `added_kv_proj_dim`, `pos_embed_seq_len`)={image} matches no Wan2.1 task; "
+            f"diffusers config: (`image_dim`, `added_kv_proj_dim`, `pos_embed_seq_len`)={image} matches no Wan task; "
             f"allowed: {sorted(tasks.items(), key=str)}"
         )
+    out_dim = c["out_channels"] or c["in_channels"]
+    # Wan2.2 i2v: no image settings, but the conditioning channels `y` widen the input (36 > 16).
+    model_type = "i2v" if tasks[image] == "t2v" and c["in_channels"] > out_dim else tasks[image]
     return WanTransformerArch(
-        model_type=tasks[image], patch_size=tuple(c["patch_size"]), text_len=text_len,
+        model_type=model_type, image_context=image != (None, None, None), patch_size=tuple(c["patch_size"]), text_len=text_len,
         in_dim=c["in_channels"], dim=dim, ffn_dim=c["ffn_dim"], freq_dim=c["freq_dim"],
-        text_dim=c["text_dim"], out_dim=c["out_channels"] or c["in_channels"],
+        text_dim=c["text_dim"], out_dim=out_dim,
         num_heads=c["num_attention_heads"], num_layers=c["num_layers"], qk_norm=True,
         cross_attn_norm=c["cross_attn_norm"], eps=c["eps"],
     )
@@ -201,7 +210,7 @@ def arch_to_diffusers_config(arch: WanTransformerArch) -> dict[str, Any]:
     """
     if not arch.qk_norm:
         raise ValueError("`qk_norm`=False cannot be expressed in diffusers (WanAttention always applies q/k RMSNorm)")
-    image = arch.model_type in ("i2v", "flf2v")
+    image = bool(arch.image_context)
     return {
         "_class_name": "WanTransformer3DModel",
         "patch_size": list(arch.patch_size),

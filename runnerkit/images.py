@@ -1,0 +1,80 @@
+"""Reading conditioning images (image-to-video and image-editing tasks), through Pillow.
+
+Every image input is checked before anything loads (`check_image`: the file exists and Pillow
+decodes it whole), so a missing, truncated or non-image file is refused at start-up with the
+request field and the path, never after minutes of loading. `read_image` gives the tensor the
+families work from: RGB, [3, H, W], float32 in [-1, 1], computed as torchvision's
+`to_tensor(img).sub_(0.5).div_(0.5)` (the Wan reference's conversion) without torchvision.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+
+class ImageInputError(ValueError):
+    """An image input cannot be used: missing, not a file, or not an image Pillow decodes."""
+
+
+def _open(path: str | Path, field: str) -> Image.Image:
+    """The decoded image at `path` (`field` names the request field in errors).
+
+    Raises:
+        ImageInputError: missing, a folder, unreadable, not an image, truncated or too large.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ImageInputError(f"`{field}` {str(path)!r}: no such file")
+    if not p.is_file():
+        raise ImageInputError(f"`{field}` {str(path)!r} is not a file")
+    try:
+        img = Image.open(p)
+        img.load()  # decode the whole image: a truncated file fails here, not after loading
+    except UnidentifiedImageError:
+        raise ImageInputError(f"`{field}` {str(path)!r} is not an image Pillow can read "
+                              "(PNG, JPEG, WebP, BMP, ... expected)") from None
+    except Image.DecompressionBombError as exc:
+        raise ImageInputError(f"`{field}` {str(path)!r} is too large to decode safely: {exc}") from None
+    except (OSError, ValueError, SyntaxError) as exc:  # truncated data, permission denied, broken header
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ImageInputError(f"`{field}` {str(path)!r} cannot be decoded: {reason}") from None
+    if img.width < 1 or img.height < 1:
+        raise ImageInputError(f"`{field}` {str(path)!r} has no pixels ({img.width}x{img.height})")
+    return img
+
+
+def check_image(path: str | Path, field: str) -> tuple[int, int]:
+    """Decode the image at `path` once and return its (height, width) in pixels.
+
+    Raises:
+        ImageInputError: naming `field` and `path` (see `_open`).
+    """
+    with _open(path, field) as img:
+        return img.height, img.width
+
+
+def read_image(path: str | Path, field: str) -> torch.Tensor:
+    """The image at `path` as RGB [3, H, W] float32 in [-1, 1] (alpha dropped, palettes expanded).
+
+    Raises:
+        ImageInputError: naming `field` and `path` (see `_open`).
+    """
+    with _open(path, field) as img:
+        rgb = np.asarray(img.convert("RGB"), dtype=np.uint8)  # [H, W, 3]
+    pixels = torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()  # [3, H, W] uint8
+    return pixels.to(torch.float32).div(255).sub_(0.5).div_(0.5)
+
+
+def write_image(path: str | Path, pixels: torch.Tensor) -> None:
+    """Save [3, H, W] values in [-1, 1] as an 8-bit RGB PNG (tests and examples make inputs with it)."""
+    if pixels.ndim != 3 or pixels.shape[0] != 3:
+        raise ValueError(f"`pixels` must be [3, H, W], got shape {tuple(pixels.shape)}")
+    data = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    Image.fromarray(data, mode="RGB").save(path)
+
+
+__all__ = ["ImageInputError", "check_image", "read_image", "write_image"]
