@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
         "model_path": args.model_path, "infer_steps": args.steps, "warmup": args.arm == "warmup",
         "target_height": h, "target_width": w, "target_video_length": f, "device": args.device})
     t0 = time.perf_counter()
-    runner = get_runner_cls(config.model_cls)(config)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
     runner.init_modules()
     init_seconds = time.perf_counter() - t0
     out: dict[str, Any] = {"arm": args.arm, "init_seconds": init_seconds, "warmup": runner.profiler.warmup,

@@ -130,7 +130,7 @@ def worker(args: argparse.Namespace) -> None:
 
     shape = tuple(args.shape)
     config = run_config(args, args.mode, shape)
-    runner = get_runner_cls(config.model_cls)(config)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
     stages, peak = estimate_rows(runner, shape)  # before loading, from the checkpoint's architecture
     t0 = time.perf_counter()
     runner.init_modules()
@@ -205,7 +205,7 @@ def dry_run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 # a synthetic checkpoint still to be written: the family reads the architecture from the config
                 config = run_config(args, mode, shape, device="cpu", model_path=f"{tmp}/absent",
                                     synthetic_checkpoint={"seed": 0})
-                runner = get_runner_cls(config.model_cls)(config)
+                runner = get_runner_cls(config.model_cls, config.task)(config)
                 runner.device = torch.device(args.device)  # estimate for the target device without owning one
                 stages, peak = estimate_rows(runner, shape)
                 results.append({"mode": mode, "shape": list(shape), "cfg": not args.no_cfg,

@@ -133,8 +133,21 @@ def test_registry_finds_families_by_folder_and_rejects_duplicates() -> None:
 
 
 def test_unknown_task_is_refused(tiny_ckpt: Path) -> None:
-    with pytest.raises(ValueError, match="`task` 'i2v' is not served by model_cls 'wan2.1'"):
+    with pytest.raises(ValueError, match=r"`task` 'i2v' is not served by WanT2VRunner \(model_cls 'wan2.1'\); its tasks: \['t2v'\]"):
         WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, task="i2v")))
+    with pytest.raises(ValueError, match=r"`task` 'x2v' is not served by model_cls 'wan2.1'; allowed: \['t2v', 'i2v', 'flf2v'\]"):
+        get_runner_cls("wan2.1", "x2v")
+
+
+def test_registry_maps_each_task_to_its_runner_class() -> None:
+    from runnerkit.models.wan.i2v import WanFLF2VRunner, WanI2VRunner
+    from runnerkit.models.wan.moe import WanMoEI2VRunner, WanMoERunner
+
+    assert [get_runner_cls("wan2.1", t) for t in ("t2v", "i2v", "flf2v")] == [WanT2VRunner, WanI2VRunner, WanFLF2VRunner]
+    assert [get_runner_cls("wan2.2_moe", t) for t in ("t2v", "i2v")] == [WanMoERunner, WanMoEI2VRunner]
+    assert get_runner_cls("wan2.1") is WanT2VRunner  # no task: the family's first (primary) runner
+    with pytest.raises(ValueError, match=r"already registered for task\(s\) \['i2v'\] by WanI2VRunner"):
+        register_runner("wan2.1")(WanI2VRunner)
 
 
 def test_core_names_no_family() -> None:

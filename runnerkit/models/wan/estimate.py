@@ -59,7 +59,9 @@ from torch import nn
 from runnerkit.config import OffloadConfig
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import vae_tiling
-from runnerkit.models.wan.arch import UMT5Arch, WanArch, WanTransformerArch, WanVAEArch
+from runnerkit.models.wan.arch import CLIPVisionArch, UMT5Arch, WanArch, WanTransformerArch, WanVAEArch
+from runnerkit.models.wan.clip import CLIPVisionEncoder
+from runnerkit.models.wan.clip import keep_fp32 as clip_keep_fp32
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE
 from runnerkit.models.wan.vae_blocks import AttentionBlock, CausalConv3d, Decoder3d, Resample, ResidualBlock
@@ -321,25 +323,46 @@ def vae_decode_bytes(arch: WanVAEArch, latent_fhw: tuple[int, int, int], device_
 
 # ---- the request ------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=16)
-def footprints(arch: WanArch, dtype: torch.dtype, offload: OffloadConfig) -> dict[str, ModuleFootprint]:
-    """Weight bytes of the three modules as `WanT2VRunner` loads them (meta-built, nothing allocated)."""
+def footprints(arch: WanArch, dtype: torch.dtype, offload: OffloadConfig,
+               transformers: tuple[str, ...] = ("transformer",)) -> dict[str, ModuleFootprint]:
+    """Weight bytes of every module as the Wan runners load them (meta-built, nothing allocated):
+    text encoder, CLIP image encoder (Wan2.1 i2v / flf2v), each transformer (MoE: one per expert,
+    same architecture) and the VAE."""
     transformer = build_on_meta(lambda: WanTransformer3D(arch.transformer))
     encoder = build_on_meta(lambda: te.UMT5Encoder(arch.text_encoder))
     vae = build_on_meta(lambda: WanVAE(arch.vae))
-    return {
-        "text_encoder": module_footprint(encoder, dtype, te.keep_fp32),
-        "transformer": module_footprint(transformer, dtype, keep_fp32, WanTransformer3D.STREAM_SPEC, offload),
-        "vae": module_footprint(vae, torch.float32),
-    }
+    out = {"text_encoder": module_footprint(encoder, dtype, te.keep_fp32)}
+    if arch.image_encoder is not None:
+        clip_arch = arch.image_encoder
+        out["image_encoder"] = module_footprint(build_on_meta(lambda: CLIPVisionEncoder(clip_arch)), dtype,
+                                                clip_keep_fp32)
+    step = module_footprint(transformer, dtype, keep_fp32, WanTransformer3D.STREAM_SPEC, offload)
+    out.update({name: step for name in transformers})
+    out["vae"] = module_footprint(vae, torch.float32)
+    return out
+
+
+def clip_bytes(arch: CLIPVisionArch, images: int, s: int) -> int:
+    """CLIP on `images` frames: the float32 residual stream and one block's attention and MLP
+    ([n, L, dim] x 4, scores [n, heads, L, L], MLP [n, L, ffn]) + the preprocessed pixels."""
+    tokens = (arch.image_size // arch.patch_size) ** 2 + 1
+    stream = 4 * images * tokens * arch.dim * F32
+    block = images * (arch.num_heads * tokens * tokens + 3 * tokens * arch.dim + tokens * arch.ffn_dim) * s
+    return stream + block + images * 3 * arch.image_size**2 * F32
 
 
 def wan_t2v_estimate(arch: WanArch, shape: Shape, dtype: torch.dtype, device: torch.device, enable_cfg: bool,
-                     offload: OffloadConfig) -> MemoryEstimate:
-    """The memory estimate of one text-to-video request of `shape` (height, width, frames).
+                     offload: OffloadConfig, transformers: tuple[str, ...] = ("transformer",),
+                     image_frames: int = 0) -> MemoryEstimate:
+    """The memory estimate of one Wan request of `shape` (height, width, frames).
 
-    Stages: text_encoder (UMT5 on the prompt and, with CFG, the negative prompt), transformer (one
-    step: the peak repeats every step), vae_decoder, save (the decoded video until it is written;
-    on the CPU also the float->uint8 conversion and the serialization copies: 3 x the video).
+    Stages: text_encoder (UMT5 on the prompt and, with CFG, the negative prompt); for image tasks
+    (`image_frames` 1 for i2v, 2 for flf2v) image_encoder (CLIP, Wan2.1 only) and vae_encoder
+    (bounded by the decode of the same latents: the encoder mirrors the decoder with fewer
+    channels at full resolution; + the conditioning clip); transformer (one step: the peak
+    repeats every step; image tasks add `y` and the CLIP tokens); vae_decoder; save (the decoded
+    video until it is written; on the CPU also the float->uint8 conversion and the serialization
+    copies: 3 x the video). `transformers`: the module names of the denoising transformer(s).
     """
     height, width, frames = shape
     s = torch.empty((), dtype=dtype, device="meta").element_size()
@@ -351,14 +374,29 @@ def wan_t2v_estimate(arch: WanArch, shape: Shape, dtype: torch.dtype, device: to
     step, step_detail = transformer_step_bytes(arch.transformer, latent, s, dev)
     decode, decode_detail = vae_decode_bytes(arch.vae, latent, dev, tiling=offload.vae_tiling)
     video = video_bytes(frames, height, width)
+    image_stages: tuple[StageFootprint, ...] = ()
+    conditioning = 0
+    if image_frames:
+        y_bytes = (arch.transformer.in_dim - arch.transformer.out_dim) * math.prod(latent) * F32
+        clip_tokens = 0
+        if arch.image_encoder is not None:
+            clip_tokens = image_frames * ((arch.image_encoder.image_size // arch.image_encoder.patch_size) ** 2 + 1)
+            image_stages += (StageFootprint("image_encoder", "image_encoder",
+                                            clip_bytes(arch.image_encoder, image_frames, s) + context,
+                                            f"CLIP on {image_frames} frame(s)"),)
+        encode, _ = vae_decode_bytes(arch.vae, latent, dev, tiling=False)
+        image_stages += (StageFootprint("vae_encoder", "vae", encode + video + y_bytes + context,
+                                        "vae encode of the conditioning clip (bounded by its decode)"),)
+        conditioning = y_bytes + clip_tokens * 1280 * F32
     hints = () if offload.vae_tiling else ("offload.vae_tiling=true (the VAE decodes 256-px tiles: its memory "
                                            "then grows with the tile, not the frame)",)
     return MemoryEstimate(
-        modules=footprints(arch, dtype, offload),
+        modules=footprints(arch, dtype, offload, transformers),
         stages=(
             StageFootprint("text_encoder", "text_encoder", text + context, "umt5 on the prompt(s)"),
-            StageFootprint("transformer", "transformer", step + context + SCHEDULER_LATENT_COPIES * latent_bytes,
-                           step_detail),
+            *image_stages,
+            StageFootprint("transformer", transformers[0],
+                           step + context + conditioning + SCHEDULER_LATENT_COPIES * latent_bytes, step_detail),
             StageFootprint("vae_decoder", "vae", decode + latent_bytes, decode_detail),
             StageFootprint("save", None, (3 if dev == "cpu" else 1) * video, "the decoded video"),
         ),

@@ -129,6 +129,9 @@ class WanMoERunner(WanT2VRunner):
             return MOE_FLAVOURS.get(flavour_of(self.moe_checkpoint.arch.transformer) or "")
         return MOE_FLAVOURS.get(super().flavour() or "")
 
+    def transformer_names(self) -> tuple[str, ...]:
+        return EXPERTS
+
     def transformer_specs(self) -> tuple[ModuleSpec, ...]:
         """Both experts, high-noise first, each built (or streamed) from its own folder; the
         pipeline's one denoise stage picks one per step (`select_transformer`)."""

@@ -387,12 +387,18 @@ class WanT2VRunner(DefaultRunner):
             return None
 
     def estimate_memory(self, shape: Shape) -> MemoryEstimate | None:
-        """Text encoder, one transformer step, VAE decode and save of `shape` on `self.device`
-        (formulas and sources: models/wan/estimate.py)."""
+        """Text encoder, image stages (i2v / flf2v), one transformer step, VAE decode and save of
+        `shape` on `self.device` (formulas and sources: models/wan/estimate.py)."""
         arch = self.architecture()
         if arch is None:
             return None
-        return wan_t2v_estimate(arch, shape, self.dtype, self.device, self.config.enable_cfg, self.config.offload)
+        image_frames = len(self.IMAGE_INPUTS.get(self.config.task, ()))
+        return wan_t2v_estimate(arch, shape, self.dtype, self.device, self.config.enable_cfg, self.config.offload,
+                                transformers=self.transformer_names(), image_frames=image_frames)
+
+    def transformer_names(self) -> tuple[str, ...]:
+        """Module names of the denoising transformer(s) (MoE runners: both experts)."""
+        return ("transformer",)
 
     # ---- request stages ------------------------------------------------------------------
     def latent_shape(self, info: InputInfo) -> tuple[int, ...]:
