@@ -160,7 +160,9 @@ class WanArch(_Arch):
     def _image_encoder_fits(self, info: ValidationInfo) -> WanArch:
         if not self._check(info, "transformer", "image_encoder"):
             return self
-        wants = bool(self.transformer.image_context)
+        wants = self.transformer.image_context
+        if wants is None:  # a partial override that leaves it to the checkpoint: checked after merging
+            return self
         if wants and self.image_encoder is None:
             raise ValueError(f"`transformer.model_type`={self.transformer.model_type!r} attends to CLIP image tokens "
                              "(`image_context` true): `image_encoder` (the CLIP vision tower) is needed")
