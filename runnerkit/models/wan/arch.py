@@ -160,6 +160,8 @@ class WanArch(_Arch):
     def _image_encoder_fits(self, info: ValidationInfo) -> WanArch:
         if not self._check(info, "transformer", "image_encoder"):
             return self
+        if self.transformer.image_context is None:  # a partial override that leaves it to the checkpoint:
+            return self  # the merged architecture is checked at load
         wants = bool(self.transformer.image_context)
         if wants and self.image_encoder is None:
             raise ValueError(f"`transformer.model_type`={self.transformer.model_type!r} attends to CLIP image tokens "
