@@ -239,7 +239,9 @@ class WanI2VRunner(WanImageConditioning, WanT2VRunner):
     #: (an image of that aspect ratio over that area), 480P and 720P.
     WARMUP_SHAPES: ClassVar[dict[str, tuple[Shape, Shape]]] = {
         "debug": ((32, 32, 5), (48, 80, 9)),
-        "14B": ((480, 832, 81), (720, 1280, 81)),
+        # 464, not 480: Wan's rule on a 480:832 image over the 480 x 832 area gives sqrt(399360 * (480 / 832))
+        # = 479.99999999999994 in float64, so lat_h = 58 (the reference's own rounding)
+        "14B": ((464, 832, 81), (720, 1280, 81)),
     }
 
 

@@ -195,5 +195,5 @@ class WanMoEI2VRunner(WanImageConditioning, WanMoERunner):
     #: flavour -> two request shapes (height, width, frames): Wan2.2's supported i2v sizes 480P and 720P.
     WARMUP_SHAPES: ClassVar[dict[str, tuple[Shape, Shape]]] = {
         "debug": ((32, 32, 5), (48, 80, 9)),
-        "A14B": ((480, 832, 81), (720, 1280, 81)),
+        "A14B": ((464, 832, 81), (720, 1280, 81)),  # 464: see WanI2VRunner.WARMUP_SHAPES
     }
