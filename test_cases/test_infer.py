@@ -330,7 +330,7 @@ def _assert_invalid(rc: int, err: str, *needles: str, code: int = 2) -> None:
     ({"infer_steps": 0}, ["infer_steps", "greater than or equal to 1", "got 0"]),
     ({"offload": {"gpu_slots": 1}}, ["offload.gpu_slots", "greater than or equal to 2", "got 1"]),
     ({"model_cls": "wan9"}, ["model_cls", "'wan9'", "wan2.1"]),
-    ({"task": "i2v"}, ["task", "'i2v'", "t2v"]),
+    ({"task": "x2v"}, ["task", "'x2v'", "allowed: ['t2v', 'i2v', 'flf2v']"]),
     ({"dtype": "fp64"}, ["dtype", "float32", "bfloat16", "'fp64'"]),
 ], ids=["unknown_key", "wrong_type", "steps_0", "gpu_slots_1", "unknown_model_cls", "unknown_task", "bad_dtype"])
 def test_invalid_config_values(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
