@@ -232,6 +232,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # `runnerkit serve ...`: the HTTP server (runnerkit/serve/server.py)
+        from runnerkit.serve.server import main as serve_main
+
+        return serve_main(argv[1:])
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}")
     install_sigterm_handler()

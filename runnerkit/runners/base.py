@@ -14,14 +14,20 @@ refused when the class is created. Families fill in hooks (`load_modules`, `serv
 - `run_pipeline` tags every error with its phase (`load`, `warmup`, `request N`), writes the
   request profile, always runs `end_run`, and never lets a cleanup error hide the request's
   error (the cleanup error is attached to it as a note and logged with its traceback).
+
+Observers (a server, a progress bar) set `on_phase` (called with "loading", "warming_up",
+"ready" as `init_modules` goes) and `on_progress` (called with a `Progress` at every request
+stage and after every denoising step; it may raise `RequestCancelled` to stop the request at
+that boundary, after which `end_run` cleans up as after any failure).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -36,6 +42,31 @@ from runnerkit.runners.pipeline import Shape
 __all__ = ["BaseRunner", "ConfigLockedError", "LifecycleError", "error_phase", "lifecycle_phase", "resolve_device"]
 
 FINAL_METHODS = ("init_modules", "warmup", "run_pipeline")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a request is: the stage running and the denoising steps done.
+
+    Attributes:
+        index: the request's index (`run_pipeline(request, index)`).
+        stage: the profiling stage that starts (or, after a step, the denoise stage running).
+        step: steps done in the current denoise stage (0 at a stage start).
+        steps: steps of the current denoise stage (0 outside denoising).
+        steps_done: steps done over every denoise stage of the request.
+        steps_total: steps of every denoise stage of the request.
+    """
+
+    index: int
+    stage: str
+    step: int = 0
+    steps: int = 0
+    steps_done: int = 0
+    steps_total: int = 0
+
+
+class RequestCancelled(Exception):
+    """Raised by an `on_progress` observer to stop the running request at a stage or step boundary."""
 
 
 class LifecycleError(RuntimeError):
@@ -108,6 +139,9 @@ class BaseRunner(ABC):
         self.profiler = Profiler(self.device)
         self.input_info: Any = None
         self.inputs: Any = None
+        #: Observers (see the module docstring); None: nobody listens.
+        self.on_phase: Callable[[str], None] | None = None
+        self.on_progress: Callable[[Progress], None] | None = None
 
     # -- config ---------------------------------------------------------------------------
     @classmethod
@@ -158,6 +192,7 @@ class BaseRunner(ABC):
                                  "build a new runner to load again")
         self._lifecycle = "initialising"
         try:
+            self._phase("loading")
             if self.config.warmup:
                 with lifecycle_phase("warmup"):
                     self.check_warmup_supported()  # refuse before anything is loaded
@@ -169,12 +204,19 @@ class BaseRunner(ABC):
                 logger.info("load: {:.2f} s, {}", seconds, snapshot(self.device).describe())
             self._lock_config()
             logger.info("resolved config: {}", self.config.model_dump_json())
+            if self.config.warmup:
+                self._phase("warming_up")
             with lifecycle_phase("warmup"):
                 self.warmup()
         except BaseException:
             self._lifecycle = "failed"
             raise
         self._lifecycle = "ready"
+        self._phase("ready")
+
+    def _phase(self, name: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name)
 
     def warmup(self) -> None:
         """The one-time warmup: `run_warmup` on the class-constant shapes (ARCHITECTURE §3).

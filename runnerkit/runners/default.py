@@ -39,7 +39,7 @@ from runnerkit.media import save_outputs as write_outputs
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.profiling import RequestProfile
 from runnerkit.runners import fit
-from runnerkit.runners.base import BaseRunner, lifecycle_phase
+from runnerkit.runners.base import BaseRunner, Progress, lifecycle_phase
 from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, PeakEstimate
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, OutputKind, Pipeline, Shape
 from runnerkit.runners.placement import Loader, Placement
@@ -380,6 +380,25 @@ class DefaultRunner(BaseRunner):
         )
 
     # ---- request path -------------------------------------------------------------------
+    def report_progress(self, info: InputInfo, stage: str, step: int = 0, steps: int = 0) -> None:
+        """Tell `on_progress` where the request is (never during warmup); the observer may raise
+        `RequestCancelled` to stop the request here.
+
+        `stage` is a profiling stage that starts, or the denoise stage that finished step `step`
+        of `steps`; `steps_done` counts the steps of every denoise stage before it.
+        """
+        if self.on_progress is None or info.warmup or self.pipeline is None:
+            return
+        denoise = self.pipeline.denoise
+        total = sum(s.steps for s in denoise)
+        before = {s.name: sum(d.steps for d in denoise[:k]) for k, s in enumerate(denoise)}
+        before.update({s.transition: before[s.name] for s in denoise if s.transition is not None})
+        before.update({e.name: 0 for e in self.pipeline.encoders})
+        done = before.get(stage, total) + step  # decoders and save: every step is done
+        current = self.profiler.current
+        self.on_progress(Progress(index=current.index if current is not None else 0, stage=stage, step=step,
+                                  steps=steps, steps_done=done, steps_total=total))
+
     def profile_stages(self) -> tuple[str, ...]:
         assert self.pipeline is not None, "load_modules sets the pipeline"
         return self.pipeline.profile_stages()
@@ -401,8 +420,9 @@ class DefaultRunner(BaseRunner):
         # 3. denoise stages
         latents = self.run_denoise(info)
         # 4. decoders
-        outputs = self.decode(latents)
+        outputs = self.decode(latents, info)
         # 5. save
+        self.report_progress(info, "save")
         with self.profiler.stage("save"):
             written = self.save_outputs(outputs, info)
             prof.saved = True  # before logging: an interrupt from here on leaves the request finished
@@ -417,6 +437,7 @@ class DefaultRunner(BaseRunner):
         for enc in self.pipeline.encoders:
             if per_shape is not None and enc.per_shape != per_shape:
                 continue
+            self.report_progress(info, enc.name)
             with self.profiler.stage(enc.name), self.module_on_device(enc.module):
                 inputs = enc.run(info, inputs)
             self.inputs = inputs
@@ -430,10 +451,12 @@ class DefaultRunner(BaseRunner):
         for stage in self.pipeline.denoise:
             if stage.transition is not None:
                 assert latents is not None, "a transition needs the previous stage's latents"
+                self.report_progress(info, stage.transition)
                 with self.profiler.stage(stage.transition), self.module_on_device(stage.transition) as model:
                     latents = self.run_transition(stage, model, latents)
             sched = self.schedulers[stage.name]
             sched.generator = generator  # one generator per request, drawn from in a fixed order
+            self.report_progress(info, stage.name, 0, stage.steps)
             with self.profiler.stage(stage.name):
                 latents = self.run_denoise_stage(info, stage, sched, latents, warmup)
             generator = sched.generator
@@ -474,9 +497,10 @@ class DefaultRunner(BaseRunner):
                     sched.step_post(noise_pred)
                 logger.info("{} {}/{}", label, i + 1, sched.infer_steps)
                 previous = i
+                self.report_progress(info, stage.name, i + 1, sched.infer_steps)  # a cancel stops here
         return sched.latents
 
-    def decode(self, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+    def decode(self, latents: torch.Tensor, info: InputInfo | None = None) -> dict[str, torch.Tensor]:
         """Run every decoder (iterators consumed fully while the module is on the device).
 
         Returns:
@@ -485,6 +509,8 @@ class DefaultRunner(BaseRunner):
         assert self.pipeline is not None, "load_modules first"
         outputs: dict[str, torch.Tensor] = {}
         for dec in self.pipeline.decoders:
+            if info is not None:
+                self.report_progress(info, dec.name)
             with self.profiler.stage(dec.name), self.module_on_device(dec.module):
                 out = dec.run(latents)
                 outputs[dec.output] = out if isinstance(out, torch.Tensor) else torch.cat(list(out), dim=2)

@@ -1,0 +1,275 @@
+"""Jobs of the HTTP server: records, a bounded FIFO queue, the worker that runs them, retention.
+
+One runner per process serves one job at a time, in submission order, on a worker thread. A job
+moves `queued -> in_progress -> completed | failed | cancelled` (or `queued -> cancelled`); its
+record (status, progress, timings, profile, error) lives in memory for the process lifetime
+only: a restart forgets every job, while the files already written stay in the output folder.
+
+Cancellation: a queued job is removed from the queue and never runs; a running one stops at the
+next stage or denoising-step boundary (the worker's `on_progress` raises `RequestCancelled`),
+and `run_pipeline` runs `end_run` as after any failure, so the next job starts from the start-up
+baseline. If `end_run` itself fails, the runner's state is unknown: the worker stops and the
+server reports not ready (`JobQueue.dead`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from loguru import logger
+
+from runnerkit.config import RequestConfig
+from runnerkit.runners.base import BaseRunner, Progress, RequestCancelled, error_phase
+
+Status = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+FINAL: tuple[Status, ...] = ("completed", "failed", "cancelled")
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` jobs already (HTTP 429)."""
+
+
+class QueueClosed(Exception):
+    """The server is shutting down or its runner died: no job is accepted (HTTP 503)."""
+
+
+@dataclass
+class Job:
+    """One generation job and everything the API reports about it."""
+
+    id: str
+    kind: str  # "video" | "image": the result kind of the runner's task
+    request: RequestConfig
+    folder: Path
+    fields: dict[str, Any]  # the submitted request fields (images as their saved paths), for the API
+    status: Status = "queued"
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    completed_at: float | None = None
+    stage: str | None = None
+    step: int = 0
+    steps: int = 0
+    steps_done: int = 0
+    steps_total: int = 0
+    error: str | None = None
+    profile: dict[str, Any] | None = None
+    expired: bool = False  # its files were removed by the retention limit
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def result_path(self) -> Path:
+        return self.folder / ("result.png" if self.kind == "image" else "result.mp4")
+
+    @property
+    def tensor_path(self) -> Path:
+        return self.folder / "result.safetensors"
+
+    def progress_percent(self) -> int:
+        if self.status == "completed":
+            return 100
+        return int(100 * self.steps_done / self.steps_total) if self.steps_total else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The job object of the API (OpenAI video-job shape plus runnerkit's fields)."""
+        return {
+            "id": self.id, "object": self.kind, "status": self.status, "progress": self.progress_percent(),
+            "stage": self.stage, "step": self.step, "steps": self.steps, "steps_done": self.steps_done,
+            "steps_total": self.steps_total, "created_at": self.created_at, "started_at": self.started_at,
+            "completed_at": self.completed_at, "cancel_requested": self.cancel.is_set() and self.status not in FINAL,
+            "error": self.error, "request": self.fields,
+            "timings": None if self.profile is None else {"seconds": self.profile["seconds"],
+                                                          "stages": self.profile["stages"],
+                                                          "steps": self.profile["steps"]},
+            "profile": self.profile, "content_available": self.status == "completed" and not self.expired,
+        }
+
+
+class JobQueue:
+    """Job records and the FIFO of queued jobs, bounded by `max_queue` (thread-safe).
+
+    Retention: after a job ends, the oldest finished jobs' folders are deleted while more than
+    `keep_jobs` finished jobs have files, or their files exceed `keep_bytes` (None: no limit);
+    their records stay, marked `expired`.
+    """
+
+    def __init__(self, output_dir: Path, max_queue: int, keep_jobs: int | None, keep_bytes: int | None) -> None:
+        self.output_dir = output_dir
+        self.max_queue = max_queue
+        self.keep_jobs = keep_jobs
+        self.keep_bytes = keep_bytes
+        self.jobs: dict[str, Job] = {}
+        self._queue: deque[str] = deque()
+        self._lock = threading.Condition()
+        self.closed = False
+        self.dead: str | None = None  # why the worker stopped (the runner's state is unknown)
+        self.running: Job | None = None
+
+    def new_folder(self) -> tuple[str, Path]:
+        job_id = "job_" + uuid.uuid4().hex[:16]
+        folder = self.output_dir / job_id
+        folder.mkdir(parents=True)
+        return job_id, folder
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`.
+
+        Raises:
+            QueueClosed: shutting down or the runner died.
+            QueueFull: `max_queue` jobs are waiting.
+        """
+        with self._lock:
+            if self.closed or self.dead:
+                raise QueueClosed(self.dead or "the server is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"the queue holds {len(self._queue)} jobs (--max_queue {self.max_queue}); retry later")
+            self.jobs[job.id] = job
+            self._queue.append(job.id)
+            self._lock.notify_all()
+
+    def depth(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self.jobs.get(job_id)
+
+    def list(self) -> list[Job]:
+        with self._lock:
+            return list(self.jobs.values())
+
+    def next(self) -> Job | None:
+        """The next queued job (blocks); None once closed and empty."""
+        with self._lock:
+            while not self._queue and not self.closed:
+                self._lock.wait()
+            if not self._queue:
+                return None
+            job = self.jobs[self._queue.popleft()]
+            job.status, job.started_at = "in_progress", time.time()
+            self.running = job
+            return job
+
+    def cancel(self, job_id: str) -> Job | None:
+        """Cancel a queued job (never runs) or ask a running one to stop at its next boundary."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or job.status in FINAL:
+                return job
+            job.cancel.set()
+            if job.status == "queued":
+                self._queue.remove(job_id)
+                job.status, job.completed_at = "cancelled", time.time()
+                shutil.rmtree(job.folder, ignore_errors=True)
+            return job
+
+    def delete(self, job_id: str) -> bool:
+        """Forget a finished job and delete its files."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or job.status not in FINAL:
+                return False
+            del self.jobs[job_id]
+        shutil.rmtree(job.folder, ignore_errors=True)
+        return True
+
+    def close(self, cancel_running: bool) -> None:
+        """Stop accepting; cancel every queued job, and the running one if `cancel_running`."""
+        with self._lock:
+            self.closed = True
+            for job_id in list(self._queue):
+                self.jobs[job_id].cancel.set()
+                self.jobs[job_id].status, self.jobs[job_id].completed_at = "cancelled", time.time()
+            self._queue.clear()
+            if cancel_running and self.running is not None:
+                self.running.cancel.set()
+            self._lock.notify_all()
+
+    def finish(self, job: Job) -> None:
+        with self._lock:
+            self.running = None
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        with self._lock:
+            done = [j for j in self.jobs.values() if j.status in FINAL and not j.expired and j.folder.exists()]
+        done.sort(key=lambda j: j.completed_at or 0)
+        sizes = {j.id: sum(f.stat().st_size for f in j.folder.rglob("*") if f.is_file()) for j in done}
+        total = sum(sizes.values())
+        while done and ((self.keep_jobs is not None and len(done) > self.keep_jobs)
+                        or (self.keep_bytes is not None and total > self.keep_bytes)):
+            oldest = done.pop(0)
+            shutil.rmtree(oldest.folder, ignore_errors=True)
+            oldest.expired = True
+            total -= sizes[oldest.id]
+            logger.info("retention: removed the files of {} ({} bytes)", oldest.id, sizes[oldest.id])
+
+
+class Worker(threading.Thread):
+    """Runs queued jobs one at a time on the runner (after its `init_modules` completed)."""
+
+    def __init__(self, runner: BaseRunner, queue: JobQueue, on_done: Callable[[Job], None],
+                 save_tensors: bool) -> None:
+        super().__init__(name="runnerkit-worker", daemon=True)
+        self.runner = runner
+        self.queue = queue
+        self.on_done = on_done
+        self.save_tensors = save_tensors
+        self.index = 0
+
+    def run(self) -> None:
+        while (job := self.queue.next()) is not None:
+            try:
+                self.run_job(job)
+            finally:
+                self.queue.finish(job)
+                self.on_done(job)
+            if self.queue.dead:
+                return
+
+    def run_job(self, job: Job) -> None:
+        def observe(p: Progress) -> None:
+            job.stage, job.step, job.steps = p.stage, p.step, p.steps
+            job.steps_done, job.steps_total = p.steps_done, p.steps_total
+            if job.cancel.is_set():
+                raise RequestCancelled(f"job {job.id} was cancelled")
+
+        request = job.request.model_copy(update={
+            "save_result_path": str(job.result_path),
+            "save_tensor_path": str(job.tensor_path) if self.save_tensors else None})
+        self.runner.on_progress = observe
+        index, self.index = self.index, self.index + 1
+        try:
+            self.runner.run_pipeline(request, index)
+            job.status = "completed"
+        except RequestCancelled:
+            job.status = "cancelled"
+            logger.info("job {} cancelled at stage {} (step {}/{})", job.id, job.stage, job.step, job.steps)
+        except Exception as exc:  # the request failed; end_run has cleaned up (else below)
+            job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
+            logger.opt(exception=exc).error("job {} failed: {}", job.id, job.error)
+            if getattr(exc, "runnerkit_cleanup_error", None) is not None or (error_phase(exc) or "").endswith("(end_run)"):
+                self.queue.dead = f"the runner's cleanup failed after job {job.id}; its state is unknown: {job.error}"
+                self.queue.close(cancel_running=False)
+        finally:
+            self.runner.on_progress = None
+            job.completed_at = time.time()
+            prof = self.runner.profiler.requests[-1] if self.runner.profiler.requests else None
+            if prof is not None and prof.index == index:
+                job.profile = {"seconds": prof.seconds, "stages": prof.stages, "steps": prof.steps,
+                               "memory": prof.memory, "audit": prof.audit, "shape": prof.shape}
+            self.runner.profiler.requests.clear()  # the job keeps its profile; the process keeps none
+            if job.status != "completed":
+                for path in (job.result_path, job.tensor_path):
+                    path.unlink(missing_ok=True)
+
+
+__all__ = ["FINAL", "Job", "JobQueue", "QueueClosed", "QueueFull", "Worker"]

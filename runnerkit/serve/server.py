@@ -1,0 +1,195 @@
+"""`runnerkit serve`: one runner per process behind HTTP (uvicorn + the FastAPI app of app.py).
+
+    runnerkit serve --config_json configs/wan/wan_t2v_tiny.json --warmup --port 8000
+
+Start-up: the config and the runner are checked first (exit 2 naming the problem, as the launch
+script does); then the HTTP port opens and the runner loads and warms up on a background
+thread while `/health/live` answers 200 and `/health/ready` 503 with the phase. A failing load
+or warmup stops the process with status 2 (bad input: config, checkpoint, unsupported mode) or 1
+(anything else), the phase named in the log. Once ready, a worker thread runs the queued jobs
+one at a time.
+
+Shutdown (SIGTERM or Ctrl-C): the port closes, queued jobs are cancelled, the running job
+finishes (`--on_shutdown finish`, the default) or stops at its next step (`cancel`), then the
+process exits 0. Job records live in memory only; result files stay in `--output_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="runnerkit serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config_json", required=True, help="runner config (JSON), as for the launch script")
+    p.add_argument("--model_cls", help="override the config's model_cls")
+    p.add_argument("--task", help="override the config's task")
+    p.add_argument("--model_path", help="override the config's checkpoint folder")
+    p.add_argument("--device", help="override the config's device (auto, cpu, cuda, cuda:N)")
+    p.add_argument("--warmup", action="store_true", help="warm up before reporting ready")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--max_queue", type=int, default=16, help="jobs that may wait; more get HTTP 429 (default 16)")
+    p.add_argument("--output_dir", default="outputs/serve", help="where each job's files go (default outputs/serve)")
+    p.add_argument("--keep_jobs", type=int, default=100,
+                   help="finished jobs whose files are kept; older ones are deleted (default 100; 0: none)")
+    p.add_argument("--keep_gib", type=float, default=None, help="also keep at most this many GiB of job files")
+    p.add_argument("--save_tensors", action="store_true", help="also write each job's result.safetensors")
+    p.add_argument("--on_shutdown", choices=("finish", "cancel"), default="finish",
+                   help="what SIGTERM does to the running job (default finish)")
+    p.add_argument("--log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level=args.log_level, format=LOG_FORMAT)
+    for name, value, low in (("--max_queue", args.max_queue, 1), ("--keep_jobs", args.keep_jobs, 0),
+                             ("--port", args.port, 0)):
+        if value < low or (name == "--port" and value > 65535):
+            logger.error("invalid input: {} must be {} (got {})", name,
+                         "in [0, 65535]" if name == "--port" else f">= {low}", value)
+            return 2
+    if args.keep_gib is not None and args.keep_gib <= 0:
+        logger.error("invalid input: --keep_gib must be > 0 (got {})", args.keep_gib)
+        return 2
+    return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from runnerkit.config import ConfigError, load_runner_config
+    from runnerkit.infer import INPUT_ERRORS, check_writable, report_failure
+    from runnerkit.registry import get_runner_cls
+    from runnerkit.runners.base import BaseRunner, error_phase
+    from runnerkit.serve.app import ServerState, create_app
+    from runnerkit.serve.jobs import Job, JobQueue, Worker
+    from runnerkit.serve.metrics import Metrics
+
+    overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
+                 "device": args.device, "warmup": True if args.warmup else None}
+    try:
+        config = load_runner_config(args.config_json, overrides)
+        runner: BaseRunner = get_runner_cls(config.model_cls, config.task)(config)
+        output_dir = Path(args.output_dir).expanduser().absolute()
+        output_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(str(output_dir / "probe.mp4"), "--output_dir")
+    except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
+        logger.error("invalid input: {}", exc)
+        return 2
+    queue = JobQueue(output_dir, args.max_queue, args.keep_jobs,
+                     None if args.keep_gib is None else int(args.keep_gib * 2**30))
+    state = ServerState(runner=runner, queue=queue, metrics=Metrics(runner.device))
+    server = _Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
+                                    timeout_graceful_shutdown=5))
+    status = {"exit": 0}
+    worker: dict[str, Worker] = {}
+
+    def job_done(job: Job) -> None:
+        state.metrics.observe_job(job.status, job.profile)
+        state.metrics.queue_depth.set(queue.depth())
+        if queue.dead:
+            state.metrics.ready.set(0)
+            logger.error("runner died: {}; not ready any more", queue.dead)
+
+    def set_phase(phase: str) -> None:
+        state.phase = phase
+        logger.info("phase: {}", phase)
+
+    def load() -> None:
+        while not server.started and not server.should_exit:  # the port is open before loading starts
+            time.sleep(0.05)
+        if server.should_exit:
+            return
+        host, port = _bound_address(server)
+        logger.info("listening on http://{}:{} (live: /health/live, ready: /health/ready)", host, port)
+        runner.on_phase = set_phase
+        try:
+            runner.init_modules()
+        except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
+            phase = error_phase(exc) or "load"
+            state.phase, state.error = "failed", f"{phase} failed: {type(exc).__name__}: {exc}"
+            report_failure(f"{phase} failed", exc)
+            status["exit"] = 2 if isinstance(exc, INPUT_ERRORS) else 1
+            server.should_exit = True
+            return
+        state.metrics.load_seconds.set(runner.profiler.phases.get("load_seconds", 0.0))
+        state.metrics.warmup_seconds.set((runner.profiler.warmup or {}).get("seconds", 0.0))
+        worker["w"] = w = Worker(runner, queue, job_done, args.save_tensors)
+        w.start()
+        state.metrics.ready.set(1)
+        logger.info("ready: accepting jobs")
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if server.should_exit:  # a second signal: stop waiting for the running job
+            logger.warning("second {}: exiting now", signal.Signals(signum).name)
+            os._exit(128 + signum)
+        logger.info("{}: shutting down", signal.Signals(signum).name)
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    loader = threading.Thread(target=load, name="runnerkit-loader", daemon=True)
+    loader.start()
+    server.run()  # returns after SIGTERM / Ctrl-C (on_signal) or when loading failed
+    if status["exit"]:
+        return status["exit"]
+    if not server.started:  # the port could not be opened (uvicorn logged why)
+        return 1
+    state.phase = "stopping"
+    state.metrics.ready.set(0)
+    cancel = args.on_shutdown == "cancel"
+    queue.close(cancel_running=cancel)
+    w = worker.get("w")
+    if w is not None and w.is_alive():
+        if queue.running is not None:
+            logger.info("shutting down: {} the running job {}", "cancelling" if cancel else "finishing",
+                        queue.running.id)
+        w.join()
+    logger.info("stopped")
+    return 0
+
+
+class _Server:
+    """uvicorn's Server without its own signal handling: uvicorn re-raises a captured SIGTERM once
+    it has stopped, which would kill the process before the running job is finished or cancelled;
+    `serve` installs handlers that only ask the server to stop."""
+
+    def __new__(cls, config: Any) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        return Server(config)
+
+
+def _bound_address(server: Any) -> tuple[str, int]:
+    """The (host, port) uvicorn listens on (the real port when --port 0)."""
+    for s in getattr(server, "servers", []):
+        for sock in getattr(s, "sockets", []):
+            host, port = sock.getsockname()[:2]
+            return host, port
+    return server.config.host, server.config.port
+
+
+if __name__ == "__main__":
+    sys.exit(main())
