@@ -4,7 +4,7 @@ Every image input is checked before anything loads (`check_image`: the file exis
 decodes it whole), so a missing, truncated or non-image file is refused at start-up with the
 request field and the path, never after minutes of loading. `read_image` gives the tensor the
 families work from: RGB, [3, H, W], float32 in [-1, 1], computed as torchvision's
-`to_tensor(img).sub_(0.5).div_(0.5)` (the Wan reference's conversion) without torchvision.
+`to_tensor(img).sub_(0.5).div_(0.5)` (the conversion reference pipelines use) without torchvision.
 """
 
 from __future__ import annotations

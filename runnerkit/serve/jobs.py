@@ -226,14 +226,19 @@ class Worker(threading.Thread):
         self.index = 0
 
     def run(self) -> None:
-        while (job := self.queue.next()) is not None:
-            try:
-                self.run_job(job)
-            finally:
-                self.queue.finish(job)
-                self.on_done(job)
-            if self.queue.dead:
-                return
+        try:
+            while (job := self.queue.next()) is not None:
+                try:
+                    self.run_job(job)
+                finally:
+                    self.queue.finish(job)
+                    self.on_done(job)
+                if self.queue.dead:
+                    return
+        except BaseException as exc:  # noqa: BLE001  (the worker itself broke: nothing runs jobs any more)
+            self.queue.dead = f"the job worker stopped: {type(exc).__name__}: {exc}"
+            self.queue.close(cancel_running=False)
+            logger.opt(exception=exc).error("{}", self.queue.dead)
 
     def run_job(self, job: Job) -> None:
         def observe(p: Progress) -> None:

@@ -1,6 +1,6 @@
 """`runnerkit serve`: one runner per process behind HTTP (uvicorn + the FastAPI app of app.py).
 
-    runnerkit serve --config_json configs/wan/wan_t2v_tiny.json --warmup --port 8000
+    runnerkit serve --config_json CONFIG.json --warmup --port 8000
 
 Start-up: the config and the runner are checked first (exit 2 naming the problem, as the launch
 script does); then the HTTP port opens and the runner loads and warms up on a background
