@@ -321,7 +321,9 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         field = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         value = e.get("input")
-        shown = "" if e["type"] == "missing" or isinstance(value, dict) or "(got " in msg else f" (got {value!r})"
+        text = repr(value)
+        text = text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"  # e.g. a base64 image
+        shown = "" if e["type"] == "missing" or isinstance(value, dict) or "(got " in msg else f" (got {text})"
         lines.append(f"  {field}: {msg}{shown}")
     return f"invalid {source}:\n" + "\n".join(lines)
 
