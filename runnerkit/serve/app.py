@@ -248,6 +248,8 @@ def create_app(state: ServerState) -> FastAPI:
                 state.queue.delete(job_id)
                 return {"id": job_id, "object": _kind, "deleted": True}
             job = state.queue.cancel(job_id)
+            if job is not None and job.status == "cancelled" and job.started_at is None:
+                state.metrics.observe_job("cancelled", None)  # ended without running: the worker never sees it
             state.metrics.queue_depth.set(state.queue.depth())
             return job.as_dict() if job is not None else error(404, f"no {_kind} job {job_id!r}")
 
