@@ -186,8 +186,10 @@ class JobQueue:
         with self._lock:
             self.closed = True
             for job_id in list(self._queue):
-                self.jobs[job_id].cancel.set()
-                self.jobs[job_id].status, self.jobs[job_id].completed_at = "cancelled", time.time()
+                job = self.jobs[job_id]
+                job.cancel.set()
+                job.status, job.completed_at = "cancelled", time.time()
+                shutil.rmtree(job.folder, ignore_errors=True)  # as a DELETE of a queued job does
             self._queue.clear()
             if cancel_running and self.running is not None:
                 self.running.cancel.set()
@@ -272,9 +274,8 @@ class Worker(threading.Thread):
                 job.profile = {"seconds": prof.seconds, "stages": prof.stages, "steps": prof.steps,
                                "memory": prof.memory, "audit": prof.audit, "shape": prof.shape}
             self.runner.profiler.requests.clear()  # the job keeps its profile; the process keeps none
-            if job.status != "completed":
-                for path in (job.result_path, job.tensor_path):
-                    path.unlink(missing_ok=True)
+            if job.status != "completed":  # nothing of a failed or cancelled job is kept (nor counted as kept)
+                shutil.rmtree(job.folder, ignore_errors=True)
 
 
 __all__ = ["FINAL", "Job", "JobQueue", "QueueClosed", "QueueFull", "Worker"]
