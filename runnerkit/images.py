@@ -5,6 +5,11 @@ decodes it whole), so a missing, truncated or non-image file is refused at start
 request field and the path, never after minutes of loading. `read_image` gives the tensor the
 families work from: RGB, [3, H, W], float32 in [-1, 1], computed as torchvision's
 `to_tensor(img).sub_(0.5).div_(0.5)` (the conversion reference pipelines use) without torchvision.
+
+The image is taken as it is displayed: an EXIF orientation tag is applied (as diffusers'
+`load_image` does; a phone photo is not turned sideways). 8-bit images of any mode (RGB, RGBA,
+palette, grayscale, CMYK, ...) are converted to RGB; 16-bit grayscale is scaled from its 16-bit
+range; 32-bit integer and float images have no fixed range and are refused, naming the mode.
 """
 
 from __future__ import annotations
@@ -13,7 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+import warnings
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+#: Pillow modes without a defined value range (refused: the pixels cannot be mapped to [-1, 1]).
+RANGELESS_MODES = ("I", "F")
 
 
 class ImageInputError(ValueError):
@@ -32,23 +42,29 @@ def _open(path: str | Path, field: str) -> Image.Image:
     if not p.is_file():
         raise ImageInputError(f"`{field}` {str(path)!r} is not a file")
     try:
-        img = Image.open(p)
-        img.load()  # decode the whole image: a truncated file fails here, not after loading
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)  # reported below, not printed raw
+            img = Image.open(p)
+            img.load()  # decode the whole image: a truncated file fails here, not after loading
     except UnidentifiedImageError:
         raise ImageInputError(f"`{field}` {str(path)!r} is not an image Pillow can read "
                               "(PNG, JPEG, WebP, BMP, ... expected)") from None
-    except Image.DecompressionBombError as exc:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageInputError(f"`{field}` {str(path)!r} is too large to decode safely: {exc}") from None
     except (OSError, ValueError, SyntaxError) as exc:  # truncated data, permission denied, broken header
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ImageInputError(f"`{field}` {str(path)!r} cannot be decoded: {reason}") from None
     if img.width < 1 or img.height < 1:
         raise ImageInputError(f"`{field}` {str(path)!r} has no pixels ({img.width}x{img.height})")
-    return img
+    if img.mode in RANGELESS_MODES:
+        raise ImageInputError(f"`{field}` {str(path)!r} has Pillow mode {img.mode!r} (32-bit integer or float "
+                              "pixels, no fixed value range); save it as an 8-bit or 16-bit image")
+    return ImageOps.exif_transpose(img)
 
 
 def check_image(path: str | Path, field: str) -> tuple[int, int]:
-    """Decode the image at `path` once and return its (height, width) in pixels.
+    """Decode the image at `path` once and return its (height, width) in pixels, as displayed
+    (after its EXIF orientation).
 
     Raises:
         ImageInputError: naming `field` and `path` (see `_open`).
@@ -64,6 +80,9 @@ def read_image(path: str | Path, field: str) -> torch.Tensor:
         ImageInputError: naming `field` and `path` (see `_open`).
     """
     with _open(path, field) as img:
+        if img.mode.startswith("I;16"):  # 16-bit grayscale: its own range, then the same mapping
+            gray = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).div(65535)
+            return gray.expand(3, -1, -1).contiguous().sub_(0.5).div_(0.5)
         rgb = np.asarray(img.convert("RGB"), dtype=np.uint8)  # [H, W, 3]
     pixels = torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()  # [3, H, W] uint8
     return pixels.to(torch.float32).div(255).sub_(0.5).div_(0.5)

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                "shape whose estimated memory exceeds the device's: config memory.limit_gib / memory.check_fit); "
                "130 Ctrl-C, 143 SIGTERM")
     p.add_argument("--model_cls", choices=sorted(load_families()), help="registered model family (or in --config_json)")
-    p.add_argument("--task", help="task of the model family, e.g. t2v")
+    p.add_argument("--task", help="task of the model family, e.g. t2v, i2v, flf2v (an unknown one lists the family's)")
     p.add_argument("--model_path", help="checkpoint folder (runnerkit, the original release, or diffusers layout)")
     p.add_argument("--config_json", help="JSON runner config (CLI flags override its values)")
     p.add_argument("--prompt", help="text prompt of the single request")
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image_path", help="conditioning image (image-conditioned tasks only)")
     p.add_argument("--last_frame_path", help="last-frame image (first-last-frame tasks only)")
     p.add_argument("--seed", type=int, help="seed of the request's noise (default: the config's seed)")
-    p.add_argument("--target_height", type=int, help="pixels, a multiple of the family's factor (e.g. 16)")
+    p.add_argument("--target_height", type=int, help="pixels, a multiple of the family's factor (e.g. 16); for "
+                   "image-to-video tasks height x width is the target area and the image gives the aspect ratio")
     p.add_argument("--target_width", type=int, help="pixels, a multiple of the family's factor (e.g. 16)")
     p.add_argument("--target_video_length", type=int, help="frames, as the family allows (e.g. 4n+1; 1 for images)")
     p.add_argument("--save_result_path", help=".mp4 video, .png image or .wav audio (+ sidecar .json)")
@@ -152,11 +153,16 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
 
     if args.profile_json:
         claim(args.profile_json, "--profile_json", "the run")
-    for req in requests:
+    problems = []
+    for req in requests:  # every bad request is reported at once, not one per start-up
         try:
             runner_cls.validate_request(req, config)
         except ValueError as exc:
-            raise ConfigError(f"request on {req.source}: {exc}") from None
+            problems.append(f"request on {req.source}: {exc}")
+    if problems:
+        raise ConfigError(problems[0] if len(problems) == 1 else
+                          f"{len(problems)} of {len(requests)} requests are invalid:\n  " + "\n  ".join(problems))
+    for req in requests:
         owner = f"the request on {req.source}"
         if req.save_tensor_path:
             claim(req.save_tensor_path, "save_tensor_path", owner)

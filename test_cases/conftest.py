@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,12 @@ from runnerkit.config import RunnerConfig, load_runner_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "wan" / "wan_t2v_tiny.json"
+
+# A shell that starts the suite in the background (`cmd &`) makes it ignore SIGINT, and an ignored
+# signal stays ignored in every subprocess: the Ctrl-C tests would then see runs that never stop.
+# A Python handler here is reset to the default at exec, so the subprocesses get Ctrl-C back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

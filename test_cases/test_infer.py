@@ -419,6 +419,14 @@ def test_requests_line_with_bad_shape(config_path: Path, tmp_path: Path, capsys:
     assert not out.exists()
 
 
+def test_requests_file_reports_every_bad_line_at_once(config_path: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    reqs = _write_requests(tmp_path / "r.jsonl", [{"prompt": "a"}, {"prompt": "b", "target_video_length": 6},
+                                                  {"prompt": "c"}, {"prompt": "d", "target_height": 50}])
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
+    _assert_invalid(rc, err, "2 of 4 requests are invalid", "line 2", "got 6", "line 4", "got 50")
+
+
 def test_config_file_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.json"
     rc, err = _cli(capsys, "--config_json", missing, "--prompt", "x")
@@ -740,6 +748,16 @@ def test_wan_t2v_script_accepts_a_requests_file(config_path: Path, tmp_path: Pat
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "reqs.jsonl"]
     assert "warmup:" in proc.stderr  # the script warms up
+
+
+def test_wan_t2v_script_with_a_prompt_still_saves_to_out(config_path: Path, tmp_path: Path) -> None:
+    """--prompt replaces only the default prompt: the result still goes to $OUT."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(REPO), "OUT": str(tmp_path / "out.mp4")}
+    proc = subprocess.run(["bash", str(REPO / "scripts/wan/run_wan_t2v.sh"), str(config_path), "--prompt", "a cat",
+                           "--infer_steps", "1"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out.mp4").stat().st_size > 0 and (tmp_path / "out.json").is_file()
 
 
 # ---- memory refusal (runners/fit.py, models/wan/estimate.py) ---------------------------------------

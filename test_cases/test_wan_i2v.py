@@ -443,6 +443,34 @@ def test_i2v_task_on_a_text_only_checkpoint_exits_2_before_loading(
     assert all(m.call_count == 0 for m in no_weight_loads)
 
 
+@pytest.mark.parametrize(("task", "ckpt_task", "have"), [("i2v", None, "t2v"), ("i2v", "flf2v", "flf2v"),
+                                                       ("flf2v", "i2v", "i2v")])
+def test_shipped_image_config_on_a_checkpoint_of_another_task_exits_2_before_loading(
+        task: str, ckpt_task: str | None, have: str, tiny_ckpt: Path, images: dict[str, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], no_weight_loads: list[Any]) -> None:
+    """The config's `model.transformer.model_type` does not hide what the checkpoint holds."""
+    ckpt = tiny_ckpt if ckpt_task is None else write_ckpt(ckpt_task, tmp_path / "ckpt")
+    cfg = write_config(tmp_path / "c.json", config_dict(task, ckpt))
+    flags = ["--last_frame_path", images["wide2"]] if task == "flf2v" else []
+    rc, err = cli(capsys, "--config_json", cfg, "--prompt", "x", "--image_path", images["wide"], *flags)
+    assert rc == 2, err
+    assert f"task {task!r} needs {task} weights" in err and f"`model_type`={have!r}" in err, err
+    assert str(ckpt) in err and "Traceback" not in err, err
+    assert all(m.call_count == 0 for m in no_weight_loads)
+
+
+def test_one_frame_i2v_is_the_image_conditioned_frame(ckpts: dict[str, Path], images: dict[str, Path],
+                                                      tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 1-frame i2v request runs (the VAE encodes the lone first frame) and writes a PNG."""
+    cfg = write_config(tmp_path / "c.json", config_dict("i2v", ckpts["i2v"]))
+    rc, err = cli(capsys, "--config_json", cfg, "--prompt", "x", "--image_path", images["wide"],
+                  "--target_video_length", 1, "--save_result_path", tmp_path / "one.png",
+                  "--save_tensor_path", tmp_path / "one.safetensors")
+    assert rc == 0, err
+    assert load_file(tmp_path / "one.safetensors")["video"].shape[1] == 1
+    assert (tmp_path / "one.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize(("layout", "remove"), [("original", "low_noise_model"), ("diffusers", "transformer_2"),
                                                 ("runnerkit", "transformer_2")])
 def test_moe_i2v_checkpoint_missing_an_expert_exits_2_before_loading(

@@ -22,6 +22,7 @@ subclass does not inherit the opt-in and must declare its own.
 
 from __future__ import annotations
 
+import os
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -524,7 +525,8 @@ class DefaultRunner(BaseRunner):
         # (a sidecar that shows `seed: 42` beside the request's seed 7 would mislead).
         sidecar = {"prompt": info.prompt, "negative_prompt": info.negative_prompt, "seed": info.seed,
                    "height": info.height, "width": info.width, "frames": info.frames,
-                   **{k: v for k, v in (("image_path", info.image_path), ("last_frame_path", info.last_frame_path)) if v},
+                   **{k: os.path.abspath(v) for k, v in (("image_path", info.image_path),
+                                                         ("last_frame_path", info.last_frame_path)) if v},
                    **self.sidecar_extra(info),
                    "config": self.config.model_dump(mode="json", exclude=set(REQUEST_DEFAULT_FIELDS))}
         return write_outputs({k: v[0].float().cpu() for k, v in outputs.items()}, self.pipeline.outputs,

@@ -13,7 +13,7 @@ config="$here/configs/wan/wan_i2v_tiny.json"
 if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then config="$1"; shift; fi  # first argument, unless it is a flag
 images=(--image_path "${IMAGE:-$here/assets/examples/first_frame.png}")
 last=()
-if grep -q '"task": *"flf2v"' "$config"; then last=(--last_frame_path "${LAST_IMAGE:-$here/assets/examples/last_frame.png}"); fi
+if grep -qs '"task": *"flf2v"' "$config"; then last=(--last_frame_path "${LAST_IMAGE:-$here/assets/examples/last_frame.png}"); fi
 for arg in "$@"; do
   case "$arg" in
     --requests|--requests=*) images=(); last=() ;;  # the requests file names its images

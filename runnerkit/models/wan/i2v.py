@@ -58,9 +58,9 @@ def wan_resize_shape(image_height: int, image_width: int, area: int) -> tuple[in
     lat_w = round(math.sqrt(area / aspect) // VAE_STRIDE // PATCH * PATCH)
     if lat_h < 1 or lat_w < 1:
         raise ImageInputError(
-            f"an image of {image_width}x{image_height} pixels over a target area of {area} pixels gives a "
-            f"{lat_w * VAE_STRIDE}x{lat_h * VAE_STRIDE} video: use a less extreme aspect ratio or a larger "
-            "`target_height` x `target_width`")
+            f"an image of height {image_height} x width {image_width} pixels over a target area of {area} pixels "
+            f"gives a video of height {lat_h * VAE_STRIDE} x width {lat_w * VAE_STRIDE}: use a less extreme aspect "
+            "ratio or a larger `target_height` x `target_width`")
     return lat_h * VAE_STRIDE, lat_w * VAE_STRIDE
 
 

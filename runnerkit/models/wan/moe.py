@@ -102,9 +102,10 @@ class WanMoERunner(WanT2VRunner):
                             boundary=config.boundary, **options)
 
     # ---- loading -----------------------------------------------------------------------
-    def open_checkpoint(self, path: Path) -> WanMoECheckpoint:
-        """The MoE checkpoint at `path`; both expert folders must be there (checked before any weight is read)."""
-        return WanMoECheckpoint.open(path, override=self.config.model)
+    def open_checkpoint(self, path: Path, raw: bool = False) -> WanMoECheckpoint:
+        """The MoE checkpoint at `path` (`raw`: without the config's `model` over it); both expert
+        folders must be there (checked before any weight is read)."""
+        return WanMoECheckpoint.open(path, override=None if raw else self.config.model)
 
     def prepare_load(self) -> None:
         """Checkpoint (both experts) checked, its architecture and the resolved `boundary` into the
@@ -113,8 +114,8 @@ class WanMoERunner(WanT2VRunner):
         Raises:
             CheckpointError: an expert folder is missing, or a file is missing or damaged (named).
         """
+        self.check_task_fits()
         self.moe_checkpoint = moe = self.locate_checkpoint()
-        self.check_task_fits(moe.arch)
         moe.check_files()
         self.checkpoint = moe.experts["transformer"]
         boundary = self.config.boundary if self.config.boundary is not None else (moe.boundary or self.DEFAULT_BOUNDARY)

@@ -129,9 +129,7 @@ class WanT2VRunner(DefaultRunner):
         self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
         self.checkpoint: WanCheckpoint | None = None
         self.tokenizer: WanTokenizer | None = None
-        arch = self.architecture()  # config files only; None if unreadable (the load then says why)
-        if arch is not None:
-            self.check_task_fits(arch)  # a checkpoint of another task is refused before loading
+        self.check_task_fits()  # config files only: a checkpoint of another task is refused before loading
 
     @staticmethod
     def check_guidance_settings(config: RunnerConfig) -> None:
@@ -234,9 +232,10 @@ class WanT2VRunner(DefaultRunner):
             logger.warning("model_path {} holds SYNTHETIC RANDOM weights (seed {}): the output will be noise", path, seed)
         return ckpt
 
-    def open_checkpoint(self, path: Path) -> Any:
-        """The checkpoint at `path` with the config's `model` over its architecture (no weight read)."""
-        return WanCheckpoint.open(path, override=self.config.model)
+    def open_checkpoint(self, path: Path, raw: bool = False) -> Any:
+        """The checkpoint at `path` with the config's `model` over its architecture (`raw`: without
+        it, as the checkpoint itself says); no weight is read."""
+        return WanCheckpoint.open(path, override=None if raw else self.config.model)
 
     def prepare_load(self) -> None:
         """Checkpoint (written first if synthetic) and its files checked, its architecture into the
@@ -246,8 +245,8 @@ class WanT2VRunner(DefaultRunner):
             CheckpointError: the checkpoint is missing or damaged (`WanCheckpoint.check_files`),
                 naming the file and the tensor, in every offload mode.
         """
+        self.check_task_fits()  # before the config's `model` is merged in and before any weight is read
         self.checkpoint = ckpt = self.locate_checkpoint()
-        self.check_task_fits(ckpt.arch)  # before any file is read: the weights cannot serve this task
         ckpt.check_files()
         logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
         self.resolve_sample_shift(ckpt)
@@ -347,18 +346,39 @@ class WanT2VRunner(DefaultRunner):
     #: The transformer `model_type` each task needs.
     TASK_MODEL_TYPES: ClassVar[dict[str, str]] = {"t2v": "t2v"}
 
-    def check_task_fits(self, arch: WanArch) -> None:
-        """The checkpoint's transformer must be trained for the task.
+    def checkpoint_model_type(self) -> str | None:
+        """The transformer `model_type` the checkpoint itself declares (the configured architecture
+        for a synthetic checkpoint still to write); None if its config files cannot be read (the
+        load then says why)."""
+        try:
+            path = self.checkpoint_path()
+            if self._synthetic_pending(path):
+                return self.arch_override.transformer.model_type
+            return self.open_checkpoint(path, raw=True).arch.transformer.model_type
+        except (ValueError, OSError):  # CheckpointError included
+            return None
+
+    def check_task_fits(self) -> None:
+        """The checkpoint's transformer must be trained for the task, and the config's `model`
+        cannot make it another kind (`model.transformer.model_type` must match the checkpoint's).
 
         Raises:
-            CheckpointError: naming the checkpoint's `model_type` and the task to use instead.
+            CheckpointError: naming the checkpoint, its `model_type` and the task to use instead.
         """
-        want, have = self.TASK_MODEL_TYPES[self.config.task], arch.transformer.model_type
+        have = self.checkpoint_model_type()
+        if have is None:
+            return
+        want = self.TASK_MODEL_TYPES[self.config.task]
+        where = self.config.model_path or "the synthetic checkpoint"
         if want != have:
             what = "text-only: it takes no image conditioning" if have == "t2v" else "trained for another task"
-            raise CheckpointError(f"task {self.config.task!r} needs {want} weights, but the checkpoint's transformer "
+            raise CheckpointError(f"task {self.config.task!r} needs {want} weights, but the transformer of {where} "
                                   f"is `model_type`={have!r} ({what}): use --task {have}, or a Wan {want.upper()} "
                                   "checkpoint")
+        configured = ((self.config.model or {}).get("transformer") or {}).get("model_type")
+        if configured is not None and configured != have:
+            raise CheckpointError(f"the config's `model.transformer.model_type` is {configured!r}, but {where} holds "
+                                  f"{have} weights: remove it from the config's `model`")
 
     def flavour(self) -> str | None:
         """From the loaded checkpoint; before loading (the warmup gate) from its config files only,

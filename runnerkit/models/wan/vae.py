@@ -101,7 +101,9 @@ class WanVAE(nn.Module):
         weight = self.conv1.weight
         x = video.to(device=weight.device, dtype=weight.dtype)
         # The first frame alone, then chunks of 4: each chunk becomes one latent frame.
-        chunks = [x[:, :, :1], *x[:, :, 1:].split(ENCODE_CHUNK_FRAMES, dim=2)]  # [B, 3, 1 | 4, H, W]
+        # (a 1-frame video has no chunk of 4: `split` of an empty dimension would give one empty chunk)
+        rest = x[:, :, 1:].split(ENCODE_CHUNK_FRAMES, dim=2) if x.shape[2] > 1 else ()
+        chunks = [x[:, :, :1], *rest]  # [B, 3, 1 | 4, H, W]
         cache = self._open_cache()
         try:
             out = torch.cat([self.encoder(chunk, cache) for chunk in chunks], dim=2)  # [B, 2z, f, h, w]

@@ -119,6 +119,16 @@ def test_normalized_encode_decode_use_mean_and_std(release_pair: tuple[WanVAE, t
     assert decoded.shape == (1, 3, 5, 16, 16) and decoded.abs().max() <= 1
 
 
+def test_one_frame_encodes_like_diffusers(release_pair: tuple[WanVAE, torch.nn.Module]) -> None:
+    """A 1-frame video (an i2v request of one frame) is the first chunk alone: no empty chunk of 4."""
+    vae, ref = release_pair
+    video = random_video((1, 3, 1, 16, 16), seed=8)
+    expected = ref.encode(video).latent_dist.mean
+    got = vae.encode_raw(video)
+    assert got.shape == (1, 4, 1, 2, 2)
+    assert (got - expected).abs().max().item() <= TOL
+
+
 # ---- feature cache ------------------------------------------------------------------------
 
 def test_decode_twice_is_bit_identical_and_leaves_no_cache(release_pair: tuple[WanVAE, torch.nn.Module]) -> None:
