@@ -246,13 +246,18 @@ class RunnerConfig(_Strict):
 
 
 MEDIA_SUFFIXES = (".mp4", ".png", ".wav")
+#: Longest prompt accepted, in characters (the text encoders read a few hundred tokens; a longer
+#: text only costs tokenization time and memory).
+MAX_PROMPT_CHARS = 20_000
 
 
 class RequestConfig(_Strict):
     """One request: what to generate and where to save it."""
 
-    prompt: str = Field(min_length=1, description="Text prompt (not only whitespace).")
-    negative_prompt: str | None = Field(None, description="Overrides the runner's negative prompt.")
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS,
+                        description="Text prompt (not only whitespace; text encoders read a few hundred tokens).")
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS,
+                                        description="Overrides the runner's negative prompt.")
     image_path: str | None = Field(None, description="Conditioning image (image tasks).")
     last_frame_path: str | None = Field(None, description="Last-frame image (FLF2V).")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed; None: the runner config's seed.")

@@ -514,7 +514,20 @@ class DefaultRunner(BaseRunner):
                 self.report_progress(info, dec.name)
             with self.profiler.stage(dec.name), self.module_on_device(dec.module):
                 out = dec.run(latents)
-                outputs[dec.output] = out if isinstance(out, torch.Tensor) else torch.cat(list(out), dim=2)
+                if isinstance(out, torch.Tensor):
+                    outputs[dec.output] = out
+                    continue
+                chunks = []
+                try:
+                    for chunk in out:  # an observer may cancel between chunks (a long decode)
+                        chunks.append(chunk)
+                        if info is not None:
+                            self.report_progress(info, dec.name)
+                finally:
+                    close = getattr(out, "close", None)
+                    if close is not None:
+                        close()  # a generator left early (cancelled, failed) releases its caches now
+                outputs[dec.output] = torch.cat(chunks, dim=2)
         return outputs
 
     def save_outputs(self, outputs: dict[str, torch.Tensor], info: InputInfo) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
 from runnerkit.config import RequestConfig, format_validation_error
@@ -40,6 +41,7 @@ SERVER_FIELDS = ("save_result_path", "save_tensor_path", "image_path", "last_fra
 #: Body fields that carry an image (base64) -> the request field it becomes.
 IMAGE_FIELDS = {"image": "image_path", "last_frame": "last_frame_path"}
 MAX_IMAGE_BYTES = 32 * 1024**2
+MAX_BODY_BYTES = 3 * MAX_IMAGE_BYTES  # two base64 images (4/3 of their bytes) and the fields
 PAGE = Path(__file__).with_name("page.html")
 
 
@@ -71,8 +73,11 @@ class InputError(Exception):
         self.field, self.status = field, status
 
 
-def error(status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "field": field, "code": status}}, status, headers=headers)
+def error(status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None,
+          **extra: Any) -> JSONResponse:
+    """The API's error body: `{"error": {"message", "field", "code"}}` (+ `extra` top-level keys)."""
+    return JSONResponse({"error": {"message": message, "field": field, "code": status}, **extra}, status,
+                        headers=headers)
 
 
 def _first_field(exc: ValidationError) -> str | None:
@@ -84,10 +89,14 @@ def _decode_image(value: Any, name: str) -> bytes:
     if not isinstance(value, str):
         raise InputError(f"`{name}` must be a base64 string or a data:image/...;base64, URL", name)
     data = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
+    data = re.sub(r"\s+", "", data)  # MIME-wrapped base64 (line breaks every 76 characters)
+    data += "=" * (-len(data) % 4)  # unpadded base64
     try:
-        raw = base64.b64decode(data, validate=True)
+        altchars = b"-_" if ("-" in data or "_" in data) else None  # URL-safe alphabet
+        raw = base64.b64decode(data, altchars=altchars, validate=True)
     except (binascii.Error, ValueError):
-        raise InputError(f"`{name}` is not valid base64", name) from None
+        raise InputError(f"`{name}` is not valid base64 (standard or URL-safe alphabet, optionally a "
+                         "data:image/...;base64, URL)", name) from None
     if not raw:
         raise InputError(f"`{name}` is empty", name)
     if len(raw) > MAX_IMAGE_BYTES:
@@ -95,9 +104,10 @@ def _decode_image(value: Any, name: str) -> bytes:
     return raw
 
 
-def build_request(state: ServerState, body: Any, folder: Path) -> tuple[RequestConfig, dict[str, Any]]:
+def build_request(state: ServerState, body: Any, folder: Path) -> tuple[RequestConfig, dict[str, Any], dict[str, Any]]:
     """The body as a `RequestConfig` checked as the launch script checks a request; images saved
-    into `folder`. Returns it and the fields the job reports.
+    into `folder`. Returns it, the fields the job reports, and the values it runs with (seed,
+    height, width, frames).
 
     Raises:
         InputError: naming the field (422; 413 for an oversized image).
@@ -139,25 +149,48 @@ def build_request(state: ServerState, body: Any, folder: Path) -> tuple[RequestC
         found = re.search(r"`(\w+)`", str(exc))
         name = found.group(1) if found else None
         name = {v: k for k, v in IMAGE_FIELDS.items()}.get(name or "", name)
-        raise InputError(str(exc).replace("image_path", "image").replace("last_frame_path", "last_frame")
-                         .replace("(--image)", "").replace("(--last_frame)", ""), name) from None
+        raise InputError(_api_wording(str(exc), folder), name) from None
     shape = runner.request_shape(request)  # type: ignore[attr-defined]
     try:
         runner.check_fit(shape, "request")  # type: ignore[attr-defined]
-    except ValueError as exc:  # MemoryFitError
-        raise InputError(str(exc), "target_height") from None
-    return request, shown
+    except ValueError as exc:  # MemoryFitError: the shape as a whole
+        raise InputError(str(exc)) from None
+    cfg = runner.config
+    resolved = {"model": cfg.model_cls, "seed": request.seed if request.seed is not None else cfg.seed,
+                "height": shape[0], "width": shape[1], "frames": shape[2]}
+    return request, shown, resolved
+
+
+def _api_wording(message: str, folder: Path) -> str:
+    """A launch-script message in the API's terms: body fields, not flags or server paths."""
+    for body_field, request_field in IMAGE_FIELDS.items():
+        message = message.replace(f"`{request_field}` (--{request_field}) is required",
+                                  f"`{body_field}` is required")
+        message = message.replace(f"`{request_field}`", f"`{body_field}`")
+        message = message.replace(repr(str(folder / f"{body_field}.bin")), "(uploaded)")
+        message = message.replace(f"{folder / body_field}.bin", "(uploaded)")
+    return message.replace("give an image file", "send the image as base64")
 
 
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI app over `state` (the caller runs uvicorn and owns the runner's lifecycle)."""
-    app = FastAPI(title="runnerkit", docs_url="/docs", redoc_url=None)
-    kinds = {"video": ("videos", "video"), "image": ("images", "image")}
+    # No /docs: its page loads Swagger UI from a CDN (useless offline); the README documents the API.
+    app = FastAPI(title="runnerkit", docs_url=None, redoc_url=None, openapi_url=None)
+    kinds = {"video": "videos", "image": "images"}
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
     def not_ready() -> JSONResponse:
         retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
         return JSONResponse({"status": "not ready", "phase": state.phase, "error": state.error or state.queue.dead},
                             503, headers=retry)
+
+    def not_accepting() -> JSONResponse:
+        retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
+        reason = state.error or state.queue.dead or f"the server is {state.phase.replace('_', ' ')}"
+        return error(503, f"not accepting jobs: {reason}", headers=retry, phase=state.phase)
 
     @app.get("/health/live")
     def live() -> dict[str, Any]:
@@ -186,19 +219,25 @@ def create_app(state: ServerState) -> FastAPI:
             other = "/v1/videos" if state.kind == "video" else "/v1/images/generations"
             return error(404, f"this server's task {state.runner.config.task!r} makes {state.kind}s: POST {other}")
         if not state.ready():
-            return not_ready()
+            return not_accepting()
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return error(413, f"the body holds {length} bytes; at most {MAX_BODY_BYTES} are accepted")
         raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return error(413, f"the body holds {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error(422, f"malformed JSON body: {exc}")
         job_id, folder = state.queue.new_folder()
         try:
-            req, shown = build_request(state, body, folder)
+            req, shown, resolved = build_request(state, body, folder)
         except InputError as exc:
             _remove(folder)
             return error(exc.status, str(exc), exc.field)
-        job = Job(id=job_id, kind=kind, request=req, folder=folder, fields=shown)
+        job = Job(id=job_id, kind=kind, request=req, folder=folder, fields=shown, resolved=resolved)
+        reply = job.as_dict()  # as queued: the worker may start it before this reply is sent
         try:
             state.queue.submit(job)
         except QueueFull as exc:
@@ -208,7 +247,7 @@ def create_app(state: ServerState) -> FastAPI:
             _remove(folder)
             return error(503, f"not accepting jobs: {exc}")
         state.metrics.queue_depth.set(state.queue.depth())
-        return JSONResponse(job.as_dict())
+        return JSONResponse(reply)
 
     def job_or_404(job_id: str, kind: str) -> Job | JSONResponse:
         job = state.queue.get(job_id)
@@ -216,48 +255,8 @@ def create_app(state: ServerState) -> FastAPI:
             return error(404, f"no {kind} job {job_id!r}")
         return job
 
-    for kind, (plural, obj) in kinds.items():
-        post_path = "/v1/videos" if kind == "video" else "/v1/images/generations"
-
-        async def post(request: Request, _kind: str = kind) -> Response:
-            return await submit(request, _kind)
-
-        def list_jobs(_kind: str = kind) -> dict[str, Any]:
-            return {"object": "list", "data": [j.as_dict() for j in state.queue.list() if j.kind == _kind]}
-
-        def get_job(job_id: str, _kind: str = kind) -> Any:
-            job = job_or_404(job_id, _kind)
-            return job if isinstance(job, JSONResponse) else job.as_dict()
-
-        def content(job_id: str, _kind: str = kind) -> Any:
-            job = job_or_404(job_id, _kind)
-            if isinstance(job, JSONResponse):
-                return job
-            if job.status != "completed":
-                return error(409, f"job {job_id} is {job.status}; content exists once it is completed")
-            if job.expired or not job.result_path.is_file():
-                return error(410, f"the files of job {job_id} were removed by the retention limit")
-            return FileResponse(job.result_path, media_type="image/png" if _kind == "image" else "video/mp4",
-                                filename=f"{job_id}{job.result_path.suffix}")
-
-        def delete(job_id: str, _kind: str = kind) -> Any:
-            job = job_or_404(job_id, _kind)
-            if isinstance(job, JSONResponse):
-                return job
-            if job.status in FINAL:
-                state.queue.delete(job_id)
-                return {"id": job_id, "object": _kind, "deleted": True}
-            job = state.queue.cancel(job_id)
-            if job is not None and job.status == "cancelled" and job.started_at is None:
-                state.metrics.observe_job("cancelled", None)  # ended without running: the worker never sees it
-            state.metrics.queue_depth.set(state.queue.depth())
-            return job.as_dict() if job is not None else error(404, f"no {_kind} job {job_id!r}")
-
-        app.add_api_route(post_path, post, methods=["POST"])
-        app.add_api_route(f"/v1/{plural}", list_jobs, methods=["GET"])
-        app.add_api_route(f"/v1/{plural}/{{job_id}}", get_job, methods=["GET"])
-        app.add_api_route(f"/v1/{plural}/{{job_id}}/content", content, methods=["GET"])
-        app.add_api_route(f"/v1/{plural}/{{job_id}}", delete, methods=["DELETE"])
+    for kind, plural in kinds.items():
+        add_job_routes(app, state, kind, plural, submit, job_or_404)
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -270,6 +269,56 @@ def create_app(state: ServerState) -> FastAPI:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
     return app
+
+
+def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, submit: Any, job_or_404: Any) -> None:
+    """POST, list, GET, content and DELETE of one result kind (closures: no parameter leaks into the API)."""
+
+    async def post(request: Request) -> Response:
+        return await submit(request, kind)
+
+    def list_jobs() -> dict[str, Any]:
+        return {"object": "list", "data": [j.as_dict() for j in state.queue.list() if j.kind == kind]}
+
+    def get_job(job_id: str) -> Any:
+        job = job_or_404(job_id, kind)
+        return job if isinstance(job, JSONResponse) else job.as_dict()
+
+    def content(job_id: str) -> Any:
+        job = job_or_404(job_id, kind)
+        if isinstance(job, JSONResponse):
+            return job
+        if job.status in ("queued", "in_progress"):
+            return error(409, f"job {job_id} is {job.status}; its content exists once it is completed")
+        if job.status != "completed":
+            return error(409, f"job {job_id} is {job.status}: it has no content")
+        if job.expired or not job.result_path.is_file():
+            return error(410, f"the files of job {job_id} were removed by the retention limit")
+        return FileResponse(job.result_path, media_type="image/png" if kind == "image" else "video/mp4",
+                            filename=f"{job_id}{job.result_path.suffix}")
+
+    def delete(job_id: str) -> Any:
+        job = job_or_404(job_id, kind)
+        if isinstance(job, JSONResponse):
+            return job
+        if job.status in FINAL:
+            state.queue.delete(job_id)
+            return {"id": job_id, "object": kind, "deleted": True}
+        was_queued = job.status == "queued"
+        job = state.queue.cancel(job_id)
+        if job is None:
+            return error(404, f"no {kind} job {job_id!r}")
+        if was_queued and job.status == "cancelled" and job.started_at is None:
+            state.metrics.observe_job("cancelled", None)  # it never reaches the worker
+        state.metrics.queue_depth.set(state.queue.depth())
+        return job.as_dict()
+
+    post_path = "/v1/videos" if kind == "video" else "/v1/images/generations"
+    app.add_api_route(post_path, post, methods=["POST"])
+    app.add_api_route(f"/v1/{plural}", list_jobs, methods=["GET"])
+    app.add_api_route(f"/v1/{plural}/{{job_id}}", get_job, methods=["GET"])
+    app.add_api_route(f"/v1/{plural}/{{job_id}}/content", content, methods=["GET"])
+    app.add_api_route(f"/v1/{plural}/{{job_id}}", delete, methods=["DELETE"])
 
 
 def _remove(folder: Path) -> None:

@@ -49,9 +49,10 @@ class Job:
     kind: str  # "video" | "image": the result kind of the runner's task
     request: RequestConfig
     folder: Path
-    fields: dict[str, Any]  # the submitted request fields (images as their saved paths), for the API
+    fields: dict[str, Any]  # the submitted request fields (images as their byte counts), for the API
+    resolved: dict[str, Any] = field(default_factory=dict)  # seed, height, width, frames it runs with
     status: Status = "queued"
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=time.time)  # Unix seconds (float: sub-second order of jobs)
     started_at: float | None = None
     completed_at: float | None = None
     stage: str | None = None
@@ -73,18 +74,23 @@ class Job:
         return self.folder / "result.safetensors"
 
     def progress_percent(self) -> int:
+        """0-95 over the denoising steps, 99 once decoding and saving run, 100 when completed."""
         if self.status == "completed":
             return 100
-        return int(100 * self.steps_done / self.steps_total) if self.steps_total else 0
+        if self.stage is not None and self.steps_total and self.steps_done >= self.steps_total and self.step == 0:
+            return 99  # a decoder or the save is running (or was, when cancelled)
+        return int(95 * self.steps_done / self.steps_total) if self.steps_total else 0
 
     def as_dict(self) -> dict[str, Any]:
         """The job object of the API (OpenAI video-job shape plus runnerkit's fields)."""
         return {
-            "id": self.id, "object": self.kind, "status": self.status, "progress": self.progress_percent(),
+            "id": self.id, "object": self.kind, "model": self.resolved.get("model"), "status": self.status,
+            "progress": self.progress_percent(),
+            "size": f"{self.resolved['width']}x{self.resolved['height']}" if self.resolved else None,
             "stage": self.stage, "step": self.step, "steps": self.steps, "steps_done": self.steps_done,
             "steps_total": self.steps_total, "created_at": self.created_at, "started_at": self.started_at,
             "completed_at": self.completed_at, "cancel_requested": self.cancel.is_set() and self.status not in FINAL,
-            "error": self.error, "request": self.fields,
+            "error": self.error, "request": self.fields, "resolved": self.resolved,
             "timings": None if self.profile is None else {"seconds": self.profile["seconds"],
                                                           "stages": self.profile["stages"],
                                                           "steps": self.profile["steps"]},
@@ -95,9 +101,10 @@ class Job:
 class JobQueue:
     """Job records and the FIFO of queued jobs, bounded by `max_queue` (thread-safe).
 
-    Retention: after a job ends, the oldest finished jobs' folders are deleted while more than
-    `keep_jobs` finished jobs have files, or their files exceed `keep_bytes` (None: no limit);
-    their records stay, marked `expired`.
+    Retention: after a job ends, the oldest results are deleted while more than `keep_jobs`
+    results are kept, or they exceed `keep_bytes` (None: no limit), job folders left in the output
+    folder by earlier runs first; the newest result is always kept. Records of deleted results
+    stay, marked `expired`.
     """
 
     def __init__(self, output_dir: Path, max_queue: int, keep_jobs: int | None, keep_bytes: int | None) -> None:
@@ -111,6 +118,8 @@ class JobQueue:
         self.closed = False
         self.dead: str | None = None  # why the worker stopped (the runner's state is unknown)
         self.running: Job | None = None
+        # Job folders of earlier runs in the same output folder: counted (and removed first) by retention.
+        self._orphans = sorted((f for f in output_dir.glob("job_*") if f.is_dir()), key=lambda f: f.stat().st_mtime)
 
     def new_folder(self) -> tuple[str, Path]:
         job_id = "job_" + uuid.uuid4().hex[:16]
@@ -133,6 +142,7 @@ class JobQueue:
             self.jobs[job.id] = job
             self._queue.append(job.id)
             self._lock.notify_all()
+        logger.info("job {} queued ({} waiting)", job.id, len(self._queue))
 
     def depth(self) -> int:
         with self._lock:
@@ -187,6 +197,7 @@ class JobQueue:
             self.closed = True
             for job_id in list(self._queue):
                 job = self.jobs[job_id]
+                logger.info("job {} cancelled (shutdown)", job_id)
                 job.cancel.set()
                 job.status, job.completed_at = "cancelled", time.time()
                 shutil.rmtree(job.folder, ignore_errors=True)  # as a DELETE of a queued job does
@@ -201,18 +212,24 @@ class JobQueue:
         self._apply_retention()
 
     def _apply_retention(self) -> None:
+        """Delete the oldest results (earlier runs' job folders first) beyond the limits; the newest
+        completed job is always kept, whatever its size."""
         with self._lock:
             done = [j for j in self.jobs.values() if j.status in FINAL and not j.expired and j.folder.exists()]
         done.sort(key=lambda j: j.completed_at or 0)
-        sizes = {j.id: sum(f.stat().st_size for f in j.folder.rglob("*") if f.is_file()) for j in done}
+        orphans = [f for f in self._orphans if f.exists()]
+        entries: list[tuple[Path, Job | None]] = [(f, None) for f in orphans] + [(j.folder, j) for j in done]
+        sizes = {folder: sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) for folder, _ in entries}
         total = sum(sizes.values())
-        while done and ((self.keep_jobs is not None and len(done) > self.keep_jobs)
-                        or (self.keep_bytes is not None and total > self.keep_bytes)):
-            oldest = done.pop(0)
-            shutil.rmtree(oldest.folder, ignore_errors=True)
-            oldest.expired = True
-            total -= sizes[oldest.id]
-            logger.info("retention: removed the files of {} ({} bytes)", oldest.id, sizes[oldest.id])
+        while len(entries) > 1 and ((self.keep_jobs is not None and len(entries) > self.keep_jobs)
+                                    or (self.keep_bytes is not None and total > self.keep_bytes)):
+            folder, job = entries.pop(0)
+            shutil.rmtree(folder, ignore_errors=True)
+            total -= sizes[folder]
+            if job is not None:
+                job.expired = True
+            logger.info("retention: removed {} ({} bytes{})", folder.name, sizes[folder],
+                        "" if job is not None else ", from an earlier run")
 
 
 class Worker(threading.Thread):
@@ -254,9 +271,11 @@ class Worker(threading.Thread):
             "save_tensor_path": str(job.tensor_path) if self.save_tensors else None})
         self.runner.on_progress = observe
         index, self.index = self.index, self.index + 1
+        logger.info("job {} started (request {})", job.id, index)
         try:
             self.runner.run_pipeline(request, index)
             job.status = "completed"
+            logger.info("job {} completed: {}", job.id, job.result_path)
         except RequestCancelled:
             job.status = "cancelled"
             logger.info("job {} cancelled at stage {} (step {}/{})", job.id, job.stage, job.step, job.steps)

@@ -9,9 +9,12 @@ or warmup stops the process with status 2 (bad input: config, checkpoint, unsupp
 (anything else), the phase named in the log. Once ready, a worker thread runs the queued jobs
 one at a time.
 
-Shutdown (SIGTERM or Ctrl-C): the port closes, queued jobs are cancelled, the running job
-finishes (`--on_shutdown finish`, the default) or stops at its next step (`cancel`), then the
-process exits 0. Job records live in memory only; result files stay in `--output_dir`.
+Shutdown (SIGTERM or Ctrl-C): readiness turns 503 (`stopping`), new jobs are refused, queued
+jobs are cancelled, the running job finishes (`--on_shutdown finish`, the default) or stops at
+its next step or decoder chunk (`cancel`) while its status stays readable; then the port closes
+and the process exits 0. A signal during loading or warmup exits 0 at once; a second signal
+exits at once with 128 + the signal number. Job records live in memory only; result files stay
+in `--output_dir`.
 """
 
 from __future__ import annotations
@@ -72,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        logger.error("runnerkit serve needs the `serve` extra: pip install \"runnerkit[serve]\" (from a checkout: "
+                     "pip install -e \".[serve]\"); missing: {}", exc.name)
+        return 2
 
     from runnerkit.config import ConfigError, load_runner_config
     from runnerkit.infer import INPUT_ERRORS, check_writable, report_failure
@@ -88,7 +98,10 @@ def serve(args: argparse.Namespace) -> int:
         config = load_runner_config(args.config_json, overrides)
         runner: BaseRunner = get_runner_cls(config.model_cls, config.task)(config)
         output_dir = Path(args.output_dir).expanduser().absolute()
-        output_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--output_dir {args.output_dir!r} cannot be created: {exc.strerror or exc}") from None
         check_writable(str(output_dir / "probe.mp4"), "--output_dir")
     except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
         logger.error("invalid input: {}", exc)
@@ -136,32 +149,50 @@ def serve(args: argparse.Namespace) -> int:
         state.metrics.ready.set(1)
         logger.info("ready: accepting jobs")
 
-    def on_signal(signum: int, frame: Any) -> None:
-        if server.should_exit:  # a second signal: stop waiting for the running job
-            logger.warning("second {}: exiting now", signal.Signals(signum).name)
-            os._exit(128 + signum)
-        logger.info("{}: shutting down", signal.Signals(signum).name)
+    stopping = threading.Event()
+
+    def drain() -> None:
+        """While HTTP still answers (readiness 503 `stopping`, job status and content served):
+        cancel the queued jobs, finish or cancel the running one, then close the port."""
+        cancel = args.on_shutdown == "cancel"
+        queue.close(cancel_running=cancel)
+        w = worker.get("w")
+        if w is not None and w.is_alive():
+            if queue.running is not None:
+                logger.info("shutting down: {} the running job {}", "cancelling" if cancel else "finishing",
+                            queue.running.id)
+            w.join()
         server.should_exit = True
+
+    def on_signal(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if stopping.is_set():  # a second signal: stop waiting for the running job
+            logger.warning("second {}: exiting now (status {})", name, 128 + signum)
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        stopping.set()
+        if state.phase in ("starting", "loading", "warming_up"):  # nothing served yet: abandon the load
+            logger.info("{} during {}: stopped before serving", name, state.phase)
+            sys.stderr.flush()
+            os._exit(0)  # the loader thread runs torch code that cannot be joined or interrupted safely
+        logger.info("{}: shutting down (not ready; queued jobs are cancelled)", name)
+        state.phase = "stopping"
+        state.metrics.ready.set(0)
+        threading.Thread(target=drain, name="runnerkit-drain", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     loader = threading.Thread(target=load, name="runnerkit-loader", daemon=True)
     loader.start()
-    server.run()  # returns after SIGTERM / Ctrl-C (on_signal) or when loading failed
+    try:
+        server.run()  # returns once drained after SIGTERM / Ctrl-C (on_signal), or when loading failed
+    except SystemExit:  # uvicorn exits when it cannot listen (it logged why)
+        pass
     if status["exit"]:
         return status["exit"]
-    if not server.started:  # the port could not be opened (uvicorn logged why)
+    if not server.started:
+        logger.error("could not listen on {}:{} (in use, or not an address of this machine)", args.host, args.port)
         return 1
-    state.phase = "stopping"
-    state.metrics.ready.set(0)
-    cancel = args.on_shutdown == "cancel"
-    queue.close(cancel_running=cancel)
-    w = worker.get("w")
-    if w is not None and w.is_alive():
-        if queue.running is not None:
-            logger.info("shutting down: {} the running job {}", "cancelling" if cancel else "finishing",
-                        queue.running.id)
-        w.join()
     logger.info("stopped")
     return 0
 

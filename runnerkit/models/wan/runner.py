@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -457,12 +458,14 @@ class WanT2VRunner(DefaultRunner):
         return float(self.config.sample_guide_scale)  # type: ignore[arg-type]
 
     @torch.inference_mode()
-    def run_vae_decoder(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalized latents [1, z, f, h, w] -> video [1, 3, 4(f-1)+1, 8h, 8w] in [-1, 1] (float32)."""
+    def run_vae_decoder(self, latents: torch.Tensor) -> torch.Tensor | Iterator[torch.Tensor]:
+        """Normalized latents [1, z, f, h, w] -> video [1, 3, 4(f-1)+1, 8h, 8w] in [-1, 1] (float32):
+        chunk by chunk, one latent frame at a time (`WanVAE.decode_iter`; the runner concatenates
+        them, and a cancel can stop between them), or whole when tiled."""
         if self.config.offload.vae_tiling:
             return vae_tiling.decode_tiled(self.stage_modules["vae"], latents.float(), vae_tiling.TILE_LATENT,
                                            vae_tiling.OVERLAP_LATENT)
-        return self.stage_modules["vae"].decode(latents.float())
+        return self.stage_modules["vae"].decode_iter(latents.float())
 
     def clear_request_state(self) -> None:
         """Per-grid RoPE tables and the VAE feature cache are request state."""

@@ -1,0 +1,96 @@
+"""Unit tests of the server's pieces that need no HTTP: image decoding, retention, API wording, and
+the runner's cancellation between decoder chunks (what `DELETE` and `--on_shutdown cancel` use)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runnerkit.config import RequestConfig, load_runner_config
+from runnerkit.registry import get_runner_cls
+from runnerkit.runners.base import Progress, RequestCancelled
+from runnerkit.serve.app import InputError, _api_wording, _decode_image
+from runnerkit.serve.jobs import Job, JobQueue
+from test_cases.conftest import tiny_config_dict
+
+PNG = bytes.fromhex("89504e470d0a1a0a") + bytes(range(200))  # any bytes: decoding only checks base64
+
+
+@pytest.mark.parametrize("encode", [
+    lambda b: base64.b64encode(b).decode(),
+    lambda b: base64.encodebytes(b).decode(),  # MIME: a line break every 76 characters
+    lambda b: base64.urlsafe_b64encode(b).decode(),
+    lambda b: base64.b64encode(b).decode().rstrip("="),  # unpadded
+    lambda b: "data:image/png;base64," + base64.b64encode(b).decode(),
+], ids=["standard", "mime", "urlsafe", "unpadded", "data_url"])
+def test_image_base64_variants_decode_to_the_same_bytes(encode: Any) -> None:
+    assert _decode_image(encode(PNG), "image") == PNG
+
+
+def test_invalid_base64_names_the_field() -> None:
+    with pytest.raises(InputError, match=r"`last_frame` is not valid base64") as exc:
+        _decode_image("not base64 at all!", "last_frame")
+    assert exc.value.field == "last_frame"
+
+
+def test_api_wording_hides_server_paths_and_flags(tmp_path: Path) -> None:
+    message = (f"`image_path` {str(tmp_path / 'image.bin')!r} is not an image Pillow can read; "
+               "`last_frame_path` (--last_frame_path) is required by task 'flf2v': give an image file")
+    assert _api_wording(message, tmp_path) == ("`image` (uploaded) is not an image Pillow can read; "
+                                               "`last_frame` is required by task 'flf2v': send the image as base64")
+
+
+def _finished(queue: JobQueue, name: str, size: int, when: float) -> Job:
+    folder = queue.output_dir / name
+    folder.mkdir()
+    (folder / "result.mp4").write_bytes(b"x" * size)
+    job = Job(id=name, kind="video", request=RequestConfig(prompt="x"), folder=folder, fields={},
+              status="completed", completed_at=when)
+    queue.jobs[name] = job
+    return job
+
+
+def test_retention_removes_earlier_runs_first_and_always_keeps_the_newest(tmp_path: Path) -> None:
+    old = tmp_path / "job_from_an_earlier_run"
+    old.mkdir()
+    (old / "result.mp4").write_bytes(b"x" * 10)
+    os.utime(old, (time.time() - 100, time.time() - 100))
+    queue = JobQueue(tmp_path, max_queue=4, keep_jobs=2, keep_bytes=None)
+    a = _finished(queue, "job_a", 10, 1.0)
+    b = _finished(queue, "job_b", 10, 2.0)
+    queue._apply_retention()
+    assert not old.exists() and a.folder.exists() and b.folder.exists()  # the earlier run's folder went first
+    c = _finished(queue, "job_c", 10, 3.0)
+    queue._apply_retention()
+    assert (a.expired, b.expired, c.expired) == (True, False, False) and not a.folder.exists()
+    queue.keep_bytes = 1  # smaller than any result: only the newest stays
+    queue._apply_retention()
+    assert (b.expired, c.expired) == (True, False) and c.folder.exists()
+
+
+def test_cancel_between_decoder_chunks_stops_the_decode_and_frees_its_cache(tiny_ckpt: Path) -> None:
+    """An observer raising at the second VAE chunk stops the request there (not after the whole
+    decode), the VAE's feature cache is released, and the next request is unaffected."""
+    config = load_runner_config(None, tiny_config_dict(tiny_ckpt, target_video_length=17))
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    runner.init_modules()
+    seen: list[Progress] = []
+
+    def cancel_at_second_chunk(p: Progress) -> None:
+        seen.append(p)
+        if [q.stage for q in seen].count("vae_decoder") == 3:  # stage start, chunk 1, chunk 2
+            raise RequestCancelled("stop")
+
+    runner.on_progress = cancel_at_second_chunk
+    with pytest.raises(RequestCancelled):
+        runner.run_pipeline(RequestConfig(prompt="x"), 0)
+    assert [p.stage for p in seen][-3:] == ["vae_decoder"] * 3 and "save" not in [p.stage for p in seen]
+    assert runner.vae.feature_cache is None and runner.inputs is None
+    runner.on_progress = None
+    out = runner.run_pipeline(RequestConfig(prompt="x"), 1)
+    assert out.ok and out.stages["vae_decoder"] > 0
