@@ -214,9 +214,9 @@ def instrument(runner: Any, calls: list[tuple[Any, ...]], ys: list[torch.Tensor]
         mods["image_encoder"].register_forward_pre_hook(
             lambda m, args: calls.append(("image_encoder", args[0].shape[0])))
     vae = mods["vae"]
-    real_encode, real_decode = vae.encode, vae.decode
+    real_encode, real_decode = vae.encode, vae.decode_iter
     vae.encode = lambda video: (calls.append(("vae_encode", tuple(video.shape[2:]))), real_encode(video))[1]
-    vae.decode = lambda lat: (calls.append(("vae_decode", tuple(lat.shape[2:]))), real_decode(lat))[1]
+    vae.decode_iter = lambda lat: (calls.append(("vae_decode", tuple(lat.shape[2:]))), real_decode(lat))[1]
 
     def transformer_hook(name: str) -> Any:
         def hook(m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

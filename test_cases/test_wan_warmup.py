@@ -138,7 +138,7 @@ def test_warmup_drives_real_path_in_order(tiny_ckpt: Path, mocker: Any) -> None:
         orig_load()
         sched, model = runner.scheduler, runner.transformer
         for name, obj, attr in [("prepare", sched, "prepare"), ("step_pre", sched, "step_pre"),
-                                ("step_post", sched, "step_post"), ("decode", runner.vae, "decode")]:
+                                ("step_post", sched, "step_post"), ("decode", runner.vae, "decode_iter")]:
             real = getattr(obj, attr)
 
             def wrapper(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
