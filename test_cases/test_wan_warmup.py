@@ -189,7 +189,8 @@ def test_decoder_iterator_is_consumed_fully(tiny_ckpt: Path) -> None:
             consumed.append(-1)  # reached only if the iterator is exhausted
 
     real = WanT2VRunner.run_vae_decoder
-    runner.run_vae_decoder = lambda latents: Chunks(real(runner, latents))  # type: ignore[method-assign]
+    # the real decoder yields chunks too: wrap their concatenation
+    runner.run_vae_decoder = lambda latents: Chunks(torch.cat(list(real(runner, latents)), dim=2))  # type: ignore[method-assign]
     runner.init_modules()
     assert consumed.count(-1) == 2  # both shapes' decoders ran to the end
 
