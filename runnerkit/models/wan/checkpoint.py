@@ -379,13 +379,15 @@ def synthetic_seed_of(path: Path) -> int | None:
 
 
 def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, layout: Layout = "runnerkit",
-                    generator_device: str = "cpu", transformer_only: bool = False, replace: bool = False) -> Path:
+                    generator_device: str = "cpu", transformer_only: bool = False, replace: bool = False,
+                    announce: bool = True) -> Path:
     """Write deterministic random weights for `arch` to `out` in `layout` (atomically: tmp folder, then rename).
 
     Values depend only on (tensor name, seed): every layout holds the same network. The transformer
     is written shard by shard, so peak host memory is about one shard (SHARD_BYTES), not the model.
     `generator_device` (see `synthetic_tensor`); `transformer_only` (runnerkit layout) skips the
-    text encoder, VAE and tokenizer (benchmarks of the transformer alone). `replace`: delete an
+    text encoder, VAE and tokenizer (benchmarks of the transformer alone). `announce`: log the
+    written folder (a writer that builds on this one in a temporary folder logs its own). `replace`: delete an
     existing `out` first (the caller has checked it may); otherwise `out` must be missing or empty,
     and a concurrent writer that finished first wins (its identical checkpoint is kept).
 
@@ -485,10 +487,10 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
             raise CheckpointError(f"cannot write a synthetic checkpoint to {out}: {write_error_reason(exc)}; "
                                   "nothing was written") from None
         raise
-    return _finish(tmp, out, seed, layout, replace)
+    return _finish(tmp, out, seed, layout, replace, announce)
 
 
-def _finish(tmp: Path, out: Path, seed: int, layout: str, replace: bool) -> Path:
+def _finish(tmp: Path, out: Path, seed: int, layout: str, replace: bool, announce: bool = True) -> Path:
     if replace and out.exists():
         shutil.rmtree(out)
     try:
@@ -499,6 +501,8 @@ def _finish(tmp: Path, out: Path, seed: int, layout: str, replace: bool) -> Path
             logger.info("synthetic checkpoint {} was written by another process meanwhile; using it", out)
             return out
         raise CheckpointError(f"cannot write a synthetic checkpoint to {out}: the folder is not empty") from None
+    if not announce:  # a writer building on this one (e.g. the MoE layouts) announces the final folder
+        return out
     logger.warning("wrote a SYNTHETIC checkpoint of RANDOM weights (seed {}, {} layout) to {}: its output is noise",
                    seed, layout, out)
     return out

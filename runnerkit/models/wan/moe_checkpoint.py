@@ -192,7 +192,7 @@ def write_synthetic_moe(arch: WanArch, out: Path, seed: int, dtype: torch.dtype,
     out = Path(out).absolute()
     tmp = out.with_name(f".{out.name}.partial-moe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        write_synthetic(arch, tmp, seed, dtype, layout, generator_device=generator_device)
+        write_synthetic(arch, tmp, seed, dtype, layout, generator_device=generator_device, announce=False)
         high, low = (tmp / EXPERT_FOLDERS[layout][e] for e in EXPERTS)
         if layout == "original":  # Wan2.1 keeps its transformer at the top; Wan2.2 in expert folders
             high.mkdir()
