@@ -248,7 +248,15 @@ class WanT2VRunner(DefaultRunner):
         """
         self.check_task_fits()  # before the config's `model` is merged in and before any weight is read
         self.checkpoint = ckpt = self.locate_checkpoint()
-        ckpt.check_files()
+        try:
+            ckpt.check_files()
+        except CheckpointError as exc:
+            if ckpt.layout == "original" and not self.config.model and synthetic_seed_of(ckpt.path) is not None:
+                raise CheckpointError(
+                    f"{exc}\n  hint: this synthetic checkpoint's original layout records only the transformer's "
+                    "architecture (config.json); run it with the config that wrote it (its `model` key gives the "
+                    "text encoder, VAE and image encoder sizes)") from None
+            raise
         logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
         self.resolve_sample_shift(ckpt)
         self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
