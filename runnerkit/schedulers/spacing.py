@@ -34,7 +34,7 @@ def shift_sigmas(sigmas: ArrayOrTensor, shift: float) -> ArrayOrTensor:
     """Apply the SD3 time shift `sigma' = shift * sigma / (1 + (shift - 1) * sigma)`.
 
     Source: Esser et al. 2024, "Scaling Rectified Flow Transformers for High-Resolution Image
-    Synthesis" (SD3), as Wan2.1 and diffusers use it for flow matching. `shift > 1` spends more
+    Synthesis" (SD3), as flow-matching video releases and diffusers use it. `shift > 1` spends more
     steps at high noise. Works on numpy arrays and tensors alike and keeps their dtype, so a
     schedule can be reproduced in the same precision as the reference computes it.
 
@@ -52,8 +52,9 @@ def train_range_schedule(infer_steps: int, shift: float,
                          num_train_timesteps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmas and timesteps for `infer_steps` steps spaced over the training range, then shifted.
 
-    Source: Wan-Video/Wan2.1 `FlowUniPCMultistepScheduler.__init__` and `.set_timesteps` (the
-    `dpm++` path of `wan/text2video.py` passes its own sigmas instead; runnerkit has no DPM++).
+    Source: the `FlowUniPCMultistepScheduler.__init__` and `.set_timesteps` of the flow-matching
+    UniPC port that a release ships with its own inference code (the family that selects this
+    spacing names the release and file: runnerkit/models/<family>/, e.g. scheduler_config.py).
     With N = `num_train_timesteps`:
 
     1. The training sigmas are `1 - linspace(1, 1/N, N)[::-1]`, stored in float32 and not

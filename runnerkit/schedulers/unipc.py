@@ -39,19 +39,20 @@ class FlowUniPCScheduler(Scheduler):
     The update is the same in diffusers' `UniPCMultistepScheduler(prediction_type=
     "flow_prediction", use_flow_sigmas=True, flow_shift=shift, solver_order, predict_x0=True,
     solver_type="bh2", lower_order_final=True, disable_corrector=[], final_sigmas_type="zero")`
-    (diffusers 0.42) and in the Wan2.1 reference's `FlowUniPCMultistepScheduler` (Wan-Video/
-    Wan2.1 `wan/utils/fm_solvers_unipc.py`, a port of diffusers 0.31 with the same defaults): the
+    (diffusers 0.42) and in the `FlowUniPCMultistepScheduler` that releases ship with their own
+    inference code (a port of diffusers 0.31 with the same defaults; the family that uses it names
+    the file): the
     corrector runs at every step after the first, rho = 1/2 for UniC-1 and UniP-2, the order
     drops to 1 on the last step. The two differ only in their sigmas, chosen by `spacing`
     (runnerkit/schedulers/spacing.py):
 
-    - `"train_range"`: the reference's `set_timesteps(infer_steps, shift=shift)` on a scheduler built
-      with `shift=1`, as `wan/text2video.py` does: `shift(linspace(1 - 1/N, 0, infer_steps +
+    - `"train_range"`: the port's `set_timesteps(infer_steps, shift=shift)` on a scheduler built
+      with `shift=1`, as the releases' generate code does: `shift(linspace(1 - 1/N, 0, infer_steps +
       1)[:-1])`, a final 0, int64 timesteps `trunc(sigma * N)`. What the official release
       samples with.
     - `"diffusers"`: `shift(linspace(1, 1/N, infer_steps + 1)[:-1])`, the first one lowered by
       1e-6 when it equals 1 (so `log(1 - sigma)` stays finite), a final 0, int64 timesteps
-      `trunc(sigma * N)`. What diffusers' `WanPipeline` samples with.
+      `trunc(sigma * N)`. What diffusers' pipelines sample with.
 
     Before the shift the two grids are at most 1/N apart, but the shift stretches that near the
     end of the schedule: with 50 steps and shift 5 the timesteps differ by up to 4 (last

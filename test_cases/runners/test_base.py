@@ -157,7 +157,7 @@ def test_core_names_no_family() -> None:
     root = Path(__file__).resolve().parents[2] / "runnerkit"
     paths = [*(root / "offload").rglob("*.py"), *(root / "runners").rglob("*.py"), root / "config.py",
              *(root / "tools").rglob("*.py"), root / "registry.py", *(root / "serve").rglob("*.py"),
-             root / "serve" / "page.html", root / "images.py"]
+             root / "serve" / "page.html", root / "images.py", *(root / "schedulers").rglob("*.py")]
     offenders = [f"{p.relative_to(root)}:{n}: {line.strip()}" for p in paths
                  for n, line in enumerate(p.read_text().splitlines(), 1)
                  if re.search(r"\b([Ww]an|WAN|[Qq]wen|QWEN|[Ll]tx|LTX)(?![a-z])", line)]

@@ -7,6 +7,14 @@ original releases and runnerkit's own layout declare none.
 
 Precedence of `sample_shift` (WanT2VRunner.prepare_load): the run config's own value, else this
 file's `flow_shift`, else the family default (`WanT2VRunner.DEFAULTS`).
+
+Sources of the Wan family's sampling schedule (the core's schedulers name no family):
+`scheduler_spacing: "train_range"` (the family default) reproduces Wan-Video/Wan2.1
+`wan/utils/fm_solvers_unipc.py` `FlowUniPCMultistepScheduler.__init__` and `.set_timesteps`
+as `wan/text2video.py` calls them (a scheduler built with `shift=1`, then
+`set_timesteps(steps, shift=sample_shift)`; its `dpm++` path passes its own sigmas, and runnerkit
+has no DPM++); `"diffusers"` is what diffusers' `WanPipeline` samples with. Golden values:
+test_cases/schedulers/test_spacing.py.
 """
 
 from __future__ import annotations
