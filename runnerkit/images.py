@@ -22,6 +22,7 @@ import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+_EXIF_ORIENTATION = 0x0112
 #: Pillow modes without a defined value range (refused: the pixels cannot be mapped to [-1, 1]).
 RANGELESS_MODES = ("I", "F")
 
@@ -73,6 +74,38 @@ def check_image(path: str | Path, field: str) -> tuple[int, int]:
         return img.height, img.width
 
 
+def image_size(path: str | Path, field: str) -> tuple[int, int]:
+    """(height, width) as displayed, from the header and the EXIF orientation only (no decode):
+    for shape rules that run on every validation; `check_image` is the full check.
+
+    Raises:
+        ImageInputError: missing, not a file, or not an image Pillow can identify.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ImageInputError(f"`{field}` {str(path)!r}: " + ("no such file" if not p.exists() else "not a file"))
+    try:
+        with Image.open(p) as img:
+            width, height = img.size
+            rotated = _orientation(img) in (5, 6, 7, 8)  # exif_transpose swaps height and width
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise ImageInputError(f"`{field}` {str(path)!r} is not an image Pillow can read") from None
+    return (width, height) if rotated else (height, width)
+
+
+def _orientation(img: Image.Image) -> int | None:
+    """The EXIF orientation from what the header gave (`getexif` of a PNG would decode the image to
+    find a late eXIf chunk; one after the pixels is then missed here, and applied by `read_image`)."""
+    if img.format == "PNG":
+        raw = img.info.get("exif")
+        if not raw:
+            return None
+        exif = Image.Exif()
+        exif.load(raw)
+        return exif.get(_EXIF_ORIENTATION)
+    return img.getexif().get(_EXIF_ORIENTATION)
+
+
 def read_image(path: str | Path, field: str) -> torch.Tensor:
     """The image at `path` as RGB [3, H, W] float32 in [-1, 1] (alpha dropped, palettes expanded).
 
@@ -96,4 +129,4 @@ def write_image(path: str | Path, pixels: torch.Tensor) -> None:
     Image.fromarray(data, mode="RGB").save(path)
 
 
-__all__ = ["ImageInputError", "check_image", "read_image", "write_image"]
+__all__ = ["ImageInputError", "check_image", "image_size", "read_image", "write_image"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from runnerkit.images import ImageInputError, check_image, read_image
+from runnerkit.images import ImageInputError, check_image, image_size, read_image
 
 
 def test_eight_bit_rgb_is_to_tensor_mapping(tmp_path: Path) -> None:
@@ -44,6 +44,7 @@ def test_exif_orientation_is_applied(tmp_path: Path) -> None:
     exif[0x0112] = 6  # displayed rotated 90 degrees clockwise
     img.save(tmp_path / "r.png", exif=exif)
     assert check_image(tmp_path / "r.png", "image_path") == (6, 4)  # (height, width) as displayed
+    assert image_size(tmp_path / "r.png", "image_path") == (6, 4)  # the same from the header alone
     got = read_image(tmp_path / "r.png", "image_path")
     assert got.shape == (3, 6, 4)
     assert got[:, 0, 3].tolist() == [-1.0, -1.0, 1.0]  # the marker moved to the top-right corner
@@ -57,3 +58,13 @@ def test_decompression_bomb_warning_is_an_input_error_not_a_raw_warning(tmp_path
         warnings.simplefilter("error")  # a raw warning would fail here
         with pytest.raises(ImageInputError, match=r"`image_path` .*big\.png' is too large to decode safely"):
             check_image(tmp_path / "big.png", "image_path")
+
+
+def test_image_size_reads_the_header_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    Image.new("RGB", (7, 3)).save(tmp_path / "a.png")
+    Image.init()  # import every format plugin first (some build images when imported)
+    monkeypatch.setattr(Image.Image, "load", lambda self: pytest.fail("image_size decoded the pixels"))
+    assert image_size(tmp_path / "a.png", "image_path") == (3, 7)
+    (tmp_path / "t.png").write_text("not an image")
+    with pytest.raises(ImageInputError, match=r"`image_path` .*t\.png' is not an image"):
+        image_size(tmp_path / "t.png", "image_path")

@@ -21,8 +21,8 @@ import base64
 import binascii
 import json
 import re
-import threading
-from dataclasses import dataclass, field
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,6 @@ class ServerState:
     metrics: Metrics
     phase: str = "starting"  # starting -> loading -> warming_up -> ready | failed; stopping at shutdown
     error: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def kind(self) -> str:
@@ -322,8 +321,6 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
 
 
 def _remove(folder: Path) -> None:
-    import shutil
-
     shutil.rmtree(folder, ignore_errors=True)
 
 

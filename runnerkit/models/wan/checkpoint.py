@@ -75,11 +75,12 @@ ORIGINAL_CLIP = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
 SHARD_BYTES = 2 * 1024**3  # largest safetensors shard written (bytes)
 
 
-def detect_layout(path: Path) -> Layout:
-    """Which layout `path` holds.
+def marked_layout(path: Path) -> Layout | None:
+    """The layout a checkpoint folder names by its marker file (`runnerkit.json`: runnerkit,
+    `model_index.json`: diffusers), or None (the caller looks for its original layout).
 
     Raises:
-        CheckpointError: the folder is missing or matches no layout (lists what each needs).
+        CheckpointError: `path` is missing or not a folder.
     """
     if not path.is_dir():
         raise CheckpointError(f"`model_path` {str(path)!r} does not exist or is not a folder "
@@ -88,6 +89,18 @@ def detect_layout(path: Path) -> Layout:
         return "runnerkit"
     if (path / "model_index.json").is_file():
         return "diffusers"
+    return None
+
+
+def detect_layout(path: Path) -> Layout:
+    """Which layout `path` holds.
+
+    Raises:
+        CheckpointError: the folder is missing or matches no layout (lists what each needs).
+    """
+    own = marked_layout(path)
+    if own is not None:
+        return own
     if (path / "config.json").is_file() and safetensors_files(path, "diffusion_pytorch_model", "transformer"):
         return "original"
     raise CheckpointError(

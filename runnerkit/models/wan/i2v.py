@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from runnerkit.config import RequestConfig, RunnerConfig
-from runnerkit.images import ImageInputError, read_image
+from runnerkit.images import ImageInputError, image_size, read_image
 from runnerkit.models.wan.clip import CLIPVisionEncoder
 from runnerkit.models.wan.clip import keep_fp32 as clip_keep_fp32
 from runnerkit.models.wan.conditioning import conditioning_mask, conditioning_video
@@ -124,9 +124,7 @@ class WanImageConditioning:
         area_h, area_w, frames = super().shape_of(request, config)  # type: ignore[misc]
         if request.image_path is None:  # validate_request reports the missing image first
             return area_h, area_w, frames
-        from runnerkit.images import check_image
-
-        image_h, image_w = check_image(request.image_path, "image_path")
+        image_h, image_w = image_size(request.image_path, "image_path")  # header only: called per check
         return (*wan_resize_shape(image_h, image_w, area_h * area_w), frames)
 
     @classmethod

@@ -41,6 +41,7 @@ from runnerkit.models.wan.checkpoint import (
     _arch_from,
     _finish,
     _write_sharded,
+    marked_layout,
     merge_override,
     write_synthetic,
 )
@@ -82,13 +83,9 @@ def detect_moe_layout(path: Path) -> Layout:
     Raises:
         CheckpointError: the folder is missing or holds no MoE layout (lists what each needs).
     """
-    if not path.is_dir():
-        raise CheckpointError(f"`model_path` {str(path)!r} does not exist or is not a folder "
-                              "(set `synthetic_checkpoint` to write random weights there)")
-    if (path / "runnerkit.json").is_file():
-        return "runnerkit"
-    if (path / "model_index.json").is_file():
-        return "diffusers"
+    own = marked_layout(path)
+    if own is not None:
+        return own
     if any((path / f).is_dir() for f in EXPERT_FOLDERS["original"].values()):
         return "original"
     raise CheckpointError(
