@@ -22,6 +22,7 @@ subclass does not inherit the opt-in and must declare its own.
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -390,15 +391,21 @@ class DefaultRunner(BaseRunner):
         """
         if self.on_progress is None or info.warmup or self.pipeline is None:
             return
-        denoise = self.pipeline.denoise
-        total = sum(s.steps for s in denoise)
-        before = {s.name: sum(d.steps for d in denoise[:k]) for k, s in enumerate(denoise)}
-        before.update({s.transition: before[s.name] for s in denoise if s.transition is not None})
-        before.update({e.name: 0 for e in self.pipeline.encoders})
+        before, total = self._progress_offsets(self.pipeline)
         done = before.get(stage, total) + step  # decoders and save: every step is done
         current = self.profiler.current
         self.on_progress(Progress(index=current.index if current is not None else 0, stage=stage, step=step,
                                   steps=steps, steps_done=done, steps_total=total))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def _progress_offsets(pipeline: Pipeline) -> tuple[dict[str, int], int]:
+        """Per stage, the denoising steps of the stages before it; and the request's total steps."""
+        denoise = pipeline.denoise
+        before = {s.name: sum(d.steps for d in denoise[:k]) for k, s in enumerate(denoise)}
+        before.update({s.transition: before[s.name] for s in denoise if s.transition is not None})
+        before.update({e.name: 0 for e in pipeline.encoders})
+        return before, sum(s.steps for s in denoise)
 
     def profile_stages(self) -> tuple[str, ...]:
         assert self.pipeline is not None, "load_modules sets the pipeline"

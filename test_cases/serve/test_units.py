@@ -94,3 +94,17 @@ def test_cancel_between_decoder_chunks_stops_the_decode_and_frees_its_cache(tiny
     runner.on_progress = None
     out = runner.run_pipeline(RequestConfig(prompt="x"), 1)
     assert out.ok and out.stages["vae_decoder"] > 0
+
+
+def test_progress_reports_every_stage_step_and_decoder_chunk_in_order(tiny_ckpt: Path) -> None:
+    """What `on_progress` sees for one request of the tiny config (4 steps, 9 frames = 3 latent
+    frames, so 3 decoder chunks): (stage, step, steps, steps_done, steps_total), exactly."""
+    config = load_runner_config(None, tiny_config_dict(tiny_ckpt))
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    runner.init_modules()
+    seen: list[tuple[str, int, int, int, int]] = []
+    runner.on_progress = lambda p: seen.append((p.stage, p.step, p.steps, p.steps_done, p.steps_total))
+    runner.run_pipeline(RequestConfig(prompt="x"), 0)
+    assert seen == [("text_encoder", 0, 0, 0, 4), ("transformer", 0, 4, 0, 4),
+                    *[("transformer", i, 4, i, 4) for i in range(1, 5)],
+                    *[("vae_decoder", 0, 0, 4, 4)] * 4, ("save", 0, 0, 4, 4)]
