@@ -1,0 +1,66 @@
+"""Architecture descriptions of the Qwen-Image networks, in runnerkit's own names.
+
+Defaults are the public Qwen-Image (20B) release values: diffusers
+`QwenImageTransformer2DModel` / `AutoencoderKLQwenImage` configs of `Qwen/Qwen-Image`, and
+the Qwen2.5-VL-7B text encoder (`text_encoder/config.json`). They are read from a checkpoint
+(`runnerkit.json`, or diffusers' `*/config.json`) or given under the `model` key of a
+runnerkit JSON config.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, ValidationInfo, model_validator
+
+from runnerkit.models.wan.arch import WanVAEArch, _Arch
+
+# Per-channel latent statistics of the Qwen-Image VAE (diffusers `AutoencoderKLQwenImage` defaults,
+# the values of `Qwen/Qwen-Image` `vae/config.json`; equal to Wan2.1's).
+QWEN_LATENTS_MEAN: tuple[float, ...] = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+)
+QWEN_LATENTS_STD: tuple[float, ...] = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+)
+
+
+class QwenImageTransformerArch(_Arch):
+    """Qwen-Image dual-stream MMDiT (diffusers `QwenImageTransformer2DModel`); defaults are the 20B model."""
+
+    patch_size: int = Field(2, gt=0, description="Spatial patch of the latents (2x2).")
+    in_channels: int = Field(64, gt=0, description="Packed latent channels: VAE z_dim x patch_size^2.")
+    out_channels: int = Field(16, gt=0, description="Latent channels predicted per pixel of the patch grid.")
+    num_layers: int = Field(60, gt=0, description="Dual-stream blocks.")
+    attention_head_dim: int = Field(128, gt=0)
+    num_attention_heads: int = Field(24, gt=0)
+    joint_attention_dim: int = Field(3584, gt=0, description="Width of the text encoder's hidden states.")
+    axes_dims_rope: tuple[int, int, int] = Field((16, 56, 56), strict=False,
+                                                 description="RoPE dims of the (frame, height, width) axes.")
+    zero_cond_t: bool = Field(False, description="Qwen-Image-Edit-2511: reference-image tokens modulated with t = 0.")
+
+    @property
+    def inner_dim(self) -> int:
+        """Model width: heads x head size (3072 for the 20B model)."""
+        return self.num_attention_heads * self.attention_head_dim
+
+    @model_validator(mode="after")
+    def _rope_fits_heads(self, info: ValidationInfo) -> QwenImageTransformerArch:
+        if self._check(info, "axes_dims_rope", "attention_head_dim"):
+            if sum(self.axes_dims_rope) != self.attention_head_dim:
+                raise ValueError(f"`axes_dims_rope` {list(self.axes_dims_rope)} must sum to `attention_head_dim`="
+                                 f"{self.attention_head_dim}")
+            if any(d % 2 for d in self.axes_dims_rope):
+                raise ValueError(f"`axes_dims_rope` {list(self.axes_dims_rope)} must be even numbers")
+        if self._check(info, "in_channels", "out_channels", "patch_size") and \
+                self.in_channels != self.out_channels * self.patch_size ** 2:
+            raise ValueError(f"`in_channels`={self.in_channels} must be `out_channels` x `patch_size`^2 = "
+                             f"{self.out_channels * self.patch_size ** 2}")
+        return self
+
+
+class QwenImageVAEArch(WanVAEArch):
+    """Qwen-Image VAE: the Wan2.1 causal 3D VAE architecture with Qwen-Image's weights and latent statistics."""
+
+    latents_mean: tuple[float, ...] = Field(QWEN_LATENTS_MEAN, strict=False, description="Per-channel latent mean.")
+    latents_std: tuple[float, ...] = Field(QWEN_LATENTS_STD, strict=False, description="Per-channel latent std.")
