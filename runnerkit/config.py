@@ -249,6 +249,8 @@ MEDIA_SUFFIXES = (".mp4", ".png", ".wav")
 #: Longest prompt accepted, in characters (the text encoders read a few hundred tokens; a longer
 #: text only costs tokenization time and memory).
 MAX_PROMPT_CHARS = 20_000
+#: Reference images a request may add after `image_path` (`extra_image_paths`); a family takes fewer.
+MAX_EXTRA_IMAGES = 7
 
 
 class RequestConfig(_Strict):
@@ -260,6 +262,9 @@ class RequestConfig(_Strict):
                                         description="Overrides the runner's negative prompt.")
     image_path: str | None = Field(None, description="Conditioning image (image tasks).")
     last_frame_path: str | None = Field(None, description="Last-frame image (FLF2V).")
+    extra_image_paths: list[str] | None = Field(
+        None, min_length=1, max_length=MAX_EXTRA_IMAGES,
+        description="Further reference images after `image_path`, in order (image editing with several references).")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed; None: the runner config's seed.")
     target_height: int | None = Field(None, gt=0, le=MAX_SIDE)
     target_width: int | None = Field(None, gt=0, le=MAX_SIDE)
@@ -285,6 +290,11 @@ class RequestConfig(_Strict):
     @classmethod
     def _home(cls, v: Any) -> Any:
         return os.path.expanduser(v) if isinstance(v, str) else v  # "~/x" means the home folder, as in a shell
+
+    @field_validator("extra_image_paths", mode="before")
+    @classmethod
+    def _home_each(cls, v: Any) -> Any:
+        return [os.path.expanduser(x) if isinstance(x, str) else x for x in v] if isinstance(v, list) else v
 
     @field_validator("save_result_path")
     @classmethod

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # torch, pydantic and the families are imported inside `main` (after the signal handlers are in
 # place), so Ctrl-C or SIGTERM during start-up imports ends with one line, not a traceback.
 
-REQUEST_FLAGS = ("prompt", "negative_prompt", "image_path", "last_frame_path", "seed", "target_height",
+REQUEST_FLAGS = ("prompt", "negative_prompt", "image_path", "last_frame_path", "extra_image_paths", "seed", "target_height",
                  "target_width", "target_video_length", "save_result_path", "save_tensor_path")
 
 
@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--negative_prompt", help="CFG negative prompt (default: the config's, else the family's reference one)")
     p.add_argument("--image_path", help="conditioning image (image-conditioned tasks only)")
     p.add_argument("--last_frame_path", help="last-frame image (first-last-frame tasks only)")
+    p.add_argument("--extra_image_paths", nargs="+", metavar="PATH",
+                   help="further reference images after --image_path, in order (image editing with several references)")
     p.add_argument("--seed", type=int, help="seed of the request's noise (default: the config's seed)")
     p.add_argument("--target_height", type=int, help="pixels, a multiple of the family's factor (e.g. 16); for "
                    "image-to-video tasks height x width is the target area and the image gives the aspect ratio")

@@ -66,6 +66,8 @@ class DefaultRunner(BaseRunner):
     WARMUP_SEED: ClassVar[int] = 0
     #: Image inputs a task takes (request fields); text-only tasks take none.
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: Per task, how many further reference images (`extra_image_paths`) it takes at most (absent: none).
+    EXTRA_IMAGES: ClassVar[dict[str, int]] = {}
     #: The kind of each task's primary output (what `save_result_path` holds); default "video".
     RESULT_KINDS: ClassVar[dict[str, OutputKind]] = {}
 
@@ -287,6 +289,12 @@ class DefaultRunner(BaseRunner):
                     flag = "--" + field
                     raise ValueError(f"`{field}` ({flag}) is required by task {config.task!r}: give an image file")
                 check_image(value, field)
+        extra, most = request.extra_image_paths or [], cls.EXTRA_IMAGES.get(config.task, 0)
+        if len(extra) > most:
+            raise ValueError(f"`extra_image_paths` holds {len(extra)} image(s); task {config.task!r} takes at most "
+                             f"{most} after `image_path`" + ("" if most else " (it takes no further references)"))
+        for k, value in enumerate(extra):
+            check_image(value, f"extra_image_paths[{k}]")
         h, w, f = cls.shape_of(request, config)
         cls.validate_shape(h, w, f)
         if request.save_result_path:
@@ -379,6 +387,7 @@ class DefaultRunner(BaseRunner):
             save_tensor_path=request.save_tensor_path,
             image_path=request.image_path,
             last_frame_path=request.last_frame_path,
+            extra_image_paths=tuple(request.extra_image_paths or ()),
         )
 
     # ---- request path -------------------------------------------------------------------
@@ -547,6 +556,8 @@ class DefaultRunner(BaseRunner):
                    "height": info.height, "width": info.width, "frames": info.frames,
                    **{k: os.path.abspath(v) for k, v in (("image_path", info.image_path),
                                                          ("last_frame_path", info.last_frame_path)) if v},
+                   **({"extra_image_paths": [os.path.abspath(v) for v in info.extra_image_paths]}
+                      if info.extra_image_paths else {}),
                    **self.sidecar_extra(info),
                    "config": self.config.model_dump(mode="json", exclude=set(REQUEST_DEFAULT_FIELDS))}
         return write_outputs({k: v[0].float().cpu() for k, v in outputs.items()}, self.pipeline.outputs,
@@ -621,21 +632,28 @@ class DefaultRunner(BaseRunner):
         return InputInfo(prompt=WARMUP_PROMPT, negative_prompt=negative, seed=self.WARMUP_SEED, height=h, width=w,
                          frames=f, warmup=True)
 
+    def warmup_infos(self, shape: Shape) -> tuple[InputInfo, ...]:
+        """The dummy requests warmup runs at `shape` (default: one, `warmup_info`). A family whose
+        sequence lengths also follow its inputs (e.g. the number of reference images) returns one
+        per input variant, so every kernel shape a request can produce at `shape` is warmed."""
+        return (self.warmup_info(shape),)
+
     def run_warmup(self, shapes: Sequence[Shape]) -> None:
         """Both shapes through the real path: shape-independent encoders (text) once, then per shape
-        the per-shape encoders (images), every denoise stage (transitions included) on
-        `warmup_steps`, and the decoders. Nothing is saved; no request profile is written."""
+        (and per input variant, `warmup_infos`) the per-shape encoders (images), every denoise stage
+        (transitions included) on `warmup_steps`, and the decoders. Nothing is saved; no request
+        profile is written."""
         for sched in self.schedulers.values():
             sched.generator = None  # before any encoder that could draw random numbers
         shared = self.run_encoders(self.warmup_info(shapes[0]), per_shape=False)
         for shape in shapes:
-            info = self.warmup_info(shape)
-            try:
-                self.input_info, self.inputs = info, shared
-                self.run_encoders(info, per_shape=True)
-                self.decode(self.run_denoise(info, warmup=True))
-            finally:
-                self.reset_request_state()
+            for info in self.warmup_infos(shape):
+                try:
+                    self.input_info, self.inputs = info, shared
+                    self.run_encoders(info, per_shape=True)
+                    self.decode(self.run_denoise(info, warmup=True))
+                finally:
+                    self.reset_request_state()
 
     def warmup_steps(self, stage: DenoiseStage, sched: Scheduler) -> list[int]:
         """Steps warmup runs in `stage` (after `prepare`): step 0, plus the first step of every

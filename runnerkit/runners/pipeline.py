@@ -52,11 +52,18 @@ class InputInfo:
     save_tensor_path: str | None = None
     image_path: str | None = None
     last_frame_path: str | None = None
+    extra_image_paths: tuple[str, ...] = ()
     warmup: bool = False
 
     @property
     def shape(self) -> Shape:
         return (self.height, self.width, self.frames)
+
+    @property
+    def reference_paths(self) -> tuple[str, ...]:
+        """`image_path` then `extra_image_paths`: every reference image of the request, in order
+        (placeholders, never opened, in warmup's dummy requests)."""
+        return ((self.image_path,) if self.image_path else ()) + self.extra_image_paths
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,11 @@ from runnerkit.serve.jobs import FINAL, Job, JobQueue, QueueClosed, QueueFull
 from runnerkit.serve.metrics import Metrics
 
 #: Request fields the server sets itself (never from the body).
-SERVER_FIELDS = ("save_result_path", "save_tensor_path", "image_path", "last_frame_path")
+SERVER_FIELDS = ("save_result_path", "save_tensor_path", "image_path", "last_frame_path", "extra_image_paths")
 #: Body fields that carry an image (base64) -> the request field it becomes.
 IMAGE_FIELDS = {"image": "image_path", "last_frame": "last_frame_path"}
+#: Body field carrying a list of further reference images (base64) -> `extra_image_paths`.
+EXTRA_IMAGES_FIELD = "extra_images"
 MAX_IMAGE_BYTES = 32 * 1024**2
 MAX_BODY_BYTES = 3 * MAX_IMAGE_BYTES  # two base64 images (4/3 of their bytes) and the fields
 PAGE = Path(__file__).with_name("page.html")
@@ -116,8 +118,8 @@ def build_request(state: ServerState, body: Any, folder: Path) -> tuple[RequestC
     body = dict(body)
     for name in SERVER_FIELDS:
         if name in body:
-            hint = f"; send the image itself as `{'image' if name == 'image_path' else 'last_frame'}` (base64)" \
-                if name in ("image_path", "last_frame_path") else ""
+            sent_as = {**{v: k for k, v in IMAGE_FIELDS.items()}, "extra_image_paths": EXTRA_IMAGES_FIELD}
+            hint = f"; send the image itself as `{sent_as[name]}` (base64)" if name in sent_as else ""
             raise InputError(f"`{name}` is set by the server, not by a request{hint}", name)
     model = body.pop("model", None)
     if model is not None and model != state.runner.config.model_cls:
@@ -131,12 +133,22 @@ def build_request(state: ServerState, body: Any, folder: Path) -> tuple[RequestC
             raise InputError("give `size` or `target_width`/`target_height`, not both", "size")
         body["target_width"], body["target_height"] = int(m.group(1)), int(m.group(2))
     images = {name: _decode_image(body.pop(name), name) for name in IMAGE_FIELDS if name in body}
+    extra = body.pop(EXTRA_IMAGES_FIELD, None)
+    if extra is not None and (not isinstance(extra, list) or not extra):
+        raise InputError(f"`{EXTRA_IMAGES_FIELD}` must be a non-empty list of base64 images", EXTRA_IMAGES_FIELD)
+    extra_raw = [_decode_image(v, f"{EXTRA_IMAGES_FIELD}[{k}]") for k, v in enumerate(extra or [])]
     shown = dict(body)
     for name, raw in images.items():
         path = folder / f"{name}.bin"
         path.write_bytes(raw)
         body[IMAGE_FIELDS[name]] = str(path)
         shown[name] = f"{len(raw)} bytes"
+    if extra_raw:
+        paths = [folder / f"{EXTRA_IMAGES_FIELD}{k}.bin" for k in range(len(extra_raw))]
+        for path, raw in zip(paths, extra_raw):
+            path.write_bytes(raw)
+        body["extra_image_paths"] = [str(p) for p in paths]
+        shown[EXTRA_IMAGES_FIELD] = [f"{len(raw)} bytes" for raw in extra_raw]
     try:
         request = RequestConfig.model_validate(body)
     except ValidationError as exc:
@@ -147,7 +159,7 @@ def build_request(state: ServerState, body: Any, folder: Path) -> tuple[RequestC
     except ValueError as exc:
         found = re.search(r"`(\w+)`", str(exc))
         name = found.group(1) if found else None
-        name = {v: k for k, v in IMAGE_FIELDS.items()}.get(name or "", name)
+        name = {**{v: k for k, v in IMAGE_FIELDS.items()}, "extra_image_paths": EXTRA_IMAGES_FIELD}.get(name or "", name)
         raise InputError(_api_wording(str(exc), folder), name) from None
     shape = runner.request_shape(request)  # type: ignore[attr-defined]
     try:
@@ -168,6 +180,8 @@ def _api_wording(message: str, folder: Path) -> str:
         message = message.replace(f"`{request_field}`", f"`{body_field}`")
         message = message.replace(repr(str(folder / f"{body_field}.bin")), "(uploaded)")
         message = message.replace(f"{folder / body_field}.bin", "(uploaded)")
+    message = message.replace("`extra_image_paths", f"`{EXTRA_IMAGES_FIELD}")
+    message = re.sub(re.escape(str(folder / EXTRA_IMAGES_FIELD)) + r"\d+\.bin", "(uploaded)", message)
     return message.replace("give an image file", "send the image as base64")
 
 
