@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from runnerkit import synthetic
 from loguru import logger
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
@@ -94,7 +96,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {layout: write_synthetic(arch, root / layout, seed=0, dtype=torch.float32, layout=layout)
            for layout in LAYOUTS}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ckpt_mod, "SHARD_BYTES", 150_000)  # the tiny transformer is ~600 kB: 4+ shards
+        mp.setattr(synthetic, "SHARD_BYTES", 150_000)  # the tiny transformer is ~600 kB: 4+ shards
         for layout in LAYOUTS:
             out[f"{layout}-sharded"] = write_synthetic(arch, root / f"{layout}-sharded", seed=0, dtype=torch.float32,
                                                        layout=layout)

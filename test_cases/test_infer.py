@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from runnerkit import synthetic
 from loguru import logger
 from safetensors.torch import load_file, save_file
 
@@ -685,7 +687,6 @@ def test_signal_mid_batch_keeps_finished_outputs_and_removes_partial_ones(config
 
 def test_interrupted_synthetic_write_leaves_no_partial_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from runnerkit.interrupts import Terminated
-    from runnerkit.models.wan import checkpoint
     from runnerkit.tools.synth_checkpoint import main as synth_main
 
     calls = []
@@ -696,8 +697,8 @@ def test_interrupted_synthetic_write_leaves_no_partial_folder(tmp_path: Path, mo
             raise Terminated("SIGTERM")
         real(*a, **k)
 
-    real = checkpoint._write_sharded
-    monkeypatch.setattr(checkpoint, "_write_sharded", interrupted)
+    real = synthetic.write_sharded
+    monkeypatch.setattr(synthetic, "write_sharded", interrupted)
     assert synth_main(["--config", str(REPO / "configs/wan/wan_t2v_tiny.json"), "--out", str(tmp_path / "ck"),
                        "--dtype", "fp32"]) == 143
     assert list(tmp_path.iterdir()) == []
@@ -852,9 +853,7 @@ def test_synthetic_checkpoint_on_a_full_disk_names_the_folder_and_exits_2(tmp_pa
     input-side failure naming the checkpoint folder, and leaves no partial folder."""
     from safetensors import SafetensorError
 
-    from runnerkit.models.wan import checkpoint
-
-    real = checkpoint.save_file
+    real = synthetic.save_file
     calls = []
 
     def full_disk(tensors: Any, path: str) -> None:
@@ -863,7 +862,7 @@ def test_synthetic_checkpoint_on_a_full_disk_names_the_folder_and_exits_2(tmp_pa
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         real(tensors, path)
 
-    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    monkeypatch.setattr(synthetic, "save_file", full_disk)
     data = json.loads((REPO / "configs/wan/wan_t2v_tiny.json").read_text())
     data.update(model_path=str(tmp_path / "ck"), device="cpu")
     rc, err = _cli(capsys, "--config_json", write_config(tmp_path / "c.json", data), "--prompt", "x")

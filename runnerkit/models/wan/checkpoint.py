@@ -25,20 +25,18 @@ mode: a damaged file is refused at load, naming the file and the tensor, whateve
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-from loguru import logger
 from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from runnerkit import synthetic
 from runnerkit.config import format_validation_error
 from runnerkit.files import give_default_mode, write_error_reason
 from runnerkit.models.wan import clip_keys as ck
@@ -72,7 +70,6 @@ ORIGINAL_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
 ORIGINAL_VAE = "Wan2.1_VAE.pth"
 ORIGINAL_TOKENIZER = "google/umt5-xxl"
 ORIGINAL_CLIP = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
-SHARD_BYTES = 2 * 1024**3  # largest safetensors shard written (bytes)
 
 
 def marked_layout(path: Path) -> Layout | None:
@@ -344,51 +341,8 @@ def _native_shapes(arch: WanArch) -> dict[str, dict[str, tuple[int, ...]]]:
             for component, network in _networks(arch).items()}
 
 
-def _write_sharded(shapes: dict[str, tuple[int, ...]], rename: Any, folder: Path, stem: str, seed: int,
-                   dtype: torch.dtype, keep_fp32: Any, generator_device: str = "cpu") -> None:
-    """Generate tensors one by one and write safetensors shards of at most SHARD_BYTES (plus an index)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    sizes = [0]
-    plan: list[list[str]] = [[]]
-    for name, shape in shapes.items():  # plan first so the shard count is known for the names
-        nbytes = torch.Size(shape).numel() * (4 if keep_fp32(name) else torch.empty(0, dtype=dtype).element_size())
-        if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
-            plan.append([])
-            sizes.append(0)
-        plan[-1].append(name)
-        sizes[-1] += nbytes
-    n = len(plan)
-    # Renames can depend on the whole key set (e.g. the VAE's decoder grouping): map all names once.
-    probes = {k: torch.empty(0) for k in shapes}  # distinct objects: map old -> new names by identity
-    renamed = {id(v): k for k, v in rename(probes).items()}
-    file_name = {k: renamed[id(v)] for k, v in probes.items()}
-    weight_map: dict[str, str] = {}
-    for i, shard_names in enumerate(plan):
-        fname = f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
-        shard = {name: synthetic_tensor(name, shapes[name], seed, torch.float32 if keep_fp32(name) else dtype,
-                                        generator_device) for name in shard_names}
-        shard = {file_name[k]: v for k, v in shard.items()}
-        save_file({k: v.contiguous() for k, v in shard.items()}, str(folder / fname))
-        give_default_mode(folder / fname)
-        weight_map.update({k: fname for k in shard})
-        del shard
-    if n > 1:
-        (folder / f"{stem}.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=1))
-
-
-SYNTHETIC_MARKER = "runnerkit_synthetic.json"  # written into every synthetic checkpoint, in every layout
-
-
-def synthetic_seed_of(path: Path) -> int | None:
-    """The seed of a synthetic checkpoint at `path`, or None if it holds no synthetic weights."""
-    marker = Path(path) / SYNTHETIC_MARKER
-    if not marker.is_file():
-        return None
-    try:
-        return int(json.loads(marker.read_text())["seed"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{marker} is unreadable ({exc}); delete {path} to write it again") from None
+SYNTHETIC_MARKER = synthetic.SYNTHETIC_MARKER
+synthetic_seed_of = synthetic.synthetic_seed_of
 
 
 def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, layout: Layout = "runnerkit",
@@ -414,8 +368,7 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
         raise ValueError(f"`layout` must be one of {LAYOUTS} (got {layout!r})")
     out = Path(out).absolute()
     # a private temporary folder per writer: concurrent first runs never write into each other's
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
+    tmp = synthetic.partial_folder(out)
 
     def fill() -> None:
         (tmp / SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
@@ -443,18 +396,18 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
             (tmp / "runnerkit.json").write_text(json.dumps(
                 {"format": "runnerkit", "version": 1, "family": "wan2.1", "synthetic_seed": seed,
                  "arch": arch.model_dump(mode="json")}, indent=1))
-            _write_sharded(shapes["transformer"], ident, tmp / "transformer", "model", seed, dtype, t_fp32, generator_device)
+            synthetic.write_sharded(shapes["transformer"], ident, tmp / "transformer", "model", seed, dtype, t_fp32, generator_device)
             if transformer_only:
                 return
-            _write_sharded(shapes["text_encoder"], ident, tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
-            _write_sharded(shapes["vae"], ident, tmp / "vae", "model", seed, torch.float32, vae_all, generator_device)
+            synthetic.write_sharded(shapes["text_encoder"], ident, tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
+            synthetic.write_sharded(shapes["vae"], ident, tmp / "vae", "model", seed, torch.float32, vae_all, generator_device)
             write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
             if clip is not None:
-                _write_sharded(shapes["image_encoder"], ident, tmp / "image_encoder", "model", seed, dtype, clip_fp32,
+                synthetic.write_sharded(shapes["image_encoder"], ident, tmp / "image_encoder", "model", seed, dtype, clip_fp32,
                                generator_device)
         elif layout == "original":
             (tmp / "config.json").write_text(json.dumps(tk.arch_to_original_config(arch.transformer), indent=1))
-            _write_sharded(shapes["transformer"], ident, tmp, "diffusion_pytorch_model", seed, dtype, t_fp32, generator_device)
+            synthetic.write_sharded(shapes["transformer"], ident, tmp, "diffusion_pytorch_model", seed, dtype, t_fp32, generator_device)
             torch.save(one("text_encoder", te_fp32), tmp / ORIGINAL_T5)
             torch.save(one("vae", vae_all), tmp / ORIGINAL_VAE)
             write_debug_tokenizer(tmp / ORIGINAL_TOKENIZER, arch.text_encoder.vocab_size)
@@ -475,11 +428,11 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
                              ("vae", vae_mod.arch_to_diffusers_config(arch.vae))):
                 (tmp / sub).mkdir()
                 (tmp / sub / "config.json").write_text(json.dumps(cfg, indent=1))
-            _write_sharded(shapes["transformer"], tk.native_to_diffusers, tmp / "transformer", "diffusion_pytorch_model",
+            synthetic.write_sharded(shapes["transformer"], tk.native_to_diffusers, tmp / "transformer", "diffusion_pytorch_model",
                            seed, dtype, t_fp32, generator_device)
-            _write_sharded(shapes["text_encoder"], lambda sd: te.native_to_hf(sd, embed_tokens_alias=False),
+            synthetic.write_sharded(shapes["text_encoder"], lambda sd: te.native_to_hf(sd, embed_tokens_alias=False),
                            tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
-            _write_sharded(shapes["vae"], vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", seed,
+            synthetic.write_sharded(shapes["vae"], vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", seed,
                            torch.float32, vae_all, generator_device)
             write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
             write_scheduler_config(tmp)
@@ -500,25 +453,7 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
             raise CheckpointError(f"cannot write a synthetic checkpoint to {out}: {write_error_reason(exc)}; "
                                   "nothing was written") from None
         raise
-    return _finish(tmp, out, seed, layout, replace, announce)
-
-
-def _finish(tmp: Path, out: Path, seed: int, layout: str, replace: bool, announce: bool = True) -> Path:
-    if replace and out.exists():
-        shutil.rmtree(out)
-    try:
-        os.rename(tmp, out)  # atomic; succeeds onto a missing or empty folder
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if synthetic_seed_of(out) == seed:  # another process finished the same checkpoint first
-            logger.info("synthetic checkpoint {} was written by another process meanwhile; using it", out)
-            return out
-        raise CheckpointError(f"cannot write a synthetic checkpoint to {out}: the folder is not empty") from None
-    if not announce:  # a writer building on this one (e.g. the MoE layouts) announces the final folder
-        return out
-    logger.warning("wrote a SYNTHETIC checkpoint of RANDOM weights (seed {}, {} layout) to {}: its output is noise",
-                   seed, layout, out)
-    return out
+    return synthetic.finish(tmp, out, seed, layout, replace, announce)
 
 
 __all__ = ["LAYOUTS", "WanCheckpoint", "detect_layout", "write_synthetic", "UMT5Arch", "WanTransformerArch", "WanVAEArch"]

@@ -30,6 +30,7 @@ import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
 
+from runnerkit import synthetic
 from runnerkit.config import format_validation_error
 from runnerkit.files import write_error_reason
 from runnerkit.models.wan import transformer_keys as tk
@@ -39,8 +40,6 @@ from runnerkit.models.wan.checkpoint import (
     Layout,
     WanCheckpoint,
     _arch_from,
-    _finish,
-    _write_sharded,
     marked_layout,
     merge_override,
     write_synthetic,
@@ -213,7 +212,7 @@ def write_synthetic_moe(arch: WanArch, out: Path, seed: int, dtype: torch.dtype,
             stem, rename = "model", (lambda sd: sd)
         skeleton = build_on_meta(lambda: WanTransformer3D(arch.transformer))
         shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-        _write_sharded(shapes, rename, low, stem, seed + LOW_NOISE_SEED_OFFSET, dtype, keep_fp32, generator_device)
+        synthetic.write_sharded(shapes, rename, low, stem, seed + LOW_NOISE_SEED_OFFSET, dtype, keep_fp32, generator_device)
         marker = json.loads((tmp / SYNTHETIC_MARKER).read_text())
         marker["experts"] = {"transformer": seed, "transformer_2": seed + LOW_NOISE_SEED_OFFSET}
         (tmp / SYNTHETIC_MARKER).write_text(json.dumps(marker))
@@ -223,7 +222,7 @@ def write_synthetic_moe(arch: WanArch, out: Path, seed: int, dtype: torch.dtype,
             reason = str(exc).split(": ", 1)[1] if isinstance(exc, CheckpointError) else write_error_reason(exc)
             raise CheckpointError(f"cannot write a synthetic checkpoint to {out}: {reason}") from None
         raise
-    return _finish(tmp, out, seed, f"{layout} (MoE)", replace)
+    return synthetic.finish(tmp, out, seed, f"{layout} (MoE)", replace)
 
 
 __all__ = ["EXPERTS", "EXPERT_FOLDERS", "WanExpertCheckpoint", "WanMoECheckpoint", "detect_moe_layout",

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from runnerkit import synthetic
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -159,7 +161,7 @@ def test_missing_folder_names_synthetic_checkpoint(tmp_path: Path) -> None:
 def test_synthetic_writer_shards_and_shards_load(monkeypatch: pytest.MonkeyPatch, reference: torch.Tensor,
                                                   tmp_path: Path, layout: str) -> None:
     shard_bytes = 150_000  # the tiny transformer is ~600 kB in float32
-    monkeypatch.setattr(ckpt_mod, "SHARD_BYTES", shard_bytes)
+    monkeypatch.setattr(synthetic, "SHARD_BYTES", shard_bytes)
     path = _synth(tmp_path / layout, layout)
     sub, stem = TRANSFORMER_FILES[layout]
     folder = path / sub

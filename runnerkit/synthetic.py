@@ -1,0 +1,113 @@
+"""Writing synthetic checkpoints (deterministic random weights), shared by every family.
+
+A family's writer fills a private temporary folder (`partial_folder`) with its layout, writing
+large networks shard by shard (`write_sharded`), then `finish` renames it into place atomically:
+an interrupted or failed writer leaves nothing behind, and two processes writing the same
+checkpoint at once both end with one intact folder. Every synthetic checkpoint holds
+`SYNTHETIC_MARKER` (its seed and layout), which `synthetic_seed_of` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from loguru import logger
+from safetensors.torch import save_file
+
+from runnerkit.files import give_default_mode
+from runnerkit.weights import CheckpointError, synthetic_tensor
+
+SHARD_BYTES = 2 * 1024**3
+"""Largest safetensors shard `write_sharded` writes (bytes)."""
+SYNTHETIC_MARKER = "runnerkit_synthetic.json"
+"""Written into every synthetic checkpoint, in every layout: {"seed", "layout", "weights": "random", ...}."""
+
+
+def synthetic_seed_of(path: Path) -> int | None:
+    """The seed of a synthetic checkpoint at `path`, or None if it holds no synthetic weights.
+
+    Raises:
+        CheckpointError: the marker file is unreadable.
+    """
+    marker = Path(path) / SYNTHETIC_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        return int(json.loads(marker.read_text())["seed"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{marker} is unreadable ({exc}); delete {path} to write it again") from None
+
+
+def partial_folder(out: Path) -> Path:
+    """A new private temporary folder beside `out` (one per writer, so concurrent writers never mix)."""
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_sharded(shapes: Mapping[str, tuple[int, ...]], rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+                  folder: Path, stem: str, seed: int, dtype: torch.dtype, keep_fp32: Callable[[str], bool],
+                  generator_device: str = "cpu") -> None:
+    """Generate tensors one by one (`weights.synthetic_tensor`, values depending only on name and
+    seed) and write safetensors shards of at most `SHARD_BYTES` under file names `rename` gives
+    (plus a `<stem>.safetensors.index.json` when there are several). Peak host memory is about
+    one shard. `keep_fp32(name)`: that tensor is written in float32 instead of `dtype`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = [0]
+    plan: list[list[str]] = [[]]
+    for name, shape in shapes.items():  # plan first so the shard count is known for the names
+        nbytes = torch.Size(shape).numel() * (4 if keep_fp32(name) else torch.empty(0, dtype=dtype).element_size())
+        if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
+            plan.append([])
+            sizes.append(0)
+        plan[-1].append(name)
+        sizes[-1] += nbytes
+    n = len(plan)
+    # Renames can depend on the whole key set (e.g. a VAE's decoder grouping): map all names once.
+    probes = {k: torch.empty(0) for k in shapes}  # distinct objects: map old -> new names by identity
+    renamed = {id(v): k for k, v in rename(probes).items()}
+    file_name = {k: renamed[id(v)] for k, v in probes.items()}
+    weight_map: dict[str, str] = {}
+    for i, shard_names in enumerate(plan):
+        fname = f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
+        shard = {name: synthetic_tensor(name, shapes[name], seed, torch.float32 if keep_fp32(name) else dtype,
+                                        generator_device) for name in shard_names}
+        shard = {file_name[k]: v for k, v in shard.items()}
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(folder / fname))
+        give_default_mode(folder / fname)
+        weight_map.update({k: fname for k in shard})
+        del shard
+    if n > 1:
+        (folder / f"{stem}.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=1))
+
+
+def finish(tmp: Path, out: Path, seed: int, layout: str, replace: bool, announce: bool = True) -> Path:
+    """Move the completed temporary folder `tmp` to `out` (atomic rename); returns `out`.
+
+    `replace`: delete an existing `out` first (the caller has checked it may). A concurrent writer
+    that finished the same seed first wins (its identical checkpoint is kept).
+
+    Raises:
+        CheckpointError: `out` exists, is not empty and holds no synthetic checkpoint of `seed`.
+    """
+    if replace and out.exists():
+        shutil.rmtree(out)
+    try:
+        os.rename(tmp, out)  # atomic; succeeds onto a missing or empty folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if synthetic_seed_of(out) == seed:  # another process finished the same checkpoint first
+            logger.info("synthetic checkpoint {} was written by another process meanwhile; using it", out)
+            return out
+        raise CheckpointError(f"cannot write a synthetic checkpoint to {out}: the folder is not empty") from None
+    if announce:  # a writer building on this one (e.g. an MoE layout) announces the final folder itself
+        logger.warning("wrote a SYNTHETIC checkpoint of RANDOM weights (seed {}, {} layout) to {}: its output is noise",
+                       seed, layout, out)
+    return out
