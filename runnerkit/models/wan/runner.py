@@ -8,9 +8,6 @@ with shift and the reference's own sigma spacing (`scheduler_spacing` "train_ran
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +33,7 @@ from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
 from runnerkit.runners.fit import MemoryEstimate
+from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,
@@ -84,14 +82,8 @@ class WanInputs:
     """i2v / flf2v, between the image stages: the request's conditioning frames (i2v.ConditioningFrames)."""
 
 
-def synthetic_cache_dir() -> Path:
-    """Where synthetic checkpoints go when `model_path` is not set (env RUNNERKIT_CACHE overrides)."""
-    root = os.environ.get("RUNNERKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "runnerkit")
-    return Path(root) / "synthetic"
-
-
 @register_runner("wan2.1")
-class WanT2VRunner(DefaultRunner):
+class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
     """Wan2.1 text-to-video (1.3B / 14B, and the tiny `debug` architecture)."""
 
     TASKS = ("t2v",)
@@ -195,44 +187,6 @@ class WanT2VRunner(DefaultRunner):
         return synthetic_seed_of(path)
 
     # ---- loading -----------------------------------------------------------------------
-    def checkpoint_path(self) -> Path:
-        """`model_path`, or the cache folder of this architecture's synthetic checkpoint."""
-        cfg = self.config
-        if cfg.model_path:
-            return Path(cfg.model_path)
-        assert cfg.synthetic_checkpoint is not None, "config validation requires model_path or synthetic_checkpoint"
-        digest = hashlib.sha1(json.dumps(self.arch_override.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
-        return synthetic_cache_dir() / f"{cfg.model_cls}-{digest[:12]}-seed{cfg.synthetic_checkpoint.seed}-{cfg.dtype}"
-
-    def _synthetic_pending(self, path: Path) -> bool:
-        """True if a synthetic checkpoint is configured and not written yet at `path`."""
-        if self.config.synthetic_checkpoint is None:
-            return False
-        if path.exists() and not path.is_dir():
-            raise CheckpointError(f"`model_path` {str(path)!r} is a file; a synthetic checkpoint needs a folder")
-        return not path.exists() or not any(path.iterdir())
-
-    def locate_checkpoint(self) -> Any:
-        """Open the checkpoint (`open_checkpoint`), writing a synthetic one first if configured and absent
-        (`write_synthetic_checkpoint`).
-
-        Raises:
-            CheckpointError: no checkpoint there, or a synthetic one written with another seed.
-        """
-        cfg = self.config
-        path = self.checkpoint_path()
-        if self._synthetic_pending(path):
-            type(self).write_synthetic_checkpoint(cfg, path, cfg.synthetic_checkpoint.seed, self.dtype, "runnerkit")
-        ckpt = self.open_checkpoint(path)
-        seed = synthetic_seed_of(path)
-        if seed is not None:
-            wanted = cfg.synthetic_checkpoint.seed if cfg.synthetic_checkpoint else seed
-            if wanted != seed:
-                raise CheckpointError(f"`model_path` {str(path)!r} holds synthetic weights of seed {seed}, but "
-                                      f"`synthetic_checkpoint.seed` is {wanted}: use another model_path or delete it")
-            logger.warning("model_path {} holds SYNTHETIC RANDOM weights (seed {}): the output will be noise", path, seed)
-        return ckpt
-
     def open_checkpoint(self, path: Path, raw: bool = False) -> Any:
         """The checkpoint at `path` with the config's `model` over its architecture (`raw`: without
         it, as the checkpoint itself says); no weight is read."""
