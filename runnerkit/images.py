@@ -121,6 +121,20 @@ def read_image(path: str | Path, field: str) -> torch.Tensor:
     return pixels.to(torch.float32).div(255).sub_(0.5).div_(0.5)
 
 
+def read_pil_image(path: str | Path, field: str) -> Image.Image:
+    """The image at `path` as an 8-bit RGB Pillow image (EXIF orientation applied, alpha dropped),
+    for processors that take Pillow images; 16-bit images are scaled to 8 bits (value / 257).
+
+    Raises:
+        ImageInputError: naming `field` and `path` (see `_open`).
+    """
+    with _open(path, field) as img:
+        if img.mode.startswith("I;16"):
+            gray = np.round(np.asarray(img, dtype=np.float32) / 257.0).astype(np.uint8)  # [H, W]
+            return Image.fromarray(gray, mode="L").convert("RGB")
+        return img.convert("RGB")
+
+
 def write_image(path: str | Path, pixels: torch.Tensor) -> None:
     """Save [3, H, W] values in [-1, 1] as an 8-bit RGB PNG (tests and examples make inputs with it)."""
     if pixels.ndim != 3 or pixels.shape[0] != 3:

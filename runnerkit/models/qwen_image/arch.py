@@ -9,8 +9,11 @@ runnerkit JSON config.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, ValidationInfo, model_validator
 
+from runnerkit.models.qwen_image.text_encoder import QwenVLArch
 from runnerkit.models.wan.arch import WanVAEArch, _Arch
 
 # Per-channel latent statistics of the Qwen-Image VAE (diffusers `AutoencoderKLQwenImage` defaults,
@@ -64,3 +67,43 @@ class QwenImageVAEArch(WanVAEArch):
 
     latents_mean: tuple[float, ...] = Field(QWEN_LATENTS_MEAN, strict=False, description="Per-channel latent mean.")
     latents_std: tuple[float, ...] = Field(QWEN_LATENTS_STD, strict=False, description="Per-channel latent std.")
+
+
+class QwenEditArch(_Arch):
+    """How an image-editing checkpoint conditions on its reference images (diffusers
+    `QwenImageEditPipeline` / `QwenImageEditPlusPipeline`)."""
+
+    variant: Literal["edit", "edit_plus"] = Field(
+        "edit_plus", description="Edit: one reference image; Edit-Plus (2509, 2511): one or more, each announced "
+                                 "to the text encoder as `Picture {i}:`.")
+    vl_image_area: int = Field(384 * 384, gt=0, description="Pixels of each reference image given to the "
+                               "vision-language encoder (Edit-Plus; Edit gives it the VAE-sized image).")
+    vae_image_area: int = Field(1024 * 1024, gt=0, description="Pixels of each reference image the VAE encodes.")
+    max_images: int = Field(3, ge=1, description="Reference images a request may give (Edit: 1).")
+
+    @model_validator(mode="after")
+    def _edit_takes_one(self, info: ValidationInfo) -> QwenEditArch:
+        if self._check(info, "variant", "max_images") and self.variant == "edit" and self.max_images != 1:
+            raise ValueError(f"`max_images`={self.max_images}: the Edit variant takes exactly one reference image")
+        return self
+
+
+class QwenImageArch(_Arch):
+    """The networks of a Qwen-Image pipeline and, for the editing releases, how they take references."""
+
+    transformer: QwenImageTransformerArch = QwenImageTransformerArch()
+    text_encoder: QwenVLArch = QwenVLArch()
+    vae: QwenImageVAEArch = QwenImageVAEArch()
+    edit: QwenEditArch | None = Field(None, description="Image editing (task i2i); None: a text-to-image checkpoint.")
+
+    @model_validator(mode="after")
+    def _text_width_fits(self, info: ValidationInfo) -> QwenImageArch:
+        if self._check(info, "transformer", "text_encoder") and \
+                self.transformer.joint_attention_dim != self.text_encoder.hidden_size:
+            raise ValueError(f"`transformer.joint_attention_dim`={self.transformer.joint_attention_dim} must equal "
+                             f"`text_encoder.hidden_size`={self.text_encoder.hidden_size}")
+        if self._check(info, "transformer", "vae") and \
+                self.transformer.out_channels != self.vae.z_dim:
+            raise ValueError(f"`transformer.out_channels`={self.transformer.out_channels} must equal "
+                             f"`vae.z_dim`={self.vae.z_dim}")
+        return self

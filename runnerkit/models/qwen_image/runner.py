@@ -1,0 +1,358 @@
+"""Qwen-Image text-to-image runner: loading, the request stages, true CFG, and its warmup.
+
+Source of the pipeline: diffusers `QwenImagePipeline` (pipelines/qwenimage/pipeline_qwenimage.py)
+and the Qwen-Image technical report: Qwen2.5-VL prompt embeddings (valid tokens of the last
+hidden state, the system-prompt prefix dropped), noise [1, 16, 1, H/8, W/8] packed into 2x2
+patches [1, H/16 * W/16, 64], flow-match Euler with dynamic shifting (mu from the token count),
+the transformer on the cond and uncond prompts, true CFG with per-token norm rescale, VAE decode.
+Image editing (task i2i) is `edit.QwenImageEditRunner`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from loguru import logger
+from pydantic import ValidationError
+from torch import nn
+
+from runnerkit.config import RunnerConfig, format_validation_error
+from runnerkit.models.qwen_image import text_encoder as te
+from runnerkit.models.qwen_image.arch import QwenImageArch, QwenImageTransformerArch
+from runnerkit.models.qwen_image.checkpoint import LAYOUTS, QwenCheckpoint, write_synthetic
+from runnerkit.models.qwen_image.latents import pack_latents, true_cfg, unpack_latents
+from runnerkit.models.qwen_image.scheduler import QwenImageScheduler
+from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D, keep_fp32
+from runnerkit.models.qwen_image.vae import build_qwen_vae, decode_latents
+from runnerkit.models.wan.vae import WanVAE
+from runnerkit.offload.setup import stream_module
+from runnerkit.offload.streamer import BlockStreamer
+from runnerkit.registry import register_runner
+from runnerkit.runners.default import DefaultRunner
+from runnerkit.runners.pipeline import (
+    DecoderStage,
+    DenoiseStage,
+    EncoderStage,
+    InputInfo,
+    ModuleSpec,
+    OutputSpec,
+    Pipeline,
+    Shape,
+)
+from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
+from runnerkit.schedulers.base import Scheduler
+from runnerkit.synthetic import synthetic_seed_of
+from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta
+
+#: Negative prompt when neither config nor request gives one: a single space, as Qwen-Image's
+#: published examples use (diffusers' pipeline itself runs no CFG without a negative prompt).
+QWEN_NEGATIVE_PROMPT = " "
+
+# Architectures recognised as flavours: (num_layers, inner_dim, joint_attention_dim) -> name.
+FLAVOURS: dict[tuple[int, int, int], str] = {
+    (2, 32, 32): "debug",  # configs/qwen_image/*_tiny.json
+    (60, 3072, 3584): "20B",
+}
+
+
+def flavour_of(arch: QwenImageTransformerArch) -> str | None:
+    """The flavour name of a transformer architecture, or None if it is not a known one."""
+    return FLAVOURS.get((arch.num_layers, arch.inner_dim, arch.joint_attention_dim))
+
+
+@dataclass
+class QwenInputs:
+    """A request's encoded inputs (the runner's `inputs`)."""
+
+    prompt_embeds: torch.Tensor
+    """[1, L, D] last hidden states of the prompt's valid tokens (model dtype)."""
+    negative_embeds: torch.Tensor | None
+    """[1, L', D] of the negative prompt (None without CFG)."""
+    vae_images: list[torch.Tensor] = field(default_factory=list)
+    """i2i, between the stages: each reference image [1, 3, 1, h, w] in [-1, 1] at its VAE size."""
+    ref_latents: torch.Tensor | None = None
+    """i2i: packed normalised latents of every reference, concatenated: [1, sum L_i, 64] (model dtype)."""
+    ref_shapes: list[tuple[int, int, int]] = field(default_factory=list)
+    """i2i: each reference's patch grid (1, h/16, w/16), in order."""
+
+
+@register_runner("qwen_image")
+class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
+    """Qwen-Image text-to-image (20B, and the tiny `debug` architecture)."""
+
+    TASKS = ("t2i",)
+    SPATIAL_FACTOR = 16  # VAE 8x * patch 2
+    TEMPORAL_FACTOR = 1
+    DEFAULT_NEGATIVE_PROMPT = QWEN_NEGATIVE_PROMPT
+    #: diffusers QwenImagePipeline defaults: 50 steps, true CFG scale 4.0, 1328x1328 (the model's
+    #: 1:1 training size); flow-match Euler with dynamic shifting (the shift follows the token
+    #: count, `sample_shift` is not used).
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        "infer_steps": 50, "target_height": 1328, "target_width": 1328, "target_video_length": 1, "fps": 1,
+        "sample_shift": 1.0, "sample_guide_scale": 4.0, "scheduler": "euler", "scheduler_spacing": "diffusers"}
+    RESULT_KINDS = {"t2i": "image"}
+    IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2i": ()}
+
+    # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
+    WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("t2i",)
+    WARMUP_OFFLOAD_MODES: ClassVar[tuple[str, ...]] = ("none", "model", "block", "phase", "lazy_load")
+    #: flavour -> (square, production non-square) shapes as (height, width, frames).
+    WARMUP_SHAPES: ClassVar[dict[str, tuple[Shape, Shape]]] = {
+        "debug": ((32, 32, 1), (48, 80, 1)),
+        "20B": ((1328, 1328, 1), (928, 1664, 1)),
+    }
+
+    def __init__(self, config: RunnerConfig) -> None:
+        super().__init__(config)
+        config = self.config  # with the family defaults
+        if not isinstance(config.sample_guide_scale, (int, float)):
+            raise ValueError(f"`sample_guide_scale` must be one number for {config.model_cls} (the true CFG scale); "
+                             f"got {config.sample_guide_scale!r}")
+        if config.boundary is not None:
+            raise ValueError(f"`boundary` ({config.boundary}) switches MoE experts; {config.model_cls} has one "
+                             "transformer: remove it")
+        if config.scheduler != "euler" or config.scheduler_spacing != "diffusers":
+            raise ValueError(f"`scheduler` {config.scheduler!r} / `scheduler_spacing` {config.scheduler_spacing!r}: "
+                             f"{config.model_cls} samples with flow-match Euler and dynamic shifting only "
+                             "(scheduler 'euler', spacing 'diffusers')")
+        if config.compile.enabled:
+            raise NotImplementedError(f"`compile.enabled`=true is not available yet for {config.model_cls}")
+        if config.offload.vae_tiling:
+            raise NotImplementedError(f"`offload.vae_tiling` is not available for {config.model_cls} (one image is "
+                                      "decoded whole)")
+        self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
+        self.checkpoint: QwenCheckpoint | None = None
+        self.tokenizer: Any = None
+        self.processor: Any = None
+        self.check_task_fits()
+
+    @classmethod
+    def validate_shape(cls, height: int, width: int, frames: int) -> None:
+        """Height and width on the 16-pixel grid; one frame.
+
+        Raises:
+            ValueError: naming `target_height`, `target_width` or `target_video_length`.
+        """
+        if frames != 1:
+            raise ValueError(f"`target_video_length` must be 1: Qwen-Image makes one image (got {frames})")
+        super().validate_shape(height, width, frames)
+
+    @staticmethod
+    def parse_arch(model: dict[str, Any] | None, partial: bool = False) -> QwenImageArch:
+        """The config's `model` key as a validated Qwen-Image architecture (defaults fill what it omits).
+
+        Raises:
+            ValueError: naming each bad field as `model.<component>.<field>`.
+        """
+        try:
+            return QwenImageArch.model_validate(model or {}, context={"partial": partial})
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, "`model` (qwen_image architecture)").replace("\n  ", "\n  model.")
+                             + f"\n  (`model` takes the components {sorted(QwenImageArch.model_fields)}, with the "
+                             "fields of runnerkit/models/qwen_image/arch.py)") from None
+
+    # ---- modules that tests and tools look at ---------------------------------------------
+    @property
+    def transformer(self) -> QwenImageTransformer2D | None:
+        """The loaded transformer (None when built per stage: lazy_load, unload_modules)."""
+        return self.modules.get("transformer")  # type: ignore[return-value]
+
+    @property
+    def streamer(self) -> BlockStreamer | None:
+        """The transformer's block/phase streamer (None unless streaming)."""
+        return self.streamers.get("transformer")
+
+    # ---- synthetic checkpoints (runnerkit.tools.synth_checkpoint) ----------------------------
+    CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = LAYOUTS
+
+    @classmethod
+    def write_synthetic_checkpoint(cls, config: RunnerConfig, out: Path, seed: int, dtype: torch.dtype,
+                                   layout: str, **options: Any) -> None:
+        """Write deterministic random weights of `config.model`'s architecture to `out` (checkpoint.py)."""
+        write_synthetic(cls.parse_arch(config.model), out, seed, dtype, layout, **options)  # type: ignore[arg-type]
+
+    @staticmethod
+    def synthetic_seed_of(path: Path) -> int | None:
+        return synthetic_seed_of(path)
+
+    # ---- loading -----------------------------------------------------------------------
+    def open_checkpoint(self, path: Path, raw: bool = False) -> QwenCheckpoint:
+        """The checkpoint at `path` with the config's `model` over its architecture (`raw`: without it)."""
+        return QwenCheckpoint.open(path, override=None if raw else self.config.model)
+
+    def prepare_load(self) -> None:
+        """Checkpoint (written first if synthetic) and its files checked, its architecture into the
+        config, the tokenizer (and the VL processor for editing).
+
+        Raises:
+            CheckpointError: the checkpoint is missing or damaged, naming the file and the tensor.
+        """
+        self.check_task_fits()
+        self.checkpoint = ckpt = self.locate_checkpoint()
+        ckpt.check_files()
+        logger.info("checkpoint {} ({} layout, {}), flavour {}", ckpt.path, ckpt.layout, ckpt.kind,
+                    flavour_of(ckpt.arch.transformer))
+        self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
+        self.tokenizer = te.load_tokenizer(ckpt.folder("tokenizer"))
+        if ckpt.arch.edit is not None:
+            self.processor = te.load_processor(ckpt.folder("processor"))
+
+    def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
+        """Flow-match Euler with the checkpoint's dynamic-shifting settings."""
+        assert self.checkpoint is not None, "prepare_load first"
+        return QwenImageScheduler(self.checkpoint.scheduler)
+
+    def build_text_encoder(self, device: torch.device) -> nn.Module:
+        assert self.checkpoint is not None, "locate_checkpoint first"
+        return te.load_text_encoder(self.checkpoint.folder("text_encoder"), self.dtype, device)
+
+    def build_vae(self, device: torch.device) -> WanVAE:
+        assert self.checkpoint is not None, "locate_checkpoint first"
+        return build_qwen_vae(self.checkpoint.arch.vae, self.checkpoint.vae_state_dict(), torch.float32).to(device)
+
+    def build_transformer(self, device: torch.device) -> QwenImageTransformer2D:
+        ckpt = self.checkpoint
+        assert ckpt is not None, "locate_checkpoint first"
+        model = build_on_meta(lambda: QwenImageTransformer2D(ckpt.arch.transformer))
+        assign_state_dict(model, ckpt.transformer_state_dict(), "transformer", dtype=self.dtype, keep_fp32=keep_fp32,
+                          device=device)
+        return model.to(device).eval().requires_grad_(False)
+
+    def stream_transformer(self) -> tuple[QwenImageTransformer2D, BlockStreamer]:
+        """The transformer with its blocks (or phases) streamed from host memory or the checkpoint files."""
+        ckpt = self.checkpoint
+        assert ckpt is not None, "locate_checkpoint first"
+        model = build_on_meta(lambda: QwenImageTransformer2D(ckpt.arch.transformer))
+        off = self.config.offload
+        if off.storage == "cpu":
+            streamer = stream_module(model, QwenImageTransformer2D.STREAM_SPEC, off, self.device, self.dtype,
+                                     "transformer", state_dict=ckpt.transformer_state_dict())
+        else:
+            names = list(model.state_dict(keep_vars=True))  # the file names are the model's names
+            streamer = stream_module(model, QwenImageTransformer2D.STREAM_SPEC, off, self.device, self.dtype,
+                                     "transformer", files=ckpt.transformer_files(), key_map={n: n for n in names})
+        return model.eval().requires_grad_(False), streamer
+
+    def describe_pipeline(self) -> Pipeline:
+        """Qwen2.5-VL text encoder (-> VAE encoder of the references, i2i) -> one denoise stage of the
+        transformer (true CFG) -> VAE decoder -> image."""
+        cfg = self.config
+        return Pipeline(
+            modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder),
+                     ModuleSpec("transformer", "transformer", build=self.build_transformer,
+                                stream=self.stream_transformer),
+                     ModuleSpec("vae", "decoder", build=self.build_vae)),
+            encoders=self.encoder_stages(),
+            denoise=(DenoiseStage("transformer", transformers=("transformer",), steps=cfg.infer_steps,
+                                  scheduler=cfg.scheduler, shift=cfg.sample_shift, spacing=cfg.scheduler_spacing,
+                                  latent_shape=self.latent_shape),),
+            decoders=(DecoderStage("vae_decoder", module="vae", output="image", run=self.run_vae_decoder),),
+            outputs=(OutputSpec("image", "image"),),
+        )
+
+    def encoder_stages(self) -> tuple[EncoderStage, ...]:
+        """Text-to-image: the text encoder alone, once per request (warmup: once)."""
+        return (EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),)
+
+    #: The kind of checkpoint each task needs (checkpoint.QwenCheckpoint.kind).
+    TASK_KINDS: ClassVar[dict[str, tuple[str, ...]]] = {"t2i": ("t2i",), "i2i": ("edit", "edit_plus")}
+
+    def check_task_fits(self) -> None:
+        """The checkpoint must be trained for the task (a text-to-image checkpoint for t2i, an Edit or
+        Edit-Plus one for i2i).
+
+        Raises:
+            CheckpointError: naming the checkpoint, its kind and the task to use instead.
+        """
+        try:
+            path = self.checkpoint_path()
+            kind = ("t2i" if self.arch_override.edit is None else self.arch_override.edit.variant) \
+                if self._synthetic_pending(path) else self.open_checkpoint(path).kind
+        except (ValueError, OSError):  # unreadable: the load says why
+            return
+        task = self.config.task
+        if kind not in self.TASK_KINDS[task]:
+            other = next(t for t, kinds in self.TASK_KINDS.items() if kind in kinds)
+            where = self.config.model_path or "the synthetic checkpoint"
+            raise CheckpointError(f"task {task!r} needs a {' or '.join(self.TASK_KINDS[task])} checkpoint, but "
+                                  f"{where} is a {kind} one: use --task {other}, or another checkpoint")
+
+    def flavour(self) -> str | None:
+        """From the loaded checkpoint; before loading from its config files (or the configured
+        architecture of a synthetic checkpoint still to write)."""
+        if self.checkpoint is not None:
+            return flavour_of(self.checkpoint.arch.transformer)
+        path = self.checkpoint_path()
+        if self._synthetic_pending(path):
+            return flavour_of(self.arch_override.transformer)
+        return flavour_of(self.open_checkpoint(path).arch.transformer)
+
+    # ---- request stages ------------------------------------------------------------------
+    def latent_shape(self, info: InputInfo) -> tuple[int, ...]:
+        """[1, z_dim, 1, H/8, W/8] (the noise diffusers draws as [1, 1, z, H/8, W/8]: the same order)."""
+        assert self.checkpoint is not None, "load_modules first"
+        return (1, self.checkpoint.arch.vae.z_dim, 1, info.height // 8, info.width // 8)
+
+    def prompt_encoder(self) -> te.QwenPromptEncoder:
+        return te.QwenPromptEncoder(self.tokenizer, self.processor, self.stage_modules["text_encoder"])
+
+    def prompts(self, info: InputInfo) -> list[str]:
+        """The prompt, and the negative prompt when CFG is on."""
+        return [info.prompt, info.negative_prompt] if self.config.enable_cfg else [info.prompt]
+
+    @torch.inference_mode()
+    def run_text_encoder(self, info: InputInfo, inputs: None) -> QwenInputs:
+        """Prompt (and negative prompt, for CFG) -> QwenInputs with [1, L, D] embeddings."""
+        encoder = self.prompt_encoder()
+        embeds = [encoder.encode_t2i(p)[None] for p in self.prompts(info)]  # [1, L, D] each
+        return QwenInputs(prompt_embeds=embeds[0], negative_embeds=embeds[1] if len(embeds) > 1 else None)
+
+    def img_shapes(self, info: InputInfo) -> list[tuple[int, int, int]]:
+        """Patch grids of the target image then the references: [(1, H/16, W/16), ...]."""
+        assert isinstance(self.inputs, QwenInputs), "run the encoders first"
+        return [(1, info.height // 16, info.width // 16), *self.inputs.ref_shapes]
+
+    @torch.inference_mode()
+    def run_step(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
+                 step_index: int) -> torch.Tensor:
+        """Transformer on the cond (and uncond) prompt over [target, references] tokens; the target's
+        tokens only; true CFG with norm rescale in float32. Returns [1, z, 1, H/8, W/8] float32."""
+        inputs, info = self.inputs, self.input_info
+        assert isinstance(inputs, QwenInputs) and info is not None, "run the encoders first"
+        packed = pack_latents(latents)  # [1, L, 64]
+        tokens = packed.shape[1]
+        hidden = packed if inputs.ref_latents is None else torch.cat([packed, inputs.ref_latents], dim=1)
+        # The reference casts the timestep to the latents' dtype, then divides by 1000 (sigma).
+        sigma = timestep.to(self.dtype) / 1000
+        shapes = self.img_shapes(info)
+
+        def velocity(embeds: torch.Tensor) -> torch.Tensor:
+            return model(hidden, embeds, sigma, shapes)[:, :tokens].float()  # [1, L, 64]
+
+        pred = velocity(inputs.prompt_embeds)
+        if inputs.negative_embeds is not None:
+            pred = true_cfg(pred, velocity(inputs.negative_embeds), float(self.config.sample_guide_scale))
+        return unpack_latents(pred, info.height, info.width)
+
+    @torch.inference_mode()
+    def run_vae_decoder(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents [1, z, 1, H/8, W/8] -> image [1, 3, H, W] in [-1, 1] (float32)."""
+        return decode_latents(self.stage_modules["vae"], latents.float()).clamp(-1, 1)
+
+    def clear_request_state(self) -> None:
+        """RoPE tables and the VAE feature cache are request state."""
+        if self.transformer is not None:
+            self.transformer.clear_cache()
+        vae = self.modules.get("vae")
+        if isinstance(vae, WanVAE):
+            vae.clear_cache()
+
+
+# The family's other runner lives in its own module; importing it here registers it (the registry
+# imports each family's `runner` module).
+from runnerkit.models.qwen_image import edit as _edit  # noqa: E402,F401  (qwen_image i2i)
+
+__all__ = ["QwenImageRunner", "QwenInputs", "flavour_of"]

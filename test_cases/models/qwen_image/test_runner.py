@@ -1,0 +1,208 @@
+"""The Qwen-Image runners on the CPU: the launch script end to end, input errors, warmup coverage
+(one and two references), and every offload mode bit-identical to `offload.mode: none` with and
+without warmup (ARCHITECTURE §3-4)."""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from runnerkit import memory
+from runnerkit.config import RequestConfig, load_runner_config
+from runnerkit.infer import main
+from runnerkit.models.qwen_image.edit import QwenImageEditRunner
+from runnerkit.models.qwen_image.runner import QwenImageRunner
+from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D
+from test_cases.conftest import write_config
+from test_cases.models.qwen_image.conftest import EDIT_CONFIG, T2I_CONFIG, qwen_config_dict, reference_images
+
+MODES: dict[str, dict[str, Any]] = {
+    "model": {"offload": {"mode": "model"}},
+    "block_cpu": {"offload": {"mode": "block"}},
+    "phase_cpu_3slots": {"offload": {"mode": "phase", "gpu_slots": 3, "prefetch_depth": 2}},
+    "block_disk_mmap": {"offload": {"mode": "block", "storage": "disk", "reader": "mmap"}},
+    "phase_disk_pread": {"offload": {"mode": "phase", "storage": "disk", "reader": "pread"}},
+    "block_disk_lazy": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
+    "unload_modules": {"unload_modules": True},
+}
+T2I_REQUESTS = [RequestConfig(prompt="a red fox in the snow", seed=11),
+                RequestConfig(prompt="a boat", seed=12, target_height=32, target_width=32)]
+
+
+@pytest.fixture(autouse=True)
+def _no_real_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "_frozen", False)
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+def make(cls: type[QwenImageRunner], config: Path, ckpt: Path, **overrides: Any) -> QwenImageRunner:
+    runner = cls(load_runner_config(None, qwen_config_dict(config, ckpt, **overrides)))
+    runner.init_modules()
+    return runner
+
+
+def serve(runner: QwenImageRunner, requests: list[RequestConfig], folder: Path, tag: str) -> list[torch.Tensor]:
+    out = []
+    for i, req in enumerate(requests):
+        path = folder / f"{tag}_{i}.safetensors"
+        runner.run_pipeline(req.model_copy(update={"save_tensor_path": str(path)}), i)
+        out.append(load_file(str(path))["image"])
+        assert runner.inputs is None and runner.input_info is None and runner.scheduler.generator is None
+        assert runner.scheduler.sigmas is None and runner.stage_modules == {}
+    return out
+
+
+@pytest.fixture(scope="module")
+def t2i_reference(qwen_t2i_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    return serve(make(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt), T2I_REQUESTS, tmp_path_factory.mktemp("ref"), "none")
+
+
+@pytest.mark.parametrize("warmup", [False, True], ids=["cold", "warmup"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_t2i_mode_is_bit_identical_to_none(qwen_t2i_ckpt: Path, tmp_path: Path, t2i_reference: list[torch.Tensor],
+                                           mode: str, warmup: bool) -> None:
+    overrides = MODES[mode]
+    if warmup and overrides.get("unload_modules"):
+        with pytest.raises(NotImplementedError, match="unload_modules"):
+            make(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt, warmup=True, **overrides)
+        return
+    runner = make(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt, warmup=warmup, **overrides)
+    got = serve(runner, T2I_REQUESTS, tmp_path, mode)
+    assert [tuple(x.shape) for x in got] == [(3, 48, 80), (3, 32, 32)]
+    for a, b in zip(got, t2i_reference):
+        assert torch.equal(a, b), f"{mode}: max abs diff {(a - b).abs().max().item()}"
+
+
+def test_t2i_warmup_without_it_same_seed_same_image_and_cfg_acts(qwen_t2i_ckpt: Path, tmp_path: Path,
+                                                                  t2i_reference: list[torch.Tensor]) -> None:
+    """The guidance scale changes the image (CFG is not a no-op), and a fresh runner repeats it."""
+    again = serve(make(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt), T2I_REQUESTS[:1], tmp_path, "again")
+    assert torch.equal(again[0], t2i_reference[0])
+    other = serve(make(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt, sample_guide_scale=1.5), T2I_REQUESTS[:1],
+                  tmp_path, "cfg")
+    assert (other[0] - t2i_reference[0]).abs().max() > 1e-3
+
+
+def test_t2i_fp8_streaming_is_the_same_with_and_without_warmup(qwen_t2i_ckpt: Path, tmp_path: Path,
+                                                               t2i_reference: list[torch.Tensor]) -> None:
+    fp8 = {"offload": {"mode": "block", "weight_dtype": "fp8_e4m3"}}
+    cold = serve(make(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt, **fp8), T2I_REQUESTS, tmp_path, "cold")
+    warm = serve(make(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt, warmup=True, **fp8), T2I_REQUESTS, tmp_path, "warm")
+    for a, b, ref in zip(cold, warm, t2i_reference):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, ref) and (a - ref).abs().max() < 0.5  # fp8 weights: close, not equal
+
+
+# ---- image editing -------------------------------------------------------------------------------
+def test_edit_warmup_covers_one_and_two_references(qwen_edit_ckpt: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warmup runs both sequence lengths an edit produces at each shape (1 and 2 references);
+    requests with 1 and 2 references then run kernels of lengths warmup saw."""
+    seen: list[tuple[str, int]] = []
+    phase = {"now": "warmup"}
+    real = QwenImageTransformer2D.forward
+
+    def spy(self: QwenImageTransformer2D, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append((phase["now"], hidden.shape[1]))
+        return real(self, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(QwenImageTransformer2D, "forward", spy)
+    runner = make(QwenImageEditRunner, EDIT_CONFIG, qwen_edit_ckpt, warmup=True)
+    warm = {n for p, n in seen if p == "warmup"}
+    (h1, w1, _), (h2, w2, _) = runner.warmup_shapes()
+    # target tokens + per reference a grey image of the output's size at the VAE area (64x64 -> 4x4 patches etc.)
+    assert len(warm) == 4, sorted(warm)
+    phase["now"] = "request"
+    grey = tmp_path / "grey.png"
+    Image.new("RGB", (w2, h2), (128, 128, 128)).save(grey)
+    for refs in ([grey], [grey, grey]):
+        runner.run_pipeline(RequestConfig(prompt="x", image_path=str(refs[0]),
+                                          extra_image_paths=[str(p) for p in refs[1:]] or None), 0)
+    assert {n for p, n in seen if p == "request"} <= warm
+
+
+def test_edit_two_references_cli_png_and_warmup_bit_identical(qwen_edit_ckpt: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = reference_images(tmp_path)
+    config = write_config(tmp_path / "c.json", qwen_config_dict(EDIT_CONFIG, qwen_edit_ckpt))
+    outs = []
+    for warm in ([], ["--warmup"]):
+        png = tmp_path / f"out{len(warm)}.png"
+        rc, err = _cli(capsys, "--config_json", config, "--prompt", "make it blue", "--image_path", a,
+                       "--extra_image_paths", b, "--save_result_path", png, "--seed", 3, *warm)
+        assert rc == 0, err
+        with Image.open(png) as img:
+            # area 64x64 with the last reference's aspect (64x36): calculate_dimensions -> 96 x 64 (w x h)
+            assert img.size == (96, 64)
+            outs.append(img.tobytes())
+        sidecar = json.loads(png.with_suffix(".json").read_text())
+        assert sidecar["extra_image_paths"] == [str(b)] and sidecar["image_path"] == str(a)
+    assert outs[0] == outs[1]
+
+
+def test_t2i_cli_writes_png_of_the_configured_size(qwen_t2i_ckpt: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path / "c.json", qwen_config_dict(T2I_CONFIG, qwen_t2i_ckpt))
+    png = tmp_path / "o.png"
+    rc, err = _cli(capsys, "--config_json", config, "--prompt", "a fox", "--save_result_path", png, "--warmup")
+    assert rc == 0, err
+    with Image.open(png) as img:
+        assert img.size == (80, 48) and img.mode == "RGB"
+
+
+@pytest.mark.parametrize("case, flags, field", [
+    ("multi-frame", ["--target_video_length", "5"], "target_video_length"),
+    ("off-grid height", ["--target_height", "40"], "target_height"),
+    ("off-grid width", ["--target_width", "72"], "target_width"),
+    ("t2i with an image", ["--image_path", "IMAGE"], "image_path"),
+    ("mp4 result", ["--save_result_path", "OUT.mp4"], "save_result_path"),
+])
+def test_t2i_input_errors_exit_2_naming_the_field(qwen_t2i_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  case: str, flags: list[str], field: str) -> None:
+    a, _ = reference_images(tmp_path)
+    config = write_config(tmp_path / "c.json", qwen_config_dict(T2I_CONFIG, qwen_t2i_ckpt))
+    flags = [str(a) if f == "IMAGE" else str(tmp_path / "o.mp4") if f == "OUT.mp4" else f for f in flags]
+    rc, err = _cli(capsys, "--config_json", config, "--prompt", "x", *flags)
+    assert rc == 2, err
+    assert f"`{field}`" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case, field", [
+    ("no image", "image_path"), ("missing image", "image_path"), ("unreadable image", "image_path"),
+    ("unreadable second reference", "extra_image_paths[0]"), ("too many references", "extra_image_paths"),
+])
+def test_edit_input_errors_exit_2_naming_the_field(qwen_edit_ckpt: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str], case: str, field: str) -> None:
+    a, b = reference_images(tmp_path)
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"not an image")
+    flags = {"no image": [], "missing image": ["--image_path", tmp_path / "nope.png"],
+             "unreadable image": ["--image_path", junk],
+             "unreadable second reference": ["--image_path", a, "--extra_image_paths", junk],
+             "too many references": ["--image_path", a, "--extra_image_paths", b, b, b]}[case]
+    config = write_config(tmp_path / "c.json", qwen_config_dict(EDIT_CONFIG, qwen_edit_ckpt))
+    rc, err = _cli(capsys, "--config_json", config, "--prompt", "x", *flags)
+    assert rc == 2, err
+    assert f"`{field}`" in err and "Traceback" not in err
+
+
+def test_task_and_checkpoint_kind_must_match(qwen_t2i_ckpt: Path, qwen_edit_ckpt: Path) -> None:
+    from runnerkit.weights import CheckpointError
+
+    with pytest.raises(CheckpointError, match="use --task i2i"):
+        QwenImageRunner(load_runner_config(None, qwen_config_dict(T2I_CONFIG, qwen_edit_ckpt)))
+    with pytest.raises(CheckpointError, match="use --task t2i"):
+        QwenImageEditRunner(load_runner_config(None, qwen_config_dict(EDIT_CONFIG, qwen_t2i_ckpt)))
