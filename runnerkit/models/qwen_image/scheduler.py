@@ -211,7 +211,8 @@ class QwenImageScheduler(FlowEulerScheduler):
         Raises:
             ValueError: `latent_shape` is not `(B, C, 1, H, W)` with positive even H and W.
         """
-        if len(latent_shape) != 5 or latent_shape[2] != 1 or not all(isinstance(d, int) and d > 0 for d in latent_shape):
+        positive = all(isinstance(d, int) and d > 0 for d in latent_shape)
+        if len(latent_shape) != 5 or latent_shape[2] != 1 or not positive:
             raise ValueError(f"`latent_shape` must be (B, C, 1, H, W) of positive integers; got {latent_shape!r}")
         B, C, _, H, W = latent_shape
         if H % 2 or W % 2:

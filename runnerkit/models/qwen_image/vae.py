@@ -60,7 +60,8 @@ def arch_from_diffusers_config(config: dict[str, Any]) -> QwenImageVAEArch:
             `temperal_downsample`); or one `WanVAE` cannot run (non-empty `attn_scales`, a
             temporal compression other than 4, a non-positive `latents_std`).
     """
-    unknown = sorted(k for k in config if k not in _CONFIG_FIELDS and k not in _CONFIG_CHECKED and not k.startswith("_"))
+    known = {*_CONFIG_FIELDS, *_CONFIG_CHECKED}
+    unknown = sorted(k for k in config if k not in known and not k.startswith("_"))
     if unknown:
         raise ValueError(f"unknown {DIFFUSERS_CLASS} config keys {unknown}; allowed: "
                          f"{sorted([*_CONFIG_FIELDS, *_CONFIG_CHECKED])} and `_`-prefixed metadata")

@@ -187,7 +187,7 @@ def test_schedule_matches_diffusers(height_px: int, width_px: int, steps: int) -
     assert torch.equal(ours.sigmas, reference.sigmas)
     assert torch.equal(ours.timesteps, reference.timesteps)
     assert math.isclose(ours.sigmas[-2].item(), 0.02, rel_tol=1e-5)  # the terminal stretch
-    latents, timestep = ours.step_pre(0)
+    _, timestep = ours.step_pre(0)
     assert torch.equal(timestep, reference.timesteps[0].expand(1))
 
 
@@ -221,8 +221,8 @@ def test_euler_steps_match_diffusers() -> None:
 
     reference = diffusers_scheduler(QwenSchedulerConfig())
     # QwenImagePipeline.prepare_latents: randn (B, 1, C, H, W) from the CPU generator, packed.
-    noise = diffusers.utils.torch_utils.randn_tensor((B, 1, C, H, W), generator=torch.Generator("cpu").manual_seed(seed),
-                                                     dtype=torch.float32)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    noise = diffusers.utils.torch_utils.randn_tensor((B, 1, C, H, W), generator=generator, dtype=torch.float32)
     expected = QwenImagePipeline._pack_latents(noise, B, C, H, W)
     assert torch.equal(pack_latents(ours.latents), expected)
     diffusers_set_timesteps(reference, steps, expected.shape[1])
