@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from runnerkit.schedulers.euler import FlowEulerScheduler
 from runnerkit.weights import read_json_object
 
-__all__ = ["QwenImageScheduler", "QwenSchedulerConfig", "calculate_mu", "qwen_schedule", "read_scheduler_config",
+__all__ = ["QwenImageScheduler", "QwenSchedulerConfig", "calculate_mu", "check_steps", "qwen_schedule", "read_scheduler_config",
            "write_scheduler_config"]
 
 DIFFUSERS_CLASS = "FlowMatchEulerDiscreteScheduler"
@@ -148,6 +148,17 @@ def calculate_mu(image_seq_len: int, cfg: QwenSchedulerConfig) -> float:
     return image_seq_len * slope + intercept
 
 
+def check_steps(infer_steps: int, cfg: QwenSchedulerConfig) -> None:
+    """Raise ValueError if `infer_steps` < 2 with a `shift_terminal` stretch.
+
+    The stretch divides by `1 - sigma[-1]`, which is 0 when the only sigma is 1: diffusers then
+    gives a NaN sigma; runnerkit refuses the request instead.
+    """
+    if cfg.shift_terminal and infer_steps < 2:
+        raise ValueError(f"`infer_steps` must be >= 2 with `shift_terminal`={cfg.shift_terminal} (one step "
+                         f"stretches 0 / 0: diffusers gives a NaN sigma); got {infer_steps!r}")
+
+
 def qwen_schedule(infer_steps: int, mu: float, cfg: QwenSchedulerConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmas and timesteps of `QwenImagePipeline` for `infer_steps` steps at shift `mu`.
 
@@ -162,9 +173,7 @@ def qwen_schedule(infer_steps: int, mu: float, cfg: QwenSchedulerConfig) -> tupl
         ValueError: `infer_steps` < 2 with a `shift_terminal` stretch: the stretch divides by
             `1 - sigma[-1]`, which is 0 when the only sigma is 1 (diffusers returns NaN there).
     """
-    if cfg.shift_terminal and infer_steps < 2:
-        raise ValueError(f"`infer_steps` must be >= 2 with `shift_terminal`={cfg.shift_terminal} (one step "
-                         f"stretches 0 / 0: diffusers gives a NaN sigma); got {infer_steps!r}")
+    check_steps(infer_steps, cfg)
     sigmas = np.linspace(1.0, 1.0 / infer_steps, infer_steps).astype(np.float32)  # [S]
     exp_mu = math.exp(mu)
     sigmas = exp_mu / (exp_mu + (1.0 / sigmas - 1.0))  # exponential time shift, float32
@@ -241,8 +250,8 @@ class QwenImageScheduler(FlowEulerScheduler):
                 with `shift_terminal` (see `qwen_schedule`); and as `Scheduler.prepare`.
         """
         mu = calculate_mu(self.image_seq_len(tuple(latent_shape)), self.config)
-        if isinstance(infer_steps, int) and self.config.shift_terminal and infer_steps < 2:
-            qwen_schedule(infer_steps, mu, self.config)  # raises before any state changes
+        if isinstance(infer_steps, int):
+            check_steps(infer_steps, self.config)  # before any state changes (the base checks the type)
         # `Scheduler.prepare` resets the base request state but not `mu`, which the schedule reads.
         previous_mu, self.mu = self.mu, mu
         try:
