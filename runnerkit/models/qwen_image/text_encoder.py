@@ -248,12 +248,14 @@ def load_text_encoder(folder: Path, dtype: torch.dtype, device: torch.device | s
         raise CheckpointError(f"text_encoder: {folder / 'config.json'}: {exc}") from None
     try:
         model, info = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            folder, dtype=dtype, local_files_only=True, use_safetensors=True, output_loading_info=True)
+            folder, dtype=dtype, local_files_only=True, use_safetensors=True, output_loading_info=True,
+            ignore_mismatched_sizes=True)  # reported in `info` below, then refused with the keys named
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"text_encoder: transformers cannot load {folder}: {exc}") from None
     problems = []
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        items = sorted(str(k) for k in info.get(kind) or ())
+        # mismatched entries are (name, checkpoint shape, model shape)
+        items = sorted(k if isinstance(k, str) else " ".join(map(str, k)) for k in info.get(kind) or ())
         if items:
             problems.append(f"{kind.replace('_', ' ')} ({len(items)}): {short_list(items)}")
     if problems:
