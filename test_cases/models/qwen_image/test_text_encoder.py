@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,21 @@ def test_tiny_tokenizer_encodes_the_t2i_template_with_single_special_ids(folders
     vision = [TINY_SPECIAL_IDS[t] for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")]
     start = edit.index(vision[0])
     assert edit[start:start + 3] == vision
+
+
+def test_tiny_tokenizer_json_agrees_with_transformers(folders: Path) -> None:
+    """transformers rebuilds a Qwen2Tokenizer's pipeline from its class; the written tokenizer.json
+    must encode the same on its own (the `tokenizers` library, other readers)."""
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(folders / "tokenizer" / "tokenizer.json"))
+    tokenizer = load_tokenizer(folders / "tokenizer")
+    for text in (T2I_TEMPLATE.format("一只猫, a cat 🐱 in  the rain's 2024 cafe\u0301 light"), EDIT_TEMPLATE.format(" x ")):
+        assert raw.encode(text).ids == tokenizer(text).input_ids
+        plain = text
+        for token in QWEN_SPECIAL_TOKENS:
+            plain = plain.replace(token, "")
+        assert raw.decode(raw.encode(text).ids, skip_special_tokens=True) == unicodedata.normalize("NFC", plain)
 
 
 def test_tiny_special_ids_agree_with_tokenizer_and_arch(folders: Path) -> None:
