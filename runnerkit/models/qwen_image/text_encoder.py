@@ -316,11 +316,13 @@ def load_processor(folder: Path, backend: Literal["pil", "torchvision"] | None =
     return QwenImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
 
-def write_tiny_text_encoder(folder: Path, arch: QwenVLArch, seed: int, dtype: torch.dtype) -> Path:
+def write_tiny_text_encoder(folder: Path, arch: QwenVLArch, seed: int, dtype: torch.dtype,
+                            max_shard_size: str | None = None) -> Path:
     """Save a Qwen2.5-VL of `arch` with deterministic random weights (transformers layout, safetensors).
 
     Every tensor comes from `runnerkit.weights.synthetic_tensor(name, shape, seed)`: the same
     values whatever the global RNG state. `load_text_encoder(folder, ...)` reads it back.
+    `max_shard_size` (e.g. "50KB") writes shards and `model.safetensors.index.json`; None: one file.
 
     Returns:
         `folder`.
@@ -331,7 +333,8 @@ def write_tiny_text_encoder(folder: Path, arch: QwenVLArch, seed: int, dtype: to
     state = {name: synthetic_tensor(name, tuple(t.shape), seed, dtype) for name, t in model.state_dict().items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.config.dtype = dtype
-    model.save_pretrained(Path(folder), safe_serialization=True)
+    model.save_pretrained(Path(folder), safe_serialization=True, **(
+        {"max_shard_size": max_shard_size} if max_shard_size else {}))
     return Path(folder)
 
 

@@ -133,7 +133,8 @@ def test_tiny_tokenizer_json_agrees_with_transformers(folders: Path) -> None:
 
     raw = Tokenizer.from_file(str(folders / "tokenizer" / "tokenizer.json"))
     tokenizer = load_tokenizer(folders / "tokenizer")
-    for text in (T2I_TEMPLATE.format("一只猫, a cat 🐱 in  the rain's 2024 cafe\u0301 light"), EDIT_TEMPLATE.format(" x ")):
+    prompt = "一只猫, a cat 🐱 in  the rain's 2024 cafe\u0301 light"  # decomposed é: NFC matters
+    for text in (T2I_TEMPLATE.format(prompt), EDIT_TEMPLATE.format(" x ")):
         assert raw.encode(text).ids == tokenizer(text).input_ids
         plain = text
         for token in QWEN_SPECIAL_TOKENS:
@@ -292,6 +293,18 @@ def test_load_text_encoder_casts_and_freezes(folders: Path) -> None:
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     encoder = QwenPromptEncoder(load_tokenizer(folders / "tokenizer"), None, model)
     assert encoder.encode_t2i("a cat").dtype == torch.bfloat16
+
+
+def test_sharded_checkpoint_loads_to_the_same_encoder(folders: Path, encoder: QwenPromptEncoder,
+                                                     tmp_path: Path) -> None:
+    write_tiny_text_encoder(tmp_path, TINY_QWEN_VL, seed=0, dtype=torch.float32, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    sharded = QwenPromptEncoder(encoder.tokenizer, None, load_text_encoder(tmp_path, torch.float32, CPU))
+    assert torch.equal(sharded.encode_t2i("a red fox"), encoder.encode_t2i("a red fox"))
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        load_text_encoder(tmp_path, torch.float32, CPU)
 
 
 def test_writer_is_seeded_and_independent_of_global_rng(tmp_path: Path) -> None:
