@@ -107,11 +107,14 @@ class QwenVLArch(_Arch):
                                  f"{self.num_key_value_heads}")
         if self._check(info, "mrope_section", "hidden_size", "num_attention_heads") and \
                 2 * sum(self.mrope_section) != self.head_dim:
-            raise ValueError(f"`mrope_section` {list(self.mrope_section)} must sum to head_dim / 2 = {self.head_dim // 2}")
-        if self._check(info, "vision_hidden_size", "vision_num_heads") and self.vision_hidden_size % self.vision_num_heads:
+            raise ValueError(f"`mrope_section` {list(self.mrope_section)} must sum to head_dim / 2 = "
+                             f"{self.head_dim // 2}")
+        if self._check(info, "vision_hidden_size", "vision_num_heads") and \
+                self.vision_hidden_size % self.vision_num_heads:
             raise ValueError(f"`vision_hidden_size`={self.vision_hidden_size} must be a multiple of "
                              f"`vision_num_heads`={self.vision_num_heads}")
-        if self._check(info, "vision_out_hidden_size", "hidden_size") and self.vision_out_hidden_size != self.hidden_size:
+        if self._check(info, "vision_out_hidden_size", "hidden_size") and \
+                self.vision_out_hidden_size != self.hidden_size:
             raise ValueError(f"`vision_out_hidden_size`={self.vision_out_hidden_size} must equal `hidden_size`="
                              f"{self.hidden_size}: image tokens replace text embeddings")
         if self._check(info, "fullatt_block_indexes", "vision_depth") and \
