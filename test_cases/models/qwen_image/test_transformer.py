@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -57,6 +58,15 @@ def _run_reference(model: torch.nn.Module, x: torch.Tensor, txt: torch.Tensor, t
     """diffusers' call as its pipelines make it: img_shapes per batch row, timestep = sigma."""
     return model(hidden_states=x, encoder_hidden_states=txt, timestep=t, img_shapes=[shapes] * x.shape[0],
                  return_dict=False)[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny matmuls: a second thread only adds sync cost, and on a loaded machine it costs 3x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["plain", "zero_cond_t"])
