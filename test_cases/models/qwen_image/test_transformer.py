@@ -18,8 +18,8 @@ diffusers = require_reference("diffusers")
 
 TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
-EDIT_SHAPES = [(1, 4, 6), (1, 4, 4), (1, 2, 6)]  # target, then two reference images (odd rows: centring matters)
-T2I_SHAPES = [(1, 4, 6)]
+EDIT_SHAPES = [(1, 4, 6), (1, 3, 4), (1, 2, 5)]  # target, then two references; odd sizes test the centring
+T2I_SHAPES = [(1, 5, 6)]
 TEXT_LEN = 7
 TOL = 1e-4
 PARAMS_20B = 20_430_401_088
@@ -221,7 +221,7 @@ def test_phases_run_in_declared_order_and_bracket_their_weights() -> None:
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda x, txt, t, s: (x[:, :-1], txt, t, s), "describes 52 image tokens"),
+    (lambda x, txt, t, s: (x[:, :-1], txt, t, s), "describes 46 image tokens"),
     (lambda x, txt, t, s: (x, txt, t[:1].expand(2).reshape(2, 1), s), "`timestep`"),
     (lambda x, txt, t, s: (x, txt[..., :16], t, s), "`encoder_hidden_states`"),
     (lambda x, txt, t, s: (x[..., :32], txt, t, s), "`hidden_states`"),
