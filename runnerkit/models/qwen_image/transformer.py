@@ -310,7 +310,7 @@ class QwenImageTransformer2D(nn.Module):
         self._rope_cache.clear()
 
     @torch.compiler.disable
-    def rope(self, img_shapes: ImgShapes, text_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    def rope_for_shapes(self, img_shapes: ImgShapes, text_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """(cos, sin) [L_txt + L_img, 1, head_dim/2] float32 for these images and text length (cached).
 
         Kept out of torch.compile: a dict cache, run once per request shape and device.
@@ -325,16 +325,18 @@ class QwenImageTransformer2D(nn.Module):
         """Raise ValueError naming the argument when shapes do not fit the architecture (see `forward`)."""
         arch = self.arch
         if hidden_states.ndim != 3 or hidden_states.shape[2] != arch.in_channels:
-            raise ValueError(f"`hidden_states` must be [B, L_img, {arch.in_channels}], got {tuple(hidden_states.shape)}")
+            raise ValueError(f"`hidden_states` must be [B, L_img, {arch.in_channels}], "
+                             f"got {tuple(hidden_states.shape)}")
         B, L_img, _ = hidden_states.shape
-        if encoder_hidden_states.shape[:1] != (B,) or encoder_hidden_states.ndim != 3 \
-                or encoder_hidden_states.shape[2] != arch.joint_attention_dim or encoder_hidden_states.shape[1] == 0:
+        txt_shape = tuple(encoder_hidden_states.shape)
+        if len(txt_shape) != 3 or txt_shape[0] != B or txt_shape[1] == 0 or txt_shape[2] != arch.joint_attention_dim:
             raise ValueError(f"`encoder_hidden_states` must be [{B}, L_txt > 0, {arch.joint_attention_dim}], "
                              f"got {tuple(encoder_hidden_states.shape)}")
         if timestep.shape != (B,):
             raise ValueError(f"`timestep` must have shape [B] = ({B},), got {tuple(timestep.shape)}")
         if not img_shapes or any(len(s) != 3 or min(s) < 1 for s in img_shapes):
-            raise ValueError(f"`img_shapes` must be a non-empty list of positive (frames, rows, cols), got {img_shapes}")
+            raise ValueError(f"`img_shapes` must be a non-empty list of positive (frames, rows, cols), "
+                             f"got {img_shapes}")
         if sum(math.prod(s) for s in img_shapes) != L_img:
             raise ValueError(f"`img_shapes`={img_shapes} describes {sum(math.prod(s) for s in img_shapes)} image "
                              f"tokens but `hidden_states` has L_img = {L_img}")
@@ -349,7 +351,8 @@ class QwenImageTransformer2D(nn.Module):
             encoder_hidden_states: [B, L_txt, joint_attention_dim] text-encoder hidden states of
                 the valid tokens only (no mask; equal lengths across the batch).
             timestep: [B] sigma in [0, 1] (diffusers' pipelines pass scheduler timestep / 1000);
-                cast to the weight dtype first, as diffusers does.
+                cast to the weight dtype first, as diffusers does (its pipelines also round the
+                timestep to the latents' dtype before dividing: `t.to(dtype) / 1000`).
             img_shapes: (frames, rows, cols) in patches of each image in sequence order, target
                 first, the same for every batch row (diffusers takes `[img_shapes] * B`).
 
@@ -360,6 +363,8 @@ class QwenImageTransformer2D(nn.Module):
         Raises:
             ValueError: a shape does not fit the architecture or `img_shapes` (names the
                 argument), or RoPE positions past 4096.
+
+        RoPE tables are cached per (img_shapes, L_txt, device) until `clear_cache`.
 
         Source: diffusers `transformer_qwenimage.py` (`QwenImageTransformer2DModel.forward`,
         `QwenEmbedRope`, `QwenDoubleStreamAttnProcessor2_0`); Qwen-Image technical report.
@@ -380,7 +385,7 @@ class QwenImageTransformer2D(nn.Module):
         temb = temb.unflatten(0, (B, len(img_sizes)))  # [B, S, dim]
 
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, dim]
-        rope = self.rope(img_shapes, txt.shape[1], img.device)
+        rope = self.rope_for_shapes(img_shapes, txt.shape[1], img.device)
 
         for block in self.transformer_blocks:
             img, txt = block(img, txt, temb, rope, img_sizes)

@@ -237,5 +237,5 @@ def test_errors_name_the_argument(change, match: str) -> None:  # type: ignore[n
 def test_rope_positions_past_reference_tables_raise() -> None:
     ours = QwenImageTransformer2D(QwenImageTransformerArch(**TINY))
     with pytest.raises(ValueError, match="RoPE positions past 4096"):
-        ours.rope([(1, 64, 64)], 4096 - 31, torch.device("cpu"))
-    ours.rope([(1, 64, 64)], 4096 - 32, torch.device("cpu"))  # the last text token at position 4095 fits
+        ours.rope_for_shapes([(1, 64, 64)], 4096 - 31, torch.device("cpu"))
+    ours.rope_for_shapes([(1, 64, 64)], 4096 - 32, torch.device("cpu"))  # the last text token at position 4095 fits
