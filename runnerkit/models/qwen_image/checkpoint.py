@@ -20,6 +20,7 @@ text encoder folder is checked by transformers when it loads (strictly: `load_te
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +34,7 @@ from runnerkit.files import write_error_reason
 from runnerkit.models.qwen_image import scheduler as sched_mod
 from runnerkit.models.qwen_image import text_encoder as te
 from runnerkit.models.qwen_image import vae as vae_mod
+from runnerkit.models.qwen_image.tokenizer_files import write_tiny_processor, write_tiny_tokenizer
 from runnerkit.models.qwen_image.arch import QwenEditArch, QwenImageArch, QwenImageTransformerArch
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D
 from runnerkit.models.qwen_image.transformer import keep_fp32 as transformer_fp32
@@ -300,11 +302,9 @@ def write_synthetic(arch: QwenImageArch, out: Path, seed: int, dtype: torch.dtyp
         synthetic.write_sharded(shapes["vae"], vae_rename, tmp / "vae", stem, seed, torch.float32,
                                 lambda name: True, generator_device)
         te.write_tiny_text_encoder(tmp / "text_encoder", arch.text_encoder, seed, dtype)
-        te.write_tiny_tokenizer(tmp / "tokenizer")
-        te.write_tiny_processor(tmp / "processor")
+        write_tiny_tokenizer(tmp / "tokenizer")
+        write_tiny_processor(tmp / "processor")
     except BaseException as exc:  # failed or interrupted (Ctrl-C, SIGTERM): no .partial-* folder is left
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
             raise CheckpointError(f"cannot write a synthetic checkpoint to {out}: {write_error_reason(exc)}; "

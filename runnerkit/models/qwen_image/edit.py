@@ -41,6 +41,13 @@ WARMUP_REFERENCE = "<warmup reference {}>"
 WARMUP_GREY = (128, 128, 128)
 
 
+def resize_to_area(image: Image.Image, area: int) -> Image.Image:
+    """`image` resized to about `area` pixels with its aspect ratio, sides multiples of 32
+    (`calculate_dimensions`), with Lanczos and no reducing gap, as diffusers' `VaeImageProcessor.resize`."""
+    width, height = te.calculate_dimensions(area, image.width / image.height)
+    return image.resize((width, height), resample=Image.Resampling.LANCZOS, reducing_gap=None)
+
+
 def to_pixels(image: Image.Image) -> torch.Tensor:
     """RGB Pillow image -> [3, H, W] float32 in [-1, 1], as diffusers' `VaeImageProcessor.preprocess`
     computes it (`2 * (x / 255) - 1`)."""
@@ -134,14 +141,12 @@ class QwenImageEditRunner(QwenImageRunner):
         edit = self.checkpoint.arch.edit if self.checkpoint is not None else None
         assert edit is not None, "load_modules first"
         images = self.reference_images(info)
-        vl_images = [te.resize_for_vl(img, edit.variant, edit.vl_image_area, edit.vae_image_area) for img in images]
+        vl_area = edit.vl_image_area if edit.variant == "edit_plus" else edit.vae_image_area
+        vl_images = [resize_to_area(img, vl_area) for img in images]
         encoder = self.prompt_encoder()
         embeds = [encoder.encode_edit(p, vl_images, edit.variant)[None] for p in self.prompts(info)]
-        vae_images = []
-        for img in images:
-            w, h = te.calculate_dimensions(edit.vae_image_area, img.width / img.height)
-            pixels = to_pixels(img.resize((w, h), te.RESAMPLE))  # [3, h, w] in [-1, 1]
-            vae_images.append(pixels[None, :, None])  # [1, 3, 1, h, w]
+        vae_images = [to_pixels(resize_to_area(img, edit.vae_image_area))[None, :, None]  # [1, 3, 1, h, w]
+                      for img in images]
         return QwenInputs(prompt_embeds=embeds[0], negative_embeds=embeds[1] if len(embeds) > 1 else None,
                           vae_images=vae_images)
 

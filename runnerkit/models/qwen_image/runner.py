@@ -24,7 +24,7 @@ from runnerkit.models.qwen_image import text_encoder as te
 from runnerkit.models.qwen_image.arch import QwenImageArch, QwenImageTransformerArch
 from runnerkit.models.qwen_image.checkpoint import LAYOUTS, QwenCheckpoint, write_synthetic
 from runnerkit.models.qwen_image.latents import pack_latents, true_cfg, unpack_latents
-from runnerkit.models.qwen_image.scheduler import QwenImageScheduler
+from runnerkit.models.qwen_image.scheduler import QwenImageScheduler, check_steps
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D, keep_fp32
 from runnerkit.models.qwen_image.vae import build_qwen_vae, decode_latents
 from runnerkit.models.wan.vae import WanVAE
@@ -195,6 +195,7 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         ckpt.check_files()
         logger.info("checkpoint {} ({} layout, {}), flavour {}", ckpt.path, ckpt.layout, ckpt.kind,
                     flavour_of(ckpt.arch.transformer))
+        check_steps(self.config.infer_steps, ckpt.scheduler)  # e.g. 1 step with a terminal stretch: refused now
         self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
         self.tokenizer = te.load_tokenizer(ckpt.folder("tokenizer"))
         if ckpt.arch.edit is not None:
@@ -269,16 +270,21 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         """
         try:
             path = self.checkpoint_path()
+            pending = self._synthetic_pending(path)
             kind = ("t2i" if self.arch_override.edit is None else self.arch_override.edit.variant) \
-                if self._synthetic_pending(path) else self.open_checkpoint(path).kind
+                if pending else self.open_checkpoint(path, raw=True).kind
         except (ValueError, OSError):  # unreadable: the load says why
             return
         task = self.config.task
+        where = self.config.model_path or "the synthetic checkpoint"
         if kind not in self.TASK_KINDS[task]:
             other = next(t for t, kinds in self.TASK_KINDS.items() if kind in kinds)
-            where = self.config.model_path or "the synthetic checkpoint"
             raise CheckpointError(f"task {task!r} needs a {' or '.join(self.TASK_KINDS[task])} checkpoint, but "
                                   f"{where} is a {kind} one: use --task {other}, or another checkpoint")
+        configured = (self.config.model or {}).get("edit")
+        if not pending and configured is not None and kind == "t2i":
+            raise CheckpointError(f"the config's `model.edit` describes an editing checkpoint, but {where} is a "
+                                  "text-to-image one: remove `model.edit` from the config")
 
     def flavour(self) -> str | None:
         """From the loaded checkpoint; before loading from its config files (or the configured
@@ -339,8 +345,9 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
 
     @torch.inference_mode()
     def run_vae_decoder(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents [1, z, 1, H/8, W/8] -> image [1, 3, H, W] in [-1, 1] (float32)."""
-        return decode_latents(self.stage_modules["vae"], latents.float()).clamp(-1, 1)
+        """Normalised latents [1, z, 1, H/8, W/8] -> image [1, 3, H, W] in [-1, 1] (float32; the VAE
+        decoder clamps, as the reference's does)."""
+        return decode_latents(self.stage_modules["vae"], latents.float())
 
     def clear_request_state(self) -> None:
         """RoPE tables and the VAE feature cache are request state."""
