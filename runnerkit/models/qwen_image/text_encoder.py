@@ -10,6 +10,7 @@ tokens (the system prompt and chat prefix) are dropped.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Mapping
@@ -286,20 +287,26 @@ def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase:
         raise CheckpointError(f"tokenizer: transformers cannot load {folder}: {exc}") from None
 
 
-class QwenImageTextProcessor(transformers.Qwen2_5_VLProcessor):
-    """`Qwen2_5_VLProcessor` for images and text only: no video processor, so it needs neither
-    torchvision nor a video config (Qwen-Image never encodes video)."""
+@functools.cache
+def processor_class() -> type:
+    """`QwenImageTextProcessor`: transformers' `Qwen2_5_VLProcessor` for images and text only (no
+    video processor, so it needs neither torchvision nor a video config: Qwen-Image never encodes
+    video). Built on first use: subclassing imports transformers' processing stack (~2 s), which
+    a process that never runs this family should not pay at start-up."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
-                 **kwargs: Any) -> None:
-        self.image_token = "<|image_pad|>"
-        self.video_token = "<|video_pad|>"
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        transformers.ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+    class QwenImageTextProcessor(transformers.Qwen2_5_VLProcessor):
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                     **kwargs: Any) -> None:
+            self.image_token = "<|image_pad|>"
+            self.video_token = "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            transformers.ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return QwenImageTextProcessor
 
 
-def load_processor(folder: Path, backend: Literal["pil", "torchvision"] | None = None) -> QwenImageTextProcessor:
+def load_processor(folder: Path, backend: Literal["pil", "torchvision"] | None = None) -> Any:
     """The Qwen2.5-VL processor (image processor + tokenizer) of a diffusers `processor/` folder.
 
     Args:
@@ -316,7 +323,7 @@ def load_processor(folder: Path, backend: Literal["pil", "torchvision"] | None =
         image_processor = transformers.AutoImageProcessor.from_pretrained(folder, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"processor: transformers cannot load the image processor of {folder}: {exc}") from None
-    return QwenImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    return processor_class()(image_processor=image_processor, tokenizer=tokenizer)
 
 
 def write_tiny_text_encoder(folder: Path, arch: QwenVLArch, seed: int, dtype: torch.dtype,
@@ -472,6 +479,6 @@ class QwenPromptEncoder:
 
 
 __all__ = ["EDIT_DROP_IDX", "EDIT_PLUS_PICTURE", "EDIT_PLUS_TEMPLATE", "EDIT_TEMPLATE", "T2I_DROP_IDX",
-           "T2I_TEMPLATE", "TINY_QWEN_VL", "TOKENIZER_MAX_LENGTH", "QwenImageTextProcessor", "QwenPromptEncoder",
+           "T2I_TEMPLATE", "TINY_QWEN_VL", "TOKENIZER_MAX_LENGTH", "processor_class", "QwenPromptEncoder",
            "QwenVLArch", "calculate_dimensions", "load_processor", "load_text_encoder", "load_tokenizer",
            "resize_for_vl", "vl_image_size", "write_tiny_text_encoder"]
