@@ -258,18 +258,22 @@ def expected_shapes(arch: QwenImageArch) -> dict[str, dict[str, torch.Tensor]]:
 
 # ---- writing synthetic checkpoints ----------------------------------------------------------------
 def write_synthetic(arch: QwenImageArch, out: Path, seed: int, dtype: torch.dtype, layout: Layout = "runnerkit",
-                    generator_device: str = "cpu", replace: bool = False, announce: bool = True) -> Path:
+                    generator_device: str = "cpu", transformer_only: bool = False, replace: bool = False,
+                    announce: bool = True) -> Path:
     """Write deterministic random weights for `arch` to `out` in `layout` (atomically).
 
     Transformer and VAE values depend only on (tensor name, seed) (`weights.synthetic_tensor`);
     the text encoder is a transformers model seeded with `seed` (`text_encoder.write_tiny_text_encoder`)
     with the tiny tokenizer and processor. The VAE is written in float32 (it runs in float32).
+    `transformer_only` (runnerkit layout): the transformer alone (benchmarks of the transformer).
 
     Raises:
         CheckpointError: `out` cannot be written (full disk, read-only) or holds another checkpoint.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"`layout` must be one of {LAYOUTS} (got {layout!r})")
+    if transformer_only and layout != "runnerkit":
+        raise ValueError(f"`transformer_only` needs the runnerkit layout (got {layout!r})")
     out = Path(out).absolute()
     tmp = synthetic.partial_folder(out)
     try:
@@ -299,6 +303,8 @@ def write_synthetic(arch: QwenImageArch, out: Path, seed: int, dtype: torch.dtyp
             stem, vae_rename = "diffusion_pytorch_model", vae_mod.native_to_diffusers
         synthetic.write_sharded(shapes["transformer"], lambda sd: sd, tmp / "transformer", stem, seed, dtype,
                                 transformer_fp32, generator_device)
+        if transformer_only:
+            return synthetic.finish(tmp, out, seed, layout, replace, announce)
         synthetic.write_sharded(shapes["vae"], vae_rename, tmp / "vae", stem, seed, torch.float32,
                                 lambda name: True, generator_device)
         te.write_tiny_text_encoder(tmp / "text_encoder", arch.text_encoder, seed, dtype)

@@ -206,3 +206,77 @@ def test_task_and_checkpoint_kind_must_match(qwen_t2i_ckpt: Path, qwen_edit_ckpt
         QwenImageRunner(load_runner_config(None, qwen_config_dict(T2I_CONFIG, qwen_edit_ckpt)))
     with pytest.raises(CheckpointError, match="use --task t2i"):
         QwenImageEditRunner(load_runner_config(None, qwen_config_dict(EDIT_CONFIG, qwen_t2i_ckpt)))
+
+
+EDIT_MODES = ("model", "block_cpu", "phase_disk_pread", "block_disk_lazy")
+
+
+@pytest.fixture(scope="module")
+def edit_reference(qwen_edit_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[RequestConfig],
+                                                                                             list[torch.Tensor]]:
+    folder = tmp_path_factory.mktemp("edit_ref")
+    a, b = reference_images(folder)
+    requests = [RequestConfig(prompt="make it blue", image_path=str(a), extra_image_paths=[str(b)], seed=3),
+                RequestConfig(prompt="add a hat", image_path=str(b), seed=4)]
+    return requests, serve(make(QwenImageEditRunner, EDIT_CONFIG, qwen_edit_ckpt), requests, folder, "none")
+
+
+@pytest.mark.parametrize("mode", EDIT_MODES)
+def test_edit_mode_with_warmup_is_bit_identical_to_none(qwen_edit_ckpt: Path, tmp_path: Path, mode: str,
+                                                        edit_reference: tuple[list[RequestConfig], list[torch.Tensor]]) -> None:
+    requests, reference = edit_reference
+    got = serve(make(QwenImageEditRunner, EDIT_CONFIG, qwen_edit_ckpt, warmup=True, **MODES[mode]), requests, tmp_path,
+                mode)
+    assert [tuple(x.shape) for x in got] == [(3, 64, 96), (3, 64, 96)]
+    for a, b in zip(got, reference):
+        assert torch.equal(a, b), f"{mode}: max abs diff {(a - b).abs().max().item()}"
+
+
+def test_diffusers_layout_gives_the_runnerkit_layouts_image(qwen_diffusers_ckpts: dict[str, Path], tmp_path: Path,
+                                                            t2i_reference: list[torch.Tensor]) -> None:
+    """Both layouts of one synthetic checkpoint hold the same network: the same image, bit for bit."""
+    got = serve(make(QwenImageRunner, T2I_CONFIG, qwen_diffusers_ckpts["t2i"]), T2I_REQUESTS, tmp_path, "diffusers")
+    for a, b in zip(got, t2i_reference):
+        assert torch.equal(a, b)
+
+
+def test_synth_tool_writes_both_layouts(tmp_path: Path) -> None:
+    from runnerkit.tools.synth_checkpoint import main as synth_main
+
+    for layout in ("runnerkit", "diffusers"):
+        out = tmp_path / layout
+        assert synth_main(["--config", str(EDIT_CONFIG), "--out", str(out), "--dtype", "fp32", "--layout", layout]) == 0
+        marker = "runnerkit.json" if layout == "runnerkit" else "model_index.json"
+        assert (out / marker).is_file() and (out / "processor").is_dir() and (out / "text_encoder").is_dir()
+    index = json.loads((tmp_path / "diffusers" / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPlusPipeline"
+
+
+@pytest.mark.parametrize("damage, named", [
+    ("truncated transformer", "transformer"),
+    ("no text encoder", "text_encoder"),
+    ("transformer tensor missing", "transformer_blocks.1.attn.to_q.weight"),
+])
+def test_damaged_checkpoint_exits_2_naming_what(qwen_t2i_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                damage: str, named: str) -> None:
+    import shutil
+
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "ck"
+    shutil.copytree(qwen_t2i_ckpt, ckpt)
+    weights = ckpt / "transformer" / "model.safetensors"
+    if damage == "truncated transformer":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    elif damage == "no text encoder":
+        shutil.rmtree(ckpt / "text_encoder")
+    else:
+        sd = load_file(str(weights))
+        del sd[named]
+        save_file(sd, str(weights))
+    config = write_config(tmp_path / "c.json", qwen_config_dict(T2I_CONFIG, ckpt))
+    rc, err = _cli(capsys, "--config_json", config, "--prompt", "x", "--save_result_path", tmp_path / "o.png")
+    assert rc == 2, err
+    assert named in err and "Traceback" not in err
+    assert not (tmp_path / "o.png").exists()
