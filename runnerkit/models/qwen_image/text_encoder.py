@@ -251,6 +251,7 @@ def load_text_encoder(folder: Path, dtype: torch.dtype, device: torch.device | s
     except ValueError as exc:
         raise CheckpointError(f"text_encoder: {folder / 'config.json'}: {exc}") from None
     try:
+        transformers.utils.logging.disable_progress_bar()  # runnerkit logs one line per module instead
         model, info = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
             folder, dtype=dtype, local_files_only=True, use_safetensors=True, output_loading_info=True,
             ignore_mismatched_sizes=True)  # reported in `info` below, then refused with the keys named
@@ -343,6 +344,7 @@ def write_tiny_text_encoder(folder: Path, arch: QwenVLArch, seed: int, dtype: to
     state = {name: synthetic_tensor(name, tuple(t.shape), seed, dtype) for name, t in model.state_dict().items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.config.dtype = dtype
+    transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(Path(folder), safe_serialization=True, **(
         {"max_shard_size": max_shard_size} if max_shard_size else {}))
     return Path(folder)
