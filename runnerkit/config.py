@@ -343,6 +343,25 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return f"invalid {source}:\n" + "\n".join(lines)
 
 
+
+def validate_model_arch(arch_cls: type[BaseModel], model: dict[str, Any] | None, partial: bool, family: str,
+                        fields_file: str) -> Any:
+    """A config's `model` key validated as the family's architecture class (defaults fill what it omits).
+
+    `partial`: `model` overrides a checkpoint's architecture, so a rule between fields is only
+    checked where `model` gives all of them (the merged architecture is checked at load).
+
+    Raises:
+        ValueError: naming each bad field as `model.<component>.<field>`, the components allowed
+            and `fields_file`, where the fields are described.
+    """
+    try:
+        return arch_cls.model_validate(model or {}, context={"partial": partial})
+    except ValidationError as exc:
+        raise ValueError(format_validation_error(exc, f"`model` ({family} architecture)").replace("\n  ", "\n  model.")
+                         + f"\n  (`model` takes the components {sorted(arch_cls.model_fields)}, with the fields of "
+                         f"{fields_file})") from None
+
 def load_runner_config(path: str | Path | None, overrides: dict[str, Any]) -> RunnerConfig:
     """Read a JSON config, apply CLI overrides (non-None values), validate.
 

@@ -51,7 +51,13 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tiny_config_dict(ckpt: Path, **overrides: Any) -> dict[str, Any]:
     """The tiny JSON config pointing at `ckpt` (no synthetic writing), with overrides, on the CPU."""
-    data = json.loads(TINY_CONFIG.read_text())
+    return config_dict(TINY_CONFIG, ckpt, **overrides)
+
+
+def config_dict(config: Path, ckpt: Path, **overrides: Any) -> dict[str, Any]:
+    """The JSON config `config` pointing at `ckpt` (no synthetic writing), with overrides (dicts
+    merged one level deep), on the CPU."""
+    data = json.loads(config.read_text())
     data.pop("synthetic_checkpoint")
     data.update(model_path=str(ckpt), device="cpu")
     for key, value in overrides.items():

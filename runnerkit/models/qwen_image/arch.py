@@ -14,18 +14,12 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, model_validator
 
 from runnerkit.models.qwen_image.text_encoder import QwenVLArch
-from runnerkit.models.wan.arch import WanVAEArch, _Arch
+from runnerkit.models.wan.arch import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, WanVAEArch, _Arch
 
 # Per-channel latent statistics of the Qwen-Image VAE (diffusers `AutoencoderKLQwenImage` defaults,
-# the values of `Qwen/Qwen-Image` `vae/config.json`; equal to Wan2.1's).
-QWEN_LATENTS_MEAN: tuple[float, ...] = (
-    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
-)
-QWEN_LATENTS_STD: tuple[float, ...] = (
-    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
-)
+# the values of `Qwen/Qwen-Image` `vae/config.json`): the same numbers as Wan2.1's.
+QWEN_LATENTS_MEAN: tuple[float, ...] = WAN21_LATENTS_MEAN
+QWEN_LATENTS_STD: tuple[float, ...] = WAN21_LATENTS_STD
 
 
 class QwenImageTransformerArch(_Arch):

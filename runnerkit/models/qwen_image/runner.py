@@ -16,10 +16,9 @@ from typing import Any, ClassVar
 
 import torch
 from loguru import logger
-from pydantic import ValidationError
 from torch import nn
 
-from runnerkit.config import RunnerConfig, format_validation_error
+from runnerkit.config import RunnerConfig, validate_model_arch
 from runnerkit.models.qwen_image import text_encoder as te
 from runnerkit.models.qwen_image.arch import QwenImageArch, QwenImageTransformerArch
 from runnerkit.models.qwen_image.checkpoint import LAYOUTS, QwenCheckpoint, write_synthetic
@@ -147,12 +146,7 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         Raises:
             ValueError: naming each bad field as `model.<component>.<field>`.
         """
-        try:
-            return QwenImageArch.model_validate(model or {}, context={"partial": partial})
-        except ValidationError as exc:
-            raise ValueError(format_validation_error(exc, "`model` (qwen_image architecture)").replace("\n  ", "\n  model.")
-                             + f"\n  (`model` takes the components {sorted(QwenImageArch.model_fields)}, with the "
-                             "fields of runnerkit/models/qwen_image/arch.py)") from None
+        return validate_model_arch(QwenImageArch, model, partial, "qwen_image", "runnerkit/models/qwen_image/arch.py")
 
     # ---- modules that tests and tools look at ---------------------------------------------
     @property

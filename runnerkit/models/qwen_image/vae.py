@@ -29,17 +29,8 @@ __all__ = ["arch_from_diffusers_config", "arch_to_diffusers_config", "build_qwen
 
 DIFFUSERS_CLASS = "AutoencoderKLQwenImage"
 
-# diffusers `AutoencoderKLQwenImage` config key -> `QwenImageVAEArch` field.
-_CONFIG_FIELDS = {
-    "base_dim": "dim",
-    "z_dim": "z_dim",
-    "dim_mult": "dim_mult",
-    "num_res_blocks": "num_res_blocks",
-    "attn_scales": "attn_scales",
-    "temperal_downsample": "temporal_downsample",  # sic, diffusers' spelling
-    "latents_mean": "latents_mean",
-    "latents_std": "latents_std",
-}
+# diffusers `AutoencoderKLQwenImage` config key -> `QwenImageVAEArch` field: AutoencoderKLWan's keys.
+_CONFIG_FIELDS = wan_vae.DIFFUSERS_CONFIG_FIELDS
 # Keys with no arch field: accepted when their value is one this VAE runs. `dropout` only acts
 # in training, so any value in [0, 1) is accepted and ignored.
 _CONFIG_CHECKED = ("dropout", "input_channels")

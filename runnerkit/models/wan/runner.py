@@ -15,10 +15,9 @@ from typing import Any, ClassVar
 
 import torch
 from loguru import logger
-from pydantic import ValidationError
 from torch import nn
 
-from runnerkit.config import RunnerConfig, format_validation_error
+from runnerkit.config import RunnerConfig, validate_model_arch
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
@@ -148,12 +147,7 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         Raises:
             ValueError: naming each bad field as `model.<component>.<field>`.
         """
-        try:
-            return WanArch.model_validate(model or {}, context={"partial": partial})
-        except ValidationError as exc:
-            raise ValueError(format_validation_error(exc, "`model` (wan2.1 architecture)").replace("\n  ", "\n  model.")
-                             + f"\n  (`model` takes the components {sorted(WanArch.model_fields)}, with the fields of "
-                             "runnerkit/models/wan/arch.py)") from None
+        return validate_model_arch(WanArch, model, partial, "wan2.1", "runnerkit/models/wan/arch.py")
 
     # ---- modules that tests and tools look at ---------------------------------------------
     @property

@@ -384,8 +384,8 @@ def _rename(state_dict: dict[str, Tensor], rename: Callable[[str], str | None], 
 
 # ---- diffusers config <-> arch -----------------------------------------------------------
 
-# diffusers key -> WanVAEArch field.
-_CONFIG_FIELDS = {
+# diffusers key -> WanVAEArch field (AutoencoderKLWan; AutoencoderKLQwenImage uses the same keys).
+DIFFUSERS_CONFIG_FIELDS = {
     "base_dim": "dim",
     "z_dim": "z_dim",
     "dim_mult": "dim_mult",
@@ -413,13 +413,14 @@ def arch_from_diffusers_config(config: dict[str, Any]) -> WanVAEArch:
             `is_residual` (the Wan2.2 VAE), `patch_size`, channels other than 3, scale factors
             that disagree with `dim_mult` / `temperal_downsample`, non-empty `attn_scales`.
     """
-    unknown = sorted(k for k in config if k not in _CONFIG_FIELDS and k not in _CONFIG_CHECKED and not k.startswith("_"))
+    unknown = sorted(k for k in config
+                     if k not in DIFFUSERS_CONFIG_FIELDS and k not in _CONFIG_CHECKED and not k.startswith("_"))
     if unknown:
         raise ValueError(f"unknown AutoencoderKLWan config keys {unknown}; allowed: "
-                         f"{sorted([*_CONFIG_FIELDS, *_CONFIG_CHECKED])} and `_`-prefixed metadata")
+                         f"{sorted([*DIFFUSERS_CONFIG_FIELDS, *_CONFIG_CHECKED])} and `_`-prefixed metadata")
     if config.get("_class_name", "AutoencoderKLWan") != "AutoencoderKLWan":
         raise ValueError(f"`_class_name` must be 'AutoencoderKLWan'; got {config['_class_name']!r}")
-    arch = WanVAEArch(**{field: config[key] for key, field in _CONFIG_FIELDS.items() if key in config})
+    arch = WanVAEArch(**{field: config[key] for key, field in DIFFUSERS_CONFIG_FIELDS.items() if key in config})
     allowed_values = {
         "decoder_base_dim": (None, arch.dim),
         "is_residual": (False,),
@@ -447,7 +448,7 @@ def arch_to_diffusers_config(arch: WanVAEArch) -> dict[str, Any]:
         ValueError / NotImplementedError: as `check_arch`, for an arch `WanVAE` cannot run.
     """
     check_arch(arch)
-    config: dict[str, Any] = {key: getattr(arch, field) for key, field in _CONFIG_FIELDS.items()}
+    config: dict[str, Any] = {key: getattr(arch, field) for key, field in DIFFUSERS_CONFIG_FIELDS.items()}
     config = {key: list(value) if isinstance(value, tuple) else value for key, value in config.items()}
     config["dropout"] = 0.0
     config["scale_factor_temporal"] = 2 ** sum(arch.temporal_downsample)

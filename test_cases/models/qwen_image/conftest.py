@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
 
-from test_cases.conftest import REPO
+from test_cases.conftest import REPO, config_dict
 
 T2I_CONFIG = REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json"
 EDIT_CONFIG = REPO / "configs" / "qwen_image" / "qwen_image_edit_tiny.json"
@@ -42,17 +40,7 @@ def qwen_diffusers_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return {"t2i": _write(T2I_CONFIG, root / "t2i", "diffusers"), "i2i": _write(EDIT_CONFIG, root / "edit", "diffusers")}
 
 
-def qwen_config_dict(config: Path, ckpt: Path, **overrides: Any) -> dict[str, Any]:
-    """The tiny JSON config pointing at `ckpt` (no synthetic writing), with overrides, on the CPU."""
-    data = json.loads(config.read_text())
-    data.pop("synthetic_checkpoint")
-    data.update(model_path=str(ckpt), device="cpu")
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}
-        else:
-            data[key] = value
-    return data
+qwen_config_dict = config_dict  # the tiny JSON config `config` pointing at a checkpoint, on the CPU
 
 
 def reference_images(folder: Path) -> tuple[Path, Path]:
