@@ -20,6 +20,7 @@ width / height)`.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -29,6 +30,8 @@ from PIL import Image
 from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.images import image_size, read_pil_image
 from runnerkit.models.qwen_image import text_encoder as te
+from runnerkit.models.qwen_image.arch import QwenImageArch
+from runnerkit.models.qwen_image.checkpoint import QwenCheckpoint
 from runnerkit.models.qwen_image.latents import pack_latents
 from runnerkit.models.qwen_image.runner import QwenImageRunner, QwenInputs
 from runnerkit.models.qwen_image.vae import encode_image
@@ -98,19 +101,33 @@ class QwenImageEditRunner(QwenImageRunner):
         w, h = te.calculate_dimensions(area, width / height)
         return (h, w, frames)
 
-    def resolve_request(self, request: RequestConfig | dict[str, Any]) -> InputInfo:
-        """As the base, and the reference count within the checkpoint's `edit.max_images`.
+    @classmethod
+    def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
+        """As the base, and the reference count within the checkpoint's `edit.max_images` (read
+        from its config files, or the configured architecture of a synthetic checkpoint).
 
         Raises:
-            ValueError: naming `extra_image_paths` when the checkpoint takes fewer references.
+            ValueError: naming the field (`extra_image_paths` when the checkpoint takes fewer references).
         """
-        info = super().resolve_request(request)
-        assert self.checkpoint is not None and self.checkpoint.arch.edit is not None, "load_modules first"
-        most = self.checkpoint.arch.edit.max_images
-        if len(info.reference_paths) > most:
-            raise ValueError(f"`extra_image_paths`: this {self.checkpoint.kind} checkpoint takes at most {most} "
-                             f"reference image(s) in all; the request gives {len(info.reference_paths)}")
-        return info
+        super().validate_request(request, config)
+        given = 1 + len(request.extra_image_paths or [])
+        most = cls.max_references(config)
+        if most is not None and given > most:
+            raise ValueError(f"`extra_image_paths`: this checkpoint ({'Edit' if most == 1 else 'Edit-Plus'}) takes at "
+                             f"most {most} reference image(s) in all; the request gives {given}")
+
+    @staticmethod
+    def max_references(config: RunnerConfig) -> int | None:
+        """`edit.max_images` of the checkpoint (the config's `model` over it); None if unreadable
+        (the load then says why)."""
+        try:
+            if config.model_path and Path(config.model_path).is_dir() and any(Path(config.model_path).iterdir()):
+                edit = QwenCheckpoint.open(config.model_path, override=config.model).arch.edit
+            else:  # a synthetic checkpoint still to write: the configured architecture
+                edit = QwenImageArch.model_validate(config.model or {}).edit
+        except (ValueError, OSError):
+            return None
+        return edit.max_images if edit is not None else None
 
     def warmup_infos(self, shape: Shape) -> tuple[InputInfo, ...]:
         """One dummy request per reference count warmup covers at `shape`: one and (Edit-Plus) two

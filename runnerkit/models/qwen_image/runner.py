@@ -105,6 +105,10 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
     }
 
     def __init__(self, config: RunnerConfig) -> None:
+        if config.sample_shift is not None:  # before the family defaults fill it
+            raise ValueError(f"`sample_shift` ({config.sample_shift}) is not used by {config.model_cls}: its sigmas are "
+                             "shifted by the image token count (dynamic shifting, the checkpoint's scheduler config); "
+                             "remove it")
         super().__init__(config)
         config = self.config  # with the family defaults
         if not isinstance(config.sample_guide_scale, (int, float)):

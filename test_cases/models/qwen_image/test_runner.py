@@ -280,3 +280,28 @@ def test_damaged_checkpoint_exits_2_naming_what(qwen_t2i_ckpt: Path, tmp_path: P
     assert rc == 2, err
     assert named in err and "Traceback" not in err
     assert not (tmp_path / "o.png").exists()
+
+
+def test_edit_variant_takes_one_reference(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Qwen-Image-Edit checkpoint (one reference, the VL encoder sees the VAE-sized image) serves
+    one reference and refuses a second, naming the field."""
+    data = json.loads(EDIT_CONFIG.read_text())
+    data["model"]["edit"] = {"variant": "edit", "vl_image_area": 64 * 64, "vae_image_area": 64 * 64, "max_images": 1}
+    data["model_path"] = str(tmp_path / "ck")
+    config = write_config(tmp_path / "c.json", data)
+    a, b = reference_images(tmp_path)
+    png = tmp_path / "o.png"
+    rc, err = _cli(capsys, "--config_json", config, "--prompt", "x", "--image_path", a, "--save_result_path", png,
+                   "--warmup")
+    assert rc == 0, err
+    with Image.open(png) as img:
+        assert img.size == (64, 64)  # the area 64x64 with the 40x56 reference's aspect: 64 x 64 on the 32 grid
+    rc, err = _cli(capsys, "--config_json", config, "--prompt", "x", "--image_path", a, "--extra_image_paths", b,
+                   "--save_result_path", tmp_path / "o2.png")
+    assert rc == 2 and "`extra_image_paths`" in err and "at most 1" in err, err
+    assert not (tmp_path / "o2.png").exists()
+
+
+def test_sample_shift_is_refused(qwen_t2i_ckpt: Path) -> None:
+    with pytest.raises(ValueError, match="`sample_shift`"):
+        QwenImageRunner(load_runner_config(None, qwen_config_dict(T2I_CONFIG, qwen_t2i_ckpt, sample_shift=3.0)))
