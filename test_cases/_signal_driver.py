@@ -52,10 +52,10 @@ class _SignalOnImport(importlib.abc.MetaPathFinder):
 
 
 if PHASE == "synthetic_write":
-    from runnerkit.models.wan import checkpoint
+    from runnerkit import synthetic
     from runnerkit.tools.synth_checkpoint import main
 
-    on_call(checkpoint, "save_file", 1, after=True)
+    on_call(synthetic, "save_file", 1, after=True)
     sys.exit(main(ARGV))
 
 if PHASE == "imports":

@@ -157,9 +157,11 @@ def build_request(state: ServerState, body: Any, folder: Path) -> tuple[RequestC
     try:
         type(runner).validate_request(request, runner.config)  # type: ignore[attr-defined]
     except ValueError as exc:
-        found = re.search(r"`(\w+)`", str(exc))
+        found = re.search(r"`(\w+(?:\[\d+\])?)`", str(exc))
         name = found.group(1) if found else None
         name = {**{v: k for k, v in IMAGE_FIELDS.items()}, "extra_image_paths": EXTRA_IMAGES_FIELD}.get(name or "", name)
+        if name is not None and name.startswith("extra_image_paths["):
+            name = EXTRA_IMAGES_FIELD + name[len("extra_image_paths"):]
         raise InputError(_api_wording(str(exc), folder), name) from None
     shape = runner.request_shape(request)  # type: ignore[attr-defined]
     try:
@@ -181,7 +183,7 @@ def _api_wording(message: str, folder: Path) -> str:
         message = message.replace(repr(str(folder / f"{body_field}.bin")), "(uploaded)")
         message = message.replace(f"{folder / body_field}.bin", "(uploaded)")
     message = message.replace("`extra_image_paths", f"`{EXTRA_IMAGES_FIELD}")
-    message = re.sub(re.escape(str(folder / EXTRA_IMAGES_FIELD)) + r"\d+\.bin", "(uploaded)", message)
+    message = re.sub("'?" + re.escape(str(folder / EXTRA_IMAGES_FIELD)) + r"\d+\.bin'?", "(uploaded)", message)
     return message.replace("give an image file", "send the image as base64")
 
 

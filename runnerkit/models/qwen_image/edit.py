@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 from runnerkit.config import RequestConfig, RunnerConfig
-from runnerkit.images import image_size, read_pil_image
+from runnerkit.images import ImageInputError, image_size, read_pil_image
 from runnerkit.models.qwen_image import text_encoder as te
 from runnerkit.models.qwen_image.arch import QwenImageArch
 from runnerkit.models.qwen_image.checkpoint import QwenCheckpoint
@@ -89,7 +89,11 @@ class QwenImageEditRunner(QwenImageRunner):
 
     @classmethod
     def shape_of(cls, request: RequestConfig, config: RunnerConfig) -> Shape:
-        """Output (height, width, 1): the target area with the last reference image's aspect ratio."""
+        """Output (height, width, 1): the target area with the last reference image's aspect ratio.
+
+        Raises:
+            ImageInputError: naming the reference whose aspect ratio leaves a side below 32 pixels.
+        """
         area = (request.target_height or config.target_height) * (request.target_width or config.target_width)
         frames = request.target_video_length or config.target_video_length
         refs = [request.image_path, *(request.extra_image_paths or [])]
@@ -99,6 +103,10 @@ class QwenImageEditRunner(QwenImageRunner):
         field = "image_path" if len(refs) == 1 else f"extra_image_paths[{len(refs) - 2}]"
         height, width = image_size(last, field)
         w, h = te.calculate_dimensions(area, width / height)
+        if w < 32 or h < 32:
+            raise ImageInputError(f"`{field}`: an image of width {width} x height {height} pixels over a target area "
+                                  f"of {area} pixels gives an output of width {w} x height {h}: use a less extreme "
+                                  "aspect ratio or a larger `target_height` x `target_width`")
         return (h, w, frames)
 
     @classmethod

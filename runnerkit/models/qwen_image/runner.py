@@ -23,7 +23,7 @@ from runnerkit.models.qwen_image import text_encoder as te
 from runnerkit.models.qwen_image.arch import QwenImageArch, QwenImageTransformerArch
 from runnerkit.models.qwen_image.checkpoint import LAYOUTS, QwenCheckpoint, write_synthetic
 from runnerkit.models.qwen_image.latents import pack_latents, true_cfg, unpack_latents
-from runnerkit.models.qwen_image.scheduler import QwenImageScheduler, check_steps
+from runnerkit.models.qwen_image.scheduler import QwenImageScheduler, QwenSchedulerConfig, check_steps
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D, keep_fp32
 from runnerkit.models.qwen_image.vae import build_qwen_vae, decode_latents
 from runnerkit.models.wan.vae import WanVAE
@@ -109,6 +109,8 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
             raise ValueError(f"`sample_shift` ({config.sample_shift}) is not used by {config.model_cls}: its sigmas are "
                              "shifted by the image token count (dynamic shifting, the checkpoint's scheduler config); "
                              "remove it")
+        if config.fps is not None:
+            raise ValueError(f"`fps` ({config.fps}) does nothing for {config.model_cls}: it makes one image; remove it")
         super().__init__(config)
         config = self.config  # with the family defaults
         if not isinstance(config.sample_guide_scale, (int, float)):
@@ -131,6 +133,21 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         self.tokenizer: Any = None
         self.processor: Any = None
         self.check_task_fits()
+        self.check_schedule()
+
+    def check_schedule(self) -> None:
+        """`infer_steps` against the checkpoint's scheduler settings (its config file; the default
+        ones for a synthetic checkpoint still to write), before anything loads.
+
+        Raises:
+            ValueError: naming `infer_steps` (e.g. 1 step with a terminal stretch).
+        """
+        try:
+            path = self.checkpoint_path()
+            sched = QwenSchedulerConfig() if self._synthetic_pending(path) else self.open_checkpoint(path, raw=True).scheduler
+        except (ValueError, OSError):  # unreadable: the load says why
+            return
+        check_steps(self.config.infer_steps, sched)
 
     @classmethod
     def validate_shape(cls, height: int, width: int, frames: int) -> None:
@@ -278,7 +295,7 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         if kind not in self.TASK_KINDS[task]:
             other = next(t for t, kinds in self.TASK_KINDS.items() if kind in kinds)
             raise CheckpointError(f"task {task!r} needs a {' or '.join(self.TASK_KINDS[task])} checkpoint, but "
-                                  f"{where} is a {kind} one: use --task {other}, or another checkpoint")
+                                  f"{where} is a checkpoint of kind {kind!r}: use --task {other}, or another checkpoint")
         configured = (self.config.model or {}).get("edit")
         if not pending and configured is not None and kind == "t2i":
             raise CheckpointError(f"the config's `model.edit` describes an editing checkpoint, but {where} is a "

@@ -155,8 +155,8 @@ def check_steps(infer_steps: int, cfg: QwenSchedulerConfig) -> None:
     gives a NaN sigma; runnerkit refuses the request instead.
     """
     if cfg.shift_terminal and infer_steps < 2:
-        raise ValueError(f"`infer_steps` must be >= 2 with `shift_terminal`={cfg.shift_terminal} (one step "
-                         f"stretches 0 / 0: diffusers gives a NaN sigma); got {infer_steps!r}")
+        raise ValueError(f"`infer_steps` must be >= 2 for this checkpoint's schedule (got {infer_steps!r}): its sigmas "
+                         f"are stretched to end at `shift_terminal`={cfg.shift_terminal}, which one step cannot do")
 
 
 def qwen_schedule(infer_steps: int, mu: float, cfg: QwenSchedulerConfig) -> tuple[torch.Tensor, torch.Tensor]:

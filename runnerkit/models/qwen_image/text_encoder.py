@@ -282,10 +282,20 @@ def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase:
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"tokenizer: {folder} is not a folder")
+    if not (folder / "tokenizer.json").is_file() and not ((folder / "vocab.json").is_file()
+                                                        and (folder / "merges.txt").is_file()):
+        raise CheckpointError(f"tokenizer: {folder} holds neither tokenizer.json nor vocab.json + merges.txt")
     try:
-        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"tokenizer: transformers cannot load {folder}: {exc}") from None
+    # transformers builds an empty tokenizer from a damaged folder rather than failing: check the
+    # template's special tokens are single known ids.
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_start|>", "<|im_end|>")]
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        raise CheckpointError(f"tokenizer: {folder} does not know Qwen2's special tokens <|im_start|> / <|im_end|> "
+                              "(a damaged or foreign tokenizer)")
+    return tokenizer
 
 
 @functools.cache

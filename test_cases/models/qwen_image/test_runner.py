@@ -183,16 +183,20 @@ def test_t2i_input_errors_exit_2_naming_the_field(qwen_t2i_ckpt: Path, tmp_path:
 @pytest.mark.parametrize("case, field", [
     ("no image", "image_path"), ("missing image", "image_path"), ("unreadable image", "image_path"),
     ("unreadable second reference", "extra_image_paths[0]"), ("too many references", "extra_image_paths"),
+    ("too wide a last reference", "extra_image_paths[0]"),
 ])
 def test_edit_input_errors_exit_2_naming_the_field(qwen_edit_ckpt: Path, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str], case: str, field: str) -> None:
     a, b = reference_images(tmp_path)
     junk = tmp_path / "junk.png"
     junk.write_bytes(b"not an image")
+    wide = tmp_path / "wide.png"
+    Image.new("RGB", (4000, 16)).save(wide)  # over the area 64x64: an output 0 pixels high
     flags = {"no image": [], "missing image": ["--image_path", tmp_path / "nope.png"],
              "unreadable image": ["--image_path", junk],
              "unreadable second reference": ["--image_path", a, "--extra_image_paths", junk],
-             "too many references": ["--image_path", a, "--extra_image_paths", b, b, b]}[case]
+             "too many references": ["--image_path", a, "--extra_image_paths", b, b, b],
+             "too wide a last reference": ["--image_path", a, "--extra_image_paths", wide]}[case]
     config = write_config(tmp_path / "c.json", qwen_config_dict(EDIT_CONFIG, qwen_edit_ckpt))
     rc, err = _cli(capsys, "--config_json", config, "--prompt", "x", *flags)
     assert rc == 2, err
@@ -256,6 +260,7 @@ def test_synth_tool_writes_both_layouts(tmp_path: Path) -> None:
     ("truncated transformer", "transformer"),
     ("no text encoder", "text_encoder"),
     ("transformer tensor missing", "transformer_blocks.1.attn.to_q.weight"),
+    ("no tokenizer.json", "tokenizer"),
 ])
 def test_damaged_checkpoint_exits_2_naming_what(qwen_t2i_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                 damage: str, named: str) -> None:
@@ -271,6 +276,8 @@ def test_damaged_checkpoint_exits_2_naming_what(qwen_t2i_ckpt: Path, tmp_path: P
         weights.write_bytes(data[: len(data) // 2])
     elif damage == "no text encoder":
         shutil.rmtree(ckpt / "text_encoder")
+    elif damage == "no tokenizer.json":
+        (ckpt / "tokenizer" / "tokenizer.json").unlink()
     else:
         sd = load_file(str(weights))
         del sd[named]
@@ -302,6 +309,12 @@ def test_edit_variant_takes_one_reference(tmp_path: Path, capsys: pytest.Capture
     assert not (tmp_path / "o2.png").exists()
 
 
-def test_sample_shift_is_refused(qwen_t2i_ckpt: Path) -> None:
-    with pytest.raises(ValueError, match="`sample_shift`"):
-        QwenImageRunner(load_runner_config(None, qwen_config_dict(T2I_CONFIG, qwen_t2i_ckpt, sample_shift=3.0)))
+@pytest.mark.parametrize("setting, field", [({"sample_shift": 3.0}, "sample_shift"), ({"fps": 16}, "fps"),
+                                            ({"infer_steps": 1}, "infer_steps")])
+def test_settings_that_do_nothing_or_cannot_run_are_refused_before_loading(
+        qwen_t2i_ckpt: Path, setting: dict[str, Any], field: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    loads = []
+    monkeypatch.setattr(QwenImageRunner, "prepare_load", lambda self: loads.append(1))
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        QwenImageRunner(load_runner_config(None, qwen_config_dict(T2I_CONFIG, qwen_t2i_ckpt, **setting)))
+    assert loads == []

@@ -44,6 +44,10 @@ def test_edit_server_takes_extra_images_and_matches_the_launch_script(qwen_edit_
         url = server.url + "/v1/images/generations"
         bad = http("POST", url, {"prompt": "x", "image": encoded[0], "extra_images": ["###"]})
         assert bad.status == 422 and bad.json()["error"]["field"] == "extra_images[0]", bad.body
+        not_image = http("POST", url, {"prompt": "x", "image": encoded[0],
+                                       "extra_images": [base64.b64encode(b"not an image").decode()]})
+        assert not_image.status == 422 and not_image.json()["error"]["field"] == "extra_images[0]", not_image.body
+        assert "`extra_images[0]` (uploaded) is not an image" in not_image.json()["error"]["message"], not_image.body
         too_many = http("POST", url, {"prompt": "x", "image": encoded[0], "extra_images": [encoded[1]] * 3})
         assert too_many.status == 422 and too_many.json()["error"]["field"] == "extra_images", too_many.body
         paths = http("POST", url, {"prompt": "x", "extra_image_paths": [str(b)]})
