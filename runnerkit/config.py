@@ -189,6 +189,9 @@ class RunnerConfig(_Strict):
     unload_modules: bool = Field(False, description="Load every module per request (warmup refuses this mode).")
     offload: OffloadConfig = OffloadConfig()
     compile: CompileConfig = CompileConfig()
+    attention: Literal["auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn_4"] = Field(
+        "auto", description="Attention kernel of the transformer (runnerkit/attention.py): 'auto' takes the first "
+        "available of the device's preference list; an explicit one that cannot run is refused at load.")
     memory: MemoryConfig = MemoryConfig()
     synthetic_checkpoint: SyntheticCheckpointConfig | None = Field(
         None, description="Write random weights to model_path (or a cache folder) if no checkpoint is there.")

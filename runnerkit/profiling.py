@@ -91,6 +91,7 @@ class Profiler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.phases: dict[str, float] = {}
+        self.attention: dict[str, Any] | None = None  # the attention backend chosen at load
         self.warmup: dict[str, Any] | None = None
         self.requests: list[RequestProfile] = []
         self.current: RequestProfile | None = None
@@ -143,6 +144,7 @@ class Profiler:
             "schema_version": SCHEMA_VERSION,
             "device": str(self.device),
             "phases": self.phases,
+            "attention": self.attention,
             "warmup": self.warmup,
             "requests": [{"index": r.index, "shape": r.shape, "seconds": r.seconds, "stage_seconds": r.stages,
                           "step_seconds": r.steps, "memory": r.memory, "audit": r.audit, "ok": r.ok,

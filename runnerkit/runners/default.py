@@ -34,7 +34,7 @@ import torch
 from loguru import logger
 from torch import nn
 
-from runnerkit import memory
+from runnerkit import attention, memory
 from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig, as_request
 from runnerkit.images import check_image
 from runnerkit.media import save_outputs as write_outputs
@@ -80,6 +80,7 @@ class DefaultRunner(BaseRunner):
         self.streamers: dict[str, Any] = {}  # block/phase streamers of streamed modules, by module name
         self.stage_modules: dict[str, nn.Module] = {}  # modules on the device for the running stage
         self._warmup_steps_run: dict[str, list[int]] = {}
+        self.attention: attention.AttentionBackend | None = None  # chosen in load_modules
         self._fit_unchecked_logged = False
 
     # ---- family hooks -------------------------------------------------------------------
@@ -153,9 +154,23 @@ class DefaultRunner(BaseRunner):
         return None
 
     # ---- loading and placement --------------------------------------------------------------
+    def attention_head_dim(self) -> int:
+        """Family hook: the transformer's attention head size (after `prepare_load`), for the attention
+        backend's probe (runnerkit/attention.py). Default 128."""
+        return 128
+
     def load_modules(self) -> None:
-        """prepare_load -> describe_pipeline -> place every module as the offload config says -> schedulers."""
+        """prepare_load -> the attention backend -> describe_pipeline -> place every module as the
+        offload config says -> schedulers.
+
+        Raises:
+            NotImplementedError: the configured attention backend cannot run here (with the reason).
+        """
         self.prepare_load()
+        head_dim = self.attention_head_dim()
+        self.attention = backend = attention.resolve(self.config.attention, self.device, self.dtype, head_dim)
+        logger.info("attention: {} ({}; head size {}, {})", backend.name, backend.reason, head_dim, self.dtype)
+        self.profiler.attention = {"backend": backend.name, "reason": backend.reason, "head_dim": head_dim}
         self.pipeline = pipeline = self.describe_pipeline()
         self.placement = self.place_modules(pipeline)
         self.schedulers = {s.name: self.build_scheduler(s) for s in pipeline.denoise}
@@ -190,15 +205,15 @@ class DefaultRunner(BaseRunner):
         if cfg.unload_modules:
             loaders = {m.name: self._per_stage(m, streamed=False) for m in pipeline.modules}
         elif off.mode == "none":
-            resident = {m.name: m.build(self.device) for m in pipeline.modules}
+            resident = {m.name: self._build(m, self.device) for m in pipeline.modules}
         elif off.mode == "model":
-            offloaded = {m.name: m.build(cpu) for m in pipeline.modules}
+            offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules}
         else:
             streamable = [m for m in pipeline.modules if m.stream is not None]
             if not streamable:
                 raise NotImplementedError(f"`offload.mode`={off.mode!r}: {type(self).__name__} has no module that "
                                           "streams its blocks; use 'none' or 'model'")
-            offloaded = {m.name: m.build(cpu) for m in pipeline.modules if m.stream is None}
+            offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules if m.stream is None}
             for m in streamable:
                 if off.lazy_load:
                     self._stream(m)  # once now, so a checkpoint that cannot stream fails at load
@@ -210,9 +225,15 @@ class DefaultRunner(BaseRunner):
         return Placement(self.device, resident=resident, offloaded=offloaded, loaders=loaders, pin_memory=pin,
                          **thresholds)
 
+    def _build(self, spec: ModuleSpec, device: torch.device) -> nn.Module:
+        module = spec.build(device)
+        attention.install(module, self.attention)
+        return module
+
     def _stream(self, spec: ModuleSpec) -> nn.Module:
         assert spec.stream is not None, f"module {spec.name} does not stream"
         module, streamer = spec.stream()
+        attention.install(module, self.attention)
         self.streamers[spec.name] = streamer
         return module
 
@@ -223,7 +244,7 @@ class DefaultRunner(BaseRunner):
 
     def _per_stage(self, spec: ModuleSpec, streamed: bool) -> Loader:
         def load() -> tuple[nn.Module, Callable[[], None]]:
-            module = self._stream(spec) if streamed else spec.build(self.device)
+            module = self._stream(spec) if streamed else self._build(spec, self.device)
             return module, lambda: self._drop_streamer(spec.name)
 
         return load

@@ -216,6 +216,11 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         if ckpt.arch.edit is not None:
             self.processor = te.load_processor(ckpt.folder("processor"))
 
+    def attention_head_dim(self) -> int:
+        """The transformer's `attention_head_dim` (128 for the 20B model)."""
+        assert self.checkpoint is not None, "prepare_load first"
+        return self.checkpoint.arch.transformer.attention_head_dim
+
     def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
         """Flow-match Euler with the checkpoint's dynamic-shifting settings."""
         assert self.checkpoint is not None, "prepare_load first"

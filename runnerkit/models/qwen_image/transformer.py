@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runnerkit.attention import AttentionUser
 from runnerkit.models.qwen_image.arch import QwenImageTransformerArch
 from runnerkit.models.wan.transformer import apply_rope
 from runnerkit.offload.layout import StreamSpec
@@ -150,7 +151,7 @@ class FeedForward(nn.Module):
         return self.net(x)
 
 
-class JointAttention(nn.Module):
+class JointAttention(AttentionUser):
     """Joint attention of the text and image streams (diffusers `Attention` with
     `QwenDoubleStreamAttnProcessor2_0`): image projections `to_*`, text projections `add_*`."""
 
@@ -183,7 +184,7 @@ class JointAttention(nn.Module):
                        self.to_v(img).unflatten(-1, heads)], dim=1)  # [B, L, N, d]
         q = apply_rope(q, *rope).to(v.dtype)  # rotated in float32, as diffusers
         k = apply_rope(k, *rope).to(v.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, N, L, d]
+        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, N, L, d] (attention.py)
         out = out.transpose(1, 2).flatten(2)  # [B, L, dim]
         # Contiguous slices, as diffusers: a strided input can take another bf16 matmul kernel (other rounding).
         return self.to_out[0](out[:, L_txt:].contiguous()), self.to_add_out(out[:, :L_txt].contiguous())

@@ -228,6 +228,11 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
             logger.info("sample_shift {} from the checkpoint's {} (the config sets none)", flow_shift, SCHEDULER_CONFIG)
             self.update_config(sample_shift=flow_shift)
 
+    def attention_head_dim(self) -> int:
+        """dim / num_heads of the transformer (the architecture `prepare_load` put in the config)."""
+        arch = self.parse_arch(self.config.model).transformer
+        return arch.dim // arch.num_heads
+
     def build_text_encoder(self, device: torch.device) -> te.UMT5Encoder:
         assert self.checkpoint is not None, "locate_checkpoint first"
         arch = self.checkpoint.arch.text_encoder

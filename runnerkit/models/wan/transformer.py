@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runnerkit.attention import AttentionUser
 from runnerkit.models.wan.arch import WAN_CLIP_DIM, WAN_CLIP_TOKENS, WanTransformerArch
 from runnerkit.offload.layout import StreamSpec
 
@@ -114,7 +115,7 @@ class FP32LayerNorm(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
 
 
-class WanSelfAttention(nn.Module):
+class WanSelfAttention(AttentionUser):
     """Multi-head attention with q/k RMSNorm; `forward` is the self-attention with 3D RoPE."""
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float) -> None:
@@ -131,9 +132,9 @@ class WanSelfAttention(nn.Module):
         """[B, Lq, N, d], [B, Lk, N, d] x2 -> attention output [B, Lq, N*d] (weight dtype), not projected."""
         B, Lq, N, d = q.shape
         dtype = self.o.weight.dtype
-        out = F.scaled_dot_product_attention(
+        out = self.attention_fn(
             q.to(dtype).transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2)
-        )  # [B, N, Lq, d]
+        )  # [B, N, Lq, d] (the run's attention backend: runnerkit/attention.py)
         return out.transpose(1, 2).reshape(B, Lq, N * d)  # [B, Lq, dim]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -1,0 +1,179 @@
+"""Attention backends: which kernel the transformers' self- and joint attention run on.
+
+Config `attention` picks one per run (issue 11, item 3):
+
+- `sdpa`: `torch.nn.functional.scaled_dot_product_attention` with PyTorch's own dispatch.
+- `sdpa_cudnn`, `sdpa_flash`, `sdpa_efficient`, `sdpa_math`: SDPA restricted to one of its
+  kernels (`torch.nn.attention.sdpa_kernel`): cuDNN attention, FlashAttention-2, memory-efficient
+  attention, the reference math path.
+- `flash_attn_4`: FlashAttention-4 (`flash_attn.cute.flash_attn_func`, the CuTe-DSL kernels for
+  Hopper/Blackwell), when installed.
+- `auto`: the first available of `AUTO_ORDER` for the device, dtype and head size.
+
+An explicitly asked backend that is not installed or does not run the model's head size and
+dtype on the device is refused at load with the reason (`resolve`), never replaced silently.
+Availability is probed by running the kernel once on a small input of the model's head size and
+dtype on the device; outputs are compared with the math path (`probe` tolerance below).
+
+Family modules take the backend through the attribute `attention_fn` of their attention modules
+(`AttentionUser`); the runner installs it on every module it builds (`install`). Layout of every
+backend's call: q, k, v `[B, N, L, d]` -> `[B, N, Lq, d]`, as SDPA's.
+
+Sources: PyTorch `torch.nn.attention` (SDPBackend, sdpa_kernel); FlashAttention-4: Dao-AILab
+flash-attention `flash_attn/cute/interface.py` (`flash_attn_func(q, k, v)` with [B, L, N, d] inputs,
+returning `(out, lse)`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from loguru import logger
+from torch import Tensor, nn
+
+AttentionName = Literal["auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn_4"]
+ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
+
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    # H200 at Wan's shapes (issue 11): cuDNN ~555 TFLOP/s, FA2 ~350, FA4 ~670 (when installed).
+    "cuda": ("flash_attn_4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa"),
+    "cpu": ("sdpa",),
+}
+"""`auto` takes the first backend of its device type's list that passes the probe (other device
+types: `sdpa`)."""
+
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+"""Largest abs difference from the math path on the probe input (values ~N(0, 1), L = 64) for a
+backend to count as working (float32: kernels that compute in TF32 or lower fail it)."""
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """PyTorch's scaled-dot-product attention with its own kernel choice: [B, N, L, d] -> [B, N, Lq, d]."""
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def _sdpa_kernel(kernel: str) -> AttentionFn:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+               "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}[kernel]
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    return attend
+
+
+def _flash_attn_4() -> AttentionFn:
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        raise NotImplementedError("flash-attn-4 is not installed (the `flash_attn.cute` package of "
+                                  "Dao-AILab/flash-attention; pip install flash-attn-cute)")
+    from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, L, N, d] in
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2)  # [B, N, Lq, d]
+
+    return attend
+
+
+def backend_fn(name: str) -> AttentionFn:
+    """The callable of backend `name` (not `auto`), without checking that it runs.
+
+    Raises:
+        ValueError: an unknown name (listing the allowed ones).
+        NotImplementedError: the backend's package is not installed.
+    """
+    if name == "sdpa":
+        return sdpa
+    if name.startswith("sdpa_"):
+        return _sdpa_kernel(name)
+    if name == "flash_attn_4":
+        return _flash_attn_4()
+    raise ValueError(f"`attention` must be one of {list(ATTENTION_NAMES)} (got {name!r})")
+
+
+def probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why backend `name` cannot run [1, 2, 64, head_dim] attention in `dtype` on `device`, or None if it can."""
+    try:
+        fn = backend_fn(name)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 64, head_dim, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+        with torch.inference_mode():
+            out = fn(q, k, v)
+            ref = _sdpa_kernel("sdpa_math")(q.float(), k.float(), v.float())
+    except (RuntimeError, NotImplementedError, ImportError, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return first[:300]
+    if out.shape != ref.shape:
+        return f"returned shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    err = (out.float() - ref).abs().max().item()
+    tol = PROBE_TOLERANCE.get(dtype, 2e-2)
+    if not err <= tol:
+        return f"differs from the math path by {err:.3g} on the probe (more than {tol:g} in {dtype})"
+    return None
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The backend a run uses: its name, its callable, and why `auto` chose it."""
+
+    name: str
+    fn: AttentionFn
+    reason: str
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self.fn(q, k, v)
+
+
+def resolve(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
+    """The backend for config `attention` = `name` on `device` for `dtype` and `head_dim`.
+
+    Raises:
+        ValueError: an unknown name.
+        NotImplementedError: an explicit backend that cannot run here, with the reason (at load:
+            never a silent fallback to another kernel).
+    """
+    if name not in ATTENTION_NAMES:
+        raise ValueError(f"`attention` must be one of {list(ATTENTION_NAMES)} (got {name!r})")
+    if name != "auto":
+        why = probe(name, device, dtype, head_dim)
+        if why is not None:
+            raise NotImplementedError(f"`attention`={name!r} cannot run on {device} for {dtype} with head size "
+                                      f"{head_dim}: {why}")
+        return AttentionBackend(name, backend_fn(name), "asked for by the config")
+    skipped = []
+    for candidate in AUTO_ORDER.get(device.type, ("sdpa",)):
+        why = probe(candidate, device, dtype, head_dim)
+        if why is None:
+            reason = "auto: first available" + (f" (not available: {'; '.join(skipped)})" if skipped else "")
+            return AttentionBackend(candidate, backend_fn(candidate), reason)
+        skipped.append(f"{candidate}: {why}")
+    raise NotImplementedError(f"`attention`='auto' found no backend on {device} for {dtype} with head size "
+                              f"{head_dim}: {'; '.join(skipped)}")
+
+
+class AttentionUser(nn.Module):
+    """Base of a family's attention module: it calls `self.attention_fn(q, k, v)` ([B, N, L, d])
+    instead of SDPA directly, so the runner's chosen backend reaches it (`install`)."""
+
+    attention_fn: AttentionFn = staticmethod(sdpa)  # type: ignore[assignment]
+
+
+def install(model: nn.Module, backend: AttentionBackend) -> int:
+    """Set `backend` on every `AttentionUser` in `model`; returns how many modules took it."""
+    users = [m for m in model.modules() if isinstance(m, AttentionUser)]
+    for m in users:
+        m.attention_fn = backend.fn
+    if users:
+        logger.debug("attention {} installed on {} modules of {}", backend.name, len(users), type(model).__name__)
+    return len(users)

@@ -1,0 +1,119 @@
+"""Attention backends (runnerkit/attention.py): explicit backends that cannot run are refused at
+load with the reason, `auto` is logged and reported, every build path installs the backend, and
+each CPU backend agrees with SDPA within a stated tolerance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runnerkit import attention
+from runnerkit.config import RequestConfig, load_runner_config
+from runnerkit.infer import main
+from runnerkit.models.qwen_image.arch import QwenImageTransformerArch
+from runnerkit.models.qwen_image.transformer import JointAttention, QwenImageTransformer2D
+from runnerkit.models.wan.runner import WanT2VRunner
+from test_cases.conftest import tiny_config_dict, write_config
+
+CPU = torch.device("cpu")
+AGREE = 1e-5
+"""Max abs difference from `sdpa` of a tiny transformer's output (float32, values ~1) for every backend the CPU runs."""
+
+
+def test_explicit_backends_that_cannot_run_are_refused_with_the_reason() -> None:
+    with pytest.raises(NotImplementedError, match=r"`attention`='sdpa_cudnn' cannot run on cpu .*head size 64: "):
+        attention.resolve("sdpa_cudnn", CPU, torch.float32, 64)
+    with pytest.raises(NotImplementedError, match="flash-attn-4 is not installed"):
+        attention.resolve("flash_attn_4", CPU, torch.float32, 64)
+    with pytest.raises(ValueError, match="`attention` must be one of"):
+        attention.resolve("xformers", CPU, torch.float32, 64)
+    chosen = attention.resolve("auto", CPU, torch.float32, 64)
+    assert chosen.name == "sdpa" and chosen.reason.startswith("auto")
+
+
+def test_launch_script_refuses_an_unavailable_backend_at_load(tiny_ckpt: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, attention="sdpa_cudnn"))
+    rc = main(["--config_json", str(config), "--prompt", "x", "--save_tensor_path", str(tmp_path / "o.safetensors")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "`attention`='sdpa_cudnn' cannot run on cpu" in err and "Traceback" not in err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["sdpa_math", "sdpa_flash", "sdpa_efficient"])
+def test_cpu_backends_agree_with_sdpa(name: str) -> None:
+    why = attention.probe(name, CPU, torch.float32, 16)
+    if why is not None:
+        with pytest.raises(NotImplementedError, match=f"`attention`='{name}' cannot run on cpu"):
+            attention.resolve(name, CPU, torch.float32, 16)
+        return
+    arch = QwenImageTransformerArch(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                    axes_dims_rope=(4, 6, 6))
+    torch.manual_seed(0)
+    model = QwenImageTransformer2D(arch).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    x, ctx, t = torch.randn(1, 24 + 6, 64), torch.randn(1, 7, 32), torch.tensor([0.6])
+    shapes = [(1, 4, 6), (1, 2, 3)]
+    with torch.inference_mode():
+        ref = model(x, ctx, t, shapes)
+        assert attention.install(model, attention.resolve(name, CPU, torch.float32, 16)) == arch.num_layers
+        got = model(x, ctx, t, shapes)
+    err = (got - ref).abs().max().item()
+    assert err <= AGREE, err
+
+
+@pytest.mark.parametrize("overrides", [{}, {"offload": {"mode": "block"}},
+                                       {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
+                                       {"unload_modules": True}], ids=["none", "block", "lazy", "unload"])
+def test_every_build_path_installs_the_backend(tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               overrides: dict[str, Any]) -> None:
+    calls = []
+    real = attention.backend_fn
+
+    def counting(name: str) -> attention.AttentionFn:
+        fn = real(name)
+        if name != "sdpa_math":
+            return fn
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            calls.append(q.shape)
+            return fn(q, k, v)
+
+        return attend
+
+    monkeypatch.setattr(attention, "backend_fn", counting)
+    runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, attention="sdpa_math", **overrides)))
+    runner.init_modules()
+    calls.clear()  # the probe's call
+    runner.run_pipeline(RequestConfig(prompt="x", save_tensor_path=str(tmp_path / "o.safetensors")), 0)
+    steps, cfg, blocks = runner.config.infer_steps, 2, runner.parse_arch(runner.config.model).transformer.num_layers
+    assert len(calls) == steps * cfg * blocks * 2  # self- and cross-attention of every block, both CFG branches
+    assert runner.profiler.report()["attention"] == {"backend": "sdpa_math", "reason": "asked for by the config",
+                                                     "head_dim": 32}
+
+
+def test_every_attention_module_of_both_families_takes_the_backend() -> None:
+    from runnerkit.models.wan.arch import WanTransformerArch
+    from runnerkit.models.wan.transformer import WanSelfAttention, WanTransformer3D
+
+    wan = WanTransformer3D(WanTransformerArch(dim=64, ffn_dim=128, freq_dim=32, text_dim=64, num_heads=2, num_layers=3))
+    backend = attention.resolve("sdpa_math", CPU, torch.float32, 32)
+    assert attention.install(wan, backend) == sum(isinstance(m, WanSelfAttention) for m in wan.modules()) == 6
+    assert all(m.attention_fn is backend.fn for m in wan.modules() if isinstance(m, WanSelfAttention))
+    qwen = QwenImageTransformer2D(QwenImageTransformerArch(num_layers=3, attention_head_dim=16, num_attention_heads=2,
+                                                           joint_attention_dim=32, axes_dims_rope=(4, 6, 6)))
+    assert attention.install(qwen, backend) == sum(isinstance(m, JointAttention) for m in qwen.modules()) == 3
+
+
+def test_profile_json_reports_the_backend(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt))
+    rc = main(["--config_json", str(config), "--prompt", "x", "--save_tensor_path", str(tmp_path / "o.safetensors"),
+               "--profile_json", str(tmp_path / "p.json")])
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "p.json").read_text())["attention"]["backend"] == "sdpa"
