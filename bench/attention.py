@@ -64,6 +64,7 @@ def summarize(out: Path) -> None:
     text = ["# Attention backends, Wan2.1 1.3B 480x832x81 with CFG, H200 (bench/attention.py)", "",
             markdown_table(["config `attention`", "ran", "steady step s (steps 2..N)", "step / FLOP floor (0.72 s)",
                             "step 1 s"], rows), ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
 
