@@ -393,7 +393,7 @@ def load_requests(path: str | Path) -> list[RequestConfig]:
     """Read and validate every line of a `--requests` .jsonl file before anything is loaded.
 
     Raises:
-        ConfigError: naming the line number and field of the first bad line.
+        ConfigError: naming the line number and field of every bad line (all at once).
     """
     p = Path(path)
     if not p.is_file():
@@ -402,16 +402,21 @@ def load_requests(path: str | Path) -> list[RequestConfig]:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"requests file {str(p)!r} is not UTF-8 text: {exc}") from None
-    requests = []
+    requests, problems, lines = [], [], 0
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        lines += 1
         try:
             request = RequestConfig.model_validate_json(line)
         except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, f"request on line {n} of {str(p)!r}")) from None
+            problems.append(format_validation_error(exc, f"request on line {n} of {str(p)!r}"))
+            continue
         request._source = f"line {n} of {str(p)!r}"
         requests.append(request)
+    if problems:  # every bad line at once, not one per run
+        raise ConfigError(problems[0] if len(problems) == 1 else
+                          f"{len(problems)} of {lines} request lines are invalid:\n" + "\n".join(problems))
     if not requests:
         raise ConfigError(f"requests file {str(p)!r} holds no request")
     return requests

@@ -429,6 +429,15 @@ def test_requests_file_reports_every_bad_line_at_once(config_path: Path, tmp_pat
     _assert_invalid(rc, err, "2 of 4 requests are invalid", "line 2", "got 6", "line 4", "got 50")
 
 
+def test_requests_file_reports_every_malformed_line_at_once(config_path: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Lines that are not valid requests at all (unknown key, wrong type, not JSON) are all named."""
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text('{"prompt": "a"}\n{"prompt": "b", "bogus": 1}\n{"prompt": "c", "seed": "x"}\nnot json\n')
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
+    _assert_invalid(rc, err, "3 of 4 request lines are invalid", "line 2", "bogus", "line 3", "seed", "line 4")
+
+
 def test_config_file_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.json"
     rc, err = _cli(capsys, "--config_json", missing, "--prompt", "x")
