@@ -223,8 +223,9 @@ def run(args: argparse.Namespace) -> int:
                 report_failure(f"request {index} ({request.source}) failed", exc)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: nothing more runs; partial files are already removed
         finished = sum(r.saved for r in runner.profiler.requests)
-        logger.error("interrupted ({}); {} of {} requests finished", "SIGTERM" if exit_status(exc) == 143 else "Ctrl-C",
-                     finished, len(requests))
+        phase = error_phase(exc)
+        logger.error("interrupted ({}{}); {} of {} requests finished", "SIGTERM" if exit_status(exc) == 143 else "Ctrl-C",
+                     f" during {phase}" if phase else "", finished, len(requests))
         return exit_status(exc)
     finally:
         if args.profile_json and runner.profiler.phases:  # written once init succeeded, also after a failure

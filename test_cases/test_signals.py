@@ -95,7 +95,8 @@ def test_signal_at_phase(runs: dict[tuple[str, str], tuple[Path, Any]], phase: s
     if phase == "imports":
         assert "interrupted before any request ran" in err, err
     else:
-        assert f"interrupted ({REPORTED[sig]}); {finished} of 2 requests finished" in err, err
+        during = {"load": "load", "warmup": "warmup"}.get(phase, "request 1")  # the phase the signal hit
+        assert f"interrupted ({REPORTED[sig]} during {during}); {finished} of 2 requests finished" in err, err
     written = sorted(p.name for p in folder.iterdir() if p.name not in ("reqs.jsonl", "profile.json"))
     assert written == (["r0.json", "r0.mp4", "r0.safetensors"] if finished else []), err
     assert not _partials(folder)
