@@ -122,9 +122,14 @@ class OffloadConfig(_Strict):
 class CompileConfig(_Strict):
     """torch.compile of the transformer (one compile path, shared by warmup and requests)."""
 
-    enabled: bool = Field(False, description="Compile the transformer's forward.")
+    enabled: bool = Field(False, description="Compile the transformer's repeated block (regional compile, "
+                          "runnerkit/compile.py), once, shared by every block; warmup's shapes compile it.")
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
-    dynamic: bool = Field(False, description="Compile with dynamic shapes.")
+    dynamic: bool = Field(False, description="false: torch's automatic dynamic shapes (a dimension that changes "
+                          "between calls becomes dynamic at its first recompile); true: dynamic from the first compile.")
+    backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="torch.compile backend; 'eager' and 'aot_eager' trace without generating kernels "
+        "(tests count compilations with them).")
 
 
 class MemoryConfig(_Strict):

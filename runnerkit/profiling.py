@@ -34,6 +34,18 @@ def dynamo_counts() -> tuple[int, int]:
     return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["recompiles"].values()))
 
 
+def compile_seconds() -> float:
+    """Seconds torch's compiler has spent in this process so far (dynamo's per-frame compile times)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # pragma: no cover - very old torch
+        return 0.0
+    for key in ("_compile.compile_inner", "entire_frame_compile"):  # the name differs between torch versions
+        if key in compilation_time_metrics:
+            return float(sum(compilation_time_metrics[key]))
+    return 0.0
+
+
 class StepTimer:
     """Times denoising steps without synchronizing inside the loop."""
 

@@ -36,7 +36,7 @@ from loguru import logger
 from runnerkit import memory
 from runnerkit.config import FAMILY_DEFAULTED, ConfigLockedError, RunnerConfig, deep_freeze
 from runnerkit.memory import snapshot
-from runnerkit.profiling import Profiler, RequestProfile, dynamo_counts
+from runnerkit.profiling import Profiler, RequestProfile, compile_seconds, dynamo_counts
 from runnerkit.runners.pipeline import Shape
 
 __all__ = ["BaseRunner", "ConfigLockedError", "LifecycleError", "error_phase", "lifecycle_phase", "resolve_device"]
@@ -279,6 +279,7 @@ class BaseRunner(ABC):
             raise LifecycleError(f"run_pipeline needs a runner whose init_modules completed (state: {self._lifecycle})")
         prof = self.profiler.begin_request(index, self.profile_stages())
         graphs0, recompiles0 = dynamo_counts()
+        compile0 = compile_seconds()
         reserved0 = memory.snapshot(self.device).reserved_gib
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -301,10 +302,16 @@ class BaseRunner(ABC):
             prof.audit = {
                 "compilations": graphs1 - graphs0,
                 "recompilations": recompiles1 - recompiles0,
+                "compile_seconds": round(compile_seconds() - compile0, 3),
                 "reserved_growth_gib": round(snap.reserved_gib - reserved0, 4),
                 "warmed_shape": self._warmup_ran and tuple(prof.shape) in set(self.warmup_shapes()),
             }
             self.profiler.end_request()
+            if prof.audit["compilations"] or prof.audit["recompilations"]:
+                logger.warning("request {}: shape {} compiled {} graph(s) ({} recompilations) in {:.2f} s during the "
+                               "request{}", index, prof.shape, prof.audit["compilations"], prof.audit["recompilations"],
+                               prof.audit["compile_seconds"], "" if prof.audit["warmed_shape"] else
+                               " (a shape warmup did not cover)")
             if cleanup_error is not None and error is None:
                 prof.ok, prof.error = False, f"end_run: {type(cleanup_error).__name__}: {cleanup_error}"
                 raise cleanup_error

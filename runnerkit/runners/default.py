@@ -35,6 +35,7 @@ from loguru import logger
 from torch import nn
 
 from runnerkit import attention, memory
+from runnerkit import compile as regional_compile
 from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig, as_request
 from runnerkit.images import check_image
 from runnerkit.media import save_outputs as write_outputs
@@ -73,6 +74,7 @@ class DefaultRunner(BaseRunner):
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
+        regional_compile.check_supported(self.config.compile, self.config.offload)
         self.pipeline: Pipeline | None = None
         self.schedulers: dict[str, Scheduler] = {}
         self.placement: Placement | None = None
@@ -227,15 +229,20 @@ class DefaultRunner(BaseRunner):
 
     def _build(self, spec: ModuleSpec, device: torch.device) -> nn.Module:
         module = spec.build(device)
-        attention.install(module, self.attention)
+        self._finish(spec, module)
         return module
 
     def _stream(self, spec: ModuleSpec) -> nn.Module:
         assert spec.stream is not None, f"module {spec.name} does not stream"
         module, streamer = spec.stream()
-        attention.install(module, self.attention)
+        self._finish(spec, module)
         self.streamers[spec.name] = streamer
         return module
+
+    def _finish(self, spec: ModuleSpec, module: nn.Module) -> None:
+        """What every built module gets, on every build path: the attention backend, regional compile."""
+        attention.install(module, self.attention)
+        regional_compile.install(module, spec.blocks, self.config.compile)
 
     def _drop_streamer(self, name: str) -> None:
         streamer = self.streamers.pop(name, None)

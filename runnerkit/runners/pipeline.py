@@ -77,12 +77,16 @@ class ModuleSpec:
         stream: for a transformer that can stream its blocks (offload mode block/phase):
             `() -> (module, streamer)`; the family calls `runnerkit.offload.setup.stream_module`
             with its own block list and phases. None: the module is never streamed.
+        blocks: attribute of the built module holding its repeated blocks (an `nn.ModuleList`),
+            the unit of regional compilation (`compile.enabled`, runnerkit/compile.py). None:
+            the module is not compiled.
     """
 
     name: str
     role: Role
     build: Callable[[torch.device], nn.Module]
     stream: Callable[[], tuple[nn.Module, Any]] | None = None
+    blocks: str | None = None
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,6 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
             raise ValueError(f"`scheduler` {config.scheduler!r} / `scheduler_spacing` {config.scheduler_spacing!r}: "
                              f"{config.model_cls} samples with flow-match Euler and dynamic shifting only "
                              "(scheduler 'euler', spacing 'diffusers')")
-        if config.compile.enabled:
-            raise NotImplementedError(f"`compile.enabled`=true is not available yet for {config.model_cls}")
         if config.offload.vae_tiling:
             raise NotImplementedError(f"`offload.vae_tiling` is not available for {config.model_cls} (one image is "
                                       "decoded whole)")
@@ -264,7 +262,7 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         return Pipeline(
             modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder),
                      ModuleSpec("transformer", "transformer", build=self.build_transformer,
-                                stream=self.stream_transformer),
+                                stream=self.stream_transformer, blocks=QwenImageTransformer2D.STREAM_SPEC.blocks_attr),
                      ModuleSpec("vae", "decoder", build=self.build_vae)),
             encoders=self.encoder_stages(),
             denoise=(DenoiseStage("transformer", transformers=("transformer",), steps=cfg.infer_steps,

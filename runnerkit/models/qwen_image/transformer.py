@@ -387,6 +387,11 @@ class QwenImageTransformer2D(nn.Module):
 
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, dim]
         rope = self.rope_for_shapes(img_shapes, txt.shape[1], img.device)
+        # Regional compile (runnerkit/compile.py): the prompt's token count varies per request; mark it
+        # dynamic so a new prompt length compiles nothing (eager: no effect).
+        torch._dynamo.maybe_mark_dynamic(txt, 1)
+        for table in rope:
+            torch._dynamo.maybe_mark_dynamic(table, 0)
 
         for block in self.transformer_blocks:
             img, txt = block(img, txt, temb, rope, img_sizes)

@@ -35,6 +35,7 @@ from runnerkit.models.wan.i2v import WanImageConditioning
 from runnerkit.models.wan.moe_checkpoint import EXPERTS, WanMoECheckpoint, write_synthetic_moe
 from runnerkit.models.wan.runner import WanT2VRunner, flavour_of
 from runnerkit.models.wan.tokenizer import WanTokenizer
+from runnerkit.models.wan.transformer import WanTransformer3D
 from runnerkit.registry import register_runner
 from runnerkit.runners.pipeline import (
     InputInfo,
@@ -140,7 +141,8 @@ class WanMoERunner(WanT2VRunner):
         assert moe is not None, "prepare_load first"
         return tuple(ModuleSpec(name, "transformer",
                                 build=partial(self.build_transformer, checkpoint=moe.experts[name], name=name),
-                                stream=partial(self.stream_transformer, moe.experts[name], name))
+                                stream=partial(self.stream_transformer, moe.experts[name], name),
+                                blocks=WanTransformer3D.STREAM_SPEC.blocks_attr)
                      for name in EXPERTS)
 
     # ---- the expert and guidance of a step ---------------------------------------------------

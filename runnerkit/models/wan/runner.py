@@ -114,8 +114,6 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         super().__init__(config)
         config = self.config  # with the family defaults
         self.check_guidance_settings(config)
-        if config.compile.enabled:
-            raise NotImplementedError(f"`compile.enabled`=true is not available yet for {config.model_cls}")
         # Without model_path the config's `model` is the whole architecture (of the synthetic
         # checkpoint): check every rule now. Otherwise it overrides the checkpoint's, checked merged.
         self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
@@ -291,7 +289,8 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
 
     def transformer_specs(self) -> tuple[ModuleSpec, ...]:
         """The denoising transformer(s): one for Wan2.1 (MoE runners list their experts)."""
-        return (ModuleSpec("transformer", "transformer", build=self.build_transformer, stream=self.stream_transformer),)
+        return (ModuleSpec("transformer", "transformer", build=self.build_transformer, stream=self.stream_transformer,
+                           blocks=WanTransformer3D.STREAM_SPEC.blocks_attr),)
 
     def image_modules(self) -> tuple[ModuleSpec, ...]:
         """Modules of the image stages (none for text-to-video; see i2v.py)."""
