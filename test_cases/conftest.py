@@ -76,3 +76,19 @@ def tiny_config(tiny_ckpt: Path) -> RunnerConfig:
 def write_config(path: Path, data: dict[str, Any]) -> Path:
     path.write_text(json.dumps(data))
     return path
+
+
+@pytest.fixture
+def fresh_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's compile caches and runnerkit's compiled block forwards emptied (compilation counts
+    start from zero), and no real gc freeze (tests build many runners in one process)."""
+    import gc
+
+    from runnerkit import compile as regional_compile
+    from runnerkit import memory
+
+    torch._dynamo.reset()
+    regional_compile._COMPILED.clear()
+    monkeypatch.setattr(memory, "_frozen", False)
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file
 
 from runnerkit import compile as regional_compile
-from runnerkit import memory
 from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.models.wan.transformer import WanTransformer3D
@@ -27,12 +26,7 @@ WARMED = [(48, 80, 9), (32, 32, 5)]
 DYNAMIC_ONLY = [(32, 48, 9), (64, 64, 13)]  # other token counts, frames and sizes: dynamic dimensions after warmup
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    torch._dynamo.reset()
-    regional_compile._COMPILED.clear()
-    monkeypatch.setattr(memory, "_frozen", False)
-    monkeypatch.setattr(gc, "freeze", lambda: None)
+pytestmark = pytest.mark.usefixtures("fresh_compiler")
 
 
 def make(ckpt: Path, **overrides: Any) -> WanT2VRunner:

@@ -34,7 +34,7 @@ import torch
 from loguru import logger
 from torch import nn
 
-from runnerkit import attention, memory
+from runnerkit import attention, memory, synthetic
 from runnerkit import compile as regional_compile
 from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig, as_request
 from runnerkit.images import check_image
@@ -139,8 +139,9 @@ class DefaultRunner(BaseRunner):
 
     @staticmethod
     def synthetic_seed_of(path: Path) -> int | None:
-        """The seed of the synthetic checkpoint at `path`, or None if it holds none."""
-        return None
+        """The seed of the synthetic checkpoint at `path`, or None if it holds none (its
+        `runnerkit.synthetic.SYNTHETIC_MARKER`)."""
+        return synthetic.synthetic_seed_of(path)
 
     def sidecar_extra(self, info: InputInfo) -> dict[str, Any]:
         """Family fields added to the sidecar JSON of a saved result."""

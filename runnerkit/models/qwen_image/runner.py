@@ -43,7 +43,6 @@ from runnerkit.runners.pipeline import (
 )
 from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.schedulers.base import Scheduler
-from runnerkit.synthetic import synthetic_seed_of
 from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta
 
 #: Negative prompt when neither config nor request gives one: a single space, as Qwen-Image's
@@ -186,10 +185,6 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
                                    layout: str, **options: Any) -> None:
         """Write deterministic random weights of `config.model`'s architecture to `out` (checkpoint.py)."""
         write_synthetic(cls.parse_arch(config.model), out, seed, dtype, layout, **options)  # type: ignore[arg-type]
-
-    @staticmethod
-    def synthetic_seed_of(path: Path) -> int | None:
-        return synthetic_seed_of(path)
 
     # ---- loading -----------------------------------------------------------------------
     def open_checkpoint(self, path: Path, raw: bool = False) -> QwenCheckpoint:

@@ -173,11 +173,6 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         arch = cls.parse_arch(config.model)
         write_synthetic(arch, out, seed, dtype, layout, **options)  # type: ignore[arg-type]
 
-    @staticmethod
-    def synthetic_seed_of(path: Path) -> int | None:
-        """The seed of the synthetic checkpoint at `path`, or None if it holds no synthetic checkpoint."""
-        return synthetic_seed_of(path)
-
     # ---- loading -----------------------------------------------------------------------
     def open_checkpoint(self, path: Path, raw: bool = False) -> Any:
         """The checkpoint at `path` with the config's `model` over its architecture (`raw`: without

@@ -3,15 +3,11 @@ see test_cases/test_compile.py for the core's tests)."""
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import pytest
-import torch
 from PIL import Image
 
-from runnerkit import compile as regional_compile
-from runnerkit import memory
 from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.models.qwen_image.edit import QwenImageEditRunner
 from runnerkit.models.qwen_image.runner import QwenImageRunner
@@ -20,12 +16,7 @@ from test_cases.models.qwen_image.conftest import EDIT_CONFIG, T2I_CONFIG, qwen_
 COMPILE = {"compile": {"enabled": True, "backend": "eager"}}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    torch._dynamo.reset()
-    regional_compile._COMPILED.clear()
-    monkeypatch.setattr(memory, "_frozen", False)
-    monkeypatch.setattr(gc, "freeze", lambda: None)
+pytestmark = pytest.mark.usefixtures("fresh_compiler")
 
 
 def test_qwen_image_new_prompt_lengths_and_reference_counts_compile_nothing_after_warmup(
