@@ -274,6 +274,7 @@ def _key_paths(report: dict[str, Any]) -> set[str]:
     """Key paths of a report, as docs/profile.md writes them (names inside stage/step maps excluded)."""
     paths = set(report)
     paths |= {f"phases.{k}" for k in report["phases"]}
+    paths |= {f"attention.{k}" for k in report["attention"] or {}}
     if report["warmup"] is not None:
         paths |= {f"warmup.{k}" for k in report["warmup"]}
     for entry in report["requests"]:
