@@ -111,7 +111,7 @@ def probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) ->
         with torch.inference_mode():
             out = fn(q, k, v)
             ref = _sdpa_kernel("sdpa_math")(q.float(), k.float(), v.float())
-    except (RuntimeError, NotImplementedError, ImportError, ValueError, TypeError) as exc:
+    except (RuntimeError, NotImplementedError, ImportError, OSError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return first[:300]
     if out.shape != ref.shape:
