@@ -53,6 +53,10 @@ backend to count as working (float32: kernels that compute in TF32 or lower fail
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
+CUDA_ONLY = {"sdpa_cudnn": "cuDNN attention", "sdpa_efficient": "SDPA's memory-efficient kernel",
+             "flash_attn_4": "FlashAttention-4"}
+"""Backends with no kernel outside CUDA (SDPA's flash and math kernels also run on the CPU)."""
+
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """PyTorch's scaled-dot-product attention with its own kernel choice: [B, N, L, d] -> [B, N, Lq, d]."""
@@ -104,6 +108,8 @@ def backend_fn(name: str) -> AttentionFn:
 
 def probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why backend `name` cannot run [1, 2, 64, head_dim] attention in `dtype` on `device`, or None if it can."""
+    if name in CUDA_ONLY and device.type != "cuda":
+        return f"{CUDA_ONLY[name]} runs on CUDA devices only"
     try:
         fn = backend_fn(name)
         g = torch.Generator(device="cpu").manual_seed(0)

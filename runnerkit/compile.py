@@ -82,6 +82,23 @@ def compile_blocks(model: nn.Module, blocks_attr: str, cfg: CompileConfig) -> in
     return len(blocks)
 
 
+def recompile_state() -> tuple[int, list[str]]:
+    """(recompilations, the reasons torch gave for them) of every compiled block forward so far:
+    graphs beyond the first in each forward's dynamo cache, and the guard failures torch recorded
+    for it (one per cached graph it could not reuse)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.utils import guard_failures
+    except ImportError:  # pragma: no cover - very old torch
+        return 0, []
+    recompiles, reasons = 0, []
+    for block_cls in {key[0] for key in _COMPILED}:
+        code = block_cls.forward.__code__
+        recompiles += max(len(_debug_get_cache_entry_list(code)) - 1, 0)
+        reasons += [f"{block_cls.__name__}: {r}" for r in guard_failures.get(code, [])]
+    return recompiles, reasons
+
+
 @functools.cache
 def _announce(cfg: CompileConfig) -> None:
     logger.info("compile: regional (one compiled forward per block class), mode {}, dynamic {}, backend {}", cfg.mode,

@@ -131,6 +131,17 @@ class CompileConfig(_Strict):
         "inductor", description="torch.compile backend; 'eager' and 'aot_eager' trace without generating kernels "
         "(tests count compilations with them).")
 
+    @model_validator(mode="after")
+    def _settings_act(self) -> CompileConfig:
+        changed = [k for k in ("mode", "dynamic", "backend") if k in self.model_fields_set]
+        if not self.enabled and changed:
+            raise ValueError(f"`compile.{changed[0]}` does nothing while `compile.enabled` is false: set "
+                             "`enabled: true` or remove it")
+        if self.backend != "inductor" and self.mode != "default":
+            raise ValueError(f"`compile.mode`={self.mode!r} only acts with `compile.backend`='inductor' (got "
+                             f"{self.backend!r}): remove it")
+        return self
+
 
 class MemoryConfig(_Strict):
     """Thresholds of the pressure-aware `maybe_empty_cache` and the fit check of requests (runnerkit.memory,

@@ -25,9 +25,10 @@ AGREE = 1e-5
 
 
 def test_explicit_backends_that_cannot_run_are_refused_with_the_reason() -> None:
-    with pytest.raises(NotImplementedError, match=r"`attention`='sdpa_cudnn' cannot run on cpu .*head size 64: "):
+    with pytest.raises(NotImplementedError, match=r"`attention`='sdpa_cudnn' cannot run on cpu .*head size 64: "
+                                                  r"cuDNN attention runs on CUDA devices only"):
         attention.resolve("sdpa_cudnn", CPU, torch.float32, 64)
-    with pytest.raises(NotImplementedError, match="flash-attn-4 is not installed"):
+    with pytest.raises(NotImplementedError, match="FlashAttention-4 runs on CUDA devices only"):
         attention.resolve("flash_attn_4", CPU, torch.float32, 64)
     with pytest.raises(ValueError, match="`attention` must be one of"):
         attention.resolve("xformers", CPU, torch.float32, 64)

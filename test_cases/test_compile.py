@@ -46,7 +46,8 @@ def request(runner: WanT2VRunner, shape: tuple[int, int, int], out: Path, index:
 
 def test_after_warmup_warmed_and_dynamic_only_shapes_compile_nothing(tiny_ckpt: Path, tmp_path: Path) -> None:
     runner = make(tiny_ckpt, warmup=True, **COMPILE)
-    assert runner.profiler.warmup is not None
+    assert runner.profiler.warmup is not None and runner.profiler.warmup["compilations"] >= 1
+    assert runner.profiler.warmup["compile_seconds"] > 0
     for i, shape in enumerate(WARMED + DYNAMIC_ONLY):
         audit, _ = request(runner, shape, tmp_path, i)
         assert (audit["compilations"], audit["recompilations"], audit["compile_seconds"]) == (0, 0, 0.0), (shape, audit)
@@ -64,11 +65,15 @@ def test_without_warmup_the_first_request_compiles_and_says_so(tiny_ckpt: Path, 
         runner = make(tiny_ckpt, **COMPILE)
         first, _ = request(runner, WARMED[0], tmp_path, 0)
         second, _ = request(runner, WARMED[0], tmp_path, 1)
+        other, _ = request(runner, WARMED[1], tmp_path, 2)  # a second shape: the automatic-dynamic recompile
     finally:
         logger.remove(handler)
-    assert first["compilations"] >= 1 and first["compile_seconds"] > 0, first
+    assert first["compilations"] >= 1 and first["compile_seconds"] > 0 and first["recompilations"] == 0, first
     assert second["compilations"] == 0 and second["compile_seconds"] == 0.0, second
-    assert any("request 0: shape [48, 80, 9] compiled" in r.getMessage() for r in caplog.records), caplog.text
+    assert other["recompilations"] == 1 and other["compilations"] >= 1, other
+    assert other["recompile_reasons"] and "WanAttentionBlock" in other["recompile_reasons"][0], other
+    assert any("request 0: shape [48, 80, 9] compiled" in r.getMessage() and "no warmup ran" in r.getMessage()
+               for r in caplog.records), caplog.text
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -118,3 +123,13 @@ def test_unsupported_combinations_are_refused_with_the_reason(tiny_ckpt: Path, o
     with pytest.raises(NotImplementedError, match=reason):
         WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, **overrides)))
 
+
+
+@pytest.mark.parametrize("compile_cfg, field", [({"backend": "eager"}, "compile.backend"),
+                                                ({"enabled": True, "backend": "eager", "mode": "max-autotune"},
+                                                 "compile.mode")])
+def test_compile_settings_that_do_nothing_are_refused(tiny_ckpt: Path, compile_cfg: dict[str, Any], field: str) -> None:
+    from runnerkit.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"`{field}`"):
+        load_runner_config(None, tiny_config_dict(tiny_ckpt, compile=compile_cfg))

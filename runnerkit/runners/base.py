@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 from loguru import logger
 
+from runnerkit import compile as regional_compile
 from runnerkit import memory
 from runnerkit.config import FAMILY_DEFAULTED, ConfigLockedError, RunnerConfig, deep_freeze
 from runnerkit.memory import snapshot
@@ -238,6 +239,7 @@ class BaseRunner(ABC):
         self.check_warmup_supported()
         shapes = self.warmup_shapes()
         before = self._memory_report()
+        graphs0, compile0 = dynamo_counts()[0], compile_seconds()
         t0 = time.perf_counter()
         self._warmup_ran = True
         try:
@@ -253,6 +255,8 @@ class BaseRunner(ABC):
             "seconds": round(seconds, 4),
             "shapes": [list(s) for s in shapes],
             "steps_per_shape": self.warmup_step_report(),
+            "compilations": dynamo_counts()[0] - graphs0,
+            "compile_seconds": round(compile_seconds() - compile0, 3),
             "memory_before": before,
             "memory_after": after,
         }
@@ -278,8 +282,9 @@ class BaseRunner(ABC):
         if self._lifecycle != "ready":
             raise LifecycleError(f"run_pipeline needs a runner whose init_modules completed (state: {self._lifecycle})")
         prof = self.profiler.begin_request(index, self.profile_stages())
-        graphs0, recompiles0 = dynamo_counts()
+        graphs0, _ = dynamo_counts()
         compile0 = compile_seconds()
+        recompiles0, reasons0 = regional_compile.recompile_state()
         reserved0 = memory.snapshot(self.device).reserved_gib
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -296,12 +301,14 @@ class BaseRunner(ABC):
         finally:
             cleanup_error = self._end_run_reporting(index, error)
             prof.seconds = time.perf_counter() - t0
-            graphs1, recompiles1 = dynamo_counts()
+            graphs1, _ = dynamo_counts()
+            recompiles1, reasons1 = regional_compile.recompile_state()
             snap = memory.snapshot(self.device)
             prof.memory = {k: v for k, v in self._memory_report().items() if k not in ("free_gib", "host_available_gib")}
             prof.audit = {
                 "compilations": graphs1 - graphs0,
                 "recompilations": recompiles1 - recompiles0,
+                "recompile_reasons": reasons1[len(reasons0):],
                 "compile_seconds": round(compile_seconds() - compile0, 3),
                 "reserved_growth_gib": round(snap.reserved_gib - reserved0, 4),
                 "warmed_shape": self._warmup_ran and tuple(prof.shape) in set(self.warmup_shapes()),
@@ -311,7 +318,7 @@ class BaseRunner(ABC):
                 logger.warning("request {}: shape {} compiled {} graph(s) ({} recompilations) in {:.2f} s during the "
                                "request{}", index, prof.shape, prof.audit["compilations"], prof.audit["recompilations"],
                                prof.audit["compile_seconds"], "" if prof.audit["warmed_shape"] else
-                               " (a shape warmup did not cover)")
+                               " (a shape warmup did not cover)" if self._warmup_ran else " (no warmup ran: --warmup)")
             if cleanup_error is not None and error is None:
                 prof.ok, prof.error = False, f"end_run: {type(cleanup_error).__name__}: {cleanup_error}"
                 raise cleanup_error

@@ -631,7 +631,7 @@ class DefaultRunner(BaseRunner):
         if self.config.unload_modules:
             raise NotImplementedError(
                 "warmup is refused with `unload_modules`=true: every module is reloaded per request, so "
-                "nothing warmup loads or compiles would survive to the first request")
+                "nothing warmup loads would survive to the first request")
         tasks, table, modes = (self._opt_in(n) for n in ("WARMUP_TASKS", "WARMUP_SHAPES", "WARMUP_OFFLOAD_MODES"))
         if tasks is None or table is None or modes is None:
             raise NotImplementedError(

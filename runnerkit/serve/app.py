@@ -227,6 +227,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "defaults": {"target_height": cfg.target_height, "target_width": cfg.target_width,
                              "target_video_length": cfg.target_video_length, "infer_steps": cfg.infer_steps,
                              "seed": cfg.seed},
+                "attention": state.runner.profiler.attention,
                 "max_queue": state.queue.max_queue}
 
     async def submit(request: Request, kind: str) -> Response:
