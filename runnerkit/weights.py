@@ -29,7 +29,7 @@ import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -491,3 +491,21 @@ def synthetic_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.
             fan_in *= s
         x = x / fan_in**0.5
     return x.to(dtype).cpu()
+
+
+def marked_layout(path: Path) -> Literal["runnerkit", "diffusers"] | None:
+    """The layout a checkpoint folder names by its marker file (`runnerkit.json`: runnerkit,
+    `model_index.json`: diffusers), or None (a family may then look for a layout of its own).
+
+    Raises:
+        CheckpointError: `path` is missing or not a folder.
+    """
+    if not path.is_dir():
+        raise CheckpointError(f"`model_path` {str(path)!r} does not exist or is not a folder "
+                              "(set `synthetic_checkpoint` to write random weights there)")
+    if (path / "runnerkit.json").is_file():
+        return "runnerkit"
+    if (path / "model_index.json").is_file():
+        return "diffusers"
+    return None
+

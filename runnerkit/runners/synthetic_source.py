@@ -33,7 +33,9 @@ class SyntheticCheckpointSource:
     arch_override: Any
 
     def open_checkpoint(self, path: Path, raw: bool = False) -> Any:
-        raise NotImplementedError
+        """The family's checkpoint at `path` (`raw`: without the config's `model` over it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement open_checkpoint(path, raw) to read its "
+                                  "checkpoint layouts (SyntheticCheckpointSource only locates and writes them)")
 
     def checkpoint_path(self) -> Path:
         """`model_path`, or the cache folder of this architecture's synthetic checkpoint."""
@@ -67,9 +69,9 @@ class SyntheticCheckpointSource:
         ckpt = self.open_checkpoint(path)
         seed = synthetic_seed_of(path)
         if seed is not None:
-            wanted = cfg.synthetic_checkpoint.seed if cfg.synthetic_checkpoint else seed
-            if wanted != seed:
+            expected = cfg.synthetic_checkpoint.seed if cfg.synthetic_checkpoint else seed
+            if expected != seed:
                 raise CheckpointError(f"`model_path` {str(path)!r} holds synthetic weights of seed {seed}, but "
-                                      f"`synthetic_checkpoint.seed` is {wanted}: use another model_path or delete it")
+                                      f"`synthetic_checkpoint.seed` is {expected}: use another model_path or delete it")
             logger.warning("model_path {} holds SYNTHETIC RANDOM weights (seed {}): the output will be noise", path, seed)
         return ckpt

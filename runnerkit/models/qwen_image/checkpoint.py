@@ -44,6 +44,7 @@ from runnerkit.weights import (
     TensorInfo,
     build_on_meta,
     check_tensors,
+    marked_layout,
     read_json_object,
     read_safetensors,
     safetensors_files,
@@ -99,13 +100,9 @@ def detect_layout(path: Path) -> Layout:
     Raises:
         CheckpointError: the folder is missing or matches no layout.
     """
-    if not path.is_dir():
-        raise CheckpointError(f"`model_path` {str(path)!r} does not exist or is not a folder "
-                              "(set `synthetic_checkpoint` to write random weights there)")
-    if (path / "runnerkit.json").is_file():
-        return "runnerkit"
-    if (path / "model_index.json").is_file():
-        return "diffusers"
+    layout = marked_layout(path)
+    if layout is not None:
+        return layout
     raise CheckpointError(f"`model_path` {str(path)!r} holds no recognised Qwen-Image checkpoint: expected "
                           "runnerkit.json (runnerkit layout) or model_index.json (diffusers layout)")
 

@@ -129,6 +129,7 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         self.checkpoint: QwenCheckpoint | None = None
         self.tokenizer: Any = None
         self.processor: Any = None
+        self._declared: tuple[str, QwenSchedulerConfig] | None = None
         self.check_task_fits()
         self.check_schedule()
 
@@ -139,12 +140,26 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         Raises:
             ValueError: naming `infer_steps` (e.g. 1 step with a terminal stretch).
         """
-        try:
-            path = self.checkpoint_path()
-            sched = QwenSchedulerConfig() if self._synthetic_pending(path) else self.open_checkpoint(path, raw=True).scheduler
-        except (ValueError, OSError):  # unreadable: the load says why
-            return
-        check_steps(self.config.infer_steps, sched)
+        declared = self.declared()
+        if declared is not None:
+            check_steps(self.config.infer_steps, declared[1])
+
+    def declared(self) -> tuple[str, QwenSchedulerConfig] | None:
+        """What the checkpoint itself declares, read once (its config files, not the config's
+        `model`; the configured architecture for a synthetic checkpoint still to write): its kind
+        (t2i, edit, edit_plus) and scheduler settings. None if unreadable (the load says why)."""
+        if self._declared is None:
+            try:
+                path = self.checkpoint_path()
+                if self._synthetic_pending(path):
+                    edit = self.arch_override.edit
+                    self._declared = ("t2i" if edit is None else edit.variant, QwenSchedulerConfig())
+                else:
+                    ckpt = self.open_checkpoint(path, raw=True)
+                    self._declared = (ckpt.kind, ckpt.scheduler)
+            except (ValueError, OSError):  # CheckpointError included
+                return None
+        return self._declared
 
     @classmethod
     def validate_shape(cls, height: int, width: int, frames: int) -> None:
@@ -281,13 +296,11 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         Raises:
             CheckpointError: naming the checkpoint, its kind and the task to use instead.
         """
-        try:
-            path = self.checkpoint_path()
-            pending = self._synthetic_pending(path)
-            kind = ("t2i" if self.arch_override.edit is None else self.arch_override.edit.variant) \
-                if pending else self.open_checkpoint(path, raw=True).kind
-        except (ValueError, OSError):  # unreadable: the load says why
+        declared = self.declared()
+        if declared is None:
             return
+        kind = declared[0]
+        pending = self._synthetic_pending(self.checkpoint_path())
         task = self.config.task
         where = self.config.model_path or "the synthetic checkpoint"
         if kind not in self.TASK_KINDS[task]:

@@ -53,6 +53,7 @@ from runnerkit.weights import (
     TensorInfo,
     build_on_meta,
     check_tensors,
+    marked_layout,
     read_json_object,
     read_pth,
     read_safetensors,
@@ -70,23 +71,6 @@ ORIGINAL_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
 ORIGINAL_VAE = "Wan2.1_VAE.pth"
 ORIGINAL_TOKENIZER = "google/umt5-xxl"
 ORIGINAL_CLIP = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
-
-
-def marked_layout(path: Path) -> Layout | None:
-    """The layout a checkpoint folder names by its marker file (`runnerkit.json`: runnerkit,
-    `model_index.json`: diffusers), or None (the caller looks for its original layout).
-
-    Raises:
-        CheckpointError: `path` is missing or not a folder.
-    """
-    if not path.is_dir():
-        raise CheckpointError(f"`model_path` {str(path)!r} does not exist or is not a folder "
-                              "(set `synthetic_checkpoint` to write random weights there)")
-    if (path / "runnerkit.json").is_file():
-        return "runnerkit"
-    if (path / "model_index.json").is_file():
-        return "diffusers"
-    return None
 
 
 def detect_layout(path: Path) -> Layout:
