@@ -76,18 +76,43 @@ def _sdpa_kernel(kernel: str) -> AttentionFn:
     return attend
 
 
+_FA4_FUNC: Callable[..., object] | None = None
+"""`flash_attn.cute.flash_attn_func` once `flash_attn_4` was asked for (imported on first use)."""
+
+
+@torch.library.custom_op("runnerkit::flash_attn_4", mutates_args=())
+def _flash_attn_4_op(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """[B, Lq, N, d], [B, Lk, N, d] x2 -> [B, Lq, N, d] (FA4's own layout; a fresh tensor)."""
+    assert _FA4_FUNC is not None, "flash_attn_4 runs only after backend_fn('flash_attn_4') imported it"
+    out = _FA4_FUNC(q, k, v)
+    return out[0] if isinstance(out, tuple) else out  # type: ignore[return-value]
+
+
+@_flash_attn_4_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+def flash_attn_4(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """FlashAttention-4: [B, N, L, d] -> [B, N, Lq, d], as SDPA's layout.
+
+    It runs as the torch custom op `runnerkit::flash_attn_4` (with a shape-only fake), so that
+    regional compile keeps the block one graph with the kernel as an opaque call: FA4's own entry
+    point is an autograd Function around CuTe-DSL launches that dynamo does not trace. The [B, N, L, d]
+    inputs are views of [B, L, N, d] projections, so the transposes to and from FA4's layout copy nothing.
+    """
+    return _flash_attn_4_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
 def _flash_attn_4() -> AttentionFn:
+    global _FA4_FUNC
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
         raise NotImplementedError("flash-attn-4 is not installed (the `flash_attn.cute` package of "
-                                  "Dao-AILab/flash-attention; pip install flash-attn-cute)")
+                                  "Dao-AILab/flash-attention; pip install flash-attn-4)")
     from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
 
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, L, N, d] in
-        out = out[0] if isinstance(out, tuple) else out
-        return out.transpose(1, 2)  # [B, N, Lq, d]
-
-    return attend
+    _FA4_FUNC = flash_attn_func
+    return flash_attn_4
 
 
 def backend_fn(name: str) -> AttentionFn:

@@ -5,6 +5,7 @@ each CPU backend agrees with SDPA within a stated tolerance."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,55 @@ def test_profile_json_reports_the_backend(tiny_ckpt: Path, tmp_path: Path, capsy
                "--profile_json", str(tmp_path / "p.json")])
     assert rc == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "p.json").read_text())["attention"]["backend"] == "sdpa"
+
+
+def _fake_flash_attn_cute(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[int, ...]]) -> None:
+    """Install a stand-in `flash_attn.cute` whose `flash_attn_func` takes FA4's [B, L, N, d] layout and
+    returns `(out, lse)` as FA4 does, computing SDPA (the CPU has no FA4 kernel)."""
+    import importlib.machinery
+    import types
+
+    @torch.compiler.disable  # untraceable, as FA4's autograd Function around CuTe-DSL launches is
+    def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, None]:
+        calls.append(tuple(q.shape))
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2).contiguous(), None
+
+    pkg, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
+    pkg.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
+    cute.__spec__ = importlib.machinery.ModuleSpec("flash_attn.cute", None)
+    cute.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
+    pkg.cute = cute  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn", pkg)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setattr(attention, "_FA4_FUNC", None)
+
+
+def test_flash_attn_4_takes_fa4_layout_and_compiles_as_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FA4 backend hands FA4 its [B, L, N, d] layout, unpacks `(out, lse)`, returns SDPA's layout,
+    and is one opaque custom op to dynamo: a block using it compiles with `fullgraph=True`."""
+    calls: list[tuple[int, ...]] = []
+    _fake_flash_attn_cute(monkeypatch, calls)
+    fn = attention.backend_fn("flash_attn_4")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 10, 16, generator=g) for _ in range(3))  # [B, N, L, d]
+    torch.testing.assert_close(fn(q, k, v), attention.sdpa(q, k, v), rtol=0, atol=0)
+    assert calls == [(1, 10, 2, 16)]  # FA4 saw [B, L, N, d]
+
+    arch = QwenImageTransformerArch(num_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                    axes_dims_rope=(4, 6, 6))
+    torch.manual_seed(0)
+    model = QwenImageTransformer2D(arch).eval()
+    attention.install(model, attention.AttentionBackend("flash_attn_4", fn, "test"))
+    block = model.transformer_blocks[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(block.forward, backend="aot_eager", fullgraph=True)  # a graph break raises here
+    img, txt = torch.randn(1, 12, 32), torch.randn(1, 5, 32)  # [B, L_img, dim], [B, L_txt, dim]
+    temb = torch.randn(1, 1, 32)  # [B, S, dim]
+    rope = model.rope_for_shapes([(1, 3, 4)], 5, CPU)
+    with torch.inference_mode():
+        eager = block(img, txt, temb, rope, [12])
+        traced = compiled(img, txt, temb, rope, [12])
+    for a, b in zip(eager, traced, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert len(calls) == 3  # the direct call, the eager block, the compiled block (tracing used the fake)
