@@ -150,3 +150,24 @@ def test_inductor_output_agrees_with_eager_within_tolerance(tiny_ckpt: Path, tmp
     err = (compiled - eager).abs().max().item()
     assert err <= INDUCTOR_AGREE, err
     assert eager.abs().max().item() > 0.1  # a non-trivial output
+
+
+def test_a_dynamic_only_shape_is_not_warned_about_when_compile_covers_it(tiny_ckpt: Path, tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Compiled: a shape differing from warmup's only in dynamic dimensions gets an INFO line, not the
+    eager path's 'expect a slower first step' warning (its audit shows it compiled nothing)."""
+    from loguru import logger
+
+    handler = logger.add(caplog.handler, level="INFO", format="{message}")
+    try:
+        audit, _ = request(make(tiny_ckpt, warmup=True, **COMPILE), DYNAMIC_ONLY[0], tmp_path)
+        compiled_records = [(r.levelname, r.getMessage()) for r in caplog.records]
+        caplog.clear()
+        request(make(tiny_ckpt, warmup=True), DYNAMIC_ONLY[0], tmp_path, 1)
+        eager_records = [(r.levelname, r.getMessage()) for r in caplog.records]
+    finally:
+        logger.remove(handler)
+    assert audit["compilations"] == 0
+    assert any(lv == "INFO" and "is not a warmup shape" in m for lv, m in compiled_records), compiled_records
+    assert not any("was not warmed" in m for _, m in compiled_records)
+    assert any(lv == "WARNING" and "was not warmed" in m for lv, m in eager_records), eager_records

@@ -457,8 +457,13 @@ class DefaultRunner(BaseRunner):
         prof.shape = list(info.shape)
         self.check_fit(info.shape, f"request {index}")
         if self._warmup_ran and info.shape not in self.warmup_shapes():
-            logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower first step",
-                           index, list(info.shape), [list(x) for x in self.warmup_shapes()])
+            if self.config.compile.enabled:  # warmup's two shapes made the token-count dimensions dynamic
+                logger.info("request {}: shape {} is not a warmup shape ({}); the compiled blocks cover it through "
+                            "their dynamic dimensions (the request's audit reports any compilation)", index,
+                            list(info.shape), [list(x) for x in self.warmup_shapes()])
+            else:
+                logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower first step",
+                               index, list(info.shape), [list(x) for x in self.warmup_shapes()])
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
         # 2. encoders
