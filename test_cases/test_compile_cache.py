@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from runnerkit.config import ConfigError, RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
 from test_cases.conftest import REPO, tiny_config_dict, write_config
+from test_cases.test_infer import _documented_keys
 
 COMPILE = {"enabled": True, "backend": "inductor"}
 SEED, PROMPT = 3, "a fox"
@@ -105,6 +106,9 @@ def test_first_start_compiles_and_writes_the_cache(first_start: FirstStart) -> N
     assert fields["compile.mode"] == "default" and fields["dtype"] == "float32" and fields["attention"] != "none"
     assert fields["model"]["transformer"]["dim"] == 64 and fields["device"].startswith("cpu ")
     assert meta["bytes"] == (cache / f"{section['key']}.bin").stat().st_size
+    documented = {k for k in _documented_keys() if k.startswith("compile_cache.") or k.startswith("warmup.compile_")}
+    assert {f"compile_cache.{k}" for k in section} | {f"warmup.{k}" for k in warm if k.startswith("compile_")} == \
+        documented
 
 
 def test_restart_with_the_saved_cache_compiles_nothing(tiny_ckpt: Path, tmp_path: Path,
