@@ -19,15 +19,35 @@ of a family (which differ in every spatial/temporal size) every token-count dime
 after warmup. true = dynamic from the first compile.
 
 Not supported (refused at start with the reason, `check_supported`): `mode` "reduce-overhead"
-(CUDA graphs) with block/phase streaming, whose weights change addresses every step.
+(CUDA graphs) with block/phase streaming, whose weights change addresses every step; `cache_dir`
+on torch < 2.7 (no portable cache API).
+
+Compile cache (`compile.cache_dir`, issue 11 item 2; `CompileCache`): after warmup the compiled
+artifacts of the process (inductor FX graphs, AOTAutograd entries, autotune results: torch's
+portable "mega-cache", `torch.compiler.save_cache_artifacts`) are written to `<key>.bin` with a
+readable `<key>.json` beside it; at the next start-up, before warmup, `<key>.bin` is handed to
+`torch.compiler.load_cache_artifacts`, which fills torch's local caches, so warmup's compiles are
+cache hits. The key hashes everything that makes the artifacts valid (`cache_fields`). dynamo
+still traces each frame (guards are rebuilt per process); what is skipped is inductor's lowering
+and code generation. On the CPU torch rebuilds each graph's C++ kernel library from the cached
+source (the `.so` is not part of the artifacts); on CUDA the triton kernels are bundled with
+the graphs (`torch._inductor.config.bundle_triton_into_fx_graph_cache`). The cache is an
+optimisation: a failure to read or write it is logged and the run compiles from scratch.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
+import platform
 import time
 import types
 from collections.abc import Callable
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +67,11 @@ def check_supported(cfg: CompileConfig, offload: OffloadConfig) -> None:
     """
     if not cfg.enabled:
         return
+    if cfg.cache_dir is not None and torch.torch_version.TorchVersion(torch.__version__) < "2.7":
+        raise NotImplementedError(
+            f"`compile.cache_dir`={cfg.cache_dir!r} needs torch >= 2.7 (torch.compiler.save_cache_artifacts / "
+            f"load_cache_artifacts, the portable compile cache); this is torch {torch.__version__}: upgrade torch "
+            "or remove `compile.cache_dir`")
     if offload.mode == "phase":
         raise NotImplementedError(
             "`compile.enabled` with `offload.mode`='phase': the phase hooks run inside a block's forward, which "
@@ -112,3 +137,210 @@ def install(model: nn.Module, blocks_attr: str | None, cfg: CompileConfig) -> No
         t0 = time.perf_counter()
         n = compile_blocks(model, blocks_attr, cfg)
         logger.debug("compile: {} blocks of {} routed in {:.3f} s", n, type(model).__name__, time.perf_counter() - t0)
+
+
+# -- compile cache (compile.cache_dir) ------------------------------------------------------------
+
+CACHE_FORMAT = 1
+"""Layout of a cache entry (`<key>.bin` + `<key>.json`); part of the key."""
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def describe_device(device: torch.device) -> str:
+    """What the generated kernels are specific to: the GPU's name and compute capability, or the
+    CPU's architecture and the vector ISA torch dispatches to (e.g. 'cpu x86_64 AVX512')."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda {torch.cuda.get_device_name(device)} sm_{major}{minor}"
+    if device.type == "cpu":
+        return f"cpu {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+    return device.type
+
+
+def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: CompileConfig, attention: str | None,
+                 offload: OffloadConfig, device: torch.device) -> dict[str, Any]:
+    """Everything that makes compiled artifacts valid, in readable form: the metadata of a cache
+    entry, whose key is the hash of these fields. `model` is the resolved architecture (JSON)."""
+    return {
+        "format": CACHE_FORMAT,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "triton": _dist_version("triton"),
+        "python": platform.python_version(),
+        "device": describe_device(device),
+        "runner": f"{runner.__module__}.{runner.__qualname__}",
+        "model": model,
+        "dtype": dtype,
+        "compile.mode": cfg.mode,
+        "compile.dynamic": cfg.dynamic,
+        "compile.backend": cfg.backend,
+        "attention": attention or "none",
+        "offload.mode": offload.mode,
+        "offload.weight_dtype": offload.weight_dtype,
+    }
+
+
+def cache_key(fields: dict[str, Any]) -> str:
+    """The entry name of `fields`: 20 hex digits of the SHA-256 of their canonical JSON."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def mismatch_reasons(cached: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Why an entry with fields `cached` does not serve `now`: one 'field cached != now' per field
+    that differs ('model architecture differs (…)' for the architecture, up to 3 of its keys)."""
+    reasons = []
+    for name in [*now, *(k for k in cached if k not in now)]:
+        a, b = cached.get(name, "(absent)"), now.get(name, "(absent)")
+        if a == b:
+            continue
+        if name == "model" and isinstance(a, dict) and isinstance(b, dict):
+            fa, fb = _flat(a), _flat(b)
+            keys = [k for k in sorted(set(fa) | set(fb)) if fa.get(k, "(absent)") != fb.get(k, "(absent)")]
+            reasons.append("model architecture differs (" + ", ".join(
+                f"{k} {fa.get(k, '(absent)')} != {fb.get(k, '(absent)')}" for k in keys[:3]) +
+                (f", {len(keys) - 3} more" if len(keys) > 3 else "") + ")")
+        else:
+            reasons.append(f"{name} {a} != {b}")
+    return reasons
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """`data` to `path` through a temporary file beside it and a rename (never a truncated file).
+
+    Raises:
+        OSError: the write or the rename failed (the temporary file is removed).
+    """
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
+
+
+class CompileCache:
+    """One entry of the compile cache in `cache_dir`: `<key>.bin` (torch's portable artifacts) and
+    `<key>.json` (the fields of the key, the artifacts' SHA-256 and counts; written last, so an
+    entry without it is incomplete). `load` before warmup, `save` after it; neither raises on a
+    damaged or unwritable cache: both log what happened and `report()` says it (the profile's
+    `compile_cache` section)."""
+
+    def __init__(self, cache_dir: str | Path, fields: dict[str, Any]) -> None:
+        self.dir = Path(cache_dir).expanduser()
+        self.fields = fields
+        self.key = cache_key(fields)
+        self.loaded = False
+        self.saved = False
+        self.reason = "not loaded yet"
+        self.artifacts: dict[str, int] = {}
+
+    @property
+    def bin_path(self) -> Path:
+        return self.dir / f"{self.key}.bin"
+
+    @property
+    def meta_path(self) -> Path:
+        return self.dir / f"{self.key}.json"
+
+    def report(self) -> dict[str, Any]:
+        """The profile's `compile_cache` section (docs/profile.md)."""
+        return {"dir": str(self.dir), "key": self.key, "loaded": self.loaded, "reason": self.reason,
+                "saved": self.saved, "artifacts": dict(self.artifacts)}
+
+    def load(self, will_save: bool) -> bool:
+        """Load this key's entry into torch's caches; True if loaded. Without one, log why each entry
+        of the folder does not match (or that there is none); a damaged entry logs a WARNING.
+        `will_save`: whether this run will write the entry after warmup (said in the log)."""
+        if self.bin_path.is_file():
+            self.loaded = self._load_entry()
+            return self.loaded
+        after = "it will be written after warmup" if will_save else "nothing will be written (warmup is off)"
+        others = sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []
+        if not others:
+            self.reason = "no entry in the folder"
+            logger.info("compile cache: {} holds no entry; compiling from scratch, {}", self.dir, after)
+            return False
+        mismatches = []
+        for path in others:
+            try:
+                cached = json.loads(path.read_text())["fields"]
+                why = "; ".join(mismatch_reasons(cached, self.fields)) or "same fields, other key (format change)"
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                why = f"unreadable metadata ({type(exc).__name__}: {exc})"
+            mismatches.append(f"{path.stem}: {why}")
+            logger.info("compile cache: entry {} does not match this run (cached != now): {}", path.name, why)
+        self.reason = "no matching entry: " + " | ".join(mismatches)
+        logger.info("compile cache: no entry for key {} in {}; compiling from scratch, {}", self.key, self.dir, after)
+        return False
+
+    def _load_entry(self) -> bool:
+        path = self.bin_path
+        try:
+            data = path.read_bytes()
+            meta = json.loads(self.meta_path.read_text())
+            digest = hashlib.sha256(data).hexdigest()
+            if meta.get("sha256") != digest:
+                raise ValueError(f"its SHA-256 {digest[:12]}… differs from {self.meta_path.name}'s "
+                                 f"{str(meta.get('sha256'))[:12]}… (truncated or overwritten)")
+            info = torch.compiler.load_cache_artifacts(data)
+            if info is None:
+                raise ValueError("torch.compiler.load_cache_artifacts could not deserialize it")
+        except Exception as exc:  # a cache must never stop the run: any failure -> compile from scratch
+            self.reason = f"damaged entry: {type(exc).__name__}: {exc}"
+            logger.warning("compile cache: could not load {}: {}: {}; compiling from scratch", path,
+                           type(exc).__name__, exc)
+            return False
+        self.artifacts = {kind: len(keys) for kind, keys in info.artifacts.items()}
+        self.reason = "loaded"
+        logger.info("compile cache: loaded {} artifacts {} ({:.2f} MiB) from {}", sum(self.artifacts.values()),
+                    self.artifacts, len(data) / 2**20, path)
+        return True
+
+    def save(self) -> bool:
+        """Write every artifact torch compiled or loaded in this process so far as this key's entry;
+        True if written. A failure logs an ERROR naming the path and the error, and returns False."""
+        try:
+            result = torch.compiler.save_cache_artifacts()
+        except Exception as exc:  # torch's serializer: an optimisation must not fail the run
+            logger.error("compile cache: torch.compiler.save_cache_artifacts failed: {}: {}; {} not written",
+                         type(exc).__name__, exc, self.bin_path)
+            self.saved = False
+            return False
+        if result is None:
+            logger.info("compile cache: nothing compiled by inductor to save; {} not written", self.bin_path)
+            self.saved = False
+            return False
+        data, info = result
+        artifacts = {kind: len(keys) for kind, keys in info.artifacts.items()}
+        meta = {"key": self.key, "fields": self.fields, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                "artifacts": artifacts, "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        path = self.bin_path
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(path, data)
+            path = self.meta_path
+            _write_atomic(path, json.dumps(meta, indent=2).encode())
+        except OSError as exc:
+            logger.error("compile cache: could not write {}: {}; the next start-up compiles from scratch", path, exc)
+            self.saved = False
+            return False
+        self.saved, self.artifacts = True, artifacts
+        logger.info("compile cache: saved {} artifacts {} ({:.2f} MiB) to {}", sum(artifacts.values()), artifacts,
+                    len(data) / 2**20, self.bin_path)
+        return True

@@ -130,16 +130,26 @@ class CompileConfig(_Strict):
     backend: Literal["inductor", "aot_eager", "eager"] = Field(
         "inductor", description="torch.compile backend; 'eager' and 'aot_eager' trace without generating kernels "
         "(tests count compilations with them).")
+    cache_dir: str | None = Field(
+        None, min_length=1, description="Folder of the compile cache (runnerkit/compile.py, `CompileCache`): the "
+        "compiled artifacts of a warmed runner are saved here after warmup and loaded at the next start-up before "
+        "warmup, so a restart on the same software, device and config compiles nothing. One entry per key (torch/"
+        "CUDA/triton/Python versions, device, runner class, architecture, dtype, compile settings, attention "
+        "backend, offload mode); a mismatch recompiles and logs why. Inductor backend only; torch >= 2.7.")
 
     @model_validator(mode="after")
     def _settings_act(self) -> CompileConfig:
-        changed = [k for k in ("mode", "dynamic", "backend") if k in self.model_fields_set]
+        changed = [k for k in ("mode", "dynamic", "backend", "cache_dir") if k in self.model_fields_set]
         if not self.enabled and changed:
             raise ValueError(f"`compile.{changed[0]}` does nothing while `compile.enabled` is false: set "
                              "`enabled: true` or remove it")
         if self.backend != "inductor" and self.mode != "default":
             raise ValueError(f"`compile.mode`={self.mode!r} only acts with `compile.backend`='inductor' (got "
                              f"{self.backend!r}): remove it")
+        if self.backend != "inductor" and self.cache_dir is not None:
+            raise ValueError(f"`compile.cache_dir` only acts with `compile.backend`='inductor' (got {self.backend!r}; "
+                             "the 'eager' and 'aot_eager' backends generate no kernels to cache): remove it or use "
+                             "backend 'inductor'")
         return self
 
 

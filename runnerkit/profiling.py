@@ -34,6 +34,16 @@ def dynamo_counts() -> tuple[int, int]:
     return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["recompiles"].values()))
 
 
+def inductor_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of inductor's FX-graph cache so far in this process: a miss is a graph inductor
+    lowered and generated code for; a hit was served by a cache (e.g. one `compile.cache_dir` loaded)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - very old torch
+        return 0, 0
+    return int(counters["inductor"].get("fxgraph_cache_hit", 0)), int(counters["inductor"].get("fxgraph_cache_miss", 0))
+
+
 def compile_seconds() -> float:
     """Seconds torch's compiler has spent in this process so far (dynamo's per-frame compile times)."""
     try:
@@ -104,6 +114,7 @@ class Profiler:
         self.device = device
         self.phases: dict[str, float] = {}
         self.attention: dict[str, Any] | None = None  # the attention backend chosen at load
+        self.compile_cache: dict[str, Any] | None = None  # compile.cache_dir: what was loaded and saved
         self.warmup: dict[str, Any] | None = None
         self.requests: list[RequestProfile] = []
         self.current: RequestProfile | None = None
@@ -157,6 +168,7 @@ class Profiler:
             "device": str(self.device),
             "phases": self.phases,
             "attention": self.attention,
+            "compile_cache": self.compile_cache,
             "warmup": self.warmup,
             "requests": [{"index": r.index, "shape": r.shape, "seconds": r.seconds, "stage_seconds": r.stages,
                           "step_seconds": r.steps, "memory": r.memory, "audit": r.audit, "ok": r.ok,

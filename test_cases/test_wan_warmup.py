@@ -172,7 +172,7 @@ def test_warmup_drives_real_path_in_order(tiny_ckpt: Path, mocker: Any) -> None:
     assert runner.profiler.warmup["shapes"] == [[h0, w0, f0], [h1, w1, f1]]
     assert runner.profiler.warmup["steps_per_shape"] == {"transformer": [0]}
     assert set(runner.profiler.warmup) == {"seconds", "shapes", "steps_per_shape", "compilations", "compile_seconds",
-                                          "memory_before", "memory_after"}
+                                          "compile_cache_hits", "compile_cache_misses", "memory_before", "memory_after"}
 
 
 def test_decoder_iterator_is_consumed_fully(tiny_ckpt: Path) -> None:

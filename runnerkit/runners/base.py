@@ -23,6 +23,7 @@ that boundary, after which `end_run` cleans up as after any failure).
 
 from __future__ import annotations
 
+import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +38,7 @@ from runnerkit import compile as regional_compile
 from runnerkit import memory
 from runnerkit.config import FAMILY_DEFAULTED, ConfigLockedError, RunnerConfig, deep_freeze
 from runnerkit.memory import snapshot
-from runnerkit.profiling import Profiler, RequestProfile, compile_seconds, dynamo_counts
+from runnerkit.profiling import Profiler, RequestProfile, compile_seconds, dynamo_counts, inductor_cache_counts
 from runnerkit.runners.pipeline import Shape
 
 __all__ = ["BaseRunner", "ConfigLockedError", "LifecycleError", "error_phase", "lifecycle_phase", "resolve_device"]
@@ -138,6 +139,8 @@ class BaseRunner(ABC):
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.profiler = Profiler(self.device)
+        #: The compile cache entry of this run (`compile.cache_dir`), opened after the config lock.
+        self.compile_cache: regional_compile.CompileCache | None = None
         self.input_info: Any = None
         self.inputs: Any = None
         #: Observers (see the module docstring); None: nobody listens.
@@ -205,6 +208,8 @@ class BaseRunner(ABC):
                 logger.info("load: {:.2f} s, {}", seconds, snapshot(self.device).describe())
             self._lock_config()
             logger.info("resolved config: {}", self.config.model_dump_json())
+            with lifecycle_phase("load"):
+                self._load_compile_cache()
             if self.config.warmup:
                 self._phase("warming_up")
             with lifecycle_phase("warmup"):
@@ -214,6 +219,20 @@ class BaseRunner(ABC):
             raise
         self._lifecycle = "ready"
         self._phase("ready")
+
+    def _load_compile_cache(self) -> None:
+        """With `compile.cache_dir`: load this run's entry into torch's caches before warmup compiles
+        (runnerkit/compile.py, `CompileCache`; logs why when there is none; never raises on a bad cache)."""
+        cfg = self.config.compile
+        if not (cfg.enabled and cfg.cache_dir is not None):
+            return
+        fields = regional_compile.cache_fields(
+            runner=type(self), model=json.loads(self.config.model_dump_json(include={"model"}))["model"],
+            dtype=self.config.dtype, cfg=cfg, attention=(self.profiler.attention or {}).get("backend"),
+            offload=self.config.offload, device=self.device)
+        self.compile_cache = regional_compile.CompileCache(cfg.cache_dir, fields)
+        self.compile_cache.load(will_save=self.config.warmup)
+        self.profiler.compile_cache = self.compile_cache.report()
 
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:
@@ -240,6 +259,7 @@ class BaseRunner(ABC):
         shapes = self.warmup_shapes()
         before = self._memory_report()
         graphs0, compile0 = dynamo_counts()[0], compile_seconds()
+        hits0, misses0 = inductor_cache_counts()
         t0 = time.perf_counter()
         self._warmup_ran = True
         try:
@@ -249,6 +269,10 @@ class BaseRunner(ABC):
             self.reset_request_state()
         memory.synchronize(self.device)
         seconds = time.perf_counter() - t0
+        hits1, misses1 = inductor_cache_counts()
+        if self.compile_cache is not None:  # what warmup compiled (or loaded), for the next start-up
+            self.compile_cache.save()
+            self.profiler.compile_cache = self.compile_cache.report()
         self.after_warmup()
         after = self._memory_report()
         self.profiler.warmup = {
@@ -257,6 +281,8 @@ class BaseRunner(ABC):
             "steps_per_shape": self.warmup_step_report(),
             "compilations": dynamo_counts()[0] - graphs0,
             "compile_seconds": round(compile_seconds() - compile0, 3),
+            "compile_cache_hits": hits1 - hits0,
+            "compile_cache_misses": misses1 - misses0,
             "memory_before": before,
             "memory_after": after,
         }
