@@ -48,16 +48,18 @@ ARMS: dict[str, list[dict[str, Any]]] = {
         {"name": "eager flash_attn_4", "attention": "flash_attn_4"},
         {"name": "compiled sdpa_cudnn", "attention": "sdpa_cudnn", "compile": True, "cache": "cudnn"},
         {"name": "compiled flash_attn_4", "attention": "flash_attn_4", "compile": True, "cache": "fa4"},
-        {"name": "compiled sdpa_cudnn, no warmup", "attention": "sdpa_cudnn", "compile": True, "warmup": False},
+        {"name": "compiled sdpa_cudnn no-warmup", "attention": "sdpa_cudnn", "compile": True, "warmup": False},
     ],
     "wan14": [
-        {"name": "eager auto", "attention": "auto"},
-        {"name": "compiled auto", "attention": "auto", "compile": True, "cache": "auto"},
+        {"name": "eager sdpa_cudnn", "attention": "sdpa_cudnn"},
+        {"name": "compiled sdpa_cudnn", "attention": "sdpa_cudnn", "compile": True, "cache": "cudnn"},
+        {"name": "eager flash_attn_4", "attention": "flash_attn_4"},
+        {"name": "compiled flash_attn_4", "attention": "flash_attn_4", "compile": True, "cache": "fa4"},
     ],
     "qwen": [
         {"name": "eager auto", "attention": "auto"},
         {"name": "compiled auto", "attention": "auto", "compile": True, "cache": "auto"},
-        {"name": "compiled auto, no warmup", "attention": "auto", "compile": True, "warmup": False},
+        {"name": "compiled auto no-warmup", "attention": "auto", "compile": True, "warmup": False},
     ],
 }
 """Arms per plan. `cache`: a compile-cache directory name shared by the arm's processes (the first
@@ -277,6 +279,7 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     arms = [a for a in ARMS[args.plan] if not args.arms or a["name"] in args.arms.split(",")]
+    shutil.rmtree(Path(args.ckpt_root) / "local_caches", ignore_errors=True)
     for a in arms:
         if a.get("cache"):
             shutil.rmtree(Path(args.ckpt_root) / "compile_cache" / f"{args.plan}_{a['cache']}", ignore_errors=True)
@@ -295,8 +298,12 @@ def main() -> None:
                      *(["--smoke"] if args.smoke else [])]
             t1 = time.perf_counter()
             try:
+                # A fresh inductor and Triton cache per process, as on a fresh machine: only `compile.cache_dir`
+                # carries compiled code from one process to the next.
+                local = Path(args.ckpt_root) / "local_caches" / f"{a['name'].replace(' ', '_')}_{rnd}"
                 r = run_worker(Path(__file__), wargs, Path(args.ckpt_root) / "result.json",
-                               env={"PYTHONUNBUFFERED": "1", **os.environ})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(local / "inductor"),
+                                    "TRITON_CACHE_DIR": str(local / "triton")})
             except RuntimeError as exc:
                 r = {"error": str(exc)}
             results[a["name"]].append(r)
