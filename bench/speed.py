@@ -88,7 +88,11 @@ def qwen_flops(t: dict[str, Any], l_img: int, l_txt: int, cfg: bool) -> dict[str
 
 
 def kernel_kind(name: str) -> str:
+    """attention, gemm or other, from a CUDA kernel's name (inductor's fused Triton kernels are named after
+    the ops around them, `..._flash_attn_4_...` included: always 'other')."""
     low = name.lower()
+    if low.startswith("triton_"):
+        return "other"
     if any(s in low for s in ("flash", "fmha", "sdpa", "attention", "fort_native", "attn")):
         return "attention"
     if any(s in low for s in ("gemm", "nvjet", "xmma", "cutlass", "matmul", "splitk")):
@@ -221,6 +225,21 @@ def profile_request(runner: Any, args: argparse.Namespace, work: Path) -> dict[s
 
 def summarize(out: Path) -> None:
     data = json.loads(out.with_suffix(".json").read_text())
+    kin = []
+    for name, procs in data["arms"].items():
+        for p in procs:
+            if "profile" not in p:
+                continue
+            k, fl = dict(p["profile"]["per_step_s"]), p["flops"]
+            total = sum(k.values())  # the attention and GEMM kernels are few and all among the top 15 by time
+            for kind in ("attention", "gemm"):
+                k[kind] = sum(t for name, t in p["profile"]["top_kernels"] if kernel_kind(name) == kind)
+            k["other"] = total - k["attention"] - k["gemm"]
+            p["profile"]["per_step_s"] = k
+            step = median([s for q in p["requests"][1:] for s in q["steps_s"][1:]])
+            kin.append([name, f"{k['attention']:.3f} ({fl['attention'] / k['attention'] / 1e12:.0f})",
+                        f"{k['gemm']:.3f} ({fl['matmul'] / k['gemm'] / 1e12:.0f})", f"{k['other']:.3f}",
+                        f"{sum(k.values()):.3f}", f"{step:.3f}"])
     rows = []
     for name, procs in data["arms"].items():
         ok = [p for p in procs if "error" not in p]
@@ -248,6 +267,12 @@ def summarize(out: Path) -> None:
             markdown_table(["arm", "attention ran", "procs", "steady step s", "step / floor", "request 1 / request 3",
                             "compilations in request 1", "warmup s", "cache misses in warmup", "init s",
                             "kernels per step s: attention / GEMM / other"], rows), ""]
+    if kin:
+        text += ["Kernel time per step of one profiled request (torch.profiler, CUDA kernels of the denoise stage, by "
+                 "name: attention kernels and GEMMs among the 15 longest kernels, everything else); in brackets the TFLOP/s reached on the step's "
+                 "attention and matmul FLOPs:", "",
+                 markdown_table(["arm", "attention s (TFLOP/s)", "GEMM s (TFLOP/s)", "other s", "sum s",
+                                 "step s (same process)"], kin), ""]
     out.with_suffix(".md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
 
@@ -265,6 +290,7 @@ def main() -> None:
     p.add_argument("--budget_s", type=float, default=560.0, help="start no new process after this many seconds")
     p.add_argument("--out", required=True)
     p.add_argument("--summarize", action="store_true")
+    p.add_argument("--keep_cache", action="store_true", help="start from the compile caches earlier runs saved")
     p.add_argument("--smoke", action="store_true", help="tiny architectures on the CPU (checks the script)")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--arm", default="")
@@ -281,9 +307,10 @@ def main() -> None:
     arms = [a for a in ARMS[args.plan] if not args.arms or a["name"] in args.arms.split(",")]
     shutil.rmtree(Path(args.ckpt_root) / "local_caches", ignore_errors=True)
     for a in arms:
-        if a.get("cache"):
+        if a.get("cache") and not args.keep_cache:
             shutil.rmtree(Path(args.ckpt_root) / "compile_cache" / f"{args.plan}_{a['cache']}", ignore_errors=True)
     results: dict[str, list[dict[str, Any]]] = {a["name"]: [] for a in arms}
+    args.profile_all = args.profile and args.processes == 1
     out.parent.mkdir(parents=True, exist_ok=True)
     title = {"wan13": "Wan2.1 1.3B, 480x832x81, CFG", "wan14": f"Wan2.1 14B blocks ({args.layers} of 40), "
              "480x832x81, CFG", "qwen": f"Qwen-Image 20B blocks ({args.layers} of 60), 1328x1328, CFG"}[args.plan]

@@ -142,7 +142,8 @@ def probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) ->
         with torch.inference_mode():
             out = fn(q, k, v)
             ref = _sdpa_kernel("sdpa_math")(q.float(), k.float(), v.float())
-    except (RuntimeError, NotImplementedError, ImportError, OSError, ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure of a third-party kernel on the probe is a reason
+        # (FlashAttention-4 checks dtype and head size with `assert`: AssertionError)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return first[:300]
     if out.shape != ref.shape:

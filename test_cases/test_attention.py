@@ -171,3 +171,24 @@ def test_flash_attn_4_takes_fa4_layout_and_compiles_as_one_graph(monkeypatch: py
     for a, b in zip(eager, traced, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert len(calls) == 3  # the direct call, the eager block, the compiled block (tracing used the fake)
+
+
+def test_a_backend_that_asserts_on_the_probe_is_skipped_by_auto_and_refused_when_asked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashAttention-4 rejects float32 and unsupported head sizes with `assert` (seen on the H200: `auto`
+    with FA4 installed crashed a float32 run at load): the probe turns any failure into a reason."""
+    calls: list[tuple[int, ...]] = []
+    _fake_flash_attn_cute(monkeypatch, calls)
+    fake = sys.modules["flash_attn.cute"]
+
+    def asserting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert q.dtype in (torch.float16, torch.bfloat16), "inputs must be float16 or bfloat16"
+
+    monkeypatch.setattr(fake, "flash_attn_func", asserting)
+    monkeypatch.setattr(attention, "CUDA_ONLY", {})  # let the CPU probe run the stand-in
+    monkeypatch.setitem(attention.AUTO_ORDER, "cpu", ("flash_attn_4", "sdpa"))
+    with pytest.raises(NotImplementedError, match="`attention`='flash_attn_4' cannot run on cpu .*inputs must be "
+                                                  "float16 or bfloat16"):
+        attention.resolve("flash_attn_4", CPU, torch.float32, 64)
+    chosen = attention.resolve("auto", CPU, torch.float32, 64)
+    assert chosen.name == "sdpa" and "flash_attn_4: inputs must be float16 or bfloat16" in chosen.reason
