@@ -290,7 +290,7 @@ class CompileCache:
         return False
 
     def _load_entry(self) -> bool:
-        path = self.bin_path
+        path, t0 = self.bin_path, time.perf_counter()
         try:
             data = path.read_bytes()
             meta = json.loads(self.meta_path.read_text())
@@ -308,13 +308,14 @@ class CompileCache:
             return False
         self.artifacts = {kind: len(keys) for kind, keys in info.artifacts.items()}
         self.reason = "loaded"
-        logger.info("compile cache: loaded {} artifacts {} ({:.2f} MiB) from {}", sum(self.artifacts.values()),
-                    self.artifacts, len(data) / 2**20, path)
+        logger.info("compile cache: loaded {} artifacts {} ({:.2f} MiB) from {} in {:.2f} s",
+                    sum(self.artifacts.values()), self.artifacts, len(data) / 2**20, path, time.perf_counter() - t0)
         return True
 
     def save(self) -> bool:
         """Write every artifact torch compiled or loaded in this process so far as this key's entry;
         True if written. A failure logs an ERROR naming the path and the error, and returns False."""
+        t0 = time.perf_counter()
         try:
             result = torch.compiler.save_cache_artifacts()
         except Exception as exc:  # torch's serializer: an optimisation must not fail the run
@@ -341,6 +342,6 @@ class CompileCache:
             self.saved = False
             return False
         self.saved, self.artifacts = True, artifacts
-        logger.info("compile cache: saved {} artifacts {} ({:.2f} MiB) to {}", sum(artifacts.values()), artifacts,
-                    len(data) / 2**20, self.bin_path)
+        logger.info("compile cache: saved {} artifacts {} ({:.2f} MiB) to {} in {:.2f} s", sum(artifacts.values()),
+                    artifacts, len(data) / 2**20, self.bin_path, time.perf_counter() - t0)
         return True
