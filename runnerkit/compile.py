@@ -267,11 +267,17 @@ class CompileCache:
         """Load this key's entry into torch's caches; True if loaded. Without one, log why each entry
         of the folder does not match (or that there is none); a damaged entry logs a WARNING.
         `will_save`: whether this run will write the entry after warmup (said in the log)."""
-        if self.bin_path.is_file():
-            self.loaded = self._load_entry()
-            return self.loaded
         after = "it will be written after warmup" if will_save else "nothing will be written (warmup is off)"
-        others = sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []
+        try:
+            if self.bin_path.is_file():
+                self.loaded = self._load_entry()
+                return self.loaded
+            others = sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []
+        except OSError as exc:  # e.g. a folder this user may not read: the cache must not stop the run
+            self.reason = f"unreadable folder: {type(exc).__name__}: {exc}"
+            logger.warning("compile cache: could not read {}: {}: {}; compiling from scratch", self.dir,
+                           type(exc).__name__, exc)
+            return False
         if not others:
             self.reason = "no entry in the folder"
             logger.info("compile cache: {} holds no entry; compiling from scratch, {}", self.dir, after)
