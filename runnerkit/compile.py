@@ -267,11 +267,17 @@ class CompileCache:
         """Load this key's entry into torch's caches; True if loaded. Without one, log why each entry
         of the folder does not match (or that there is none); a damaged entry logs a WARNING.
         `will_save`: whether this run will write the entry after warmup (said in the log)."""
-        if self.bin_path.is_file():
-            self.loaded = self._load_entry()
-            return self.loaded
         after = "it will be written after warmup" if will_save else "nothing will be written (warmup is off)"
-        others = sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []
+        try:
+            if self.bin_path.is_file():
+                self.loaded = self._load_entry()
+                return self.loaded
+            others = sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []
+        except OSError as exc:  # e.g. a folder this user may not read: the cache must not stop the run
+            self.reason = f"unreadable folder: {type(exc).__name__}: {exc}"
+            logger.warning("compile cache: could not read {}: {}: {}; compiling from scratch", self.dir,
+                           type(exc).__name__, exc)
+            return False
         if not others:
             self.reason = "no entry in the folder"
             logger.info("compile cache: {} holds no entry; compiling from scratch, {}", self.dir, after)
@@ -290,7 +296,7 @@ class CompileCache:
         return False
 
     def _load_entry(self) -> bool:
-        path = self.bin_path
+        path, t0 = self.bin_path, time.perf_counter()
         try:
             data = path.read_bytes()
             meta = json.loads(self.meta_path.read_text())
@@ -308,13 +314,14 @@ class CompileCache:
             return False
         self.artifacts = {kind: len(keys) for kind, keys in info.artifacts.items()}
         self.reason = "loaded"
-        logger.info("compile cache: loaded {} artifacts {} ({:.2f} MiB) from {}", sum(self.artifacts.values()),
-                    self.artifacts, len(data) / 2**20, path)
+        logger.info("compile cache: loaded {} artifacts {} ({:.2f} MiB) from {} in {:.2f} s",
+                    sum(self.artifacts.values()), self.artifacts, len(data) / 2**20, path, time.perf_counter() - t0)
         return True
 
     def save(self) -> bool:
         """Write every artifact torch compiled or loaded in this process so far as this key's entry;
         True if written. A failure logs an ERROR naming the path and the error, and returns False."""
+        t0 = time.perf_counter()
         try:
             result = torch.compiler.save_cache_artifacts()
         except Exception as exc:  # torch's serializer: an optimisation must not fail the run
@@ -341,6 +348,6 @@ class CompileCache:
             self.saved = False
             return False
         self.saved, self.artifacts = True, artifacts
-        logger.info("compile cache: saved {} artifacts {} ({:.2f} MiB) to {}", sum(artifacts.values()), artifacts,
-                    len(data) / 2**20, self.bin_path)
+        logger.info("compile cache: saved {} artifacts {} ({:.2f} MiB) to {} in {:.2f} s", sum(artifacts.values()),
+                    artifacts, len(data) / 2**20, self.bin_path, time.perf_counter() - t0)
         return True

@@ -196,6 +196,20 @@ def test_an_unwritable_folder_logs_an_error_and_the_run_goes_on(tiny_ckpt: Path,
     assert audit["compilations"] == 0 and torch.equal(video, first_start[2])
 
 
+def test_an_unreadable_folder_warns_and_does_not_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       logs: list[str]) -> None:
+    from runnerkit.compile import CompileCache
+
+    def denied(self: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    cache = CompileCache(tmp_path, {"torch": torch.__version__})
+    assert cache.load(will_save=True) is False
+    assert cache.report()["reason"].startswith("unreadable folder: PermissionError"), cache.report()
+    assert any(line.startswith(f"WARNING compile cache: could not read {tmp_path}") for line in logs), logs
+
+
 @pytest.mark.parametrize("compile_cfg, match", [
     ({"cache_dir": "/tmp/c"}, "`compile.cache_dir` does nothing while `compile.enabled` is false"),
     ({"enabled": True, "backend": "eager", "cache_dir": "/tmp/c"},

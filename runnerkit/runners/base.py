@@ -1,7 +1,7 @@
 """BaseRunner: the lifecycle template and every guarantee it holds (ARCHITECTURE §2, §3).
 
     runner = get_runner_cls(config.model_cls, config.task)(config)   # family defaults resolved, config validated
-    runner.init_modules()                # once: warmup gate -> load_modules -> config lock -> warmup
+    runner.init_modules()                # once: warmup gate -> load_modules -> config lock -> compile cache -> warmup
     runner.run_pipeline(request, index)  # one request; end_run() always runs after it
 
 `init_modules`, `warmup` and `run_pipeline` are final: a subclass that defines one of them is
@@ -185,7 +185,8 @@ class BaseRunner(ABC):
 
     # -- lifecycle (final) ------------------------------------------------------------------
     def init_modules(self) -> None:
-        """Load modules, lock the config, run the one-time warmup (a no-op without `warmup`).
+        """Load modules, lock the config, load the compile cache (`compile.cache_dir`), run the one-time
+        warmup (a no-op without `warmup`; with a compile cache it saves the entry after it).
 
         Raises:
             LifecycleError: called a second time (build a new runner to reload).
@@ -286,8 +287,9 @@ class BaseRunner(ABC):
             "memory_before": before,
             "memory_after": after,
         }
-        logger.info("warmup: {:.2f} s over shapes {}; {}", seconds, [list(s) for s in shapes],
-                    memory.snapshot(self.device).describe())
+        logger.info("warmup: {:.2f} s over shapes {}{}; {}", seconds, [list(s) for s in shapes],
+                    f"; inductor graphs: {hits1 - hits0} from a cache, {misses1 - misses0} generated"
+                    if self.config.compile.enabled else "", memory.snapshot(self.device).describe())
 
     def _memory_report(self) -> dict[str, float | str]:
         """Device memory (CUDA only: zeros on the CPU would mislead) and host memory, GiB."""
