@@ -59,8 +59,8 @@ from runnerkit.config import CompileConfig, OffloadConfig
 _COMPILED: dict[tuple[type, str, bool, str], Callable[..., Any]] = {}
 
 
-def check_supported(cfg: CompileConfig, offload: OffloadConfig) -> None:
-    """Refuse combinations regional compile cannot serve.
+def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: bool = False) -> None:
+    """Refuse combinations regional compile cannot serve (`unload_modules`: the runner config's).
 
     Raises:
         NotImplementedError: with the reason.
@@ -81,6 +81,13 @@ def check_supported(cfg: CompileConfig, offload: OffloadConfig) -> None:
             f"`compile.mode`='reduce-overhead' (CUDA graphs) cannot run with `offload.mode`={offload.mode!r}: "
             "streamed weights change addresses every step, which a captured graph cannot follow; use mode "
             "'default' or 'max-autotune-no-cudagraphs'")
+    moved = ("`offload.mode`='model' (the transformer leaves the device between stages)" if offload.mode == "model" else
+             "`offload.lazy_load` (the transformer is rebuilt for every request)" if offload.lazy_load else
+             "`unload_modules` (the transformer is rebuilt for every request)" if unload_modules else None)
+    if cfg.mode == "reduce-overhead" and moved is not None:
+        raise NotImplementedError(
+            f"`compile.mode`='reduce-overhead' (CUDA graphs) cannot run with {moved}: a captured graph keeps the "
+            "weights' old device addresses; use mode 'default' or 'max-autotune-no-cudagraphs'")
 
 
 def compiled_forward(block_cls: type, cfg: CompileConfig) -> Callable[..., Any]:

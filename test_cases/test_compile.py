@@ -116,6 +116,12 @@ def test_streaming_and_lazy_load_share_the_compiled_code(tiny_ckpt: Path, tmp_pa
 @pytest.mark.parametrize("overrides, reason", [
     ({"offload": {"mode": "phase"}}, "phase hooks run inside a block's forward"),
     ({"offload": {"mode": "block"}, "compile": {"enabled": True, "mode": "reduce-overhead"}}, "CUDA graphs"),
+    ({"offload": {"mode": "model"}, "compile": {"enabled": True, "mode": "reduce-overhead"}},
+     "`offload.mode`='model' .* old device addresses"),
+    ({"unload_modules": True, "compile": {"enabled": True, "mode": "reduce-overhead"}},
+     "`unload_modules` .* old device addresses"),
+    ({"offload": {"mode": "block", "storage": "disk", "lazy_load": True}, "compile": {"enabled": True, "mode":
+     "reduce-overhead"}}, "CUDA graphs"),
 ])
 def test_unsupported_combinations_are_refused_with_the_reason(tiny_ckpt: Path, overrides: dict[str, Any],
                                                               reason: str) -> None:
