@@ -15,8 +15,12 @@ passes) at 790 TFLOP/s, the H200's measured bf16 matmul rate (issue 11). Wan2.1 
 Plans (`--plan`):
 - `wan13`: Wan2.1 1.3B, 480x832x81, CFG: eager and compiled per attention backend, compiled without
   warmup, compiled with a cold (empty) and a warm (saved) compile cache.
-- `wan14`: Wan2.1 14B blocks (`--layers` of the 40, the floor counts the same blocks), eager and compiled.
-- `qwen`: Qwen-Image 20B blocks (`--layers` of the 60), 1328x1328, CFG: eager and compiled.
+- `wan14`: Wan2.1 14B, eager and compiled per attention backend.
+- `qwen`: Qwen-Image 20B, 1328x1328, CFG: eager and compiled, with and without warmup.
+
+`--layers` builds fewer blocks (the floor counts the same blocks), but warmup refuses an architecture
+that is not a released flavour (its shapes are per flavour): the 2026-12-02 run of `wan14` with 10
+blocks was refused so (bench/results/speed_wan14_h200_refused.log). Keep the full depth with warmup.
 
     python bench/speed.py --plan wan13 --processes 3 --out $OUT/speed_wan13
     python bench/speed.py --summarize --out bench/results/speed_wan13
@@ -284,7 +288,7 @@ def main() -> None:
     p.add_argument("--processes", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--requests", type=int, default=3)
-    p.add_argument("--layers", type=int, default=10, help="wan14 / qwen: transformer blocks built")
+    p.add_argument("--layers", type=int, default=0, help="wan14 / qwen: transformer blocks built (0: all, 40 / 60)")
     p.add_argument("--profile", action="store_true", help="profile one extra request in the last round")
     p.add_argument("--ckpt_root", default="/tmp/speed")
     p.add_argument("--budget_s", type=float, default=560.0, help="start no new process after this many seconds")
@@ -296,6 +300,7 @@ def main() -> None:
     p.add_argument("--arm", default="")
     p.add_argument("--result", default="")
     args = p.parse_args()
+    args.layers = args.layers or {"wan14": 40, "qwen": 60}.get(args.plan or "", 0)
     out = Path(args.out)
     if args.summarize:
         summarize(out)
