@@ -59,8 +59,9 @@ from runnerkit.config import CompileConfig, OffloadConfig
 _COMPILED: dict[tuple[type, str, bool, str], Callable[..., Any]] = {}
 
 
-def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: bool = False) -> None:
-    """Refuse combinations regional compile cannot serve (`unload_modules`: the runner config's).
+def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: bool = False,
+                    device: torch.device | None = None) -> None:
+    """Refuse combinations regional compile cannot serve (`unload_modules`, `device`: the runner's).
 
     Raises:
         NotImplementedError: with the reason.
@@ -88,6 +89,10 @@ def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: 
         raise NotImplementedError(
             f"`compile.mode`='reduce-overhead' (CUDA graphs) cannot run with {moved}: a captured graph keeps the "
             "weights' old device addresses; use mode 'default' or 'max-autotune-no-cudagraphs'")
+    if cfg.mode == "reduce-overhead" and device is not None and device.type != "cuda":
+        raise NotImplementedError(
+            f"`compile.mode`='reduce-overhead' (CUDA graphs) does nothing on device {device.type!r}: use mode "
+            "'default'")
 
 
 def compiled_forward(block_cls: type, cfg: CompileConfig) -> Callable[..., Any]:
@@ -275,6 +280,12 @@ class CompileCache:
         of the folder does not match (or that there is none); a damaged entry logs a WARNING.
         `will_save`: whether this run will write the entry after warmup (said in the log)."""
         after = "it will be written after warmup" if will_save else "nothing will be written (warmup is off)"
+        unusable = self.unusable_folder()
+        if unusable is not None:  # said now, before warmup pays for a compile that could not be saved
+            self.reason = f"unusable folder: {unusable}"
+            logger.warning("compile cache: `compile.cache_dir` {} {}: nothing can be loaded or saved there; compiling "
+                           "from scratch", self.dir.resolve(), unusable)
+            return False
         try:
             if self.bin_path.is_file():
                 self.loaded = self._load_entry()
@@ -302,11 +313,25 @@ class CompileCache:
         logger.info("compile cache: no entry for key {} in {}; compiling from scratch, {}", self.key, self.dir, after)
         return False
 
+    def unusable_folder(self) -> str | None:
+        """Why the cache folder can hold no entry (it is not a folder, or it or its nearest existing
+        parent cannot be written), or None."""
+        if self.dir.exists() and not self.dir.is_dir():
+            return "is not a directory"
+        existing = next((p for p in (self.dir.resolve(), *self.dir.resolve().parents) if p.exists()), None)
+        if existing is None or not existing.is_dir():
+            return f"cannot be created ({existing} is not a directory)"
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return "is not writable" if existing == self.dir.resolve() else f"cannot be created ({existing} is not writable)"
+        return None
+
     def _load_entry(self) -> bool:
         path, t0 = self.bin_path, time.perf_counter()
         try:
             data = path.read_bytes()
+            path = self.meta_path  # a failure from here to the hash check is the metadata's
             meta = json.loads(self.meta_path.read_text())
+            path = self.bin_path
             digest = hashlib.sha256(data).hexdigest()
             if meta.get("sha256") != digest:
                 raise ValueError(f"its SHA-256 {digest[:12]}… differs from {self.meta_path.name}'s "
@@ -345,6 +370,12 @@ class CompileCache:
         meta = {"key": self.key, "fields": self.fields, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                 "artifacts": artifacts, "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         path = self.bin_path
+        unusable = self.unusable_folder()
+        if unusable is not None:
+            logger.error("compile cache: `compile.cache_dir` {} {}; {} not written, the next start-up compiles from "
+                         "scratch", self.dir.resolve(), unusable, path.name)
+            self.saved = False
+            return False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             _write_atomic(path, data)

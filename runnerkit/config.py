@@ -135,7 +135,8 @@ class CompileConfig(_Strict):
         "compiled artifacts of a warmed runner are saved here after warmup and loaded at the next start-up before "
         "warmup, so a restart on the same software, device and config compiles nothing. One entry per key (torch/"
         "CUDA/triton/Python versions, device, runner class, architecture, dtype, compile settings, attention "
-        "backend, offload mode); a mismatch recompiles and logs why. Inductor backend only; torch >= 2.7.")
+        "backend, offload mode); a mismatch recompiles and logs why. Inductor backend only; torch >= 2.7. A relative "
+        "path is relative to the working directory.")
 
     @model_validator(mode="after")
     def _settings_act(self) -> CompileConfig:
@@ -146,6 +147,9 @@ class CompileConfig(_Strict):
         if self.backend != "inductor" and self.mode != "default":
             raise ValueError(f"`compile.mode`={self.mode!r} only acts with `compile.backend`='inductor' (got "
                              f"{self.backend!r}): remove it")
+        if self.cache_dir is not None and not self.cache_dir.strip():
+            raise ValueError(f"`compile.cache_dir`={self.cache_dir!r} is blank: give a folder path (relative paths "
+                             "are relative to the working directory) or remove it")
         if self.backend != "inductor" and self.cache_dir is not None:
             raise ValueError(f"`compile.cache_dir` only acts with `compile.backend`='inductor' (got {self.backend!r}; "
                              "the 'eager' and 'aot_eager' backends generate no kernels to cache): remove it or use "

@@ -120,6 +120,7 @@ def test_streaming_and_lazy_load_share_the_compiled_code(tiny_ckpt: Path, tmp_pa
      "`offload.mode`='model' .* old device addresses"),
     ({"unload_modules": True, "compile": {"enabled": True, "mode": "reduce-overhead"}},
      "`unload_modules` .* old device addresses"),
+    ({"compile": {"enabled": True, "mode": "reduce-overhead"}}, "does nothing on device 'cpu'"),
     ({"offload": {"mode": "block", "storage": "disk", "lazy_load": True}, "compile": {"enabled": True, "mode":
      "reduce-overhead"}}, "CUDA graphs"),
 ])

@@ -174,7 +174,8 @@ def test_a_damaged_entry_warns_and_compiles_from_scratch(tiny_ckpt: Path, tmp_pa
     runner = _runner(tiny_ckpt, monkeypatch, local_inductor, cache_dir=str(cache))
     section = runner.profiler.compile_cache
     assert section is not None and section["loaded"] is False and section["reason"].startswith("damaged entry"), section
-    assert any(line.startswith(f"WARNING compile cache: could not load {entry}") for line in logs), logs
+    named = entry.with_suffix(".json") if damage == "no_metadata" else entry  # the file that is damaged
+    assert any(line.startswith(f"WARNING compile cache: could not load {named}:") for line in logs), logs
     audit, video = _request(runner, tmp_path / "out.safetensors")
     assert audit["compilations"] == 0 and torch.equal(video, first_start[2])
     assert section["saved"] is True  # rewritten whole after warmup
@@ -182,16 +183,25 @@ def test_a_damaged_entry_warns_and_compiles_from_scratch(tiny_ckpt: Path, tmp_pa
     assert meta["bytes"] == entry.stat().st_size > 1000
 
 
-def test_an_unwritable_folder_logs_an_error_and_the_run_goes_on(tiny_ckpt: Path, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch, logs: list[str],
-                                                                local_inductor: Path, fresh_compiler: None,
-                                                                first_start: FirstStart) -> None:
+@pytest.mark.parametrize("where", ["under_a_file", "a_file"])
+def test_an_unusable_folder_is_named_at_start_and_the_run_goes_on(tiny_ckpt: Path, tmp_path: Path, where: str,
+                                                                  monkeypatch: pytest.MonkeyPatch, logs: list[str],
+                                                                  local_inductor: Path, fresh_compiler: None,
+                                                                  first_start: FirstStart) -> None:
+    """Said at start-up, before warmup pays for a compile that cannot be saved; ERROR at the save; the run goes on."""
     (tmp_path / "a_file").write_text("")
-    cache = tmp_path / "a_file" / "cache"  # a folder under a regular file: mkdir fails, also as root
+    # a folder under a regular file cannot be made, also as root; a regular file is no folder
+    cache = tmp_path / "a_file" / "cache" if where == "under_a_file" else tmp_path / "a_file"
+    why = f"cannot be created ({tmp_path / 'a_file'} is not a directory)" if where == "under_a_file" else \
+        "is not a directory"
     runner = _runner(tiny_ckpt, monkeypatch, local_inductor, cache_dir=str(cache))
     section = runner.profiler.compile_cache
     assert section is not None and section["loaded"] is False and section["saved"] is False, section
-    assert any(line.startswith("ERROR compile cache: could not write") and str(cache) in line for line in logs), logs
+    assert section["reason"] == f"unusable folder: {why}", section
+    start = next(i for i, line in enumerate(logs) if line.startswith("WARNING compile cache:"))
+    assert f"{cache} {why}" in logs[start]
+    assert not any("warmup:" in line for line in logs[:start])  # before warmup
+    assert any(line.startswith("ERROR compile cache:") and "not written" in line for line in logs[start:]), logs
     audit, video = _request(runner, tmp_path / "out.safetensors")
     assert audit["compilations"] == 0 and torch.equal(video, first_start[2])
 
@@ -215,6 +225,7 @@ def test_an_unreadable_folder_warns_and_does_not_raise(tmp_path: Path, monkeypat
     ({"enabled": True, "backend": "eager", "cache_dir": "/tmp/c"},
      "`compile.cache_dir` only acts with `compile.backend`='inductor' \\(got 'eager'"),
     ({"enabled": True, "cache_dir": ""}, "cache_dir"),
+    ({"enabled": True, "cache_dir": "   "}, "`compile.cache_dir`='   ' is blank"),
 ])
 def test_cache_settings_that_cannot_act_are_refused(tiny_ckpt: Path, compile_cfg: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -74,7 +74,8 @@ class DefaultRunner(BaseRunner):
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
-        regional_compile.check_supported(self.config.compile, self.config.offload, self.config.unload_modules)
+        regional_compile.check_supported(self.config.compile, self.config.offload, self.config.unload_modules,
+                                         self.device)
         self.pipeline: Pipeline | None = None
         self.schedulers: dict[str, Scheduler] = {}
         self.placement: Placement | None = None
