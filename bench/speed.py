@@ -315,7 +315,6 @@ def main() -> None:
         if a.get("cache") and not args.keep_cache:
             shutil.rmtree(Path(args.ckpt_root) / "compile_cache" / f"{args.plan}_{a['cache']}", ignore_errors=True)
     results: dict[str, list[dict[str, Any]]] = {a["name"]: [] for a in arms}
-    args.profile_all = args.profile and args.processes == 1
     out.parent.mkdir(parents=True, exist_ok=True)
     title = {"wan13": "Wan2.1 1.3B, 480x832x81, CFG", "wan14": f"Wan2.1 14B blocks ({args.layers} of 40), "
              "480x832x81, CFG", "qwen": f"Qwen-Image 20B blocks ({args.layers} of 60), 1328x1328, CFG"}[args.plan]

@@ -17,7 +17,8 @@ case $what in
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .fa4b/*.whl &&
       cat /tmp/fa4parts/cu13.part.* | xz -dc -T0 | tar -x -C /tmp/site &&
       python3 -c "import flash_attn.cute; print('flash_attn.cute imported')" ;;
-  tests) python3 -m pytest -q -m gpu test_cases -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15 ;;
+  # the GPU image has no fastapi, and the server's tests have no GPU case
+  tests) python3 -m pytest -q -rfEs -m gpu test_cases --ignore=test_cases/serve -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15 ;;
   *) PYTHONUNBUFFERED=1 python3 bench/speed.py --plan "$what" --out "$OUT/speed_$what" "$@" 2>&1 |
        grep --line-buffered -v "Loading weights\|Writing model shards" | tee "$OUT/speed_$what.log" ;;
 esac

@@ -354,6 +354,12 @@ class CompileCache:
         """Write every artifact torch compiled or loaded in this process so far as this key's entry;
         True if written. A failure logs an ERROR naming the path and the error, and returns False."""
         t0 = time.perf_counter()
+        unusable = self.unusable_folder()  # before serializing what could not be written anyway
+        if unusable is not None:
+            logger.error("compile cache: `compile.cache_dir` {} {}; {} not written, the next start-up compiles from "
+                         "scratch", self.dir.resolve(), unusable, self.bin_path.name)
+            self.saved = False
+            return False
         try:
             result = torch.compiler.save_cache_artifacts()
         except Exception as exc:  # torch's serializer: an optimisation must not fail the run
@@ -370,12 +376,6 @@ class CompileCache:
         meta = {"key": self.key, "fields": self.fields, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                 "artifacts": artifacts, "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         path = self.bin_path
-        unusable = self.unusable_folder()
-        if unusable is not None:
-            logger.error("compile cache: `compile.cache_dir` {} {}; {} not written, the next start-up compiles from "
-                         "scratch", self.dir.resolve(), unusable, path.name)
-            self.saved = False
-            return False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             _write_atomic(path, data)
