@@ -53,6 +53,8 @@ ARMS: dict[str, list[dict[str, Any]]] = {
         {"name": "compiled sdpa_cudnn", "attention": "sdpa_cudnn", "compile": True, "cache": "cudnn"},
         {"name": "compiled flash_attn_4", "attention": "flash_attn_4", "compile": True, "cache": "fa4"},
         {"name": "compiled sdpa_cudnn no-warmup", "attention": "sdpa_cudnn", "compile": True, "warmup": False},
+        {"name": "compiled sdpa_cudnn unfused GELU", "attention": "sdpa_cudnn", "compile": True, "cache": "cudnn_unfused",
+         "fused": False},
     ],
     "wan14": [
         {"name": "eager sdpa_cudnn", "attention": "sdpa_cudnn"},
@@ -67,7 +69,8 @@ ARMS: dict[str, list[dict[str, Any]]] = {
     ],
 }
 """Arms per plan. `cache`: a compile-cache directory name shared by the arm's processes (the first
-process starts with it empty, later ones load what it saved); absent: no compile cache."""
+process starts with it empty, later ones load what it saved); absent: no compile cache. `fused: False`: the MLP's
+GELU as its own kernel (runnerkit/fused.py off), to measure what the fused GEMM epilogue saves."""
 
 
 def wan_flops(t: dict[str, Any], shape: tuple[int, int, int], cfg: bool) -> dict[str, float]:
@@ -144,6 +147,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from runnerkit.registry import get_runner_cls
 
     arm = json.loads(args.arm)
+    if arm.get("fused") is False:
+        from runnerkit import fused
+
+        fused.ENABLED = False
     data, ckpt = setup(args.plan, args)
     data.update(model_path=str(ckpt), infer_steps=args.steps, warmup=arm.get("warmup", True),
                 attention="auto" if args.smoke else arm["attention"])

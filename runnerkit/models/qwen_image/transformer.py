@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runnerkit.attention import AttentionUser
+from runnerkit.fused import linear_gelu_tanh
 from runnerkit.models.qwen_image.arch import QwenImageTransformerArch
 from runnerkit.models.wan.transformer import apply_rope
 from runnerkit.offload.layout import StreamSpec
@@ -130,14 +131,15 @@ class RMSNorm(nn.Module):
 
 
 class TanhGELUProj(nn.Module):
-    """Linear then tanh-approximated GELU (diffusers `GELU(approximate="tanh")`, key `proj`)."""
+    """Linear then tanh-approximated GELU (diffusers `GELU(approximate="tanh")`, key `proj`); on CUDA the
+    GELU runs in the GEMM's epilogue (runnerkit/fused.py)."""
 
     def __init__(self, dim_in: int, dim_out: int) -> None:
         super().__init__()
         self.proj = nn.Linear(dim_in, dim_out)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
+        return linear_gelu_tanh(x, self.proj)
 
 
 class FeedForward(nn.Module):

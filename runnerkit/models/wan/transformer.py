@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runnerkit.attention import AttentionUser
+from runnerkit.fused import TanhGELUMLP
 from runnerkit.models.wan.arch import WAN_CLIP_DIM, WAN_CLIP_TOKENS, WanTransformerArch
 from runnerkit.offload.layout import StreamSpec
 
@@ -234,7 +235,7 @@ class WanAttentionBlock(nn.Module):
         cross = WanI2VCrossAttention if arch.image_context else WanCrossAttention
         self.cross_attn = cross(dim, arch.num_heads, arch.qk_norm, arch.eps)
         self.norm2 = FP32LayerNorm(dim, arch.eps, elementwise_affine=False)
-        self.ffn = nn.Sequential(nn.Linear(dim, arch.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(arch.ffn_dim, dim))
+        self.ffn = TanhGELUMLP(dim, arch.ffn_dim, dim)  # GELU in the first GEMM's epilogue on CUDA (runnerkit/fused.py)
         # Rows: shift, scale, gate (self-attention), shift, scale, gate (FFN).
         self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
