@@ -254,8 +254,9 @@ def summarize(out: Path) -> None:
     rows = []
     for name, procs in data["arms"].items():
         ok = [p for p in procs if "error" not in p]
-        if not ok:
-            rows.append([name, "failed: " + procs[0]["error"][:160]] + [""] * 8)
+        if not ok:  # every process failed, or none started (the plan's --budget_s ran out first)
+            why = "failed: " + procs[0]["error"][:160] if procs else "not run (budget reached)"
+            rows.append([name, why] + [""] * 9)
             continue
         fl = ok[0]["flops"]
         floor = (fl["matmul"] + fl["attention"]) / (MATMUL_TFLOPS * 1e12)

@@ -54,18 +54,23 @@ CUDA = torch.device("cuda")
 
 @pytest.mark.gpu
 def test_cuda_fuses_the_tanh_gelu_into_the_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32: the fused GEMM is tanh GELU (within float32 rounding), not erf GELU; one fused call."""
+    """float32: the fused GEMM computes tanh GELU, not erf GELU; one fused call.
+
+    The pre-activations have std ~1.7 (max ~8), where tanh and erf GELU differ by up to 4.7e-4 (mean ~1e-4);
+    at std ~0.1 they differ by under 4e-5, which is why an earlier version of this test, with inputs that
+    small, failed its erf check on the H200."""
     calls = _count_addmm_activation(monkeypatch)
     torch.manual_seed(0)
     lin = nn.Linear(256, 512).to(CUDA)
-    x = (torch.randn(2, 300, 256) * 0.2).to(CUDA)
+    x = (torch.randn(2, 300, 256) * 3).to(CUDA)
     with torch.inference_mode():
-        out = linear_gelu_tanh(x, lin)
+        out = linear_gelu_tanh(x, lin).double()
         h = F.linear(x.double(), lin.weight.double(), lin.bias.double())
         tanh_ref, erf_ref = F.gelu(h, approximate="tanh"), F.gelu(h)
     assert calls == [1] and out.shape == (2, 300, 512)
-    assert (out.double() - tanh_ref).abs().max().item() < 1e-5
-    assert (out.double() - erf_ref).abs().max().item() > 1e-4
+    assert (tanh_ref - erf_ref).abs().max().item() > 4e-4
+    err_tanh, err_erf = (out - tanh_ref).abs().mean().item(), (out - erf_ref).abs().mean().item()
+    assert err_tanh < err_erf / 4, (err_tanh, err_erf)
 
 
 @pytest.mark.gpu
