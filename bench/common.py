@@ -7,6 +7,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -182,3 +183,48 @@ def device_info() -> dict[str, Any]:
         info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 1024**3, 1)
     return info
 
+
+
+class GpuClockSampler:
+    """SM clock (MHz) and board power (W) of GPU 0 sampled every `period_s` through NVML while active.
+
+    `with GpuClockSampler() as s: ...` then `s.summary()`: {"sm_mhz": spread, "power_w": spread} of the
+    samples, or {} where NVML (the nvidia-ml-py package) or a GPU is missing. It explains a kernel that
+    runs slower in one process than in another (clocks drop under sustained power).
+    """
+
+    def __init__(self, period_s: float = 0.1) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML or no GPU: sample nothing
+            self._nvml = None
+
+    def _run(self) -> None:
+        nv = self._nvml
+        while not self._stop.wait(self.period_s):
+            self.samples.append((float(nv.nvmlDeviceGetClockInfo(self._handle, nv.NVML_CLOCK_SM)),
+                                 nv.nvmlDeviceGetPowerUsage(self._handle) / 1000.0))  # mW -> W
+
+    def __enter__(self) -> GpuClockSampler:
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def summary(self) -> dict[str, Any]:
+        if not self.samples:
+            return {}
+        return {"sm_mhz": spread([s[0] for s in self.samples]), "power_w": spread([s[1] for s in self.samples])}

@@ -39,8 +39,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (REPO, borrow_components, copy_config, device_info, ensure_synthetic, fmt_spread,  # noqa: E402
-                          markdown_table, median, run_worker, spread)
+from bench.common import (REPO, GpuClockSampler, borrow_components, copy_config, device_info,  # noqa: E402
+                          ensure_synthetic, fmt_spread, markdown_table, median, run_worker, spread)
 
 MATMUL_TFLOPS = 790.0
 PROMPT = "a red fox running through fresh snow"
@@ -168,11 +168,14 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                            "compile_cache": getattr(runner.profiler, "compile_cache", None), "requests": []}
     work = Path(args.ckpt_root) / "out"
     work.mkdir(parents=True, exist_ok=True)
-    for i in range(args.requests):
-        t1 = time.perf_counter()
-        prof = runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=i, save_tensor_path=str(work / f"r{i}.safetensors")), i)
-        out["requests"].append({"index": i, "wall_s": time.perf_counter() - t1, "steps_s": prof.steps,
-                                "stages_s": prof.stages, "audit": prof.audit})
+    with GpuClockSampler() as clocks:  # SM clock and power while the timed requests run
+        for i in range(args.requests):
+            t1 = time.perf_counter()
+            prof = runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=i,
+                                                     save_tensor_path=str(work / f"r{i}.safetensors")), i)
+            out["requests"].append({"index": i, "wall_s": time.perf_counter() - t1, "steps_s": prof.steps,
+                                    "stages_s": prof.stages, "audit": prof.audit})
+    out["clocks"] = clocks.summary()
     if args.profile:
         out["profile"] = profile_request(runner, args, work)
     out["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else 0.0
@@ -256,7 +259,7 @@ def summarize(out: Path) -> None:
         ok = [p for p in procs if "error" not in p]
         if not ok:  # every process failed, or none started (the plan's --budget_s ran out first)
             why = "failed: " + procs[0]["error"][:160] if procs else "not run (budget reached)"
-            rows.append([name, why] + [""] * 9)
+            rows.append([name, why] + [""] * 10)
             continue
         fl = ok[0]["flops"]
         floor = (fl["matmul"] + fl["attention"]) / (MATMUL_TFLOPS * 1e12)
@@ -268,17 +271,21 @@ def summarize(out: Path) -> None:
         prof = [p["profile"]["per_step_s"] for p in ok if "profile" in p]
         kinds = " / ".join(f"{median([k[x] for k in prof]):.3f}" for x in ("attention", "gemm", "other")) if prof else ""
         att = ok[0]["attention"]["backend"] if ok[0].get("attention") else ""
+        clk = [p["clocks"] for p in ok if p.get("clocks")]  # absent in runs before 2026-12-02's second
+        clocks = (f"{median([c['sm_mhz']['median'] for c in clk]):.0f} / "
+                  f"{median([c['power_w']['median'] for c in clk]):.0f}") if clk else ""
         rows.append([name, att, f"{len(ok)}", fmt_spread(spread(steady), 3), f"{median(steady) / floor:.2f}",
                      fmt_spread(spread(r1r3), 3), " ".join(str(c) for c in comp1),
                      " ".join(f"{w:.1f}" for w in warm), " ".join(str(m) for m in misses),
-                     " ".join(f"{p['init_s']:.1f}" for p in ok), kinds])
+                     " ".join(f"{p['init_s']:.1f}" for p in ok), kinds, clocks])
         data.setdefault("floor_s", floor)
     text = [f"# {data['title']}", "", f"FLOP floor per step: {data.get('floor_s', 0):.3f} s at {MATMUL_TFLOPS:.0f} "
             "TFLOP/s (bench/speed.py docstring). Cells: median [min–max] over processes; lists: one value per "
             "process in order (the first process of a cached arm starts with an empty cache).", "",
             markdown_table(["arm", "attention ran", "procs", "steady step s", "step / floor", "request 1 / request 3",
                             "compilations in request 1", "warmup s", "cache misses in warmup", "init s",
-                            "kernels per step s: attention / GEMM / other"], rows), ""]
+                            "kernels per step s: attention / GEMM / other",
+                            "SM MHz / board W (median of samples in the timed requests)"], rows), ""]
     if kin:
         text += ["Kernel time per step of one profiled request (torch.profiler, CUDA kernels of the denoise stage, by "
                  "name: attention kernels and GEMMs among the 15 longest kernels, everything else); in brackets the TFLOP/s reached on the step's "

@@ -109,3 +109,42 @@ def test_estimate_vs_peak_measures_stages_on_the_cpu(tiny_ckpt: Path, tmp_path: 
     assert set(result["stages"]) == {"text_encoder", "transformer", "vae_decoder", "save"}
     assert all(s["measured_gib"] > 0 and s["formula_over_measured"] >= 1.0 for s in result["stages"].values())
     assert result["estimate_over_measured"] >= 1.0
+
+
+def test_clock_sampler_reports_nvml_clock_and_power_while_active(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import time
+    import types
+
+    from bench.common import GpuClockSampler
+
+    readings = iter([(1980.0, 690_000), (1755.0, 700_000)] + [(1700.0, 650_000)] * 1000)
+    current: dict[str, Any] = {}
+
+    def clock(_h: object, _kind: int) -> int:
+        current["r"] = next(readings)
+        return int(current["r"][0])
+
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: "gpu0", NVML_CLOCK_SM=1,
+                                 nvmlDeviceGetClockInfo=clock, nvmlDeviceGetPowerUsage=lambda _h: current["r"][1])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with GpuClockSampler(period_s=0.001) as s:
+        while len(s.samples) < 3:
+            time.sleep(0.001)
+    n = len(s.samples)
+    time.sleep(0.01)
+    assert len(s.samples) == n  # stopped at exit
+    assert s.samples[:2] == [(1980.0, 690.0), (1755.0, 700.0)]
+    summary = s.summary()
+    assert summary["sm_mhz"]["max"] == 1980.0 and summary["power_w"]["max"] == 700.0 and summary["sm_mhz"]["n"] == n
+
+
+def test_clock_sampler_without_nvml_samples_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from bench.common import GpuClockSampler
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    with GpuClockSampler(period_s=0.001) as s:
+        pass
+    assert s.samples == [] and s.summary() == {}
