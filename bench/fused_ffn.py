@@ -92,7 +92,10 @@ def main() -> None:
     rows = [[name, f"{r['tokens']} x {r['dim']} -> {r['hidden']}", fmt_spread(spread(r["ms"]["unfused"]), 3),
              fmt_spread(spread(r["ms"]["fused"]), 3), f"{r['saved_ms_per_call']:.3f}",
              f"{r['blocks']} x 2", f"{r['saved_s_per_step']:.3f}"] for name, r in results.items()]
-    text = ["# MLP with the GELU fused into its first GEMM (bf16, eager)", "",
+    title = "MLP with the GELU fused into its first GEMM (bf16, eager)"
+    if args.smoke:  # the CPU runs the unfused ops in both arms
+        title = "SMOKE RUN, not a result: shapes / 16-256 on the CPU, where both arms run the unfused ops"
+    text = [f"# {title}", "",
             f"{args.rounds} rounds x {args.iters} timed calls per arm; cells: median [min-max] ms per call.", "",
             markdown_table(["shape", "tokens x dim -> hidden", "unfused ms", "fused ms", "saved ms / call",
                             "calls per step", "saved s / step"], rows), ""]

@@ -282,7 +282,7 @@ def summarize(out: Path) -> None:
     text = [f"# {data['title']}", "", f"FLOP floor per step: {data.get('floor_s', 0):.3f} s at {MATMUL_TFLOPS:.0f} "
             "TFLOP/s (bench/speed.py docstring). Cells: median [min–max] over processes; lists: one value per "
             "process in order (the first process of a cached arm starts with an empty cache).", "",
-            markdown_table(["arm", "attention ran", "procs", "steady step s", "step / floor", "request 1 / request 3",
+            markdown_table(["arm", "attention ran", "procs", "steady step s", "step / floor", "request 1 / last request",
                             "compilations in request 1", "warmup s", "cache misses in warmup", "init s",
                             "kernels per step s: attention / GEMM / other",
                             "SM MHz / board W (median of samples in the timed requests)"], rows), ""]
@@ -316,6 +316,9 @@ def main() -> None:
     p.add_argument("--result", default="")
     args = p.parse_args()
     args.layers = args.layers or {"wan14": 40, "qwen": 60}.get(args.plan or "", 0)
+    if not args.summarize and not args.worker and (args.steps < 2 or args.requests < 2):
+        p.error(f"--steps {args.steps} --requests {args.requests}: both must be at least 2 (the steady step is "
+                "the median of steps 2.. of requests 2..)")
     out = Path(args.out)
     if args.summarize:
         summarize(out)
@@ -333,6 +336,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     title = {"wan13": "Wan2.1 1.3B, 480x832x81, CFG", "wan14": f"Wan2.1 14B blocks ({args.layers} of 40), "
              "480x832x81, CFG", "qwen": f"Qwen-Image 20B blocks ({args.layers} of 60), 1328x1328, CFG"}[args.plan]
+    if args.smoke:
+        title = f"SMOKE RUN, not a result: the tiny {args.plan} architecture on the CPU (the plan is {title})"
     for rnd in range(args.processes):
         for a in arms:
             if time.perf_counter() - t0 > args.budget_s:

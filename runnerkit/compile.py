@@ -175,6 +175,17 @@ def describe_device(device: torch.device) -> str:
     return device.type
 
 
+@functools.lru_cache(maxsize=None)
+def source_fingerprint(root: Path = Path(__file__).resolve().parent) -> str:
+    """16 hex digits of the SHA-256 of every `.py` file under `root` (default: the runnerkit package),
+    by relative path and content. Compiled graphs are traced from this code (the blocks, attention,
+    fused operators), so an entry saved by other code (an upgrade, a local edit) is not loaded."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: CompileConfig, attention: str | None,
                  offload: OffloadConfig, device: torch.device) -> dict[str, Any]:
     """Everything that makes compiled artifacts valid, in readable form: the metadata of a cache
@@ -187,6 +198,7 @@ def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: Compil
         "python": platform.python_version(),
         "device": describe_device(device),
         "runner": f"{runner.__module__}.{runner.__qualname__}",
+        "runnerkit sources": source_fingerprint(),
         "model": model,
         "dtype": dtype,
         "compile.mode": cfg.mode,

@@ -150,6 +150,34 @@ def test_mismatch_reasons_name_each_field() -> None:
     assert mismatch_reasons(now, now) == []
 
 
+def test_the_key_changes_with_the_runnerkit_sources(tmp_path: Path) -> None:
+    """Graphs are traced from runnerkit's code: an entry saved by other code (an upgrade) is not loaded."""
+    from runnerkit import compile as rc
+    from runnerkit.config import CompileConfig, OffloadConfig
+
+    src = tmp_path / "pkg"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.py").write_text("x = 1\n")
+    (src / "sub" / "b.py").write_text("y = 2\n")
+    (src / "notes.txt").write_text("not code")
+    before = rc.source_fingerprint(src)
+    (src / "notes.txt").write_text("changed, still not code")
+    assert rc.source_fingerprint.__wrapped__(src) == before
+    (src / "sub" / "b.py").write_text("y = 3\n")
+    changed = rc.source_fingerprint.__wrapped__(src)
+    assert changed != before and len(changed) == 16
+
+    def fields() -> dict[str, Any]:
+        return rc.cache_fields(runner=object, model={"transformer": {"dim": 8}}, dtype="float32", cfg=CompileConfig(),
+                               attention="sdpa", offload=OffloadConfig(), device=torch.device("cpu"))
+
+    now = fields()
+    assert now["runnerkit sources"] == rc.source_fingerprint.__wrapped__()
+    cached = {**now, "runnerkit sources": "0123456789abcdef"}
+    assert rc.cache_key(cached) != rc.cache_key(now)
+    assert rc.mismatch_reasons(cached, now) == [f"runnerkit sources 0123456789abcdef != {now['runnerkit sources']}"]
+
+
 @pytest.fixture(scope="module")
 def local_inductor(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One local inductor cache for the in-process tests that do not count misses (they then compile once)."""
