@@ -272,29 +272,34 @@ class Worker(threading.Thread):
         self.runner.on_progress = observe
         index, self.index = self.index, self.index + 1
         logger.info("job {} started (request {})", job.id, index)
+        # The final status is assigned last: a client that sees it (the API reads jobs without a lock)
+        # also sees the job's end time, profile and error, and none of a failed or cancelled job's files.
+        status: Status | None = None  # stays None if a BaseException (Ctrl-C) ends the worker
         try:
             self.runner.run_pipeline(request, index)
-            job.status = "completed"
+            status = "completed"
             logger.info("job {} completed: {}", job.id, job.result_path)
         except RequestCancelled:
-            job.status = "cancelled"
+            status = "cancelled"
             logger.info("job {} cancelled at stage {} (step {}/{})", job.id, job.stage, job.step, job.steps)
         except Exception as exc:  # the request failed; end_run has cleaned up (else below)
-            job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
+            status, job.error = "failed", f"{type(exc).__name__}: {exc}"
             logger.opt(exception=exc).error("job {} failed: {}", job.id, job.error)
             if getattr(exc, "runnerkit_cleanup_error", None) is not None or (error_phase(exc) or "").endswith("(end_run)"):
                 self.queue.dead = f"the runner's cleanup failed after job {job.id}; its state is unknown: {job.error}"
                 self.queue.close(cancel_running=False)
         finally:
             self.runner.on_progress = None
-            job.completed_at = time.time()
             prof = self.runner.profiler.requests[-1] if self.runner.profiler.requests else None
             if prof is not None and prof.index == index:
                 job.profile = {"seconds": prof.seconds, "stages": prof.stages, "steps": prof.steps,
                                "memory": prof.memory, "audit": prof.audit, "shape": prof.shape}
             self.runner.profiler.requests.clear()  # the job keeps its profile; the process keeps none
-            if job.status != "completed":  # nothing of a failed or cancelled job is kept (nor counted as kept)
+            if status != "completed":  # nothing of a failed or cancelled job is kept (nor counted as kept)
                 shutil.rmtree(job.folder, ignore_errors=True)
+            job.completed_at = time.time()
+            if status is not None:
+                job.status = status
 
 
 __all__ = ["FINAL", "Job", "JobQueue", "QueueClosed", "QueueFull", "Worker"]

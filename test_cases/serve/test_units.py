@@ -108,3 +108,48 @@ def test_progress_reports_every_stage_step_and_decoder_chunk_in_order(tiny_ckpt:
     assert seen == [("text_encoder", 0, 0, 0, 4), ("transformer", 0, 4, 0, 4),
                     *[("transformer", i, 4, i, 4) for i in range(1, 5)],
                     *[("vae_decoder", 0, 0, 4, 4)] * 4, ("save", 0, 0, 4, 4)]
+
+
+@pytest.mark.parametrize("outcome", ["completed", "cancelled", "failed"])
+def test_a_final_status_is_set_after_the_end_time_profile_and_file_cleanup(tmp_path: Path, outcome: str) -> None:
+    """The API reads jobs without a lock: when it sees a final status, completed_at, the profile and the error
+    are already set, and a cancelled or failed job's files are already gone (a client polling under load once
+    saw `completed` with `completed_at` still null)."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from runnerkit.serve.jobs import FINAL, Worker
+
+    @dataclass
+    class RecordingJob(Job):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "status" and value in FINAL:  # what a reader sees at the moment the status turns final
+                self.__dict__.setdefault("seen", []).append(
+                    {"completed_at": self.completed_at is not None, "profile": self.profile is not None,
+                     "error": self.error, "files": sorted(p.name for p in self.folder.iterdir())
+                     if self.folder.exists() else None})
+            object.__setattr__(self, name, value)
+
+    class FakeRunner:
+        on_progress = None
+        profiler = SimpleNamespace(requests=[])
+
+        def run_pipeline(self, request: RequestConfig, index: int) -> None:
+            Path(request.save_result_path).write_bytes(b"mp4")
+            self.profiler.requests.append(SimpleNamespace(index=index, seconds=1.0, stages={}, steps=[], memory={},
+                                                          audit={}, shape=None))
+            if outcome == "cancelled":
+                raise RequestCancelled("cancelled")
+            if outcome == "failed":
+                raise ValueError("bad")
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    job = RecordingJob(id="j", kind="video", request=RequestConfig(prompt="a"), folder=folder, fields={})
+    worker = Worker(FakeRunner(), JobQueue(tmp_path, 4, None, None), on_done=lambda j: None,  # type: ignore[arg-type]
+                    save_tensors=False)
+    worker.run_job(job)
+    assert job.status == outcome
+    assert job.__dict__["seen"] == [{"completed_at": True, "profile": True,
+                                     "error": "ValueError: bad" if outcome == "failed" else None,
+                                     "files": ["result.mp4"] if outcome == "completed" else None}]
