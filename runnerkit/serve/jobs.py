@@ -177,8 +177,9 @@ class JobQueue:
             job.cancel.set()
             if job.status == "queued":
                 self._queue.remove(job_id)
-                job.status, job.completed_at = "cancelled", time.time()
                 shutil.rmtree(job.folder, ignore_errors=True)
+                job.completed_at = time.time()
+                job.status = "cancelled"  # last, as in Worker.run_job
             return job
 
     def delete(self, job_id: str) -> bool:
@@ -199,8 +200,9 @@ class JobQueue:
                 job = self.jobs[job_id]
                 logger.info("job {} cancelled (shutdown)", job_id)
                 job.cancel.set()
-                job.status, job.completed_at = "cancelled", time.time()
                 shutil.rmtree(job.folder, ignore_errors=True)  # as a DELETE of a queued job does
+                job.completed_at = time.time()
+                job.status = "cancelled"
             self._queue.clear()
             if cancel_running and self.running is not None:
                 self.running.cancel.set()

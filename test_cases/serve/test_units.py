@@ -153,3 +153,28 @@ def test_a_final_status_is_set_after_the_end_time_profile_and_file_cleanup(tmp_p
     assert job.__dict__["seen"] == [{"completed_at": True, "profile": True,
                                      "error": "ValueError: bad" if outcome == "failed" else None,
                                      "files": ["result.mp4"] if outcome == "completed" else None}]
+
+
+@pytest.mark.parametrize("how", ["delete", "shutdown"])
+def test_a_queued_job_turns_cancelled_after_its_end_time_and_files(tmp_path: Path, how: str) -> None:
+    from dataclasses import dataclass
+
+    from runnerkit.serve.jobs import FINAL
+
+    @dataclass
+    class RecordingJob(Job):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "status" and value in FINAL:
+                self.__dict__["seen"] = (self.completed_at is not None, self.folder.exists())
+            object.__setattr__(self, name, value)
+
+    queue = JobQueue(tmp_path, 4, None, None)
+    folder = tmp_path / "q"
+    folder.mkdir()
+    job = RecordingJob(id="q", kind="video", request=RequestConfig(prompt="a"), folder=folder, fields={})
+    queue.submit(job)
+    if how == "delete":
+        queue.cancel(job.id)
+    else:
+        queue.close(cancel_running=False)
+    assert job.status == "cancelled" and job.__dict__["seen"] == (True, False)
