@@ -77,8 +77,17 @@ def _rename(sd: dict[str, torch.Tensor], top: dict[str, str], block: dict[str, s
         else:
             unknown.append(key)
     if unknown:
+        # Block keys that other blocks have and a block lacks (optional keys, such as i2v's, are in all
+        # blocks or none): most often what an unknown key was meant to be.
+        blocks: dict[str, set[str]] = {}
+        for key in sd:
+            if match := _BLOCK_KEY.fullmatch(key):
+                blocks.setdefault(match.group(1), set()).add(match.group(2))
+        common = set().union(*blocks.values()) & set(block) if blocks else set()
+        missing = sorted(f"blocks.{i}.{name}" for i, names in blocks.items() for name in common - names)
         raise CheckpointError(f"transformer: {len(unknown)} keys are not {source} Wan transformer keys: "
-                              f"{short_list(sorted(unknown))}")
+                              f"{short_list(sorted(unknown))}" +
+                              (f"; missing in their blocks ({len(missing)}): {short_list(missing)}" if missing else ""))
     return out
 
 

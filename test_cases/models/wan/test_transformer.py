@@ -218,6 +218,13 @@ def test_checkpoint_errors_name_the_key() -> None:
         diffusers_to_native({"blocks.0.attn1.to_qq.weight": torch.zeros(1), "proj_out.weight": torch.zeros(1)})
     with pytest.raises(CheckpointError, match="model.diffusion_model.head.head.weight"):
         native_to_diffusers({"model.diffusion_model.head.head.weight": torch.zeros(1)})
+    # a key renamed in one block: the unknown key, and what that block then lacks, are both named
+    theirs = native_to_diffusers(_native_sd())
+    theirs["blocks.1.ffn.net.0.bias"] = theirs.pop("blocks.1.ffn.net.0.proj.bias")
+    with pytest.raises(CheckpointError) as exc:
+        diffusers_to_native(theirs)
+    assert str(exc.value) == ("transformer: 1 keys are not diffusers Wan transformer keys: blocks.1.ffn.net.0.bias; "
+                              "missing in their blocks (1): blocks.1.ffn.net.0.proj.bias")
 
 
 # Released configs: Wan2.1-T2V-1.3B `config.json` and its diffusers `transformer/config.json`.
