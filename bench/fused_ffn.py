@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,23 +32,14 @@ SHAPES = {
 
 
 def timed(fn: Callable[[], object], iters: int, dev: Any) -> list[float]:
-    """Milliseconds of each of `iters` calls: CUDA events on CUDA, wall clock on the CPU (smoke)."""
-    import torch
+    """Milliseconds of each of `iters` calls (runnerkit's StepTimer: CUDA events on CUDA, wall clock on the CPU)."""
+    from runnerkit.profiling import StepTimer
 
-    if dev.type != "cuda":
-        out = []
-        for _ in range(iters):
-            t = time.perf_counter()
+    timer = StepTimer(dev)
+    for _ in range(iters):
+        with timer.step():
             fn()
-            out.append((time.perf_counter() - t) * 1000)
-        return out
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    marks[0].record()
-    for i in range(iters):
-        fn()
-        marks[i + 1].record()
-    torch.cuda.synchronize()
-    return [marks[i].elapsed_time(marks[i + 1]) for i in range(iters)]
+    return [s * 1000 for s in timer.seconds()]
 
 
 def main() -> None:

@@ -134,7 +134,8 @@ class CompileConfig(_Strict):
         None, min_length=1, description="Folder of the compile cache (runnerkit/compile.py, `CompileCache`): the "
         "compiled artifacts of a warmed runner are saved here after warmup and loaded at the next start-up before "
         "warmup, so a restart on the same software, device and config compiles nothing. One entry per key (torch/"
-        "CUDA/triton/Python versions, device, runner class, architecture, dtype, compile settings, attention "
+        "CUDA/triton/Python versions, device, runner class, runnerkit's sources, architecture, dtype, compile "
+        "settings, attention "
         "backend, offload mode); a mismatch recompiles and logs why. Inductor backend only; torch >= 2.7. A relative "
         "path is relative to the working directory.")
 

@@ -277,6 +277,7 @@ class Worker(threading.Thread):
         # The final status is assigned last: a client that sees it (the API reads jobs without a lock)
         # also sees the job's end time, profile and error, and none of a failed or cancelled job's files.
         status: Status | None = None  # stays None if a BaseException (Ctrl-C) ends the worker
+        error: str | None = None
         try:
             self.runner.run_pipeline(request, index)
             status = "completed"
@@ -285,10 +286,10 @@ class Worker(threading.Thread):
             status = "cancelled"
             logger.info("job {} cancelled at stage {} (step {}/{})", job.id, job.stage, job.step, job.steps)
         except Exception as exc:  # the request failed; end_run has cleaned up (else below)
-            status, job.error = "failed", f"{type(exc).__name__}: {exc}"
-            logger.opt(exception=exc).error("job {} failed: {}", job.id, job.error)
+            status, error = "failed", f"{type(exc).__name__}: {exc}"
+            logger.opt(exception=exc).error("job {} failed: {}", job.id, error)
             if getattr(exc, "runnerkit_cleanup_error", None) is not None or (error_phase(exc) or "").endswith("(end_run)"):
-                self.queue.dead = f"the runner's cleanup failed after job {job.id}; its state is unknown: {job.error}"
+                self.queue.dead = f"the runner's cleanup failed after job {job.id}; its state is unknown: {error}"
                 self.queue.close(cancel_running=False)
         finally:
             self.runner.on_progress = None
@@ -299,7 +300,7 @@ class Worker(threading.Thread):
             self.runner.profiler.requests.clear()  # the job keeps its profile; the process keeps none
             if status != "completed":  # nothing of a failed or cancelled job is kept (nor counted as kept)
                 shutil.rmtree(job.folder, ignore_errors=True)
-            job.completed_at = time.time()
+            job.completed_at, job.error = time.time(), error
             if status is not None:
                 job.status = status
 
