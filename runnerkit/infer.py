@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
+from runnerkit.cli_common import INPUT_ERRORS, check_writable, report_failure
 from runnerkit.interrupts import (enable_fault_tracebacks, exit_status, install_sigterm_handler,
                                   restore_sigterm_default)
 
@@ -31,15 +32,18 @@ if TYPE_CHECKING:
     from runnerkit.config import RequestConfig
     from runnerkit.runners.base import BaseRunner
 
-# torch, pydantic and the families are imported inside `main` (after the signal handlers are in
-# place), so Ctrl-C or SIGTERM during start-up imports ends with one line, not a traceback.
+# torch, pydantic and the families are imported inside `run`, after the arguments are parsed (a
+# typo or --help answers at once) and the signal handlers are in place (Ctrl-C or SIGTERM during
+# start-up imports ends with one line, not a traceback).
 
 REQUEST_FLAGS = ("prompt", "negative_prompt", "image_path", "last_frame_path", "extra_image_paths", "seed", "target_height",
                  "target_width", "target_video_length", "save_result_path", "save_tensor_path")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from runnerkit.registry import load_families
+    """The launch script's flags. Light: the `--model_cls` choices are read from the family sources
+    (`registry.model_cls_names`), so a typo or --help answers without importing torch."""
+    from runnerkit.registry import model_cls_names
 
     p = argparse.ArgumentParser(
         prog="runnerkit", description="Run a runnerkit generation pipeline (load, optional warmup, requests).",
@@ -51,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                "unexpected error; 2 invalid input (config, request, checkpoint, unsupported mode, a request or warmup "
                "shape whose estimated memory exceeds the device's: config memory.limit_gib / memory.check_fit); "
                "130 Ctrl-C, 143 SIGTERM")
-    p.add_argument("--model_cls", choices=sorted(load_families()), help="registered model family (or in --config_json)")
+    p.add_argument("--model_cls", choices=model_cls_names(), help="registered model family (or in --config_json)")
     p.add_argument("--task", help="task of the model family, e.g. t2v, i2v, flf2v (an unknown one lists the family's)")
     p.add_argument("--model_path", help="checkpoint folder (runnerkit, the original release, or diffusers layout)")
     p.add_argument("--config_json", help="JSON runner config (CLI flags override its values)")
@@ -78,29 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_writable(path: str, field: str) -> None:
-    """Raise ConfigError unless `path` can be created as a file (checked before any loading)."""
-    from runnerkit.config import ConfigError
-
-    p = Path(path).expanduser().absolute()
-    if p.is_dir():
-        raise ConfigError(f"`{field}` {path!r} is a folder; give a file path")
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ConfigError(f"`{field}` {path!r} cannot be created: {str(parent)!r} is a file, not a folder")
-    # Create and remove a probe file: permission bits alone pass for root and say nothing of
-    # read-only mounts or pseudo file systems such as /proc.
-    probe = parent / f".runnerkit-probe-{os.getpid()}"
-    try:
-        probe.touch(exist_ok=False)
-        probe.unlink()
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ConfigError(f"`{field}` {path!r} cannot be created: {str(parent)!r} is not writable ({reason})") from None
-
-
 def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     """Validate the runner config and every request before anything is loaded.
 
@@ -110,7 +91,7 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     from pydantic import ValidationError
 
     from runnerkit.config import ConfigError, RequestConfig, format_validation_error, load_requests, load_runner_config
-    from runnerkit.media import sidecar_path
+    from runnerkit.media import missing_media_module, sidecar_path
     from runnerkit.registry import get_runner_cls
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
                  "infer_steps": args.infer_steps, "device": args.device, "warmup": True if args.warmup else None}
@@ -172,19 +153,13 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
         if req.save_result_path:
             claim(req.save_result_path, "save_result_path", owner)
             claim(str(sidecar_path(req.save_result_path)), "sidecar .json of save_result_path", owner)
+    for req in requests:  # before loading: without the media library a run would fail only at its save
+        missing = missing_media_module(req.save_result_path) if req.save_result_path else None
+        if missing:
+            raise ConfigError(f"`save_result_path` {req.save_result_path!r} (request on {req.source}) needs the `media` "
+                              "extra: pip install \"runnerkit[media]\" (from a checkout: pip install -e \".[media]\"); "
+                              f"missing: {missing}")
     return config, requests
-
-
-INPUT_ERRORS = (ValueError, NotImplementedError, OSError)  # bad config, request, checkpoint files, modes
-
-
-def report_failure(what: str, exc: BaseException) -> None:
-    """One clear line for input errors; unexpected errors also get their traceback (and notes)."""
-    if isinstance(exc, INPUT_ERRORS):
-        logger.error("{}: {}: {}", what, type(exc).__name__, exc)
-        logger.opt(exception=exc).debug("traceback")
-    else:
-        logger.opt(exception=exc).error("{}: {}: {}", what, type(exc).__name__, exc)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ under temporary names and renamed into place together (a failure leaves no parti
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -26,6 +27,24 @@ from runnerkit.files import give_default_mode, write_error_reason
 
 if TYPE_CHECKING:
     from runnerkit.runners.pipeline import OutputSpec
+
+
+#: The module of the `media` extra that writing a result file needs, by suffix (.wav: the stdlib).
+MEDIA_MODULES: dict[str, str] = {".mp4": "imageio_ffmpeg", ".png": "imageio.v3"}
+
+
+def missing_media_module(path: str | Path) -> str | None:
+    """The module that writing the result file `path` needs (`MEDIA_MODULES`) if it cannot be
+    imported (the `media` extra is not installed); None if nothing is missing. The launch script
+    checks this before loading, so a missing extra costs no compute."""
+    module = MEDIA_MODULES.get(Path(path).suffix.lower())
+    if module is None:
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return module
+    return None
 
 
 def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,12 @@ of one `model_cls`); each class registers the tasks in its `TASKS`.
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
-import importlib.util
 import pkgutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
@@ -22,19 +24,65 @@ RUNNERS: dict[str, type["BaseRunner"]] = {}
 #: (`model_cls`, `task`) -> the class serving that task.
 TASK_RUNNERS: dict[tuple[str, str], type["BaseRunner"]] = {}
 
-#: Where families live: every package `runnerkit/models/<family>/` with a `runner` module registers
-#: its runners when imported. Adding a family = one folder; nothing else names it.
+#: Where families live: every package `runnerkit/models/<family>/`. Each module of a family folder
+#: that registers runners (`@register_runner(...)` on a class) is imported at the first lookup, so
+#: a family may split its runners over several modules without them importing each other. Adding a
+#: family = one folder; nothing else names it.
 MODELS_PACKAGE = "runnerkit.models"
 
 
+@functools.cache
+def runner_modules() -> dict[str, tuple[str, ...]]:
+    """Module -> the `model_cls` names it registers, for every module of every family folder under
+    runnerkit/models/ that registers a runner, sorted by module name.
+
+    Found by reading the sources with `ast` (nothing is imported, torch included), so the launch
+    script can list the names before it parses its arguments: a decorator `@register_runner("name")`
+    (a string literal) on a class.
+    """
+    package = importlib.import_module(MODELS_PACKAGE)  # runnerkit/models/__init__.py: no imports
+    found: dict[str, tuple[str, ...]] = {}
+    for family in pkgutil.iter_modules(package.__path__):
+        if not family.ispkg:
+            continue
+        folder = Path(family.module_finder.path) / family.name  # type: ignore[union-attr]
+        for info in pkgutil.iter_modules([str(folder)]):
+            source = folder / f"{info.name}.py"
+            if info.ispkg or not source.is_file():
+                continue
+            names = _registered_names(ast.parse(source.read_text(encoding="utf-8"), filename=str(source)))
+            if names:
+                found[f"{MODELS_PACKAGE}.{family.name}.{info.name}"] = names
+    return dict(sorted(found.items()))
+
+
+def _registered_names(tree: ast.Module) -> tuple[str, ...]:
+    """The `model_cls` names of the `@register_runner("name")` class decorators in a module, in order."""
+    names = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for deco in node.decorator_list:
+            func = deco.func if isinstance(deco, ast.Call) else None
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if called == "register_runner":
+                assert isinstance(deco, ast.Call)
+                arg = deco.args[0] if deco.args else None
+                if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
+                    raise TypeError(f"class {node.name}: `register_runner` takes the `model_cls` as a string literal "
+                                    "(the registry reads it from the source)")
+                names.append(arg.value)
+    return tuple(names)
+
+
 def family_modules() -> list[str]:
-    """The `runner` modules of every family package under runnerkit/models/, sorted."""
-    package = importlib.import_module(MODELS_PACKAGE)
-    found = []
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.ispkg and importlib.util.find_spec(f"{MODELS_PACKAGE}.{info.name}.runner") is not None:
-            found.append(f"{MODELS_PACKAGE}.{info.name}.runner")
-    return sorted(found)
+    """Every module of the family folders that registers runners, sorted (`runner_modules`)."""
+    return list(runner_modules())
+
+
+def model_cls_names() -> list[str]:
+    """Every registered `model_cls`, sorted, without importing any family (`runner_modules`)."""
+    return sorted({name for names in runner_modules().values() for name in names})
 
 
 def register_runner(name: str) -> Callable[[R], R]:
@@ -61,7 +109,8 @@ def register_runner(name: str) -> Callable[[R], R]:
 
 
 def load_families() -> dict[str, type["BaseRunner"]]:
-    """Import every family package once so their runners are registered; return the registry."""
+    """Import every module of the family folders that registers runners (once; `runner_modules`);
+    return the registry."""
     for module in family_modules():
         importlib.import_module(module)
     return RUNNERS

@@ -906,3 +906,69 @@ def test_profile_is_written_atomically(config_path: Path, tmp_path: Path, monkey
     assert rc == 1 and "could not write --profile_json" in err and "No space left on device" in err, err
     assert profile.read_text() == '{"older": "report"}'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+# ---- issue 19: arguments before heavy imports; the media extra checked before loading -----------------
+_PARSE_ONLY = """
+import sys
+from runnerkit.infer import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted(m for m in ("torch", "pydantic", "numpy", "safetensors") if m in sys.modules)
+print("RESULT", code, ",".join(heavy) or "-")
+"""
+
+
+@pytest.mark.parametrize(("argv", "code", "needle"), [
+    (["--bogus"], 2, "unrecognized arguments: --bogus"),
+    (["--help"], 0, "{qwen_image,wan2.1,wan2.2_moe}"),
+    (["--model_cls", "wan9", "--prompt", "x"], 2, "invalid choice: 'wan9' (choose from"),
+], ids=["typo", "help", "unknown_model_cls"])
+def test_a_flag_typo_or_help_answers_without_importing_torch(argv: list[str], code: int, needle: str) -> None:
+    """Issue 19: a typo took 5.5 s (17-25 s under load) to report: the families (and torch) were
+    imported to list `--model_cls` choices before parsing. Checked by what the process imported,
+    not by a clock."""
+    proc = subprocess.run([sys.executable, "-c", _PARSE_ONLY, *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert result == [f"RESULT {code} -"], proc.stdout + proc.stderr
+    assert needle in proc.stdout + proc.stderr.replace("\n", " ")
+    assert "Traceback" not in proc.stderr
+
+
+def test_without_the_media_extra_an_mp4_request_exits_2_before_loading(config_path: Path, tmp_path: Path) -> None:
+    """Issue 19: without `imageio_ffmpeg` a run computed everything, then failed at save with a
+    77-line traceback (exit 1). Now one line with the pip command, before loading. The module is
+    hidden in a subprocess (`sys.modules[name] = None` makes its import fail)."""
+    out = tmp_path / "cat.mp4"
+    code = ("import sys; sys.modules['imageio_ffmpeg'] = None\n"
+            "from runnerkit.infer import main\n"
+            "from runnerkit.runners.default import DefaultRunner\n"
+            "def no_load(self): raise AssertionError('loaded')\n"
+            "DefaultRunner.load_modules = no_load\n"
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "--config_json", str(config_path), "--prompt", "a cat",
+                           "--save_result_path", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "| ERROR" in line]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].endswith(
+        f"invalid input: `save_result_path` {str(out)!r} (request on command line) needs the `media` extra: "
+        "pip install \"runnerkit[media]\" (from a checkout: pip install -e \".[media]\"); missing: imageio_ffmpeg")
+    assert not out.exists()
+
+
+def test_without_imageio_a_png_request_is_refused_and_a_tensor_only_request_runs(
+        config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "imageio", None)
+    monkeypatch.setitem(sys.modules, "imageio.v3", None)
+    png = tmp_path / "frame.png"
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--target_video_length", 1,
+                   "--save_result_path", png)
+    _assert_invalid(rc, err, f"`save_result_path` {str(png)!r} (request on command line) needs the `media` extra",
+                    "missing: imageio.v3")
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--target_video_length", 1,
+                   "--save_tensor_path", tmp_path / "t.safetensors")
+    assert rc == 0, err

@@ -85,7 +85,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
 
     from runnerkit.config import ConfigError, load_runner_config
-    from runnerkit.infer import INPUT_ERRORS, check_writable, report_failure
+    from runnerkit.cli_common import INPUT_ERRORS, check_writable, report_failure
     from runnerkit.registry import get_runner_cls
     from runnerkit.runners.base import BaseRunner, error_phase
     from runnerkit.serve.app import ServerState, create_app

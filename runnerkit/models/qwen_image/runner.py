@@ -384,8 +384,4 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
             vae.clear_cache()
 
 
-# The family's other runner lives in its own module; importing it here registers it (the registry
-# imports each family's `runner` module).
-from runnerkit.models.qwen_image import edit as _edit  # noqa: E402,F401  (qwen_image i2i)
-
 __all__ = ["QwenImageRunner", "QwenInputs", "flavour_of"]

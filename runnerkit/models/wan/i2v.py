@@ -36,6 +36,8 @@ from runnerkit.images import ImageInputError, image_size, read_image
 from runnerkit.models.wan.clip import CLIPVisionEncoder
 from runnerkit.models.wan.clip import keep_fp32 as clip_keep_fp32
 from runnerkit.models.wan.conditioning import conditioning_mask, conditioning_video
+from runnerkit.models.wan.runner import WanT2VRunner
+from runnerkit.registry import register_runner
 from runnerkit.runners.pipeline import EncoderStage, InputInfo, ModuleSpec, Shape
 from runnerkit.weights import assign_state_dict, build_on_meta
 
@@ -215,8 +217,6 @@ class WanImageConditioning:
 
 
 # ---- the Wan2.1 image runners (the Wan2.2 MoE i2v runner is in moe.py) -----------------------------
-from runnerkit.models.wan.runner import WanT2VRunner  # noqa: E402  (runner.py imports this module last)
-from runnerkit.registry import register_runner  # noqa: E402
 
 
 @register_runner("wan2.1")

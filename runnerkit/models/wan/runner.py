@@ -428,9 +428,3 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
             self.transformer.clear_cache()
         if self.vae is not None:
             self.vae.clear_cache()
-
-
-# The family's other runners live in their own modules; importing them here registers them (the
-# registry imports each family's `runner` module).
-from runnerkit.models.wan import i2v as _i2v  # noqa: E402,F401  (wan2.1 i2v, flf2v)
-from runnerkit.models.wan import moe as _moe  # noqa: E402,F401  (wan2.2_moe t2v, i2v)

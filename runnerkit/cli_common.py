@@ -1,0 +1,47 @@
+"""What the launch script (infer.py) and the server (serve/server.py) share: which errors are the
+user's input, their one-line report, and the check that an output path can be written.
+
+Light on purpose (loguru and the standard library only): both entry points import it before
+torch, and neither imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from loguru import logger
+
+INPUT_ERRORS = (ValueError, NotImplementedError, OSError)  # bad config, request, checkpoint files, modes
+
+
+def report_failure(what: str, exc: BaseException) -> None:
+    """One clear line for input errors; unexpected errors also get their traceback (and notes)."""
+    if isinstance(exc, INPUT_ERRORS):
+        logger.error("{}: {}: {}", what, type(exc).__name__, exc)
+        logger.opt(exception=exc).debug("traceback")
+    else:
+        logger.opt(exception=exc).error("{}: {}: {}", what, type(exc).__name__, exc)
+
+
+def check_writable(path: str, field: str) -> None:
+    """Raise ConfigError unless `path` can be created as a file (checked before any loading)."""
+    from runnerkit.config import ConfigError
+
+    p = Path(path).expanduser().absolute()
+    if p.is_dir():
+        raise ConfigError(f"`{field}` {path!r} is a folder; give a file path")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"`{field}` {path!r} cannot be created: {str(parent)!r} is a file, not a folder")
+    # Create and remove a probe file: permission bits alone pass for root and say nothing of
+    # read-only mounts or pseudo file systems such as /proc.
+    probe = parent / f".runnerkit-probe-{os.getpid()}"
+    try:
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"`{field}` {path!r} cannot be created: {str(parent)!r} is not writable ({reason})") from None
