@@ -972,3 +972,49 @@ def test_without_imageio_a_png_request_is_refused_and_a_tensor_only_request_runs
     rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", "--target_video_length", 1,
                    "--save_tensor_path", tmp_path / "t.safetensors")
     assert rc == 0, err
+
+
+# ---- issue 19: the memory check's order and messages before loading ---------------------------------
+SYNTHETIC_ORIGINAL_HINT = (
+    "  hint: this synthetic checkpoint's original layout records only the transformer's architecture (config.json); "
+    "run it with the config that wrote it (its `model` key gives the text encoder, VAE and image encoder sizes)")
+
+
+@pytest.mark.parametrize("check_fit", [True, False])
+def test_a_synthetic_original_checkpoint_without_its_model_gets_the_hint_not_shape_advice(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], check_fit: bool) -> None:
+    """Issue 19: without the config's `model`, the original layout's text encoder and VAE are the
+    released sizes; the memory check estimated those and advised a smaller shape (wrong), and the
+    real hint came only with check_fit off. Now the hint comes first in both cases, before loading."""
+    from runnerkit.models.wan.arch import WanArch
+    from runnerkit.models.wan.checkpoint import write_synthetic
+    from runnerkit.models.wan.runner import WanT2VRunner
+
+    data = json.loads((REPO / "configs/wan/wan_t2v_tiny.json").read_text())
+    ckpt = tmp_path / "orig"
+    write_synthetic(WanArch.model_validate(data["model"]), ckpt, seed=0, dtype=torch.float32, layout="original")
+    config = tiny_config_dict(ckpt, memory={"limit_gib": 1.0} if check_fit else {"check_fit": False})
+    del config["model"]
+    rc, err = _cli(capsys, "--config_json", write_config(tmp_path / "c.json", config), "--prompt", "x",
+                   "--save_tensor_path", tmp_path / "o.safetensors")
+    phase = "invalid input: " if check_fit else "load failed: CheckpointError: "
+    _assert_invalid(rc, err, f"| ERROR   | {phase}text_encoder: checkpoint does not match the architecture; missing keys",
+                    "\n" + SYNTHETIC_ORIGINAL_HINT + "\n")
+    assert "Try a smaller" not in err and "needs an estimated" not in err
+    assert ("holds SYNTHETIC RANDOM weights" in err) is not check_fit  # logged by the load: with the check on, none
+
+
+def test_a_missing_model_path_says_the_memory_check_waits_for_the_load(tiny_ckpt: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 19: a family that has an estimate logged 'gives no memory estimate' when its checkpoint
+    could not be read before loading."""
+    missing = tmp_path / "no_such_ckpt"
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, model_path=str(missing)))
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x")
+    reason = (f"`model_path` {str(missing)!r} does not exist or is not a folder (set `synthetic_checkpoint` to write "
+              "random weights there)")
+    info = [line.split(" | ", 2)[2] for line in err.splitlines() if "memory check" in line]
+    assert info == ["memory check: waits for the load, then checks each request before it runs: the checkpoint's "
+                    f"architecture cannot be read before loading ({reason})"], err
+    _assert_invalid(rc, err, f"| ERROR   | load failed: CheckpointError: {reason}")
+    assert "gives no memory estimate" not in err

@@ -85,6 +85,7 @@ class DefaultRunner(BaseRunner):
         self._warmup_steps_run: dict[str, list[int]] = {}
         self.attention: attention.AttentionBackend | None = None  # chosen in load_modules
         self._fit_unchecked_logged = False
+        self._fit_deferred_logged = False
 
     # ---- family hooks -------------------------------------------------------------------
     @abstractmethod
@@ -154,6 +155,10 @@ class DefaultRunner(BaseRunner):
         Called before loading (from the checkpoint's architecture) and before each request; see
         runners/fit.py for what the family gives (module weights, per-stage activations) and what
         the base makes of it. None: no estimate (the default): requests are served unchecked.
+
+        Raises:
+            fit.EstimateUnavailable: the family has an estimate but cannot give it yet (e.g. the
+                checkpoint's architecture is not readable before loading); checked once loaded.
         """
         return None
 
@@ -346,8 +351,9 @@ class DefaultRunner(BaseRunner):
 
         The limit is `memory.limit_gib`, else what the device offers (`memory.memory_limit`: CUDA
         free + held by this process; CPU available host memory + the weights already loaded).
-        Returns None without a check: `memory.check_fit` false, no family estimate, or a device
-        whose memory cannot be read (each logged once).
+        Returns None without a check: `memory.check_fit` false, no family estimate, an estimate not
+        available before loading (`fit.EstimateUnavailable`: checked again before each request), or
+        a device whose memory cannot be read (each logged once).
 
         Raises:
             MemoryFitError: naming `what`, the shape, the estimate, the limit and what to change.
@@ -355,7 +361,13 @@ class DefaultRunner(BaseRunner):
         cfg = self.config
         if not cfg.memory.check_fit:
             return None
-        estimate = self.estimate_memory(shape)
+        try:
+            estimate = self.estimate_memory(shape)
+        except fit.EstimateUnavailable as exc:
+            if not self._fit_deferred_logged:
+                logger.info("memory check: waits for the load, then checks each request before it runs: {}", exc)
+                self._fit_deferred_logged = True
+            return None
         if estimate is None:
             self._log_unchecked(f"{type(self).__name__} gives no memory estimate (estimate_memory)")
             return None

@@ -30,7 +30,9 @@ Placement per offload mode (the same rules as `DefaultRunner.place_modules` and 
 
 (Streamer host slabs: one per unit with storage cpu, one staging slab per slot with storage disk.)
 
-A family that gives no estimate is served unchecked (one INFO line at the first check says so):
+A family whose estimate cannot be computed before loading (`EstimateUnavailable`: the checkpoint's
+architecture is not readable yet) is checked once loaded, before each request (one INFO line says
+why it waits). A family that gives no estimate is served unchecked (one INFO line at the first check says so):
 refusing every request of a family that has not written its formulas would make the check a
 barrier to adding families, and the check exists to stop requests that are known not to fit.
 """
@@ -48,9 +50,9 @@ from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.offload.layout import StreamSpec, plan_unit_layout, plan_units
 from runnerkit.offload.pinned import align_up
 
-__all__ = ["MARGIN", "OVERHEAD_BYTES", "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate",
-           "StageFootprint", "device_weights", "module_footprint", "overhead_bytes", "peak_of", "refusal_message",
-           "weights_between_stages"]
+__all__ = ["MARGIN", "OVERHEAD_BYTES", "EstimateUnavailable", "MemoryEstimate", "MemoryFitError", "ModuleFootprint",
+           "PeakEstimate", "StageFootprint", "device_weights", "module_footprint", "overhead_bytes", "peak_of",
+           "refusal_message", "weights_between_stages"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -69,6 +71,13 @@ measured up to 0.32 GiB above the tensor peak for one request of the tiny test c
 def overhead_bytes(device: torch.device) -> int:
     """The fixed part of an estimate on `device` (`OVERHEAD_BYTES`; other devices as CUDA)."""
     return OVERHEAD_BYTES.get(device.type, OVERHEAD_BYTES["cuda"])
+
+
+class EstimateUnavailable(Exception):
+    """A family that has an estimate cannot give it yet: e.g. the checkpoint's architecture is not
+    readable before loading (a missing `model_path`: the load then says why). Raised by
+    `estimate_memory`; the check then waits for the load, and each request is checked before it runs.
+    The message says why."""
 
 
 class MemoryFitError(ValueError):

@@ -117,7 +117,7 @@ class WanMoERunner(WanT2VRunner):
         """
         self.check_task_fits()
         self.moe_checkpoint = moe = self.locate_checkpoint()
-        moe.check_files()
+        self.check_checkpoint_files(moe)
         self.checkpoint = moe.experts["transformer"]
         boundary = self.config.boundary if self.config.boundary is not None else (moe.boundary or self.DEFAULT_BOUNDARY)
         logger.info("MoE checkpoint {} ({} layout), flavour {}, boundary {} (high-noise expert for t >= {:g})",

@@ -31,7 +31,7 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
-from runnerkit.runners.fit import MemoryEstimate
+from runnerkit.runners.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.runners.pipeline import (
     DecoderStage,
@@ -189,6 +189,21 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         """
         self.check_task_fits()  # before the config's `model` is merged in and before any weight is read
         self.checkpoint = ckpt = self.locate_checkpoint()
+        self.check_checkpoint_files(ckpt)
+        logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
+        self.resolve_sample_shift(ckpt)
+        self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
+        self.tokenizer = WanTokenizer.from_file(ckpt.tokenizer_path())
+
+    def check_checkpoint_files(self, ckpt: Any) -> None:
+        """`ckpt.check_files()` (a `WanCheckpoint` or `WanMoECheckpoint`), with the hint a synthetic
+        checkpoint of the original layout needs when run without the config's `model`: that layout
+        records only the transformer's architecture (config.json), so the text encoder, VAE and
+        image encoder are taken at their released sizes.
+
+        Raises:
+            CheckpointError: naming the component, the file and the tensor (and the hint).
+        """
         try:
             ckpt.check_files()
         except CheckpointError as exc:
@@ -198,10 +213,6 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
                     "architecture (config.json); run it with the config that wrote it (its `model` key gives the "
                     "text encoder, VAE and image encoder sizes)") from None
             raise
-        logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
-        self.resolve_sample_shift(ckpt)
-        self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
-        self.tokenizer = WanTokenizer.from_file(ckpt.tokenizer_path())
 
     def resolve_sample_shift(self, ckpt: WanCheckpoint) -> None:
         """`sample_shift`: the config's own value, else a diffusers folder's `flow_shift`
@@ -347,27 +358,38 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         return flavour_of(self.open_checkpoint(path).arch.transformer)
 
     # ---- memory estimate (models/wan/estimate.py) ------------------------------------------
-    def architecture(self) -> WanArch | None:
+    def architecture(self) -> WanArch:
         """The checkpoint's architecture: from the loaded checkpoint; before loading from its config
-        files (or the configured one, for a synthetic checkpoint still to write); None if they
-        cannot be read (loading then reports why)."""
+        files (or the configured one, for a synthetic checkpoint still to write).
+
+        Raises:
+            EstimateUnavailable: the config files cannot be read before loading (loading then
+                reports why; the memory check waits for it).
+            CheckpointError: a synthetic checkpoint of the original layout, run without the config's
+                `model`, whose files do not hold the released sizes that layout implies: the
+                estimate would be of networks it does not hold (`check_checkpoint_files`, with the hint).
+        """
         if self.checkpoint is not None:
             return self.checkpoint.arch
         try:
             path = self.checkpoint_path()
             if self._synthetic_pending(path):
                 return self.arch_override
-            return self.open_checkpoint(path).arch
+            ckpt = self.open_checkpoint(path)
         except (ValueError, OSError) as exc:  # CheckpointError included
-            logger.debug("architecture not readable before loading ({}); the memory check waits for the load", exc)
-            return None
+            raise EstimateUnavailable(f"the checkpoint's architecture cannot be read before loading ({exc})") from None
+        if ckpt.layout == "original" and not self.config.model and synthetic_seed_of(ckpt.path) is not None:
+            self.check_checkpoint_files(ckpt)  # headers and mapped .pth only: no weight is read
+        return ckpt.arch
 
-    def estimate_memory(self, shape: Shape) -> MemoryEstimate | None:
+    def estimate_memory(self, shape: Shape) -> MemoryEstimate:
         """Text encoder, image stages (i2v / flf2v), one transformer step, VAE decode and save of
-        `shape` on `self.device` (formulas and sources: models/wan/estimate.py)."""
+        `shape` on `self.device` (formulas and sources: models/wan/estimate.py).
+
+        Raises:
+            EstimateUnavailable, CheckpointError: see `architecture`.
+        """
         arch = self.architecture()
-        if arch is None:
-            return None
         image_frames = len(self.IMAGE_INPUTS.get(self.config.task, ()))
         return wan_t2v_estimate(arch, shape, self.dtype, self.device, self.config.enable_cfg, self.config.offload,
                                 transformers=self.transformer_names(), image_frames=image_frames)
