@@ -154,13 +154,17 @@ class WanArch(_Arch):
     text_encoder: UMT5Arch = UMT5Arch()
     vae: WanVAEArch = WanVAEArch()
     image_encoder: CLIPVisionArch | None = Field(
-        None, description="CLIP vision tower; present exactly when `transformer.image_context` is true.")
+        None, description="CLIP vision tower; present exactly when `transformer.image_context` is true. "
+        "Omitted: the released CLIP ViT-H/14 (the `CLIPVisionArch` defaults) when the transformer attends to "
+        "image tokens, as the original layout reads it; else none.")
 
     @model_validator(mode="after")
     def _image_encoder_fits(self, info: ValidationInfo) -> WanArch:
         if not self._check(info, "transformer", "image_encoder") or self.transformer.image_context is None:
             return self  # a partial override: checked once merged with the checkpoint's architecture
         wants = self.transformer.image_context
+        if wants and "image_encoder" not in self.model_fields_set:  # omitted: the released CLIP
+            return self.model_copy(update={"image_encoder": CLIPVisionArch()})
         if wants and self.image_encoder is None:
             raise ValueError(f"`transformer.model_type`={self.transformer.model_type!r} attends to CLIP image tokens "
                              "(`image_context` true): `image_encoder` (the CLIP vision tower) is needed")
