@@ -48,7 +48,9 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
         CheckpointError: a damaged safetensors file (storage "disk"), missing or unexpected
             tensors (listed), wrong shapes or non-floating dtypes (`weights.check_tensors`, naming
             the file and the tensor), checked before any weight is read.
-        NotImplementedError: disk storage with checkpoint dtypes other than `dtype`.
+
+    Streamed tensors stored in another floating dtype than `dtype` are cast as resident ones are:
+    once into the host slabs (storage "cpu"), at every fetch into the staging slab (storage "disk").
     """
     assert cfg.mode in ("block", "phase"), f"stream_module needs mode block/phase, got {cfg.mode}"
     pin = pin_memory_enabled(cfg)

@@ -125,10 +125,13 @@ class HostSource:
 class DiskSource:
     """Streamed weights read from the checkpoint's safetensors files at every fetch.
 
-    File bytes are streamed as they are: every streamed tensor's checkpoint dtype must equal
-    the compute dtype. Each device slot has one host staging slab (pinned where possible); a
-    staging slab is refilled only after its previous H2D copy has read it (host waits for
-    that single copy's event).
+    File bytes are streamed as they are where a tensor's checkpoint dtype is the compute dtype. A
+    floating tensor stored in another dtype (a float16 tensor in a float32 checkpoint, a float32
+    checkpoint run in bfloat16) is read into a scratch buffer and cast on the CPU into the staging
+    slab at every fetch: the same round-to-nearest cast as resident loading (`weights.to_compute`),
+    so every mode gives the same weights, at a CPU cost per fetch (one INFO line counts them).
+    Each device slot has one host staging slab (pinned where possible); a staging slab is
+    refilled only after its previous H2D copy has read it (host waits for that single copy's event).
 
     Args:
         units: the streamed units (model parameter names).
@@ -141,8 +144,9 @@ class DiskSource:
         read_ahead: read the next unit on a background thread while the current one is used.
 
     Raises:
-        NotImplementedError: `weight_dtype` is not "same", or a checkpoint dtype differs from `dtype`.
-        CheckpointError: tensors missing from the checkpoint.
+        NotImplementedError: `weight_dtype` is not "same".
+        CheckpointError: tensors missing from the checkpoint; a streamed tensor whose checkpoint
+            dtype is not floating (naming the file and the tensor: no cast makes it a weight).
     """
 
     def __init__(self, units: Sequence[StreamUnit], reader: SafetensorsDiskReader, dtype: torch.dtype,
@@ -159,13 +163,19 @@ class DiskSource:
         if missing:
             raise CheckpointError(f"disk source: {len(missing)} streamed tensors are not in the checkpoint: "
                                   f"{short_list(missing)}")
-        wrong = [f"{c} ({reader.index[c].dtype})" for names in self._ckpt_names for c in names
-                 if reader.index[c].dtype != dtype]
-        if wrong:
-            raise NotImplementedError(
-                f"disk storage streams file bytes as they are, so checkpoint dtypes must equal the compute dtype "
-                f"{dtype}; {len(wrong)} tensors differ: {short_list(wrong)}. Write the checkpoint in {dtype}, "
-                "use storage 'cpu', or keep those tensors resident")
+        entries = [reader.index[c] for names in self._ckpt_names for c in names]
+        bad = [e for e in entries if not e.dtype.is_floating_point]
+        if bad:
+            raise CheckpointError(f"disk source: {len(bad)} streamed tensors are not floating point, so no cast makes "
+                                  "them weights: " + short_list([f"{e.name} ({e.dtype}) in {e.path}" for e in bad]))
+        #: per unit, the checkpoint names read into a scratch buffer and cast to `dtype` at each fetch
+        self._casts = [{c for c in names if reader.index[c].dtype != dtype} for names in self._ckpt_names]
+        cast = [e for e in entries if e.dtype != dtype]
+        if cast:
+            logger.info("disk source: {} of {} streamed tensors are stored in another dtype than the compute dtype {} "
+                        "({:.3f} GiB, e.g. {}): cast on the CPU at every fetch (a checkpoint in {} streams its bytes "
+                        "as they are)", len(cast), len(entries), dtype, sum(e.nbytes for e in cast) / 2**30,
+                        short_list([f"{e.name} ({e.dtype})" for e in cast]), dtype)
         self.layouts = [plan_unit_layout(u, {n: reader.index[c].shape for n, c in zip(u.params, names)}, dtype)
                         for u, names in zip(units, self._ckpt_names)]
         self.staging: list[HostSlab] = []
@@ -192,9 +202,20 @@ class DiskSource:
         buffer = self.staging[slot].buffer
         assert buffer is not None, f"disk source closed; unit {unit} fetched"
         engine.wait_copy_host(slot)  # the slab's previous H2D copy must have read it
+        reads, casts = [], []
+        for t, name in zip(self.layouts[unit].tensors, self._ckpt_names[unit]):
+            dst = buffer[t.offset:t.offset + t.nbytes]
+            if name in self._casts[unit]:  # stored in another dtype: read aside, cast into the slab
+                entry = self.reader.index[name]
+                raw = torch.empty(entry.nbytes, dtype=torch.uint8)  # allocator-aligned for any dtype view
+                reads.append((name, raw))
+                casts.append((raw.view(entry.dtype).view(t.shape), dst.view(t.dtype).view(t.shape)))
+            else:
+                reads.append((name, dst))
         with self._lock:
-            self.reader.read_many([(name, buffer[t.offset:t.offset + t.nbytes])
-                                   for t, name in zip(self.layouts[unit].tensors, self._ckpt_names[unit])])
+            self.reader.read_many(reads)
+        for src, dst in casts:
+            dst.copy_(src)  # round to nearest, as `.to(dtype)` in resident loading
 
     def fetch(self, unit: int, slot: int, engine: CopyEngine) -> torch.Tensor:
         """The unit's tensors in the slot's staging slab (read ahead in the background, or read now);
