@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from typing import TYPE_CHECKING
