@@ -69,13 +69,17 @@ def env(cache: Path) -> dict[str, str]:
 class Server:
     """A `runnerkit serve` subprocess; its stderr goes to `log_path`."""
 
-    def __init__(self, config: Path, out_dir: Path, cache: Path, *flags: str, module: str = "runnerkit.infer") -> None:
+    def __init__(self, config: Path, out_dir: Path, cache: Path, *flags: str, module: str = "runnerkit.infer",
+                 extra_env: dict[str, str] | None = None) -> None:
         self.out_dir = out_dir
         self.log_path = out_dir.parent / f"{out_dir.name}.log"
+        if not any(f.startswith("--drain_grace") for f in flags):  # no test but the drain's waits for it
+            flags = (*flags, "--drain_grace", "0")
         argv = [sys.executable, "-m", module, *(["serve"] if module == "runnerkit.infer" else []),
                 "--config_json", str(config), "--port", "0", "--output_dir", str(out_dir), *flags]
         self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env(cache), stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, cwd=REPO, env={**env(cache), **(extra_env or {})}, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
         self.url = ""
 
     def log(self) -> str:
