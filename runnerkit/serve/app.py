@@ -230,7 +230,7 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
                              "`image`", INPUT_REFERENCE)
         if "image" in body:
             raise InputError(f"give `image` or `{INPUT_REFERENCE}` (the same first frame), not both", INPUT_REFERENCE)
-        body["image"] = body.pop(INPUT_REFERENCE)
+        body["image"] = _decode_image(body.pop(INPUT_REFERENCE), INPUT_REFERENCE)  # its errors name it as sent
     model = body.pop("model", None)
     if model is not None and model != runner.config.model_cls:
         raise InputError(f"`model` {model!r}: this server serves {runner.config.model_cls!r}", "model")

@@ -247,3 +247,20 @@ def test_an_oversized_image_is_413_naming_the_field() -> None:
             _decode_image(value, "image")
         assert (exc.value.status, exc.value.field) == (413, "image")
     assert _decode_image(raw[:-1], "image") == raw[:-1]  # exactly at the limit: accepted
+
+
+def test_an_upload_is_stored_under_the_extension_of_its_content() -> None:
+    """Pillow tells the format from the bytes (the name a client gives is not trusted); not an image: .bin."""
+    import io
+
+    from PIL import Image
+
+    from runnerkit.serve.app import image_extension
+
+    def encoded(fmt: str) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8), (200, 30, 30)).save(buf, format=fmt)
+        return buf.getvalue()
+
+    assert [image_extension(encoded(f)) for f in ("PNG", "JPEG", "WEBP", "BMP")] == [".png", ".jpg", ".webp", ".bmp"]
+    assert image_extension(b"not an image") == ".bin"
