@@ -460,12 +460,7 @@ def create_app(state: ServerState) -> FastAPI:
         job = state.queue.get(job_id)
         if job is not None and job.kind == kind:
             return job
-        other = "image" if kind == "video" else "video"
-        plural = kinds[other]
-        if job is not None:  # the other kind's job
-            return error(404, f"no {kind} job {job_id!r}: it is an {other} job, see /v1/{plural}/{job_id}"
-                         if other == "image" else f"no {kind} job {job_id!r}: it is a video job, see /v1/videos/{job_id}")
-        if state.runner is not None and kind != state.kind:
+        if state.runner is not None and kind != state.kind:  # one server makes one kind: name the other endpoint
             return error(404, f"no {kind} job {job_id!r}: this server's task makes {state.kind}s, "
                               f"see /v1/{kinds[state.kind]}/{job_id}")
         return error(404, f"no {kind} job {job_id!r}")
