@@ -245,6 +245,8 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     fps = runner.config.fps or 1
     seconds = body.pop("seconds", None)
     if seconds is not None:
+        if "target_video_length" in body:
+            raise InputError("give `seconds` or `target_video_length`, not both", "seconds")
         body["target_video_length"] = _frames_of(seconds, state, fps)
     images = {name: _decode_image(body.pop(name), name) for name in IMAGE_FIELDS if name in body}
     extra = body.pop(EXTRA_IMAGES_FIELD, None)

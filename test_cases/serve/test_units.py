@@ -264,3 +264,39 @@ def test_an_upload_is_stored_under_the_extension_of_its_content() -> None:
 
     assert [image_extension(encoded(f)) for f in ("PNG", "JPEG", "WEBP", "BMP")] == [".png", ".jpg", ".webp", ".bmp"]
     assert image_extension(b"not an image") == ".bin"
+
+
+def test_input_reference_is_the_first_frame_and_seconds_the_length(tmp_path: Path) -> None:
+    """OpenAI's `input_reference` (a form's file part: bytes) becomes the i2v request's image, stored under
+    its real extension; `seconds` becomes (frames - 1) / fps rounded to 4k + 1 frames; errors name the
+    fields as sent. The tiny i2v runner is only built (no checkpoint is read)."""
+    import io
+    import json
+
+    from PIL import Image
+
+    from runnerkit.serve.app import ServerState, build_request
+    from test_cases.conftest import REPO
+
+    data = json.loads((REPO / "configs" / "wan" / "wan_i2v_tiny.json").read_text())
+    data.pop("synthetic_checkpoint")
+    data.update(model_path=str(tmp_path / "absent"), device="cpu")
+    config = load_runner_config(None, data)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    state = ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None, phase="ready")
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 40), (1, 2, 3)).save(buf, format="JPEG")
+    jpeg = buf.getvalue()
+    fps = runner.config.fps
+    folder = tmp_path / "job"
+    folder.mkdir()
+    request, shown, resolved = build_request(state, {"prompt": "x", "input_reference": jpeg, "seconds": "0.75"}, folder)
+    assert request.image_path == str(folder / "image.jpg") and (folder / "image.jpg").read_bytes() == jpeg
+    assert fps == 8  # 0.75 s is 6 frame intervals; Wan takes 4k + 1 frames: 9 (1 s), the nearest
+    assert request.target_video_length == resolved["frames"] == 9 and resolved["seconds"] == "1"
+    assert shown == {"prompt": "x", "image": f"{len(jpeg)} bytes", "seconds": "0.75"}
+    for body, param in (({"image": jpeg}, "input_reference"), ({"seconds": "0"}, "seconds"),
+                        ({"seconds": "2", "target_video_length": 9}, "seconds")):
+        with pytest.raises(InputError) as exc:
+            build_request(state, {"prompt": "x", "input_reference": jpeg, **body}, folder)
+        assert exc.value.field == param, exc.value
