@@ -4,7 +4,8 @@ Each test starts `python -m runnerkit.infer serve` on a tiny config (CPU, synthe
 uses the page as a person would: wait for the Generate button (enabled once the server reports
 ready), type a prompt, submit, watch the status line, then check the `<video id="output">` it
 shows and fetch that URL outside the browser. Cancel goes through the page's Cancel button; the
-image task sets the first frame through the page's file input.
+image task sets the first frame through the page's file input; the Qwen-Image Edit-Plus task adds
+a further reference through the page's "Add reference image" button.
 
 Chromium is Debian's `/usr/bin/chromium` driven by Playwright (no browser download). Without
 it or without Playwright the tests skip, unless `RUNNERKIT_REQUIRE_BROWSER=1` (set by `.ci/run`
