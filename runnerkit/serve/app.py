@@ -1,64 +1,91 @@
-"""The HTTP API of `runnerkit serve` (FastAPI): health, jobs, content, metrics, a page.
+"""The HTTP API of `runnerkit serve` (FastAPI): health, jobs, OpenAI-compatible endpoints, content,
+metrics, a page.
 
-Readiness is the warmup: `/health/ready` (and `/health`) answer 503 with the phase (`loading`,
-`warming_up`) until `init_modules` returned, 200 after, 503 again if the runner died or the
-server is stopping; `/health/live` answers 200 while the process serves HTTP. No job is accepted
-before ready (503 with Retry-After).
+Readiness is the warmup: `/health/ready` (and `/health`) answer 503 with the phase (`starting`
+while the heavy modules are imported, `loading`, `warming_up`) until `init_modules` returned, 200
+after, 503 again if the runner died or the server is stopping; `/health/live` answers 200 while
+the process serves HTTP. No job is accepted before ready (503 with Retry-After).
 
-Jobs (OpenAI's video-job shape): `POST /v1/videos` (tasks whose result is a video) or
-`POST /v1/images/generations` (image results) with a JSON body of the launch script's request
-fields, validated as the launch script validates them (422 naming the field). Images travel in
-the body as base64 (`image`, `last_frame`: a `data:image/...;base64,` URL or bare base64);
-`size` ("WIDTHxHEIGHT") may replace `target_width`/`target_height`; `model` may name the
+Jobs: `POST /v1/videos` (tasks whose result is a video) or `POST /v1/images` (image results)
+queue a job and answer its object at once (OpenAI's `Video` shape plus runnerkit's fields);
+`POST /v1/images/generations` and `/v1/images/edits` are OpenAI's synchronous image calls: they
+queue `n` jobs (successive seeds), wait for them and answer `{created, data: [{b64_json | url}]}`.
+Bodies are JSON objects or multipart / url-encoded forms (what the official `openai` client
+sends) of the launch script's request fields, validated as the launch script validates them (422
+naming the field in `param`). Images travel as base64 in JSON (`image`, `last_frame`,
+`extra_images`: a `data:image/...;base64,` URL or bare base64) or as file parts of a form
+(`input_reference` is OpenAI's name of the first frame); `size` ("WIDTHxHEIGHT") may replace
+`target_width`/`target_height`, `seconds` may replace `target_video_length`; `model` may name the
 served `model_cls`. Paths (`image_path`, `save_result_path`, ...) are the server's business and
 are refused. `GET /v1/videos/{id}` (or `/v1/images/{id}`): status, progress, timings, profile;
-`GET .../content`: the mp4/png; `DELETE`: cancel (queued or running) or forget a finished job.
+`GET .../content`: the mp4/png; `DELETE`: cancel (queued or running) or forget a finished job;
+`GET /v1/videos` lists jobs as OpenAI's cursor pages (`limit`, `order`, `after`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import io
 import json
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
-from runnerkit.config import RequestConfig, format_validation_error
-from runnerkit.runners.base import BaseRunner
+from runnerkit.config import MAX_EXTRA_IMAGES, RequestConfig, format_validation_error
 from runnerkit.serve.jobs import FINAL, Job, JobQueue, QueueClosed, QueueFull
-from runnerkit.serve.metrics import Metrics
+
+if TYPE_CHECKING:  # torch and the runners are imported after the port opened (server.py)
+    from runnerkit.runners.base import BaseRunner
+    from runnerkit.serve.metrics import Metrics
 
 #: Request fields the server sets itself (never from the body).
 SERVER_FIELDS = ("save_result_path", "save_tensor_path", "image_path", "last_frame_path", "extra_image_paths")
-#: Body fields that carry an image (base64) -> the request field it becomes.
+#: Body fields that carry an image (base64, or a form's file part) -> the request field it becomes.
 IMAGE_FIELDS = {"image": "image_path", "last_frame": "last_frame_path"}
-#: Body field carrying a list of further reference images (base64) -> `extra_image_paths`.
+#: Body field carrying a list of further reference images -> `extra_image_paths`.
 EXTRA_IMAGES_FIELD = "extra_images"
+#: OpenAI's name of the video's first frame (`client.videos.create(input_reference=...)`): `image`.
+INPUT_REFERENCE = "input_reference"
+#: Integer request fields, converted from a form's text parts.
+INT_FIELDS = ("seed", "target_height", "target_width", "target_video_length", "n")
+#: `quality` values of OpenAI's image models: accepted, and they change nothing (the config decides).
+QUALITIES = ("auto", "standard", "hd", "low", "medium", "high", "xhigh", "max")
+RESPONSE_FORMATS = ("b64_json", "url")
+MAX_N = 10  # OpenAI's bound on `n`
 MAX_IMAGE_BYTES = 32 * 1024**2
 MAX_BODY_BYTES = 3 * MAX_IMAGE_BYTES  # two base64 images (4/3 of their bytes) and the fields
+#: Pillow's format name -> the file extension an uploaded image is stored with.
+IMAGE_EXTENSIONS = {"PNG": ".png", "JPEG": ".jpg", "MPO": ".jpg", "WEBP": ".webp", "GIF": ".gif", "BMP": ".bmp",
+                    "TIFF": ".tiff"}
 PAGE = Path(__file__).with_name("page.html")
 
 
 @dataclass
 class ServerState:
-    """What the API reads: the runner, its start-up phase, the jobs, the metrics."""
+    """What the API reads: the runner (None until the heavy imports are done), its start-up phase,
+    the jobs, the metrics (None until then too)."""
 
-    runner: BaseRunner
+    runner: BaseRunner | None
     queue: JobQueue
-    metrics: Metrics
+    metrics: Metrics | None
     phase: str = "starting"  # starting -> loading -> warming_up -> ready | failed; stopping at shutdown
     error: str | None = None
 
     @property
     def kind(self) -> str:
+        if self.runner is None:
+            return "video"
         kinds = getattr(self.runner, "RESULT_KINDS", {})
         return kinds.get(self.runner.config.task, "video")
 
@@ -76,9 +103,12 @@ class InputError(Exception):
 
 def error(status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None,
           **extra: Any) -> JSONResponse:
-    """The API's error body: `{"error": {"message", "field", "code"}}` (+ `extra` top-level keys)."""
-    return JSONResponse({"error": {"message": message, "field": field, "code": status}, **extra}, status,
-                        headers=headers)
+    """The API's error body, OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` (`param`:
+    the body field at fault; `field`: the same, runnerkit's older name; `code`: the HTTP status), plus
+    `extra` top-level keys."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": field, "field": field, "code": status},
+                         **extra}, status, headers=headers)
 
 
 def _first_field(exc: ValidationError) -> str | None:
@@ -87,17 +117,25 @@ def _first_field(exc: ValidationError) -> str | None:
 
 
 def _decode_image(value: Any, name: str) -> bytes:
-    if not isinstance(value, str):
-        raise InputError(f"`{name}` must be a base64 string or a data:image/...;base64, URL", name)
-    data = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
-    data = re.sub(r"\s+", "", data)  # MIME-wrapped base64 (line breaks every 76 characters)
-    data += "=" * (-len(data) % 4)  # unpadded base64
-    try:
-        altchars = b"-_" if ("-" in data or "_" in data) else None  # URL-safe alphabet
-        raw = base64.b64decode(data, altchars=altchars, validate=True)
-    except (binascii.Error, ValueError):
-        raise InputError(f"`{name}` is not valid base64 (standard or URL-safe alphabet, optionally a "
-                         "data:image/...;base64, URL)", name) from None
+    """An image's bytes from base64 (JSON) or as sent (a form's file part).
+
+    Raises:
+        InputError: naming `name` (422; 413 above MAX_IMAGE_BYTES).
+    """
+    if isinstance(value, bytes):
+        raw = value
+    elif isinstance(value, str):
+        data = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
+        data = re.sub(r"\s+", "", data)  # MIME-wrapped base64 (line breaks every 76 characters)
+        data += "=" * (-len(data) % 4)  # unpadded base64
+        try:
+            altchars = b"-_" if ("-" in data or "_" in data) else None  # URL-safe alphabet
+            raw = base64.b64decode(data, altchars=altchars, validate=True)
+        except (binascii.Error, ValueError):
+            raise InputError(f"`{name}` is not valid base64 (standard or URL-safe alphabet, optionally a "
+                             "data:image/...;base64, URL)", name) from None
+    else:
+        raise InputError(f"`{name}` must be a base64 string, a data:image/...;base64, URL or a form's file part", name)
     if not raw:
         raise InputError(f"`{name}` is empty", name)
     if len(raw) > MAX_IMAGE_BYTES:
@@ -105,55 +143,140 @@ def _decode_image(value: Any, name: str) -> bytes:
     return raw
 
 
-def build_request(state: ServerState, body: Any, folder: Path) -> tuple[RequestConfig, dict[str, Any], dict[str, Any]]:
+def image_extension(raw: bytes) -> str:
+    """The file extension of an uploaded image, from its content (Pillow); `.bin` if Pillow cannot
+    tell (the runner's check then says the upload is not an image)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(raw)) as im:
+            return IMAGE_EXTENSIONS.get(im.format or "", ".bin")
+    except (UnidentifiedImageError, OSError, ValueError):
+        return ".bin"
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    """The request's fields: a JSON object, or a multipart / url-encoded form (files as bytes,
+    integer fields converted, `name[]` parts as lists).
+
+    Raises:
+        InputError: 413 over MAX_BODY_BYTES, 422 for a body that is neither.
+    """
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise InputError(f"the body holds {length} bytes; at most {MAX_BODY_BYTES} are accepted", status=413)
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            form = await request.form(max_files=2 + MAX_EXTRA_IMAGES + 1, max_fields=100)
+        except (StarletteHTTPException, AssertionError) as exc:  # a malformed form, or python-multipart missing
+            raise InputError(f"malformed form body: {getattr(exc, 'detail', exc)}") from None
+        try:
+            return await _form_fields(form.multi_items())
+        finally:
+            await form.close()
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise InputError(f"the body holds {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted", status=413)
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"malformed JSON body: {exc} (send a JSON object or a multipart form)") from None
+    if not isinstance(body, dict):
+        raise InputError("the body must be a JSON object of request fields (or a multipart form)")
+    return body
+
+
+async def _form_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A form's parts as body fields. Several `image` parts (OpenAI's `image[]` of images.edit) are
+    the first image and then `extra_images`."""
+    fields: dict[str, Any] = {}
+    for key, part in items:
+        name = key[:-2] if key.endswith("[]") else key
+        value: Any = await part.read() if isinstance(part, UploadFile) else part
+        if isinstance(value, str) and name in INT_FIELDS and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            value = int(value)
+        if name == EXTRA_IMAGES_FIELD:
+            fields.setdefault(name, []).append(value)
+        elif name in fields and name == "image":
+            fields.setdefault(EXTRA_IMAGES_FIELD, []).append(value)
+        elif name in fields:
+            raise InputError(f"`{name}` is given twice in the form", name)
+        else:
+            fields[name] = value
+    return fields
+
+
+def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tuple[RequestConfig, dict[str, Any], dict[str, Any]]:
     """The body as a `RequestConfig` checked as the launch script checks a request; images saved
-    into `folder`. Returns it, the fields the job reports, and the values it runs with (seed,
-    height, width, frames).
+    into `folder` with their real extension. Returns it, the fields the job reports, and the values
+    it runs with (model, seed, height, width, frames; `seconds` for videos).
 
     Raises:
         InputError: naming the field (422; 413 for an oversized image).
     """
-    if not isinstance(body, dict):
-        raise InputError("the body must be a JSON object of request fields")
+    runner = state.runner
+    assert runner is not None, "build_request before the runner exists"
     body = dict(body)
     for name in SERVER_FIELDS:
         if name in body:
             sent_as = {**{v: k for k, v in IMAGE_FIELDS.items()}, "extra_image_paths": EXTRA_IMAGES_FIELD}
-            hint = f"; send the image itself as `{sent_as[name]}` (base64)" if name in sent_as else ""
+            hint = f"; send the image itself as `{sent_as[name]}` (base64 or a file part)" if name in sent_as else ""
             raise InputError(f"`{name}` is set by the server, not by a request{hint}", name)
+    reference = INPUT_REFERENCE in body
+    if reference:
+        if state.kind != "video":
+            raise InputError(f"`{INPUT_REFERENCE}` is the first frame of a video; send an image task's image as "
+                             "`image`", INPUT_REFERENCE)
+        if "image" in body:
+            raise InputError(f"give `image` or `{INPUT_REFERENCE}` (the same first frame), not both", INPUT_REFERENCE)
+        body["image"] = _decode_image(body.pop(INPUT_REFERENCE), INPUT_REFERENCE)  # its errors name it as sent
     model = body.pop("model", None)
-    if model is not None and model != state.runner.config.model_cls:
-        raise InputError(f"`model` {model!r}: this server serves {state.runner.config.model_cls!r}", "model")
+    if model is not None and model != runner.config.model_cls:
+        raise InputError(f"`model` {model!r}: this server serves {runner.config.model_cls!r}", "model")
     size = body.pop("size", None)
-    if size is not None:
+    if size is not None and size != "auto":  # "auto" (OpenAI): the config's size
         m = re.fullmatch(r"(\d+)x(\d+)", str(size))
         if m is None:
             raise InputError(f"`size` must be WIDTHxHEIGHT, e.g. \"832x480\" (got {size!r})", "size")
         if "target_width" in body or "target_height" in body:
             raise InputError("give `size` or `target_width`/`target_height`, not both", "size")
         body["target_width"], body["target_height"] = int(m.group(1)), int(m.group(2))
+    fps = runner.config.fps or 1
+    seconds = body.pop("seconds", None)
+    if seconds is not None:
+        if "target_video_length" in body:
+            raise InputError("give `seconds` or `target_video_length`, not both", "seconds")
+        body["target_video_length"] = _frames_of(seconds, state, fps)
     images = {name: _decode_image(body.pop(name), name) for name in IMAGE_FIELDS if name in body}
     extra = body.pop(EXTRA_IMAGES_FIELD, None)
     if extra is not None and (not isinstance(extra, list) or not extra):
-        raise InputError(f"`{EXTRA_IMAGES_FIELD}` must be a non-empty list of base64 images", EXTRA_IMAGES_FIELD)
+        raise InputError(f"`{EXTRA_IMAGES_FIELD}` must be a non-empty list of images", EXTRA_IMAGES_FIELD)
     extra_raw = [_decode_image(v, f"{EXTRA_IMAGES_FIELD}[{k}]") for k, v in enumerate(extra or [])]
     shown = dict(body)
     for name, raw in images.items():
-        path = folder / f"{name}.bin"
+        path = folder / f"{name}{image_extension(raw)}"
         path.write_bytes(raw)
         body[IMAGE_FIELDS[name]] = str(path)
         shown[name] = f"{len(raw)} bytes"
     if extra_raw:
-        paths = [folder / f"{EXTRA_IMAGES_FIELD}{k}.bin" for k in range(len(extra_raw))]
+        paths = [folder / f"{EXTRA_IMAGES_FIELD}{k}{image_extension(raw)}" for k, raw in enumerate(extra_raw)]
         for path, raw in zip(paths, extra_raw):
             path.write_bytes(raw)
         body["extra_image_paths"] = [str(p) for p in paths]
         shown[EXTRA_IMAGES_FIELD] = [f"{len(raw)} bytes" for raw in extra_raw]
+    if seconds is not None:
+        shown["seconds"] = seconds
+        del shown["target_video_length"]
+    # A field the client sent under another name is named as sent (`param`).
+    sent = {**({"target_width": "size", "target_height": "size"} if size not in (None, "auto") else {}),
+            **({"target_video_length": "seconds"} if seconds is not None else {}),
+            **({"image": INPUT_REFERENCE} if reference else {})}
     try:
         request = RequestConfig.model_validate(body)
     except ValidationError as exc:
-        raise InputError(format_validation_error(exc, "request"), _first_field(exc)) from None
-    runner = state.runner
+        name = _first_field(exc)
+        raise InputError(format_validation_error(exc, "request"), sent.get(name or "", name)) from None
     try:
         type(runner).validate_request(request, runner.config)  # type: ignore[attr-defined]
     except ValueError as exc:
@@ -162,7 +285,7 @@ def build_request(state: ServerState, body: Any, folder: Path) -> tuple[RequestC
         name = {**{v: k for k, v in IMAGE_FIELDS.items()}, "extra_image_paths": EXTRA_IMAGES_FIELD}.get(name or "", name)
         if name is not None and name.startswith("extra_image_paths["):
             name = EXTRA_IMAGES_FIELD + name[len("extra_image_paths"):]
-        raise InputError(_api_wording(str(exc), folder), name) from None
+        raise InputError(_api_wording(str(exc), folder), sent.get(name or "", name)) from None
     shape = runner.request_shape(request)  # type: ignore[attr-defined]
     try:
         runner.check_fit(shape, "request")  # type: ignore[attr-defined]
@@ -171,7 +294,24 @@ def build_request(state: ServerState, body: Any, folder: Path) -> tuple[RequestC
     cfg = runner.config
     resolved = {"model": cfg.model_cls, "seed": request.seed if request.seed is not None else cfg.seed,
                 "height": shape[0], "width": shape[1], "frames": shape[2]}
+    if state.kind == "video":
+        resolved["seconds"] = f"{(shape[2] - 1) / fps:g}"
     return request, shown, resolved
+
+
+def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
+    """OpenAI's `seconds` (a string such as "4", or a number) as frames: (frames - 1) / fps seconds,
+    rounded to the nearest frame count the model takes (4k + 1 for Wan)."""
+    if state.kind != "video":
+        raise InputError("`seconds` is for video tasks; this server makes images", "seconds")
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not 0 < value <= 3600 or isinstance(seconds, bool):
+        raise InputError(f"`seconds` must be a positive number of seconds, e.g. \"4\" (got {seconds!r})", "seconds")
+    step = getattr(state.runner, "TEMPORAL_FACTOR", 1)
+    return max(1, step * round(value * fps / step) + 1)
 
 
 def _api_wording(message: str, folder: Path) -> str:
@@ -180,11 +320,9 @@ def _api_wording(message: str, folder: Path) -> str:
         message = message.replace(f"`{request_field}` (--{request_field}) is required",
                                   f"`{body_field}` is required")
         message = message.replace(f"`{request_field}`", f"`{body_field}`")
-        message = message.replace(repr(str(folder / f"{body_field}.bin")), "(uploaded)")
-        message = message.replace(f"{folder / body_field}.bin", "(uploaded)")
     message = message.replace("`extra_image_paths", f"`{EXTRA_IMAGES_FIELD}")
-    message = re.sub("'?" + re.escape(str(folder / EXTRA_IMAGES_FIELD)) + r"\d+\.bin'?", "(uploaded)", message)
-    return message.replace("give an image file", "send the image as base64")
+    message = re.sub("'?" + re.escape(str(folder)) + r"/[\w.]+'?", "(uploaded)", message)  # an uploaded file
+    return message.replace("give an image file", "send the image as base64 or a file part")
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -220,62 +358,122 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/info")
     def info() -> dict[str, Any]:
-        cfg = state.runner.config
+        runner = state.runner
+        if runner is None:  # still importing: nothing is known of the model yet
+            return {"phase": state.phase, "max_queue": state.queue.max_queue}
+        cfg = runner.config
         return {"model_cls": cfg.model_cls, "task": cfg.task, "kind": state.kind, "phase": state.phase,
                 "image_inputs": [{"image_path": "image", "last_frame_path": "last_frame"}[f]
-                                 for f in getattr(state.runner, "IMAGE_INPUTS", {}).get(cfg.task, ())],
+                                 for f in getattr(runner, "IMAGE_INPUTS", {}).get(cfg.task, ())],
+                "extra_images": getattr(runner, "EXTRA_IMAGES", {}).get(cfg.task, 0),
                 "defaults": {"target_height": cfg.target_height, "target_width": cfg.target_width,
                              "target_video_length": cfg.target_video_length, "infer_steps": cfg.infer_steps,
                              "seed": cfg.seed},
-                "attention": state.runner.profiler.attention,
+                "attention": runner.profiler.attention,
                 "max_queue": state.queue.max_queue}
 
-    async def submit(request: Request, kind: str) -> Response:
-        if kind != state.kind:
-            other = "/v1/videos" if state.kind == "video" else "/v1/images/generations"
-            return error(404, f"this server's task {state.runner.config.task!r} makes {state.kind}s: POST {other}")
+    def refuse(kind: str) -> JSONResponse | None:
+        """503 before ready or while stopping; 404 naming the right endpoint for the other result kind."""
         if not state.ready():
             return not_accepting()
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return error(413, f"the body holds {length} bytes; at most {MAX_BODY_BYTES} are accepted")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return error(413, f"the body holds {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
+        if kind != state.kind:
+            other = "/v1/videos" if state.kind == "video" else "/v1/images (or OpenAI's /v1/images/generations)"
+            return error(404, f"this server's task {state.runner.config.task!r} makes {state.kind}s: POST {other}")
+        return None
+
+    def queue_jobs(kind: str, body: dict[str, Any], n: int) -> tuple[list[Job], dict[str, Any]] | JSONResponse:
+        """Check and queue the body's job(s): one, or `n` with successive seeds. Returns them and the
+        first one's object as queued (the worker may start it before the reply is sent)."""
+        jobs: list[Job] = []
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error(422, f"malformed JSON body: {exc}")
-        job_id, folder = state.queue.new_folder()
-        try:
-            req, shown, resolved = build_request(state, body, folder)
+            for k in range(n):
+                job_id, folder = state.queue.new_folder()
+                varied = body if k == 0 else {**body, "seed": jobs[0].resolved["seed"] + k}
+                try:
+                    req, shown, resolved = build_request(state, varied, folder)
+                except BaseException:
+                    _remove(folder)
+                    raise
+                jobs.append(Job(id=job_id, kind=kind, request=req, folder=folder, fields=shown, resolved=resolved))
+            queued = jobs[0].as_dict()
+            state.queue.submit(*jobs)
         except InputError as exc:
-            _remove(folder)
-            return error(exc.status, str(exc), exc.field)
-        job = Job(id=job_id, kind=kind, request=req, folder=folder, fields=shown, resolved=resolved)
-        reply = job.as_dict()  # as queued: the worker may start it before this reply is sent
-        try:
-            state.queue.submit(job)
+            return _drop(jobs, error(exc.status, str(exc), exc.field))
         except QueueFull as exc:
-            _remove(folder)
-            return error(429, str(exc), headers={"Retry-After": "5"})
+            return _drop(jobs, error(429, str(exc), headers={"Retry-After": "5"}))
         except QueueClosed as exc:
-            _remove(folder)
-            return error(503, f"not accepting jobs: {exc}")
+            return _drop(jobs, error(503, f"not accepting jobs: {exc}"))
         state.metrics.queue_depth.set(state.queue.depth())
-        return JSONResponse(reply)
+        return jobs, queued
+
+    async def submit(request: Request, kind: str) -> Response:
+        """`POST /v1/videos`, `POST /v1/images`: one queued job, answered at once."""
+        if (refused := refuse(kind)) is not None:
+            return refused
+        try:
+            body = await read_body(request)
+        except InputError as exc:
+            return error(exc.status, str(exc), exc.field)
+        done = queue_jobs(kind, body, 1)
+        return done if isinstance(done, JSONResponse) else JSONResponse(done[1])
+
+    @app.post("/v1/images/generations")
+    @app.post("/v1/images/edits")
+    async def images_sync(request: Request) -> Response:
+        """OpenAI's `images.generate` / `images.edit`: `n` jobs (successive seeds), waited for; answers
+        `{created, data: [{b64_json} | {url}], size, output_format, quality}`. A job that fails or is
+        cancelled answers 500 naming it; a client that disconnects cancels the jobs."""
+        if (refused := refuse("image")) is not None:
+            return refused
+        try:
+            body = await read_body(request)
+            options = _pop_image_options(body)
+            n = _pop_n(body)
+        except InputError as exc:
+            return error(exc.status, str(exc), exc.field)
+        done = queue_jobs("image", body, n)
+        if isinstance(done, JSONResponse):
+            return done
+        jobs = done[0]
+        pngs: dict[str, bytes] = {}
+        while any(j.status not in FINAL for j in jobs):
+            for j in jobs:  # read each image as soon as it exists: retention may remove it after later jobs
+                if j.status == "completed" and j.id not in pngs and options["response_format"] == "b64_json":
+                    pngs[j.id] = j.result_path.read_bytes()
+            if await request.is_disconnected():
+                for j in jobs:
+                    state.queue.cancel(j.id)
+                return Response(status_code=499)
+            await asyncio.sleep(0.02)
+        bad = [j for j in jobs if j.status != "completed"]
+        if bad:
+            return error(500, "; ".join(f"job {j.id} {j.status}" + (f": {j.error}" if j.error else "") for j in bad))
+        data = []
+        for j in jobs:
+            if options["response_format"] == "url":
+                data.append({"url": f"{str(request.base_url).rstrip('/')}/v1/images/{j.id}/content"})
+            else:
+                png = pngs.get(j.id) or j.result_path.read_bytes()
+                data.append({"b64_json": base64.b64encode(png).decode()})
+        return JSONResponse({"created": int(time.time()), "data": data, "size": jobs[0].as_dict()["size"],
+                             "output_format": "png", "quality": options["quality"]})
 
     def job_or_404(job_id: str, kind: str) -> Job | JSONResponse:
         job = state.queue.get(job_id)
-        if job is None or job.kind != kind:
-            return error(404, f"no {kind} job {job_id!r}")
-        return job
+        if job is not None and job.kind == kind:
+            return job
+        if state.runner is not None and kind != state.kind:  # one server makes one kind: name the other endpoint
+            return error(404, f"no {kind} job {job_id!r}: this server's task makes {state.kind}s, "
+                              f"see /v1/{kinds[state.kind]}/{job_id}")
+        return error(404, f"no {kind} job {job_id!r}")
 
     for kind, plural in kinds.items():
         add_job_routes(app, state, kind, plural, submit, job_or_404)
 
     @app.get("/metrics")
     def metrics() -> Response:
+        if state.metrics is None:
+            return error(503, "no metrics yet: the server is starting", headers={"Retry-After": "5"})
         state.metrics.queue_depth.set(state.queue.depth())
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
@@ -287,20 +485,84 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _pop_n(body: dict[str, Any]) -> int:
+    n = body.pop("n", 1)
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise InputError(f"`n` must be an integer in [1, {MAX_N}] (got {n!r}); n images run as n jobs with "
+                         "successive seeds", "n")
+    return n
+
+
+def _pop_image_options(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's image options, removed from `body`: `response_format` (`b64_json`, the default, or
+    `url`), `quality` (accepted, changes nothing), `output_format` (`png` only), `stream` (false
+    only), `user` and `safety_identifier` (ignored).
+
+    Raises:
+        InputError: naming the option.
+    """
+    fmt = body.pop("response_format", None) or "b64_json"
+    if fmt not in RESPONSE_FORMATS:
+        raise InputError(f"`response_format` must be one of {list(RESPONSE_FORMATS)} (got {fmt!r})", "response_format")
+    quality = body.pop("quality", None) or "auto"
+    if quality not in QUALITIES:
+        raise InputError(f"`quality` must be one of {list(QUALITIES)} (got {quality!r}); it changes nothing here: "
+                         "the config's steps decide", "quality")
+    output_format = body.pop("output_format", None) or "png"
+    if output_format != "png":
+        raise InputError(f"`output_format` {output_format!r}: this server writes png only", "output_format")
+    stream = body.pop("stream", None)
+    if stream not in (None, False, "false"):
+        raise InputError("`stream`: streamed (partial) images are not offered; leave `stream` unset", "stream")
+    body.pop("user", None)
+    body.pop("safety_identifier", None)
+    return {"response_format": fmt, "quality": quality}
+
+
+def _drop(jobs: list[Job], reply: JSONResponse) -> JSONResponse:
+    """Remove the folders of jobs that were not queued; return `reply`."""
+    for job in jobs:
+        _remove(job.folder)
+    return reply
+
+
 def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, submit: Any, job_or_404: Any) -> None:
     """POST, list, GET, content and DELETE of one result kind (closures: no parameter leaks into the API)."""
 
     async def post(request: Request) -> Response:
         return await submit(request, kind)
 
-    def list_jobs() -> dict[str, Any]:
-        return {"object": "list", "data": [j.as_dict() for j in state.queue.list() if j.kind == kind]}
+    def list_jobs(limit: int | None = None, order: str = "desc", after: str | None = None) -> Any:
+        """OpenAI's cursor page: `data` newest first (`order=desc`, the default) or oldest first
+        (`asc`), at most `limit` jobs (default: all), those after the job `after`; `first_id`,
+        `last_id`, `has_more`."""
+        if order not in ("asc", "desc"):
+            return error(422, f"`order` must be 'asc' or 'desc' (got {order!r})", "order")
+        if limit is not None and not 1 <= limit <= 1000:
+            return error(422, f"`limit` must be in [1, 1000] (got {limit})", "limit")
+        jobs = [j for j in state.queue.list() if j.kind == kind]  # oldest first
+        if order == "desc":
+            jobs.reverse()
+        if after is not None:
+            ids = [j.id for j in jobs]
+            if after not in ids:
+                return error(404, f"`after`: no {kind} job {after!r}", "after")
+            jobs = jobs[ids.index(after) + 1:]
+        page = jobs if limit is None else jobs[:limit]
+        return {"object": "list", "data": [j.as_dict() for j in page],
+                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+                "has_more": len(page) < len(jobs)}
 
     def get_job(job_id: str) -> Any:
         job = job_or_404(job_id, kind)
         return job if isinstance(job, JSONResponse) else job.as_dict()
 
-    def content(job_id: str) -> Any:
+    def content(job_id: str, variant: str | None = None) -> Any:
+        if variant not in (None, kind):
+            return error(422, f"`variant` {variant!r}: only the {kind} itself is offered (no thumbnail or "
+                              "spritesheet)", "variant")
         job = job_or_404(job_id, kind)
         if isinstance(job, JSONResponse):
             return job
@@ -314,12 +576,14 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
                             filename=f"{job_id}{job.result_path.suffix}")
 
     def delete(job_id: str) -> Any:
+        """A finished job: forgotten, its files deleted (`{id, object: "video.deleted", deleted: true}`, as
+        OpenAI). A queued or running one: cancelled; answers its object with `deleted: false`."""
         job = job_or_404(job_id, kind)
         if isinstance(job, JSONResponse):
             return job
         if job.status in FINAL:
             state.queue.delete(job_id)
-            return {"id": job_id, "object": kind, "deleted": True}
+            return {"id": job_id, "object": f"{kind}.deleted", "deleted": True}
         was_queued = job.status == "queued"
         job = state.queue.cancel(job_id)
         if job is None:
@@ -327,10 +591,9 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
         if was_queued and job.status == "cancelled" and job.started_at is None:
             state.metrics.observe_job("cancelled", None)  # it never reaches the worker
         state.metrics.queue_depth.set(state.queue.depth())
-        return job.as_dict()
+        return {**job.as_dict(), "deleted": False}
 
-    post_path = "/v1/videos" if kind == "video" else "/v1/images/generations"
-    app.add_api_route(post_path, post, methods=["POST"])
+    app.add_api_route(f"/v1/{plural}", post, methods=["POST"])
     app.add_api_route(f"/v1/{plural}", list_jobs, methods=["GET"])
     app.add_api_route(f"/v1/{plural}/{{job_id}}", get_job, methods=["GET"])
     app.add_api_route(f"/v1/{plural}/{{job_id}}/content", content, methods=["GET"])

@@ -22,12 +22,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from loguru import logger
 
 from runnerkit.config import RequestConfig
-from runnerkit.runners.base import BaseRunner, Progress, RequestCancelled, error_phase
+
+if TYPE_CHECKING:  # torch is imported by the worker, after the port opened (server.py)
+    from runnerkit.runners.base import BaseRunner, Progress
 
 Status = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 FINAL: tuple[Status, ...] = ("completed", "failed", "cancelled")
@@ -82,20 +84,33 @@ class Job:
         return int(95 * self.steps_done / self.steps_total) if self.steps_total else 0
 
     def as_dict(self) -> dict[str, Any]:
-        """The job object of the API (OpenAI video-job shape plus runnerkit's fields)."""
+        """The job object of the API: OpenAI's `Video` fields (`id`, `object`, `model`, `status`,
+        `progress`, `created_at`/`completed_at`/`expires_at` as integer Unix seconds, `size`, `seconds`,
+        `prompt`, `error` as `{code, message}`, `remixed_from_video_id`) plus runnerkit's (stage and
+        steps, the request and what it runs with, `timestamps` to the sub-second, timings, profile)."""
         return {
             "id": self.id, "object": self.kind, "model": self.resolved.get("model"), "status": self.status,
             "progress": self.progress_percent(),
             "size": f"{self.resolved['width']}x{self.resolved['height']}" if self.resolved else None,
+            "seconds": self.resolved.get("seconds"), "prompt": self.request.prompt,
+            "created_at": int(self.created_at), "completed_at": _int_or_none(self.completed_at),
+            "expires_at": None, "remixed_from_video_id": None,
+            "error": None if self.error is None else {"code": "generation_failed", "message": self.error},
             "stage": self.stage, "step": self.step, "steps": self.steps, "steps_done": self.steps_done,
-            "steps_total": self.steps_total, "created_at": self.created_at, "started_at": self.started_at,
-            "completed_at": self.completed_at, "cancel_requested": self.cancel.is_set() and self.status not in FINAL,
-            "error": self.error, "request": self.fields, "resolved": self.resolved,
+            "steps_total": self.steps_total, "started_at": _int_or_none(self.started_at),
+            "timestamps": {"created_at": self.created_at, "started_at": self.started_at,
+                           "completed_at": self.completed_at},
+            "cancel_requested": self.cancel.is_set() and self.status not in FINAL,
+            "request": self.fields, "resolved": self.resolved,
             "timings": None if self.profile is None else {"seconds": self.profile["seconds"],
                                                           "stages": self.profile["stages"],
                                                           "steps": self.profile["steps"]},
             "profile": self.profile, "content_available": self.status == "completed" and not self.expired,
         }
+
+
+def _int_or_none(t: float | None) -> int | None:
+    return None if t is None else int(t)
 
 
 class JobQueue:
@@ -127,22 +142,27 @@ class JobQueue:
         folder.mkdir(parents=True)
         return job_id, folder
 
-    def submit(self, job: Job) -> None:
-        """Queue `job`.
+    def submit(self, *jobs: Job) -> None:
+        """Queue `jobs`, in order: all of them or none.
 
         Raises:
             QueueClosed: shutting down or the runner died.
-            QueueFull: `max_queue` jobs are waiting.
+            QueueFull: fewer than `len(jobs)` places are left of `max_queue`.
         """
         with self._lock:
             if self.closed or self.dead:
                 raise QueueClosed(self.dead or "the server is shutting down")
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull(f"the queue holds {len(self._queue)} jobs (--max_queue {self.max_queue}); retry later")
-            self.jobs[job.id] = job
-            self._queue.append(job.id)
+            if len(self._queue) + len(jobs) > self.max_queue:
+                extra = f" ({len(jobs)} asked for)" if len(jobs) > 1 else ""
+                raise QueueFull(f"the queue holds {len(self._queue)} jobs (--max_queue {self.max_queue}){extra}; "
+                                "retry later")
+            for job in jobs:
+                self.jobs[job.id] = job
+                self._queue.append(job.id)
             self._lock.notify_all()
-        logger.info("job {} queued ({} waiting)", job.id, len(self._queue))
+            waiting = len(self._queue)
+        for job in jobs:
+            logger.info("job {} queued ({} waiting)", job.id, waiting)
 
     def depth(self) -> int:
         with self._lock:
@@ -153,6 +173,7 @@ class JobQueue:
             return self.jobs.get(job_id)
 
     def list(self) -> list[Job]:
+        """Every job record, oldest first."""
         with self._lock:
             return list(self.jobs.values())
 
@@ -262,6 +283,8 @@ class Worker(threading.Thread):
             logger.opt(exception=exc).error("{}", self.queue.dead)
 
     def run_job(self, job: Job) -> None:
+        from runnerkit.runners.base import RequestCancelled, error_phase
+
         def observe(p: Progress) -> None:
             job.stage, job.step, job.steps = p.stage, p.step, p.steps
             job.steps_done, job.steps_total = p.steps_done, p.steps_total

@@ -2,25 +2,28 @@
 
     runnerkit serve --config_json CONFIG.json --warmup --port 8000
 
-Start-up: the config and the runner are checked first (exit 2 naming the problem, as the launch
-script does); then the HTTP port opens and the runner loads and warms up on a background
-thread while `/health/live` answers 200 and `/health/ready` 503 with the phase. A failing load
-or warmup stops the process with status 2 (bad input: config, checkpoint, unsupported mode) or 1
-(anything else), the phase named in the log. Once ready, a worker thread runs the queued jobs
-one at a time.
+Start-up: the config file and the output folder are checked first (exit 2 naming the problem,
+as the launch script does); then the HTTP port opens, before torch and the model family are
+imported (seconds), so `/health/live` answers 200 and `/health/ready` 503 with the phase
+(`starting` while importing and building the runner, then `loading`, `warming_up`) at once; the
+runner loads and warms up on a background thread. A failing runner check, load or warmup stops
+the process with status 2 (bad input: config, checkpoint, unsupported mode) or 1 (anything
+else), the phase named in the log. Once ready, a worker thread runs the queued jobs one at a time.
 
 Shutdown (SIGTERM or Ctrl-C): readiness turns 503 (`stopping`), new jobs are refused, queued
 jobs are cancelled, the running job finishes (`--on_shutdown finish`, the default) or stops at
-its next step or decoder chunk (`cancel`) while its status stays readable; then the port closes
-and the process exits 0. A signal during loading or warmup exits 0 at once; a second signal
-exits at once with 128 + the signal number. Job records live in memory only; result files stay
-in `--output_dir`.
+its next step or decoder chunk (`cancel`) while its status stays readable; job status is still
+answered for `--drain_grace` seconds (default 3) after the last job ended, so that a polling
+client sees the final status; then the port closes and the process exits 0. A signal during
+start-up, loading or warmup exits 0 at once; a second signal exits at once with 128 + the signal
+number. Job records live in memory only; result files stay in `--output_dir`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import signal
 import sys
@@ -32,6 +35,9 @@ from typing import Any
 
 from loguru import logger
 
+#: Seconds the port stays open at shutdown after the last job ended (longer than a client's poll interval:
+#: the openai client polls every second).
+DRAIN_GRACE_S = 3.0
 LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}"
 
 
@@ -54,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save_tensors", action="store_true", help="also write each job's result.safetensors")
     p.add_argument("--on_shutdown", choices=("finish", "cancel"), default="finish",
                    help="what SIGTERM does to the running job (default finish)")
+    p.add_argument("--drain_grace", type=float, default=DRAIN_GRACE_S,
+                   help="at shutdown, seconds job status is still answered after the last job ended, so that a "
+                        f"polling client sees its final status (default {DRAIN_GRACE_S:g}; 0: close at once)")
     p.add_argument("--log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -68,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             logger.error("invalid input: {} must be {} (got {})", name,
                          "in [0, 65535]" if name == "--port" else f">= {low}", value)
             return 2
+    if not 0 <= args.drain_grace <= 600:
+        logger.error("invalid input: --drain_grace must be in [0, 600] seconds (got {})", args.drain_grace)
+        return 2
     if args.keep_gib is not None and args.keep_gib <= 0:
         logger.error("invalid input: --keep_gib must be > 0 (got {})", args.keep_gib)
         return 2
@@ -79,24 +91,24 @@ def serve(args: argparse.Namespace) -> int:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn
+        if importlib.util.find_spec("python_multipart") is None and importlib.util.find_spec("multipart") is None:
+            raise ImportError("no python-multipart", name="python-multipart")  # forms (the openai client)
     except ImportError as exc:
         logger.error("runnerkit serve needs the `serve` extra: pip install \"runnerkit[serve]\" (from a checkout: "
                      "pip install -e \".[serve]\"); missing: {}", exc.name)
         return 2
 
+    # Light imports only before the port opens (no torch, no model family): health answers within
+    # a second or two, `starting` until the runner exists.
     from runnerkit.config import ConfigError, load_runner_config
     from runnerkit.cli_common import INPUT_ERRORS, check_writable, report_failure
-    from runnerkit.registry import get_runner_cls
-    from runnerkit.runners.base import BaseRunner, error_phase
     from runnerkit.serve.app import ServerState, create_app
-    from runnerkit.serve.jobs import Job, JobQueue, Worker
-    from runnerkit.serve.metrics import Metrics
+    from runnerkit.serve.jobs import Job, JobQueue
 
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
                  "device": args.device, "warmup": True if args.warmup else None}
     try:
         config = load_runner_config(args.config_json, overrides)
-        runner: BaseRunner = get_runner_cls(config.model_cls, config.task)(config)
         output_dir = Path(args.output_dir).expanduser().absolute()
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
@@ -108,11 +120,11 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     queue = JobQueue(output_dir, args.max_queue, args.keep_jobs,
                      None if args.keep_gib is None else int(args.keep_gib * 2**30))
-    state = ServerState(runner=runner, queue=queue, metrics=Metrics(runner.device))
+    state = ServerState(runner=None, queue=queue, metrics=None)
     server = _Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
                                     timeout_graceful_shutdown=5))
     status = {"exit": 0}
-    worker: dict[str, Worker] = {}
+    worker: dict[str, Any] = {}
 
     def job_done(job: Job) -> None:
         state.metrics.observe_job(job.status, job.profile)
@@ -125,6 +137,13 @@ def serve(args: argparse.Namespace) -> int:
         state.phase = phase
         logger.info("phase: {}", phase)
 
+    def fail(phase: str, exc: BaseException, error_phase: Any = lambda e: None) -> None:
+        phase = error_phase(exc) or phase
+        state.phase, state.error = "failed", f"{phase} failed: {type(exc).__name__}: {exc}"
+        report_failure(f"{phase} failed", exc)
+        status["exit"] = 2 if isinstance(exc, INPUT_ERRORS) else 1
+        server.should_exit = True
+
     def load() -> None:
         while not server.started and not server.should_exit:  # the port is open before loading starts
             time.sleep(0.05)
@@ -132,15 +151,23 @@ def serve(args: argparse.Namespace) -> int:
             return
         host, port = _bound_address(server)
         logger.info("listening on http://{}:{} (live: /health/live, ready: /health/ready)", host, port)
+        try:  # torch and the model family: seconds; health answers `starting` meanwhile
+            from runnerkit.registry import get_runner_cls
+            from runnerkit.runners.base import error_phase
+            from runnerkit.serve.jobs import Worker
+            from runnerkit.serve.metrics import Metrics
+
+            runner = get_runner_cls(config.model_cls, config.task)(config)
+        except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
+            fail("start", exc)
+            return
+        state.metrics = Metrics(runner.device)
+        state.runner = runner
         runner.on_phase = set_phase
         try:
             runner.init_modules()
         except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
-            phase = error_phase(exc) or "load"
-            state.phase, state.error = "failed", f"{phase} failed: {type(exc).__name__}: {exc}"
-            report_failure(f"{phase} failed", exc)
-            status["exit"] = 2 if isinstance(exc, INPUT_ERRORS) else 1
-            server.should_exit = True
+            fail("load", exc, error_phase)
             return
         state.metrics.load_seconds.set(runner.profiler.phases.get("load_seconds", 0.0))
         state.metrics.warmup_seconds.set((runner.profiler.warmup or {}).get("seconds", 0.0))
@@ -162,6 +189,10 @@ def serve(args: argparse.Namespace) -> int:
                 logger.info("shutting down: {} the running job {}", "cancelling" if cancel else "finishing",
                             queue.running.id)
             w.join()
+        if args.drain_grace > 0:  # a client polling a job sees its final status before the port closes
+            logger.info("jobs ended: answering status for {:g} s more (--drain_grace), then closing the port",
+                        args.drain_grace)
+            time.sleep(args.drain_grace)
         server.should_exit = True
 
     def on_signal(signum: int, frame: Any) -> None:

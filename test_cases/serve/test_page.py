@@ -4,7 +4,8 @@ Each test starts `python -m runnerkit.infer serve` on a tiny config (CPU, synthe
 uses the page as a person would: wait for the Generate button (enabled once the server reports
 ready), type a prompt, submit, watch the status line, then check the `<video id="output">` it
 shows and fetch that URL outside the browser. Cancel goes through the page's Cancel button; the
-image task sets the first frame through the page's file input.
+image task sets the first frame through the page's file input; the Qwen-Image Edit-Plus task adds
+a further reference through the page's "Add reference image" button.
 
 Chromium is Debian's `/usr/bin/chromium` driven by Playwright (no browser download). Without
 it or without Playwright the tests skip, unless `RUNNERKIT_REQUIRE_BROWSER=1` (set by `.ci/run`
@@ -55,7 +56,7 @@ def _start_server(config: Path, out: Path, cache: Path) -> Server:
     env = {**os.environ, "PYTHONPATH": str(REPO), "RUNNERKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     with log.open("wb") as sink:  # a file, not a pipe: nobody drains a pipe while the test runs
         proc = subprocess.Popen([sys.executable, "-m", "runnerkit.infer", "serve", "--config_json", str(config),
-                                 "--port", "0", "--warmup", "--on_shutdown", "cancel",
+                                 "--port", "0", "--warmup", "--on_shutdown", "cancel", "--drain_grace", "0",
                                  "--output_dir", str(out / "jobs")],
                                 cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=sink)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -224,3 +225,45 @@ def test_page_image_task_sends_the_file(page: Any, i2v_server: Server) -> None:
     job_id = _check_video_result(page, i2v_server)
     job = _get_json(f"{i2v_server.url}/v1/videos/{job_id}")
     assert job["request"]["image"] == f"{FIRST_FRAME.stat().st_size} bytes", job["request"]
+
+
+@pytest.fixture(scope="module")
+def edit_server(tmp_path_factory: pytest.TempPathFactory, cache: Path, browser: Any) -> Iterator[Server]:
+    """The tiny Qwen-Image Edit-Plus config (several reference images)."""
+    from test_cases.models.qwen_image.conftest import EDIT_CONFIG, _write, qwen_config_dict
+
+    out = tmp_path_factory.mktemp("serve_edit")
+    config = out / "edit.json"
+    config.write_text(json.dumps(qwen_config_dict(EDIT_CONFIG, _write(EDIT_CONFIG, out / "ckpt"))))
+    server = _start_server(config, out, cache)
+    yield server
+    _stop_server(server)
+
+
+def test_page_edit_task_adds_reference_images(page: Any, edit_server: Server, tmp_path: Path) -> None:
+    """Edit-Plus takes references after the image: the page's "Add reference image" button adds file
+    inputs (up to /v1/info's `extra_images`), and their files travel as `extra_images`."""
+    from test_cases.models.qwen_image.conftest import reference_images
+
+    a, b = reference_images(tmp_path)
+    _open_ready(page, edit_server)
+    assert "qwen_image · i2i · ready" in page.text_content("#model")
+    most = _get_json(edit_server.url + "/v1/info")["extra_images"]
+    assert most >= 1
+    page.set_input_files("#file-image", str(a))
+    page.click("#add-reference")
+    page.set_input_files("#file-extra-0", str(b))
+    for _ in range(most - 1):
+        page.click("#add-reference")
+    assert page.is_disabled("#add-reference") and len(page.query_selector_all("input.extra-image")) == most
+    page.fill("#prompt", "make it blue")
+    page.click("#submit")
+    page.wait_for_selector("img#output, #error:not(:empty)", state="attached")
+    assert page.text_content("#error") == "", page.text_content("#error")
+    job_id = _job_id(page)
+    assert page.get_attribute("img#output", "src") == f"/v1/images/{job_id}/content"
+    job = _get_json(f"{edit_server.url}/v1/images/{job_id}")
+    assert job["status"] == "completed", job
+    # the empty extra inputs are not sent; the filled one is, after the image
+    assert job["request"] == {"prompt": "make it blue", "image": f"{a.stat().st_size} bytes",
+                              "extra_images": [f"{b.stat().st_size} bytes"]}, job["request"]

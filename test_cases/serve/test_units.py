@@ -40,9 +40,11 @@ def test_invalid_base64_names_the_field() -> None:
 
 def test_api_wording_hides_server_paths_and_flags(tmp_path: Path) -> None:
     message = (f"`image_path` {str(tmp_path / 'image.bin')!r} is not an image Pillow can read; "
-               "`last_frame_path` (--last_frame_path) is required by task 'flf2v': give an image file")
+               "`last_frame_path` (--last_frame_path) is required by task 'flf2v': give an image file; "
+               f"`extra_image_paths[1]` {str(tmp_path / 'extra_images1.webp')!r} is too small")
     assert _api_wording(message, tmp_path) == ("`image` (uploaded) is not an image Pillow can read; "
-                                               "`last_frame` is required by task 'flf2v': send the image as base64")
+                                               "`last_frame` is required by task 'flf2v': send the image as base64 "
+                                               "or a file part; `extra_images[1]` (uploaded) is too small")
 
 
 def _finished(queue: JobQueue, name: str, size: int, when: float) -> Job:
@@ -178,3 +180,123 @@ def test_a_queued_job_turns_cancelled_after_its_end_time_and_files(tmp_path: Pat
     else:
         queue.close(cancel_running=False)
     assert job.status == "cancelled" and job.__dict__["seen"] == (True, False)
+
+
+def test_progress_stays_below_100_through_decode_and_save(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """A job run by the Worker on the real tiny runner (4 steps, 3 decoder chunks): its `progress`, read
+    at every progress report, climbs to 95 over the steps, holds 99 while the decoder and the save run,
+    and reaches 100 only once the job is completed (`V2`: 100 before decode and save)."""
+    from runnerkit.serve.jobs import Worker
+
+    config = load_runner_config(None, tiny_config_dict(tiny_ckpt))
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    runner.init_modules()
+    folder = tmp_path / "job_p"
+    folder.mkdir()
+    job = Job(id="job_p", kind="video", request=RequestConfig(prompt="x"), folder=folder, fields={})
+    seen: list[tuple[str, int, str]] = []
+
+    class Observed:  # the runner, with each observer the Worker installs followed by a reading of the job
+        def __getattr__(self, name: str) -> Any:
+            return getattr(runner, name)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "on_progress" and value is not None:
+                observe = value
+
+                def value(p: Progress) -> None:
+                    observe(p)
+                    seen.append((p.stage, job.progress_percent(), job.status))
+            setattr(runner, name, value)
+
+    queue = JobQueue(tmp_path, 4, None, None)
+    queue.submit(job)
+    assert queue.next() is job
+    Worker(Observed(), queue, on_done=lambda j: None, save_tensors=False).run_job(job)  # type: ignore[arg-type]
+    assert seen == [("text_encoder", 0, "in_progress"), ("transformer", 0, "in_progress"),
+                    *[("transformer", p, "in_progress") for p in (23, 47, 71, 95)],
+                    *[("vae_decoder", 99, "in_progress")] * 4, ("save", 99, "in_progress")]
+    assert (job.status, job.progress_percent()) == ("completed", 100)
+
+
+def test_first_step_metric_observes_each_jobs_first_step() -> None:
+    """`runnerkit_first_step_seconds` takes a job's first step, not its last or any other (`V3`)."""
+    import torch
+
+    from runnerkit.serve.metrics import Metrics
+
+    metrics = Metrics(torch.device("cpu"))
+    metrics.observe_job("completed", {"seconds": 9.0, "steps": [0.5, 2.0, 4.0]})
+    metrics.observe_job("completed", {"seconds": 9.0, "steps": [0.25, 8.0]})
+    metrics.observe_job("cancelled", {"seconds": 1.0, "steps": []})  # cancelled before its first step
+    text = metrics.render()[0].decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(values["runnerkit_first_step_seconds_count"]) == 2
+    assert float(values["runnerkit_first_step_seconds_sum"]) == 0.75
+    assert float(values["runnerkit_step_seconds_sum"]) == 14.75
+    assert float(values['runnerkit_first_step_seconds_bucket{le="0.5"}']) == 2  # both first steps are <= 0.5 s
+
+
+def test_an_oversized_image_is_413_naming_the_field() -> None:
+    """An image one byte over MAX_IMAGE_BYTES, as base64 or as raw bytes (a form's file part): 413, not 422 (`V4`)."""
+    from runnerkit.serve.app import MAX_IMAGE_BYTES
+
+    raw = b"\x89PNG" + bytes(MAX_IMAGE_BYTES - 3)
+    for value in (base64.b64encode(raw).decode(), raw):
+        with pytest.raises(InputError, match=rf"`image` holds {MAX_IMAGE_BYTES + 1} bytes") as exc:
+            _decode_image(value, "image")
+        assert (exc.value.status, exc.value.field) == (413, "image")
+    assert _decode_image(raw[:-1], "image") == raw[:-1]  # exactly at the limit: accepted
+
+
+def test_an_upload_is_stored_under_the_extension_of_its_content() -> None:
+    """Pillow tells the format from the bytes (the name a client gives is not trusted); not an image: .bin."""
+    import io
+
+    from PIL import Image
+
+    from runnerkit.serve.app import image_extension
+
+    def encoded(fmt: str) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8), (200, 30, 30)).save(buf, format=fmt)
+        return buf.getvalue()
+
+    assert [image_extension(encoded(f)) for f in ("PNG", "JPEG", "WEBP", "BMP")] == [".png", ".jpg", ".webp", ".bmp"]
+    assert image_extension(b"not an image") == ".bin"
+
+
+def test_input_reference_is_the_first_frame_and_seconds_the_length(tmp_path: Path) -> None:
+    """OpenAI's `input_reference` (a form's file part: bytes) becomes the i2v request's image, stored under
+    its real extension; `seconds` becomes (frames - 1) / fps rounded to 4k + 1 frames; errors name the
+    fields as sent. The tiny i2v runner is only built (no checkpoint is read)."""
+    import io
+    import json
+
+    from PIL import Image
+
+    from runnerkit.serve.app import ServerState, build_request
+    from test_cases.conftest import REPO
+
+    data = json.loads((REPO / "configs" / "wan" / "wan_i2v_tiny.json").read_text())
+    data.pop("synthetic_checkpoint")
+    data.update(model_path=str(tmp_path / "absent"), device="cpu")
+    config = load_runner_config(None, data)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    state = ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None, phase="ready")
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 40), (1, 2, 3)).save(buf, format="JPEG")
+    jpeg = buf.getvalue()
+    fps = runner.config.fps
+    folder = tmp_path / "job"
+    folder.mkdir()
+    request, shown, resolved = build_request(state, {"prompt": "x", "input_reference": jpeg, "seconds": "0.75"}, folder)
+    assert request.image_path == str(folder / "image.jpg") and (folder / "image.jpg").read_bytes() == jpeg
+    assert fps == 8  # 0.75 s is 6 frame intervals; Wan takes 4k + 1 frames: 9 (1 s), the nearest
+    assert request.target_video_length == resolved["frames"] == 9 and resolved["seconds"] == "1"
+    assert shown == {"prompt": "x", "image": f"{len(jpeg)} bytes", "seconds": "0.75"}
+    for body, param in (({"image": jpeg}, "input_reference"), ({"seconds": "0"}, "seconds"),
+                        ({"seconds": "2", "target_video_length": 9}, "seconds")):
+        with pytest.raises(InputError) as exc:
+            build_request(state, {"prompt": "x", "input_reference": jpeg, **body}, folder)
+        assert exc.value.field == param, exc.value

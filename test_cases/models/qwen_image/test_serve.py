@@ -1,5 +1,6 @@
 """`runnerkit serve` over the Qwen-Image edit config: references sent as base64 (`image`,
-`extra_images`), the job's PNG bit-identical to the launch script's, field errors by body name."""
+`extra_images`), the job's PNG bit-identical to the launch script's, field errors by body name; the
+official `openai` client's images.edit (file parts) and images.generate (JSON) calls, answered at once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from PIL import Image
 
 from test_cases.conftest import REPO, write_config
@@ -41,9 +43,9 @@ def test_edit_server_takes_extra_images_and_matches_the_launch_script(qwen_edit_
         assert server.wait_port(), server.log()
         server.wait_ready()
         encoded = [base64.b64encode(p.read_bytes()).decode() for p in (a, b)]
-        url = server.url + "/v1/images/generations"
+        url = server.url + "/v1/images"  # the job endpoint (OpenAI's /v1/images/generations waits)
         bad = http("POST", url, {"prompt": "x", "image": encoded[0], "extra_images": ["###"]})
-        assert bad.status == 422 and bad.json()["error"]["field"] == "extra_images[0]", bad.body
+        assert bad.status == 422 and bad.json()["error"]["param"] == "extra_images[0]", bad.body
         not_image = http("POST", url, {"prompt": "x", "image": encoded[0],
                                        "extra_images": [base64.b64encode(b"not an image").decode()]})
         assert not_image.status == 422 and not_image.json()["error"]["field"] == "extra_images[0]", not_image.body
@@ -63,5 +65,48 @@ def test_edit_server_takes_extra_images_and_matches_the_launch_script(qwen_edit_
         got.write_bytes(content.body)
         with Image.open(got) as g, Image.open(expected) as e:
             assert g.size == e.size == (96, 64) and g.tobytes() == e.tobytes()
+        # uploads are stored under their real extension (from the content), not .bin
+        assert sorted(p.name for p in (server.out_dir / job["id"]).iterdir()) == [
+            "extra_images0.png", "image.png", "result.json", "result.png"]
+        r = http("GET", f"{server.url}/v1/videos/{job['id']}")
+        assert r.status == 404 and f"see /v1/images/{job['id']}" in r.json()["error"]["message"], r.body
+        check_openai_images(server, a, b, expected)
     finally:
         server.stop()
+
+
+def check_openai_images(server: Server, a: Path, b: Path, expected: Path) -> None:
+    """images.edit (a multipart form: `image[]` file parts, the first the image, the others references)
+    and images.generate (JSON; an image through extra_body) answer `{created, data}` once the jobs end."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    with a.open("rb") as fa, b.open("rb") as fb:
+        edited = client.images.edit(image=[fa, fb], prompt="make it blue", n=2, quality="high",
+                                    response_format="b64_json", extra_body={"seed": 5})
+    assert isinstance(edited, openai.types.ImagesResponse) and isinstance(edited.created, int)
+    assert edited.size == "96x64" and edited.output_format == "png" and len(edited.data) == 2
+    first, second = (base64.b64decode(d.b64_json) for d in edited.data)
+    assert first == expected.read_bytes() or _pixels(first) == _pixels(expected.read_bytes())  # seed 5, as the CLI
+    assert _pixels(second) != _pixels(first)  # the second image is seed 6
+    jobs = [j for j in http("GET", f"{server.url}/v1/images?limit=2").json()["data"]][::-1]
+    assert [j["resolved"]["seed"] for j in jobs] == [5, 6] and all(j["request"]["extra_images"] for j in jobs)
+    generated = client.images.generate(prompt="make it blue", size="96x64", response_format="url",
+                                       extra_body={"seed": 5, "image": base64.b64encode(a.read_bytes()).decode(),
+                                                   "extra_images": [base64.b64encode(b.read_bytes()).decode()]})
+    (item,) = generated.data
+    assert item.b64_json is None and item.url.startswith(server.url + "/v1/images/job_"), item
+    png = http("GET", item.url)
+    assert png.status == 200 and _pixels(png.body) == _pixels(expected.read_bytes())
+    for call, param in ((dict(n=11), "n"), (dict(response_format="svg"), "response_format"),
+                        (dict(quality="ultra"), "quality"), (dict(output_format="webp"), "output_format"),
+                        (dict(style="vivid"), "style")):
+        with pytest.raises(openai.APIStatusError) as exc:
+            client.images.generate(prompt="x", **call)
+        assert exc.value.status_code == 422 and exc.value.param == param, exc.value.body
+
+
+def _pixels(png: bytes) -> bytes:
+    import io
+
+    with Image.open(io.BytesIO(png)) as im:
+        return im.tobytes()
