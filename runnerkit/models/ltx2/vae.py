@@ -279,9 +279,13 @@ class LTX2VideoVAE(nn.Module):
             [B, 3, 8 (f - 1) + 1, 32 h, 32 w] in the weight dtype.
 
         Raises:
-            ValueError: wrong rank or channels, or a missing `timestep`.
+            ValueError: wrong rank or channels, a missing `timestep`, or (reflect padding, LTX-2.0)
+                a latent height or width of 1.
         """
         self._check(latents, "latents", self.arch.latent_channels, 1, 1)
+        if self.arch.decoder_spatial_padding_mode == "reflect" and min(latents.shape[-2:]) < 2:
+            raise ValueError(f"`latents` of shape {tuple(latents.shape)}: the decoder pads space by 'reflect', which "
+                             "needs a latent height and width of at least 2 (64 pixels)")
         weight = self.decoder.conv_in.conv.weight
         if timestep is not None:
             timestep = timestep.to(weight.device, weight.dtype)
