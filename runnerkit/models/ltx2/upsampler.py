@@ -81,7 +81,7 @@ LTX2_LATENT_UPSAMPLER = LTX2LatentUpsamplerArch()
 LTX23_LATENT_UPSAMPLER = LTX2LatentUpsamplerArch(use_rational_resampler=False)
 """LTX-2.3 x2 spatial upscaler."""
 TINY_LTX2_LATENT_UPSAMPLER = LTX2LatentUpsamplerArch(in_channels=8, mid_channels=32, num_blocks_per_stage=1)
-"""Tiny, for tests and synthetic runs (the 2.3 layout: `use_rational_resampler=False`)."""
+"""Tiny, for tests and synthetic runs (the LTX-2.0 key layout)."""
 
 
 class ResBlock(nn.Module):
