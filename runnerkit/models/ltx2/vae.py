@@ -11,8 +11,17 @@ Latents normalisation (diffusers' LTX-2 pipelines): the transformer works on
 (z - latents_mean) * scaling_factor / latents_std; the VAE decodes and encodes raw z.
 `decode` / `encode` here include that step; `decode_raw` / `encode_mean` do not.
 
-Not covered: LTX-2.5's diffusion decoder; diffusers' spatial tiling and frame-wise (temporal
-tile) decode and encode, which blend overlapping tiles and so differ from an untiled decode.
+Tiling (not implemented): diffusers offers spatial tiles (`enable_tiling()`: 512 px tiles every
+448 px, 64 px linear blend) and frame-wise tiles (`use_framewise_decoding`: 3 latent frames every
+latent frame, an 8-frame blend). Both are approximations: the decoder has no causal feature cache
+(it pads time symmetrically, and space by reflect / zeros), so a tile sees other context at its
+borders than the whole decode does and the blend hides the seam. A chunked decode therefore cannot
+be bit-identical to the untiled one; matching diffusers' tiled output would mean reproducing its
+tile grid and blends exactly (a loop and two blends, ~80 lines). diffusers' `LTX2Pipeline` does
+not tile unless asked.
+
+Not covered: LTX-2.5's diffusion decoder (`LTX2VideoDiffusionDecoderModel`), DFR, the duration
+head and Gemma-4 (other networks of later releases).
 """
 
 from __future__ import annotations
@@ -300,7 +309,8 @@ class LTX2VideoVAE(nn.Module):
         `timestep`, `noise_scale` and `noise` are ignored, as in the pipeline.
 
         Args:
-            latents: [B, 128, f, h, w] normalised.
+            latents: [B, 128, f, h, w] normalised; the de-normalisation runs in their dtype (the
+                pipeline's: `prompt_embeds.dtype`), then they are cast to the weights' dtype.
             noise: [B, 128, f, h, w], the pipeline's `randn_tensor` draw (it draws even at s = 0).
 
         Returns:

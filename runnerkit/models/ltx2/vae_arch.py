@@ -51,9 +51,11 @@ class LTX2VideoVAEArch(BaseModel):
         ("spatial", "temporal", "spatiotemporal", "spatiotemporal"), strict=False,
         description="Encoder: downsampling of each down block (space-to-depth, or 'conv': a stride-2 conv).")
     decoder_block_out_channels: tuple[int, ...] = Field(
-        (256, 512, 1024), strict=False, description="Decoder: channel widths, encoder order (the last is the mid block's).")
+        (256, 512, 1024), strict=False,
+        description="Decoder: channel widths, encoder order (the last is the mid block's).")
     decoder_layers_per_block: tuple[int, ...] = Field(
-        (5, 5, 5, 5), strict=False, description="Decoder: residual blocks per up block, encoder order; the last is the mid block.")
+        (5, 5, 5, 5), strict=False,
+        description="Decoder: residual blocks per up block, encoder order; the last is the mid block.")
     decoder_spatio_temporal_scaling: tuple[bool, ...] = Field(
         (True, True, True), strict=False, description="Decoder: whether each up block upsamples (encoder order).")
     decoder_inject_noise: tuple[bool, ...] = Field(
@@ -64,17 +66,20 @@ class LTX2VideoVAEArch(BaseModel):
         ("spatiotemporal", "spatiotemporal", "spatiotemporal"), strict=False,
         description="Decoder: upsampling of each up block, in DECODER order (diffusers does not reverse it).")
     upsample_residual: tuple[bool, ...] = Field(
-        (True, True, True), strict=False, description="Decoder: depth-to-space residual added to each upsampler (encoder order).")
+        (True, True, True), strict=False,
+        description="Decoder: depth-to-space residual added to each upsampler (encoder order).")
     upsample_factor: tuple[int, ...] = Field(
         (2, 2, 2), strict=False, description="Decoder: channel reduction of each upsampler (encoder order).")
     timestep_conditioning: bool = Field(
         False, description="Decoder conditioned on the decode timestep (AdaLN tables in every residual block).")
     patch_size: int = Field(4, gt=0, description="Spatial patch folded into channels before the encoder.")
-    patch_size_t: int = Field(1, ge=1, le=1, description="Temporal patch folded into channels (diffusers supports only 1).")
+    patch_size_t: int = Field(1, ge=1, le=1,
+                              description="Temporal patch folded into channels (diffusers supports only 1).")
     resnet_norm_eps: float = Field(1e-6, gt=0, description="Epsilon of the shortcut LayerNorm.")
     scaling_factor: float = Field(1.0, gt=0, description="Latent scale applied with the mean/std normalisation.")
     encoder_causal: bool = Field(True, description="Encoder pads time with copies of the first frame only.")
-    decoder_causal: bool = Field(False, description="Decoder pads time causally (else first and last frame, symmetric).")
+    decoder_causal: bool = Field(False,
+                                 description="Decoder pads time causally (else first and last frame, symmetric).")
     encoder_spatial_padding_mode: PaddingMode = Field("zeros", description="Spatial padding of the encoder's convs.")
     decoder_spatial_padding_mode: PaddingMode = Field("reflect", description="Spatial padding of the decoder's convs.")
 
@@ -86,7 +91,8 @@ class LTX2VideoVAEArch(BaseModel):
                              f"(got {len(self.layers_per_block)})")
         for name in ("spatio_temporal_scaling", "downsample_type"):
             if len(getattr(self, name)) != n_enc:
-                raise ValueError(f"`{name}` needs one entry per encoder block ({n_enc}), got {len(getattr(self, name))}")
+                raise ValueError(f"`{name}` needs one entry per encoder block ({n_enc}), "
+                                 f"got {len(getattr(self, name))}")
         n_dec = len(self.decoder_block_out_channels)
         if len(self.decoder_layers_per_block) != n_dec + 1:
             raise ValueError(f"`decoder_layers_per_block` needs len(`decoder_block_out_channels`) + 1 = {n_dec + 1} "
@@ -95,7 +101,8 @@ class LTX2VideoVAEArch(BaseModel):
             raise ValueError(f"`decoder_inject_noise` needs {n_dec + 1} entries (got {len(self.decoder_inject_noise)})")
         for name in ("decoder_spatio_temporal_scaling", "upsample_type", "upsample_residual", "upsample_factor"):
             if len(getattr(self, name)) != n_dec:
-                raise ValueError(f"`{name}` needs one entry per decoder block ({n_dec}), got {len(getattr(self, name))}")
+                raise ValueError(f"`{name}` needs one entry per decoder block ({n_dec}), "
+                                 f"got {len(getattr(self, name))}")
         changing = [i for i, (c_in, c_out) in enumerate(self.decoder_up_channels) if c_in != c_out]
         if self.timestep_conditioning and changing:
             # diffusers hands such a block the raw timestep, not its embedding, and fails.

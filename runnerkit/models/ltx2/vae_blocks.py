@@ -150,7 +150,8 @@ class ResnetBlock3d(nn.Module):
         h = pixel_norm(x)
         if self.scale_shift_table is not None:
             assert temb is not None, "a timestep-conditioned block needs the embedded timestep"
-            mod = temb.unflatten(1, (4, -1)) + self.scale_shift_table[None, :, :, None, None, None]  # [B, 4, C, 1, 1, 1]
+            table = self.scale_shift_table[None, :, :, None, None, None]  # [1, 4, C, 1, 1, 1]
+            mod = temb.unflatten(1, (4, -1)) + table  # [B, 4, C, 1, 1, 1]
             shift1, scale1, shift2, scale2 = mod.unbind(dim=1)
             h = h * (1 + scale1) + shift1
         h = self.conv1(F.silu(h))

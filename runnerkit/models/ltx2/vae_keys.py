@@ -67,7 +67,8 @@ def native_to_diffusers_key(key: str, arch: LTX2VideoVAEArch) -> str:
     return key  # conv_in, conv_out, timestep_scale_multiplier: same names
 
 
-def native_to_diffusers(state_dict: dict[str, Tensor], arch: LTX2VideoVAEArch, prefix: str = "vae.") -> dict[str, Tensor]:
+def native_to_diffusers(state_dict: dict[str, Tensor], arch: LTX2VideoVAEArch,
+                        prefix: str = "vae.") -> dict[str, Tensor]:
     """The video VAE tensors of a single-file release (keys under `prefix`) in diffusers' names.
 
     Keys outside `prefix` (transformer, audio VAE, vocoder) and the two unused statistics are
@@ -88,7 +89,8 @@ def native_to_diffusers(state_dict: dict[str, Tensor], arch: LTX2VideoVAEArch, p
     return out
 
 
-def diffusers_to_native(state_dict: dict[str, Tensor], arch: LTX2VideoVAEArch, prefix: str = "vae.") -> dict[str, Tensor]:
+def diffusers_to_native(state_dict: dict[str, Tensor], arch: LTX2VideoVAEArch,
+                        prefix: str = "vae.") -> dict[str, Tensor]:
     """Inverse of `native_to_diffusers` (without the two unused statistics), for writing
     single-file checkpoints. Raises as `native_to_diffusers`."""
     _check_arch(arch)
@@ -96,10 +98,12 @@ def diffusers_to_native(state_dict: dict[str, Tensor], arch: LTX2VideoVAEArch, p
     out = {}
     for key, tensor in state_dict.items():
         native = next((inverse[d] + key[len(d):] for d in inverse if key.startswith(d)), None)
-        if native is None and (m := re.match(r"encoder\.(down_blocks\.(\d+)\.|mid_block\.)(downsamplers\.0\.)?(.*)", key)):
+        m = re.match(r"encoder\.(down_blocks\.(\d+)\.|mid_block\.)(downsamplers\.0\.)?(.*)", key)
+        if native is None and m:
             index = 2 * len(arch.block_out_channels) if m[2] is None else 2 * int(m[2]) + (m[3] is not None)
             native = f"encoder.down_blocks.{index}.{m[4].replace('resnets.', 'res_blocks.', 1)}"
-        if native is None and (m := re.match(r"decoder\.(up_blocks\.(\d+)\.|mid_block\.)(upsamplers\.0\.)?(.*)", key)):
+        m = re.match(r"decoder\.(up_blocks\.(\d+)\.|mid_block\.)(upsamplers\.0\.)?(.*)", key)
+        if native is None and m:
             index = 0 if m[2] is None else 2 * int(m[2]) + (1 if m[3] is not None else 2)
             native = f"decoder.up_blocks.{index}.{m[4].replace('resnets.', 'res_blocks.', 1)}"
         out[prefix + (native or key)] = tensor

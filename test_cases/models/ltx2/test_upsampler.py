@@ -28,7 +28,8 @@ from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel  
 TOL = 1e-4
 LAYOUTS = {
     "ltx2.0-rational": TINY_LTX2_LATENT_UPSAMPLER,
-    "ltx2.3-plain": LTX2LatentUpsamplerArch(**{**TINY_LTX2_LATENT_UPSAMPLER.model_dump(), "use_rational_resampler": False}),
+    "ltx2.3-plain": LTX2LatentUpsamplerArch(**{**TINY_LTX2_LATENT_UPSAMPLER.model_dump(),
+                                               "use_rational_resampler": False}),
 }
 
 
