@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 from loguru import logger
 from torch import Tensor, nn
 
@@ -107,7 +108,7 @@ class UpBlock(nn.Module):
         super().__init__()
         rev = len(arch.decoder_block_out_channels) - 1 - index  # per-block tuples are in encoder order
         causal, pad, eps = arch.decoder_causal, arch.decoder_spatial_padding_mode, arch.resnet_norm_eps
-        noise, cond = arch.decoder_inject_noise[rev + 1], arch.timestep_conditioning
+        noise, cond = arch.decoder_inject_noise[rev], arch.timestep_conditioning
         factor = arch.upsample_factor[rev]
         self.time_embedder = TimeEmbedder(4 * in_channels) if cond else None
         self.conv_in = None
@@ -163,7 +164,7 @@ class LTX2VideoEncoder(nn.Module):
         for block in self.down_blocks:
             x = block(x)
         x = self.mid_block(x)
-        x = self.conv_out(torch.nn.functional.silu(pixel_norm(x)))  # [B, 129, f, h, w]
+        x = self.conv_out(F.silu(pixel_norm(x)))  # [B, 129, f, h, w]
         return x[:, : self.arch.latent_channels]
 
 
@@ -215,7 +216,7 @@ class LTX2VideoDecoder(nn.Module):
             emb = self.time_embedder(timestep, x.dtype).unflatten(1, (2, -1))  # [B, 2, C, 1, 1, 1]
             shift, scale = (emb + self.scale_shift_table[None, :, :, None, None, None]).unbind(dim=1)
             x = x * (1 + scale) + shift
-        x = self.conv_out(torch.nn.functional.silu(x))  # [B, 3*pt*p*p, f', h', w']
+        x = self.conv_out(F.silu(x))  # [B, 3*pt*p*p, f', h', w']
         B, _, Fr, H, W = x.shape
         p, pt = self.arch.patch_size, self.arch.patch_size_t
         x = x.reshape(B, -1, pt, p, p, Fr, H, W)  # [B, 3, pt, p (along W), p (along H), f', h', w']
@@ -268,7 +269,8 @@ class LTX2VideoVAE(nn.Module):
     def encode(self, video: Tensor) -> Tensor:
         """Normalised latents of `video` as the i2v pipeline conditions on them: float32,
         (mean - latents_mean) / latents_std (diffusers' i2v normalises without `scaling_factor`,
-        which is 1.0 in both releases). Shapes as `encode_mean`."""
+        which is 1.0 in both releases). Shapes as `encode_mean`. diffusers first rounds the image
+        to the transformer's dtype (`prompt_embeds.dtype`); pass it in that dtype to match."""
         mu = self.encode_mean(video).float()
         return normalize_latents(mu, self.latents_mean, self.latents_std)
 

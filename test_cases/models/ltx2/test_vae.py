@@ -35,8 +35,11 @@ VARIANTS = {
     "ltx2.3": TINY_LTX23_VIDEO_VAE,
     # switches no release sets: causal decoder, non-causal encoder
     "causal-decoder": variant(TINY_LTX2_VIDEO_VAE, decoder_causal=True, encoder_causal=False),
-    # decode-timestep AdaLN and noise injection in every decoder block (LTX-Video 0.9.x style)
-    "timestep-noise": variant(TINY_LTX23_VIDEO_VAE, timestep_conditioning=True, decoder_inject_noise=(True,) * 5),
+    # decode-timestep AdaLN and noise injection (LTX-Video 0.9.x style) in some decoder blocks; uneven
+    # depths, so an entry read from the wrong end of the encoder-order tuples changes the network
+    "timestep-noise": variant(TINY_LTX23_VIDEO_VAE, timestep_conditioning=True,
+                              decoder_inject_noise=(True, False, False, True, True),
+                              decoder_layers_per_block=(1, 2, 1, 1, 2)),
 }
 
 
