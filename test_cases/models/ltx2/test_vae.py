@@ -33,8 +33,9 @@ VARIANTS = {
     "ltx2.0": TINY_LTX2_VIDEO_VAE,
     # 2.3: 4 plain up blocks (spatiotemporal x2, temporal, spatial), zeros padding, other widths
     "ltx2.3": TINY_LTX23_VIDEO_VAE,
-    # switches no release sets: causal decoder, non-causal encoder
-    "causal-decoder": variant(TINY_LTX2_VIDEO_VAE, decoder_causal=True, encoder_causal=False),
+    # switches no release sets: causal decoder, non-causal encoder, a stride-2 conv downsampler
+    "causal-decoder": variant(TINY_LTX2_VIDEO_VAE, decoder_causal=True, encoder_causal=False,
+                              downsample_type=("spatial", "temporal", "spatiotemporal", "conv")),
     # decode-timestep AdaLN and noise injection (LTX-Video 0.9.x style) in some decoder blocks; uneven
     # depths, so an entry read from the wrong end of the encoder-order tuples changes the network
     "timestep-noise": variant(TINY_LTX23_VIDEO_VAE, timestep_conditioning=True,
