@@ -8,10 +8,13 @@ attends to itself, to its text context and to the other stream, with AdaLN modul
 timestep. The video timestep may be per token (i2av: the conditioned first frame's tokens get
 timestep 0). LTX-2.0 projects the text with caption projections here; LTX-2.3 receives
 connector-projected text, gates every attention per head, and modulates its text attention with
-sigma (`prompt_adaln`). See `transformer_arch.py` for the switches and what is not covered
-(LTX-2.5's keyframe embedding, bias-free FFN, static prompt modulation); STG (perturbed
-attention), modality isolation and IC-LoRA self-attention masks are guidance features of the
-non-distilled pipelines and are not implemented here.
+sigma (`prompt_adaln`). See `transformer_arch.py` for the switches.
+
+Not covered: LTX-2.5 (its Gemma-4 text encoder, the transformer's keyframe absolute-position
+embedding, bias-free video FFN and static prompt modulation; `from_diffusers_config` refuses
+those configs), the duration head, the diffusion decoder and DFR (separate networks and
+pipelines); the guidance inputs of the non-distilled pipelines: STG (`perturbed_attn` runs
+without perturbation), modality isolation, IC-LoRA video self-attention masks.
 
 State-dict keys and shapes are exactly diffusers': a diffusers-layout checkpoint loads with
 `load_state_dict(strict=True)` (build on the meta device, load with assign=True).

@@ -24,6 +24,7 @@ TOL = 1e-4
 GRID = (3, 2, 3)  # video latent (frames, height, width): 18 tokens
 AUDIO_FRAMES = 5
 TEXT_LEN = 8
+FPS = 25.0  # not the default 24, so that an ignored frame rate shows
 PARAMS = {"2.0": 18_876_174_592, "2.3": 18_988_838_144}
 """Transformer parameters of the releases (diffusers' count with the conversion script's configs):
 LTX-2 "19B" and LTX-2.3 "22B" name the whole checkpoint; the transformer alone is ~18.9B in both."""
@@ -70,7 +71,7 @@ def _inputs(arch: LTX2TransformerArch, task: str, batch: int, split_sigmas: bool
         encoder_hidden_states=torch.randn(batch, TEXT_LEN, text_v, generator=gen),
         audio_encoder_hidden_states=torch.randn(batch, TEXT_LEN, text_a, generator=gen),
         timestep=t, sigma=t, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
-        num_frames=F_, height=H, width=W, audio_num_frames=AUDIO_FRAMES, fps=24.0)
+        num_frames=F_, height=H, width=W, audio_num_frames=AUDIO_FRAMES, fps=FPS)
     if task == "i2av":
         conditioning = torch.zeros(batch, Lv)
         conditioning[:, : H * W] = 1.0  # the first latent frame is the given image
@@ -193,6 +194,41 @@ def test_release_layouts_match_diffusers(version: str, release: LTX2TransformerA
     assert LTX2TransformerArch.from_diffusers_config(dict(reference.config)) == arch
 
 
+@pytest.mark.parametrize("release", [LTX2_19B, LTX23_22B], ids=["2.0", "2.3"])
+def test_release_rope_tables_match_diffusers(release: LTX2TransformerArch) -> None:
+    """The four RoPE tables at release widths (a small grid to stay fast; the audio of 121 frames at 24 fps,
+    126 latents), against diffusers' own RoPE modules called as its forward calls them (front padding of the
+    4096-wide video table, head grouping, float64 frequencies)."""
+    from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoRotaryPosEmbed as Rope
+
+    a = release
+    grid, audio_frames, fps = (4, 3, 5), 126, 24.0
+    common = dict(theta=a.rope_theta, causal_offset=a.causal_offset, double_precision=a.rope_double_precision,
+                  rope_type=a.rope_type)
+    audio = dict(sampling_rate=a.audio_sampling_rate, hop_length=a.audio_hop_length, modality="audio")
+    av_max = max(a.pos_embed_max_pos, a.audio_pos_embed_max_pos)
+    video_rope = Rope(a.inner_dim, base_num_frames=a.pos_embed_max_pos, scale_factors=a.vae_scale_factors,
+                      num_attention_heads=a.num_attention_heads, **common)
+    audio_rope = Rope(a.audio_inner_dim, base_num_frames=a.audio_pos_embed_max_pos, scale_factors=[a.audio_scale_factor],
+                      num_attention_heads=a.audio_num_attention_heads, **audio, **common)
+    av_video = Rope(a.audio_cross_attention_dim, base_num_frames=av_max, num_attention_heads=a.num_attention_heads,
+                    **common)
+    av_audio = Rope(a.audio_cross_attention_dim, base_num_frames=av_max, num_attention_heads=a.audio_num_attention_heads,
+                    **audio, **common)
+    cpu = torch.device("cpu")
+    v_coords = video_rope.prepare_video_coords(1, *grid, cpu, fps=fps)
+    a_coords = audio_rope.prepare_audio_coords(1, audio_frames, cpu)
+    expected = [video_rope(v_coords), audio_rope(a_coords), av_video(v_coords[:, 0:1]), av_audio(a_coords[:, 0:1])]
+    with torch.device("meta"):
+        ours = LTX2Transformer(a.model_copy(update={"num_layers": 1}))
+    tables = ours.rope_tables(grid, audio_frames, fps, cpu)
+    for table, (cos, sin) in zip(tables, expected):
+        # diffusers: [B, heads, L, r]; ours: [1, L, heads, r]
+        assert table.cos.transpose(1, 2).shape == cos.shape
+        err = max((table.cos.transpose(1, 2) - cos).abs().max().item(), (table.sin.transpose(1, 2) - sin).abs().max().item())
+        assert err <= 1e-6, f"RoPE table differs by {err:.3g}"
+
+
 def test_from_diffusers_config_refuses_uncovered_switches() -> None:
     config = {"_class_name": "LTX2VideoTransformer3DModel", **tiny_arch("2.3").model_dump(), "ff_bias": True}
     assert LTX2TransformerArch.from_diffusers_config(config) == tiny_arch("2.3")
@@ -276,9 +312,9 @@ def test_rope_cache_keyed_by_shape_and_fps(models: tuple[torch.nn.Module, LTX2Tr
     kw = _inputs(ours.arch, "t2av", 1)
     with torch.no_grad():
         ours(**kw)
-        at_25 = ours(**{**kw, "fps": 25.0})
+        at_24 = ours(**{**kw, "fps": 24.0})
     assert len(ours._rope_cache) == 2
-    assert _max_err(at_25, _run_reference(reference, {**kw, "fps": 25.0}, True)) <= TOL
+    assert _max_err(at_24, _run_reference(reference, {**kw, "fps": 24.0}, True)) <= TOL
     ours.clear_cache()
     assert ours._rope_cache == {}
 
