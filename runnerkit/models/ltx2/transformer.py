@@ -26,6 +26,7 @@ block -> `head`; all of a block's weights are used inside `transformer_blocks[i]
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -177,15 +178,16 @@ class LTX2Transformer(nn.Module):
                                       a.causal_offset, fps, device)  # [3, Lv, 2]
             a_spans = audio_positions(audio_frames, a.audio_patch_size_t, a.audio_scale_factor, a.causal_offset,
                                       a.audio_hop_length, a.audio_sampling_rate, device)  # [1, La, 2]
-            common = dict(theta=a.rope_theta, double_precision=a.rope_double_precision, kind=a.rope_type)
+            table = partial(rope_table, theta=a.rope_theta, double_precision=a.rope_double_precision,
+                            kind=a.rope_type)
             av_base = (float(max(a.pos_embed_max_pos, a.audio_pos_embed_max_pos)),)
             self._rope_cache[key] = (
-                rope_table(v_spans, (a.pos_embed_max_pos, a.base_height, a.base_width), a.inner_dim,
-                           a.num_attention_heads, **common),
-                rope_table(a_spans, (a.audio_pos_embed_max_pos,), a.audio_inner_dim, a.audio_num_attention_heads,
-                           **common),
-                rope_table(v_spans[:1], av_base, a.audio_cross_attention_dim, a.num_attention_heads, **common),
-                rope_table(a_spans, av_base, a.audio_cross_attention_dim, a.audio_num_attention_heads, **common),
+                table(v_spans, (a.pos_embed_max_pos, a.base_height, a.base_width), a.inner_dim,
+                      a.num_attention_heads),
+                table(a_spans, (a.audio_pos_embed_max_pos,), a.audio_inner_dim, a.audio_num_attention_heads),
+                # audio<->video: time only, at the audio width; each side grouped by its own stream's heads
+                table(v_spans[:1], av_base, a.audio_cross_attention_dim, a.num_attention_heads),
+                table(a_spans, av_base, a.audio_cross_attention_dim, a.audio_num_attention_heads),
             )
         return self._rope_cache[key]  # type: ignore[return-value]
 
@@ -202,7 +204,8 @@ class LTX2Transformer(nn.Module):
                              f"got {tuple(video.shape)}")
         La = audio_frames // a.audio_patch_size_t
         if audio.shape != (B, La, a.audio_in_channels):
-            raise ValueError(f"`audio_hidden_states` must be [{B}, {La}, {a.audio_in_channels}], got {tuple(audio.shape)}")
+            raise ValueError(f"`audio_hidden_states` must be [{B}, {La}, {a.audio_in_channels}], "
+                             f"got {tuple(audio.shape)}")
         text_dim = a.caption_channels if a.use_prompt_embeddings else a.cross_attention_dim
         audio_text_dim = a.caption_channels if a.use_prompt_embeddings else a.audio_cross_attention_dim
         for name, x, width in (("encoder_hidden_states", context, text_dim),
@@ -238,12 +241,15 @@ class LTX2Transformer(nn.Module):
         audio_temb, audio_embedded = self.audio_time_embed(audio_timestep, B)
         prompt_temb = audio_prompt_temb = None
         if a.prompt_modulation:
+            assert sigma is not None and audio_sigma is not None, "check_inputs requires `sigma` here"
             prompt_temb = self.prompt_adaln(sigma, B)[0]  # [B, 1, 2D]
             audio_prompt_temb = self.audio_prompt_adaln(audio_sigma, B)[0]
         # audio<->video modulation: each stream's own timestep, or (LTX-2.3 pipelines) the other stream's sigma
         gate_factor = a.cross_attn_timestep_scale_multiplier / a.timestep_scale_multiplier
-        video_t = audio_sigma if use_cross_timestep else timestep
-        audio_t = sigma if use_cross_timestep else audio_timestep
+        video_t, audio_t = timestep, audio_timestep
+        if use_cross_timestep:
+            assert sigma is not None and audio_sigma is not None, "check_inputs requires `sigma` here"
+            video_t, audio_t = audio_sigma, sigma
         av_temb = self.av_cross_attn_video_scale_shift(video_t, B)[0]  # [B, T, 4D]
         av_gate_temb = self.av_cross_attn_video_a2v_gate(video_t * gate_factor, B)[0]  # [B, T, D]
         audio_av_temb = self.av_cross_attn_audio_scale_shift(audio_t, B)[0]

@@ -46,7 +46,8 @@ class LTX2TransformerArch(BaseModel):
     attention_head_dim: int = Field(128, gt=0, description="Video head size.")
     cross_attention_dim: int = Field(4096, gt=0, description="Width of the video text context (= video width).")
     vae_scale_factors: tuple[int, int, int] = Field(
-        (8, 32, 32), strict=False, description="Video VAE (frame, height, width) compression: latent -> pixel RoPE positions.")
+        (8, 32, 32), strict=False,
+        description="Video VAE (frame, height, width) compression: latent -> pixel RoPE positions.")
     pos_embed_max_pos: int = Field(20, gt=0, description="Video RoPE: frame positions (seconds) are divided by this.")
     base_height: int = Field(2048, gt=0, description="Video RoPE: pixel rows are divided by this.")
     base_width: int = Field(2048, gt=0, description="Video RoPE: pixel columns are divided by this.")
@@ -57,14 +58,16 @@ class LTX2TransformerArch(BaseModel):
     audio_out_channels: int = Field(128, gt=0, description="Predicted audio channels per token.")
     audio_patch_size: int = Field(1, gt=0, description="Audio patch along mel bins (1 in the releases).")
     audio_patch_size_t: int = Field(1, gt=0, description="Audio patch along time (1 in the releases).")
-    audio_num_attention_heads: int = Field(32, gt=0, description="Audio attention heads (also audio<->video attention).")
+    audio_num_attention_heads: int = Field(32, gt=0,
+                                           description="Audio attention heads (also audio<->video attention).")
     audio_attention_head_dim: int = Field(64, gt=0, description="Audio head size (also audio<->video attention).")
     audio_cross_attention_dim: int = Field(2048, gt=0, description="Width of the audio text context (= audio width).")
     audio_scale_factor: int = Field(4, gt=0, description="Audio VAE temporal compression (latent frame -> mel frames).")
     audio_pos_embed_max_pos: int = Field(20, gt=0, description="Audio RoPE: positions (seconds) are divided by this.")
     audio_sampling_rate: int = Field(16000, gt=0, description="Mel spectrogram sampling rate (Hz), for RoPE seconds.")
     audio_hop_length: int = Field(160, gt=0, description="Mel spectrogram hop (samples), for RoPE seconds.")
-    audio_gated_attn: bool = Field(True, description="Per-head output gates on the audio stream's attentions (LTX-2.3).")
+    audio_gated_attn: bool = Field(True,
+                                   description="Per-head output gates on the audio stream's attentions (LTX-2.3).")
     audio_cross_attn_mod: bool = Field(True, description="AdaLN on the audio text cross-attention, 9 rows (LTX-2.3).")
     # shared
     num_layers: int = Field(48, gt=0, description="Audio+video transformer blocks.")
@@ -163,8 +166,9 @@ def tiny_arch(version: Literal["2.0", "2.3"], **overrides: Any) -> LTX2Transform
     release = LTX2_19B if version == "2.0" else LTX23_22B
     switches = {k: getattr(release, k) for k in ("gated_attn", "cross_attn_mod", "audio_gated_attn",
                                                  "audio_cross_attn_mod", "use_prompt_embeddings", "perturbed_attn")}
-    sizes = dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=4, cross_attention_dim=16,
-                 audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
-                 audio_cross_attention_dim=8, num_layers=2, caption_channels=16)
+    sizes = {"in_channels": 4, "out_channels": 4, "num_attention_heads": 4, "attention_head_dim": 4,
+             "cross_attention_dim": 16, "audio_in_channels": 4, "audio_out_channels": 4,
+             "audio_num_attention_heads": 2, "audio_attention_head_dim": 4, "audio_cross_attention_dim": 8,
+             "num_layers": 2, "caption_channels": 16}
     return LTX2TransformerArch(**{**switches, **sizes, **overrides})
 

@@ -19,6 +19,7 @@ Source: diffusers 0.42.1 `LTX2VideoTransformerBlock`, `LTX2Attention`,
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +120,8 @@ class LTX2Attention(AttentionUser):
         self.to_q = nn.Linear(query_dim, inner)
         self.to_k = nn.Linear(kv_dim, inner)
         self.to_v = nn.Linear(kv_dim, inner)
-        self.to_out = nn.ModuleList([nn.Linear(inner, query_dim)])  # diffusers key `to_out.0` (its Dropout has no weights)
+        # diffusers' key `to_out.0` (its `to_out.1` is a Dropout, without weights)
+        self.to_out = nn.ModuleList([nn.Linear(inner, query_dim)])
         self.to_gate_logits = nn.Linear(query_dim, heads) if gated else None
 
     def forward(self, x: Tensor, context: Tensor | None = None, mask: Tensor | None = None,
@@ -168,7 +170,7 @@ class FeedForward(nn.Module):
         self.net = nn.ModuleList([GELUProj(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net[2](linear_gelu_tanh(x, self.net[0].proj))
+        return self.net[2](linear_gelu_tanh(x, cast(GELUProj, self.net[0]).proj))
 
 
 class LTX2Block(nn.Module):
@@ -195,7 +197,8 @@ class LTX2Block(nn.Module):
         self.video_to_audio_attn = LTX2Attention(adim, aheads, ahead_dim, eps, kv_dim=dim, gated=arch.audio_gated_attn)
         self.ff = FeedForward(dim)
         self.audio_ff = FeedForward(adim)
-        # Rows: shift, scale, gate (self-attention); shift, scale, gate (FFN); [LTX-2.3: shift, scale, gate (text query)]
+        # Rows: shift, scale, gate (self-attention); shift, scale, gate (FFN);
+        # LTX-2.3 adds shift, scale, gate (text cross-attention query)
         self.scale_shift_table = nn.Parameter(torch.randn(9 if arch.cross_attn_mod else 6, dim) / dim**0.5)
         self.audio_scale_shift_table = nn.Parameter(
             torch.randn(9 if arch.audio_cross_attn_mod else 6, adim) / adim**0.5)

@@ -10,15 +10,21 @@ from typing import Any
 import pytest
 import torch
 
-from runnerkit.models.ltx2.transformer import (LTX2Transformer, keep_fp32, pack_audio_latents, pack_video_latents,
-                                              unpack_audio_latents, unpack_video_latents)
+from runnerkit.models.ltx2.transformer import (
+    LTX2Transformer,
+    keep_fp32,
+    pack_audio_latents,
+    pack_video_latents,
+    unpack_audio_latents,
+    unpack_video_latents,
+)
 from runnerkit.models.ltx2.transformer_arch import LTX2_19B, LTX23_22B, LTX2TransformerArch, tiny_arch
 from runnerkit.offload.layout import plan_units
 from runnerkit.weights import assign_state_dict, build_on_meta
 from test_cases._reference import require_reference
 
 diffusers = require_reference("diffusers")
-from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline  # noqa: E402
+from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 
 TOL = 1e-4
 GRID = (3, 2, 3)  # video latent (frames, height, width): 18 tokens
@@ -65,13 +71,13 @@ def _inputs(arch: LTX2TransformerArch, task: str, batch: int, split_sigmas: bool
     mask[0, -3:] = 0
     if batch > 1:
         mask[1, -5:] = 0
-    kw: dict[str, Any] = dict(
-        hidden_states=torch.randn(batch, Lv, arch.in_channels, generator=gen),
-        audio_hidden_states=torch.randn(batch, AUDIO_FRAMES, arch.audio_in_channels, generator=gen),
-        encoder_hidden_states=torch.randn(batch, TEXT_LEN, text_v, generator=gen),
-        audio_encoder_hidden_states=torch.randn(batch, TEXT_LEN, text_a, generator=gen),
-        timestep=t, sigma=t, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
-        num_frames=F_, height=H, width=W, audio_num_frames=AUDIO_FRAMES, fps=FPS)
+    kw: dict[str, Any] = {
+        "hidden_states": torch.randn(batch, Lv, arch.in_channels, generator=gen),
+        "audio_hidden_states": torch.randn(batch, AUDIO_FRAMES, arch.audio_in_channels, generator=gen),
+        "encoder_hidden_states": torch.randn(batch, TEXT_LEN, text_v, generator=gen),
+        "audio_encoder_hidden_states": torch.randn(batch, TEXT_LEN, text_a, generator=gen),
+        "timestep": t, "sigma": t, "encoder_attention_mask": mask, "audio_encoder_attention_mask": mask,
+        "num_frames": F_, "height": H, "width": W, "audio_num_frames": AUDIO_FRAMES, "fps": FPS}
     if task == "i2av":
         conditioning = torch.zeros(batch, Lv)
         conditioning[:, : H * W] = 1.0  # the first latent frame is the given image
@@ -203,17 +209,19 @@ def test_release_rope_tables_match_diffusers(release: LTX2TransformerArch) -> No
 
     a = release
     grid, audio_frames, fps = (4, 3, 5), 126, 24.0
-    common = dict(theta=a.rope_theta, causal_offset=a.causal_offset, double_precision=a.rope_double_precision,
-                  rope_type=a.rope_type)
-    audio = dict(sampling_rate=a.audio_sampling_rate, hop_length=a.audio_hop_length, modality="audio")
+    common = {"theta": a.rope_theta, "causal_offset": a.causal_offset, "double_precision": a.rope_double_precision,
+                  "rope_type": a.rope_type}
+    audio = {"sampling_rate": a.audio_sampling_rate, "hop_length": a.audio_hop_length, "modality": "audio"}
     av_max = max(a.pos_embed_max_pos, a.audio_pos_embed_max_pos)
     video_rope = Rope(a.inner_dim, base_num_frames=a.pos_embed_max_pos, scale_factors=a.vae_scale_factors,
                       num_attention_heads=a.num_attention_heads, **common)
-    audio_rope = Rope(a.audio_inner_dim, base_num_frames=a.audio_pos_embed_max_pos, scale_factors=[a.audio_scale_factor],
+    audio_rope = Rope(a.audio_inner_dim, base_num_frames=a.audio_pos_embed_max_pos,
+                      scale_factors=[a.audio_scale_factor],
                       num_attention_heads=a.audio_num_attention_heads, **audio, **common)
     av_video = Rope(a.audio_cross_attention_dim, base_num_frames=av_max, num_attention_heads=a.num_attention_heads,
                     **common)
-    av_audio = Rope(a.audio_cross_attention_dim, base_num_frames=av_max, num_attention_heads=a.audio_num_attention_heads,
+    av_audio = Rope(a.audio_cross_attention_dim, base_num_frames=av_max,
+                    num_attention_heads=a.audio_num_attention_heads,
                     **audio, **common)
     cpu = torch.device("cpu")
     v_coords = video_rope.prepare_video_coords(1, *grid, cpu, fps=fps)
@@ -225,7 +233,8 @@ def test_release_rope_tables_match_diffusers(release: LTX2TransformerArch) -> No
     for table, (cos, sin) in zip(tables, expected):
         # diffusers: [B, heads, L, r]; ours: [1, L, heads, r]
         assert table.cos.transpose(1, 2).shape == cos.shape
-        err = max((table.cos.transpose(1, 2) - cos).abs().max().item(), (table.sin.transpose(1, 2) - sin).abs().max().item())
+        err = max((table.cos.transpose(1, 2) - cos).abs().max().item(),
+                  (table.sin.transpose(1, 2) - sin).abs().max().item())
         assert err <= 1e-6, f"RoPE table differs by {err:.3g}"
 
 
@@ -327,7 +336,8 @@ def test_rope_cache_keyed_by_shape_and_fps(models: tuple[torch.nn.Module, LTX2Tr
     (lambda kw: {k: v for k, v in kw.items() if k != "audio_timestep"}, "`audio_timestep`"),
     (lambda kw: {**kw, "sigma": None}, "`sigma`"),
 ], ids=["video-tokens", "audio-channels", "text-width", "timestep-shape", "no-audio-timestep", "no-sigma"])
-def test_errors_name_the_argument(models: tuple[torch.nn.Module, LTX2Transformer], change, match: str) -> None:  # type: ignore[no-untyped-def]
+def test_errors_name_the_argument(models: tuple[torch.nn.Module, LTX2Transformer],
+                                  change, match: str) -> None:  # type: ignore[no-untyped-def]
     _, ours = models
     with pytest.raises(ValueError, match=match):
         ours(**change(_inputs(ours.arch, "i2av", 2)))
