@@ -162,6 +162,13 @@ class LTX2Transformer(nn.Module):
         """The blocks (`transformer_blocks`, diffusers' name), under the name other families use."""
         return self.transformer_blocks
 
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        """Head sizes of the attentions, for the backend probe (`runnerkit.attention.resolve` takes one):
+        video self/text attention at `attention_head_dim` (128), audio and audio<->video at
+        `audio_attention_head_dim` (64)."""
+        return tuple(sorted({self.arch.attention_head_dim, self.arch.audio_attention_head_dim}))
+
     def clear_cache(self) -> None:
         """Drop the per-shape RoPE tables (request-specific state; warmup isolation needs this)."""
         self._rope_cache.clear()

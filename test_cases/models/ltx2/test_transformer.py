@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from runnerkit.attention import AttentionBackend, install, sdpa
 from runnerkit.models.ltx2.transformer import (
     LTX2Transformer,
     keep_fp32,
@@ -197,6 +198,7 @@ def test_release_layouts_match_diffusers(version: str, release: LTX2TransformerA
     per_block = sum(p.numel() for p in ours.transformer_blocks[0].parameters())
     total = sum(p.numel() for p in ours.parameters()) + 46 * per_block
     assert total == PARAMS[version]
+    assert ours.head_dims == (64, 128)
     assert LTX2TransformerArch.from_diffusers_config(dict(reference.config)) == arch
 
 
@@ -326,6 +328,35 @@ def test_rope_cache_keyed_by_shape_and_fps(models: tuple[torch.nn.Module, LTX2Tr
     assert _max_err(at_24, _run_reference(reference, {**kw, "fps": 24.0}, True)) <= TOL
     ours.clear_cache()
     assert ours._rope_cache == {}
+
+
+def test_attention_runs_on_the_installed_backend(models: tuple[torch.nn.Module, LTX2Transformer]) -> None:
+    """Every unmasked attention calls the runner's backend (6 per block); masked text attention runs SDPA
+    with the mask (the backends take none), so with masks only the 4 others per block do."""
+    _, ours = models
+    calls: list[tuple[int, ...]] = []
+
+    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(q.shape))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    kw = _inputs(ours.arch, "t2av", 1)
+    unmasked = {**kw, "encoder_attention_mask": None, "audio_encoder_attention_mask": None}
+    with torch.no_grad():
+        expected, expected_masked = ours(**unmasked), ours(**kw)
+    installed = install(ours, AttentionBackend("recording", recording, "test"))
+    try:
+        with torch.no_grad():
+            out = ours(**unmasked)
+            assert len(calls) == 6 * len(ours.blocks)
+            calls.clear()
+            out_masked = ours(**kw)
+            assert len(calls) == 4 * len(ours.blocks)
+    finally:
+        install(ours, AttentionBackend("sdpa", sdpa, "test"))
+    assert installed == 6 * len(ours.blocks)
+    assert {shape[-1] for shape in calls} == set(ours.head_dims) == {4}
+    assert _max_err(out, expected) == 0 and _max_err(out_masked, expected_masked) == 0
 
 
 @pytest.mark.parametrize("change,match", [

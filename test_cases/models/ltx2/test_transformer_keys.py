@@ -11,7 +11,7 @@ from runnerkit.models.ltx2.transformer_keys import ORIGINAL_PREFIX, diffusers_na
 from test_cases._reference import require_reference
 
 require_reference("diffusers")
-from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers  # noqa: E402
+from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
 
 DIFFUSERS_ONLY_WORDS = ("time_embed", "norm_q", "norm_k", "proj_in", "av_cross_attn", "_cross_attn_scale_shift_table",
                         "prompt_adaln.")
