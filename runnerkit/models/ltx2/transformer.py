@@ -200,11 +200,16 @@ class LTX2Transformer(nn.Module):
 
     def check_inputs(self, video: Tensor, audio: Tensor, context: Tensor, audio_context: Tensor,
                      timestep: Tensor, audio_timestep: Tensor | None, sigma: Tensor | None,
-                     grid: tuple[int, int, int], audio_frames: int, use_cross_timestep: bool) -> None:
+                     masks: tuple[Tensor | None, Tensor | None], grid: tuple[int, int, int], audio_frames: int,
+                     use_cross_timestep: bool) -> None:
         """Raise ValueError naming the argument when an input does not fit (see `forward`)."""
         a = self.arch
         B = video.shape[0]
         f, h, w = grid
+        for name, size, patch in (("num_frames", f, a.patch_size_t), ("height", h, a.patch_size),
+                                  ("width", w, a.patch_size), ("audio_num_frames", audio_frames, a.audio_patch_size_t)):
+            if size <= 0 or size % patch:
+                raise ValueError(f"`{name}`={size} must be a positive multiple of its patch size {patch}")
         Lv = (f // a.patch_size_t) * (h // a.patch_size) * (w // a.patch_size)
         if video.ndim != 3 or video.shape[1:] != (Lv, a.in_channels):
             raise ValueError(f"`hidden_states` must be [B, {Lv}, {a.in_channels}] for the latent grid {grid}, "
@@ -219,6 +224,11 @@ class LTX2Transformer(nn.Module):
                                ("audio_encoder_hidden_states", audio_context, audio_text_dim)):
             if x.ndim != 3 or x.shape[0] != B or x.shape[2] != width:
                 raise ValueError(f"`{name}` must be [{B}, L, {width}], got {tuple(x.shape)}")
+        for name, mask, x in (("encoder_attention_mask", masks[0], context),
+                              ("audio_encoder_attention_mask", masks[1], audio_context)):
+            if mask is not None and mask.shape != x.shape[:2]:
+                raise ValueError(f"`{name}` must be [B, L] = {tuple(x.shape[:2])} like its text, "
+                                 f"got {tuple(mask.shape)}")
         if timestep.shape not in ((B,), (B, Lv)):
             raise ValueError(f"`timestep` must be [B] or per token [B, {Lv}], got {tuple(timestep.shape)}")
         if audio_timestep is None and timestep.ndim == 2:
@@ -236,7 +246,8 @@ class LTX2Transformer(nn.Module):
               fps: float, use_cross_timestep: bool) -> LTX2Embedded:
         """Project the tokens and text, embed the timesteps, build masks and RoPE (see `forward`)."""
         self.check_inputs(hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
-                          timestep, audio_timestep, sigma, grid, audio_frames, use_cross_timestep)
+                          timestep, audio_timestep, sigma, (encoder_attention_mask, audio_encoder_attention_mask),
+                          grid, audio_frames, use_cross_timestep)
         a = self.arch
         B = hidden_states.shape[0]
         audio_timestep = timestep if audio_timestep is None else audio_timestep

@@ -366,9 +366,18 @@ def test_attention_runs_on_the_installed_backend(models: tuple[torch.nn.Module, 
     (lambda kw: {**kw, "timestep": kw["timestep"][:, :5]}, "`timestep`"),
     (lambda kw: {k: v for k, v in kw.items() if k != "audio_timestep"}, "`audio_timestep`"),
     (lambda kw: {**kw, "sigma": None}, "`sigma`"),
-], ids=["video-tokens", "audio-channels", "text-width", "timestep-shape", "no-audio-timestep", "no-sigma"])
+    (lambda kw: {**kw, "encoder_attention_mask": kw["encoder_attention_mask"][:, :-1]}, "`encoder_attention_mask`"),
+], ids=["video-tokens", "audio-channels", "text-width", "timestep-shape", "no-audio-timestep", "no-sigma",
+        "mask-length"])
 def test_errors_name_the_argument(models: tuple[torch.nn.Module, LTX2Transformer],
                                   change, match: str) -> None:  # type: ignore[no-untyped-def]
     _, ours = models
     with pytest.raises(ValueError, match=match):
         ours(**change(_inputs(ours.arch, "i2av", 2)))
+
+
+def test_grid_must_be_a_multiple_of_the_patch() -> None:
+    ours = LTX2Transformer(tiny_arch("2.3", patch_size=2, in_channels=16))
+    kw = _inputs(ours.arch, "t2av", 1)
+    with pytest.raises(ValueError, match="`width`=3 must be a positive multiple of its patch size 2"):
+        ours(**kw)
