@@ -87,7 +87,7 @@ def mean_range_norm(hidden: Tensor, attention_mask: Tensor, padding_side: str = 
     Returns:
         [B, T, D * L] in `hidden`'s dtype, zero at padding tokens.
     """
-    B, T, D, L = hidden.shape
+    B, _, D, _ = hidden.shape
     valid = valid_token_mask(attention_mask, padding_side)[:, :, None, None]  # [B, T, 1, 1]
     count = (attention_mask.sum(dim=-1) * D).view(B, 1, 1, 1)
     mean = hidden.masked_fill(~valid, 0.0).sum(dim=(1, 2), keepdim=True) / (count + eps)  # [B, 1, 1, L]
@@ -244,7 +244,7 @@ class ConnectorTransformer1d(nn.Module):
             ValueError: T is not a multiple of the register count.
         """
         assert self.learnable_registers is not None, "fill_padding needs registers"
-        B, T, D = x.shape
+        _, T, D = x.shape
         R = self.learnable_registers.shape[0]
         if T % R:
             raise ValueError(f"the prompt length {T} must be a multiple of the {R} learnable registers "

@@ -89,7 +89,8 @@ TINY_CONNECTORS = LTX2ConnectorsArch(
     audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8, audio_connector_num_layers=2,
     audio_connector_num_learnable_registers=4, connector_rope_base_seq_len=32, rope_type="split")
 """Test size of the 2.0 layout."""
-TINY23_CONNECTORS = LTX2ConnectorsArch(**{**TINY_CONNECTORS.model_dump(), **dict(
-    video_connector_num_attention_heads=4, audio_connector_attention_head_dim=4, video_gated_attn=True,
-    audio_gated_attn=True, per_modality_projections=True, video_hidden_dim=32, audio_hidden_dim=8, proj_bias=True)})
+TINY23_CONNECTORS = LTX2ConnectorsArch(**{
+    **TINY_CONNECTORS.model_dump(), "video_connector_num_attention_heads": 4, "audio_connector_attention_head_dim": 4,
+    "video_gated_attn": True, "audio_gated_attn": True, "per_modality_projections": True, "video_hidden_dim": 32,
+    "audio_hidden_dim": 8, "proj_bias": True})
 """Test size of the 2.3 layout: video 4 x 8 = 32 wide, audio 2 x 4 = 8 wide, narrower than the text features."""

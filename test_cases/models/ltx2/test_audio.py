@@ -31,9 +31,9 @@ from runnerkit.weights import assign_state_dict, build_on_meta
 from test_cases._reference import require_reference
 
 diffusers = require_reference("diffusers")
-from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline  # noqa: E402
-from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder as RefVocoder  # noqa: E402
-from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE as RefVocoderWithBWE  # noqa: E402
+from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder as RefVocoder
+from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE as RefVocoderWithBWE
 
 TOL = 1e-4
 WIDTH_CAUSAL = LTX2AudioVAEArch(**{**TINY_AUDIO_VAE.model_dump(), "causality_axis": "width"})

@@ -21,8 +21,8 @@ from test_cases._reference import require_reference
 
 diffusers = require_reference("diffusers")
 transformers = require_reference("transformers")
-from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors as RefConnectors  # noqa: E402
-from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline  # noqa: E402
+from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors as RefConnectors
+from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 
 TOL = 1e-4
 T = 8
@@ -98,7 +98,7 @@ def test_connectors_parity_right_padded(variant: str) -> None:
 
 def test_prompt_rows_are_independent() -> None:
     """Prompt rows are independent: the full-length row gives the same embeddings alone as in the batch."""
-    reference, ours = _pair(TINY_CONNECTORS, seed=4)
+    _, ours = _pair(TINY_CONNECTORS, seed=4)
     packed = stack_text_hidden_states(_hidden_states(TINY_CONNECTORS, seed=5))
     video, audio, _ = ours(packed, LEFT_PADDED)
     alone_video, alone_audio, _ = ours(packed[1:2], LEFT_PADDED[1:2])
