@@ -143,8 +143,7 @@ def test_vocoder_20_parity() -> None:
     assert (expected.abs() < 0.99).float().mean() > 0.9, "tanh must not saturate, or parity says little"
 
 
-@pytest.fixture(scope="module")
-def bwe_pair() -> tuple[torch.nn.Module, LTX2VocoderWithBWE]:
+def _bwe_pair() -> tuple[torch.nn.Module, LTX2VocoderWithBWE]:
     """diffusers' and our 2.3 vocoder, with random STFT and mel bases (zeros at init: loaded from the checkpoint)."""
     reference = _perturbed(RefVocoderWithBWE(**_bwe_diffusers_config(TINY_VOCODER_BWE)), scale=0.05)
     state = reference.state_dict()
@@ -156,6 +155,11 @@ def bwe_pair() -> tuple[torch.nn.Module, LTX2VocoderWithBWE]:
     assert arch == TINY_VOCODER_BWE
     ours = build_on_meta(lambda: LTX2VocoderWithBWE(arch))
     return reference, assign_state_dict(ours, dict(state), "vocoder").eval()
+
+
+@pytest.fixture(scope="module")
+def bwe_pair() -> tuple[torch.nn.Module, LTX2VocoderWithBWE]:
+    return _bwe_pair()
 
 
 @pytest.mark.parametrize("frames", [8, 5], ids=["whole-stft-frames", "padded-to-stft-hop"])
@@ -229,3 +233,21 @@ def test_arch_validation() -> None:
         LTX2VocoderArch(antialias=True)
     with pytest.raises(ValueError, match="hop_length"):
         LTX2VocoderBWEArch(hop_length=100)
+
+
+def test_bfloat16_follows_diffusers_rounding() -> None:
+    """In bf16 weights (the release dtype) the same ops in the same order: equal up to a bf16 rounding
+    (0.0 on the development machine)."""
+    reference, ours = _audio_vae_pair(TINY_AUDIO_VAE, seed=12)
+    reference, ours = reference.to(torch.bfloat16), ours.to(torch.bfloat16)
+    tokens = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    vocoder_ref, vocoder = (m.to(torch.bfloat16) for m in _bwe_pair())
+    with torch.no_grad():
+        latents = LTX2Pipeline._denormalize_audio_latents(tokens, reference.latents_mean, reference.latents_std)
+        mel_expected = reference.decode(LTX2Pipeline._unpack_audio_latents(latents, 6, num_mel_bins=4)).sample
+        wave_expected = vocoder_ref(mel_expected)
+    mel, wave = ours.decode_tokens(tokens), vocoder(mel_expected)
+    for name, got, expected in (("mel", mel, mel_expected), ("waveform", wave, wave_expected)):
+        err = (got.float() - expected.float()).abs().max().item()
+        print(f"bf16 {name}: max abs err {err:.2e}")
+        assert got.dtype == torch.bfloat16 and err <= 1e-2 * expected.float().abs().max().item()

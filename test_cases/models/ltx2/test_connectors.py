@@ -186,3 +186,18 @@ def test_config_checks() -> None:
     with pytest.raises(ValueError, match="video connector's width"):
         LTX2ConnectorsArch(per_modality_projections=True)  # 30 x 128 heads against a 4096-wide projection
     assert LTX2ConnectorsArch.from_diffusers_config({"causal_temporal_positioning": False}) == LTX2ConnectorsArch()
+
+
+@pytest.mark.parametrize("variant", ["2.0", "2.3"])
+def test_bfloat16_follows_diffusers_rounding(variant: str) -> None:
+    """bf16 weights and features (the release dtype): the same ops in the same order, equal up to a bf16
+    rounding (0.0 on the development machine); RoPE and the Q/K rotation run in float32 in both."""
+    reference, ours = (m.to(torch.bfloat16) for m in _pair(VARIANTS[variant], seed=12))
+    packed = stack_text_hidden_states(_hidden_states(VARIANTS[variant], seed=13), dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(packed, LEFT_PADDED)
+    got = ours(packed, LEFT_PADDED)
+    for g, e in zip(got[:2], expected[:2]):
+        err = (g.float() - e.float()).abs().max().item()
+        print(f"connectors {variant} bf16: max abs err {err:.2e}")
+        assert g.dtype == torch.bfloat16 and err <= 1e-2 * e.float().abs().max().item()
