@@ -167,15 +167,14 @@ class Level(nn.Module):
         super().__init__()
         self.block = nn.ModuleList(blocks)
         self.attn = nn.ModuleList(attns)
-        if upsample is not None:
-            self.upsample = upsample
+        self.upsample = upsample  # None at the finest level (no key, as diffusers)
 
     def forward(self, x: Tensor) -> Tensor:
         for i, block in enumerate(self.block):
             x = block(x)
             if len(self.attn):
                 x = self.attn[i](x)
-        return self.upsample(x) if hasattr(self, "upsample") else x
+        return x if self.upsample is None else self.upsample(x)
 
 
 class Mid(nn.Module):
@@ -254,6 +253,7 @@ class LTX2AudioVAEDecoder(nn.Module):
         self.register_buffer("latents_mean", torch.zeros(arch.base_channels))
         self.register_buffer("latents_std", torch.ones(arch.base_channels))
 
+    @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Mel spectrogram of VAE latents (diffusers `audio_vae.decode(z).sample`).
 
@@ -267,6 +267,7 @@ class LTX2AudioVAEDecoder(nn.Module):
         weight = self.decoder.conv_in.conv.weight
         return self.decoder(latents.to(device=weight.device, dtype=weight.dtype))
 
+    @torch.no_grad()
     def decode_tokens(self, tokens: Tensor) -> Tensor:
         """Spectrogram of the transformer's audio tokens, as LTX2Pipeline ends: de-normalise, unpack, decode.
 
