@@ -18,6 +18,12 @@ The returned mask is all ones: after the registers took the padding every token 
 (diffusers derives it from an all-zero additive mask; with no registers its test `< 1e-6` also
 passes for the -max entries, so it is all ones there too).
 
+Lightricks' reference (`ltx_core/text_encoders/gemma/feature_extractor.py`, `embeddings_connector.py`,
+`embeddings_processor.py`) agrees: it too moves the valid tokens to the front (stable sort of the
+mask) before the registers replace the tail. Its 2.0 norm reads the mask itself rather than its
+length and padding side (the same for contiguous padding) and multiplies by 8 before dividing
+(float rounding only); diffusers is followed here.
+
 Keys are diffusers' (`text_proj_in` or `video_text_proj_in` / `audio_text_proj_in`,
 `{video,audio}_connector.learnable_registers`, `...transformer_blocks.i.attn1.to_q`, `...ff.net.0.proj`).
 In the single-file release the same weights sit under `model.diffusion_model.` as

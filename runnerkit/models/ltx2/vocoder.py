@@ -11,6 +11,12 @@ Design and numerics follow diffusers 0.42.1 `pipelines/ltx2/vocoder.py`:
   with the checkpoint's DFT and mel bases) drives a second generator whose output is a residual
   over a 3x windowed-sinc resampling of the 16 kHz waveform; the sum is clamped to [-1, 1] (48 kHz).
 
+Dtype: these modules compute in their weights' dtype, as diffusers does. Lightricks' reference
+(`ltx_core/model/audio_vae/vocoder.py`, `VocoderWithBWE.forward`) runs the whole 2.3 vocoder in
+float32 (autocast) whatever the weights' dtype, because bf16 accumulation through its ~100
+sequential convolutions degrades the spectrum; load this vocoder in float32 (0.5 GB) to match it.
+Otherwise the reference's 2.3 forward is diffusers' (same padding to whole STFT hops, clamp, crop).
+
 State-dict keys are diffusers' (`conv_in`, `upsamplers.i`, `resnets.j.convs1.k`,
 `resnets.j.acts1.k.act.alpha`, `...upsample.filter`, `vocoder.*`, `bwe_generator.*`, `mel_stft.*`);
 the anti-aliasing filters and STFT bases are persistent buffers loaded from the checkpoint, the
