@@ -36,6 +36,13 @@ def audio_latent_length(num_frames: int, frame_rate: float, arch: LTX2AudioVAEAr
     return round(num_frames / frame_rate * arch.latents_per_second)
 
 
+def audio_latent_shape(batch_size: int, num_frames: int, frame_rate: float,
+                       arch: LTX2AudioVAEArch) -> tuple[int, int, int, int]:
+    """Shape [B, latent_channels, L, latent_mel_bins] of the audio noise LTX2Pipeline draws (then packs)
+    for a video of `num_frames` at `frame_rate` fps: (1, 8, 126, 16) for 121 frames at 24 fps."""
+    return (batch_size, arch.latent_channels, audio_latent_length(num_frames, frame_rate, arch), arch.latent_mel_bins)
+
+
 def pack_audio_latents(latents: Tensor) -> Tensor:
     """[B, C, L, M] -> [B, L, C * M] transformer tokens (feature index c * M + m)."""
     return latents.transpose(1, 2).flatten(2, 3)  # [B, L, C, M] -> [B, L, C*M]

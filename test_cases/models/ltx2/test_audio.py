@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from runnerkit.models.ltx2.audio_arch import (
 from runnerkit.models.ltx2.audio_vae import (
     LTX2AudioVAEDecoder,
     audio_latent_length,
+    audio_latent_shape,
     decoder_state_dict,
     normalize_audio_latents,
     pack_audio_latents,
@@ -123,6 +125,18 @@ def test_pack_and_normalize_match_the_pipeline() -> None:
 def test_audio_latent_length(num_frames: int, fps: float, expected: int) -> None:
     # LTX2Pipeline: round(num_frames / frame_rate * sample_rate / hop_length / 4); 25 latents/s in the release.
     assert audio_latent_length(num_frames, fps, LTX2_AUDIO_VAE) == expected
+
+
+def test_audio_noise_is_drawn_as_the_pipeline_draws_it() -> None:
+    """Same generator, same shape, same packing: LTX2Pipeline.prepare_audio_latents' initial noise."""
+    pipeline_like = SimpleNamespace(audio_vae_mel_compression_ratio=4, _pack_audio_latents=LTX2Pipeline._pack_audio_latents)
+    expected = LTX2Pipeline.prepare_audio_latents(
+        pipeline_like, batch_size=2, num_channels_latents=8, audio_latent_length=126, num_mel_bins=64,
+        dtype=torch.float32, device=torch.device("cpu"), generator=torch.Generator().manual_seed(10))
+    shape = audio_latent_shape(2, 121, 24.0, LTX2_AUDIO_VAE)
+    assert shape == (2, 8, 126, 16)
+    got = pack_audio_latents(torch.randn(shape, generator=torch.Generator().manual_seed(10)))
+    assert got.shape == (2, 126, 128) and torch.equal(got, expected)
 
 
 # ---- vocoders -------------------------------------------------------------------------------
