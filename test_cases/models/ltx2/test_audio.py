@@ -37,6 +37,10 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder as RefVocoder
 from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE as RefVocoderWithBWE
 
+pytestmark = pytest.mark.filterwarnings(
+    # diffusers' LTX2VocoderWithBWE reads `self.hop_length` (a deprecated config alias) when it pads to whole hops
+    "ignore:Accessing config attribute `hop_length`:FutureWarning")
+
 TOL = 1e-4
 WIDTH_CAUSAL = LTX2AudioVAEArch(**{**TINY_AUDIO_VAE.model_dump(), "causality_axis": "width"})
 """Mel-axis causality: the decoder loses mel columns and zero-pads them back."""
