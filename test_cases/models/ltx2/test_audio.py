@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -58,8 +58,12 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _perturbed(model: torch.nn.Module, scale: float = 0.1, seed: int = 0) -> torch.nn.Module:
-    """Every parameter moved off its init (norm weights, Snake alphas too), so parity covers them all."""
+def _perturbed(factory: Callable[[], torch.nn.Module], scale: float = 0.1, seed: int = 0) -> torch.nn.Module:
+    """A diffusers model built from a seeded init (the global RNG is restored after), then every parameter
+    moved off its init (norm weights, Snake alphas too), so parity covers them all."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = factory()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -77,7 +81,7 @@ def _bwe_diffusers_config(arch: LTX2VocoderBWEArch) -> dict[str, Any]:
 # ---- audio VAE decoder ----------------------------------------------------------------------
 
 def _audio_vae_pair(arch: LTX2AudioVAEArch, seed: int = 0) -> tuple[torch.nn.Module, LTX2AudioVAEDecoder]:
-    reference = _perturbed(diffusers.AutoencoderKLLTX2Audio(**arch.model_dump()), seed=seed)
+    reference = _perturbed(lambda: diffusers.AutoencoderKLLTX2Audio(**arch.model_dump()), seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     reference.latents_mean.copy_(torch.randn(arch.base_channels, generator=gen))
     reference.latents_std.copy_(0.5 + torch.rand(arch.base_channels, generator=gen))
@@ -146,7 +150,7 @@ def test_audio_noise_is_drawn_as_the_pipeline_draws_it() -> None:
 # ---- vocoders -------------------------------------------------------------------------------
 
 def test_vocoder_20_parity() -> None:
-    reference = _perturbed(RefVocoder(**TINY_VOCODER.model_dump()))
+    reference = _perturbed(lambda: RefVocoder(**TINY_VOCODER.model_dump()))
     arch = LTX2VocoderArch.from_diffusers_config(dict(reference.config))
     assert arch == TINY_VOCODER
     ours = assign_state_dict(build_on_meta(lambda: LTX2Vocoder(arch)), dict(reference.state_dict()), "vocoder").eval()
@@ -163,7 +167,7 @@ def test_vocoder_20_parity() -> None:
 
 def _bwe_pair() -> tuple[torch.nn.Module, LTX2VocoderWithBWE]:
     """diffusers' and our 2.3 vocoder, with random STFT and mel bases (zeros at init: loaded from the checkpoint)."""
-    reference = _perturbed(RefVocoderWithBWE(**_bwe_diffusers_config(TINY_VOCODER_BWE)), scale=0.05)
+    reference = _perturbed(lambda: RefVocoderWithBWE(**_bwe_diffusers_config(TINY_VOCODER_BWE)), scale=0.05)
     state = reference.state_dict()
     gen = torch.Generator().manual_seed(8)
     for name in ("mel_stft.mel_basis", "mel_stft.stft_fn.forward_basis", "mel_stft.stft_fn.inverse_basis"):
@@ -253,19 +257,34 @@ def test_arch_validation() -> None:
         LTX2VocoderBWEArch(hop_length=100)
 
 
+def _bf16_check(name: str, got: torch.Tensor, expected: torch.Tensor, truth: torch.Tensor) -> None:
+    """bf16 `got` (ours) against diffusers' bf16 `expected`, both measured from the float32 `truth`: ours
+    must be as close to it as diffusers' (within 2x: bf16 kernels may round differently with alignment)."""
+    ours, theirs = ((t.float() - truth).abs().max().item() for t in (got, expected))
+    print(f"bf16 {name}: ours - diffusers {(got.float() - expected.float()).abs().max().item():.2e}; "
+          f"from float32: ours {ours:.2e}, diffusers {theirs:.2e}")
+    assert got.dtype == torch.bfloat16 and ours <= 2 * theirs + 1e-6
+
+
 def test_bfloat16_follows_diffusers_rounding() -> None:
-    """In bf16 weights (the release dtype) the same ops in the same order: equal up to a bf16 rounding
-    (0.0 on the development machine)."""
+    """In bf16 weights (the release dtype) the same ops in the same order: bit-equal to diffusers' bf16
+    on the development machine; the test asks for no more than diffusers' own bf16 error."""
     reference, ours = _audio_vae_pair(TINY_AUDIO_VAE, seed=12)
-    reference, ours = reference.to(torch.bfloat16), ours.to(torch.bfloat16)
-    tokens = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
-    vocoder_ref, vocoder = (m.to(torch.bfloat16) for m in _bwe_pair())
+    vocoder_ref, vocoder = _bwe_pair()
+    tokens = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(13))
+
+    def run_reference(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            latents = LTX2Pipeline._denormalize_audio_latents(tokens, reference.latents_mean, reference.latents_std)
+            mel = reference.decode(LTX2Pipeline._unpack_audio_latents(latents, 6, num_mel_bins=4)).sample
+            return mel, vocoder_ref(mel)
+
+    mel_truth, wave_truth = run_reference(tokens)
+    for model in (reference, ours, vocoder_ref, vocoder):
+        model.to(torch.bfloat16)
+    mel_expected, wave_expected = run_reference(tokens.to(torch.bfloat16))
+    mel, wave = ours.decode_tokens(tokens.to(torch.bfloat16)), vocoder(mel_expected)
+    _bf16_check("mel", mel, mel_expected, mel_truth)
     with torch.no_grad():
-        latents = LTX2Pipeline._denormalize_audio_latents(tokens, reference.latents_mean, reference.latents_std)
-        mel_expected = reference.decode(LTX2Pipeline._unpack_audio_latents(latents, 6, num_mel_bins=4)).sample
-        wave_expected = vocoder_ref(mel_expected)
-    mel, wave = ours.decode_tokens(tokens), vocoder(mel_expected)
-    for name, got, expected in (("mel", mel, mel_expected), ("waveform", wave, wave_expected)):
-        err = (got.float() - expected.float()).abs().max().item()
-        print(f"bf16 {name}: max abs err {err:.2e}")
-        assert got.dtype == torch.bfloat16 and err <= 1e-2 * expected.float().abs().max().item()
+        wave_truth = vocoder_ref.float()(mel_expected.float())  # the vocoder's own truth, from the bf16 mel
+    _bf16_check("waveform", wave, wave_expected, wave_truth)

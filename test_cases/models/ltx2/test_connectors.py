@@ -46,8 +46,9 @@ def _one_thread() -> Iterator[None]:
 def _pair(arch: LTX2ConnectorsArch, seed: int = 0) -> tuple[torch.nn.Module, LTX2TextConnectors]:
     """diffusers' connectors with every parameter perturbed (registers, Q/K norm weights too) and ours loaded
     strictly from its state dict, built from its config."""
-    torch.manual_seed(seed)
-    reference = RefConnectors(**arch.model_dump())
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        reference = RefConnectors(**arch.model_dump())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in reference.parameters():
@@ -113,8 +114,9 @@ def _tiny_gemma3() -> torch.nn.Module:
     config = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                                            sliding_window=4, max_position_embeddings=64)
-    torch.manual_seed(6)
-    return transformers.Gemma3TextModel(config).eval()
+    with torch.random.fork_rng():
+        torch.manual_seed(6)
+        return transformers.Gemma3TextModel(config).eval()
 
 
 class _FixedTokenizer:
@@ -190,14 +192,21 @@ def test_config_checks() -> None:
 
 @pytest.mark.parametrize("variant", ["2.0", "2.3"])
 def test_bfloat16_follows_diffusers_rounding(variant: str) -> None:
-    """bf16 weights and features (the release dtype): the same ops in the same order, equal up to a bf16
-    rounding (0.0 on the development machine); RoPE and the Q/K rotation run in float32 in both."""
-    reference, ours = (m.to(torch.bfloat16) for m in _pair(VARIANTS[variant], seed=12))
-    packed = stack_text_hidden_states(_hidden_states(VARIANTS[variant], seed=13), dtype=torch.bfloat16)
+    """bf16 weights and features (the release dtype): the same ops in the same order (RoPE and the Q/K
+    rotation in float32 in both), bit-equal to diffusers' bf16 on the development machine; the test asks
+    for no more than diffusers' own bf16 error from float32 (2x: bf16 kernels may round differently with
+    alignment)."""
+    reference, ours = _pair(VARIANTS[variant], seed=12)
+    states = _hidden_states(VARIANTS[variant], seed=13)
+    with torch.no_grad():
+        truth = reference(stack_text_hidden_states(states), LEFT_PADDED)
+    reference, ours = reference.to(torch.bfloat16), ours.to(torch.bfloat16)
+    packed = stack_text_hidden_states(states, dtype=torch.bfloat16)
     with torch.no_grad():
         expected = reference(packed, LEFT_PADDED)
     got = ours(packed, LEFT_PADDED)
-    for g, e in zip(got[:2], expected[:2]):
-        err = (g.float() - e.float()).abs().max().item()
-        print(f"connectors {variant} bf16: max abs err {err:.2e}")
-        assert g.dtype == torch.bfloat16 and err <= 1e-2 * e.float().abs().max().item()
+    for g, e, t in zip(got[:2], expected[:2], truth[:2]):
+        mine, theirs = ((x.float() - t).abs().max().item() for x in (g, e))
+        print(f"connectors {variant} bf16: ours - diffusers {(g.float() - e.float()).abs().max().item():.2e}; "
+              f"from float32: ours {mine:.2e}, diffusers {theirs:.2e}")
+        assert g.dtype == torch.bfloat16 and mine <= 2 * theirs + 1e-6
