@@ -203,6 +203,25 @@ def test_state_after_warmup_is_start_up_baseline(tiny_ckpt: Path, _no_real_gc_fr
     assert _no_real_gc_freeze == [1]  # eager path: frozen once
 
 
+@pytest.mark.parametrize(("overrides", "freezes"), [
+    ({"warmup": True}, [1]),
+    ({"warmup": True, "offload": {"mode": "block", "storage": "disk", "lazy_load": True}}, []),
+    ({}, []),
+    ({"unload_modules": True}, []),
+], ids=["warmup", "warmup-lazy_load", "no-warmup", "no-warmup-unload_modules"])
+def test_gc_is_frozen_once_after_an_eager_warmup_and_never_otherwise(
+        tiny_ckpt: Path, tmp_path: Path, _no_real_gc_freeze: list[int], overrides: dict[str, Any],
+        freezes: list[int]) -> None:
+    """gc.freeze (counted at the gc module itself, the once-flag reset) runs exactly once, after an
+    eager warmup; never under lazy load (the transformer is rebuilt per request: freezing would pin
+    every request's garbage), never without warmup, and never during a request."""
+    runner = make_runner(tiny_ckpt, **overrides)
+    runner.init_modules()
+    assert _no_real_gc_freeze == freezes
+    _video(runner, _request(1, target_height=32, target_width=32, target_video_length=5), tmp_path, "a")
+    assert _no_real_gc_freeze == freezes
+
+
 def test_exception_in_decoder_leaves_clean_state_and_names_warmup(tiny_ckpt: Path) -> None:
     runner = make_runner(tiny_ckpt, warmup=True)
 
