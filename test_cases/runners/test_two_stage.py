@@ -293,6 +293,34 @@ def test_several_requests_profile_and_png(tmp_path: Path) -> None:
     assert sidecar["seed"] == 1 and sidecar["config"]["model_cls"] == NAME
 
 
+def test_a_failed_request_leaves_existing_outputs_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs are replaced all-or-nothing: files of an earlier run at the same paths keep their exact
+    bytes when a request targeting them fails while writing (here the PNG writer fills half its file,
+    then the disk is full), and nothing else is left in the folder."""
+    import errno
+
+    from runnerkit import media
+
+    runner = build(tmp_path)
+    runner.init_modules()
+    out = tmp_path / "out"
+    png, tensors = out / "cat.png", out / "cat.safetensors"
+    runner.run_pipeline(RequestConfig(prompt="a cat", seed=1, save_result_path=str(png),
+                                      save_tensor_path=str(tensors)), 0)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["cat.json", "cat.png", "cat.safetensors"]
+
+    def disk_full(tensor: torch.Tensor, path: str | Path) -> None:
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(media, "save_image", disk_full)
+    with pytest.raises(media.MediaWriteError, match="No space left on device"):
+        runner.run_pipeline(RequestConfig(prompt="a dog", seed=2, save_result_path=str(png),
+                                          save_tensor_path=str(tensors)), 1)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_result_suffix_must_fit_the_primary_output(tmp_path: Path) -> None:
     config = load_runner_config(None, config_dict(tmp_path))
     with pytest.raises(ValueError, match=r"task 't2i' makes an image; use \.png"):
