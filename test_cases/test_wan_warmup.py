@@ -207,8 +207,7 @@ def test_state_after_warmup_is_start_up_baseline(tiny_ckpt: Path, _no_real_gc_fr
     ({"warmup": True}, [1]),
     ({"warmup": True, "offload": {"mode": "block", "storage": "disk", "lazy_load": True}}, []),
     ({}, []),
-    ({"unload_modules": True}, []),
-], ids=["warmup", "warmup-lazy_load", "no-warmup", "no-warmup-unload_modules"])
+], ids=["warmup", "warmup-lazy_load", "no-warmup"])
 def test_gc_is_frozen_once_after_an_eager_warmup_and_never_otherwise(
         tiny_ckpt: Path, tmp_path: Path, _no_real_gc_freeze: list[int], overrides: dict[str, Any],
         freezes: list[int]) -> None:
