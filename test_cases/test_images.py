@@ -50,6 +50,44 @@ def test_exif_orientation_is_applied(tmp_path: Path) -> None:
     assert got[:, 0, 3].tolist() == [-1.0, -1.0, 1.0]  # the marker moved to the top-right corner
 
 
+# The EXIF orientations as the TIFF/EXIF spec defines them: the stored [H, W, C] pixels -> as displayed.
+DISPLAYED = {
+    1: lambda a: a,
+    2: np.fliplr,  # mirrored left-right
+    3: lambda a: np.rot90(a, 2),  # rotated 180
+    4: np.flipud,  # mirrored top-bottom
+    5: lambda a: a.transpose(1, 0, 2),  # transposed (mirrored about the main diagonal)
+    6: lambda a: np.rot90(a, -1),  # rotated 90 clockwise
+    7: lambda a: np.rot90(a, 2).transpose(1, 0, 2),  # transversed (mirrored about the anti-diagonal)
+    8: lambda a: np.rot90(a, 1),  # rotated 90 counter-clockwise
+}
+
+
+@pytest.mark.parametrize("orientation", sorted(DISPLAYED))
+@pytest.mark.parametrize("fmt", ["png", "jpeg"])
+def test_every_exif_orientation_gives_the_displayed_size_and_pixels(tmp_path: Path, orientation: int,
+                                                                    fmt: str) -> None:
+    """Real EXIF written by Pillow, a non-square image (3 x 5 stored): `image_size` (header only),
+    `check_image` and `read_image` all give the image as displayed; PNG pixels match the spec's
+    transform exactly (JPEG is lossy: its size only)."""
+    stored = np.random.default_rng(orientation).integers(0, 256, (3, 5, 3), dtype=np.uint8)
+    img = Image.fromarray(stored, "RGB")
+    exif = img.getexif()
+    exif[0x0112] = orientation
+    path = tmp_path / f"o{orientation}.{fmt}"
+    img.save(path, exif=exif, **({"quality": 95} if fmt == "jpeg" else {}))
+    with Image.open(path) as check:
+        assert check.getexif().get(0x0112) == orientation  # the file really carries it
+    displayed = np.ascontiguousarray(DISPLAYED[orientation](stored))
+    size = displayed.shape[:2]
+    assert image_size(path, "image_path") == size
+    assert check_image(path, "image_path") == size
+    got = read_image(path, "image_path")
+    assert tuple(got.shape) == (3, *size)
+    if fmt == "png":
+        assert torch.equal(got, torch.from_numpy(displayed).permute(2, 0, 1).float().div(255).sub(0.5).div(0.5))
+
+
 def test_decompression_bomb_warning_is_an_input_error_not_a_raw_warning(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     Image.new("RGB", (40, 40)).save(tmp_path / "big.png")

@@ -471,6 +471,37 @@ def test_one_frame_i2v_is_the_image_conditioned_frame(ckpts: dict[str, Path], im
     assert (tmp_path / "one.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("task", ["i2v", "flf2v"])
+def test_clip_encodes_the_images_as_read_not_resized_to_the_video(task: str, ckpts: dict[str, Path],
+                                                                  images: dict[str, Path], tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wan's CLIP sees the conditioning image(s) at their own size (60 x 100 here; the video is another
+    size): its input equals the PNG's pixels, decoded by Pillow here and mapped to [-1, 1]."""
+    import numpy as np
+    from PIL import Image
+
+    from runnerkit.models.wan.clip import CLIPVisionEncoder
+
+    seen: list[torch.Tensor] = []
+    real_encode = CLIPVisionEncoder.encode
+    monkeypatch.setattr(CLIPVisionEncoder, "encode", lambda self, x: (seen.append(x.clone()), real_encode(self, x))[1])
+    runner = make_runner(task, ckpts[task])
+    runner.init_modules()
+    first, last = images["wide"], images["wide2"]
+    serve(runner, request(task, first, last, seed=1), tmp_path / "v.safetensors")
+    assert tuple(runner.profiler.requests[-1].shape[:2]) != (60, 100), "the video must differ from the image size"
+
+    def pixels(path: Path) -> torch.Tensor:
+        with Image.open(path) as img:
+            data = np.asarray(img.convert("RGB"), dtype=np.float32)  # [H, W, 3]
+        return torch.from_numpy(data).permute(2, 0, 1).div(255).sub(0.5).div(0.5)[None]  # [1, 3, H, W]
+
+    expected = [pixels(first)] + ([pixels(last)] if task == "flf2v" else [])
+    assert len(seen) == len(expected)
+    for got, want in zip(seen, expected):
+        assert got.shape == (1, 3, 60, 100) and torch.equal(got, want)
+
+
 @pytest.mark.parametrize(("layout", "remove"), [("original", "low_noise_model"), ("diffusers", "transformer_2"),
                                                 ("runnerkit", "transformer_2")])
 def test_moe_i2v_checkpoint_missing_an_expert_exits_2_before_loading(

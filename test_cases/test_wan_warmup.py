@@ -203,6 +203,24 @@ def test_state_after_warmup_is_start_up_baseline(tiny_ckpt: Path, _no_real_gc_fr
     assert _no_real_gc_freeze == [1]  # eager path: frozen once
 
 
+@pytest.mark.parametrize(("overrides", "freezes"), [
+    ({"warmup": True}, [1]),
+    ({"warmup": True, "offload": {"mode": "block", "storage": "disk", "lazy_load": True}}, []),
+    ({}, []),
+], ids=["warmup", "warmup-lazy_load", "no-warmup"])
+def test_gc_is_frozen_once_after_an_eager_warmup_and_never_otherwise(
+        tiny_ckpt: Path, tmp_path: Path, _no_real_gc_freeze: list[int], overrides: dict[str, Any],
+        freezes: list[int]) -> None:
+    """gc.freeze (counted at the gc module itself, the once-flag reset) runs exactly once, after an
+    eager warmup; never under lazy load (the transformer is rebuilt per request: freezing would pin
+    every request's garbage), never without warmup, and never during a request."""
+    runner = make_runner(tiny_ckpt, **overrides)
+    runner.init_modules()
+    assert _no_real_gc_freeze == freezes
+    _video(runner, _request(1, target_height=32, target_width=32, target_video_length=5), tmp_path, "a")
+    assert _no_real_gc_freeze == freezes
+
+
 def test_exception_in_decoder_leaves_clean_state_and_names_warmup(tiny_ckpt: Path) -> None:
     runner = make_runner(tiny_ckpt, warmup=True)
 
@@ -329,6 +347,52 @@ def test_empty_cache_never_called_on_cpu_machine(tiny_ckpt: Path, tmp_path: Path
     _video(runner, _request(1), tmp_path, "a")
     _video(runner, _request(2, target_height=32, target_width=32, target_video_length=5), tmp_path, "b")
     assert calls == []
+
+
+GIB = 1024**3
+LAZY = {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}}
+# (free, reserved, allocated) GiB of a fake CUDA device; the thresholds below: free < 2, reclaimable > 4
+# ("tight": free between the two thresholds, so swapped thresholds would decide otherwise)
+STATES = {"spare": (40.0, 10.0, 9.0), "low_free": (1.0, 10.0, 9.0), "tight": (3.0, 10.0, 9.0)}
+
+
+@pytest.mark.parametrize(("overrides", "state", "emptied"), [
+    ({}, "spare", False), ({}, "low_free", True), (LAZY, "tight", False)],
+    ids=["spare", "low_free", "lazy-tight"])
+def test_cache_emptied_exactly_where_device_memory_pressure_says(
+        tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: dict[str, Any], state: str,
+        emptied: bool) -> None:
+    """On a CPU-only machine maybe_empty_cache returns before its decision, so a spy on
+    torch.cuda.empty_cache could never fire. Here every call is decided as on a CUDA device whose
+    memory queries (torch.cuda.mem_get_info / memory_reserved / memory_allocated) report `state`: the
+    branch that empties is reachable, the configured thresholds decide, and the spy fires exactly at
+    the calls whose decision is 'empty' (the end of a request, a per-stage module dropped under lazy
+    load; never between warmup and the request)."""
+    free, reserved, allocated = STATES[state]
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free * GIB), int(80 * GIB)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(reserved * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: int(allocated * GIB))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: int(allocated * GIB))
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    real = memory.maybe_empty_cache
+
+    def as_on_cuda(device: torch.device, reason: str, *args: Any, **kwargs: Any) -> bool:
+        calls.append(reason)
+        return real(cuda, reason, *args, **kwargs)
+
+    monkeypatch.setattr(memory, "maybe_empty_cache", as_on_cuda)
+    runner = make_runner(tiny_ckpt, warmup=True, memory={"empty_cache_min_free_gib": 2.0,
+                                                         "empty_cache_min_reclaimable_gib": 4.0}, **overrides)
+    runner.init_modules()
+    warmup_calls = list(calls)
+    calls.append("request")
+    _video(runner, _request(1, target_height=32, target_width=32, target_video_length=5), tmp_path, "a")
+    then = ["empty_cache"] if emptied else []
+    drop = ["drop per-stage transformer", *then] if overrides else []  # lazy load: the transformer torn down
+    assert warmup_calls == drop * 2  # once per warmup shape, nothing else
+    assert calls[len(warmup_calls):] == ["request", *drop, "end_run", *then]
 
 
 def _rng_states() -> dict[str, Any]:

@@ -28,6 +28,15 @@ from test_cases.offload._toy import build_streamed, make_reference, state_dict_o
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+def test_a_slab_from_torchs_pinned_allocator_is_reported_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second step of the chain (cudaHostRegister refused): torch's real pinned allocator; the slab
+    says pinned exactly when CUDA says its buffer is page-locked (async copies depend on it)."""
+    monkeypatch.setattr(HostSlab, "_try_register", staticmethod(lambda nbytes: None))
+    slab = HostSlab(1_000_003)
+    assert slab.kind == "pinned" and slab.buffer.numel() == 1_000_003
+    assert slab.buffer.is_pinned() and slab.is_pinned
+
+
 def test_host_slab_is_registered_and_pinned() -> None:
     slab = HostSlab(10_000_017)
     assert slab.kind == "registered", f"fallback chain stopped at {slab.kind}"

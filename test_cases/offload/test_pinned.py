@@ -97,6 +97,64 @@ def test_pinning_disabled(fake_cuda: tuple[list[int], list[bool]], monkeypatch: 
     assert cudart.calls == [] and pins == []
 
 
+class FakeDriver:
+    """Page-locked host ranges as a CUDA driver would know them, for a CPU-only torch: cudaHostRegister
+    and torch's pinned allocator (`torch.empty(..., pin_memory=True)`) lock a range (`fail` makes
+    either refuse); `torch.Tensor.is_pinned` answers from the locked ranges, as the driver's
+    pointer query would."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: tuple[str, ...] = ()) -> None:
+        self.locked: list[tuple[int, int]] = []
+        self.fail = fail
+        real_empty = torch.empty
+
+        def empty(*size: int, pin_memory: bool = False, **kw: object) -> torch.Tensor:
+            tensor = real_empty(*size, **kw)
+            if pin_memory:
+                if "pin" in fail:
+                    raise RuntimeError("CUDA error: out of memory (fake)")
+                self.locked.append((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()))
+            return tensor
+
+        monkeypatch.setattr(torch, "empty", empty)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t, device=None: any(
+            lo <= t.data_ptr() < hi for lo, hi in self.locked))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: self)
+        monkeypatch.setattr(pinned_mod, "_clear_cuda_last_error", lambda: None)
+        monkeypatch.delenv("RUNNERKIT_DISABLE_PINNED", raising=False)
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        if "register" in self.fail:
+            return 2  # cudaErrorMemoryAllocation
+        self.locked.append((ptr, ptr + size))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.locked = [r for r in self.locked if r[0] != ptr]
+        return 0
+
+
+@pytest.mark.parametrize("fail, kind, pinned", [
+    ((), "registered", True),
+    (("register",), "pinned", True),  # torch's pinned allocator: page-locked too, copies may be async
+    (("register", "pin"), "pageable", False),
+], ids=["registered", "torch_pinned", "pageable"])
+def test_is_pinned_matches_the_memory_the_driver_locked(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, ...],
+                                                        kind: str, pinned: bool) -> None:
+    """`HostSlab.is_pinned` (which decides whether H2D copies are issued asynchronously) agrees with
+    what the (fake) driver says about the buffer, on every step of the fallback chain."""
+    FakeDriver(monkeypatch, fail)
+    slab = HostSlab(5000)
+    assert slab.kind == kind
+    assert slab.buffer.is_pinned() is pinned  # the driver's view
+    assert slab.is_pinned is pinned  # the slab's own report agrees
+    view = slab.view(256, torch.float32, (4,))
+    assert view.is_pinned() is pinned  # views handed to copies too
+    slab.release()  # a registered range is unlocked; torch's pinned block stays locked while views live
+    assert slab.is_pinned is view.is_pinned()
+
+
 def test_plan_offsets_exact_and_views_disjoint() -> None:
     sizes = [10, 300, 0, 256, 5]
     offsets, total = plan_offsets(sizes)

@@ -62,6 +62,46 @@ def test_request_before_init_is_refused(tmp_path: Path) -> None:
         toy(tmp_path).run_pipeline(RequestConfig(prompt="x"), 0)
 
 
+@pytest.mark.parametrize("warmup", [True, False])
+def test_config_is_locked_right_after_load_modules_before_cache_and_warmup(tmp_path: Path, warmup: bool) -> None:
+    """Inside load_modules the config still takes resolved values; from the first step after it (the
+    compile cache, built from the config) and through all of warmup, it refuses changes: nested
+    values of `model` raise when written, and `update_config` is refused."""
+    runner = toy(tmp_path, warmup=warmup, model={"arch": {"widths": [8]}})
+    seen: list[tuple[str, str]] = []
+
+    def try_change(where: str) -> None:
+        for what, change in (("model", lambda: runner.config.model["arch"]["widths"].append(16)),
+                             ("update_config", lambda: runner.update_config(infer_steps=3))):
+            try:
+                change()
+            except ConfigLockedError:
+                seen.append((where, f"{what} locked"))
+            else:
+                seen.append((where, f"{what} CHANGED"))
+
+    real_load, real_cache, real_warmup = runner.load_modules, runner._load_compile_cache, runner.run_warmup
+
+    def load() -> None:
+        real_load()
+        runner.update_config(sample_shift=3.0)  # a value resolved while loading: still accepted here
+
+    def cache() -> None:
+        try_change("compile cache")
+        real_cache()
+
+    def run_warmup(shapes: Any) -> None:
+        try_change("warmup")
+        real_warmup(shapes)
+
+    runner.load_modules, runner._load_compile_cache, runner.run_warmup = load, cache, run_warmup  # type: ignore[method-assign]
+    runner.init_modules()
+    locked = [(w, f"{what} locked") for w in ["compile cache", "warmup"][:2 if warmup else 1]
+              for what in ("model", "update_config")]
+    assert seen == locked
+    assert runner.config.model["arch"]["widths"] == [8] and runner.config.infer_steps == 4
+
+
 def test_config_is_deeply_frozen_after_load(tiny_ckpt: Path) -> None:
     runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt)))
     runner.init_modules()

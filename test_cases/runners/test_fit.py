@@ -234,6 +234,21 @@ def test_a_warmup_shape_that_cannot_fit_fails_before_loading(tmp_path: Path, moc
     assert error_phase(exc.value) == "warmup" and load.call_count == 0
 
 
+def test_the_warmup_gate_checks_the_second_shape_too(tmp_path: Path, mocker: Any) -> None:
+    """A limit that the first (small) warmup shape fits under and only the second exceeds: the
+    gate refuses, naming the second shape, before anything loads."""
+    runner = toy(tmp_path, warmup=True)
+    first, second = (fit.peak_of(runner.estimate_memory(s), runner.config, CPU).bytes
+                     for s in TwoStageImageRunner.WARMUP_SHAPES["toy"])
+    assert first < second, "the toy's second warmup shape must need more memory than its first"
+    limit = (first + second) / 2 / GIB
+    runner = toy(tmp_path, warmup=True, memory={"limit_gib": limit})
+    load = mocker.spy(TwoStageImageRunner, "load_modules")
+    with pytest.raises(MemoryFitError, match=r"^warmup shape \[32, 64, 1\]: shape 32x64x1") as exc:
+        runner.init_modules()
+    assert error_phase(exc.value) == "warmup" and load.call_count == 0
+
+
 def test_check_fit_false_skips_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory, "memory_limit", lambda *a, **k: memory.MemoryLimit(1, "test"))
     runner = toy(tmp_path, memory={"check_fit": False})

@@ -7,6 +7,7 @@ request state back at the start-up baseline after every request.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -133,17 +134,144 @@ def test_same_seed_bit_identical_with_and_without_warmup(tmp_path: Path, mode: s
     assert served[0].shape == (3, 32, 64) and served[0].abs().max() <= 1
 
 
+def reference_latents(runner: TwoStageImageRunner, prompt: str, seed: int, strength: float,
+                      h: int = 32, w: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stage-1 latents, stage-2 latents) of a request, computed without the runner's request path:
+    the runner's modules and fresh schedulers, driven by hand, with ONE generator seeded once and
+    drawn from in order (stage 1's noise, then stage 2's), as ARCHITECTURE §2 requires."""
+    m, cfg = runner.modules, runner.config
+    generator = torch.Generator("cpu").manual_seed(seed)
+    with torch.inference_mode():
+        cond, uncond = m["text_encoder"](prompt), m["text_encoder"]("")  # the family's negative prompt: ""
+
+        def denoise(name: str, steps: int, shape: tuple[int, ...], model: torch.nn.Module, init: Any = None,
+                    strength: float = 1.0, **scheduler: Any) -> torch.Tensor:
+            sched = SCHEDULERS[name](**scheduler)
+            sched.generator = generator
+            sched.prepare(shape, steps, seed, "cpu", torch.float32, init_latents=init, strength=strength)
+            for i in range(sched.infer_steps):
+                latents, t = sched.step_pre(i)
+                c, u = model(latents, t, cond), model(latents, t, uncond)
+                sched.step_post(u + cfg.sample_guide_scale * (c - u))
+            return sched.latents
+
+        stage1 = denoise("euler", 4, (1, 4, h // 16, w // 16), m["transformer"], shift=3.0, spacing="diffusers")
+        stage2 = denoise("unipc", TwoStageImageRunner.STAGE2_STEPS, (1, 4, h // 8, w // 8), m["transformer_2"],
+                         init=m["upsampler"](stage1), strength=strength, shift=1.0, spacing="diffusers")
+    return stage1, stage2
+
+
+def served_latents(runner: TwoStageImageRunner, tmp_path: Path, name: str, **request: Any) -> tuple[torch.Tensor, ...]:
+    """(stage-1 latents, stage-2 latents, image) of one request served by the runner, read at the inputs
+    of the upsampler and the decoder."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [runner.modules[k].register_forward_pre_hook(lambda mod, args, _k=k: seen.__setitem__(_k, args[0].clone()))
+             for k in ("upsampler", "decoder")]
+    try:
+        out = image(runner, tmp_path, name, **request)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["upsampler"], seen["decoder"], out
+
+
+def test_stage_two_continues_the_request_generator(tmp_path: Path) -> None:
+    """Stage 2's noise is the next draw of the generator stage 1 drew from (not a fresh seeding)."""
+    runner = build(tmp_path)
+    runner.init_modules()
+    stage1, stage2, _ = served_latents(runner, tmp_path, "a", prompt="a red fox", seed=5)
+    want1, want2 = reference_latents(runner, "a red fox", 5, TwoStageImageRunner.STAGE2_STRENGTH)
+    torch.testing.assert_close(stage1, want1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stage2, want2, rtol=1e-5, atol=1e-6)
+
+
 def test_strength_changes_only_the_second_stage(tmp_path: Path) -> None:
     runner = build(tmp_path)
     runner.init_modules()
-    full = image(runner, tmp_path, "full", seed=2)
+    half = served_latents(runner, tmp_path, "half", seed=2)
     TwoStageImageRunner.STAGE2_STRENGTH = 1.0  # restored below; the pipeline is described at load
     try:
         other = build(tmp_path)
         other.init_modules()
     finally:
         TwoStageImageRunner.STAGE2_STRENGTH = 0.5
-    assert not torch.equal(full, image(other, tmp_path, "other", seed=2))
+    full = served_latents(other, tmp_path, "full", seed=2)
+    assert torch.equal(half[0], full[0])  # stage 1: the same values, whatever stage 2's strength
+    for served, strength in ((half, 0.5), (full, 1.0)):
+        want1, want2 = reference_latents(runner, "a red fox", 2, strength)
+        torch.testing.assert_close(served[0], want1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(served[1], want2, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(half[1], full[1]) and not torch.equal(half[2], full[2])
+
+
+def test_transition_time_is_its_own_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upsampler's seconds go to the `upsampler` stage, not to the denoise stage after it: a fake
+    clock (profiling's only time source) advances only while the upsampler runs."""
+    from types import SimpleNamespace
+
+    from runnerkit import profiling
+
+    now = [0.0]
+    monkeypatch.setattr(profiling, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    runner = build(tmp_path)
+    runner.init_modules()
+    runner.modules["upsampler"].register_forward_hook(lambda *a: now.__setitem__(0, now[0] + 100.0))
+    prof = runner.run_pipeline(RequestConfig(prompt="a cat", seed=1, save_tensor_path=str(tmp_path / "c.safetensors")))
+    assert prof.stages == {"text_encoder": 0.0, "stage1": 0.0, "upsampler": 100.0, "stage2": 0.0,
+                           "image_decoder": 0.0, "save": 0.0}
+    assert prof.steps == [0.0] * 7
+
+
+class ToyBlock(torch.nn.Module):
+    """A denoiser block of the test's own (dynamo does not trace torch's own `Conv2d.forward` as a frame)."""
+
+    def __init__(self, conv: torch.nn.Module) -> None:
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.conv(h)
+
+
+class CompiledTwoStage(TwoStageImageRunner):
+    """The toy family with its denoisers' blocks regionally compiled."""
+
+    def describe_pipeline(self) -> Any:
+        pipeline = super().describe_pipeline()
+
+        def with_blocks(build: Any) -> Any:
+            def wrapped(device: torch.device) -> torch.nn.Module:
+                module = build(device)
+                module.blocks = torch.nn.ModuleList(ToyBlock(conv) for conv in module.blocks)
+                return module
+            return wrapped
+
+        modules = tuple(dataclasses.replace(m, build=with_blocks(m.build), blocks="blocks")
+                        if m.name.startswith("transformer") else m for m in pipeline.modules)
+        return dataclasses.replace(pipeline, modules=modules)
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_recompile_reasons_are_the_requests_own(tmp_path: Path) -> None:
+    """A request reports only the recompilations it caused, though torch keeps the process's guard
+    failures: the first request recompiles (stage 2's latents are larger than stage 1's, through the
+    same compiled block) and says why; the next, at the same shape, compiles nothing and lists nothing."""
+    from runnerkit import compile as regional_compile
+
+    config = load_runner_config(None, config_dict(tmp_path, compile={"enabled": True, "backend": "eager"}))
+    runner = CompiledTwoStage(config)
+    runner.init_modules()
+    try:
+        audits = [runner.run_pipeline(RequestConfig(prompt="a cat", seed=1,
+                                                    save_tensor_path=str(tmp_path / f"{i}.safetensors")), i).audit
+                  for i in range(2)]
+    finally:
+        torch._dynamo.reset()
+        regional_compile._COMPILED.clear()
+    first, second = audits
+    assert first["compilations"] >= 1 and first["recompilations"] >= 1, first
+    assert first["recompile_reasons"] and all(r.startswith("ToyBlock: ") for r in first["recompile_reasons"]), first
+    assert (second["compilations"], second["recompilations"], second["recompile_reasons"]) == (0, 0, []), second
 
 
 def test_several_requests_profile_and_png(tmp_path: Path) -> None:
@@ -163,6 +291,34 @@ def test_several_requests_profile_and_png(tmp_path: Path) -> None:
     assert np.array_equal(np.asarray(Image.open(png)), expected)
     sidecar = json.loads(png.with_suffix(".json").read_text())
     assert sidecar["seed"] == 1 and sidecar["config"]["model_cls"] == NAME
+
+
+def test_a_failed_request_leaves_existing_outputs_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs are replaced all-or-nothing: files of an earlier run at the same paths keep their exact
+    bytes when a request targeting them fails while writing (here the PNG writer fills half its file,
+    then the disk is full), and nothing else is left in the folder."""
+    import errno
+
+    from runnerkit import media
+
+    runner = build(tmp_path)
+    runner.init_modules()
+    out = tmp_path / "out"
+    png, tensors = out / "cat.png", out / "cat.safetensors"
+    runner.run_pipeline(RequestConfig(prompt="a cat", seed=1, save_result_path=str(png),
+                                      save_tensor_path=str(tensors)), 0)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["cat.json", "cat.png", "cat.safetensors"]
+
+    def disk_full(tensor: torch.Tensor, path: str | Path) -> None:
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(media, "save_image", disk_full)
+    with pytest.raises(media.MediaWriteError, match="No space left on device"):
+        runner.run_pipeline(RequestConfig(prompt="a dog", seed=2, save_result_path=str(png),
+                                          save_tensor_path=str(tensors)), 1)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_result_suffix_must_fit_the_primary_output(tmp_path: Path) -> None:
