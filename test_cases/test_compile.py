@@ -155,8 +155,8 @@ def test_after_warmup_only_a_one_token_shape_compiles_and_each_start_says_so(
             caplog.clear()
             graphs = counters["stats"]["unique_graphs"]
             audit, _ = request(runner, shape, tmp_path, i)
-            seen[shape] = (counters["stats"]["unique_graphs"] - graphs, audit,
-                           [(r.levelname, r.getMessage()) for r in caplog.records if "is not a warmup shape" in r.getMessage()])
+            starts = [(r.levelname, r.getMessage()) for r in caplog.records if "is not a warmup shape" in r.getMessage()]
+            seen[shape] = (counters["stats"]["unique_graphs"] - graphs, audit, starts)
     finally:
         logger.remove(handler)
     assert runner.profiler.warmup is not None and runner.profiler.warmup["compilations"] >= 1
