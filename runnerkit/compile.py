@@ -16,7 +16,10 @@ Dynamic shapes (`compile.dynamic`): false = torch's automatic dynamic: the first
 static; a later call where a dimension differs recompiles once with that dimension dynamic, and
 later calls that differ only in dynamic dimensions compile nothing. With the two warmup shapes
 of a family (which differ in every spatial/temporal size) every token-count dimension is dynamic
-after warmup. true = dynamic from the first compile.
+after warmup. true = dynamic from the first compile. Either way a dynamic dimension covers sizes
+>= 2 only: torch specialises sizes 0 and 1 ("0/1 specialization"), so a request whose token count
+is 1 (Wan at 16x16 with 1-4 frames) compiles graphs of its own (`uncovered_sizes`; the runner
+warns at the request's start).
 
 Not supported (refused at start with the reason, `check_supported`): `mode` "reduce-overhead"
 (CUDA graphs) with block/phase streaming, whose weights change addresses every step; `cache_dir`
@@ -134,6 +137,18 @@ def recompile_state() -> tuple[int, list[str]]:
         recompiles += max(len(_debug_get_cache_entry_list(code)) - 1, 0)
         reasons += [f"{block_cls.__name__}: {r}" for r in guard_failures.get(code, [])]
     return recompiles, reasons
+
+
+MIN_DYNAMIC_SIZE = 2
+"""The smallest size a dynamic dimension of a compiled graph serves: torch specialises 0 and 1."""
+
+
+def uncovered_sizes(sizes: dict[str, int]) -> dict[str, int]:
+    """The entries of `sizes` (name -> size of a dimension the compiled blocks see as dynamic after
+    warmup, e.g. {'transformer tokens': 1}) that no graph compiled at warmup serves: torch never
+    makes a dimension of size 0 or 1 dynamic (it guards `2 <= size` and specialises), so a request
+    with such a size compiles graphs of its own."""
+    return {name: size for name, size in sizes.items() if size < MIN_DYNAMIC_SIZE}
 
 
 @functools.cache

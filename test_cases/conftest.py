@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import re
 import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,100 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Synthetic checkpoints without a model_path go to a per-session temp cache, never ~/.cache."""
     monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path_factory.getbasetemp() / "rk_cache"))
+
+
+_TEST_NUMBER = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_compiler(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every test compiles into caches of its own and leaves torch's compiler as it found it
+    (`isolated_compiler`); its folder is under the session's temp folder, created only if
+    something compiles."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)[:60]
+    with isolated_compiler(tmp_path_factory.getbasetemp() / "torch_caches" / f"{next(_TEST_NUMBER):05d}_{name}"):
+        yield
+
+
+@contextmanager
+def isolated_compiler(folder: Path) -> Iterator[None]:
+    """torch's compiler state private to the block, restored after it:
+
+    - `TORCHINDUCTOR_CACHE_DIR` and `TRITON_CACHE_DIR` point into `folder` (subprocesses inherit
+      them), and inductor's in-process caches are emptied first, as `torch._inductor.utils.
+      fresh_cache` does: torch memoises its local cache path (`get_local_cache_path`) and every C++
+      library it built, so a new `TORCHINDUCTOR_CACHE_DIR` alone would still reuse an earlier test's.
+    - inductor's and dynamo's configs are restored after the block, key by key.
+    - the vector ISA inductor picks is read again: torch memoises `valid_vec_isa_list()`, and the
+      AVX-512 and AMX classes their `__bool__`, at the first use under the `cpp.vec_isa_ok` of that
+      moment, so a test's scalar C++ (`cpp.vec_isa_ok=False`) made later tests' AVX-512 unusable,
+      and a vectorised compile made a later test's `cpp.vec_isa_ok=False` vectorised all the same.
+    - torch's portable-cache recorder (`torch.compiler.save_cache_artifacts`) is emptied: it holds
+      every artifact the process compiled, so a compile-cache entry would carry earlier tests' graphs.
+    - the default dtype is restored.
+    """
+    import torch._dynamo.config
+    import torch._inductor.config
+
+    env = {key: os.environ.get(key) for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
+    _reset_compiler_caches()
+    configs = [torch._dynamo.config, torch._inductor.config]
+    saved = [cfg.get_config_copy() for cfg in configs]
+    dtype = torch.get_default_dtype()
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)
+        for cfg, before in zip(configs, saved):
+            for key, value in cfg.get_config_copy().items():
+                if key in before and value is not before[key] and value != before[key]:
+                    setattr(cfg, key, before[key])
+        _reset_compiler_caches()
+        for key, value in env.items():  # torch writes TORCHINDUCTOR_CACHE_DIR back when it reads it
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _reset_compiler_caches() -> None:
+    """Inductor's in-process caches emptied, where inductor was imported (nothing to do otherwise)."""
+    if "torch._inductor.utils" in sys.modules:
+        sys.modules["torch._inductor.utils"].clear_caches()
+    if "torch._inductor.cpu_vec_isa" in sys.modules:  # the ISA list, and the AVX-512/AMX checks memoised
+        isa = sys.modules["torch._inductor.cpu_vec_isa"]  # per instance whatever `cpp.vec_isa_ok` says
+        isa.valid_vec_isa_list.cache_clear()
+        for cls in vars(isa).values():
+            if isinstance(cls, type) and hasattr(cls.__dict__.get("__bool__"), "cache_clear"):
+                cls.__dict__["__bool__"].cache_clear()
+    if "torch.compiler._cache" in sys.modules:
+        sys.modules["torch.compiler._cache"].CacheArtifactManager.clear()
+
+
+@pytest.fixture(autouse=True)
+def _loguru_sinks_restored() -> Iterator[None]:
+    with restored_loguru_sinks():
+        yield
+
+
+@contextmanager
+def restored_loguru_sinks() -> Iterator[None]:
+    """Loguru sinks the block (a test, or the code it calls: the launch script's `main` replaces the
+    sinks with one on the `sys.stderr` of that moment, pytest's capture of that test) adds or
+    removes are undone after it. A sink left on a closed capture stream made every later log line
+    print 'I/O operation on closed file'. loguru has no public list of its sinks: their ids are read
+    from its core. After a change, the one sink left writes to `sys.stderr` as it is at each line."""
+    from loguru import logger
+
+    before = set(logger._core.handlers)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if set(logger._core.handlers) != before:  # type: ignore[attr-defined]
+            logger.remove()
+            logger.add(lambda message: sys.stderr.write(message), level="DEBUG")
 
 
 @pytest.fixture(scope="session")

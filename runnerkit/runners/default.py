@@ -470,13 +470,7 @@ class DefaultRunner(BaseRunner):
         prof.shape = list(info.shape)
         self.check_fit(info.shape, f"request {index}")
         if self._warmup_ran and info.shape not in self.warmup_shapes():
-            if self.config.compile.enabled:  # warmup's two shapes made the token-count dimensions dynamic
-                logger.info("request {}: shape {} is not a warmup shape ({}); the compiled blocks cover it through "
-                            "their dynamic dimensions (the request's audit reports any compilation)", index,
-                            list(info.shape), [list(x) for x in self.warmup_shapes()])
-            else:
-                logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower first step",
-                               index, list(info.shape), [list(x) for x in self.warmup_shapes()])
+            self.log_unwarmed_shape(info, index)
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
         # 2. encoders
@@ -627,6 +621,39 @@ class DefaultRunner(BaseRunner):
         for streamer in self.streamers.values():
             streamer.reset()  # slots, prefetch index and events back at the request boundary
         self.clear_request_state()
+
+    def log_unwarmed_shape(self, info: InputInfo, index: int) -> None:
+        """Say what a request at a shape warmup did not run costs. Eager: a slower first step
+        (WARNING). Compiled: warmup's two shapes made the token-count dimensions dynamic, which
+        serve sizes >= 2 only (`regional_compile.uncovered_sizes`): INFO when every size of
+        `compiled_sizes` is covered, WARNING naming the size when one is not (the request compiles)."""
+        shapes = [list(x) for x in self.warmup_shapes()]
+        if not self.config.compile.enabled:
+            logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower first step",
+                           index, list(info.shape), shapes)
+            return
+        sizes = self.compiled_sizes(info)
+        uncovered = regional_compile.uncovered_sizes(sizes)
+        if uncovered:
+            logger.warning("request {}: shape {} is not a warmup shape ({}) and gives the compiled blocks {}: torch "
+                           "compiles sizes 0 and 1 as graphs of their own (dynamic dimensions serve sizes >= {}), so "
+                           "this request compiles; expect a slower first step", index, list(info.shape), shapes,
+                           ", ".join(f"{n} {v}" for n, v in uncovered.items()), regional_compile.MIN_DYNAMIC_SIZE)
+        elif sizes:
+            logger.info("request {}: shape {} is not a warmup shape ({}); the compiled blocks cover it: it differs in "
+                        "dynamic dimensions only ({}, each >= {}); the request's audit reports any compilation", index,
+                        list(info.shape), shapes, ", ".join(f"{n} {v}" for n, v in sizes.items()),
+                        regional_compile.MIN_DYNAMIC_SIZE)
+        else:
+            logger.info("request {}: shape {} is not a warmup shape ({}); the compiled blocks cover shapes that differ "
+                        "in their dynamic dimensions only, at sizes >= {}; the request's audit reports any "
+                        "compilation", index, list(info.shape), shapes, regional_compile.MIN_DYNAMIC_SIZE)
+
+    def compiled_sizes(self, info: InputInfo) -> dict[str, int]:
+        """The sizes of the dimensions the compiled blocks see as dynamic after warmup for a request
+        `info` (name -> size, e.g. {'transformer tokens': 45}); a family that knows them overrides
+        this. Default: none known."""
+        return {}
 
     # ---- warmup ------------------------------------------------------------------------
     def _opt_in(self, name: str) -> Any:

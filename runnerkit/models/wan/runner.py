@@ -22,7 +22,7 @@ from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
 from runnerkit.models.wan.checkpoint import LAYOUTS, WanCheckpoint, synthetic_seed_of, write_synthetic
-from runnerkit.models.wan.estimate import wan_t2v_estimate
+from runnerkit.models.wan.estimate import transformer_tokens, wan_t2v_estimate
 from runnerkit.models.wan.scheduler_config import SCHEDULER_CONFIG, read_flow_shift
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
@@ -404,6 +404,12 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         assert self.checkpoint is not None, "load_modules first"
         z = self.checkpoint.arch.vae.z_dim
         return (1, z, (info.frames - 1) // self.TEMPORAL_FACTOR + 1, info.height // 8, info.width // 8)
+
+    def compiled_sizes(self, info: InputInfo) -> dict[str, int]:
+        """The blocks' one dynamic dimension: the token count L (x [B, L, dim], RoPE [L, 1, d/2])."""
+        assert self.checkpoint is not None, "load_modules first"
+        return {"transformer tokens": transformer_tokens(self.checkpoint.arch.transformer,
+                                                         self.latent_shape(info)[2:])}
 
     @torch.inference_mode()
     def run_text_encoder(self, info: InputInfo, inputs: None) -> WanInputs:
