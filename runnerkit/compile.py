@@ -18,7 +18,7 @@ later calls that differ only in dynamic dimensions compile nothing. With the two
 of a family (which differ in every spatial/temporal size) every token-count dimension is dynamic
 after warmup. true = dynamic from the first compile. Either way a dynamic dimension covers sizes
 >= 2 only: torch specialises sizes 0 and 1 ("0/1 specialization"), so a request whose token count
-is 1 (Wan at 16x16 with 1-4 frames) compiles graphs of its own (`uncovered_sizes`; the runner
+is 1 (e.g. one latent patch per frame and a single latent frame) compiles graphs of its own (`uncovered_sizes`; the runner
 warns at the request's start).
 
 Not supported (refused at start with the reason, `check_supported`): `mode` "reduce-overhead"

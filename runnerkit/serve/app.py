@@ -301,7 +301,7 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
 
 def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
     """OpenAI's `seconds` (a string such as "4", or a number) as frames: (frames - 1) / fps seconds,
-    rounded to the nearest frame count the model takes (4k + 1 for Wan)."""
+    rounded to the nearest frame count the model takes (TEMPORAL_FACTOR * k + 1)."""
     if state.kind != "video":
         raise InputError("`seconds` is for video tasks; this server makes images", "seconds")
     try:
