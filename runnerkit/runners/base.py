@@ -116,7 +116,11 @@ class BaseRunner(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        overridden = [m for m in FINAL_METHODS if m in cls.__dict__]
+        # The class body, and every mixin ahead of BaseRunner in the MRO (as DefaultRunner's WarmupMixin is):
+        # a mixin would otherwise replace a final verb unnoticed. Runner parents were checked when created.
+        mro = cls.__mro__
+        own = [k for k in mro[:mro.index(BaseRunner)] if k is cls or not issubclass(k, BaseRunner)]
+        overridden = [m for m in FINAL_METHODS if any(m in k.__dict__ for k in own)]
         if overridden:
             raise TypeError(
                 f"{cls.__qualname__} overrides {', '.join(overridden)}: these lifecycle verbs are final in BaseRunner "

@@ -15,9 +15,9 @@ runs it, for requests and for warmup alike (ARCHITECTURE §2, §3):
 Module placement (offload mode none/model/block/phase, lazy_load, unload_modules) is decided here
 from the pipeline's `ModuleSpec`s; a family only says how to build (or stream) each module.
 
-Warmup opt-in is per class: a runner class declares `WARMUP_TASKS`, `WARMUP_SHAPES` and
-`WARMUP_OFFLOAD_MODES` in its own class body; they are read from the class `__dict__`, so a
-subclass does not inherit the opt-in and must declare its own.
+Two parts live in their own modules, as mixins of `DefaultRunner`: request validation and the
+memory fit check (runners/requests.py, `RequestChecksMixin`), and warmup with its per-class opt-in
+(runners/warmup.py, `WarmupMixin`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import os
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,26 +36,23 @@ from torch import nn
 
 from runnerkit import attention, memory, synthetic
 from runnerkit import compile as regional_compile
-from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig, as_request
-from runnerkit.images import check_image
+from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig
 from runnerkit.media import save_outputs as write_outputs
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.profiling import RequestProfile
-from runnerkit.runners import fit
-from runnerkit.runners.base import BaseRunner, Progress, lifecycle_phase
-from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, PeakEstimate
+from runnerkit.runners.base import BaseRunner, Progress
+from runnerkit.runners.fit import MemoryEstimate
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, OutputKind, Pipeline, Shape
 from runnerkit.runners.placement import Loader, Placement
+from runnerkit.runners.requests import RequestChecksMixin
+from runnerkit.runners.warmup import WarmupMixin
 from runnerkit.schedulers import SCHEDULERS
 from runnerkit.schedulers.base import Scheduler
 
 __all__ = ["DefaultRunner", "InputInfo", "Shape"]
 
-#: Dummy user content of warmup: only its shapes matter (a prompt is padded to the text length).
-WARMUP_PROMPT = "warmup"
 
-
-class DefaultRunner(BaseRunner):
+class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
     """Runs a family's `Pipeline`: requests, warmup, profiling, placement and offload."""
 
     #: Spatial and temporal factors a request shape must respect (VAE stride x patch size).
@@ -277,161 +274,6 @@ class DefaultRunner(BaseRunner):
             finally:
                 del self.stage_modules[name]
 
-    # ---- request validation ---------------------------------------------------------------
-    @classmethod
-    def validate_shape(cls, height: int, width: int, frames: int) -> None:
-        """Raise ValueError naming the field if the shape breaks the patch/VAE factors."""
-        s, t = cls.SPATIAL_FACTOR, cls.TEMPORAL_FACTOR
-        if height % s:
-            raise ValueError(f"`target_height` must be a multiple of {s} (got {height})")
-        if width % s:
-            raise ValueError(f"`target_width` must be a multiple of {s} (got {width})")
-        if (frames - 1) % t:
-            raise ValueError(f"`target_video_length` must be {t}n+1, e.g. 5, 9, 81 (got {frames})")
-
-    @classmethod
-    def shape_of(cls, request: RequestConfig, config: RunnerConfig) -> Shape:
-        """(height, width, frames) a request runs at (`config` with the family defaults).
-
-        Default: the request's fields, else the config's. A family whose shape follows its inputs
-        (e.g. image-to-video keeping the image's aspect ratio) overrides this; its image inputs
-        have already been checked by `validate_request` when it is called.
-        """
-        return (request.target_height or config.target_height, request.target_width or config.target_width,
-                request.target_video_length or config.target_video_length)
-
-    @classmethod
-    def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
-        """Check a request against the runner before anything loads (`config` as given by the user).
-
-        Raises:
-            ValueError: naming the field: image inputs the task does not take, lacks, or that are
-                not readable images (`runnerkit.images.ImageInputError`), shape factors, a result
-                file suffix that does not fit the task's primary output.
-        """
-        config = cls.resolve_config(config)
-        if request.negative_prompt is not None and not config.enable_cfg:
-            raise ValueError("`negative_prompt` only acts with classifier-free guidance, but the runner's "
-                             "`enable_cfg` is false: remove it from the request")
-        task_inputs = cls.IMAGE_INPUTS.get(config.task, ())
-        for field in ("image_path", "last_frame_path"):
-            value = getattr(request, field)
-            if value is not None and field not in task_inputs:
-                raise ValueError(f"`{field}` is not used by task {config.task!r} (got {value!r}); "
-                                 f"image inputs of this task: {list(task_inputs) or 'none'}")
-            if field in task_inputs:
-                if value is None:
-                    flag = "--" + field
-                    raise ValueError(f"`{field}` ({flag}) is required by task {config.task!r}: give an image file")
-                check_image(value, field)
-        extra, most = request.extra_image_paths or [], cls.EXTRA_IMAGES.get(config.task, 0)
-        if len(extra) > most:
-            raise ValueError(f"`extra_image_paths` holds {len(extra)} image(s); task {config.task!r} takes at most "
-                             f"{most} after `image_path`" + ("" if most else " (it takes no further references)"))
-        for k, value in enumerate(extra):
-            check_image(value, f"extra_image_paths[{k}]")
-        h, w, f = cls.shape_of(request, config)
-        cls.validate_shape(h, w, f)
-        if request.save_result_path:
-            suffix = Path(request.save_result_path).suffix.lower()
-            kind = cls.RESULT_KINDS.get(config.task, "video")
-            allowed = {"video": (".mp4", ".png") if f == 1 else (".mp4",), "image": (".png",), "audio": (".wav",)}[kind]
-            if suffix not in allowed:
-                what = f"a {f}-frame video" if kind == "video" else f"an {kind}" if kind == "image" else "audio"
-                raise ValueError(f"`save_result_path` {request.save_result_path!r}: task {config.task!r} makes {what}; "
-                                 f"use {' or '.join(allowed)}")
-
-    def request_shape(self, request: RequestConfig) -> Shape:
-        """(height, width, frames) of `request`, the config's defaults filled in (`shape_of`)."""
-        return self.shape_of(request, self.config)
-
-    # ---- memory fit (runners/fit.py) --------------------------------------------------------
-    def check_fit(self, shape: Shape, what: str) -> PeakEstimate | None:
-        """Refuse `shape` if its estimated peak memory exceeds the device's limit; return the estimate.
-
-        The limit is `memory.limit_gib`, else what the device offers (`memory.memory_limit`: CUDA
-        free + held by this process; CPU available host memory + the weights already loaded).
-        Returns None without a check: `memory.check_fit` false, no family estimate, an estimate not
-        available before loading (`fit.EstimateUnavailable`: checked again before each request), or
-        a device whose memory cannot be read (each logged once).
-
-        Raises:
-            MemoryFitError: naming `what`, the shape, the estimate, the limit and what to change.
-        """
-        cfg = self.config
-        if not cfg.memory.check_fit:
-            return None
-        try:
-            estimate = self.estimate_memory(shape)
-        except fit.EstimateUnavailable as exc:
-            if not self._fit_deferred_logged:
-                logger.info("memory check: waits for the load, then checks each request before it runs: {}", exc)
-                self._fit_deferred_logged = True
-            return None
-        if estimate is None:
-            self._log_unchecked(f"{type(self).__name__} gives no memory estimate (estimate_memory)")
-            return None
-        loaded = fit.weights_between_stages(estimate, cfg, self.device) if self.placement is not None else 0
-        limit = memory.memory_limit(self.device, cfg.memory.limit_gib, loaded_bytes=loaded)
-        if limit is None:
-            self._log_unchecked(f"the memory of device {self.device} cannot be read; set memory.limit_gib")
-            return None
-        peak = fit.peak_of(estimate, cfg, self.device)
-        if peak.bytes > limit.bytes:
-            raise MemoryFitError(fit.refusal_message(what, shape, peak, limit.bytes, limit.source, self.device, cfg,
-                                                     estimate.hints))
-        logger.debug("{}: shape {} fits: estimated {} of {:.2f} GiB ({})", what, list(shape), peak.describe(),
-                     limit.bytes / fit.GIB, limit.source)
-        return peak
-
-    def _log_unchecked(self, reason: str) -> None:
-        if not self._fit_unchecked_logged:
-            logger.info("memory check: requests are not checked against the device's memory: {}", reason)
-            self._fit_unchecked_logged = True
-
-    def check_requests_fit(self, requests: Sequence[RequestConfig]) -> None:
-        """Check every request's shape before anything loads (the launch script calls this first).
-
-        Raises:
-            MemoryFitError: for the first request that cannot fit (its index and source in the message).
-        """
-        peaks: dict[Shape, PeakEstimate | None] = {}
-        for index, request in enumerate(requests):
-            shape = self.request_shape(request)
-            if shape not in peaks:
-                peaks[shape] = self.check_fit(shape, f"request {index} ({request.source})")
-        checked = {s: p for s, p in peaks.items() if p is not None}
-        if checked:
-            shape, peak = max(checked.items(), key=lambda item: item[1].bytes)
-            logger.info("memory check: {} request(s) fit; largest estimate {} for shape {}", len(requests),
-                        peak.describe(), list(shape))
-
-    def resolve_request(self, request: RequestConfig | dict[str, Any]) -> InputInfo:
-        """Fill request defaults from the runner config and validate the request.
-
-        Raises:
-            ValueError: an invalid request (a dict is validated as a `RequestConfig` first).
-            TypeError: `request` is neither a `RequestConfig` nor a dict.
-        """
-        cfg = self.config
-        request = as_request(request)
-        self.validate_request(request, cfg)
-        height, width, frames = self.shape_of(request, cfg)
-        return InputInfo(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt if request.negative_prompt is not None
-            else (cfg.negative_prompt if cfg.negative_prompt is not None else self.DEFAULT_NEGATIVE_PROMPT),
-            seed=request.seed if request.seed is not None else cfg.seed,
-            height=height,
-            width=width,
-            frames=frames,
-            save_result_path=request.save_result_path,
-            save_tensor_path=request.save_tensor_path,
-            image_path=request.image_path,
-            last_frame_path=request.last_frame_path,
-            extra_image_paths=tuple(request.extra_image_paths or ()),
-        )
-
     # ---- request path -------------------------------------------------------------------
     def report_progress(self, info: InputInfo, stage: str, step: int = 0, steps: int = 0) -> None:
         """Tell `on_progress` where the request is (never during warmup); the observer may raise
@@ -621,131 +463,3 @@ class DefaultRunner(BaseRunner):
         for streamer in self.streamers.values():
             streamer.reset()  # slots, prefetch index and events back at the request boundary
         self.clear_request_state()
-
-    def log_unwarmed_shape(self, info: InputInfo, index: int) -> None:
-        """Say what a request at a shape warmup did not run costs. Eager: a slower first step
-        (WARNING). Compiled: warmup's two shapes made the token-count dimensions dynamic, which
-        serve sizes >= 2 only (`regional_compile.uncovered_sizes`): INFO when every size of
-        `compiled_sizes` is covered, WARNING naming the size when one is not (the request compiles)."""
-        shapes = [list(x) for x in self.warmup_shapes()]
-        if not self.config.compile.enabled:
-            logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower first step",
-                           index, list(info.shape), shapes)
-            return
-        sizes = self.compiled_sizes(info)
-        uncovered = regional_compile.uncovered_sizes(sizes)
-        if uncovered:
-            logger.warning("request {}: shape {} is not a warmup shape ({}) and gives the compiled blocks {}: torch "
-                           "compiles sizes 0 and 1 as graphs of their own (dynamic dimensions serve sizes >= {}), so "
-                           "this request compiles; expect a slower first step", index, list(info.shape), shapes,
-                           ", ".join(f"{n} {v}" for n, v in uncovered.items()), regional_compile.MIN_DYNAMIC_SIZE)
-        elif sizes:
-            logger.info("request {}: shape {} is not a warmup shape ({}); the compiled blocks cover it: it differs in "
-                        "dynamic dimensions only ({}, each >= {}); the request's audit reports any compilation", index,
-                        list(info.shape), shapes, ", ".join(f"{n} {v}" for n, v in sizes.items()),
-                        regional_compile.MIN_DYNAMIC_SIZE)
-        else:
-            logger.info("request {}: shape {} is not a warmup shape ({}); the compiled blocks cover shapes that differ "
-                        "in their dynamic dimensions only, at sizes >= {}; the request's audit reports any "
-                        "compilation", index, list(info.shape), shapes, regional_compile.MIN_DYNAMIC_SIZE)
-
-    def compiled_sizes(self, info: InputInfo) -> dict[str, int]:
-        """The sizes of the dimensions the compiled blocks see as dynamic after warmup for a request
-        `info` (name -> size, e.g. {'transformer tokens': 45}); a family that knows them overrides
-        this. Default: none known."""
-        return {}
-
-    # ---- warmup ------------------------------------------------------------------------
-    def _opt_in(self, name: str) -> Any:
-        """A warmup declaration from the runner's own class body (never inherited)."""
-        return type(self).__dict__.get(name)
-
-    def warmup_shapes(self) -> tuple[Shape, ...]:
-        """The class-constant warmup shapes of this checkpoint's flavour ((h, w, f), two of them)."""
-        table = self._opt_in("WARMUP_SHAPES") or {}
-        return tuple(table.get(self.flavour(), ()))
-
-    def check_warmup_supported(self) -> None:
-        """Refuse anything the warmup path does not support, and warmup shapes that cannot fit.
-
-        Raises:
-            NotImplementedError: with the reason (runner, task, offload mode or flavour not covered).
-            MemoryFitError: a warmup shape's estimated peak exceeds the device's memory limit.
-        """
-        cls = type(self).__name__
-        if self.config.unload_modules:
-            raise NotImplementedError(
-                "warmup is refused with `unload_modules`=true: every module is reloaded per request, so "
-                "nothing warmup loads would survive to the first request")
-        tasks, table, modes = (self._opt_in(n) for n in ("WARMUP_TASKS", "WARMUP_SHAPES", "WARMUP_OFFLOAD_MODES"))
-        if tasks is None or table is None or modes is None:
-            raise NotImplementedError(
-                f"runner class {cls} has not opted in to warmup: it must declare WARMUP_TASKS, WARMUP_SHAPES "
-                "and WARMUP_OFFLOAD_MODES in its own class body (opt-in is not inherited from a parent runner)")
-        if self.config.task not in tasks:
-            raise NotImplementedError(f"warmup of {cls} does not cover task {self.config.task!r} (covered: {list(tasks)})")
-        mode = self.config.offload.mode if not self.config.offload.lazy_load else "lazy_load"
-        if mode not in modes:
-            raise NotImplementedError(
-                f"warmup of {cls} does not support offload mode {mode!r} (supported: {list(modes)})")
-        with lifecycle_phase("load"):  # reading the checkpoint's architecture is a load problem if it fails
-            flavour = self.flavour()
-        if flavour not in table:
-            raise NotImplementedError(
-                f"warmup of {cls} has no shapes for this checkpoint's flavour {flavour!r} "
-                f"(recognised flavours: {sorted(table)}); an unrecognised architecture is not warmed")
-        assert len(table[flavour]) == 2, f"{cls}.WARMUP_SHAPES[{flavour!r}] must hold exactly two shapes"
-        for shape in table[flavour]:  # a warmup shape that cannot fit fails here, before loading
-            self.check_fit(shape, f"warmup shape {list(shape)}")
-
-    def warmup_info(self, shape: Shape) -> InputInfo:
-        """The dummy request of warmup at `shape`: placeholder prompt, the configured negative prompt."""
-        cfg = self.config
-        negative = cfg.negative_prompt if cfg.negative_prompt is not None else self.DEFAULT_NEGATIVE_PROMPT
-        h, w, f = shape
-        return InputInfo(prompt=WARMUP_PROMPT, negative_prompt=negative, seed=self.WARMUP_SEED, height=h, width=w,
-                         frames=f, warmup=True)
-
-    def warmup_infos(self, shape: Shape) -> tuple[InputInfo, ...]:
-        """The dummy requests warmup runs at `shape` (default: one, `warmup_info`). A family whose
-        sequence lengths also follow its inputs (e.g. the number of reference images) returns one
-        per input variant, so every kernel shape a request can produce at `shape` is warmed."""
-        return (self.warmup_info(shape),)
-
-    def run_warmup(self, shapes: Sequence[Shape]) -> None:
-        """Both shapes through the real path: shape-independent encoders (text) once, then per shape
-        (and per input variant, `warmup_infos`) the per-shape encoders (images), every denoise stage
-        (transitions included) on `warmup_steps`, and the decoders. Nothing is saved; no request
-        profile is written."""
-        for sched in self.schedulers.values():
-            sched.generator = None  # before any encoder that could draw random numbers
-        shared = self.run_encoders(self.warmup_info(shapes[0]), per_shape=False)
-        for shape in shapes:
-            for info in self.warmup_infos(shape):
-                try:
-                    self.input_info, self.inputs = info, shared
-                    self.run_encoders(info, per_shape=True)
-                    self.decode(self.run_denoise(info, warmup=True))
-                finally:
-                    self.reset_request_state()
-
-    def warmup_steps(self, stage: DenoiseStage, sched: Scheduler) -> list[int]:
-        """Steps warmup runs in `stage` (after `prepare`): step 0, plus the first step of every
-        other MoE expert the stage would choose (every branch runs at least once)."""
-        steps, seen = [0], {self.select_transformer(stage, 0, sched.timesteps[0:1])}
-        for i in range(1, sched.infer_steps):
-            expert = self.select_transformer(stage, i, sched.timesteps[i : i + 1])
-            if expert not in seen:
-                seen.add(expert)
-                steps.append(i)
-        return steps
-
-    def warmup_step_report(self) -> dict[str, list[int]]:
-        """Per denoise stage, the steps warmup ran (the same steps on every shape)."""
-        return dict(self._warmup_steps_run)
-
-    def after_warmup(self) -> None:
-        """Eager default: collect and freeze the gc once (never under lazy load or unload_modules)."""
-        if not (self.config.offload.lazy_load or self.config.unload_modules):
-            memory.freeze_gc_once()
-

@@ -35,6 +35,14 @@ def test_final_verbs_cannot_be_overridden(verb: str) -> None:
         type("Sneaky", (WanT2VRunner,), {verb: lambda self, *a: None})
 
 
+@pytest.mark.parametrize("verb", ["init_modules", "warmup", "run_pipeline"])
+def test_final_verbs_cannot_come_from_a_mixin(verb: str) -> None:
+    """DefaultRunner takes hooks from mixins listed before BaseRunner; a mixin is refused a final verb too."""
+    mixin = type("SneakyMixin", (), {verb: lambda self, *a: None})
+    with pytest.raises(TypeError, match=rf"overrides {verb}: these lifecycle verbs are final"):
+        type("Sneaky", (mixin, WanT2VRunner), {})
+
+
 def test_init_modules_runs_once(tmp_path: Path, mocker: Any) -> None:
     runner = toy(tmp_path, warmup=True)
     load = mocker.spy(TwoStageImageRunner, "load_modules")
