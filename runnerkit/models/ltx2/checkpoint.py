@@ -27,6 +27,8 @@ and streaming scaled fp8 blocks from disk (the disk source casts without a scale
 from __future__ import annotations
 
 import json
+import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +36,6 @@ from typing import Literal
 
 import torch
 from pydantic import ValidationError
-from safetensors import safe_open
 from torch import nn
 
 from runnerkit.config import format_validation_error
@@ -114,8 +115,12 @@ def read_metadata_config(path: Path, component: str) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{component}: checkpoint file {path} does not exist")
     safetensors_infos([path], component)  # a damaged header is refused here, naming the file
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        metadata = f.metadata() or {}
+    fd = os.open(path, os.O_RDONLY)  # read, not mapped: no mapping outlives this function
+    try:
+        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        metadata = json.loads(os.pread(fd, n, 8)).get("__metadata__") or {}
+    finally:
+        os.close(fd)
     if "config" not in metadata:
         raise CheckpointError(f"{component}: {path} has no `config` metadata entry (has {sorted(metadata)}); "
                               "pass `arch` explicitly")

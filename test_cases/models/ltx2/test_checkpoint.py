@@ -22,7 +22,7 @@ from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint, read_metadata_confi
 from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FILE, synthetic_state_dict, write_synthetic_ltx2
 from runnerkit.models.ltx2.transformer_arch import tiny_arch
 from runnerkit.offload.disk import SafetensorsDiskReader
-from runnerkit.weights import CheckpointError
+from runnerkit.weights import CheckpointError, safetensors_infos
 from test_cases.offload._handles import HandleSampler
 
 SEED = 7
@@ -101,8 +101,7 @@ def test_single_file_config_round_trips(written: tuple[LTX2Arch, Path, Path]) ->
 def test_single_file_uses_release_names(written: tuple[LTX2Arch, Path, Path]) -> None:
     """Key names from diffusers' single_file_utils / convert_ltx2_to_diffusers.py tables, written out by hand."""
     arch, single_dir, _ = written
-    with safe_open(str(single_dir / SINGLE_FILE), framework="pt") as f:
-        keys = set(f.keys())
+    keys = set(safetensors_infos([single_dir / SINGLE_FILE], "test"))
     dm = "model.diffusion_model."
     expected = [f"{dm}patchify_proj.weight", f"{dm}audio_patchify_proj.weight", f"{dm}adaln_single.linear.weight",
                 f"{dm}audio_adaln_single.linear.weight", f"{dm}av_ca_a2v_gate_adaln_single.linear.weight",
@@ -197,10 +196,7 @@ def test_block_sources_list_each_blocks_keys(layout: str, tmp_path: Path, monkey
     prefix = "model.diffusion_model.transformer_blocks." if layout == "single_file" else "transformer_blocks."
     files = sorted((out / "transformer").glob("*.safetensors")) if layout == "diffusers" else [out / SINGLE_FILE]
     assert sources.files == files and (layout == "single_file" or len(files) > 1)
-    in_file: dict[str, Path] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            in_file.update({k: path for k in f.keys()})
+    in_file = {k: e.path for k, e in safetensors_infos(files, "test").items()}
     assert len(sources.blocks) == 11
     for block in sources.blocks:
         header = sorted(k for k in in_file if k.startswith(f"{prefix}{block.index}."))
