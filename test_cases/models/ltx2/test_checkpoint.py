@@ -107,6 +107,7 @@ def test_single_file_uses_release_names(written: tuple[LTX2Arch, Path, Path]) ->
                 f"{dm}audio_adaln_single.linear.weight", f"{dm}av_ca_a2v_gate_adaln_single.linear.weight",
                 f"{dm}transformer_blocks.1.attn1.q_norm.weight", f"{dm}transformer_blocks.0.scale_shift_table_a2v_ca_video",
                 f"{dm}video_embeddings_connector.transformer_1d_blocks.1.attn1.k_norm.weight",
+                f"{dm}audio_embeddings_connector.transformer_1d_blocks.0.attn1.q_norm.weight",
                 f"{dm}audio_embeddings_connector.learnable_registers",
                 "vae.per_channel_statistics.mean-of-means", "vae.encoder.down_blocks.8.res_blocks.0.conv1.conv.weight",
                 "vae.decoder.up_blocks.0.res_blocks.0.conv1.conv.weight",
