@@ -166,7 +166,8 @@ class LTX2Checkpoint:
         return cls._open_diffusers(path, arch)
 
     @classmethod
-    def _open_single_file(cls, path: Path, upsampler: Path, text_encoder: Path, arch: LTX2Arch | None) -> LTX2Checkpoint:
+    def _open_single_file(cls, path: Path, upsampler: Path, text_encoder: Path,
+                          arch: LTX2Arch | None) -> LTX2Checkpoint:
         if not upsampler.is_file():
             raise CheckpointError(f"latent_upsampler: upsampler file {upsampler} does not exist")
         _check_text_encoder(text_encoder)

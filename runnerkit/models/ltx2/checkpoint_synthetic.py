@@ -63,8 +63,9 @@ def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int) -> Path:
     from transformers import Gemma3TextConfig, Gemma3TextModel
 
     c = arch.connectors
-    config = Gemma3TextConfig(vocab_size=GEMMA_VOCAB, hidden_size=c.caption_channels, intermediate_size=2 * c.caption_channels,
-                              num_hidden_layers=c.text_proj_in_factor - 1, num_attention_heads=2, num_key_value_heads=1,
+    config = Gemma3TextConfig(vocab_size=GEMMA_VOCAB, hidden_size=c.caption_channels,
+                              intermediate_size=2 * c.caption_channels, num_hidden_layers=c.text_proj_in_factor - 1,
+                              num_attention_heads=2, num_key_value_heads=1,
                               head_dim=8, max_position_embeddings=256, sliding_window=16)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
