@@ -103,6 +103,43 @@ def test_single_file_config_round_trips(written: tuple[LTX2Arch, Path, Path]) ->
     assert LTX2Arch.from_single_file_config(config, {"latent_upsampler": upsampler}, "test") == arch
 
 
+def test_release_style_config_is_refused_naming_the_key(written: tuple[LTX2Arch, Path, Path], tmp_path: Path) -> None:
+    """A section in ltx-core's field names (as Lightricks' files carry) is not guessed at: the error names the key."""
+    _, single_dir, _ = written
+    copy = Path(shutil.copytree(single_dir, tmp_path / "single"))
+    path = copy / SINGLE_FILE
+    with safe_open(str(path), framework="pt") as f:
+        config = json.loads(f.metadata()["config"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    config["transformer"]["frequencies_precision"] = "float64"
+    save_file(tensors, str(path), metadata={"config": json.dumps(config)})
+    with pytest.raises(CheckpointError, match=f"frequencies_precision(.|\n)*{path}|{path}(.|\n)*frequencies_precision"):
+        _single(copy)
+    assert _single(copy, tiny_ltx2_arch("2.0")).arch == tiny_ltx2_arch("2.0")  # an explicit arch is used as given
+
+
+def test_audio_vae_encoder_tensors_are_not_read(written: tuple[LTX2Arch, Path, Path], tmp_path: Path) -> None:
+    """Both layouts may carry the audio VAE's encoder (diffusers saves the whole AutoencoderKLLTX2Audio); our
+    network is its decoder: those tensors are skipped, not reported."""
+    _, single_dir, diffusers_dir = written
+    single = Path(shutil.copytree(single_dir, tmp_path / "single"))
+    _add(single / SINGLE_FILE, {"audio_vae.encoder.conv_in.conv.weight": torch.ones(2, 2)})
+    folder = Path(shutil.copytree(diffusers_dir, tmp_path / "diffusers"))
+    shard = folder / "audio_vae" / "diffusion_pytorch_model.safetensors"
+    _add(shard, {"encoder.conv_in.conv.weight": torch.ones(2, 2)})
+    a, b = _single(single).load("audio_vae").state_dict(), LTX2Checkpoint.open(folder).load("audio_vae").state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    _add(folder / "vocoder" / "diffusion_pytorch_model.safetensors", {"encoder.conv_in.conv.weight": torch.ones(2, 2)})
+    with pytest.raises(CheckpointError, match=r"unexpected keys \(1\): \['encoder.conv_in.conv.weight'\]"):
+        LTX2Checkpoint.open(folder).load("vocoder")
+
+
+def _add(path: Path, extra: dict[str, torch.Tensor]) -> None:
+    with safe_open(str(path), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file({**tensors, **extra}, str(path), metadata=metadata)
+
+
 def test_single_file_uses_release_names(written: tuple[LTX2Arch, Path, Path]) -> None:
     """Key names from diffusers' single_file_utils / convert_ltx2_to_diffusers.py tables, written out by hand."""
     arch, single_dir, _ = written
