@@ -1,0 +1,151 @@
+"""Synthetic LTX-2 checkpoints: deterministic random weights in either layout of checkpoint.py.
+
+Values depend only on (our tensor name, seed) (`weights.synthetic_tensor`), so both layouts hold the
+same networks bit for bit. The single-file layout writes the whole file from memory (tiny and test
+sizes; the diffusers layout writes shard by shard, `synthetic.write_sharded`). The Gemma-3 text
+encoder is a tiny `Gemma3TextModel` (transformers, random weights from `seed`, `save_pretrained`),
+sized so that its hidden states fit the connectors (`caption_channels` wide, `text_proj_in_factor` - 1
+layers); the tokenizer is runnerkit's character-level debug tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import save_file
+
+from runnerkit import synthetic
+from runnerkit.files import give_default_mode
+from runnerkit.models.ltx2 import checkpoint_keys as ck
+from runnerkit.models.ltx2.arch import COMPONENTS, LTX2Arch
+from runnerkit.models.ltx2.checkpoint import DIFFUSERS_STEM, SCALE_SUFFIX, UNUSED_SCALE_SUFFIX, network_factory
+from runnerkit.models.ltx2.transformer import keep_fp32
+from runnerkit.models.wan.tokenizer import write_debug_tokenizer
+from runnerkit.offload.layout import quantize_fp8_e4m3
+from runnerkit.weights import build_on_meta, synthetic_tensor
+
+SINGLE_FILE = "ltx2.safetensors"
+UPSAMPLER_FILE = "latent_upsampler.safetensors"
+GEMMA_VOCAB = 128
+Fp8Blocks = Literal["none", "plain", "scaled"]
+_CLASSES = {"transformer": "LTX2VideoTransformer3DModel", "connectors": "LTX2TextConnectors",
+            "vae": "AutoencoderKLLTX2Video", "audio_vae": "AutoencoderKLLTX2Audio", "vocoder": "LTX2Vocoder",
+            "latent_upsampler": "LTX2LatentUpsamplerModel"}
+
+
+def shapes_of(arch: LTX2Arch, component: str) -> dict[str, tuple[int, ...]]:
+    """Our name -> shape of every tensor of `component`'s network (meta-built, no memory)."""
+    return {k: tuple(v.shape) for k, v in build_on_meta(network_factory(component, arch)).state_dict().items()}
+
+
+def _fp32(component: str, name: str) -> bool:
+    return component == "transformer" and keep_fp32(name)
+
+
+def _fp8_block_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """The tensors an fp8 release stores in fp8: 2-D linear weights inside the transformer blocks."""
+    return name.startswith("transformer_blocks.") and name.endswith(".weight") and len(shape) == 2
+
+
+def synthetic_state_dict(arch: LTX2Arch, component: str, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`component`'s synthetic tensors in our names (the transformer's float32 layers in float32)."""
+    return {k: synthetic_tensor(k, s, seed, torch.float32 if _fp32(component, k) else dtype)
+            for k, s in shapes_of(arch, component).items()}
+
+
+def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int) -> Path:
+    """A tiny Gemma-3 text model whose stacked hidden states fit `arch.connectors`, saved with
+    `save_pretrained` (config.json + model.safetensors)."""
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    c = arch.connectors
+    config = Gemma3TextConfig(vocab_size=GEMMA_VOCAB, hidden_size=c.caption_channels,
+                              intermediate_size=2 * c.caption_channels, num_hidden_layers=c.text_proj_in_factor - 1,
+                              num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=8, max_position_embeddings=256, sliding_window=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Gemma3TextModel(config)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype, fp8_blocks: Fp8Blocks) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for component in COMPONENTS[:-1]:
+        ours = synthetic_state_dict(arch, component, seed, dtype)
+        names = ck.native_names(component, list(ours), arch)
+        for name, tensor in ours.items():
+            key = names[name]
+            if component == "transformer" and fp8_blocks != "none" and _fp8_block_weight(name, tensor.shape):
+                if fp8_blocks == "scaled":
+                    tensor, scale = quantize_fp8_e4m3(tensor.float())
+                    module = key[: -len("weight")]
+                    tensors[module + SCALE_SUFFIX] = scale.reshape(()).float()
+                    tensors[module + UNUSED_SCALE_SUFFIX] = torch.ones((), dtype=torch.float32)
+                else:
+                    tensor = tensor.to(torch.float8_e4m3fn)
+            tensors[key] = tensor
+    sections = arch.to_sections()
+    upsampler_config = sections.pop("latent_upsampler")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / SINGLE_FILE),
+              metadata={"config": json.dumps(sections), "model_version": f"synthetic-ltx-{arch.version}"})
+    upsampler = synthetic_state_dict(arch, "latent_upsampler", seed, dtype)
+    save_file({k: v.contiguous() for k, v in upsampler.items()}, str(tmp / UPSAMPLER_FILE),
+              metadata={"config": json.dumps(upsampler_config)})
+    for name in (SINGLE_FILE, UPSAMPLER_FILE):
+        give_default_mode(tmp / name)
+
+
+def _write_diffusers(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype) -> None:
+    sections = arch.to_sections()
+    (tmp / "model_index.json").write_text(json.dumps({
+        "_class_name": "LTX2Pipeline", **{c: ["diffusers", _CLASSES[c]] for c in COMPONENTS},
+        "text_encoder": ["transformers", "Gemma3TextModel"], "tokenizer": ["transformers", "PreTrainedTokenizerFast"]},
+        indent=1))
+    for component in COMPONENTS:
+        folder = tmp / component
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"_class_name": _CLASSES[component], **sections[component]},
+                                                       indent=1))
+        synthetic.write_sharded(shapes_of(arch, component), lambda sd: sd, folder, DIFFUSERS_STEM, seed, dtype,
+                                lambda name, c=component: _fp32(c, name))
+
+
+def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtype = torch.bfloat16,
+                         layout: Literal["single_file", "diffusers"] = "diffusers", fp8_blocks: Fp8Blocks = "none",
+                         replace: bool = False) -> Path:
+    """Write deterministic random weights for `arch` to the folder `out` (atomically: tmp folder, rename).
+
+    single_file: `out/ltx2.safetensors`, `out/latent_upsampler.safetensors`, `out/text_encoder/` (Gemma-3);
+    open with `LTX2Checkpoint.open(out / SINGLE_FILE, out / UPSAMPLER_FILE, out / "text_encoder")`.
+    diffusers: `out/` is the folder (`LTX2Checkpoint.open(out)`).
+
+    Args:
+        fp8_blocks: single_file only: store the transformer blocks' linear weights as float8_e4m3fn,
+            "plain" (cast) or "scaled" (absmax/448 per tensor, `weight_scale` and an unused `input_scale`).
+
+    Raises:
+        ValueError: fp8 blocks asked for the diffusers layout.
+        CheckpointError: `out` is not empty and not this seed's synthetic checkpoint (`replace` false).
+    """
+    if fp8_blocks != "none" and layout != "single_file":
+        raise ValueError(f"`fp8_blocks`={fp8_blocks!r} needs layout 'single_file' (as the fp8 releases ship)")
+    out = Path(out).absolute()
+    tmp = synthetic.partial_folder(out)
+    try:
+        (tmp / synthetic.SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
+        if layout == "single_file":
+            _write_single_file(arch, tmp, seed, dtype, fp8_blocks)
+        else:
+            _write_diffusers(arch, tmp, seed, dtype)
+            write_debug_tokenizer(tmp / "tokenizer", GEMMA_VOCAB)
+        write_tiny_gemma(tmp / "text_encoder", arch, seed)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return synthetic.finish(tmp, out, seed, layout, replace)
