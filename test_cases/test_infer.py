@@ -988,7 +988,6 @@ def test_a_synthetic_original_checkpoint_without_its_model_gets_the_hint_not_sha
     real hint came only with check_fit off. Now the hint comes first in both cases, before loading."""
     from runnerkit.models.wan.arch import WanArch
     from runnerkit.models.wan.checkpoint import write_synthetic
-    from runnerkit.models.wan.runner import WanT2VRunner
 
     data = json.loads((REPO / "configs/wan/wan_t2v_tiny.json").read_text())
     ckpt = tmp_path / "orig"

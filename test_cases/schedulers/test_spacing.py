@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from runnerkit.config import RunnerConfig
-from runnerkit.schedulers import SCHEDULERS, SPACINGS, FlowEulerScheduler, FlowUniPCScheduler, Scheduler
+from runnerkit.schedulers import SCHEDULERS, SPACINGS, FlowEulerScheduler, FlowUniPCScheduler
 from test_cases.schedulers import LATENT_SHAPE, assert_same_state
 
 Velocity = Callable[[torch.Tensor, int], torch.Tensor]

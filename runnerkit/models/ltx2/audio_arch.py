@@ -198,9 +198,9 @@ class LTX2VocoderBWEArch(_Arch):
         defaults = cls.model_fields
         return cls.model_validate({
             **top,
-            "vocoder": defaults["vocoder"].default.model_copy(update=first).model_dump()
+            "vocoder": defaults["vocoder"].default.model_dump() | first  # validated with the rest
             | {"output_sampling_rate": rates["input_sampling_rate"]},
-            "bwe": defaults["bwe"].default.model_copy(update=second).model_dump()
+            "bwe": defaults["bwe"].default.model_dump() | second
             | {"output_sampling_rate": rates["output_sampling_rate"]},
         }, strict=False)
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runnerkit.attention import AttentionUser
-from runnerkit.fused import linear_gelu_tanh
+from runnerkit.models.ltx2.layers import FeedForward
 from runnerkit.models.ltx2.connectors_arch import LTX2ConnectorsArch
 
 EPS = 1e-6
@@ -184,28 +184,6 @@ class ConnectorAttention(AttentionUser):
         if self.to_gate_logits is not None:
             out = out * (2.0 * torch.sigmoid(self.to_gate_logits(x)))[..., None]  # gates in (0, 2), 1 at logit 0
         return self.to_out[0](out.flatten(2))
-
-
-class TanhGELUProj(nn.Module):
-    """Linear then tanh GELU (key `proj`); fused on CUDA (runnerkit/fused.py)."""
-
-    def __init__(self, dim_in: int, dim_out: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear_gelu_tanh(x, self.proj)
-
-
-class FeedForward(nn.Module):
-    """width -> 4 width (tanh GELU) -> width; `net.1` stands where diffusers keeps a Dropout."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(TanhGELUProj(width, 4 * width), nn.Identity(), nn.Linear(4 * width, width))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
 
 
 class ConnectorBlock(nn.Module):

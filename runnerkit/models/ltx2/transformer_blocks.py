@@ -18,47 +18,20 @@ Source: diffusers 0.42.1 `LTX2VideoTransformerBlock`, `LTX2Attention`,
 
 from __future__ import annotations
 
-import math
-from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runnerkit.attention import AttentionUser
-from runnerkit.fused import linear_gelu_tanh
+from runnerkit.models.ltx2.layers import FeedForward, TimestepMLP, timestep_features
 from runnerkit.models.ltx2.rope import RopeTable, apply_rope
 from runnerkit.models.ltx2.transformer_arch import LTX2TransformerArch
-
-TIMESTEP_FEATURES = 256
-"""Size of the sinusoidal timestep features fed to every AdaLN embedding."""
-
 
 def rms_norm(x: Tensor, eps: float) -> Tensor:
     """RMSNorm without weight, statistics in float32; returns x's dtype (diffusers `RMSNorm`, no affine)."""
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return (x * torch.rsqrt(variance + eps)).to(x.dtype)
-
-
-def timestep_features(timestep: Tensor) -> Tensor:
-    """Sinusoidal features, cos half then sin half: [N] -> [N, 256] float32 (diffusers `Timesteps`,
-    flip_sin_to_cos, no frequency shift, max period 10000)."""
-    half = TIMESTEP_FEATURES // 2
-    exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
-    angles = timestep.float()[:, None] * torch.exp(exponent)[None, :]  # [N, half]
-    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-
-
-class TimestepMLP(nn.Module):
-    """Linear -> SiLU -> Linear from the 256 timestep features to the stream width (`TimestepEmbedding`)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(TIMESTEP_FEATURES, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, features: Tensor) -> Tensor:
-        return self.linear_2(F.silu(self.linear_1(features)))
 
 
 class TimestepEmbedding(nn.Module):
@@ -149,28 +122,6 @@ class LTX2Attention(AttentionUser):
         if self.to_gate_logits is not None:
             out = out * (2.0 * torch.sigmoid(self.to_gate_logits(x))).unsqueeze(-1)  # gates [B, Lq, N, 1]
         return self.to_out[0](out.flatten(2))  # [B, Lq, query_dim]
-
-
-class GELUProj(nn.Module):
-    """Holder of `proj` (diffusers `GELU` key layout); the tanh GELU is applied by `FeedForward`."""
-
-    def __init__(self, dim_in: int, dim_out: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
-
-
-class FeedForward(nn.Module):
-    """Linear(dim, 4 dim) -> tanh GELU -> Linear(4 dim, dim), in diffusers' keys `net.0.proj`, `net.2`.
-
-    The GELU runs in the first GEMM's epilogue on CUDA (`runnerkit.fused.linear_gelu_tanh`).
-    """
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.net = nn.ModuleList([GELUProj(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net[2](linear_gelu_tanh(x, cast(GELUProj, self.net[0]).proj))
 
 
 class LTX2Block(nn.Module):

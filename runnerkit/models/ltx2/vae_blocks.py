@@ -15,14 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runnerkit.models.ltx2.layers import TimestepMLP, timestep_features
 from runnerkit.models.ltx2.vae_arch import STRIDES, PaddingMode
 
 PIXEL_NORM_EPS = 1e-8
 """Epsilon of the parameter-free per-pixel RMS norm over channels (diffusers `PerChannelRMSNorm`)."""
-TIME_FEATURES = 256
-"""Sinusoidal features of the decode timestep (diffusers `Timesteps(256, flip_sin_to_cos=True)`)."""
-
-
 def pixel_norm(x: Tensor) -> Tensor:
     """RMS-normalise every pixel over its channels: x / sqrt(mean_c(x^2) + 1e-8). [B, C, ...] -> same."""
     return x / torch.sqrt(torch.mean(x**2, dim=1, keepdim=True) + PIXEL_NORM_EPS)
@@ -46,40 +43,13 @@ def depth_to_space(x: Tensor, stride: tuple[int, int, int]) -> Tensor:
     return x.permute(0, 1, 5, 2, 6, 3, 7, 4).flatten(6, 7).flatten(4, 5).flatten(2, 3)  # [B, C, F*t, H*h, W*w]
 
 
-def timestep_features(timestep: Tensor) -> Tensor:
-    """Sinusoidal features, cos half then sin half (diffusers `Timesteps`, shift 0, scale 1).
-
-    Args:
-        timestep: [B] already multiplied by the decoder's `timestep_scale_multiplier`.
-
-    Returns:
-        [B, 256] float32.
-    """
-    half = TIME_FEATURES // 2
-    exponent = -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
-    angles = timestep[:, None].float() * torch.exp(exponent)[None, :]  # [B, 128]
-    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)  # [B, 256]
-
-
-class TimestepEmbedding(nn.Module):
-    """256 features -> dim: linear_1, SiLU, linear_2 (diffusers `TimestepEmbedding`)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(TIME_FEATURES, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, features: Tensor) -> Tensor:
-        return self.linear_2(F.silu(self.linear_1(features)))
-
-
 class TimeEmbedder(nn.Module):
     """Decode-timestep embedding; holds `timestep_embedder` for diffusers' key names
     (`PixArtAlphaCombinedTimestepSizeEmbeddings` without size conditioning)."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.timestep_embedder = TimestepEmbedding(dim)
+        self.timestep_embedder = TimestepMLP(dim)
 
     def forward(self, timestep: Tensor, dtype: torch.dtype) -> Tensor:
         """[B] scaled timestep -> [B, dim, 1, 1, 1] in `dtype`."""

@@ -37,11 +37,7 @@ from runnerkit.models.wan.runner import WanT2VRunner, flavour_of
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D
 from runnerkit.registry import register_runner
-from runnerkit.runners.pipeline import (
-    InputInfo,
-    ModuleSpec,
-    Shape,
-)
+from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, Shape
 
 #: Wan2.1 flavour of the experts' architecture -> MoE flavour name.
 MOE_FLAVOURS: dict[str, str] = {"debug": "debug", "14B": "A14B"}
