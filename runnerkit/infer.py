@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="runnerkit", description="Run a runnerkit generation pipeline (load, optional warmup, requests).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,  # `--infer_step 3` is a typo
         epilog="`runnerkit serve --help`: the HTTP server (jobs, progress, cancellation) over the same configs.\n\n"
                "example:\n  runnerkit --config_json configs/<family>/<config>.json --prompt 'a corgi surfing' "
                "--save_result_path outputs/corgi.mp4 --warmup\n\n"

@@ -395,6 +395,21 @@ def test_unknown_model_cls_flag_is_rejected_by_argparse(config_path: Path, capsy
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("which", ["infer", "serve"])
+def test_an_abbreviated_flag_is_an_error_not_a_guess(which: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Fresh-eyes test: `--infer_step 3` (argparse's allow_abbrev) ran with 3 steps; `runnerkit serve
+    --conf c.json` read --config_json. Both parsers refuse a prefix of a real flag."""
+    from runnerkit.infer import build_parser as infer_parser
+    from runnerkit.serve.server import build_parser as serve_parser
+
+    parser, argv, flag = ((infer_parser(), ["--infer_step", "3", "--prompt", "x"], "--infer_step") if which == "infer" else
+                          (serve_parser(), ["--config_json", "c.json", "--por", "9"], "--por"))
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(argv)
+    assert exc.value.code == 2
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
 def test_prompt_and_requests_are_exclusive(config_path: Path, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     reqs = _write_requests(tmp_path / "r.jsonl", [{"prompt": "a"}])
@@ -925,7 +940,8 @@ print("RESULT", code, ",".join(heavy) or "-")
     (["--bogus"], 2, "unrecognized arguments: --bogus"),
     (["--help"], 0, "{qwen_image,wan2.1,wan2.2_moe}"),
     (["--model_cls", "wan9", "--prompt", "x"], 2, "invalid choice: 'wan9' (choose from"),
-], ids=["typo", "help", "unknown_model_cls"])
+    (["--infer_step", "3", "--prompt", "x"], 2, "unrecognized arguments: --infer_step 3"),
+], ids=["typo", "help", "unknown_model_cls", "abbreviation"])
 def test_a_flag_typo_or_help_answers_without_importing_torch(argv: list[str], code: int, needle: str) -> None:
     """Issue 19: a typo took 5.5 s (17-25 s under load) to report: the families (and torch) were
     imported to list `--model_cls` choices before parsing. Checked by what the process imported,

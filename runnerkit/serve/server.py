@@ -42,7 +42,7 @@ LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {mes
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="runnerkit serve", description=__doc__,
+    p = argparse.ArgumentParser(prog="runnerkit serve", description=__doc__, allow_abbrev=False,  # no prefix guessing
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config_json", required=True, help="runner config (JSON), as for the launch script")
     p.add_argument("--model_cls", help="override the config's model_cls")
