@@ -279,7 +279,6 @@ class RunnerConfig(_Strict):
                                   f"{'it' if len(inert) == 1 else 'them'} or enable CFG")
 
 
-MEDIA_SUFFIXES = (".mp4", ".png", ".wav")
 #: Longest prompt accepted, in characters (the text encoders read a few hundred tokens; a longer
 #: text only costs tokenization time and memory).
 MAX_PROMPT_CHARS = 20_000
@@ -311,7 +310,8 @@ class RequestConfig(_Strict):
             raise ValueError("`prompt` must contain text, not only whitespace")
         return v
     save_result_path: str | None = Field(
-        None, description=".mp4 (video), .png (image or one-frame video) or .wav (audio); a sidecar .json is written beside it.")
+        None, description=".mp4 (video), .png (image or one-frame video) or .wav (audio), as the runner's task "
+        "produces (checked by the runner's `validate_request`, before loading); a sidecar .json is written beside it.")
     save_tensor_path: str | None = Field(
         None, description=".safetensors with every output of the pipeline, e.g. 'video' float32 [C, F, H, W] in [-1, 1].")
     _source: str = PrivateAttr("command line")  # where the request came from, for messages (not a request field)
@@ -329,13 +329,6 @@ class RequestConfig(_Strict):
     @classmethod
     def _home_each(cls, v: Any) -> Any:
         return [os.path.expanduser(x) if isinstance(x, str) else x for x in v] if isinstance(v, list) else v
-
-    @field_validator("save_result_path")
-    @classmethod
-    def _media_suffix(cls, v: str | None) -> str | None:
-        if v is not None and Path(v).suffix.lower() not in MEDIA_SUFFIXES:
-            raise ValueError(f"`save_result_path` must end in one of {list(MEDIA_SUFFIXES)} (got {v!r})")
-        return v
 
     @field_validator("save_tensor_path")
     @classmethod

@@ -354,8 +354,11 @@ def test_invalid_config_values(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.C
     (["--target_width", "81"], ["target_width", "multiple of 16", "got 81"]),
     (["--seed", "-1"], ["seed", "greater than or equal to 0"]),
     (["--save_result_path", "x.gif"], ["save_result_path", ".mp4", ".png", "x.gif"]),
+    (["--save_result_path", "x.avi"],  # the suffixes of the task's output (Wan t2v: video), not of every writer
+     ["invalid input: request on command line: `save_result_path` 'x.avi': task 't2v' makes a 9-frame video; "
+      "use .mp4 (.png: with target_video_length 1)\n"]),
     (["--save_tensor_path", "x.pt"], ["save_tensor_path", ".safetensors", "x.pt"]),
-], ids=["frames_8", "height_40", "width_81", "seed_neg", "media_suffix", "tensor_suffix"])
+], ids=["frames_8", "height_40", "width_81", "seed_neg", "media_suffix", "task_suffix", "tensor_suffix"])
 def test_invalid_request_flags(config_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
                                needles: list[str]) -> None:
     rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", *flags)

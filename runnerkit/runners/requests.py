@@ -94,8 +94,9 @@ class RequestChecksMixin:
             allowed = {"video": (".mp4", ".png") if f == 1 else (".mp4",), "image": (".png",), "audio": (".wav",)}[kind]
             if suffix not in allowed:
                 what = f"a {f}-frame video" if kind == "video" else f"an {kind}" if kind == "image" else "audio"
+                hint = " (.png: with target_video_length 1)" if kind == "video" and f != 1 else ""
                 raise ValueError(f"`save_result_path` {request.save_result_path!r}: task {config.task!r} makes {what}; "
-                                 f"use {' or '.join(allowed)}")
+                                 f"use {' or '.join(allowed)}{hint}")
 
     def request_shape(self, request: RequestConfig) -> Shape:
         """(height, width, frames) of `request`, the config's defaults filled in (`shape_of`)."""
