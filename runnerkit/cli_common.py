@@ -7,6 +7,7 @@ torch, and neither imports the other.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -44,4 +45,8 @@ def check_writable(path: str, field: str) -> None:
         probe.unlink()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise ConfigError(f"`{field}` {path!r} cannot be created: {str(parent)!r} is not writable ({reason})") from None
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise ConfigError(f"`{field}` {path!r} cannot be created: {str(parent)!r} is not writable ({reason})") from None
+        # e.g. /proc: writable by root, yet no new file can exist there (ENOENT)
+        raise ConfigError(f"`{field}` {path!r} cannot be created in {str(parent)!r}: that folder cannot hold new files "
+                          f"({reason})") from None

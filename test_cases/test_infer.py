@@ -551,8 +551,27 @@ def test_outputs_on_an_unwritable_file_system_are_refused_before_loading(config_
     """/proc accepts no new files, even for root (whom permission bits let through)."""
     path = "/proc/x.mp4" if flag == "--save_result_path" else "/proc/profile.json"
     rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x", flag, path)
-    _assert_invalid(rc, err, f"{path!r} cannot be created: '/proc' is not writable")
+    # not "is not writable": root may write /proc's files, but no new file can be made there
+    _assert_invalid(rc, err, f"{path!r} cannot be created in '/proc': that folder cannot hold new files "
+                    "(No such file or directory)")
     assert "load:" not in err
+
+
+def test_an_output_folder_without_write_permission_is_called_not_writable(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """EACCES / EROFS keep "is not writable" (a read-only mount, a folder of another user)."""
+    import errno
+
+    from runnerkit.cli_common import check_writable
+    from runnerkit.config import ConfigError
+
+    def refuse(self: Path, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "touch", refuse)
+    with pytest.raises(ConfigError, match=re.escape(f"cannot be created: {str(tmp_path)!r} is not writable "
+                                                    "(Read-only file system)")):
+        check_writable(str(tmp_path / "o.mp4"), "save_result_path")
 
 
 def test_python_api_takes_a_request_dict(tiny_config: Any, tmp_path: Path) -> None:
