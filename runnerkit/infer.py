@@ -101,6 +101,13 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
         runner_cls = get_runner_cls(config.model_cls, config.task)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if config.synthetic_checkpoint is not None and not config.model_path:  # before loading: the cache folder
+        from runnerkit.runners.synthetic_source import check_synthetic_cache
+
+        try:
+            check_synthetic_cache()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     given = {k: getattr(args, k) for k in REQUEST_FLAGS if getattr(args, k) is not None}
     if args.requests:
         if given:

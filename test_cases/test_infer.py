@@ -574,6 +574,51 @@ def test_an_output_folder_without_write_permission_is_called_not_writable(tmp_pa
         check_writable(str(tmp_path / "o.mp4"), "save_result_path")
 
 
+def _synthetic_config(tmp_path: Path) -> Path:
+    """The tiny config as shipped (`synthetic_checkpoint`, no `model_path`: the cache is used), on the CPU."""
+    from test_cases.conftest import TINY_CONFIG
+
+    data = json.loads(TINY_CONFIG.read_text())
+    data["device"] = "cpu"
+    return write_config(tmp_path / "synthetic.json", data)
+
+
+def test_a_cache_variable_naming_a_file_is_refused_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Fresh-eyes test: RUNNERKIT_CACHE=/some/file failed at load with a NotADirectoryError naming a
+    `.partial-...` temporary folder, neither the variable nor the fix."""
+    cache = tmp_path / "cache_file"
+    cache.write_text("not a folder")
+    monkeypatch.setenv("RUNNERKIT_CACHE", str(cache))
+    rc, err = _cli(capsys, "--config_json", _synthetic_config(tmp_path), "--prompt", "x")
+    _assert_invalid(rc, err, f"invalid input: `RUNNERKIT_CACHE` {str(cache)!r} must be a writable folder (synthetic "
+                    f"checkpoints are written under it): {str(cache)!r} is a file\n")
+    assert "load" not in err and ".partial-" not in err
+
+
+def test_a_damaged_cached_synthetic_checkpoint_names_the_folder_to_delete(tiny_ckpt: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A truncated file of a synthetic checkpoint in the cache: the error names the file and says to
+    delete the checkpoint's folder (rewritten on the next run). A user's checkpoint gets no such hint
+    (test_damaged_checkpoints.py)."""
+    from runnerkit.config import load_runner_config
+    from runnerkit.registry import get_runner_cls
+
+    monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
+    cfg = _synthetic_config(tmp_path)
+    config = load_runner_config(str(cfg), {})
+    folder = get_runner_cls(config.model_cls, config.task)(config).checkpoint_path()
+    assert folder.is_relative_to(tmp_path / "cache")
+    shutil.copytree(tiny_ckpt, folder)  # the same architecture, seed 0, float32: what the run would write
+    (damaged,) = (folder / "transformer").glob("*.safetensors")
+    with open(damaged, "r+b") as f:
+        f.truncate(damaged.stat().st_size // 2)
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x")
+    _assert_invalid(rc, err, "load failed: CheckpointError:", str(damaged),
+                    f"; {folder} is a synthetic checkpoint: delete that folder and run again to write it anew\n")
+
+
 def test_python_api_takes_a_request_dict(tiny_config: Any, tmp_path: Path) -> None:
     from runnerkit.config import ConfigError, RequestConfig
     from runnerkit.registry import get_runner_cls

@@ -40,6 +40,7 @@ from runnerkit.config import FAMILY_DEFAULTED, ConfigLockedError, RunnerConfig, 
 from runnerkit.memory import snapshot
 from runnerkit.profiling import Profiler, RequestProfile, compile_seconds, dynamo_counts, inductor_cache_counts
 from runnerkit.runners.pipeline import Shape
+from runnerkit.weights import CheckpointError
 
 __all__ = ["BaseRunner", "ConfigLockedError", "LifecycleError", "error_phase", "lifecycle_phase", "resolve_device"]
 
@@ -207,7 +208,13 @@ class BaseRunner(ABC):
                     self.check_warmup_supported()  # refuse before anything is loaded
             with lifecycle_phase("load"):
                 t0 = time.perf_counter()
-                self.load_modules()
+                try:
+                    self.load_modules()
+                except CheckpointError as exc:  # a damaged file: say how to repair what can be rewritten
+                    hint = self.checkpoint_repair_hint()
+                    if hint and len(exc.args) == 1:
+                        exc.args = (f"{exc.args[0]}; {hint}",)  # same exception: its type, traceback and phase stay
+                    raise
                 seconds = time.perf_counter() - t0
                 self.profiler.phases["load_seconds"] = seconds
                 logger.info("load: {:.2f} s, {}", seconds, snapshot(self.device).describe())
@@ -224,6 +231,11 @@ class BaseRunner(ABC):
             raise
         self._lifecycle = "ready"
         self._phase("ready")
+
+    def checkpoint_repair_hint(self) -> str | None:
+        """How to repair a damaged checkpoint, added to a `CheckpointError` at load; None: nothing to add
+        (a user's checkpoint: only its owner can replace it). `SyntheticCheckpointSource` overrides it."""
+        return None
 
     def _load_compile_cache(self) -> None:
         """With `compile.cache_dir`: load this run's entry into torch's caches before warmup compiles

@@ -25,6 +25,27 @@ def synthetic_cache_dir() -> Path:
     return Path(root) / "synthetic"
 
 
+def check_synthetic_cache() -> None:
+    """Refuse a cache root that cannot hold the synthetic-checkpoint folders (cheap: nothing is written).
+
+    The nearest existing folder on the way to `synthetic_cache_dir()` must be a folder this process
+    may write (a file there failed only at write time, naming a `.partial-...` temporary folder).
+
+    Raises:
+        CheckpointError: naming `RUNNERKIT_CACHE` and its value (or the default folder), and what it must be.
+    """
+    env = os.environ.get("RUNNERKIT_CACHE")
+    existing = synthetic_cache_dir()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return
+    problem = f"{str(existing)!r} is a file" if not existing.is_dir() else f"{str(existing)!r} is not writable"
+    where = (f"`RUNNERKIT_CACHE` {env!r}" if env else
+             f"the synthetic-checkpoint cache {str(synthetic_cache_dir().parent)!r} (set `RUNNERKIT_CACHE` to move it)")
+    raise CheckpointError(f"{where} must be a writable folder (synthetic checkpoints are written under it): {problem}")
+
+
 class SyntheticCheckpointSource:
     """Locate (and, for `synthetic_checkpoint`, write once) the runner's checkpoint."""
 
@@ -52,7 +73,23 @@ class SyntheticCheckpointSource:
             return False
         if path.exists() and not path.is_dir():
             raise CheckpointError(f"`model_path` {str(path)!r} is a file; a synthetic checkpoint needs a folder")
-        return not path.exists() or not any(path.iterdir())
+        pending = not path.exists() or not any(path.iterdir())
+        if pending and not self.config.model_path:
+            check_synthetic_cache()
+        return pending
+
+    def checkpoint_repair_hint(self) -> str | None:
+        """For a synthetic checkpoint that is rewritten when absent (it holds `SYNTHETIC_MARKER` and
+        `synthetic_checkpoint` is configured): delete its folder so that the next run writes it again."""
+        if self.config.synthetic_checkpoint is None:
+            return None
+        path = self.checkpoint_path()
+        try:
+            if synthetic_seed_of(path) is None:
+                return None
+        except CheckpointError:  # an unreadable marker: its own message already says to delete the folder
+            return None
+        return f"{path} is a synthetic checkpoint: delete that folder and run again to write it anew"
 
     def locate_checkpoint(self) -> Any:
         """Open the checkpoint (`open_checkpoint`), writing a synthetic one first if configured and absent
