@@ -429,6 +429,9 @@ def create_app(state: ServerState) -> FastAPI:
             body = await read_body(request)
             options = _pop_image_options(body)
             n = _pop_n(body)
+            if n > state.queue.max_queue:  # never fits, however long the client waits: not 429 (retried)
+                raise InputError(f"`n` {n}: n images run as n jobs, and this server queues at most "
+                                 f"{state.queue.max_queue} (--max_queue); ask for n <= {state.queue.max_queue}", "n")
         except InputError as exc:
             return error(exc.status, str(exc), exc.field)
         done = queue_jobs("image", body, n)

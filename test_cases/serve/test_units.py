@@ -300,3 +300,47 @@ def test_input_reference_is_the_first_frame_and_seconds_the_length(tmp_path: Pat
         with pytest.raises(InputError) as exc:
             build_request(state, {"prompt": "x", "input_reference": jpeg, **body}, folder)
         assert exc.value.field == param, exc.value
+
+
+def _call(app: Any, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST `body` as JSON to the app's route `path`, calling its endpoint directly (no HTTP client)."""
+    import asyncio
+    import json
+
+    from starlette.requests import Request
+
+    raw = json.dumps(body).encode()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json")],
+             "query_string": b"", "server": ("t", 80), "scheme": "http", "root_path": ""}
+    route = next(r for r in app.routes if getattr(r, "path", None) == path)
+    reply = asyncio.run(route.endpoint(Request(scope, receive)))
+    return reply.status_code, json.loads(reply.body)
+
+
+def _image_state(tmp_path: Path, max_queue: int) -> Any:
+    from types import SimpleNamespace
+
+    from runnerkit.serve.app import ServerState
+
+    runner = SimpleNamespace(RESULT_KINDS={"t2i": "image"}, config=SimpleNamespace(task="t2i", model_cls="x"))
+    return ServerState(runner=runner, queue=JobQueue(tmp_path, max_queue, None, None), metrics=None,  # type: ignore[arg-type]
+                       phase="ready")
+
+
+def test_n_above_max_queue_is_422_naming_n_not_429(tmp_path: Path) -> None:
+    """`n` images are `n` jobs: above --max_queue they can never fit, so 422 naming `n` (a 429 is retried
+    forever by the openai client), refused before anything is queued."""
+    from runnerkit.serve.app import create_app
+
+    state = _image_state(tmp_path, max_queue=2)
+    app = create_app(state)
+    for path in ("/v1/images/generations", "/v1/images/edits"):
+        status, body = _call(app, path, {"prompt": "x", "n": 3})
+        assert (status, body["error"]["param"]) == (422, "n"), body
+        assert "3" in body["error"]["message"] and "--max_queue" in body["error"]["message"]
+        assert "retry" not in body["error"]["message"]
+    assert state.queue.jobs == {} and not list(tmp_path.iterdir())
