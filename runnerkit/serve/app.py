@@ -42,7 +42,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
-from runnerkit.config import MAX_EXTRA_IMAGES, RequestConfig, format_validation_error
+from runnerkit.config import MAX_EXTRA_IMAGES, MAX_FRAMES, RequestConfig, format_validation_error
 from runnerkit.serve.jobs import FINAL, Job, JobQueue, QueueClosed, QueueFull
 
 if TYPE_CHECKING:  # torch and the runners are imported after the port opened (server.py)
@@ -301,17 +301,29 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
 
 def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
     """OpenAI's `seconds` (a string such as "4", or a number) as frames: (frames - 1) / fps seconds,
-    rounded to the nearest frame count the model takes (TEMPORAL_FACTOR * k + 1)."""
+    rounded to the nearest frame count the model takes (TEMPORAL_FACTOR * k + 1).
+
+    Allowed: from one temporal step (TEMPORAL_FACTOR / fps seconds) to the request's frame limit
+    ((MAX_FRAMES - 1) / fps, `target_video_length`'s bound); nothing outside is silently corrected
+    (a one-frame video is `target_video_length: 1`).
+
+    Raises:
+        InputError: naming `seconds`, the value and the allowed range.
+    """
     if state.kind != "video":
         raise InputError("`seconds` is for video tasks; this server makes images", "seconds")
+    step = getattr(state.runner, "TEMPORAL_FACTOR", 1)
+    max_frames = step * ((MAX_FRAMES - 1) // step) + 1  # the longest clip the model takes
+    shortest, longest = step / fps, (max_frames - 1) / fps
+    allowed = (f"{shortest:g} to {longest:g} seconds ({step} to {max_frames - 1} frame intervals at {fps} fps; "
+               f"`target_video_length: 1` for a single frame)")
     try:
         value = float(seconds)
     except (TypeError, ValueError):
-        value = -1.0
-    if not 0 < value <= 3600 or isinstance(seconds, bool):
-        raise InputError(f"`seconds` must be a positive number of seconds, e.g. \"4\" (got {seconds!r})", "seconds")
-    step = getattr(state.runner, "TEMPORAL_FACTOR", 1)
-    return max(1, step * round(value * fps / step) + 1)
+        value = float("nan")
+    if isinstance(seconds, bool) or not shortest <= value <= longest:  # nan fails both comparisons
+        raise InputError(f"`seconds` {seconds!r} is out of range: from {allowed}", "seconds")
+    return step * round(value * fps / step) + 1
 
 
 def _api_wording(message: str, folder: Path) -> str:

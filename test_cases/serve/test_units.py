@@ -344,3 +344,43 @@ def test_n_above_max_queue_is_422_naming_n_not_429(tmp_path: Path) -> None:
         assert "3" in body["error"]["message"] and "--max_queue" in body["error"]["message"]
         assert "retry" not in body["error"]["message"]
     assert state.queue.jobs == {} and not list(tmp_path.iterdir())
+
+
+def _wan_i2v_state(tmp_path: Path) -> Any:
+    """A ServerState over the tiny Wan i2v runner, only built (no checkpoint is read)."""
+    import json
+
+    from runnerkit.serve.app import ServerState
+    from test_cases.conftest import REPO
+
+    data = json.loads((REPO / "configs" / "wan" / "wan_i2v_tiny.json").read_text())
+    data.pop("synthetic_checkpoint")
+    data.update(model_path=str(tmp_path / "absent"), device="cpu")
+    config = load_runner_config(None, data)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    return ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None, phase="ready")
+
+
+@pytest.mark.parametrize("seconds", ["0.1", "0.2", "1000", "129", "3601", "-1", "nan", "four"])
+def test_seconds_out_of_range_names_seconds_and_the_range_in_seconds(tmp_path: Path, seconds: str) -> None:
+    """`seconds` outside [TEMPORAL_FACTOR / fps, (MAX_FRAMES - 1) / fps] (Wan at 8 fps: 0.5 to 128 s) is refused
+    with one message naming `seconds`, the value and that range: not a `target_video_length` error (a field the
+    client never sent), no hidden cap of its own, and a short clip is never silently made one frame."""
+    from runnerkit.config import MAX_FRAMES
+    from runnerkit.serve.app import _frames_of
+
+    state = _wan_i2v_state(tmp_path)
+    fps = state.runner.config.fps
+    assert (fps, state.runner.TEMPORAL_FACTOR, MAX_FRAMES) == (8, 4, 1025)
+    with pytest.raises(InputError) as exc:
+        _frames_of(seconds, state, fps)
+    message = str(exc.value)
+    assert exc.value.field == "seconds" and "target_video_length`" not in message.split(";")[0], message
+    assert f"`seconds` {seconds!r}" in message and "0.5 to 128 seconds" in message, message
+
+
+@pytest.mark.parametrize(("seconds", "frames"), [("0.5", 5), ("0.75", 9), ("128", 1025), (4, 33)])
+def test_seconds_in_range_become_frames(tmp_path: Path, seconds: Any, frames: int) -> None:
+    from runnerkit.serve.app import _frames_of
+
+    assert _frames_of(seconds, _wan_i2v_state(tmp_path), 8) == frames
