@@ -116,6 +116,11 @@ def _first_field(exc: ValidationError) -> str | None:
     return ".".join(str(p) for p in errors[0]["loc"]) if errors and errors[0]["loc"] else None
 
 
+def _shown(value: Any) -> str:
+    """A body value as an error message shows it: its repr, but never a file's contents (a form's file part)."""
+    return f"an uploaded file of {len(value)} bytes" if isinstance(value, bytes) else repr(value)
+
+
 def _decode_image(value: Any, name: str) -> bytes:
     """An image's bytes from base64 (JSON) or as sent (a form's file part).
 
@@ -233,12 +238,12 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         body["image"] = _decode_image(body.pop(INPUT_REFERENCE), INPUT_REFERENCE)  # its errors name it as sent
     model = body.pop("model", None)
     if model is not None and model != runner.config.model_cls:
-        raise InputError(f"`model` {model!r}: this server serves {runner.config.model_cls!r}", "model")
+        raise InputError(f"`model` {_shown(model)}: this server serves {runner.config.model_cls!r}", "model")
     size = body.pop("size", None)
     if size is not None and size != "auto":  # "auto" (OpenAI): the config's size
         m = re.fullmatch(r"(\d+)x(\d+)", str(size))
         if m is None:
-            raise InputError(f"`size` must be WIDTHxHEIGHT, e.g. \"832x480\" (got {size!r})", "size")
+            raise InputError(f"`size` must be WIDTHxHEIGHT, e.g. \"832x480\" (got {_shown(size)})", "size")
         if "target_width" in body or "target_height" in body:
             raise InputError("give `size` or `target_width`/`target_height`, not both", "size")
         body["target_width"], body["target_height"] = int(m.group(1)), int(m.group(2))
@@ -268,6 +273,11 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     if seconds is not None:
         shown["seconds"] = seconds
         del shown["target_video_length"]
+    for name, value in body.items():  # a file part in a text field, or a field not taken (`mask`): never echo its bytes
+        if isinstance(value, bytes):
+            what = "is not a request field" if name not in RequestConfig.model_fields else "takes text, not a file"
+            raise InputError(f"`{name}` ({_shown(value)}) {what}; the images a request takes: "
+                             f"{[*IMAGE_FIELDS, EXTRA_IMAGES_FIELD]}", name)
     # A field the client sent under another name is named as sent (`param`).
     sent = {**({"target_width": "size", "target_height": "size"} if size not in (None, "auto") else {}),
             **({"target_video_length": "seconds"} if seconds is not None else {}),
@@ -322,7 +332,7 @@ def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
     except (TypeError, ValueError):
         value = float("nan")
     if isinstance(seconds, bool) or not shortest <= value <= longest:  # nan fails both comparisons
-        raise InputError(f"`seconds` {seconds!r} is out of range: from {allowed}", "seconds")
+        raise InputError(f"`seconds` {_shown(seconds)} is out of range: from {allowed}", "seconds")
     return step * round(value * fps / step) + 1
 
 
@@ -505,7 +515,7 @@ def _pop_n(body: dict[str, Any]) -> int:
     if n is None:
         return 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise InputError(f"`n` must be an integer in [1, {MAX_N}] (got {n!r}); n images run as n jobs with "
+        raise InputError(f"`n` must be an integer in [1, {MAX_N}] (got {_shown(n)}); n images run as n jobs with "
                          "successive seeds", "n")
     return n
 
@@ -520,14 +530,14 @@ def _pop_image_options(body: dict[str, Any]) -> dict[str, Any]:
     """
     fmt = body.pop("response_format", None) or "b64_json"
     if fmt not in RESPONSE_FORMATS:
-        raise InputError(f"`response_format` must be one of {list(RESPONSE_FORMATS)} (got {fmt!r})", "response_format")
+        raise InputError(f"`response_format` must be one of {list(RESPONSE_FORMATS)} (got {_shown(fmt)})", "response_format")
     quality = body.pop("quality", None) or "auto"
     if quality not in QUALITIES:
-        raise InputError(f"`quality` must be one of {list(QUALITIES)} (got {quality!r}); it changes nothing here: "
+        raise InputError(f"`quality` must be one of {list(QUALITIES)} (got {_shown(quality)}); it changes nothing here: "
                          "the config's steps decide", "quality")
     output_format = body.pop("output_format", None) or "png"
     if output_format != "png":
-        raise InputError(f"`output_format` {output_format!r}: this server writes png only", "output_format")
+        raise InputError(f"`output_format` {_shown(output_format)}: this server writes png only", "output_format")
     stream = body.pop("stream", None)
     if stream not in (None, False, "false"):
         raise InputError("`stream`: streamed (partial) images are not offered; leave `stream` unset", "stream")

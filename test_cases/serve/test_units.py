@@ -384,3 +384,49 @@ def test_seconds_in_range_become_frames(tmp_path: Path, seconds: Any, frames: in
     from runnerkit.serve.app import _frames_of
 
     assert _frames_of(seconds, _wan_i2v_state(tmp_path), 8) == frames
+
+
+def _qwen_edit_state(tmp_path: Path) -> Any:
+    """A ServerState over the tiny Qwen-Image edit runner (i2i: `image` and up to 2 `extra_images`), only
+    built (no checkpoint is read)."""
+    import json
+
+    from runnerkit.serve.app import ServerState
+    from test_cases.conftest import REPO
+
+    data = json.loads((REPO / "configs" / "qwen_image" / "qwen_image_edit_tiny.json").read_text())
+    data.pop("synthetic_checkpoint")
+    data.update(model_path=str(tmp_path / "absent"), device="cpu")
+    config = load_runner_config(None, data)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    return ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None, phase="ready")
+
+
+def _png(side: int = 64) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.effect_noise((side, side), 50).convert("RGB").save(buf, format="PNG")  # noise: a few KB, as a real upload
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("field", ["mask", "prompt", "quality", "response_format", "output_format", "n", "size"])
+def test_a_refused_file_part_is_named_without_echoing_its_bytes(tmp_path: Path, field: str) -> None:
+    """images.edit's `mask` (or a file part sent as any other field) is refused naming the field and
+    "an uploaded file of N bytes", never the file's contents."""
+    from runnerkit.serve.app import _pop_image_options, _pop_n, build_request
+
+    state = _qwen_edit_state(tmp_path)
+    png = _png()
+    folder = tmp_path / "job"
+    folder.mkdir()
+    body = {"prompt": "x", "image": png, field: png}
+    with pytest.raises(InputError) as exc:
+        _pop_image_options(body)
+        _pop_n(body)
+        build_request(state, body, folder)
+    message = str(exc.value)
+    assert exc.value.field == field and f"an uploaded file of {len(png)} bytes" in message, message
+    assert "PNG" not in message and "\\x" not in message and len(message) < 300, message
