@@ -194,7 +194,7 @@ async def read_body(request: Request) -> dict[str, Any]:
 
 async def _form_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
     """A form's parts as body fields. Several `image` parts (OpenAI's `image[]` of images.edit) are
-    the first image and then `extra_images`."""
+    a list, the first image and then the references (`extra_images`, split by build_request)."""
     fields: dict[str, Any] = {}
     for key, part in items:
         name = key[:-2] if key.endswith("[]") else key
@@ -203,8 +203,8 @@ async def _form_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
             value = int(value)
         if name == EXTRA_IMAGES_FIELD:
             fields.setdefault(name, []).append(value)
-        elif name in fields and name == "image":
-            fields.setdefault(EXTRA_IMAGES_FIELD, []).append(value)
+        elif name in fields and name == "image":  # build_request splits them (errors name `image[k]`, as sent)
+            fields[name] = [*fields[name], value] if isinstance(fields[name], list) else [fields[name], value]
         elif name in fields:
             raise InputError(f"`{name}` is given twice in the form", name)
         else:
@@ -253,11 +253,25 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         if "target_video_length" in body:
             raise InputError("give `seconds` or `target_video_length`, not both", "seconds")
         body["target_video_length"] = _frames_of(seconds, state, fps)
+    # Several `image`s (images.edit's `image[]` parts): the image, then the references, named as sent:
+    # `image[k + 1]` is `extra_images[k]`.
+    image_parts = isinstance(body.get("image"), list) and len(body["image"]) > 1
+    extra_name, offset = ("image", 1) if image_parts else (EXTRA_IMAGES_FIELD, 0)
+    if image_parts:
+        if EXTRA_IMAGES_FIELD in body:
+            raise InputError(f"give several `image`s or `image` and `{EXTRA_IMAGES_FIELD}`, not both", "image")
+        body["image"], *body[EXTRA_IMAGES_FIELD] = body["image"]
+    elif isinstance(body.get("image"), list) and body["image"]:
+        body["image"] = body["image"][0]
     images = {name: _decode_image(body.pop(name), name) for name in IMAGE_FIELDS if name in body}
     extra = body.pop(EXTRA_IMAGES_FIELD, None)
     if extra is not None and (not isinstance(extra, list) or not extra):
         raise InputError(f"`{EXTRA_IMAGES_FIELD}` must be a non-empty list of images", EXTRA_IMAGES_FIELD)
-    extra_raw = [_decode_image(v, f"{EXTRA_IMAGES_FIELD}[{k}]") for k, v in enumerate(extra or [])]
+    if extra is not None and len(extra) > MAX_EXTRA_IMAGES:
+        raise InputError(f"`{extra_name}` holds {len(extra) + offset} images; a request takes at most "
+                         f"{MAX_EXTRA_IMAGES + offset}" + (f" (the image and {MAX_EXTRA_IMAGES} references)"
+                                                           if offset else ""), extra_name)
+    extra_raw = [_decode_image(v, f"{extra_name}[{k + offset}]") for k, v in enumerate(extra or [])]
     shown = dict(body)
     for name, raw in images.items():
         path = folder / f"{name}{image_extension(raw)}"
@@ -281,12 +295,13 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     # A field the client sent under another name is named as sent (`param`).
     sent = {**({"target_width": "size", "target_height": "size"} if size not in (None, "auto") else {}),
             **({"target_video_length": "seconds"} if seconds is not None else {}),
-            **({"image": INPUT_REFERENCE} if reference else {})}
+            **({"image": INPUT_REFERENCE} if reference else {}), "extra_image_paths": extra_name}
     try:
         request = RequestConfig.model_validate(body)
     except ValidationError as exc:
         name = _first_field(exc)
-        raise InputError(format_validation_error(exc, "request"), sent.get(name or "", name)) from None
+        raise InputError(_api_wording(format_validation_error(exc, "request"), folder),
+                         sent.get(name or "", name)) from None
     try:
         type(runner).validate_request(request, runner.config)  # type: ignore[attr-defined]
     except ValueError as exc:
@@ -295,7 +310,15 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         name = {**{v: k for k, v in IMAGE_FIELDS.items()}, "extra_image_paths": EXTRA_IMAGES_FIELD}.get(name or "", name)
         if name is not None and name.startswith("extra_image_paths["):
             name = EXTRA_IMAGES_FIELD + name[len("extra_image_paths"):]
-        raise InputError(_api_wording(str(exc), folder), sent.get(name or "", name)) from None
+        message = _api_wording(str(exc), folder)
+        if image_parts:  # the references were sent as `image[1]`, `image[2]`, ...
+            message = re.sub(r"`extra_images` holds (\d+) image\(s\); task (\S+) takes at most (\d+) after `image`",
+                             lambda m: f"`image` holds {int(m[1]) + 1} images; task {m[2]} takes at most "
+                                       f"{int(m[3]) + 1} (the image and {m[3]} references)", message)
+            message = re.sub(r"`extra_images\[(\d+)\]`", lambda m: f"`image[{int(m[1]) + 1}]`", message)
+            name = re.sub(r"^extra_images(?:\[(\d+)\])?$",
+                          lambda m: "image" if m[1] is None else f"image[{int(m[1]) + 1}]", name or "") or None
+        raise InputError(message, sent.get(name or "", name)) from None
     shape = runner.request_shape(request)  # type: ignore[attr-defined]
     try:
         runner.check_fit(shape, "request")  # type: ignore[attr-defined]

@@ -430,3 +430,30 @@ def test_a_refused_file_part_is_named_without_echoing_its_bytes(tmp_path: Path, 
     message = str(exc.value)
     assert exc.value.field == field and f"an uploaded file of {len(png)} bytes" in message, message
     assert "PNG" not in message and "\\x" not in message and len(message) < 300, message
+
+
+@pytest.mark.parametrize(("parts", "param", "says"), [
+    (4, "image", "`image` holds 4 images; task 'i2i' takes at most 3 (the image and 2 references)"),
+    (9, "image", "`image` holds 9 images; a request takes at most 8 (the image and 7 references)"),
+    ("bad second", "image[1]", "`image[1]` (uploaded) is not an image"),
+])
+def test_images_edit_image_parts_are_named_as_sent(tmp_path: Path, parts: Any, param: str, says: str) -> None:
+    """images.edit sends every image as an `image[]` part (the first the image, the others references): an error
+    about the references names `image` / `image[k]` as sent, never `extra_images`, which the client did not send."""
+    import asyncio
+
+    from runnerkit.serve.app import _form_fields, build_request
+
+    state = _qwen_edit_state(tmp_path)
+    png = _png()
+    images = [png, b"not an image"] if parts == "bad second" else [png] * parts
+    body = asyncio.run(_form_fields([("prompt", "x"), *[("image[]", im) for im in images]]))
+    folder = tmp_path / "job"
+    folder.mkdir()
+    with pytest.raises(InputError) as exc:
+        build_request(state, body, folder)
+    assert exc.value.field == param and says in str(exc.value), (exc.value.field, str(exc.value))
+    assert "extra_images" not in str(exc.value)
+    _, shown, _ = build_request(state, asyncio.run(_form_fields([("prompt", "x"), ("image[]", png), ("image[]", png)])),
+                                folder)  # two parts: the image and one reference, reported as before
+    assert shown == {"prompt": "x", "image": f"{len(png)} bytes", "extra_images": [f"{len(png)} bytes"]}
