@@ -490,7 +490,7 @@ def create_app(state: ServerState) -> FastAPI:
                     pngs[j.id] = j.result_path.read_bytes()
             if await request.is_disconnected():
                 for j in jobs:
-                    state.queue.cancel(j.id)
+                    state.queue.cancel(j.id, "the client disconnected")
                 return Response(status_code=499)
             await asyncio.sleep(0.02)
         bad = [j for j in jobs if j.status != "completed"]

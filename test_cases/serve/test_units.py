@@ -457,3 +457,60 @@ def test_images_edit_image_parts_are_named_as_sent(tmp_path: Path, parts: Any, p
     _, shown, _ = build_request(state, asyncio.run(_form_fields([("prompt", "x"), ("image[]", png), ("image[]", png)])),
                                 folder)  # two parts: the image and one reference, reported as before
     assert shown == {"prompt": "x", "image": f"{len(png)} bytes", "extra_images": [f"{len(png)} bytes"]}
+
+
+@pytest.mark.parametrize("reason", ["DELETE", "the client disconnected"])
+def test_a_queued_job_cancelled_logs_one_info_line(tmp_path: Path, reason: str) -> None:
+    """Cancelling a queued job (DELETE, or images.generate's client gone) logs one INFO line with the job id,
+    that it was queued and why; a second cancel of the same job logs nothing more."""
+    from loguru import logger
+
+    queue = JobQueue(tmp_path, 4, None, None)
+    folder = tmp_path / "job_q"
+    folder.mkdir()
+    job = Job(id="job_q", kind="image", request=RequestConfig(prompt="a"), folder=folder, fields={})
+    queue.submit(job)
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(f"{m.record['level'].name} {m.record['message']}"), level="DEBUG")
+    try:
+        queue.cancel(job.id, reason)
+        queue.cancel(job.id, reason)
+    finally:
+        logger.remove(sink)
+    assert job.status == "cancelled"
+    assert lines == [f"INFO job job_q cancelled while queued ({reason})"], lines
+
+
+def test_images_generate_client_gone_cancels_its_queued_jobs_and_logs_why(tmp_path: Path) -> None:
+    """The endpoint itself (no HTTP client): the client disconnects while its 2 jobs wait in the queue (no
+    worker runs); both are cancelled, each with one INFO line naming the disconnect."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from loguru import logger
+    from starlette.requests import Request
+
+    from runnerkit.serve.app import create_app
+
+    state = _qwen_edit_state(tmp_path)
+    state.metrics = SimpleNamespace(queue_depth=SimpleNamespace(set=lambda v: None))
+    raw = json.dumps({"prompt": "x", "n": 2, "image": base64.b64encode(_png()).decode()}).encode()
+    sent = []
+
+    async def receive() -> dict[str, Any]:
+        sent.append(1)
+        return {"type": "http.request", "body": raw, "more_body": False} if len(sent) == 1 else {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/images/edits", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "server": ("t", 80), "scheme": "http"}
+    route = next(r for r in create_app(state).routes if getattr(r, "path", None) == "/v1/images/edits")
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="INFO", filter=lambda r: "cancelled" in r["message"])
+    try:
+        reply = asyncio.run(route.endpoint(Request(scope, receive)))
+    finally:
+        logger.remove(sink)
+    jobs = state.queue.list()
+    assert reply.status_code == 499 and [j.status for j in jobs] == ["cancelled"] * 2
+    assert lines == [f"job {j.id} cancelled while queued (the client disconnected)" for j in jobs], lines
