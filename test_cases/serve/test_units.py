@@ -514,3 +514,19 @@ def test_images_generate_client_gone_cancels_its_queued_jobs_and_logs_why(tmp_pa
     jobs = state.queue.list()
     assert reply.status_code == 499 and [j.status for j in jobs] == ["cancelled"] * 2
     assert lines == [f"job {j.id} cancelled while queued (the client disconnected)" for j in jobs], lines
+
+
+def test_output_dir_that_is_a_file_is_named_a_file(tmp_path: Path) -> None:
+    """`--output_dir` naming an existing file (or a path under one) says it is a file, not a folder (not the
+    OS's "cannot be created: File exists"); a missing folder is created."""
+    from runnerkit.config import ConfigError
+    from runnerkit.serve.server import prepare_output_dir
+
+    file = tmp_path / "passwd"
+    file.write_text("x")
+    with pytest.raises(ConfigError, match=r"--output_dir '.*passwd' is a file, not a folder; ") as exc:
+        prepare_output_dir(str(file))
+    assert "File exists" not in str(exc.value)
+    with pytest.raises(ConfigError, match=rf"is a file, not a folder: {str(file)!r} above it"):
+        prepare_output_dir(str(file / "out"))
+    assert prepare_output_dir(str(tmp_path / "a" / "b")) == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()
