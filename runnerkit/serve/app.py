@@ -553,10 +553,12 @@ def _pop_image_options(body: dict[str, Any]) -> dict[str, Any]:
     """
     fmt = body.pop("response_format", None) or "b64_json"
     if fmt not in RESPONSE_FORMATS:
-        raise InputError(f"`response_format` must be one of {list(RESPONSE_FORMATS)} (got {_shown(fmt)})", "response_format")
+        raise InputError(f"`response_format` must be one of {list(RESPONSE_FORMATS)} (got {_shown(fmt)})",
+                         "response_format")
     quality = body.pop("quality", None) or "auto"
     if quality not in QUALITIES:
-        raise InputError(f"`quality` must be one of {list(QUALITIES)} (got {_shown(quality)}); it changes nothing here: "
+        raise InputError(f"`quality` must be one of {list(QUALITIES)} (got {_shown(quality)}); it changes nothing "
+                         "here: "
                          "the config's steps decide", "quality")
     output_format = body.pop("output_format", None) or "png"
     if output_format != "png":

@@ -327,8 +327,8 @@ def _image_state(tmp_path: Path, max_queue: int) -> Any:
     from runnerkit.serve.app import ServerState
 
     runner = SimpleNamespace(RESULT_KINDS={"t2i": "image"}, config=SimpleNamespace(task="t2i", model_cls="x"))
-    return ServerState(runner=runner, queue=JobQueue(tmp_path, max_queue, None, None), metrics=None,  # type: ignore[arg-type]
-                       phase="ready")
+    queue = JobQueue(tmp_path, max_queue, None, None)
+    return ServerState(runner=runner, queue=queue, metrics=None, phase="ready")  # type: ignore[arg-type]
 
 
 def test_n_above_max_queue_is_422_naming_n_not_429(tmp_path: Path) -> None:
@@ -500,13 +500,16 @@ def test_images_generate_client_gone_cancels_its_queued_jobs_and_logs_why(tmp_pa
 
     async def receive() -> dict[str, Any]:
         sent.append(1)
-        return {"type": "http.request", "body": raw, "more_body": False} if len(sent) == 1 else {"type": "http.disconnect"}
+        if len(sent) == 1:
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return {"type": "http.disconnect"}
 
     scope = {"type": "http", "method": "POST", "path": "/v1/images/edits", "query_string": b"", "root_path": "",
              "headers": [(b"content-type", b"application/json")], "server": ("t", 80), "scheme": "http"}
     route = next(r for r in create_app(state).routes if getattr(r, "path", None) == "/v1/images/edits")
     lines: list[str] = []
-    sink = logger.add(lambda m: lines.append(m.record["message"]), level="INFO", filter=lambda r: "cancelled" in r["message"])
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="INFO",
+                      filter=lambda r: "cancelled" in r["message"])
     try:
         reply = asyncio.run(route.endpoint(Request(scope, receive)))
     finally:
