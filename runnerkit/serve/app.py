@@ -42,7 +42,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
-from runnerkit.config import MAX_EXTRA_IMAGES, RequestConfig, format_validation_error
+from runnerkit.config import MAX_EXTRA_IMAGES, MAX_FRAMES, RequestConfig, format_validation_error
 from runnerkit.serve.jobs import FINAL, Job, JobQueue, QueueClosed, QueueFull
 
 if TYPE_CHECKING:  # torch and the runners are imported after the port opened (server.py)
@@ -114,6 +114,11 @@ def error(status: int, message: str, field: str | None = None, headers: dict[str
 def _first_field(exc: ValidationError) -> str | None:
     errors = exc.errors()
     return ".".join(str(p) for p in errors[0]["loc"]) if errors and errors[0]["loc"] else None
+
+
+def _shown(value: Any) -> str:
+    """A body value as an error message shows it: its repr, but never a file's contents (a form's file part)."""
+    return f"an uploaded file of {len(value)} bytes" if isinstance(value, bytes) else repr(value)
 
 
 def _decode_image(value: Any, name: str) -> bytes:
@@ -189,7 +194,7 @@ async def read_body(request: Request) -> dict[str, Any]:
 
 async def _form_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
     """A form's parts as body fields. Several `image` parts (OpenAI's `image[]` of images.edit) are
-    the first image and then `extra_images`."""
+    a list, the first image and then the references (`extra_images`, split by build_request)."""
     fields: dict[str, Any] = {}
     for key, part in items:
         name = key[:-2] if key.endswith("[]") else key
@@ -198,8 +203,8 @@ async def _form_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
             value = int(value)
         if name == EXTRA_IMAGES_FIELD:
             fields.setdefault(name, []).append(value)
-        elif name in fields and name == "image":
-            fields.setdefault(EXTRA_IMAGES_FIELD, []).append(value)
+        elif name in fields and name == "image":  # build_request splits them (errors name `image[k]`, as sent)
+            fields[name] = [*fields[name], value] if isinstance(fields[name], list) else [fields[name], value]
         elif name in fields:
             raise InputError(f"`{name}` is given twice in the form", name)
         else:
@@ -233,12 +238,12 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         body["image"] = _decode_image(body.pop(INPUT_REFERENCE), INPUT_REFERENCE)  # its errors name it as sent
     model = body.pop("model", None)
     if model is not None and model != runner.config.model_cls:
-        raise InputError(f"`model` {model!r}: this server serves {runner.config.model_cls!r}", "model")
+        raise InputError(f"`model` {_shown(model)}: this server serves {runner.config.model_cls!r}", "model")
     size = body.pop("size", None)
     if size is not None and size != "auto":  # "auto" (OpenAI): the config's size
         m = re.fullmatch(r"(\d+)x(\d+)", str(size))
         if m is None:
-            raise InputError(f"`size` must be WIDTHxHEIGHT, e.g. \"832x480\" (got {size!r})", "size")
+            raise InputError(f"`size` must be WIDTHxHEIGHT, e.g. \"832x480\" (got {_shown(size)})", "size")
         if "target_width" in body or "target_height" in body:
             raise InputError("give `size` or `target_width`/`target_height`, not both", "size")
         body["target_width"], body["target_height"] = int(m.group(1)), int(m.group(2))
@@ -248,11 +253,25 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         if "target_video_length" in body:
             raise InputError("give `seconds` or `target_video_length`, not both", "seconds")
         body["target_video_length"] = _frames_of(seconds, state, fps)
+    # Several `image`s (images.edit's `image[]` parts): the image, then the references, named as sent:
+    # `image[k + 1]` is `extra_images[k]`.
+    image_parts = isinstance(body.get("image"), list) and len(body["image"]) > 1
+    extra_name, offset = ("image", 1) if image_parts else (EXTRA_IMAGES_FIELD, 0)
+    if image_parts:
+        if EXTRA_IMAGES_FIELD in body:
+            raise InputError(f"give several `image`s or `image` and `{EXTRA_IMAGES_FIELD}`, not both", "image")
+        body["image"], *body[EXTRA_IMAGES_FIELD] = body["image"]
+    elif isinstance(body.get("image"), list) and body["image"]:
+        body["image"] = body["image"][0]
     images = {name: _decode_image(body.pop(name), name) for name in IMAGE_FIELDS if name in body}
     extra = body.pop(EXTRA_IMAGES_FIELD, None)
     if extra is not None and (not isinstance(extra, list) or not extra):
         raise InputError(f"`{EXTRA_IMAGES_FIELD}` must be a non-empty list of images", EXTRA_IMAGES_FIELD)
-    extra_raw = [_decode_image(v, f"{EXTRA_IMAGES_FIELD}[{k}]") for k, v in enumerate(extra or [])]
+    if extra is not None and len(extra) > MAX_EXTRA_IMAGES:
+        raise InputError(f"`{extra_name}` holds {len(extra) + offset} images; a request takes at most "
+                         f"{MAX_EXTRA_IMAGES + offset}" + (f" (the image and {MAX_EXTRA_IMAGES} references)"
+                                                           if offset else ""), extra_name)
+    extra_raw = [_decode_image(v, f"{extra_name}[{k + offset}]") for k, v in enumerate(extra or [])]
     shown = dict(body)
     for name, raw in images.items():
         path = folder / f"{name}{image_extension(raw)}"
@@ -268,15 +287,21 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     if seconds is not None:
         shown["seconds"] = seconds
         del shown["target_video_length"]
+    for name, value in body.items():  # a file part in a text field, or a field not taken (`mask`): never echo its bytes
+        if isinstance(value, bytes):
+            what = "is not a request field" if name not in RequestConfig.model_fields else "takes text, not a file"
+            raise InputError(f"`{name}` ({_shown(value)}) {what}; the images a request takes: "
+                             f"{[*IMAGE_FIELDS, EXTRA_IMAGES_FIELD]}", name)
     # A field the client sent under another name is named as sent (`param`).
     sent = {**({"target_width": "size", "target_height": "size"} if size not in (None, "auto") else {}),
             **({"target_video_length": "seconds"} if seconds is not None else {}),
-            **({"image": INPUT_REFERENCE} if reference else {})}
+            **({"image": INPUT_REFERENCE} if reference else {}), "extra_image_paths": extra_name}
     try:
         request = RequestConfig.model_validate(body)
     except ValidationError as exc:
         name = _first_field(exc)
-        raise InputError(format_validation_error(exc, "request"), sent.get(name or "", name)) from None
+        raise InputError(_api_wording(format_validation_error(exc, "request"), folder),
+                         sent.get(name or "", name)) from None
     try:
         type(runner).validate_request(request, runner.config)  # type: ignore[attr-defined]
     except ValueError as exc:
@@ -285,7 +310,15 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         name = {**{v: k for k, v in IMAGE_FIELDS.items()}, "extra_image_paths": EXTRA_IMAGES_FIELD}.get(name or "", name)
         if name is not None and name.startswith("extra_image_paths["):
             name = EXTRA_IMAGES_FIELD + name[len("extra_image_paths"):]
-        raise InputError(_api_wording(str(exc), folder), sent.get(name or "", name)) from None
+        message = _api_wording(str(exc), folder)
+        if image_parts:  # the references were sent as `image[1]`, `image[2]`, ...
+            message = re.sub(r"`extra_images` holds (\d+) image\(s\); task (\S+) takes at most (\d+) after `image`",
+                             lambda m: f"`image` holds {int(m[1]) + 1} images; task {m[2]} takes at most "
+                                       f"{int(m[3]) + 1} (the image and {m[3]} references)", message)
+            message = re.sub(r"`extra_images\[(\d+)\]`", lambda m: f"`image[{int(m[1]) + 1}]`", message)
+            name = re.sub(r"^extra_images(?:\[(\d+)\])?$",
+                          lambda m: "image" if m[1] is None else f"image[{int(m[1]) + 1}]", name or "") or None
+        raise InputError(message, sent.get(name or "", name)) from None
     shape = runner.request_shape(request)  # type: ignore[attr-defined]
     try:
         runner.check_fit(shape, "request")  # type: ignore[attr-defined]
@@ -301,17 +334,29 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
 
 def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
     """OpenAI's `seconds` (a string such as "4", or a number) as frames: (frames - 1) / fps seconds,
-    rounded to the nearest frame count the model takes (TEMPORAL_FACTOR * k + 1)."""
+    rounded to the nearest frame count the model takes (TEMPORAL_FACTOR * k + 1).
+
+    Allowed: from one temporal step (TEMPORAL_FACTOR / fps seconds) to the request's frame limit
+    ((MAX_FRAMES - 1) / fps, `target_video_length`'s bound); nothing outside is silently corrected
+    (a one-frame video is `target_video_length: 1`).
+
+    Raises:
+        InputError: naming `seconds`, the value and the allowed range.
+    """
     if state.kind != "video":
         raise InputError("`seconds` is for video tasks; this server makes images", "seconds")
+    step = getattr(state.runner, "TEMPORAL_FACTOR", 1)
+    max_frames = step * ((MAX_FRAMES - 1) // step) + 1  # the longest clip the model takes
+    shortest, longest = step / fps, (max_frames - 1) / fps
+    allowed = (f"{shortest:g} to {longest:g} seconds ({step} to {max_frames - 1} frame intervals at {fps} fps; "
+               f"`target_video_length: 1` for a single frame)")
     try:
         value = float(seconds)
     except (TypeError, ValueError):
-        value = -1.0
-    if not 0 < value <= 3600 or isinstance(seconds, bool):
-        raise InputError(f"`seconds` must be a positive number of seconds, e.g. \"4\" (got {seconds!r})", "seconds")
-    step = getattr(state.runner, "TEMPORAL_FACTOR", 1)
-    return max(1, step * round(value * fps / step) + 1)
+        value = float("nan")
+    if isinstance(seconds, bool) or not shortest <= value <= longest:  # nan fails both comparisons
+        raise InputError(f"`seconds` {_shown(seconds)} is out of range: from {allowed}", "seconds")
+    return step * round(value * fps / step) + 1
 
 
 def _api_wording(message: str, folder: Path) -> str:
@@ -429,6 +474,9 @@ def create_app(state: ServerState) -> FastAPI:
             body = await read_body(request)
             options = _pop_image_options(body)
             n = _pop_n(body)
+            if n > state.queue.max_queue:  # never fits, however long the client waits: not 429 (retried)
+                raise InputError(f"`n` {n}: n images run as n jobs, and this server queues at most "
+                                 f"{state.queue.max_queue} (--max_queue); ask for n <= {state.queue.max_queue}", "n")
         except InputError as exc:
             return error(exc.status, str(exc), exc.field)
         done = queue_jobs("image", body, n)
@@ -442,7 +490,7 @@ def create_app(state: ServerState) -> FastAPI:
                     pngs[j.id] = j.result_path.read_bytes()
             if await request.is_disconnected():
                 for j in jobs:
-                    state.queue.cancel(j.id)
+                    state.queue.cancel(j.id, "the client disconnected")
                 return Response(status_code=499)
             await asyncio.sleep(0.02)
         bad = [j for j in jobs if j.status != "completed"]
@@ -490,7 +538,7 @@ def _pop_n(body: dict[str, Any]) -> int:
     if n is None:
         return 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise InputError(f"`n` must be an integer in [1, {MAX_N}] (got {n!r}); n images run as n jobs with "
+        raise InputError(f"`n` must be an integer in [1, {MAX_N}] (got {_shown(n)}); n images run as n jobs with "
                          "successive seeds", "n")
     return n
 
@@ -505,14 +553,16 @@ def _pop_image_options(body: dict[str, Any]) -> dict[str, Any]:
     """
     fmt = body.pop("response_format", None) or "b64_json"
     if fmt not in RESPONSE_FORMATS:
-        raise InputError(f"`response_format` must be one of {list(RESPONSE_FORMATS)} (got {fmt!r})", "response_format")
+        raise InputError(f"`response_format` must be one of {list(RESPONSE_FORMATS)} (got {_shown(fmt)})",
+                         "response_format")
     quality = body.pop("quality", None) or "auto"
     if quality not in QUALITIES:
-        raise InputError(f"`quality` must be one of {list(QUALITIES)} (got {quality!r}); it changes nothing here: "
+        raise InputError(f"`quality` must be one of {list(QUALITIES)} (got {_shown(quality)}); it changes nothing "
+                         "here: "
                          "the config's steps decide", "quality")
     output_format = body.pop("output_format", None) or "png"
     if output_format != "png":
-        raise InputError(f"`output_format` {output_format!r}: this server writes png only", "output_format")
+        raise InputError(f"`output_format` {_shown(output_format)}: this server writes png only", "output_format")
     stream = body.pop("stream", None)
     if stream not in (None, False, "false"):
         raise InputError("`stream`: streamed (partial) images are not offered; leave `stream` unset", "stream")

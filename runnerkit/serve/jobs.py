@@ -189,8 +189,9 @@ class JobQueue:
             self.running = job
             return job
 
-    def cancel(self, job_id: str) -> Job | None:
-        """Cancel a queued job (never runs) or ask a running one to stop at its next boundary."""
+    def cancel(self, job_id: str, reason: str = "DELETE") -> Job | None:
+        """Cancel a queued job (never runs; logged here with `reason`) or ask a running one to stop at its
+        next boundary (the worker logs where it stopped)."""
         with self._lock:
             job = self.jobs.get(job_id)
             if job is None or job.status in FINAL:
@@ -201,6 +202,7 @@ class JobQueue:
                 shutil.rmtree(job.folder, ignore_errors=True)
                 job.completed_at = time.time()
                 job.status = "cancelled"  # last, as in Worker.run_job
+                logger.info("job {} cancelled while queued ({})", job_id, reason)
             return job
 
     def delete(self, job_id: str) -> bool:

@@ -86,6 +86,28 @@ def main(argv: list[str] | None = None) -> int:
     return serve(args)
 
 
+def prepare_output_dir(value: str) -> Path:
+    """`--output_dir` as an absolute folder, created if missing.
+
+    Raises:
+        ConfigError: naming `--output_dir` and the value: it, or a folder above it, is a file; or it
+            cannot be created (the OS's reason).
+    """
+    from runnerkit.config import ConfigError
+
+    output_dir = Path(value).expanduser().absolute()
+    existing = next(p for p in (output_dir, *output_dir.parents) if p.exists())
+    if not existing.is_dir():
+        where = "" if existing == output_dir else f": {str(existing)!r} above it"
+        raise ConfigError(f"--output_dir {value!r} is a file, not a folder{where}; give a folder (it is created "
+                          "if missing)")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--output_dir {value!r} cannot be created: {exc.strerror or exc}") from None
+    return output_dir
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -109,11 +131,7 @@ def serve(args: argparse.Namespace) -> int:
                  "device": args.device, "warmup": True if args.warmup else None}
     try:
         config = load_runner_config(args.config_json, overrides)
-        output_dir = Path(args.output_dir).expanduser().absolute()
-        try:
-            output_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"--output_dir {args.output_dir!r} cannot be created: {exc.strerror or exc}") from None
+        output_dir = prepare_output_dir(args.output_dir)
         check_writable(str(output_dir / "probe.mp4"), "--output_dir")
     except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
         logger.error("invalid input: {}", exc)

@@ -300,3 +300,236 @@ def test_input_reference_is_the_first_frame_and_seconds_the_length(tmp_path: Pat
         with pytest.raises(InputError) as exc:
             build_request(state, {"prompt": "x", "input_reference": jpeg, **body}, folder)
         assert exc.value.field == param, exc.value
+
+
+def _call(app: Any, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST `body` as JSON to the app's route `path`, calling its endpoint directly (no HTTP client)."""
+    import asyncio
+    import json
+
+    from starlette.requests import Request
+
+    raw = json.dumps(body).encode()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json")],
+             "query_string": b"", "server": ("t", 80), "scheme": "http", "root_path": ""}
+    route = next(r for r in app.routes if getattr(r, "path", None) == path)
+    reply = asyncio.run(route.endpoint(Request(scope, receive)))
+    return reply.status_code, json.loads(reply.body)
+
+
+def _image_state(tmp_path: Path, max_queue: int) -> Any:
+    from types import SimpleNamespace
+
+    from runnerkit.serve.app import ServerState
+
+    runner = SimpleNamespace(RESULT_KINDS={"t2i": "image"}, config=SimpleNamespace(task="t2i", model_cls="x"))
+    queue = JobQueue(tmp_path, max_queue, None, None)
+    return ServerState(runner=runner, queue=queue, metrics=None, phase="ready")  # type: ignore[arg-type]
+
+
+def test_n_above_max_queue_is_422_naming_n_not_429(tmp_path: Path) -> None:
+    """`n` images are `n` jobs: above --max_queue they can never fit, so 422 naming `n` (a 429 is retried
+    forever by the openai client), refused before anything is queued."""
+    from runnerkit.serve.app import create_app
+
+    state = _image_state(tmp_path, max_queue=2)
+    app = create_app(state)
+    for path in ("/v1/images/generations", "/v1/images/edits"):
+        status, body = _call(app, path, {"prompt": "x", "n": 3})
+        assert (status, body["error"]["param"]) == (422, "n"), body
+        assert "3" in body["error"]["message"] and "--max_queue" in body["error"]["message"]
+        assert "retry" not in body["error"]["message"]
+    assert state.queue.jobs == {} and not list(tmp_path.iterdir())
+
+
+def _wan_i2v_state(tmp_path: Path) -> Any:
+    """A ServerState over the tiny Wan i2v runner, only built (no checkpoint is read)."""
+    import json
+
+    from runnerkit.serve.app import ServerState
+    from test_cases.conftest import REPO
+
+    data = json.loads((REPO / "configs" / "wan" / "wan_i2v_tiny.json").read_text())
+    data.pop("synthetic_checkpoint")
+    data.update(model_path=str(tmp_path / "absent"), device="cpu")
+    config = load_runner_config(None, data)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    return ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None, phase="ready")
+
+
+@pytest.mark.parametrize("seconds", ["0.1", "0.2", "1000", "129", "3601", "-1", "nan", "four"])
+def test_seconds_out_of_range_names_seconds_and_the_range_in_seconds(tmp_path: Path, seconds: str) -> None:
+    """`seconds` outside [TEMPORAL_FACTOR / fps, (MAX_FRAMES - 1) / fps] (Wan at 8 fps: 0.5 to 128 s) is refused
+    with one message naming `seconds`, the value and that range: not a `target_video_length` error (a field the
+    client never sent), no hidden cap of its own, and a short clip is never silently made one frame."""
+    from runnerkit.config import MAX_FRAMES
+    from runnerkit.serve.app import _frames_of
+
+    state = _wan_i2v_state(tmp_path)
+    fps = state.runner.config.fps
+    assert (fps, state.runner.TEMPORAL_FACTOR, MAX_FRAMES) == (8, 4, 1025)
+    with pytest.raises(InputError) as exc:
+        _frames_of(seconds, state, fps)
+    message = str(exc.value)
+    assert exc.value.field == "seconds" and "target_video_length`" not in message.split(";")[0], message
+    assert f"`seconds` {seconds!r}" in message and "0.5 to 128 seconds" in message, message
+
+
+@pytest.mark.parametrize(("seconds", "frames"), [("0.5", 5), ("0.75", 9), ("128", 1025), (4, 33)])
+def test_seconds_in_range_become_frames(tmp_path: Path, seconds: Any, frames: int) -> None:
+    from runnerkit.serve.app import _frames_of
+
+    assert _frames_of(seconds, _wan_i2v_state(tmp_path), 8) == frames
+
+
+def _qwen_edit_state(tmp_path: Path) -> Any:
+    """A ServerState over the tiny Qwen-Image edit runner (i2i: `image` and up to 2 `extra_images`), only
+    built (no checkpoint is read)."""
+    import json
+
+    from runnerkit.serve.app import ServerState
+    from test_cases.conftest import REPO
+
+    data = json.loads((REPO / "configs" / "qwen_image" / "qwen_image_edit_tiny.json").read_text())
+    data.pop("synthetic_checkpoint")
+    data.update(model_path=str(tmp_path / "absent"), device="cpu")
+    config = load_runner_config(None, data)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    return ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None, phase="ready")
+
+
+def _png(side: int = 64) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.effect_noise((side, side), 50).convert("RGB").save(buf, format="PNG")  # noise: a few KB, as a real upload
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("field", ["mask", "prompt", "quality", "response_format", "output_format", "n", "size"])
+def test_a_refused_file_part_is_named_without_echoing_its_bytes(tmp_path: Path, field: str) -> None:
+    """images.edit's `mask` (or a file part sent as any other field) is refused naming the field and
+    "an uploaded file of N bytes", never the file's contents."""
+    from runnerkit.serve.app import _pop_image_options, _pop_n, build_request
+
+    state = _qwen_edit_state(tmp_path)
+    png = _png()
+    folder = tmp_path / "job"
+    folder.mkdir()
+    body = {"prompt": "x", "image": png, field: png}
+    with pytest.raises(InputError) as exc:
+        _pop_image_options(body)
+        _pop_n(body)
+        build_request(state, body, folder)
+    message = str(exc.value)
+    assert exc.value.field == field and f"an uploaded file of {len(png)} bytes" in message, message
+    assert "PNG" not in message and "\\x" not in message and len(message) < 300, message
+
+
+@pytest.mark.parametrize(("parts", "param", "says"), [
+    (4, "image", "`image` holds 4 images; task 'i2i' takes at most 3 (the image and 2 references)"),
+    (9, "image", "`image` holds 9 images; a request takes at most 8 (the image and 7 references)"),
+    ("bad second", "image[1]", "`image[1]` (uploaded) is not an image"),
+])
+def test_images_edit_image_parts_are_named_as_sent(tmp_path: Path, parts: Any, param: str, says: str) -> None:
+    """images.edit sends every image as an `image[]` part (the first the image, the others references): an error
+    about the references names `image` / `image[k]` as sent, never `extra_images`, which the client did not send."""
+    import asyncio
+
+    from runnerkit.serve.app import _form_fields, build_request
+
+    state = _qwen_edit_state(tmp_path)
+    png = _png()
+    images = [png, b"not an image"] if parts == "bad second" else [png] * parts
+    body = asyncio.run(_form_fields([("prompt", "x"), *[("image[]", im) for im in images]]))
+    folder = tmp_path / "job"
+    folder.mkdir()
+    with pytest.raises(InputError) as exc:
+        build_request(state, body, folder)
+    assert exc.value.field == param and says in str(exc.value), (exc.value.field, str(exc.value))
+    assert "extra_images" not in str(exc.value)
+    _, shown, _ = build_request(state, asyncio.run(_form_fields([("prompt", "x"), ("image[]", png), ("image[]", png)])),
+                                folder)  # two parts: the image and one reference, reported as before
+    assert shown == {"prompt": "x", "image": f"{len(png)} bytes", "extra_images": [f"{len(png)} bytes"]}
+
+
+@pytest.mark.parametrize("reason", ["DELETE", "the client disconnected"])
+def test_a_queued_job_cancelled_logs_one_info_line(tmp_path: Path, reason: str) -> None:
+    """Cancelling a queued job (DELETE, or images.generate's client gone) logs one INFO line with the job id,
+    that it was queued and why; a second cancel of the same job logs nothing more."""
+    from loguru import logger
+
+    queue = JobQueue(tmp_path, 4, None, None)
+    folder = tmp_path / "job_q"
+    folder.mkdir()
+    job = Job(id="job_q", kind="image", request=RequestConfig(prompt="a"), folder=folder, fields={})
+    queue.submit(job)
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(f"{m.record['level'].name} {m.record['message']}"), level="DEBUG")
+    try:
+        queue.cancel(job.id, reason)
+        queue.cancel(job.id, reason)
+    finally:
+        logger.remove(sink)
+    assert job.status == "cancelled"
+    assert lines == [f"INFO job job_q cancelled while queued ({reason})"], lines
+
+
+def test_images_generate_client_gone_cancels_its_queued_jobs_and_logs_why(tmp_path: Path) -> None:
+    """The endpoint itself (no HTTP client): the client disconnects while its 2 jobs wait in the queue (no
+    worker runs); both are cancelled, each with one INFO line naming the disconnect."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from loguru import logger
+    from starlette.requests import Request
+
+    from runnerkit.serve.app import create_app
+
+    state = _qwen_edit_state(tmp_path)
+    state.metrics = SimpleNamespace(queue_depth=SimpleNamespace(set=lambda v: None))
+    raw = json.dumps({"prompt": "x", "n": 2, "image": base64.b64encode(_png()).decode()}).encode()
+    sent = []
+
+    async def receive() -> dict[str, Any]:
+        sent.append(1)
+        if len(sent) == 1:
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/images/edits", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "server": ("t", 80), "scheme": "http"}
+    route = next(r for r in create_app(state).routes if getattr(r, "path", None) == "/v1/images/edits")
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="INFO",
+                      filter=lambda r: "cancelled" in r["message"])
+    try:
+        reply = asyncio.run(route.endpoint(Request(scope, receive)))
+    finally:
+        logger.remove(sink)
+    jobs = state.queue.list()
+    assert reply.status_code == 499 and [j.status for j in jobs] == ["cancelled"] * 2
+    assert lines == [f"job {j.id} cancelled while queued (the client disconnected)" for j in jobs], lines
+
+
+def test_output_dir_that_is_a_file_is_named_a_file(tmp_path: Path) -> None:
+    """`--output_dir` naming an existing file (or a path under one) says it is a file, not a folder (not the
+    OS's "cannot be created: File exists"); a missing folder is created."""
+    from runnerkit.config import ConfigError
+    from runnerkit.serve.server import prepare_output_dir
+
+    file = tmp_path / "passwd"
+    file.write_text("x")
+    with pytest.raises(ConfigError, match=r"--output_dir '.*passwd' is a file, not a folder; ") as exc:
+        prepare_output_dir(str(file))
+    assert "File exists" not in str(exc.value)
+    with pytest.raises(ConfigError, match=rf"is a file, not a folder: {str(file)!r} above it"):
+        prepare_output_dir(str(file / "out"))
+    assert prepare_output_dir(str(tmp_path / "a" / "b")) == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()
