@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,14 +48,6 @@ GROUP_ATTN = LTX2AudioVAEArch(base_channels=128, ch_mult=(1, 1), num_res_blocks=
                               norm_type="group", causality_axis="none", mid_block_add_attention=True,
                               attn_resolutions=(128,))
 """GroupNorm, no causality, attention in the middle and at the finest level (no release uses these)."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _perturbed(factory: Callable[[], torch.nn.Module], scale: float = 0.1, seed: int = 0) -> torch.nn.Module:

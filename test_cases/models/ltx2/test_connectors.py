@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -33,14 +32,6 @@ NO_REGISTERS = LTX2ConnectorsArch(**{**TINY_CONNECTORS.model_dump(), "rope_type"
                                      "audio_connector_num_learnable_registers": None})
 """diffusers' own test layout: padding masked in attention instead of replaced, interleaved RoPE."""
 VARIANTS = {"2.0": TINY_CONNECTORS, "2.3": TINY23_CONNECTORS, "no-registers-interleaved": NO_REGISTERS}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _pair(arch: LTX2ConnectorsArch, seed: int = 0) -> tuple[torch.nn.Module, LTX2TextConnectors]:

@@ -4,7 +4,6 @@ patchify, stream spec, errors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -93,15 +92,6 @@ def _inputs(arch: LTX2TransformerArch, task: str, batch: int, split_sigmas: bool
 @torch.no_grad()
 def _run_reference(model: torch.nn.Module, kw: dict[str, Any], use_cross_timestep: bool) -> tuple[torch.Tensor, ...]:
     return model(**kw, use_cross_timestep=use_cross_timestep, return_dict=False)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny matmuls: a second thread only adds sync cost, and on a loaded machine it costs 3x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=["2.0", "2.3"])
