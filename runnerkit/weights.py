@@ -26,12 +26,14 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
+from loguru import logger
 from safetensors import safe_open
 from torch import nn
 
@@ -127,6 +129,22 @@ def assign_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], co
         raise CheckpointError(f"{component}: tensors left on the meta device after loading: {short_list(leftover)}")
     return module
 
+
+def load_on_meta(factory: Callable[[], M], state_dict: dict[str, torch.Tensor], component: str,
+                 dtype: torch.dtype | None = None) -> M:
+    """Build a network on the meta device, load `state_dict` strictly (`assign_state_dict`), put it
+    in eval mode without gradients, and log one line with its tensors, GiB and seconds.
+
+    Raises:
+        CheckpointError: listing missing / unexpected keys or shape mismatches.
+    """
+    start = time.perf_counter()
+    module = build_on_meta(factory)
+    assign_state_dict(module, state_dict, component=component, dtype=dtype)
+    module.eval().requires_grad_(False)
+    gib = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**30
+    logger.info(f"{component}: loaded {len(state_dict)} tensors ({gib:.3f} GiB) in {time.perf_counter() - start:.2f} s")
+    return module
 
 def check_tensors(expected: Mapping[str, torch.Tensor], found: Mapping[str, TensorInfo], component: str) -> None:
     """Refuse checkpoint tensors that cannot load into a network, naming the file and the tensor.

@@ -25,17 +25,15 @@ than x2 (x1.5 etc.), which no model of this pipeline uses.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from runnerkit.models.ltx2.vae import denormalize_latents, normalize_latents
-from runnerkit.weights import assign_state_dict, build_on_meta
+from runnerkit.weights import load_on_meta
 
 GROUPS = 32
 """GroupNorm groups of every norm of the upsampler (`mid_channels` must be a multiple)."""
@@ -155,12 +153,7 @@ def build_ltx2_latent_upsampler(arch: LTX2LatentUpsamplerArch, state_dict: dict[
     Raises:
         CheckpointError: listing missing / unexpected keys or shape mismatches.
     """
-    start = time.perf_counter()
-    model = build_on_meta(lambda: LTX2LatentUpsampler(arch))
-    assign_state_dict(model, state_dict, component="latent_upsampler", dtype=dtype)
-    model.eval().requires_grad_(False)
-    logger.info(f"latent_upsampler: loaded {len(state_dict)} tensors in {time.perf_counter() - start:.2f} s")
-    return model
+    return load_on_meta(lambda: LTX2LatentUpsampler(arch), state_dict, component="latent_upsampler", dtype=dtype)
 
 
 # ---- latent handling of LTX2LatentUpsamplePipeline ------------------------------------------

@@ -26,11 +26,9 @@ head and Gemma-4 (other networks of later releases).
 
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.nn.functional as F
-from loguru import logger
 from torch import Tensor, nn
 
 from runnerkit.models.ltx2.vae_arch import STRIDES, LTX2VideoVAEArch, PaddingMode
@@ -42,7 +40,7 @@ from runnerkit.models.ltx2.vae_blocks import (
     make_downsampler,
     pixel_norm,
 )
-from runnerkit.weights import assign_state_dict, build_on_meta
+from runnerkit.weights import load_on_meta
 
 
 def normalize_latents(latents: Tensor, mean: Tensor, std: Tensor, scaling_factor: float = 1.0) -> Tensor:
@@ -344,10 +342,4 @@ def build_ltx2_video_vae(arch: LTX2VideoVAEArch, state_dict: dict[str, Tensor],
     Raises:
         CheckpointError: listing missing / unexpected keys or shape mismatches.
     """
-    start = time.perf_counter()
-    vae = build_on_meta(lambda: LTX2VideoVAE(arch))
-    assign_state_dict(vae, state_dict, component="vae", dtype=dtype)
-    vae.eval().requires_grad_(False)
-    gib = sum(p.numel() * p.element_size() for p in vae.parameters()) / 2**30
-    logger.info(f"vae: loaded {len(state_dict)} tensors ({gib:.3f} GiB) in {time.perf_counter() - start:.2f} s")
-    return vae
+    return load_on_meta(lambda: LTX2VideoVAE(arch), state_dict, component="vae", dtype=dtype)

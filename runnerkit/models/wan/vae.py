@@ -9,17 +9,15 @@ translate its config.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from loguru import logger
 from torch import Tensor, nn
 
 from runnerkit.models.wan.arch import WanVAEArch
 from runnerkit.models.wan.vae_blocks import CausalConv3d, Decoder3d, Encoder3d, FeatureCache
-from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta
+from runnerkit.weights import CheckpointError, load_on_meta
 
 # Frames per encoder chunk after the first frame (the reference's fixed chunking); it equals
 # the temporal compression, so each chunk becomes one latent frame.
@@ -249,13 +247,7 @@ def build_wan_vae(arch: WanVAEArch, state_dict: dict[str, Tensor], dtype: torch.
     Raises:
         CheckpointError: listing missing / unexpected keys or shape mismatches.
     """
-    start = time.perf_counter()
-    vae = build_on_meta(lambda: WanVAE(arch))
-    assign_state_dict(vae, state_dict, component="vae", dtype=dtype)
-    vae.eval().requires_grad_(False)
-    gib = sum(p.numel() * p.element_size() for p in vae.parameters()) / 2**30
-    logger.info(f"vae: loaded {len(state_dict)} tensors ({gib:.3f} GiB) in {time.perf_counter() - start:.2f} s")
-    return vae
+    return load_on_meta(lambda: WanVAE(arch), state_dict, component="vae", dtype=dtype)
 
 
 # ---- diffusers <-> native key names -------------------------------------------------------

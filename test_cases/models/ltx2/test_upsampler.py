@@ -20,6 +20,7 @@ from runnerkit.models.ltx2.upsampler import (
 from runnerkit.models.ltx2.vae_arch import TINY_LTX2_VIDEO_VAE
 from runnerkit.weights import build_on_meta
 from test_cases._reference import require_reference
+from test_cases.models.ltx2._parity import randn, report
 
 diffusers = require_reference("diffusers")
 from diffusers.pipelines.ltx2 import LTX2LatentUpsamplePipeline, LTX2Pipeline  # noqa: E402
@@ -57,17 +58,6 @@ def vae() -> torch.nn.Module:
     vae.latents_mean.copy_(0.5 * torch.randn(8))
     vae.latents_std.copy_(0.5 + 1.5 * torch.rand(8))
     return vae
-
-
-def randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
-def report(name: str, got: torch.Tensor, expected: torch.Tensor) -> float:
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    err = (got.float() - expected.float()).abs().max().item()
-    print(f"{name}: max abs error {err:.3e} (reference max |x| {expected.abs().max().item():.2f})")
-    return err
 
 
 def test_module_parity(pair: tuple[str, LTX2LatentUpsampler, LTX2LatentUpsamplerModel]) -> None:

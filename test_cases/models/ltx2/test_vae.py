@@ -16,6 +16,7 @@ from runnerkit.models.ltx2.vae_arch import (
 )
 from runnerkit.weights import build_on_meta
 from test_cases._reference import require_reference
+from test_cases.models.ltx2._parity import randn, report
 
 diffusers = require_reference("diffusers")
 from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline  # noqa: E402
@@ -61,17 +62,6 @@ def pair(request: pytest.FixtureRequest) -> tuple[str, LTX2VideoVAE, torch.nn.Mo
     arch = VARIANTS[request.param]
     reference = reference_vae(arch, seed=0)
     return request.param, build_ltx2_video_vae(arch, dict(reference.state_dict())), reference
-
-
-def randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
-def report(name: str, got: torch.Tensor, expected: torch.Tensor) -> float:
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    err = (got.float() - expected.float()).abs().max().item()
-    print(f"{name}: max abs error {err:.3e} (reference max |x| {expected.abs().max().item():.2f})")
-    return err
 
 
 # ---- decoder ------------------------------------------------------------------------------
