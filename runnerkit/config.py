@@ -195,7 +195,14 @@ class RunnerConfig(_Strict):
 
     model_cls: str = Field(description="Registered runner name (runnerkit.registry; `runnerkit --help` lists them).")
     task: str = Field("t2v", description="Task of the runner, e.g. 't2v'.")
-    model_path: str | None = Field(None, description="Checkpoint folder (runnerkit, original or diffusers layout).")
+    model_path: str | None = Field(None, description="Checkpoint folder (runnerkit, original or diffusers layout), or "
+                                   "a single-file release (.safetensors) where the family loads one.")
+    text_encoder_path: str | None = Field(
+        None, description="Text encoder folder (transformers layout) of a single-file release; a checkpoint folder holds "
+                          "its own (families that take it: its README section).")
+    upsampler_path: str | None = Field(
+        None, description="Latent upsampler file (.safetensors) of a single-file two-stage release; a checkpoint folder "
+                          "holds its own.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Compute dtype of transformer and text encoder.")
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
     infer_steps: int | None = Field(None, ge=1, le=1000, description="Denoising steps (None: the family's default).")

@@ -32,7 +32,8 @@ def pin_memory_enabled(cfg: OffloadConfig) -> bool:
 
 def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device: torch.device,
                   dtype: torch.dtype, component: str, state_dict: Mapping[str, torch.Tensor] | None = None,
-                  files: list[Path] | None = None, key_map: Mapping[str, str] | None = None) -> BlockStreamer:
+                  files: list[Path] | None = None, key_map: Mapping[str, str] | None = None,
+                  shared_files: bool = False) -> BlockStreamer:
     """Load the resident part of meta-built `model` onto `device` and stream its blocks.
 
     Args:
@@ -43,6 +44,8 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
         cfg: offload config (`mode` block/phase, `storage`, slots, prefetch, reader, weight_dtype).
         state_dict: all tensors in model names (storage "cpu").
         files, key_map: the checkpoint's safetensors files and model name -> file name (storage "disk").
+        shared_files: the files also hold other networks' tensors (a single-file release): only the
+            keys of `key_map` are checked and read (the caller has checked the rest of the file).
 
     Raises:
         CheckpointError: a damaged safetensors file (storage "disk"), missing or unexpected
@@ -67,7 +70,8 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
         reader = SafetensorsDiskReader(files, reader=cfg.reader)
         inverse = {v: k for k, v in key_map.items()}
         # names, shapes and dtypes from the headers, before any weight is read
-        check_tensors(expected, {inverse.get(n, n): entry for n, entry in reader.index.items()}, component)
+        check_tensors(expected, {inverse.get(n, n): entry for n, entry in reader.index.items()
+                                 if not shared_files or n in inverse}, component)
         # non-block weights first: their short-lived handles close before any block fetch opens one
         loaded = reader.load_tensors([key_map.get(n, n) for n in resident])
         resident_tensors = {inverse.get(k, k): v for k, v in loaded.items()}

@@ -68,9 +68,17 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
     EXTRA_IMAGES: ClassVar[dict[str, int]] = {}
     #: The kind of each task's primary output (what `save_result_path` holds); default "video".
     RESULT_KINDS: ClassVar[dict[str, OutputKind]] = {}
+    #: Config paths of separately shipped modules this family reads (`text_encoder_path`,
+    #: `upsampler_path`); any other one set in the config is refused.
+    MODULE_PATHS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
+        for key in ("text_encoder_path", "upsampler_path"):
+            value = getattr(self.config, key)
+            if value is not None and key not in self.MODULE_PATHS:
+                raise ValueError(f"`{key}` ({value!r}) is not read by {self.config.model_cls!r}: its checkpoint folder "
+                                 "holds that module; remove it from the config")
         regional_compile.check_supported(self.config.compile, self.config.offload, self.config.unload_modules,
                                          self.device)
         self.pipeline: Pipeline | None = None
@@ -123,6 +131,11 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """Latents of the previous stage -> this stage's initial latents (default: `model(latents)`)."""
         with torch.inference_mode():
             return model(latents)
+
+    def condition_latents(self, stage: DenoiseStage, sched: Scheduler, init_latents: torch.Tensor | None) -> None:
+        """Family hook, right after `stage`'s scheduler drew its start (`sched.latents`, float32):
+        write conditioned tokens into it, e.g. an image-to-video model's clean first frame
+        (`init_latents`: what the stage started from, None for the first stage). Default: nothing."""
 
     def clear_request_state(self) -> None:
         """Family hook: drop request-specific caches (RoPE tables, VAE feature caches, branch state)."""
@@ -183,7 +196,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
 
     def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
         """A fresh scheduler of `stage` (no request state)."""
-        return SCHEDULERS[stage.scheduler](shift=stage.shift, spacing=stage.spacing)
+        return SCHEDULERS[stage.scheduler](shift=stage.shift, spacing=stage.spacing, sigmas=stage.sigmas)
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -365,14 +378,17 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
 
     def run_denoise_stage(self, info: InputInfo, stage: DenoiseStage, sched: Scheduler,
                           init_latents: torch.Tensor | None, warmup: bool = False) -> torch.Tensor:
-        """prepare -> (step_pre -> select_transformer -> run_step -> step_post)* -> the stage's latents.
+        """prepare -> condition_latents -> (step_pre -> select_transformer -> run_step -> step_post)*
+        -> the stage's latents.
 
         Warmup runs `warmup_steps` only; a non-consecutive jump resets the solver history (only
         for schedulers that keep one). The chosen transformer is kept on the device while
         consecutive steps use it (an MoE switch moves the other expert in).
         """
         sched.prepare(stage.latent_shape(info), stage.steps, info.seed, self.device, self.dtype,
-                      init_latents=init_latents, strength=stage.strength)
+                      init_latents=init_latents, strength=stage.strength,
+                      noise_shapes=stage.noise_shapes(info) if stage.noise_shapes is not None else None)
+        self.condition_latents(stage, sched, init_latents)
         order = self.warmup_steps(stage, sched) if warmup else list(range(sched.infer_steps))
         if warmup:
             self._warmup_steps_run[stage.name] = order

@@ -126,6 +126,11 @@ class DenoiseStage:
         transition: module run on the previous stage's latents before this stage (e.g. a latent
             upsampler), through `DefaultRunner.run_transition`; profiled under its module name.
         latent_shape: `info -> latent shape` of this stage (e.g. [B, C, F', H', W']).
+        sigmas: a fixed sigma table (a step-distilled model's trained schedule), used as given
+            instead of `shift` and `spacing`; `steps` must equal its length. None: the spacing's.
+        noise_shapes: `info -> shapes` when the latents are several parts drawn separately
+            (e.g. video and audio tokens): one noise draw per shape, in order, flattened after the
+            batch dim and concatenated into `latent_shape` (`Scheduler.prepare`). None: one draw.
     """
 
     name: str
@@ -137,6 +142,8 @@ class DenoiseStage:
     latent_shape: Callable[[InputInfo], tuple[int, ...]]
     strength: float = 1.0
     transition: str | None = None
+    sigmas: tuple[float, ...] | None = None
+    noise_shapes: Callable[[InputInfo], tuple[tuple[int, ...], ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,8 @@ class Pipeline:
                 problems.append(f"denoise stage {s.name!r} has steps={s.steps} (>= 1 needed)")
             if not 0 < s.strength <= 1 or (i == 0 and s.strength != 1.0):
                 problems.append(f"denoise stage {s.name!r} has strength={s.strength} (first stage 1.0, others in (0, 1])")
+            if s.sigmas is not None and len(s.sigmas) != s.steps:
+                problems.append(f"denoise stage {s.name!r} has steps={s.steps} but a table of {len(s.sigmas)} sigmas")
             if i == 0 and s.transition is not None:
                 problems.append(f"the first denoise stage {s.name!r} cannot have a transition")
         keys = [o.key for o in self.outputs]

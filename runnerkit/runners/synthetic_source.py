@@ -52,6 +52,8 @@ class SyntheticCheckpointSource:
     config: Any
     dtype: Any
     arch_override: Any
+    #: The layout a synthetic checkpoint is written in when the runner writes one itself.
+    SYNTHETIC_LAYOUT: str = "runnerkit"
 
     def open_checkpoint(self, path: Path, raw: bool = False) -> Any:
         """The family's checkpoint at `path` (`raw`: without the config's `model` over it)."""
@@ -102,7 +104,7 @@ class SyntheticCheckpointSource:
         path = self.checkpoint_path()
         if self._synthetic_pending(path):
             type(self).write_synthetic_checkpoint(cfg, path, cfg.synthetic_checkpoint.seed, self.dtype,  # type: ignore[attr-defined]
-                                                  "runnerkit")
+                                                  self.SYNTHETIC_LAYOUT)
         ckpt = self.open_checkpoint(path)
         seed = synthetic_seed_of(path)
         if seed is not None:

@@ -20,6 +20,8 @@ holds the model. Warmup may jump straight to a later step with `set_step` (ARCHI
 from __future__ import annotations
 
 import abc
+import math
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -58,7 +60,8 @@ class Scheduler(abc.ABC):
     """True if the update at step i depends on earlier steps (multistep solvers). Warmup resets
     such a scheduler between non-consecutive steps."""
 
-    def __init__(self, num_train_timesteps: int = 1000, shift: float = 5.0, *, spacing: Spacing) -> None:
+    def __init__(self, num_train_timesteps: int = 1000, shift: float = 5.0, *, spacing: Spacing,
+                 sigmas: Sequence[float] | None = None) -> None:
         """Build a scheduler with no request state.
 
         Args:
@@ -69,10 +72,17 @@ class Scheduler(abc.ABC):
                 `"train_range"` (over the training range, `spacing.train_range_schedule`) or `"diffusers"` (diffusers'
                 scheduler of the same solver). No default: the two give different outputs, and
                 the choice belongs to the model family (config `scheduler_spacing`).
+            sigmas: a fixed table of sigmas, one per step, used as given (no shift, no spacing):
+                the trained schedule of a step-distilled model (e.g. 8 values from 1.0 down). A
+                request must then run exactly `len(sigmas)` steps; timesteps are
+                `float32(sigma) * num_train_timesteps`, and a final sigma 0 is appended, as
+                diffusers' `FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=...)` gives them
+                with `shift` 1 and no dynamic shifting.
 
         Raises:
             ValueError: `num_train_timesteps` < 1 (< 2 with the "train_range" spacing, whose training
-                sigmas would all be 0), `shift` <= 0, or an unknown `spacing`.
+                sigmas would all be 0), `shift` <= 0, an unknown `spacing`, or `sigmas` empty, outside
+                (0, 1] or not strictly decreasing.
         """
         if not isinstance(num_train_timesteps, int) or num_train_timesteps < 1:
             raise ValueError(f"`num_train_timesteps` must be an integer >= 1, got {num_train_timesteps!r}")
@@ -83,6 +93,12 @@ class Scheduler(abc.ABC):
         if spacing == "train_range" and num_train_timesteps < 2:
             raise ValueError(f"`num_train_timesteps` must be >= 2 with spacing 'train_range', "
                              f"got {num_train_timesteps!r}")
+        if sigmas is not None:
+            table = [float(x) for x in sigmas]
+            if not table or not all(0 < x <= 1 for x in table) or any(b >= a for a, b in zip(table, table[1:])):
+                raise ValueError(f"`sigmas` must be a non-empty, strictly decreasing table of values in (0, 1], "
+                                 f"got {list(sigmas)!r}")
+        self.fixed_sigmas: tuple[float, ...] | None = tuple(float(x) for x in sigmas) if sigmas is not None else None
         self.num_train_timesteps = num_train_timesteps
         self.shift = float(shift)
         self.spacing: Spacing = spacing
@@ -118,6 +134,7 @@ class Scheduler(abc.ABC):
         dtype: torch.dtype = torch.float32,
         init_latents: torch.Tensor | None = None,
         strength: float = 1.0,
+        noise_shapes: Sequence[tuple[int, ...]] | None = None,
     ) -> None:
         """Start a request (or a later denoise stage): draw the noise, compute sigmas and timesteps.
 
@@ -140,10 +157,17 @@ class Scheduler(abc.ABC):
                 (as diffusers' image-to-image: the first `infer_steps - round(infer_steps *
                 strength)` steps are skipped); the start is the flow-matching forward process at
                 the first remaining sigma, `(1 - sigma) * init_latents + sigma * noise`.
+            noise_shapes: latents made of several parts (e.g. video and audio tokens): the noise
+                is drawn as one `randn` per shape, in order, each flattened after the batch dim
+                and the parts concatenated, then viewed as `latent_shape` (the numbers of elements
+                must add up). This reproduces a reference that draws each part's noise in its own
+                shape from one generator. None: one draw of `latent_shape`.
 
         Raises:
             ValueError: `infer_steps` < 1, a dim of `latent_shape` <= 0, `dtype` not floating,
-                `init_latents` of another shape, or `strength` outside (0, 1] or leaving no step.
+                `init_latents` of another shape, `strength` outside (0, 1] or leaving no step,
+                `noise_shapes` whose batch dims or sizes do not make `latent_shape`, or a fixed
+                `sigmas` table of another length than `infer_steps`.
         """
         if not isinstance(infer_steps, int) or infer_steps < 1:
             raise ValueError(f"`infer_steps` must be an integer >= 1, got {infer_steps!r}")
@@ -158,6 +182,15 @@ class Scheduler(abc.ABC):
             raise ValueError(f"`strength` must be in (0, 1] and leave at least one of {infer_steps} steps, got {strength!r}")
         if init_latents is None and strength != 1.0:
             raise ValueError(f"`strength` {strength!r} needs `init_latents` (pure noise always runs the whole schedule)")
+        if self.fixed_sigmas is not None and infer_steps != len(self.fixed_sigmas):
+            raise ValueError(f"`infer_steps` must be {len(self.fixed_sigmas)}: the scheduler runs a fixed table of "
+                             f"{len(self.fixed_sigmas)} sigmas {list(self.fixed_sigmas)}, got {infer_steps!r}")
+        parts = [tuple(latent_shape)] if noise_shapes is None else [tuple(p) for p in noise_shapes]
+        if noise_shapes is not None and (
+                not parts or any(len(p) < 1 or p[0] != latent_shape[0] or min(p) <= 0 for p in parts)
+                or sum(math.prod(p) for p in parts) != math.prod(latent_shape)):
+            raise ValueError(f"`noise_shapes` {parts!r} must share the batch dim of `latent_shape` "
+                             f"{tuple(latent_shape)} and hold as many elements in all")
 
         generator = self.generator
         self._reset_request_state()
@@ -165,7 +198,10 @@ class Scheduler(abc.ABC):
             generator = torch.Generator("cpu").manual_seed(seed)
         self.generator = generator
 
-        noise = torch.randn(tuple(latent_shape), generator=generator, dtype=torch.float32, device="cpu")
+        draws = [torch.randn(p, generator=generator, dtype=torch.float32, device="cpu") for p in parts]
+        batch = latent_shape[0]
+        noise = (draws[0] if len(draws) == 1 else torch.cat([d.reshape(batch, -1) for d in draws], dim=1))
+        noise = noise.reshape(tuple(latent_shape))
         sigmas, timesteps = self._schedule(infer_steps)
         sigmas, timesteps = sigmas[skip:], timesteps[skip:]  # [S' + 1], [S']
         if init_latents is None:
@@ -267,6 +303,9 @@ class Scheduler(abc.ABC):
 
     def _schedule(self, infer_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(sigmas [infer_steps + 1] float32, timesteps [infer_steps])` of `self.spacing`, on the CPU."""
+        if self.fixed_sigmas is not None:
+            sigmas = torch.tensor([*self.fixed_sigmas, 0.0], dtype=torch.float32)  # [S + 1]
+            return sigmas, sigmas[:-1] * self.num_train_timesteps
         if self.spacing == "train_range":
             return train_range_schedule(infer_steps, self.shift, self.num_train_timesteps)
         return self._diffusers_schedule(infer_steps)

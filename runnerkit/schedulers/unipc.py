@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import math
 
 import numpy as np
@@ -67,7 +69,7 @@ class FlowUniPCScheduler(Scheduler):
     keeps_history = True
 
     def __init__(self, num_train_timesteps: int = 1000, shift: float = 5.0, solver_order: int = 2, *,
-                 spacing: Spacing) -> None:
+                 spacing: Spacing, sigmas: Sequence[float] | None = None) -> None:
         """Build the scheduler.
 
         Args:
@@ -75,6 +77,7 @@ class FlowUniPCScheduler(Scheduler):
             shift: SD3 time shift of the sigmas (a family default, e.g. 5.0).
             solver_order: 2 (the references' choice) or 1 (predictor and corrector of first order).
             spacing: `"train_range"` or `"diffusers"` (see the class docstring).
+            sigmas: a fixed sigma table used as given (`Scheduler.__init__`).
 
         Raises:
             ValueError: `solver_order` not in (1, 2), or a base argument out of range.
@@ -82,7 +85,7 @@ class FlowUniPCScheduler(Scheduler):
         if solver_order not in (1, 2):
             raise ValueError(f"`solver_order` must be 1 or 2, got {solver_order!r}")
         self.solver_order = solver_order
-        super().__init__(num_train_timesteps=num_train_timesteps, shift=shift, spacing=spacing)
+        super().__init__(num_train_timesteps=num_train_timesteps, shift=shift, spacing=spacing, sigmas=sigmas)
 
     def reset_history(self) -> None:
         """Drop the solver history (x0 predictions, corrector input), keeping latents and sigmas.

@@ -45,7 +45,8 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--config", required=True, help="runner JSON config whose `model` (or defaults) gives the architecture")
     p.add_argument("--out", required=True, help="output folder: new, empty, or an earlier synthetic checkpoint (replaced)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of transformer and text encoder weights")
-    p.add_argument("--layout", default="runnerkit", help="checkpoint layout of the family (e.g. runnerkit, original, diffusers)")
+    p.add_argument("--layout", default=None, help="checkpoint layout of the family (e.g. runnerkit, original, diffusers; "
+                   "default: the one the family writes for `synthetic_checkpoint`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generator_device", default="cpu", help="draw the random values on this device (cuda: fast)")
     p.add_argument("--transformer_only", action="store_true", help="write only the transformer (runnerkit layout)")
@@ -60,6 +61,8 @@ def _main(argv: list[str] | None) -> int:
         family = get_runner_cls(config.model_cls, config.task)
         if not family.CHECKPOINT_LAYOUTS:
             raise ConfigError(f"`model_cls` {config.model_cls!r} cannot write synthetic checkpoints")
+        if args.layout is None:
+            args.layout = getattr(family, "SYNTHETIC_LAYOUT", family.CHECKPOINT_LAYOUTS[0])
         if args.layout not in family.CHECKPOINT_LAYOUTS:
             raise ConfigError(f"--layout {args.layout!r} is not a layout of {config.model_cls!r}; "
                               f"allowed: {list(family.CHECKPOINT_LAYOUTS)}")

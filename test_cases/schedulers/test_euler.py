@@ -131,3 +131,52 @@ def test_errors_name_the_argument() -> None:
 def test_registry_and_history_flag() -> None:
     assert SCHEDULERS == {"unipc": SCHEDULERS["unipc"], "euler": FlowEulerScheduler}
     assert FlowEulerScheduler.keeps_history is False
+
+
+# ---- a fixed sigma table (step-distilled models) and latents of several parts -------------------
+DISTILLED = (1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875)  # diffusers ltx2/utils.py
+
+
+@pytest.mark.parametrize("table", [DISTILLED, DISTILLED[5:]])
+def test_fixed_sigma_table_matches_diffusers_trajectory_exactly(table: tuple[float, ...]) -> None:
+    """diffusers' Euler with `sigmas=table`, shift 1 and no dynamic shifting uses the table as given;
+    ours gives the same sigmas, timesteps and latents, bit for bit."""
+    ref = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
+    ref.set_timesteps(sigmas=list(table), device="cpu")
+    ref.set_begin_index(0)
+    s = FlowEulerScheduler(shift=1.0, spacing="diffusers", sigmas=table)
+    s.prepare(LATENT_SHAPE, len(table), seed=3, device="cpu")
+    assert torch.equal(s.sigmas, ref.sigmas) and torch.equal(s.timesteps, ref.timesteps)
+    x = s.latents.clone()
+    for i, t in enumerate(ref.timesteps):
+        latents, timestep = s.step_pre(i)
+        v = fake_velocity(latents, i)
+        s.step_post(v)
+        x = ref.step(v, t, x, return_dict=False)[0]
+        assert torch.equal(s.latents, x), f"step {i}"
+
+
+def test_fixed_sigma_table_refuses_another_step_count_and_bad_tables() -> None:
+    s = FlowEulerScheduler(shift=1.0, spacing="diffusers", sigmas=DISTILLED)
+    with pytest.raises(ValueError, match=r"`infer_steps` must be 8: .*fixed table"):
+        s.prepare(LATENT_SHAPE, 4, seed=0, device="cpu")
+    for bad in ((), (1.0, 1.0), (0.5, 0.7), (1.2, 0.5), (0.5, 0.0)):
+        with pytest.raises(ValueError, match="`sigmas` must be a non-empty, strictly decreasing table"):
+            FlowEulerScheduler(shift=1.0, spacing="diffusers", sigmas=bad)
+
+
+def test_noise_of_several_parts_is_each_part_drawn_in_its_own_shape_in_order() -> None:
+    """Video noise [1, 4, 2, 3, 5] then audio noise [1, 2, 7, 4] from one generator: the latents
+    are their flat concatenation (not one draw of the joint shape: CPU randn fills in blocks)."""
+    video, audio = (1, 4, 2, 3, 5), (1, 2, 7, 4)
+    n = 4 * 2 * 3 * 5 + 2 * 7 * 4
+    s = FlowEulerScheduler(shift=1.0, spacing="diffusers")
+    s.prepare((1, n), 2, seed=11, device="cpu", noise_shapes=(video, audio))
+    g = torch.Generator().manual_seed(11)
+    expected = torch.cat([torch.randn(video, generator=g).flatten(1), torch.randn(audio, generator=g).flatten(1)], 1)
+    assert torch.equal(s.latents, expected)
+    assert not torch.equal(s.latents, torch.randn((1, n), generator=torch.Generator().manual_seed(11)))
+    with pytest.raises(ValueError, match="`noise_shapes`"):
+        s.prepare((1, n + 1), 2, seed=11, device="cpu", noise_shapes=(video, audio))
+    with pytest.raises(ValueError, match="`noise_shapes`"):
+        s.prepare((1, n), 2, seed=11, device="cpu", noise_shapes=(video, (2, 2, 7, 2)))

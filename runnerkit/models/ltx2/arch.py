@@ -141,3 +141,15 @@ def tiny_ltx2_arch(version: Version) -> LTX2Arch:
         vocoder=aa.TINY_VOCODER_BWE if latest else aa.TINY_VOCODER,
         latent_upsampler=up.LTX2LatentUpsamplerArch(in_channels=8, mid_channels=32, num_blocks_per_stage=1,
                                                     use_rational_resampler=not latest))
+
+
+def tiny_pipeline_arch(version: Version) -> LTX2Arch:
+    """A tiny arch whose components chain into a runnable two-stage pipeline (configs/ltx2/*_tiny.json,
+    runner tests): the transformer takes the video VAE's 8 latent channels and the audio VAE's packed
+    16 (4 channels x 4 latent mel bins), its text widths are the connectors' (2.0: the caption width
+    16, projected inside; 2.3: video 32, audio 8), the upsampler the VAE's 8 channels."""
+    base = tiny_ltx2_arch(version)
+    widths = ({"attention_head_dim": 8, "cross_attention_dim": 32} if version == "2.3" else {})
+    transformer = ta.tiny_arch(version, in_channels=8, out_channels=8, audio_in_channels=16, audio_out_channels=16,
+                               **widths)
+    return base.model_copy(update={"transformer": transformer})

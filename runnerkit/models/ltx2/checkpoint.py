@@ -268,6 +268,24 @@ class LTX2Checkpoint:
         return ({n: loaded[k] for n, k in kmap.items()},
                 {n: loaded[s].float().reshape(()) for n, s in scales.items()})
 
+    def read_tensors(self, component: str, names: list[str]) -> dict[str, torch.Tensor]:
+        """Only the tensors `names` (model names) of `component`, as stored (e.g. the VAE's latent
+        statistics, without reading its weights).
+
+        Raises:
+            CheckpointError: a name the checkpoint does not hold (listed).
+        """
+        kmap = self.key_map(component, names)
+        missing = [n for n in names if kmap[n] not in self._index[component]]
+        if missing:
+            raise CheckpointError(f"{component}: {', '.join(map(str, self.files(component)))} holds no {missing}")
+        reader = SafetensorsDiskReader(sorted({self._index[component][kmap[n]].path for n in names}))
+        try:
+            loaded = reader.load_tensors([kmap[n] for n in names])
+        finally:
+            reader.close()
+        return {n: loaded[kmap[n]] for n in names}
+
     def load(self, component: str, dtype: torch.dtype | None = None, device: torch.device | None = None) -> nn.Module:
         """`component`'s network with the checkpoint's weights (built on meta, strict, assign=True).
 

@@ -25,6 +25,8 @@ projects); diffusers' own defaults differ (max_shift 1.15, max_image_seq_len 409
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import json
 import math
 from pathlib import Path
@@ -237,13 +239,14 @@ class QwenImageScheduler(FlowEulerScheduler):
         dtype: torch.dtype = torch.float32,
         init_latents: torch.Tensor | None = None,
         strength: float = 1.0,
+        noise_shapes: Sequence[tuple[int, ...]] | None = None,
     ) -> None:
         """Start a request: `mu` from the latent shape, then `Scheduler.prepare` (noise, sigmas, timesteps).
 
         Args:
             latent_shape: `(B, C, 1, H, W)`, the unpacked VAE latents of the target image
                 (H = height_px / 8, W = width_px / 8, both even).
-            infer_steps, seed, device, dtype, init_latents, strength: as `Scheduler.prepare`.
+            infer_steps, seed, device, dtype, init_latents, strength, noise_shapes: as `Scheduler.prepare`.
 
         Raises:
             ValueError: `latent_shape` is not `(B, C, 1, H, W)` with even H, W; `infer_steps` < 2
@@ -255,7 +258,7 @@ class QwenImageScheduler(FlowEulerScheduler):
         # `Scheduler.prepare` resets the base request state but not `mu`, which the schedule reads.
         previous_mu, self.mu = self.mu, mu
         try:
-            super().prepare(latent_shape, infer_steps, seed, device, dtype, init_latents, strength)
+            super().prepare(latent_shape, infer_steps, seed, device, dtype, init_latents, strength, noise_shapes)
         except Exception:
             self.mu = previous_mu  # a refused request leaves the scheduler as it was
             raise
