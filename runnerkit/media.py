@@ -2,7 +2,9 @@
 
 `save_outputs` is what runners call: every output of a pipeline goes to the tensor file under its
 key, the primary one to the result file (by its kind), and all files of a request are written
-under temporary names and renamed into place together (a failure leaves no partial file).
+under temporary names and renamed into place together (a failure leaves no partial file). An .mp4
+result of a pipeline with a primary video and an audio output (an audio+video family) holds both:
+H.264 video and an AAC audio stream.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from runnerkit.files import give_default_mode, write_error_reason
 if TYPE_CHECKING:
     from runnerkit.runners.pipeline import OutputSpec
 
+
+#: Sample rates (Hz) ffmpeg's native AAC encoder takes; an mp4's audio stream must have one.
+AAC_SAMPLE_RATES: tuple[int, ...] = (96000, 88200, 64000, 48000, 44100, 32000, 24000, 22050, 16000, 12000, 11025,
+                                     8000, 7350)
 
 #: The module of the `media` extra that writing a result file needs, by suffix (.wav: the stdlib).
 MEDIA_MODULES: dict[str, str] = {".mp4": "imageio_ffmpeg", ".png": "imageio.v3"}
@@ -56,12 +62,30 @@ def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 2, 3, 0).contiguous()  # [F, H, W, 3]
 
 
-def save_media(video: torch.Tensor, path: str | Path, fps: int) -> None:
-    """Write [3, F, H, W] in [-1, 1] as H.264 mp4 (yuv420p) or, for .png, the first frame."""
+def save_media(video: torch.Tensor, path: str | Path, fps: int, audio_wav: str | Path | None = None) -> None:
+    """Write [3, F, H, W] in [-1, 1] as H.264 mp4 (yuv420p) or, for .png, the first frame.
+
+    Args:
+        video: [3, F, H, W] float in [-1, 1].
+        path: .mp4 or .png target.
+        fps: frames per second of the mp4.
+        audio_wav: a 16-bit PCM .wav (`save_audio`) to mux into the mp4 as an AAC stream (ffmpeg's
+            native `aac` encoder) at the wav's sample rate and channel count, both passed to ffmpeg
+            so that it fails rather than resample or remix; .mp4 only. Both streams start at 0 s and
+            are kept whole (no `-shortest`): audio shorter or longer than the video stays as it is,
+            and the container lasts as long as the longer stream.
+
+    Raises:
+        MediaWriteError: the encoder failed (its exit status or signal and last message line), or
+            the wav's sample rate is not one of `AAC_SAMPLE_RATES`.
+        ValueError: `audio_wav` given for a .png target.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     frames = to_uint8_frames(video).numpy()
     if path.suffix.lower() == ".png":
+        if audio_wav is not None:
+            raise ValueError(f"`audio_wav` can only be muxed into an .mp4 (got target {str(path)!r})")
         import imageio.v3 as iio  # imported only when writing
 
         iio.imwrite(path, frames[0])
@@ -72,9 +96,20 @@ def save_media(video: torch.Tensor, path: str | Path, fps: int) -> None:
     # ffmpeg run directly (not imageio_ffmpeg.write_frames) so that its exit status is checked: a
     # full disk, a file-size limit or an unwritable target fails the write instead of leaving a
     # truncated mp4. crf 10 = imageio's quality 8 for libx264.
-    cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", "-f", "rawvideo", "-vcodec", "rawvideo",
-           "-s", f"{W}x{H}", "-pix_fmt", "rgb24", "-r", str(fps), "-i", "-", "-an", "-vcodec", "libx264",
-           "-pix_fmt", "yuv420p", "-crf", "10", str(path)]
+    video_in = ["-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{W}x{H}", "-pix_fmt", "rgb24", "-r", str(fps),
+                "-i", "-"]
+    video_out = ["-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", "10"]
+    if audio_wav is None:
+        streams = [*video_in, "-an", *video_out]
+    else:  # input 0: the frames on stdin, input 1: the wav; no -shortest, both streams stay whole
+        with wave.open(str(audio_wav), "rb") as f:
+            rate, channels = f.getframerate(), f.getnchannels()
+        if rate not in AAC_SAMPLE_RATES:  # ffmpeg's own message would only say that nothing was written
+            raise MediaWriteError(f"the audio's sample rate {rate} Hz cannot be stored as AAC (allowed: "
+                                  f"{', '.join(map(str, AAC_SAMPLE_RATES))})")
+        streams = [*video_in, "-i", str(audio_wav), "-map", "0:v:0", "-map", "1:a:0", *video_out,
+                   "-acodec", "aac", "-ar", str(rate), "-ac", str(channels)]
+    cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", *streams, str(path)]
     proc = subprocess.run(cmd, input=frames.tobytes(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     if proc.returncode != 0:
         if proc.returncode < 0:
@@ -83,10 +118,25 @@ def save_media(video: torch.Tensor, path: str | Path, fps: int) -> None:
                 reason += " (file size limit exceeded)"
         else:
             last = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
-            reason = f"the encoder exited with status {proc.returncode}: {last[0].replace(str(path), '<file>')[:200]}"
+            message = last[0].replace(str(path), "<file>")
+            if audio_wav is not None:
+                message = message.replace(str(audio_wav), "<audio>")
+            reason = f"the encoder exited with status {proc.returncode}: {message[:200]}"
             if shutil.disk_usage(path.parent).free < 2**20:  # ffmpeg may only say it wrote nothing
                 reason += f" (the file system of {str(path.parent)!r} is full)"
         raise MediaWriteError(reason)
+
+
+def stream_record(video: torch.Tensor, video_key: str, fps: int, audio: torch.Tensor, audio_key: str,
+                  sample_rate: int) -> dict[str, dict[str, Any]]:
+    """The sidecar's `streams` record of an mp4 holding video [3, F, H, W] and audio [channels,
+    samples]: per stream its output key (in the tensor file), codec, sizes and seconds."""
+    _, F, H, W = video.shape
+    C, N = audio.shape
+    return {"video": {"key": video_key, "codec": "h264", "frames": F, "height": H, "width": W, "fps": fps,
+                      "seconds": F / fps},
+            "audio": {"key": audio_key, "codec": "aac", "sample_rate": sample_rate, "channels": C, "samples": N,
+                      "seconds": N / sample_rate}}
 
 
 class MediaWriteError(OSError):
@@ -128,14 +178,26 @@ def save_outputs(outputs: dict[str, torch.Tensor], specs: Sequence["OutputSpec"]
                  tensor_path: str | None, fps: int, sidecar: dict[str, Any]) -> list[str]:
     """Write one request's outputs, all-or-nothing; returns the final paths written.
 
+    A primary "video" output written to an .mp4 beside an "audio" output (the first one of kind
+    "audio" among the others) gives one mp4 with both streams: H.264 video and AAC audio at the
+    output's sample rate and the tensor's channel count, each kept whole (`save_media`). The audio
+    goes through a temporary 16-bit PCM wav beside the result, removed whether or not the write
+    succeeds, and the sidecar gains a `streams` record (`stream_record`). Every other case writes
+    the primary output alone.
+
     Args:
         outputs: output key -> tensor without batch dim (video [3, F, H, W], image [3, H, W],
             audio [channels, samples]), values in [-1, 1].
         specs: the pipeline's outputs; the first is primary and goes to `result_path`.
-        result_path: .mp4 (video; .png for one frame), .png (image) or .wav (audio), with a sidecar .json.
+        result_path: .mp4 (video, with an audio stream as above; .png for one frame), .png (image)
+            or .wav (audio), with a sidecar .json.
         tensor_path: .safetensors holding every output under its key.
         fps: frames per second of a video result.
         sidecar: the record written beside `result_path` (seed, prompt, resolved config, ...).
+
+    Raises:
+        MediaWriteError: a file could not be written (naming its field and final path); nothing
+            of the request is left behind.
     """
     with atomic_outputs() as out:
         if tensor_path:
@@ -144,9 +206,20 @@ def save_outputs(outputs: dict[str, torch.Tensor], specs: Sequence["OutputSpec"]
         if result_path:
             primary = specs[0]
             tensor = outputs[primary.key]
+            audio = None  # the audio output muxed into an mp4 result beside the primary video
+            if primary.kind == "video" and Path(result_path).suffix.lower() == ".mp4":
+                audio = next((s for s in specs[1:] if s.kind == "audio"), None)
+            record = sidecar
             with _naming_failures("save_result_path", result_path):
                 tmp = out.temp(result_path)
-                if primary.kind == "video":
+                if audio is not None:
+                    assert audio.sample_rate is not None, f"audio output {audio.key!r} needs a sample_rate"
+                    wav = out.scratch(result_path, ".wav")
+                    save_audio(outputs[audio.key], wav, audio.sample_rate)
+                    save_media(tensor, tmp, fps=fps, audio_wav=wav)
+                    record = {**sidecar, "streams": stream_record(tensor, primary.key, fps, outputs[audio.key],
+                                                                  audio.key, audio.sample_rate)}
+                elif primary.kind == "video":
                     save_media(tensor, tmp, fps=fps)
                 elif primary.kind == "image":
                     save_image(tensor, tmp)
@@ -154,7 +227,7 @@ def save_outputs(outputs: dict[str, torch.Tensor], specs: Sequence["OutputSpec"]
                     assert primary.sample_rate is not None, f"audio output {primary.key!r} needs a sample_rate"
                     save_audio(tensor, tmp, primary.sample_rate)
             with _naming_failures("sidecar .json of save_result_path", sidecar_path(result_path)):
-                write_sidecar(out.temp(sidecar_path(result_path)), sidecar)
+                write_sidecar(out.temp(sidecar_path(result_path)), record)
     return [p for p in (tensor_path, result_path) if p]
 
 
@@ -185,30 +258,48 @@ def write_sidecar(path: str | Path, record: dict[str, Any]) -> None:
 
 
 class OutputSet:
-    """Files of one request, written under temporary names and renamed into place together."""
+    """Files of one request, written under temporary names and renamed into place together, and
+    scratch files (an encoder's inputs) removed at the end either way."""
 
     def __init__(self) -> None:
         self.pending: list[tuple[Path, Path]] = []  # (temporary, final)
+        self.scratch_files: list[Path] = []  # never renamed into place
 
     def temp(self, final: str | Path) -> Path:
         """A temporary path beside `final` with the same suffix (writers pick formats by suffix)."""
+        tmp = self._partial_name(final, Path(final).suffix)
+        self.pending.append((tmp, Path(final)))
+        return tmp
+
+    def scratch(self, beside: str | Path, suffix: str) -> Path:
+        """A temporary path beside `beside` with `suffix`, removed when the request's files are done,
+        written or not (e.g. the wav an mp4's audio stream is encoded from)."""
+        tmp = self._partial_name(beside, suffix)
+        self.scratch_files.append(tmp)
+        return tmp
+
+    @staticmethod
+    def _partial_name(final: str | Path, suffix: str) -> Path:
         final = Path(final)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.stem}.partial-{os.getpid()}-{uuid.uuid4().hex[:6]}{final.suffix}")
-        self.pending.append((tmp, final))
-        return tmp
+        return final.with_name(f".{final.stem}.partial-{os.getpid()}-{uuid.uuid4().hex[:6]}{suffix}")
 
 
 @contextmanager
 def atomic_outputs() -> Iterator[OutputSet]:
     """All-or-nothing outputs: on success every temporary file is renamed to its final name; on
-    failure (or interrupt) the temporary files are removed and no final file is touched."""
+    failure (or interrupt) the temporary files are removed and no final file is touched. Scratch
+    files are removed in both cases."""
     outputs = OutputSet()
     try:
-        yield outputs
-    except BaseException:
-        for tmp, _ in outputs.pending:
+        try:
+            yield outputs
+        except BaseException:
+            for tmp, _ in outputs.pending:
+                tmp.unlink(missing_ok=True)
+            raise
+        for tmp, final in outputs.pending:
+            os.replace(tmp, final)
+    finally:
+        for tmp in outputs.scratch_files:
             tmp.unlink(missing_ok=True)
-        raise
-    for tmp, final in outputs.pending:
-        os.replace(tmp, final)

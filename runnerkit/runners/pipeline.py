@@ -171,7 +171,8 @@ class OutputSpec:
     Attributes:
         key: tensor key in `save_tensor_path` ("video" [C, F, H, W], "image" [C, H, W], "audio"
             [channels, samples]), values in [-1, 1].
-        kind: "video" (.mp4, or .png for one frame), "image" (.png), "audio" (.wav).
+        kind: "video" (.mp4, or .png for one frame), "image" (.png), "audio" (.wav; beside a primary
+            video, the AAC audio stream of its .mp4: runnerkit/media.py `save_outputs`).
         sample_rate: audio samples per second (audio only).
     """
 
