@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -303,3 +304,52 @@ def atomic_outputs() -> Iterator[OutputSet]:
     finally:
         for tmp in outputs.scratch_files:
             tmp.unlink(missing_ok=True)
+
+
+def recompress_h264(image: np.ndarray, crf: int) -> np.ndarray:
+    """One RGB frame through H.264 and back: what image conditioning was trained on.
+
+    LTX-2 conditions on images compressed like video frames (Lightricks ltx-pipelines
+    `media_io.preprocess`, diffusers 0.42.1 `ltx2.utils.apply_image_conditioning_crf`): libx264 at
+    `crf` with preset veryfast, yuv420p, one frame; the height and width are first cut to even sizes.
+    Run here through the `media` extra's ffmpeg binary (the references use PyAV's libx264, so the
+    codec settings are the same, while the colour conversion is ffmpeg's default one; pixel values
+    may differ by a few levels from the references').
+
+    Args:
+        image: [H, W, 3] uint8 RGB.
+        crf: the H.264 constant rate factor (0 returns `image` unchanged, as the references do).
+
+    Returns:
+        [H // 2 * 2, W // 2 * 2, 3] uint8 RGB.
+
+    Raises:
+        MediaWriteError: ffmpeg failed (its last message line).
+        ValueError: `image` is not [H, W, 3] uint8 of at least 2 x 2.
+    """
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < 2:
+        raise ValueError(f"`image` must be [H, W, 3] uint8 with H, W >= 2, got {image.shape} {image.dtype}")
+    if crf == 0:
+        return image
+    import imageio_ffmpeg  # the media extra's own ffmpeg binary
+
+    H, W = image.shape[0] // 2 * 2, image.shape[1] // 2 * 2
+    frame = np.ascontiguousarray(image[:H, :W])
+    exe = imageio_ffmpeg.get_ffmpeg_exe()
+    encode = [exe, "-loglevel", "error", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{W}x{H}", "-r", "1", "-i", "-",
+              "-c:v", "libx264", "-crf", str(crf), "-preset", "veryfast", "-pix_fmt", "yuv420p", "-f", "h264", "-"]
+    decode = [exe, "-loglevel", "error", "-f", "h264", "-i", "-", "-frames:v", "1", "-f", "rawvideo",
+              "-pix_fmt", "rgb24", "-"]
+    stream = _ffmpeg_pipe(encode, frame.tobytes())
+    pixels = _ffmpeg_pipe(decode, stream)
+    if len(pixels) != H * W * 3:
+        raise MediaWriteError(f"H.264 re-compression of a {W}x{H} image gave {len(pixels)} bytes, not {H * W * 3}")
+    return np.frombuffer(pixels, dtype=np.uint8).reshape(H, W, 3).copy()
+
+
+def _ffmpeg_pipe(cmd: list[str], data: bytes) -> bytes:
+    proc = subprocess.run(cmd, input=data, capture_output=True, check=False)
+    if proc.returncode != 0:
+        lines = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise MediaWriteError(f"ffmpeg exited with {proc.returncode}: {lines[-1] if lines else 'no message'}")
+    return proc.stdout

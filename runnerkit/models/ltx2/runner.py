@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from runnerkit.config import RunnerConfig, format_validation_error
 from runnerkit.images import read_pil_image
+from runnerkit.media import missing_media_module, recompress_h264
 from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
@@ -144,6 +145,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
     RESULT_KINDS = {"t2av": "video", "i2av": "video"}
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2av": (), "i2av": ("image_path",)}
     MODULE_PATHS = ("text_encoder_path", "upsampler_path")
+    #: H.264 CRF of the conditioning image (ltx-pipelines' default for the Gemma-3 generations 2.0 and 2.3).
+    IMAGE_CRF: ClassVar[int] = 33
     SYNTHETIC_LAYOUT = "diffusers"
 
     # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
@@ -174,6 +177,9 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         if config.offload.vae_tiling:
             raise NotImplementedError("`offload.vae_tiling` is not available for ltx2 (the video VAE decodes whole)")
         self.check_paths(config)
+        if config.task == "i2av" and missing_media_module(".mp4") is not None:
+            raise ValueError("task 'i2av' re-compresses the first frame with the `media` extra's ffmpeg "
+                             f"({missing_media_module('.mp4')} is missing): pip install 'runnerkit[media]'")
         self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
         self.checkpoint: LTX2Checkpoint | None = None
         self.tokenizer: Any = None
@@ -383,16 +389,20 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
                           context_mask=mask.to(self.device), image_latents=inputs.image_latents)
 
     def first_frame(self, info: InputInfo) -> Tensor:
-        """i2av: the request's image (warmup: mid grey) at the stage-1 size, [1, 3, 1, h/2, w/2] in [-1, 1],
-        resized bilinearly as diffusers' `VideoProcessor(resample="bilinear").preprocess` does (aspect
-        ratio not kept: the output size is the request's)."""
+        """i2av: the request's image (warmup: a grey ramp of the same size) re-compressed as one H.264
+        frame at `IMAGE_CRF` (media.recompress_h264, as the references condition), then resized
+        bilinearly to the stage-1 size as diffusers' `VideoProcessor(resample="bilinear")` does (aspect
+        ratio not kept: the output size is the request's): [1, 3, 1, h/2, w/2] in [-1, 1]."""
+        from PIL import Image
+
         size = (info.width // 2, info.height // 2)
         if info.warmup or info.image_path is None:
-            pixels = np.full((size[1], size[0], 3), 128, dtype=np.uint8)
+            ramp = np.linspace(0, 255, size[0] * size[1] * 3).reshape(size[1], size[0], 3)
+            picture = Image.fromarray(ramp.astype(np.uint8))
         else:
-            from PIL import Image
-
-            pixels = np.asarray(read_pil_image(info.image_path, "image_path").resize(size, Image.BILINEAR))
+            picture = read_pil_image(info.image_path, "image_path")
+        picture = Image.fromarray(recompress_h264(np.asarray(picture), self.IMAGE_CRF))
+        pixels = np.asarray(picture.resize(size, Image.BILINEAR))
         image = torch.from_numpy(pixels.astype(np.float32) / 255.0).permute(2, 0, 1)  # [3, h, w] in [0, 1]
         return (image * 2.0 - 1.0)[None, :, None]
 

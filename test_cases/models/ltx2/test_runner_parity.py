@@ -106,3 +106,49 @@ def test_t2av_two_stage_matches_diffusers(tmp_path: Path, monkeypatch: pytest.Mo
         our_mel = runner.modules["audio_decoder"].vae.decode_tokens(audio.transpose(1, 2).flatten(2, 3))
         assert report("spectrogram", our_mel, ref_mel) <= 1e-4
         assert torch.equal(ours["audio"], runner.modules["audio_decoder"].vocoder(our_mel)[0].clamp(-1, 1))
+
+
+def test_i2av_two_stage_matches_diffusers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """i2av through `LTX2ImageToVideoPipeline` (both stages: the clean first latent frame, per-token
+    timesteps 0 there): the first frame's H.264 re-compression is off on both sides (`image_crf=0`; the
+    re-compression itself: test_ltx2_runner.py), so both encode the same pixels."""
+    from PIL import Image
+    from diffusers.pipelines.ltx2 import LTX2ImageToVideoPipeline
+
+    monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(LTX2Runner, "IMAGE_CRF", 0)
+    image = tmp_path / "first.png"
+    ramp = torch.linspace(0, 255, 80 * 120 * 3).reshape(80, 120, 3).to(torch.uint8).numpy()
+    Image.fromarray(ramp).save(image)
+    runner = runner_for("i2av", tmp_path)
+    finals: list[torch.Tensor] = []
+    run_denoise = runner.run_denoise
+    monkeypatch.setattr(runner, "run_denoise", lambda info, warmup=False: finals.append(run_denoise(info, warmup)) or finals[-1])
+    runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=5, image_path=str(image)))
+    cfg = runner.config
+    h, w, f = cfg.target_height, cfg.target_width, cfg.target_video_length
+    info = type("Shape", (), {"height": h, "width": w, "frames": f})()
+    video, audio = runner.layout(info, 2).split(finals[0])
+    t2v, upsample = diffusers_pipelines(Path(cfg.model_path))
+    pipe = LTX2ImageToVideoPipeline(**{k: getattr(t2v, k) for k in (
+        "scheduler", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "transformer", "vocoder")})
+    g = torch.Generator().manual_seed(5)
+    guidance = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
+                    modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
+    common = dict(image=Image.open(image), prompt=PROMPT, num_frames=f, frame_rate=float(cfg.fps), generator=g,
+                  return_dict=False, output_type="latent", image_crf=0, **guidance)
+    with torch.inference_mode():
+        ref_video, ref_audio = pipe(height=h // 2, width=w // 2, num_inference_steps=len(DISTILLED_SIGMAS),
+                                    sigmas=list(DISTILLED_SIGMAS), **common)
+        ref_video = upsample(latents=ref_video, height=h, width=w, num_frames=f, output_type="latent",
+                             return_dict=False)[0]
+        ref_video, ref_audio = pipe(latents=ref_video, audio_latents=ref_audio, height=h, width=w,
+                                    noise_scale=STAGE2_SIGMAS[0], num_inference_steps=len(STAGE2_SIGMAS),
+                                    sigmas=list(STAGE2_SIGMAS), **common)
+    vae, audio_vae = t2v.vae, t2v.audio_vae
+    raw_video = video * vae.latents_std.view(1, -1, 1, 1, 1) / vae.config.scaling_factor \
+        + vae.latents_mean.view(1, -1, 1, 1, 1)
+    assert report("i2av stage-2 video latents", raw_video, ref_video) <= 1e-4
+    tokens = audio.transpose(1, 2).flatten(2, 3) * audio_vae.latents_std + audio_vae.latents_mean
+    assert report("i2av stage-2 audio latents", tokens.unflatten(2, (audio.shape[1], -1)).transpose(1, 2),
+                  ref_audio) <= 1e-4
