@@ -205,6 +205,12 @@ class LTX2Checkpoint:
             index[component] = dict(safetensors_infos(files, component))
         return cls("diffusers", path, arch, path / "latent_upsampler", path / "text_encoder", index)
 
+    @property
+    def tokenizer_path(self) -> Path:
+        """The Gemma-3 tokenizer folder: `tokenizer/` (diffusers), or the Gemma folder itself (single file:
+        google/gemma-3-12b-it holds its tokenizer next to the model)."""
+        return self.path / "tokenizer" if self.layout == "diffusers" else self.text_encoder_path
+
     # ---- names ----------------------------------------------------------------------------------
     def key_map(self, component: str, names: list[str]) -> dict[str, str]:
         """model name -> key in the file (identity for the diffusers layout and the upsampler)."""

@@ -5,7 +5,8 @@ same networks bit for bit. The single-file layout writes the whole file from mem
 sizes; the diffusers layout writes shard by shard, `synthetic.write_sharded`). The Gemma-3 text
 encoder is a tiny `Gemma3TextModel` (transformers, random weights from `seed`, `save_pretrained`),
 sized so that its hidden states fit the connectors (`caption_channels` wide, `text_proj_in_factor` - 1
-layers); the tokenizer is runnerkit's character-level debug tokenizer.
+layers); the tokenizer is runnerkit's character-level debug tokenizer (in `tokenizer/` for the diffusers
+layout, next to the model in `text_encoder/` for the single-file layout, as the release ships Gemma).
 """
 
 from __future__ import annotations
@@ -57,10 +58,21 @@ def synthetic_state_dict(arch: LTX2Arch, component: str, seed: int, dtype: torch
             for k, s in shapes_of(arch, component).items()}
 
 
-def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int) -> Path:
+def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int, vision: bool = False) -> Path:
     """A tiny Gemma-3 text model whose stacked hidden states fit `arch.connectors`, saved with
-    `save_pretrained` (config.json + model.safetensors)."""
-    from transformers import Gemma3TextConfig, Gemma3TextModel
+    `save_pretrained` (config.json + model.safetensors).
+
+    Args:
+        vision: write the release's class instead, `Gemma3ForConditionalGeneration` (google/gemma-3-12b-it),
+            with a tiny SigLIP vision tower and projector next to the text model (`language_model.model.*`).
+    """
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        Gemma3TextModel,
+        SiglipVisionConfig,
+    )
 
     c = arch.connectors
     config = Gemma3TextConfig(vocab_size=GEMMA_VOCAB, hidden_size=c.caption_channels,
@@ -69,7 +81,13 @@ def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int) -> Path:
                               head_dim=8, max_position_embeddings=256, sliding_window=16)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Gemma3TextModel(config)
+        if vision:  # 28 / 14 = 2 x 2 patches pooled to mm_tokens_per_image = 4 image tokens
+            siglip = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, image_size=28, patch_size=14)
+            model = Gemma3ForConditionalGeneration(Gemma3Config(
+                text_config=config.to_dict(), vision_config=siglip.to_dict(), mm_tokens_per_image=4))
+        else:
+            model = Gemma3TextModel(config)
     model.save_pretrained(folder)
     return folder
 
@@ -121,9 +139,10 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
                          replace: bool = False) -> Path:
     """Write deterministic random weights for `arch` to the folder `out` (atomically: tmp folder, rename).
 
-    single_file: `out/ltx2.safetensors`, `out/latent_upsampler.safetensors`, `out/text_encoder/` (Gemma-3);
-    open with `LTX2Checkpoint.open(out / SINGLE_FILE, out / UPSAMPLER_FILE, out / "text_encoder")`.
-    diffusers: `out/` is the folder (`LTX2Checkpoint.open(out)`).
+    single_file: `out/ltx2.safetensors`, `out/latent_upsampler.safetensors`, `out/text_encoder/` (Gemma-3
+    and its tokenizer, as the release's Gemma folder); open with
+    `LTX2Checkpoint.open(out / SINGLE_FILE, out / UPSAMPLER_FILE, out / "text_encoder")`.
+    diffusers: `out/` is the folder (`LTX2Checkpoint.open(out)`), the tokenizer in `out/tokenizer/`.
 
     Args:
         fp8_blocks: single_file only: store the transformer blocks' linear weights as float8_e4m3fn,
@@ -145,6 +164,8 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
             _write_diffusers(arch, tmp, seed, dtype)
             write_debug_tokenizer(tmp / "tokenizer", GEMMA_VOCAB)
         write_tiny_gemma(tmp / "text_encoder", arch, seed)
+        if layout == "single_file":  # the release's Gemma folder (google/gemma-3-12b-it) holds its tokenizer
+            write_debug_tokenizer(tmp / "text_encoder", GEMMA_VOCAB)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
