@@ -100,7 +100,7 @@ class LTX2Inputs:
     """A request's encoded inputs (the runner's `inputs`)."""
 
     text_hidden: Tensor | None = None
-    """Between the text stages: [1, T, D, layers + 1] stacked Gemma-3 hidden states."""
+    """Between the text stages: [1, T, D * (layers + 1)] stacked Gemma-3 hidden states."""
     text_mask: Tensor | None = None
     """[1, T] tokenizer mask (1 prompt, 0 padding)."""
     video_context: Tensor | None = None
@@ -266,8 +266,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         logger.info("checkpoint {} ({} layout, LTX-{}), flavour {}", ckpt.path, ckpt.layout, ckpt.arch.version,
                     flavour_of(ckpt.arch))
         self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
-        folder = ckpt.path / "tokenizer" if ckpt.layout == "diffusers" else ckpt.text_encoder_path
-        self.tokenizer = te.load_gemma_tokenizer(folder)
+        self.tokenizer = te.load_gemma_tokenizer(ckpt.tokenizer_path)
         stats = ckpt.read_tensors("vae", ["latents_mean", "latents_std"])
         self.vae_stats = (stats["latents_mean"].float(), stats["latents_std"].float(), ckpt.arch.vae.scaling_factor)
 
@@ -284,7 +283,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         from runnerkit.models.ltx2 import text_encoder as te
 
         assert self.checkpoint is not None, "prepare_load first"
-        return te.load_gemma_text_encoder(self.checkpoint.text_encoder_path, self.dtype, device)
+        ckpt = self.checkpoint
+        return te.load_gemma_text_encoder(ckpt.text_encoder_path, self.dtype, device, connectors=ckpt.arch.connectors)
 
     def build_audio_decoder(self, device: torch.device) -> nn.Module:
         return AudioDecoder(self._load("audio_vae", device), self._load("vocoder", device)).eval()  # type: ignore[arg-type]
@@ -370,7 +370,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
 
     @torch.inference_mode()
     def run_text_encoder(self, info: InputInfo, inputs: None) -> LTX2Inputs:
-        """Prompt -> stacked Gemma-3 hidden states [1, T, D, layers + 1] and the tokenizer mask."""
+        """Prompt -> stacked Gemma-3 hidden states [1, T, D * (layers + 1)] and the tokenizer mask (every
+        prompt padded to 1024 tokens, as diffusers: a new prompt never brings a new text length)."""
         from runnerkit.models.ltx2 import text_encoder as te
 
         encoder = te.GemmaPromptEncoder(self.tokenizer, self.stage_modules["text_encoder"])
@@ -381,10 +382,12 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
     def run_connectors(self, info: InputInfo, inputs: LTX2Inputs) -> LTX2Inputs:
         """Stacked hidden states -> the video and audio text contexts (model dtype)."""
         assert inputs.text_hidden is not None and inputs.text_mask is not None, "run the text encoder first"
+        from runnerkit.models.ltx2 import text_encoder as te
+
         connectors = self.stage_modules["connectors"]
         weight = next(connectors.parameters())
-        video, audio, mask = connectors(inputs.text_hidden.to(weight.device, weight.dtype),
-                                        inputs.text_mask.to(weight.device))
+        video, audio, mask = te.text_contexts(connectors, inputs.text_hidden.to(weight.device, weight.dtype),
+                                              inputs.text_mask.to(weight.device))
         return LTX2Inputs(video_context=video.to(self.device, self.dtype), audio_context=audio.to(self.device, self.dtype),
                           context_mask=mask.to(self.device), image_latents=inputs.image_latents)
 
