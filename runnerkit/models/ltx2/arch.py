@@ -9,13 +9,12 @@ Readers:
   `vae/`, `audio_vae/`, `vocoder/`, `latent_upsampler/`), each read by its component's
   `from_diffusers_config`.
 - `from_single_file_config`: the JSON object of the `config` metadata entry of a single-file
-  checkpoint, in the form runnerkit writes it: one section per component, in diffusers' field names
-  (`{"transformer": {...}, "connectors": {...}, "vae": {...}, "audio_vae": {...}, "vocoder": {...}}`;
-  the upsampler's own file carries `{"latent_upsampler": {...}}`). Lightricks' release files carry a
-  `config` entry of the same shape (sections `transformer`, `vae`, `audio_vae`, `vocoder`,
-  `scheduler`) but in ltx-core's field names (e.g. `frequencies_precision`, VAE `encoder_blocks`
-  lists); those are NOT mapped here: such a section is refused naming its unknown keys, and a
-  caller loading a release file passes the release constant (`LTX2_19B_ARCH`, `LTX23_22B_ARCH`).
+  checkpoint and of its upsampler file, in either of two formats: Lightricks' release files carry
+  ltx-core's field names (sections `transformer`, `vae`, `audio_vae`, `vocoder`, `scheduler`; the
+  upsampler file a flat ltx-core config), mapped by `release_config.py`; runnerkit's synthetic files
+  carry one section per component in diffusers' field names, as `to_sections` writes them
+  (`{"transformer": {...}, "connectors": {...}, "vae": {...}, "audio_vae": {...}, "vocoder": {...}}`,
+  the upsampler file diffusers' `latent_upsampler/config.json`). A `connectors` section marks ours.
 """
 
 from __future__ import annotations
@@ -109,9 +108,27 @@ class LTX2Arch(BaseModel):
                                  str(path))
 
     @classmethod
-    def from_single_file_config(cls, config: dict[str, Any], upsampler_config: dict[str, Any], where: str) -> LTX2Arch:
-        """From the `config` metadata sections of the single file and of the upsampler file (module docstring)."""
-        return cls.from_sections({**config, **upsampler_config}, where)
+    def from_single_file_config(cls, config: dict[str, Any], upsampler_config: dict[str, Any], where: str,
+                                text_encoder_config: dict[str, Any] | None = None) -> LTX2Arch:
+        """From the `config` metadata of the single file and of the upsampler file (module docstring).
+
+        Args:
+            text_encoder_config: the Gemma-3 folder's config.json; a release config takes the connectors'
+                input width and stacked-layer count from it, as ltx-core does (None: Gemma-3 12B's).
+
+        Raises:
+            ValueError, NotImplementedError: a missing section, an unknown key or an unsupported value,
+                naming it (`release_config`, `from_sections`).
+        """
+        from runnerkit.models.ltx2 import release_config as rc  # it imports this module
+
+        if rc.is_release_upsampler_config(upsampler_config):
+            upsampler = rc.upsampler_from_release_config(upsampler_config)
+        else:
+            upsampler = up.LTX2LatentUpsamplerArch.from_diffusers_config(upsampler_config)
+        if rc.is_release_config(config):
+            return rc.arch_from_release_config(config, upsampler, text_encoder_config)
+        return cls.from_sections({**config, "latent_upsampler": upsampler.to_diffusers_config()}, where)
 
 
 def _vae_json(vae: va.LTX2VideoVAEArch) -> dict[str, Any]:

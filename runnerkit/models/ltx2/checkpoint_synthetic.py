@@ -7,6 +7,12 @@ encoder is a tiny `Gemma3TextModel` (transformers, random weights from `seed`, `
 sized so that its hidden states fit the connectors (`caption_channels` wide, `text_proj_in_factor` - 1
 layers); the tokenizer is runnerkit's character-level debug tokenizer (in `tokenizer/` for the diffusers
 layout, next to the model in `text_encoder/` for the single-file layout, as the release ships Gemma).
+
+The single file's `config` metadata is runnerkit's sections format (`LTX2Arch.to_sections`), not the
+ltx-core format of Lightricks' files (release_config.py): that format cannot describe every arch this
+writer is given. ltx-core sizes LTX-2.3's per-modality text projections to the transformer's widths,
+and `tiny_ltx2_arch("2.3")` does not chain them (video connector 32 wide, transformer 16), so writing it
+there would not read back to the same arch.
 """
 
 from __future__ import annotations
