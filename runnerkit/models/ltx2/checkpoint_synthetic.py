@@ -65,8 +65,9 @@ def synthetic_state_dict(arch: LTX2Arch, component: str, seed: int, dtype: torch
 
 
 def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int, vision: bool = False) -> Path:
-    """A tiny Gemma-3 text model whose stacked hidden states fit `arch.connectors`, saved with
-    `save_pretrained` (config.json + model.safetensors).
+    """A small Gemma-3 text model whose stacked hidden states fit `arch.connectors` (its width and
+    number of layers; two heads, a narrow MLP), saved with `save_pretrained` (config.json +
+    model.safetensors).
 
     Args:
         vision: write the release's class instead, `Gemma3ForConditionalGeneration` (google/gemma-3-12b-it),
@@ -81,8 +82,10 @@ def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int, vision: bool = Fal
     )
 
     c = arch.connectors
+    # The connectors fix the width and depth (the release's 3840 x 48 for the real sizes); the MLP is
+    # kept narrow (at most 256) so a real-size arch's stand-in is ~0.15B parameters, not 12B.
     config = Gemma3TextConfig(vocab_size=GEMMA_VOCAB, hidden_size=c.caption_channels,
-                              intermediate_size=2 * c.caption_channels, num_hidden_layers=c.text_proj_in_factor - 1,
+                              intermediate_size=min(2 * c.caption_channels, 256), num_hidden_layers=c.text_proj_in_factor - 1,
                               num_attention_heads=2, num_key_value_heads=1,
                               head_dim=8, max_position_embeddings=256, sliding_window=16)
     with torch.random.fork_rng(devices=[]):
@@ -125,7 +128,7 @@ def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype,
         give_default_mode(tmp / name)
 
 
-def _write_diffusers(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype) -> None:
+def _write_diffusers(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype, generator_device: str = "cpu") -> None:
     sections = arch.to_sections()
     (tmp / "model_index.json").write_text(json.dumps({
         "_class_name": "LTX2Pipeline", **{c: ["diffusers", _CLASSES[c]] for c in COMPONENTS},
@@ -137,12 +140,12 @@ def _write_diffusers(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype) -
         (folder / "config.json").write_text(json.dumps({"_class_name": _CLASSES[component], **sections[component]},
                                                        indent=1))
         synthetic.write_sharded(shapes_of(arch, component), lambda sd: sd, folder, DIFFUSERS_STEM, seed, dtype,
-                                lambda name, c=component: _fp32(c, name))
+                                lambda name, c=component: _fp32(c, name), generator_device=generator_device)
 
 
 def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtype = torch.bfloat16,
                          layout: Literal["single_file", "diffusers"] = "diffusers", fp8_blocks: Fp8Blocks = "none",
-                         replace: bool = False) -> Path:
+                         replace: bool = False, generator_device: str = "cpu") -> Path:
     """Write deterministic random weights for `arch` to the folder `out` (atomically: tmp folder, rename).
 
     single_file: `out/ltx2.safetensors`, `out/latent_upsampler.safetensors`, `out/text_encoder/` (Gemma-3
@@ -153,6 +156,8 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
     Args:
         fp8_blocks: single_file only: store the transformer blocks' linear weights as float8_e4m3fn,
             "plain" (cast) or "scaled" (absmax/448 per tensor, `weight_scale` and an unused `input_scale`).
+        generator_device: diffusers layout: draw the values on this device ("cuda": real sizes in
+            seconds; the values depend on the device's generator, `synthetic.write_sharded`).
 
     Raises:
         ValueError: fp8 blocks asked for the diffusers layout.
@@ -167,7 +172,7 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
         if layout == "single_file":
             _write_single_file(arch, tmp, seed, dtype, fp8_blocks)
         else:
-            _write_diffusers(arch, tmp, seed, dtype)
+            _write_diffusers(arch, tmp, seed, dtype, generator_device)
             write_debug_tokenizer(tmp / "tokenizer", GEMMA_VOCAB)
         write_tiny_gemma(tmp / "text_encoder", arch, seed)
         if layout == "single_file":  # the release's Gemma folder (google/gemma-3-12b-it) holds its tokenizer

@@ -240,7 +240,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         (checkpoint_synthetic.py): `diffusers` (a checkpoint folder) or `single_file` (the release's
         `ltx2.safetensors`, `latent_upsampler.safetensors` and `text_encoder/` in `out`)."""
         write_synthetic_ltx2(cls.parse_arch(config.model), out, seed, dtype, layout,  # type: ignore[arg-type]
-                             replace=options.get("replace", False))
+                             replace=options.get("replace", False),
+                             generator_device=options.get("generator_device", "cpu"))
 
     # ---- loading -----------------------------------------------------------------------
     def open_checkpoint(self, path: Path, raw: bool = False) -> LTX2Checkpoint:
