@@ -8,7 +8,7 @@ Readers:
 - `from_diffusers_folder`: a diffusers-layout folder (`transformer/config.json`, `connectors/`,
   `vae/`, `audio_vae/`, `vocoder/`, `latent_upsampler/`), each read by its component's
   `from_diffusers_config`.
-- `from_single_file_config`: the JSON object of the `config` metadata entry of a single-file
+- `release_config.arch_from_single_file_config`: the JSON object of the `config` metadata entry of a single-file
   checkpoint and of its upsampler file, in either of two formats: Lightricks' release files carry
   ltx-core's field names (sections `transformer`, `vae`, `audio_vae`, `vocoder`, `scheduler`; the
   upsampler file a flat ltx-core config), mapped by `release_config.py`; runnerkit's synthetic files
@@ -106,29 +106,6 @@ class LTX2Arch(BaseModel):
         from runnerkit.weights import read_json_object
         return cls.from_sections({c: read_json_object(Path(path) / c / "config.json", c) for c in COMPONENTS},
                                  str(path))
-
-    @classmethod
-    def from_single_file_config(cls, config: dict[str, Any], upsampler_config: dict[str, Any], where: str,
-                                text_encoder_config: dict[str, Any] | None = None) -> LTX2Arch:
-        """From the `config` metadata of the single file and of the upsampler file (module docstring).
-
-        Args:
-            text_encoder_config: the Gemma-3 folder's config.json; a release config takes the connectors'
-                input width and stacked-layer count from it, as ltx-core does (None: Gemma-3 12B's).
-
-        Raises:
-            ValueError, NotImplementedError: a missing section, an unknown key or an unsupported value,
-                naming it (`release_config`, `from_sections`).
-        """
-        from runnerkit.models.ltx2 import release_config as rc  # it imports this module
-
-        if rc.is_release_upsampler_config(upsampler_config):
-            upsampler = rc.upsampler_from_release_config(upsampler_config)
-        else:
-            upsampler = up.LTX2LatentUpsamplerArch.from_diffusers_config(upsampler_config)
-        if rc.is_release_config(config):
-            return rc.arch_from_release_config(config, upsampler, text_encoder_config)
-        return cls.from_sections({**config, "latent_upsampler": upsampler.to_diffusers_config()}, where)
 
 
 def _vae_json(vae: va.LTX2VideoVAEArch) -> dict[str, Any]:

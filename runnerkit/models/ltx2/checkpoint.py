@@ -5,7 +5,7 @@ Layouts:
 - "single_file": one `*.safetensors` holding the transformer, text connectors, video VAE, audio VAE
   and vocoder under the prefixes of `checkpoint_keys` (the safetensors metadata entry `config` holds
   the architecture, in ltx-core's names in Lightricks' files or in runnerkit's sections format,
-  `arch.LTX2Arch.from_single_file_config`), the x2 latent upsampler in a `.safetensors` of its own
+  `release_config.arch_from_single_file_config`), the x2 latent upsampler in a `.safetensors` of its own
   (diffusers' tensor names; its metadata `config` is the upsampler's), and the Gemma-3 text encoder
   in a folder of its own (`text_encoder_path`: its config.json sizes the text connectors of a
   release config, as in ltx-core; the weights are not read here).
@@ -46,7 +46,7 @@ from runnerkit.models.ltx2.arch import COMPONENTS, LTX2Arch
 from runnerkit.models.ltx2.audio_arch import LTX2VocoderBWEArch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
-from runnerkit.models.ltx2.release_config import is_release_config
+from runnerkit.models.ltx2.release_config import arch_from_single_file_config, is_release_config
 from runnerkit.models.ltx2.transformer import LTX2Transformer, keep_fp32
 from runnerkit.models.ltx2.upsampler import LTX2LatentUpsampler
 from runnerkit.models.ltx2.vae import LTX2VideoVAE
@@ -181,7 +181,7 @@ class LTX2Checkpoint:
             gemma = None
             if is_release_config(config):  # ltx-core sizes the text connectors' input from the Gemma-3 config
                 gemma = read_json_object(text_encoder / "config.json", "text_encoder")
-            arch = _arch(lambda: LTX2Arch.from_single_file_config(config, up_config, str(path), gemma),
+            arch = _arch(lambda: arch_from_single_file_config(config, up_config, str(path), gemma),
                          f"metadata `config` of {path} and {upsampler}")
         infos = safetensors_infos([path], "checkpoint")
         stray = sorted(k for k in infos if ck.owner(k) is None)

@@ -470,3 +470,26 @@ def arch_from_release_config(config: dict[str, Any], upsampler: up.LTX2LatentUps
     for section in (t, vae_section, top):
         section.done()
     return arch
+
+
+def arch_from_single_file_config(config: dict[str, Any], upsampler_config: dict[str, Any], where: str,
+                                 text_encoder_config: dict[str, Any] | None = None) -> LTX2Arch:
+    """The architecture from the `config` metadata of a single file and of its upsampler file: the
+    ltx-core format of Lightricks' releases (this module), or runnerkit's own sections format
+    (`LTX2Arch.to_sections`, as the synthetic writer stores it).
+
+    Args:
+        text_encoder_config: the Gemma-3 folder's config.json; a release config takes the connectors'
+            input width and stacked-layer count from it, as ltx-core does (None: Gemma-3 12B's).
+
+    Raises:
+        ValueError, NotImplementedError: a missing section, an unknown key or an unsupported value,
+            naming it.
+    """
+    if is_release_upsampler_config(upsampler_config):
+        upsampler = upsampler_from_release_config(upsampler_config)
+    else:
+        upsampler = up.LTX2LatentUpsamplerArch.from_diffusers_config(upsampler_config)
+    if is_release_config(config):
+        return arch_from_release_config(config, upsampler, text_encoder_config)
+    return LTX2Arch.from_sections({**config, "latent_upsampler": upsampler.to_diffusers_config()}, where)

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runnerkit.models.ltx2 import connectors_arch as ca
+from runnerkit.models.ltx2.release_config import arch_from_single_file_config
 from runnerkit.models.ltx2.arch import COMPONENTS, LTX2_19B_ARCH, LTX23_22B_ARCH, LTX2Arch, tiny_ltx2_arch
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FILE, _write_single_file
@@ -39,7 +40,7 @@ RELEASES = {"19B": (LTX2_19B_CONFIG, LTX2_UPSAMPLER_CONFIG, LTX2_19B_ARCH),
 @pytest.mark.parametrize("gemma", [None, GEMMA3_12B_CONFIG], ids=["no-gemma", "gemma-12b"])
 def test_release_config_maps_to_the_release_arch(release: str, gemma: dict | None) -> None:
     config, upsampler, expected = RELEASES[release]
-    arch = LTX2Arch.from_single_file_config(copy.deepcopy(config), dict(upsampler), "test", gemma)
+    arch = arch_from_single_file_config(copy.deepcopy(config), dict(upsampler), "test", gemma)
     for component in COMPONENTS:  # field for field, so a failure shows the differing fields
         assert getattr(arch, component).model_dump() == getattr(expected, component).model_dump(), component
     assert arch == expected and arch.version == ("2.3" if release == "22B" else "2.0")
@@ -129,30 +130,30 @@ def _edit(path: str, value: Any) -> dict[str, Any]:
 ])
 def test_unknown_key_or_unsupported_value_is_named(path: str, value: Any, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
-        LTX2Arch.from_single_file_config(_edit(path, value), dict(LTX23_UPSAMPLER_CONFIG), "test")
+        arch_from_single_file_config(_edit(path, value), dict(LTX23_UPSAMPLER_CONFIG), "test")
 
 
 def test_vae_block_list_errors_name_the_entry() -> None:
     config = copy.deepcopy(LTX23_22B_CONFIG)
     config["vae"]["decoder_blocks"][3] = ["attn_res_x", {"num_layers": 1, "attention_head_dim": 64}]
     with pytest.raises(NotImplementedError, match=r"`config\.vae\.decoder_blocks\[3\]` is 'attn_res_x'"):
-        LTX2Arch.from_single_file_config(config, dict(LTX23_UPSAMPLER_CONFIG), "test")
+        arch_from_single_file_config(config, dict(LTX23_UPSAMPLER_CONFIG), "test")
     config = copy.deepcopy(LTX23_22B_CONFIG)
     config["vae"]["encoder_blocks"][1][1]["stride"] = 2
     with pytest.raises(ValueError, match=r"`config\.vae\.encoder_blocks\[1\]`.*\['stride'\]"):
-        LTX2Arch.from_single_file_config(config, dict(LTX23_UPSAMPLER_CONFIG), "test")
+        arch_from_single_file_config(config, dict(LTX23_UPSAMPLER_CONFIG), "test")
 
 
 def test_upsampler_and_text_encoder_errors_are_named() -> None:
     with pytest.raises(NotImplementedError, match=r"`latent_upsampler\.temporal_upsample`=True"):
-        LTX2Arch.from_single_file_config(copy.deepcopy(LTX23_22B_CONFIG),
+        arch_from_single_file_config(copy.deepcopy(LTX23_22B_CONFIG),
                                          {**LTX23_UPSAMPLER_CONFIG, "temporal_upsample": True}, "test")
     with pytest.raises(ValueError, match=r"`latent_upsampler`.*\['spatial_scale_factor'\]"):
-        LTX2Arch.from_single_file_config(copy.deepcopy(LTX23_22B_CONFIG),
+        arch_from_single_file_config(copy.deepcopy(LTX23_22B_CONFIG),
                                          {**LTX23_UPSAMPLER_CONFIG, "spatial_scale_factor": 2}, "test")
     gemma = {"text_config": {"hidden_size": 2560, "num_hidden_layers": 34}}  # Gemma-3 4B: not the 19B's 3840
     with pytest.raises(ValueError, match=r"`config\.transformer\.caption_channels`=3840 .* hidden size 2560"):
-        LTX2Arch.from_single_file_config(copy.deepcopy(LTX2_19B_CONFIG), dict(LTX2_UPSAMPLER_CONFIG), "test", gemma)
+        arch_from_single_file_config(copy.deepcopy(LTX2_19B_CONFIG), dict(LTX2_UPSAMPLER_CONFIG), "test", gemma)
 
 
 def test_checkpoint_error_names_key_and_file(tmp_path: Path) -> None:
