@@ -307,14 +307,14 @@ def atomic_outputs() -> Iterator[OutputSet]:
 
 
 def recompress_h264(image: np.ndarray, crf: int) -> np.ndarray:
-    """One RGB frame through H.264 and back: what image conditioning was trained on.
+    """One RGB frame through H.264 and back, for models trained to condition on images compressed
+    like video frames.
 
-    LTX-2 conditions on images compressed like video frames (Lightricks ltx-pipelines
-    `media_io.preprocess`, diffusers 0.42.1 `ltx2.utils.apply_image_conditioning_crf`): libx264 at
-    `crf` with preset veryfast, yuv420p, one frame; the height and width are first cut to even sizes.
-    Run here through the `media` extra's ffmpeg binary (the references use PyAV's libx264, so the
-    codec settings are the same, while the colour conversion is ffmpeg's default one; pixel values
-    may differ by a few levels from the references').
+    libx264 at `crf` with preset veryfast, yuv420p, one frame; the height and width are first cut to
+    even sizes (the image-conditioning preprocessing of the family that uses it names its
+    reference). Run through the `media` extra's ffmpeg binary: references that use PyAV's libx264
+    have the same codec settings but their own colour conversion, so pixel values may differ by a
+    few levels from theirs.
 
     Args:
         image: [H, W, 3] uint8 RGB.

@@ -394,7 +394,9 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
 
     def first_frame(self, info: InputInfo) -> Tensor:
         """i2av: the request's image (warmup: a grey ramp of the same size) re-compressed as one H.264
-        frame at `IMAGE_CRF` (media.recompress_h264, as the references condition), then resized
+        frame at `IMAGE_CRF` (media.recompress_h264; Lightricks ltx-pipelines `media_io.preprocess`,
+        diffusers 0.42.1 `ltx2.utils.apply_image_conditioning_crf`: LTX-2 is trained to condition on
+        frames compressed like video), then resized
         bilinearly to the stage-1 size as diffusers' `VideoProcessor(resample="bilinear")` does (aspect
         ratio not kept: the output size is the request's): [1, 3, 1, h/2, w/2] in [-1, 1]."""
         from PIL import Image
