@@ -361,7 +361,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         """The joint latents of `stage` (1: half size; 2: full size) for request `info` (latents.py)."""
         assert self.checkpoint is not None, "prepare_load first"
         arch = self.checkpoint.arch
-        scale = 32 if stage == 2 else 64  # VAE 32x; stage 1 at half the output size
+        scale = arch.vae.spatial_compression * (2 if stage == 1 else 1)  # stage 1 at half the output size
         frames = (info.frames - 1) // arch.vae.temporal_compression + 1
         audio = (arch.audio_vae.latent_channels, audio_latent_length(info.frames, self.config.fps, arch.audio_vae),
                  arch.audio_vae.latent_mel_bins)
@@ -495,9 +495,6 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
     def warmup_steps(self, stage: DenoiseStage, sched: Scheduler) -> list[int]:
         """Each stage's first and last step (the last lands on sigma 0)."""
         return sorted({0, sched.infer_steps - 1})
-
-    def sidecar_extra(self, info: InputInfo) -> dict[str, Any]:
-        return {"fps": self.config.fps, "audio_sample_rate": self.sample_rate()}
 
     def clear_request_state(self) -> None:
         """RoPE tables are request state."""
