@@ -43,7 +43,8 @@ class RequestChecksMixin:
         if width % s:
             raise ValueError(f"`target_width` must be a multiple of {s} (got {width})")
         if (frames - 1) % t:
-            raise ValueError(f"`target_video_length` must be {t}n+1, e.g. 5, 9, 81 (got {frames})")
+            examples = ", ".join(str(t * k + 1) for k in (1, 2, 80 // t))  # 5, 9, 81 for 4; 9, 17, 81 for 8
+            raise ValueError(f"`target_video_length` must be {t}n+1, e.g. {examples} (got {frames})")
 
     @classmethod
     def shape_of(cls, request: RequestConfig, config: RunnerConfig) -> Shape:

@@ -311,6 +311,8 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         if name is not None and name.startswith("extra_image_paths["):
             name = EXTRA_IMAGES_FIELD + name[len("extra_image_paths"):]
         message = _api_wording(str(exc), folder)
+        if name == "image" and state.kind == "video" and request.image_path is None:  # a missing first frame
+            message += f" (`image`, or `{INPUT_REFERENCE}` as OpenAI's client names the first frame)"
         if image_parts:  # the references were sent as `image[1]`, `image[2]`, ...
             message = re.sub(r"`extra_images` holds (\d+) image\(s\); task (\S+) takes at most (\d+) after `image`",
                              lambda m: f"`image` holds {int(m[1]) + 1} images; task {m[2]} takes at most "
@@ -414,6 +416,11 @@ def create_app(state: ServerState) -> FastAPI:
                 "defaults": {"target_height": cfg.target_height, "target_width": cfg.target_width,
                              "target_video_length": cfg.target_video_length, "infer_steps": cfg.infer_steps,
                              "seed": cfg.seed},
+                # The shapes the family takes (its runner's factors): height and width multiples of
+                # `spatial`, frames `temporal` * k + 1; `fps` turns frames into `seconds`.
+                "factors": {"spatial": getattr(runner, "SPATIAL_FACTOR", 1),
+                            "temporal": getattr(runner, "TEMPORAL_FACTOR", 1)},
+                "fps": cfg.fps,
                 "attention": runner.profiler.attention,
                 "max_queue": state.queue.max_queue}
 

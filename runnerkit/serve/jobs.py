@@ -14,6 +14,7 @@ server reports not ready (`JobQueue.dead`).
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -64,6 +65,7 @@ class Job:
     steps_total: int = 0
     error: str | None = None
     profile: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None  # the result's audio stream ({codec, sample_rate, channels}), once completed
     expired: bool = False  # its files were removed by the retention limit
     cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -87,7 +89,9 @@ class Job:
         """The job object of the API: OpenAI's `Video` fields (`id`, `object`, `model`, `status`,
         `progress`, `created_at`/`completed_at`/`expires_at` as integer Unix seconds, `size`, `seconds`,
         `prompt`, `error` as `{code, message}`, `remixed_from_video_id`) plus runnerkit's (stage and
-        steps, the request and what it runs with, `timestamps` to the sub-second, timings, profile)."""
+        steps, the request and what it runs with, `timestamps` to the sub-second, timings, profile, and
+        `audio`: the completed result's audio stream `{codec, sample_rate, channels}`, null when it has
+        none or is not completed)."""
         return {
             "id": self.id, "object": self.kind, "model": self.resolved.get("model"), "status": self.status,
             "progress": self.progress_percent(),
@@ -105,7 +109,8 @@ class Job:
             "timings": None if self.profile is None else {"seconds": self.profile["seconds"],
                                                           "stages": self.profile["stages"],
                                                           "steps": self.profile["steps"]},
-            "profile": self.profile, "content_available": self.status == "completed" and not self.expired,
+            "profile": self.profile, "audio": self.audio,
+            "content_available": self.status == "completed" and not self.expired,
         }
 
 
@@ -305,6 +310,7 @@ class Worker(threading.Thread):
         error: str | None = None
         try:
             self.runner.run_pipeline(request, index)
+            job.audio = result_audio(job.result_path)
             status = "completed"
             logger.info("job {} completed: {}", job.id, job.result_path)
         except RequestCancelled:
@@ -330,4 +336,22 @@ class Worker(threading.Thread):
                 job.status = status
 
 
-__all__ = ["FINAL", "Job", "JobQueue", "QueueClosed", "QueueFull", "Worker"]
+def result_audio(result_path: Path) -> dict[str, Any] | None:
+    """The audio stream muxed into a result, as its sidecar's `streams` record says (written by
+    `media.save_outputs` only when the file holds one): `{codec, sample_rate, channels}`; None when
+    the record names no audio stream, or there is no sidecar (a runner that writes none).
+
+    Raises:
+        OSError, ValueError: a sidecar that cannot be read or is not JSON (the job then fails: its
+            files are not the all-or-nothing set the writer promises).
+    """
+    from runnerkit.media import sidecar_path
+
+    path = sidecar_path(result_path)
+    if not path.exists():
+        return None
+    audio = json.loads(path.read_text(encoding="utf-8")).get("streams", {}).get("audio")
+    return None if audio is None else {k: audio[k] for k in ("codec", "sample_rate", "channels")}
+
+
+__all__ = ["FINAL", "Job", "JobQueue", "QueueClosed", "QueueFull", "Worker", "result_audio"]
