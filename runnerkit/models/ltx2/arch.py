@@ -141,9 +141,19 @@ def tiny_pipeline_arch(version: Version) -> LTX2Arch:
     """A tiny arch whose components chain into a runnable two-stage pipeline (configs/ltx2/*_tiny.json,
     runner tests): the transformer takes the video VAE's 8 latent channels and the audio VAE's packed
     16 (4 channels x 4 latent mel bins), its text widths are the connectors' (2.0: the caption width
-    16, projected inside; 2.3: video 32, audio 8), the upsampler the VAE's 8 channels."""
+    16, projected inside; 2.3: video 32, audio 8), the upsampler the VAE's 8 channels. The vocoder
+    makes as many samples per mel frame as the releases' (2.0: 240 at 24 kHz; 2.3: 160 at 16 kHz,
+    then x3), so the audio lasts as long as the video."""
     base = tiny_ltx2_arch(version)
     widths = ({"attention_head_dim": 8, "cross_attention_dim": 32} if version == "2.3" else {})
     transformer = ta.tiny_arch(version, in_channels=8, out_channels=8, audio_in_channels=16, audio_out_channels=16,
                                **widths)
-    return base.model_copy(update={"transformer": transformer})
+    if version == "2.3":
+        assert isinstance(base.vocoder, aa.LTX2VocoderBWEArch)
+        first = base.vocoder.vocoder.model_copy(update={
+            "hidden_channels": 32, "upsample_factors": (5, 4, 4, 2), "upsample_kernel_sizes": (11, 8, 8, 4)})
+        vocoder: aa.LTX2VocoderArch | aa.LTX2VocoderBWEArch = base.vocoder.model_copy(update={"vocoder": first})
+    else:
+        vocoder = base.vocoder.model_copy(update={
+            "hidden_channels": 32, "upsample_factors": (6, 5, 4, 2), "upsample_kernel_sizes": (12, 10, 8, 4)})
+    return base.model_copy(update={"transformer": transformer, "vocoder": vocoder})
