@@ -5,7 +5,9 @@ same networks bit for bit. The single-file layout writes the whole file from mem
 sizes; the diffusers layout writes shard by shard, `synthetic.write_sharded`). The Gemma-3 text
 encoder is a tiny `Gemma3TextModel` (transformers, random weights from `seed`, `save_pretrained`),
 sized so that its hidden states fit the connectors (`caption_channels` wide, `text_proj_in_factor` - 1
-layers); the tokenizer is runnerkit's character-level debug tokenizer.
+layers); the tokenizer is runnerkit's character-level debug tokenizer, in `tokenizer/` (diffusers) or in
+the Gemma-3 folder itself (single file: the release's `text_encoder_path` holds its tokenizer, as a
+Gemma-3 download does).
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
                          replace: bool = False) -> Path:
     """Write deterministic random weights for `arch` to the folder `out` (atomically: tmp folder, rename).
 
-    single_file: `out/ltx2.safetensors`, `out/latent_upsampler.safetensors`, `out/text_encoder/` (Gemma-3);
+    single_file: `out/ltx2.safetensors`, `out/latent_upsampler.safetensors`, `out/text_encoder/` (Gemma-3
+    and its tokenizer);
     open with `LTX2Checkpoint.open(out / SINGLE_FILE, out / UPSAMPLER_FILE, out / "text_encoder")`.
     diffusers: `out/` is the folder (`LTX2Checkpoint.open(out)`).
 
@@ -143,8 +146,8 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
             _write_single_file(arch, tmp, seed, dtype, fp8_blocks)
         else:
             _write_diffusers(arch, tmp, seed, dtype)
-            write_debug_tokenizer(tmp / "tokenizer", GEMMA_VOCAB)
         write_tiny_gemma(tmp / "text_encoder", arch, seed)
+        write_debug_tokenizer(tmp / ("text_encoder" if layout == "single_file" else "tokenizer"), GEMMA_VOCAB)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
