@@ -43,7 +43,8 @@ class RequestChecksMixin:
         if width % s:
             raise ValueError(f"`target_width` must be a multiple of {s} (got {width})")
         if (frames - 1) % t:
-            raise ValueError(f"`target_video_length` must be {t}n+1, e.g. 5, 9, 81 (got {frames})")
+            raise ValueError(f"`target_video_length` must be {t}n+1, e.g. {t + 1}, {2 * t + 1}, {20 * t + 1} "
+                             f"(got {frames})")
 
     @classmethod
     def shape_of(cls, request: RequestConfig, config: RunnerConfig) -> Shape:
