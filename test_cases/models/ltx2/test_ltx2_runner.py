@@ -198,10 +198,13 @@ def record_stages(runner: LTX2Runner) -> tuple[list[tuple[Any, ...]], list[tuple
 def test_warmup_runs_every_stage_per_shape_in_order(checkpoint: Path, mocker: Any, task: str, offload: str) -> None:
     """Text encoder and connectors once (shared); per warmup shape: [i2av: the VAE encoder], stage 1 steps
     0 and 7, the upsampler transition, stage 2 steps 0 and 2 (each stage's first and last sigma), the
-    video and audio decoders; nothing saved. Model offload: each stage ran with its own module on the
-    device, and none is left there."""
+    video and audio decoders; nothing saved; each shape starts from a cleared state. Model offload: each
+    stage ran with its own module on the device, and none is left there."""
     runner = make_runner(task, model_path=str(checkpoint), warmup=True, offload={"mode": offload})
     calls, placed = record_stages(runner)
+    stage2_left: list[bool] = []  # at each shape's first step: does stage 2 still hold the last shape's latents?
+    wrap(runner, "run_step", before=lambda stage, model, latents, timestep, i: stage2_left.append(
+        runner.schedulers["stage2"].latents is not None) if (stage.name, i) == ("stage1", 0) else None)
     run_pipeline = mocker.spy(LTX2Runner, "run_pipeline")
     save = mocker.spy(LTX2Runner, "save_outputs")
     runner.init_modules()
@@ -216,6 +219,7 @@ def test_warmup_runs_every_stage_per_shape_in_order(checkpoint: Path, mocker: An
                 ("vae_decoder", shape), ("audio_decoder", shape)]
 
     assert calls == [("text_encoder", None), ("text_connectors", None), *per_shape(shapes[0]), *per_shape(shapes[1])]
+    assert stage2_left == [False, False]  # state is cleared after each shape, not only after warmup
     assert run_pipeline.call_count == 0 and save.call_count == 0
     assert runner.profiler.warmup["shapes"] == [list(s) for s in shapes]
     assert runner.warmup_step_report() == runner.profiler.warmup["steps_per_shape"] == {"stage1": [0, 7],
@@ -331,7 +335,9 @@ def test_fp8_single_file_streams_from_disk_through_one_handle(reference: Referen
     assert sampler.violations() == [] and max(descriptors) <= 1
     streamed = [s for s in sampler.samples if s.where.startswith("streaming ")]
     assert len(streamed) >= 11 * 2, "every step reads each block's weights from the file"
-    assert all(s.fds[SINGLE_FILE] or s.mapped[SINGLE_FILE] for s in streamed)  # read from the file itself
+    # one handle: a descriptor or a mapping of the file (the mmap reader closes its descriptor once mapped), never
+    # both, nor none (the block weights are read from the file itself)
+    assert {s.fds[SINGLE_FILE] + (s.mapped[SINGLE_FILE] > 0) for s in streamed} == {1}
     assert runner.streamer is not None and runner.streamer.stats()["disk_bytes_read"] > 0
     assert_same(got, want, "fp8 blocks streamed from disk vs resident")
     assert not torch.equal(got["video"], reference.small["video"])  # the blocks really are fp8
