@@ -7,8 +7,9 @@ Layouts:
   the architecture, in ltx-core's names in Lightricks' files or in runnerkit's sections format,
   `release_config.arch_from_single_file_config`), the x2 latent upsampler in a `.safetensors` of its own
   (diffusers' tensor names; its metadata `config` is the upsampler's), and the Gemma-3 text encoder
-  in a folder of its own (`text_encoder_path`: its config.json sizes the text connectors of a
-  release config, as in ltx-core; the weights are not read here).
+  with its tokenizer in a folder of its own (`text_encoder_path`: it must hold a config.json and a
+  tokenizer file; its config.json sizes the text connectors of a release config, as in ltx-core; the
+  weights are not read here).
 - "diffusers": a folder with `transformer/`, `connectors/`, `vae/`, `audio_vae/`, `vocoder/`,
   `latent_upsampler/` (config.json + safetensors, sharded with a `*.safetensors.index.json` or not),
   `text_encoder/` and `tokenizer/`.
@@ -175,6 +176,7 @@ class LTX2Checkpoint:
         if not upsampler.is_file():
             raise CheckpointError(f"latent_upsampler: upsampler file {upsampler} does not exist")
         _check_text_encoder(text_encoder)
+        _check_tokenizer(text_encoder, "the Gemma-3 folder (`text_encoder_path`)")
         if arch is None:
             config = read_metadata_config(path, "checkpoint")
             up_config = read_metadata_config(upsampler, "latent_upsampler")
@@ -202,6 +204,7 @@ class LTX2Checkpoint:
             if not (path / sub).is_dir():
                 raise CheckpointError(f"diffusers checkpoint {path}: folder {path / sub} does not exist")
         _check_text_encoder(path / "text_encoder")
+        _check_tokenizer(path / "tokenizer", "tokenizer folder")
         if arch is None:
             arch = _arch(lambda: LTX2Arch.from_diffusers_folder(path), f"config.json files of {path}")
         index = {}
@@ -234,10 +237,12 @@ class LTX2Checkpoint:
             return ck.ignored(component, key)
         return component == "audio_vae" and key.startswith("encoder.")  # our audio VAE is its decoder
 
-    def _plan(self, component: str) -> tuple[nn.Module, dict[str, str], dict[str, str]]:
+    def _plan(self, component: str,
+              module: nn.Module | None = None) -> tuple[nn.Module, dict[str, str], dict[str, str]]:
         """(meta-built network, model name -> file key, model name -> file key of its fp8 scale), after
-        checking the file keys against the network: every missing and unexpected key is listed."""
-        module = build_on_meta(network_factory(component, self.arch))
+        checking the file keys against the network: every missing and unexpected key is listed.
+        `module`: the caller's meta-built network of this architecture (built here if None)."""
+        module = module if module is not None else build_on_meta(network_factory(component, self.arch))
         expected = module.state_dict(keep_vars=True)
         kmap = self.key_map(component, list(expected))
         infos = self._index[component]
@@ -267,6 +272,11 @@ class LTX2Checkpoint:
             CheckpointError: see `_plan`; a damaged or changed file.
         """
         _, kmap, scales = self._plan(component)
+        return self._read_planned(component, kmap, scales)
+
+    def _read_planned(self, component: str, kmap: dict[str, str],
+                      scales: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """`state_dict` of a component already planned (`_plan`'s key maps)."""
         wanted = list(kmap.values()) + list(scales.values())
         by_file: dict[Path, list[str]] = {}
         for key in wanted:
@@ -311,8 +321,8 @@ class LTX2Checkpoint:
             CheckpointError: see `_plan`.
             ValueError: scaled fp8 weights without a `dtype` (a scale cannot be kept in an nn.Linear).
         """
-        module, _, _ = self._plan(component)
-        tensors, scales = self.state_dict(component)
+        module, kmap, scale_keys = self._plan(component)  # one meta build and key check per load
+        tensors, scales = self._read_planned(component, kmap, scale_keys)
         if scales and dtype is None:
             raise ValueError(f"{component}: {len(scales)} fp8 weights carry scales; pass `dtype` to upcast them")
         fp32 = keep_fp32 if component == "transformer" else (lambda name: False)
@@ -320,13 +330,14 @@ class LTX2Checkpoint:
             tensors[name] = (tensors[name].float() * scale).to(torch.float32 if fp32(name) else dtype)
         return assign_state_dict(module, tensors, component, dtype, fp32, device)
 
-    def transformer_block_sources(self) -> BlockSources:
-        """The transformer's block layout for streaming from disk.
+    def transformer_block_sources(self, module: LTX2Transformer | None = None) -> BlockSources:
+        """The transformer's block layout for streaming from disk; `module`: the meta-built transformer that
+        will stream (built here if None; passing it saves a second build per streamed transformer).
 
         Raises:
             NotImplementedError: a block holds scaled fp8 weights (the disk source casts without scales).
         """
-        module, kmap, scales = self._plan("transformer")
+        module, kmap, scales = self._plan("transformer", module)
         blocks_attr = LTX2Transformer.STREAM_SPEC.blocks_attr
         scaled = sorted(n for n in scales if n.startswith(blocks_attr + "."))
         if scaled:
@@ -341,9 +352,20 @@ class LTX2Checkpoint:
                             plan_units(module, "block", LTX2Transformer.STREAM_SPEC), blocks)
 
 
+#: Files of which a tokenizer folder must hold one (a Gemma-3 download has both).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
 def _check_text_encoder(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise CheckpointError(f"text_encoder: Gemma-3 folder {path} does not exist or has no config.json")
+
+
+def _check_tokenizer(path: Path, where: str) -> None:
+    """transformers' `AutoTokenizer` builds an empty tokenizer from a folder with only a config.json
+    (every prompt then encodes to nothing), so a folder without a tokenizer file is refused here."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"tokenizer: {where} {path} holds none of {list(TOKENIZER_FILES)}")
 
 
 def _arch(read: Callable[[], LTX2Arch], where: str) -> LTX2Arch:

@@ -187,17 +187,23 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
 
     @staticmethod
     def check_paths(config: RunnerConfig) -> None:
-        """A single `.safetensors` file needs `text_encoder_path` and `upsampler_path`; a folder needs neither.
+        """A single `.safetensors` file needs `text_encoder_path` (a folder) and `upsampler_path` (a file),
+        both present; a folder needs neither. Checked when the runner is built, before anything loads.
 
         Raises:
-            ValueError: naming the missing or superfluous field (files themselves are checked at load).
+            ValueError: naming the missing, absent or superfluous field (the files' contents are checked at load).
         """
         single = config.model_path is not None and config.model_path.endswith(".safetensors")
-        for key in ("text_encoder_path", "upsampler_path"):
+        wanted = {"text_encoder_path": ("folder", Path.is_dir, "the Gemma-3 folder (config.json, tokenizer, weights)"),
+                  "upsampler_path": ("file", Path.is_file, "the x2 latent upsampler .safetensors")}
+        for key, (kind, exists, what) in wanted.items():
             value = getattr(config, key)
             if single and value is None:
                 raise ValueError(f"`{key}` is required with a single-file `model_path` ({config.model_path}): the "
                                  "release ships the Gemma-3 folder and the upsampler file separately")
+            if single and not exists(Path(value)):
+                raise ValueError(f"`{key}` {value!r} is not an existing {kind}: give {what} shipped beside the "
+                                 f"single-file `model_path` ({config.model_path})")
             if not single and value is not None:
                 raise ValueError(f"`{key}` ({value!r}) is only read with a single-file `model_path` (.safetensors); "
                                  "a checkpoint folder holds its own: remove it")
@@ -303,7 +309,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
             streamer = stream_module(model, LTX2Transformer.STREAM_SPEC, off, self.device, self.dtype, "transformer",
                                      state_dict=tensors)
         else:
-            sources = ckpt.transformer_block_sources()
+            sources = ckpt.transformer_block_sources(model)
             streamer = stream_module(model, LTX2Transformer.STREAM_SPEC, off, self.device, self.dtype, "transformer",
                                      files=sources.files, key_map=sources.key_map,
                                      shared_files=ckpt.layout == "single_file")

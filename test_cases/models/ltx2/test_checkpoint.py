@@ -223,6 +223,22 @@ def test_missing_side_files_name_the_path(written: tuple[LTX2Arch, Path, Path], 
         LTX2Checkpoint.open(folder)
 
 
+def test_tokenizer_files_are_required(written: tuple[LTX2Arch, Path, Path], tmp_path: Path) -> None:
+    """transformers' AutoTokenizer silently builds an empty tokenizer from a Gemma-3 folder with only a
+    config.json (every prompt then encodes to nothing): a folder without tokenizer.json or tokenizer.model
+    is refused, naming it. The synthetic single file puts the tokenizer in its Gemma-3 folder."""
+    _, single_dir, diffusers_dir = written
+    assert (single_dir / "text_encoder" / "tokenizer.json").is_file()
+    gemma = Path(shutil.copytree(single_dir / "text_encoder", tmp_path / "gemma"))
+    (gemma / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=f"{gemma} holds none of"):
+        LTX2Checkpoint.open(single_dir / SINGLE_FILE, single_dir / UPSAMPLER_FILE, gemma)
+    folder = Path(shutil.copytree(diffusers_dir, tmp_path / "diffusers"))
+    (folder / "tokenizer" / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=f"tokenizer folder {folder / 'tokenizer'} holds none of"):
+        LTX2Checkpoint.open(folder)
+
+
 @pytest.mark.parametrize("fp8", ["plain", "scaled"])
 def test_fp8_blocks_load_as_fp8_storage(fp8: str, tmp_path: Path) -> None:
     arch = tiny_ltx2_arch("2.3")
