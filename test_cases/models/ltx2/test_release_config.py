@@ -21,7 +21,8 @@ from runnerkit.models.ltx2 import connectors_arch as ca
 from runnerkit.models.ltx2.release_config import arch_from_single_file_config
 from runnerkit.models.ltx2.arch import COMPONENTS, LTX2_19B_ARCH, LTX23_22B_ARCH, LTX2Arch, tiny_ltx2_arch
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
-from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FILE, _write_single_file
+from runnerkit.models.ltx2.checkpoint_synthetic import GEMMA_VOCAB, SINGLE_FILE, UPSAMPLER_FILE, _write_single_file
+from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.weights import CheckpointError
 from test_cases.models.ltx2.release_configs import (
     GEMMA3_12B_CONFIG,
@@ -65,7 +66,7 @@ def _set_config(path: Path, config: dict[str, Any]) -> None:
 def _release_like(arch: LTX2Arch, version: str, folder: Path, edit: dict[str, Any] | None = None) -> Path:
     """The synthetic single file and upsampler file of `arch`, their metadata replaced by the tiny release config
     (`edit` updates its transformer section), and a Gemma-3 folder holding only the config.json ltx-core reads
-    (the tiny Gemma model itself costs seconds to build and is not read by `open`)."""
+    and its tokenizer (the tiny Gemma model itself costs seconds to build and is not read by `open`)."""
     folder.mkdir()
     _write_single_file(arch, folder, 3, torch.float32, "none")
     config, upsampler = tiny_release_config(version)
@@ -77,6 +78,7 @@ def _release_like(arch: LTX2Arch, version: str, folder: Path, edit: dict[str, An
     gemma = {"model_type": "gemma3_text", "hidden_size": c.caption_channels,
              "num_hidden_layers": c.text_proj_in_factor - 1}
     (folder / "text_encoder" / "config.json").write_text(json.dumps(gemma))
+    write_debug_tokenizer(folder / "text_encoder", GEMMA_VOCAB)  # `open` requires the Gemma folder's tokenizer
     return folder
 
 
