@@ -14,8 +14,9 @@ Readers:
   the upsampler's own file carries `{"latent_upsampler": {...}}`). Lightricks' release files carry a
   `config` entry of the same shape (sections `transformer`, `vae`, `audio_vae`, `vocoder`,
   `scheduler`) but in ltx-core's field names (e.g. `frequencies_precision`, VAE `encoder_blocks`
-  lists); those are NOT mapped here: such a section is refused naming its unknown keys, and a
-  caller loading a release file passes the release constant (`LTX2_19B_ARCH`, `LTX23_22B_ARCH`).
+  lists); those are NOT mapped here: such a section is refused naming its unknown keys, and the
+  checkpoint loader then recognises the file as one of the release constants (`LTX2_19B_ARCH`,
+  `LTX23_22B_ARCH`) by its tensor names and shapes (checkpoint.py `RELEASE_ARCHS`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Layouts:
 
 - "single_file": one `*.safetensors` holding the transformer, text connectors, video VAE, audio VAE
   and vocoder under the prefixes of `checkpoint_keys` (the safetensors metadata entry `config` holds
-  the architecture, `arch.LTX2Arch.from_single_file_config`), the x2 latent upsampler in a
+  the architecture in runnerkit's form, `arch.LTX2Arch.from_single_file_config`; a file without it,
+  such as Lightricks' releases, whose `config` is in ltx-core's names, is recognised as one of
+  `RELEASE_ARCHS` by its tensor names and shapes), the x2 latent upsampler in a
   `.safetensors` of its own (diffusers' names; its metadata `config` is the upsampler's), and the
   Gemma-3 text encoder in a folder of its own (`text_encoder_path`: only checked to exist here).
 - "diffusers": a folder with `transformer/`, `connectors/`, `vae/`, `audio_vae/`, `vocoder/`,
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,12 +38,13 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from loguru import logger
 from pydantic import ValidationError
 from torch import nn
 
 from runnerkit.config import format_validation_error
 from runnerkit.models.ltx2 import checkpoint_keys as ck
-from runnerkit.models.ltx2.arch import COMPONENTS, LTX2Arch
+from runnerkit.models.ltx2.arch import COMPONENTS, LTX2_19B_ARCH, LTX23_22B_ARCH, LTX2Arch
 from runnerkit.models.ltx2.audio_arch import LTX2VocoderBWEArch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
@@ -64,6 +68,10 @@ Layout = Literal["single_file", "diffusers"]
 SCALE_SUFFIX = "weight_scale"
 UNUSED_SCALE_SUFFIX = "input_scale"
 DIFFUSERS_STEM = "diffusion_pytorch_model"
+RELEASE_ARCHS: dict[str, LTX2Arch] = {"LTX-2.3 (22B)": LTX23_22B_ARCH, "LTX-2 (19B)": LTX2_19B_ARCH}
+"""What a single file without a readable runnerkit `config` entry may be: tried in order, first by the
+transformer's block count, then by every component's tensor names and shapes (headers only, `_plan`)."""
+_BLOCK_KEY = re.compile(re.escape(ck.TRANSFORMER_PREFIX) + r"transformer_blocks\.(\d+)\.")
 
 
 def network_factory(component: str, arch: LTX2Arch) -> Callable[[], nn.Module]:
@@ -171,11 +179,6 @@ class LTX2Checkpoint:
         if not upsampler.is_file():
             raise CheckpointError(f"latent_upsampler: upsampler file {upsampler} does not exist")
         _check_text_encoder(text_encoder)
-        if arch is None:
-            config = read_metadata_config(path, "checkpoint")
-            up_config = read_metadata_config(upsampler, "latent_upsampler")
-            arch = _arch(lambda: LTX2Arch.from_single_file_config(config, {"latent_upsampler": up_config}, str(path)),
-                         f"metadata `config` of {path} and {upsampler}")
         infos = safetensors_infos([path], "checkpoint")
         stray = sorted(k for k in infos if ck.owner(k) is None)
         if stray:
@@ -185,7 +188,44 @@ class LTX2Checkpoint:
         for key, entry in infos.items():
             index[str(ck.owner(key))][key] = entry
         index["latent_upsampler"] = dict(safetensors_infos([upsampler], "latent_upsampler"))
+        if arch is None:
+            try:
+                config = read_metadata_config(path, "checkpoint")
+                up_config = read_metadata_config(upsampler, "latent_upsampler")
+                arch = _arch(lambda: LTX2Arch.from_single_file_config(config, {"latent_upsampler": up_config},
+                                                                      str(path)),
+                             f"metadata `config` of {path} and {upsampler}")
+            except CheckpointError as refused:
+                arch = cls._release_arch(path, upsampler, text_encoder, index, refused)
         return cls("single_file", path, arch, upsampler, text_encoder, index)
+
+    @classmethod
+    def _release_arch(cls, path: Path, upsampler: Path, text_encoder: Path,
+                      index: dict[str, dict[str, TensorIndexEntry]], refused: CheckpointError) -> LTX2Arch:
+        """The `RELEASE_ARCHS` entry whose networks the single file (and the upsampler file) hold exactly.
+
+        Raises:
+            CheckpointError: none does: `refused` (why the metadata was not read), then per release why not.
+        """
+        blocks = {int(m.group(1)) for key in index["transformer"] if (m := _BLOCK_KEY.match(key))}
+        tried = []
+        for name, candidate in RELEASE_ARCHS.items():
+            if candidate.transformer.num_layers != len(blocks):
+                tried.append(f"{name}: {candidate.transformer.num_layers} transformer blocks, "
+                             f"the file has {len(blocks)}")
+                continue
+            ckpt = cls("single_file", path, candidate, upsampler, text_encoder, index)
+            try:
+                for component in COMPONENTS:
+                    ckpt._plan(component)
+            except CheckpointError as exc:
+                why = str(exc)
+                tried.append(f"{name}: {why[:400]}{'...' if len(why) > 400 else ''}")
+                continue
+            logger.info("{}: no runnerkit `config` metadata ({}); its tensors are the {} release's", path,
+                        str(refused).split(": ")[-1][:120], name)
+            return candidate
+        raise CheckpointError(f"{refused}; nor are its tensors those of a known release ({'; '.join(tried)})")
 
     @classmethod
     def _open_diffusers(cls, path: Path, arch: LTX2Arch | None) -> LTX2Checkpoint:

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from runnerkit import synthetic
 from runnerkit.models.ltx2.arch import COMPONENTS, LTX2Arch, tiny_ltx2_arch
+from runnerkit.models.ltx2 import checkpoint
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint, read_metadata_config
 from runnerkit.models.ltx2.checkpoint_synthetic import (
     SINGLE_FILE,
@@ -116,6 +117,31 @@ def test_release_style_config_is_refused_naming_the_key(written: tuple[LTX2Arch,
     with pytest.raises(CheckpointError, match=f"frequencies_precision(.|\n)*{path}|{path}(.|\n)*frequencies_precision"):
         _single(copy)
     assert _single(copy, tiny_ltx2_arch("2.0")).arch == tiny_ltx2_arch("2.0")  # an explicit arch is used as given
+
+
+def test_a_file_without_runnerkit_config_is_recognised_by_its_tensors(written: tuple[LTX2Arch, Path, Path],
+                                                                      tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightricks' release files carry their `config` in ltx-core's names: the loader takes the known release
+    whose networks the file holds (block count, then every tensor name and shape). Tiny stand-ins for the
+    releases here; the real ones (48 blocks) are ruled out by the block count."""
+    arch, single_dir, _ = written
+    copy = Path(shutil.copytree(single_dir, tmp_path / "single"))
+    path = copy / SINGLE_FILE
+    with safe_open(str(path), framework="pt") as f:
+        config = json.loads(f.metadata()["config"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    config["transformer"]["frequencies_precision"] = "float64"  # an ltx-core name
+    save_file(tensors, str(path), metadata={"config": json.dumps(config)})
+    with pytest.raises(CheckpointError, match=r"frequencies_precision(.|\n)*nor are its tensors those of a known "
+                                              r"release \(LTX-2.3 \(22B\): 48 transformer blocks, the file has 2"):
+        _single(copy)
+    other = tiny_ltx2_arch("2.3" if arch.version == "2.0" else "2.0")  # 2 blocks too, other tensors
+    monkeypatch.setattr(checkpoint, "RELEASE_ARCHS", {"other": other, "this one": arch})
+    assert _single(copy).arch == arch
+    monkeypatch.setattr(checkpoint, "RELEASE_ARCHS", {"other": other})
+    with pytest.raises(CheckpointError, match=r"known release \(other: .* does not match the architecture"):
+        _single(copy)
 
 
 def test_audio_vae_encoder_tensors_are_not_read(written: tuple[LTX2Arch, Path, Path], tmp_path: Path) -> None:
