@@ -70,7 +70,7 @@ from runnerkit.runners.pipeline import (
 )
 from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.schedulers.base import Scheduler
-from runnerkit.weights import build_on_meta
+from runnerkit.weights import CheckpointError, build_on_meta
 
 __all__ = ["DISTILLED_SIGMAS", "STAGE2_SIGMAS", "LTX2Inputs", "LTX2Runner", "flavour_of"]
 
@@ -180,7 +180,11 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         if config.task == "i2av" and missing_media_module(".mp4") is not None:
             raise ValueError("task 'i2av' re-compresses the first frame with the `media` extra's ffmpeg "
                              f"({missing_media_module('.mp4')} is missing): pip install 'runnerkit[media]'")
-        self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
+        # The configured architecture; without `model`, the tiny one only for a synthetic checkpoint (a real
+        # checkpoint's architecture is its own, read at load: None here, so nothing can take the tiny one for it)
+        self.arch_override: LTX2Arch | None = None
+        if config.model is not None or config.synthetic_checkpoint is not None:
+            self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
         self.checkpoint: LTX2Checkpoint | None = None
         self.tokenizer: Any = None
         self.vae_stats: tuple[Tensor, Tensor, float] | None = None
@@ -205,7 +209,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
     @staticmethod
     def parse_arch(model: dict[str, Any] | None, partial: bool = False) -> LTX2Arch:
         """The config's `model` key as a validated LTX-2 architecture; without one, the tiny LTX-2.3
-        pipeline architecture (`arch.tiny_pipeline_arch`), so a synthetic config may omit it.
+        pipeline architecture (`arch.tiny_pipeline_arch`), so a synthetic config may omit it (a config
+        of a real checkpoint omits it too: the runner then reads the checkpoint's, see `__init__`).
 
         Raises:
             ValueError: naming each bad field as `model.<component>.<field>`.
@@ -238,8 +243,28 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
                                    layout: str, **options: Any) -> None:
         """Write deterministic random weights of `config.model`'s architecture to the folder `out`
         (checkpoint_synthetic.py): `diffusers` (a checkpoint folder) or `single_file` (the release's
-        `ltx2.safetensors`, `latent_upsampler.safetensors` and `text_encoder/` in `out`)."""
-        write_synthetic_ltx2(cls.parse_arch(config.model), out, seed, dtype, layout,  # type: ignore[arg-type]
+        `ltx2.safetensors`, `latent_upsampler.safetensors` and `text_encoder/` in `out`).
+
+        Without `model`: the tiny architecture for the runner's own synthetic checkpoint (written to
+        `model_path` or the cache); a config that names another checkpoint (`model_path`: a real one,
+        e.g. configs/ltx2/ltx23_*_22b_distilled.json given to the tool) gets that checkpoint's
+        architecture, read from its headers.
+
+        Raises:
+            ValueError: `model` omitted and `model_path`'s checkpoint cannot be read: the
+                architecture to write is unknown (naming `model`).
+        """
+        arch = cls.parse_arch(config.model)
+        elsewhere = config.model_path is not None and Path(config.model_path).absolute() != Path(out).absolute()
+        if config.model is None and elsewhere:
+            try:
+                arch = LTX2Checkpoint.open(config.model_path, config.upsampler_path, config.text_encoder_path).arch
+            except CheckpointError as exc:
+                raise ValueError(f"`model` is omitted, so the architecture is the checkpoint's at `model_path`, which "
+                                 f"cannot be read ({exc}); to write a synthetic checkpoint, give `model` (e.g. "
+                                 "`LTX23_22B_ARCH.model_dump(mode='json')` of runnerkit/models/ltx2/arch.py) or start "
+                                 "from configs/ltx2/ltx2_t2av_tiny.json") from None
+        write_synthetic_ltx2(arch, out, seed, dtype, layout,  # type: ignore[arg-type]
                              replace=options.get("replace", False))
 
     # ---- loading -----------------------------------------------------------------------
@@ -352,6 +377,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
             return flavour_of(self.checkpoint.arch)
         path = self.checkpoint_path()
         if self._synthetic_pending(path):
+            assert self.arch_override is not None, "a synthetic checkpoint has a configured architecture"
             return flavour_of(self.arch_override)
         return flavour_of(self.open_checkpoint(path).arch)
 
