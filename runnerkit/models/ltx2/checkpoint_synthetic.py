@@ -101,7 +101,7 @@ def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype,
         give_default_mode(tmp / name)
 
 
-def _write_diffusers(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype) -> None:
+def _write_diffusers(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype, generator_device: str = "cpu") -> None:
     sections = arch.to_sections()
     (tmp / "model_index.json").write_text(json.dumps({
         "_class_name": "LTX2Pipeline", **{c: ["diffusers", _CLASSES[c]] for c in COMPONENTS},
@@ -113,12 +113,12 @@ def _write_diffusers(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype) -
         (folder / "config.json").write_text(json.dumps({"_class_name": _CLASSES[component], **sections[component]},
                                                        indent=1))
         synthetic.write_sharded(shapes_of(arch, component), lambda sd: sd, folder, DIFFUSERS_STEM, seed, dtype,
-                                lambda name, c=component: _fp32(c, name))
+                                lambda name, c=component: _fp32(c, name), generator_device)
 
 
 def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtype = torch.bfloat16,
                          layout: Literal["single_file", "diffusers"] = "diffusers", fp8_blocks: Fp8Blocks = "none",
-                         replace: bool = False) -> Path:
+                         replace: bool = False, generator_device: str = "cpu") -> Path:
     """Write deterministic random weights for `arch` to the folder `out` (atomically: tmp folder, rename).
 
     single_file: `out/ltx2.safetensors`, `out/latent_upsampler.safetensors`, `out/text_encoder/` (Gemma-3);
@@ -128,6 +128,7 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
     Args:
         fp8_blocks: single_file only: store the transformer blocks' linear weights as float8_e4m3fn,
             "plain" (cast) or "scaled" (absmax/448 per tensor, `weight_scale` and an unused `input_scale`).
+        generator_device: diffusers only: draw the random values there ("cuda": fast at the 22B size).
 
     Raises:
         ValueError: fp8 blocks asked for the diffusers layout.
@@ -142,10 +143,20 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
         if layout == "single_file":
             _write_single_file(arch, tmp, seed, dtype, fp8_blocks)
         else:
-            _write_diffusers(arch, tmp, seed, dtype)
+            _write_diffusers(arch, tmp, seed, dtype, generator_device)
             write_debug_tokenizer(tmp / "tokenizer", GEMMA_VOCAB)
         write_tiny_gemma(tmp / "text_encoder", arch, seed)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return synthetic.finish(tmp, out, seed, layout, replace)
+
+
+def tiny_gemma_sizes(arch: LTX2Arch) -> dict[str, int]:
+    """The `Gemma3TextConfig` sizes `write_tiny_gemma` gives the synthetic text model of `arch` (the memory
+    estimate reads them before the checkpoint is written; test_checkpoint.py compares them with the
+    written config.json)."""
+    c = arch.connectors
+    return {"vocab_size": GEMMA_VOCAB, "hidden_size": c.caption_channels, "intermediate_size": 2 * c.caption_channels,
+            "num_hidden_layers": c.text_proj_in_factor - 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 8}

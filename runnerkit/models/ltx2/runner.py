@@ -42,7 +42,8 @@ from runnerkit.media import missing_media_module, recompress_h264
 from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
-from runnerkit.models.ltx2.checkpoint_synthetic import write_synthetic_ltx2
+from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes, write_synthetic_ltx2
+from runnerkit.models.ltx2.estimate import gemma_fields, ltx2_estimate
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.transformer import (
     LTX2Transformer,
@@ -58,6 +59,7 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
+from runnerkit.runners.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,
@@ -265,7 +267,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
                                  "`LTX23_22B_ARCH.model_dump(mode='json')` of runnerkit/models/ltx2/arch.py) or start "
                                  "from configs/ltx2/ltx2_t2av_tiny.json") from None
         write_synthetic_ltx2(arch, out, seed, dtype, layout,  # type: ignore[arg-type]
-                             replace=options.get("replace", False))
+                             replace=options.get("replace", False),
+                             generator_device=options.get("generator_device") or "cpu")
 
     # ---- loading -----------------------------------------------------------------------
     def open_checkpoint(self, path: Path, raw: bool = False) -> LTX2Checkpoint:
@@ -380,6 +383,54 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
             assert self.arch_override is not None, "a synthetic checkpoint has a configured architecture"
             return flavour_of(self.arch_override)
         return flavour_of(self.open_checkpoint(path).arch)
+
+    # ---- memory estimate (models/ltx2/estimate.py) -----------------------------------------
+    def architecture(self) -> LTX2Arch:
+        """The checkpoint's architecture: from the loaded checkpoint; before loading from its headers and
+        config (or the configured one, for a synthetic checkpoint still to write).
+
+        Raises:
+            EstimateUnavailable: the checkpoint cannot be read before loading (loading then says why).
+        """
+        if self.checkpoint is not None:
+            return self.checkpoint.arch
+        try:
+            path = self.checkpoint_path()
+            if self._synthetic_pending(path):
+                assert self.arch_override is not None, "a synthetic checkpoint has a configured architecture"
+                return self.arch_override
+            return self.open_checkpoint(path).arch
+        except (ValueError, OSError) as exc:  # CheckpointError included
+            raise EstimateUnavailable(f"the checkpoint's architecture cannot be read before loading ({exc})") from None
+
+    def gemma_sizes(self, arch: LTX2Arch) -> dict[str, int]:
+        """The Gemma-3 text model's sizes: from the text encoder folder's config.json (the synthetic
+        one's sizes while it is still to be written).
+
+        Raises:
+            EstimateUnavailable: the config.json cannot be read.
+        """
+        cfg = self.config
+        if self.checkpoint is not None:
+            return gemma_fields(self.checkpoint.text_encoder_path)
+        path = self.checkpoint_path()
+        if self._synthetic_pending(path):
+            return tiny_gemma_sizes(arch)
+        if cfg.text_encoder_path is not None:
+            return gemma_fields(Path(cfg.text_encoder_path))
+        return gemma_fields(path / "text_encoder")
+
+    def estimate_memory(self, shape: Shape) -> MemoryEstimate:
+        """Text encoder, connectors, (VAE encoder,) both denoise stages, the upsampler, both decoders and
+        save of `shape` on `self.device` (formulas and the release sizes: models/ltx2/estimate.py).
+
+        Raises:
+            EstimateUnavailable: see `architecture` and `gemma_sizes`.
+        """
+        arch = self.architecture()
+        cfg = self.config
+        return ltx2_estimate(arch, self.gemma_sizes(arch), shape, cfg.fps, cfg.task, self.dtype, self.device,
+                             cfg.offload)
 
     # ---- request stages ------------------------------------------------------------------
     def layout(self, info: InputInfo, stage: int) -> JointLayout:

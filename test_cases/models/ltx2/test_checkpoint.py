@@ -24,8 +24,10 @@ from runnerkit.models.ltx2.checkpoint_synthetic import (
     SINGLE_FILE,
     UPSAMPLER_FILE,
     synthetic_state_dict,
+    tiny_gemma_sizes,
     write_synthetic_ltx2,
 )
+from runnerkit.models.ltx2.estimate import gemma_fields
 from runnerkit.models.ltx2.transformer_arch import tiny_arch
 from runnerkit.offload.disk import SafetensorsDiskReader
 from runnerkit.weights import CheckpointError, safetensors_infos
@@ -142,6 +144,13 @@ def test_a_file_without_runnerkit_config_is_recognised_by_its_tensors(written: t
     monkeypatch.setattr(checkpoint, "RELEASE_ARCHS", {"other": other})
     with pytest.raises(CheckpointError, match=r"known release \(other: .* does not match the architecture"):
         _single(copy)
+
+
+def test_the_estimate_reads_the_written_gemma_sizes(written: tuple[LTX2Arch, Path, Path]) -> None:
+    """What the memory estimate assumes of a synthetic Gemma before it is written is what the writer writes."""
+    arch, single_dir, diffusers_dir = written
+    for folder in (single_dir / "text_encoder", diffusers_dir / "text_encoder"):
+        assert gemma_fields(folder) == tiny_gemma_sizes(arch)
 
 
 def test_audio_vae_encoder_tensors_are_not_read(written: tuple[LTX2Arch, Path, Path], tmp_path: Path) -> None:
