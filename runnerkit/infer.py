@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", help="task of the model family, e.g. t2v, i2v, flf2v (an unknown one lists the family's)")
     p.add_argument("--model_path", help="checkpoint folder (runnerkit, the original release, or diffusers layout), "
                    "or a single-file release (.safetensors) where the family loads one")
-    p.add_argument("--text_encoder_path", help="text encoder folder of a single-file release (e.g. gemma-3-12b-it)")
+    p.add_argument("--text_encoder_path", help="text encoder folder (transformers layout) of a single-file release")
     p.add_argument("--upsampler_path", help="latent upsampler file of a single-file two-stage release")
     p.add_argument("--config_json", help="JSON runner config (CLI flags override its values)")
     p.add_argument("--prompt", help="text prompt of the single request")
