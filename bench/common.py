@@ -18,8 +18,11 @@ SHARED_COMPONENTS = ("text_encoder", "vae", "tokenizer")  # what a transformer-o
 
 def ensure_synthetic(config_path: Path, out: Path, dtype: str = "bf16", generator_device: str = "cpu",
                      transformer_only: bool = False) -> Path:
-    """Write the config architecture's synthetic checkpoint to `out` once (skipped if present)."""
-    if (out / "runnerkit.json").is_file():
+    """Write the config architecture's synthetic checkpoint to `out` once (skipped if present: a runnerkit
+    layout's `runnerkit.json`, or any layout's synthetic marker)."""
+    from runnerkit.synthetic import SYNTHETIC_MARKER
+
+    if (out / "runnerkit.json").is_file() or (out / SYNTHETIC_MARKER).is_file():
         return out
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "runnerkit.tools.synth_checkpoint", "--config", str(config_path),

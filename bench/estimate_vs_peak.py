@@ -58,7 +58,7 @@ def run_config(args: argparse.Namespace, mode: str, shape: tuple[int, int, int],
     offload: dict[str, Any] = {"mode": mode} if mode != "none" else {}
     if args.vae_tiling:
         offload["vae_tiling"] = True
-    return load_runner_config(args.config, {
+    return load_runner_config(args.config, {  # None values (e.g. no --steps) keep the config's own
         "model_path": args.model_path, "infer_steps": args.steps, "device": args.device, "target_height": h,
         "target_width": w, "target_video_length": f, "enable_cfg": not args.no_cfg, "offload": offload,
         "memory": {"check_fit": False}, **extra})
@@ -183,8 +183,9 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(report, indent=1))
+    steps = f"{args.steps} steps" if args.steps else "the config's steps"
     text = (f"# memory estimate vs measured peak ({report['device']}, {Path(args.config).name}, "
-            f"{args.steps} steps{', dry run: estimates only' if args.dry_run else ''})\n\n"
+            f"{steps}{', dry run: estimates only' if args.dry_run else ''})\n\n"
             "Per stage: weights on the device during the stage + the stage's activations (formula), the "
             "refusal's estimate (+10% margin + fixed overhead), and the stage's measured peak "
             "(max_memory_allocated, weights included). A ratio >= 1 is an upper bound.\n\n" + table(results) + "\n")
@@ -220,7 +221,8 @@ def main() -> None:
     p.add_argument("--shapes", type=int, nargs="+", default=[480, 832, 81, 720, 1280, 81],
                    help="height width frames, repeated for several shapes")
     p.add_argument("--modes", nargs="+", choices=MODES, default=["none", "block"])
-    p.add_argument("--steps", type=int, default=2, help="denoising steps per request (the step peak repeats)")
+    p.add_argument("--steps", type=int, help="denoising steps per request (the step peak repeats; default: the "
+                   "config's, e.g. LTX-2's fixed 8 + 3)")
     p.add_argument("--no_cfg", action="store_true", help="one branch per step instead of CFG's two")
     p.add_argument("--vae_tiling", action="store_true", help="offload.vae_tiling in every arm")
     p.add_argument("--device", default="cuda")
@@ -252,7 +254,8 @@ def main() -> None:
     if args.resume and Path(args.resume).is_file():
         results = json.loads(Path(args.resume).read_text())["results"]
     done = {(r["mode"], tuple(r["shape"])) for r in results}
-    common = ["--config", args.config, "--model_path", args.model_path, "--steps", str(args.steps),
+    steps = ["--steps", str(args.steps)] if args.steps else []
+    common = ["--config", args.config, "--model_path", args.model_path, *steps,
               "--device", args.device, *(["--no_cfg"] if args.no_cfg else []),
               *(["--vae_tiling"] if args.vae_tiling else [])]
     seconds: list[float] = []

@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                "130 Ctrl-C, 143 SIGTERM")
     p.add_argument("--model_cls", choices=model_cls_names(), help="registered model family (or in --config_json)")
     p.add_argument("--task", help="task of the model family, e.g. t2v, i2v, flf2v (an unknown one lists the family's)")
-    p.add_argument("--model_path", help="checkpoint folder (runnerkit, the original release, or diffusers layout)")
+    p.add_argument("--model_path", help="checkpoint folder (runnerkit, the original release, or diffusers layout), "
+                   "or a single-file release (.safetensors) where the family loads one")
+    p.add_argument("--text_encoder_path", help="text encoder folder (transformers layout) of a single-file release")
+    p.add_argument("--upsampler_path", help="latent upsampler file of a single-file two-stage release")
     p.add_argument("--config_json", help="JSON runner config (CLI flags override its values)")
     p.add_argument("--prompt", help="text prompt of the single request")
     p.add_argument("--negative_prompt", help="CFG negative prompt (default: the config's, else the family's reference one)")
@@ -93,6 +96,7 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     from runnerkit.media import missing_media_module, sidecar_path
     from runnerkit.registry import get_runner_cls
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
+                 "text_encoder_path": args.text_encoder_path, "upsampler_path": args.upsampler_path,
                  "infer_steps": args.infer_steps, "device": args.device, "warmup": True if args.warmup else None}
     if args.config_json is None and args.model_cls is None:
         raise ConfigError("give --config_json FILE (or at least --model_cls and --model_path); see --help")

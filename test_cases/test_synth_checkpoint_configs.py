@@ -5,10 +5,16 @@ The tool runs for real up to its first weight write: every family's writer valid
 `model` as a whole architecture and builds every network on the meta device (all tensor shapes)
 before it writes a tensor; `runnerkit.synthetic.write_sharded`, the first write, stops it there, so
 no 14B or 20B weights are written.
+
+LTX-2's real-size configs omit `model` (the architecture is the checkpoint's, which the release file
+does not spell out in runnerkit's form): the tool takes the architecture of the checkpoint at
+`model_path` and, with none there, refuses naming `model` (bench/DEVICE_RUN.md §9 writes the 22B one
+from a config that adds the release's `model`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +24,11 @@ from runnerkit import synthetic
 from runnerkit.tools import synth_checkpoint
 from test_cases.conftest import REPO
 
-CONFIGS = sorted((REPO / "configs").glob("*/*.json"))
+ALL_CONFIGS = sorted((REPO / "configs").glob("*/*.json"))
+FROM_CHECKPOINT = [p for p in ALL_CONFIGS if p.parent.name == "ltx2" and "model" not in json.loads(p.read_text())
+                   and "synthetic_checkpoint" not in json.loads(p.read_text())]
+"""Configs whose architecture is their checkpoint's (no `model`, not synthetic)."""
+CONFIGS = [p for p in ALL_CONFIGS if p not in FROM_CHECKPOINT]
 
 
 class FirstWeightWrite(Exception):
@@ -40,6 +50,16 @@ def test_every_shipped_config_reaches_the_first_weight_write(config: Path, tmp_p
         synth_checkpoint.main(["--config", str(config), "--out", str(out)])
     assert len(shapes) == 1 and shapes[0], "the writer stopped at its first tensor write"
     assert not out.exists() and list(tmp_path.iterdir()) == []  # the partial folder is removed
+
+
+@pytest.mark.parametrize("config", FROM_CHECKPOINT, ids=[p.stem for p in FROM_CHECKPOINT])
+def test_a_config_of_an_absent_checkpoint_without_model_is_refused_naming_model(
+        config: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Not the tiny default architecture under a 22B config's name: exit 2, nothing written."""
+    out = tmp_path / "ckpt"
+    assert synth_checkpoint.main(["--config", str(config), "--out", str(out)]) == 2
+    assert "`model` is omitted" in capfd.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_omitted_wan_image_encoder_is_the_released_clip_and_an_explicit_null_is_refused() -> None:

@@ -81,13 +81,7 @@ def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int, vision: bool = Fal
         SiglipVisionConfig,
     )
 
-    c = arch.connectors
-    # The connectors fix the width and depth (the release's 3840 x 48 for the real sizes); the MLP is
-    # kept narrow (at most 256) so a real-size arch's stand-in is ~0.15B parameters, not 12B.
-    config = Gemma3TextConfig(vocab_size=GEMMA_VOCAB, hidden_size=c.caption_channels,
-                              intermediate_size=min(2 * c.caption_channels, 256), num_hidden_layers=c.text_proj_in_factor - 1,
-                              num_attention_heads=2, num_key_value_heads=1,
-                              head_dim=8, max_position_embeddings=256, sliding_window=16)
+    config = Gemma3TextConfig(**tiny_gemma_sizes(arch), max_position_embeddings=256, sliding_window=16)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if vision:  # 28 / 14 = 2 x 2 patches pooled to mm_tokens_per_image = 4 image tokens
@@ -181,3 +175,16 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return synthetic.finish(tmp, out, seed, layout, replace)
+
+
+def tiny_gemma_sizes(arch: LTX2Arch) -> dict[str, int]:
+    """The `Gemma3TextConfig` sizes `write_tiny_gemma` gives the synthetic text model of `arch` (the memory
+    estimate reads them before the checkpoint is written; test_checkpoint.py compares them with the
+    written config.json)."""
+    c = arch.connectors
+    # The connectors fix the width and depth (the release's 3840 x 48 for the real sizes); the MLP is
+    # kept narrow (at most 256) so a real-size arch's stand-in is ~0.15B parameters, not 12B.
+    return {"vocab_size": GEMMA_VOCAB, "hidden_size": c.caption_channels,
+            "intermediate_size": min(2 * c.caption_channels, 256),
+            "num_hidden_layers": c.text_proj_in_factor - 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 8}

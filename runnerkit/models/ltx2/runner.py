@@ -42,7 +42,8 @@ from runnerkit.media import missing_media_module, recompress_h264
 from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
-from runnerkit.models.ltx2.checkpoint_synthetic import write_synthetic_ltx2
+from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes, write_synthetic_ltx2
+from runnerkit.models.ltx2.estimate import gemma_fields, ltx2_estimate
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.transformer import (
     LTX2Transformer,
@@ -58,6 +59,7 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
+from runnerkit.runners.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,
@@ -70,7 +72,7 @@ from runnerkit.runners.pipeline import (
 )
 from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.schedulers.base import Scheduler
-from runnerkit.weights import build_on_meta
+from runnerkit.weights import CheckpointError, build_on_meta
 
 __all__ = ["DISTILLED_SIGMAS", "STAGE2_SIGMAS", "LTX2Inputs", "LTX2Runner", "flavour_of"]
 
@@ -180,7 +182,11 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         if config.task == "i2av" and missing_media_module(".mp4") is not None:
             raise ValueError("task 'i2av' re-compresses the first frame with the `media` extra's ffmpeg "
                              f"({missing_media_module('.mp4')} is missing): pip install 'runnerkit[media]'")
-        self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
+        # The configured architecture; without `model`, the tiny one only for a synthetic checkpoint (a real
+        # checkpoint's architecture is its own, read at load: None here, so nothing can take the tiny one for it)
+        self.arch_override: LTX2Arch | None = None
+        if config.model is not None or config.synthetic_checkpoint is not None:
+            self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
         self.checkpoint: LTX2Checkpoint | None = None
         self.tokenizer: Any = None
         self.vae_stats: tuple[Tensor, Tensor, float] | None = None
@@ -211,7 +217,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
     @staticmethod
     def parse_arch(model: dict[str, Any] | None, partial: bool = False) -> LTX2Arch:
         """The config's `model` key as a validated LTX-2 architecture; without one, the tiny LTX-2.3
-        pipeline architecture (`arch.tiny_pipeline_arch`), so a synthetic config may omit it.
+        pipeline architecture (`arch.tiny_pipeline_arch`), so a synthetic config may omit it (a config
+        of a real checkpoint omits it too: the runner then reads the checkpoint's, see `__init__`).
 
         Raises:
             ValueError: naming each bad field as `model.<component>.<field>`.
@@ -244,10 +251,30 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
                                    layout: str, **options: Any) -> None:
         """Write deterministic random weights of `config.model`'s architecture to the folder `out`
         (checkpoint_synthetic.py): `diffusers` (a checkpoint folder) or `single_file` (the release's
-        `ltx2.safetensors`, `latent_upsampler.safetensors` and `text_encoder/` in `out`)."""
-        write_synthetic_ltx2(cls.parse_arch(config.model), out, seed, dtype, layout,  # type: ignore[arg-type]
+        `ltx2.safetensors`, `latent_upsampler.safetensors` and `text_encoder/` in `out`).
+
+        Without `model`: the tiny architecture for the runner's own synthetic checkpoint (written to
+        `model_path` or the cache); a config that names another checkpoint (`model_path`: a real one,
+        e.g. configs/ltx2/ltx23_*_22b_distilled.json given to the tool) gets that checkpoint's
+        architecture, read from its headers.
+
+        Raises:
+            ValueError: `model` omitted and `model_path`'s checkpoint cannot be read: the
+                architecture to write is unknown (naming `model`).
+        """
+        arch = cls.parse_arch(config.model)
+        elsewhere = config.model_path is not None and Path(config.model_path).absolute() != Path(out).absolute()
+        if config.model is None and elsewhere:
+            try:
+                arch = LTX2Checkpoint.open(config.model_path, config.upsampler_path, config.text_encoder_path).arch
+            except CheckpointError as exc:
+                raise ValueError(f"`model` is omitted, so the architecture is the checkpoint's at `model_path`, which "
+                                 f"cannot be read ({exc}); to write a synthetic checkpoint, give `model` (e.g. "
+                                 "`LTX23_22B_ARCH.model_dump(mode='json')` of runnerkit/models/ltx2/arch.py) or start "
+                                 "from configs/ltx2/ltx2_t2av_tiny.json") from None
+        write_synthetic_ltx2(arch, out, seed, dtype, layout,  # type: ignore[arg-type]
                              replace=options.get("replace", False),
-                             generator_device=options.get("generator_device", "cpu"))
+                             generator_device=options.get("generator_device") or "cpu")
 
     # ---- loading -----------------------------------------------------------------------
     def open_checkpoint(self, path: Path, raw: bool = False) -> LTX2Checkpoint:
@@ -359,8 +386,57 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
             return flavour_of(self.checkpoint.arch)
         path = self.checkpoint_path()
         if self._synthetic_pending(path):
+            assert self.arch_override is not None, "a synthetic checkpoint has a configured architecture"
             return flavour_of(self.arch_override)
         return flavour_of(self.open_checkpoint(path).arch)
+
+    # ---- memory estimate (models/ltx2/estimate.py) -----------------------------------------
+    def architecture(self) -> LTX2Arch:
+        """The checkpoint's architecture: from the loaded checkpoint; before loading from its headers and
+        config (or the configured one, for a synthetic checkpoint still to write).
+
+        Raises:
+            EstimateUnavailable: the checkpoint cannot be read before loading (loading then says why).
+        """
+        if self.checkpoint is not None:
+            return self.checkpoint.arch
+        try:
+            path = self.checkpoint_path()
+            if self._synthetic_pending(path):
+                assert self.arch_override is not None, "a synthetic checkpoint has a configured architecture"
+                return self.arch_override
+            return self.open_checkpoint(path).arch
+        except (ValueError, OSError) as exc:  # CheckpointError included
+            raise EstimateUnavailable(f"the checkpoint's architecture cannot be read before loading ({exc})") from None
+
+    def gemma_sizes(self, arch: LTX2Arch) -> dict[str, int]:
+        """The Gemma-3 text model's sizes: from the text encoder folder's config.json (the synthetic
+        one's sizes while it is still to be written).
+
+        Raises:
+            EstimateUnavailable: the config.json cannot be read.
+        """
+        cfg = self.config
+        if self.checkpoint is not None:
+            return gemma_fields(self.checkpoint.text_encoder_path)
+        path = self.checkpoint_path()
+        if self._synthetic_pending(path):
+            return tiny_gemma_sizes(arch)
+        if cfg.text_encoder_path is not None:
+            return gemma_fields(Path(cfg.text_encoder_path))
+        return gemma_fields(path / "text_encoder")
+
+    def estimate_memory(self, shape: Shape) -> MemoryEstimate:
+        """Text encoder, connectors, (VAE encoder,) both denoise stages, the upsampler, both decoders and
+        save of `shape` on `self.device` (formulas and the release sizes: models/ltx2/estimate.py).
+
+        Raises:
+            EstimateUnavailable: see `architecture` and `gemma_sizes`.
+        """
+        arch = self.architecture()
+        cfg = self.config
+        return ltx2_estimate(arch, self.gemma_sizes(arch), shape, cfg.fps, cfg.task, self.dtype, self.device,
+                             cfg.offload)
 
     # ---- request stages ------------------------------------------------------------------
     def layout(self, info: InputInfo, stage: int) -> JointLayout:

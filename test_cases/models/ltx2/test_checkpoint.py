@@ -24,8 +24,10 @@ from runnerkit.models.ltx2.checkpoint_synthetic import (
     SINGLE_FILE,
     UPSAMPLER_FILE,
     synthetic_state_dict,
+    tiny_gemma_sizes,
     write_synthetic_ltx2,
 )
+from runnerkit.models.ltx2.estimate import gemma_fields
 from runnerkit.models.ltx2.transformer_arch import tiny_arch
 from runnerkit.offload.disk import SafetensorsDiskReader
 from runnerkit.weights import CheckpointError, safetensors_infos
@@ -118,6 +120,13 @@ def test_release_style_config_is_refused_naming_the_key(written: tuple[LTX2Arch,
     with pytest.raises(CheckpointError, match=f"frequencies_precision(.|\n)*{path}|{path}(.|\n)*frequencies_precision"):
         _single(copy)
     assert _single(copy, tiny_ltx2_arch("2.0")).arch == tiny_ltx2_arch("2.0")  # an explicit arch is used as given
+
+
+def test_the_estimate_reads_the_written_gemma_sizes(written: tuple[LTX2Arch, Path, Path]) -> None:
+    """What the memory estimate assumes of a synthetic Gemma before it is written is what the writer writes."""
+    arch, single_dir, diffusers_dir = written
+    for folder in (single_dir / "text_encoder", diffusers_dir / "text_encoder"):
+        assert gemma_fields(folder) == tiny_gemma_sizes(arch)
 
 
 def test_audio_vae_encoder_tensors_are_not_read(written: tuple[LTX2Arch, Path, Path], tmp_path: Path) -> None:
