@@ -2,9 +2,10 @@
 its flavour; the LTX-2.3 22B configs name the release files and are the 22B flavour once the release's
 architecture is read; a real config (no `model`) never falls back to the tiny architecture.
 
-The release file itself is not here: `LTX2Checkpoint.open` is replaced by a stand-in that records
-the paths it is given and returns the architecture the loader recognises in the release
-(checkpoint.py `RELEASE_ARCHS`, tested on tiny stand-ins in test_checkpoint.py).
+The release files are not here: the configs' relative paths are created empty in a scratch working
+folder (the runner checks that they exist when it is built), and `LTX2Checkpoint.open` is replaced
+by a stand-in that records the paths it is given and returns the LTX-2.3 architecture (what
+release_config.py maps the release's metadata to: test_release_config.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 from runnerkit.config import load_runner_config
 from runnerkit.models.ltx2 import checkpoint
-from runnerkit.models.ltx2.arch import tiny_pipeline_arch
+from runnerkit.models.ltx2.arch import LTX23_22B_ARCH, tiny_pipeline_arch
 from runnerkit.models.ltx2.runner import LTX2Runner
 from test_cases.conftest import REPO
 
@@ -26,10 +27,21 @@ CONFIGS = sorted((REPO / "configs" / "ltx2").glob("*.json"))
 REAL = [p for p in CONFIGS if "model" not in json.loads(p.read_text())]
 
 
+def release_files_in(folder: Path, config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Empty stand-ins of a real config's side files (Gemma folder, upsampler file), the working folder there."""
+    data = json.loads(config.read_text())
+    if "text_encoder_path" in data:
+        (folder / data["text_encoder_path"]).mkdir(parents=True)
+        (folder / data["upsampler_path"]).parent.mkdir(parents=True, exist_ok=True)
+        (folder / data["upsampler_path"]).touch()
+    monkeypatch.chdir(folder)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_ltx2_config_validates_and_builds_a_runner(config: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
+    release_files_in(tmp_path, config, monkeypatch)
     runner = LTX2Runner(load_runner_config(config, {"device": "cpu"}))
     cfg = runner.config
     runner.validate_shape(cfg.target_height, cfg.target_width, cfg.target_video_length)
@@ -40,15 +52,17 @@ def test_every_ltx2_config_validates_and_builds_a_runner(config: Path, tmp_path:
 
 
 @pytest.mark.parametrize("config", REAL, ids=[p.stem for p in REAL])
-def test_the_22b_configs_name_the_release_and_its_flavour(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_22b_configs_name_the_release_and_its_flavour(config: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     assert {p.stem for p in REAL} == {"ltx23_t2av_22b_distilled", "ltx23_i2av_22b_distilled"}
     opened: list[tuple[Any, ...]] = []
 
     def release(path: Any, upsampler: Any = None, text_encoder: Any = None, arch: Any = None) -> Any:
         opened.append((Path(path).name, Path(upsampler).name, Path(text_encoder).name, arch))
-        return SimpleNamespace(arch=checkpoint.RELEASE_ARCHS["LTX-2.3 (22B)"])
+        return SimpleNamespace(arch=LTX23_22B_ARCH)
 
     monkeypatch.setattr(checkpoint.LTX2Checkpoint, "open", staticmethod(release))
+    release_files_in(tmp_path, config, monkeypatch)
     runner = LTX2Runner(load_runner_config(config, {"device": "cpu"}))
     assert runner.arch_override is None  # no tiny architecture for a real checkpoint
     assert runner.flavour() == "22B"
