@@ -223,6 +223,18 @@ def short_list(items: list[str], limit: int = 12) -> str:
     return shown + (f", ... (+{len(items) - limit} more)" if len(items) > limit else "") if items else "none"
 
 
+def loading_info_problems(info: dict) -> list[str]:
+    """What transformers' `from_pretrained(..., output_loading_info=True)` reports as not loaded, one
+    line per kind (missing, unexpected and mismatched keys, errors; mismatched entries are (name,
+    checkpoint shape, model shape)), each listing its keys (`short_list`). Empty: everything loaded."""
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        items = sorted(k if isinstance(k, str) else " ".join(map(str, k)) for k in info.get(kind) or ())
+        if items:
+            problems.append(f"{kind.replace('_', ' ')} ({len(items)}): {short_list(items)}")
+    return problems
+
+
 # ---- readers: every damaged file is refused here, naming the file (and the tensor) ------------------
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
     """The JSON object in `path` (a config, an index, ...).

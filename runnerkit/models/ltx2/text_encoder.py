@@ -50,7 +50,13 @@ from torch import Tensor
 
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors, stack_text_hidden_states
 from runnerkit.models.ltx2.connectors_arch import LTX2ConnectorsArch
-from runnerkit.weights import CheckpointError, read_json_object, safetensors_files, safetensors_infos, short_list
+from runnerkit.weights import (
+    CheckpointError,
+    loading_info_problems,
+    read_json_object,
+    safetensors_files,
+    safetensors_infos,
+)
 
 GEMMA_PADDING_SIDE = "left"
 """diffusers: "Gemma expects left padding for chat-style prompts"; the connectors' 2.0 features read it."""
@@ -156,12 +162,7 @@ def load_gemma_text_encoder(folder: str | Path, dtype: torch.dtype, device: torc
             key_mapping={"^" + re.escape(prefix): "" for prefix in TEXT_PREFIXES})
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"text_encoder: transformers cannot load {folder}: {exc}") from None
-    problems = []
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        # mismatched entries are (name, checkpoint shape, model shape)
-        items = sorted(k if isinstance(k, str) else " ".join(map(str, k)) for k in info.get(kind) or ())
-        if items:
-            problems.append(f"{kind.replace('_', ' ')} ({len(items)}): {short_list(items)}")
+    problems = loading_info_problems(info)
     if problems:
         raise CheckpointError(f"text_encoder: {folder} does not match its Gemma-3 text config; " + "; ".join(problems))
     model = model.to(device).eval().requires_grad_(False)

@@ -26,7 +26,7 @@ from torch import nn
 
 from runnerkit.models.qwen_image.tokenizer_files import TINY_SPECIAL_IDS, TINY_VOCAB_SIZE
 from runnerkit.models.wan.arch import _Arch
-from runnerkit.weights import CheckpointError, read_json_object, short_list, synthetic_tensor
+from runnerkit.weights import CheckpointError, loading_info_problems, read_json_object, synthetic_tensor
 
 EditVariant = Literal["edit", "edit_plus"]
 
@@ -257,12 +257,7 @@ def load_text_encoder(folder: Path, dtype: torch.dtype, device: torch.device | s
             ignore_mismatched_sizes=True)  # reported in `info` below, then refused with the keys named
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"text_encoder: transformers cannot load {folder}: {exc}") from None
-    problems = []
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        # mismatched entries are (name, checkpoint shape, model shape)
-        items = sorted(k if isinstance(k, str) else " ".join(map(str, k)) for k in info.get(kind) or ())
-        if items:
-            problems.append(f"{kind.replace('_', ' ')} ({len(items)}): {short_list(items)}")
+    problems = loading_info_problems(info)
     if problems:
         raise CheckpointError(f"text_encoder: {folder} does not match the Qwen2.5-VL architecture; "
                               + "; ".join(problems))
