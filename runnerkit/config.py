@@ -89,16 +89,28 @@ class OffloadConfig(_Strict):
     reader: Literal["mmap", "pread"] = Field("mmap", description="How disk storage reads safetensors files.")
     weight_dtype: Literal["same", "fp8_e4m3"] = Field("same", description="Storage dtype of streamed weights (fp8 upcasts at compute).")
     vae_tiling: bool = Field(False, description="Decode the VAE in spatial tiles to bound memory.")
+    stream_modules: list[str] | None = Field(
+        None, description="Modules that stream their blocks/layers in mode block/phase. null: the family's "
+        "transformers; a list names them all, e.g. [\"transformer\", \"text_encoder\"] to stream a text "
+        "encoder's layers too (modules not listed visit the device whole for their stage).")
 
     @model_validator(mode="after")
     def _combinations(self) -> "OffloadConfig":
         streaming = self.mode in ("block", "phase")
-        inert = [f for f in ("gpu_slots", "prefetch_depth", "reader") if f in self.model_fields_set and not streaming]
+        inert = [f for f in ("gpu_slots", "prefetch_depth", "reader", "stream_modules")
+                 if f in self.model_fields_set and not streaming]
         if "pin_memory" in self.model_fields_set and self.mode == "none":
             inert.append("pin_memory")
         if inert:
             raise ValueError(f"`offload.{inert[0]}` has no effect with `offload.mode`={self.mode!r} "
                              f"(set for: {inert}); remove it or choose a mode that uses it")
+        if self.stream_modules is not None:
+            if not self.stream_modules:
+                raise ValueError("`offload.stream_modules` is empty; list at least one module, or null for the "
+                                 "family's transformers")
+            dup = sorted({m for m in self.stream_modules if self.stream_modules.count(m) > 1})
+            if dup:
+                raise ValueError(f"`offload.stream_modules` lists {dup} more than once")
         if self.reader != "mmap" and self.storage != "disk":
             raise ValueError(f"`offload.reader`={self.reader!r} applies to `offload.storage`='disk' only")
         if self.prefetch_depth >= self.gpu_slots:

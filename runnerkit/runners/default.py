@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import os
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -207,11 +207,13 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """Build every module where the offload config puts it (ARCHITECTURE §4).
 
         none: all resident on the device; model: all in host memory, each visits the device for
-        its stage; block/phase: streamable modules stream their blocks (built per stage under
-        lazy_load), the others are model-offloaded; unload_modules: every module built per stage.
+        its stage; block/phase: the modules of `offload.stream_modules` (default: the streamable
+        transformers) stream their blocks or layers (built per stage under lazy_load), the others
+        are model-offloaded; unload_modules: every module built per stage.
 
         Raises:
             NotImplementedError: block/phase offload of a pipeline without a streamable module.
+            ValueError: `offload.stream_modules` names a module that is not in the pipeline or cannot stream.
         """
         cfg, off = self.config, self.config.offload
         thresholds = dict(empty_cache_min_free_gib=cfg.memory.empty_cache_min_free_gib,
@@ -228,11 +230,12 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         elif off.mode == "model":
             offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules}
         else:
-            streamable = [m for m in pipeline.modules if m.stream is not None]
+            streamable = stream_choice(pipeline, off.stream_modules, type(self).__name__)
             if not streamable:
                 raise NotImplementedError(f"`offload.mode`={off.mode!r}: {type(self).__name__} has no module that "
                                           "streams its blocks; use 'none' or 'model'")
-            offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules if m.stream is None}
+            offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules
+                         if m.name not in {x.name for x in streamable}}
             for m in streamable:
                 if off.lazy_load:
                     self._stream(m)  # once now, so a checkpoint that cannot stream fails at load
@@ -479,3 +482,21 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         for streamer in self.streamers.values():
             streamer.reset()  # slots, prefetch index and events back at the request boundary
         self.clear_request_state()
+
+
+def stream_choice(pipeline: Pipeline, names: Sequence[str] | None, runner: str) -> list[ModuleSpec]:
+    """The modules that stream in mode block/phase: those of `names` (config `offload.stream_modules`),
+    or, for None, every streamable module of role "transformer".
+
+    Raises:
+        ValueError: a name that is not a module of the pipeline, or a module that cannot stream
+            (the message lists the ones that can).
+    """
+    can = [m for m in pipeline.modules if m.stream is not None]
+    if names is None:
+        return [m for m in can if m.role == "transformer"]
+    bad = [n for n in names if n not in {m.name for m in can}]
+    if bad:
+        raise ValueError(f"`offload.stream_modules`={list(names)}: {runner} cannot stream {bad}; modules that "
+                         f"can stream: {[m.name for m in can]}")
+    return [m for m in can if m.name in names]

@@ -52,7 +52,7 @@ from runnerkit.offload.pinned import align_up
 
 __all__ = ["MARGIN", "OVERHEAD_BYTES", "EstimateUnavailable", "MemoryEstimate", "MemoryFitError", "ModuleFootprint",
            "PeakEstimate", "StageFootprint", "device_weights", "module_footprint", "overhead_bytes", "peak_of",
-           "refusal_message", "weights_between_stages"]
+           "refusal_message", "streams", "weights_between_stages"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -100,12 +100,15 @@ class ModuleFootprint:
         stream_slot_bytes: all device slots together (`min(gpu_slots, units)` x the largest unit).
         stream_host_bytes: host memory of the streamer: the slabs of every unit (storage cpu) or
             one staging slab per slot (storage disk). Counted only when the device is the CPU.
+        stream_default: the module streams in mode block/phase when `offload.stream_modules` is
+            null (the family's transformers); False: only when listed (e.g. a text encoder).
     """
 
     weight_bytes: int
     stream_resident_bytes: int | None = None
     stream_slot_bytes: int = 0
     stream_host_bytes: int = 0
+    stream_default: bool = True
 
     @property
     def streams(self) -> bool:
@@ -179,7 +182,8 @@ def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
 
 
 def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[[str], bool] = lambda name: False,
-                     stream: StreamSpec | None = None, offload: OffloadConfig | None = None) -> ModuleFootprint:
+                     stream: StreamSpec | None = None, offload: OffloadConfig | None = None,
+                     stream_default: bool = True) -> ModuleFootprint:
     """Weight bytes of a module (normally built on the meta device) as the runner loads it.
 
     Floating parameters are counted in `dtype`, except names for which `keep_fp32` is true
@@ -194,6 +198,7 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
         keep_fp32: parameter name -> stays float32.
         stream: the family's stream spec, for a module that can stream.
         offload: the run's offload config (mode, slots, weight_dtype, storage).
+        stream_default: see `ModuleFootprint.stream_default` (False for a text encoder).
     """
     sizes: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -204,7 +209,7 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
     buffers = sum(tensor_bytes(b) for _, b in module.named_buffers())
     total = sum(sizes.values()) + buffers
     if stream is None or offload is None or offload.mode not in ("block", "phase"):
-        return ModuleFootprint(weight_bytes=total)
+        return ModuleFootprint(weight_bytes=total, stream_default=stream_default)
     units = plan_units(module, offload.mode, stream)
     layouts = [plan_unit_layout(u, shapes, dtype, offload.weight_dtype) for u in units]
     slot = align_up(max(lay.raw_nbytes for lay in layouts)) + max(lay.compute_nbytes for lay in layouts)
@@ -213,7 +218,15 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
     host = sum(lay.raw_nbytes for lay in layouts) if offload.storage == "cpu" else slots * max(
         lay.raw_nbytes for lay in layouts)
     return ModuleFootprint(weight_bytes=total, stream_resident_bytes=total - streamed, stream_slot_bytes=slots * slot,
-                           stream_host_bytes=host)
+                           stream_host_bytes=host, stream_default=stream_default)
+
+
+def streams(name: str, footprint: ModuleFootprint, offload: OffloadConfig) -> bool:
+    """Does module `name` stream under `offload` (mode block/phase, listed in `stream_modules` or,
+    when that is null, a module that streams by default)?"""
+    if offload.mode not in ("block", "phase") or not footprint.streams:
+        return False
+    return name in offload.stream_modules if offload.stream_modules is not None else footprint.stream_default
 
 
 def _held(name: str, footprint: ModuleFootprint, stage_module: str | None, config: RunnerConfig,
@@ -224,7 +237,7 @@ def _held(name: str, footprint: ModuleFootprint, stage_module: str | None, confi
     on_cpu = device.type == "cpu"
     if config.unload_modules:
         return footprint.weight_bytes if in_stage else 0
-    if off.mode in ("block", "phase") and footprint.streams:
+    if streams(name, footprint, off):
         assert footprint.stream_resident_bytes is not None
         part = footprint.stream_resident_bytes + footprint.stream_slot_bytes
         part += footprint.stream_host_bytes if on_cpu else 0
