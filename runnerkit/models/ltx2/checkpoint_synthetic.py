@@ -39,6 +39,14 @@ SINGLE_FILE = "ltx2.safetensors"
 UPSAMPLER_FILE = "latent_upsampler.safetensors"
 GEMMA_VOCAB = 128
 Fp8Blocks = Literal["none", "plain", "scaled"]
+GemmaSize = Literal["tiny", "release"]
+RELEASE_GEMMA_SIZES: dict[str, int] = {
+    "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
+    "sliding_window": 1024}
+"""Gemma-3-12B's text model sizes (google/gemma-3-12b-it's `text_config`; 11.8 B parameters, 21.9 GiB in
+bf16): `gemma="release"` writes a random stand-in of this size, so memory plans and streaming see the
+real text encoder (its 262 208-row embedding is indexed by the debug tokenizer's first ids only)."""
 _CLASSES = {"transformer": "LTX2VideoTransformer3DModel", "connectors": "LTX2TextConnectors",
             "vae": "AutoencoderKLLTX2Video", "audio_vae": "AutoencoderKLLTX2Audio", "vocoder": "LTX2Vocoder",
             "latent_upsampler": "LTX2LatentUpsamplerModel"}
@@ -58,10 +66,28 @@ def _fp8_block_weight(name: str, shape: tuple[int, ...]) -> bool:
     return name.startswith("transformer_blocks.") and name.endswith(".weight") and len(shape) == 2
 
 
-def synthetic_state_dict(arch: LTX2Arch, component: str, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def synthetic_state_dict(arch: LTX2Arch, component: str, seed: int, dtype: torch.dtype,
+                         generator_device: str = "cpu") -> dict[str, torch.Tensor]:
     """`component`'s synthetic tensors in our names (the transformer's float32 layers in float32)."""
-    return {k: synthetic_tensor(k, s, seed, torch.float32 if _fp32(component, k) else dtype)
+    return {k: synthetic_tensor(k, s, seed, torch.float32 if _fp32(component, k) else dtype, generator_device)
             for k, s in shapes_of(arch, component).items()}
+
+
+def write_release_gemma(folder: Path, seed: int, dtype: torch.dtype = torch.bfloat16,
+                        generator_device: str = "cpu") -> Path:
+    """A random Gemma-3 text model of the release's size (`RELEASE_GEMMA_SIZES`, ~22 GiB in bf16): config.json
+    as `save_pretrained` writes it and `model-*.safetensors` shards with their index, drawn tensor by tensor
+    (`synthetic.write_sharded`: host memory ~one shard; "cuda" draws in seconds). Norm gains are ~1 + noise."""
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    config = Gemma3TextConfig(**RELEASE_GEMMA_SIZES)
+    config.torch_dtype = dtype
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Gemma3TextModel(config).state_dict().items()}
+    config.save_pretrained(folder)
+    synthetic.write_sharded(shapes, lambda sd: sd, folder, "model", seed, dtype, lambda name: False,
+                            generator_device=generator_device)
+    return folder
 
 
 def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int, vision: bool = False) -> Path:
@@ -95,16 +121,19 @@ def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int, vision: bool = Fal
     return folder
 
 
-def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype, fp8_blocks: Fp8Blocks) -> None:
+def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype, fp8_blocks: Fp8Blocks,
+                       generator_device: str = "cpu") -> None:
     tensors: dict[str, torch.Tensor] = {}
     for component in COMPONENTS[:-1]:
-        ours = synthetic_state_dict(arch, component, seed, dtype)
-        names = ck.native_names(component, list(ours), arch)
-        for name, tensor in ours.items():
+        names = ck.native_names(component, list(shapes_of(arch, component)), arch)
+        for name, shape in shapes_of(arch, component).items():  # one tensor at a time: fp8 blocks never in bf16 at once
+            tensor = synthetic_tensor(name, shape, seed, torch.float32 if _fp32(component, name) else dtype,
+                                      generator_device)
             key = names[name]
             if component == "transformer" and fp8_blocks != "none" and _fp8_block_weight(name, tensor.shape):
                 if fp8_blocks == "scaled":
-                    tensor, scale = quantize_fp8_e4m3(tensor.float())
+                    tensor, scale = quantize_fp8_e4m3(tensor.to(generator_device).float())
+                    tensor, scale = tensor.cpu(), scale.cpu()
                     module = key[: -len("weight")]
                     tensors[module + SCALE_SUFFIX] = scale.reshape(()).float()
                     tensors[module + UNUSED_SCALE_SUFFIX] = torch.ones((), dtype=torch.float32)
@@ -115,7 +144,8 @@ def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype,
     upsampler_config = sections.pop("latent_upsampler")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / SINGLE_FILE),
               metadata={"config": json.dumps(sections), "model_version": f"synthetic-ltx-{arch.version}"})
-    upsampler = synthetic_state_dict(arch, "latent_upsampler", seed, dtype)
+    del tensors
+    upsampler = synthetic_state_dict(arch, "latent_upsampler", seed, dtype, generator_device)
     save_file({k: v.contiguous() for k, v in upsampler.items()}, str(tmp / UPSAMPLER_FILE),
               metadata={"config": json.dumps(upsampler_config)})
     for name in (SINGLE_FILE, UPSAMPLER_FILE):
@@ -139,7 +169,7 @@ def _write_diffusers(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype, g
 
 def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtype = torch.bfloat16,
                          layout: Literal["single_file", "diffusers"] = "diffusers", fp8_blocks: Fp8Blocks = "none",
-                         replace: bool = False, generator_device: str = "cpu") -> Path:
+                         replace: bool = False, generator_device: str = "cpu", gemma: GemmaSize = "tiny") -> Path:
     """Write deterministic random weights for `arch` to the folder `out` (atomically: tmp folder, rename).
 
     single_file: `out/ltx2.safetensors`, `out/latent_upsampler.safetensors`, `out/text_encoder/` (Gemma-3
@@ -150,8 +180,11 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
     Args:
         fp8_blocks: single_file only: store the transformer blocks' linear weights as float8_e4m3fn,
             "plain" (cast) or "scaled" (absmax/448 per tensor, `weight_scale` and an unused `input_scale`).
-        generator_device: diffusers layout: draw the values on this device ("cuda": real sizes in
-            seconds; the values depend on the device's generator, `synthetic.write_sharded`).
+        generator_device: draw the values on this device ("cuda": real sizes in seconds; the values
+            depend on the device's generator, `synthetic.write_sharded`). The single file is built in host
+            memory (~ its size) before it is written.
+        gemma: "tiny" (a narrow stand-in of the arch's width and depth, `tiny_gemma_sizes`) or "release"
+            (Gemma-3-12B's sizes, `write_release_gemma`; the arch must have its 3840 x 48 connectors).
 
     Raises:
         ValueError: fp8 blocks asked for the diffusers layout.
@@ -159,16 +192,24 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
     """
     if fp8_blocks != "none" and layout != "single_file":
         raise ValueError(f"`fp8_blocks`={fp8_blocks!r} needs layout 'single_file' (as the fp8 releases ship)")
+    wants = (RELEASE_GEMMA_SIZES["hidden_size"], RELEASE_GEMMA_SIZES["num_hidden_layers"] + 1)
+    has = (arch.connectors.caption_channels, arch.connectors.text_proj_in_factor)
+    if gemma == "release" and has != wants:
+        raise ValueError(f"`gemma`='release' writes Gemma-3-12B (width, hidden states) {wants}; the arch's connectors "
+                         f"take {has}: use gemma 'tiny' for this arch")
     out = Path(out).absolute()
     tmp = synthetic.partial_folder(out)
     try:
         (tmp / synthetic.SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
         if layout == "single_file":
-            _write_single_file(arch, tmp, seed, dtype, fp8_blocks)
+            _write_single_file(arch, tmp, seed, dtype, fp8_blocks, generator_device)
         else:
             _write_diffusers(arch, tmp, seed, dtype, generator_device)
             write_debug_tokenizer(tmp / "tokenizer", GEMMA_VOCAB)
-        write_tiny_gemma(tmp / "text_encoder", arch, seed)
+        if gemma == "release":
+            write_release_gemma(tmp / "text_encoder", seed, dtype, generator_device)
+        else:
+            write_tiny_gemma(tmp / "text_encoder", arch, seed)
         if layout == "single_file":  # the release's Gemma folder (google/gemma-3-12b-it) holds its tokenizer
             write_debug_tokenizer(tmp / "text_encoder", GEMMA_VOCAB)
     except BaseException:

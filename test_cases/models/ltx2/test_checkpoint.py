@@ -30,7 +30,7 @@ from runnerkit.models.ltx2.checkpoint_synthetic import (
 from runnerkit.models.ltx2.estimate import gemma_fields
 from runnerkit.models.ltx2.transformer_arch import tiny_arch
 from runnerkit.offload.disk import SafetensorsDiskReader
-from runnerkit.weights import CheckpointError, safetensors_infos
+from runnerkit.weights import CheckpointError, safetensors_infos, synthetic_tensor
 from test_cases.offload._handles import HandleSampler
 
 SEED = 7
@@ -321,3 +321,23 @@ def test_one_handle_on_the_single_file(written: tuple[LTX2Arch, Path, Path]) -> 
     assert sampler.violations() == []
     assert SINGLE_FILE in sampler.ever_open()
     assert json.loads((single_dir / synthetic.SYNTHETIC_MARKER).read_text())["seed"] == SEED
+
+
+def test_release_size_gemma_stand_in_loads_with_transformers(tmp_path, monkeypatch):
+    """`write_release_gemma` (the 12B-sized stand-in of GPU benchmarks) at reduced sizes: transformers loads its
+    shards and config exactly as written, tensor by tensor (the sharded writer's names are the model's)."""
+    from transformers import Gemma3TextModel
+
+    from runnerkit.models.ltx2 import checkpoint_synthetic as cs
+
+    monkeypatch.setattr(cs, "RELEASE_GEMMA_SIZES", {
+        "vocab_size": 64, "hidden_size": 16, "intermediate_size": 40, "num_hidden_layers": 3,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "query_pre_attn_scalar": 8,
+        "sliding_window": 16})
+    monkeypatch.setattr(synthetic, "SHARD_BYTES", 4096)  # several shards and the index
+    folder = cs.write_release_gemma(tmp_path / "gemma", SEED, torch.float32)
+    assert (folder / "model.safetensors.index.json").is_file()
+    model = Gemma3TextModel.from_pretrained(folder, dtype=torch.float32)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, synthetic_tensor(name, tuple(tensor.shape), SEED, torch.float32)), name
+    assert model.config.intermediate_size == 40 and model.config.num_hidden_layers == 3
