@@ -201,7 +201,7 @@ def test_pread_drops_the_page_cache(sd: dict[str, torch.Tensor], files: list[Pat
     assert torch.equal(dst.view(torch.float32), sd[e.name])
     assert reader.stats()["bytes_read"] == e.nbytes
     reader.close()
-    no_drop = SafetensorsDiskReader(files, reader="pread", drop_page_cache=False)
+    no_drop = SafetensorsDiskReader(files, reader="pread", drop_pages=False)
     no_drop.read_into(e.name, dst)
     assert len(calls) == 1
     no_drop.close()
