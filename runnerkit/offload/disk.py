@@ -23,7 +23,10 @@ out to whole pages and adjacent ranges merged into one call:
 - "mmap": `madvise(MADV_DONTNEED)` unmaps them from this process (Linux), so the file pages a
   copy touched stop counting in its RSS (they stay in the page cache: the kernel reclaims them
   like any clean cache page). Without it the RSS would grow to the whole checkpoint's size.
-Pages shared with a neighbouring tensor are dropped too; a later read fetches them again.
+Pages shared with a neighbouring tensor are dropped too; a later read fetches them again. The
+kernel's own read-ahead fetches up to about two read-ahead windows (`read_ahead_kb` of the
+device) past the last read, which the next batch reads and drops; `drop_cached()`, called at each
+request boundary (`DiskSource.reset`) and by `close()`, drops what is left of the files' pages.
 
 Files that change while they are streamed (truncated, rewritten in place, or replaced): the
 reader records each file's identity when it indexes it (`FileIdentity`: device, inode, size,
@@ -528,8 +531,26 @@ class SafetensorsDiskReader:
                     self._close(handle)
         return out
 
+    def drop_cached(self) -> int:
+        """pread with `drop_pages`: drop every page cache page of the files that have a long-lived
+        handle (the kernel's read-ahead past the last batch; module docstring). A no-op for mmap
+        (its pages are dropped from the mapping after each batch) and without `drop_pages`.
+        Call when no read is in flight. Returns the number of files advised."""
+        if not (self.drop_pages and self.reader == "pread"):
+            return 0
+        advised = 0
+        for handle in self._long_lived.values():
+            if handle.fd >= 0:
+                try:
+                    os.posix_fadvise(handle.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # length 0: to the end of the file
+                    advised += 1
+                except OSError as exc:
+                    logger.debug(f"posix_fadvise(DONTNEED) of {handle.path.name} failed: {exc}")
+        return advised
+
     def close(self) -> None:
-        """Close every long-lived handle (and mapping). The reader can fetch again afterwards."""
+        """Close every long-lived handle (and mapping), after `drop_cached()`. The reader can fetch again afterwards."""
+        self.drop_cached()
         for handle in self._long_lived.values():
             self._close(handle)
         self._long_lived.clear()
