@@ -96,7 +96,8 @@ def reset_host_peak() -> bool:
 
 @dataclass(frozen=True)
 class DiskIO:
-    """This process's file reads so far, in bytes (Linux /proc/self/io; cumulative since the process started).
+    """This process's file reads so far, in bytes (Linux /proc/self/io: every thread of the process,
+    the disk reader's read-ahead thread included; cumulative since the process started).
 
     Attributes:
         read_bytes: bytes the storage layer fetched for this process (page-cache misses: what the

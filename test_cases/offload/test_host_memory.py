@@ -52,6 +52,8 @@ def test_peak_rss_of_disk_streaming_is_bounded(tmp_path: Path, reader: str) -> N
     checkpoint = tmp_path / "wide.safetensors"
     _rss_driver.write_checkpoint(checkpoint, BLOCKS)
     found = _run_driver(checkpoint, reader, gpu_slots=2, steps=1)
+    if not found["peak_reset"]:
+        pytest.skip("/proc/self/clear_refs cannot reset the RSS high-water mark here")
     unit, slots = found["largest_unit"], found["gpu_slots"]
     assert unit == _rss_driver.UNIT_BYTES and found["units"] == BLOCKS
     assert found["streamed_per_step"] == BLOCKS * unit
@@ -84,7 +86,8 @@ def resident_pages(path: Path, spans: list[tuple[int, int]]) -> tuple[int, int]:
             libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
             if libc.mincore(ctypes.addressof(buf), size, vec) != 0:
                 raise OSError(ctypes.get_errno(), "mincore failed")
-            wanted = {p for start, n in page_ranges(spans) for p in range(start // PAGE_BYTES, (start + n) // PAGE_BYTES)}
+            wanted = {p for start, n in page_ranges(spans)
+                      for p in range(start // PAGE_BYTES, (start + n) // PAGE_BYTES)}
             return sum(1 for p in wanted if vec[p] & 1), len(wanted)
         finally:
             del buf
