@@ -8,7 +8,7 @@ module of every family (issue 21, item 5), with `offload.pin_memory: false` and 
     copy: no streamed H2D source and no loaded weight lies inside a mapping of a checkpoint file
     (/proc/self/maps);
 (d) never two open handles on one checkpoint file: counted by the OS (/proc/self/fd, /proc/self/maps)
-    at every tensor read and every safetensors open, and by a polling thread.
+    before and after every batch of tensor reads, at every safetensors open, and by a polling thread.
 
 Generic: each family's tiny config runs one request with EVERY module its pipeline declares
 streamable (`ModuleSpec.stream`) streamed, whatever the config's `offload.stream_modules` default
@@ -171,14 +171,14 @@ class Watch:
                 return _real(engine, slot, dst, src, label)
 
             monkeypatch.setattr(engine_cls, "h2d", h2d)
-        real_read = disk_mod.SafetensorsDiskReader._read
+        real_batch = disk_mod.SafetensorsDiskReader._read_batch
 
-        def sampled_read(reader: Any, handle: Any, entry: Any, dst: torch.Tensor) -> None:
-            watch.sampler.sample(f"before reading {entry.name}")
-            real_read(reader, handle, entry, dst)
-            watch.sampler.sample(f"after reading {entry.name}")
+        def sampled_batch(reader: Any, handle: Any, batch: Any) -> None:  # a unit's tensors in one file
+            watch.sampler.sample(f"before reading {batch[0][0].name} (+{len(batch) - 1})")
+            real_batch(reader, handle, batch)
+            watch.sampler.sample(f"after reading {batch[0][0].name} (+{len(batch) - 1})")
 
-        monkeypatch.setattr(disk_mod.SafetensorsDiskReader, "_read", sampled_read)
+        monkeypatch.setattr(disk_mod.SafetensorsDiskReader, "_read_batch", sampled_batch)
         originals = {getattr(safetensors, "safe_open"), getattr(safetensors.torch, "load_file"),
                      getattr(safetensors.torch, "load_model")}
         for module in list(sys.modules.values()):  # every importer's own binding (transformers included)
