@@ -86,7 +86,7 @@ def run(kind: str, arch: str, folder: Path, rounds: int) -> dict[str, Any]:
     dim, ffn, blocks = ARCHS[arch]
     path = folder / f"{arch}.safetensors"
     units = write(path, dim, ffn, blocks)
-    reader = SafetensorsDiskReader([path], reader=kind, drop_page_cache=False)
+    reader = SafetensorsDiskReader([path], reader=kind, drop_pages=False)
     unit_bytes = sum(reader.index[n].nbytes for n in units[0])
     buf = torch.empty(unit_bytes, dtype=torch.uint8)
     fetch_all(reader, units, buf)  # page cache and mapping warm

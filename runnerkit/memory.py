@@ -95,6 +95,47 @@ def reset_host_peak() -> bool:
 
 
 @dataclass(frozen=True)
+class DiskIO:
+    """This process's file reads so far, in bytes (Linux /proc/self/io: every thread of the process,
+    the disk reader's read-ahead thread included; cumulative since the process started).
+
+    Attributes:
+        read_bytes: bytes the storage layer fetched for this process (page-cache misses: what the
+            disk really delivered; reads served from the page cache count 0). Reads of a mapped file
+            (reader "mmap") count here when they fault pages in from the disk.
+        rchar: bytes passed to read-like system calls (read, pread, preadv, ...), cache hits included;
+            page faults of a mapping are not counted (reader "mmap" adds 0 here).
+
+    Difference two readings (`delta`) around a step for its disk-bound ratio:
+    `delta.read_bytes / step_seconds` against the disk's bandwidth.
+    """
+
+    read_bytes: int
+    rchar: int
+
+    def delta(self, earlier: DiskIO) -> DiskIO:
+        """What was read between `earlier` and this reading."""
+        return DiskIO(self.read_bytes - earlier.read_bytes, self.rchar - earlier.rchar)
+
+
+def disk_io() -> DiskIO | None:
+    """This process's disk reads so far (see `DiskIO`); None where /proc/self/io cannot be read (not
+    Linux, or a kernel without task I/O accounting)."""
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("read_bytes", "rchar"):
+                    found[name] = int(rest.strip())
+    except (OSError, ValueError):
+        return None
+    if len(found) != 2:
+        return None
+    return DiskIO(read_bytes=found["read_bytes"], rchar=found["rchar"])
+
+
+@dataclass(frozen=True)
 class MemorySnapshot:
     """Device memory in GiB (zeros on the CPU, where `as_dict` leaves these keys out). allocated:
     live tensors; reserved: allocator cache including allocated; peak_allocated: high-water mark

@@ -13,9 +13,20 @@ Handle discipline (ARCHITECTURE §4):
 
 Readers: "mmap" maps each file once (lazily) and copies tensor bytes out of the mapping into
 the caller's buffer (a clone: nothing handed out aliases the mapping); the mapping keeps no
-descriptor open (see `_map`); "pread" reads with
-`os.preadv` into the caller's buffer (no mapping) and, with `drop_page_cache`, tells the
-kernel to drop those pages (`POSIX_FADV_DONTNEED`) so streaming does not grow the page cache.
+descriptor open (see `_map`); "pread" reads with `os.preadv` into the caller's buffer (no mapping).
+
+Host memory (docs/host_memory.md): after each batch of reads (`read_many`, `load_tensors`), with
+`drop_pages` (the default), the pages the batch read are let go, each tensor's byte range rounded
+out to whole pages and adjacent ranges merged into one call:
+- "pread": `posix_fadvise(POSIX_FADV_DONTNEED)` drops them from the page cache, so streaming a
+  checkpoint larger than RAM does not evict everything else (where the OS has `posix_fadvise`);
+- "mmap": `madvise(MADV_DONTNEED)` unmaps them from this process (Linux), so the file pages a
+  copy touched stop counting in its RSS (they stay in the page cache: the kernel reclaims them
+  like any clean cache page). Without it the RSS would grow to the whole checkpoint's size.
+Pages shared with a neighbouring tensor are dropped too; a later read fetches them again. The
+kernel's own read-ahead fetches up to about two read-ahead windows (`read_ahead_kb` of the
+device) past the last read, which the next batch reads and drops; `drop_cached()`, called at each
+request boundary (`DiskSource.reset`) and by `close()`, drops what is left of the files' pages.
 
 Files that change while they are streamed (truncated, rewritten in place, or replaced): the
 reader records each file's identity when it indexes it (`FileIdentity`: device, inode, size,
@@ -48,7 +59,10 @@ same identity and is not seen.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -65,8 +79,8 @@ from runnerkit.weights import (
     short_list,
 )
 
-__all__ = ["SAFETENSORS_DTYPES", "CheckpointChangedError", "FileIdentity", "ReaderKind", "SafetensorsDiskReader",
-           "TensorIndexEntry", "identity_of", "read_header"]
+__all__ = ["PAGE_BYTES", "SAFETENSORS_DTYPES", "CheckpointChangedError", "FileIdentity", "ReaderKind",
+           "SafetensorsDiskReader", "TensorIndexEntry", "identity_of", "page_ranges", "read_header"]
 
 ReaderKind = Literal["mmap", "pread"]
 
@@ -121,6 +135,44 @@ class _Handle:
         self.identity: FileIdentity | None = None
 
 
+PAGE_BYTES = mmap.PAGESIZE
+"""The OS page size in bytes: the unit in which read pages are dropped (`page_ranges`)."""
+
+
+def page_ranges(spans: Iterable[tuple[int, int]], limit: int | None = None) -> list[tuple[int, int]]:
+    """Byte spans `(offset, nbytes)` rounded out to whole pages, sorted, overlapping or touching
+    ones merged; `(start, nbytes)` pairs, start a multiple of `PAGE_BYTES`. `limit` (bytes): no
+    range ends past `limit` rounded up to a page (a mapping's end). Empty spans are skipped."""
+    rounded = sorted((off // PAGE_BYTES * PAGE_BYTES, -(-(off + n) // PAGE_BYTES) * PAGE_BYTES)
+                     for off, n in spans if n > 0)
+    if limit is not None:
+        end_max = -(-limit // PAGE_BYTES) * PAGE_BYTES
+        rounded = [(a, min(b, end_max)) for a, b in rounded if a < end_max]
+    merged: list[list[int]] = []
+    for start, end in rounded:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b - a) for a, b in merged]
+
+
+def _libc_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's `madvise(addr, length, advice) -> int` (Linux), or None."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise()
+
+
 def read_header(fd: int, path: Path) -> tuple[int, dict[str, TensorIndexEntry]]:
     """Read and check the header of an open safetensors file (`weights.read_safetensors_header`).
 
@@ -140,7 +192,9 @@ class SafetensorsDiskReader:
         files: the checkpoint's safetensors files (a tensor may be in any of them; a block's
             tensors may be split over several shards).
         reader: "mmap" or "pread" (see module docstring).
-        drop_page_cache: pread only: `posix_fadvise(DONTNEED)` after each tensor read.
+        drop_pages: after each batch of reads, drop the pages it read: from the page cache
+            (pread, `posix_fadvise`) or from this process's mapping (mmap, `madvise`); see the
+            module docstring. False keeps them (tests of the old behaviour).
 
     Raises:
         ValueError: `reader` not in ("mmap", "pread").
@@ -151,13 +205,14 @@ class SafetensorsDiskReader:
     what was indexed (module docstring); the reader stays usable and re-checks at the next read.
     """
 
-    def __init__(self, files: Sequence[Path | str], reader: ReaderKind = "mmap", drop_page_cache: bool = True) -> None:
+    def __init__(self, files: Sequence[Path | str], reader: ReaderKind = "mmap", drop_pages: bool = True) -> None:
         if reader not in ("mmap", "pread"):
             raise ValueError(f"`reader` must be 'mmap' or 'pread', got {reader!r}")
         if not files:
             raise CheckpointError("disk reader: no .safetensors files given")
         self.reader: ReaderKind = reader
-        self.drop_page_cache = drop_page_cache and reader == "pread" and hasattr(os, "posix_fadvise")
+        self.drop_pages = drop_pages and (hasattr(os, "posix_fadvise") if reader == "pread" else _MADVISE is not None)
+        self.dropped_bytes = 0  # bytes of whole pages let go after reads (`_drop_read_pages`)
         self.files = [Path(f) for f in files]
         self._long_lived: dict[Path, _Handle] = {}
         self._open_count: dict[Path, int] = {}
@@ -203,6 +258,7 @@ class SafetensorsDiskReader:
             handle.mapping = None  # the last reference: unmapped now (reads hand out copies only)
         elif handle.fd >= 0:  # (-1: `_map` closed it and failed to map)
             os.close(handle.fd)
+            handle.fd = -1  # the number may be reused by the next open: never pass it on again
         self._open_count[handle.path] -= 1
 
     def open_handles(self) -> dict[Path, int]:
@@ -319,9 +375,40 @@ class SafetensorsDiskReader:
             CheckpointChangedError: the file changed (the handle is dropped if long-lived).
         """
         self._check(handle, batch[0][0], "before", len(batch) - 1)
-        for entry, dst in batch:
-            self._read(handle, entry, dst)
+        try:
+            for entry, dst in batch:
+                self._read(handle, entry, dst)
+        finally:
+            if self.drop_pages:
+                self._drop_read_pages(handle, [(e.offset, e.nbytes) for e, _ in batch])
         self._check(handle, batch[0][0], "after", len(batch) - 1)
+
+    def _drop_read_pages(self, handle: _Handle, spans: list[tuple[int, int]]) -> None:
+        """Let go of the pages of `spans` (file byte `(offset, nbytes)`) once their bytes were copied
+        out: pread drops them from the page cache, mmap from this process's mapping (module docstring).
+
+        Best effort: a failing call is logged at DEBUG and changes nothing else (the bytes are read).
+        """
+        if self.reader == "pread":
+            if handle.fd < 0:
+                return
+            for start, nbytes in page_ranges(spans):
+                try:
+                    os.posix_fadvise(handle.fd, start, nbytes, os.POSIX_FADV_DONTNEED)
+                except OSError as exc:
+                    logger.debug(f"posix_fadvise(DONTNEED) of {nbytes} bytes of {handle.path.name} failed: {exc}")
+                    return
+                self.dropped_bytes += nbytes
+            return
+        if handle.mapping is None or _MADVISE is None:
+            return
+        base = handle.mapping.data_ptr()  # page aligned: the mapping starts at file offset 0
+        for start, nbytes in page_ranges(spans, limit=handle.mapping.numel()):
+            if _MADVISE(base + start, nbytes, mmap.MADV_DONTNEED) != 0:
+                logger.debug(f"madvise(MADV_DONTNEED) of {nbytes} bytes of {handle.path.name} failed: "
+                             f"{os.strerror(ctypes.get_errno())}")
+                return
+            self.dropped_bytes += nbytes
 
     def _read(self, handle: _Handle, entry: TensorIndexEntry, dst: torch.Tensor) -> None:
         """Copy the tensor's bytes into `dst` (uint8 [nbytes], CPU, contiguous). Only inside
@@ -354,8 +441,6 @@ class SafetensorsDiskReader:
                     raise CheckpointError(f"{entry.path}: unexpected end of file reading {entry.name!r}")
                 done += n
             view.release()
-            if self.drop_page_cache:
-                os.posix_fadvise(handle.fd, entry.offset, entry.nbytes, os.POSIX_FADV_DONTNEED)
         self.bytes_read += entry.nbytes
         self.read_seconds += time.perf_counter() - start
 
@@ -446,8 +531,26 @@ class SafetensorsDiskReader:
                     self._close(handle)
         return out
 
+    def drop_cached(self) -> int:
+        """pread with `drop_pages`: drop every page cache page of the files that have a long-lived
+        handle (the kernel's read-ahead past the last batch; module docstring). A no-op for mmap
+        (its pages are dropped from the mapping after each batch) and without `drop_pages`.
+        Call when no read is in flight. Returns the number of files advised."""
+        if not (self.drop_pages and self.reader == "pread"):
+            return 0
+        advised = 0
+        for handle in self._long_lived.values():
+            if handle.fd >= 0:
+                try:
+                    os.posix_fadvise(handle.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # length 0: to the end of the file
+                    advised += 1
+                except OSError as exc:
+                    logger.debug(f"posix_fadvise(DONTNEED) of {handle.path.name} failed: {exc}")
+        return advised
+
     def close(self) -> None:
-        """Close every long-lived handle (and mapping). The reader can fetch again afterwards."""
+        """Close every long-lived handle (and mapping), after `drop_cached()`. The reader can fetch again afterwards."""
+        self.drop_cached()
         for handle in self._long_lived.values():
             self._close(handle)
         self._long_lived.clear()

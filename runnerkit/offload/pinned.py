@@ -5,7 +5,13 @@ A slab is obtained through a fallback chain (ARCHITECTURE §4):
 1. ``registered``: a plain anonymous mapping of exactly ``nbytes`` (page aligned, zero pages
    until touched) page-locked with ``cudaHostRegister``. Preferred because PyTorch's pinned
    allocator (``pin_memory=True``) rounds every block up to a power of two: a 9 GiB model
-   would lock 16 GiB.
+   would lock 16 GiB. The mapping is registered in consecutive chunks of at most
+   ``REGISTER_CHUNK_BYTES`` (256 MiB), one ``cudaHostRegister`` call each: one multi-GiB call
+   can stall for minutes (the driver locks and maps every page in one go; reported for
+   model-sized slabs on Windows/WSL). All or nothing: when a chunk fails, the chunks registered
+   before it are unregistered at once and the slab goes on down the chain, so no slab is ever
+   part page-locked (the copy engine would have to treat it as pageable anyway, and its locked
+   part would be locked for nothing).
 2. ``pinned``: ``torch.empty(nbytes, dtype=uint8, pin_memory=True)`` (the caching host
    allocator; rounded up internally, but the tensor we expose still has exactly ``nbytes``).
 3. ``pageable``: ``torch.empty(nbytes, dtype=uint8)``. Used without CUDA, when
@@ -23,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Literal
@@ -34,6 +41,9 @@ ALIGNMENT = 256
 """Byte alignment of every tensor placed in a slab (and in a device slot)."""
 
 DISABLE_PINNED_ENV = "RUNNERKIT_DISABLE_PINNED"
+
+REGISTER_CHUNK_BYTES = 256 * 2**20
+"""Largest range (bytes) one `cudaHostRegister` call page-locks; a larger slab is registered in chunks."""
 
 SlabKind = Literal["registered", "pinned", "pageable"]
 
@@ -94,15 +104,55 @@ def _clear_cuda_last_error() -> None:
         logger.warning(f"could not clear the CUDA error state after a failed cudaHostRegister: {exc}")
 
 
-def _unregister(buffer: torch.Tensor) -> None:
-    """Finalizer of a registered slab: unlock the pages while `buffer` still owns them."""
-    try:
-        code = torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+def _unregister_chunks(chunks: Sequence[tuple[int, int]]) -> None:
+    """`cudaHostUnregister` each registered `(address, nbytes)` chunk, last first; failures are logged."""
+    for ptr, size in reversed(chunks):
+        try:
+            code = torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception as exc:  # interpreter shutdown: CUDA may already be torn down
+            logger.debug(f"cudaHostUnregister skipped: {exc}")
+            return
         if not _cuda_ok(code):
             _clear_cuda_last_error()
-            logger.warning(f"cudaHostUnregister failed with {code} for a {buffer.numel()}-byte slab")
-    except Exception as exc:  # interpreter shutdown: CUDA may already be torn down
-        logger.debug(f"cudaHostUnregister skipped: {exc}")
+            logger.warning(f"cudaHostUnregister failed with {code} for a {size}-byte chunk")
+
+
+def _unregister(buffer: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> None:
+    """Finalizer of a registered slab: unlock its chunks while `buffer` (which it holds) still owns the pages."""
+    _unregister_chunks(chunks)
+
+
+def register_chunks(ptr: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]] | None:
+    """Page-lock host range [ptr, ptr + nbytes) with one `cudaHostRegister` per chunk of at most
+    `chunk_bytes` bytes, in address order. All or nothing.
+
+    Returns:
+        The registered `(address, nbytes)` chunks (they tile the range exactly), or None when a
+        call failed or raised: the chunks registered before it are unregistered first, so nothing
+        stays locked.
+
+    Raises:
+        ValueError: `chunk_bytes` < 1.
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"`chunk_bytes` must be >= 1, got {chunk_bytes}")
+    done: list[tuple[int, int]] = []
+    for start in range(0, nbytes, chunk_bytes):
+        size = min(chunk_bytes, nbytes - start)
+        try:
+            code = torch.cuda.cudart().cudaHostRegister(ptr + start, size, 0)
+        except Exception as exc:
+            logger.info(f"cudaHostRegister unavailable ({exc}); falling back to pin_memory")
+            _unregister_chunks(done)
+            return None
+        if not _cuda_ok(code):
+            _clear_cuda_last_error()
+            logger.info(f"cudaHostRegister of chunk {len(done) + 1} ({size} bytes at offset {start} of {nbytes}) "
+                        f"returned {code}; unregistering the {len(done)} chunks before it, falling back to pin_memory")
+            _unregister_chunks(done)
+            return None
+        done.append((ptr + start, size))
+    return done
 
 
 class HostSlab:
@@ -112,6 +162,8 @@ class HostSlab:
         nbytes: size in bytes (exact, no rounding).
         kind: "registered" | "pinned" | "pageable" (see module docstring), "pageable" after
             `release()` of a registered slab.
+        chunks: kind "registered": the `(address, nbytes)` ranges registered one call each
+            (at most `REGISTER_CHUNK_BYTES` each, tiling the buffer); otherwise empty.
         buffer: uint8 tensor [nbytes] on the CPU.
 
     Args:
@@ -136,11 +188,13 @@ class HostSlab:
         try_pinning = pin_memory and not pinning_disabled_by_env() and torch.cuda.is_available() and nbytes > 0
         self.kind: SlabKind = "pageable"
         buffer = None
+        self.chunks: list[tuple[int, int]] = []  # registered `(address, nbytes)` ranges, tiling the buffer
         if try_pinning:
-            buffer = self._try_register(self.nbytes)
-            if buffer is not None:
+            registered = self._try_register(self.nbytes)
+            if registered is not None:
+                buffer, self.chunks = registered
                 self.kind = "registered"
-                self._finalizer = weakref.finalize(self, _unregister, buffer)
+                self._finalizer = weakref.finalize(self, _unregister, buffer, list(self.chunks))
             else:
                 buffer = self._try_pin(self.nbytes)
                 if buffer is not None:
@@ -159,20 +213,23 @@ class HostSlab:
         return self.kind in ("registered", "pinned")
 
     @staticmethod
-    def _try_register(nbytes: int) -> torch.Tensor | None:
-        """Anonymous mapping of exactly `nbytes`, page-locked with cudaHostRegister; None on failure."""
+    def _try_register(nbytes: int) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
+        """Anonymous mapping of exactly `nbytes`, page-locked with `register_chunks` in chunks of
+        `REGISTER_CHUNK_BYTES`: (uint8 tensor [nbytes], its registered chunks), or None on failure
+        (nothing left registered; the mapping is dropped with the tensor)."""
         try:
             region = mmap.mmap(-1, nbytes)
-            tensor = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
-            code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-        except Exception as exc:
-            logger.info(f"cudaHostRegister unavailable ({exc}); falling back to pin_memory")
+        except OSError as exc:
+            logger.info(f"anonymous mapping of {nbytes} bytes failed ({exc}); falling back to pin_memory")
             return None
-        if not _cuda_ok(code):
-            _clear_cuda_last_error()
-            logger.info(f"cudaHostRegister of {nbytes} bytes returned {code}; falling back to pin_memory")
+        tensor = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+        start = time.perf_counter()
+        chunks = register_chunks(tensor.data_ptr(), nbytes, REGISTER_CHUNK_BYTES)
+        if chunks is None:
             return None
-        return tensor
+        logger.debug(f"cudaHostRegister: {nbytes} bytes in {len(chunks)} chunks of <= {REGISTER_CHUNK_BYTES} bytes, "
+                     f"{time.perf_counter() - start:.3f}s")
+        return tensor, chunks
 
     @staticmethod
     def _try_pin(nbytes: int) -> torch.Tensor | None:
@@ -201,9 +258,10 @@ class HostSlab:
         slab. Call only when no copy from the slab is in flight.
         """
         if self._finalizer is not None:
-            self._finalizer()  # unregisters once; a no-op if already called
+            self._finalizer()  # unregisters every chunk once; a no-op if already called
             self._finalizer = None
             self.kind = "pageable"
+            self.chunks = []
         self.buffer = None
 
 

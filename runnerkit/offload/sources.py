@@ -258,6 +258,8 @@ class DiskSource:
         pending, self._ahead = list(self._ahead.values()), {}
         for future, _ in pending:
             future.exception()  # wait; an error of a read nobody needs is dropped (the next read sees it again)
+        with self._lock:
+            self.reader.drop_cached()  # pread: the page cache the kernel's read-ahead left (docs/host_memory.md)
         self._at_boundary = True
 
     def close(self) -> None:

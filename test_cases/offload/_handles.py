@@ -59,11 +59,16 @@ class HandleSampler:
 
     Args:
         files: the checkpoint's files (compared by real path, as `/proc` shows them).
+        root: name each file by its path relative to `root` (e.g. "transformer/model.safetensors"),
+            for checkpoints whose folders hold files of one name; default: the file name.
     """
 
-    def __init__(self, files: Sequence[Path]) -> None:
-        self.paths = {os.path.realpath(f): Path(f).name for f in files}
-        self.page_limit = {Path(f).name: -(-os.path.getsize(f) // mmap.PAGESIZE) * mmap.PAGESIZE for f in files}
+    def __init__(self, files: Sequence[Path], root: Path | None = None) -> None:
+        def name(f: Path) -> str:
+            return str(Path(f).relative_to(root)) if root is not None else Path(f).name
+
+        self.paths = {os.path.realpath(f): name(f) for f in files}
+        self.page_limit = {name(f): -(-os.path.getsize(f) // mmap.PAGESIZE) * mmap.PAGESIZE for f in files}
         self.samples: list[Sample] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -89,11 +94,14 @@ class HandleSampler:
         if self._poller is not None:
             self._poller.join()
 
-    def violations(self) -> list[str]:
-        """Samples with two descriptors on a file, or more than one whole-file mapping of it."""
+    def violations(self, only: set[str] | None = None) -> list[str]:
+        """Samples with two descriptors on a file, or more than one whole-file mapping of it (files
+        named in `only`, or all)."""
         bad = []
         for s in self.samples:
             for name, n in s.fds.items():
+                if only is not None and name not in only:
+                    continue
                 if n > 1:
                     bad.append(f"{n} descriptors open on {name} at {s.where} ({s.thread})")
                 if s.mapped[name] > self.page_limit[name]:

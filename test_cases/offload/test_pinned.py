@@ -176,3 +176,95 @@ def test_plan_offsets_exact_and_views_disjoint() -> None:
         typed_view(slab.buffer, 1024, torch.float32, (100,))
     with pytest.raises(ValueError, match=r"`sizes\[1\]` must be >= 0"):
         plan_offsets([1, -2])
+
+
+class ChunkDriver(FakeDriver):
+    """`FakeDriver` that records every register/unregister call and can refuse the `fail_at`-th
+    register call (1-based) with an error code, or raise there (`raise_at`), as a driver would."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_at: int | None = None, raise_at: int | None = None,
+                 fail: tuple[str, ...] = ()) -> None:
+        super().__init__(monkeypatch, fail)
+        self.calls: list[tuple[str, int, int]] = []
+        self.fail_at, self.raise_at = fail_at, raise_at
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.calls.append(("register", ptr, size))
+        n = sum(1 for c in self.calls if c[0] == "register")
+        if n == self.raise_at:
+            raise RuntimeError("driver gone (fake)")
+        if n == self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        return super().cudaHostRegister(ptr, size, flags)
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        size = next((hi - lo for lo, hi in self.locked if lo == ptr), -1)
+        self.calls.append(("unregister", ptr, size))
+        return super().cudaHostUnregister(ptr)
+
+
+CHUNK = 3 * 4096
+
+
+def test_a_large_slab_is_registered_in_bounded_chunks_and_all_unregistered_on_release(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pinned_mod, "REGISTER_CHUNK_BYTES", CHUNK)
+    driver = ChunkDriver(monkeypatch)
+    nbytes = 10 * 4096 + 100
+    slab = HostSlab(nbytes)
+    base = slab.buffer.data_ptr()
+    sizes = [CHUNK, CHUNK, CHUNK, nbytes - 3 * CHUNK]
+    starts = [base + sum(sizes[:i]) for i in range(4)]
+    assert driver.calls == [("register", p, n) for p, n in zip(starts, sizes)]  # one call per chunk, in order
+    assert slab.kind == "registered" and slab.is_pinned and slab.chunks == list(zip(starts, sizes))
+    assert slab.buffer.numel() == nbytes  # still one contiguous buffer of the exact size
+    assert all(slab.view(off, torch.uint8, (1,)).is_pinned() for off in (0, CHUNK, 3 * CHUNK, nbytes - 1))
+    slab.release()
+    assert driver.calls[4:] == [("unregister", p, n) for p, n in reversed(list(zip(starts, sizes)))]
+    assert driver.locked == [] and slab.chunks == []
+
+
+def test_a_slab_dropped_without_release_unregisters_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    monkeypatch.setattr(pinned_mod, "REGISTER_CHUNK_BYTES", CHUNK)
+    driver = ChunkDriver(monkeypatch)
+    slab = HostSlab(2 * CHUNK + 1)
+    assert len(driver.locked) == 3
+    del slab
+    gc.collect()
+    assert driver.locked == [] and [c[0] for c in driver.calls] == ["register"] * 3 + ["unregister"] * 3
+
+
+@pytest.mark.parametrize("how", ["error_code", "raises"])
+@pytest.mark.parametrize("pin_ok", [True, False], ids=["then_pinned", "then_pageable"])
+def test_a_chunk_failing_in_the_middle_unregisters_the_chunks_before_it_and_falls_back(
+        monkeypatch: pytest.MonkeyPatch, how: str, pin_ok: bool) -> None:
+    """No slab is part page-locked: the driver holds no registered range afterwards, and the slab is
+    pinned (torch's allocator: one locked block) or pageable as a whole, which decides the copy engine."""
+    from runnerkit.offload import make_copy_engine
+    from runnerkit.offload.streams import SyncCopyEngine
+
+    monkeypatch.setattr(pinned_mod, "REGISTER_CHUNK_BYTES", CHUNK)
+    driver = ChunkDriver(monkeypatch, fail=() if pin_ok else ("pin",),
+                         **({"fail_at": 3} if how == "error_code" else {"raise_at": 3}))
+    nbytes = 5 * CHUNK
+    slab = HostSlab(nbytes)
+    registers = [c for c in driver.calls if c[0] == "register"]
+    assert len(registers) == 3  # the third chunk failed: the last two were never tried
+    assert driver.calls[3:] == [("unregister", registers[1][1], CHUNK), ("unregister", registers[0][1], CHUNK)]
+    assert slab.chunks == [] and slab.buffer.numel() == nbytes
+    if pin_ok:
+        assert slab.kind == "pinned" and slab.is_pinned
+        assert driver.locked == [(slab.buffer.data_ptr(), slab.buffer.data_ptr() + nbytes)]  # the pinned block only
+    else:
+        assert slab.kind == "pageable" and not slab.is_pinned and driver.locked == []
+        assert not slab.buffer.is_pinned() and not slab.view(nbytes - 1, torch.uint8, (1,)).is_pinned()
+        assert isinstance(make_copy_engine("cuda", 2, source_pinned=slab.is_pinned), SyncCopyEngine)
+    slab.release()
+    assert [c[0] for c in driver.calls].count("unregister") == 2  # release unregisters nothing more
+
+
+def test_register_chunks_refuses_a_chunk_size_below_one() -> None:
+    with pytest.raises(ValueError, match="`chunk_bytes` must be >= 1, got 0"):
+        pinned_mod.register_chunks(0, 10, 0)

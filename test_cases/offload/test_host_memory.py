@@ -1,0 +1,180 @@
+"""Host memory of disk streaming (docs/host_memory.md): the peak RSS bound, the page cache left by the
+pread reader, and this process's disk reads (`memory.disk_io`).
+
+The RSS is measured in a fresh process (`_rss_driver.py`), so what this test process allocated
+before does not count: 32 blocks of 4 MiB (128 MiB streamed per step, 4 MiB largest unit) through
+2 slots, against a bound of 2 x 2 x 4 MiB + resident + `CONSTANT` (+ 4 MiB for mmap).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from runnerkit import memory
+from runnerkit.offload import DiskSource
+from runnerkit.offload import setup as setup_mod
+from runnerkit.offload.disk import PAGE_BYTES, SafetensorsDiskReader, page_ranges
+from test_cases.conftest import REPO
+from test_cases.offload import _rss_driver
+
+MIB = 2**20
+CONSTANT = 16 * MIB
+"""The bound's constant (docs/host_memory.md): allocator slack, activations, Python objects, the
+read-ahead thread; measured 5 MiB (pread) on this toy."""
+BLOCKS = 32
+
+
+def _run_driver(checkpoint: Path, reader: str, gpu_slots: int, steps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "test_cases.offload._rss_driver", str(checkpoint), reader,
+                           str(gpu_slots), str(steps), str(BLOCKS)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and /proc/self/clear_refs are Linux's")
+@pytest.mark.parametrize("reader", ["pread", "mmap"])
+def test_peak_rss_of_disk_streaming_is_bounded(tmp_path: Path, reader: str) -> None:
+    """peak RSS - baseline <= S x U (staging slabs) + S x U (device slots: host memory on the CPU)
+    + resident + CONSTANT, + U for mmap (the mapped pages of the unit being copied, dropped after
+    each unit): not the checkpoint's size, although 32 x 4 MiB stream through per step."""
+    checkpoint = tmp_path / "wide.safetensors"
+    _rss_driver.write_checkpoint(checkpoint, BLOCKS)
+    found = _run_driver(checkpoint, reader, gpu_slots=2, steps=1)
+    if not found["peak_reset"]:
+        pytest.skip("/proc/self/clear_refs cannot reset the RSS high-water mark here")
+    unit, slots = found["largest_unit"], found["gpu_slots"]
+    assert unit == _rss_driver.UNIT_BYTES and found["units"] == BLOCKS
+    assert found["streamed_per_step"] == BLOCKS * unit
+    assert found["disk_bytes_read"] >= BLOCKS * unit  # every block was really read (plus the wrap read-ahead)
+    bound = 2 * slots * unit + found["resident_bytes"] + CONSTANT + (unit if reader == "mmap" else 0)
+    grown = found["peak_rss"] - found["baseline_rss"]
+    assert grown <= bound, (f"peak RSS grew {grown / MIB:.1f} MiB over the baseline; bound {bound / MIB:.1f} MiB "
+                            f"({reader}, {found})")
+    assert found["streamed_per_step"] > 3 * bound  # the bound means something: far less than what streamed
+    if reader == "pread":  # pread goes through read system calls: /proc/self/io rchar counts every byte
+        assert found["rchar"] >= found["disk_bytes_read"]
+    else:  # mapped pages are faulted in, not read: rchar sees only the header reads
+        assert found["rchar"] < unit
+
+
+# -- the page cache left by the pread reader (mincore on a mapping of the file) -----------------------------
+
+def resident_pages(path: Path, spans: list[tuple[int, int]]) -> tuple[int, int]:
+    """(pages of `spans` in the page cache, pages of `spans`), asked with mincore(2) on a private
+    mapping of `path` that is never touched (the mapping faults nothing in)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        buf = (ctypes.c_char * size).from_buffer(mapping)
+        try:
+            pages = -(-size // PAGE_BYTES)
+            vec = (ctypes.c_ubyte * pages)()
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            if libc.mincore(ctypes.addressof(buf), size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            wanted = {p for start, n in page_ranges(spans)
+                      for p in range(start // PAGE_BYTES, (start + n) // PAGE_BYTES)}
+            return sum(1 for p in wanted if vec[p] & 1), len(wanted)
+        finally:
+            del buf
+    finally:
+        mapping.close()
+
+
+def _cache_whole_file(path: Path) -> None:
+    with open(path, "rb", buffering=0) as f:
+        while f.read(4 * MIB):
+            pass
+
+
+def read_ahead_bytes(path: Path) -> int | None:
+    """The kernel's read-ahead window for the file system of `path` (its BDI's `read_ahead_kb`), or None."""
+    dev = path.stat().st_dev
+    try:
+        return int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text()) * 1024
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this OS")
+@pytest.mark.parametrize("drop", [True, False], ids=["drop_pages", "keep_pages"])
+def test_pread_streaming_keeps_the_page_cache_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      drop: bool) -> None:
+    """Streaming 16 blocks of 4 MiB with reader pread from a file none of whose pages are cached: after
+    each unit fetch at most 2 units + 2 read-ahead windows of the file are cached (if that is less
+    than half the file: otherwise nothing is shown), and after the request (`streamer.reset()`) none
+    of it; with `drop_pages=False` (the control) all of it."""
+    checkpoint = tmp_path / "wide.safetensors"
+    tensors = _rss_driver.write_checkpoint(checkpoint, 16)  # 64 MiB, written back to the disk (fsync)
+    spans = [(offset, nbytes) for _, offset, nbytes in tensors]
+    _cache_whole_file(checkpoint)
+    cached, total = resident_pages(checkpoint, spans)
+    fd = os.open(checkpoint, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if cached < total or resident_pages(checkpoint, spans)[0]:  # e.g. tmpfs: pages are the file itself
+        pytest.skip(f"this file system does not show a file's cached pages as cached and dropped ({cached} of {total})")
+    monkeypatch.setattr(setup_mod, "SafetensorsDiskReader", partial(SafetensorsDiskReader, drop_pages=drop))
+    during: list[int] = []
+    real_fetch = DiskSource.fetch
+
+    def sampled_fetch(self: DiskSource, unit: int, slot: int, engine: object) -> torch.Tensor:
+        out = real_fetch(self, unit, slot, engine)
+        during.append(resident_pages(checkpoint, spans)[0])
+        return out
+
+    monkeypatch.setattr(DiskSource, "fetch", sampled_fetch)
+    streamer, found = _rss_driver.stream([checkpoint], "pread", gpu_slots=2, steps=1, num_blocks=16)
+    after_request = resident_pages(checkpoint, spans)[0]  # `stream` ended with streamer.reset()
+    streamer.close()
+    assert len(during) == 16 + 1  # every unit, then the wrap read-ahead's fetch of unit 0
+    if not drop:
+        assert after_request == total and found["reader_dropped_bytes"] == 0
+        assert during == sorted(during) and during[-2] == total  # growing with every unit, to the whole file
+        return
+    assert after_request == 0, f"{after_request} of {total} streamed pages still cached after the request"
+    window = read_ahead_bytes(checkpoint)
+    limit = (2 * _rss_driver.UNIT_BYTES + 2 * (window or 0)) // PAGE_BYTES + 4
+    if window is not None and limit <= total // 2:
+        assert max(during) <= limit, f"{max(during)} pages cached during the request, limit {limit} ({during})"
+    assert found["reader_dropped_bytes"] >= sum(n for _, n in spans)
+
+
+def test_page_ranges_round_out_to_whole_pages_and_merge() -> None:
+    p = PAGE_BYTES
+    assert page_ranges([(10, 20)]) == [(0, p)]
+    assert page_ranges([(p + 1, p)]) == [(p, 2 * p)]  # spans two pages
+    assert page_ranges([(3 * p, 5), (0, 1), (p - 1, 2), (0, 0)]) == [(0, 2 * p), (3 * p, p)]  # merged, sorted
+    assert page_ranges([(0, 10 * p)], limit=2 * p + 1) == [(0, 3 * p)]  # clipped at the mapping's last page
+    assert page_ranges([(5 * p, 1)], limit=2 * p) == []
+
+
+def test_disk_io_counts_this_process_reads(tmp_path: Path) -> None:
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"x" * 300_000)
+    before = memory.disk_io()
+    if before is None:
+        pytest.skip("/proc/self/io is not readable here")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert len(os.pread(fd, 300_000, 0)) == 300_000
+    finally:
+        os.close(fd)
+    delta = memory.disk_io().delta(before)
+    assert 300_000 <= delta.rchar < 400_000  # this read, and little else (pytest may read a file meanwhile)
+    assert delta.read_bytes >= 0  # 0 here: the bytes just written are served from the page cache
+    assert memory.DiskIO(10, 20).delta(memory.DiskIO(3, 5)) == memory.DiskIO(7, 15)
