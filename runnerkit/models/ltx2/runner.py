@@ -339,7 +339,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
             sources = ckpt.transformer_block_sources(model)
             streamer = stream_module(model, LTX2Transformer.STREAM_SPEC, off, self.device, self.dtype, "transformer",
                                      files=sources.files, key_map=sources.key_map,
-                                     shared_files=ckpt.layout == "single_file")
+                                     shared_files=ckpt.layout == "single_file", scale_map=sources.scale_map)
         return model.eval().requires_grad_(False), streamer
 
     def describe_pipeline(self) -> Pipeline:
