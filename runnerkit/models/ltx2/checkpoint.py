@@ -295,6 +295,13 @@ class LTX2Checkpoint:
         return ({n: loaded[k] for n, k in kmap.items()},
                 {n: loaded[s].float().reshape(()) for n, s in scales.items()})
 
+    def fp8_weights(self, component: str, names: list[str]) -> frozenset[str]:
+        """The names among `names` (model names) that the checkpoint stores as float8_e4m3fn, from the
+        headers (nothing read; names the checkpoint lacks are left out)."""
+        infos = self._index[component]
+        return frozenset(n for n, k in self.key_map(component, names).items()
+                         if k in infos and infos[k].dtype == torch.float8_e4m3fn)
+
     def read_tensors(self, component: str, names: list[str]) -> dict[str, torch.Tensor]:
         """Only the tensors `names` (model names) of `component`, as stored (e.g. the VAE's latent
         statistics, without reading its weights).

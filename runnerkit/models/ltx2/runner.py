@@ -43,7 +43,7 @@ from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes, write_synthetic_ltx2
-from runnerkit.models.ltx2.estimate import gemma_fields, ltx2_estimate
+from runnerkit.models.ltx2.estimate import fp8_stored_weights, gemma_fields, ltx2_estimate
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.transformer import (
     LTX2Transformer,
@@ -436,7 +436,25 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         arch = self.architecture()
         cfg = self.config
         return ltx2_estimate(arch, self.gemma_sizes(arch), shape, cfg.fps, cfg.task, self.dtype, self.device,
-                             cfg.offload)
+                             cfg.offload, self.fp8_transformer_weights())
+
+    def fp8_transformer_weights(self) -> frozenset[str]:
+        """The transformer parameters the checkpoint stores as float8_e4m3fn (an fp8 release; streamed from
+        disk as stored), from its headers; none for a synthetic checkpoint still to write.
+
+        Raises:
+            EstimateUnavailable: the checkpoint cannot be read before loading.
+        """
+        ckpt = self.checkpoint
+        if ckpt is None:
+            try:
+                path = self.checkpoint_path()
+                if self._synthetic_pending(path):
+                    return frozenset()
+                ckpt = self.open_checkpoint(path)
+            except (ValueError, OSError) as exc:  # CheckpointError included
+                raise EstimateUnavailable(f"the checkpoint's headers cannot be read before loading ({exc})") from None
+        return fp8_stored_weights(ckpt)
 
     # ---- request stages ------------------------------------------------------------------
     def layout(self, info: InputInfo, stage: int) -> JointLayout:
