@@ -1,8 +1,8 @@
 """Synthetic LTX-2 checkpoints: deterministic random weights in either layout of checkpoint.py.
 
 Values depend only on (our tensor name, seed) (`weights.synthetic_tensor`), so both layouts hold the
-same networks bit for bit. The single-file layout writes the whole file from memory (tiny and test
-sizes; the diffusers layout writes shard by shard, `synthetic.write_sharded`). The Gemma-3 text
+same networks bit for bit. The single-file layout builds the whole file in memory, one tensor drawn
+at a time (its own size; the diffusers layout writes shard by shard, `synthetic.write_sharded`). The Gemma-3 text
 encoder is a tiny `Gemma3TextModel` (transformers, random weights from `seed`, `save_pretrained`),
 sized so that its hidden states fit the connectors (`caption_channels` wide, `text_proj_in_factor` - 1
 layers); the tokenizer is runnerkit's character-level debug tokenizer (in `tokenizer/` for the diffusers
@@ -95,13 +95,18 @@ def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int, vision: bool = Fal
     return folder
 
 
-def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype, fp8_blocks: Fp8Blocks) -> None:
+def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype, fp8_blocks: Fp8Blocks,
+                       generator_device: str = "cpu") -> None:
+    # One tensor drawn at a time and stored as written (fp8 blocks quantized at once): host memory
+    # peaks at the file's size (save_file writes from the tensors' memory), not file + a bf16 copy.
     tensors: dict[str, torch.Tensor] = {}
     for component in COMPONENTS[:-1]:
-        ours = synthetic_state_dict(arch, component, seed, dtype)
-        names = ck.native_names(component, list(ours), arch)
-        for name, tensor in ours.items():
+        shapes = shapes_of(arch, component)
+        names = ck.native_names(component, list(shapes), arch)
+        for name, shape in shapes.items():
             key = names[name]
+            tensor = synthetic_tensor(name, shape, seed, torch.float32 if _fp32(component, name) else dtype,
+                                      generator_device)
             if component == "transformer" and fp8_blocks != "none" and _fp8_block_weight(name, tensor.shape):
                 if fp8_blocks == "scaled":
                     tensor, scale = quantize_fp8_e4m3(tensor.float())
@@ -113,9 +118,11 @@ def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype,
             tensors[key] = tensor
     sections = arch.to_sections()
     upsampler_config = sections.pop("latent_upsampler")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / SINGLE_FILE),
+    save_file(tensors, str(tmp / SINGLE_FILE),
               metadata={"config": json.dumps(sections), "model_version": f"synthetic-ltx-{arch.version}"})
-    upsampler = synthetic_state_dict(arch, "latent_upsampler", seed, dtype)
+    del tensors
+    upsampler = {k: synthetic_tensor(k, v, seed, dtype, generator_device)
+                 for k, v in shapes_of(arch, "latent_upsampler").items()}
     save_file({k: v.contiguous() for k, v in upsampler.items()}, str(tmp / UPSAMPLER_FILE),
               metadata={"config": json.dumps(upsampler_config)})
     for name in (SINGLE_FILE, UPSAMPLER_FILE):
@@ -150,8 +157,9 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
     Args:
         fp8_blocks: single_file only: store the transformer blocks' linear weights as float8_e4m3fn,
             "plain" (cast) or "scaled" (absmax/448 per tensor, `weight_scale` and an unused `input_scale`).
-        generator_device: diffusers layout: draw the values on this device ("cuda": real sizes in
-            seconds; the values depend on the device's generator, `synthetic.write_sharded`).
+        generator_device: draw the values on this device ("cuda": real sizes in seconds; the values
+            depend on the device's generator, `weights.synthetic_tensor`). The single file is built in
+            host memory (its own size: a 22B fp8 file ~25 GB), the diffusers layout shard by shard.
 
     Raises:
         ValueError: fp8 blocks asked for the diffusers layout.
@@ -164,7 +172,7 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
     try:
         (tmp / synthetic.SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
         if layout == "single_file":
-            _write_single_file(arch, tmp, seed, dtype, fp8_blocks)
+            _write_single_file(arch, tmp, seed, dtype, fp8_blocks, generator_device)
         else:
             _write_diffusers(arch, tmp, seed, dtype, generator_device)
             write_debug_tokenizer(tmp / "tokenizer", GEMMA_VOCAB)

@@ -251,7 +251,9 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
                                    layout: str, **options: Any) -> None:
         """Write deterministic random weights of `config.model`'s architecture to the folder `out`
         (checkpoint_synthetic.py): `diffusers` (a checkpoint folder) or `single_file` (the release's
-        `ltx2.safetensors`, `latent_upsampler.safetensors` and `text_encoder/` in `out`).
+        `ltx2.safetensors`, `latent_upsampler.safetensors` and `text_encoder/` in `out`). Options:
+        `replace`, `generator_device`, `fp8_blocks` ("plain" / "scaled": single_file only, the transformer
+        blocks' linear weights as float8_e4m3fn, without or with `weight_scale`, as the fp8 releases).
 
         Without `model`: the tiny architecture for the runner's own synthetic checkpoint (written to
         `model_path` or the cache); a config that names another checkpoint (`model_path`: a real one,
@@ -274,7 +276,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
                                  "from configs/ltx2/ltx2_t2av_tiny.json") from None
         write_synthetic_ltx2(arch, out, seed, dtype, layout,  # type: ignore[arg-type]
                              replace=options.get("replace", False),
-                             generator_device=options.get("generator_device") or "cpu")
+                             generator_device=options.get("generator_device") or "cpu",
+                             fp8_blocks=options.get("fp8_blocks") or "none")
 
     # ---- loading -----------------------------------------------------------------------
     def open_checkpoint(self, path: Path, raw: bool = False) -> LTX2Checkpoint:

@@ -146,3 +146,25 @@ def test_t2av_request_streamed_from_an_fp8_file_equals_the_resident_run(fp8_file
             streamer.close()
     for key in ("video", "audio"):
         assert torch.equal(outputs["streamed"][key], outputs["resident"][key]), key
+
+
+def test_the_tool_writes_an_fp8_single_file(tmp_path: Path) -> None:
+    """`synth_checkpoint --layout single_file --fp8_blocks scaled` (the headline run's stand-in): every block
+    linear weight float8_e4m3fn with its float32 `weight_scale`; a family that writes no fp8 refuses the flag with exit 2."""
+    from runnerkit.tools import synth_checkpoint
+
+    out = tmp_path / "ckpt"
+    argv = ["--config", str(CONFIGS / "ltx2_t2av_tiny.json"), "--out", str(out), "--layout", "single_file"]
+    assert synth_checkpoint.main([*argv, "--fp8_blocks", "scaled"]) == 0
+    ckpt = _single(out)
+    names = list(build_on_meta(lambda: LTX2Transformer(ckpt.arch.transformer)).state_dict())
+    fp8 = ckpt.fp8_weights("transformer", names)
+    assert fp8 == {n for n in names if n.startswith("transformer_blocks.") and n.endswith(".weight")
+                   and len(ckpt.read_tensors("transformer", [n])[n].shape) == 2}
+    stored, scales = ckpt.state_dict("transformer")
+    assert set(scales) == fp8 and all(s.dtype == torch.float32 for s in scales.values())
+    assert all(stored[n].dtype == FP8 and scales[n] > 0 for n in fp8)
+
+    wan = ["--config", str(CONFIGS.parent / "wan" / "wan_t2v_tiny.json"), "--out", str(tmp_path / "wan")]
+    assert synth_checkpoint.main([*wan, "--fp8_blocks", "plain"]) == 2
+    assert not (tmp_path / "wan").exists()
