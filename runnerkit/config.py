@@ -87,7 +87,10 @@ class OffloadConfig(_Strict):
     gpu_slots: int = Field(2, ge=2, le=64, description="Device slots that streamed blocks/phases rotate through.")
     prefetch_depth: int = Field(1, ge=1, le=63, description="Units copied ahead of the one computing (< gpu_slots).")
     reader: Literal["mmap", "pread"] = Field("mmap", description="How disk storage reads safetensors files.")
-    weight_dtype: Literal["same", "fp8_e4m3"] = Field("same", description="Storage dtype of streamed weights (fp8 upcasts at compute).")
+    weight_dtype: Literal["same", "fp8_e4m3"] = Field(
+        "same", description="Storage dtype of streamed weights: same (the compute dtype), or fp8_e4m3 (quantized at "
+        "load into host memory, storage cpu only; upcast at compute). A checkpoint's own float8_e4m3fn weights "
+        "(fp8 releases) need no setting: with storage disk they stream as stored and are upcast on the device.")
     vae_tiling: bool = Field(False, description="Decode the VAE in spatial tiles to bound memory.")
     stream_modules: list[str] | None = Field(
         None, description="Modules that stream their blocks/layers in mode block/phase. null: the family's "
@@ -126,8 +129,10 @@ class OffloadConfig(_Strict):
             raise ValueError(f"`offload.weight_dtype`={self.weight_dtype!r} applies to streamed weights only; "
                              f"`offload.mode` must be 'block' or 'phase' (got {self.mode!r})")
         if self.weight_dtype != "same" and self.storage == "disk":
-            raise ValueError("`offload.weight_dtype`='fp8_e4m3' needs `offload.storage`='cpu': disk storage streams "
-                             "the checkpoint's bytes as they are")
+            raise ValueError("`offload.weight_dtype`='fp8_e4m3' (quantize to fp8 at load) needs `offload.storage`="
+                             "'cpu': disk storage streams the checkpoint's bytes as they are. For an fp8 checkpoint "
+                             "(float8_e4m3fn weights, with or without scales) keep `offload.weight_dtype`='same': "
+                             "its fp8 weights stream from disk as stored")
         return self
 
 

@@ -11,17 +11,25 @@ Its *layout* says where each tensor lives in the unit's contiguous bytes:
         [tensor 0 in the compute dtype | pad] ...
 
 With weight_dtype="same" the stored dtype is the compute dtype and the modules read the raw
-region directly (no compute region).
+region directly (no compute region), except for the names in `fp8_stored`: tensors that the
+checkpoint itself stores as float8_e4m3fn (an fp8 release) and that a disk source streams as
+stored, each with a float32 scale (the checkpoint's per-tensor scale, or 1.0) and a compute region.
+
+Upcast (the streamer, on the device): fp8 -> compute dtype (exact: every e4m3 value is a bf16,
+fp16 and fp32 value), times the float32 scale with the product formed in float32 and rounded
+once to the compute dtype: bit-identical to `dequantize_fp8_e4m3`, i.e. to a resident load
+`(q.float() * scale).to(dtype)`.
 
 fp8 error: e4m3 keeps 3 mantissa bits, so each weight is rounded with a relative error of at
 most 2^-4 (6.25%) when |w| >= absmax * 2^-14 (normal range after scaling by absmax/448);
 smaller weights are subnormal (absolute step absmax/448 * 2^-9) or flush to zero. Upcasting is
-exact into bf16/fp16/fp32, then the scale multiplication rounds once in the compute dtype.
+exact into bf16/fp16/fp32; the product with the scale is formed in float32 and rounded once to
+the compute dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -165,31 +173,40 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def plan_unit_layout(unit: StreamUnit, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype,
-                     weight_dtype: WeightDtype = "same") -> UnitLayout:
+                     weight_dtype: WeightDtype = "same", fp8_stored: Collection[str] = ()) -> UnitLayout:
     """Place `unit`'s tensors (shapes from `shapes`) in raw and compute regions.
+
+    Args:
+        weight_dtype: "same": tensors stored in `dtype`; "fp8_e4m3": every tensor stored fp8 (quantized
+            at load, `quantize_fp8_e4m3`).
+        fp8_stored: with "same", names whose bytes stay float8_e4m3fn as the checkpoint stores them
+            (1 byte per element + a float32 scale; upcast into the compute region). Names not in
+            `unit` are ignored (one set may serve every unit).
 
     Raises:
         ValueError: unknown `weight_dtype`, or fp8 with a non-floating compute `dtype`.
     """
     if weight_dtype not in ("same", "fp8_e4m3"):
         raise ValueError(f"`weight_dtype` must be 'same' or 'fp8_e4m3', got {weight_dtype!r}")
-    fp8 = weight_dtype == "fp8_e4m3"
-    if fp8 and not dtype.is_floating_point:
-        raise ValueError(f"`weight_dtype`='fp8_e4m3' needs a floating compute dtype, got {dtype}")
-    stored = torch.float8_e4m3fn if fp8 else dtype
-    stored_sizes = [_numel(shapes[n]) * _itemsize(stored) for n in unit.params]
+    is_fp8 = [weight_dtype == "fp8_e4m3" or n in fp8_stored for n in unit.params]
+    if any(is_fp8) and not dtype.is_floating_point:
+        raise ValueError(f"fp8-stored weights need a floating compute dtype, got {dtype}")
+    stored = [torch.float8_e4m3fn if f else dtype for f in is_fp8]
+    stored_sizes = [_numel(shapes[n]) * _itemsize(s) for n, s in zip(unit.params, stored)]
     raw_offsets, tensors_end = plan_offsets(stored_sizes)
-    scales_offset = tensors_end if fp8 else None
-    raw_nbytes = tensors_end + (align_up(4 * len(unit.params)) if fp8 else 0)
-    compute_offsets: list[int | None] = [None] * len(unit.params)
-    compute_nbytes = 0
-    if fp8:
-        offs, compute_nbytes = plan_offsets([_numel(shapes[n]) * _itemsize(dtype) for n in unit.params])
-        compute_offsets = list(offs)
+    num_scales = sum(is_fp8)
+    scales_offset = tensors_end if num_scales else None
+    raw_nbytes = tensors_end + align_up(4 * num_scales)
+    # compute region: the fp8-stored tensors only, in the compute dtype
+    offs, compute_nbytes = plan_offsets([_numel(shapes[n]) * _itemsize(dtype)
+                                         for n, f in zip(unit.params, is_fp8) if f])
+    compute_offsets = iter(offs)
+    scale_indices = iter(range(num_scales))
     tensors = tuple(
-        TensorPlacement(name=n, shape=tuple(int(d) for d in shapes[n]), dtype=dtype, stored_dtype=stored,
-                        offset=raw_offsets[i], nbytes=stored_sizes[i], compute_offset=compute_offsets[i],
-                        scale_index=i if fp8 else None)
+        TensorPlacement(name=n, shape=tuple(int(d) for d in shapes[n]), dtype=dtype, stored_dtype=stored[i],
+                        offset=raw_offsets[i], nbytes=stored_sizes[i],
+                        compute_offset=next(compute_offsets) if is_fp8[i] else None,
+                        scale_index=next(scale_indices) if is_fp8[i] else None)
         for i, n in enumerate(unit.params))
     return UnitLayout(unit.module, tensors, raw_nbytes, compute_nbytes, scales_offset)
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from runnerkit.config import OffloadConfig
 from runnerkit.offload.disk import SafetensorsDiskReader
-from runnerkit.offload.layout import StreamSpec, plan_units, resident_names
+from runnerkit.offload.layout import StreamSpec, dequantize_fp8_e4m3, plan_units, resident_names
 from runnerkit.offload.pinned import pinning_disabled_by_env
 from runnerkit.offload.sources import DiskSource, HostSource
 from runnerkit.offload.streamer import BlockStreamer
@@ -33,7 +33,7 @@ def pin_memory_enabled(cfg: OffloadConfig) -> bool:
 def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device: torch.device,
                   dtype: torch.dtype, component: str, state_dict: Mapping[str, torch.Tensor] | None = None,
                   files: list[Path] | None = None, key_map: Mapping[str, str] | None = None,
-                  shared_files: bool = False) -> BlockStreamer:
+                  shared_files: bool = False, scale_map: Mapping[str, str] | None = None) -> BlockStreamer:
     """Load the resident part of meta-built `model` onto `device` and stream its blocks.
 
     Args:
@@ -46,6 +46,10 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
         files, key_map: the checkpoint's safetensors files and model name -> file name (storage "disk").
         shared_files: the files also hold other networks' tensors (a single-file release): only the
             keys of `key_map` are checked and read (the caller has checked the rest of the file).
+        scale_map: storage "disk": model name -> file name of the float32 per-tensor scale of its
+            float8_e4m3fn weight (weight = fp8 x scale). Streamed fp8 weights, scaled or not, stream as
+            stored and are upcast on the device (`DiskSource`); resident ones are upcast here, the same
+            way (`dequantize_fp8_e4m3`: float32 product, rounded once).
 
     Raises:
         CheckpointError: a damaged safetensors file (storage "disk"), missing or unexpected
@@ -53,15 +57,18 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
             the file and the tensor), checked before any weight is read.
 
     Streamed tensors stored in another floating dtype than `dtype` are cast as resident ones are:
-    once into the host slabs (storage "cpu"), at every fetch into the staging slab (storage "disk").
+    once into the host slabs (storage "cpu"), at every fetch into the staging slab (storage "disk"),
+    except float8_e4m3fn ones with storage "disk", which cross H2D as stored and are upcast on the device.
     """
     assert cfg.mode in ("block", "phase"), f"stream_module needs mode block/phase, got {cfg.mode}"
     pin = pin_memory_enabled(cfg)
     units = plan_units(model, cfg.mode, spec)
     resident = resident_names(model, units)
     expected = model.state_dict(keep_vars=True)
+    scale_map = dict(scale_map or {})
     if cfg.storage == "cpu":
         assert state_dict is not None, "storage cpu needs the state dict"
+        assert not scale_map, "storage cpu takes upcast weights (scales are applied by the caller)"
         check_tensors(expected, tensor_infos(state_dict), component)
         resident_tensors = {n: state_dict[n] for n in resident}
     else:
@@ -69,12 +76,17 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
         key_map = dict(key_map or {n: n for n in expected})
         reader = SafetensorsDiskReader(files, reader=cfg.reader)
         inverse = {v: k for k, v in key_map.items()}
+        scale_keys = set(scale_map.values())
         # names, shapes and dtypes from the headers, before any weight is read
         check_tensors(expected, {inverse.get(n, n): entry for n, entry in reader.index.items()
-                                 if not shared_files or n in inverse}, component)
+                                 if (not shared_files or n in inverse) and n not in scale_keys}, component)
         # non-block weights first: their short-lived handles close before any block fetch opens one
-        loaded = reader.load_tensors([key_map.get(n, n) for n in resident])
-        resident_tensors = {inverse.get(k, k): v for k, v in loaded.items()}
+        resident_scales = {n: scale_map[n] for n in resident if n in scale_map}
+        loaded = reader.load_tensors([key_map.get(n, n) for n in resident] + list(resident_scales.values()))
+        resident_tensors = {inverse.get(k, k): v for k, v in loaded.items() if k not in scale_keys}
+        for n, key in resident_scales.items():  # scaled fp8 outside the units: upcast as a resident load does
+            target = torch.float32 if spec.keep_fp32(n) else dtype
+            resident_tensors[n] = dequantize_fp8_e4m3(resident_tensors[n], loaded[key].reshape(()), target)
     # to_compute: resident CPU weights 64-byte aligned whatever their file offsets (streamed ones are
     # too: slabs and slots place them at ALIGNMENT offsets of allocator- or page-aligned buffers)
     cast = {n: to_compute(t, torch.float32 if spec.keep_fp32(n) else dtype, device) for n, t in resident_tensors.items()}
@@ -85,7 +97,7 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
     if cfg.storage == "cpu":
         source = HostSource(units, state_dict, dtype, cfg.weight_dtype, pin_memory=pin)
     else:
-        source = DiskSource(units, reader, dtype, key_map=key_map, pin_memory=pin)
+        source = DiskSource(units, reader, dtype, key_map=key_map, pin_memory=pin, scale_map=scale_map)
     streamer = BlockStreamer(model, units, source, device, cfg.gpu_slots, cfg.prefetch_depth)
     logger.info("{}: {} streaming of {} units from {} (host memory pinned: {}, slots={}, prefetch={}, reader={})",
                 component, cfg.mode, len(units), cfg.storage, source.pinned, cfg.gpu_slots, cfg.prefetch_depth,

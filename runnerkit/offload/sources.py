@@ -17,9 +17,35 @@ from loguru import logger
 
 from runnerkit.offload.disk import SafetensorsDiskReader
 from runnerkit.offload.layout import StreamUnit, UnitLayout, WeightDtype, plan_unit_layout, quantize_fp8_e4m3
-from runnerkit.offload.pinned import HostSlab
+from runnerkit.offload.pinned import HostSlab, typed_view
 from runnerkit.offload.streams import CopyEngine
 from runnerkit.weights import CheckpointError, short_list
+
+
+FP8 = torch.float8_e4m3fn
+"""The checkpoint dtype a disk source streams as stored, whatever the compute dtype."""
+
+
+def _check_scales(scales: Mapping[str, str], fp8_names: frozenset[str], weights: Mapping[str, str],
+                  reader: SafetensorsDiskReader) -> None:
+    """Every scale (model name -> checkpoint key) exists, is one float32 element and scales an fp8 weight.
+
+    Raises:
+        CheckpointError: naming the scale key(s) and the file(s).
+    """
+    missing = sorted(k for k in scales.values() if k not in reader.index)
+    if missing:
+        raise CheckpointError(f"disk source: {len(missing)} fp8 scales are not in the checkpoint: {short_list(missing)}")
+    bad = [f"{k} ({reader.index[k].dtype}, shape {list(reader.index[k].shape)}) in {reader.index[k].path}"
+           for k in scales.values() if reader.index[k].dtype != torch.float32 or reader.index[k].nbytes != 4]
+    if bad:
+        raise CheckpointError(f"disk source: {len(bad)} fp8 scales are not one float32 element (only per-tensor "
+                              f"scales are supported): {short_list(bad)}")
+    not_fp8 = [f"{weights[n]} ({reader.index[weights[n]].dtype}) in {reader.index[weights[n]].path}"
+               for n in scales if n not in fp8_names]
+    if not_fp8:
+        raise CheckpointError(f"disk source: {len(not_fp8)} scaled tensors are not float8_e4m3fn, so a scale "
+                              f"does not apply: {short_list(not_fp8)}")
 
 
 class UnitSource(Protocol):
@@ -125,7 +151,11 @@ class HostSource:
 class DiskSource:
     """Streamed weights read from the checkpoint's safetensors files at every fetch.
 
-    File bytes are streamed as they are where a tensor's checkpoint dtype is the compute dtype. A
+    File bytes are streamed as they are where a tensor's checkpoint dtype is the compute dtype, and
+    where it is float8_e4m3fn (an fp8 release): those fp8 bytes are read into the raw region and
+    copied H2D as they are (1 byte per element), with a float32 per-tensor scale (the checkpoint's,
+    named by `scale_map`, or 1.0) in the unit's scales; the streamer upcasts them on the device
+    (`layout.py`: fp8 -> float32 x scale, rounded once: the weights of a resident load). Any other
     floating tensor stored in another dtype (a float16 tensor in a float32 checkpoint, a float32
     checkpoint run in bfloat16) is read into a scratch buffer and cast on the CPU into the staging
     slab at every fetch: the same round-to-nearest cast as resident loading (`weights.to_compute`),
@@ -139,22 +169,29 @@ class DiskSource:
             first fetch; `close()` closes them).
         dtype: compute dtype of the streamed weights.
         key_map: model name -> checkpoint name, for names that differ (default: identical).
-        weight_dtype: must be "same".
+        weight_dtype: must be "same" (a checkpoint's own fp8 streams as stored with "same").
         pin_memory: page-locked staging slabs where possible.
         read_ahead: read the next unit on a background thread while the current one is used.
+        scale_map: model name -> checkpoint name of the float32 per-tensor scale of its
+            float8_e4m3fn weight (weight = fp8 x scale; one element, shape [] or [1]). Names
+            that no unit streams are ignored (the caller applies those to resident weights).
 
     Raises:
         NotImplementedError: `weight_dtype` is not "same".
-        CheckpointError: tensors missing from the checkpoint; a streamed tensor whose checkpoint
-            dtype is not floating (naming the file and the tensor: no cast makes it a weight).
+        CheckpointError: tensors or scales missing from the checkpoint; a streamed tensor whose
+            checkpoint dtype is not floating (naming the file and the tensor: no cast makes it a
+            weight); a scale that is not one float32 element, or the scale of a tensor that is not
+            float8_e4m3fn.
     """
 
     def __init__(self, units: Sequence[StreamUnit], reader: SafetensorsDiskReader, dtype: torch.dtype,
                  key_map: Mapping[str, str] | None = None, weight_dtype: WeightDtype = "same",
-                 pin_memory: bool = True, read_ahead: bool = True) -> None:
+                 pin_memory: bool = True, read_ahead: bool = True,
+                 scale_map: Mapping[str, str] | None = None) -> None:
         if weight_dtype != "same":
             raise NotImplementedError(f"`weight_dtype`={weight_dtype!r} with disk storage: the checkpoint's bytes "
-                                      "are streamed as they are; use storage 'cpu' for fp8 streaming")
+                                      "are streamed as they are (its own float8_e4m3fn weights included, with "
+                                      "weight_dtype 'same'); use storage 'cpu' to quantize to fp8 at load")
         key_map = dict(key_map or {})
         self.reader = reader
         self.pin_memory = pin_memory
@@ -168,15 +205,27 @@ class DiskSource:
         if bad:
             raise CheckpointError(f"disk source: {len(bad)} streamed tensors are not floating point, so no cast makes "
                                   "them weights: " + short_list([f"{e.name} ({e.dtype}) in {e.path}" for e in bad]))
+        streamed = {n: c for u, names in zip(units, self._ckpt_names) for n, c in zip(u.params, names)}
+        #: model names whose float8_e4m3fn bytes stream as stored (upcast on the device)
+        self.fp8_names = frozenset(n for n, c in streamed.items() if reader.index[c].dtype == FP8)
+        #: model name -> checkpoint name of its scale (streamed fp8 tensors only; the others get 1.0)
+        self.scale_names = {n: k for n, k in (scale_map or {}).items() if n in streamed}
+        _check_scales(self.scale_names, self.fp8_names, {n: streamed[n] for n in self.scale_names}, reader)
         #: per unit, the checkpoint names read into a scratch buffer and cast to `dtype` at each fetch
-        self._casts = [{c for c in names if reader.index[c].dtype != dtype} for names in self._ckpt_names]
-        cast = [e for e in entries if e.dtype != dtype]
+        self._casts = [{c for c in names if reader.index[c].dtype not in (dtype, FP8)} for names in self._ckpt_names]
+        cast = [e for e in entries if e.dtype not in (dtype, FP8)]
         if cast:
             logger.info("disk source: {} of {} streamed tensors are stored in another dtype than the compute dtype {} "
                         "({:.3f} GiB, e.g. {}): cast on the CPU at every fetch (a checkpoint in {} streams its bytes "
                         "as they are)", len(cast), len(entries), dtype, sum(e.nbytes for e in cast) / 2**30,
                         short_list([f"{e.name} ({e.dtype})" for e in cast]), dtype)
-        self.layouts = [plan_unit_layout(u, {n: reader.index[c].shape for n, c in zip(u.params, names)}, dtype)
+        if self.fp8_names:
+            fp8_bytes = sum(e.nbytes for e in entries if e.dtype == FP8)
+            logger.info("disk source: {} of {} streamed tensors are float8_e4m3fn ({:.3f} GiB, {} with a scale): "
+                        "streamed as stored, upcast to {} on the device", len(self.fp8_names), len(entries),
+                        fp8_bytes / 2**30, len(self.scale_names), dtype)
+        self.layouts = [plan_unit_layout(u, {n: reader.index[c].shape for n, c in zip(u.params, names)}, dtype,
+                                         fp8_stored=self.fp8_names)
                         for u, names in zip(units, self._ckpt_names)]
         self.staging: list[HostSlab] = []
         # Read-ahead: while unit j is copied and computed, one background thread reads unit j+1 from
@@ -202,18 +251,31 @@ class DiskSource:
         buffer = self.staging[slot].buffer
         assert buffer is not None, f"disk source closed; unit {unit} fetched"
         engine.wait_copy_host(slot)  # the slab's previous H2D copy must have read it
-        reads, casts = [], []
-        for t, name in zip(self.layouts[unit].tensors, self._ckpt_names[unit]):
+        layout = self.layouts[unit]
+        reads, casts, unit_scales = [], [], []
+        for t, name in zip(layout.tensors, self._ckpt_names[unit]):
             dst = buffer[t.offset:t.offset + t.nbytes]
             if name in self._casts[unit]:  # stored in another dtype: read aside, cast into the slab
                 entry = self.reader.index[name]
                 raw = torch.empty(entry.nbytes, dtype=torch.uint8)  # allocator-aligned for any dtype view
                 reads.append((name, raw))
                 casts.append((raw.view(entry.dtype).view(t.shape), dst.view(t.dtype).view(t.shape)))
-            else:
+            else:  # the compute dtype, or float8_e4m3fn: the file's bytes as they are
                 reads.append((name, dst))
+            if t.scale_index is not None:
+                assert layout.scales_offset is not None, f"{layout.module}: an fp8 tensor without a scales region"
+                at = layout.scales_offset + 4 * t.scale_index
+                scale_key = self.scale_names.get(t.name)
+                if scale_key is None:
+                    unit_scales.append(t.scale_index)  # fp8 without a scale: the value is the weight
+                else:
+                    reads.append((scale_key, buffer[at:at + 4]))  # one float32
         with self._lock:
             self.reader.read_many(reads)
+        if unit_scales:
+            assert layout.scales_offset is not None, f"{layout.module}: fp8 tensors without a scales region"
+            scales = typed_view(buffer, layout.scales_offset, torch.float32, (layout.num_scales,))
+            scales[unit_scales] = 1.0
         for src, dst in casts:
             dst.copy_(src)  # round to nearest, as `.to(dtype)` in resident loading
 

@@ -223,12 +223,16 @@ class BlockStreamer:
             self._issue(pending)
 
     def _upcast(self, unit: int, slot: int) -> None:
-        """fp8 -> compute dtype on the compute stream: view.copy_(q) (exact), view.mul_(scale)."""
+        """fp8 -> compute dtype on the compute stream, for the unit's fp8-stored tensors (the others are
+        used in place): view.copy_(q) (exact), view.mul_(scale) with a float32 [1] scale, so the product
+        is formed in float32 and rounded once (= `dequantize_fp8_e4m3`, = a resident load)."""
         layout = self.layouts[unit]
         if layout.scales_offset is not None:
             buf = self._slots[slot]
             scales = typed_view(buf, layout.scales_offset, torch.float32, (layout.num_scales,))
             for t in layout.tensors:
+                if t.scale_index is None or t.compute_offset is None:
+                    continue  # stored in the compute dtype: the module reads the raw region
                 dst = typed_view(buf, self._compute_base + t.compute_offset, t.dtype, t.shape)
                 dst.copy_(typed_view(buf, t.offset, t.stored_dtype, t.shape))
                 dst.mul_(scales[t.scale_index:t.scale_index + 1])  # [1] float32: the product is formed in fp32

@@ -40,7 +40,7 @@ barrier to adding families, and the check exists to stop requests that are known
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -183,14 +183,16 @@ def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
 
 def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[[str], bool] = lambda name: False,
                      stream: StreamSpec | None = None, offload: OffloadConfig | None = None,
-                     stream_default: bool = True) -> ModuleFootprint:
+                     stream_default: bool = True, fp8_stored: Collection[str] = ()) -> ModuleFootprint:
     """Weight bytes of a module (normally built on the meta device) as the runner loads it.
 
     Floating parameters are counted in `dtype`, except names for which `keep_fp32` is true
     (float32); buffers in their own dtype. With `stream` and an offload mode of block/phase, the
     streamed units are planned exactly as `offload.setup.stream_module` plans them
     (`plan_units`, `plan_unit_layout`, one slot = the largest unit's raw bytes aligned + its
-    compute region), giving the resident part and the slot bytes.
+    compute region), giving the resident part and the slot bytes. With storage disk, streamed
+    tensors that the checkpoint stores as float8_e4m3fn (`fp8_stored`) stream as stored: 1 byte per
+    element + a float32 scale in the raw region (slot and staging slab), and a compute region.
 
     Args:
         module: the network, on the meta device (no memory) or materialized.
@@ -199,6 +201,8 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
         stream: the family's stream spec, for a module that can stream.
         offload: the run's offload config (mode, slots, weight_dtype, storage).
         stream_default: see `ModuleFootprint.stream_default` (False for a text encoder).
+        fp8_stored: parameter names the checkpoint stores as float8_e4m3fn (their loaded bytes are
+            still counted in `dtype`: a resident load upcasts them).
     """
     sizes: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -211,7 +215,8 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
     if stream is None or offload is None or offload.mode not in ("block", "phase"):
         return ModuleFootprint(weight_bytes=total, stream_default=stream_default)
     units = plan_units(module, offload.mode, stream)
-    layouts = [plan_unit_layout(u, shapes, dtype, offload.weight_dtype) for u in units]
+    as_stored = fp8_stored if offload.storage == "disk" else ()  # storage cpu holds upcast weights
+    layouts = [plan_unit_layout(u, shapes, dtype, offload.weight_dtype, fp8_stored=as_stored) for u in units]
     slot = align_up(max(lay.raw_nbytes for lay in layouts)) + max(lay.compute_nbytes for lay in layouts)
     slots = min(offload.gpu_slots, len(units))
     streamed = sum(sizes[p] for u in units for p in u.params)

@@ -1,7 +1,7 @@
 """Write a synthetic (deterministic random) checkpoint for a runner config's architecture.
 
     python -m runnerkit.tools.synth_checkpoint --config CONFIG.json --out /data/ckpt \
-        [--dtype bf16] [--layout LAYOUT] [--seed 0]
+        [--dtype bf16] [--layout LAYOUT] [--seed 0] [--generator_device cuda] [--fp8_blocks scaled]
 
 The family of the config's `model_cls` writes it (`write_synthetic_checkpoint` of its runner, in
 one of its `CHECKPOINT_LAYOUTS`); large transformers are generated and written shard by shard,
@@ -50,6 +50,9 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generator_device", default="cpu", help="draw the random values on this device (cuda: fast)")
     p.add_argument("--transformer_only", action="store_true", help="write only the transformer (runnerkit layout)")
+    p.add_argument("--fp8_blocks", choices=("plain", "scaled"), default=None,
+                   help="LTX-2 --layout single_file: store the transformer blocks' linear weights as float8_e4m3fn, "
+                   "without (plain) or with a per-tensor `weight_scale` (scaled), as the fp8 releases do")
     p.add_argument("--force", action="store_true", help="replace --out even if it holds files that are not a checkpoint")
     args = p.parse_args(argv)
     out = Path(args.out).expanduser().absolute()
@@ -76,11 +79,17 @@ def _main(argv: list[str] | None) -> int:
         return 2
     try:
         t0 = time.perf_counter()
+        extra = {"fp8_blocks": args.fp8_blocks} if args.fp8_blocks else {}  # only families that write fp8 take it
         family.write_synthetic_checkpoint(config, out, args.seed, DTYPES[args.dtype], args.layout,
                                           generator_device=args.generator_device,
-                                          transformer_only=args.transformer_only, replace=True)
+                                          transformer_only=args.transformer_only, replace=True, **extra)
     except ValidationError as exc:
         logger.error("{}", format_validation_error(exc, f"`model` of {args.config!r}"))
+        return 2
+    except TypeError as exc:
+        if not extra or "fp8_blocks" not in str(exc):
+            raise
+        logger.error("--fp8_blocks: `model_cls` {!r} does not write fp8 checkpoints ({})", config.model_cls, exc)
         return 2
     except (ConfigError, ValueError, NotImplementedError, OSError, RuntimeError) as exc:
         logger.error("{}: {}", type(exc).__name__, exc)

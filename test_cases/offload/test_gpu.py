@@ -105,6 +105,30 @@ def test_fp8_streaming_on_cuda_matches_dequantized() -> None:
     streamer.close()
 
 
+@pytest.mark.parametrize("mode", ["block", "phase"])
+def test_fp8_checkpoint_streamed_from_disk_on_cuda_equals_the_resident_load(tmp_path: Path, mode: str) -> None:
+    """float8_e4m3fn + weight_scale tensors cross H2D as stored (pinned staging, copy stream) and are upcast
+    on the device: the output equals a resident model holding (q.float() * scale).to(bf16), bit for bit."""
+    from runnerkit.config import OffloadConfig
+    from runnerkit.offload.setup import stream_module
+    from test_cases.offload.test_disk_fp8 import SPEC, ToyModel, expected_weights, fp8_checkpoint
+
+    dtype = torch.bfloat16
+    files, stored, scales = fp8_checkpoint(tmp_path)
+    cfg = OffloadConfig(mode=mode, storage="disk", gpu_slots=2)  # type: ignore[arg-type]
+    model = build_on_meta(ToyModel)
+    streamer = stream_module(model, SPEC, cfg, torch.device("cuda"), dtype, "toy", files=files, scale_map=scales)
+    assert isinstance(streamer.engine, CudaCopyEngine) and streamer.source.pinned
+    ref = build_on_meta(ToyModel)
+    ref.load_state_dict({k: v.to("cuda") for k, v in expected_weights(stored, scales, dtype).items()}, assign=True)
+    x = torch.randn(2, 64, 8, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        want = ref(x)
+        for _ in range(3):
+            assert torch.equal(model(x), want)
+    streamer.close()
+
+
 def test_pageable_host_memory_uses_synchronous_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     sd = state_dict_of(make_reference(seed=0))
     model, streamer = build_streamed(sd, "block", "host", 2, 1, device="cuda", pin_memory=False)

@@ -23,8 +23,10 @@ per-tensor float32 scale stored next to the weight as `<module>.weight_scale` (w
 the ltx-core / ComfyUI convention; a `<module>.input_scale` (activation scale of fp8 matmuls) is
 accepted and not used. `state_dict` returns them as fp8 storage plus the scales; `load(dtype=...)`
 upcasts them for compute (`fp8 -> float32`, exact, times the scale in float32, rounded once to
-`dtype`). Not supported: other scale shapes (per-channel, block-wise), float8_e5m2 with scales,
-and streaming scaled fp8 blocks from disk (the disk source casts without a scale; refused).
+`dtype`). Streamed from disk (offload block/phase, storage disk), fp8 block weights cross to the
+device as stored, with their scales (`transformer_block_sources().scale_map`), and are upcast there
+the same way (`offload.sources.DiskSource`). Not supported: other scale shapes (per-channel,
+block-wise), float8_e5m2 with scales.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class BlockSources:
     files: list[Path]
     key_map: dict[str, str]
     """Every transformer tensor: model name -> key in the file."""
+    scale_map: dict[str, str]
+    """Every scaled fp8 weight: model name -> key of its float32 per-tensor scale in the file."""
     units: list[StreamUnit]
     """`plan_units(model, "block", LTX2Transformer.STREAM_SPEC)`: streamed parameters per block."""
     blocks: list[BlockSource]
@@ -291,6 +295,13 @@ class LTX2Checkpoint:
         return ({n: loaded[k] for n, k in kmap.items()},
                 {n: loaded[s].float().reshape(()) for n, s in scales.items()})
 
+    def fp8_weights(self, component: str, names: list[str]) -> frozenset[str]:
+        """The names among `names` (model names) that the checkpoint stores as float8_e4m3fn, from the
+        headers (nothing read; names the checkpoint lacks are left out)."""
+        infos = self._index[component]
+        return frozenset(n for n, k in self.key_map(component, names).items()
+                         if k in infos and infos[k].dtype == torch.float8_e4m3fn)
+
     def read_tensors(self, component: str, names: list[str]) -> dict[str, torch.Tensor]:
         """Only the tensors `names` (model names) of `component`, as stored (e.g. the VAE's latent
         statistics, without reading its weights).
@@ -335,20 +346,16 @@ class LTX2Checkpoint:
         will stream (built here if None; passing it saves a second build per streamed transformer).
 
         Raises:
-            NotImplementedError: a block holds scaled fp8 weights (the disk source casts without scales).
+            CheckpointError: see `_plan`.
         """
         module, kmap, scales = self._plan("transformer", module)
         blocks_attr = LTX2Transformer.STREAM_SPEC.blocks_attr
-        scaled = sorted(n for n in scales if n.startswith(blocks_attr + "."))
-        if scaled:
-            raise NotImplementedError(f"transformer: {len(scaled)} block weights are fp8 with scales (e.g. "
-                                      f"{kmap[scaled[0]]!r}); streaming them from disk is not supported")
         infos = self._index["transformer"]
         blocks = []
         for i in range(self.arch.transformer.num_layers):
             keys = tuple(k for n, k in kmap.items() if n.startswith(f"{blocks_attr}.{i}."))
             blocks.append(BlockSource(i, tuple(sorted({infos[k].path for k in keys})), keys))
-        return BlockSources(self.files("transformer"), kmap,
+        return BlockSources(self.files("transformer"), kmap, scales,
                             plan_units(module, "block", LTX2Transformer.STREAM_SPEC), blocks)
 
 

@@ -1,8 +1,8 @@
 """Synthetic LTX-2 checkpoints: deterministic random weights in either layout of checkpoint.py.
 
 Values depend only on (our tensor name, seed) (`weights.synthetic_tensor`), so both layouts hold the
-same networks bit for bit. The single-file layout writes the whole file from memory (tiny and test
-sizes; the diffusers layout writes shard by shard, `synthetic.write_sharded`). The Gemma-3 text
+same networks bit for bit. The single-file layout builds the whole file in memory, one tensor drawn
+at a time (its own size; the diffusers layout writes shard by shard, `synthetic.write_sharded`). The Gemma-3 text
 encoder is a tiny `Gemma3TextModel` (transformers, random weights from `seed`, `save_pretrained`),
 sized so that its hidden states fit the connectors (`caption_channels` wide, `text_proj_in_factor` - 1
 layers); the tokenizer is runnerkit's character-level debug tokenizer (in `tokenizer/` for the diffusers
@@ -123,13 +123,16 @@ def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int, vision: bool = Fal
 
 def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype, fp8_blocks: Fp8Blocks,
                        generator_device: str = "cpu") -> None:
+    # One tensor drawn at a time and stored as written (fp8 blocks quantized at once): host memory
+    # peaks at the file's size (save_file writes from the tensors' memory), not file + a bf16 copy.
     tensors: dict[str, torch.Tensor] = {}
     for component in COMPONENTS[:-1]:
-        names = ck.native_names(component, list(shapes_of(arch, component)), arch)
-        for name, shape in shapes_of(arch, component).items():  # one tensor at a time: fp8 blocks never in bf16 at once
+        shapes = shapes_of(arch, component)
+        names = ck.native_names(component, list(shapes), arch)
+        for name, shape in shapes.items():
+            key = names[name]
             tensor = synthetic_tensor(name, shape, seed, torch.float32 if _fp32(component, name) else dtype,
                                       generator_device)
-            key = names[name]
             if component == "transformer" and fp8_blocks != "none" and _fp8_block_weight(name, tensor.shape):
                 if fp8_blocks == "scaled":
                     tensor, scale = quantize_fp8_e4m3(tensor.to(generator_device).float())
@@ -142,7 +145,7 @@ def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype,
             tensors[key] = tensor
     sections = arch.to_sections()
     upsampler_config = sections.pop("latent_upsampler")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / SINGLE_FILE),
+    save_file(tensors, str(tmp / SINGLE_FILE),
               metadata={"config": json.dumps(sections), "model_version": f"synthetic-ltx-{arch.version}"})
     del tensors
     upsampler = synthetic_state_dict(arch, "latent_upsampler", seed, dtype, generator_device)
@@ -181,8 +184,8 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
         fp8_blocks: single_file only: store the transformer blocks' linear weights as float8_e4m3fn,
             "plain" (cast) or "scaled" (absmax/448 per tensor, `weight_scale` and an unused `input_scale`).
         generator_device: draw the values on this device ("cuda": real sizes in seconds; the values
-            depend on the device's generator, `synthetic.write_sharded`). The single file is built in host
-            memory (~ its size) before it is written.
+            depend on the device's generator, `weights.synthetic_tensor`). The single file is built in
+            host memory (its own size: a 22B fp8 file ~25 GB), the diffusers layout shard by shard.
         gemma: "tiny" (a narrow stand-in of the arch's width and depth, `tiny_gemma_sizes`) or "release"
             (Gemma-3-12B's sizes, `write_release_gemma`; the arch must have its 3840 x 48 connectors).
 

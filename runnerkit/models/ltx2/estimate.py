@@ -87,7 +87,7 @@ from torch import nn
 from runnerkit.config import OffloadConfig
 from runnerkit.models.ltx2.arch import LTX2Arch
 from runnerkit.models.ltx2.audio_vae import audio_latent_length
-from runnerkit.models.ltx2.checkpoint import network_factory
+from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint, network_factory
 from runnerkit.models.ltx2.estimate_decoders import (
     audio_decode_bytes,
     upsampler_bytes,
@@ -101,7 +101,7 @@ from runnerkit.runners.fit import EstimateUnavailable, MemoryEstimate, ModuleFoo
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import CheckpointError, build_on_meta, read_json_object
 
-__all__ = ["GEMMA_DEFAULTS", "SCHEDULER_LATENT_COPIES", "TEXT_TOKENS", "footprints", "gemma_fields",
+__all__ = ["GEMMA_DEFAULTS", "SCHEDULER_LATENT_COPIES", "TEXT_TOKENS", "footprints", "fp8_stored_weights", "gemma_fields",
            "gemma_parameters", "ltx2_estimate", "stage_tokens", "transformer_step_bytes"]
 
 TEXT_TOKENS = 1024
@@ -153,16 +153,22 @@ def _meta(component: str, arch: LTX2Arch) -> nn.Module:
     return build_on_meta(network_factory(component, arch))
 
 
+def fp8_stored_weights(ckpt: LTX2Checkpoint) -> frozenset[str]:
+    """The transformer parameters (our names) that `ckpt` stores as float8_e4m3fn, from its headers."""
+    return ckpt.fp8_weights("transformer", list(_meta("transformer", ckpt.arch).state_dict(keep_vars=True)))
+
+
 @functools.lru_cache(maxsize=16)
 def footprints(arch: LTX2Arch, gemma: tuple[tuple[str, int], ...], dtype: torch.dtype,
-               offload: OffloadConfig) -> dict[str, ModuleFootprint]:
+               offload: OffloadConfig, fp8_stored: frozenset[str] = frozenset()) -> dict[str, ModuleFootprint]:
     """Weight bytes of every module as the runner loads it, in `dtype` (meta builds, nothing allocated);
-    `gemma`: `gemma_fields(...).items()` as a tuple."""
+    `gemma`: `gemma_fields(...).items()` as a tuple; `fp8_stored`: the transformer's parameters (our names)
+    that the checkpoint stores as float8_e4m3fn (streamed from disk as stored: `fit.module_footprint`)."""
     s = torch.empty((), dtype=dtype, device="meta").element_size()
     out = {"text_encoder": ModuleFootprint(gemma_parameters(dict(gemma)) * s)}
     out["connectors"] = module_footprint(_meta("connectors", arch), dtype)
     out["transformer"] = module_footprint(_meta("transformer", arch), dtype, keep_fp32, LTX2Transformer.STREAM_SPEC,
-                                          offload)
+                                          offload, fp8_stored=fp8_stored)
     out["latent_upsampler"] = module_footprint(_meta("latent_upsampler", arch), dtype)
     out["vae"] = module_footprint(_meta("vae", arch), dtype)
     audio = (module_footprint(_meta(c, arch), dtype).weight_bytes for c in ("audio_vae", "vocoder"))
@@ -244,12 +250,15 @@ def connectors_bytes(arch: LTX2Arch, g: dict[str, int], s: int) -> int:
 
 
 def ltx2_estimate(arch: LTX2Arch, gemma: dict[str, int], shape: Shape, fps: int, task: str, dtype: torch.dtype,
-                  device: torch.device, offload: OffloadConfig) -> MemoryEstimate:
+                  device: torch.device, offload: OffloadConfig,
+                  fp8_stored: frozenset[str] = frozenset()) -> MemoryEstimate:
     """The memory estimate of one LTX-2 request of `shape` (height, width, frames) at `fps` on `device`.
 
     Args:
         gemma: the text encoder's sizes (`gemma_fields`).
         task: "t2av" or "i2av" (i2av: the VAE encoder stage and per-token timesteps).
+        fp8_stored: the transformer parameters the checkpoint stores as float8_e4m3fn
+            (`LTX2Checkpoint.fp8_weights`; an fp8 release's block weights).
     """
     height, width, frames = shape
     s = torch.empty((), dtype=dtype, device="meta").element_size()
@@ -275,7 +284,7 @@ def ltx2_estimate(arch: LTX2Arch, gemma: dict[str, int], shape: Shape, fps: int,
                                 "vae encode of the first frame at the stage-1 size"),)
     kept = context + image_latents
     return MemoryEstimate(
-        modules=footprints(arch, tuple(gemma.items()), dtype, offload),
+        modules=footprints(arch, tuple(gemma.items()), dtype, offload, fp8_stored),
         stages=(
             StageFootprint("text_encoder", "text_encoder", text_encoder_bytes(gemma, s),
                            f"gemma-3 on {TEXT_TOKENS} tokens, {gemma['num_hidden_layers'] + 1} hidden states kept"),

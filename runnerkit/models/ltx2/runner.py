@@ -43,7 +43,7 @@ from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes, write_synthetic_ltx2
-from runnerkit.models.ltx2.estimate import gemma_fields, ltx2_estimate
+from runnerkit.models.ltx2.estimate import fp8_stored_weights, gemma_fields, ltx2_estimate
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.transformer import (
     LTX2Transformer,
@@ -251,7 +251,9 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
                                    layout: str, **options: Any) -> None:
         """Write deterministic random weights of `config.model`'s architecture to the folder `out`
         (checkpoint_synthetic.py): `diffusers` (a checkpoint folder) or `single_file` (the release's
-        `ltx2.safetensors`, `latent_upsampler.safetensors` and `text_encoder/` in `out`).
+        `ltx2.safetensors`, `latent_upsampler.safetensors` and `text_encoder/` in `out`). Options:
+        `replace`, `generator_device`, `fp8_blocks` ("plain" / "scaled": single_file only, the transformer
+        blocks' linear weights as float8_e4m3fn, without or with `weight_scale`, as the fp8 releases).
 
         Without `model`: the tiny architecture for the runner's own synthetic checkpoint (written to
         `model_path` or the cache); a config that names another checkpoint (`model_path`: a real one,
@@ -274,7 +276,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
                                  "from configs/ltx2/ltx2_t2av_tiny.json") from None
         write_synthetic_ltx2(arch, out, seed, dtype, layout,  # type: ignore[arg-type]
                              replace=options.get("replace", False),
-                             generator_device=options.get("generator_device") or "cpu")
+                             generator_device=options.get("generator_device") or "cpu",
+                             fp8_blocks=options.get("fp8_blocks") or "none")
 
     # ---- loading -----------------------------------------------------------------------
     def open_checkpoint(self, path: Path, raw: bool = False) -> LTX2Checkpoint:
@@ -339,7 +342,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
             sources = ckpt.transformer_block_sources(model)
             streamer = stream_module(model, LTX2Transformer.STREAM_SPEC, off, self.device, self.dtype, "transformer",
                                      files=sources.files, key_map=sources.key_map,
-                                     shared_files=ckpt.layout == "single_file")
+                                     shared_files=ckpt.layout == "single_file", scale_map=sources.scale_map)
         return model.eval().requires_grad_(False), streamer
 
     def describe_pipeline(self) -> Pipeline:
@@ -436,7 +439,25 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         arch = self.architecture()
         cfg = self.config
         return ltx2_estimate(arch, self.gemma_sizes(arch), shape, cfg.fps, cfg.task, self.dtype, self.device,
-                             cfg.offload)
+                             cfg.offload, self.fp8_transformer_weights())
+
+    def fp8_transformer_weights(self) -> frozenset[str]:
+        """The transformer parameters the checkpoint stores as float8_e4m3fn (an fp8 release; streamed from
+        disk as stored), from its headers; none for a synthetic checkpoint still to write.
+
+        Raises:
+            EstimateUnavailable: the checkpoint cannot be read before loading.
+        """
+        ckpt = self.checkpoint
+        if ckpt is None:
+            try:
+                path = self.checkpoint_path()
+                if self._synthetic_pending(path):
+                    return frozenset()
+                ckpt = self.open_checkpoint(path)
+            except (ValueError, OSError) as exc:  # CheckpointError included
+                raise EstimateUnavailable(f"the checkpoint's headers cannot be read before loading ({exc})") from None
+        return fp8_stored_weights(ckpt)
 
     # ---- request stages ------------------------------------------------------------------
     def layout(self, info: InputInfo, stage: int) -> JointLayout:

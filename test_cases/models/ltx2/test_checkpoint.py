@@ -267,11 +267,12 @@ def test_fp8_blocks_load_as_fp8_storage(fp8: str, tmp_path: Path) -> None:
     if fp8 == "scaled":
         with pytest.raises(ValueError, match="pass `dtype`"):
             ckpt.load("transformer")
-        with pytest.raises(NotImplementedError, match="fp8 with scales"):
-            ckpt.transformer_block_sources()
-    else:
-        sources = ckpt.transformer_block_sources()
-        assert name in sources.units[1].params and sources.key_map[name] in sources.blocks[1].keys
+    sources = ckpt.transformer_block_sources()
+    assert name in sources.units[1].params and sources.key_map[name] in sources.blocks[1].keys
+    # the streamed scales: every fp8 weight's `weight_scale` key in the file (none without scales)
+    assert sources.scale_map == ({n: sources.key_map[n][: -len("weight")] + "weight_scale" for n in scales}
+                                 if fp8 == "scaled" else {})
+    assert len(sources.scale_map) == len(scales)
 
 
 @pytest.mark.parametrize("layout", ["single_file", "diffusers"])
