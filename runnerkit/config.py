@@ -89,10 +89,11 @@ class OffloadConfig(_Strict):
     reader: Literal["mmap", "pread"] = Field("mmap", description="How disk storage reads safetensors files.")
     weight_dtype: Literal["same", "fp8_e4m3"] = Field("same", description="Storage dtype of streamed weights (fp8 upcasts at compute).")
     vae_tiling: bool = Field(False, description="Decode the VAE in spatial tiles to bound memory.")
-    stream_modules: list[str] | None = Field(
+    stream_modules: tuple[str, ...] | None = Field(
         None, description="Modules that stream their blocks/layers in mode block/phase. null: the family's "
         "transformers; a list names them all, e.g. [\"transformer\", \"text_encoder\"] to stream a text "
-        "encoder's layers too (modules not listed visit the device whole for their stage).")
+        "encoder's layers too (modules not listed visit the device whole for their stage).",
+        strict=False)  # a JSON list, held as a tuple: the config stays hashable (estimates cache on it)
 
     @model_validator(mode="after")
     def _combinations(self) -> "OffloadConfig":

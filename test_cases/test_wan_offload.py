@@ -26,6 +26,10 @@ MODES: dict[str, dict[str, Any]] = {
     "block_disk_mmap": {"offload": {"mode": "block", "storage": "disk", "reader": "mmap"}},
     "phase_disk_pread": {"offload": {"mode": "phase", "storage": "disk", "reader": "pread"}},
     "block_disk_lazy": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
+    # the text encoder streams its layers too (issue 21): phase from host memory, block from disk per stage
+    "phase_cpu_text_encoder": {"offload": {"mode": "phase", "stream_modules": ["transformer", "text_encoder"]}},
+    "block_disk_lazy_text_encoder": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True,
+                                                 "stream_modules": ["transformer", "text_encoder"]}},
     "unload_modules": {"unload_modules": True},
     "vae_tiling_one_tile": {"offload": {"vae_tiling": True}},  # 48x80 fits one 256-px tile: exact
 }
@@ -59,9 +63,9 @@ def assert_request_boundary(runner: WanT2VRunner) -> None:
     assert runner.input_info is None and runner.inputs is None and runner.scheduler.generator is None
     assert runner.placement.on_device_now() == set(), "model-offloaded/per-stage modules must be off the device"
     assert runner.stage_modules == {}
-    if runner.streamer is not None:
-        state = runner.streamer.state()
-        assert state["next_prefetch"] == 0 and state["issued"] == [] and state["in_flight"] == 0
+    for name, streamer in runner.streamers.items():
+        state = streamer.state()
+        assert state["next_prefetch"] == 0 and state["issued"] == [] and state["in_flight"] == 0, name
 
 
 @pytest.fixture(scope="module")
