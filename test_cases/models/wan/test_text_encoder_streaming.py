@@ -111,3 +111,26 @@ def test_the_original_pth_encoder_streams_from_host_memory_only(layouts: dict[st
     finally:
         streamer.close()
     assert all(torch.equal(g, want) for g, want in zip(got, resident))
+
+
+def test_the_estimate_counts_the_streamed_encoder() -> None:
+    """Listed in `stream_modules`: during its stage the device holds the encoder's resident part (token
+    embedding, final norm, float32 layer norms) and its slots; not listed: the whole encoder."""
+    from runnerkit.config import OffloadConfig, RunnerConfig
+    from runnerkit.models.wan.estimate import wan_t2v_estimate
+    from runnerkit.runners import fit
+
+    arch = WanArch.model_validate(json.loads(TINY_CONFIG.read_text())["model"])
+    te_arch, cuda = arch.text_encoder, torch.device("cuda")
+    held = {}
+    for names in (None, ("transformer", "text_encoder")):
+        offload = OffloadConfig(mode="block", stream_modules=names)
+        estimate = wan_t2v_estimate(arch, (48, 80, 9), torch.bfloat16, cuda, True, offload)
+        config = RunnerConfig.model_validate({**json.loads(TINY_CONFIG.read_text()), "offload": offload.model_dump()})
+        held[names is not None] = (estimate.modules["text_encoder"],
+                                   fit.device_weights(estimate, "text_encoder", config, cuda)["text_encoder"])
+    (whole, held_whole), (streamed, held_streamed) = held[False], held[True]
+    assert held_whole == whole.weight_bytes and not streamed.stream_default
+    norms = 4 * te_arch.dim * (2 * te_arch.num_layers + 1)  # float32
+    assert streamed.stream_resident_bytes == 2 * te_arch.vocab_size * te_arch.dim + norms
+    assert held_streamed == streamed.stream_resident_bytes + streamed.stream_slot_bytes
