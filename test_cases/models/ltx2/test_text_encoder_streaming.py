@@ -28,6 +28,7 @@ from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.runners import fit
 from runnerkit.runners.pipeline import InputInfo
 from runnerkit.weights import safetensors_infos
+from test_cases._alignment import misaligned_weights
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"
 CPU = torch.device("cpu")
@@ -73,7 +74,9 @@ def hidden_states(runner: LTX2Runner, module: torch.nn.Module) -> tuple[torch.Te
 @pytest.fixture(scope="module")
 def resident(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
     runner = make_runner(checkpoint, mode="block")
-    return hidden_states(runner, runner.build_text_encoder(CPU))
+    module = runner.build_text_encoder(CPU)
+    assert misaligned_weights(module) == []  # transformers leaves float32 weights on the file mapping: re-homed
+    return hidden_states(runner, module)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -163,3 +166,20 @@ def test_the_12b_gemma_streams_all_but_its_embedding(mode: str) -> None:
     assert footprint.stream_resident_bytes == 2 * (262208 * D + D + norms)
     unit = 2 * layer if mode == "block" else 2 * 3 * D * 15360
     assert 2 * unit <= footprint.stream_slot_bytes < 2.01 * unit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_skeletons_buffers_are_those_from_pretrained_computes(checkpoint: Path, dtype: torch.dtype) -> None:
+    """RoPE tables and the embedding scale: same names, dtypes (bf16: the scale follows the default dtype
+    transformers builds under) and values as transformers' own load; every parameter still on meta."""
+    from runnerkit.offload.encoders import hf_skeleton
+
+    folder = checkpoint / "text_encoder"
+    loaded = dict(te.load_gemma_text_encoder(folder, dtype, CPU).named_buffers())
+    skeleton = hf_skeleton(lambda: te._GemmaTextTower(te.gemma_text_config(folder)), dtype)
+    built = dict(skeleton.named_buffers())
+    assert sorted(built) == sorted(loaded) and any("inv_freq" in n for n in built)
+    for name, buf in built.items():
+        assert buf.dtype == loaded[name].dtype and torch.equal(buf, loaded[name]), name
+    assert built["embed_tokens.embed_scale"].dtype == dtype
+    assert all(p.is_meta for p in skeleton.parameters())
