@@ -183,3 +183,26 @@ def test_the_skeletons_buffers_are_those_from_pretrained_computes(checkpoint: Pa
         assert buf.dtype == loaded[name].dtype and torch.equal(buf, loaded[name]), name
     assert built["embed_tokens.embed_scale"].dtype == dtype
     assert all(p.is_meta for p in skeleton.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["block_cpu", "phase_disk"])
+def test_cuda_streamed_hidden_states_equal_the_resident_encoders(checkpoint: Path, case: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (copy stream, pinned slabs), under deterministic algorithms."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        runner = make_runner(checkpoint, **CASES[case])
+        runner.device = torch.device("cuda")
+        want = hidden_states(runner, runner.build_text_encoder(runner.device))
+        model, streamer = runner.stream_text_encoder()
+        try:
+            got = hidden_states(runner, model)
+            streamer.reset()
+            again = hidden_states(runner, model)
+        finally:
+            streamer.close()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert got[0].is_cuda and torch.equal(got[0], want[0]) and torch.equal(again[0], want[0])

@@ -48,7 +48,7 @@ def embeddings(runner: QwenImageRunner, module: torch.nn.Module, info: InputInfo
 
 def check_streamed(runner: QwenImageRunner, info: InputInfo, case: str) -> None:
     """Resident vs streamed, two requests (a reset between), every layer weight streamed."""
-    resident = runner.build_text_encoder(CPU)
+    resident = runner.build_text_encoder(runner.device)
     assert misaligned_weights(resident) == []  # transformers leaves float32 weights on the file mapping: re-homed
     want = embeddings(runner, resident, info)
     model, streamer = runner.stream_text_encoder()
@@ -88,3 +88,19 @@ def test_edit_plus_streamed_embeddings_equal_the_resident_encoders(qwen_edit_ckp
     runner = make_runner(QwenImageEditRunner, EDIT_CONFIG, qwen_edit_ckpt, **CASES["block_disk"])
     check_streamed(runner, InputInfo(prompt="make it blue", negative_prompt=" ", seed=0, height=48, width=80,
                                      frames=1, image_path=str(a), extra_image_paths=(str(b),)), "block_disk")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["block_cpu", "phase_disk_3slots_prefetch2"])
+def test_cuda_streamed_embeddings_equal_the_resident_encoders(qwen_t2i_ckpt: Path, case: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (copy stream, pinned slabs), under deterministic algorithms."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        runner = make_runner(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt, **CASES[case])
+        runner.device = torch.device("cuda")
+        check_streamed(runner, InputInfo(prompt="a red fox in the snow", negative_prompt=" ", seed=0, height=48,
+                                         width=80, frames=1), case)
+    finally:
+        torch.use_deterministic_algorithms(False)
