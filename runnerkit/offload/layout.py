@@ -38,7 +38,7 @@ FP8_E4M3_MAX = 448.0
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """How a model family's transformer streams: declared by the family, next to its module.
+    """How a model family's transformer (or text encoder) streams: declared by the family, next to its module.
 
     Attributes:
         blocks_attr: attribute of the model holding the blocks, an `nn.ModuleList`; a dotted
