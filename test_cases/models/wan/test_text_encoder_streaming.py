@@ -134,3 +134,26 @@ def test_the_estimate_counts_the_streamed_encoder() -> None:
     norms = 4 * te_arch.dim * (2 * te_arch.num_layers + 1)  # float32
     assert streamed.stream_resident_bytes == 2 * te_arch.vocab_size * te_arch.dim + norms
     assert held_streamed == streamed.stream_resident_bytes + streamed.stream_slot_bytes
+
+
+def test_a_diffusers_encoder_holding_only_the_embedding_alias_streams_from_disk(
+        layouts: dict[str, Path], resident: tuple[torch.Tensor, ...], tmp_path: Path) -> None:
+    """transformers may save the tied token embedding as `encoder.embed_tokens.weight` alone."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(layouts["diffusers"], tmp_path / "alias")
+    files = sorted((folder / "text_encoder").glob("*.safetensors"))
+    for path in files:
+        tensors = load_file(str(path))
+        if "shared.weight" in tensors:
+            tensors["encoder.embed_tokens.weight"] = tensors.pop("shared.weight")
+            save_file(tensors, str(path))
+    runner = make_runner(folder, mode="block", storage="disk")
+    model, streamer = runner.stream_text_encoder()
+    try:
+        got = embeddings(runner, model)
+    finally:
+        streamer.close()
+    assert all(torch.equal(g, want) for g, want in zip(got, resident))
