@@ -92,10 +92,11 @@ class OffloadConfig(_Strict):
         "load into host memory, storage cpu only; upcast at compute). A checkpoint's own float8_e4m3fn weights "
         "(fp8 releases) need no setting: with storage disk they stream as stored and are upcast on the device.")
     vae_tiling: bool = Field(False, description="Decode the VAE in spatial tiles to bound memory.")
-    stream_modules: list[str] | None = Field(
+    stream_modules: tuple[str, ...] | None = Field(
         None, description="Modules that stream their blocks/layers in mode block/phase. null: the family's "
         "transformers; a list names them all, e.g. [\"transformer\", \"text_encoder\"] to stream a text "
-        "encoder's layers too (modules not listed visit the device whole for their stage).")
+        "encoder's layers too (modules not listed visit the device whole for their stage).",
+        strict=False)  # a JSON list, held as a tuple: the config stays hashable (estimates cache on it)
 
     @model_validator(mode="after")
     def _combinations(self) -> "OffloadConfig":

@@ -217,6 +217,33 @@ def to_compute(tensor: torch.Tensor, dtype: torch.dtype | None = None,
     return out.copy_(converted)
 
 
+def own_cpu_memory(module: M) -> M:
+    """Rebind every CPU parameter and buffer of `module` to fresh, `CPU_ALIGNMENT`-aligned memory of
+    its own (`to_compute`), in place; tensors on other devices are left as they are.
+
+    For modules a library loaded (transformers' `from_pretrained` leaves float32 CPU weights aliasing
+    the safetensors mapping, at whatever alignment the file gives): CPU kernels round by alignment,
+    and a weight aliasing a file reads whatever the file holds later.
+
+    Returns:
+        `module`.
+    """
+    done: dict[int, torch.Tensor] = {}  # tied tensors (one object under several names) stay tied
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if t is None or t.device.type != "cpu":
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(module_name)
+        if id(t) not in done:
+            fresh = to_compute(t.detach())
+            done[id(t)] = nn.Parameter(fresh, requires_grad=t.requires_grad) if leaf in owner._parameters else fresh
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = done[id(t)]
+        else:
+            owner._buffers[leaf] = done[id(t)]
+    return module
+
+
 def short_list(items: list[str], limit: int = 12) -> str:
     """'a, b, c, ... (+N more)' for error messages that list names."""
     shown = ", ".join(items[:limit])

@@ -26,6 +26,10 @@ MODES: dict[str, dict[str, Any]] = {
     "block_disk_mmap": {"offload": {"mode": "block", "storage": "disk", "reader": "mmap"}},
     "phase_disk_pread": {"offload": {"mode": "phase", "storage": "disk", "reader": "pread"}},
     "block_disk_lazy": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
+    # the text encoder streams its layers too (issue 21): phase from host memory, block from disk per stage
+    "phase_cpu_text_encoder": {"offload": {"mode": "phase", "stream_modules": ["transformer", "text_encoder"]}},
+    "block_disk_lazy_text_encoder": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True,
+                                                 "stream_modules": ["transformer", "text_encoder"]}},
     "unload_modules": {"unload_modules": True},
     "vae_tiling_one_tile": {"offload": {"vae_tiling": True}},  # 48x80 fits one 256-px tile: exact
 }
@@ -59,9 +63,9 @@ def assert_request_boundary(runner: WanT2VRunner) -> None:
     assert runner.input_info is None and runner.inputs is None and runner.scheduler.generator is None
     assert runner.placement.on_device_now() == set(), "model-offloaded/per-stage modules must be off the device"
     assert runner.stage_modules == {}
-    if runner.streamer is not None:
-        state = runner.streamer.state()
-        assert state["next_prefetch"] == 0 and state["issued"] == [] and state["in_flight"] == 0
+    for name, streamer in runner.streamers.items():
+        state = streamer.state()
+        assert state["next_prefetch"] == 0 and state["issued"] == [] and state["in_flight"] == 0, name
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +199,8 @@ def test_disk_storage_casts_a_tensor_of_another_dtype_like_resident_loading(tiny
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["model", "block_cpu", "phase_cpu_3slots", "block_cpu_unpinned", "block_disk_mmap",
-                                  "phase_disk_pread", "block_disk_lazy"])
+                                  "phase_disk_pread", "block_disk_lazy", "phase_cpu_text_encoder",
+                                  "block_disk_lazy_text_encoder"])
 def test_cuda_mode_is_bit_identical_to_none_under_deterministic_algorithms(
         tiny_ckpt: Path, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

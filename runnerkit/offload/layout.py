@@ -46,10 +46,11 @@ FP8_E4M3_MAX = 448.0
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """How a model family's transformer streams: declared by the family, next to its module.
+    """How a model family's transformer (or text encoder) streams: declared by the family, next to its module.
 
     Attributes:
-        blocks_attr: attribute of the model holding the blocks, an `nn.ModuleList`.
+        blocks_attr: attribute of the model holding the blocks, an `nn.ModuleList`; a dotted
+            path reaches into submodules (e.g. "language_model.layers" of a transformers model).
         phases: phase submodule names of each block, in the order `block.forward` calls them
             (mode "phase"); each phase must bracket every use of its weights.
         keep_fp32: full parameter name -> True when the reference keeps it float32; inside
@@ -78,7 +79,7 @@ def plan_units(model: nn.Module, mode: StreamMode, spec: StreamSpec) -> list[Str
     """The streamed units of `model`, in execution order.
 
     Args:
-        model: network whose `spec.blocks_attr` is an `nn.ModuleList` (may be on the meta device).
+        model: network whose `spec.blocks_attr` (dotted path) is an `nn.ModuleList` (may be on the meta device).
         mode: "block": one unit per block, every parameter of the block except `spec.keep_fp32`
             ones; "phase": one unit per phase submodule of each block, in `spec.phases` order.
         spec: the family's block list, phases and float32 layers.
@@ -89,7 +90,10 @@ def plan_units(model: nn.Module, mode: StreamMode, spec: StreamSpec) -> list[Str
     """
     if mode not in ("block", "phase"):
         raise ValueError(f"`mode` must be 'block' or 'phase', got {mode!r}")
-    blocks = getattr(model, spec.blocks_attr, None)
+    try:
+        blocks = model.get_submodule(spec.blocks_attr)  # a dotted path reaches into submodules
+    except AttributeError:
+        blocks = None
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"`blocks_attr`={spec.blocks_attr!r}: model {type(model).__name__} has no nn.ModuleList there")
     if mode == "phase" and not spec.phases:

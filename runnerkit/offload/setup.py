@@ -22,12 +22,21 @@ from runnerkit.offload.layout import StreamSpec, dequantize_fp8_e4m3, plan_units
 from runnerkit.offload.pinned import pinning_disabled_by_env
 from runnerkit.offload.sources import DiskSource, HostSource
 from runnerkit.offload.streamer import BlockStreamer
-from runnerkit.weights import check_tensors, tensor_infos, to_compute
+from runnerkit.weights import CheckpointError, check_tensors, short_list, tensor_infos, to_compute
 
 
 def pin_memory_enabled(cfg: OffloadConfig) -> bool:
     """Config `pin_memory`, forced off by env RUNNERKIT_DISABLE_PINNED=1."""
     return cfg.pin_memory and not pinning_disabled_by_env()
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Move the buffers the skeleton already holds outside the state dict (non-persistent ones computed
+    at build time, e.g. a transformers model's RoPE `inv_freq`) to `device`, dtype and values unchanged."""
+    for name, buf in list(model.named_buffers()):
+        if buf is not None and not buf.is_meta and buf.device != torch.device(device):
+            module_name, _, leaf = name.rpartition(".")
+            model.get_submodule(module_name)._buffers[leaf] = buf.to(device)
 
 
 def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device: torch.device,
@@ -51,10 +60,14 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
             stored and are upcast on the device (`DiskSource`); resident ones are upcast here, the same
             way (`dequantize_fp8_e4m3`: float32 product, rounded once).
 
+    Buffers outside the state dict: created by `model.init_non_persistent_buffers()` when the model
+    has it, or computed when the skeleton was built (then moved to `device` as they are).
+
     Raises:
         CheckpointError: a damaged safetensors file (storage "disk"), missing or unexpected
             tensors (listed), wrong shapes or non-floating dtypes (`weights.check_tensors`, naming
-            the file and the tensor), checked before any weight is read.
+            the file and the tensor), checked before any weight is read; a tensor left on the meta
+            device (neither loaded nor streamed nor computed), listed.
 
     Streamed tensors stored in another floating dtype than `dtype` are cast as resident ones are:
     once into the host slabs (storage "cpu"), at every fetch into the staging slab (storage "disk"),
@@ -94,11 +107,18 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
     init = getattr(model, "init_non_persistent_buffers", None)
     if init is not None:
         init()
+    _buffers_to(model, device)
     if cfg.storage == "cpu":
         source = HostSource(units, state_dict, dtype, cfg.weight_dtype, pin_memory=pin)
     else:
         source = DiskSource(units, reader, dtype, key_map=key_map, pin_memory=pin, scale_map=scale_map)
     streamer = BlockStreamer(model, units, source, device, cfg.gpu_slots, cfg.prefetch_depth)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        streamer.close()
+        raise CheckpointError(f"{component}: {len(left)} tensors are neither loaded nor streamed (still on the meta "
+                              f"device): {short_list(left)}; a non-persistent buffer must be computed when the "
+                              "skeleton is built (`init_non_persistent_buffers`, or `offload.encoders.hf_skeleton`)")
     logger.info("{}: {} streaming of {} units from {} (host memory pinned: {}, slots={}, prefetch={}, reader={})",
                 component, cfg.mode, len(units), cfg.storage, source.pinned, cfg.gpu_slots, cfg.prefetch_depth,
                 cfg.reader if cfg.storage == "disk" else "-")

@@ -62,3 +62,15 @@ def test_fit_counts_a_listed_text_encoder_as_streamed():
     transformer = ModuleFootprint(weight_bytes=100, stream_resident_bytes=10, stream_slot_bytes=20)
     assert streams("transformer", transformer, OffloadConfig(mode="block"))
     assert not streams("transformer", transformer, OffloadConfig(mode="block", stream_modules=["text_encoder"]))
+
+
+def test_the_config_stays_hashable_with_a_list_of_modules():
+    """The families' estimates cache their footprints on the offload config (functools.lru_cache)."""
+    from runnerkit.config import load_runner_config
+    from test_cases.conftest import TINY_CONFIG
+
+    config = load_runner_config(TINY_CONFIG, {"offload": {"mode": "block", "stream_modules": ["transformer",
+                                                                                              "text_encoder"]}})
+    assert config.offload.stream_modules == ("transformer", "text_encoder")
+    assert hash(config.offload) == hash(OffloadConfig(mode="block", stream_modules=["transformer", "text_encoder"]))
+    assert config.model_dump(mode="json")["offload"]["stream_modules"] == ["transformer", "text_encoder"]

@@ -21,8 +21,9 @@ Checked against the releases (bf16, the tests assert the counts):
 - LTX-2 (19B) transformer 18,876,174,592 (+ 1.43 B connectors).
 - Gemma-3 12B text model 11,766,034,176 (21.9 GiB; transformers 5.23's `Gemma3TextModel` on meta
   gives the same count), ~24 GB with the vision tower the release folder also holds.
-So at offload none an LTX-2.3 request holds ~65.8 GiB of weights; Gemma-3 alone is 21.9 GiB, and
-it is not streamed: its stage needs it whole on the device in every offload mode.
+So at offload none an LTX-2.3 request holds ~65.8 GiB of weights; Gemma-3 alone is 21.9 GiB: whole on
+the device for its stage unless `offload.stream_modules` lists "text_encoder" (mode block/phase), which
+streams its 48 layers (the resident part is then the 2.0 GiB token embedding and the final norm).
 
 Activations per stage (request shape (H, W, F); latent frames F' = (F - 1) / 8 + 1; video tokens
 F' x H/64 x W/64 in stage 1 (half size), F' x H/32 x W/32 in stage 2; audio tokens round(F / fps x 25),
@@ -77,6 +78,7 @@ CUDA: bench/estimate_vs_peak.py (bench/DEVICE_RUN.md §9), not yet run for LTX-2
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -97,12 +99,19 @@ from runnerkit.models.ltx2.estimate_decoders import (
 )
 from runnerkit.models.ltx2.transformer import LTX2Transformer, keep_fp32
 from runnerkit.models.wan.estimate import F32, sdpa_workspace
-from runnerkit.runners.fit import EstimateUnavailable, MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
+from runnerkit.runners.fit import (
+    EstimateUnavailable,
+    MemoryEstimate,
+    ModuleFootprint,
+    StageFootprint,
+    module_footprint,
+    streams,
+)
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import CheckpointError, build_on_meta, read_json_object
 
 __all__ = ["GEMMA_DEFAULTS", "SCHEDULER_LATENT_COPIES", "TEXT_TOKENS", "footprints", "fp8_stored_weights", "gemma_fields",
-           "gemma_parameters", "ltx2_estimate", "stage_tokens", "transformer_step_bytes"]
+           "gemma_footprint", "gemma_parameters", "ltx2_estimate", "stage_tokens", "transformer_step_bytes"]
 
 TEXT_TOKENS = 1024
 """Prompt tokens after padding (diffusers' `max_sequence_length`): Gemma-3 and the connectors always
@@ -148,6 +157,27 @@ def gemma_parameters(g: dict[str, int]) -> int:
     return g["vocab_size"] * D + g["num_hidden_layers"] * layer + D
 
 
+def gemma_footprint(g: dict[str, int], dtype: torch.dtype, offload: OffloadConfig) -> ModuleFootprint:
+    """The Gemma-3 text model's weights (`gemma_parameters`); in offload mode block/phase also its layer
+    streaming (`text_encoder.STREAM_SPEC`, used when `offload.stream_modules` lists "text_encoder"),
+    planned on a meta-device `Gemma3TextModel` of sizes `g` as `stream_module` plans it."""
+    if offload.mode not in ("block", "phase"):
+        return ModuleFootprint(gemma_parameters(g) * torch.empty((), dtype=dtype, device="meta").element_size(),
+                               stream_default=False)
+    import transformers
+
+    from runnerkit.models.ltx2.text_encoder import STREAM_SPEC
+
+    config = transformers.Gemma3TextConfig(**g)
+    model = build_on_meta(lambda: transformers.Gemma3TextModel(config))
+    planned = module_footprint(model, dtype, stream=STREAM_SPEC, offload=offload, stream_default=False)
+    assert planned.stream_resident_bytes is not None, "mode block/phase plans the stream"
+    # the same total as in every other mode: the parameters (the RoPE tables' few KiB left out)
+    total = gemma_parameters(g) * torch.empty((), dtype=dtype, device="meta").element_size()
+    streamed = planned.weight_bytes - planned.stream_resident_bytes
+    return dataclasses.replace(planned, weight_bytes=total, stream_resident_bytes=total - streamed)
+
+
 @functools.lru_cache(maxsize=16)
 def _meta(component: str, arch: LTX2Arch) -> nn.Module:
     return build_on_meta(network_factory(component, arch))
@@ -165,7 +195,7 @@ def footprints(arch: LTX2Arch, gemma: tuple[tuple[str, int], ...], dtype: torch.
     `gemma`: `gemma_fields(...).items()` as a tuple; `fp8_stored`: the transformer's parameters (our names)
     that the checkpoint stores as float8_e4m3fn (streamed from disk as stored: `fit.module_footprint`)."""
     s = torch.empty((), dtype=dtype, device="meta").element_size()
-    out = {"text_encoder": ModuleFootprint(gemma_parameters(dict(gemma)) * s)}
+    out = {"text_encoder": gemma_footprint(dict(gemma), dtype, offload)}
     out["connectors"] = module_footprint(_meta("connectors", arch), dtype)
     out["transformer"] = module_footprint(_meta("transformer", arch), dtype, keep_fp32, LTX2Transformer.STREAM_SPEC,
                                           offload, fp8_stored=fp8_stored)
@@ -283,8 +313,9 @@ def ltx2_estimate(arch: LTX2Arch, gemma: dict[str, int], shape: Shape, fps: int,
         image = (StageFootprint("vae_encoder", "vae", vae_encode_bytes(arch.vae, height // 2, width // 2, s) + context,
                                 "vae encode of the first frame at the stage-1 size"),)
     kept = context + image_latents
+    modules = footprints(arch, tuple(gemma.items()), dtype, offload, fp8_stored)
     return MemoryEstimate(
-        modules=footprints(arch, tuple(gemma.items()), dtype, offload, fp8_stored),
+        modules=modules,
         stages=(
             StageFootprint("text_encoder", "text_encoder", text_encoder_bytes(gemma, s),
                            f"gemma-3 on {TEXT_TOKENS} tokens, {gemma['num_hidden_layers'] + 1} hidden states kept"),
@@ -300,6 +331,8 @@ def ltx2_estimate(arch: LTX2Arch, gemma: dict[str, int], shape: Shape, fps: int,
                            audio_decode_bytes(arch, audio2, s) + kept + latents2 + video, "audio vae + vocoder"),
             StageFootprint("save", None, (3 if dev == "cpu" else 1) * (video + wave), "the decoded video and audio"),
         ),
-        hints=(f"note: the Gemma-3 text encoder ({gemma_parameters(gemma) * s / 2**30:.1f} GiB) is not streamed: "
-               "its stage needs it whole on the device in every offload mode",),
+        hints=() if streams("text_encoder", modules["text_encoder"], offload) else (
+            f"offload.mode 'block' with offload.stream_modules [\"transformer\", \"text_encoder\"] (the Gemma-3 text "
+            f"encoder, {gemma_parameters(gemma) * s / 2**30:.1f} GiB, then streams its layers instead of visiting "
+            "the device whole for its stage)",),
     )

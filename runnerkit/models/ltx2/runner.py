@@ -323,6 +323,16 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         ckpt = self.checkpoint
         return te.load_gemma_text_encoder(ckpt.text_encoder_path, self.dtype, device, connectors=ckpt.arch.connectors)
 
+    def stream_text_encoder(self) -> tuple[nn.Module, BlockStreamer]:
+        """Gemma-3 with its layers (or their attention and MLP, mode "phase") streamed from host memory
+        or its folder's safetensors (`offload.stream_modules` lists "text_encoder")."""
+        from runnerkit.models.ltx2 import text_encoder as te
+
+        assert self.checkpoint is not None, "prepare_load first"
+        ckpt = self.checkpoint
+        return te.stream_gemma_text_encoder(ckpt.text_encoder_path, self.config.offload, self.device, self.dtype,
+                                            connectors=ckpt.arch.connectors)
+
     def build_audio_decoder(self, device: torch.device) -> nn.Module:
         return AudioDecoder(self._load("audio_vae", device), self._load("vocoder", device)).eval()  # type: ignore[arg-type]
 
@@ -357,7 +367,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         blocks = LTX2Transformer.STREAM_SPEC.blocks_attr
         euler = dict(scheduler="euler", shift=1.0, spacing="diffusers")
         return Pipeline(
-            modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder),
+            modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder,
+                                stream=self.stream_text_encoder),
                      ModuleSpec("connectors", "text_encoder", build=lambda d: self._load("connectors", d)),
                      ModuleSpec("transformer", "transformer", build=lambda d: self._load("transformer", d),
                                 stream=self.stream_transformer, blocks=blocks),

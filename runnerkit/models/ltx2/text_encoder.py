@@ -48,11 +48,16 @@ import transformers
 from loguru import logger
 from torch import Tensor
 
+from runnerkit.config import OffloadConfig
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors, stack_text_hidden_states
 from runnerkit.models.ltx2.connectors_arch import LTX2ConnectorsArch
+from runnerkit.offload.encoders import KeyRules, hf_skeleton, prefixed_key_map, stream_from_files
+from runnerkit.offload.layout import StreamSpec
+from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.weights import (
     CheckpointError,
     loading_info_problems,
+    own_cpu_memory,
     read_json_object,
     safetensors_files,
     safetensors_infos,
@@ -165,13 +170,48 @@ def load_gemma_text_encoder(folder: str | Path, dtype: torch.dtype, device: torc
     problems = loading_info_problems(info)
     if problems:
         raise CheckpointError(f"text_encoder: {folder} does not match its Gemma-3 text config; " + "; ".join(problems))
-    model = model.to(device).eval().requires_grad_(False)
+    model = own_cpu_memory(model.to(device)).eval().requires_grad_(False)
     gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     skipped_gib = sum(e.nbytes for e in skipped.values()) / 2**30
     logger.info(f"text_encoder: loaded Gemma-3 text model ({text_config.num_hidden_layers} layers, {gib:.3f} GiB, "
                 f"{dtype}, {device}); left {len(skipped)} vision/projector tensors ({skipped_gib:.3f} GiB) unread; "
                 f"{time.perf_counter() - start:.2f} s")
     return model
+
+
+STREAM_SPEC = StreamSpec(blocks_attr="layers", phases=("self_attn", "mlp"), keep_fp32=lambda name: False)
+"""Layer streaming of the Gemma-3 text model (`offload.stream_modules` lists "text_encoder"): its decoder
+layers, or their attention (with its q/k norms) and MLP (mode "phase"; the four layer norms then stay
+resident). The token embedding and the final norm stay resident; nothing is kept in float32 (as
+`from_pretrained(dtype=...)` loads it)."""
+KEY_RULES: KeyRules = (("", ("", *TEXT_PREFIXES)),)
+"""Text-model name -> the file's: as it is (a `Gemma3TextModel` folder) or under a `TEXT_PREFIXES` prefix."""
+
+
+def stream_gemma_text_encoder(folder: str | Path, offload: OffloadConfig, device: torch.device, dtype: torch.dtype,
+                              connectors: LTX2ConnectorsArch | None = None
+                              ) -> tuple[transformers.Gemma3TextModel, BlockStreamer]:
+    """The Gemma-3 text model of a transformers folder with its layers streamed (`STREAM_SPEC`) from host
+    memory (`offload.storage` "cpu") or from the folder's safetensors ("disk"); the vision tower and
+    projector of a `Gemma3ForConditionalGeneration` folder are never read. Its outputs equal
+    `load_gemma_text_encoder`'s bit for bit.
+
+    Raises:
+        CheckpointError: as `load_gemma_text_encoder` (naming the folder), or tensors the files lack.
+    """
+    folder = Path(folder)
+    text_config = gemma_text_config(folder)
+    if connectors is not None:
+        check_fits_connectors(text_config, connectors, folder)
+    text_config._attn_implementation = "sdpa"  # as `load_gemma_text_encoder` asks transformers
+    files = safetensors_files(folder, component="text_encoder")
+    if not files:
+        raise CheckpointError(f"text_encoder: Gemma-3 folder {folder} holds no *.safetensors weights")
+    model = hf_skeleton(lambda: _GemmaTextTower(text_config), dtype)
+    names = list(model.state_dict(keep_vars=True))
+    key_map = prefixed_key_map(names, safetensors_infos(files, "text_encoder"), KEY_RULES, "text_encoder", folder)
+    streamer = stream_from_files(model, STREAM_SPEC, offload, device, dtype, "text_encoder", files, key_map)
+    return model, streamer
 
 
 def load_gemma_tokenizer(folder: str | Path) -> transformers.PreTrainedTokenizerBase:
@@ -296,5 +336,6 @@ def text_contexts(connectors: LTX2TextConnectors, hidden_states: Tensor,
     return connectors(hidden_states, attention_mask, padding_side=GEMMA_PADDING_SIDE)
 
 
-__all__ = ["GEMMA_PADDING_SIDE", "MAX_SEQUENCE_LENGTH", "GemmaPromptEncoder", "check_fits_connectors",
-           "gemma_text_config", "load_gemma_text_encoder", "load_gemma_tokenizer", "text_contexts"]
+__all__ = ["GEMMA_PADDING_SIDE", "MAX_SEQUENCE_LENGTH", "STREAM_SPEC", "GemmaPromptEncoder", "check_fits_connectors",
+           "gemma_text_config", "load_gemma_text_encoder", "load_gemma_tokenizer", "stream_gemma_text_encoder",
+           "text_contexts"]

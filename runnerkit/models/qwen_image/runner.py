@@ -238,6 +238,13 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         assert self.checkpoint is not None, "locate_checkpoint first"
         return te.load_text_encoder(self.checkpoint.folder("text_encoder"), self.dtype, device)
 
+    def stream_text_encoder(self) -> tuple[nn.Module, BlockStreamer]:
+        """The Qwen2.5-VL with its decoder layers (or their attention and MLP, mode "phase") streamed
+        from host memory or the folder's safetensors (`offload.stream_modules` lists "text_encoder")."""
+        assert self.checkpoint is not None, "locate_checkpoint first"
+        return te.stream_text_encoder(self.checkpoint.folder("text_encoder"), self.config.offload, self.device,
+                                      self.dtype)
+
     def build_vae(self, device: torch.device) -> WanVAE:
         assert self.checkpoint is not None, "locate_checkpoint first"
         return build_qwen_vae(self.checkpoint.arch.vae, self.checkpoint.vae_state_dict(), torch.float32).to(device)
@@ -270,7 +277,8 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         transformer (true CFG) -> VAE decoder -> image."""
         cfg = self.config
         return Pipeline(
-            modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder),
+            modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder,
+                                stream=self.stream_text_encoder),
                      ModuleSpec("transformer", "transformer", build=self.build_transformer,
                                 stream=self.stream_transformer, blocks=QwenImageTransformer2D.STREAM_SPEC.blocks_attr),
                      ModuleSpec("vae", "decoder", build=self.build_vae)),

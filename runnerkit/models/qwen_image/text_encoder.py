@@ -24,9 +24,21 @@ from loguru import logger
 from pydantic import Field, ValidationInfo, model_validator
 from torch import nn
 
+from runnerkit.config import OffloadConfig
 from runnerkit.models.qwen_image.tokenizer_files import TINY_SPECIAL_IDS, TINY_VOCAB_SIZE
 from runnerkit.models.wan.arch import _Arch
-from runnerkit.weights import CheckpointError, loading_info_problems, read_json_object, synthetic_tensor
+from runnerkit.offload.encoders import KeyRules, hf_skeleton, prefixed_key_map, stream_from_files
+from runnerkit.offload.layout import StreamSpec
+from runnerkit.offload.streamer import BlockStreamer
+from runnerkit.weights import (
+    CheckpointError,
+    loading_info_problems,
+    own_cpu_memory,
+    read_json_object,
+    safetensors_files,
+    safetensors_infos,
+    synthetic_tensor,
+)
 
 EditVariant = Literal["edit", "edit_plus"]
 
@@ -261,11 +273,49 @@ def load_text_encoder(folder: Path, dtype: torch.dtype, device: torch.device | s
     if problems:
         raise CheckpointError(f"text_encoder: {folder} does not match the Qwen2.5-VL architecture; "
                               + "; ".join(problems))
-    model = model.to(device).eval().requires_grad_(False)
+    model = own_cpu_memory(model.to(device)).eval().requires_grad_(False)
     gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     logger.info(f"text_encoder: loaded Qwen2.5-VL ({arch.num_hidden_layers} layers, {gib:.2f} GiB, {dtype}) "
                 f"in {time.perf_counter() - start:.2f} s")
     return model
+
+
+STREAM_SPEC = StreamSpec(blocks_attr="language_model.layers", phases=("self_attn", "mlp"), keep_fp32=lambda name: False)
+"""Layer streaming of `Qwen2_5_VLModel` (`offload.stream_modules` lists "text_encoder"): the decoder
+layers, or their attention and MLP (mode "phase"; the layer norms then stay resident). The vision
+tower, the token embedding and the final norm stay resident; nothing is kept in float32 (as
+`from_pretrained(dtype=...)` loads it)."""
+KEY_RULES: KeyRules = (("language_model.", ("model.", "model.language_model.")),
+                       ("visual.", ("visual.", "model.visual.")))
+"""`Qwen2_5_VLModel` name prefix -> the file's: transformers 4.x files (diffusers' `text_encoder/`) name the
+decoder `model.*` and the vision tower `visual.*`; 5.x in-memory names add `model.` to both."""
+
+
+def stream_text_encoder(folder: Path, offload: OffloadConfig, device: torch.device, dtype: torch.dtype
+                        ) -> tuple[nn.Module, BlockStreamer]:
+    """The `Qwen2_5_VLModel` of a transformers folder (no language-model head: `QwenPromptEncoder` reads
+    hidden states) with its decoder layers streamed (`STREAM_SPEC`) from host memory (`offload.storage`
+    "cpu") or from the folder's safetensors ("disk"). Its outputs equal `load_text_encoder`'s bit for bit.
+
+    Raises:
+        CheckpointError: the folder, its config or its weights are missing or do not fit the model
+            (naming the folder and the tensors); see `offload.setup.stream_module`.
+    """
+    folder = Path(folder)
+    config = read_json_object(folder / "config.json", "text_encoder")
+    try:
+        QwenVLArch.from_hf_config(config)  # refuse what the encoder does not implement, as `load_text_encoder`
+        hf_config = transformers.Qwen2_5_VLConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"text_encoder: {folder / 'config.json'}: {exc}") from None
+    files = safetensors_files(folder, component="text_encoder")
+    if not files:
+        raise CheckpointError(f"text_encoder: {folder} holds no *.safetensors weights")
+    model = hf_skeleton(lambda: transformers.Qwen2_5_VLModel(hf_config), dtype)
+    names = list(model.state_dict(keep_vars=True))
+    key_map = prefixed_key_map(names, safetensors_infos(files, "text_encoder"), KEY_RULES, "text_encoder", folder)
+    streamer = stream_from_files(model, STREAM_SPEC, offload, device, dtype, "text_encoder", files, key_map)
+    return model, streamer
 
 
 def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase:
@@ -473,14 +523,19 @@ class QwenPromptEncoder:
         return self._encode(dict(inputs), EDIT_DROP_IDX)
 
     def _encode(self, inputs: dict[str, torch.Tensor], drop_idx: int) -> torch.Tensor:
-        """Last hidden state (after the final norm) of the valid tokens, the first `drop_idx` dropped."""
+        """Last hidden state (after the final norm) of the valid tokens, the first `drop_idx` dropped.
+
+        Runs the `Qwen2_5_VLModel` alone (of a `Qwen2_5_VLForConditionalGeneration`: its `.model`, which
+        its forward calls before the head): the language-model head is not used."""
         device = self.device
         mask = inputs["attention_mask"].to(device)  # [1, L]
-        out = self.model(
+        model = self.model.model if isinstance(self.model, transformers.Qwen2_5_VLForConditionalGeneration) \
+            else self.model
+        out = model(
             input_ids=inputs["input_ids"].to(device), attention_mask=mask,
             pixel_values=inputs["pixel_values"].to(device) if "pixel_values" in inputs else None,
             image_grid_thw=inputs["image_grid_thw"].to(device) if "image_grid_thw" in inputs else None,
-            output_hidden_states=True, logits_to_keep=1)  # only the last logit: the head is not used
+            output_hidden_states=True)
         hidden = out.hidden_states[-1][0]  # [L, D]
         return hidden[mask[0].bool()][drop_idx:].to(self.dtype)  # [L_valid - drop_idx, D]
 
@@ -488,4 +543,4 @@ class QwenPromptEncoder:
 __all__ = ["EDIT_DROP_IDX", "EDIT_PLUS_PICTURE", "EDIT_PLUS_TEMPLATE", "EDIT_TEMPLATE", "T2I_DROP_IDX",
            "T2I_TEMPLATE", "TINY_QWEN_VL", "TOKENIZER_MAX_LENGTH", "processor_class", "QwenPromptEncoder",
            "QwenVLArch", "calculate_dimensions", "load_processor", "load_text_encoder", "load_tokenizer",
-           "resize_for_vl", "vl_image_size", "write_tiny_text_encoder"]
+           "resize_for_vl", "stream_text_encoder", "vl_image_size", "write_tiny_text_encoder", "STREAM_SPEC"]

@@ -204,6 +204,45 @@ class WanCheckpoint:
             return read_pth(self.path / ORIGINAL_T5, "text_encoder")
         return te.hf_to_native(_read_folder(self.path / "text_encoder", "text_encoder"))
 
+    def text_encoder_files(self) -> list[Path]:
+        """The text encoder's safetensors files (runnerkit and diffusers layouts: `text_encoder/`).
+
+        Raises:
+            NotImplementedError: the original layout, whose UMT5 is one pickled `.pth` (disk streaming
+                reads safetensors byte ranges): naming the file and what to do instead.
+            CheckpointError: no safetensors in the folder.
+        """
+        if self.layout == "original":
+            raise NotImplementedError(
+                f"text_encoder: {self.path / ORIGINAL_T5} is a .pth file, and `offload.storage` 'disk' streams layers "
+                "from safetensors files: use `offload.storage` 'cpu' (the layers stream from host memory), or a "
+                "diffusers checkpoint (its text_encoder/ holds safetensors), or leave \"text_encoder\" out of "
+                "`offload.stream_modules`")
+        folder = self.path / "text_encoder"
+        files = safetensors_files(folder, component="text_encoder")
+        if not files:
+            raise CheckpointError(f"text_encoder: no .safetensors files in {folder} (is the checkpoint complete?)")
+        return files
+
+    def text_encoder_key_map(self, native_names: list[str]) -> dict[str, str]:
+        """native name -> name in `text_encoder_files()` (identity except for diffusers, whose token
+        embedding is `shared.weight`, or only its tied alias `encoder.embed_tokens.weight`).
+
+        Raises:
+            NotImplementedError, CheckpointError: see `text_encoder_files`.
+        """
+        files = self.text_encoder_files()
+        if self.layout != "diffusers":
+            return {n: n for n in native_names}
+        probes = {n: torch.empty(0) for n in native_names}  # distinct objects: match names by identity
+        renamed = {id(v): k for k, v in te.native_to_hf(probes, embed_tokens_alias=False).items()}
+        out = {n: renamed[id(v)] for n, v in probes.items()}
+        keys = set(safetensors_infos(files, "text_encoder"))
+        for n, key in out.items():
+            if key == "shared.weight" and key not in keys and te.HF_EMBED_ALIAS in keys:
+                out[n] = te.HF_EMBED_ALIAS
+        return out
+
     def tokenizer_path(self) -> Path:
         return {"runnerkit": self.path / "tokenizer", "original": self.path / ORIGINAL_TOKENIZER,
                 "diffusers": self.path / "tokenizer"}[self.layout]

@@ -331,7 +331,8 @@ def footprints(arch: WanArch, dtype: torch.dtype, offload: OffloadConfig,
     transformer = build_on_meta(lambda: WanTransformer3D(arch.transformer))
     encoder = build_on_meta(lambda: te.UMT5Encoder(arch.text_encoder))
     vae = build_on_meta(lambda: WanVAE(arch.vae))
-    out = {"text_encoder": module_footprint(encoder, dtype, te.keep_fp32)}
+    out = {"text_encoder": module_footprint(encoder, dtype, te.keep_fp32, te.UMT5Encoder.STREAM_SPEC, offload,
+                                            stream_default=False)}
     if arch.image_encoder is not None:
         clip_arch = arch.image_encoder
         out["image_encoder"] = module_footprint(build_on_meta(lambda: CLIPVisionEncoder(clip_arch)), dtype,

@@ -242,6 +242,27 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         arch = self.checkpoint.arch.text_encoder
         return te.load_umt5_encoder(arch, self.checkpoint.text_encoder_state_dict(), dtype=self.dtype).to(device)
 
+    def stream_text_encoder(self) -> tuple[te.UMT5Encoder, BlockStreamer]:
+        """The UMT5 encoder with its layers (or their attention and FFN, mode "phase") streamed from host
+        memory or the checkpoint's safetensors (`offload.stream_modules` lists "text_encoder").
+
+        Raises:
+            NotImplementedError: storage "disk" with the original layout's `.pth` encoder (named).
+        """
+        ckpt = self.checkpoint
+        assert ckpt is not None, "locate_checkpoint first"
+        model = build_on_meta(lambda: te.UMT5Encoder(ckpt.arch.text_encoder))
+        off, spec = self.config.offload, te.UMT5Encoder.STREAM_SPEC
+        if off.storage == "cpu":
+            streamer = stream_module(model, spec, off, self.device, self.dtype, "text_encoder",
+                                     state_dict=ckpt.text_encoder_state_dict())
+        else:
+            names = list(model.state_dict(keep_vars=True))
+            streamer = stream_module(model, spec, off, self.device, self.dtype, "text_encoder",
+                                     files=ckpt.text_encoder_files(), key_map=ckpt.text_encoder_key_map(names),
+                                     shared_files=True)  # a diffusers file may also hold the tied embedding alias
+        return model.eval().requires_grad_(False), streamer
+
     def build_vae(self, device: torch.device) -> WanVAE:
         assert self.checkpoint is not None, "locate_checkpoint first"
         # float32, as the reference runs its VAE
@@ -282,7 +303,8 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         cfg = self.config
         specs = self.transformer_specs()
         return Pipeline(
-            modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder),
+            modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder,
+                                stream=self.stream_text_encoder),
                      *self.image_modules(), *specs, ModuleSpec("vae", "decoder", build=self.build_vae)),
             encoders=(EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder),
                       *self.image_stages()),

@@ -15,7 +15,7 @@ import math
 import re
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from torch import nn
 
 from runnerkit.models.wan.arch import UMT5Arch
 from runnerkit.models.wan.tokenizer import WanTokenizer
+from runnerkit.offload.layout import StreamSpec
 from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta, short_list
 
 
@@ -152,6 +153,11 @@ class UMT5Block(nn.Module):
 class UMT5Encoder(nn.Module):
     """The umt5 encoder stack Wan2.1 uses for text conditioning (Wan `T5Encoder`, shared_pos=False)."""
 
+    STREAM_SPEC: ClassVar[StreamSpec] = StreamSpec(blocks_attr="blocks", phases=("attn", "ffn"), keep_fp32=keep_fp32)
+    """Layer streaming (`offload.stream_modules` lists "text_encoder"): `blocks[i]`, or its attention and
+    FFN (mode "phase": the block's relative position bias is computed before its attention and stays
+    resident, as do the float32 norms)."""
+
     def __init__(self, arch: UMT5Arch) -> None:
         super().__init__()
         if arch.dim_attn % arch.num_heads:
@@ -231,7 +237,7 @@ _KEY_PAIRS: tuple[tuple[str, str], ...] = (
     ("encoder.block.{}.layer.1.layer_norm.weight", "blocks.{}.norm2.weight"),
     ("encoder.final_layer_norm.weight", "norm.weight"),
 )
-_HF_EMBED_ALIAS = "encoder.embed_tokens.weight"  # tied to shared.weight in UMT5EncoderModel
+HF_EMBED_ALIAS = "encoder.embed_tokens.weight"  # tied to shared.weight in UMT5EncoderModel
 
 
 def _pattern(template: str) -> re.Pattern[str]:
@@ -267,12 +273,12 @@ def hf_to_native(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
         CheckpointError: unknown keys (listed), or the two embedding copies differ.
     """
     state_dict = dict(state_dict)
-    alias = state_dict.pop(_HF_EMBED_ALIAS, None)
+    alias = state_dict.pop(HF_EMBED_ALIAS, None)
     if alias is not None:
         shared = state_dict.setdefault("shared.weight", alias)
         same_storage = shared.shape == alias.shape and shared.data_ptr() == alias.data_ptr()
         if not (same_storage or (shared.shape == alias.shape and torch.equal(shared, alias))):
-            raise CheckpointError(f"text_encoder: `shared.weight` and `{_HF_EMBED_ALIAS}` are both present and differ; "
+            raise CheckpointError(f"text_encoder: `shared.weight` and `{HF_EMBED_ALIAS}` are both present and differ; "
                                   "a UMT5 encoder ties them")
     return _rename(state_dict, list(_KEY_PAIRS), "transformers")
 
@@ -290,7 +296,7 @@ def native_to_hf(state_dict: Mapping[str, torch.Tensor], embed_tokens_alias: boo
     """
     out = _rename(state_dict, [(dst, src) for src, dst in _KEY_PAIRS], "native")
     if embed_tokens_alias and "shared.weight" in out:
-        out[_HF_EMBED_ALIAS] = out["shared.weight"]
+        out[HF_EMBED_ALIAS] = out["shared.weight"]
     return out
 
 
