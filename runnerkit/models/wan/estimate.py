@@ -14,7 +14,11 @@ VAE and every norm, modulation and RoPE table run in float32).
 Transformer, one forward (CFG runs the two branches one after the other, batch 1; the cond
 output waits for the uncond one). Per token, in block i >= 1 (block 0 holds less), with D =
 dim, F = ffn_dim, d = head_dim, live across the block: the embedded tokens `pre.x` (4D), the
-block input (4D) and the RoPE tables cos/sin (4d). On top of that, the largest of
+block input (4D) and the RoPE tables cos/sin (4d). Under block streaming both branches run
+through each block in one pass (`WanTransformer3D.forward_branches`): the other branch's
+residual stream (4D) takes the place of `pre.x`, which that path drops, so the per-token count
+and this estimate are the same for both paths (test_estimate.py measures both); the second
+embedded text context fits in the 4 context copies counted below. On top of that, the largest of
 - self-attention, at the SDPA call: modulated input 4D (+ sD cast) + q, k after RMSNorm 2x4D
   (2sD without qk_norm) + v sD + q, k after RoPE 2x4D + q, k cast 2sD (when s != 4) + output sD;
 - cross-attention: current x 4D + self-attention output sD + norm3 4D (+ sD cast) + q 4D +

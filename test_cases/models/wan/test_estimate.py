@@ -75,13 +75,16 @@ def cast(module: torch.nn.Module, dtype: torch.dtype, fp32: Callable[[str], bool
 
 
 # ---- components -----------------------------------------------------------------------------
-@pytest.mark.parametrize(("dtype", "dim", "ffn", "heads", "latent", "qk_norm"), [
-    (torch.float32, 256, 1024, 2, (5, 32, 32), True), (torch.bfloat16, 256, 1024, 2, (5, 32, 32), True),
-    (torch.float32, 256, 1536, 4, (3, 48, 48), True), (torch.bfloat16, 128, 256, 1, (9, 32, 32), False)],
-    ids=["fp32", "bf16", "fp32-ffn6x", "bf16-no-qk-norm"])
+@pytest.mark.parametrize(("dtype", "dim", "ffn", "heads", "latent", "qk_norm", "one_pass"), [
+    (torch.float32, 256, 1024, 2, (5, 32, 32), True, False), (torch.bfloat16, 256, 1024, 2, (5, 32, 32), True, False),
+    (torch.float32, 256, 1536, 4, (3, 48, 48), True, False), (torch.bfloat16, 128, 256, 1, (9, 32, 32), False, False),
+    (torch.float32, 256, 1024, 2, (5, 32, 32), True, True), (torch.bfloat16, 128, 256, 1, (9, 32, 32), False, True)],
+    ids=["fp32", "bf16", "fp32-ffn6x", "bf16-no-qk-norm", "fp32-forward-branches", "bf16-no-qk-norm-forward-branches"])
 def test_transformer_step_bounds_the_measured_peak(dtype: torch.dtype, dim: int, ffn: int, heads: int,
-                                                   latent: tuple[int, int, int], qk_norm: bool) -> None:
-    """One CFG step (cond and uncond forwards, the combine) of a 3-block transformer."""
+                                                   latent: tuple[int, int, int], qk_norm: bool,
+                                                   one_pass: bool) -> None:
+    """One CFG step (cond and uncond forwards, or both branches block by block as under block
+    streaming, then the combine) of a 3-block transformer: one estimate bounds both."""
     arch = WanTransformerArch(dim=dim, ffn_dim=ffn, num_heads=heads, num_layers=3, freq_dim=32, text_dim=64,
                               text_len=64, qk_norm=qk_norm)
     torch.manual_seed(0)
@@ -92,8 +95,11 @@ def test_transformer_step_bounds_the_measured_peak(dtype: torch.dtype, dim: int,
     t = torch.tensor([500.0])
 
     def step() -> torch.Tensor:
-        cond = model(latents, t, context).float()
-        uncond = model(latents, t, context).float()
+        if one_pass:
+            cond, uncond = (out.float() for out in model.forward_branches(latents, t, [context, context]))
+        else:
+            cond = model(latents, t, context).float()
+            uncond = model(latents, t, context).float()
         return uncond + 5.0 * (cond - uncond)
 
     with torch.inference_mode():
