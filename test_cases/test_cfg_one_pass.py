@@ -42,36 +42,36 @@ REQUESTS = {
 REQUESTS["wan_moe"] = REQUESTS["wan_t2v"]
 
 
-def _model(family: str) -> dict[str, Any]:
-    """The tiny config's `model` with LAYERS transformer layers."""
+def _model(family: str, layers: int = LAYERS) -> dict[str, Any]:
+    """The tiny config's `model` with `layers` transformer layers (2: the config's own, the `debug` flavour)."""
     model = json.loads(CONFIGS[family].read_text())["model"]
-    model["transformer"] = {**model["transformer"], "num_layers": LAYERS}
+    model["transformer"] = {**model["transformer"], "num_layers": layers}
     return model
 
 
-def _write(family: str, out: Path) -> Path:
+def _write(family: str, out: Path, layers: int) -> Path:
     if family == "wan_t2v":
         from runnerkit.models.wan.arch import WanArch
         from runnerkit.models.wan.checkpoint import write_synthetic
-        write_synthetic(WanArch.model_validate(_model(family)), out, seed=0, dtype=torch.float32)
+        write_synthetic(WanArch.model_validate(_model(family, layers)), out, seed=0, dtype=torch.float32)
         return out
     if family == "wan_moe":
         from runnerkit.models.wan.arch import WanArch
         from runnerkit.models.wan.moe_checkpoint import write_synthetic_moe
-        return write_synthetic_moe(WanArch.model_validate(_model(family)), out, seed=0, dtype=torch.float32)
+        return write_synthetic_moe(WanArch.model_validate(_model(family, layers)), out, seed=0, dtype=torch.float32)
     from runnerkit.models.qwen_image.arch import QwenImageArch
     from runnerkit.models.qwen_image.checkpoint import write_synthetic as write_qwen
-    return write_qwen(QwenImageArch.model_validate(_model(family)), out, seed=0, dtype=torch.float32)
+    return write_qwen(QwenImageArch.model_validate(_model(family, layers)), out, seed=0, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    written: dict[str, Path] = {}
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    written: dict[tuple[str, int], Path] = {}
 
-    def get(family: str) -> Path:
-        if family not in written:
-            written[family] = _write(family, tmp_path_factory.mktemp(family) / family)
-        return written[family]
+    def get(family: str, layers: int = LAYERS) -> Path:
+        if (family, layers) not in written:
+            written[family, layers] = _write(family, tmp_path_factory.mktemp(family) / family, layers)
+        return written[family, layers]
 
     return get
 
@@ -82,8 +82,10 @@ def _no_real_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gc, "freeze", lambda: None)
 
 
-def make_runner(family: str, ckpt: Path, **offload: Any) -> DefaultRunner:
-    data = config_dict(CONFIGS[family], ckpt, model=_model(family), infer_steps=STEPS, offload={"mode": "block", **offload})
+def make_runner(family: str, ckpt: Path, config: dict[str, Any] | None = None, layers: int = LAYERS,
+                **offload: Any) -> DefaultRunner:
+    data = config_dict(CONFIGS[family], ckpt, model=_model(family, layers), infer_steps=STEPS, offload={"mode": "block", **offload},
+                       **(config or {}))
     runner = get_runner_cls(data["model_cls"])(load_runner_config(None, data))
     runner.init_modules()
     return runner
@@ -217,3 +219,16 @@ def test_resident_and_phase_keep_two_passes(ckpts: Callable[[str], Path]) -> Non
         assert runner.one_pass_streamer(runner.transformer) is None, mode
     runner = make_runner("wan_t2v", ckpts("wan_t2v"))
     assert runner.one_pass_streamer(runner.transformer) is runner.streamers["transformer"]
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_compiled_blocks_take_both_branches_without_recompiling(ckpts: Callable[[str], Path], tmp_path: Path) -> None:
+    """Qwen-Image, regional compile (eager backend) + block streaming + CFG: after warmup a request whose
+    prompt and negative prompt differ in length (each branch keeps its own) compiles nothing, in one pass."""
+    runner = make_runner("qwen_t2i", ckpts("qwen_t2i", 2), layers=2,  # warmup knows the `debug` flavour's shapes
+                         config={"warmup": True, "compile": {"enabled": True, "backend": "eager"}})
+    before = reentries(runner)
+    request = REQUESTS["qwen_t2i"].model_copy(update={"save_tensor_path": str(tmp_path / "out.safetensors")})
+    audit = runner.run_pipeline(request, 0).audit
+    assert audit["compilations"] == 0 and audit["recompilations"] == 0, audit
+    assert reentries(runner) - before == STEPS * 2
