@@ -3,14 +3,17 @@ block by block) computes from its slot: no refetch, no extra wait, the wrap pref
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
-from runnerkit.offload import BlockStreamer
+from runnerkit.offload import BlockStreamer, CudaCopyEngine
 from test_cases.offload._engines import DeferredEngine, RecordingEngine
+from test_cases.offload._fake_cuda import FakeCuda, check_slot_protocol
 from test_cases.offload._toy import ToyModel, build_streamed, make_reference, state_dict_of, write_checkpoint
 
 
@@ -156,3 +159,42 @@ def test_entries_restored_and_checked() -> None:
             assert streamer.entries_per_unit == 2
             raise RuntimeError("boom")
     assert streamer.entries_per_unit == 1
+
+
+@pytest.mark.parametrize("num_blocks,gpu_slots,depth,hint", [(4, 2, 1, 2), (3, 2, 1, 2), (3, 2, 1, 1), (5, 3, 2, 2),
+                                                             (5, 4, 3, 1)])
+def test_real_cuda_engine_orders_reentries(monkeypatch: pytest.MonkeyPatch, num_blocks: int, gpu_slots: int,
+                                           depth: int, hint: int) -> None:
+    """The real CudaCopyEngine on fake streams, one-pass over two steps and a request boundary: every
+    compute (both entries of a block) uses its block's bytes, waits for their copy, and finishes before
+    the next copy into its slot starts (the wrap prefetch into the last block's slot included)."""
+    cuda = FakeCuda()
+    cuda.install(monkeypatch)
+    engine = CudaCopyEngine("cuda", gpu_slots)
+    cuda.name_engine_events(engine)
+    reference = make_reference(seed=0, num_blocks=num_blocks)
+    model, streamer = build_streamed(state_dict_of(reference), "block", "host", gpu_slots, depth, engine=engine,
+                                     num_blocks=num_blocks)
+    slot_ptr = {t.data_ptr(): s for s, t in enumerate(streamer._slots)}
+    unit_ptr = {slab.buffer.data_ptr(): u.module for slab, u in zip(streamer.source.slabs, streamer.units)}
+    cuda.copy_label = lambda dst, src: f"slot{slot_ptr[dst.data_ptr()]} {unit_ptr[src.data_ptr()]}"
+    def computes(label: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            cuda.launch("compute", label)  # after the streamer's pre-hook: the unit's kernels
+
+        return hook
+
+    for j, unit in enumerate(streamer.units):
+        model.get_submodule(unit.module).register_forward_pre_hook(computes(f"slot{j % streamer.num_slots} {unit.module}"))
+    steps = branch_inputs()
+    with torch.no_grad():
+        for pair in [*steps, None, steps[0]]:
+            if pair is None:
+                streamer.reset()
+                continue
+            with streamer.entries(hint):
+                outs = forward_branches(model, pair)
+            assert all(torch.equal(out, reference(x)) for out, x in zip(outs, pair))
+    assert check_slot_protocol(cuda.ops, lambda label: label.split()[0],
+                               lambda label: label.split()[1]) == 3 * 2 * num_blocks
+    streamer.close()
