@@ -84,8 +84,8 @@ def _no_real_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def make_runner(family: str, ckpt: Path, config: dict[str, Any] | None = None, layers: int = LAYERS,
                 **offload: Any) -> DefaultRunner:
-    data = config_dict(CONFIGS[family], ckpt, model=_model(family, layers), infer_steps=STEPS, offload={"mode": "block", **offload},
-                       **(config or {}))
+    data = config_dict(CONFIGS[family], ckpt, model=_model(family, layers), infer_steps=STEPS,
+                       offload={"mode": "block", **offload}, **(config or {}))
     runner = get_runner_cls(data["model_cls"])(load_runner_config(None, data))
     runner.init_modules()
     return runner

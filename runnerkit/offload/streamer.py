@@ -198,7 +198,7 @@ class BlockStreamer:
         self._slot_unit: list[int | None] = [None] * self.num_slots  # unit whose bytes the slot holds
         self._busy = [False] * self.num_slots  # issued and not yet computed
         self._upcast_done = [False] * self.num_slots
-        self._pending: dict[int, int] = {}  # slot -> unit to issue once the slot's unit has computed (`_after` or a later pre-hook)
+        self._pending: dict[int, int] = {}  # slot -> unit to issue once the slot's unit computed (post/pre-hook)
         self._next = 0  # next unit the prefetcher would issue
         self._current: int | None = None  # unit of the last pre-hook (a re-entry candidate)
         self._entered = 0  # consecutive entries of `_current` so far

@@ -185,7 +185,8 @@ def test_real_cuda_engine_orders_reentries(monkeypatch: pytest.MonkeyPatch, num_
         return hook
 
     for j, unit in enumerate(streamer.units):
-        model.get_submodule(unit.module).register_forward_pre_hook(computes(f"slot{j % streamer.num_slots} {unit.module}"))
+        label = f"slot{j % streamer.num_slots} {unit.module}"
+        model.get_submodule(unit.module).register_forward_pre_hook(computes(label))
     steps = branch_inputs()
     with torch.no_grad():
         for pair in [*steps, None, steps[0]]:

@@ -439,8 +439,8 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         streamer = self.one_pass_streamer(model)
         if streamer is not None:
             with streamer.entries(2):
-                cond, uncond = model.forward_branches(latents, timestep, [self.inputs.context, self.inputs.context_null],
-                                                      **extra)
+                contexts = [self.inputs.context, self.inputs.context_null]
+                cond, uncond = model.forward_branches(latents, timestep, contexts, **extra)
             cond, uncond = cond.float(), uncond.float()
         else:
             cond = model(latents, timestep, self.inputs.context, **extra).float()
