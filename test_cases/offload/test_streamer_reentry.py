@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from runnerkit.offload import BlockStreamer, CudaCopyEngine
+from runnerkit.offload import (
+    BlockStreamer,
+    CudaCopyEngine,
+    DiskSource,
+    SafetensorsDiskReader,
+    SyncCopyEngine,
+    plan_units,
+)
+from runnerkit.weights import build_on_meta
 from test_cases.offload._engines import DeferredEngine, RecordingEngine
 from test_cases.offload._fake_cuda import FakeCuda, check_slot_protocol
 from test_cases.offload._toy import ToyModel, build_streamed, make_reference, state_dict_of, write_checkpoint
@@ -199,3 +207,30 @@ def test_real_cuda_engine_orders_reentries(monkeypatch: pytest.MonkeyPatch, num_
     assert check_slot_protocol(cuda.ops, lambda label: label.split()[0],
                                lambda label: label.split()[1]) == 3 * 2 * num_blocks
     streamer.close()
+
+
+def test_disk_source_out_of_order_fetch_keeps_each_units_bytes(tmp_path: Path) -> None:
+    """A unit fetched out of order (a re-entered unit whose slot was overwritten is fetched again) goes to
+    the staging slab a read-ahead of another unit is filling: the read-ahead is finished and forgotten, so
+    neither fetch hands out the other unit's bytes (before the fix, unit 1 came back holding unit 3's)."""
+    sd = state_dict_of(make_reference(seed=0, num_blocks=4))
+    units = plan_units(build_on_meta(lambda: ToyModel(4)), "block", ToyModel.STREAM_SPEC)
+    source = DiskSource(units, SafetensorsDiskReader(write_checkpoint(sd, tmp_path), reader="pread"), torch.float32,
+                        pin_memory=False)
+    source.bind(2)
+    engine = SyncCopyEngine(2)
+
+    def holds(buffer: torch.Tensor, unit: int) -> bool:
+        return all(torch.equal(buffer[t.offset:t.offset + t.nbytes], sd[t.name].reshape(-1).view(torch.uint8))
+                   for t in source.layouts[unit].tensors)
+
+    source.fetch(0, 0, engine)  # reads unit 1 ahead into staging slab 1
+    source._ahead[1][0].result()  # that read has landed (deterministic order)
+    assert holds(source.fetch(3, 1, engine).clone(), 3)  # out of order, into staging slab 1
+    assert holds(source.fetch(1, 1, engine).clone(), 1)
+    source.reset()
+    source.fetch(0, 0, engine)  # unit 1 read ahead into slab 1 again
+    source._ahead[1][0].result()
+    assert holds(source.fetch(2, 0, engine).clone(), 2)  # out of order: its read-ahead (unit 3) would go to slab 1
+    assert holds(source.fetch(1, 1, engine).clone(), 1)  # ... and is not started while unit 1's is there
+    source.close()
