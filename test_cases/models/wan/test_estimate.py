@@ -211,3 +211,22 @@ def test_whole_request_estimate_bounds_the_process_peak_rss(tiny_ckpt: Path, tmp
     assert default["need"] >= default["grown"], f"estimate {default['need'] / MIB:.0f} MiB < RSS growth " \
                                                 f"{default['grown'] / MIB:.0f} MiB"
     # how loose: the fixed overhead (0.5 GiB) dominates at this size; measured need / growth 1.9-3.3
+
+
+def test_one_pass_cfg_counts_the_second_branchs_image_tokens() -> None:
+    """Block streaming runs both CFG branches block by block (`forward_branches`): i2v holds both branches'
+    embedded CLIP tokens [257, dim] float32 at once; the t2v transformer stage is the same in every mode."""
+    tiny_i2v = json.loads((Path(__file__).resolve().parents[3] / "configs/wan/wan_i2v_tiny.json").read_text())
+    arch = WanArch.model_validate(tiny_i2v["model"])
+    assert arch.image_encoder is not None
+
+    def transformer_stage(mode: str, image_frames: int, cfg: bool = True) -> int:
+        estimate = est.wan_t2v_estimate(arch, (48, 80, 9), torch.float32, torch.device("cpu"), cfg,
+                                        OffloadConfig(mode=mode), image_frames=image_frames)
+        return next(s.activation_bytes for s in estimate.stages if s.name == "transformer")
+
+    tokens = (arch.image_encoder.image_size // arch.image_encoder.patch_size) ** 2 + 1
+    assert transformer_stage("block", 1) - transformer_stage("none", 1) == tokens * arch.transformer.dim * 4
+    assert transformer_stage("phase", 1) == transformer_stage("none", 1)  # two passes there
+    assert transformer_stage("block", 1, cfg=False) == transformer_stage("none", 1, cfg=False)
+    assert transformer_stage("block", 0) == transformer_stage("none", 0)
