@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from loguru import logger
 from safetensors.torch import load_file
 from torch import nn
 
@@ -212,13 +213,25 @@ def test_block_i_runs_cond_then_uncond_before_block_i_plus_1(ckpts: Callable[[st
     assert order == [(i, b) for i in range(LAYERS) for b in ("cond", "uncond")] * STEPS
 
 
-def test_resident_and_phase_keep_two_passes(ckpts: Callable[[str], Path]) -> None:
-    """One pass only where blocks stream: resident (mode none) and phase streaming answer None."""
-    for mode in ("none", "phase"):
-        runner = make_runner("wan_t2v", ckpts("wan_t2v"), mode=mode)
-        assert runner.one_pass_streamer(runner.transformer) is None, mode
-    runner = make_runner("wan_t2v", ckpts("wan_t2v"))
-    assert runner.one_pass_streamer(runner.transformer) is runner.streamers["transformer"]
+def test_resident_and_phase_keep_two_passes_and_the_load_says_which(ckpts: Callable[[str], Path]) -> None:
+    """One pass only where blocks stream: resident (mode none) and phase streaming answer None; one INFO
+    line at load names the path (none for resident)."""
+    said: dict[str, list[str]] = {}
+    no_cfg = {"enable_cfg": False, "sample_guide_scale": None}
+    for mode in ("none", "phase", "block", "block-no-cfg"):
+        said[mode] = lines = []
+        sink = logger.add(lambda m, lines=lines: lines.append(m.record["message"]), level="INFO",
+                          filter=lambda r: r["message"].startswith("CFG"))
+        try:
+            runner = make_runner("wan_t2v", ckpts("wan_t2v"), config=no_cfg if mode.endswith("no-cfg") else None,
+                                 mode=mode.removesuffix("-no-cfg"))
+        finally:
+            logger.remove(sink)
+        want = runner.streamers["transformer"] if mode.startswith("block") else None
+        assert runner.one_pass_streamer(runner.transformer) is want, mode
+    assert said["none"] == [] and said["block-no-cfg"] == []
+    assert len(said["phase"]) == 1 and "one forward per branch" in said["phase"][0]
+    assert len(said["block"]) == 1 and "both branches run through each streamed block" in said["block"][0]
 
 
 @pytest.mark.usefixtures("fresh_compiler")
