@@ -281,7 +281,10 @@ class DiskSource:
 
     def fetch(self, unit: int, slot: int, engine: CopyEngine) -> torch.Tensor:
         """The unit's tensors in the slot's staging slab (read ahead in the background, or read now);
-        then start reading the next unit into the next unit's slot.
+        then start reading the next unit into the next unit's slot. Fetches out of order (a streamed
+        unit fetched again after its slot was reused) stay correct: a read-ahead of another unit into
+        the same slab is finished and dropped first, and no read-ahead starts into a slab that
+        another read-ahead is filling.
 
         The first fetch after a request boundary first re-checks the checkpoint files
         (`SafetensorsDiskReader.revalidate`): a file changed between requests fails this request
@@ -303,11 +306,17 @@ class DiskSource:
         else:
             if ahead is not None:
                 ahead[0].result()
+            # Out of order (e.g. a unit fetched again): a read-ahead of another unit into this staging
+            # slab would overwrite it; let it finish and forget it (its unit is read again when fetched).
+            for other, (future, s) in list(self._ahead.items()):
+                if s == slot:
+                    future.exception()
+                    del self._ahead[other]
             self._read_unit(unit, slot, engine)
         if self.read_ahead and len(self.staging) > 1:
             nxt = (unit + 1) % len(self.layouts)
             nslot = nxt % len(self.staging)  # the streamer's slot of unit nxt
-            if nslot != slot and nxt not in self._ahead:
+            if nslot != slot and nxt not in self._ahead and all(s != nslot for _, s in self._ahead.values()):
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runnerkit-disk-read")
                 self._ahead[nxt] = (self._executor.submit(self._read_unit, nxt, nslot, engine), nslot)

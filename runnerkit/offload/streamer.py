@@ -4,14 +4,26 @@ Each streamed unit (a block, or a phase of a block) has a fixed device slot, `j 
 its parameters are re-bound once, at construction, as views into that slot, so module code
 runs unchanged. Forward hooks on each unit's module move the bytes:
 
-    pre-hook(j):  issue j's copy if it was not prefetched; compute waits for it (GPU-side);
-                  fp8: upcast into the slot's compute region; prefetch j+1 .. j+depth, wrapping
-                  from the last unit of step i to the first units of step i+1 (modulo).
+    pre-hook(j):  issue deferred prefetches whose slot is free; issue j's copy if it was not
+                  prefetched; compute waits for it (GPU-side); fp8: upcast into the slot's
+                  compute region; prefetch j+1 .. j+depth, wrapping from the last unit of step i
+                  to the first units of step i+1 (modulo). A re-entry of j skips all of this.
     post-hook(j): mark compute done for j's slot (the slot's next copy waits for it).
 
-A prefetch into a slot whose current unit has been issued but not computed yet is deferred to
-that unit's post-hook (only happens across the step wrap when `num_units % gpu_slots != 0`; pick
-gpu_slots dividing the unit count for full overlap there).
+Re-entry: a unit entered again while it is the current one (its pre-hook runs again with no other
+unit's pre-hook in between, e.g. the uncond CFG branch right after the cond one through the same
+block) computes with the bytes already in its slot: nothing is fetched, waited for, upcast or
+prefetched again; the slot is busy again until that entry's post-hook marks compute done. So a
+model that runs its CFG branches block by block (`forward_branches` of the Wan and Qwen-Image
+transformers) moves every unit once per step, not once per branch.
+
+A prefetch into a slot whose unit has been issued (or entered) but not computed yet is deferred
+(only happens across the step wrap when `num_units % gpu_slots != 0`; pick gpu_slots dividing the
+unit count for full overlap there). It is issued in that unit's post-hook once the unit has been
+entered `entries_per_unit` times in a row (1, or n inside `with streamer.entries(n)`), else at
+the next pre-hook of another unit. The declaration is only a hint for that overlap: a unit
+entered more often than declared finds its slot overwritten and is fetched again (correct, slower);
+one entered less often has its deferred prefetch issued at the next unit's pre-hook.
 
 Request boundary (`reset()`): nothing issued. reset waits for every copy and every marked
 compute, forgets the events, and empties the slot table, so the streamer is in exactly the
@@ -28,7 +40,8 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -152,7 +165,10 @@ class BlockStreamer:
             module = model.get_submodule(unit.module)
             self._handles.append(module.register_forward_pre_hook(functools.partial(_pre_hook, ref, j)))
             self._handles.append(module.register_forward_hook(functools.partial(_post_hook, ref, j)))
-        self._finalizer = weakref.finalize(self, _detach, weakref.ref(model), self._handles, self._names)
+        self._model = weakref.ref(model)
+        self._finalizer = weakref.finalize(self, _detach, self._model, self._handles, self._names)
+        self.reentries = 0  # pre-hooks that found their unit current (request-independent counter)
+        self.entries_per_unit = 1  # consecutive entries of each unit per pass (`entries`)
         self._clear_state()
         logger.info(f"block streamer: {self.num_units} units, {self.num_slots} slots x "
                     f"{self.slot_nbytes / 2**30:.3f} GiB on {self.device}, prefetch depth {prefetch_depth}, "
@@ -182,8 +198,10 @@ class BlockStreamer:
         self._slot_unit: list[int | None] = [None] * self.num_slots  # unit whose bytes the slot holds
         self._busy = [False] * self.num_slots  # issued and not yet computed
         self._upcast_done = [False] * self.num_slots
-        self._pending: dict[int, int] = {}  # slot -> unit to issue when the slot's unit computed
+        self._pending: dict[int, int] = {}  # slot -> unit to issue once the slot's unit computed (post/pre-hook)
         self._next = 0  # next unit the prefetcher would issue
+        self._current: int | None = None  # unit of the last pre-hook (a re-entry candidate)
+        self._entered = 0  # consecutive entries of `_current` so far
 
     def _issue(self, unit: int) -> None:
         slot = unit % self.num_slots
@@ -205,6 +223,17 @@ class BlockStreamer:
 
     def _before(self, unit: int) -> None:
         slot = unit % self.num_slots
+        if unit == self._current and self._slot_unit[slot] == unit:
+            self._busy[slot] = True  # re-entry: same bytes, computing again until this entry's post-hook
+            self._entered += 1
+            self.reentries += 1
+            return
+        self._current, self._entered = unit, 1
+        for s, pending in list(self._pending.items()):  # deferred prefetches whose slot has computed
+            if not self._busy[s]:
+                del self._pending[s]
+                if self._slot_unit[s] != pending:
+                    self._issue(pending)
         if self._slot_unit[slot] != unit:
             self._issue(unit)  # first unit of a request (or out of order)
         self.engine.wait_copy(slot)
@@ -218,9 +247,11 @@ class BlockStreamer:
         slot = unit % self.num_slots
         self.engine.mark_compute_done(slot)
         self._busy[slot] = False
-        pending = self._pending.pop(slot, None)
-        if pending is not None and self._slot_unit[slot] != pending:
-            self._issue(pending)
+        pending = self._pending.get(slot)
+        if pending is not None and self._entered >= self.entries_per_unit:  # no re-entry announced: issue now
+            del self._pending[slot]
+            if self._slot_unit[slot] != pending:
+                self._issue(pending)
 
     def _upcast(self, unit: int, slot: int) -> None:
         """fp8 -> compute dtype on the compute stream, for the unit's fp8-stored tensors (the others are
@@ -237,6 +268,25 @@ class BlockStreamer:
                 dst.copy_(typed_view(buf, t.offset, t.stored_dtype, t.shape))
                 dst.mul_(scales[t.scale_index:t.scale_index + 1])  # [1] float32: the product is formed in fp32
         self._upcast_done[slot] = True
+
+    @contextmanager
+    def entries(self, n: int) -> Iterator[None]:
+        """Inside the block, each unit is entered `n` times in a row per pass (a forward that runs
+        its `n` CFG branches block by block); restored on exit, also on an error.
+
+        A hint for the wrap prefetch only (see the module docstring); re-entries are detected
+        whatever it says.
+
+        Raises:
+            ValueError: `n` < 1.
+        """
+        if n < 1:
+            raise ValueError(f"`n` (entries per unit) must be >= 1, got {n}")
+        previous, self.entries_per_unit = self.entries_per_unit, n
+        try:
+            yield
+        finally:
+            self.entries_per_unit = previous
 
     # -- lifecycle --
 
@@ -262,12 +312,17 @@ class BlockStreamer:
                 "slots": list(self._slot_unit)}
 
     def stats(self) -> dict[str, float]:
-        """H2D copies/bytes/seconds/GB/s (engine), source counters, and slot sizes in bytes."""
+        """H2D copies/bytes/seconds/GB/s (engine), source counters, slot sizes in bytes, and
+        `reentries` (unit entries served from the bytes already in their slot, since construction)."""
         out = {f"h2d_{k}": v for k, v in self.engine.stats().items()}
         out.update(self.source.stats())
         out.update({"units": float(self.num_units), "slots": float(self.num_slots),
-                    "slot_bytes": float(self.slot_nbytes)})
+                    "slot_bytes": float(self.slot_nbytes), "reentries": float(self.reentries)})
         return out
+
+    def streams(self, module: nn.Module) -> bool:
+        """True when `module` is the model this streamer streams (and `close()` was not called)."""
+        return self._finalizer.alive and self._model() is module
 
     def close(self) -> None:
         """Wait for copies, remove hooks, re-bind streamed params to meta, free slots and host memory.

@@ -39,6 +39,7 @@ from runnerkit import compile as regional_compile
 from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig
 from runnerkit.media import save_outputs as write_outputs
 from runnerkit.offload.setup import pin_memory_enabled
+from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.profiling import RequestProfile
 from runnerkit.runners.base import BaseRunner, Progress
 from runnerkit.runners.fit import MemoryEstimate
@@ -115,6 +116,22 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             model: the transformer (or MoE expert) `select_transformer` chose, on the device.
             latents: `[B, C, ...]` in the model dtype; timestep: `[B]`.
         """
+
+    #: The family's `run_step` runs its CFG branches through each streamed block in one pass
+    #: (`one_pass_streamer`, the transformer's `forward_branches`); read for the load-time log line.
+    CFG_ONE_PASS: ClassVar[bool] = False
+
+    def one_pass_streamer(self, model: nn.Module) -> BlockStreamer | None:
+        """The block streamer of `model` when the CFG branches share one pass through its blocks
+        (issue 21, item 3): `offload.mode` "block" and `model` streamed. The family's `run_step` then
+        calls the transformer's `forward_branches` inside `streamer.entries(branches)`, so each block
+        is moved once per step instead of once per branch. None otherwise: resident or
+        model-offloaded (nothing is moved per block, and one forward per branch keeps the smaller
+        activation peak), or mode "phase" (branch-major inside a block would enter its phases
+        0, 1, 2, 0, 1, 2: one forward per branch, each phase moved twice per step)."""
+        if self.config.offload.mode != "block":
+            return None
+        return next((s for s in self.streamers.values() if s.streams(model)), None)
 
     def select_transformer(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> str:
         """The transformer (MoE expert) of `stage` that runs step `step_index` (default: the only one).
@@ -236,6 +253,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                           "streams its blocks; use 'none' or 'model'")
             offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules
                          if m.name not in {x.name for x in streamable}}
+            self._log_cfg_passes(streamable)
             for m in streamable:
                 if off.lazy_load:
                     self._stream(m)  # once now, so a checkpoint that cannot stream fails at load
@@ -246,6 +264,18 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.modules = {**resident, **offloaded}
         return Placement(self.device, resident=resident, offloaded=offloaded, loaders=loaders, pin_memory=pin,
                          **thresholds)
+
+    def _log_cfg_passes(self, streamed: Sequence[ModuleSpec]) -> None:
+        """One INFO line: how the CFG branches go through the streamed transformer(s)."""
+        names = [m.name for m in streamed if m.role == "transformer"]
+        if not (self.CFG_ONE_PASS and self.config.enable_cfg and names):
+            return
+        if self.config.offload.mode == "block":
+            logger.info("CFG: both branches run through each streamed block of {} while it is on the device "
+                        "(one block pass per step)", names)
+        else:
+            logger.info("CFG with `offload.mode`='phase': one forward per branch, so each phase of {} is "
+                        "streamed twice per step (mode 'block' streams each block once for both branches)", names)
 
     def _build(self, spec: ModuleSpec, device: torch.device) -> nn.Module:
         module = spec.build(device)

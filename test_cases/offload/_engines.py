@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from runnerkit.offload import SyncCopyEngine
@@ -33,21 +35,25 @@ class DeferredEngine(SyncCopyEngine):
 
     A copy is queued at `h2d` and lands (in issue order, like one CUDA stream) only when the
     compute waits for its slot, the host waits for it, or at `reset`. A streamer that forgot
-    a wait computes with stale bytes, so parity tests catch it.
+    a wait computes with stale bytes, so parity tests catch it. Thread-safe: the disk source's
+    read-ahead thread waits for copies (`wait_copy_host`) while the main thread issues and waits.
     """
 
     def __init__(self, num_slots: int) -> None:
         super().__init__(num_slots)
         self.queue: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._lock = threading.Lock()
 
     def h2d(self, slot: int, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
-        self.queue.append((slot, dst, src))
+        with self._lock:
+            self.queue.append((slot, dst, src))
 
     def _land_through(self, slot: int) -> None:
-        last = max((i for i, (s, _, _) in enumerate(self.queue) if s == slot), default=-1)
-        for s, dst, src in self.queue[:last + 1]:
-            super().h2d(s, dst, src)
-        del self.queue[:last + 1]
+        with self._lock:
+            last = max((i for i, (s, _, _) in enumerate(self.queue) if s == slot), default=-1)
+            for s, dst, src in self.queue[:last + 1]:
+                super().h2d(s, dst, src)
+            del self.queue[:last + 1]
 
     def wait_copy(self, slot: int) -> None:
         self._land_through(slot)
@@ -56,9 +62,11 @@ class DeferredEngine(SyncCopyEngine):
         self._land_through(slot)
 
     def in_flight(self) -> int:
-        return len({s for s, _, _ in self.queue})
+        with self._lock:
+            return len({s for s, _, _ in self.queue})
 
     def reset(self) -> None:
-        for s, dst, src in self.queue:
-            super().h2d(s, dst, src)
-        self.queue.clear()
+        with self._lock:
+            for s, dst, src in self.queue:
+                super().h2d(s, dst, src)
+            self.queue.clear()

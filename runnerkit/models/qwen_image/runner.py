@@ -82,6 +82,7 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
     """Qwen-Image text-to-image (20B, and the tiny `debug` architecture)."""
 
     TASKS = ("t2i",)
+    CFG_ONE_PASS = True  # run_step: forward_branches under block streaming
     SPATIAL_FACTOR = 16  # VAE 8x * patch 2
     TEMPORAL_FACTOR = 1
     DEFAULT_NEGATIVE_PROMPT = QWEN_NEGATIVE_PROMPT
@@ -372,9 +373,16 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         def velocity(embeds: torch.Tensor) -> torch.Tensor:
             return model(hidden, embeds, sigma, shapes)[:, :tokens].float()  # [1, L, 64]
 
-        pred = velocity(inputs.prompt_embeds)
-        if inputs.negative_embeds is not None:
-            pred = true_cfg(pred, velocity(inputs.negative_embeds), float(self.config.sample_guide_scale))
+        streamer = self.one_pass_streamer(model) if inputs.negative_embeds is not None else None
+        if streamer is not None:  # block streaming: both branches through each block while it is on the device
+            with streamer.entries(2):
+                outs = model.forward_branches(hidden, [inputs.prompt_embeds, inputs.negative_embeds], sigma, shapes)
+            pred, neg = (out[:, :tokens].float() for out in outs)  # [1, L, 64] each
+            pred = true_cfg(pred, neg, float(self.config.sample_guide_scale))
+        else:
+            pred = velocity(inputs.prompt_embeds)
+            if inputs.negative_embeds is not None:
+                pred = true_cfg(pred, velocity(inputs.negative_embeds), float(self.config.sample_guide_scale))
         return unpack_latents(pred, info.height, info.width)
 
     @torch.inference_mode()

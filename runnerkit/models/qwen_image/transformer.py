@@ -23,11 +23,15 @@ embedding of t = 0, the target's with t; the text stream and the output head use
 Layout for the offload engine: `forward` is embed -> `transformer_blocks[i](...)` -> head, and
 inside a block the phases `img_mod`, `txt_mod`, `attn`, `img_mlp`, `txt_mlp` run in that order,
 each using its weights only inside its own `forward` (the LayerNorms have no weights).
+`forward_branches` runs the CFG branches block by block (block i for every branch, then block
+i+1), so a block streamer moves each block once per step for all branches.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -283,6 +287,18 @@ class OutputNorm(nn.Module):
         return layer_norm(x) * (1 + scale)[:, None] + shift[:, None]
 
 
+@dataclass
+class QwenEmbedded:
+    """The blocks' and the head's inputs besides the two residual streams (`QwenImageTransformer2D.embed`)."""
+
+    temb: Tensor
+    """[B, S, dim] time embeddings (weight dtype), S = len(img_sizes)."""
+    rope: tuple[Tensor, Tensor]
+    """(cos, sin), each [L_txt + L_img, 1, head_dim/2] float32."""
+    img_sizes: list[int]
+    """Image tokens per modulation segment (target, references under `zero_cond_t`)."""
+
+
 class QwenImageTransformer2D(nn.Module):
     """Qwen-Image `QwenImageTransformer2DModel`, built from a `QwenImageTransformerArch`.
 
@@ -372,6 +388,52 @@ class QwenImageTransformer2D(nn.Module):
         Source: diffusers `transformer_qwenimage.py` (`QwenImageTransformer2DModel.forward`,
         `QwenEmbedRope`, `QwenDoubleStreamAttnProcessor2_0`); Qwen-Image technical report.
         """
+        img, txt, pre = self.embed(hidden_states, encoder_hidden_states, timestep, img_shapes)
+        for block in self.transformer_blocks:
+            img, txt = block(img, txt, pre.temb, pre.rope, pre.img_sizes)
+        return self.proj_out(self.norm_out(img, pre.temb[:, 0]))  # [B, L_img, p*p*C_out]
+
+    def forward_branches(self, hidden_states: Tensor, encoder_hidden_states: Sequence[Tensor], timestep: Tensor,
+                         img_shapes: ImgShapes) -> list[Tensor]:
+        """`forward` for several text conditions (the CFG branches), block-major: block i runs for
+        every branch, in `encoder_hidden_states` order, before block i+1 runs for any.
+
+        Each branch goes through exactly the ops and shapes of `forward(hidden_states,
+        encoder_hidden_states[b], timestep, img_shapes)`, so output b is bit-identical to that call;
+        each branch keeps its own text length (no padding, no batching across branches). With block
+        streaming a block's weights are fetched once per call for all branches (the streamer serves
+        the re-entry from its slot: runnerkit/offload/streamer.py).
+
+        Args:
+            hidden_states, timestep, img_shapes: as `forward`, shared by every branch.
+            encoder_hidden_states: one [B, L_txt_b, joint_attention_dim] per branch (e.g. [prompt,
+                negative prompt]); the lengths may differ.
+
+        Returns:
+            One [B, L_img, patch_size^2 * out_channels] prediction per branch (weight dtype), in order.
+
+        Raises:
+            ValueError: no branch, or as `forward` (naming the argument).
+
+        Memory: every branch's residual streams (img [B, L_img, dim], txt [B, L_txt_b, dim], weight
+        dtype) are alive together: one more image stream than `forward` holds while a block runs.
+        """
+        if not encoder_hidden_states:
+            raise ValueError("`encoder_hidden_states` is empty: give one text condition per branch")
+        embedded = [self.embed(hidden_states, txt, timestep, img_shapes) for txt in encoder_hidden_states]
+        imgs = [img for img, _, _ in embedded]  # [B, L_img, dim] each
+        txts = [txt for _, txt, _ in embedded]  # [B, L_txt_b, dim] each
+        pres = [pre for _, _, pre in embedded]
+        del embedded  # the lists hold the only references to the streams
+        for block in self.transformer_blocks:
+            for b, pre in enumerate(pres):
+                imgs[b], txts[b] = block(imgs[b], txts[b], pre.temb, pre.rope, pre.img_sizes)
+        return [self.proj_out(self.norm_out(img, pre.temb[:, 0])) for img, pre in zip(imgs, pres)]
+
+    def embed(self, hidden_states: Tensor, encoder_hidden_states: Tensor, timestep: Tensor,
+              img_shapes: ImgShapes) -> tuple[Tensor, Tensor, QwenEmbedded]:
+        """Check the inputs, project the image and text tokens, embed the timestep, look up RoPE (see
+        `forward`). Returns (img [B, L_img, dim], txt [B, L_txt, dim], the blocks' other inputs)."""
         self.check_inputs(hidden_states, encoder_hidden_states, timestep, img_shapes)
         B, L_img, _ = hidden_states.shape
         img = self.img_in(hidden_states.to(self.img_in.weight.dtype))  # [B, L_img, dim]
@@ -394,7 +456,4 @@ class QwenImageTransformer2D(nn.Module):
         torch._dynamo.maybe_mark_dynamic(txt, 1)
         for table in rope:
             torch._dynamo.maybe_mark_dynamic(table, 0)
-
-        for block in self.transformer_blocks:
-            img, txt = block(img, txt, temb, rope, img_sizes)
-        return self.proj_out(self.norm_out(img, temb[:, 0]))  # [B, L_img, p*p*C_out]
+        return img, txt, QwenEmbedded(temb, rope, img_sizes)

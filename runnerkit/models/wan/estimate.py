@@ -14,7 +14,12 @@ VAE and every norm, modulation and RoPE table run in float32).
 Transformer, one forward (CFG runs the two branches one after the other, batch 1; the cond
 output waits for the uncond one). Per token, in block i >= 1 (block 0 holds less), with D =
 dim, F = ffn_dim, d = head_dim, live across the block: the embedded tokens `pre.x` (4D), the
-block input (4D) and the RoPE tables cos/sin (4d). On top of that, the largest of
+block input (4D) and the RoPE tables cos/sin (4d). Under block streaming both branches run
+through each block in one pass (`WanTransformer3D.forward_branches`): the other branch's
+residual stream (4D) takes the place of `pre.x`, which that path drops, so the per-token count
+and this estimate are the same for both paths (test_estimate.py measures both); the second
+embedded text context fits in the 4 context copies counted below; i2v / flf2v add the second
+branch's embedded image tokens (L_img x D float32) to the transformer stage. On top of that, the largest of
 - self-attention, at the SDPA call: modulated input 4D (+ sD cast) + q, k after RMSNorm 2x4D
   (2sD without qk_norm) + v sD + q, k after RoPE 2x4D + q, k cast 2sD (when s != 4) + output sD;
 - cross-attention: current x 4D + self-attention output sD + norm3 4D (+ sD cast) + q 4D +
@@ -389,6 +394,8 @@ def wan_t2v_estimate(arch: WanArch, shape: Shape, dtype: torch.dtype, device: to
         image_stages += (StageFootprint("vae_encoder", "vae", encode + video + y_bytes + context,
                                         "vae encode of the conditioning clip (bounded by its decode)"),)
         conditioning = y_bytes + clip_tokens * 1280 * F32
+        if enable_cfg and offload.mode == "block":  # one pass: both branches' embedded image tokens at once
+            conditioning += clip_tokens * arch.transformer.dim * F32
     hints = () if offload.vae_tiling else ("offload.vae_tiling=true (the VAE decodes 256-px tiles: its memory "
                                            "then grows with the tile, not the frame)",)
     return MemoryEstimate(

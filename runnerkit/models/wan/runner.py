@@ -86,6 +86,7 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
     """Wan2.1 text-to-video (1.3B / 14B, and the tiny `debug` architecture)."""
 
     TASKS = ("t2v",)
+    CFG_ONE_PASS = True  # run_step: forward_branches under block streaming
     SPATIAL_FACTOR = 16  # VAE 8x * patch 2
     TEMPORAL_FACTOR = 4
     DEFAULT_NEGATIVE_PROMPT = WAN_NEGATIVE_PROMPT
@@ -449,13 +450,23 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
     @torch.inference_mode()
     def run_step(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
                  step_index: int) -> torch.Tensor:
-        """Transformer on the cond (and uncond) branch; CFG combine in float32. Returns [1, C, F', H', W']."""
+        """Transformer on the cond (and uncond) branch; CFG combine in float32. Returns [1, C, F', H', W'].
+
+        With block streaming both branches go through each block while it is on the device
+        (`forward_branches`, bit-identical to two forwards; `one_pass_streamer`)."""
         assert isinstance(self.inputs, WanInputs), "run the encoders first"
         extra = self.transformer_inputs()  # image tasks: the same clip_context and y on both branches
-        cond = model(latents, timestep, self.inputs.context, **extra).float()
         if self.inputs.context_null is None:
-            return cond
-        uncond = model(latents, timestep, self.inputs.context_null, **extra).float()
+            return model(latents, timestep, self.inputs.context, **extra).float()
+        streamer = self.one_pass_streamer(model)
+        if streamer is not None:
+            with streamer.entries(2):
+                contexts = [self.inputs.context, self.inputs.context_null]
+                cond, uncond = model.forward_branches(latents, timestep, contexts, **extra)
+            cond, uncond = cond.float(), uncond.float()
+        else:
+            cond = model(latents, timestep, self.inputs.context, **extra).float()
+            uncond = model(latents, timestep, self.inputs.context_null, **extra).float()
         return uncond + self.guide_scale(stage, step_index, timestep) * (cond - uncond)
 
     def guide_scale(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> float:

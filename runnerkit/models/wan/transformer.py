@@ -15,7 +15,9 @@ the dtype of its own weight, so bf16 weights work on the CPU and on CUDA.
 
 Layout for the offload engine: `forward` is `embed` -> `blocks[i](...)` for each block ->
 `head` -> `unpatchify`, and all of a block's weights are used inside `blocks[i].forward`,
-so forward hooks on `blocks[i]` bracket every use of them. Inside a block the three phases are
+so forward hooks on `blocks[i]` bracket every use of them. `forward_branches` runs the CFG
+branches block by block (block i for every branch, then block i+1), so a block streamer moves
+each block once per step for all branches. Inside a block the three phases are
 the submodules `self_attn`, `cross_attn` (preceded by its sibling LayerNorm `norm3`) and `ffn`.
 """
 
@@ -23,7 +25,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -472,3 +475,39 @@ class WanTransformer3D(nn.Module):
         for block in self.blocks:
             x = block(x, pre.time_mod, pre.context, pre.rope, pre.image_context)
         return self.unpatchify(self.head(x, pre.time_emb), pre.grid)
+
+    def forward_branches(self, latents: Tensor, timestep: Tensor, contexts: Sequence[Tensor],
+                         clip_context: Tensor | None = None, y: Tensor | None = None) -> list[Tensor]:
+        """`forward` for several text contexts (the CFG branches), block-major: block i runs for
+        every branch, in `contexts` order, before block i+1 runs for any.
+
+        Each branch goes through exactly the ops and shapes of `forward(latents, timestep,
+        contexts[b], clip_context, y)`, so output b is bit-identical to that call (each branch keeps
+        its own context length; nothing is batched or padded across branches). With block
+        streaming, a block's weights are fetched once per call for all branches (the streamer
+        serves the re-entry from its slot: runnerkit/offload/streamer.py).
+
+        Args:
+            latents, timestep, clip_context, y: as `forward`, shared by every branch.
+            contexts: one [B, L_b, text_dim] text context per branch (e.g. [prompt, negative
+                prompt]); L_b <= `text_len` may differ between branches.
+
+        Returns:
+            One [B, C_out, F, H, W] float32 prediction per branch, in `contexts` order.
+
+        Raises:
+            ValueError: `contexts` is empty, or as `forward` (naming the argument).
+
+        Memory: the branches' residual streams [B, L, dim] float32 are alive together; the
+        embedding's own reference is dropped, so per token the blocks hold as many streams as
+        `forward` does (its `pre.x` and the block input), plus the second branch's embedded text.
+        """
+        if not contexts:
+            raise ValueError("`contexts` is empty: give one text context per branch")
+        pres = [self.embed(latents, timestep, context, clip_context, y) for context in contexts]
+        xs = [pre.x for pre in pres]  # [B, L, dim] each: the only reference to each branch's stream
+        pres = [replace(pre, x=pre.x.new_empty(0)) for pre in pres]
+        for block in self.blocks:
+            for b, pre in enumerate(pres):
+                xs[b] = block(xs[b], pre.time_mod, pre.context, pre.rope, pre.image_context)
+        return [self.unpatchify(self.head(x, pre.time_emb), pre.grid) for x, pre in zip(xs, pres)]

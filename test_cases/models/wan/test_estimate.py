@@ -75,13 +75,16 @@ def cast(module: torch.nn.Module, dtype: torch.dtype, fp32: Callable[[str], bool
 
 
 # ---- components -----------------------------------------------------------------------------
-@pytest.mark.parametrize(("dtype", "dim", "ffn", "heads", "latent", "qk_norm"), [
-    (torch.float32, 256, 1024, 2, (5, 32, 32), True), (torch.bfloat16, 256, 1024, 2, (5, 32, 32), True),
-    (torch.float32, 256, 1536, 4, (3, 48, 48), True), (torch.bfloat16, 128, 256, 1, (9, 32, 32), False)],
-    ids=["fp32", "bf16", "fp32-ffn6x", "bf16-no-qk-norm"])
+@pytest.mark.parametrize(("dtype", "dim", "ffn", "heads", "latent", "qk_norm", "one_pass"), [
+    (torch.float32, 256, 1024, 2, (5, 32, 32), True, False), (torch.bfloat16, 256, 1024, 2, (5, 32, 32), True, False),
+    (torch.float32, 256, 1536, 4, (3, 48, 48), True, False), (torch.bfloat16, 128, 256, 1, (9, 32, 32), False, False),
+    (torch.float32, 256, 1024, 2, (5, 32, 32), True, True), (torch.bfloat16, 128, 256, 1, (9, 32, 32), False, True)],
+    ids=["fp32", "bf16", "fp32-ffn6x", "bf16-no-qk-norm", "fp32-forward-branches", "bf16-no-qk-norm-forward-branches"])
 def test_transformer_step_bounds_the_measured_peak(dtype: torch.dtype, dim: int, ffn: int, heads: int,
-                                                   latent: tuple[int, int, int], qk_norm: bool) -> None:
-    """One CFG step (cond and uncond forwards, the combine) of a 3-block transformer."""
+                                                   latent: tuple[int, int, int], qk_norm: bool,
+                                                   one_pass: bool) -> None:
+    """One CFG step (cond and uncond forwards, or both branches block by block as under block
+    streaming, then the combine) of a 3-block transformer: one estimate bounds both."""
     arch = WanTransformerArch(dim=dim, ffn_dim=ffn, num_heads=heads, num_layers=3, freq_dim=32, text_dim=64,
                               text_len=64, qk_norm=qk_norm)
     torch.manual_seed(0)
@@ -92,8 +95,11 @@ def test_transformer_step_bounds_the_measured_peak(dtype: torch.dtype, dim: int,
     t = torch.tensor([500.0])
 
     def step() -> torch.Tensor:
-        cond = model(latents, t, context).float()
-        uncond = model(latents, t, context).float()
+        if one_pass:
+            cond, uncond = (out.float() for out in model.forward_branches(latents, t, [context, context]))
+        else:
+            cond = model(latents, t, context).float()
+            uncond = model(latents, t, context).float()
         return uncond + 5.0 * (cond - uncond)
 
     with torch.inference_mode():
@@ -205,3 +211,22 @@ def test_whole_request_estimate_bounds_the_process_peak_rss(tiny_ckpt: Path, tmp
     assert default["need"] >= default["grown"], f"estimate {default['need'] / MIB:.0f} MiB < RSS growth " \
                                                 f"{default['grown'] / MIB:.0f} MiB"
     # how loose: the fixed overhead (0.5 GiB) dominates at this size; measured need / growth 1.9-3.3
+
+
+def test_one_pass_cfg_counts_the_second_branchs_image_tokens() -> None:
+    """Block streaming runs both CFG branches block by block (`forward_branches`): i2v holds both branches'
+    embedded CLIP tokens [257, dim] float32 at once; the t2v transformer stage is the same in every mode."""
+    tiny_i2v = json.loads((Path(__file__).resolve().parents[3] / "configs/wan/wan_i2v_tiny.json").read_text())
+    arch = WanArch.model_validate(tiny_i2v["model"])
+    assert arch.image_encoder is not None
+
+    def transformer_stage(mode: str, image_frames: int, cfg: bool = True) -> int:
+        estimate = est.wan_t2v_estimate(arch, (48, 80, 9), torch.float32, torch.device("cpu"), cfg,
+                                        OffloadConfig(mode=mode), image_frames=image_frames)
+        return next(s.activation_bytes for s in estimate.stages if s.name == "transformer")
+
+    tokens = (arch.image_encoder.image_size // arch.image_encoder.patch_size) ** 2 + 1
+    assert transformer_stage("block", 1) - transformer_stage("none", 1) == tokens * arch.transformer.dim * 4
+    assert transformer_stage("phase", 1) == transformer_stage("none", 1)  # two passes there
+    assert transformer_stage("block", 1, cfg=False) == transformer_stage("none", 1, cfg=False)
+    assert transformer_stage("block", 0) == transformer_stage("none", 0)
