@@ -6,16 +6,17 @@ The synthetic pipeline (GiB): text_encoder 4 (streamable only where `te_streams`
 vae 1. A streamable module keeps 10% resident and streams 90% in 10 units through 2 slots; fp8
 storage halves the streamed bytes and adds a compute buffer of one bf16 unit per slot (as
 `plan_unit_layout` does). Activations at the base shape 480x832x81: text 0.1, transformer 1,
-vae 1 (both scale with height x width x frames). On CUDA a peak is ceil(1.1 x formula) + 0.25:
+vae 1 (both scale with height x width x frames). On CUDA a peak is ceil(1.1 x formula) + 0.25;
+host memory is what the modules keep there + the largest module loaded through it + 2 (process):
 
-    candidate (CFG)              device GiB (formula -> estimate)     host GiB (+3 process)
-    resident                     16   -> 17.85                        10 loaded through host -> 13
-    model                        11   -> 12.35                        15 -> 18
-    block cpu [transformer]      6.9  -> 7.84  (text stage)           4 + 9 + 1 + 1 -> 18
-    block cpu [+ text encoder]   5.92 -> 6.76  (vae stage)            0.4 + 3.6... see test
-    block cpu fp8                7.8  -> 8.83                         4 + 4.5 + 1 + 1 -> 13.5
-    block disk                   6.9  -> 7.84                         4 + 1.8 + 1 + 1 -> 10.8
-    block disk lazy_load         4.1  -> 4.76                         10.8
+    candidate                    device GiB (formula -> estimate)     host GiB
+    resident                     16   -> 17.85  (vae stage)           10 (transformer, loaded) + 2 -> 12
+    model                        11   -> 12.35  (transformer stage)   4 + 10 + 1 + 2 -> 17
+    block cpu [transformer]      6.9  -> 7.84   (text stage)          4 + 9 (slabs) + 1 + 1 (resident part) + 2 -> 17
+    block cpu [+ text encoder]   5.92 -> 6.76   (vae stage)           (text encoder streamed too)
+    block cpu fp8                7.8  -> 8.83   (slots hold fp8 + bf16) 4 + 4.5 + 1 + 1 + 2 -> 12.5
+    block disk                   6.9  -> 7.84                         4 + 1.8 (2 staging slabs) + 1 + 1 + 2 -> 9.8
+    block disk lazy_load         4.1  -> 4.76   (text stage)          9.8
 """
 
 from __future__ import annotations
@@ -93,19 +94,20 @@ RESIDENT, MODEL = "resident (mode none)", "model offload (mode model)"
     (16, 64, False, {}, MODEL, [(RESIDENT, "device: peak 17.85 GiB > limit 16.00 GiB")]),
     # 10 GiB device: block streaming from host memory (7.84)
     (10, 64, False, {}, BLOCK, [(RESIDENT, "device: peak 17.85"), (MODEL, "device: peak 12.35 GiB > limit 10.00")]),
-    # 16 GiB device, 17 GiB host: model offload and host streaming need 18 GiB of host memory -> disk
-    (16, 17, False, {}, DISK, [(RESIDENT, "device: peak 17.85"), (MODEL, "host: 18.00 GiB > limit 17.00 GiB"),
-                               (BLOCK, "host: 18.00 GiB > limit 17.00 GiB")]),
-    # the same machine with weight_dtype auto: fp8 host slabs (13.5 GiB) come before disk
-    (16, 17, False, {"weight_dtype": "auto"}, FP8, [(RESIDENT, "device"), (MODEL, "host: 18.00"), (BLOCK, "host: 18.00")]),
+    # 16 GiB device, 16.5 GiB host: model offload and host streaming need 17 GiB of host memory -> disk
+    (16, 16.5, False, {}, DISK, [(RESIDENT, "device: peak 17.85"), (MODEL, "host: 17.00 GiB > limit 16.50 GiB"),
+                                 (BLOCK, "host: 17.00 GiB > limit 16.50 GiB")]),
+    # the same machine with weight_dtype auto: fp8 host slabs (12.5 GiB) come before disk
+    (16, 16.5, False, {"weight_dtype": "auto"}, FP8, [(RESIDENT, "device"), (MODEL, "host: 17.00"),
+                                                      (BLOCK, "host: 17.00")]),
     # 7.5 GiB device, text encoder cannot stream: only lazy disk streaming (4.76) fits
     (7.5, 64, False, {}, LAZY, [(RESIDENT, "device"), (MODEL, "device"), (BLOCK, "device: peak 7.84"),
                                 (DISK, "device: peak 7.84")]),
     # ... and when it can: streaming it too from host memory (6.76) comes first
     (7.5, 64, True, {}, BLOCK_ALL, [(RESIDENT, "device"), (MODEL, "device"), (BLOCK, "device: peak 7.84 GiB")]),
-    # host memory alone: 12 GiB host rejects resident (13: the transformer is read through host memory)
-    (80, 12, False, {}, DISK, [(RESIDENT, "host: 13.00 GiB > limit 12.00"), (MODEL, "host: 18.00"),
-                               (BLOCK, "host: 18.00")]),
+    # host memory alone: 11.5 GiB host rejects resident (12: the transformer is read through host memory)
+    (80, 11.5, False, {}, DISK, [(RESIDENT, "host: 12.00 GiB > limit 11.50"), (MODEL, "host: 17.00"),
+                                 (BLOCK, "host: 17.00")]),
     # host memory unknown: not checked
     (80, None, False, {}, RESIDENT, []),
     # explicit keys constrain: storage disk set -> only disk candidates
@@ -133,7 +135,7 @@ def test_the_fastest_candidate_that_fits(device_gib: float, host_gib: float | No
 
 def test_chosen_configs_are_concrete_and_complete() -> None:
     assert plan(10, 64).offload == OffloadConfig(mode="block")
-    assert plan(16, 17, weight_dtype="auto").offload == OffloadConfig(mode="block", weight_dtype="fp8_e4m3")
+    assert plan(16, 16.5, weight_dtype="auto").offload == OffloadConfig(mode="block", weight_dtype="fp8_e4m3")
     assert plan(7.5, 64).offload == OffloadConfig(mode="block", storage="disk", reader="pread", lazy_load=True)
     assert plan(7.5, 64, te_streams=True).offload == OffloadConfig(mode="block",
                                                                    stream_modules=["text_encoder", "transformer"])
@@ -201,10 +203,10 @@ def test_disk_copies_at_the_disk_rate() -> None:
 
 
 def test_the_log_block_names_every_module_and_rejection() -> None:
-    text = plan_report.describe(plan(16, 17))
+    text = plan_report.describe(plan(16, 16.5))
     assert text.splitlines()[0].startswith(f"memory plan (offload.mode auto): {DISK}")
     for needle in ("text_encoder", "transformer", "vae", "streamed from disk", "copy per denoising step (estimate)",
-                   f"rejected: {MODEL}: host: 18.00 GiB > limit 17.00 GiB"):
+                   f"rejected: {MODEL}: host: 17.00 GiB > limit 16.50 GiB"):
         assert needle in text, needle
 
 
@@ -231,9 +233,9 @@ def test_refusal_names_the_largest_frames_and_size_that_fit() -> None:
 
 def test_refusal_names_the_missing_host_memory() -> None:
     with pytest.raises(MemoryFitError) as err:
-        plan(80, 10)
+        plan(80, 9)
     msg = str(err.value)
-    assert f"Closest: {DISK} needs 10.80 GiB of host memory (0.80 GiB missing)" in msg, msg
+    assert f"Closest: {DISK} needs 9.80 GiB of host memory (0.80 GiB missing)" in msg, msg
     assert "raise `memory.host_limit_gib`" in msg, msg
 
 
