@@ -216,3 +216,43 @@ def test_copy_volume_counts_the_cfg_passes(ckpt: Path, monkeypatch: pytest.Monke
     slabs = est.modules["transformer"].stream_host_bytes  # storage cpu: every unit's slab, copied once per pass
     rows = {r.name: r for r in plan_report.module_rows(plan)}
     assert slabs > 0 and rows["transformer"].copy_step_bytes == passes * slabs
+
+
+def test_init_modules_plans_for_the_config_shape_before_loading(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's and the Python API's path: no request is known, `init_modules` plans for the config's
+    default shape, before the load, and the config is concrete (and locked) afterwards."""
+    _plan_for_cuda(monkeypatch)
+    device_gib, host_gib = _limits(ckpt)
+    runner = WanT2VRunner(load_runner_config(None, _config(
+        ckpt, target_height=SHAPE[0], target_width=SHAPE[1], target_video_length=SHAPE[2], offload={"mode": "auto"},
+        memory={"limit_gib": device_gib, "host_limit_gib": host_gib})))
+    order: list[str] = []
+    monkeypatch.setattr(WanT2VRunner, "plan_memory", _recording(WanT2VRunner.plan_memory, "plan", order))
+    monkeypatch.setattr(WanT2VRunner, "load_modules", _recording(WanT2VRunner.load_modules, "load", order))
+    runner.init_modules()
+    assert order == ["plan", "load"]
+    assert runner.config.offload == OffloadConfig(**LAZY_DISK)
+    assert runner.profiler.memory_plan is not None and runner.profiler.memory_plan["shapes"] == [list(SHAPE)]
+
+
+def test_warmup_shapes_are_planned_for_and_unsupported_modes_skipped(tiny_ckpt: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _plan_for_cuda(monkeypatch)
+    monkeypatch.setattr(WanT2VRunner, "WARMUP_OFFLOAD_MODES", ("model",))  # as if warmup could not run resident
+    runner = WanT2VRunner(load_runner_config(None, config_dict(  # the tiny flavour has warmup shapes
+        TINY_CONFIG, tiny_ckpt, warmup=True, offload={"mode": "auto"}, memory={"limit_gib": 64.0,
+                                                                              "host_limit_gib": 64.0})))
+    plan = runner.plan_memory([SHAPE])
+    assert plan is not None and runner.warmup_shapes()
+    assert list(plan.shapes) == list(dict.fromkeys([SHAPE, *runner.warmup_shapes()]))
+    assert plan.chosen.name == "model offload (mode model)"
+    assert [e.reason for e in plan.rejected] == ["excluded: warmup of WanT2VRunner does not support offload mode "
+                                                 "'none' (supported: ['model'])"]
+
+
+def _recording(method: Any, name: str, order: list[str]) -> Any:
+    def wrapper(self: Any, *args: Any) -> Any:
+        order.append(name)
+        return method(self, *args)
+
+    return wrapper
