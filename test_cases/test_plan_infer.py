@@ -178,7 +178,8 @@ def test_explicit_keys_constrain_the_plan(ckpt: Path, monkeypatch: pytest.Monkey
         ckpt, offload={"mode": "auto", "gpu_slots": 3, "prefetch_depth": 2}, memory={"limit_gib": 64.0,
                                                                                   "host_limit_gib": 64.0})))
     plan = runner.plan_memory([SHAPE])
-    assert plan is not None and [e.name for e in plan.rejected] == ["resident (mode none)", "model offload (mode model)"]
+    assert plan is not None
+    assert [e.name for e in plan.rejected] == ["resident (mode none)", "model offload (mode model)"]
     assert all(e.reason.startswith("excluded: `offload.gpu_slots` has no effect") for e in plan.rejected)
     assert runner.config.offload == OffloadConfig(mode="block", gpu_slots=3, prefetch_depth=2)
 

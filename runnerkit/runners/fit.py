@@ -317,7 +317,8 @@ class HostEstimate:
             return f"{self.bytes / GIB:.2f} GiB ({self.note})"
         held = ", ".join(f"{n} {b / GIB:.2f}" for n, b in self.modules.items()) or "no weights"
         return (f"{self.bytes / GIB:.2f} GiB (held: {held} GiB; + {self.transient_bytes / GIB:.2f} GiB loading "
-                f"{self.transient_module or 'nothing'} through host memory; + {self.process_bytes / GIB:.2f} GiB process)")
+                f"{self.transient_module or 'nothing'} through host memory; + {self.process_bytes / GIB:.2f} GiB "
+                "process)")
 
 
 def host_module_bytes(name: str, footprint: ModuleFootprint, config: RunnerConfig) -> int:

@@ -1,4 +1,4 @@
-"""What a memory plan (runners/plan.py) says: per module where it lives, its bytes and copy volume,
+"""What a memory plan (runners/plan.py, plan_ladder.py) says: per module where it lives, its bytes and copy volume,
 the log block, the profile's `memory_plan`, and the refusal when nothing fits (docs/memory_plan.md).
 
 Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled as such):
@@ -28,8 +28,8 @@ from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
 from runnerkit.runners.fit import GIB, host_module_bytes, streams
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan import (EstimateFn, Evaluation, MemoryPlan, SupportedFn, candidate_name, evaluate,
-                                    explicit_keys, ladder)
+from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, SupportedFn, candidate_name,
+                                           evaluate, explicit_keys, ladder)
 
 __all__ = ["DISK_BYTES_PER_S", "H2D_PAGEABLE_BYTES_PER_S", "H2D_PINNED_BYTES_PER_S", "ModuleRow", "describe",
            "module_rows", "refusal", "report"]
@@ -76,7 +76,8 @@ def module_rows(plan: MemoryPlan) -> list[ModuleRow]:
             where += ", built per request" if off.lazy_load else ""
             step, request = (streamed * plan.passes_per_step, 0) if m.stream_default else (0, streamed)
             rate = h2d if off.storage == "cpu" else min(h2d, DISK_BYTES_PER_S)
-            rows.append(ModuleRow(name, where, m.stream_resident_bytes + m.stream_slot_bytes, host, step, request, rate))
+            device = m.stream_resident_bytes + m.stream_slot_bytes
+            rows.append(ModuleRow(name, where, device, host, step, request, rate))
         elif off.mode == "none" or plan.device.type == "cpu":
             rows.append(ModuleRow(name, "resident", m.weight_bytes, host, 0, 0, h2d))
         else:

@@ -49,15 +49,16 @@ def synthetic(te_streams: bool = False) -> Any:
         stored_unit = unit // 2 if off.weight_dtype == "fp8_e4m3" else unit
         compute = unit if off.weight_dtype == "fp8_e4m3" else 0
         host = 10 * stored_unit if off.storage == "cpu" else 2 * stored_unit
-        return ModuleFootprint(total, stream_resident_bytes=total - streamed, stream_slot_bytes=2 * (stored_unit + compute),
-                               stream_host_bytes=host, stream_default=default)
+        return ModuleFootprint(total, stream_resident_bytes=total - streamed,
+                               stream_slot_bytes=2 * (stored_unit + compute), stream_host_bytes=host,
+                               stream_default=default)
 
     def estimate(off: OffloadConfig, shape: tuple[int, int, int]) -> MemoryEstimate:
         h, w, f = shape
         scale = h * w * f / math.prod(BASE)
         return MemoryEstimate(
-            modules={"text_encoder": footprint(4, False, te_streams, off), "transformer": footprint(10, True, True, off),
-                     "vae": footprint(1, True, False, off)},
+            modules={"text_encoder": footprint(4, False, te_streams, off),
+                     "transformer": footprint(10, True, True, off), "vae": footprint(1, True, False, off)},
             stages=(StageFootprint("text_encoder", "text_encoder", int(0.1 * GIB)),
                     StageFootprint("transformer", "transformer", int(scale * GIB)),
                     StageFootprint("vae_decoder", "vae", int(scale * GIB))))
@@ -151,7 +152,8 @@ def test_the_largest_shape_decides() -> None:
     result = plan(16, 64, shapes=(small, BASE, big))
     assert result.chosen.name == BLOCK
     assert result.chosen.peak_shape == big
-    assert "device: peak 16.70 GiB > limit 16.00 GiB (stage transformer, shape 480x832x401)" in result.rejected[1].reason
+    reason = result.rejected[1].reason
+    assert "device: peak 16.70 GiB > limit 16.00 GiB (stage transformer, shape 480x832x401)" in reason
     assert plan(16, 64, shapes=(small, BASE)).chosen.name == MODEL
 
 
@@ -243,8 +245,8 @@ def test_refusal_names_weight_dtype_auto_when_fp8_would_fit() -> None:
     with pytest.raises(MemoryFitError) as err:
         plan(16, 14, storage="cpu")  # disk excluded by the explicit storage; fp8 not allowed
     msg = str(err.value)
-    assert f"To fit: `offload.weight_dtype`='auto' (lets the planner store streamed weights in lossy fp8_e4m3): {FP8} " \
-           "fits" in msg, msg
+    assert ("To fit: `offload.weight_dtype`='auto' (lets the planner store streamed weights in lossy fp8_e4m3): "
+            f"{FP8} fits") in msg, msg
 
 
 def test_refusal_names_the_explicit_key_that_excludes_a_fitting_candidate() -> None:
