@@ -257,3 +257,21 @@ def _recording(method: Any, name: str, order: list[str]) -> Any:
         return method(self, *args)
 
     return wrapper
+
+
+def test_host_limit_also_checks_requests_of_an_explicit_mode(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`memory.host_limit_gib` with a concrete mode: the fit check refuses what exceeds it (before loading)."""
+    _plan_for_cuda(monkeypatch)
+    from runnerkit.config import RequestConfig
+    from runnerkit.runners.fit import MemoryFitError
+
+    host = fit.PROCESS_HOST_BYTES / fit.GIB  # the process alone; the weights do not fit beside it
+    runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "block"},
+                                                           memory={"limit_gib": 64.0, "host_limit_gib": host})))
+    with pytest.raises(MemoryFitError, match=r"request 0 \(command line\): shape \[48, 80, 9\] needs an estimated "
+                                             r"2\.\d\d GiB \(held: text_encoder .*of host memory, more than config "
+                                             r"memory.host_limit_gib \(2.0 GiB\)"):
+        runner.check_requests_fit([RequestConfig(prompt="a fox")])
+    roomy = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "block"},
+                                                          memory={"limit_gib": 64.0, "host_limit_gib": host + 1})))
+    roomy.check_requests_fit([RequestConfig(prompt="a fox")])  # no error

@@ -166,7 +166,8 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
             streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn,
             factors: tuple[int, int]) -> str:
     """Why no candidate fits: the closest one with the GiB missing on the device and the host, the
-    candidates the user's keys excluded that would fit, and the largest smaller shapes that would fit."""
+    candidates the user's keys excluded that would fit, the family's hints (`MemoryEstimate.hints`),
+    and the largest smaller shapes that would fit."""
     tried = [e for e in evaluations if e.peak is not None]
     head = (f"`offload.mode`='auto': no offload plan fits {len(shapes)} shape(s) {[list(s) for s in shapes]} "
             f"on {device} (limit {device_limit.bytes / GIB:.2f} GiB: {device_limit.source}"
@@ -184,6 +185,8 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
         missing.append(f"{best.host.bytes / GIB:.2f} GiB of host memory ({best.host_missing / GIB:.2f} GiB missing)")
     advice = _would_fit(config, evaluations, shapes, device, estimate, device_limit, host_limit, streamable,
                         default_streams, supported)
+    if best.device_missing and best.estimate is not None:
+        advice += list(best.estimate.hints)  # the family's own advice, e.g. VAE tiling
     if best.device_missing and not best.host_missing:
         advice += _smaller_shapes(config, tried, best, device, estimate, device_limit, factors)
     elif best.host_missing:

@@ -10,7 +10,7 @@ vae 1 (both scale with height x width x frames). On CUDA a peak is ceil(1.1 x fo
 host memory is what the modules keep there + the largest module loaded through it + 2 (process):
 
     candidate                    device GiB (formula -> estimate)     host GiB
-    resident                     16   -> 17.85  (vae stage)           10 (transformer, loaded) + 2 -> 12
+    resident                     16   -> 17.85  (transformer)         10 (transformer, loaded) + 2 -> 12
     model                        11   -> 12.35  (transformer stage)   4 + 10 + 1 + 2 -> 17
     block cpu [transformer]      6.9  -> 7.84   (text stage)          4 + 9 (slabs) + 1 + 1 (resident part) + 2 -> 17
     block cpu [+ text encoder]   5.92 -> 6.76   (vae stage)           (text encoder streamed too)
@@ -61,7 +61,8 @@ def synthetic(te_streams: bool = False) -> Any:
                      "transformer": footprint(10, True, True, off), "vae": footprint(1, True, False, off)},
             stages=(StageFootprint("text_encoder", "text_encoder", int(0.1 * GIB)),
                     StageFootprint("transformer", "transformer", int(scale * GIB)),
-                    StageFootprint("vae_decoder", "vae", int(scale * GIB))))
+                    StageFootprint("vae_decoder", "vae", int(scale * GIB))),
+            hints=("offload.vae_tiling=true (a family hint)",))
 
     return estimate
 
@@ -220,6 +221,7 @@ def test_refusal_names_the_missing_gib_on_the_device() -> None:
     # closest: lazy disk streaming, 4.76 GiB at the text-encoder stage (weights: no smaller shape helps)
     assert f"Closest: {LAZY} needs 4.76 GiB on the device (0.76 GiB missing" in msg, msg
     assert "no smaller shape of this aspect ratio fits" in msg and "stage text_encoder" in msg, msg
+    assert "To fit: offload.vae_tiling=true (a family hint); or no smaller shape" in msg, msg
 
 
 def test_refusal_names_the_largest_frames_and_size_that_fit() -> None:
