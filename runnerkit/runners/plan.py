@@ -87,6 +87,11 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         if off.mode == "block" and not streamable:
             evaluations.append(Evaluation(name, off, "excluded: no module of this family streams its blocks"))
             continue
+        cannot = [m for m in off.stream_modules or () if m not in streamable]
+        if off.mode == "block" and cannot:
+            evaluations.append(Evaluation(name, off, f"excluded: `offload.stream_modules` names {cannot}, which "
+                                                     f"cannot stream (modules that can: {streamable})"))
+            continue
         refused = supported(off)
         if refused:
             evaluations.append(Evaluation(name, off, f"excluded: {refused}"))

@@ -145,6 +145,13 @@ def test_chosen_configs_are_concrete_and_complete() -> None:
     assert plan(80, 64, storage="disk", reader="mmap").offload == OffloadConfig(mode="block", storage="disk")
 
 
+def test_stream_modules_naming_a_module_that_cannot_stream_is_refused() -> None:
+    with pytest.raises(MemoryFitError, match=r"Every candidate is excluded: .*`offload.stream_modules` names "
+                                             r"\['text_encoder'\], which cannot stream \(modules that can: "
+                                             r"\['transformer'\]\)"):
+        plan(80, 64, stream_modules=["text_encoder", "transformer"])
+
+
 def test_the_largest_shape_decides() -> None:
     small = (240, 416, 21)
     assert plan(10, 64, shapes=(small,)).chosen.name == BLOCK
