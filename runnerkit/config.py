@@ -76,9 +76,11 @@ class _Strict(BaseModel):
 class OffloadConfig(_Strict):
     """Where weights live between uses (ARCHITECTURE §4)."""
 
-    mode: Literal["none", "model", "block", "phase"] = Field(
+    mode: Literal["none", "model", "block", "phase", "auto"] = Field(
         "none", description="none: all resident; model: whole modules visit the GPU for their stage; "
-        "block/phase: transformer blocks (or their self-attn / cross-attn / FFN phases) stream through GPU slots.")
+        "block/phase: transformer blocks (or their self-attn / cross-attn / FFN phases) stream through GPU slots; "
+        "auto: the memory planner (runnerkit/runners/plan.py, docs/memory_plan.md) chooses the fastest of these "
+        "that fits the device and host memory, before anything loads; the other keys set here constrain its choice.")
     storage: Literal["cpu", "disk"] = Field(
         "cpu", description="cpu: streamed weights live in (pinned) host memory; disk: they stream from the "
         "checkpoint's safetensors files every step.")
@@ -87,10 +89,12 @@ class OffloadConfig(_Strict):
     gpu_slots: int = Field(2, ge=2, le=64, description="Device slots that streamed blocks/phases rotate through.")
     prefetch_depth: int = Field(1, ge=1, le=63, description="Units copied ahead of the one computing (< gpu_slots).")
     reader: Literal["mmap", "pread"] = Field("mmap", description="How disk storage reads safetensors files.")
-    weight_dtype: Literal["same", "fp8_e4m3"] = Field(
+    weight_dtype: Literal["same", "fp8_e4m3", "auto"] = Field(
         "same", description="Storage dtype of streamed weights: same (the compute dtype), or fp8_e4m3 (quantized at "
-        "load into host memory, storage cpu only; upcast at compute). A checkpoint's own float8_e4m3fn weights "
-        "(fp8 releases) need no setting: with storage disk they stream as stored and are upcast on the device.")
+        "load into host memory, storage cpu only; upcast at compute: lossy). auto (with mode auto only): the "
+        "planner may choose fp8_e4m3 when the weights do not fit otherwise. A checkpoint's own float8_e4m3fn "
+        "weights (fp8 releases) need no setting: with storage disk they stream as stored and are upcast on the "
+        "device.")
     vae_tiling: bool = Field(False, description="Decode the VAE in spatial tiles to bound memory.")
     stream_modules: tuple[str, ...] | None = Field(
         None, description="Modules that stream their blocks/layers in mode block/phase. null: the family's "
@@ -100,6 +104,11 @@ class OffloadConfig(_Strict):
 
     @model_validator(mode="after")
     def _combinations(self) -> "OffloadConfig":
+        if self.mode == "auto":  # the other keys constrain the plan; each candidate is validated as concrete
+            return self
+        if self.weight_dtype == "auto":
+            raise ValueError(f"`offload.weight_dtype`='auto' lets the memory planner choose the storage dtype; it "
+                             f"needs `offload.mode`='auto' (got {self.mode!r}): use 'same' or 'fp8_e4m3'")
         streaming = self.mode in ("block", "phase")
         inert = [f for f in ("gpu_slots", "prefetch_depth", "reader", "stream_modules")
                  if f in self.model_fields_set and not streaming]
@@ -190,11 +199,18 @@ class MemoryConfig(_Strict):
         None, gt=0, le=1024**2, description="The device memory limit in GiB that requests are checked against "
         "(weights included); None: read from the device (CUDA: free + held by this process; CPU: available "
         "host memory).")
+    host_limit_gib: float | None = Field(
+        None, gt=0, le=1024**2, description="The host memory (RAM) limit in GiB of this process: the memory "
+        "planner (`offload.mode` auto) plans within it, and the fit check refuses a request whose host bytes "
+        "(`runners.fit.host_bytes_of`: offloaded weights, streamer slabs, a process constant) exceed it. None: "
+        "the planner reads the host's available memory (incl. a cgroup limit) and the fit check does not check "
+        "host memory.")
 
     @model_validator(mode="after")
     def _limit_needs_check(self) -> "MemoryConfig":
-        if self.limit_gib is not None and not self.check_fit:
-            raise ValueError("`memory.limit_gib` has no effect with `memory.check_fit`=false; remove one of them")
+        for key in ("limit_gib", "host_limit_gib"):
+            if getattr(self, key) is not None and not self.check_fit:
+                raise ValueError(f"`memory.{key}` has no effect with `memory.check_fit`=false; remove one of them")
         return self
 
 
@@ -417,6 +433,9 @@ def validate_model_arch(arch_cls: type[BaseModel], model: dict[str, Any] | None,
 def load_runner_config(path: str | Path | None, overrides: dict[str, Any]) -> RunnerConfig:
     """Read a JSON config, apply CLI overrides (non-None values), validate.
 
+    An override key with a dot sets a key of a nested section, keeping the section's other keys
+    (`{"offload.mode": "auto"}`: the launch script's and the server's `--offload`).
+
     Raises:
         ConfigError: unreadable file, bad JSON, unknown keys, wrong types, out-of-range values.
     """
@@ -431,7 +450,15 @@ def load_runner_config(path: str | Path | None, overrides: dict[str, Any]) -> Ru
             raise ConfigError(f"config file {str(p)!r} is not valid UTF-8 JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a JSON object (got {type(data).__name__})")
-    data.update({k: v for k, v in overrides.items() if v is not None})
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        section, dot, field = key.partition(".")
+        if not dot:
+            data[key] = value
+        elif isinstance(data.get(section, {}), dict):
+            data[section] = {**data.get(section, {}), field: value}
+        # else: the file's section is not an object; validation names it
     try:
         return RunnerConfig.model_validate(data)
     except ValidationError as exc:

@@ -5,9 +5,10 @@
 
 One process: validate config and every request -> build runner -> init_modules (load, lock,
 warmup once) -> run each request (a failed request is reported with its index, cleaned up, and the
-rest still run). Every request's shape is checked against the device's memory before loading
-(runners/fit.py). Exit status 0 only if every request succeeded; 2 for invalid input (a request
-that cannot fit included); 1 otherwise.
+rest still run). With `offload.mode` auto (`--offload auto`) the offload config is planned for
+every request's shape before loading (runners/plan.py); every request's shape is then checked
+against the device's memory (runners/fit.py). Exit status 0 only if every request succeeded; 2 for
+invalid input (a request that cannot fit, or no offload plan that fits, included); 1 otherwise.
 Input errors (config, request, checkpoint, unsupported mode) are reported in one line; unexpected
 errors also print their traceback.
 """
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save_tensor_path", help=".safetensors with every output, e.g. 'video' float32 [C, F, H, W] in [-1, 1]")
     p.add_argument("--infer_steps", type=int, help="denoising steps (default: the config's, else the family's)")
     p.add_argument("--device", help="'auto', 'cpu', 'cuda' or 'cuda:N' (default: the config's, else auto)")
+    p.add_argument("--offload", choices=("none", "model", "block", "phase", "auto"),
+                   help="offload mode, replacing the config's offload.mode (its other offload keys stay); auto: "
+                        "the fastest plan that fits every request's shape on the device and in host memory, "
+                        "chosen before loading (docs/memory_plan.md)")
     p.add_argument("--log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="least severe log messages shown (default INFO)")
     p.add_argument("--warmup", action="store_true", help="run the one-time warmup before the first request")
@@ -97,7 +102,8 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     from runnerkit.registry import get_runner_cls
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
                  "text_encoder_path": args.text_encoder_path, "upsampler_path": args.upsampler_path,
-                 "infer_steps": args.infer_steps, "device": args.device, "warmup": True if args.warmup else None}
+                 "infer_steps": args.infer_steps, "device": args.device, "offload.mode": args.offload,
+                 "warmup": True if args.warmup else None}
     if args.config_json is None and args.model_cls is None:
         raise ConfigError("give --config_json FILE (or at least --model_cls and --model_path); see --help")
     config = load_runner_config(args.config_json, overrides)
@@ -187,9 +193,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, NotImplementedError) as exc:  # the family refuses the config's settings
         logger.error("invalid input: config {}: {}", args.config_json or "(command-line flags)", exc)
         return 2
-    try:
-        runner.check_requests_fit(requests)  # before loading: a request that cannot fit costs no load time
-    except ValueError as exc:  # MemoryFitError
+    try:  # before loading: offload.mode auto is planned for every request's shape, then each is checked
+        runner.check_requests_fit(requests)
+    except (ValueError, NotImplementedError) as exc:  # MemoryFitError; auto without a family estimate
         logger.error("invalid input: {}", exc)
         return 2
     failed: list[int] = []

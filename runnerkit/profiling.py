@@ -115,6 +115,7 @@ class Profiler:
         self.phases: dict[str, float] = {}
         self.attention: dict[str, Any] | None = None  # the attention backend chosen at load
         self.compile_cache: dict[str, Any] | None = None  # compile.cache_dir: what was loaded and saved
+        self.memory_plan: dict[str, Any] | None = None  # offload.mode auto: the plan (runners/plan_report.py)
         self.warmup: dict[str, Any] | None = None
         self.requests: list[RequestProfile] = []
         self.current: RequestProfile | None = None
@@ -169,6 +170,7 @@ class Profiler:
             "phases": self.phases,
             "attention": self.attention,
             "compile_cache": self.compile_cache,
+            "memory_plan": self.memory_plan,
             "warmup": self.warmup,
             "requests": [{"index": r.index, "shape": r.shape, "seconds": r.seconds, "stage_seconds": r.stages,
                           "step_seconds": r.steps, "memory": r.memory, "audit": r.audit, "ok": r.ok,

@@ -316,8 +316,10 @@ def test_profile_json_with_warmup_and_same_output(config_path: Path, isolated: l
     _check_request_profile(entry, 0, [H, W, F])
     assert entry["audit"]["warmed_shape"] is True
     assert report["schema_version"] == 2 and report["device"] == "cpu"
-    # docs/profile.md lists exactly these (the compile_cache section's keys: test_compile_cache.py)
-    assert _key_paths(report) == {k for k in _documented_keys() - CUDA_ONLY_KEYS if not k.startswith("compile_cache.")}
+    # docs/profile.md lists exactly these (the compile_cache section's keys: test_compile_cache.py; the
+    # memory_plan section's: test_plan_infer.py)
+    assert _key_paths(report) == {k for k in _documented_keys() - CUDA_ONLY_KEYS
+                                  if not k.startswith(("compile_cache.", "memory_plan."))}
     # Same seed => same output with or without warmup (bit-identical on the CPU).
     assert torch.equal(_video(out), isolated[0])
 

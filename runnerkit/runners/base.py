@@ -1,7 +1,8 @@
 """BaseRunner: the lifecycle template and every guarantee it holds (ARCHITECTURE §2, §3).
 
     runner = get_runner_cls(config.model_cls, config.task)(config)   # family defaults resolved, config validated
-    runner.init_modules()                # once: warmup gate -> load_modules -> config lock -> compile cache -> warmup
+    runner.init_modules()                # once: memory plan (offload.mode auto) -> warmup gate -> load_modules
+                                         #       -> config lock -> compile cache -> warmup
     runner.run_pipeline(request, index)  # one request; end_run() always runs after it
 
 `init_modules`, `warmup` and `run_pipeline` are final: a subclass that defines one of them is
@@ -190,12 +191,13 @@ class BaseRunner(ABC):
 
     # -- lifecycle (final) ------------------------------------------------------------------
     def init_modules(self) -> None:
-        """Load modules, lock the config, load the compile cache (`compile.cache_dir`), run the one-time
-        warmup (a no-op without `warmup`; with a compile cache it saves the entry after it).
+        """Resolve `offload.mode` auto (`plan_memory`, unless `check_requests_fit` did already), load
+        modules, lock the config, load the compile cache (`compile.cache_dir`), run the one-time warmup
+        (a no-op without `warmup`; with a compile cache it saves the entry after it).
 
         Raises:
             LifecycleError: called a second time (build a new runner to reload).
-            whatever loading or warmup raises, tagged with phase `load` or `warmup`.
+            whatever planning, loading or warmup raises, tagged with phase `plan`, `load` or `warmup`.
         """
         if self._lifecycle != "new":
             raise LifecycleError(f"init_modules runs once per runner and already ran (state: {self._lifecycle}); "
@@ -203,6 +205,8 @@ class BaseRunner(ABC):
         self._lifecycle = "initialising"
         try:
             self._phase("loading")
+            with lifecycle_phase("plan"):  # before the warmup gate: it reads the offload mode
+                self.plan_memory(())
             if self.config.warmup:
                 with lifecycle_phase("warmup"):
                     self.check_warmup_supported()  # refuse before anything is loaded
@@ -403,6 +407,19 @@ class BaseRunner(ABC):
     @abstractmethod
     def profile_stages(self) -> tuple[str, ...]:
         """The profiling stages of one request, in order."""
+
+    def plan_memory(self, shapes: Sequence[Shape]) -> Any:
+        """Resolve `offload.mode` auto into a concrete config for `shapes` (empty: the config's default
+        shape) before loading; a no-op for other modes. DefaultRunner plans from the family's estimate
+        (runners/plan.py).
+
+        Raises:
+            NotImplementedError: `offload.mode` auto on a runner that cannot plan.
+        """
+        if self.config.offload.mode == "auto":
+            raise NotImplementedError(f"`offload.mode`='auto': {type(self).__name__} has no memory planner; choose "
+                                      "`offload.mode` none/model/block/phase yourself")
+        return None
 
     @abstractmethod
     def check_requests_fit(self, requests: Sequence[Any]) -> None:

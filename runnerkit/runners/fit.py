@@ -50,9 +50,10 @@ from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.offload.layout import StreamSpec, plan_unit_layout, plan_units
 from runnerkit.offload.pinned import align_up
 
-__all__ = ["MARGIN", "OVERHEAD_BYTES", "EstimateUnavailable", "MemoryEstimate", "MemoryFitError", "ModuleFootprint",
-           "PeakEstimate", "StageFootprint", "device_weights", "module_footprint", "overhead_bytes", "peak_of",
-           "refusal_message", "streams", "weights_between_stages"]
+__all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "HostEstimate", "MemoryEstimate",
+           "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights", "host_bytes_of",
+           "host_module_bytes", "module_footprint", "overhead_bytes", "peak_of", "refusal_message", "streams",
+           "weights_between_stages"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -66,6 +67,14 @@ process's resident memory grows beyond its live tensors: glibc keeps freed block
 dynamic mmap threshold (up to 32 MiB) in its heaps, and oneDNN caches primitives and scratchpads;
 measured up to 0.32 GiB above the tensor peak for one request of the tiny test config at
 256x256x9 (the whole-request test of the first family's estimate, under test_cases/models/)."""
+
+
+PROCESS_HOST_BYTES = 2 * GIB
+"""Host memory of a CUDA run's process besides the weights it holds: the interpreter, torch's and
+the CUDA libraries' code and data, the CUDA context's host side, tokenizers, request tensors on their
+way to the media writer. Measured: 0.79 GiB RSS (torch 2.11+cu130 on an H200 host, after a cuBLAS
+matmul and an SDPA kernel, transformers imported); 2 GiB leaves room for torch.compile's compiler,
+tokenizers and a request's decoded video on the host (81 frames of 720p in float32: 0.8 GiB)."""
 
 
 def overhead_bytes(device: torch.device) -> int:
@@ -286,6 +295,80 @@ def peak_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.device
                                 detail=stage.detail, overhead_bytes=overhead)
     assert best is not None, "a memory estimate needs at least one stage"
     return best
+
+
+@dataclass(frozen=True)
+class HostEstimate:
+    """Host memory (RAM) of a run in bytes, by the terms of `host_bytes_of`.
+
+    Attributes:
+        bytes: the total compared with the host limit.
+        modules: module name -> bytes it keeps in host memory (offloaded weights, streamer slabs);
+            modules keeping none are left out.
+        transient_bytes: the largest module loaded onto the device through host memory (`transient_module`).
+        process_bytes: `PROCESS_HOST_BYTES` (0 on the CPU device, where the device estimate's overhead holds it).
+        note: how the total was formed, for logs.
+    """
+
+    bytes: int
+    modules: dict[str, int]
+    transient_bytes: int = 0
+    transient_module: str | None = None
+    process_bytes: int = 0
+    note: str = ""
+
+    def describe(self) -> str:
+        if self.note:
+            return f"{self.bytes / GIB:.2f} GiB ({self.note})"
+        held = ", ".join(f"{n} {b / GIB:.2f}" for n, b in self.modules.items()) or "no weights"
+        return (f"{self.bytes / GIB:.2f} GiB (held: {held} GiB; + {self.transient_bytes / GIB:.2f} GiB loading "
+                f"{self.transient_module or 'nothing'} through host memory; + {self.process_bytes / GIB:.2f} GiB "
+                "process)")
+
+
+def host_module_bytes(name: str, footprint: ModuleFootprint, config: RunnerConfig) -> int:
+    """Bytes module `name` keeps in host memory between its stages on a CUDA device: a streamed module
+    its streamer's slabs (`stream_host_bytes`: every unit with storage cpu, one staging slab per slot
+    with disk); a model-offloaded module (mode model, or not streamed in block/phase) all its weights;
+    a resident module, and every module under `unload_modules`, none."""
+    off = config.offload
+    if config.unload_modules or off.mode == "none":
+        return 0
+    if streams(name, footprint, off):
+        return footprint.stream_host_bytes
+    return footprint.weight_bytes
+
+
+def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.device) -> HostEstimate:
+    """The host memory a run of `estimate` needs under `config` on `device` (bytes):
+
+        host = sum over modules of host_module_bytes      (offloaded weights, streamer slabs)
+             + the largest module loaded onto the device through host memory
+                 (resident modules and unload_modules: its weights; a streamed module: its resident
+                 part; the state dict of one module is read into host memory while it is placed:
+                 whole for .pth files, page by page for safetensors)
+             + PROCESS_HOST_BYTES
+
+    On the CPU the device is the host: the total is the device estimate (`peak_of(...).bytes`).
+    No margin is added: slabs are exact sizes (ARCHITECTURE §4) and the constant is rounded up.
+    """
+    if device.type == "cpu":
+        return HostEstimate(bytes=peak_of(estimate, config, device).bytes, modules={},
+                            note="the device is the host: its peak estimate")
+    held = {n: host_module_bytes(n, m, config) for n, m in estimate.modules.items()}
+    off = config.offload
+    loaded: dict[str, int] = {}
+    for name, m in estimate.modules.items():
+        if streams(name, m, off):
+            assert m.stream_resident_bytes is not None
+            loaded[name] = m.stream_resident_bytes
+        elif config.unload_modules or off.mode == "none":
+            loaded[name] = m.weight_bytes
+    transient_module = max(loaded, key=lambda n: loaded[n]) if loaded else None
+    transient = loaded[transient_module] if transient_module is not None else 0
+    total = sum(held.values()) + transient + PROCESS_HOST_BYTES
+    return HostEstimate(bytes=total, modules={n: b for n, b in held.items() if b > 0}, transient_bytes=transient,
+                        transient_module=transient_module, process_bytes=PROCESS_HOST_BYTES)
 
 
 def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, limit_bytes: int, limit_source: str,

@@ -1,7 +1,9 @@
-"""Request checks of `DefaultRunner`: a request's fields and shape, and whether its estimated peak
-memory fits the device (runners/fit.py), all before anything runs.
+"""Request checks of `DefaultRunner`: a request's fields and shape, the memory plan of
+`offload.mode` auto (runners/plan.py), and whether a request's estimated peak memory fits the
+device (runners/fit.py), all before anything runs.
 
     validate_request (classmethod, before loading) -> shape_of -> validate_shape
+    plan_memory (before loading: check_requests_fit, or init_modules) -> the concrete offload config
     check_requests_fit (before loading) / check_fit (warmup gate, each request) -> MemoryFitError
     resolve_request (each request): the request's defaults filled in -> InputInfo
 
@@ -14,17 +16,20 @@ supplies: `config`, `device`, `resolve_config` (BaseRunner); `placement`, the fa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from loguru import logger
 
+from runnerkit import compile as regional_compile
 from runnerkit import memory
-from runnerkit.config import RequestConfig, RunnerConfig, as_request
+from runnerkit.config import OffloadConfig, RequestConfig, RunnerConfig, as_request
 from runnerkit.images import check_image
-from runnerkit.runners import fit
-from runnerkit.runners.fit import MemoryFitError, PeakEstimate
+from runnerkit.runners import fit, plan, plan_report
+from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, PeakEstimate
 from runnerkit.runners.pipeline import InputInfo, Shape
 
 __all__ = ["RequestChecksMixin"]
@@ -103,6 +108,98 @@ class RequestChecksMixin:
         """(height, width, frames) of `request`, the config's defaults filled in (`shape_of`)."""
         return self.shape_of(request, self.config)
 
+    # ---- memory plan (runners/plan.py) ------------------------------------------------------
+    def memory_device(self) -> torch.device:
+        """The device whose memory the plan and the fit check model: the compute device. (Tests plan
+        for a CUDA device while computing on the CPU by replacing this.)"""
+        return self.device
+
+    def denoise_passes_per_step(self) -> int:
+        """Transformer forward passes per denoising step, for the plan's copy volume: 2 with CFG
+        (conditional and unconditional passes), 1 without. A family that batches both overrides it."""
+        return 2 if self.config.enable_cfg else 1
+
+    @contextmanager
+    def _offload_for_estimate(self, offload: OffloadConfig) -> Iterator[None]:
+        """`self.config.offload` reads `offload` inside the block (the family's `estimate_memory`
+        reads the run config); restored after it. Before loading only: the config is not locked."""
+        assert not self._config_locked, "the plan is made before loading"
+        saved = self._config
+        self._config = saved.model_copy(update={"offload": offload})
+        try:
+            yield
+        finally:
+            self._config = saved
+
+    def _estimate_with(self, offload: OffloadConfig, shape: Shape) -> MemoryEstimate:
+        with self._offload_for_estimate(offload):
+            try:
+                estimate = self.estimate_memory(shape)
+            except fit.EstimateUnavailable as exc:
+                raise NotImplementedError(f"`offload.mode`='auto' plans from {type(self).__name__}'s memory estimate "
+                                          f"before loading, which is not available: {exc}; choose `offload.mode` "
+                                          "yourself") from None
+        if estimate is None:
+            raise NotImplementedError(f"`offload.mode`='auto' needs a memory estimate, and {type(self).__name__} "
+                                      f"(model_cls {self.config.model_cls!r}) gives none (estimate_memory): choose "
+                                      "`offload.mode` none/model/block/phase yourself")
+        return estimate
+
+    def _plan_supports(self, offload: OffloadConfig) -> str | None:
+        """Why this run cannot use `offload` (compile, warmup's offload modes), or None."""
+        try:
+            regional_compile.check_supported(self.config.compile, offload, self.config.unload_modules, self.device)
+        except NotImplementedError as exc:
+            return str(exc)
+        modes = self._opt_in("WARMUP_OFFLOAD_MODES")
+        mode = "lazy_load" if offload.lazy_load else offload.mode
+        if self.config.warmup and modes is not None and mode not in modes:
+            return f"warmup of {type(self).__name__} does not support offload mode {mode!r} (supported: {list(modes)})"
+        return None
+
+    def plan_memory(self, shapes: Sequence[Shape]) -> plan.MemoryPlan | None:
+        """Resolve `offload.mode` auto into a concrete offload config before anything loads (runners/plan.py);
+        a no-op (None) for any other mode.
+
+        Plans for `shapes` (the launch script: every request's; empty: the config's default shape) and,
+        with `warmup`, the warmup shapes. Limits: `memory.limit_gib` else the device's
+        (`memory.memory_limit`); `memory.host_limit_gib` else the host's available memory plus what
+        this process holds already. Logs the plan (INFO), records it in the profile (`memory_plan`)
+        and writes the chosen config into the run config (`update_config`, before the lock).
+
+        Raises:
+            MemoryFitError: nothing fits (the GiB missing; what would fit).
+            NotImplementedError: the family gives no estimate, or cannot before loading.
+            ValueError: the device's memory cannot be read (set `memory.limit_gib`).
+        """
+        cfg = self.config
+        if cfg.offload.mode != "auto":
+            return None
+        shapes = list(shapes) or [(cfg.target_height, cfg.target_width, cfg.target_video_length)]
+        if cfg.warmup:
+            shapes += list(self.warmup_shapes())
+        device = self.memory_device()
+        device_limit = memory.memory_limit(device, cfg.memory.limit_gib)
+        if device_limit is None:
+            raise ValueError(f"`offload.mode`='auto': the memory of device {device} cannot be read; set "
+                             "`memory.limit_gib`")
+        if cfg.memory.host_limit_gib is not None:
+            host_limit: memory.MemoryLimit | None = memory.MemoryLimit(int(cfg.memory.host_limit_gib * fit.GIB),
+                                                                       "config memory.host_limit_gib")
+        else:
+            found = memory.host_available_bytes()
+            rss = int(memory.host_memory().rss_gib * fit.GIB)
+            host_limit = None if found is None else memory.MemoryLimit(
+                found[0] + rss, f"{found[0] / fit.GIB:.2f} GiB available ({found[1]}) + {rss / fit.GIB:.2f} GiB "
+                                "held by this process")
+        result = plan.plan_offload(cfg, shapes, device, self._estimate_with, device_limit, host_limit,
+                                   self.denoise_passes_per_step(), self._plan_supports,
+                                   (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR))
+        logger.info(plan_report.describe(result))
+        self.profiler.memory_plan = plan_report.report(result, cfg.offload)
+        self.update_config(offload=result.offload)
+        return result
+
     # ---- memory fit (runners/fit.py) --------------------------------------------------------
     def check_fit(self, shape: Shape, what: str) -> PeakEstimate | None:
         """Refuse `shape` if its estimated peak memory exceeds the device's limit; return the estimate.
@@ -117,6 +214,7 @@ class RequestChecksMixin:
             MemoryFitError: naming `what`, the shape, the estimate, the limit and what to change.
         """
         cfg = self.config
+        assert cfg.offload.mode != "auto", "plan_memory resolves offload.mode auto before any fit check"
         if not cfg.memory.check_fit:
             return None
         try:
@@ -129,15 +227,23 @@ class RequestChecksMixin:
         if estimate is None:
             self._log_unchecked(f"{type(self).__name__} gives no memory estimate (estimate_memory)")
             return None
-        loaded = fit.weights_between_stages(estimate, cfg, self.device) if self.placement is not None else 0
-        limit = memory.memory_limit(self.device, cfg.memory.limit_gib, loaded_bytes=loaded)
+        device = self.memory_device()
+        loaded = fit.weights_between_stages(estimate, cfg, device) if self.placement is not None else 0
+        limit = memory.memory_limit(device, cfg.memory.limit_gib, loaded_bytes=loaded)
         if limit is None:
-            self._log_unchecked(f"the memory of device {self.device} cannot be read; set memory.limit_gib")
+            self._log_unchecked(f"the memory of device {device} cannot be read; set memory.limit_gib")
             return None
-        peak = fit.peak_of(estimate, cfg, self.device)
+        peak = fit.peak_of(estimate, cfg, device)
         if peak.bytes > limit.bytes:
-            raise MemoryFitError(fit.refusal_message(what, shape, peak, limit.bytes, limit.source, self.device, cfg,
+            raise MemoryFitError(fit.refusal_message(what, shape, peak, limit.bytes, limit.source, device, cfg,
                                                      estimate.hints))
+        if cfg.memory.host_limit_gib is not None:
+            host = fit.host_bytes_of(estimate, cfg, device)
+            if host.bytes > cfg.memory.host_limit_gib * fit.GIB:
+                raise MemoryFitError(f"{what}: shape {list(shape)} needs an estimated {host.describe()} of host "
+                                     f"memory, more than config memory.host_limit_gib ({cfg.memory.host_limit_gib} "
+                                     "GiB). Try offload storage 'disk' (streamed weights stay on disk), "
+                                     "`offload.mode`='auto', or a larger memory.host_limit_gib if the machine has it")
         logger.debug("{}: shape {} fits: estimated {} of {:.2f} GiB ({})", what, list(shape), peak.describe(),
                      limit.bytes / fit.GIB, limit.source)
         return peak
@@ -148,11 +254,15 @@ class RequestChecksMixin:
             self._fit_unchecked_logged = True
 
     def check_requests_fit(self, requests: Sequence[RequestConfig]) -> None:
-        """Check every request's shape before anything loads (the launch script calls this first).
+        """Plan `offload.mode` auto for every request's shape (`plan_memory`), then check every
+        request's shape, before anything loads (the launch script calls this first).
 
         Raises:
-            MemoryFitError: for the first request that cannot fit (its index and source in the message).
+            MemoryFitError: for the first request that cannot fit (its index and source in the
+                message), or no offload plan fits.
+            NotImplementedError: `offload.mode` auto for a family without an estimate before loading.
         """
+        self.plan_memory([self.request_shape(r) for r in requests])
         peaks: dict[Shape, PeakEstimate | None] = {}
         for index, request in enumerate(requests):
             shape = self.request_shape(request)

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", help="override the config's task")
     p.add_argument("--model_path", help="override the config's checkpoint folder")
     p.add_argument("--device", help="override the config's device (auto, cpu, cuda, cuda:N)")
+    p.add_argument("--offload", choices=("none", "model", "block", "phase", "auto"),
+                   help="override the config's offload.mode (auto: planned for the config's shape and, with "
+                        "--warmup, the warmup shapes, before loading; docs/memory_plan.md)")
     p.add_argument("--warmup", action="store_true", help="warm up before reporting ready")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -128,7 +131,7 @@ def serve(args: argparse.Namespace) -> int:
     from runnerkit.serve.jobs import Job, JobQueue
 
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
-                 "device": args.device, "warmup": True if args.warmup else None}
+                 "device": args.device, "offload.mode": args.offload, "warmup": True if args.warmup else None}
     try:
         config = load_runner_config(args.config_json, overrides)
         output_dir = prepare_output_dir(args.output_dir)

@@ -1,0 +1,170 @@
+"""The pieces of the memory planner (runners/plan.py, docs/memory_plan.md): the ladder of concrete
+offload configs, the user's explicit keys applied to it, and one candidate judged against the
+device and host limits. Pure functions of estimates; imported by plan.py and plan_report.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from runnerkit.config import OffloadConfig, RunnerConfig
+from runnerkit.memory import MemoryLimit
+from runnerkit.runners.fit import GIB, HostEstimate, MemoryEstimate, PeakEstimate, host_bytes_of, peak_of
+from runnerkit.runners.pipeline import Shape
+
+__all__ = ["MATCH_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "SupportedFn", "candidate_name",
+           "constrain", "evaluate", "explicit_keys", "ladder"]
+
+#: Explicit keys a ladder candidate must match where it sets them (else the candidate is left out).
+MATCH_KEYS = ("storage", "lazy_load", "weight_dtype")
+
+#: (estimate of a shape under a concrete offload config) -> MemoryEstimate; raises what estimate_memory raises.
+EstimateFn = Callable[[OffloadConfig, Shape], MemoryEstimate]
+#: A concrete offload config -> None if the run supports it, else the reason (compile, warmup).
+SupportedFn = Callable[[OffloadConfig], "str | None"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One rung of the ladder: the offload keys it sets (mode first)."""
+
+    keys: dict[str, Any]
+
+
+def ladder(streamable: Sequence[str], default_streams: Sequence[str], allow_fp8: bool) -> list[Candidate]:
+    """The candidates, fastest first (module docstring).
+
+    Args:
+        streamable: every module that can stream its blocks/layers (estimate order).
+        default_streams: those that stream when `offload.stream_modules` is null (the transformers).
+        allow_fp8: include the fp8_e4m3 storage rung.
+    """
+    variants: list[list[str] | None] = [None]
+    if streamable and set(streamable) != set(default_streams):
+        variants.append(list(streamable))
+    rungs: list[dict[str, Any]] = [{"mode": "none"}, {"mode": "model"}]
+    streaming = [{"storage": "cpu", "weight_dtype": "same"}]
+    if allow_fp8:
+        streaming.append({"storage": "cpu", "weight_dtype": "fp8_e4m3"})
+    streaming += [{"storage": "disk", "reader": "pread", "weight_dtype": "same", "lazy_load": False},
+                  {"storage": "disk", "reader": "pread", "weight_dtype": "same", "lazy_load": True}]
+    for keys in streaming:
+        for names in variants:
+            rung = {"mode": "block", **keys}
+            if keys["storage"] == "cpu":
+                rung["lazy_load"] = False
+            rung["stream_modules"] = names
+            rungs.append(rung)
+    return [Candidate(r) for r in rungs]
+
+
+def explicit_keys(requested: OffloadConfig) -> dict[str, Any]:
+    """The offload keys the user set (besides `mode`), which constrain the plan; weight_dtype 'auto' is
+    a permission, not a constraint."""
+    keys = {k: getattr(requested, k) for k in sorted(requested.model_fields_set) if k != "mode"}
+    if keys.get("weight_dtype") == "auto":
+        del keys["weight_dtype"]
+    return keys
+
+
+def constrain(candidate: Candidate, explicit: dict[str, Any]) -> tuple[OffloadConfig | None, str]:
+    """The concrete config of `candidate` under the user's explicit keys, or (None, why it is left out)."""
+    data = dict(candidate.keys)
+    for key, value in explicit.items():
+        if key in MATCH_KEYS and key in data and data[key] != value:
+            return None, f"`offload.{key}`={value!r} is set in the config (this candidate uses {data[key]!r})"
+        data[key] = value
+    try:
+        return OffloadConfig.model_validate(data), ""
+    except ValidationError as exc:
+        return None, "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+
+
+def candidate_name(off: OffloadConfig) -> str:
+    """A short name of a concrete offload config, e.g. 'block streaming from pinned host memory, fp8_e4m3'."""
+    if off.mode == "none":
+        return "resident (mode none)"
+    if off.mode == "model":
+        return "model offload (mode model)"
+    source = ("disk" if off.storage == "disk" else "pinned host memory" if off.pin_memory else "host memory")
+    extras = [f"weight_dtype {off.weight_dtype}"] if off.weight_dtype != "same" else []
+    extras += [f"reader {off.reader}"] if off.storage == "disk" else []
+    extras += ["lazy_load"] if off.lazy_load else []
+    extras.append("streams " + (", ".join(off.stream_modules) if off.stream_modules else "the transformers"))
+    return f"{off.mode} streaming from {source} ({'; '.join(extras)})"
+
+
+@dataclass
+class Evaluation:
+    """One candidate judged: its config, the worst peak and host bytes over the shapes, and the verdict.
+
+    `reason` is empty for the chosen candidate; otherwise why it was not taken.
+    """
+
+    name: str
+    offload: OffloadConfig | None
+    reason: str = ""
+    peak: PeakEstimate | None = None
+    peak_shape: Shape | None = None
+    host: HostEstimate | None = None
+    estimate: MemoryEstimate | None = None  # at `peak_shape`
+    device_missing: int = 0
+    host_missing: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.offload is not None and self.peak is not None and not (self.device_missing or self.host_missing)
+
+
+@dataclass
+class MemoryPlan:
+    """The outcome of `plan_offload`: the chosen concrete config and every candidate looked at."""
+
+    chosen: Evaluation
+    rejected: list[Evaluation]
+    shapes: tuple[Shape, ...]
+    device: torch.device
+    device_limit: MemoryLimit
+    host_limit: MemoryLimit | None
+    passes_per_step: int
+    why: str
+    skipped: list[Evaluation] = field(default_factory=list)  # CPU: candidates not evaluated
+
+    @property
+    def offload(self) -> OffloadConfig:
+        assert self.chosen.offload is not None, "a plan always holds a concrete config"
+        return self.chosen.offload
+
+
+def evaluate(name: str, config: RunnerConfig, shapes: Sequence[Shape], device: torch.device, estimate: EstimateFn,
+             device_limit: MemoryLimit, host_limit: MemoryLimit | None) -> Evaluation:
+    """Peak and host bytes of `config` over `shapes` (the worst of each) against the limits."""
+    ev = Evaluation(name, config.offload)
+    for shape in shapes:
+        est = estimate(config.offload, shape)
+        peak = peak_of(est, config, device)
+        if ev.peak is None or peak.bytes > ev.peak.bytes:
+            ev.peak, ev.peak_shape, ev.estimate = peak, shape, est
+        host = host_bytes_of(est, config, device)
+        if ev.host is None or host.bytes > ev.host.bytes:
+            ev.host = host
+    assert ev.peak is not None and ev.host is not None, "plan at least one shape"
+    ev.device_missing = max(0, ev.peak.bytes - device_limit.bytes)
+    ev.host_missing = max(0, ev.host.bytes - host_limit.bytes) if host_limit is not None else 0
+    problems = []
+    if ev.device_missing:
+        problems.append(f"device: peak {ev.peak.bytes / GIB:.2f} GiB > limit {device_limit.bytes / GIB:.2f} GiB "
+                        f"(stage {ev.peak.stage}, shape {_shape(ev.peak_shape)})")
+    if ev.host_missing and host_limit is not None:
+        problems.append(f"host: {ev.host.bytes / GIB:.2f} GiB > limit {host_limit.bytes / GIB:.2f} GiB")
+    ev.reason = "; ".join(problems)
+    return ev
+
+
+def _shape(shape: Shape | None) -> str:
+    return "x".join(str(v) for v in shape) if shape else "?"

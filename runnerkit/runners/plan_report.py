@@ -1,0 +1,266 @@
+"""What a memory plan (runners/plan.py, plan_ladder.py) says: per module where it lives, its bytes and copy volume,
+the log block, the profile's `memory_plan`, and the refusal when nothing fits (docs/memory_plan.md).
+
+Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled as such):
+
+    streamed transformer:  streamed bytes x passes per step (2 with CFG: conditional and
+                           unconditional forward passes; 1 without)
+        streamed bytes = the host slabs (storage cpu: what is copied, fp8 included)
+                       = weight_bytes - stream_resident_bytes (storage disk: read and copied)
+    streamed text encoder: streamed bytes once per request (one encoder pass)
+    model-offloaded module: weight_bytes once per request (it visits the device for its stage)
+    resident module:       nothing
+
+    seconds = bytes / bandwidth: pinned H2D `H2D_PINNED_BYTES_PER_S`, pageable `H2D_PAGEABLE_BYTES_PER_S`,
+    disk `min(DISK_BYTES_PER_S, H2D)`; assumptions, not measurements. One transformer runs per step
+    (MoE experts take turns), so the step's copy is the largest transformer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runnerkit.config import OffloadConfig, RunnerConfig
+from runnerkit.memory import MemoryLimit
+from runnerkit.runners.fit import GIB, host_module_bytes, streams
+from runnerkit.runners.pipeline import Shape
+from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, SupportedFn, candidate_name,
+                                           evaluate, explicit_keys, ladder)
+
+__all__ = ["DISK_BYTES_PER_S", "H2D_PAGEABLE_BYTES_PER_S", "H2D_PINNED_BYTES_PER_S", "ModuleRow", "describe",
+           "module_rows", "refusal", "report"]
+
+H2D_PINNED_BYTES_PER_S = 20e9
+"""Assumed host-to-device copy rate from pinned memory: PCIe 4.0 x16 in practice (~25 GB/s peak), the
+link of most 8-24 GB GPUs. (A PCIe 5.0 H200 host measured 55 GB/s: 1 GiB copies, torch 2.11.)"""
+H2D_PAGEABLE_BYTES_PER_S = 8e9
+"""Assumed rate from pageable memory (pin_memory false): the driver stages through its own pinned
+buffer (the same H200 host measured 8.7 GB/s)."""
+DISK_BYTES_PER_S = 2e9
+"""Assumed sequential read rate of the checkpoint's disk: a PCIe 3.0/4.0 NVMe drive with a cold page cache."""
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """One module under the plan (bytes; seconds are estimates at the assumed rates)."""
+
+    name: str
+    placement: str
+    device_bytes: int  # on the device during its own stage
+    host_bytes: int  # kept in host memory
+    copy_step_bytes: int  # H2D per denoising step
+    copy_request_bytes: int  # H2D once per request
+    bytes_per_s: float  # the assumed rate of its copies
+
+    def seconds(self, nbytes: int) -> float:
+        return nbytes / self.bytes_per_s if nbytes else 0.0
+
+
+def module_rows(plan: MemoryPlan) -> list[ModuleRow]:
+    """Per module of the chosen plan (at its peak shape): placement, bytes and copy volume (module docstring)."""
+    ev, off = plan.chosen, plan.offload
+    assert ev.estimate is not None, "a chosen candidate was evaluated"
+    config = RunnerConfig.model_construct(offload=off, unload_modules=False)
+    h2d = H2D_PINNED_BYTES_PER_S if off.pin_memory else H2D_PAGEABLE_BYTES_PER_S
+    rows = []
+    for name, m in ev.estimate.modules.items():
+        host = host_module_bytes(name, m, config) if plan.device.type != "cpu" else 0
+        if streams(name, m, off):
+            assert m.stream_resident_bytes is not None
+            streamed = m.stream_host_bytes if off.storage == "cpu" else m.weight_bytes - m.stream_resident_bytes
+            where = "streamed from " + ("host memory" if off.storage == "cpu" else "disk")
+            where += ", built per request" if off.lazy_load else ""
+            step, request = (streamed * plan.passes_per_step, 0) if m.stream_default else (0, streamed)
+            rate = h2d if off.storage == "cpu" else min(h2d, DISK_BYTES_PER_S)
+            device = m.stream_resident_bytes + m.stream_slot_bytes
+            rows.append(ModuleRow(name, where, device, host, step, request, rate))
+        elif off.mode == "none" or plan.device.type == "cpu":
+            rows.append(ModuleRow(name, "resident", m.weight_bytes, host, 0, 0, h2d))
+        else:
+            rows.append(ModuleRow(name, "offloaded (visits the device for its stage)", m.weight_bytes, host, 0,
+                                  m.weight_bytes, h2d))
+    return rows
+
+
+def _gib(n: int | float) -> float:
+    return round(n / GIB, 3)
+
+
+def _dump(off: OffloadConfig | None) -> dict[str, Any] | None:
+    return off.model_dump(mode="json") if off is not None else None
+
+
+def report(plan: MemoryPlan, requested: OffloadConfig) -> dict[str, Any]:
+    """The profile's `memory_plan` (every key: docs/profile.md)."""
+    ev = plan.chosen
+    assert ev.peak is not None and ev.host is not None and ev.peak_shape is not None
+    rows = module_rows(plan)
+    step = max((r.copy_step_bytes for r in rows), default=0)
+    step_s = max((r.seconds(r.copy_step_bytes) for r in rows), default=0.0)
+    return {
+        "requested": requested.model_dump(mode="json", exclude_unset=True),
+        "offload": _dump(plan.offload),
+        "candidate": ev.name,
+        "why": plan.why,
+        "shapes": [list(s) for s in plan.shapes],
+        "peak_shape": list(ev.peak_shape),
+        "device_gib": _gib(ev.peak.bytes),
+        "peak_stage": ev.peak.stage,
+        "device_limit_gib": _gib(plan.device_limit.bytes),
+        "device_limit_source": plan.device_limit.source,
+        "host_gib": _gib(ev.host.bytes),
+        "host_limit_gib": _gib(plan.host_limit.bytes) if plan.host_limit is not None else None,
+        "host_limit_source": plan.host_limit.source if plan.host_limit is not None else None,
+        "passes_per_step": plan.passes_per_step,
+        "copy_per_step_gib": _gib(step),
+        "copy_seconds_per_step_estimate": round(step_s, 4),
+        "copy_per_request_gib": _gib(sum(r.copy_request_bytes for r in rows)),
+        "copy_seconds_per_request_estimate": round(sum(r.seconds(r.copy_request_bytes) for r in rows), 4),
+        "modules": [{"name": r.name, "placement": r.placement, "device_gib": _gib(r.device_bytes),
+                     "host_gib": _gib(r.host_bytes), "copy_per_step_gib": _gib(r.copy_step_bytes),
+                     "copy_per_request_gib": _gib(r.copy_request_bytes),
+                     "assumed_gb_per_s": round(r.bytes_per_s / 1e9, 2)} for r in rows],
+        "rejected": [{"candidate": e.name, "offload": _dump(e.offload), "reason": e.reason,
+                      "device_gib": _gib(e.peak.bytes) if e.peak is not None else None,
+                      "host_gib": _gib(e.host.bytes) if e.host is not None else None} for e in plan.rejected],
+    }
+
+
+def describe(plan: MemoryPlan) -> str:
+    """The plan's INFO block: the choice and why, per module, copy volume, the rejected candidates."""
+    ev = plan.chosen
+    assert ev.peak is not None and ev.host is not None
+    host_limit = (f"{plan.host_limit.bytes / GIB:.2f} GiB ({plan.host_limit.source})" if plan.host_limit is not None
+                  else "unknown (not checked)")
+    lines = [f"memory plan (offload.mode auto): {ev.name} -- {plan.why}",
+             f"  offload: {plan.offload.model_dump_json()}",
+             f"  shapes {[list(s) for s in plan.shapes]}; device {plan.device}: estimated {ev.peak.describe()} of "
+             f"{plan.device_limit.bytes / GIB:.2f} GiB ({plan.device_limit.source})",
+             f"  host: estimated {ev.host.describe()} of {host_limit}",
+             f"  {'module':<18} {'where':<44} {'device GiB':>10} {'host GiB':>9} {'H2D/step GiB':>12} "
+             f"{'H2D/request GiB':>15}"]
+    rows = module_rows(plan)
+    for r in rows:
+        lines.append(f"  {r.name:<18} {r.placement:<44} {r.device_bytes / GIB:>10.2f} {r.host_bytes / GIB:>9.2f} "
+                     f"{r.copy_step_bytes / GIB:>12.2f} {r.copy_request_bytes / GIB:>15.2f}")
+    step = max(rows, key=lambda r: r.copy_step_bytes, default=None)
+    if step is not None and step.copy_step_bytes:
+        lines.append(f"  copy per denoising step (estimate): {step.copy_step_bytes / GIB:.2f} GiB "
+                     f"({plan.passes_per_step} pass(es)) = {step.seconds(step.copy_step_bytes):.2f} s at an assumed "
+                     f"{step.bytes_per_s / 1e9:.0f} GB/s, vs 0 s resident (prefetch overlaps it with compute)")
+    request = sum(r.copy_request_bytes for r in rows)
+    if request:
+        lines.append(f"  copy per request (estimate): {request / GIB:.2f} GiB = "
+                     f"{sum(r.seconds(r.copy_request_bytes) for r in rows):.2f} s at the assumed rates")
+    for e in plan.rejected:
+        lines.append(f"  rejected: {e.name}: {e.reason}")
+    return "\n".join(lines)
+
+
+def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape], device: torch.device,
+            estimate: EstimateFn, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
+            streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn,
+            factors: tuple[int, int]) -> str:
+    """Why no candidate fits: the closest one with the GiB missing on the device and the host, the
+    candidates the user's keys excluded that would fit, the family's hints (`MemoryEstimate.hints`),
+    and the largest smaller shapes that would fit."""
+    tried = [e for e in evaluations if e.peak is not None]
+    head = (f"`offload.mode`='auto': no offload plan fits {len(shapes)} shape(s) {[list(s) for s in shapes]} "
+            f"on {device} (limit {device_limit.bytes / GIB:.2f} GiB: {device_limit.source}"
+            + (f"; host limit {host_limit.bytes / GIB:.2f} GiB: {host_limit.source})" if host_limit else ")"))
+    if not tried:
+        return (f"{head}. Every candidate is excluded: "
+                + "; ".join(f"{e.name}: {e.reason}" for e in evaluations))
+    best = min(tried, key=lambda e: e.device_missing + e.host_missing)
+    assert best.peak is not None and best.host is not None
+    missing = []
+    if best.device_missing:
+        missing.append(f"{best.peak.bytes / GIB:.2f} GiB on the device ({best.device_missing / GIB:.2f} GiB missing, "
+                       f"peak in stage {best.peak.stage} at shape {list(best.peak_shape or ())})")
+    if best.host_missing:
+        missing.append(f"{best.host.bytes / GIB:.2f} GiB of host memory ({best.host_missing / GIB:.2f} GiB missing)")
+    advice = _would_fit(config, evaluations, shapes, device, estimate, device_limit, host_limit, streamable,
+                        default_streams, supported)
+    if best.device_missing and best.estimate is not None:
+        advice += list(best.estimate.hints)  # the family's own advice, e.g. VAE tiling
+    if best.device_missing and not best.host_missing:
+        advice += _smaller_shapes(config, tried, best, device, estimate, device_limit, factors)
+    elif best.host_missing:
+        advice.append("free host memory or raise `memory.host_limit_gib` (host memory barely depends on the shape)")
+    return (f"{head}. Closest: {best.name} needs {' and '.join(missing)}. To fit: {'; or '.join(advice)}. "
+            "Candidates: " + "; ".join(f"{e.name}: {e.reason}" for e in evaluations))
+
+
+def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape],
+               device: torch.device, estimate: EstimateFn, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
+               streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn) -> list[str]:
+    """The first candidate of the unconstrained ladder (fp8 allowed) that fits, and what keeps it out."""
+    excluded = {e.name: e.reason for e in evaluations}
+    for cand in ladder(streamable, default_streams, allow_fp8=True):
+        off = OffloadConfig.model_validate(cand.keys)
+        name = candidate_name(off)
+        if name in excluded and not excluded[name].startswith("excluded"):
+            continue  # evaluated already: it does not fit
+        if off.mode == "block" and not streamable:
+            continue
+        ev = evaluate(name, config.model_copy(update={"offload": off}), shapes, device, estimate, device_limit,
+                      host_limit)
+        if not ev.fits:
+            continue
+        assert ev.peak is not None
+        fit = f"{name} fits ({ev.peak.bytes / GIB:.2f} GiB on the device)"
+        if name in excluded:
+            return [f"{fit}, but it is {excluded[name]}"]
+        if off.weight_dtype == "fp8_e4m3" and config.offload.weight_dtype == "same":
+            return [f"`offload.weight_dtype`='auto' (lets the planner store streamed weights in lossy fp8_e4m3): {fit}"]
+        refused = supported(off)
+        return [f"{fit}, but {refused}" if refused else
+                f"{fit} without the config's explicit offload keys {explicit_keys(config.offload)}"]
+    return []
+
+
+def _smaller_shapes(config: RunnerConfig, tried: Sequence[Evaluation], best: Evaluation, device: torch.device,
+                    estimate: EstimateFn, device_limit: MemoryLimit, factors: tuple[int, int]) -> list[str]:
+    """The most frames, and the largest size (same aspect), at which an evaluated candidate fits the device."""
+    from runnerkit.runners.fit import peak_of
+
+    assert best.peak_shape is not None
+    h, w, f = best.peak_shape
+    spatial, temporal = factors
+
+    def fits(off: OffloadConfig, shape: Shape) -> bool:
+        cfg = config.model_copy(update={"offload": off})
+        return peak_of(estimate(off, shape), cfg, device).bytes <= device_limit.bytes
+
+    out = []
+    frames = [(temporal * n + 1, e) for e in tried if e.offload is not None and not e.host_missing
+              for n in [_largest(lambda n, e=e: fits(e.offload, (h, w, temporal * n + 1)), (f - 1) // temporal)]
+              if n is not None and f > 1]
+    if frames:
+        most, ev = max(frames, key=lambda x: x[0])
+        out.append(f"target_video_length {most} at {h}x{w} ({ev.name})")
+    for k in range(7, 0, -1):  # sizes k/8 of the shape, multiples of the spatial factor
+        hs, ws = h * k // 8 // spatial * spatial, w * k // 8 // spatial * spatial
+        if hs < spatial or ws < spatial:
+            break
+        ev = next((e for e in tried if e.offload is not None and not e.host_missing and fits(e.offload, (hs, ws, f))),
+                  None)
+        if ev is not None:
+            out.append(f"target_height x target_width {hs}x{ws} at {f} frames ({ev.name})")
+            break
+    return out or [f"no smaller shape of this aspect ratio fits (the peak of {best.name} is in stage "
+                   f"{best.peak.stage if best.peak else '?'}: weights that do not shrink with the shape); a device "
+                   "with more memory"]
+
+
+def _largest(ok: Any, top: int) -> int | None:
+    """The largest n in [0, top) with ok(n) (ok monotone: true up to some n), or None."""
+    lo, hi = -1, top  # ok(lo) true (virtually), ok(hi) false (the shape that failed)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo if lo >= 0 else None

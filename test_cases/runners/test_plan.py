@@ -1,0 +1,277 @@
+"""The memory planner (runners/plan.py, plan_report.py) on synthetic estimates: which candidate a
+table of machines gets and why, the host-memory terms, the copy volume, the refusal and what it
+advises. No model: the estimate is a function of (offload config, shape) written here.
+
+The synthetic pipeline (GiB): text_encoder 4 (streamable only where `te_streams`), transformer 10,
+vae 1. A streamable module keeps 10% resident and streams 90% in 10 units through 2 slots; fp8
+storage halves the streamed bytes and adds a compute buffer of one bf16 unit per slot (as
+`plan_unit_layout` does). Activations at the base shape 480x832x81: text 0.1, transformer 1,
+vae 1 (both scale with height x width x frames). On CUDA a peak is ceil(1.1 x formula) + 0.25;
+host memory is what the modules keep there + the largest module loaded through it + 2 (process):
+
+    candidate                    device GiB (formula -> estimate)     host GiB
+    resident                     16   -> 17.85  (transformer)         10 (transformer, loaded) + 2 -> 12
+    model                        11   -> 12.35  (transformer stage)   4 + 10 + 1 + 2 -> 17
+    block cpu [transformer]      6.9  -> 7.84   (text stage)          4 + 9 (slabs) + 1 + 1 (resident part) + 2 -> 17
+    block cpu [+ text encoder]   5.92 -> 6.76   (vae stage)           (text encoder streamed too)
+    block cpu fp8                7.8  -> 8.83   (slots hold fp8 + bf16) 4 + 4.5 + 1 + 1 + 2 -> 12.5
+    block disk                   6.9  -> 7.84                         4 + 1.8 (2 staging slabs) + 1 + 1 + 2 -> 9.8
+    block disk lazy_load         4.1  -> 4.76   (text stage)          9.8
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from runnerkit.config import OffloadConfig, load_runner_config
+from runnerkit.memory import MemoryLimit
+from runnerkit.runners import fit, plan_report
+from runnerkit.runners.fit import GIB, MemoryEstimate, MemoryFitError, ModuleFootprint, StageFootprint
+from runnerkit.runners.plan import plan_offload
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+BASE = (480, 832, 81)
+
+
+def synthetic(te_streams: bool = False) -> Any:
+    """An estimate function (offload config, shape) -> MemoryEstimate of the module docstring's pipeline."""
+
+    def footprint(gib: float, default: bool, can: bool, off: OffloadConfig) -> ModuleFootprint:
+        total = int(gib * GIB)
+        if not can or off.mode not in ("block", "phase"):
+            return ModuleFootprint(total, stream_default=default)
+        streamed = total * 9 // 10
+        unit = streamed // 10
+        stored_unit = unit // 2 if off.weight_dtype == "fp8_e4m3" else unit
+        compute = unit if off.weight_dtype == "fp8_e4m3" else 0
+        host = 10 * stored_unit if off.storage == "cpu" else 2 * stored_unit
+        return ModuleFootprint(total, stream_resident_bytes=total - streamed,
+                               stream_slot_bytes=2 * (stored_unit + compute), stream_host_bytes=host,
+                               stream_default=default)
+
+    def estimate(off: OffloadConfig, shape: tuple[int, int, int]) -> MemoryEstimate:
+        h, w, f = shape
+        scale = h * w * f / math.prod(BASE)
+        return MemoryEstimate(
+            modules={"text_encoder": footprint(4, False, te_streams, off),
+                     "transformer": footprint(10, True, True, off), "vae": footprint(1, True, False, off)},
+            stages=(StageFootprint("text_encoder", "text_encoder", int(0.1 * GIB)),
+                    StageFootprint("transformer", "transformer", int(scale * GIB)),
+                    StageFootprint("vae_decoder", "vae", int(scale * GIB))),
+            hints=("offload.vae_tiling=true (a family hint)",))
+
+    return estimate
+
+
+def config(**offload: Any) -> Any:
+    return load_runner_config(None, {"model_cls": "x", "model_path": "/x", "offload": {"mode": "auto", **offload}})
+
+
+def limit(gib: float | None, what: str = "test") -> MemoryLimit | None:
+    return None if gib is None else MemoryLimit(int(gib * GIB), what)
+
+
+def plan(device_gib: float, host_gib: float | None, te_streams: bool = False, passes: int = 2,
+         device: torch.device = CUDA, shapes: tuple[tuple[int, int, int], ...] = (BASE,), **offload: Any) -> Any:
+    return plan_offload(config(**offload), shapes, device, synthetic(te_streams), limit(device_gib),
+                        limit(host_gib), passes)
+
+
+BLOCK = "block streaming from pinned host memory (streams the transformers)"
+BLOCK_ALL = "block streaming from pinned host memory (streams text_encoder, transformer)"
+FP8 = "block streaming from pinned host memory (weight_dtype fp8_e4m3; streams the transformers)"
+DISK = "block streaming from disk (reader pread; streams the transformers)"
+LAZY = "block streaming from disk (reader pread; lazy_load; streams the transformers)"
+RESIDENT, MODEL = "resident (mode none)", "model offload (mode model)"
+
+
+@pytest.mark.parametrize("device_gib, host_gib, te_streams, offload, chosen, rejected", [
+    # a big GPU: everything resident, nothing rejected
+    (80, 64, False, {}, RESIDENT, []),
+    # 16 GiB device: the resident peak (17.85) does not fit, model offload (12.35) does
+    (16, 64, False, {}, MODEL, [(RESIDENT, "device: peak 17.85 GiB > limit 16.00 GiB")]),
+    # 10 GiB device: block streaming from host memory (7.84)
+    (10, 64, False, {}, BLOCK, [(RESIDENT, "device: peak 17.85"), (MODEL, "device: peak 12.35 GiB > limit 10.00")]),
+    # 16 GiB device, 16.5 GiB host: model offload and host streaming need 17 GiB of host memory -> disk
+    (16, 16.5, False, {}, DISK, [(RESIDENT, "device: peak 17.85"), (MODEL, "host: 17.00 GiB > limit 16.50 GiB"),
+                                 (BLOCK, "host: 17.00 GiB > limit 16.50 GiB")]),
+    # the same machine with weight_dtype auto: fp8 host slabs (12.5 GiB) come before disk
+    (16, 16.5, False, {"weight_dtype": "auto"}, FP8, [(RESIDENT, "device"), (MODEL, "host: 17.00"),
+                                                      (BLOCK, "host: 17.00")]),
+    # 7.5 GiB device, text encoder cannot stream: only lazy disk streaming (4.76) fits
+    (7.5, 64, False, {}, LAZY, [(RESIDENT, "device"), (MODEL, "device"), (BLOCK, "device: peak 7.84"),
+                                (DISK, "device: peak 7.84")]),
+    # ... and when it can: streaming it too from host memory (6.76) comes first
+    (7.5, 64, True, {}, BLOCK_ALL, [(RESIDENT, "device"), (MODEL, "device"), (BLOCK, "device: peak 7.84 GiB")]),
+    # host memory alone: 11.5 GiB host rejects resident (12: the transformer is read through host memory)
+    (80, 11.5, False, {}, DISK, [(RESIDENT, "host: 12.00 GiB > limit 11.50"), (MODEL, "host: 17.00"),
+                                 (BLOCK, "host: 17.00")]),
+    # host memory unknown: not checked
+    (80, None, False, {}, RESIDENT, []),
+    # explicit keys constrain: storage disk set -> only disk candidates
+    (80, 64, False, {"storage": "disk"}, DISK, [
+        (RESIDENT, "excluded: `offload.storage`='disk' needs `offload.mode` 'block' or 'phase'"),
+        (MODEL, "excluded: `offload.storage`='disk' needs"),
+        (BLOCK, "excluded: `offload.storage`='disk' is set in the config (this candidate uses 'cpu')")]),
+    # gpu_slots set: it acts in streaming modes only
+    (80, 64, False, {"gpu_slots": 3}, BLOCK, [(RESIDENT, "excluded: `offload.gpu_slots` has no effect with "
+                                                          "`offload.mode`='none'"),
+                                              (MODEL, "excluded: `offload.gpu_slots` has no effect")]),
+])
+def test_the_fastest_candidate_that_fits(device_gib: float, host_gib: float | None, te_streams: bool,
+                                         offload: dict[str, Any], chosen: str, rejected: list[tuple[str, str]]) -> None:
+    result = plan(device_gib, host_gib, te_streams, **offload)
+    assert result.chosen.name == chosen
+    assert [e.name for e in result.rejected] == [name for name, _ in rejected]
+    for e, (_, reason) in zip(result.rejected, rejected):
+        assert reason in e.reason, f"{e.name}: {e.reason!r}"
+    assert result.offload.mode != "auto"
+    for key, value in offload.items():  # the explicit keys are in the concrete config
+        if value != "auto":
+            assert getattr(result.offload, key) == value
+
+
+def test_chosen_configs_are_concrete_and_complete() -> None:
+    assert plan(10, 64).offload == OffloadConfig(mode="block")
+    assert plan(16, 16.5, weight_dtype="auto").offload == OffloadConfig(mode="block", weight_dtype="fp8_e4m3")
+    assert plan(7.5, 64).offload == OffloadConfig(mode="block", storage="disk", reader="pread", lazy_load=True)
+    assert plan(7.5, 64, te_streams=True).offload == OffloadConfig(mode="block",
+                                                                   stream_modules=["text_encoder", "transformer"])
+    # an explicit reader replaces the ladder's pread
+    assert plan(80, 64, storage="disk", reader="mmap").offload == OffloadConfig(mode="block", storage="disk")
+
+
+def test_stream_modules_naming_a_module_that_cannot_stream_is_refused() -> None:
+    with pytest.raises(MemoryFitError, match=r"Every candidate is excluded: .*`offload.stream_modules` names "
+                                             r"\['text_encoder'\], which cannot stream \(modules that can: "
+                                             r"\['transformer'\]\)"):
+        plan(80, 64, stream_modules=["text_encoder", "transformer"])
+
+
+def test_the_largest_shape_decides() -> None:
+    small = (240, 416, 21)
+    assert plan(10, 64, shapes=(small,)).chosen.name == BLOCK
+    # ~5x the frames of BASE: the model-offload transformer stage, 10 + 4.95 GiB, grows beyond 16 GiB
+    big = (480, 832, 401)
+    result = plan(16, 64, shapes=(small, BASE, big))
+    assert result.chosen.name == BLOCK
+    assert result.chosen.peak_shape == big
+    reason = result.rejected[1].reason
+    assert "device: peak 16.70 GiB > limit 16.00 GiB (stage transformer, shape 480x832x401)" in reason
+    assert plan(16, 64, shapes=(small, BASE)).chosen.name == MODEL
+
+
+def test_on_the_cpu_resident_is_taken_and_said_why() -> None:
+    result = plan(64, 64, device=CPU)
+    assert result.chosen.name == RESIDENT and result.rejected == []
+    assert "the device is the CPU" in result.why
+    with pytest.raises(MemoryFitError) as err:  # the CPU's peak is not lowered by offload: refused, not streamed
+        plan(10, None, device=CPU)
+    msg = str(err.value)
+    assert f"Closest: {RESIDENT} needs 18.10 GiB on the device (8.10 GiB missing" in msg, msg
+    assert f"{MODEL}: not evaluated: on the CPU the first allowed candidate is taken" in msg, msg
+
+
+def test_host_bytes_terms() -> None:
+    est = synthetic()(OffloadConfig(mode="block"), BASE)
+    cfg = config().model_copy(update={"offload": OffloadConfig(mode="block")})
+    host = fit.host_bytes_of(est, cfg, CUDA)
+    slabs = 10 * (int(10 * GIB) * 9 // 10 // 10)
+    assert host.modules == {"text_encoder": 4 * GIB, "transformer": slabs, "vae": GIB}
+    assert (host.transient_module, host.transient_bytes) == ("transformer", int(10 * GIB) - int(10 * GIB) * 9 // 10)
+    assert host.bytes == 5 * GIB + slabs + host.transient_bytes + fit.PROCESS_HOST_BYTES
+    resident = fit.host_bytes_of(est, cfg.model_copy(update={"offload": OffloadConfig()}), CUDA)
+    assert resident.modules == {} and resident.transient_bytes == 10 * GIB  # the largest module is read through host
+    on_cpu = fit.host_bytes_of(est, cfg, CPU)
+    assert on_cpu.bytes == fit.peak_of(est, cfg, CPU).bytes  # the device is the host
+
+
+@pytest.mark.parametrize("passes", [2, 1])
+def test_copy_volume_per_step_follows_cfg(passes: int) -> None:
+    result = plan(10, 64, passes=passes)
+    report = plan_report.report(result, config().offload)
+    streamed = 10 * (int(10 * GIB) * 9 // 10 // 10)
+    rows = {m["name"]: m for m in report["modules"]}
+    assert rows["transformer"]["placement"] == "streamed from host memory"
+    assert rows["transformer"]["copy_per_step_gib"] == round(passes * streamed / GIB, 3)
+    assert report["copy_seconds_per_step_estimate"] == round(passes * streamed / plan_report.H2D_PINNED_BYTES_PER_S, 4)
+    assert rows["text_encoder"]["placement"].startswith("offloaded")
+    assert rows["text_encoder"]["copy_per_request_gib"] == 4.0 and rows["text_encoder"]["copy_per_step_gib"] == 0
+    assert report["passes_per_step"] == passes
+    assert report["offload"]["mode"] == "block" and report["requested"] == {"mode": "auto"}
+    assert [r["candidate"] for r in report["rejected"]] == [RESIDENT, MODEL]
+
+
+def test_disk_copies_at_the_disk_rate() -> None:
+    rows = {r.name: r for r in plan_report.module_rows(plan(7.5, 64))}
+    assert rows["transformer"].placement == "streamed from disk, built per request"
+    assert rows["transformer"].bytes_per_s == plan_report.DISK_BYTES_PER_S
+
+
+def test_the_log_block_names_every_module_and_rejection() -> None:
+    text = plan_report.describe(plan(16, 16.5))
+    assert text.splitlines()[0].startswith(f"memory plan (offload.mode auto): {DISK}")
+    for needle in ("text_encoder", "transformer", "vae", "streamed from disk", "copy per denoising step (estimate)",
+                   f"rejected: {MODEL}: host: 17.00 GiB > limit 16.50 GiB"):
+        assert needle in text, needle
+
+
+# ---- nothing fits ---------------------------------------------------------------------------------
+def test_refusal_names_the_missing_gib_on_the_device() -> None:
+    with pytest.raises(MemoryFitError) as err:
+        plan(4, 64)
+    msg = str(err.value)
+    # closest: lazy disk streaming, 4.76 GiB at the text-encoder stage (weights: no smaller shape helps)
+    assert f"Closest: {LAZY} needs 4.76 GiB on the device (0.76 GiB missing" in msg, msg
+    assert "no smaller shape of this aspect ratio fits" in msg and "stage text_encoder" in msg, msg
+    assert "To fit: offload.vae_tiling=true (a family hint); or no smaller shape" in msg, msg
+
+
+def test_refusal_names_the_largest_frames_and_size_that_fit() -> None:
+    # text encoder streamed too: the lazy peak is the transformer stage, which shrinks with the shape
+    with pytest.raises(MemoryFitError) as err:
+        plan(4.2, 64, te_streams=True)
+    msg = str(err.value)
+    # 4.2 GiB: formula <= (4.2 - 0.25) / 1.1 = 3.59; transformer stage 1.0 resident + 1.8 slots + activations
+    # -> activations <= 0.79 GiB -> frames f with f / 81 <= 0.79 -> 61 (4n+1)
+    assert "target_video_length 61 at 480x832" in msg, msg
+    assert "target_height x target_width 416x720 at 81 frames" in msg, msg  # 7/8: 0.75 of the pixels
+
+
+def test_refusal_names_the_missing_host_memory() -> None:
+    with pytest.raises(MemoryFitError) as err:
+        plan(80, 9)
+    msg = str(err.value)
+    assert f"Closest: {DISK} needs 9.80 GiB of host memory (0.80 GiB missing)" in msg, msg
+    assert "raise `memory.host_limit_gib`" in msg, msg
+
+
+def test_refusal_names_weight_dtype_auto_when_fp8_would_fit() -> None:
+    with pytest.raises(MemoryFitError) as err:
+        plan(16, 14, storage="cpu")  # disk excluded by the explicit storage; fp8 not allowed
+    msg = str(err.value)
+    assert ("To fit: `offload.weight_dtype`='auto' (lets the planner store streamed weights in lossy fp8_e4m3): "
+            f"{FP8} fits") in msg, msg
+
+
+def test_refusal_names_the_explicit_key_that_excludes_a_fitting_candidate() -> None:
+    with pytest.raises(MemoryFitError) as err:
+        plan(5, 64, lazy_load=False)
+    msg = str(err.value)
+    assert f"To fit: {LAZY} fits (4.76 GiB on the device), but it is excluded: `offload.lazy_load`=False is set" in msg
+
+
+def test_plan_refuses_a_concrete_mode() -> None:
+    cfg = load_runner_config(None, {"model_cls": "x", "model_path": "/x"})
+    with pytest.raises(ValueError, match="resolves `offload.mode`='auto' only"):
+        plan_offload(cfg, (BASE,), CUDA, synthetic(), limit(80), limit(64), 2)
+
+
+def test_weight_dtype_auto_needs_mode_auto() -> None:
+    with pytest.raises(ValueError, match="`offload.weight_dtype`='auto' lets the memory planner choose"):
+        OffloadConfig(mode="block", weight_dtype="auto")
+    assert hash(OffloadConfig(mode="block", stream_modules=["transformer"]))  # hashable: families cache by it

@@ -1,0 +1,277 @@
+"""`--offload auto` end to end through the launch script (`runnerkit.infer.main`, in-process): the
+plan resolved before loading lands in the sidecar's config and the profile's `memory_plan`, the
+output equals the same explicit config bit for bit, nothing fits -> exit 2 before loading, a family
+without an estimate is refused, explicit offload keys constrain the plan.
+
+The CPU's own plan is always resident (offload cannot lower its peak), so the streaming cases plan
+for a CUDA device (`RequestChecksMixin.memory_device` replaced) with `memory.limit_gib` and
+`memory.host_limit_gib` from the family's own estimates, and compute on the CPU.
+
+The Wan test architecture has a larger transformer than configs/wan/wan_t2v_tiny.json (dim 128, 6
+layers): with two layers, disk streaming's staging slabs are all the blocks and no host limit can
+tell the candidates apart.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from loguru import logger
+from safetensors.torch import load_file
+
+from runnerkit import memory
+from runnerkit.config import OffloadConfig, load_runner_config
+from runnerkit.infer import main
+from runnerkit.models.wan.runner import WanT2VRunner
+from runnerkit.runners import fit, plan_report
+from runnerkit.runners.requests import RequestChecksMixin
+from test_cases.conftest import REPO, TINY_CONFIG, config_dict, write_config
+
+CUDA = torch.device("cuda")
+SHAPE = (32, 32, 5)  # small: two runs of this file decode it
+LAZY_DISK = {"mode": "block", "storage": "disk", "reader": "pread", "lazy_load": True}
+
+
+@pytest.fixture(autouse=True)
+def _restore_logger() -> Any:
+    yield
+    logger.remove()
+    logger.add(lambda message: sys.stderr.write(message), level="DEBUG")
+
+
+@pytest.fixture(autouse=True)
+def _no_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from runnerkit.models.wan.arch import WanArch
+    from runnerkit.models.wan.checkpoint import write_synthetic
+
+    path = tmp_path_factory.mktemp("plan_ckpt") / "wan"
+    write_synthetic(WanArch.model_validate(_model()), path, seed=0, dtype=torch.float32)
+    return path
+
+
+def _model() -> dict[str, Any]:
+    model = json.loads(TINY_CONFIG.read_text())["model"]
+    model["transformer"] = {**model["transformer"], "num_layers": 4}
+    return model
+
+
+def _config(ckpt: Path, **overrides: Any) -> dict[str, Any]:
+    return config_dict(TINY_CONFIG, ckpt, model=_model(), **overrides)
+
+
+def _plan_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(RequestChecksMixin, "memory_device", lambda self: CUDA)
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+def _limits(ckpt: Path) -> tuple[float, float]:
+    """(device GiB, host GiB) at which, by the family's estimate at SHAPE, only lazy disk streaming fits:
+    resident and host streaming exceed the device, model offload the host (preconditions asserted)."""
+    cfg = load_runner_config(None, _config(ckpt))
+    runner = WanT2VRunner(cfg)
+
+    def judge(**offload: Any) -> tuple[int, int]:
+        off = OffloadConfig(**offload)
+        c = cfg.model_copy(update={"offload": off})
+        est = runner._estimate_with(off, SHAPE)
+        return fit.peak_of(est, c, CUDA).bytes, fit.host_bytes_of(est, c, CUDA).bytes
+
+    resident, model, block, disk, lazy = (judge(mode="none"), judge(mode="model"), judge(mode="block"),
+                                          judge(mode="block", storage="disk", reader="pread"), judge(**LAZY_DISK))
+    device, host = lazy
+    assert resident[0] > device and block[0] > device and disk[0] > device, (resident, block, disk, lazy)
+    assert model[0] <= device and model[1] > host, (model, lazy)
+    return device / fit.GIB, host / fit.GIB
+
+
+def test_auto_resolves_before_loading_and_equals_the_explicit_config(
+        ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    device_gib, host_gib = _limits(ckpt)
+    plain = write_config(tmp_path / "plain.json", _config(ckpt, memory={"limit_gib": device_gib,
+                                                                         "host_limit_gib": host_gib}))
+    explicit = write_config(tmp_path / "explicit.json", _config(ckpt, offload=LAZY_DISK))
+    request = ["--prompt", "a fox", "--seed", "3", "--target_height", "32", "--target_width", "32",
+               "--target_video_length", "5"]
+    out_auto, out_explicit = tmp_path / "auto.mp4", tmp_path / "explicit.safetensors"
+    _plan_for_cuda(monkeypatch)
+    rc, err = _cli(capsys, "--config_json", plain, "--offload", "auto", *request, "--save_result_path", out_auto,
+                   "--save_tensor_path", tmp_path / "auto.safetensors", "--profile_json", tmp_path / "p.json")
+    assert rc == 0, err
+    monkeypatch.undo()
+    rc, err2 = _cli(capsys, "--config_json", explicit, *request, "--save_tensor_path", out_explicit)
+    assert rc == 0, err2
+
+    concrete = OffloadConfig(**LAZY_DISK).model_dump(mode="json")
+    assert json.loads(out_auto.with_suffix(".json").read_text())["config"]["offload"] == concrete
+    plan = json.loads((tmp_path / "p.json").read_text())["memory_plan"]
+    assert plan["offload"] == concrete and plan["requested"] == {"mode": "auto"}
+    assert plan["candidate"] == "block streaming from disk (reader pread; lazy_load; streams the transformers)"
+    assert [r["candidate"] for r in plan["rejected"]] == [
+        "resident (mode none)", "model offload (mode model)",
+        "block streaming from pinned host memory (streams the transformers)",
+        "block streaming from disk (reader pread; streams the transformers)"]
+    assert plan["rejected"][1]["reason"].startswith("host: ")
+    assert plan["shapes"] == [list(SHAPE)] and plan["device_limit_source"] == "config memory.limit_gib"
+    assert "memory plan (offload.mode auto): block streaming from disk" in err
+    # planned before the load: the plan's log block comes first
+    assert err.index("memory plan (offload.mode auto)") < err.index("load: ")
+    assert torch.equal(load_file(str(tmp_path / "auto.safetensors"))["video"], load_file(str(out_explicit))["video"])
+
+
+def _documented_plan_keys() -> set[str]:
+    import re
+
+    text = (REPO / "docs" / "profile.md").read_text()
+    return {k for k in re.findall(r"^\| `([^`]+)` \|", text, flags=re.M) if k.startswith("memory_plan.")}
+
+
+def test_profile_keys_of_the_plan_are_documented(ckpt: Path) -> None:
+    runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "auto"},
+                                                           memory={"limit_gib": 64.0, "host_limit_gib": 64.0})))
+    runner.plan_memory([SHAPE])
+    plan = runner.profiler.report()["memory_plan"]
+    keys = {f"memory_plan.{k}" for k in plan}
+    keys |= {f"memory_plan.modules[].{k}" for m in plan["modules"] for k in m}
+    keys |= {f"memory_plan.rejected[].{k}" for r in plan["rejected"] for k in r}
+    documented = _documented_plan_keys()
+    assert keys - documented == set()
+    assert documented - keys <= {f"memory_plan.rejected[].{k}" for k in ("candidate", "offload", "reason", "device_gib",
+                                                                          "host_gib")}  # none rejected here
+
+
+def test_nothing_fits_exits_2_before_loading(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path / "c.json", _config(ckpt, memory={"limit_gib": 0.2, "host_limit_gib": 64.0}))
+    _plan_for_cuda(monkeypatch)
+    rc, err = _cli(capsys, "--config_json", cfg, "--offload", "auto", "--prompt", "a fox")
+    assert rc == 2, err
+    assert "invalid input: `offload.mode`='auto': no offload plan fits 1 shape(s) [[48, 80, 9]]" in err, err
+    assert "GiB missing" in err and "Closest: " in err and "To fit: " in err, err
+    assert "Traceback" not in err and "load: " not in err, err
+
+
+def test_on_the_cpu_auto_keeps_everything_resident_and_says_why(ckpt: Path) -> None:
+    runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "auto"})))
+    plan = runner.plan_memory([SHAPE])
+    assert plan is not None and runner.config.offload == OffloadConfig()
+    assert "the device is the CPU" in plan.why
+
+
+def test_explicit_keys_constrain_the_plan(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _plan_for_cuda(monkeypatch)
+    runner = WanT2VRunner(load_runner_config(None, _config(
+        ckpt, offload={"mode": "auto", "gpu_slots": 3, "prefetch_depth": 2}, memory={"limit_gib": 64.0,
+                                                                                  "host_limit_gib": 64.0})))
+    plan = runner.plan_memory([SHAPE])
+    assert plan is not None
+    assert [e.name for e in plan.rejected] == ["resident (mode none)", "model offload (mode model)"]
+    assert all(e.reason.startswith("excluded: `offload.gpu_slots` has no effect") for e in plan.rejected)
+    assert runner.config.offload == OffloadConfig(mode="block", gpu_slots=3, prefetch_depth=2)
+
+
+def test_a_family_without_an_estimate_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _cli(capsys, "--config_json", REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json",
+                   "--device", "cpu", "--offload", "auto", "--prompt", "a fox")
+    assert rc == 2, err
+    assert "`offload.mode`='auto' needs a memory estimate, and QwenImageRunner" in err, err
+    assert "gives none (estimate_memory)" in err and "Traceback" not in err, err
+
+
+def test_offload_flag_replaces_only_the_mode(tmp_path: Path) -> None:
+    from runnerkit.serve.server import build_parser
+
+    path = write_config(tmp_path / "c.json", {"model_cls": "x", "model_path": "/x",
+                                              "offload": {"mode": "block", "storage": "disk"}})
+    cfg = load_runner_config(path, {"offload.mode": "auto"})
+    assert cfg.offload.mode == "auto" and cfg.offload.storage == "disk"
+    assert build_parser().parse_args(["--config_json", str(path), "--offload", "auto"]).offload == "auto"
+
+
+@pytest.mark.parametrize("enable_cfg, passes", [(True, 2), (False, 1)])
+def test_copy_volume_counts_the_cfg_passes(ckpt: Path, monkeypatch: pytest.MonkeyPatch, enable_cfg: bool,
+                                           passes: int) -> None:
+    _plan_for_cuda(monkeypatch)
+    overrides: dict[str, Any] = {"enable_cfg": enable_cfg} if enable_cfg else {"enable_cfg": False,
+                                                                               "sample_guide_scale": None}
+    runner = WanT2VRunner(load_runner_config(None, _config(
+        ckpt, offload={"mode": "auto", "gpu_slots": 2}, memory={"limit_gib": 64.0, "host_limit_gib": 64.0},
+        **overrides)))
+    plan = runner.plan_memory([SHAPE])
+    assert plan is not None and runner.profiler.memory_plan["passes_per_step"] == passes
+    est = runner._estimate_with(runner.config.offload, SHAPE)
+    slabs = est.modules["transformer"].stream_host_bytes  # storage cpu: every unit's slab, copied once per pass
+    rows = {r.name: r for r in plan_report.module_rows(plan)}
+    assert slabs > 0 and rows["transformer"].copy_step_bytes == passes * slabs
+
+
+def test_init_modules_plans_for_the_config_shape_before_loading(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's and the Python API's path: no request is known, `init_modules` plans for the config's
+    default shape, before the load, and the config is concrete (and locked) afterwards."""
+    _plan_for_cuda(monkeypatch)
+    device_gib, host_gib = _limits(ckpt)
+    runner = WanT2VRunner(load_runner_config(None, _config(
+        ckpt, target_height=SHAPE[0], target_width=SHAPE[1], target_video_length=SHAPE[2], offload={"mode": "auto"},
+        memory={"limit_gib": device_gib, "host_limit_gib": host_gib})))
+    order: list[str] = []
+    monkeypatch.setattr(WanT2VRunner, "plan_memory", _recording(WanT2VRunner.plan_memory, "plan", order))
+    monkeypatch.setattr(WanT2VRunner, "load_modules", _recording(WanT2VRunner.load_modules, "load", order))
+    runner.init_modules()
+    assert order == ["plan", "load"]
+    assert runner.config.offload == OffloadConfig(**LAZY_DISK)
+    assert runner.profiler.memory_plan is not None and runner.profiler.memory_plan["shapes"] == [list(SHAPE)]
+
+
+def test_warmup_shapes_are_planned_for_and_unsupported_modes_skipped(tiny_ckpt: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _plan_for_cuda(monkeypatch)
+    monkeypatch.setattr(WanT2VRunner, "WARMUP_OFFLOAD_MODES", ("model",))  # as if warmup could not run resident
+    runner = WanT2VRunner(load_runner_config(None, config_dict(  # the tiny flavour has warmup shapes
+        TINY_CONFIG, tiny_ckpt, warmup=True, offload={"mode": "auto"}, memory={"limit_gib": 64.0,
+                                                                              "host_limit_gib": 64.0})))
+    plan = runner.plan_memory([SHAPE])
+    assert plan is not None and runner.warmup_shapes()
+    assert list(plan.shapes) == list(dict.fromkeys([SHAPE, *runner.warmup_shapes()]))
+    assert plan.chosen.name == "model offload (mode model)"
+    assert [e.reason for e in plan.rejected] == ["excluded: warmup of WanT2VRunner does not support offload mode "
+                                                 "'none' (supported: ['model'])"]
+
+
+def _recording(method: Any, name: str, order: list[str]) -> Any:
+    def wrapper(self: Any, *args: Any) -> Any:
+        order.append(name)
+        return method(self, *args)
+
+    return wrapper
+
+
+def test_host_limit_also_checks_requests_of_an_explicit_mode(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`memory.host_limit_gib` with a concrete mode: the fit check refuses what exceeds it (before loading)."""
+    _plan_for_cuda(monkeypatch)
+    from runnerkit.config import RequestConfig
+    from runnerkit.runners.fit import MemoryFitError
+
+    host = fit.PROCESS_HOST_BYTES / fit.GIB  # the process alone; the weights do not fit beside it
+    runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "block"},
+                                                           memory={"limit_gib": 64.0, "host_limit_gib": host})))
+    with pytest.raises(MemoryFitError, match=r"request 0 \(command line\): shape \[48, 80, 9\] needs an estimated "
+                                             r"2\.\d\d GiB \(held: text_encoder .*of host memory, more than config "
+                                             r"memory.host_limit_gib \(2.0 GiB\)"):
+        runner.check_requests_fit([RequestConfig(prompt="a fox")])
+    roomy = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "block"},
+                                                          memory={"limit_gib": 64.0, "host_limit_gib": host + 1})))
+    roomy.check_requests_fit([RequestConfig(prompt="a fox")])  # no error
