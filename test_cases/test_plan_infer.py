@@ -202,17 +202,21 @@ def test_offload_flag_replaces_only_the_mode(tmp_path: Path) -> None:
     assert build_parser().parse_args(["--config_json", str(path), "--offload", "auto"]).offload == "auto"
 
 
-@pytest.mark.parametrize("enable_cfg, passes", [(True, 2), (False, 1)])
+@pytest.mark.parametrize("enable_cfg, one_pass, passes", [(True, True, 1), (True, False, 2), (False, True, 1)])
 def test_copy_volume_counts_the_cfg_passes(ckpt: Path, monkeypatch: pytest.MonkeyPatch, enable_cfg: bool,
-                                           passes: int) -> None:
+                                           one_pass: bool, passes: int) -> None:
+    """Block streaming with CFG: one pass per step where the family runs both branches through each block
+    (Wan's CFG_ONE_PASS), two where it would not; without CFG one."""
     _plan_for_cuda(monkeypatch)
+    monkeypatch.setattr(WanT2VRunner, "CFG_ONE_PASS", one_pass)
     overrides: dict[str, Any] = {"enable_cfg": enable_cfg} if enable_cfg else {"enable_cfg": False,
                                                                                "sample_guide_scale": None}
     runner = WanT2VRunner(load_runner_config(None, _config(
         ckpt, offload={"mode": "auto", "gpu_slots": 2}, memory={"limit_gib": 64.0, "host_limit_gib": 64.0},
         **overrides)))
     plan = runner.plan_memory([SHAPE])
-    assert plan is not None and runner.profiler.memory_plan["passes_per_step"] == passes
+    assert plan is not None and plan.offload.mode == "block"
+    assert runner.profiler.memory_plan["passes_per_step"] == passes
     est = runner._estimate_with(runner.config.offload, SHAPE)
     slabs = est.modules["transformer"].stream_host_bytes  # storage cpu: every unit's slab, copied once per pass
     rows = {r.name: r for r in plan_report.module_rows(plan)}

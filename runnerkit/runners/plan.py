@@ -56,7 +56,8 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         device: the device the memory is planned for (the run's compute device).
         estimate: the family's estimate of a shape under a concrete offload config.
         device_limit / host_limit: bytes available (host None: host memory unknown, not checked).
-        passes_per_step: transformer forward passes per denoising step (2 with CFG, 1 without).
+        passes_per_step: passes through the streamed blocks per denoising step (the runner sets the
+            chosen mode's: `denoise_passes_per_step`).
         supported: None if the run supports a concrete config, else why not (compile, warmup).
         factors: the family's (spatial, temporal) shape factors, for the smaller shapes the refusal names.
 

@@ -3,8 +3,8 @@ the log block, the profile's `memory_plan`, and the refusal when nothing fits (d
 
 Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled as such):
 
-    streamed transformer:  streamed bytes x passes per step (2 with CFG: conditional and
-                           unconditional forward passes; 1 without)
+    streamed transformer:  streamed bytes x passes per step (1 without CFG; with CFG 1 where the
+                           family runs both branches through each block in one pass, else 2)
         streamed bytes = the host slabs (storage cpu: what is copied, fp8 included)
                        = weight_bytes - stream_resident_bytes (storage disk: read and copied)
     streamed text encoder: streamed bytes once per request (one encoder pass)

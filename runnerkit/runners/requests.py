@@ -114,10 +114,15 @@ class RequestChecksMixin:
         for a CUDA device while computing on the CPU by replacing this.)"""
         return self.device
 
-    def denoise_passes_per_step(self) -> int:
-        """Transformer forward passes per denoising step, for the plan's copy volume: 2 with CFG
-        (conditional and unconditional passes), 1 without. A family that batches both overrides it."""
-        return 2 if self.config.enable_cfg else 1
+    def denoise_passes_per_step(self, offload: OffloadConfig | None = None) -> int:
+        """Passes through the streamed transformer blocks per denoising step under `offload` (default:
+        the config's), for the plan's copy volume: 1 without CFG; with CFG 1 where the family runs both
+        branches through each block in one pass (`CFG_ONE_PASS`, mode block: docs/cfg_one_pass.md),
+        else 2 (one forward per branch)."""
+        offload = offload or self.config.offload
+        if not self.config.enable_cfg:
+            return 1
+        return 1 if getattr(self, "CFG_ONE_PASS", False) and offload.mode == "block" else 2
 
     @contextmanager
     def _offload_for_estimate(self, offload: OffloadConfig) -> Iterator[None]:
@@ -195,6 +200,7 @@ class RequestChecksMixin:
         result = plan.plan_offload(cfg, shapes, device, self._estimate_with, device_limit, host_limit,
                                    self.denoise_passes_per_step(), self._plan_supports,
                                    (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR))
+        result.passes_per_step = self.denoise_passes_per_step(result.offload)  # of the chosen mode
         logger.info(plan_report.describe(result))
         self.profiler.memory_plan = plan_report.report(result, cfg.offload)
         self.update_config(offload=result.offload)

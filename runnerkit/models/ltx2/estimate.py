@@ -110,7 +110,8 @@ from runnerkit.runners.fit import (
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import CheckpointError, build_on_meta, read_json_object
 
-__all__ = ["GEMMA_DEFAULTS", "SCHEDULER_LATENT_COPIES", "TEXT_TOKENS", "footprints", "fp8_stored_weights", "gemma_fields",
+__all__ = ["GEMMA_DEFAULTS", "SCHEDULER_LATENT_COPIES", "TEXT_TOKENS", "footprints", "fp8_stored_weights",
+           "gemma_fields",
            "gemma_footprint", "gemma_parameters", "ltx2_estimate", "stage_tokens", "transformer_step_bytes"]
 
 TEXT_TOKENS = 1024
