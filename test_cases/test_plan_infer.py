@@ -124,7 +124,9 @@ def test_auto_resolves_before_loading_and_equals_the_explicit_config(
     assert [r["candidate"] for r in plan["rejected"]] == [
         "resident (mode none)", "model offload (mode model)",
         "block streaming from pinned host memory (streams the transformers)",
-        "block streaming from disk (reader pread; streams the transformers)"]
+        "block streaming from pinned host memory (streams text_encoder, transformer)",
+        "block streaming from disk (reader pread; streams the transformers)",
+        "block streaming from disk (reader pread; streams text_encoder, transformer)"]
     assert plan["rejected"][1]["reason"].startswith("host: ")
     assert plan["shapes"] == [list(SHAPE)] and plan["device_limit_source"] == "config memory.limit_gib"
     assert "memory plan (offload.mode auto): block streaming from disk" in err

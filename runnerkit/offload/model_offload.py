@@ -20,7 +20,7 @@ import torch
 from loguru import logger
 from torch import nn
 
-from runnerkit.offload.pinned import HostSlab, plan_offsets, typed_view
+from runnerkit.offload.pinned import HostSlab, copy_h2d, plan_offsets, typed_view
 
 _Entry = tuple[nn.Module, str, bool, int, torch.dtype, tuple[int, ...]]  # module, leaf, is_param, offset, dtype, shape
 
@@ -120,7 +120,7 @@ class ModelOffloader:
         slab = self._slabs[name]
         device_buffer = torch.empty(slab.nbytes, dtype=torch.uint8, device=self.device)
         # one H2D copy on the current (compute) stream; async only from pinned memory
-        device_buffer.copy_(slab.buffer, non_blocking=slab.is_pinned)
+        copy_h2d(device_buffer, slab.buffer, slab.is_pinned)  # split at registered-chunk boundaries
         for m, leaf, is_param, offset, dtype, shape in self._entries[name]:
             self._rebind(m, leaf, is_param, typed_view(device_buffer, offset, dtype, shape))
 

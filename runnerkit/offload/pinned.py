@@ -11,7 +11,9 @@ A slab is obtained through a fallback chain (ARCHITECTURE §4):
    model-sized slabs on Windows/WSL). All or nothing: when a chunk fails, the chunks registered
    before it are unregistered at once and the slab goes on down the chain, so no slab is ever
    part page-locked (the copy engine would have to treat it as pageable anyway, and its locked
-   part would be locked for nothing).
+   part would be locked for nothing). A CUDA copy must not cross from one registration into the
+   next (cudaMemcpyAsync answers "invalid argument"): every H2D copy from host memory goes
+   through ``copy_h2d``, which splits it at the chunk boundaries it spans.
 2. ``pinned``: ``torch.empty(nbytes, dtype=uint8, pin_memory=True)`` (the caching host
    allocator; rounded up internally, but the tensor we expose still has exactly ``nbytes``).
 3. ``pageable``: ``torch.empty(nbytes, dtype=uint8)``. Used without CUDA, when
@@ -26,9 +28,11 @@ alignment, and the slab size is exactly the sum of those (no power-of-two roundi
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -46,6 +50,55 @@ REGISTER_CHUNK_BYTES = 256 * 2**20
 """Largest range (bytes) one `cudaHostRegister` call page-locks; a larger slab is registered in chunks."""
 
 SlabKind = Literal["registered", "pinned", "pageable"]
+
+_chunk_starts: list[int] = []  # start address of every live registered chunk, sorted
+_chunk_lock = threading.Lock()  # the disk read-ahead thread copies too
+
+
+def _note_chunks(chunks: Sequence[tuple[int, int]], live: bool) -> None:
+    with _chunk_lock:
+        for ptr, _ in chunks:
+            i = bisect.bisect_left(_chunk_starts, ptr)
+            if live and (i == len(_chunk_starts) or _chunk_starts[i] != ptr):
+                _chunk_starts.insert(i, ptr)
+            elif not live and i < len(_chunk_starts) and _chunk_starts[i] == ptr:
+                del _chunk_starts[i]
+
+
+def chunk_cuts(ptr: int, nbytes: int) -> list[int]:
+    """Byte offsets in (0, nbytes) where the host range [ptr, ptr + nbytes) crosses into another
+    registered chunk (empty: the range lies in one registration, or in memory not registered here)."""
+    with _chunk_lock:
+        i = bisect.bisect_right(_chunk_starts, ptr)
+        j = bisect.bisect_left(_chunk_starts, ptr + nbytes)
+        return [a - ptr for a in _chunk_starts[i:j]]
+
+
+def copy_h2d(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> int:
+    """`dst.copy_(src, non_blocking=...)` from host memory, as one copy per registered chunk the
+    source spans (a single copy across two `cudaHostRegister` ranges fails with "invalid argument").
+
+    Args:
+        dst: device tensor; src: host tensor of the same dtype and number of elements (both
+            contiguous when the copy is split).
+    Returns:
+        The number of copies issued (1 unless `src` spans several chunks).
+    Raises:
+        ValueError: a split copy between tensors of different dtypes, sizes or non-contiguous.
+    """
+    nbytes = src.numel() * src.element_size()
+    cuts = chunk_cuts(src.data_ptr(), nbytes) if nbytes else []
+    if not cuts:
+        dst.copy_(src, non_blocking=non_blocking)
+        return 1
+    if dst.dtype != src.dtype or dst.numel() != src.numel() or not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError(f"a copy spanning {len(cuts) + 1} registered host chunks needs contiguous tensors of one "
+                         f"dtype and size (got {src.dtype} {tuple(src.shape)} -> {dst.dtype} {tuple(dst.shape)})")
+    d, s = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+    edges = [0, *cuts, nbytes]
+    for a, b in zip(edges, edges[1:]):
+        d[a:b].copy_(s[a:b], non_blocking=non_blocking)
+    return len(edges) - 1
 
 
 def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
@@ -106,6 +159,7 @@ def _clear_cuda_last_error() -> None:
 
 def _unregister_chunks(chunks: Sequence[tuple[int, int]]) -> None:
     """`cudaHostUnregister` each registered `(address, nbytes)` chunk, last first; failures are logged."""
+    _note_chunks(chunks, live=False)
     for ptr, size in reversed(chunks):
         try:
             code = torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -152,6 +206,7 @@ def register_chunks(ptr: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, 
             _unregister_chunks(done)
             return None
         done.append((ptr + start, size))
+    _note_chunks(done, live=True)
     return done
 
 

@@ -14,8 +14,8 @@ Re-entry: a unit entered again while it is the current one (its pre-hook runs ag
 unit's pre-hook in between, e.g. the uncond CFG branch right after the cond one through the same
 block) computes with the bytes already in its slot: nothing is fetched, waited for, upcast or
 prefetched again; the slot is busy again until that entry's post-hook marks compute done. So a
-model that runs its CFG branches block by block (`forward_branches` of the Wan and Qwen-Image
-transformers) moves every unit once per step, not once per branch.
+model that runs its CFG branches block by block (a transformer's `forward_branches`, docs/cfg_one_pass.md)
+moves every unit once per step, not once per branch.
 
 A prefetch into a slot whose unit has been issued (or entered) but not computed yet is deferred
 (only happens across the step wrap when `num_units % gpu_slots != 0`; pick gpu_slots dividing the

@@ -23,6 +23,8 @@ from typing import Protocol
 import torch
 from loguru import logger
 
+from runnerkit.offload.pinned import copy_h2d
+
 
 class CopyEngine(Protocol):
     """What the block streamer needs from a copy engine (slots are 0..num_slots-1)."""
@@ -147,7 +149,7 @@ class CudaCopyEngine:
             if self._timing:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(self.stream)
-            dst.copy_(src, non_blocking=pinned)
+            copy_h2d(dst, src, pinned)  # split at registered-chunk boundaries
             if self._timing:
                 end.record(self.stream)
                 self._pending_timings.append((start, end))

@@ -111,6 +111,8 @@ class ModuleFootprint:
             one staging slab per slot (storage disk). Counted only when the device is the CPU.
         stream_default: the module streams in mode block/phase when `offload.stream_modules` is
             null (the family's transformers); False: only when listed (e.g. a text encoder).
+        stream_moved_bytes: the streamed units' bytes as copied per pass (their raw regions: fp8
+            storage and fp8-stored checkpoint tensors at 1 byte + scale); 0 when not streaming.
     """
 
     weight_bytes: int
@@ -118,6 +120,7 @@ class ModuleFootprint:
     stream_slot_bytes: int = 0
     stream_host_bytes: int = 0
     stream_default: bool = True
+    stream_moved_bytes: int = 0
 
     @property
     def streams(self) -> bool:
@@ -232,7 +235,8 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
     host = sum(lay.raw_nbytes for lay in layouts) if offload.storage == "cpu" else slots * max(
         lay.raw_nbytes for lay in layouts)
     return ModuleFootprint(weight_bytes=total, stream_resident_bytes=total - streamed, stream_slot_bytes=slots * slot,
-                           stream_host_bytes=host, stream_default=stream_default)
+                           stream_host_bytes=host, stream_default=stream_default,
+                           stream_moved_bytes=sum(lay.raw_nbytes for lay in layouts))
 
 
 def streams(name: str, footprint: ModuleFootprint, offload: OffloadConfig) -> bool:

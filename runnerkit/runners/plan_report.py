@@ -5,8 +5,9 @@ Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled
 
     streamed transformer:  streamed bytes x passes per step (1 without CFG; with CFG 1 where the
                            family runs both branches through each block in one pass, else 2)
-        streamed bytes = the host slabs (storage cpu: what is copied, fp8 included)
-                       = weight_bytes - stream_resident_bytes (storage disk: read and copied)
+        streamed bytes = the units' raw bytes as copied (`ModuleFootprint.stream_moved_bytes`: the
+                         host slabs with storage cpu; with storage disk what is read and copied,
+                         checkpoint fp8 tensors at 1 byte + scale)
     streamed text encoder: streamed bytes once per request (one encoder pass)
     model-offloaded module: weight_bytes once per request (it visits the device for its stage)
     resident module:       nothing
@@ -71,7 +72,7 @@ def module_rows(plan: MemoryPlan) -> list[ModuleRow]:
         host = host_module_bytes(name, m, config) if plan.device.type != "cpu" else 0
         if streams(name, m, off):
             assert m.stream_resident_bytes is not None
-            streamed = m.stream_host_bytes if off.storage == "cpu" else m.weight_bytes - m.stream_resident_bytes
+            streamed = m.stream_moved_bytes or m.weight_bytes - m.stream_resident_bytes  # as copied (fp8: 1 byte)
             where = "streamed from " + ("host memory" if off.storage == "cpu" else "disk")
             where += ", built per request" if off.lazy_load else ""
             step, request = (streamed * plan.passes_per_step, 0) if m.stream_default else (0, streamed)

@@ -51,8 +51,9 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--generator_device", default="cpu", help="draw the random values on this device (cuda: fast)")
     p.add_argument("--transformer_only", action="store_true", help="write only the transformer (runnerkit layout)")
     p.add_argument("--fp8_blocks", choices=("plain", "scaled"), default=None,
-                   help="LTX-2 --layout single_file: store the transformer blocks' linear weights as float8_e4m3fn, "
-                   "without (plain) or with a per-tensor `weight_scale` (scaled), as the fp8 releases do")
+                   help="families whose writer has an fp8 release layout: store the transformer blocks' linear "
+                   "weights as float8_e4m3fn, without (plain) or with a per-tensor `weight_scale` (scaled), as "
+                   "fp8 releases do; other families exit 2")
     p.add_argument("--force", action="store_true", help="replace --out even if it holds files that are not a checkpoint")
     args = p.parse_args(argv)
     out = Path(args.out).expanduser().absolute()

@@ -310,3 +310,31 @@ def test_stream_waits_are_needed_and_kept(monkeypatch: pytest.MonkeyPatch, bound
             f"with {broken} a no-op the output did not change: the test no longer detects a missing wait"
     streamer.reset()
     streamer.close()
+
+
+@pytest.mark.parametrize("path", ["copy_engine", "model_offload"])
+def test_copies_from_a_slab_registered_in_chunks_cross_the_chunk_boundaries(
+        monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """A single cudaMemcpyAsync across two registrations fails with "invalid argument" (the H200 run
+    of 2026-12-03: a 0.42 GiB staging slab in two 256 MiB chunks); the copy engine and model offload
+    copy a chunked slab's bytes exactly."""
+    from runnerkit.offload import pinned as pinned_mod
+
+    monkeypatch.setattr(pinned_mod, "REGISTER_CHUNK_BYTES", 1 << 20)
+    if path == "copy_engine":
+        slab = pinned_mod.HostSlab(3 * (1 << 20) + 4096)
+        assert slab.kind == "registered" and len(slab.chunks) == 4
+        slab.buffer.copy_(torch.randint(0, 255, (slab.nbytes,), dtype=torch.uint8))
+        engine = CudaCopyEngine(torch.device("cuda"), 1)
+        dst = torch.empty(slab.nbytes - 512, dtype=torch.uint8, device="cuda")
+        engine.h2d(0, dst, slab.buffer[256:-256])
+        engine.wait_copy(0)
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), slab.buffer[256:-256])
+        return
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 8 MiB of float32: 8 chunks
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    offloader = ModelOffloader({"m": model}, torch.device("cuda"))
+    with offloader.on_device("m") as m:
+        torch.cuda.synchronize()
+        assert all(torch.equal(v.cpu(), ref[k]) for k, v in m.state_dict().items())

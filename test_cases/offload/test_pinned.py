@@ -268,3 +268,34 @@ def test_a_chunk_failing_in_the_middle_unregisters_the_chunks_before_it_and_fall
 def test_register_chunks_refuses_a_chunk_size_below_one() -> None:
     with pytest.raises(ValueError, match="`chunk_bytes` must be >= 1, got 0"):
         pinned_mod.register_chunks(0, 10, 0)
+
+
+def test_a_copy_from_a_chunked_slab_is_split_at_the_chunk_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA rejects one copy spanning two `cudaHostRegister` ranges ("invalid argument", seen on the
+    H200 with 0.42 GiB staging slabs in 256 MiB chunks): `copy_h2d` issues one copy per chunk spanned,
+    each inside one chunk, and together they move every byte."""
+    monkeypatch.setattr(pinned_mod, "REGISTER_CHUNK_BYTES", CHUNK)
+    ChunkDriver(monkeypatch)
+    nbytes = 2 * CHUNK + 1000
+    slab = HostSlab(nbytes)
+    slab.buffer.copy_(torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
+    base = slab.buffer.data_ptr()
+    copies: list[tuple[int, int]] = []
+    real_copy = torch.Tensor.copy_
+
+    def spy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        copies.append((src.data_ptr() - base, src.numel() * src.element_size()))
+        return real_copy(dst, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    src = slab.view(100, torch.bfloat16, ((nbytes - 200) // 2,))  # starts inside chunk 1, ends in chunk 3
+    dst = torch.empty_like(src)
+    assert pinned_mod.copy_h2d(dst, src, True) == 3
+    assert copies == [(100, CHUNK - 100), (CHUNK, CHUNK), (2 * CHUNK, nbytes - 200 + 100 - 2 * CHUNK)]
+    assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
+    copies.clear()
+    inside = slab.view(CHUNK, torch.uint8, (CHUNK,))  # exactly chunk 2: one copy
+    assert pinned_mod.copy_h2d(torch.empty_like(inside), inside, True) == 1 and copies == [(CHUNK, CHUNK)]
+    slab.release()
+    copies.clear()
+    assert pinned_mod.chunk_cuts(base, nbytes) == []  # released chunks are forgotten
