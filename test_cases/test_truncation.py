@@ -124,8 +124,8 @@ def test_streamed_file_changes_fail_only_the_affected_requests(tiny_ckpt: Path, 
     }
     for index, change in expected.items():
         line = failure_line(proc.stderr, index)
-        if index == 1 and prefix + change not in line:
-            # the read-ahead of request 1's next unit may be in flight when the file is cut after step 1
+        if "before reading" in change and prefix + change not in line:
+            # the read-ahead of the request's next unit may be in flight when the file changes after a step
             # (pread drops each batch's pages before its closing check): then the change is seen after it
             change = change.replace("before reading", "after reading")
         assert prefix + change in line, line
