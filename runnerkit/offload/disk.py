@@ -13,7 +13,9 @@ Handle discipline (ARCHITECTURE §4):
 
 Readers: "mmap" maps each file once (lazily) and copies tensor bytes out of the mapping into
 the caller's buffer (a clone: nothing handed out aliases the mapping); the mapping keeps no
-descriptor open (see `_map`); "pread" reads with `os.preadv` into the caller's buffer (no mapping).
+descriptor open (see `_map`); "pread" reads with `os.preadv` into the caller's buffer (no mapping): a batch's tensors are
+sorted by file offset and those at most `READ_GAP_BYTES` apart read by one scatter read per run
+(`coalesce_reads`), so a streamed unit costs a few large sequential reads.
 
 Host memory (docs/host_memory.md): after each batch of reads (`read_many`, `load_tensors`), with
 `drop_pages` (the default), the pages the batch read are let go, each tensor's byte range rounded
@@ -80,7 +82,8 @@ from runnerkit.weights import (
 )
 
 __all__ = ["PAGE_BYTES", "SAFETENSORS_DTYPES", "CheckpointChangedError", "FileIdentity", "ReaderKind",
-           "SafetensorsDiskReader", "TensorIndexEntry", "identity_of", "page_ranges", "read_header"]
+           "READ_GAP_BYTES", "SafetensorsDiskReader", "TensorIndexEntry", "coalesce_reads", "identity_of",
+           "page_ranges", "read_header"]
 
 ReaderKind = Literal["mmap", "pread"]
 
@@ -185,6 +188,36 @@ def read_header(fd: int, path: Path) -> tuple[int, dict[str, TensorIndexEntry]]:
     return read_safetensors_header(fd, path)
 
 
+READ_GAP_BYTES = 256 << 10
+"""pread: tensors of one batch less than this many bytes apart in a file are read with one
+`os.preadv` call, the bytes between them read and discarded (`coalesce_reads`)."""
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
+
+
+def coalesce_reads(spans: Sequence[tuple[int, int]], max_gap: int = READ_GAP_BYTES) -> list[list[int]]:
+    """Group one file's byte spans `(offset, nbytes)` (a batch's tensors) into runs that one scatter
+    read each covers: sorted by offset, a run goes on while the next span starts at most `max_gap`
+    bytes after the previous one ends and does not overlap it (a tensor read twice, into two
+    destinations, starts a new run). A streamed unit's tensors sit in a few such runs (a
+    safetensors writer orders tensors by dtype, then name), so a unit costs a few large reads
+    instead of one small read per tensor and scale (each a separate disk request, with its latency).
+
+    Returns:
+        Runs of indices into `spans`, in file order; every index in exactly one run.
+    """
+    runs: list[list[int]] = []
+    end = 0
+    for i in sorted(range(len(spans)), key=lambda i: spans[i]):
+        offset, nbytes = spans[i]
+        if runs and end <= offset <= end + max_gap:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+        end = offset + nbytes
+    return runs
+
+
 class SafetensorsDiskReader:
     """Key index over safetensors files, and byte reads with one handle per file.
 
@@ -221,6 +254,9 @@ class SafetensorsDiskReader:
         self.bytes_read = 0
         self.header_bytes_read = 0
         self.read_seconds = 0.0
+        self.read_calls = 0  # pread: `os.preadv` calls for tensor bytes
+        self.gap_bytes_read = 0  # pread: bytes between coalesced tensors, read and discarded
+        self.max_gap = READ_GAP_BYTES
         start = time.perf_counter()
         self.index: dict[str, TensorIndexEntry] = {}
         for path in self.files:
@@ -375,13 +411,68 @@ class SafetensorsDiskReader:
             CheckpointChangedError: the file changed (the handle is dropped if long-lived).
         """
         self._check(handle, batch[0][0], "before", len(batch) - 1)
+        spans = [(e.offset, e.nbytes) for e, _ in batch]
         try:
-            for entry, dst in batch:
-                self._read(handle, entry, dst)
+            if self.reader == "pread":
+                runs = [[batch[i] for i in run] for run in coalesce_reads(spans, self.max_gap)]
+                spans = [(run[0][0].offset, run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset) for run in runs]
+                for run in runs:
+                    self._read_run(handle, run)
+            else:
+                for entry, dst in batch:
+                    self._read(handle, entry, dst)
         finally:
             if self.drop_pages:
-                self._drop_read_pages(handle, [(e.offset, e.nbytes) for e, _ in batch])
+                self._drop_read_pages(handle, spans)
         self._check(handle, batch[0][0], "after", len(batch) - 1)
+
+    def _read_run(self, handle: _Handle, run: Sequence[tuple[TensorIndexEntry, torch.Tensor]]) -> None:
+        """pread: read a run of tensors in file order (`coalesce_reads`) with few `os.preadv` calls,
+        each scattering one contiguous file range into the tensors' destinations (uint8 [nbytes],
+        CPU, contiguous) and the gaps between them into a scratch buffer (discarded). Only inside
+        `_read_batch`.
+
+        Raises:
+            CheckpointChangedError / CheckpointError: a short read (the file was cut), naming the
+                tensor the read stopped in.
+        """
+        segments: list[tuple[memoryview, TensorIndexEntry | None]] = []  # in file order; None: a gap
+        scratch: memoryview | None = None
+        end = run[0][0].offset
+        for entry, dst in run:
+            assert dst.dtype == torch.uint8 and dst.device.type == "cpu" and dst.is_contiguous() \
+                and dst.numel() == entry.nbytes, f"bad destination for {entry.name}: {dst.dtype} {tuple(dst.shape)}"
+            gap = entry.offset - end
+            if gap > 0:
+                if scratch is None or len(scratch) < gap:
+                    scratch = memoryview(bytearray(max(gap, self.max_gap)))
+                segments.append((scratch[:gap], None))
+            if entry.nbytes:
+                segments.append((memoryview(dst.numpy()), entry))
+            end = entry.offset + entry.nbytes
+        start = time.perf_counter()
+        offset = run[0][0].offset
+        at = 0  # first segment not read completely
+        while at < len(segments):
+            batch = [view for view, _ in segments[at:at + _IOV_MAX]]
+            n = os.preadv(handle.fd, batch, offset)
+            self.read_calls += 1
+            if n <= 0:
+                entry = next((e for _, e in segments[at:] if e is not None), run[-1][0])
+                self._check(handle, entry, "while")  # a truncation shows here as a short read
+                raise CheckpointError(f"{entry.path}: unexpected end of file reading {entry.name!r}")
+            offset += n
+            while n > 0:  # consume n bytes of segments (the last one possibly in part)
+                view, entry = segments[at]
+                if n >= len(view):
+                    n -= len(view)
+                    at += 1
+                else:
+                    segments[at] = (view[n:], entry)
+                    n = 0
+        self.bytes_read += sum(e.nbytes for e, _ in run)
+        self.gap_bytes_read += offset - run[0][0].offset - sum(e.nbytes for e, _ in run)
+        self.read_seconds += time.perf_counter() - start
 
     def _drop_read_pages(self, handle: _Handle, spans: list[tuple[int, int]]) -> None:
         """Let go of the pages of `spans` (file byte `(offset, nbytes)`) once their bytes were copied
@@ -411,36 +502,25 @@ class SafetensorsDiskReader:
             self.dropped_bytes += nbytes
 
     def _read(self, handle: _Handle, entry: TensorIndexEntry, dst: torch.Tensor) -> None:
-        """Copy the tensor's bytes into `dst` (uint8 [nbytes], CPU, contiguous). Only inside
-        `_read_batch`, which checks the file's identity around it.
+        """mmap: copy the tensor's bytes out of the mapping into `dst` (uint8 [nbytes], CPU,
+        contiguous), mapping the file at its first read. Only inside `_read_batch`, which checks the
+        file's identity around it (pread reads runs: `_read_run`).
 
         Raises:
-            CheckpointChangedError: a short pread read, because the file was cut (or it could not be mapped).
+            CheckpointChangedError: the file could not be mapped because it changed.
         """
         assert dst.dtype == torch.uint8 and dst.device.type == "cpu" and dst.is_contiguous() \
             and dst.numel() == entry.nbytes, f"bad destination for {entry.name}: {dst.dtype} {tuple(dst.shape)}"
         if entry.nbytes == 0:
             return
         start = time.perf_counter()
-        if self.reader == "mmap":
-            if handle.mapping is None:
-                try:
-                    handle.mapping = self._map(handle)
-                except BaseException:
-                    self._drop(handle)  # its descriptor is closed and it has no mapping
-                    raise
-            dst.copy_(handle.mapping[entry.offset:entry.offset + entry.nbytes])  # the clone out of the mapping
-        else:
-            done = 0
-            view = memoryview(dst.numpy())
-            while done < entry.nbytes:
-                n = os.preadv(handle.fd, [view[done:]], entry.offset + done)
-                if n <= 0:
-                    view.release()
-                    self._check(handle, entry, "while")  # a truncation shows here as a short read
-                    raise CheckpointError(f"{entry.path}: unexpected end of file reading {entry.name!r}")
-                done += n
-            view.release()
+        if handle.mapping is None:
+            try:
+                handle.mapping = self._map(handle)
+            except BaseException:
+                self._drop(handle)  # its descriptor is closed and it has no mapping
+                raise
+        dst.copy_(handle.mapping[entry.offset:entry.offset + entry.nbytes])  # the clone out of the mapping
         self.bytes_read += entry.nbytes
         self.read_seconds += time.perf_counter() - start
 
@@ -556,7 +636,9 @@ class SafetensorsDiskReader:
         self._long_lived.clear()
 
     def stats(self) -> dict[str, float]:
-        """Tensor bytes read, header bytes read, seconds spent reading, GB/s."""
+        """Tensor bytes read, header bytes read, seconds spent reading, GB/s (tensor bytes), and for
+        pread the `os.preadv` calls and the gap bytes read and discarded (`coalesce_reads`)."""
         s = self.read_seconds
         return {"bytes_read": float(self.bytes_read), "header_bytes_read": float(self.header_bytes_read),
-                "seconds": s, "gb_per_s": self.bytes_read / s / 1e9 if s > 0 else 0.0}
+                "seconds": s, "gb_per_s": self.bytes_read / s / 1e9 if s > 0 else 0.0,
+                "read_calls": float(self.read_calls), "gap_bytes_read": float(self.gap_bytes_read)}

@@ -115,7 +115,7 @@ def read_ahead_bytes(path: Path) -> int | None:
 def test_pread_streaming_keeps_the_page_cache_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       drop: bool) -> None:
     """Streaming 16 blocks of 4 MiB with reader pread from a file none of whose pages are cached: after
-    each unit fetch at most 2 units + 2 read-ahead windows of the file are cached (if that is less
+    each unit fetch at most 3 units + 2 read-ahead windows of the file are cached (if that is less
     than half the file: otherwise nothing is shown), and after the request (`streamer.reset()`) none
     of it; with `drop_pages=False` (the control) all of it."""
     checkpoint = tmp_path / "wide.safetensors"
@@ -148,7 +148,9 @@ def test_pread_streaming_keeps_the_page_cache_bounded(tmp_path: Path, monkeypatc
         return
     assert after_request == 0, f"{after_request} of {total} streamed pages still cached after the request"
     window = read_ahead_bytes(checkpoint)
-    limit = (2 * _rss_driver.UNIT_BYTES + 2 * (window or 0)) // PAGE_BYTES + 4
+    # the unit just read (its pages are dropped once its run is read), the one being read, the next
+    # whose first pages a large `preadv` has already started, and the kernel's read-ahead beyond
+    limit = (3 * _rss_driver.UNIT_BYTES + 2 * (window or 0)) // PAGE_BYTES + 4
     if window is not None and limit <= total // 2:
         assert max(during) <= limit, f"{max(during)} pages cached during the request, limit {limit} ({during})"
     assert found["reader_dropped_bytes"] >= sum(n for _, n in spans)
