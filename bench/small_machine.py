@@ -107,26 +107,30 @@ def worker(args: argparse.Namespace) -> None:
     save()
     print(f"arm {args.arm} GiB: plan {out['offload']}", flush=True)
 
-    def streamed_disk_bytes() -> dict[str, float]:
-        return {name: st.stats().get("disk_bytes_read", 0.0) for name, st in runner.streamers.items()}
+    def streamed_disk(key: str = "disk_bytes_read") -> dict[str, float]:
+        return {name: st.stats().get(key, 0.0) for name, st in runner.streamers.items()}
+
+    counters = ("disk_bytes_read", "disk_seconds", "disk_read_calls", "disk_gap_bytes_read")
 
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.requests):
             torch.cuda.reset_peak_memory_stats()
             memory.reset_host_peak()
             path = Path(tmp) / f"r{k}.safetensors"
-            read0, disk0 = storage_read_bytes(), streamed_disk_bytes()
+            read0, disk0 = storage_read_bytes(), {c: streamed_disk(c) for c in counters}
             prof = runner.run_pipeline(RequestConfig(
                 prompt=f"a lighthouse in a storm at night, waves crash, take {k}", seed=42, target_height=h,
                 target_width=w, target_video_length=f, save_tensor_path=str(path)), k)
             read = storage_read_bytes() - read0
-            disk = {n: b - disk0.get(n, 0.0) for n, b in streamed_disk_bytes().items()}
+            used = {c: {n: v - disk0[c].get(n, 0.0) for n, v in streamed_disk(c).items()} for c in counters}
+            disk = used["disk_bytes_read"]
             tensors = load_file(str(path))
             entry = dict(prof.__dict__)
             entry.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
                          peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                          peak_rss_gib=memory.host_memory().peak_rss_gib, storage_bytes=read,
-                         streamer_disk_bytes=disk,
+                         streamer_disk_bytes=disk, streamer_disk_seconds=used["disk_seconds"],
+                         streamer_read_calls=used["disk_read_calls"], streamer_gap_bytes=used["disk_gap_bytes_read"],
                          digests={key: hashlib.sha256(t.float().numpy().tobytes()).hexdigest()[:16]
                                   for key, t in tensors.items()})
             out["requests"].append(entry)

@@ -346,5 +346,6 @@ class DiskSource:
 
     def stats(self) -> dict[str, float]:
         s = self.reader.stats()
-        return {"disk_bytes_read": s["bytes_read"], "disk_seconds": s["seconds"], "disk_gb_per_s": s["gb_per_s"]}
+        return {"disk_bytes_read": s["bytes_read"], "disk_seconds": s["seconds"], "disk_gb_per_s": s["gb_per_s"],
+                "disk_read_calls": s["read_calls"], "disk_gap_bytes_read": s["gap_bytes_read"]}
 
