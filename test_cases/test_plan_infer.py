@@ -152,8 +152,9 @@ def test_profile_keys_of_the_plan_are_documented(ckpt: Path) -> None:
     keys |= {f"memory_plan.rejected[].{k}" for r in plan["rejected"] for k in r}
     documented = _documented_plan_keys()
     assert keys - documented == set()
-    assert documented - keys <= {f"memory_plan.rejected[].{k}" for k in ("candidate", "offload", "reason", "device_gib",
-                                                                          "host_gib")}  # none rejected here
+    assert documented - keys <= {f"memory_plan.rejected[].{k}" for k in (  # none rejected here
+        "candidate", "offload", "reason", "device_gib", "host_gib", "passes_per_step", "copy_per_step_gib",
+        "copy_seconds_per_step_estimate")}
 
 
 def test_nothing_fits_exits_2_before_loading(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -221,7 +222,7 @@ def test_copy_volume_counts_the_cfg_passes(ckpt: Path, monkeypatch: pytest.Monke
     assert runner.profiler.memory_plan["passes_per_step"] == passes
     est = runner._estimate_with(runner.config.offload, SHAPE)
     slabs = est.modules["transformer"].stream_host_bytes  # storage cpu: every unit's slab, copied once per pass
-    rows = {r.name: r for r in plan_report.module_rows(plan)}
+    rows = {r.name: r for r in plan_report.module_rows(plan.chosen, CUDA)}
     assert slabs > 0 and rows["transformer"].copy_step_bytes == passes * slabs
 
 

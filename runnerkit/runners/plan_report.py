@@ -3,8 +3,10 @@ the log block, the profile's `memory_plan`, and the refusal when nothing fits (d
 
 Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled as such):
 
-    streamed transformer:  streamed bytes x passes per step (1 without CFG; with CFG 1 where the
-                           family runs both branches through each block in one pass, else 2)
+    streamed transformer:  streamed bytes x passes per step under the candidate's own config (the
+                           runner's `denoise_passes_per_step`, asked per candidate: 1 without CFG; with
+                           CFG 1 in mode block where the family runs both branches through each block
+                           in one pass, else 2)
         streamed bytes = the units' raw bytes as copied (`ModuleFootprint.stream_moved_bytes`: the
                          host slabs with storage cpu; with storage disk what is read and copied,
                          checkpoint fp8 tensors at 1 byte + scale)
@@ -29,7 +31,7 @@ from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
 from runnerkit.runners.fit import GIB, host_module_bytes, streams
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, SupportedFn, candidate_name,
+from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
                                            evaluate, explicit_keys, ladder)
 
 __all__ = ["DISK_BYTES_PER_S", "H2D_PAGEABLE_BYTES_PER_S", "H2D_PINNED_BYTES_PER_S", "ModuleRow", "describe",
@@ -61,25 +63,26 @@ class ModuleRow:
         return nbytes / self.bytes_per_s if nbytes else 0.0
 
 
-def module_rows(plan: MemoryPlan) -> list[ModuleRow]:
-    """Per module of the chosen plan (at its peak shape): placement, bytes and copy volume (module docstring)."""
-    ev, off = plan.chosen, plan.offload
-    assert ev.estimate is not None, "a chosen candidate was evaluated"
+def module_rows(ev: Evaluation, device: torch.device) -> list[ModuleRow]:
+    """Per module of an evaluated candidate (at its peak shape; `plan.chosen` for the plan itself): placement,
+    bytes and copy volume, the streamed transformers' at the candidate's own passes per step (module docstring)."""
+    off = ev.offload
+    assert ev.estimate is not None and off is not None, "an evaluated candidate"
     config = RunnerConfig.model_construct(offload=off, unload_modules=False)
     h2d = H2D_PINNED_BYTES_PER_S if off.pin_memory else H2D_PAGEABLE_BYTES_PER_S
     rows = []
     for name, m in ev.estimate.modules.items():
-        host = host_module_bytes(name, m, config) if plan.device.type != "cpu" else 0
+        host = host_module_bytes(name, m, config) if device.type != "cpu" else 0
         if streams(name, m, off):
             assert m.stream_resident_bytes is not None
             streamed = m.stream_moved_bytes or m.weight_bytes - m.stream_resident_bytes  # as copied (fp8: 1 byte)
             where = "streamed from " + ("host memory" if off.storage == "cpu" else "disk")
             where += ", built per request" if off.lazy_load else ""
-            step, request = (streamed * plan.passes_per_step, 0) if m.stream_default else (0, streamed)
+            step, request = (streamed * ev.passes_per_step, 0) if m.stream_default else (0, streamed)
             rate = h2d if off.storage == "cpu" else min(h2d, DISK_BYTES_PER_S)
-            device = m.stream_resident_bytes + m.stream_slot_bytes
-            rows.append(ModuleRow(name, where, device, host, step, request, rate))
-        elif off.mode == "none" or plan.device.type == "cpu":
+            on_device = m.stream_resident_bytes + m.stream_slot_bytes
+            rows.append(ModuleRow(name, where, on_device, host, step, request, rate))
+        elif off.mode == "none" or device.type == "cpu":
             rows.append(ModuleRow(name, "resident", m.weight_bytes, host, 0, 0, h2d))
         else:
             rows.append(ModuleRow(name, "offloaded (visits the device for its stage)", m.weight_bytes, host, 0,
@@ -95,13 +98,29 @@ def _dump(off: OffloadConfig | None) -> dict[str, Any] | None:
     return off.model_dump(mode="json") if off is not None else None
 
 
+def _step_copy(rows: Sequence[ModuleRow]) -> tuple[int, float]:
+    """(bytes, seconds) copied per denoising step: the largest streamed transformer's (one runs per step)."""
+    return (max((r.copy_step_bytes for r in rows), default=0),
+            max((r.seconds(r.copy_step_bytes) for r in rows), default=0.0))
+
+
+def _rejected(e: Evaluation, device: torch.device) -> dict[str, Any]:
+    """A rejected candidate in the report; its copy volume at its own passes per step where it was evaluated."""
+    step = _step_copy(module_rows(e, device)) if e.estimate is not None else None
+    return {"candidate": e.name, "offload": _dump(e.offload), "reason": e.reason,
+            "device_gib": _gib(e.peak.bytes) if e.peak is not None else None,
+            "host_gib": _gib(e.host.bytes) if e.host is not None else None,
+            "passes_per_step": e.passes_per_step if step is not None else None,
+            "copy_per_step_gib": _gib(step[0]) if step is not None else None,
+            "copy_seconds_per_step_estimate": round(step[1], 4) if step is not None else None}
+
+
 def report(plan: MemoryPlan, requested: OffloadConfig) -> dict[str, Any]:
     """The profile's `memory_plan` (every key: docs/profile.md)."""
     ev = plan.chosen
     assert ev.peak is not None and ev.host is not None and ev.peak_shape is not None
-    rows = module_rows(plan)
-    step = max((r.copy_step_bytes for r in rows), default=0)
-    step_s = max((r.seconds(r.copy_step_bytes) for r in rows), default=0.0)
+    rows = module_rows(ev, plan.device)
+    step, step_s = _step_copy(rows)
     return {
         "requested": requested.model_dump(mode="json", exclude_unset=True),
         "offload": _dump(plan.offload),
@@ -125,9 +144,7 @@ def report(plan: MemoryPlan, requested: OffloadConfig) -> dict[str, Any]:
                      "host_gib": _gib(r.host_bytes), "copy_per_step_gib": _gib(r.copy_step_bytes),
                      "copy_per_request_gib": _gib(r.copy_request_bytes),
                      "assumed_gb_per_s": round(r.bytes_per_s / 1e9, 2)} for r in rows],
-        "rejected": [{"candidate": e.name, "offload": _dump(e.offload), "reason": e.reason,
-                      "device_gib": _gib(e.peak.bytes) if e.peak is not None else None,
-                      "host_gib": _gib(e.host.bytes) if e.host is not None else None} for e in plan.rejected],
+        "rejected": [_rejected(e, plan.device) for e in plan.rejected],
     }
 
 
@@ -144,7 +161,7 @@ def describe(plan: MemoryPlan) -> str:
              f"  host: estimated {ev.host.describe()} of {host_limit}",
              f"  {'module':<18} {'where':<44} {'device GiB':>10} {'host GiB':>9} {'H2D/step GiB':>12} "
              f"{'H2D/request GiB':>15}"]
-    rows = module_rows(plan)
+    rows = module_rows(ev, plan.device)
     for r in rows:
         lines.append(f"  {r.name:<18} {r.placement:<44} {r.device_bytes / GIB:>10.2f} {r.host_bytes / GIB:>9.2f} "
                      f"{r.copy_step_bytes / GIB:>12.2f} {r.copy_request_bytes / GIB:>15.2f}")
@@ -164,7 +181,7 @@ def describe(plan: MemoryPlan) -> str:
 
 def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape], device: torch.device,
             estimate: EstimateFn, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
-            streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn,
+            streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn, passes: PassesFn,
             factors: tuple[int, int]) -> str:
     """Why no candidate fits: the closest one with the GiB missing on the device and the host, the
     candidates the user's keys excluded that would fit, the family's hints (`MemoryEstimate.hints`),
@@ -185,7 +202,7 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
     if best.host_missing:
         missing.append(f"{best.host.bytes / GIB:.2f} GiB of host memory ({best.host_missing / GIB:.2f} GiB missing)")
     advice = _would_fit(config, evaluations, shapes, device, estimate, device_limit, host_limit, streamable,
-                        default_streams, supported)
+                        default_streams, supported, passes)
     if best.device_missing and best.estimate is not None:
         advice += list(best.estimate.hints)  # the family's own advice, e.g. VAE tiling
     if best.device_missing and not best.host_missing:
@@ -198,7 +215,8 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
 
 def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape],
                device: torch.device, estimate: EstimateFn, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
-               streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn) -> list[str]:
+               streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn,
+               passes: PassesFn) -> list[str]:
     """The first candidate of the unconstrained ladder (fp8 allowed) that fits, and what keeps it out."""
     excluded = {e.name: e.reason for e in evaluations}
     for cand in ladder(streamable, default_streams, allow_fp8=True):
@@ -209,7 +227,7 @@ def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: 
         if off.mode == "block" and not streamable:
             continue
         ev = evaluate(name, config.model_copy(update={"offload": off}), shapes, device, estimate, device_limit,
-                      host_limit)
+                      host_limit, passes)
         if not ev.fits:
             continue
         assert ev.peak is not None

@@ -22,6 +22,8 @@ host memory is what the modules keep there + the largest module loaded through i
 from __future__ import annotations
 
 import math
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +34,7 @@ from runnerkit.memory import MemoryLimit
 from runnerkit.runners import fit, plan_report
 from runnerkit.runners.fit import GIB, MemoryEstimate, MemoryFitError, ModuleFootprint, StageFootprint
 from runnerkit.runners.plan import plan_offload
+from runnerkit.runners.requests import RequestChecksMixin
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 BASE = (480, 832, 81)
@@ -75,7 +78,12 @@ def limit(gib: float | None, what: str = "test") -> MemoryLimit | None:
     return None if gib is None else MemoryLimit(int(gib * GIB), what)
 
 
-def plan(device_gib: float, host_gib: float | None, te_streams: bool = False, passes: int = 2,
+def two_passes(off: OffloadConfig) -> int:
+    """CFG, one forward per branch in every mode."""
+    return 2
+
+
+def plan(device_gib: float, host_gib: float | None, te_streams: bool = False, passes: Any = two_passes,
          device: torch.device = CUDA, shapes: tuple[tuple[int, int, int], ...] = (BASE,), **offload: Any) -> Any:
     return plan_offload(config(**offload), shapes, device, synthetic(te_streams), limit(device_gib),
                         limit(host_gib), passes)
@@ -192,7 +200,7 @@ def test_host_bytes_terms() -> None:
 
 @pytest.mark.parametrize("passes", [2, 1])
 def test_copy_volume_per_step_follows_cfg(passes: int) -> None:
-    result = plan(10, 64, passes=passes)
+    result = plan(10, 64, passes=lambda off: passes)
     report = plan_report.report(result, config().offload)
     streamed = 10 * (int(10 * GIB) * 9 // 10 // 10)
     rows = {m["name"]: m for m in report["modules"]}
@@ -206,8 +214,29 @@ def test_copy_volume_per_step_follows_cfg(passes: int) -> None:
     assert [r["candidate"] for r in report["rejected"]] == [RESIDENT, MODEL]
 
 
+def test_passes_per_step_are_each_candidates_own() -> None:
+    """With CFG and a family that runs both branches through each block in one pass (`CFG_ONE_PASS`), mode
+    block counts 1 pass per step and every other mode 2: asked of the runner's own hook per candidate."""
+    cfg = config()
+    runner = SimpleNamespace(config=cfg, CFG_ONE_PASS=True)
+    hook = partial(RequestChecksMixin.denoise_passes_per_step, runner)
+    result = plan(7.5, 64, te_streams=True, passes=hook)
+    assert result.chosen.name == BLOCK_ALL and result.passes_per_step == 1
+    report = plan_report.report(result, cfg.offload)
+    streamed = 10 * (int(10 * GIB) * 9 // 10 // 10)
+    assert report["passes_per_step"] == 1 and report["copy_per_step_gib"] == round(streamed / GIB, 3)
+    rejected = {r["candidate"]: r for r in report["rejected"]}
+    assert [(name, r["passes_per_step"]) for name, r in rejected.items()] == [(RESIDENT, 2), (MODEL, 2), (BLOCK, 1)]
+    assert rejected[BLOCK]["copy_per_step_gib"] == round(streamed / GIB, 3)
+    assert rejected[BLOCK]["copy_seconds_per_step_estimate"] == round(streamed / plan_report.H2D_PINNED_BYTES_PER_S, 4)
+    assert rejected[MODEL]["copy_per_step_gib"] == 0.0  # nothing streams: 2 passes copy nothing
+    # a family that runs one forward per CFG branch: 2 passes in mode block too
+    runner.CFG_ONE_PASS = False
+    assert plan(7.5, 64, te_streams=True, passes=hook).passes_per_step == 2
+
+
 def test_disk_copies_at_the_disk_rate() -> None:
-    rows = {r.name: r for r in plan_report.module_rows(plan(7.5, 64))}
+    rows = {r.name: r for r in plan_report.module_rows(plan(7.5, 64).chosen, CUDA)}
     assert rows["transformer"].placement == "streamed from disk, built per request"
     assert rows["transformer"].bytes_per_s == plan_report.DISK_BYTES_PER_S
 
@@ -268,7 +297,7 @@ def test_refusal_names_the_explicit_key_that_excludes_a_fitting_candidate() -> N
 def test_plan_refuses_a_concrete_mode() -> None:
     cfg = load_runner_config(None, {"model_cls": "x", "model_path": "/x"})
     with pytest.raises(ValueError, match="resolves `offload.mode`='auto' only"):
-        plan_offload(cfg, (BASE,), CUDA, synthetic(), limit(80), limit(64), 2)
+        plan_offload(cfg, (BASE,), CUDA, synthetic(), limit(80), limit(64), two_passes)
 
 
 def test_weight_dtype_auto_needs_mode_auto() -> None:
