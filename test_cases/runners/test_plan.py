@@ -129,6 +129,10 @@ RESIDENT, MODEL = "resident (mode none)", "model offload (mode model)"
     (80, 64, False, {"gpu_slots": 3}, BLOCK, [(RESIDENT, "excluded: `offload.gpu_slots` has no effect with "
                                                           "`offload.mode`='none'"),
                                               (MODEL, "excluded: `offload.gpu_slots` has no effect")]),
+    # stream_modules set: no resident or model-offload rung, and each streaming rung once, with the list
+    (80, 64, True, {"stream_modules": ["text_encoder", "transformer"]}, BLOCK_ALL, [
+        (RESIDENT, "excluded: `offload.stream_modules` has no effect with `offload.mode`='none'"),
+        (MODEL, "excluded: `offload.stream_modules` has no effect with `offload.mode`='model'")]),
 ])
 def test_the_fastest_candidate_that_fits(device_gib: float, host_gib: float | None, te_streams: bool,
                                          offload: dict[str, Any], chosen: str, rejected: list[tuple[str, str]]) -> None:
@@ -140,7 +144,7 @@ def test_the_fastest_candidate_that_fits(device_gib: float, host_gib: float | No
     assert result.offload.mode != "auto"
     for key, value in offload.items():  # the explicit keys are in the concrete config
         if value != "auto":
-            assert getattr(result.offload, key) == value
+            assert getattr(result.offload, key) == (tuple(value) if isinstance(value, list) else value)
 
 
 def test_chosen_configs_are_concrete_and_complete() -> None:
