@@ -205,6 +205,26 @@ def test_offload_flag_replaces_only_the_mode(tmp_path: Path) -> None:
     assert build_parser().parse_args(["--config_json", str(path), "--offload", "auto"]).offload == "auto"
 
 
+def test_a_conflict_names_where_each_value_came_from(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--offload block` over a file with `weight_dtype: auto`: the flag gave the mode, the file the dtype."""
+    path = write_config(tmp_path / "c.json", {"model_cls": "wan2.1", "model_path": str(tmp_path),
+                                              "offload": {"mode": "auto", "weight_dtype": "auto"}})
+    rc, err = _cli(capsys, "--config_json", path, "--offload", "block", "--prompt", "a fox")
+    assert rc == 2, err
+    assert f"invalid config {path} with command-line overrides:" in err, err
+    assert (f"(`offload.weight_dtype`='auto' from the config file {str(path)!r}; `offload.mode`='block' from the "
+            "command line (--offload))") in err, err
+    # the file alone: its own mode; a value set nowhere: the default
+    with pytest.raises(ValueError, match=r"`offload.mode`='none' \(the default: not set\)\)"):
+        load_runner_config(write_config(tmp_path / "d.json", {"model_cls": "x", "model_path": "/x",
+                                                              "offload": {"weight_dtype": "auto"}}),
+                           {"device": "cpu"})
+    # a whole section given as an override replaces the file's: its keys come from the override
+    with pytest.raises(ValueError, match=r"`offload.weight_dtype`='auto' from the command line \(--offload\); "
+                                         r"`offload.mode`='model' from the command line \(--offload\)"):
+        load_runner_config(path, {"offload": {"mode": "model", "weight_dtype": "auto"}})
+
+
 @pytest.mark.parametrize("enable_cfg, one_pass, passes", [(True, True, 1), (True, False, 2), (False, True, 1)])
 def test_copy_volume_counts_the_cfg_passes(ckpt: Path, monkeypatch: pytest.MonkeyPatch, enable_cfg: bool,
                                            one_pass: bool, passes: int) -> None:
