@@ -21,15 +21,16 @@ Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
-from runnerkit.runners.fit import GIB, host_module_bytes, streams
+from runnerkit.runners.fit import GIB, host_module_bytes, overhead_bytes, streams
 from runnerkit.runners.pipeline import Shape
 from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
                                            evaluate, explicit_keys, ladder)
@@ -179,13 +180,18 @@ def describe(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+#: (concrete offload config, shapes) -> that candidate judged over those shapes against the run's limits.
+Judge = Callable[[OffloadConfig, Sequence[Shape]], Evaluation]
+
+
 def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape], device: torch.device,
             estimate: EstimateFn, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
             streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn, passes: PassesFn,
             factors: tuple[int, int]) -> str:
-    """Why no candidate fits: the closest one with the GiB missing on the device and the host, the
-    candidates the user's keys excluded that would fit, the family's hints (`MemoryEstimate.hints`),
-    and the largest smaller shapes that would fit."""
+    """Why no candidate fits: the closest one with the GiB missing on the device and the host, and what
+    would fit by the planner's own estimate (every shape judged again, device and host): a candidate the
+    user's keys excluded, the family's hints (`MemoryEstimate.hints`) set on an evaluated candidate, the
+    largest smaller shapes. Advice the estimate says would still not fit is not given."""
     tried = [e for e in evaluations if e.peak is not None]
     head = (f"`offload.mode`='auto': no offload plan fits {len(shapes)} shape(s) {[list(s) for s in shapes]} "
             f"on {device} (limit {device_limit.bytes / GIB:.2f} GiB: {device_limit.source}"
@@ -201,22 +207,24 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
                        f"peak in stage {best.peak.stage} at shape {list(best.peak_shape or ())})")
     if best.host_missing:
         missing.append(f"{best.host.bytes / GIB:.2f} GiB of host memory ({best.host_missing / GIB:.2f} GiB missing)")
-    advice = _would_fit(config, evaluations, shapes, device, estimate, device_limit, host_limit, streamable,
-                        default_streams, supported, passes)
-    if best.device_missing and best.estimate is not None:
-        advice += list(best.estimate.hints)  # the family's own advice, e.g. VAE tiling
+
+    def judge(off: OffloadConfig, planned: Sequence[Shape]) -> Evaluation:
+        return evaluate(candidate_name(off), config.model_copy(update={"offload": off}), planned, device, estimate,
+                        device_limit, host_limit, passes)
+
+    advice = _would_fit(config, evaluations, shapes, judge, streamable, default_streams, supported)
+    if best.device_missing:
+        advice += _hints(tried, shapes, judge, supported)
     if best.device_missing and not best.host_missing:
-        advice += _smaller_shapes(config, tried, best, device, estimate, device_limit, factors)
+        advice += _smaller_shapes(tried, best, shapes, judge, device, device_limit, factors)
     elif best.host_missing:
         advice.append("free host memory or raise `memory.host_limit_gib` (host memory barely depends on the shape)")
     return (f"{head}. Closest: {best.name} needs {' and '.join(missing)}. To fit: {'; or '.join(advice)}. "
             "Candidates: " + "; ".join(f"{e.name}: {e.reason}" for e in evaluations))
 
 
-def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape],
-               device: torch.device, estimate: EstimateFn, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
-               streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn,
-               passes: PassesFn) -> list[str]:
+def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape], judge: Judge,
+               streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn) -> list[str]:
     """The first candidate of the unconstrained ladder (fp8 allowed) that fits, and what keeps it out."""
     excluded = {e.name: e.reason for e in evaluations}
     for cand in ladder(streamable, default_streams, allow_fp8=True):
@@ -226,8 +234,7 @@ def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: 
             continue  # evaluated already: it does not fit
         if off.mode == "block" and not streamable:
             continue
-        ev = evaluate(name, config.model_copy(update={"offload": off}), shapes, device, estimate, device_limit,
-                      host_limit, passes)
+        ev = judge(off, shapes)
         if not ev.fits:
             continue
         assert ev.peak is not None
@@ -242,38 +249,80 @@ def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: 
     return []
 
 
-def _smaller_shapes(config: RunnerConfig, tried: Sequence[Evaluation], best: Evaluation, device: torch.device,
-                    estimate: EstimateFn, device_limit: MemoryLimit, factors: tuple[int, int]) -> list[str]:
-    """The most frames, and the largest size (same aspect), at which an evaluated candidate fits the device."""
-    from runnerkit.runners.fit import peak_of
+def _hints(tried: Sequence[Evaluation], shapes: Sequence[Shape], judge: Judge, supported: SupportedFn) -> list[str]:
+    """The families' advice (`fit.Hint`) that makes an evaluated candidate fit: its offload keys set on the
+    candidate (fastest first) and every shape judged again. Advice with which nothing fits, or that sets no
+    keys (nothing to judge), is left out."""
+    out: list[str] = []
+    hints = {h.text: h for e in tried if e.estimate is not None for h in e.estimate.hints if h.offload}
+    for hint in hints.values():
+        for e in tried:
+            assert e.offload is not None, "an evaluated candidate has a config"
+            try:
+                off = OffloadConfig.model_validate({**e.offload.model_dump(exclude_unset=True), **hint.offload})
+            except ValidationError:
+                continue  # the advice does not apply to this candidate
+            ev = judge(off, shapes)
+            if ev.fits and not supported(off):
+                assert ev.peak is not None
+                out.append(f"{hint.text}: {ev.name} then fits ({ev.peak.bytes / GIB:.2f} GiB on the device)")
+                break
+    return out
 
-    assert best.peak_shape is not None
-    h, w, f = best.peak_shape
+
+def _smaller_shapes(tried: Sequence[Evaluation], best: Evaluation, shapes: Sequence[Shape], judge: Judge,
+                    device: torch.device, device_limit: MemoryLimit, factors: tuple[int, int]) -> list[str]:
+    """The most frames at the same size, and the largest size (same aspect ratio) at the same frames, with
+    which an evaluated candidate fits: its peak shape replaced by the smaller one, the other shapes kept,
+    device and host judged. If neither: what `best` still needs at the smallest shape of this aspect ratio
+    (weights, activations, margin and fixed overhead named apart), or that smallest shape if it fits."""
     spatial, temporal = factors
 
-    def fits(off: OffloadConfig, shape: Shape) -> bool:
-        cfg = config.model_copy(update={"offload": off})
-        return peak_of(estimate(off, shape), cfg, device).bytes <= device_limit.bytes
+    def fits(e: Evaluation, new: Shape) -> Evaluation:
+        assert e.offload is not None and e.peak_shape is not None
+        return judge(e.offload, tuple(dict.fromkeys(new if s == e.peak_shape else s for s in shapes)))
 
+    usable = [e for e in tried if e.offload is not None and e.peak_shape is not None and not e.host_missing]
     out = []
-    frames = [(temporal * n + 1, e) for e in tried if e.offload is not None and not e.host_missing
-              for n in [_largest(lambda n, e=e: fits(e.offload, (h, w, temporal * n + 1)), (f - 1) // temporal)]
-              if n is not None and f > 1]
+    frames = []
+    for e in usable:
+        h, w, f = e.peak_shape  # type: ignore[misc]
+        n = _largest(lambda n, e=e, h=h, w=w: fits(e, (h, w, temporal * n + 1)).fits, (f - 1) // temporal)
+        if n is not None and f > 1:
+            frames.append((temporal * n + 1, e))
     if frames:
         most, ev = max(frames, key=lambda x: x[0])
+        h, w, _ = ev.peak_shape  # type: ignore[misc]
         out.append(f"target_video_length {most} at {h}x{w} ({ev.name})")
     for k in range(7, 0, -1):  # sizes k/8 of the shape, multiples of the spatial factor
-        hs, ws = h * k // 8 // spatial * spatial, w * k // 8 // spatial * spatial
-        if hs < spatial or ws < spatial:
+        sizes = [(e, _scaled(e.peak_shape, k, spatial)) for e in usable]  # type: ignore[arg-type]
+        ev, size = next(((e, s) for e, s in sizes if s is not None and fits(e, s).fits), (None, None))
+        if ev is not None and size is not None:
+            out.append(f"target_height x target_width {size[0]}x{size[1]} at {size[2]} frames ({ev.name})")
             break
-        ev = next((e for e in tried if e.offload is not None and not e.host_missing and fits(e.offload, (hs, ws, f))),
-                  None)
-        if ev is not None:
-            out.append(f"target_height x target_width {hs}x{ws} at {f} frames ({ev.name})")
-            break
-    return out or [f"no smaller shape of this aspect ratio fits (the peak of {best.name} is in stage "
-                   f"{best.peak.stage if best.peak else '?'}: weights that do not shrink with the shape); a device "
-                   "with more memory"]
+    if out:
+        return out
+    assert best.offload is not None and best.peak_shape is not None
+    h, w, _ = best.peak_shape
+    smallest = (max(spatial, h // 8 // spatial * spatial), max(spatial, w // 8 // spatial * spatial), 1)
+    ev = fits(best, smallest)
+    assert ev.peak is not None
+    if ev.fits:
+        return [f"target_height x target_width {smallest[0]}x{smallest[1]} at 1 frame ({best.name})"]
+    fixed = overhead_bytes(device)
+    alone = (f"; its fixed overhead alone ({fixed / GIB:.2f} GiB) exceeds the limit" if fixed >= device_limit.bytes
+             else "")
+    others = " (the other shapes as planned)" if len(shapes) > 1 else ""
+    return [f"no smaller shape of this aspect ratio in place of {list(best.peak_shape)} fits{others}: with "
+            f"{'x'.join(map(str, smallest))} {best.name} still needs {ev.peak.describe()} at shape "
+            f"{list(ev.peak_shape or ())}{alone}; a device with more memory"]
+
+
+def _scaled(shape: Shape, k: int, spatial: int) -> Shape | None:
+    """`shape` with height and width k/8 of theirs, rounded down to the spatial factor; None below it."""
+    h, w, f = shape
+    hs, ws = h * k // 8 // spatial * spatial, w * k // 8 // spatial * spatial
+    return (hs, ws, f) if hs >= spatial and ws >= spatial else None
 
 
 def _largest(ok: Any, top: int) -> int | None:

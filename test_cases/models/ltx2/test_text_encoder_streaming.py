@@ -150,7 +150,8 @@ def test_the_estimate_counts_the_streamed_gemma(tmp_path: Path, monkeypatch: pyt
     assert held_streamed == streamed.stream_resident_bytes + streamed.stream_slot_bytes
     sizes = tiny_gemma_sizes(tiny_arch())
     assert streamed.stream_resident_bytes == 4 * (sizes["vocab_size"] + 1) * sizes["hidden_size"]  # embedding, norm
-    assert any("stream_modules" in h for h in hints_whole) and not any("Gemma" in h for h in hints_streamed)
+    assert any("stream_modules" in h.text for h in hints_whole) and not any("Gemma" in h.text for h in hints_streamed)
+    assert [h.offload for h in hints_whole] == [{"mode": "block", "stream_modules": ("transformer", "text_encoder")}]
 
 
 @pytest.mark.parametrize("mode", ["block", "phase"])
