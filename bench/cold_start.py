@@ -34,8 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (REPO, Deadline, device_info, ensure_synthetic, fmt_spread, markdown_table,  # noqa: E402
-                          median, run_worker, spread)
+from bench.common import (REPO, Deadline, add_worker_flags, device_info, ensure_synthetic, fmt_spread,  # noqa: E402
+                          markdown_table, median, run_worker, spread)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -115,9 +115,7 @@ def main() -> None:
     p.add_argument("--synth_dtype", default="bf16")
     p.add_argument("--time_budget_s", type=float, help="start no process round that would end after this many seconds")
     p.add_argument("--out", default=str(REPO / "bench/results/cold_start"))
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--arm", choices=["no_warmup", "warmup"])
-    p.add_argument("--result")
+    add_worker_flags(p, ["no_warmup", "warmup"])
     p.add_argument("--resume", help="an earlier OUT.json whose finished processes are kept")
     args = p.parse_args()
     if args.worker:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +70,22 @@ def python_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
+def add_worker_flags(p: argparse.ArgumentParser, arms: Sequence[str] | None = None) -> None:
+    """The flags of the worker protocol (`worker_command`): `--worker` (run one arm in this process),
+    `--arm` (which; `arms`: its choices) and `--result` (the JSON file the worker writes)."""
+    p.add_argument("--worker", action="store_true", help="(internal) run one arm in this process")
+    p.add_argument("--arm", choices=list(arms) if arms is not None else None)
+    p.add_argument("--result")
+
+
+def worker_command(script: Path, args: list[str], result: Path) -> list[str]:
+    """`script --worker --result RESULT ARGS` in this interpreter: one arm in a fresh process."""
+    return [sys.executable, str(script), "--worker", "--result", str(result), *args]
+
+
 def run_worker(script: Path, args: list[str], result: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `script --worker ...` in a fresh process; return the JSON it wrote to `result`."""
-    proc = subprocess.run([sys.executable, str(script), "--worker", "--result", str(result), *args],
+    proc = subprocess.run(worker_command(script, args, result),
                           cwd=REPO, env={**python_env(), **(env or {})}, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-6000:])

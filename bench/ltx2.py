@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import fmt_spread, markdown_table, run_worker, spread  # noqa: E402
+from bench.common import add_worker_flags, fmt_spread, markdown_table, run_worker, spread  # noqa: E402
 
 ARMS: dict[str, dict[str, Any]] = {
     "warmup": {"warmup": True, "offload": {"mode": "none"}},
@@ -122,9 +122,7 @@ def main() -> None:
     p.add_argument("--out", required=False)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run with a tiny checkpoint")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--worker", action="store_true", help="(internal) run one arm in this process")
-    p.add_argument("--arm", choices=list(ARMS))
-    p.add_argument("--result")
+    add_worker_flags(p, ARMS)
     args = p.parse_args()
     if args.worker:
         worker(args)

@@ -67,7 +67,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (REPO, Deadline, borrow_components, copy_config, device_info,  # noqa: E402
+from bench.common import (REPO, Deadline, add_worker_flags, borrow_components, copy_config, device_info,  # noqa: E402
                           drop_page_cache, ensure_synthetic, fmt_spread, markdown_table, median, run_child,
                           run_worker, sequential_read_gbps, spread, storage_read_bytes)
 
@@ -438,10 +438,8 @@ def main() -> None:
     p.add_argument("--time_budget_s", type=float, help="start no round of processes that would end after this many seconds")
     p.add_argument("--out", default=str(REPO / "bench/results/offload"))
     p.add_argument("--resume", help="an earlier OUT.json: its processes are kept, missing rounds are run")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--arm")
+    add_worker_flags(p)
     p.add_argument("--ckpt")
-    p.add_argument("--result")
     args = p.parse_args()
     if args.worker:
         worker(args)

@@ -37,12 +37,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
+    add_worker_flags,
     drop_page_cache,
     fmt_spread,
     markdown_table,
     sequential_read_gbps,
     spread,
     storage_read_bytes,
+    worker_command,
 )
 
 STAGE1_STEPS = 8
@@ -174,9 +176,7 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", default=["16", "8"], help="device caps in GiB, one process each")
     p.add_argument("--requests", type=int, default=2)
     p.add_argument("--out")
-    p.add_argument("--worker", action="store_true", help="(internal) run one arm in this process")
-    p.add_argument("--arm")
-    p.add_argument("--result")
+    add_worker_flags(p)
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -192,8 +192,8 @@ def main() -> None:
         drop_page_cache()
         result = Path(f"{args.out}_{arm}.json")
         with open(f"{args.out}_{arm}.log", "w") as log:  # the arm's own log; partial JSON survives a failure
-            rc = subprocess.run([sys.executable, __file__, "--worker", "--result", str(result), "--ckpt", args.ckpt,
-                                 "--requests", str(args.requests), "--arm", arm],
+            rc = subprocess.run(worker_command(Path(__file__), ["--ckpt", args.ckpt, "--requests", str(args.requests),
+                                                                "--arm", arm], result),
                                 stdout=log, stderr=subprocess.STDOUT).returncode
         runs[arm] = json.loads(result.read_text()) if result.is_file() else {}
         runs[arm]["exit_status"] = rc

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -397,8 +398,14 @@ def as_request(request: Any) -> RequestConfig:
     raise TypeError(f"a request must be a RequestConfig or a dict of its fields (got {type(request).__name__})")
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    """One line per problem: `field: message (got value)`."""
+def format_validation_error(err: ValidationError, source: str, origins: Mapping[str, str] | None = None) -> str:
+    """One line per problem: `field: message (got value)`.
+
+    Args:
+        origins: dotted field name -> its value and where it came from (`load_runner_config`: the file,
+            a command-line flag or the default); a problem whose field, or a field its message names in
+            backticks, is listed gets a second line with their origins.
+    """
     lines = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -408,7 +415,32 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         text = text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"  # e.g. a base64 image
         shown = "" if e["type"] == "missing" or isinstance(value, dict) or "(got " in msg else f" (got {text})"
         lines.append(f"  {field}: {msg}{shown}")
+        named = [n for n in dict.fromkeys([field, *re.findall(r"`([A-Za-z_][\w.]*)`", msg)]) if n in (origins or {})]
+        if named:
+            assert origins is not None
+            lines.append("    (" + "; ".join(f"`{n}`={origins[n]}" for n in named) + ")")
     return f"invalid {source}:\n" + "\n".join(lines)
+
+
+def _origins(data: dict[str, Any], set_by: dict[str, str]) -> dict[str, str]:
+    """Every leaf field of `RunnerConfig` (`offload.mode`, `model_path`) -> "<value> from <where>" for the
+    fields in `set_by` (their value as merged in `data`), "<default> (the default: not set)" for the others."""
+    out = {}
+    for name, info in RunnerConfig.model_fields.items():
+        default = info.get_default(call_default_factory=True)
+        nested = type(default) if isinstance(default, BaseModel) else None
+        if nested is None and isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            nested = info.annotation
+        if nested is None:
+            out[name] = (f"{data[name]!r} from {set_by[name]}" if name in set_by
+                         else f"{default!r} (the default: not set)")
+            continue
+        section = data.get(name) if isinstance(data.get(name), dict) else {}
+        for field, sub in nested.model_fields.items():
+            key = f"{name}.{field}"
+            out[key] = (f"{section[field]!r} from {set_by[key]}" if key in set_by and field in section
+                        else f"{sub.get_default(call_default_factory=True)!r} (the default: not set)")
+    return out
 
 
 
@@ -430,16 +462,23 @@ def validate_model_arch(arch_cls: type[BaseModel], model: dict[str, Any] | None,
                          + f"\n  (`model` takes the components {sorted(arch_cls.model_fields)}, with the fields of "
                          f"{fields_file})") from None
 
-def load_runner_config(path: str | Path | None, overrides: dict[str, Any]) -> RunnerConfig:
+def load_runner_config(path: str | Path | None, overrides: dict[str, Any],
+                       flags: Mapping[str, str] | None = None) -> RunnerConfig:
     """Read a JSON config, apply CLI overrides (non-None values), validate.
 
     An override key with a dot sets a key of a nested section, keeping the section's other keys
     (`{"offload.mode": "auto"}`: the launch script's and the server's `--offload`).
 
+    Args:
+        flags: override key -> the command-line flag that gave it, for messages (default `--<key>`).
+
     Raises:
-        ConfigError: unreadable file, bad JSON, unknown keys, wrong types, out-of-range values.
+        ConfigError: unreadable file, bad JSON, unknown keys, wrong types, out-of-range values. Where an
+            override was applied, each problem also says where the values it names came from: the file,
+            a command-line flag, or the default.
     """
     data: dict[str, Any] = {}
+    set_by: dict[str, str] = {}  # dotted field name -> where its value came from
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -450,19 +489,31 @@ def load_runner_config(path: str | Path | None, overrides: dict[str, Any]) -> Ru
             raise ConfigError(f"config file {str(p)!r} is not valid UTF-8 JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a JSON object (got {type(data).__name__})")
+        where = f"the config file {str(p)!r}"
+        for key, value in data.items():
+            set_by[key] = where
+            set_by.update({f"{key}.{field}": where for field in value} if isinstance(value, dict) else {})
+    applied = False
     for key, value in overrides.items():
         if value is None:
             continue
+        applied = True
+        where = f"the command line ({(flags or {}).get(key, '--' + key)})"
         section, dot, field = key.partition(".")
         if not dot:
             data[key] = value
+            set_by[key] = where
+            set_by.update({f"{key}.{f}": where for f in value} if isinstance(value, dict) else {})
         elif isinstance(data.get(section, {}), dict):
             data[section] = {**data.get(section, {}), field: value}
+            set_by[key] = where
         # else: the file's section is not an object; validation names it
     try:
         return RunnerConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, f"config {str(path) if path else '(CLI)'}")) from None
+        source = f"config {str(path)}" + (" with command-line overrides" if applied else "") if path else "config (CLI)"
+        origins = _origins(data, set_by) if applied else None
+        raise ConfigError(format_validation_error(exc, source, origins)) from None
 
 
 def load_requests(path: str | Path) -> list[RequestConfig]:

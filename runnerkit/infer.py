@@ -106,7 +106,7 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
                  "warmup": True if args.warmup else None}
     if args.config_json is None and args.model_cls is None:
         raise ConfigError("give --config_json FILE (or at least --model_cls and --model_path); see --help")
-    config = load_runner_config(args.config_json, overrides)
+    config = load_runner_config(args.config_json, overrides, flags={"offload.mode": "--offload"})
     try:
         runner_cls = get_runner_cls(config.model_cls, config.task)
     except ValueError as exc:

@@ -152,8 +152,9 @@ def test_profile_keys_of_the_plan_are_documented(ckpt: Path) -> None:
     keys |= {f"memory_plan.rejected[].{k}" for r in plan["rejected"] for k in r}
     documented = _documented_plan_keys()
     assert keys - documented == set()
-    assert documented - keys <= {f"memory_plan.rejected[].{k}" for k in ("candidate", "offload", "reason", "device_gib",
-                                                                          "host_gib")}  # none rejected here
+    assert documented - keys <= {f"memory_plan.rejected[].{k}" for k in (  # none rejected here
+        "candidate", "offload", "reason", "device_gib", "host_gib", "passes_per_step", "copy_per_step_gib",
+        "copy_seconds_per_step_estimate")}
 
 
 def test_nothing_fits_exits_2_before_loading(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -204,6 +205,26 @@ def test_offload_flag_replaces_only_the_mode(tmp_path: Path) -> None:
     assert build_parser().parse_args(["--config_json", str(path), "--offload", "auto"]).offload == "auto"
 
 
+def test_a_conflict_names_where_each_value_came_from(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--offload block` over a file with `weight_dtype: auto`: the flag gave the mode, the file the dtype."""
+    path = write_config(tmp_path / "c.json", {"model_cls": "wan2.1", "model_path": str(tmp_path),
+                                              "offload": {"mode": "auto", "weight_dtype": "auto"}})
+    rc, err = _cli(capsys, "--config_json", path, "--offload", "block", "--prompt", "a fox")
+    assert rc == 2, err
+    assert f"invalid config {path} with command-line overrides:" in err, err
+    assert (f"(`offload.weight_dtype`='auto' from the config file {str(path)!r}; `offload.mode`='block' from the "
+            "command line (--offload))") in err, err
+    # the file alone: its own mode; a value set nowhere: the default
+    with pytest.raises(ValueError, match=r"`offload.mode`='none' \(the default: not set\)\)"):
+        load_runner_config(write_config(tmp_path / "d.json", {"model_cls": "x", "model_path": "/x",
+                                                              "offload": {"weight_dtype": "auto"}}),
+                           {"device": "cpu"})
+    # a whole section given as an override replaces the file's: its keys come from the override
+    with pytest.raises(ValueError, match=r"`offload.weight_dtype`='auto' from the command line \(--offload\); "
+                                         r"`offload.mode`='model' from the command line \(--offload\)"):
+        load_runner_config(path, {"offload": {"mode": "model", "weight_dtype": "auto"}})
+
+
 @pytest.mark.parametrize("enable_cfg, one_pass, passes", [(True, True, 1), (True, False, 2), (False, True, 1)])
 def test_copy_volume_counts_the_cfg_passes(ckpt: Path, monkeypatch: pytest.MonkeyPatch, enable_cfg: bool,
                                            one_pass: bool, passes: int) -> None:
@@ -221,7 +242,7 @@ def test_copy_volume_counts_the_cfg_passes(ckpt: Path, monkeypatch: pytest.Monke
     assert runner.profiler.memory_plan["passes_per_step"] == passes
     est = runner._estimate_with(runner.config.offload, SHAPE)
     slabs = est.modules["transformer"].stream_host_bytes  # storage cpu: every unit's slab, copied once per pass
-    rows = {r.name: r for r in plan_report.module_rows(plan)}
+    rows = {r.name: r for r in plan_report.module_rows(plan.chosen, CUDA)}
     assert slabs > 0 and rows["transformer"].copy_step_bytes == passes * slabs
 
 

@@ -72,6 +72,10 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
     #: Config paths of separately shipped modules this family reads (`text_encoder_path`,
     #: `upsampler_path`); any other one set in the config is refused.
     MODULE_PATHS: ClassVar[tuple[str, ...]] = ()
+    #: The modules of `describe_pipeline` that can stream their blocks or layers (those it gives a
+    #: `ModuleSpec.stream`): the names `offload.stream_modules` may list. Checked when the runner is
+    #: built, before any plan (`check_stream_modules`), and against the described pipeline at load.
+    STREAM_MODULES: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
@@ -80,6 +84,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             if value is not None and key not in self.MODULE_PATHS:
                 raise ValueError(f"`{key}` ({value!r}) is not read by {self.config.model_cls!r}: its checkpoint folder "
                                  "holds that module; remove it from the config")
+        self.check_stream_modules()
         regional_compile.check_supported(self.config.compile, self.config.offload, self.config.unload_modules,
                                          self.device)
         self.pipeline: Pipeline | None = None
@@ -92,6 +97,23 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.attention: attention.AttentionBackend | None = None  # chosen in load_modules
         self._fit_unchecked_logged = False
         self._fit_deferred_logged = False
+
+    def check_stream_modules(self) -> None:
+        """Refuse an `offload.stream_modules` entry that is not one of this runner's `STREAM_MODULES`
+        (before planning and loading: under mode auto it would otherwise exclude every streaming candidate).
+
+        Raises:
+            ValueError: naming the field, the value, the names that cannot stream and the allowed ones.
+        """
+        names = self.config.offload.stream_modules
+        if names is None:
+            return
+        bad = [n for n in names if n not in self.STREAM_MODULES]
+        if bad:
+            allowed = list(self.STREAM_MODULES) or "none (no module of this runner streams)"
+            raise ValueError(f"`offload.stream_modules`={list(names)}: {bad} cannot stream in model_cls "
+                             f"{self.config.model_cls!r} (task {self.config.task!r}, {type(self).__name__}); "
+                             f"modules that can: {allowed}")
 
     # ---- family hooks -------------------------------------------------------------------
     @abstractmethod
@@ -208,6 +230,10 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         logger.info("attention: {} ({}; head size {}, {})", backend.name, backend.reason, head_dim, self.dtype)
         self.profiler.attention = {"backend": backend.name, "reason": backend.reason, "head_dim": head_dim}
         self.pipeline = pipeline = self.describe_pipeline()
+        can = sorted(m.name for m in pipeline.modules if m.stream is not None)
+        assert can == sorted(self.STREAM_MODULES), (f"{type(self).__name__}.STREAM_MODULES "
+                                                     f"{list(self.STREAM_MODULES)} differs from the modules its "
+                                                     f"pipeline can stream, {can}: declare them")
         self.placement = self.place_modules(pipeline)
         self.schedulers = {s.name: self.build_scheduler(s) for s in pipeline.denoise}
 

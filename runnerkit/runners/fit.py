@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,8 +51,8 @@ from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.offload.layout import StreamSpec, plan_unit_layout, plan_units
 from runnerkit.offload.pinned import align_up
 
-__all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "HostEstimate", "MemoryEstimate",
-           "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights", "host_bytes_of",
+__all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "Hint", "HostEstimate",
+           "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights", "host_bytes_of",
            "host_module_bytes", "module_footprint", "overhead_bytes", "peak_of", "refusal_message", "streams",
            "weights_between_stages"]
 
@@ -146,18 +147,33 @@ class StageFootprint:
 
 
 @dataclass(frozen=True)
+class Hint:
+    """A family's advice for a shape that does not fit, e.g. tiled VAE decoding.
+
+    Attributes:
+        text: the advice as the refusal words it, e.g. "offload.vae_tiling=true (...)".
+        offload: the offload keys it sets, e.g. {"vae_tiling": True}. The memory planner names the advice
+            only where its own estimate, with these keys on an evaluated candidate, fits (runners/plan_report.py);
+            advice without keys is left out of the plan's refusal (the per-request refusal shows the text).
+    """
+
+    text: str
+    offload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """A family's estimate for one request shape: module weights and per-stage activations.
 
     Attributes:
         modules: module name -> its weights (every module of the pipeline).
         stages: the request's stages in order.
-        hints: family advice shown when the request is refused (e.g. "set offload.vae_tiling").
+        hints: family advice shown when the request is refused (e.g. tiled VAE decoding: `Hint`).
     """
 
     modules: dict[str, ModuleFootprint]
     stages: tuple[StageFootprint, ...]
-    hints: tuple[str, ...] = field(default=())
+    hints: tuple[Hint, ...] = field(default=())
 
 
 @dataclass(frozen=True)
@@ -184,7 +200,7 @@ class PeakEstimate:
     def describe(self) -> str:
         return (f"{self.bytes / GIB:.2f} GiB (peak in stage {self.stage}: {self.weight_bytes / GIB:.2f} GiB weights + "
                 f"{self.activation_bytes / GIB:.2f} GiB activations{'; ' + self.detail if self.detail else ''}; "
-                f"+{MARGIN:.0%} margin + {self.overhead_bytes / GIB:.2f} GiB overhead)")
+                f"+{MARGIN:.0%} margin + {self.overhead_bytes / GIB:.2f} GiB fixed overhead)")
 
 
 def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
@@ -376,7 +392,7 @@ def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.
 
 
 def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, limit_bytes: int, limit_source: str,
-                    device: torch.device, config: RunnerConfig, hints: tuple[str, ...] = ()) -> str:
+                    device: torch.device, config: RunnerConfig, hints: tuple[Hint, ...] = ()) -> str:
     """The one-line reason a request is refused, with what to change.
 
     Args:
@@ -388,7 +404,7 @@ def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, 
     if config.offload.mode == "none" and not config.unload_modules and device.type != "cpu" \
             and peak.weight_bytes > peak.activation_bytes:
         advice.append("offload.mode 'model' or 'block' (weights leave the device between their stages)")
-    advice += list(hints)
+    advice += [h.text for h in hints]
     return (f"{what}: shape {h}x{w}x{f} (height x width x frames) needs an estimated {peak.describe()} on "
             f"{device}, more than the limit of {limit_bytes / GIB:.2f} GiB ({limit_source}). Try "
             f"{'; or '.join(advice)}. To override: config memory.limit_gib (GiB) or memory.check_fit=false")

@@ -38,15 +38,15 @@ from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
 from runnerkit.runners.fit import MemoryFitError
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, SupportedFn, candidate_name, constrain,
-                                           evaluate, explicit_keys, ladder)
+from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
+                                           constrain, evaluate, explicit_keys, ladder)
 from runnerkit.runners.plan_report import refusal
 
 __all__ = ["MemoryPlan", "plan_offload"]
 
 
 def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.device, estimate: EstimateFn,
-                 device_limit: MemoryLimit, host_limit: MemoryLimit | None, passes_per_step: int,
+                 device_limit: MemoryLimit, host_limit: MemoryLimit | None, passes_per_step: PassesFn,
                  supported: SupportedFn = lambda off: None, factors: tuple[int, int] = (16, 4)) -> MemoryPlan:
     """Resolve `config.offload` (mode auto) into the fastest concrete config that fits (module docstring).
 
@@ -56,8 +56,9 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         device: the device the memory is planned for (the run's compute device).
         estimate: the family's estimate of a shape under a concrete offload config.
         device_limit / host_limit: bytes available (host None: host memory unknown, not checked).
-        passes_per_step: passes through the streamed blocks per denoising step (the runner sets the
-            chosen mode's: `denoise_passes_per_step`).
+        passes_per_step: passes through the streamed blocks per denoising step under a candidate's concrete
+            offload config (the runner's `denoise_passes_per_step`), asked per evaluated candidate: its copy
+            volume in the report and the log.
         supported: None if the run supports a concrete config, else why not (compile, warmup).
         factors: the family's (spatial, temporal) shape factors, for the smaller shapes the refusal names.
 
@@ -101,20 +102,20 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
             evaluations.append(Evaluation(name, off, "not evaluated: on the CPU the first allowed candidate is taken"))
             continue
         ev = evaluate(name, config.model_copy(update={"offload": off}), shapes, device, estimate, device_limit,
-                      host_limit)
+                      host_limit, passes_per_step)
         evaluations.append(ev)
         if ev.fits:
             break
     chosen = next((e for e in evaluations if e.fits), None)
     if chosen is None:
         raise MemoryFitError(refusal(config, evaluations, shapes, device, estimate, device_limit, host_limit,
-                                     streamable, default_streams, supported, factors))
+                                     streamable, default_streams, supported, passes_per_step, factors))
     rejected = [e for e in evaluations if e is not chosen and "not evaluated" not in e.reason]
     why = ("the device is the CPU: weights live in host memory whatever the mode, so offload cannot lower the "
            "peak; the first allowed candidate is taken" if device.type == "cpu" else
            "the fastest candidate that fits" + (" (every faster one was rejected)" if rejected else ""))
     return MemoryPlan(chosen=chosen, rejected=rejected, shapes=shapes, device=device, device_limit=device_limit,
-                      host_limit=host_limit, passes_per_step=passes_per_step, why=why,
+                      host_limit=host_limit, why=why,
                       skipped=[e for e in evaluations if "not evaluated" in e.reason])
 
 

@@ -17,8 +17,8 @@ from runnerkit.memory import MemoryLimit
 from runnerkit.runners.fit import GIB, HostEstimate, MemoryEstimate, PeakEstimate, host_bytes_of, peak_of
 from runnerkit.runners.pipeline import Shape
 
-__all__ = ["MATCH_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "SupportedFn", "candidate_name",
-           "constrain", "evaluate", "explicit_keys", "ladder"]
+__all__ = ["MATCH_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "PassesFn", "SupportedFn",
+           "candidate_name", "constrain", "evaluate", "explicit_keys", "ladder"]
 
 #: Explicit keys a ladder candidate must match where it sets them (else the candidate is left out).
 MATCH_KEYS = ("storage", "lazy_load", "weight_dtype")
@@ -27,6 +27,9 @@ MATCH_KEYS = ("storage", "lazy_load", "weight_dtype")
 EstimateFn = Callable[[OffloadConfig, Shape], MemoryEstimate]
 #: A concrete offload config -> None if the run supports it, else the reason (compile, warmup).
 SupportedFn = Callable[[OffloadConfig], "str | None"]
+#: A concrete offload config -> passes through the streamed transformer blocks per denoising step under it
+#: (the family's `denoise_passes_per_step`: with CFG 1 in mode block where both branches share a pass, else 2).
+PassesFn = Callable[[OffloadConfig], int]
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ def candidate_name(off: OffloadConfig) -> str:
 class Evaluation:
     """One candidate judged: its config, the worst peak and host bytes over the shapes, and the verdict.
 
-    `reason` is empty for the chosen candidate; otherwise why it was not taken.
+    `reason` is empty for the chosen candidate; otherwise why it was not taken. `passes_per_step`: passes
+    through the streamed transformer blocks per denoising step under this candidate's config (0: not evaluated).
     """
 
     name: str
@@ -115,6 +119,7 @@ class Evaluation:
     estimate: MemoryEstimate | None = None  # at `peak_shape`
     device_missing: int = 0
     host_missing: int = 0
+    passes_per_step: int = 0
 
     @property
     def fits(self) -> bool:
@@ -131,7 +136,6 @@ class MemoryPlan:
     device: torch.device
     device_limit: MemoryLimit
     host_limit: MemoryLimit | None
-    passes_per_step: int
     why: str
     skipped: list[Evaluation] = field(default_factory=list)  # CPU: candidates not evaluated
 
@@ -140,11 +144,17 @@ class MemoryPlan:
         assert self.chosen.offload is not None, "a plan always holds a concrete config"
         return self.chosen.offload
 
+    @property
+    def passes_per_step(self) -> int:
+        """Passes through the streamed blocks per denoising step under the chosen config."""
+        return self.chosen.passes_per_step
+
 
 def evaluate(name: str, config: RunnerConfig, shapes: Sequence[Shape], device: torch.device, estimate: EstimateFn,
-             device_limit: MemoryLimit, host_limit: MemoryLimit | None) -> Evaluation:
-    """Peak and host bytes of `config` over `shapes` (the worst of each) against the limits."""
-    ev = Evaluation(name, config.offload)
+             device_limit: MemoryLimit, host_limit: MemoryLimit | None, passes: PassesFn) -> Evaluation:
+    """Peak and host bytes of `config` over `shapes` (the worst of each) against the limits, and the
+    passes per denoising step under `config.offload` (`passes`)."""
+    ev = Evaluation(name, config.offload, passes_per_step=passes(config.offload))
     for shape in shapes:
         est = estimate(config.offload, shape)
         peak = peak_of(est, config, device)

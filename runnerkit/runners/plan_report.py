@@ -3,8 +3,10 @@ the log block, the profile's `memory_plan`, and the refusal when nothing fits (d
 
 Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled as such):
 
-    streamed transformer:  streamed bytes x passes per step (1 without CFG; with CFG 1 where the
-                           family runs both branches through each block in one pass, else 2)
+    streamed transformer:  streamed bytes x passes per step under the candidate's own config (the
+                           runner's `denoise_passes_per_step`, asked per candidate: 1 without CFG; with
+                           CFG 1 in mode block where the family runs both branches through each block
+                           in one pass, else 2)
         streamed bytes = the units' raw bytes as copied (`ModuleFootprint.stream_moved_bytes`: the
                          host slabs with storage cpu; with storage disk what is read and copied,
                          checkpoint fp8 tensors at 1 byte + scale)
@@ -19,17 +21,18 @@ Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
-from runnerkit.runners.fit import GIB, host_module_bytes, streams
+from runnerkit.runners.fit import GIB, host_module_bytes, overhead_bytes, streams
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, SupportedFn, candidate_name,
+from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
                                            evaluate, explicit_keys, ladder)
 
 __all__ = ["DISK_BYTES_PER_S", "H2D_PAGEABLE_BYTES_PER_S", "H2D_PINNED_BYTES_PER_S", "ModuleRow", "describe",
@@ -61,25 +64,26 @@ class ModuleRow:
         return nbytes / self.bytes_per_s if nbytes else 0.0
 
 
-def module_rows(plan: MemoryPlan) -> list[ModuleRow]:
-    """Per module of the chosen plan (at its peak shape): placement, bytes and copy volume (module docstring)."""
-    ev, off = plan.chosen, plan.offload
-    assert ev.estimate is not None, "a chosen candidate was evaluated"
+def module_rows(ev: Evaluation, device: torch.device) -> list[ModuleRow]:
+    """Per module of an evaluated candidate (at its peak shape; `plan.chosen` for the plan itself): placement,
+    bytes and copy volume, the streamed transformers' at the candidate's own passes per step (module docstring)."""
+    off = ev.offload
+    assert ev.estimate is not None and off is not None, "an evaluated candidate"
     config = RunnerConfig.model_construct(offload=off, unload_modules=False)
     h2d = H2D_PINNED_BYTES_PER_S if off.pin_memory else H2D_PAGEABLE_BYTES_PER_S
     rows = []
     for name, m in ev.estimate.modules.items():
-        host = host_module_bytes(name, m, config) if plan.device.type != "cpu" else 0
+        host = host_module_bytes(name, m, config) if device.type != "cpu" else 0
         if streams(name, m, off):
             assert m.stream_resident_bytes is not None
             streamed = m.stream_moved_bytes or m.weight_bytes - m.stream_resident_bytes  # as copied (fp8: 1 byte)
             where = "streamed from " + ("host memory" if off.storage == "cpu" else "disk")
             where += ", built per request" if off.lazy_load else ""
-            step, request = (streamed * plan.passes_per_step, 0) if m.stream_default else (0, streamed)
+            step, request = (streamed * ev.passes_per_step, 0) if m.stream_default else (0, streamed)
             rate = h2d if off.storage == "cpu" else min(h2d, DISK_BYTES_PER_S)
-            device = m.stream_resident_bytes + m.stream_slot_bytes
-            rows.append(ModuleRow(name, where, device, host, step, request, rate))
-        elif off.mode == "none" or plan.device.type == "cpu":
+            on_device = m.stream_resident_bytes + m.stream_slot_bytes
+            rows.append(ModuleRow(name, where, on_device, host, step, request, rate))
+        elif off.mode == "none" or device.type == "cpu":
             rows.append(ModuleRow(name, "resident", m.weight_bytes, host, 0, 0, h2d))
         else:
             rows.append(ModuleRow(name, "offloaded (visits the device for its stage)", m.weight_bytes, host, 0,
@@ -95,13 +99,29 @@ def _dump(off: OffloadConfig | None) -> dict[str, Any] | None:
     return off.model_dump(mode="json") if off is not None else None
 
 
+def _step_copy(rows: Sequence[ModuleRow]) -> tuple[int, float]:
+    """(bytes, seconds) copied per denoising step: the largest streamed transformer's (one runs per step)."""
+    return (max((r.copy_step_bytes for r in rows), default=0),
+            max((r.seconds(r.copy_step_bytes) for r in rows), default=0.0))
+
+
+def _rejected(e: Evaluation, device: torch.device) -> dict[str, Any]:
+    """A rejected candidate in the report; its copy volume at its own passes per step where it was evaluated."""
+    step = _step_copy(module_rows(e, device)) if e.estimate is not None else None
+    return {"candidate": e.name, "offload": _dump(e.offload), "reason": e.reason,
+            "device_gib": _gib(e.peak.bytes) if e.peak is not None else None,
+            "host_gib": _gib(e.host.bytes) if e.host is not None else None,
+            "passes_per_step": e.passes_per_step if step is not None else None,
+            "copy_per_step_gib": _gib(step[0]) if step is not None else None,
+            "copy_seconds_per_step_estimate": round(step[1], 4) if step is not None else None}
+
+
 def report(plan: MemoryPlan, requested: OffloadConfig) -> dict[str, Any]:
     """The profile's `memory_plan` (every key: docs/profile.md)."""
     ev = plan.chosen
     assert ev.peak is not None and ev.host is not None and ev.peak_shape is not None
-    rows = module_rows(plan)
-    step = max((r.copy_step_bytes for r in rows), default=0)
-    step_s = max((r.seconds(r.copy_step_bytes) for r in rows), default=0.0)
+    rows = module_rows(ev, plan.device)
+    step, step_s = _step_copy(rows)
     return {
         "requested": requested.model_dump(mode="json", exclude_unset=True),
         "offload": _dump(plan.offload),
@@ -125,9 +145,7 @@ def report(plan: MemoryPlan, requested: OffloadConfig) -> dict[str, Any]:
                      "host_gib": _gib(r.host_bytes), "copy_per_step_gib": _gib(r.copy_step_bytes),
                      "copy_per_request_gib": _gib(r.copy_request_bytes),
                      "assumed_gb_per_s": round(r.bytes_per_s / 1e9, 2)} for r in rows],
-        "rejected": [{"candidate": e.name, "offload": _dump(e.offload), "reason": e.reason,
-                      "device_gib": _gib(e.peak.bytes) if e.peak is not None else None,
-                      "host_gib": _gib(e.host.bytes) if e.host is not None else None} for e in plan.rejected],
+        "rejected": [_rejected(e, plan.device) for e in plan.rejected],
     }
 
 
@@ -144,7 +162,7 @@ def describe(plan: MemoryPlan) -> str:
              f"  host: estimated {ev.host.describe()} of {host_limit}",
              f"  {'module':<18} {'where':<44} {'device GiB':>10} {'host GiB':>9} {'H2D/step GiB':>12} "
              f"{'H2D/request GiB':>15}"]
-    rows = module_rows(plan)
+    rows = module_rows(ev, plan.device)
     for r in rows:
         lines.append(f"  {r.name:<18} {r.placement:<44} {r.device_bytes / GIB:>10.2f} {r.host_bytes / GIB:>9.2f} "
                      f"{r.copy_step_bytes / GIB:>12.2f} {r.copy_request_bytes / GIB:>15.2f}")
@@ -162,13 +180,18 @@ def describe(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+#: (concrete offload config, shapes) -> that candidate judged over those shapes against the run's limits.
+Judge = Callable[[OffloadConfig, Sequence[Shape]], Evaluation]
+
+
 def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape], device: torch.device,
             estimate: EstimateFn, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
-            streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn,
+            streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn, passes: PassesFn,
             factors: tuple[int, int]) -> str:
-    """Why no candidate fits: the closest one with the GiB missing on the device and the host, the
-    candidates the user's keys excluded that would fit, the family's hints (`MemoryEstimate.hints`),
-    and the largest smaller shapes that would fit."""
+    """Why no candidate fits: the closest one with the GiB missing on the device and the host, and what
+    would fit by the planner's own estimate (every shape judged again, device and host): a candidate the
+    user's keys excluded, the family's hints (`MemoryEstimate.hints`) set on an evaluated candidate, the
+    largest smaller shapes. Advice the estimate says would still not fit is not given."""
     tried = [e for e in evaluations if e.peak is not None]
     head = (f"`offload.mode`='auto': no offload plan fits {len(shapes)} shape(s) {[list(s) for s in shapes]} "
             f"on {device} (limit {device_limit.bytes / GIB:.2f} GiB: {device_limit.source}"
@@ -184,20 +207,23 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
                        f"peak in stage {best.peak.stage} at shape {list(best.peak_shape or ())})")
     if best.host_missing:
         missing.append(f"{best.host.bytes / GIB:.2f} GiB of host memory ({best.host_missing / GIB:.2f} GiB missing)")
-    advice = _would_fit(config, evaluations, shapes, device, estimate, device_limit, host_limit, streamable,
-                        default_streams, supported)
-    if best.device_missing and best.estimate is not None:
-        advice += list(best.estimate.hints)  # the family's own advice, e.g. VAE tiling
+
+    def judge(off: OffloadConfig, planned: Sequence[Shape]) -> Evaluation:
+        return evaluate(candidate_name(off), config.model_copy(update={"offload": off}), planned, device, estimate,
+                        device_limit, host_limit, passes)
+
+    advice = _would_fit(config, evaluations, shapes, judge, streamable, default_streams, supported)
+    if best.device_missing:
+        advice += _hints(tried, shapes, judge, supported)
     if best.device_missing and not best.host_missing:
-        advice += _smaller_shapes(config, tried, best, device, estimate, device_limit, factors)
+        advice += _smaller_shapes(tried, best, shapes, judge, device, device_limit, factors)
     elif best.host_missing:
         advice.append("free host memory or raise `memory.host_limit_gib` (host memory barely depends on the shape)")
     return (f"{head}. Closest: {best.name} needs {' and '.join(missing)}. To fit: {'; or '.join(advice)}. "
             "Candidates: " + "; ".join(f"{e.name}: {e.reason}" for e in evaluations))
 
 
-def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape],
-               device: torch.device, estimate: EstimateFn, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
+def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape], judge: Judge,
                streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn) -> list[str]:
     """The first candidate of the unconstrained ladder (fp8 allowed) that fits, and what keeps it out."""
     excluded = {e.name: e.reason for e in evaluations}
@@ -208,8 +234,7 @@ def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: 
             continue  # evaluated already: it does not fit
         if off.mode == "block" and not streamable:
             continue
-        ev = evaluate(name, config.model_copy(update={"offload": off}), shapes, device, estimate, device_limit,
-                      host_limit)
+        ev = judge(off, shapes)
         if not ev.fits:
             continue
         assert ev.peak is not None
@@ -224,38 +249,80 @@ def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: 
     return []
 
 
-def _smaller_shapes(config: RunnerConfig, tried: Sequence[Evaluation], best: Evaluation, device: torch.device,
-                    estimate: EstimateFn, device_limit: MemoryLimit, factors: tuple[int, int]) -> list[str]:
-    """The most frames, and the largest size (same aspect), at which an evaluated candidate fits the device."""
-    from runnerkit.runners.fit import peak_of
+def _hints(tried: Sequence[Evaluation], shapes: Sequence[Shape], judge: Judge, supported: SupportedFn) -> list[str]:
+    """The families' advice (`fit.Hint`) that makes an evaluated candidate fit: its offload keys set on the
+    candidate (fastest first) and every shape judged again. Advice with which nothing fits, or that sets no
+    keys (nothing to judge), is left out."""
+    out: list[str] = []
+    hints = {h.text: h for e in tried if e.estimate is not None for h in e.estimate.hints if h.offload}
+    for hint in hints.values():
+        for e in tried:
+            assert e.offload is not None, "an evaluated candidate has a config"
+            try:
+                off = OffloadConfig.model_validate({**e.offload.model_dump(exclude_unset=True), **hint.offload})
+            except ValidationError:
+                continue  # the advice does not apply to this candidate
+            ev = judge(off, shapes)
+            if ev.fits and not supported(off):
+                assert ev.peak is not None
+                out.append(f"{hint.text}: {ev.name} then fits ({ev.peak.bytes / GIB:.2f} GiB on the device)")
+                break
+    return out
 
-    assert best.peak_shape is not None
-    h, w, f = best.peak_shape
+
+def _smaller_shapes(tried: Sequence[Evaluation], best: Evaluation, shapes: Sequence[Shape], judge: Judge,
+                    device: torch.device, device_limit: MemoryLimit, factors: tuple[int, int]) -> list[str]:
+    """The most frames at the same size, and the largest size (same aspect ratio) at the same frames, with
+    which an evaluated candidate fits: its peak shape replaced by the smaller one, the other shapes kept,
+    device and host judged. If neither: what `best` still needs at the smallest shape of this aspect ratio
+    (weights, activations, margin and fixed overhead named apart), or that smallest shape if it fits."""
     spatial, temporal = factors
 
-    def fits(off: OffloadConfig, shape: Shape) -> bool:
-        cfg = config.model_copy(update={"offload": off})
-        return peak_of(estimate(off, shape), cfg, device).bytes <= device_limit.bytes
+    def fits(e: Evaluation, new: Shape) -> Evaluation:
+        assert e.offload is not None and e.peak_shape is not None
+        return judge(e.offload, tuple(dict.fromkeys(new if s == e.peak_shape else s for s in shapes)))
 
+    usable = [e for e in tried if e.offload is not None and e.peak_shape is not None and not e.host_missing]
     out = []
-    frames = [(temporal * n + 1, e) for e in tried if e.offload is not None and not e.host_missing
-              for n in [_largest(lambda n, e=e: fits(e.offload, (h, w, temporal * n + 1)), (f - 1) // temporal)]
-              if n is not None and f > 1]
+    frames = []
+    for e in usable:
+        h, w, f = e.peak_shape  # type: ignore[misc]
+        n = _largest(lambda n, e=e, h=h, w=w: fits(e, (h, w, temporal * n + 1)).fits, (f - 1) // temporal)
+        if n is not None and f > 1:
+            frames.append((temporal * n + 1, e))
     if frames:
         most, ev = max(frames, key=lambda x: x[0])
+        h, w, _ = ev.peak_shape  # type: ignore[misc]
         out.append(f"target_video_length {most} at {h}x{w} ({ev.name})")
     for k in range(7, 0, -1):  # sizes k/8 of the shape, multiples of the spatial factor
-        hs, ws = h * k // 8 // spatial * spatial, w * k // 8 // spatial * spatial
-        if hs < spatial or ws < spatial:
+        sizes = [(e, _scaled(e.peak_shape, k, spatial)) for e in usable]  # type: ignore[arg-type]
+        ev, size = next(((e, s) for e, s in sizes if s is not None and fits(e, s).fits), (None, None))
+        if ev is not None and size is not None:
+            out.append(f"target_height x target_width {size[0]}x{size[1]} at {size[2]} frames ({ev.name})")
             break
-        ev = next((e for e in tried if e.offload is not None and not e.host_missing and fits(e.offload, (hs, ws, f))),
-                  None)
-        if ev is not None:
-            out.append(f"target_height x target_width {hs}x{ws} at {f} frames ({ev.name})")
-            break
-    return out or [f"no smaller shape of this aspect ratio fits (the peak of {best.name} is in stage "
-                   f"{best.peak.stage if best.peak else '?'}: weights that do not shrink with the shape); a device "
-                   "with more memory"]
+    if out:
+        return out
+    assert best.offload is not None and best.peak_shape is not None
+    h, w, _ = best.peak_shape
+    smallest = (max(spatial, h // 8 // spatial * spatial), max(spatial, w // 8 // spatial * spatial), 1)
+    ev = fits(best, smallest)
+    assert ev.peak is not None
+    if ev.fits:
+        return [f"target_height x target_width {smallest[0]}x{smallest[1]} at 1 frame ({best.name})"]
+    fixed = overhead_bytes(device)
+    alone = (f"; its fixed overhead alone ({fixed / GIB:.2f} GiB) exceeds the limit" if fixed >= device_limit.bytes
+             else "")
+    others = " (the other shapes as planned)" if len(shapes) > 1 else ""
+    return [f"no smaller shape of this aspect ratio in place of {list(best.peak_shape)} fits{others}: with "
+            f"{'x'.join(map(str, smallest))} {best.name} still needs {ev.peak.describe()} at shape "
+            f"{list(ev.peak_shape or ())}{alone}; a device with more memory"]
+
+
+def _scaled(shape: Shape, k: int, spatial: int) -> Shape | None:
+    """`shape` with height and width k/8 of theirs, rounded down to the spatial factor; None below it."""
+    h, w, f = shape
+    hs, ws = h * k // 8 // spatial * spatial, w * k // 8 // spatial * spatial
+    return (hs, ws, f) if hs >= spatial and ws >= spatial else None
 
 
 def _largest(ok: Any, top: int) -> int | None:

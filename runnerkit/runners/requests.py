@@ -198,9 +198,8 @@ class RequestChecksMixin:
                 found[0] + rss, f"{found[0] / fit.GIB:.2f} GiB available ({found[1]}) + {rss / fit.GIB:.2f} GiB "
                                 "held by this process")
         result = plan.plan_offload(cfg, shapes, device, self._estimate_with, device_limit, host_limit,
-                                   self.denoise_passes_per_step(), self._plan_supports,
+                                   self.denoise_passes_per_step, self._plan_supports,
                                    (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR))
-        result.passes_per_step = self.denoise_passes_per_step(result.offload)  # of the chosen mode
         logger.info(plan_report.describe(result))
         self.profiler.memory_plan = plan_report.report(result, cfg.offload)
         self.update_config(offload=result.offload)

@@ -133,7 +133,7 @@ def serve(args: argparse.Namespace) -> int:
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
                  "device": args.device, "offload.mode": args.offload, "warmup": True if args.warmup else None}
     try:
-        config = load_runner_config(args.config_json, overrides)
+        config = load_runner_config(args.config_json, overrides, flags={"offload.mode": "--offload"})
         output_dir = prepare_output_dir(args.output_dir)
         check_writable(str(output_dir / "probe.mp4"), "--output_dir")
     except (ConfigError, ValueError, NotImplementedError, OSError) as exc:

@@ -22,6 +22,8 @@ host memory is what the modules keep there + the largest module loaded through i
 from __future__ import annotations
 
 import math
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +34,7 @@ from runnerkit.memory import MemoryLimit
 from runnerkit.runners import fit, plan_report
 from runnerkit.runners.fit import GIB, MemoryEstimate, MemoryFitError, ModuleFootprint, StageFootprint
 from runnerkit.runners.plan import plan_offload
+from runnerkit.runners.requests import RequestChecksMixin
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 BASE = (480, 832, 81)
@@ -61,8 +64,8 @@ def synthetic(te_streams: bool = False) -> Any:
                      "transformer": footprint(10, True, True, off), "vae": footprint(1, True, False, off)},
             stages=(StageFootprint("text_encoder", "text_encoder", int(0.1 * GIB)),
                     StageFootprint("transformer", "transformer", int(scale * GIB)),
-                    StageFootprint("vae_decoder", "vae", int(scale * GIB))),
-            hints=("offload.vae_tiling=true (a family hint)",))
+                    StageFootprint("vae_decoder", "vae", int((0.1 if off.vae_tiling else 1) * scale * GIB))),
+            hints=() if off.vae_tiling else (fit.Hint("offload.vae_tiling=true (a family hint)", {"vae_tiling": True}),))
 
     return estimate
 
@@ -75,7 +78,12 @@ def limit(gib: float | None, what: str = "test") -> MemoryLimit | None:
     return None if gib is None else MemoryLimit(int(gib * GIB), what)
 
 
-def plan(device_gib: float, host_gib: float | None, te_streams: bool = False, passes: int = 2,
+def two_passes(off: OffloadConfig) -> int:
+    """CFG, one forward per branch in every mode."""
+    return 2
+
+
+def plan(device_gib: float, host_gib: float | None, te_streams: bool = False, passes: Any = two_passes,
          device: torch.device = CUDA, shapes: tuple[tuple[int, int, int], ...] = (BASE,), **offload: Any) -> Any:
     return plan_offload(config(**offload), shapes, device, synthetic(te_streams), limit(device_gib),
                         limit(host_gib), passes)
@@ -121,6 +129,10 @@ RESIDENT, MODEL = "resident (mode none)", "model offload (mode model)"
     (80, 64, False, {"gpu_slots": 3}, BLOCK, [(RESIDENT, "excluded: `offload.gpu_slots` has no effect with "
                                                           "`offload.mode`='none'"),
                                               (MODEL, "excluded: `offload.gpu_slots` has no effect")]),
+    # stream_modules set: no resident or model-offload rung, and each streaming rung once, with the list
+    (80, 64, True, {"stream_modules": ["text_encoder", "transformer"]}, BLOCK_ALL, [
+        (RESIDENT, "excluded: `offload.stream_modules` has no effect with `offload.mode`='none'"),
+        (MODEL, "excluded: `offload.stream_modules` has no effect with `offload.mode`='model'")]),
 ])
 def test_the_fastest_candidate_that_fits(device_gib: float, host_gib: float | None, te_streams: bool,
                                          offload: dict[str, Any], chosen: str, rejected: list[tuple[str, str]]) -> None:
@@ -132,7 +144,7 @@ def test_the_fastest_candidate_that_fits(device_gib: float, host_gib: float | No
     assert result.offload.mode != "auto"
     for key, value in offload.items():  # the explicit keys are in the concrete config
         if value != "auto":
-            assert getattr(result.offload, key) == value
+            assert getattr(result.offload, key) == (tuple(value) if isinstance(value, list) else value)
 
 
 def test_chosen_configs_are_concrete_and_complete() -> None:
@@ -192,7 +204,7 @@ def test_host_bytes_terms() -> None:
 
 @pytest.mark.parametrize("passes", [2, 1])
 def test_copy_volume_per_step_follows_cfg(passes: int) -> None:
-    result = plan(10, 64, passes=passes)
+    result = plan(10, 64, passes=lambda off: passes)
     report = plan_report.report(result, config().offload)
     streamed = 10 * (int(10 * GIB) * 9 // 10 // 10)
     rows = {m["name"]: m for m in report["modules"]}
@@ -206,8 +218,29 @@ def test_copy_volume_per_step_follows_cfg(passes: int) -> None:
     assert [r["candidate"] for r in report["rejected"]] == [RESIDENT, MODEL]
 
 
+def test_passes_per_step_are_each_candidates_own() -> None:
+    """With CFG and a family that runs both branches through each block in one pass (`CFG_ONE_PASS`), mode
+    block counts 1 pass per step and every other mode 2: asked of the runner's own hook per candidate."""
+    cfg = config()
+    runner = SimpleNamespace(config=cfg, CFG_ONE_PASS=True)
+    hook = partial(RequestChecksMixin.denoise_passes_per_step, runner)
+    result = plan(7.5, 64, te_streams=True, passes=hook)
+    assert result.chosen.name == BLOCK_ALL and result.passes_per_step == 1
+    report = plan_report.report(result, cfg.offload)
+    streamed = 10 * (int(10 * GIB) * 9 // 10 // 10)
+    assert report["passes_per_step"] == 1 and report["copy_per_step_gib"] == round(streamed / GIB, 3)
+    rejected = {r["candidate"]: r for r in report["rejected"]}
+    assert [(name, r["passes_per_step"]) for name, r in rejected.items()] == [(RESIDENT, 2), (MODEL, 2), (BLOCK, 1)]
+    assert rejected[BLOCK]["copy_per_step_gib"] == round(streamed / GIB, 3)
+    assert rejected[BLOCK]["copy_seconds_per_step_estimate"] == round(streamed / plan_report.H2D_PINNED_BYTES_PER_S, 4)
+    assert rejected[MODEL]["copy_per_step_gib"] == 0.0  # nothing streams: 2 passes copy nothing
+    # a family that runs one forward per CFG branch: 2 passes in mode block too
+    runner.CFG_ONE_PASS = False
+    assert plan(7.5, 64, te_streams=True, passes=hook).passes_per_step == 2
+
+
 def test_disk_copies_at_the_disk_rate() -> None:
-    rows = {r.name: r for r in plan_report.module_rows(plan(7.5, 64))}
+    rows = {r.name: r for r in plan_report.module_rows(plan(7.5, 64).chosen, CUDA)}
     assert rows["transformer"].placement == "streamed from disk, built per request"
     assert rows["transformer"].bytes_per_s == plan_report.DISK_BYTES_PER_S
 
@@ -227,8 +260,43 @@ def test_refusal_names_the_missing_gib_on_the_device() -> None:
     msg = str(err.value)
     # closest: lazy disk streaming, 4.76 GiB at the text-encoder stage (weights: no smaller shape helps)
     assert f"Closest: {LAZY} needs 4.76 GiB on the device (0.76 GiB missing" in msg, msg
-    assert "no smaller shape of this aspect ratio fits" in msg and "stage text_encoder" in msg, msg
-    assert "To fit: offload.vae_tiling=true (a family hint); or no smaller shape" in msg, msg
+    # the peak is the text encoder's stage: tiled VAE decoding would not fit, so it is not offered; what does
+    # not shrink with the shape is named as the estimate splits it (weights, margin, fixed overhead)
+    assert "vae_tiling" not in msg, msg
+    assert (f"To fit: no smaller shape of this aspect ratio in place of [480, 832, 81] fits: with 48x96x1 {LAZY} still "
+            "needs 4.76 GiB (peak in stage text_encoder: 4.00 GiB weights + 0.10 GiB activations; +10% margin + "
+            "0.25 GiB fixed overhead) at shape [48, 96, 1]; a device with more memory.") in msg, msg
+
+
+def test_refusal_names_a_fixed_overhead_above_the_limit() -> None:
+    with pytest.raises(MemoryFitError) as err:
+        plan(0.2, 64)
+    msg = str(err.value)
+    assert "its fixed overhead alone (0.25 GiB) exceeds the limit; a device with more memory" in msg, msg
+
+
+@pytest.mark.parametrize("device_gib, tiling_fits", [(6.0, True), (5.5, False)])
+def test_refusal_offers_a_family_hint_only_where_it_fits(device_gib: float, tiling_fits: bool) -> None:
+    """Host storage only, text encoder streamed: the closest candidate peaks in the VAE decode (6.76 GiB);
+    tiled decoding brings it to 5.77 GiB by the same estimate: advice at a 6 GiB device, none at 5.5."""
+    with pytest.raises(MemoryFitError) as err:
+        plan(device_gib, 64, te_streams=True, storage="cpu")
+    msg = str(err.value)
+    assert f"Closest: {BLOCK_ALL} needs 6.76 GiB on the device" in msg, msg
+    offered = f"offload.vae_tiling=true (a family hint): {BLOCK_ALL} then fits (5.77 GiB on the device)"
+    assert (offered in msg) == tiling_fits, msg
+    assert ("vae_tiling" in msg) == tiling_fits, msg
+
+
+def test_smaller_shapes_are_judged_with_every_planned_shape() -> None:
+    """Two shapes: 61 frames at 480x832 would fit in place of 81 (test below), but the second shape, 73
+    frames, still would not: no frame count is offered, and the refusal names the shape that stays too big."""
+    with pytest.raises(MemoryFitError) as err:
+        plan(4.2, 64, te_streams=True, shapes=(BASE, (480, 832, 73)))
+    msg = str(err.value)
+    assert "target_video_length" not in msg and "target_height x target_width" not in msg, msg
+    assert "in place of [480, 832, 81] fits (the other shapes as planned)" in msg, msg
+    assert "at shape [480, 832, 73]" in msg, msg
 
 
 def test_refusal_names_the_largest_frames_and_size_that_fit() -> None:
@@ -268,7 +336,7 @@ def test_refusal_names_the_explicit_key_that_excludes_a_fitting_candidate() -> N
 def test_plan_refuses_a_concrete_mode() -> None:
     cfg = load_runner_config(None, {"model_cls": "x", "model_path": "/x"})
     with pytest.raises(ValueError, match="resolves `offload.mode`='auto' only"):
-        plan_offload(cfg, (BASE,), CUDA, synthetic(), limit(80), limit(64), 2)
+        plan_offload(cfg, (BASE,), CUDA, synthetic(), limit(80), limit(64), two_passes)
 
 
 def test_weight_dtype_auto_needs_mode_auto() -> None:

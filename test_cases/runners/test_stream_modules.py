@@ -74,3 +74,58 @@ def test_the_config_stays_hashable_with_a_list_of_modules():
     assert config.offload.stream_modules == ("transformer", "text_encoder")
     assert hash(config.offload) == hash(OffloadConfig(mode="block", stream_modules=["transformer", "text_encoder"]))
     assert config.model_dump(mode="json")["offload"]["stream_modules"] == ["transformer", "text_encoder"]
+
+
+FAMILY_CONFIGS = {  # tiny config -> the modules its runner can stream
+    "wan/wan_t2v_tiny.json": ["text_encoder", "transformer"],
+    "wan/wan_i2v_tiny.json": ["text_encoder", "transformer"],
+    "wan/wan22_moe_t2v_tiny.json": ["text_encoder", "transformer", "transformer_2"],
+    "ltx2/ltx2_t2av_tiny.json": ["text_encoder", "transformer"],
+    "qwen_image/qwen_image_t2i_tiny.json": ["text_encoder", "transformer"],
+}
+
+
+@pytest.mark.parametrize("mode", ["auto", "block"])
+@pytest.mark.parametrize("config_file", list(FAMILY_CONFIGS))
+def test_a_name_that_cannot_stream_is_refused_when_the_runner_is_built(config_file, mode):
+    """Before planning or loading: the field, the value, the bad names and the family's allowed ones."""
+    from runnerkit.config import load_runner_config
+    from runnerkit.registry import get_runner_cls
+    from test_cases.conftest import REPO
+
+    listed = ["vae", "transformer", "texte_encoder"]
+    config = load_runner_config(REPO / "configs" / config_file, {"offload": {"mode": mode, "stream_modules": listed}})
+    runner_cls = get_runner_cls(config.model_cls, config.task)
+    assert sorted(runner_cls.STREAM_MODULES) == FAMILY_CONFIGS[config_file]
+    with pytest.raises(ValueError) as err:
+        runner_cls(config)
+    assert str(err.value) == (
+        f"`offload.stream_modules`={listed}: ['vae', 'texte_encoder'] cannot stream in model_cls "
+        f"{config.model_cls!r} (task {config.task!r}, {runner_cls.__name__}); modules that can: "
+        f"{list(runner_cls.STREAM_MODULES)}")
+    ok = load_runner_config(REPO / "configs" / config_file,
+                            {"offload": {"mode": mode, "stream_modules": list(runner_cls.STREAM_MODULES)}})
+    runner_cls(ok)  # every allowed name is accepted
+
+
+def test_the_launch_script_refuses_it_before_planning(tmp_path, capsys):
+    from runnerkit.infer import main
+
+    rc = main(["--config_json", str(_with_stream_modules(tmp_path, ["vae"])), "--device", "cpu", "--prompt", "a fox"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "`offload.stream_modules`=['vae']: ['vae'] cannot stream in model_cls 'wan2.1'" in err, err
+    assert "modules that can: ['text_encoder', 'transformer']" in err, err
+    assert "memory plan" not in err and "Every candidate is excluded" not in err and "load: " not in err, err
+
+
+def _with_stream_modules(tmp_path, names):
+    import json
+
+    from test_cases.conftest import TINY_CONFIG
+
+    data = json.loads(TINY_CONFIG.read_text())
+    data["offload"] = {"mode": "auto", "stream_modules": names}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    return path

@@ -101,6 +101,7 @@ from runnerkit.models.ltx2.transformer import LTX2Transformer, keep_fp32
 from runnerkit.models.wan.estimate import F32, sdpa_workspace
 from runnerkit.runners.fit import (
     EstimateUnavailable,
+    Hint,
     MemoryEstimate,
     ModuleFootprint,
     StageFootprint,
@@ -332,8 +333,8 @@ def ltx2_estimate(arch: LTX2Arch, gemma: dict[str, int], shape: Shape, fps: int,
                            audio_decode_bytes(arch, audio2, s) + kept + latents2 + video, "audio vae + vocoder"),
             StageFootprint("save", None, (3 if dev == "cpu" else 1) * (video + wave), "the decoded video and audio"),
         ),
-        hints=() if streams("text_encoder", modules["text_encoder"], offload) else (
+        hints=() if streams("text_encoder", modules["text_encoder"], offload) else (Hint(
             f"offload.mode 'block' with offload.stream_modules [\"transformer\", \"text_encoder\"] (the Gemma-3 text "
             f"encoder, {gemma_parameters(gemma) * s / 2**30:.1f} GiB, then streams its layers instead of visiting "
-            "the device whole for its stage)",),
+            "the device whole for its stage)", {"mode": "block", "stream_modules": ("transformer", "text_encoder")}),),
     )

@@ -147,6 +147,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
     RESULT_KINDS = {"t2av": "video", "i2av": "video"}
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2av": (), "i2av": ("image_path",)}
     MODULE_PATHS = ("text_encoder_path", "upsampler_path")
+    STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "transformer")
     #: H.264 CRF of the conditioning image (ltx-pipelines' default for the Gemma-3 generations 2.0 and 2.3).
     IMAGE_CRF: ClassVar[int] = 33
     SYNTHETIC_LAYOUT = "diffusers"

@@ -94,6 +94,7 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         "sample_shift": 1.0, "sample_guide_scale": 4.0, "scheduler": "euler", "scheduler_spacing": "diffusers"}
     RESULT_KINDS = {"t2i": "image"}
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2i": ()}
+    STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "transformer")
 
     # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
     WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("t2i",)

@@ -70,7 +70,7 @@ from runnerkit.models.wan.clip import keep_fp32 as clip_keep_fp32
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE
 from runnerkit.models.wan.vae_blocks import AttentionBlock, CausalConv3d, Decoder3d, Resample, ResidualBlock
-from runnerkit.runners.fit import MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
+from runnerkit.runners.fit import Hint, MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import build_on_meta
 
@@ -396,8 +396,8 @@ def wan_t2v_estimate(arch: WanArch, shape: Shape, dtype: torch.dtype, device: to
         conditioning = y_bytes + clip_tokens * 1280 * F32
         if enable_cfg and offload.mode == "block":  # one pass: both branches' embedded image tokens at once
             conditioning += clip_tokens * arch.transformer.dim * F32
-    hints = () if offload.vae_tiling else ("offload.vae_tiling=true (the VAE decodes 256-px tiles: its memory "
-                                           "then grows with the tile, not the frame)",)
+    hints = () if offload.vae_tiling else (Hint("offload.vae_tiling=true (the VAE decodes 256-px tiles: its memory "
+                                                "then grows with the tile, not the frame)", {"vae_tiling": True}),)
     return MemoryEstimate(
         modules=footprints(arch, dtype, offload, transformers),
         stages=(

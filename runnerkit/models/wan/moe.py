@@ -68,6 +68,8 @@ class WanMoERunner(WanT2VRunner):
         "A14B": ((480, 480, 17), (720, 1280, 81)),
     }
 
+    STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", *EXPERTS)
+
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
         self.moe_checkpoint: WanMoECheckpoint | None = None

@@ -108,6 +108,7 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         "14B": ((320, 320, 17), (480, 832, 81)),
     }
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2v": ()}
+    STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "transformer")
 
     def __init__(self, config: RunnerConfig) -> None:
         # Before the family defaults fill it: the user's own shift wins over the checkpoint's.

@@ -29,6 +29,8 @@ from runnerkit.runners import fit
 from runnerkit.runners.pipeline import InputInfo
 from runnerkit.weights import safetensors_infos
 from test_cases._alignment import misaligned_weights
+from test_cases._encoder_streaming import (assert_streamed_parity, deterministic_cuda, layer_units, streamed_encoder,
+                                           text_stage, two_requests)
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"
 CPU = torch.device("cpu")
@@ -60,15 +62,9 @@ def make_runner(ckpt: Path, **offload: Any) -> LTX2Runner:
     return runner
 
 
-def hidden_states(runner: LTX2Runner, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def hidden_states(runner: LTX2Runner, module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     """The runner's own text stage on `module`: stacked hidden states [1, 1024, D * (layers + 1)] and the mask."""
-    runner.stage_modules["text_encoder"] = module
-    try:
-        inputs = runner.run_text_encoder(INFO, None)
-    finally:
-        del runner.stage_modules["text_encoder"]
-    assert inputs.text_hidden is not None and inputs.text_mask is not None
-    return inputs.text_hidden, inputs.text_mask
+    return text_stage(runner, module, INFO, "text_hidden", "text_mask")
 
 
 @pytest.fixture(scope="module")
@@ -83,23 +79,11 @@ def resident(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
 def test_streamed_hidden_states_equal_the_resident_encoders(checkpoint: Path, resident: tuple[torch.Tensor, ...],
                                                             case: str) -> None:
     runner = make_runner(checkpoint, **CASES[case])
-    model, streamer = runner.stream_text_encoder()
-    try:
-        phases = ("self_attn", "mlp") if CASES[case]["mode"] == "phase" else ("",)
-        assert [u.module for u in streamer.units] == [f"layers.{i}{'.' + p if p else ''}"
-                                                      for i in range(len(model.layers)) for p in phases]
-        first = hidden_states(runner, model)
-        streamer.reset()
-        second = hidden_states(runner, model)
-        stats = streamer.stats()
-    finally:
-        streamer.close()
-    for got in (first, second):
-        assert got[0].dtype == resident[0].dtype and torch.equal(got[0], resident[0]), case
-        assert torch.equal(got[1], resident[1])
-    assert stats["h2d_copies"] >= 2 * len(streamer.units)
-    if CASES[case].get("storage") == "disk":
-        assert stats["disk_bytes_read"] > 0
+    phases = ("self_attn", "mlp") if CASES[case]["mode"] == "phase" else ("",)
+    with streamed_encoder(runner) as (model, streamer):
+        assert [u.module for u in streamer.units] == layer_units("layers", len(model.layers), phases)
+        runs, stats = two_requests(lambda m: hidden_states(runner, m), model, streamer)
+    assert_streamed_parity(runs, resident, stats, len(streamer.units), CASES[case].get("storage", "cpu"), case)
 
 
 @pytest.mark.parametrize("storage", ["cpu", "disk"])
@@ -150,7 +134,8 @@ def test_the_estimate_counts_the_streamed_gemma(tmp_path: Path, monkeypatch: pyt
     assert held_streamed == streamed.stream_resident_bytes + streamed.stream_slot_bytes
     sizes = tiny_gemma_sizes(tiny_arch())
     assert streamed.stream_resident_bytes == 4 * (sizes["vocab_size"] + 1) * sizes["hidden_size"]  # embedding, norm
-    assert any("stream_modules" in h for h in hints_whole) and not any("Gemma" in h for h in hints_streamed)
+    assert any("stream_modules" in h.text for h in hints_whole) and not any("Gemma" in h.text for h in hints_streamed)
+    assert [h.offload for h in hints_whole] == [{"mode": "block", "stream_modules": ("transformer", "text_encoder")}]
 
 
 @pytest.mark.parametrize("mode", ["block", "phase"])
@@ -190,19 +175,11 @@ def test_the_skeletons_buffers_are_those_from_pretrained_computes(checkpoint: Pa
 def test_cuda_streamed_hidden_states_equal_the_resident_encoders(checkpoint: Path, case: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA (copy stream, pinned slabs), under deterministic algorithms."""
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with deterministic_cuda(monkeypatch):
         runner = make_runner(checkpoint, **CASES[case])
         runner.device = torch.device("cuda")
         want = hidden_states(runner, runner.build_text_encoder(runner.device))
-        model, streamer = runner.stream_text_encoder()
-        try:
-            got = hidden_states(runner, model)
-            streamer.reset()
-            again = hidden_states(runner, model)
-        finally:
-            streamer.close()
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert got[0].is_cuda and torch.equal(got[0], want[0]) and torch.equal(again[0], want[0])
+        with streamed_encoder(runner) as (model, streamer):
+            runs, stats = two_requests(lambda m: hidden_states(runner, m), model, streamer)
+    assert runs[0][0].is_cuda
+    assert_streamed_parity(runs, want, stats, len(streamer.units), CASES[case].get("storage", "cpu"), case)

@@ -16,6 +16,8 @@ from runnerkit.models.qwen_image.edit import QwenImageEditRunner
 from runnerkit.models.qwen_image.runner import QwenImageRunner
 from runnerkit.runners.pipeline import InputInfo
 from test_cases._alignment import misaligned_weights
+from test_cases._encoder_streaming import (assert_streamed_parity, deterministic_cuda, layer_units, streamed_encoder,
+                                           text_stage, two_requests)
 from test_cases.models.qwen_image.conftest import EDIT_CONFIG, T2I_CONFIG, qwen_config_dict, reference_images
 
 CPU = torch.device("cpu")
@@ -37,13 +39,7 @@ def make_runner(cls: type[QwenImageRunner], config: Path, ckpt: Path, **offload:
 
 def embeddings(runner: QwenImageRunner, module: torch.nn.Module, info: InputInfo) -> tuple[torch.Tensor, ...]:
     """The runner's own text stage on `module`: (prompt_embeds, negative_embeds) [1, L, D] each."""
-    runner.stage_modules["text_encoder"] = module
-    try:
-        inputs = runner.run_text_encoder(info, None)
-    finally:
-        del runner.stage_modules["text_encoder"]
-    assert inputs.negative_embeds is not None
-    return inputs.prompt_embeds, inputs.negative_embeds
+    return text_stage(runner, module, info, "prompt_embeds", "negative_embeds")
 
 
 def check_streamed(runner: QwenImageRunner, info: InputInfo, case: str) -> None:
@@ -51,28 +47,16 @@ def check_streamed(runner: QwenImageRunner, info: InputInfo, case: str) -> None:
     resident = runner.build_text_encoder(runner.device)
     assert misaligned_weights(resident) == []  # transformers leaves float32 weights on the file mapping: re-homed
     want = embeddings(runner, resident, info)
-    model, streamer = runner.stream_text_encoder()
-    try:
+    phases = ("self_attn", "mlp") if CASES[case]["mode"] == "phase" else ("",)
+    with streamed_encoder(runner) as (model, streamer):
         layers = len(model.language_model.layers)
-        phases = ("self_attn", "mlp") if CASES[case]["mode"] == "phase" else ("",)
-        assert [u.module for u in streamer.units] == [f"language_model.layers.{i}{'.' + p if p else ''}"
-                                                      for i in range(layers) for p in phases]
+        assert [u.module for u in streamer.units] == layer_units("language_model.layers", layers, phases)
         streamed = {p for u in streamer.units for p in u.params}
         layer_weights = {n for n, _ in model.named_parameters() if n.startswith("language_model.layers.")}
         left = {n.split(".", 3)[3] for n in layer_weights - streamed}  # per layer: what stays resident
         assert left == (set() if phases == ("",) else {"input_layernorm.weight", "post_attention_layernorm.weight"})
-        first = embeddings(runner, model, info)
-        streamer.reset()
-        second = embeddings(runner, model, info)
-        stats = streamer.stats()
-    finally:
-        streamer.close()
-    for got in (first, second):
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype and torch.equal(g, w), case
-    assert stats["h2d_copies"] >= 2 * len(streamer.units)  # every unit fetched in each of the two requests
-    if CASES[case].get("storage") == "disk":
-        assert stats["disk_bytes_read"] > 0
+        runs, stats = two_requests(lambda m: embeddings(runner, m, info), model, streamer)
+    assert_streamed_parity(runs, want, stats, len(streamer.units), CASES[case].get("storage", "cpu"), case)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -95,12 +79,8 @@ def test_edit_plus_streamed_embeddings_equal_the_resident_encoders(qwen_edit_ckp
 def test_cuda_streamed_embeddings_equal_the_resident_encoders(qwen_t2i_ckpt: Path, case: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA (copy stream, pinned slabs), under deterministic algorithms."""
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with deterministic_cuda(monkeypatch):
         runner = make_runner(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt, **CASES[case])
         runner.device = torch.device("cuda")
         check_streamed(runner, InputInfo(prompt="a red fox in the snow", negative_prompt=" ", seed=0, height=48,
                                          width=80, frames=1), case)
-    finally:
-        torch.use_deterministic_algorithms(False)

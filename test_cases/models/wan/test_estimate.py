@@ -174,7 +174,7 @@ def test_estimate_stages_and_weights_of_the_released_architecture() -> None:
     peak = fit.peak_of(estimate, fit_config(), torch.device("cuda"))
     assert peak.stage == "vae_decoder"
     assert 23.41 <= peak.formula_bytes / 2**30 <= 23.41 * 1.1
-    assert "offload.vae_tiling=true" in estimate.hints[0]
+    assert "offload.vae_tiling=true" in estimate.hints[0].text and estimate.hints[0].offload == {"vae_tiling": True}
 
 
 def fit_config(**overrides: Any) -> Any:

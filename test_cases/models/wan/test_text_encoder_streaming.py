@@ -18,6 +18,7 @@ from runnerkit.models.wan.checkpoint import ORIGINAL_T5, write_synthetic
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.models.wan.text_encoder import keep_fp32
 from runnerkit.runners.pipeline import InputInfo
+from test_cases._encoder_streaming import assert_streamed_parity, layer_units, streamed_encoder, text_stage, two_requests
 from test_cases.conftest import TINY_CONFIG, tiny_config_dict
 
 CPU = torch.device("cpu")
@@ -39,15 +40,9 @@ def make_runner(ckpt: Path, **offload: Any) -> WanT2VRunner:
     return runner
 
 
-def embeddings(runner: WanT2VRunner, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def embeddings(runner: WanT2VRunner, module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     """The runner's own text stage on `module`: (context, context_null) [1, L, dim] each."""
-    runner.stage_modules["text_encoder"] = module
-    try:
-        inputs = runner.run_text_encoder(INFO, None)
-    finally:
-        del runner.stage_modules["text_encoder"]
-    assert inputs.context_null is not None
-    return inputs.context, inputs.context_null
+    return text_stage(runner, module, INFO, "context", "context_null")
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +67,9 @@ def resident(tiny_ckpt: Path) -> tuple[torch.Tensor, torch.Tensor]:
 def test_streamed_embeddings_equal_the_resident_encoders(layouts: dict[str, Path], resident: tuple[torch.Tensor, ...],
                                                          case: str, layout: str) -> None:
     runner = make_runner(layouts[layout], **CASES[case])
-    model, streamer = runner.stream_text_encoder()
-    try:
-        layers = len(model.blocks)
-        phases = ("attn", "ffn") if CASES[case]["mode"] == "phase" else ("",)
-        assert [u.module for u in streamer.units] == [f"blocks.{i}{'.' + p if p else ''}" for i in range(layers)
-                                                      for p in phases]
+    phases = ("attn", "ffn") if CASES[case]["mode"] == "phase" else ("",)
+    with streamed_encoder(runner) as (model, streamer):
+        assert [u.module for u in streamer.units] == layer_units("blocks", len(model.blocks), phases)
         streamed = {p for u in streamer.units for p in u.params}
         layer_weights = {n for n, _ in model.named_parameters() if n.startswith("blocks.")}
         resident_layer_weights = {n.split(".", 2)[2] for n in layer_weights - streamed}
@@ -85,18 +77,9 @@ def test_streamed_embeddings_equal_the_resident_encoders(layouts: dict[str, Path
         assert resident_layer_weights == ({"norm1.weight", "norm2.weight", "pos_embedding.embedding.weight"}
                                           if phases != ("",) else {"norm1.weight", "norm2.weight"})
         assert all(keep_fp32(n) for n in layer_weights - streamed if "pos_embedding" not in n)
-        first = embeddings(runner, model)
-        streamer.reset()  # a request boundary, as end_run does
-        second = embeddings(runner, model)
-        stats = streamer.stats()
-    finally:
-        streamer.close()
-    for got in (first, second):
-        for g, want in zip(got, resident):
-            assert g.dtype == want.dtype and torch.equal(g, want), (case, layout)
-    assert stats["h2d_copies"] >= 2 * len(streamer.units)  # every unit fetched in each of the two requests
-    if CASES[case].get("storage") == "disk":
-        assert stats["disk_bytes_read"] > 0
+        runs, stats = two_requests(lambda m: embeddings(runner, m), model, streamer)
+    assert_streamed_parity(runs, resident, stats, len(streamer.units), CASES[case].get("storage", "cpu"),
+                           f"{case}, {layout}")
 
 
 def test_the_original_pth_encoder_streams_from_host_memory_only(layouts: dict[str, Path],
@@ -105,11 +88,8 @@ def test_the_original_pth_encoder_streams_from_host_memory_only(layouts: dict[st
     with pytest.raises(NotImplementedError, match=rf"{ORIGINAL_T5} is a \.pth file.*use `offload\.storage` 'cpu'"):
         runner.stream_text_encoder()
     runner = make_runner(layouts["original"], mode="block")
-    model, streamer = runner.stream_text_encoder()
-    try:
+    with streamed_encoder(runner) as (model, _):
         got = embeddings(runner, model)
-    finally:
-        streamer.close()
     assert all(torch.equal(g, want) for g, want in zip(got, resident))
 
 
@@ -151,9 +131,6 @@ def test_a_diffusers_encoder_holding_only_the_embedding_alias_streams_from_disk(
             tensors["encoder.embed_tokens.weight"] = tensors.pop("shared.weight")
             save_file(tensors, str(path))
     runner = make_runner(folder, mode="block", storage="disk")
-    model, streamer = runner.stream_text_encoder()
-    try:
+    with streamed_encoder(runner) as (model, _):
         got = embeddings(runner, model)
-    finally:
-        streamer.close()
     assert all(torch.equal(g, want) for g, want in zip(got, resident))
