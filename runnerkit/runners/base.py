@@ -25,6 +25,7 @@ that boundary, after which `end_run` cleans up as after any failure).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -142,6 +143,9 @@ class BaseRunner(ABC):
         self._config_locked = False
         self._lifecycle = "new"  # new -> initialising -> ready | failed
         self._warmup_ran = False
+        #: (ident, name) of the thread that ran `init_modules` (and so warmup); see `check_serving_thread`.
+        self.init_thread: tuple[int, str] | None = None
+        self._thread_warned = False
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.profiler = Profiler(self.device)
@@ -203,6 +207,8 @@ class BaseRunner(ABC):
             raise LifecycleError(f"init_modules runs once per runner and already ran (state: {self._lifecycle}); "
                                  "build a new runner to load again")
         self._lifecycle = "initialising"
+        current = threading.current_thread()
+        self.init_thread = (current.ident or 0, current.name)
         try:
             self._phase("loading")
             with lifecycle_phase("plan"):  # before the warmup gate: it reads the offload mode
@@ -235,6 +241,26 @@ class BaseRunner(ABC):
             raise
         self._lifecycle = "ready"
         self._phase("ready")
+
+    def check_serving_thread(self, index: int) -> bool:
+        """Whether request `index` runs on the thread that ran `init_modules` (and warmup). If not, log
+        one WARNING per runner (the first such request): per-thread CUDA library state (cuBLAS
+        handles and workspaces, which PyTorch keeps per thread) was created by warmup on the other
+        thread, so this thread's first request creates its own and runs slower than steady
+        (issue 22: request 0's first step 1.44-1.50 s against 1.39 s, its text encoder 0.08-0.10 s
+        against 0.03 s, on the H200). `runnerkit serve` warms up on its job thread; a Python API
+        user should call `init_modules` on the thread that will call `run_pipeline`."""
+        current = threading.current_thread()
+        if self.init_thread is None or current.ident == self.init_thread[0]:
+            return True
+        if not self._thread_warned:
+            self._thread_warned = True
+            logger.warning("request {}: runs on thread {!r}, but init_modules{} ran on thread {!r}: per-thread CUDA "
+                           "library state (cuBLAS handles, workspaces) warmed there is not this thread's, so this "
+                           "thread's first request runs slower than steady; call init_modules on the thread that "
+                           "serves requests (warned once per runner)", index, current.name,
+                           " and warmup" if self.config.warmup else "", self.init_thread[1])
+        return False
 
     def checkpoint_repair_hint(self) -> str | None:
         """How to repair a damaged checkpoint, added to a `CheckpointError` at load; None: nothing to add
@@ -329,6 +355,7 @@ class BaseRunner(ABC):
         """
         if self._lifecycle != "ready":
             raise LifecycleError(f"run_pipeline needs a runner whose init_modules completed (state: {self._lifecycle})")
+        self.check_serving_thread(index)
         prof = self.profiler.begin_request(index, self.profile_stages())
         graphs0, _ = dynamo_counts()
         compile0 = compile_seconds()
