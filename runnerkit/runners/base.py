@@ -15,6 +15,9 @@ refused when the class is created. Families fill in hooks (`load_modules`, `serv
 - `run_pipeline` tags every error with its phase (`load`, `warmup`, `request N`), writes the
   request profile, always runs `end_run`, and never lets a cleanup error hide the request's
   error (the cleanup error is attached to it as a note and logged with its traceback).
+- `run_pipeline` on another thread than the one that ran `init_modules` (and warmup) logs one
+  WARNING per runner: per-thread CUDA library state makes that thread's first request slower
+  (`check_serving_thread`; docs/prompt_lengths.md).
 
 Observers (a server, a progress bar) set `on_phase` (called with "loading", "warming_up",
 "ready" as `init_modules` goes) and `on_progress` (called with a `Progress` at every request
