@@ -383,7 +383,7 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         if not buckets:
             return
         seen = self.warmed_buckets()
-        shortest = self._t2i_length("")  # the template alone: no prompt gives fewer tokens
+        shortest = self.prompt_length("")  # the template alone: no prompt gives fewer tokens
         start = time.perf_counter()
         extra = [b for b in buckets if b not in seen and b >= shortest]  # a bucket below `shortest` is never used
         for bucket in extra:
@@ -409,10 +409,10 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         """The buckets the default warmup's prompts (placeholder, negative) fell in: their
         tokenized lengths (the tokenizer alone; no encoder run)."""
         info = self.warmup_info((1, 1, 1))
-        lengths = [self._t2i_length(p) for p in self.prompts(info)]
+        lengths = [self.prompt_length(p) for p in self.prompts(info)]
         return {te.bucket_length(n, self.text_buckets()) for n in lengths}
 
-    def _t2i_length(self, prompt: str) -> int:
+    def prompt_length(self, prompt: str) -> int:
         """Tokens `encode_t2i` returns for `prompt` (template prefix dropped, cut to the limit)."""
         ids = self.tokenizer(te.T2I_TEMPLATE.format(prompt), return_tensors="pt").input_ids
         return min(ids.shape[1], te.T2I_DROP_IDX + te.TOKENIZER_MAX_LENGTH) - te.T2I_DROP_IDX

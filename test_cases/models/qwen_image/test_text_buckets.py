@@ -159,7 +159,7 @@ def test_bucketing_keeps_the_image_and_same_bucket_prompts_share_one_shape(
     different lengths run attention at the same key length (a spy on the attention call)."""
     keys = spy_attention(monkeypatch)
     on = _runner(qwen_t2i_ckpt)
-    lengths = [on._t2i_length(p) for p in PROMPTS]
+    lengths = [on.prompt_length(p) for p in PROMPTS]
     assert lengths[0] != lengths[1] and {te.bucket_length(n, on.text_buckets()) for n in lengths} == {128}
     with_buckets = []
     (tmp_path / "on").mkdir()
@@ -191,7 +191,7 @@ def test_warmup_runs_every_bucket_at_every_warmup_shape(qwen_t2i_ckpt: Path, tmp
     monkeypatch.setattr(te.QwenPromptEncoder, "_encode", spy_encode)
     runner = _runner(qwen_t2i_ckpt, warmup=True)
     buckets = runner.text_buckets()
-    shortest = runner._t2i_length("")
+    shortest = runner.prompt_length("")
     reachable = [b for b in buckets if b >= shortest]
     assert reachable == [128, 256, 512, 1024], (shortest, buckets)  # the tiny tokenizer: the template is ~100 tokens
     image_tokens = [h * w // 256 for h, w, _ in runner.warmup_shapes()]
@@ -207,7 +207,7 @@ def test_warmup_runs_every_bucket_at_every_warmup_shape(qwen_t2i_ckpt: Path, tmp
     keys.clear()
     encoder_inputs.clear()
     prompt = "x " * 60  # a length warmup's prompts never had (bucket 256)
-    assert te.bucket_length(runner._t2i_length(prompt), buckets) == 256 and runner._t2i_length(prompt) != 256
+    assert te.bucket_length(runner.prompt_length(prompt), buckets) == 256 and runner.prompt_length(prompt) != 256
     (tmp_path / "r").mkdir()
     _image(runner, tmp_path / "r", prompt, 0)
     assert keys and set(keys) <= warmed_keys and set(encoder_inputs) <= warmed_inputs
