@@ -265,6 +265,11 @@ class BaseRunner(ABC):
                            " and warmup" if self.config.warmup else "", self.init_thread[1])
         return False
 
+    def text_buckets(self) -> tuple[int, ...]:
+        """The text lengths (tokens) prompts are padded to (docs/prompt_lengths.md); () when prompts run
+        unpadded. DefaultRunner reads `text_buckets` and the family's default."""
+        return ()
+
     def checkpoint_repair_hint(self) -> str | None:
         """How to repair a damaged checkpoint, added to a `CheckpointError` at load; None: nothing to add
         (a user's checkpoint: only its owner can replace it). `SyntheticCheckpointSource` overrides it."""
@@ -279,7 +284,7 @@ class BaseRunner(ABC):
         fields = regional_compile.cache_fields(
             runner=type(self), model=json.loads(self.config.model_dump_json(include={"model"}))["model"],
             dtype=self.config.dtype, cfg=cfg, attention=(self.profiler.attention or {}).get("backend"),
-            offload=self.config.offload, device=self.device)
+            offload=self.config.offload, device=self.device, text_buckets=self.text_buckets())
         self.compile_cache = regional_compile.CompileCache(cfg.cache_dir, fields)
         self.compile_cache.load(will_save=self.config.warmup)
         self.profiler.compile_cache = self.compile_cache.report()
