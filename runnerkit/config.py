@@ -267,9 +267,9 @@ class RunnerConfig(_Strict):
     text_buckets: Literal["auto", "off"] | tuple[int, ...] = Field(
         "auto", description="Text lengths (tokens) a family with variable-length prompts pads the "
         "text encoder's output to, with the padding masked out (docs/prompt_lengths.md): every prompt then runs at "
-        "one of a few shapes, all warmed. 'auto': the family's default (Qwen-Image: [64, 128, 256, 512, 1024]); "
+        "one of a few shapes, all warmed. 'auto': the family's default (docs/prompt_lengths.md lists them); "
         "'off': each prompt at its own length; a list: strictly increasing lengths in [1, 4096]. Families "
-        "whose text is already a fixed length (Wan: 512, LTX-2: 1024) take 'auto' only.")
+        "whose text already has one fixed length take 'auto' only.")
     memory: MemoryConfig = MemoryConfig()
     synthetic_checkpoint: SyntheticCheckpointConfig | None = Field(
         None, description="Write random weights to model_path (or a cache folder) if no checkpoint is there.")
