@@ -19,6 +19,12 @@ Family modules take the backend through the attribute `attention_fn` of their at
 (`AttentionUser`); the runner installs it on every module it builds (`install`). Layout of every
 backend's call: q, k, v `[B, N, L, d]` -> `[B, N, Lq, d]`, as SDPA's.
 
+Key masks: a family whose text is padded to a few lengths (docs/prompt_lengths.md) passes
+`mask`, bool `[B, 1, 1, Lk]` (True: attend), to exclude the padded keys. SDPA's backends take it as
+`attn_mask`; FlashAttention-2 (`sdpa_flash`) and FlashAttention-4 take none. A runner that passes
+masks resolves its backend with `masked=True`: the probe then runs with a mask, so `auto` skips the
+backends that cannot take one and an explicit one is refused at load with the reason.
+
 Sources: PyTorch `torch.nn.attention` (SDPBackend, sdpa_kernel); FlashAttention-4: Dao-AILab
 flash-attention `flash_attn/cute/interface.py` (`flash_attn_func(q, k, v)` with [B, L, N, d] inputs,
 returning `(out, lse)`).
@@ -51,16 +57,18 @@ PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-
 """Largest abs difference from the math path on the probe input (values ~N(0, 1), L = 64) for a
 backend to count as working (float32: kernels that compute in TF32 or lower fail it)."""
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+AttentionFn = Callable[..., Tensor]
+"""`fn(q, k, v, mask=None)`: q, k, v [B, N, L, d]; mask None or bool [B, 1, 1, Lk] (True: attend)."""
 
 CUDA_ONLY = {"sdpa_cudnn": "cuDNN attention", "sdpa_efficient": "SDPA's memory-efficient kernel",
              "flash_attn_4": "FlashAttention-4"}
 """Backends with no kernel outside CUDA (SDPA's flash and math kernels also run on the CPU)."""
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """PyTorch's scaled-dot-product attention with its own kernel choice: [B, N, L, d] -> [B, N, Lq, d]."""
-    return F.scaled_dot_product_attention(q, k, v)
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """PyTorch's scaled-dot-product attention with its own kernel choice: [B, N, L, d] -> [B, N, Lq, d];
+    `mask` bool [B, 1, 1, Lk] (True: attend) or None."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def _sdpa_kernel(kernel: str) -> AttentionFn:
@@ -69,9 +77,11 @@ def _sdpa_kernel(kernel: str) -> AttentionFn:
     backend = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
                "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}[kernel]
 
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        if mask is not None and kernel == "sdpa_flash":  # the kernel would raise a less clear "no kernel" error
+            raise NotImplementedError("SDPA's FlashAttention-2 kernel takes no attention mask")
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     return attend
 
@@ -93,14 +103,20 @@ def _(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
-def flash_attn_4(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def flash_attn_4(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """FlashAttention-4: [B, N, L, d] -> [B, N, Lq, d], as SDPA's layout.
+
+    Raises:
+        NotImplementedError: a `mask` is given (this entry point takes none; `resolve(masked=True)`
+            refuses the backend at load, so a request never reaches this).
 
     It runs as the torch custom op `runnerkit::flash_attn_4` (with a shape-only fake), so that
     regional compile keeps the block one graph with the kernel as an opaque call: FA4's own entry
     point is an autograd Function around CuTe-DSL launches that dynamo does not trace. The [B, N, L, d]
     inputs are views of [B, L, N, d] projections, so the transposes to and from FA4's layout copy nothing.
     """
+    if mask is not None:
+        raise NotImplementedError("FlashAttention-4 (`flash_attn.cute.flash_attn_func`) takes no attention mask")
     return _flash_attn_4_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
@@ -131,17 +147,22 @@ def backend_fn(name: str) -> AttentionFn:
     raise ValueError(f"`attention` must be one of {list(ATTENTION_NAMES)} (got {name!r})")
 
 
-def probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why backend `name` cannot run [1, 2, 64, head_dim] attention in `dtype` on `device`, or None if it can."""
+def probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool = False) -> str | None:
+    """Why backend `name` cannot run [1, 2, 64, head_dim] attention in `dtype` on `device` (with
+    `masked`: with a key mask that drops the last 8 keys), or None if it can."""
     if name in CUDA_ONLY and device.type != "cuda":
         return f"{CUDA_ONLY[name]} runs on CUDA devices only"
     try:
         fn = backend_fn(name)
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = (torch.randn(1, 2, 64, head_dim, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+        mask = None
+        if masked:
+            mask = torch.ones(1, 1, 1, 64, dtype=torch.bool, device=device)
+            mask[..., -8:] = False
         with torch.inference_mode():
-            out = fn(q, k, v)
-            ref = _sdpa_kernel("sdpa_math")(q.float(), k.float(), v.float())
+            out = fn(q, k, v, mask) if masked else fn(q, k, v)
+            ref = _sdpa_kernel("sdpa_math")(q.float(), k.float(), v.float(), mask)
     except Exception as exc:  # noqa: BLE001 - any failure of a third-party kernel on the probe is a reason
         # (FlashAttention-4 checks dtype and head size with `assert`: AssertionError)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -163,12 +184,14 @@ class AttentionBackend:
     fn: AttentionFn
     reason: str
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return self.fn(q, k, v)
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        return self.fn(q, k, v) if mask is None else self.fn(q, k, v, mask)
 
 
-def resolve(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
-    """The backend for config `attention` = `name` on `device` for `dtype` and `head_dim`.
+def resolve(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+            masked: bool = False) -> AttentionBackend:
+    """The backend for config `attention` = `name` on `device` for `dtype` and `head_dim`; with
+    `masked`, one that takes a key mask (the family pads its text: docs/prompt_lengths.md).
 
     Raises:
         ValueError: an unknown name.
@@ -178,24 +201,25 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) 
     if name not in ATTENTION_NAMES:
         raise ValueError(f"`attention` must be one of {list(ATTENTION_NAMES)} (got {name!r})")
     if name != "auto":
-        why = probe(name, device, dtype, head_dim)
+        why = probe(name, device, dtype, head_dim, masked)
         if why is not None:
+            masks = " with a key mask (padded text: set `text_buckets` to 'off' to run unpadded)" if masked else ""
             raise NotImplementedError(f"`attention`={name!r} cannot run on {device} for {dtype} with head size "
-                                      f"{head_dim}: {why}")
+                                      f"{head_dim}{masks}: {why}")
         return AttentionBackend(name, backend_fn(name), "asked for by the config")
     skipped = []
     for candidate in AUTO_ORDER.get(device.type, ("sdpa",)):
-        why = probe(candidate, device, dtype, head_dim)
+        why = probe(candidate, device, dtype, head_dim, masked)
         if why is None:
             reason = "auto: first available" + (f" (not available: {'; '.join(skipped)})" if skipped else "")
             return AttentionBackend(candidate, backend_fn(candidate), reason)
         skipped.append(f"{candidate}: {why}")
     raise NotImplementedError(f"`attention`='auto' found no backend on {device} for {dtype} with head size "
-                              f"{head_dim}: {'; '.join(skipped)}")
+                              f"{head_dim}{' with a key mask' if masked else ''}: {'; '.join(skipped)}")
 
 
 class AttentionUser(nn.Module):
-    """Base of a family's attention module: it calls `self.attention_fn(q, k, v)` ([B, N, L, d])
+    """Base of a family's attention module: it calls `self.attention_fn(q, k, v[, mask])` ([B, N, L, d])
     instead of SDPA directly, so the runner's chosen backend reaches it (`install`)."""
 
     attention_fn: AttentionFn = staticmethod(sdpa)  # type: ignore[assignment]

@@ -202,9 +202,10 @@ def source_fingerprint(root: Path = Path(__file__).resolve().parent) -> str:
 
 
 def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: CompileConfig, attention: str | None,
-                 offload: OffloadConfig, device: torch.device) -> dict[str, Any]:
+                 offload: OffloadConfig, device: torch.device, text_buckets: tuple[int, ...] = ()) -> dict[str, Any]:
     """Everything that makes compiled artifacts valid, in readable form: the metadata of a cache
-    entry, whose key is the hash of these fields. `model` is the resolved architecture (JSON)."""
+    entry, whose key is the hash of these fields. `model` is the resolved architecture (JSON);
+    `text_buckets` the text lengths prompts are padded to (() unpadded: the blocks then take no mask)."""
     return {
         "format": CACHE_FORMAT,
         "torch": torch.__version__,
@@ -222,6 +223,7 @@ def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: Compil
         "attention": attention or "none",
         "offload.mode": offload.mode,
         "offload.weight_dtype": offload.weight_dtype,
+        "text_buckets": list(text_buckets),
     }
 
 

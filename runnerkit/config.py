@@ -265,6 +265,12 @@ class RunnerConfig(_Strict):
     attention: Literal["auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn_4"] = Field(
         "auto", description="Attention kernel of the transformer (runnerkit/attention.py): 'auto' takes the first "
         "available of the device's preference list; an explicit one that cannot run is refused at load.")
+    text_buckets: Literal["auto", "off"] | tuple[int, ...] = Field(
+        "auto", description="Text lengths (tokens) a family with variable-length prompts pads the "
+        "text encoder's output to, with the padding masked out (docs/prompt_lengths.md): every prompt then runs at "
+        "one of a few shapes, all warmed. 'auto': the family's default (docs/prompt_lengths.md lists them); "
+        "'off': each prompt at its own length; a list: strictly increasing lengths in [1, 4096]. Families "
+        "whose text already has one fixed length take 'auto' only.")
     memory: MemoryConfig = MemoryConfig()
     synthetic_checkpoint: SyntheticCheckpointConfig | None = Field(
         None, description="Write random weights to model_path (or a cache folder) if no checkpoint is there.")
@@ -284,6 +290,20 @@ class RunnerConfig(_Strict):
 
         if v is not None and v not in SPACINGS:
             raise ValueError(f"`scheduler_spacing` must be one of {list(SPACINGS)} (got {v!r})")
+        return v
+
+    @field_validator("text_buckets", mode="before")
+    @classmethod
+    def _buckets_from_json(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v  # JSON has no tuples
+
+    @field_validator("text_buckets")
+    @classmethod
+    def _buckets(cls, v: str | tuple[int, ...]) -> str | tuple[int, ...]:
+        if isinstance(v, tuple):
+            if not v or any(not 1 <= n <= 4096 for n in v) or any(a >= b for a, b in zip(v, v[1:])):
+                raise ValueError(f"`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of "
+                                 f"token counts in [1, 4096] (got {list(v)})")
         return v
 
     @field_validator("device")

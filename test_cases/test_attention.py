@@ -192,3 +192,24 @@ def test_a_backend_that_asserts_on_the_probe_is_skipped_by_auto_and_refused_when
         attention.resolve("flash_attn_4", CPU, torch.float32, 64)
     chosen = attention.resolve("auto", CPU, torch.float32, 64)
     assert chosen.name == "sdpa" and "flash_attn_4: inputs must be float16 or bfloat16" in chosen.reason
+
+
+def test_a_run_with_masks_takes_only_a_backend_that_applies_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Padded text (docs/prompt_lengths.md) needs a key mask: FlashAttention-4 (stand-in, working without a
+    mask) is skipped by `auto` and refused when asked with the reason; SDPA takes the mask and matches the
+    math path on the unmasked keys alone."""
+    _fake_flash_attn_cute(monkeypatch, [])
+    monkeypatch.setattr(attention, "CUDA_ONLY", {})  # let the CPU probe run the stand-in
+    monkeypatch.setitem(attention.AUTO_ORDER, "cpu", ("flash_attn_4", "sdpa"))
+    assert attention.resolve("auto", CPU, torch.float32, 16).name == "flash_attn_4"  # without masks it runs
+    with pytest.raises(NotImplementedError, match="`attention`='flash_attn_4' cannot run on cpu .* with a key mask "
+                                                  "\\(padded text: set `text_buckets` to 'off'.*takes no attention mask"):
+        attention.resolve("flash_attn_4", CPU, torch.float32, 16, masked=True)
+    chosen = attention.resolve("auto", CPU, torch.float32, 16, masked=True)
+    assert chosen.name == "sdpa" and "flash_attn_4: FlashAttention-4" in chosen.reason
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 16, generator=g) for _ in range(3))
+    mask = torch.arange(12)[None, None, None] < 9  # the last 3 keys padded
+    out = chosen(q, k, v, mask)
+    ref = attention.backend_fn("sdpa_math")(q, k[:, :, :9], v[:, :, :9])
+    assert (out - ref).abs().max().item() <= 1e-6

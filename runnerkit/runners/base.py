@@ -15,6 +15,9 @@ refused when the class is created. Families fill in hooks (`load_modules`, `serv
 - `run_pipeline` tags every error with its phase (`load`, `warmup`, `request N`), writes the
   request profile, always runs `end_run`, and never lets a cleanup error hide the request's
   error (the cleanup error is attached to it as a note and logged with its traceback).
+- `run_pipeline` on another thread than the one that ran `init_modules` (and warmup) logs one
+  WARNING per runner: per-thread CUDA library state makes that thread's first request slower
+  (`check_serving_thread`; docs/prompt_lengths.md).
 
 Observers (a server, a progress bar) set `on_phase` (called with "loading", "warming_up",
 "ready" as `init_modules` goes) and `on_progress` (called with a `Progress` at every request
@@ -25,6 +28,7 @@ that boundary, after which `end_run` cleans up as after any failure).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -142,6 +146,9 @@ class BaseRunner(ABC):
         self._config_locked = False
         self._lifecycle = "new"  # new -> initialising -> ready | failed
         self._warmup_ran = False
+        #: (ident, name) of the thread that ran `init_modules` (and so warmup); see `check_serving_thread`.
+        self.init_thread: tuple[int, str] | None = None
+        self._thread_warned = False
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.profiler = Profiler(self.device)
@@ -203,6 +210,8 @@ class BaseRunner(ABC):
             raise LifecycleError(f"init_modules runs once per runner and already ran (state: {self._lifecycle}); "
                                  "build a new runner to load again")
         self._lifecycle = "initialising"
+        current = threading.current_thread()
+        self.init_thread = (current.ident or 0, current.name)
         try:
             self._phase("loading")
             with lifecycle_phase("plan"):  # before the warmup gate: it reads the offload mode
@@ -236,6 +245,31 @@ class BaseRunner(ABC):
         self._lifecycle = "ready"
         self._phase("ready")
 
+    def check_serving_thread(self, index: int) -> bool:
+        """Whether request `index` runs on the thread that ran `init_modules` (and warmup). If not, log
+        one WARNING per runner (the first such request): per-thread CUDA library state (cuBLAS
+        handles and workspaces, which PyTorch keeps per thread) was created by warmup on the other
+        thread, so this thread's first request creates its own and runs slower than steady
+        (issue 22: request 0's first step 1.44-1.50 s against 1.39 s, its text encoder 0.08-0.10 s
+        against 0.03 s, on the H200). `runnerkit serve` warms up on its job thread; a Python API
+        user should call `init_modules` on the thread that will call `run_pipeline`."""
+        current = threading.current_thread()
+        if self.init_thread is None or current.ident == self.init_thread[0]:
+            return True
+        if not self._thread_warned:
+            self._thread_warned = True
+            logger.warning("request {}: runs on thread {!r}, but init_modules{} ran on thread {!r}: per-thread CUDA "
+                           "library state (cuBLAS handles, workspaces) warmed there is not this thread's, so this "
+                           "thread's first request runs slower than steady; call init_modules on the thread that "
+                           "serves requests (warned once per runner)", index, current.name,
+                           " and warmup" if self.config.warmup else "", self.init_thread[1])
+        return False
+
+    def text_buckets(self) -> tuple[int, ...]:
+        """The text lengths (tokens) prompts are padded to (docs/prompt_lengths.md); () when prompts run
+        unpadded. DefaultRunner reads `text_buckets` and the family's default."""
+        return ()
+
     def checkpoint_repair_hint(self) -> str | None:
         """How to repair a damaged checkpoint, added to a `CheckpointError` at load; None: nothing to add
         (a user's checkpoint: only its owner can replace it). `SyntheticCheckpointSource` overrides it."""
@@ -250,7 +284,7 @@ class BaseRunner(ABC):
         fields = regional_compile.cache_fields(
             runner=type(self), model=json.loads(self.config.model_dump_json(include={"model"}))["model"],
             dtype=self.config.dtype, cfg=cfg, attention=(self.profiler.attention or {}).get("backend"),
-            offload=self.config.offload, device=self.device)
+            offload=self.config.offload, device=self.device, text_buckets=self.text_buckets())
         self.compile_cache = regional_compile.CompileCache(cfg.cache_dir, fields)
         self.compile_cache.load(will_save=self.config.warmup)
         self.profiler.compile_cache = self.compile_cache.report()
@@ -329,6 +363,7 @@ class BaseRunner(ABC):
         """
         if self._lifecycle != "ready":
             raise LifecycleError(f"run_pipeline needs a runner whose init_modules completed (state: {self._lifecycle})")
+        self.check_serving_thread(index)
         prof = self.profiler.begin_request(index, self.profile_stages())
         graphs0, _ = dynamo_counts()
         compile0 = compile_seconds()

@@ -76,6 +76,10 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
     #: `ModuleSpec.stream`): the names `offload.stream_modules` may list. Checked when the runner is
     #: built, before any plan (`check_stream_modules`), and against the described pipeline at load.
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ()
+    #: Text lengths (tokens) the family pads its prompts' embeddings to under `text_buckets: auto`
+    #: (docs/prompt_lengths.md); None: the family's text has a fixed length already (or no text),
+    #: and `text_buckets` takes 'auto' only.
+    TEXT_BUCKETS: ClassVar[tuple[int, ...] | None] = None
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
@@ -85,6 +89,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                 raise ValueError(f"`{key}` ({value!r}) is not read by {self.config.model_cls!r}: its checkpoint folder "
                                  "holds that module; remove it from the config")
         self.check_stream_modules()
+        if self.TEXT_BUCKETS is None and self.config.text_buckets != "auto":
+            raise ValueError(f"`text_buckets` ({self.config.text_buckets!r}) is not read by {self.config.model_cls!r}: "
+                             "its prompts are not padded to text buckets (docs/prompt_lengths.md); remove it")
         regional_compile.check_supported(self.config.compile, self.config.offload, self.config.unload_modules,
                                          self.device)
         self.pipeline: Pipeline | None = None
@@ -217,6 +224,14 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         backend's probe (runnerkit/attention.py). Default 128."""
         return 128
 
+    def text_buckets(self) -> tuple[int, ...]:
+        """The text lengths (tokens) prompts are padded to, increasing; () when prompts run unpadded
+        (`text_buckets: off`, or a family without variable-length text)."""
+        setting = self.config.text_buckets
+        if setting == "off" or self.TEXT_BUCKETS is None:
+            return ()
+        return self.TEXT_BUCKETS if setting == "auto" else tuple(setting)
+
     def load_modules(self) -> None:
         """prepare_load -> the attention backend -> describe_pipeline -> place every module as the
         offload config says -> schedulers.
@@ -226,7 +241,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """
         self.prepare_load()
         head_dim = self.attention_head_dim()
-        self.attention = backend = attention.resolve(self.config.attention, self.device, self.dtype, head_dim)
+        masked = bool(self.text_buckets())  # padded text: the backend must take a key mask
+        self.attention = backend = attention.resolve(self.config.attention, self.device, self.dtype, head_dim, masked)
         logger.info("attention: {} ({}; head size {}, {})", backend.name, backend.reason, head_dim, self.dtype)
         self.profiler.attention = {"backend": backend.name, "reason": backend.reason, "head_dim": head_dim}
         self.pipeline = pipeline = self.describe_pipeline()

@@ -263,18 +263,27 @@ class JobQueue:
 
 
 class Worker(threading.Thread):
-    """Runs queued jobs one at a time on the runner (after its `init_modules` completed)."""
+    """Runs queued jobs one at a time on the runner, on this thread.
+
+    `setup` (the server: `init_modules`, with warmup, then readiness) runs first on this same thread,
+    before any job is taken: PyTorch keeps CUDA library state (cuBLAS handles and workspaces) per
+    thread, so a runner warmed on another thread would serve its first job colder than steady
+    (issue 22; `BaseRunner.check_serving_thread`). `setup` returns False when it failed (it reports
+    the failure itself): the worker then takes no job."""
 
     def __init__(self, runner: BaseRunner, queue: JobQueue, on_done: Callable[[Job], None],
-                 save_tensors: bool) -> None:
+                 save_tensors: bool, setup: Callable[[], bool] | None = None) -> None:
         super().__init__(name="runnerkit-worker", daemon=True)
         self.runner = runner
         self.queue = queue
         self.on_done = on_done
         self.save_tensors = save_tensors
+        self.setup = setup
         self.index = 0
 
     def run(self) -> None:
+        if self.setup is not None and not self.setup():
+            return
         try:
             while (job := self.queue.next()) is not None:
                 try:

@@ -185,17 +185,23 @@ def serve(args: argparse.Namespace) -> int:
         state.metrics = Metrics(runner.device)
         state.runner = runner
         runner.on_phase = set_phase
-        try:
-            runner.init_modules()
-        except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
-            fail("load", exc, error_phase)
-            return
-        state.metrics.load_seconds.set(runner.profiler.phases.get("load_seconds", 0.0))
-        state.metrics.warmup_seconds.set((runner.profiler.warmup or {}).get("seconds", 0.0))
-        worker["w"] = w = Worker(runner, queue, job_done, args.save_tensors)
+
+        def setup() -> bool:
+            """On the worker thread, before any job: load and warm up there (per-thread CUDA state), then ready."""
+            try:
+                runner.init_modules()
+            except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
+                fail("load", exc, error_phase)
+                return False
+            state.metrics.load_seconds.set(runner.profiler.phases.get("load_seconds", 0.0))
+            state.metrics.warmup_seconds.set((runner.profiler.warmup or {}).get("seconds", 0.0))
+            state.metrics.ready.set(1)
+            logger.info("ready: accepting jobs (on thread {!r}, which loaded and warmed the runner)",
+                        threading.current_thread().name)
+            return True
+
+        worker["w"] = w = Worker(runner, queue, job_done, args.save_tensors, setup=setup)
         w.start()
-        state.metrics.ready.set(1)
-        logger.info("ready: accepting jobs")
 
     stopping = threading.Event()
 

@@ -77,6 +77,9 @@ class QwenImageEditRunner(QwenImageRunner):
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"i2i": ("image_path",)}
     #: Edit-Plus takes up to 3 references (the checkpoint's `edit.max_images`; Edit: 1, checked per request).
     EXTRA_IMAGES: ClassVar[dict[str, int]] = {"i2i": 2}
+    #: Edit prompts run unpadded (no text buckets yet: their length follows the reference images'
+    #: token counts, ~1300 tokens for one Edit reference; docs/prompt_lengths.md).
+    TEXT_BUCKETS: ClassVar[tuple[int, ...] | None] = None
 
     # ---- warmup opt-in (declared here; not inherited) --------------------------------------
     WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("i2i",)

@@ -10,6 +10,8 @@ Image editing (task i2i) is `edit.QwenImageEditRunner`.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -66,9 +68,14 @@ class QwenInputs:
     """A request's encoded inputs (the runner's `inputs`)."""
 
     prompt_embeds: torch.Tensor
-    """[1, L, D] last hidden states of the prompt's valid tokens (model dtype)."""
+    """[1, L, D] last hidden states of the prompt's valid tokens (model dtype); with text buckets
+    padded to the bucket (zero rows after the valid ones)."""
     negative_embeds: torch.Tensor | None
     """[1, L', D] of the negative prompt (None without CFG)."""
+    prompt_mask: torch.Tensor | None = None
+    """[1, L] bool, True for a valid token, with text buckets (None: unpadded, no mask)."""
+    negative_mask: torch.Tensor | None = None
+    """[1, L'] bool of the negative prompt (None without CFG or without text buckets)."""
     vae_images: list[torch.Tensor] = field(default_factory=list)
     """i2i, between the stages: each reference image [1, 3, 1, h, w] in [-1, 1] at its VAE size."""
     ref_latents: torch.Tensor | None = None
@@ -95,6 +102,11 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
     RESULT_KINDS = {"t2i": "image"}
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2i": ()}
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "transformer")
+    #: Text buckets under `text_buckets: auto` (docs/prompt_lengths.md): powers of two from 64 to the
+    #: 1024-token prompt limit. A joint sequence of >= 4096 image tokens (1024x1024 and up) grows by
+    #: < 1.6 % when a 1-token negative prompt pads to 64; a 600-token prompt pays 424 padded tokens
+    #: (< 6 % more tokens at 1328x1328). Warmup covers each bucket at each warmup shape.
+    TEXT_BUCKETS: ClassVar[tuple[int, ...] | None] = (64, 128, 256, 512, 1024)
 
     # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
     WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("t2i",)
@@ -132,6 +144,7 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         self.tokenizer: Any = None
         self.processor: Any = None
         self._declared: tuple[str, QwenSchedulerConfig] | None = None
+        self._warmup_pad_to: int | None = None  # run_warmup: the bucket its extra runs pad every prompt to
         self.check_task_fits()
         self.check_schedule()
 
@@ -347,10 +360,63 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
 
     @torch.inference_mode()
     def run_text_encoder(self, info: InputInfo, inputs: None) -> QwenInputs:
-        """Prompt (and negative prompt, for CFG) -> QwenInputs with [1, L, D] embeddings."""
+        """Prompt (and negative prompt, for CFG) -> QwenInputs with [1, L, D] embeddings; with text
+        buckets (`text_buckets`), each padded to its bucket with its [1, L] mask."""
         encoder = self.prompt_encoder()
-        embeds = [encoder.encode_t2i(p)[None] for p in self.prompts(info)]  # [1, L, D] each
-        return QwenInputs(prompt_embeds=embeds[0], negative_embeds=embeds[1] if len(embeds) > 1 else None)
+        buckets = self.text_buckets()
+        if not buckets:
+            embeds = [encoder.encode_t2i(p)[None] for p in self.prompts(info)]  # [1, L, D] each
+            return QwenInputs(prompt_embeds=embeds[0], negative_embeds=embeds[1] if len(embeds) > 1 else None)
+        padded = [encoder.encode_t2i_padded(p, buckets, pad_to=self._warmup_pad_to) for p in self.prompts(info)]
+        neg = padded[1] if len(padded) > 1 else None
+        return QwenInputs(prompt_embeds=padded[0].embeds[None], negative_embeds=None if neg is None else neg.embeds[None],
+                          prompt_mask=padded[0].mask[None], negative_mask=None if neg is None else neg.mask[None])
+
+    def run_warmup(self, shapes: Sequence[Shape]) -> None:
+        """The default warmup (warmup.py: text encoder once, each shape through the whole pipeline),
+        then every text bucket the warmup prompts did not fall in: the text encoder once with every
+        prompt (cond and negative) padded to the bucket, and one transformer step (every CFG
+        branch) at each warmup shape; no VAE decode (its shapes do not follow the text). So each
+        (image shape, text length) a request can produce at a warmup shape has run once
+        (docs/prompt_lengths.md)."""
+        super().run_warmup(shapes)
+        buckets = self.text_buckets()
+        if not buckets:
+            return
+        seen = self.warmed_buckets()
+        shortest = self.prompt_length("")  # the template alone: no prompt gives fewer tokens
+        start = time.perf_counter()
+        extra = [b for b in buckets if b not in seen and b >= shortest]  # a bucket below `shortest` is never used
+        for bucket in extra:
+            self._warmup_pad_to = bucket
+            try:
+                shared = self.run_encoders(self.warmup_info(shapes[0]), per_shape=False)
+                for shape in shapes:
+                    info = self.warmup_info(shape)
+                    try:
+                        self.input_info, self.inputs = info, shared
+                        self.run_encoders(info, per_shape=True)
+                        self.run_denoise(info, warmup=True)
+                    finally:
+                        self.reset_request_state()
+            finally:
+                self._warmup_pad_to = None
+        logger.info("warmup: text buckets {} (warm from the default warmup: {}; below the shortest text, {} tokens: "
+                    "{}; {} more, each: text encoder once, one step at {} shapes) in {:.2f} s", list(buckets),
+                    sorted(seen), shortest, [b for b in buckets if b < shortest], len(extra), len(shapes),
+                    time.perf_counter() - start)
+
+    def warmed_buckets(self) -> set[int]:
+        """The buckets the default warmup's prompts (placeholder, negative) fell in: their
+        tokenized lengths (the tokenizer alone; no encoder run)."""
+        info = self.warmup_info((1, 1, 1))
+        lengths = [self.prompt_length(p) for p in self.prompts(info)]
+        return {te.bucket_length(n, self.text_buckets()) for n in lengths}
+
+    def prompt_length(self, prompt: str) -> int:
+        """Tokens `encode_t2i` returns for `prompt` (template prefix dropped, cut to the limit)."""
+        ids = self.tokenizer(te.T2I_TEMPLATE.format(prompt), return_tensors="pt").input_ids
+        return min(ids.shape[1], te.T2I_DROP_IDX + te.TOKENIZER_MAX_LENGTH) - te.T2I_DROP_IDX
 
     def img_shapes(self, info: InputInfo) -> list[tuple[int, int, int]]:
         """Patch grids of the target image then the references: [(1, H/16, W/16), ...]."""
@@ -371,19 +437,21 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         sigma = timestep.to(self.dtype) / 1000
         shapes = self.img_shapes(info)
 
-        def velocity(embeds: torch.Tensor) -> torch.Tensor:
-            return model(hidden, embeds, sigma, shapes)[:, :tokens].float()  # [1, L, 64]
+        def velocity(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+            return model(hidden, embeds, sigma, shapes, mask)[:, :tokens].float()  # [1, L, 64]
 
         streamer = self.one_pass_streamer(model) if inputs.negative_embeds is not None else None
         if streamer is not None:  # block streaming: both branches through each block while it is on the device
             with streamer.entries(2):
-                outs = model.forward_branches(hidden, [inputs.prompt_embeds, inputs.negative_embeds], sigma, shapes)
+                outs = model.forward_branches(hidden, [inputs.prompt_embeds, inputs.negative_embeds], sigma, shapes,
+                                              [inputs.prompt_mask, inputs.negative_mask])
             pred, neg = (out[:, :tokens].float() for out in outs)  # [1, L, 64] each
             pred = true_cfg(pred, neg, float(self.config.sample_guide_scale))
         else:
-            pred = velocity(inputs.prompt_embeds)
+            pred = velocity(inputs.prompt_embeds, inputs.prompt_mask)
             if inputs.negative_embeds is not None:
-                pred = true_cfg(pred, velocity(inputs.negative_embeds), float(self.config.sample_guide_scale))
+                pred = true_cfg(pred, velocity(inputs.negative_embeds, inputs.negative_mask),
+                                float(self.config.sample_guide_scale))
         return unpack_latents(pred, info.height, info.width)
 
     @torch.inference_mode()

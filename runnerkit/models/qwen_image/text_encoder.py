@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -434,6 +435,24 @@ def resize_for_vl(image: PIL.Image.Image, variant: EditVariant) -> PIL.Image.Ima
 
 # ---- prompt encoding -------------------------------------------------------------------------
 
+def bucket_length(length: int, buckets: Sequence[int]) -> int:
+    """The smallest of `buckets` (increasing token counts) that holds `length` tokens; `length`
+    itself when no bucket does (or `buckets` is empty): such a text runs unpadded."""
+    return next((b for b in buckets if b >= length), length)
+
+
+@dataclass
+class PaddedText:
+    """One prompt's conditioning padded to a text bucket (docs/prompt_lengths.md)."""
+
+    embeds: torch.Tensor
+    """[L_bucket, hidden_size] (model dtype): the valid tokens' states, then zeros."""
+    mask: torch.Tensor
+    """[L_bucket] bool on the embeddings' device: True for the first `length` rows."""
+    length: int
+    """Valid tokens (what an unpadded `encode_t2i` returns)."""
+
+
 class QwenPromptEncoder:
     """Turns prompts (and reference images) into Qwen-Image text conditioning.
 
@@ -473,6 +492,12 @@ class QwenPromptEncoder:
         Raises:
             ValueError: `prompt` is not a string, or `max_tokens` is out of range.
         """
+        ids = self.t2i_ids(prompt, max_tokens)  # [1, L]
+        return self._encode({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, T2I_DROP_IDX)
+
+    def t2i_ids(self, prompt: str, max_tokens: int = TOKENIZER_MAX_LENGTH) -> torch.Tensor:
+        """Token ids [1, L] of the templated prompt, cut to `T2I_DROP_IDX + max_tokens` (a warning
+        is logged when this drops tokens). Raises ValueError as `encode_t2i`."""
         if not isinstance(prompt, str):
             raise ValueError(f"`prompt` must be a string, got {type(prompt).__name__}")
         if not 1 <= max_tokens <= TOKENIZER_MAX_LENGTH:
@@ -483,7 +508,44 @@ class QwenPromptEncoder:
             logger.warning(f"text_encoder: prompt truncated to {max_tokens} tokens "
                            f"({ids.shape[1] - limit} tokens dropped)")
             ids = ids[:, :limit]
-        return self._encode({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, T2I_DROP_IDX)
+        return ids
+
+    @torch.inference_mode()
+    def encode_t2i_padded(self, prompt: str, buckets: Sequence[int], max_tokens: int = TOKENIZER_MAX_LENGTH,
+                          pad_to: int | None = None) -> PaddedText:
+        """`encode_t2i` with the text padded to its bucket: the encoder runs on `T2I_DROP_IDX +
+        L_bucket` tokens (the prompt's, then pad tokens) and returns L_bucket rows.
+
+        Exact: the Qwen2.5-VL decoder is causal, so a pad token appended after the prompt is seen by
+        no valid token (the causal mask itself excludes it; no padding mask is passed, so every
+        length of a bucket runs the same causal kernel), and valid tokens keep their positions
+        0..L-1. The pad rows of the output are zeroed. The valid rows equal `encode_t2i`'s up to the
+        kernels' summation order over a longer sequence.
+
+        Args:
+            prompt, max_tokens: as `encode_t2i`.
+            buckets: increasing token counts (`bucket_length`); a text longer than the largest runs
+                unpadded (mask all True).
+            pad_to: a length to pad to instead of the prompt's bucket (warmup: each bucket), >= the
+                prompt's token count.
+
+        Returns:
+            PaddedText: embeds [L_bucket, hidden_size], mask [L_bucket] bool, the valid length.
+
+        Raises:
+            ValueError: as `encode_t2i`, or `pad_to` shorter than the prompt.
+        """
+        ids = self.t2i_ids(prompt, max_tokens)  # [1, T2I_DROP_IDX + L]
+        length = ids.shape[1] - T2I_DROP_IDX
+        target = bucket_length(length, buckets) if pad_to is None else pad_to
+        if target < length:
+            raise ValueError(f"`pad_to` ({pad_to}) is shorter than the prompt's {length} tokens")
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
+            self.tokenizer.eos_token_id
+        padded = torch.cat([ids, ids.new_full((1, target - length), pad_id)], dim=1)  # [1, T2I_DROP_IDX + L_b]
+        states = self._encode({"input_ids": padded, "attention_mask": torch.ones_like(padded)}, T2I_DROP_IDX)
+        mask = torch.arange(target, device=states.device) < length  # [L_b]
+        return PaddedText(embeds=states.masked_fill(~mask[:, None], 0), mask=mask, length=length)
 
     @torch.inference_mode()
     def encode_edit(self, prompt: str, images: list[PIL.Image.Image], variant: EditVariant) -> torch.Tensor:
@@ -541,6 +603,7 @@ class QwenPromptEncoder:
 
 
 __all__ = ["EDIT_DROP_IDX", "EDIT_PLUS_PICTURE", "EDIT_PLUS_TEMPLATE", "EDIT_TEMPLATE", "T2I_DROP_IDX",
-           "T2I_TEMPLATE", "TINY_QWEN_VL", "TOKENIZER_MAX_LENGTH", "processor_class", "QwenPromptEncoder",
+           "T2I_TEMPLATE", "TINY_QWEN_VL", "TOKENIZER_MAX_LENGTH", "PaddedText", "bucket_length", "processor_class",
+           "QwenPromptEncoder",
            "QwenVLArch", "calculate_dimensions", "load_processor", "load_text_encoder", "load_tokenizer",
            "resize_for_vl", "stream_text_encoder", "vl_image_size", "write_tiny_text_encoder", "STREAM_SPEC"]

@@ -177,9 +177,12 @@ class JointAttention(AttentionUser):
         self.norm_added_q = RMSNorm(head_dim)
         self.norm_added_k = RMSNorm(head_dim)
 
-    def forward(self, img: Tensor, txt: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    def forward(self, img: Tensor, txt: Tensor, rope: tuple[Tensor, Tensor],
+                mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """img [B, L_img, dim], txt [B, L_txt, dim] (weight dtype); rope (cos, sin) [L_txt + L_img,
-        1, head_dim/2]. Returns (img [B, L_img, dim], txt [B, L_txt, dim]) attention outputs."""
+        1, head_dim/2]; mask None or bool [B, 1, 1, L_txt + L_img] over the joint keys (False: a
+        padded text token, attended by nobody). Returns (img [B, L_img, dim], txt [B, L_txt, dim])
+        attention outputs (a padded text token's own output row is computed and meaningless)."""
         B, L_txt, _ = txt.shape
         heads = (self.num_heads, -1)
         q = torch.cat([self.norm_added_q(self.add_q_proj(txt).unflatten(-1, heads)),
@@ -190,7 +193,8 @@ class JointAttention(AttentionUser):
                        self.to_v(img).unflatten(-1, heads)], dim=1)  # [B, L, N, d]
         q = apply_rope(q, *rope).to(v.dtype)  # rotated in float32, as diffusers
         k = apply_rope(k, *rope).to(v.dtype)
-        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, N, L, d] (attention.py)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N, L, d]
+        out = self.attention_fn(q, k, v) if mask is None else self.attention_fn(q, k, v, mask)  # (attention.py)
         out = out.transpose(1, 2).flatten(2)  # [B, L, dim]
         # Contiguous slices, as diffusers: a strided input can take another bf16 matmul kernel (other rounding).
         return self.to_out[0](out[:, L_txt:].contiguous()), self.to_add_out(out[:, :L_txt].contiguous())
@@ -231,17 +235,21 @@ class QwenImageBlock(nn.Module):
         self.txt_mlp = FeedForward(dim)
 
     def forward(self, img: Tensor, txt: Tensor, temb: Tensor, rope: tuple[Tensor, Tensor],
-                img_sizes: list[int]) -> tuple[Tensor, Tensor]:
+                img_sizes: list[int], mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Args: img [B, L_img, dim], txt [B, L_txt, dim] residual streams (weight dtype); temb
         [B, S, dim] time embeddings, S = len(img_sizes): row 0 for the target tokens (and the
         text), row 1 (zero_cond_t) for the reference tokens; rope (cos, sin) [L_txt + L_img, 1,
-        head_dim/2]; img_sizes: image tokens per segment. Returns (img, txt), same shapes."""
+        head_dim/2]; img_sizes: image tokens per segment; mask: the joint key mask (see
+        `JointAttention.forward`) or None. Returns (img, txt), same shapes.
+
+        Every op but attention is per token, so a padded text token reaches the valid tokens only
+        through attention's keys, which `mask` removes."""
         img_mod = self.img_mod(temb).chunk(6, dim=-1)  # 6 x [B, S, dim]
         txt_mod = self.txt_mod(temb[:, :1]).chunk(6, dim=-1)  # 6 x [B, 1, dim]
         txt_sizes = [txt.shape[1]]
 
         img_attn, txt_attn = self.attn(modulate(layer_norm(img), img_mod[0], img_mod[1], img_sizes),
-                                       modulate(layer_norm(txt), txt_mod[0], txt_mod[1], txt_sizes), rope)
+                                       modulate(layer_norm(txt), txt_mod[0], txt_mod[1], txt_sizes), rope, mask)
         img = img + gated(img_attn, img_mod[2], img_sizes)
         txt = txt + gated(txt_attn, txt_mod[2], txt_sizes)
 
@@ -297,6 +305,9 @@ class QwenEmbedded:
     """(cos, sin), each [L_txt + L_img, 1, head_dim/2] float32."""
     img_sizes: list[int]
     """Image tokens per modulation segment (target, references under `zero_cond_t`)."""
+    mask: Tensor | None = None
+    """Joint key mask bool [B, 1, 1, L_txt + L_img] (text's mask, then the image tokens, all True), or
+    None without a text mask."""
 
 
 class QwenImageTransformer2D(nn.Module):
@@ -340,7 +351,7 @@ class QwenImageTransformer2D(nn.Module):
         return self._rope_cache[key]
 
     def check_inputs(self, hidden_states: Tensor, encoder_hidden_states: Tensor, timestep: Tensor,
-                     img_shapes: ImgShapes) -> None:
+                     img_shapes: ImgShapes, encoder_hidden_states_mask: Tensor | None = None) -> None:
         """Raise ValueError naming the argument when shapes do not fit the architecture (see `forward`)."""
         arch = self.arch
         if hidden_states.ndim != 3 or hidden_states.shape[2] != arch.in_channels:
@@ -359,16 +370,25 @@ class QwenImageTransformer2D(nn.Module):
         if sum(math.prod(s) for s in img_shapes) != L_img:
             raise ValueError(f"`img_shapes`={img_shapes} describes {sum(math.prod(s) for s in img_shapes)} image "
                              f"tokens but `hidden_states` has L_img = {L_img}")
+        if encoder_hidden_states_mask is not None and (
+                tuple(encoder_hidden_states_mask.shape) != txt_shape[:2] or encoder_hidden_states_mask.dtype != torch.bool):
+            raise ValueError(f"`encoder_hidden_states_mask` must be bool [{B}, {txt_shape[1]}] (True: a valid text "
+                             f"token), got {encoder_hidden_states_mask.dtype} {tuple(encoder_hidden_states_mask.shape)}")
 
     def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor, timestep: Tensor,
-                img_shapes: ImgShapes) -> Tensor:
+                img_shapes: ImgShapes, encoder_hidden_states_mask: Tensor | None = None) -> Tensor:
         """Predict the flow (velocity) of every image token for one denoising step.
 
         Args:
             hidden_states: [B, L_img, in_channels] packed latents (2x2 patches, channel-major
                 `c*4 + dy*2 + dx`): the target image's tokens, then each reference image's.
-            encoder_hidden_states: [B, L_txt, joint_attention_dim] text-encoder hidden states of
-                the valid tokens only (no mask; equal lengths across the batch).
+            encoder_hidden_states: [B, L_txt, joint_attention_dim] text-encoder hidden states:
+                the valid tokens only, or (with `encoder_hidden_states_mask`) valid tokens padded.
+            encoder_hidden_states_mask: None, or bool [B, L_txt], True for a valid token: padded
+                tokens are removed from every attention's keys (the only op that mixes tokens), so
+                the image tokens' output equals an unpadded call's up to summation order
+                (docs/prompt_lengths.md). Valid tokens must come first (text RoPE positions count
+                from the first text token, padded or not), as diffusers' `encoder_hidden_states_mask`.
             timestep: [B] sigma in [0, 1] (diffusers' pipelines pass scheduler timestep / 1000);
                 cast to the weight dtype first, as diffusers does (its pipelines also round the
                 timestep to the latents' dtype before dividing: `t.to(dtype) / 1000`).
@@ -388,13 +408,15 @@ class QwenImageTransformer2D(nn.Module):
         Source: diffusers `transformer_qwenimage.py` (`QwenImageTransformer2DModel.forward`,
         `QwenEmbedRope`, `QwenDoubleStreamAttnProcessor2_0`); Qwen-Image technical report.
         """
-        img, txt, pre = self.embed(hidden_states, encoder_hidden_states, timestep, img_shapes)
+        img, txt, pre = self.embed(hidden_states, encoder_hidden_states, timestep, img_shapes,
+                                   encoder_hidden_states_mask)
         for block in self.transformer_blocks:
-            img, txt = block(img, txt, pre.temb, pre.rope, pre.img_sizes)
+            img, txt = block(img, txt, pre.temb, pre.rope, pre.img_sizes, pre.mask)
         return self.proj_out(self.norm_out(img, pre.temb[:, 0]))  # [B, L_img, p*p*C_out]
 
     def forward_branches(self, hidden_states: Tensor, encoder_hidden_states: Sequence[Tensor], timestep: Tensor,
-                         img_shapes: ImgShapes) -> list[Tensor]:
+                         img_shapes: ImgShapes,
+                         encoder_hidden_states_masks: Sequence[Tensor | None] | None = None) -> list[Tensor]:
         """`forward` for several text conditions (the CFG branches), block-major: block i runs for
         every branch, in `encoder_hidden_states` order, before block i+1 runs for any.
 
@@ -408,6 +430,7 @@ class QwenImageTransformer2D(nn.Module):
             hidden_states, timestep, img_shapes: as `forward`, shared by every branch.
             encoder_hidden_states: one [B, L_txt_b, joint_attention_dim] per branch (e.g. [prompt,
                 negative prompt]); the lengths may differ.
+            encoder_hidden_states_masks: None, or one mask (or None) per branch, as `forward`'s.
 
         Returns:
             One [B, L_img, patch_size^2 * out_channels] prediction per branch (weight dtype), in order.
@@ -420,21 +443,28 @@ class QwenImageTransformer2D(nn.Module):
         """
         if not encoder_hidden_states:
             raise ValueError("`encoder_hidden_states` is empty: give one text condition per branch")
-        embedded = [self.embed(hidden_states, txt, timestep, img_shapes) for txt in encoder_hidden_states]
+        masks = list(encoder_hidden_states_masks or [None] * len(encoder_hidden_states))
+        if len(masks) != len(encoder_hidden_states):
+            raise ValueError(f"`encoder_hidden_states_masks` has {len(masks)} entries for "
+                             f"{len(encoder_hidden_states)} branches: give one per branch")
+        embedded = [self.embed(hidden_states, txt, timestep, img_shapes, mask)
+                    for txt, mask in zip(encoder_hidden_states, masks)]
         imgs = [img for img, _, _ in embedded]  # [B, L_img, dim] each
         txts = [txt for _, txt, _ in embedded]  # [B, L_txt_b, dim] each
         pres = [pre for _, _, pre in embedded]
         del embedded  # the lists hold the only references to the streams
         for block in self.transformer_blocks:
             for b, pre in enumerate(pres):
-                imgs[b], txts[b] = block(imgs[b], txts[b], pre.temb, pre.rope, pre.img_sizes)
+                imgs[b], txts[b] = block(imgs[b], txts[b], pre.temb, pre.rope, pre.img_sizes, pre.mask)
         return [self.proj_out(self.norm_out(img, pre.temb[:, 0])) for img, pre in zip(imgs, pres)]
 
     def embed(self, hidden_states: Tensor, encoder_hidden_states: Tensor, timestep: Tensor,
-              img_shapes: ImgShapes) -> tuple[Tensor, Tensor, QwenEmbedded]:
-        """Check the inputs, project the image and text tokens, embed the timestep, look up RoPE (see
-        `forward`). Returns (img [B, L_img, dim], txt [B, L_txt, dim], the blocks' other inputs)."""
-        self.check_inputs(hidden_states, encoder_hidden_states, timestep, img_shapes)
+              img_shapes: ImgShapes, encoder_hidden_states_mask: Tensor | None = None
+              ) -> tuple[Tensor, Tensor, QwenEmbedded]:
+        """Check the inputs, project the image and text tokens, embed the timestep, look up RoPE, build
+        the joint key mask (see `forward`). Returns (img [B, L_img, dim], txt [B, L_txt, dim], the
+        blocks' other inputs)."""
+        self.check_inputs(hidden_states, encoder_hidden_states, timestep, img_shapes, encoder_hidden_states_mask)
         B, L_img, _ = hidden_states.shape
         img = self.img_in(hidden_states.to(self.img_in.weight.dtype))  # [B, L_img, dim]
         dtype = img.dtype
@@ -456,4 +486,10 @@ class QwenImageTransformer2D(nn.Module):
         torch._dynamo.maybe_mark_dynamic(txt, 1)
         for table in rope:
             torch._dynamo.maybe_mark_dynamic(table, 0)
-        return img, txt, QwenEmbedded(temb, rope, img_sizes)
+        mask = None
+        if encoder_hidden_states_mask is not None:
+            image_keys = encoder_hidden_states_mask.new_ones(B, L_img)
+            mask = torch.cat([encoder_hidden_states_mask.to(img.device), image_keys.to(img.device)], dim=1)
+            mask = mask[:, None, None, :]  # [B, 1, 1, L_txt + L_img], broadcast over heads and queries
+            torch._dynamo.maybe_mark_dynamic(mask, 3)
+        return img, txt, QwenEmbedded(temb, rope, img_sizes, mask)
