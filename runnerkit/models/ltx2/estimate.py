@@ -8,7 +8,8 @@ Weights (`footprints`): each network's parameters and buffers counted on a meta-
 (`checkpoint.network_factory`, as the loader builds them), the transformer with the block/phase
 stream plan of `LTX2Transformer.STREAM_SPEC`, the text connectors with that of
 `LTX2TextConnectors.STREAM_SPEC` (used when `offload.stream_modules` lists "connectors": their 1D
-blocks stream, LTX-2.3's resident part is then the 2.2 GiB of projections and registers); Gemma-3's text model from its folder's config.json
+blocks stream, LTX-2.3's resident part is then the 2.15 GiB of projections and registers, + 0.75 GiB
+of slots); Gemma-3's text model from its folder's config.json
 (`gemma_parameters`: embedding + 48 x (q, k, v, o, gated MLP, 4 norms, q/k norms) + final norm; the
 vision tower is never loaded). Module -> stage: text_encoder (Gemma-3), connectors (text_connectors),
 transformer (stage1, stage2), latent_upsampler (the transition), vae (vae_encoder in i2av,
