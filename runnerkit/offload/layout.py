@@ -55,11 +55,15 @@ class StreamSpec:
             (mode "phase"); each phase must bracket every use of its weights.
         keep_fp32: full parameter name -> True when the reference keeps it float32; inside
             blocks such tensors stay resident on the device (small tables, norms).
+        more_blocks: further block lists (dotted paths) whose blocks run after those of
+            `blocks_attr`, in this order: a module with several block stacks (e.g. the LTX-2 text
+            connectors' video then audio 1D blocks) streams them all as one unit sequence.
     """
 
     blocks_attr: str
     phases: tuple[str, ...]
     keep_fp32: Callable[[str], bool]
+    more_blocks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,8 @@ def plan_units(model: nn.Module, mode: StreamMode, spec: StreamSpec) -> list[Str
     """The streamed units of `model`, in execution order.
 
     Args:
-        model: network whose `spec.blocks_attr` (dotted path) is an `nn.ModuleList` (may be on the meta device).
+        model: network whose `spec.blocks_attr` and `spec.more_blocks` (dotted paths) are `nn.ModuleList`s
+            (may be on the meta device); their units follow one another in that order.
         mode: "block": one unit per block, every parameter of the block except `spec.keep_fp32`
             ones; "phase": one unit per phase submodule of each block, in `spec.phases` order.
         spec: the family's block list, phases and float32 layers.
@@ -90,17 +95,25 @@ def plan_units(model: nn.Module, mode: StreamMode, spec: StreamSpec) -> list[Str
     """
     if mode not in ("block", "phase"):
         raise ValueError(f"`mode` must be 'block' or 'phase', got {mode!r}")
-    try:
-        blocks = model.get_submodule(spec.blocks_attr)  # a dotted path reaches into submodules
-    except AttributeError:
-        blocks = None
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"`blocks_attr`={spec.blocks_attr!r}: model {type(model).__name__} has no nn.ModuleList there")
     if mode == "phase" and not spec.phases:
         raise ValueError(f"mode 'phase' needs phases; the stream spec of {type(model).__name__} declares none")
     units: list[StreamUnit] = []
+    for attr in (spec.blocks_attr, *spec.more_blocks):
+        try:
+            blocks = model.get_submodule(attr)  # a dotted path reaches into submodules
+        except AttributeError:
+            blocks = None
+        if not isinstance(blocks, nn.ModuleList):
+            raise ValueError(f"`blocks_attr`={attr!r}: model {type(model).__name__} has no nn.ModuleList there")
+        units += _block_units(blocks, attr, mode, spec)
+    return units
+
+
+def _block_units(blocks: nn.ModuleList, attr: str, mode: StreamMode, spec: StreamSpec) -> list[StreamUnit]:
+    """The units of one block list `attr` of a model (see `plan_units`)."""
+    units: list[StreamUnit] = []
     for i, block in enumerate(blocks):
-        prefix = f"{spec.blocks_attr}.{i}"
+        prefix = f"{attr}.{i}"
         if mode == "block":
             targets = [(prefix, block)]
         else:

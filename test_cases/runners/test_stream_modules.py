@@ -80,7 +80,7 @@ FAMILY_CONFIGS = {  # tiny config -> the modules its runner can stream
     "wan/wan_t2v_tiny.json": ["text_encoder", "transformer"],
     "wan/wan_i2v_tiny.json": ["text_encoder", "transformer"],
     "wan/wan22_moe_t2v_tiny.json": ["text_encoder", "transformer", "transformer_2"],
-    "ltx2/ltx2_t2av_tiny.json": ["text_encoder", "transformer"],
+    "ltx2/ltx2_t2av_tiny.json": ["connectors", "text_encoder", "transformer"],
     "qwen_image/qwen_image_t2i_tiny.json": ["text_encoder", "transformer"],
 }
 

@@ -341,6 +341,18 @@ class LTX2Checkpoint:
             tensors[name] = (tensors[name].float() * scale).to(torch.float32 if fp32(name) else dtype)
         return assign_state_dict(module, tensors, component, dtype, fp32, device)
 
+    def stream_sources(self, component: str,
+                       module: nn.Module | None = None) -> tuple[list[Path], dict[str, str], dict[str, str]]:
+        """(files, model name -> key in the files, model name -> key of its fp8 scale) of `component`,
+        the terms in which `offload.setup.stream_module` streams it from disk; `module`: its meta-built
+        network (built here if None). Nothing is read but the headers.
+
+        Raises:
+            CheckpointError: see `_plan`.
+        """
+        _, kmap, scales = self._plan(component, module)
+        return self.files(component), kmap, scales
+
     def transformer_block_sources(self, module: LTX2Transformer | None = None) -> BlockSources:
         """The transformer's block layout for streaming from disk; `module`: the meta-built transformer that
         will stream (built here if None; passing it saves a second build per streamed transformer).

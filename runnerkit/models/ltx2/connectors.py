@@ -38,6 +38,7 @@ duration head, diffusion decoder and DFR layouts.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,7 @@ from torch import Tensor, nn
 from runnerkit.attention import AttentionUser
 from runnerkit.models.ltx2.layers import FeedForward
 from runnerkit.models.ltx2.connectors_arch import LTX2ConnectorsArch
+from runnerkit.offload.layout import StreamSpec
 
 EPS = 1e-6
 MEAN_RANGE_SCALE = 8.0
@@ -259,6 +261,13 @@ class ConnectorTransformer1d(nn.Module):
 
 class LTX2TextConnectors(nn.Module):
     """Stacked Gemma-3 hidden states -> (video, audio) text embeddings (diffusers `LTX2TextConnectors`)."""
+
+    STREAM_SPEC: ClassVar[StreamSpec] = StreamSpec(
+        blocks_attr="video_connector.transformer_blocks", more_blocks=("audio_connector.transformer_blocks",),
+        phases=("attn1", "ff"), keep_fp32=lambda name: False)
+    """Block/phase streaming (`offload.stream_modules` lists "connectors"): the 1D blocks of the video
+    connector, then the audio connector's (the order `forward` runs them); the input projections,
+    registers and everything else stay resident (LTX-2.3: 1.16 B of the 3.17 B parameters)."""
 
     def __init__(self, arch: LTX2ConnectorsArch) -> None:
         super().__init__()

@@ -6,7 +6,10 @@ element of the model dtype (every module, Gemma-3 included, is loaded in it), fl
 
 Weights (`footprints`): each network's parameters and buffers counted on a meta-device build
 (`checkpoint.network_factory`, as the loader builds them), the transformer with the block/phase
-stream plan of `LTX2Transformer.STREAM_SPEC`; Gemma-3's text model from its folder's config.json
+stream plan of `LTX2Transformer.STREAM_SPEC`, the text connectors with that of
+`LTX2TextConnectors.STREAM_SPEC` (used when `offload.stream_modules` lists "connectors": their 1D
+blocks stream, LTX-2.3's resident part is then the 2.15 GiB of projections and registers, + 0.75 GiB
+of slots); Gemma-3's text model from its folder's config.json
 (`gemma_parameters`: embedding + 48 x (q, k, v, o, gated MLP, 4 norms, q/k norms) + final norm; the
 vision tower is never loaded). Module -> stage: text_encoder (Gemma-3), connectors (text_connectors),
 transformer (stage1, stage2), latent_upsampler (the transition), vae (vae_encoder in i2av,
@@ -90,6 +93,7 @@ from runnerkit.config import OffloadConfig
 from runnerkit.models.ltx2.arch import LTX2Arch
 from runnerkit.models.ltx2.audio_vae import audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint, network_factory
+from runnerkit.models.ltx2.connectors import LTX2TextConnectors
 from runnerkit.models.ltx2.estimate_decoders import (
     audio_decode_bytes,
     upsampler_bytes,
@@ -198,7 +202,8 @@ def footprints(arch: LTX2Arch, gemma: tuple[tuple[str, int], ...], dtype: torch.
     that the checkpoint stores as float8_e4m3fn (streamed from disk as stored: `fit.module_footprint`)."""
     s = torch.empty((), dtype=dtype, device="meta").element_size()
     out = {"text_encoder": gemma_footprint(dict(gemma), dtype, offload)}
-    out["connectors"] = module_footprint(_meta("connectors", arch), dtype)
+    out["connectors"] = module_footprint(_meta("connectors", arch), dtype, stream=LTX2TextConnectors.STREAM_SPEC,
+                                         offload=offload, stream_default=False)
     out["transformer"] = module_footprint(_meta("transformer", arch), dtype, keep_fp32, LTX2Transformer.STREAM_SPEC,
                                           offload, fp8_stored=fp8_stored)
     out["latent_upsampler"] = module_footprint(_meta("latent_upsampler", arch), dtype)
@@ -281,6 +286,23 @@ def connectors_bytes(arch: LTX2Arch, g: dict[str, int], s: int) -> int:
     return max(4 * states, 2 * states + T * (16 * widest + c.width("video") + c.width("audio")) * s)
 
 
+def _stream_hints(modules: dict[str, ModuleFootprint], offload: OffloadConfig, gemma_bytes: int) -> tuple[Hint, ...]:
+    """Advice for a refusal: list the text encoder, the connectors, or both in `offload.stream_modules`
+    (each hint keeps the modules already streamed; the planner offers one only where it then fits)."""
+    listed = tuple(offload.stream_modules or ("transformer",))
+    missing = [m for m in ("text_encoder", "connectors") if not streams(m, modules[m], offload)]
+    words = {"text_encoder": f"the Gemma-3 text encoder, {gemma_bytes / 2**30:.1f} GiB, then streams its layers "
+                             "instead of visiting the device whole for its stage",
+             "connectors": f"the text connectors, {modules['connectors'].weight_bytes / 2**30:.1f} GiB, then stream "
+                           "their 1D blocks"}
+    hints = []
+    for added in [[m] for m in missing] + ([missing] if len(missing) > 1 else []):
+        names = listed + tuple(m for m in added if m not in listed)
+        hints.append(Hint(f"offload.mode 'block' with offload.stream_modules {list(names)} ("
+                          + "; ".join(words[m] for m in added) + ")", {"mode": "block", "stream_modules": names}))
+    return tuple(hints)
+
+
 def ltx2_estimate(arch: LTX2Arch, gemma: dict[str, int], shape: Shape, fps: int, task: str, dtype: torch.dtype,
                   device: torch.device, offload: OffloadConfig,
                   fp8_stored: frozenset[str] = frozenset()) -> MemoryEstimate:
@@ -333,8 +355,5 @@ def ltx2_estimate(arch: LTX2Arch, gemma: dict[str, int], shape: Shape, fps: int,
                            audio_decode_bytes(arch, audio2, s) + kept + latents2 + video, "audio vae + vocoder"),
             StageFootprint("save", None, (3 if dev == "cpu" else 1) * (video + wave), "the decoded video and audio"),
         ),
-        hints=() if streams("text_encoder", modules["text_encoder"], offload) else (Hint(
-            f"offload.mode 'block' with offload.stream_modules [\"transformer\", \"text_encoder\"] (the Gemma-3 text "
-            f"encoder, {gemma_parameters(gemma) * s / 2**30:.1f} GiB, then streams its layers instead of visiting "
-            "the device whole for its stage)", {"mode": "block", "stream_modules": ("transformer", "text_encoder")}),),
+        hints=_stream_hints(modules, offload, gemma_parameters(gemma) * s),
     )

@@ -26,6 +26,7 @@ model is trained without it (`enable_cfg` must be false). Where diffusers and Li
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,6 +44,7 @@ from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes, write_synthetic_ltx2
+from runnerkit.models.ltx2.connectors import LTX2TextConnectors
 from runnerkit.models.ltx2.estimate import fp8_stored_weights, gemma_fields, ltx2_estimate
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.transformer import (
@@ -55,6 +57,7 @@ from runnerkit.models.ltx2.transformer import (
 )
 from runnerkit.models.ltx2.upsampler import upsample_normalized_latents
 from runnerkit.models.ltx2.vae import LTX2VideoVAE
+from runnerkit.offload.layout import StreamSpec
 from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
@@ -147,7 +150,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
     RESULT_KINDS = {"t2av": "video", "i2av": "video"}
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2av": (), "i2av": ("image_path",)}
     MODULE_PATHS = ("text_encoder_path", "upsampler_path")
-    STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "transformer")
+    STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors", "transformer")
     #: H.264 CRF of the conditioning image (ltx-pipelines' default for the Gemma-3 generations 2.0 and 2.3).
     IMAGE_CRF: ClassVar[int] = 33
     SYNTHETIC_LAYOUT = "diffusers"
@@ -342,19 +345,36 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         ckpt = self.checkpoint
         assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: LTX2Transformer(ckpt.arch.transformer))
+        return model, self._stream_network("transformer", model, LTX2Transformer.STREAM_SPEC, keep_fp32)
+
+    def stream_connectors(self) -> tuple[LTX2TextConnectors, BlockStreamer]:
+        """The text connectors with their 1D blocks (video connector's, then audio's; or their attention
+        and MLP, mode "phase") streamed from host memory or the checkpoint file(s) (`offload.stream_modules`
+        lists "connectors"); projections and registers resident."""
+        ckpt = self.checkpoint
+        assert ckpt is not None, "prepare_load first"
+        model = build_on_meta(lambda: LTX2TextConnectors(ckpt.arch.connectors))
+        return model, self._stream_network("connectors", model, LTX2TextConnectors.STREAM_SPEC, lambda name: False)
+
+    def _stream_network(self, component: str, model: nn.Module, spec: StreamSpec,
+                        fp32: Callable[[str], bool]) -> BlockStreamer:
+        """`stream_module` of meta-built `model` (`component` of the checkpoint): storage cpu from its state
+        dict (scaled fp8 weights upcast once, as a resident load does), storage disk from its file(s).
+        `model` is left in eval mode without gradients."""
+        ckpt = self.checkpoint
+        assert ckpt is not None, "prepare_load first"
         off = self.config.offload
         if off.storage == "cpu":
-            tensors, scales = ckpt.state_dict("transformer")
-            for name, scale in scales.items():  # scaled fp8 weights: upcast once, as a resident load does
-                tensors[name] = (tensors[name].float() * scale).to(torch.float32 if keep_fp32(name) else self.dtype)
-            streamer = stream_module(model, LTX2Transformer.STREAM_SPEC, off, self.device, self.dtype, "transformer",
-                                     state_dict=tensors)
+            tensors, scales = ckpt.state_dict(component)
+            for name, scale in scales.items():
+                tensors[name] = (tensors[name].float() * scale).to(torch.float32 if fp32(name) else self.dtype)
+            streamer = stream_module(model, spec, off, self.device, self.dtype, component, state_dict=tensors)
         else:
-            sources = ckpt.transformer_block_sources(model)
-            streamer = stream_module(model, LTX2Transformer.STREAM_SPEC, off, self.device, self.dtype, "transformer",
-                                     files=sources.files, key_map=sources.key_map,
-                                     shared_files=ckpt.layout == "single_file", scale_map=sources.scale_map)
-        return model.eval().requires_grad_(False), streamer
+            files, key_map, scale_map = ckpt.stream_sources(component, model)
+            streamer = stream_module(model, spec, off, self.device, self.dtype, component, files=files,
+                                     key_map=key_map, shared_files=ckpt.layout == "single_file", scale_map=scale_map)
+        model.eval().requires_grad_(False)
+        return streamer
 
     def describe_pipeline(self) -> Pipeline:
         """Gemma-3 -> connectors (-> VAE encoder of the first frame, i2av) -> stage1 -> upsampler ->
@@ -370,7 +390,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         return Pipeline(
             modules=(ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder,
                                 stream=self.stream_text_encoder),
-                     ModuleSpec("connectors", "text_encoder", build=lambda d: self._load("connectors", d)),
+                     ModuleSpec("connectors", "text_encoder", build=lambda d: self._load("connectors", d),
+                                stream=self.stream_connectors),
                      ModuleSpec("transformer", "transformer", build=lambda d: self._load("transformer", d),
                                 stream=self.stream_transformer, blocks=blocks),
                      ModuleSpec("latent_upsampler", "upsampler", build=lambda d: self._load("latent_upsampler", d)),
