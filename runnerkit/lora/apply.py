@@ -25,6 +25,7 @@ weights, restore on removal); restated.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -122,6 +123,7 @@ class LoRAManager:
         self._live: dict[str, weakref.ref[nn.Module]] = {}
         self._layers: dict[str, weakref.WeakValueDictionary[str, nn.Linear]] = {}
         self._cache: OrderedDict[tuple[str, int, int], Adapter] = OrderedDict()
+        self._cache_lock = threading.Lock()  # a server checks a new request's adapters while one runs
         #: the running request's adapters: ((path, strength), ...); empty: none.
         self.active: tuple[tuple[str, float], ...] = ()
         self._deltas: dict[str, dict[str, list[tuple[LayerDelta, float]]]] = {}
@@ -151,13 +153,15 @@ class LoRAManager:
         except OSError:
             return read_adapter(path)  # raises LoRAError naming the file
         key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
+        with self._cache_lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
         adapter = read_adapter(path)
-        self._cache[key] = adapter
-        while len(self._cache) > ADAPTER_CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._cache_lock:
+            self._cache[key] = adapter
+            while len(self._cache) > ADAPTER_CACHE_SIZE:
+                self._cache.popitem(last=False)
         return adapter
 
     def match(self, specs: Sequence[tuple[str, float]]) -> dict[str, dict[str, list[tuple[LayerDelta, float]]]]:
