@@ -297,6 +297,10 @@ class RunnerConfig(_Strict):
         None, gt=0, le=MAX_FRAMES, description="Default number of frames, e.g. 4n+1 for video families, 1 for images (None: family default).")
     fps: int | None = Field(None, gt=0, le=240, description="Frames per second of saved video (None: family default).")
     sample_shift: float | None = Field(None, gt=0, description="Flow-matching sigma shift (None: family default).")
+    sample_sigmas: tuple[float, ...] | None = Field(
+        None, min_length=1, max_length=1000, description="A fixed table of sigmas, one per step, used as given "
+        "instead of `sample_shift` and `scheduler_spacing` (a step-distilled model's trained schedule, e.g. "
+        "configs/wan/wan_t2v_14b_distill4.json); `infer_steps` must equal its length.")
     sample_guide_scale: float | tuple[float, float] | None = Field(
         None, description="CFG scale; a pair [high-noise, low-noise] for MoE models (None: family default).")
     boundary: float | None = Field(None, gt=0, lt=1, description="MoE expert switch point (fraction of timesteps).")
@@ -320,6 +324,11 @@ class RunnerConfig(_Strict):
         None, description="Write random weights to model_path (or a cache folder) if no checkpoint is there.")
     model: dict[str, Any] | None = Field(None, description="Architecture in runnerkit's names; normally read from the checkpoint.")
     lora: LoRAConfig | None = Field(None, description="LoRA adapters per request (None: requests may not carry `lora`).")
+
+    @field_validator("sample_sigmas", mode="before")
+    @classmethod
+    def _table_from_json(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v  # JSON has no tuples
 
     @field_validator("sample_guide_scale", mode="before")
     @classmethod
@@ -352,6 +361,9 @@ class RunnerConfig(_Strict):
         if self.lora is not None and self.lora.mode == "fused" and self.offload.mode in ("block", "phase"):
             raise ValueError(f"`lora.mode`='fused' cannot adapt streamed weights (`offload.mode`={self.offload.mode!r} "
                              "re-fills each block from its source every step): use `lora.mode`='unfused'")
+        if self.sample_sigmas is not None and self.infer_steps is not None and len(self.sample_sigmas) != self.infer_steps:
+            raise ValueError(f"`infer_steps`={self.infer_steps} but `sample_sigmas` holds {len(self.sample_sigmas)} "
+                             "sigmas: a fixed table runs one step per sigma")
         if self.model_path is None and self.synthetic_checkpoint is None:
             raise ValueError("`model_path` is required unless `synthetic_checkpoint` is set")
         scales = self.sample_guide_scale if isinstance(self.sample_guide_scale, tuple) else (self.sample_guide_scale,)

@@ -324,7 +324,7 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
                       *self.image_stages()),
             denoise=(DenoiseStage("transformer", transformers=tuple(m.name for m in specs), steps=cfg.infer_steps,
                                   scheduler=cfg.scheduler, shift=cfg.sample_shift, spacing=cfg.scheduler_spacing,
-                                  latent_shape=self.latent_shape),),
+                                  sigmas=cfg.sample_sigmas, latent_shape=self.latent_shape),),
             decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=self.run_vae_decoder),),
             outputs=(OutputSpec("video", "video"),),
         )
