@@ -28,7 +28,7 @@ from runnerkit import compile as regional_compile
 from runnerkit import memory
 from runnerkit.config import OffloadConfig, RequestConfig, RunnerConfig, as_request
 from runnerkit.images import check_image
-from runnerkit.lora import read_adapter
+from runnerkit.lora import LoRAError, read_adapter
 from runnerkit.runners import fit, plan, plan_report
 from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, PeakEstimate
 from runnerkit.runners.pipeline import InputInfo, Shape
@@ -96,7 +96,10 @@ class RequestChecksMixin:
         for k, value in enumerate(extra):
             check_image(value, f"extra_image_paths[{k}]")
         for path, _ in cls.lora_specs(request, config):  # format, pairs and ranks; layer names once loaded
-            read_adapter(path, header_only=True)
+            try:
+                read_adapter(path, header_only=True)
+            except LoRAError as exc:
+                raise LoRAError(f"`lora`: {exc}") from None
         h, w, f = cls.shape_of(request, config)
         cls.validate_shape(h, w, f)
         if request.save_result_path:
