@@ -300,7 +300,7 @@ class RunnerConfig(_Strict):
     sample_sigmas: tuple[float, ...] | None = Field(
         None, min_length=1, max_length=1000, description="A fixed table of sigmas, one per step, used as given "
         "instead of `sample_shift` and `scheduler_spacing` (a step-distilled model's trained schedule, e.g. "
-        "configs/wan/wan_t2v_14b_distill4.json); `infer_steps` must equal its length.")
+        "docs/lora.md); `infer_steps` must equal its length.")
     sample_guide_scale: float | tuple[float, float] | None = Field(
         None, description="CFG scale; a pair [high-noise, low-noise] for MoE models (None: family default).")
     boundary: float | None = Field(None, gt=0, lt=1, description="MoE expert switch point (fraction of timesteps).")

@@ -106,7 +106,7 @@ class LoRAManager:
         device, dtype: the compute device and dtype (unfused slots).
         aliases: `(target names) -> {other name: target name}`: the family's other namings of the
             layers (e.g. diffusers names), for matching.
-        label: the model in messages, e.g. "wan2.1 transformer".
+        label: the model in messages, e.g. "<model_cls> transformer".
     """
 
     def __init__(self, mode: str, max_rank: int, device: torch.device, dtype: torch.dtype,

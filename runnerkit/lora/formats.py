@@ -22,7 +22,7 @@ diffusers' names for a model that uses the original release's), then the undersc
 of either. A key that matches no layer is an error listing the keys; so is an adapter none of
 whose keys match (an adapter for another model).
 
-Design source: the layouts handled by diffusers' `lora_conversion_utils` (Wan, Qwen-Image, kohya)
+Design source: the layouts handled by diffusers' `lora_conversion_utils` (the video and image families, kohya)
 and LightX2V's LoRA loader (diff / diff_b); restated, not copied.
 """
 
@@ -212,7 +212,7 @@ def match_adapter(adapter: Adapter, targets: Mapping[str, tuple[int, int]], alia
         adapter: from `read_adapter`.
         targets: the model's linear layers: name -> (out_features, in_features).
         aliases: other names of the same layers (e.g. diffusers names) -> target name (family map).
-        model: what to call the model in messages (e.g. "transformer of wan2.1").
+        model: what to call the model in messages (e.g. "<model_cls> transformer").
 
     Raises:
         LoRAError: naming the file: keys matching no layer (all listed, up to a dozen; none

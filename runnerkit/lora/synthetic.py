@@ -1,6 +1,6 @@
 """Write a synthetic (deterministic random) LoRA adapter in one of the public layouts.
 
-    python -m runnerkit.lora.synthetic --config configs/wan/wan_t2v_14b_distill4.json --out distill.safetensors \
+    python -m runnerkit.lora.synthetic --config CONFIG.json --out distill.safetensors \
         [--layout lightx2v|peft|kohya] [--rank 64] [--alpha 64] [--seed 0] [--dtype bf16]
 
 The layers are those the config's family says a typical adapter covers (`lora_layers` of its
