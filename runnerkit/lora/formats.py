@@ -197,7 +197,7 @@ def read_adapter(path: str | os.PathLike[str], header_only: bool = False) -> Ada
     if problems:
         raise LoRAError(f"LoRA adapter {path!r}: {len(problems)} problem(s): " + "; ".join(problems[:6])
                         + (f"; ... (+{len(problems) - 6} more)" if len(problems) > 6 else ""))
-    return Adapter(path, layers, tuple(zero_diffs))
+    return Adapter(path, layers, tuple(dict.fromkeys(zero_diffs)))
 
 
 def _flat(name: str) -> str:
