@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -207,12 +208,13 @@ class LoRAManager:
             raise RuntimeError("LoRA state of the previous request was not cleared (end_run must call clear)")
         if not specs:
             return
+        t0 = time.perf_counter()
         self._deltas = self.match(specs)
         self.active = tuple(specs)
         for name in list(self._live):
             self._apply(name)
-        logger.info("LoRA ({}): {} applied to {}", self.mode, [f"{os.path.basename(p)}:{s:g}" for p, s in specs],
-                    sorted(self._live))
+        logger.info("LoRA ({}): {} applied to {} in {:.3f} s", self.mode,
+                    [f"{os.path.basename(p)}:{s:g}" for p, s in specs], sorted(self._live), time.perf_counter() - t0)
 
     @torch.no_grad()
     def _apply(self, name: str) -> None:

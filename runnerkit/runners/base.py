@@ -425,6 +425,13 @@ class BaseRunner(ABC):
     def check_requests_fit(self, requests: Sequence[Any]) -> None:
         """Before loading: raise `runners.fit.MemoryFitError` if a request cannot fit in the device's memory."""
 
+    def check_adapters(self, requests: Sequence[Any]) -> None:
+        """After `init_modules`: raise ValueError naming the file if a request's LoRA adapters cannot
+        be applied (DefaultRunner matches them to the transformer, runnerkit/lora). Default: this
+        runner takes no adapters, so a request carrying `lora` is refused."""
+        if any(getattr(r, "lora", None) for r in requests):
+            raise ValueError(f"`lora`: {type(self).__name__} does not apply LoRA adapters")
+
     @abstractmethod
     def check_warmup_supported(self) -> None:
         """Raise NotImplementedError with the reason if warmup cannot run for this runner/config."""
