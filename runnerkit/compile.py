@@ -202,9 +202,11 @@ def source_fingerprint(root: Path = Path(__file__).resolve().parent) -> str:
 
 
 def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: CompileConfig, attention: str | None,
-                 offload: OffloadConfig, device: torch.device) -> dict[str, Any]:
+                 offload: OffloadConfig, device: torch.device, lora: str = "off") -> dict[str, Any]:
     """Everything that makes compiled artifacts valid, in readable form: the metadata of a cache
-    entry, whose key is the hash of these fields. `model` is the resolved architecture (JSON)."""
+    entry, whose key is the hash of these fields. `model` is the resolved architecture (JSON);
+    `lora`: "off", or "unfused/r<max_rank>" when every linear carries LoRA matmuls (runnerkit/lora;
+    fused LoRA compiles the same graph as none: "off")."""
     return {
         "format": CACHE_FORMAT,
         "torch": torch.__version__,
@@ -222,6 +224,7 @@ def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: Compil
         "attention": attention or "none",
         "offload.mode": offload.mode,
         "offload.weight_dtype": offload.weight_dtype,
+        "lora": lora,
     }
 
 

@@ -20,7 +20,8 @@ from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
 #: What the key must cover, by field name (README "Compile cache"). A field added to
 #: `cache_fields` without a case below fails `test_every_key_field_has_a_case`.
 FIELDS = {"format", "torch", "cuda", "triton", "python", "device", "runner", "runnerkit sources", "model", "dtype",
-          "compile.mode", "compile.dynamic", "compile.backend", "attention", "offload.mode", "offload.weight_dtype"}
+          "compile.mode", "compile.dynamic", "compile.backend", "attention", "offload.mode", "offload.weight_dtype",
+          "lora"}
 
 
 class OtherRunner:
@@ -43,6 +44,7 @@ ARGUMENT_CHANGES: dict[str, dict[str, Any]] = {
     "offload.mode": {"offload": OffloadConfig(mode="none")},
     "offload.weight_dtype": {"offload": OffloadConfig(mode="block", weight_dtype="fp8_e4m3")},
     "device": {"device": torch.device("meta")},
+    "lora": {"lora": "unfused/r64"},
 }
 
 ENVIRONMENT_CHANGES: dict[str, Callable[[pytest.MonkeyPatch], None]] = {

@@ -144,6 +144,8 @@ class LoRAManager:
         self._layers[name] = weakref.WeakValueDictionary(layers)
         self._written.pop(name, None)
         if self.active:
+            if name not in self._deltas:  # first built during this request (unload_modules): match it now
+                self._deltas.update(self.match(self.active, [name]))
             self._apply(name)
 
     # ---- adapters --------------------------------------------------------------------------
@@ -165,8 +167,11 @@ class LoRAManager:
                 self._cache.popitem(last=False)
         return adapter
 
-    def match(self, specs: Sequence[tuple[str, float]]) -> dict[str, dict[str, list[tuple[LayerDelta, float]]]]:
-        """Read and match every adapter of a request against every adapted module.
+    def match(self, specs: Sequence[tuple[str, float]],
+              modules: Sequence[str] | None = None) -> dict[str, dict[str, list[tuple[LayerDelta, float]]]]:
+        """Read and match every adapter of a request against the adapted modules `modules` (default:
+        every one whose layers are known: built once; under `unload_modules` a transformer is first
+        built during the first request, and matched then, in `attach`).
 
         Returns:
             module name -> layer -> [(delta, strength), ...] in the request's order.
@@ -176,13 +181,12 @@ class LoRAManager:
                 of the request's adapters on one layer exceeds `lora.max_rank`; fused: a bias delta
                 on a layer without a bias.
         """
-        if not self.targets:
-            raise LoRAError("LoRA adapters given, but no transformer was registered for them (load_modules first)")
-        out: dict[str, dict[str, list[tuple[LayerDelta, float]]]] = {n: {} for n in self.targets}
+        names = list(self.targets) if modules is None else list(modules)
+        out: dict[str, dict[str, list[tuple[LayerDelta, float]]]] = {n: {} for n in names}
         for path, strength in specs:
             adapter = self.read(path)
-            for name, targets in self.targets.items():
-                for layer, delta in match_adapter(adapter, targets, self._aliases[name], self.label).items():
+            for name in names:
+                for layer, delta in match_adapter(adapter, self.targets[name], self._aliases[name], self.label).items():
                     out[name].setdefault(layer, []).append((delta, strength))
         for name, layers in out.items():
             for layer, items in layers.items():

@@ -250,7 +250,9 @@ class BaseRunner(ABC):
         fields = regional_compile.cache_fields(
             runner=type(self), model=json.loads(self.config.model_dump_json(include={"model"}))["model"],
             dtype=self.config.dtype, cfg=cfg, attention=(self.profiler.attention or {}).get("backend"),
-            offload=self.config.offload, device=self.device)
+            offload=self.config.offload, device=self.device,
+            lora="off" if self.config.lora is None or self.config.lora.mode == "fused" else
+            f"unfused/r{self.config.lora.max_rank}")
         self.compile_cache = regional_compile.CompileCache(cfg.cache_dir, fields)
         self.compile_cache.load(will_save=self.config.warmup)
         self.profiler.compile_cache = self.compile_cache.report()

@@ -1,7 +1,7 @@
 """Adapters are request state (ARCHITECTURE §7): in one process the sequence [no LoRA, LoRA A,
 LoRA B (two adapters), no LoRA] gives each request exactly what it gives alone in a fresh runner,
 bit for bit, in every offload mode (none, model, block from host memory, phase from disk, lazy
-block from disk), unfused and (where weights stay put) fused, compiled (aot_eager) and not; and a
+block from disk, unload_modules), unfused and (where weights stay put) fused, compiled (aot_eager) and not; and a
 request without an adapter equals a runner configured without LoRA at all."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ MODES: dict[str, dict[str, Any]] = {
     "block_cpu": {"offload": {"mode": "block"}},
     "phase_disk": {"offload": {"mode": "phase", "storage": "disk", "reader": "pread"}},
     "block_disk_lazy": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
+    "unload_modules": {"unload_modules": True},
 }
 
 
@@ -98,7 +99,7 @@ def test_unfused_sequence_equals_each_request_alone(tiny_ckpt: Path, tmp_path: P
     _check(serve(runner, tmp_path / "a", [None, adapters["A"], adapters["B"], None]), alone, f"unfused/{mode}")
 
 
-@pytest.mark.parametrize("mode", ["none", "model"])
+@pytest.mark.parametrize("mode", ["none", "model", "unload_modules"])
 def test_fused_sequence_equals_each_request_alone(tiny_ckpt: Path, tmp_path: Path, mode: str,
                                                    adapters: dict[str, list[LoRARequest]],
                                                    alone: dict[str, torch.Tensor]) -> None:
