@@ -202,10 +202,13 @@ def source_fingerprint(root: Path = Path(__file__).resolve().parent) -> str:
 
 
 def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: CompileConfig, attention: str | None,
-                 offload: OffloadConfig, device: torch.device, text_buckets: tuple[int, ...] = ()) -> dict[str, Any]:
+                 offload: OffloadConfig, device: torch.device, text_buckets: tuple[int, ...] = (),
+                 lora: str = "off") -> dict[str, Any]:
     """Everything that makes compiled artifacts valid, in readable form: the metadata of a cache
     entry, whose key is the hash of these fields. `model` is the resolved architecture (JSON);
-    `text_buckets` the text lengths prompts are padded to (() unpadded: the blocks then take no mask)."""
+    `text_buckets` the text lengths prompts are padded to (() unpadded: the blocks then take no mask);
+    `lora`: "off", or "unfused/r<max_rank>" when every linear carries LoRA matmuls (runnerkit/lora;
+    fused LoRA compiles the same graph as none: "off")."""
     return {
         "format": CACHE_FORMAT,
         "torch": torch.__version__,
@@ -224,6 +227,7 @@ def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: Compil
         "offload.mode": offload.mode,
         "offload.weight_dtype": offload.weight_dtype,
         "text_buckets": list(text_buckets),
+        "lora": lora,
     }
 
 

@@ -215,6 +215,57 @@ class MemoryConfig(_Strict):
         return self
 
 
+class LoRAConfig(_Strict):
+    """LoRA adapters per request (runnerkit/lora, docs/lora.md). Present: requests may carry `lora`."""
+
+    mode: Literal["unfused", "fused"] = Field(
+        "unfused", description="unfused: y = x W^T + s (x A^T) B^T in every linear, the LoRA matrices resident on the "
+        "device (any offload mode; a small cost per step, none per switch); fused: W + s B A written into the weights "
+        "per request and restored from a kept copy (offload none/model or unload_modules; no cost per step, a weight "
+        "copy per switch).")
+    max_rank: int = Field(64, ge=1, le=1024, description="unfused: rank of each linear's LoRA slots; a request's "
+                          "adapters' summed rank on a layer must fit (a fixed size: switching compiles nothing).")
+    adapters: dict[str, str] = Field(
+        default_factory=dict, description="Known adapters: name -> .safetensors path; `GET /v1/models` lists them "
+        "and a request may name one instead of a path.")
+
+    @field_validator("adapters")
+    @classmethod
+    def _names(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not re.fullmatch(r"[A-Za-z0-9_.-]+", k)]
+        if bad:
+            raise ValueError(f"`lora.adapters` names must be letters, digits, '_', '.', '-' (got {bad})")
+        return {k: os.path.expanduser(p) for k, p in v.items()}
+
+
+class LoRARequest(_Strict):
+    """One adapter of a request: a .safetensors path (or a name of the config's `lora.adapters`) and its strength."""
+
+    path: str = Field(min_length=1, description="Adapter file, or the name of one in the config's `lora.adapters`.")
+    strength: float = Field(1.0, ge=-100, le=100, description="Multiplies the adapter's update (1: as trained).")
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _home(cls, v: Any) -> Any:
+        return os.path.expanduser(v) if isinstance(v, str) else v
+
+
+def parse_lora_flag(text: str) -> LoRARequest:
+    """`PATH[:STRENGTH]` (CLI `--lora`) -> a `LoRARequest`; a tail that is not a number stays in the path.
+
+    Raises:
+        ValueError: an empty path.
+    """
+    path, sep, tail = text.rpartition(":")
+    if sep and path:
+        try:
+            strength = float(tail)
+        except ValueError:
+            return LoRARequest(path=text)
+        return LoRARequest(path=path, strength=strength)
+    return LoRARequest(path=text)
+
+
 class SyntheticCheckpointConfig(_Strict):
     """Write deterministic random weights (once) when no checkpoint exists. The output is noise."""
 
@@ -247,6 +298,10 @@ class RunnerConfig(_Strict):
         None, gt=0, le=MAX_FRAMES, description="Default number of frames, e.g. 4n+1 for video families, 1 for images (None: family default).")
     fps: int | None = Field(None, gt=0, le=240, description="Frames per second of saved video (None: family default).")
     sample_shift: float | None = Field(None, gt=0, description="Flow-matching sigma shift (None: family default).")
+    sample_sigmas: tuple[float, ...] | None = Field(
+        None, min_length=1, max_length=1000, description="A fixed table of sigmas, one per step, used as given "
+        "instead of `sample_shift` and `scheduler_spacing` (a step-distilled model's trained schedule, e.g. "
+        "docs/lora.md); `infer_steps` must equal its length.")
     sample_guide_scale: float | tuple[float, float] | None = Field(
         None, description="CFG scale; a pair [high-noise, low-noise] for MoE models (None: family default).")
     boundary: float | None = Field(None, gt=0, lt=1, description="MoE expert switch point (fraction of timesteps).")
@@ -275,6 +330,12 @@ class RunnerConfig(_Strict):
     synthetic_checkpoint: SyntheticCheckpointConfig | None = Field(
         None, description="Write random weights to model_path (or a cache folder) if no checkpoint is there.")
     model: dict[str, Any] | None = Field(None, description="Architecture in runnerkit's names; normally read from the checkpoint.")
+    lora: LoRAConfig | None = Field(None, description="LoRA adapters per request (None: requests may not carry `lora`).")
+
+    @field_validator("sample_sigmas", mode="before")
+    @classmethod
+    def _table_from_json(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v  # JSON has no tuples
 
     @field_validator("sample_guide_scale", mode="before")
     @classmethod
@@ -318,6 +379,12 @@ class RunnerConfig(_Strict):
         if self.unload_modules and self.offload.mode != "none":
             raise ValueError(f"`unload_modules`=true loads whole modules per request; it cannot be combined with "
                              f"`offload.mode`={self.offload.mode!r}")
+        if self.lora is not None and self.lora.mode == "fused" and self.offload.mode in ("block", "phase"):
+            raise ValueError(f"`lora.mode`='fused' cannot adapt streamed weights (`offload.mode`={self.offload.mode!r} "
+                             "re-fills each block from its source every step): use `lora.mode`='unfused'")
+        if self.sample_sigmas is not None and self.infer_steps is not None and len(self.sample_sigmas) != self.infer_steps:
+            raise ValueError(f"`infer_steps`={self.infer_steps} but `sample_sigmas` holds {len(self.sample_sigmas)} "
+                             "sigmas: a fixed table runs one step per sigma")
         if self.model_path is None and self.synthetic_checkpoint is None:
             raise ValueError("`model_path` is required unless `synthetic_checkpoint` is set")
         scales = self.sample_guide_scale if isinstance(self.sample_guide_scale, tuple) else (self.sample_guide_scale,)
@@ -364,6 +431,9 @@ class RequestConfig(_Strict):
     target_height: int | None = Field(None, gt=0, le=MAX_SIDE)
     target_width: int | None = Field(None, gt=0, le=MAX_SIDE)
     target_video_length: int | None = Field(None, gt=0, le=MAX_FRAMES)
+    lora: list[LoRARequest] | None = Field(
+        None, max_length=8, description="LoRA adapters of this request only, in order (needs the config's `lora`); "
+        "removed after the request.")
 
     @field_validator("prompt")
     @classmethod

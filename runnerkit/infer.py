@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # start-up imports ends with one line, not a traceback).
 
 REQUEST_FLAGS = ("prompt", "negative_prompt", "image_path", "last_frame_path", "extra_image_paths", "seed", "target_height",
-                 "target_width", "target_video_length", "save_result_path", "save_tensor_path")
+                 "target_width", "target_video_length", "save_result_path", "save_tensor_path", "lora")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target_video_length", type=int, help="frames, as the family allows (e.g. 4n+1; 1 for images)")
     p.add_argument("--save_result_path", help=".mp4 video, .png image or .wav audio, as the task produces (+ sidecar .json)")
     p.add_argument("--save_tensor_path", help=".safetensors with every output, e.g. 'video' float32 [C, F, H, W] in [-1, 1]")
+    p.add_argument("--lora", action="append", metavar="PATH[:STRENGTH]",
+                   help="LoRA adapter of the request (.safetensors: diffusers/PEFT, kohya or LightX2V layout, or a name "
+                        "of the config's lora.adapters), strength default 1; repeat for several; needs the config's "
+                        "`lora` section (docs/lora.md)")
     p.add_argument("--infer_steps", type=int, help="denoising steps (default: the config's, else the family's)")
     p.add_argument("--device", help="'auto', 'cpu', 'cuda' or 'cuda:N' (default: the config's, else auto)")
     p.add_argument("--offload", choices=("none", "model", "block", "phase", "auto"),
@@ -97,7 +101,8 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     """
     from pydantic import ValidationError
 
-    from runnerkit.config import ConfigError, RequestConfig, format_validation_error, load_requests, load_runner_config
+    from runnerkit.config import (ConfigError, RequestConfig, format_validation_error, load_requests, load_runner_config,
+                                  parse_lora_flag)
     from runnerkit.media import missing_media_module, sidecar_path
     from runnerkit.registry import get_runner_cls
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
@@ -127,6 +132,8 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     else:
         if "prompt" not in given:
             raise ConfigError("--prompt is required (or --requests FILE.jsonl)")
+        if "lora" in given:
+            given["lora"] = [parse_lora_flag(x).model_dump() for x in given["lora"]]
         try:
             requests = [RequestConfig.model_validate(given)]
         except ValidationError as exc:
@@ -206,6 +213,11 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # load or warmup: nothing can be served
             report_failure(f"{error_phase(exc) or 'load'} failed", exc)
             return 2 if isinstance(exc, INPUT_ERRORS) else 1
+        try:  # once the transformer's layers are known: every request's adapters matched to them
+            runner.check_adapters(requests)
+        except ValueError as exc:  # runnerkit.lora.LoRAError, naming the file
+            logger.error("invalid input: {}", exc)
+            return 2
         for index, request in enumerate(requests):
             try:
                 runner.run_pipeline(request, index)

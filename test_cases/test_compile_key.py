@@ -21,7 +21,7 @@ from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
 #: `cache_fields` without a case below fails `test_every_key_field_has_a_case`.
 FIELDS = {"format", "torch", "cuda", "triton", "python", "device", "runner", "runnerkit sources", "model", "dtype",
           "compile.mode", "compile.dynamic", "compile.backend", "attention", "offload.mode", "offload.weight_dtype",
-          "text_buckets"}
+          "text_buckets", "lora"}
 
 
 class OtherRunner:
@@ -45,6 +45,7 @@ ARGUMENT_CHANGES: dict[str, dict[str, Any]] = {
     "offload.weight_dtype": {"offload": OffloadConfig(mode="block", weight_dtype="fp8_e4m3")},
     "device": {"device": torch.device("meta")},
     "text_buckets": {"text_buckets": (64, 128)},  # padded text: the blocks take a key mask
+    "lora": {"lora": "unfused/r64"},
 }
 
 ENVIRONMENT_CHANGES: dict[str, Callable[[pytest.MonkeyPatch], None]] = {

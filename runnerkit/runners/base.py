@@ -284,7 +284,9 @@ class BaseRunner(ABC):
         fields = regional_compile.cache_fields(
             runner=type(self), model=json.loads(self.config.model_dump_json(include={"model"}))["model"],
             dtype=self.config.dtype, cfg=cfg, attention=(self.profiler.attention or {}).get("backend"),
-            offload=self.config.offload, device=self.device, text_buckets=self.text_buckets())
+            offload=self.config.offload, device=self.device, text_buckets=self.text_buckets(),
+            lora="off" if self.config.lora is None or self.config.lora.mode == "fused" else
+            f"unfused/r{self.config.lora.max_rank}")
         self.compile_cache = regional_compile.CompileCache(cfg.cache_dir, fields)
         self.compile_cache.load(will_save=self.config.warmup)
         self.profiler.compile_cache = self.compile_cache.report()
@@ -459,6 +461,13 @@ class BaseRunner(ABC):
     @abstractmethod
     def check_requests_fit(self, requests: Sequence[Any]) -> None:
         """Before loading: raise `runners.fit.MemoryFitError` if a request cannot fit in the device's memory."""
+
+    def check_adapters(self, requests: Sequence[Any]) -> None:
+        """After `init_modules`: raise ValueError naming the file if a request's LoRA adapters cannot
+        be applied (DefaultRunner matches them to the transformer, runnerkit/lora). Default: this
+        runner takes no adapters, so a request carrying `lora` is refused."""
+        if any(getattr(r, "lora", None) for r in requests):
+            raise ValueError(f"`lora`: {type(self).__name__} does not apply LoRA adapters")
 
     @abstractmethod
     def check_warmup_supported(self) -> None:

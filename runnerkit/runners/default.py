@@ -37,6 +37,7 @@ from torch import nn
 from runnerkit import attention, memory, synthetic
 from runnerkit import compile as regional_compile
 from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig
+from runnerkit.lora import LoRAManager
 from runnerkit.media import save_outputs as write_outputs
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.offload.streamer import BlockStreamer
@@ -102,6 +103,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.stage_modules: dict[str, nn.Module] = {}  # modules on the device for the running stage
         self._warmup_steps_run: dict[str, list[int]] = {}
         self.attention: attention.AttentionBackend | None = None  # chosen in load_modules
+        #: LoRA adapters per request (config `lora`; runnerkit/lora): made in load_modules; None without `lora`.
+        self.lora: LoRAManager | None = None
         self._fit_unchecked_logged = False
         self._fit_deferred_logged = False
 
@@ -218,6 +221,37 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """
         return None
 
+    def lora_aliases(self, names: Sequence[str]) -> dict[str, str]:
+        """Family hook: other names of the transformer's linear layers `names` (e.g. the diffusers
+        names of a model built in the original release's names) -> the layer's name, for matching
+        LoRA adapters (runnerkit/lora). Default: none (the model's names are the only ones)."""
+        return {}
+
+    @classmethod
+    def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+        """Family hook for the synthetic adapter writer (runnerkit/lora/synthetic.py): the linear layers
+        a typical adapter of `config`'s architecture covers, name -> (out, in), and the names to write
+        them under in `layout` (e.g. diffusers names for "peft"); no weight is read.
+
+        Raises:
+            NotImplementedError: the family has no such table.
+        """
+        raise NotImplementedError(f"{cls.__name__} cannot describe its LoRA layers for a synthetic adapter")
+
+    def check_adapters(self, requests: Sequence[RequestConfig]) -> None:
+        """After `init_modules`, before serving: every request's adapters read and matched to the
+        transformer's layers (nothing applied).
+
+        Raises:
+            runnerkit.lora.LoRAError: naming the file (unknown format, keys matching no layer, an
+                adapter for another model, shapes or ranks that do not fit).
+        """
+        for request in requests:
+            specs = self.lora_specs(request, self.config)
+            if specs:
+                assert self.lora is not None, "lora_specs refuses adapters without the config's `lora`"
+                self.lora.check(specs)
+
     # ---- loading and placement --------------------------------------------------------------
     def attention_head_dim(self) -> int:
         """Family hook: the transformer's attention head size (after `prepare_load`), for the attention
@@ -250,6 +284,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         assert can == sorted(self.STREAM_MODULES), (f"{type(self).__name__}.STREAM_MODULES "
                                                      f"{list(self.STREAM_MODULES)} differs from the modules its "
                                                      f"pipeline can stream, {can}: declare them")
+        if self.config.lora is not None:
+            self.lora = LoRAManager(self.config.lora.mode, self.config.lora.max_rank, self.device, self.dtype,
+                                    self.lora_aliases, f"{self.config.model_cls} transformer")
         self.placement = self.place_modules(pipeline)
         self.schedulers = {s.name: self.build_scheduler(s) for s in pipeline.denoise}
 
@@ -332,7 +369,10 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         return module
 
     def _finish(self, spec: ModuleSpec, module: nn.Module) -> None:
-        """What every built module gets, on every build path: the attention backend, regional compile."""
+        """What every built module gets, on every build path: LoRA slots (transformers, config `lora`),
+        the attention backend, regional compile."""
+        if self.lora is not None and spec.role == "transformer":
+            self.lora.attach(spec.name, module)
         attention.install(module, self.attention)
         regional_compile.install(module, spec.blocks, self.config.compile)
 
@@ -397,6 +437,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         # 1. resolve and check the request (its shape against the device's memory, before any stage)
         info = self.resolve_request(request)
         self.input_info = info
+        if info.lora:  # request state: cleared in end_run (reset_request_state)
+            assert self.lora is not None, "lora_specs refuses adapters without the config's `lora`"
+            self.lora.set_request(info.lora)
         prof.shape = list(info.shape)
         self.check_fit(info.shape, f"request {index}")
         if self._warmup_ran and info.shape not in self.warmup_shapes():
@@ -532,6 +575,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                                          ("last_frame_path", info.last_frame_path)) if v},
                    **({"extra_image_paths": [os.path.abspath(v) for v in info.extra_image_paths]}
                       if info.extra_image_paths else {}),
+                   **({"lora": [{"path": os.path.abspath(p), "strength": st} for p, st in info.lora]}
+                      if info.lora else {}),
                    **self.sidecar_extra(info),
                    "config": self.config.model_dump(mode="json", exclude=set(REQUEST_DEFAULT_FIELDS))}
         return write_outputs({k: v[0].float().cpu() for k, v in outputs.items()}, self.pipeline.outputs,
@@ -545,12 +590,14 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                  self.config.memory.empty_cache_min_reclaimable_gib)
 
     def reset_request_state(self) -> None:
-        """Schedulers (latents, sigmas, history, generator), request info, inputs, streamer
-        positions and the family's caches all go back to the start-up baseline."""
+        """Schedulers (latents, sigmas, history, generator), request info, inputs, LoRA adapters,
+        streamer positions and the family's caches all go back to the start-up baseline."""
         for sched in self.schedulers.values():
             sched.clear()
         self.input_info = None
         self.inputs = None
+        if self.lora is not None:
+            self.lora.clear()  # unfused slots zeroed / fused weights restored from the kept copies
         for streamer in self.streamers.values():
             streamer.reset()  # slots, prefetch index and events back at the request boundary
         self.clear_request_state()

@@ -53,6 +53,8 @@ class InputInfo:
     image_path: str | None = None
     last_frame_path: str | None = None
     extra_image_paths: tuple[str, ...] = ()
+    lora: tuple[tuple[str, float], ...] = ()
+    """The request's LoRA adapters: (file path, strength), in order (names resolved); empty: none."""
     warmup: bool = False
 
     @property

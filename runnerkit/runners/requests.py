@@ -28,6 +28,7 @@ from runnerkit import compile as regional_compile
 from runnerkit import memory
 from runnerkit.config import OffloadConfig, RequestConfig, RunnerConfig, as_request
 from runnerkit.images import check_image
+from runnerkit.lora import LoRAError, read_adapter
 from runnerkit.runners import fit, plan, plan_report
 from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, PeakEstimate
 from runnerkit.runners.pipeline import InputInfo, Shape
@@ -67,7 +68,9 @@ class RequestChecksMixin:
         """Check a request against the runner before anything loads (`config` as given by the user).
 
         Raises:
-            ValueError: naming the field: image inputs the task does not take, lacks, or that are
+            ValueError: naming the field: `lora` adapters that are not readable adapter files
+                (`runnerkit.lora.LoRAError`, naming the file) or without the config's `lora`; image
+                inputs the task does not take, lacks, or that are
                 not readable images (`runnerkit.images.ImageInputError`), shape factors, a result
                 file suffix that does not fit the task's primary output.
         """
@@ -92,6 +95,11 @@ class RequestChecksMixin:
                              f"{most} after `image_path`" + ("" if most else " (it takes no further references)"))
         for k, value in enumerate(extra):
             check_image(value, f"extra_image_paths[{k}]")
+        for path, _ in cls.lora_specs(request, config):  # format, pairs and ranks; layer names once loaded
+            try:
+                read_adapter(path, header_only=True)
+            except LoRAError as exc:
+                raise LoRAError(f"`lora`: {exc}") from None
         h, w, f = cls.shape_of(request, config)
         cls.validate_shape(h, w, f)
         if request.save_result_path:
@@ -303,4 +311,20 @@ class RequestChecksMixin:
             image_path=request.image_path,
             last_frame_path=request.last_frame_path,
             extra_image_paths=tuple(request.extra_image_paths or ()),
+            lora=self.lora_specs(request, cfg),
         )
+
+    @staticmethod
+    def lora_specs(request: RequestConfig, config: RunnerConfig) -> tuple[tuple[str, float], ...]:
+        """The request's adapters as ((path, strength), ...), names of `config.lora.adapters` resolved.
+
+        Raises:
+            ValueError: `lora` in a request while the config has no `lora` section.
+        """
+        if not request.lora:
+            return ()
+        if config.lora is None:
+            raise ValueError("`lora`: this runner's config has no `lora` section, so requests cannot carry adapters; "
+                             'add `"lora": {}` (or {"mode": "fused"}) to the config')
+        known = config.lora.adapters
+        return tuple((known.get(a.path, a.path), a.strength) for a in request.lora)

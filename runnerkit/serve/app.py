@@ -321,6 +321,11 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
             name = re.sub(r"^extra_images(?:\[(\d+)\])?$",
                           lambda m: "image" if m[1] is None else f"image[{int(m[1]) + 1}]", name or "") or None
         raise InputError(message, sent.get(name or "", name)) from None
+    if request.lora:  # matched to the loaded transformer's layers now: a bad adapter is the request's error
+        try:
+            runner.check_adapters([request])  # type: ignore[attr-defined]
+        except ValueError as exc:  # runnerkit.lora.LoRAError, naming the file
+            raise InputError(_api_wording(str(exc), folder), "lora") from None
     shape = runner.request_shape(request)  # type: ignore[attr-defined]
     try:
         runner.check_fit(shape, "request")  # type: ignore[attr-defined]
@@ -423,6 +428,20 @@ def create_app(state: ServerState) -> FastAPI:
                 "fps": cfg.fps,
                 "attention": runner.profiler.attention,
                 "max_queue": state.queue.max_queue}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        """OpenAI's model list: the loaded base model, then the config's known LoRA adapters
+        (`lora.adapters`; a request names one in `lora`), each with `parent` the base."""
+        runner = state.runner
+        if runner is None:
+            return {"object": "list", "data": []}
+        cfg = runner.config
+        base = {"id": cfg.model_cls, "object": "model", "owned_by": "runnerkit", "task": cfg.task,
+                "lora": None if cfg.lora is None else {"mode": cfg.lora.mode, "max_rank": cfg.lora.max_rank}}
+        adapters = [{"id": name, "object": "model", "owned_by": "runnerkit", "parent": cfg.model_cls,
+                     "kind": "lora", "path": path} for name, path in sorted((cfg.lora.adapters if cfg.lora else {}).items())]
+        return {"object": "list", "data": [base, *adapters]}
 
     def refuse(kind: str) -> JSONResponse | None:
         """503 before ready or while stopping; 404 naming the right endpoint for the other result kind."""

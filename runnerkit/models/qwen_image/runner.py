@@ -29,6 +29,7 @@ from runnerkit.models.qwen_image.scheduler import QwenImageScheduler, QwenSchedu
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D, keep_fp32
 from runnerkit.models.qwen_image.vae import build_qwen_vae, decode_latents
 from runnerkit.models.wan.vae import WanVAE
+from runnerkit.lora import linear_targets
 from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
@@ -244,10 +245,20 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         assert self.checkpoint is not None, "prepare_load first"
         return self.checkpoint.arch.transformer.attention_head_dim
 
+    @classmethod
+    def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+        """The blocks' linear layers of `config.model`'s transformer (what Qwen-Image-Lightning covers);
+        our names are diffusers' in every layout."""
+        arch = cls.parse_arch(config.model).transformer
+        model = build_on_meta(lambda: QwenImageTransformer2D(arch))
+        return {n: (m.out_features, m.in_features) for n, m in linear_targets(model).items()
+                if n.startswith("transformer_blocks.")}, {}
+
     def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
-        """Flow-match Euler with the checkpoint's dynamic-shifting settings."""
+        """Flow-match Euler with the checkpoint's dynamic-shifting settings, or the config's fixed
+        `sample_sigmas` table (a step-distilled model's, e.g. Qwen-Image-Lightning's)."""
         assert self.checkpoint is not None, "prepare_load first"
-        return QwenImageScheduler(self.checkpoint.scheduler)
+        return QwenImageScheduler(self.checkpoint.scheduler, sigmas=stage.sigmas)
 
     def build_text_encoder(self, device: torch.device) -> nn.Module:
         assert self.checkpoint is not None, "locate_checkpoint first"
@@ -300,7 +311,7 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
             encoders=self.encoder_stages(),
             denoise=(DenoiseStage("transformer", transformers=("transformer",), steps=cfg.infer_steps,
                                   scheduler=cfg.scheduler, shift=cfg.sample_shift, spacing=cfg.scheduler_spacing,
-                                  latent_shape=self.latent_shape),),
+                                  sigmas=cfg.sample_sigmas, latent_shape=self.latent_shape),),
             decoders=(DecoderStage("vae_decoder", module="vae", output="image", run=self.run_vae_decoder),),
             outputs=(OutputSpec("image", "image"),),
         )

@@ -210,11 +210,12 @@ class QwenImageScheduler(FlowEulerScheduler):
     `timestep / 1000`.
     """
 
-    def __init__(self, config: QwenSchedulerConfig | None = None) -> None:
-        """Build a scheduler with no request state; `config` defaults to Qwen-Image's."""
+    def __init__(self, config: QwenSchedulerConfig | None = None, sigmas: Sequence[float] | None = None) -> None:
+        """Build a scheduler with no request state; `config` defaults to Qwen-Image's; `sigmas`: a
+        fixed table used as given (`Scheduler`; `mu` is then not used)."""
         self.config = config if config is not None else QwenSchedulerConfig()
         self.mu: float | None = None
-        super().__init__(self.config.num_train_timesteps, self.config.shift, spacing="diffusers")
+        super().__init__(self.config.num_train_timesteps, self.config.shift, spacing="diffusers", sigmas=sigmas)
 
     def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
         """Packed token count of latents `(B, C, 1, H, W)`: (H / 2) * (W / 2).

@@ -8,7 +8,7 @@ with shift and the reference's own sigma spacing (`scheduler_spacing` "train_ran
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,7 +19,7 @@ from torch import nn
 
 from runnerkit.config import RunnerConfig, validate_model_arch
 from runnerkit.models.wan import text_encoder as te
-from runnerkit.models.wan import vae_tiling
+from runnerkit.models.wan import lora_keys, vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
 from runnerkit.models.wan.checkpoint import LAYOUTS, WanCheckpoint, synthetic_seed_of, write_synthetic
 from runnerkit.models.wan.estimate import transformer_tokens, wan_t2v_estimate
@@ -175,6 +175,19 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         arch = cls.parse_arch(config.model)
         write_synthetic(arch, out, seed, dtype, layout, **options)  # type: ignore[arg-type]
 
+    @classmethod
+    def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+        """The blocks' linear layers of `config.model`'s transformer (what LightX2V's distill adapters
+        cover); diffusers names for the "peft" layout."""
+        arch = cls.parse_arch(config.model).transformer
+        layers = lora_keys.block_layers(build_on_meta(lambda: WanTransformer3D(arch)))
+        names = {v: k for k, v in lora_keys.lora_aliases(list(layers)).items()} if layout == "peft" else {}
+        return layers, names
+
+    def lora_aliases(self, names: Sequence[str]) -> dict[str, str]:
+        """Diffusers names of the transformer's linear layers (runnerkit/models/wan/lora_keys.py)."""
+        return lora_keys.lora_aliases(names)
+
     # ---- loading -----------------------------------------------------------------------
     def open_checkpoint(self, path: Path, raw: bool = False) -> Any:
         """The checkpoint at `path` with the config's `model` over its architecture (`raw`: without
@@ -312,7 +325,7 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
                       *self.image_stages()),
             denoise=(DenoiseStage("transformer", transformers=tuple(m.name for m in specs), steps=cfg.infer_steps,
                                   scheduler=cfg.scheduler, shift=cfg.sample_shift, spacing=cfg.scheduler_spacing,
-                                  latent_shape=self.latent_shape),),
+                                  sigmas=cfg.sample_sigmas, latent_shape=self.latent_shape),),
             decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=self.run_vae_decoder),),
             outputs=(OutputSpec("video", "video"),),
         )
