@@ -188,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, NotImplementedError) as exc:
         logger.error("invalid input: {}", exc)
         return 2
+    if config.parallel is not None:  # under torchrun: one rank of the group (runnerkit/parallel/driver.py)
+        from runnerkit.parallel.driver import run_parallel
+
+        return run_parallel(args, config, requests, lambda c: get_runner_cls(c.model_cls, c.task)(c))
     try:
         runner: BaseRunner = get_runner_cls(config.model_cls, config.task)(config)
     except (ValueError, NotImplementedError) as exc:  # the family refuses the config's settings
