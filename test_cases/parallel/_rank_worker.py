@@ -15,8 +15,26 @@ from pathlib import Path
 from typing import Any
 
 
-def main() -> int:
-    spec = json.loads(Path(sys.argv[1]).read_text())
+PRELOAD = ["torch", "torch.distributed", "safetensors.torch", "runnerkit.infer", "runnerkit.models.wan.runner",
+           "runnerkit.parallel.driver", "runnerkit.runners.default"]
+"""What the test's forkserver imports once, so each rank forks with them loaded (seconds per rank saved)."""
+
+
+def rank_main(spec_path: str, rank: int, world: int, port: int, log_path: str) -> None:
+    """Entry of a rank forked by the tests: torchrun's environment, stdout/stderr to `log_path`, then `main`."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.exit(main(spec_path))
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ["RANK"])
     from runnerkit import infer, memory
     from runnerkit.models.wan.runner import WanT2VRunner
@@ -73,4 +91,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1]))
