@@ -58,8 +58,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _config(ckpt: Path, tmp: Path, parallel: dict[str, Any] | None) -> Path:
-    data = config_dict(TINY_CONFIG, ckpt, infer_steps=STEPS)
+def _config(ckpt: Path, tmp: Path, parallel: dict[str, Any] | None, template: Path = TINY_CONFIG) -> Path:
+    data = config_dict(template, ckpt, infer_steps=STEPS)
     if parallel is not None:
         data["parallel"] = {"timeout_s": 20.0, **parallel}
     path = tmp / f"config_{len(list(tmp.glob('config_*')))}.json"
@@ -67,8 +67,8 @@ def _config(ckpt: Path, tmp: Path, parallel: dict[str, Any] | None) -> Path:
     return path
 
 
-def _argv(config: Path, out: Path | None, warmup: bool) -> list[str]:
-    h, w, f = SHAPE
+def _argv(config: Path, out: Path | None, warmup: bool, shape: tuple[int, int, int] = SHAPE) -> list[str]:
+    h, w, f = shape
     argv = ["--config_json", str(config), "--prompt", "a red fox in the snow", "--seed", "7", "--target_height",
             str(h), "--target_width", str(w), "--target_video_length", str(f)]
     return argv + (["--save_tensor_path", str(out)] if out else []) + (["--warmup"] if warmup else [])
@@ -119,19 +119,21 @@ def launch_ranks(ctx: Any, n: int, spec: Path) -> list[tuple[int, str]]:
     return [(p.exitcode, log.read_text()) for p, log in zip(procs, logs)]
 
 
-def reference(ckpt: Path, tmp: Path) -> torch.Tensor:
-    """The one-process video of the same request (one thread, as each rank runs)."""
+def reference(ckpt: Path, tmp: Path, template: Path = TINY_CONFIG, shape: tuple[int, int, int] = SHAPE,
+              key: str = "video") -> torch.Tensor:
+    """The one-process output of the same request (one thread, as each rank runs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        runner = get_runner_cls("wan2.1")(load_runner_config(None, config_dict(TINY_CONFIG, ckpt, infer_steps=STEPS)))
+        data = config_dict(template, ckpt, infer_steps=STEPS)
+        runner = get_runner_cls(data["model_cls"], data["task"])(load_runner_config(None, data))
         runner.init_modules()
-        h, w, f = SHAPE
+        h, w, f = shape
         runner.run_pipeline(RequestConfig(prompt="a red fox in the snow", seed=7, target_height=h, target_width=w,
                                           target_video_length=f, save_tensor_path=str(tmp / "ref.safetensors")), 0)
     finally:
         torch.set_num_threads(threads)
-    return load_file(str(tmp / "ref.safetensors"))["video"]
+    return load_file(str(tmp / "ref.safetensors"))[key]
 
 
 def spy_log(tmp: Path, n: int) -> list[list[list[Any]]]:
@@ -210,3 +212,26 @@ def test_a_failing_rank_ends_the_group(ckpt: Path, tmp_path: Path, forkserver: A
     assert ERROR_LINE.findall(ranks[0][1]) == [expected], ranks[0][1][-3000:]
     assert ERROR_LINE.findall(ranks[1][1]) == [], ranks[1][1][-3000:]
     assert not out.exists()
+
+
+QWEN_CONFIG = REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json"
+
+
+def test_qwen_image_joint_tokens_on_two_ranks(tmp_path: Path, forkserver: Any) -> None:
+    """Qwen-Image t2i, ulysses 2 (2 heads, 32x32: 4 image tokens, 2 per rank, and the prompt's text tokens
+    on both): the joint attention (text heads local, image tokens through the all-to-alls, the text
+    output all-gathered) gives one process's image (tolerance: module doc)."""
+    from runnerkit.models.qwen_image.arch import QwenImageArch
+    from runnerkit.models.qwen_image.checkpoint import write_synthetic
+
+    ckpt = write_synthetic(QwenImageArch.model_validate(json.loads(QWEN_CONFIG.read_text())["model"]),
+                           tmp_path / "qwen", seed=0, dtype=torch.float32)
+    out, shape = tmp_path / "image.safetensors", (32, 32, 1)
+    argv = _argv(_config(ckpt, tmp_path, {"ulysses": 2}, QWEN_CONFIG), out, False, shape)
+    ranks = launch_ranks(forkserver, 2, _spec(tmp_path, argv))
+    assert [r[0] for r in ranks] == [0, 0], ranks[0][1][-3000:]
+    logs = spy_log(tmp_path, 2)
+    assert logs[0] == logs[1]
+    assert sum(c[1] == "all_to_all" for c in logs[0]) == STEPS * 2 * 2 * 2  # steps x branches x layers x 2
+    image = load_file(str(out))["image"]
+    assert (image - reference(ckpt, tmp_path, QWEN_CONFIG, shape, "image")).abs().max().item() <= ULYSSES_ATOL
