@@ -47,15 +47,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from runnerkit.models.wan.arch import WanArch
-    from runnerkit.models.wan.checkpoint import write_synthetic
-
-    model = json.loads(TINY_CONFIG.read_text())["model"]
-    out = tmp_path_factory.mktemp("wan_parallel") / "ckpt"
-    write_synthetic(WanArch.model_validate(model), out, seed=0, dtype=torch.float32)
-    return out
+@pytest.fixture
+def ckpt(tiny_ckpt: Path) -> Path:
+    """The session's tiny Wan t2v checkpoint (test_cases/conftest.py)."""
+    return tiny_ckpt
 
 
 def _config(ckpt: Path, tmp: Path, parallel: dict[str, Any] | None, template: Path = TINY_CONFIG) -> Path:
