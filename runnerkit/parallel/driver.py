@@ -32,7 +32,7 @@ from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_fro
 
 __all__ = ["run_parallel"]
 
-WATCH_INTERVAL_S = 0.05
+WATCH_INTERVAL_S = 0.1
 """How often each rank's watcher polls the store for another rank's failure."""
 SECONDARY_GRACE_S = 0.5
 """How long a rank whose phase failed waits for a peer's record before it counts its own error as the first."""

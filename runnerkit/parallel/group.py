@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,7 @@ collective_hooks: list[Callable[[CollectiveCall], None]] = []
 """Called with every collective this process issues, before it is issued (tests append a spy)."""
 
 FAILURE_KEY = "runnerkit/failed/{rank}"
+FAILURE_COUNT_KEY = "runnerkit/failures"
 
 
 @dataclass
@@ -122,17 +124,20 @@ class ParallelGroup:
         """Leave this rank's failure line in the rendezvous store (it outlives this process under torchrun)."""
         try:
             self._store().set(FAILURE_KEY.format(rank=self.rank), line)
+            self._store().add(FAILURE_COUNT_KEY, 1)  # after the line: a reader that sees the count finds it
         except Exception as exc:  # noqa: BLE001 - the store may be gone with rank 0; the exit status still tells
             logger.debug("rank {}: could not record the failure in the store: {}", self.rank, exc)
 
     def failures(self, wait_s: float = 0.0) -> dict[int, str]:
-        """Failure lines other ranks recorded, by rank (waits up to `wait_s` for the first one)."""
-        import time
-
+        """Failure lines recorded so far (this rank's included), by rank; waits up to `wait_s` for the first."""
         deadline = time.monotonic() + wait_s
         found: dict[int, str] = {}
         while True:
-            for r in range(self.world_size):
+            try:  # one store request per poll while nothing failed (every rank's watcher polls)
+                count = self._store().add(FAILURE_COUNT_KEY, 0)
+            except Exception:  # noqa: BLE001 - a store whose host exited: nothing more to read
+                return found
+            for r in range(self.world_size if count else 0):
                 key = FAILURE_KEY.format(rank=r)
                 try:
                     if r not in found and self._store().check([key]):

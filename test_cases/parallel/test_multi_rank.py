@@ -53,8 +53,9 @@ def ckpt(tiny_ckpt: Path) -> Path:
     return tiny_ckpt
 
 
-def _config(ckpt: Path, tmp: Path, parallel: dict[str, Any] | None, template: Path = TINY_CONFIG) -> Path:
-    data = config_dict(template, ckpt, infer_steps=STEPS)
+def _config(ckpt: Path, tmp: Path, parallel: dict[str, Any] | None, template: Path = TINY_CONFIG,
+            **overrides: Any) -> Path:
+    data = config_dict(template, ckpt, **{"infer_steps": STEPS, **overrides})
     if parallel is not None:
         data["parallel"] = {"timeout_s": 20.0, **parallel}
     path = tmp / f"config_{len(list(tmp.glob('config_*')))}.json"
@@ -115,12 +116,12 @@ def launch_ranks(ctx: Any, n: int, spec: Path) -> list[tuple[int, str]]:
 
 
 def reference(ckpt: Path, tmp: Path, template: Path = TINY_CONFIG, shape: tuple[int, int, int] = SHAPE,
-              key: str = "video") -> torch.Tensor:
+              key: str = "video", steps: int = STEPS) -> torch.Tensor:
     """The one-process output of the same request (one thread, as each rank runs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        data = config_dict(template, ckpt, infer_steps=STEPS)
+        data = config_dict(template, ckpt, infer_steps=steps)
         runner = get_runner_cls(data["model_cls"], data["task"])(load_runner_config(None, data))
         runner.init_modules()
         h, w, f = shape
@@ -178,12 +179,33 @@ def test_cfg_and_ulysses_on_four_ranks(ckpt: Path, tmp_path: Path, forkserver: A
     assert warm == []
 
 
-def test_ulysses_on_two_ranks(ckpt: Path, tmp_path: Path, forkserver: Any) -> None:
-    """2 ranks, ulysses 2 (no CFG split): the video matches one process (tolerance: module doc)."""
+def test_ulysses_on_two_ranks_with_block_offload(ckpt: Path, tmp_path: Path, forkserver: Any) -> None:
+    """2 ranks, ulysses 2, `offload.mode` block on each rank (both CFG branches through each streamed
+    block, `forward_branches`, on the rank's token shard): one process's video (tolerance: module doc)."""
     out = tmp_path / "video.safetensors"
-    ranks = launch_ranks(forkserver, 2, _spec(tmp_path, _argv(_config(ckpt, tmp_path, {"ulysses": 2}), out, False)))
+    config = _config(ckpt, tmp_path, {"ulysses": 2}, offload={"mode": "block"})
+    ranks = launch_ranks(forkserver, 2, _spec(tmp_path, _argv(config, out, False)))
     assert [r[0] for r in ranks] == [0, 0], ranks[0][1][-3000:]
     assert (load_file(str(out))["video"] - reference(ckpt, tmp_path)).abs().max().item() <= ULYSSES_ATOL
+
+
+MOE_CONFIG = REPO / "configs" / "wan" / "wan22_moe_t2v_tiny.json"
+
+
+def test_wan_moe_ulysses_on_two_ranks(tmp_path: Path, forkserver: Any) -> None:
+    """Wan2.2 MoE t2v, ulysses 2, 4 steps (the high-noise expert, then the low-noise one, each with its
+    own guidance scale): one process's video (tolerance: module doc)."""
+    from runnerkit.models.wan.arch import WanArch
+    from runnerkit.models.wan.moe_checkpoint import write_synthetic_moe
+
+    ckpt = write_synthetic_moe(WanArch.model_validate(json.loads(MOE_CONFIG.read_text())["model"]),
+                               tmp_path / "moe", seed=0, dtype=torch.float32)
+    out = tmp_path / "video.safetensors"
+    ranks = launch_ranks(forkserver, 2, _spec(tmp_path, _argv(_config(ckpt, tmp_path, {"ulysses": 2}, MOE_CONFIG,
+                                                                      infer_steps=4), out, False)))
+    assert [r[0] for r in ranks] == [0, 0], ranks[0][1][-3000:]
+    ref = reference(ckpt, tmp_path, MOE_CONFIG, steps=4)
+    assert (load_file(str(out))["video"] - ref).abs().max().item() <= ULYSSES_ATOL
 
 
 ERROR_LINE = re.compile(r"\| ERROR\s+\| (.*)")
