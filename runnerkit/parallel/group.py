@@ -85,6 +85,8 @@ class ParallelGroup:
 
     # -- collectives (each goes through the spy hooks) ------------------------------------
     def _note(self, op: str, group: str, t: Tensor) -> None:
+        if not collective_hooks or torch.compiler.is_compiling():  # a compiled graph does not call Python hooks
+            return
         for hook in collective_hooks:
             hook(CollectiveCall(op, group, tuple(t.shape)))
 

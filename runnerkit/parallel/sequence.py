@@ -27,6 +27,7 @@ xDiT's `xFuserLongContextAttention` (text heads local, image tokens exchanged).
 from __future__ import annotations
 
 import functools
+from typing import Any
 import torch
 from torch import Tensor, nn
 
@@ -130,6 +131,16 @@ def install(model: nn.Module, sp: SequenceParallel) -> int:
             `SEQUENCE_PARALLEL` (it would silently attend to the local tokens only).
     """
     roots = [m for m in model.modules() if isinstance(m, ShardsSequence)]
+    # One wrapper per backend function, shared by every module: regional compile guards on the callable,
+    # so a wrapper per block would recompile the shared block graph once per block.
+    wrapped: dict[tuple[str, int], Any] = {}
+
+    def wrap(kind: str, fn: AttentionFn) -> Any:
+        key = (kind, id(fn))
+        if key not in wrapped:
+            wrapped[key] = functools.partial(sp.attention if kind == "self" else sp.joint_attention, fn)
+        return wrapped[key]
+
     for root in roots:
         root.sequence_parallel = sp  # type: ignore[misc]
         for m in root.modules():
@@ -140,7 +151,7 @@ def install(model: nn.Module, sp: SequenceParallel) -> int:
                 raise NotImplementedError(f"{type(m).__name__} in {type(root).__name__} does not declare "
                                           f"SEQUENCE_PARALLEL (one of {list(SP_MODES)}): Ulysses cannot shard it")
             if mode == "self":
-                m.attention_fn = functools.partial(sp.attention, m.attention_fn)
+                m.attention_fn = wrap("self", m.attention_fn)
             elif mode == "joint":
-                m.joint_attention = functools.partial(sp.joint_attention, m.attention_fn)  # type: ignore[method-assign]
+                m.joint_attention = wrap("joint", m.attention_fn)  # type: ignore[method-assign]
     return len(roots)
