@@ -116,7 +116,7 @@ def launch_ranks(ctx: Any, n: int, spec: Path) -> list[tuple[int, str]]:
 
 
 def reference(ckpt: Path, tmp: Path, template: Path = TINY_CONFIG, shape: tuple[int, int, int] = SHAPE,
-              key: str = "video", steps: int = STEPS) -> torch.Tensor:
+              key: str = "video", steps: int = STEPS, **request: Any) -> torch.Tensor:
     """The one-process output of the same request (one thread, as each rank runs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -126,7 +126,8 @@ def reference(ckpt: Path, tmp: Path, template: Path = TINY_CONFIG, shape: tuple[
         runner.init_modules()
         h, w, f = shape
         runner.run_pipeline(RequestConfig(prompt="a red fox in the snow", seed=7, target_height=h, target_width=w,
-                                          target_video_length=f, save_tensor_path=str(tmp / "ref.safetensors")), 0)
+                                          target_video_length=f, save_tensor_path=str(tmp / "ref.safetensors"),
+                                          **request), 0)
     finally:
         torch.set_num_threads(threads)
     return load_file(str(tmp / "ref.safetensors"))[key]
@@ -252,3 +253,27 @@ def test_qwen_image_joint_tokens_on_two_ranks(tmp_path: Path, forkserver: Any) -
     assert sum(c[1] == "all_to_all" for c in logs[0]) == STEPS * 2 * 2 * 2  # steps x branches x layers x 2
     image = load_file(str(out))["image"]
     assert (image - reference(ckpt, tmp_path, QWEN_CONFIG, shape, "image")).abs().max().item() <= ULYSSES_ATOL
+
+
+I2V_CONFIG = REPO / "configs" / "wan" / "wan_i2v_tiny.json"
+
+
+def test_wan_i2v_ulysses_on_two_ranks(tmp_path: Path, forkserver: Any) -> None:
+    """Wan2.1 i2v, ulysses 2: the CLIP and VAE encoders run on every rank, the image channels `y`
+    are sharded with the latents' tokens, the CLIP keys of the cross-attention stay whole; one process's
+    video (tolerance: module doc)."""
+    from runnerkit.images import write_image
+    from runnerkit.models.wan.arch import WanArch
+    from runnerkit.models.wan.checkpoint import write_synthetic
+
+    ckpt = tmp_path / "i2v"
+    write_synthetic(WanArch.model_validate(json.loads(I2V_CONFIG.read_text())["model"]), ckpt, seed=0,
+                    dtype=torch.float32)
+    image = tmp_path / "first.png"
+    write_image(image, torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1)
+    out = tmp_path / "video.safetensors"
+    argv = _argv(_config(ckpt, tmp_path, {"ulysses": 2}, I2V_CONFIG), out, False) + ["--image_path", str(image)]
+    ranks = launch_ranks(forkserver, 2, _spec(tmp_path, argv))
+    assert [r[0] for r in ranks] == [0, 0], ranks[0][1][-3000:]
+    ref = reference(ckpt, tmp_path, I2V_CONFIG, image_path=str(image))
+    assert (load_file(str(out))["video"] - ref).abs().max().item() <= ULYSSES_ATOL
