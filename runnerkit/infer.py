@@ -11,6 +11,10 @@ against the device's memory (runners/fit.py). Exit status 0 only if every reques
 invalid input (a request that cannot fit, or no offload plan that fits, included); 1 otherwise.
 Input errors (config, request, checkpoint, unsupported mode) are reported in one line; unexpected
 errors also print their traceback.
+
+With a `parallel` config the script runs as one rank under `torchrun` (runnerkit/parallel/driver.py,
+docs/multi_gpu.md): every rank loads, warms up and serves each request; rank 0 saves and reports;
+a failure on any rank ends every rank with status 1.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ reports, a failure anywhere ends the group (ARCHITECTURE §7).
     -> exit 0
 
 Each rank reads the same command line, so the requests are the same on every rank (no broadcast);
-rank 0 alone decodes, writes the outputs and the profile.
+rank 0 alone decodes, writes the outputs and the profile, and logs INFO lines (the other ranks log
+WARNING and above, unless `--log_level` asks for another level).
 
 Failures: the rank whose phase raised first (the primary failure) records one line in the
 rendezvous store (`ParallelGroup.record_failure`) and exits 1. A watcher thread on every rank
@@ -113,6 +114,12 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
     except ParallelSetupError as exc:
         logger.error("invalid input: {}", exc)
         return 2
+    if group.rank != 0 and getattr(args, "log_level", "INFO") == "INFO":  # rank 0 tells the story once
+        import sys
+
+        logger.remove()
+        logger.add(sys.stderr, level="WARNING",
+                   format=f"<green>{{time:HH:mm:ss}}</green> | rank {group.rank} | <level>{{level: <7}}</level> | {{message}}")
     stop = threading.Event()
     watcher = threading.Thread(target=_watch, args=(group, stop), name="runnerkit-rank-watch", daemon=True)
     watcher.start()
