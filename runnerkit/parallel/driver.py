@@ -118,8 +118,8 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
         import sys
 
         logger.remove()
-        logger.add(sys.stderr, level="WARNING",
-                   format=f"<green>{{time:HH:mm:ss}}</green> | rank {group.rank} | <level>{{level: <7}}</level> | {{message}}")
+        fmt = f"<green>{{time:HH:mm:ss}}</green> | rank {group.rank} | <level>{{level: <7}}</level> | {{message}}"
+        logger.add(sys.stderr, level="WARNING", format=fmt)
     stop = threading.Event()
     watcher = threading.Thread(target=_watch, args=(group, stop), name="runnerkit-rank-watch", daemon=True)
     watcher.start()

@@ -183,7 +183,8 @@ def init_from_env(config: ParallelConfig, device_spec: str) -> ParallelGroup:
     use_cuda = device_spec == "cuda" or (device_spec == "auto" and torch.cuda.is_available())
     if use_cuda:
         if local >= torch.cuda.device_count():
-            raise ParallelSetupError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA devices are visible")
+            raise ParallelSetupError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA devices are "
+                                     "visible")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     else:
