@@ -35,7 +35,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -223,6 +223,16 @@ class AttentionUser(nn.Module):
     instead of SDPA directly, so the runner's chosen backend reaches it (`install`)."""
 
     attention_fn: AttentionFn = staticmethod(sdpa)  # type: ignore[assignment]
+    #: How Ulysses sequence parallel treats this module (runnerkit/parallel/sequence.py): "self" (queries
+    #: and keys are the sharded tokens), "joint" (`joint_attention` with replicated prefix tokens), "none"
+    #: (keys replicated on every rank: text cross-attention); None: undeclared (Ulysses refuses the model).
+    SEQUENCE_PARALLEL: ClassVar[str | None] = None
+
+    def joint_attention(self, q: Tensor, k: Tensor, v: Tensor, prefix: int, mask: Tensor | None = None) -> Tensor:
+        """Attention over a joint sequence whose first `prefix` tokens are replicated on every rank
+        under sequence parallel ([B, N, L, d] -> [B, N, L, d]); `mask` None or bool [B, 1, 1, L] over
+        the whole joint key sequence. One process: `attention_fn(q, k, v[, mask])`."""
+        return self.attention_fn(q, k, v) if mask is None else self.attention_fn(q, k, v, mask)
 
 
 def install(model: nn.Module, backend: AttentionBackend) -> int:

@@ -266,6 +266,29 @@ def parse_lora_flag(text: str) -> LoRARequest:
     return LoRARequest(path=text)
 
 
+class ParallelConfig(_Strict):
+    """Multi-GPU split of every request under `torchrun` (runnerkit/parallel, docs/multi_gpu.md).
+
+    The launcher's WORLD_SIZE must equal `cfg` x `ulysses`; rank r is (cfg rank r // ulysses,
+    Ulysses rank r % ulysses), so a Ulysses group is `ulysses` consecutive ranks.
+    """
+
+    cfg: Literal[1, 2] = Field(1, description="CFG parallel: 2 runs the conditional and the unconditional branch "
+                               "on two ranks (one all-gather of the prediction per step); needs `enable_cfg`.")
+    ulysses: int = Field(1, ge=1, le=64, description="Ulysses sequence parallel degree: the transformer's tokens "
+                         "are split over this many ranks, with two all-to-alls per self-attention; the attention "
+                         "heads and every request's token count must divide by it.")
+    timeout_s: float = Field(600.0, gt=0, le=86400, description="Bound in seconds on every collective (and on "
+                             "the process-group start): a rank that waits longer for its peers fails, so a "
+                             "failed or stuck rank ends the group instead of hanging it. It must exceed the "
+                             "longest stretch one rank works alone (rank 0's VAE decode and save).")
+
+    @property
+    def world_size(self) -> int:
+        """Processes the launcher must start: `cfg` x `ulysses`."""
+        return self.cfg * self.ulysses
+
+
 class SyntheticCheckpointConfig(_Strict):
     """Write deterministic random weights (once) when no checkpoint exists. The output is noise."""
 
@@ -327,6 +350,9 @@ class RunnerConfig(_Strict):
         "'off': each prompt at its own length; a list: strictly increasing lengths in [1, 4096]. Families "
         "whose text already has one fixed length take 'auto' only.")
     memory: MemoryConfig = MemoryConfig()
+    parallel: ParallelConfig | None = Field(
+        None, description="Split each request over the ranks of `torchrun` (CFG parallel, Ulysses sequence "
+        "parallel); None: one process (docs/multi_gpu.md).")
     synthetic_checkpoint: SyntheticCheckpointConfig | None = Field(
         None, description="Write random weights to model_path (or a cache folder) if no checkpoint is there.")
     model: dict[str, Any] | None = Field(None, description="Architecture in runnerkit's names; normally read from the checkpoint.")
@@ -387,6 +413,9 @@ class RunnerConfig(_Strict):
                              "sigmas: a fixed table runs one step per sigma")
         if self.model_path is None and self.synthetic_checkpoint is None:
             raise ValueError("`model_path` is required unless `synthetic_checkpoint` is set")
+        if self.parallel is not None and self.parallel.cfg == 2 and not self.enable_cfg:
+            raise ValueError("`parallel.cfg`=2 runs the two CFG branches on two ranks, but `enable_cfg` is false "
+                             "(one branch): set `parallel.cfg` to 1 or enable CFG")
         scales = self.sample_guide_scale if isinstance(self.sample_guide_scale, tuple) else (self.sample_guide_scale,)
         if any(s is not None and s < 0 for s in scales):
             raise ValueError(f"`sample_guide_scale` must be >= 0 (1: the conditional prediction alone); "

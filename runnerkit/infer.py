@@ -11,6 +11,10 @@ against the device's memory (runners/fit.py). Exit status 0 only if every reques
 invalid input (a request that cannot fit, or no offload plan that fits, included); 1 otherwise.
 Input errors (config, request, checkpoint, unsupported mode) are reported in one line; unexpected
 errors also print their traceback.
+
+With a `parallel` config the script runs as one rank under `torchrun` (runnerkit/parallel/driver.py,
+docs/multi_gpu.md): every rank loads, warms up and serves each request; rank 0 saves and reports;
+a failure on any rank ends every rank with status 1.
 """
 
 from __future__ import annotations
@@ -195,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, NotImplementedError) as exc:
         logger.error("invalid input: {}", exc)
         return 2
+    if config.parallel is not None:  # under torchrun: one rank of the group (runnerkit/parallel/driver.py)
+        from runnerkit.parallel.driver import run_parallel
+
+        return run_parallel(args, config, requests, lambda c: get_runner_cls(c.model_cls, c.task)(c))
     try:
         runner: BaseRunner = get_runner_cls(config.model_cls, config.task)(config)
     except (ValueError, NotImplementedError) as exc:  # the family refuses the config's settings

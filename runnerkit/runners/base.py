@@ -159,6 +159,21 @@ class BaseRunner(ABC):
         #: Observers (see the module docstring); None: nobody listens.
         self.on_phase: Callable[[str], None] | None = None
         self.on_progress: Callable[[Progress], None] | None = None
+        #: This rank's process group under `parallel` (`attach_parallel`); None: one process.
+        self.parallel: Any = None
+
+    def attach_parallel(self, group: Any) -> None:
+        """Run as one rank of `group` (runnerkit/parallel/group.py `ParallelGroup`): its device replaces
+        the config's (cuda:LOCAL_RANK or cpu). Only before `init_modules`.
+
+        Raises:
+            LifecycleError: `init_modules` already started.
+        """
+        if self._lifecycle != "new":
+            raise LifecycleError(f"attach_parallel must come before init_modules (state: {self._lifecycle})")
+        self.parallel = group
+        self.device = group.device
+        self.profiler = Profiler(self.device)
 
     # -- config ---------------------------------------------------------------------------
     @classmethod

@@ -165,6 +165,65 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             return None
         return next((s for s in self.streamers.values() if s.streams(model)), None)
 
+    #: Parallel modes the runner supports under config `parallel` (runnerkit/parallel): "cfg" (its
+    #: `run_step` computes the branches through `cfg_branches`), "ulysses" (its transformer derives from
+    #: `parallel.sequence.ShardsSequence`, and `attention_heads` / `sequence_tokens` are given).
+    PARALLEL_MODES: ClassVar[frozenset[str]] = frozenset()
+
+    def attention_heads(self) -> int:
+        """Family hook (Ulysses): the transformer's attention heads (after `prepare_load`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its attention heads (attention_heads)")
+
+    def sequence_tokens(self, stage: DenoiseStage, info: InputInfo) -> int:
+        """Family hook (Ulysses): the tokens the transformer of `stage` shards for request `info`."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its token count (sequence_tokens)")
+
+    @property
+    def cfg_parallel(self) -> bool:
+        """The CFG branches run on two ranks (config `parallel.cfg` = 2)."""
+        return self.parallel is not None and self.parallel.cfg > 1
+
+    @property
+    def decodes_here(self) -> bool:
+        """This process runs the decoders and saves: one process, or rank 0 of a parallel run."""
+        return self.parallel is None or self.parallel.rank == 0
+
+    def cfg_branches(self, branches: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+        """Each CFG branch's prediction, in `branches` order (e.g. [cond, uncond]).
+
+        One process: every branch runs here. CFG parallel (`parallel.cfg` = 2): this rank runs branch
+        `cfg_rank` only and one all-gather over the CFG group brings the other's (same shape and dtype
+        on both ranks), so every rank combines the same tensors as one process would.
+        """
+        if not self.cfg_parallel:
+            return [branch() for branch in branches]
+        assert len(branches) == self.parallel.cfg, f"{len(branches)} CFG branches for parallel.cfg {self.parallel.cfg}"
+        return self.parallel.all_gather(branches[self.parallel.cfg_rank](), "cfg")
+
+    def check_parallel(self) -> None:
+        """Refuse a `parallel` config this runner cannot serve (at load, after `prepare_load`).
+
+        Raises:
+            ParallelSetupError: `parallel` is set but no process group is attached (not under torchrun).
+            NotImplementedError: a mode the family does not support, or heads that do not divide by `ulysses`.
+        """
+        par = self.config.parallel
+        if par is None:
+            return
+        from runnerkit.parallel.group import ParallelSetupError, split_even
+
+        if self.parallel is None:
+            raise ParallelSetupError("`parallel` is set but this runner has no process group: launch with "
+                                     f"`torchrun --nproc_per_node {par.world_size} -m runnerkit.infer ...`")
+        asked = [m for m, on in (("cfg", par.cfg > 1), ("ulysses", par.ulysses > 1)) if on]
+        unsupported = [m for m in asked if m not in self.PARALLEL_MODES]
+        if unsupported:
+            raise NotImplementedError(f"`parallel`: {type(self).__name__} (task {self.config.task!r}) does not support "
+                                      f"{unsupported} parallel (supported: {sorted(self.PARALLEL_MODES)})")
+        if par.ulysses > 1:
+            split_even(self.attention_heads(), par.ulysses, "the attention heads", "each rank attends with its share "
+                       "of the heads")
+
     def select_transformer(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> str:
         """The transformer (MoE expert) of `stage` that runs step `step_index` (default: the only one).
 
@@ -274,6 +333,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             NotImplementedError: the configured attention backend cannot run here (with the reason).
         """
         self.prepare_load()
+        self.check_parallel()
         head_dim = self.attention_head_dim()
         masked = bool(self.text_buckets())  # padded text: the backend must take a key mask
         self.attention = backend = attention.resolve(self.config.attention, self.device, self.dtype, head_dim, masked)
@@ -374,6 +434,12 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         if self.lora is not None and spec.role == "transformer":
             self.lora.attach(spec.name, module)
         attention.install(module, self.attention)
+        if self.parallel is not None and self.parallel.ulysses > 1:
+            from runnerkit.parallel import sequence
+
+            if sequence.install(module, sequence.SequenceParallel(self.parallel)) == 0 and spec.role == "transformer":
+                raise NotImplementedError(f"`parallel.ulysses`: transformer {spec.name!r} of {type(self).__name__} "
+                                          "does not shard its tokens (no ShardsSequence inside it)")
         regional_compile.install(module, spec.blocks, self.config.compile)
 
     def _drop_streamer(self, name: str) -> None:
@@ -450,6 +516,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.run_encoders(info)
         # 3. denoise stages
         latents = self.run_denoise(info)
+        if not self.decodes_here:
+            return  # parallel: rank 0 alone decodes and saves; this rank's part of the request is done
         # 4. decoders
         outputs = self.decode(latents, info)
         # 5. save
@@ -503,6 +571,11 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         for schedulers that keep one). The chosen transformer is kept on the device while
         consecutive steps use it (an MoE switch moves the other expert in).
         """
+        if self.parallel is not None and self.parallel.ulysses > 1:  # before the stage's first step
+            from runnerkit.parallel.group import split_even
+
+            split_even(self.sequence_tokens(stage, info), self.parallel.ulysses, "the transformer's tokens",
+                       f"stage {stage.name!r} at shape {list(info.shape)}; choose a shape whose tokens divide")
         sched.prepare(stage.latent_shape(info), stage.steps, info.seed, self.device, self.dtype,
                       init_latents=init_latents, strength=stage.strength,
                       noise_shapes=stage.noise_shapes(info) if stage.noise_shapes is not None else None)

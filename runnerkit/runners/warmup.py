@@ -142,7 +142,9 @@ class WarmupMixin:
                 try:
                     self.input_info, self.inputs = info, shared
                     self.run_encoders(info, per_shape=True)
-                    self.decode(self.run_denoise(info, warmup=True))
+                    latents = self.run_denoise(info, warmup=True)
+                    if self.decodes_here:  # parallel: the decoders run on rank 0 only, as in a request
+                        self.decode(latents)
                 finally:
                     self.reset_request_state()
 

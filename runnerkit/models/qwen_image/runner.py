@@ -10,6 +10,7 @@ Image editing (task i2i) is `edit.QwenImageEditRunner`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,8 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
 
     TASKS = ("t2i",)
     CFG_ONE_PASS = True  # run_step: forward_branches under block streaming
+    #: t2i and edit split their CFG branches and their image tokens (runnerkit/parallel; text tokens on every rank).
+    PARALLEL_MODES = frozenset({"cfg", "ulysses"})
     SPATIAL_FACTOR = 16  # VAE 8x * patch 2
     TEMPORAL_FACTOR = 1
     DEFAULT_NEGATIVE_PROMPT = QWEN_NEGATIVE_PROMPT
@@ -253,6 +256,15 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         model = build_on_meta(lambda: QwenImageTransformer2D(arch))
         return {n: (m.out_features, m.in_features) for n, m in linear_targets(model).items()
                 if n.startswith("transformer_blocks.")}, {}
+
+    def attention_heads(self) -> int:
+        """The transformer's attention heads (Ulysses splits them over its ranks)."""
+        assert self.checkpoint is not None, "prepare_load first"
+        return self.checkpoint.arch.transformer.num_attention_heads
+
+    def sequence_tokens(self, stage: DenoiseStage, info: InputInfo) -> int:
+        """Image tokens of the target and the references (Ulysses splits them; the text stays whole)."""
+        return sum(math.prod(grid) for grid in self.img_shapes(info))
 
     def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
         """Flow-match Euler with the checkpoint's dynamic-shifting settings, or the config's fixed
@@ -452,7 +464,11 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
             return model(hidden, embeds, sigma, shapes, mask)[:, :tokens].float()  # [1, L, 64]
 
         streamer = self.one_pass_streamer(model) if inputs.negative_embeds is not None else None
-        if streamer is not None:  # block streaming: both branches through each block while it is on the device
+        if self.cfg_parallel and inputs.negative_embeds is not None:  # one branch per rank, then one all-gather
+            pred, neg = self.cfg_branches([lambda: velocity(inputs.prompt_embeds),
+                                           lambda: velocity(inputs.negative_embeds)])
+            pred = true_cfg(pred, neg, float(self.config.sample_guide_scale))
+        elif streamer is not None:  # block streaming: both branches through each block while it is on the device
             with streamer.entries(2):
                 outs = model.forward_branches(hidden, [inputs.prompt_embeds, inputs.negative_embeds], sigma, shapes,
                                               [inputs.prompt_mask, inputs.negative_mask])

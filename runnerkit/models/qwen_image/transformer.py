@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -43,6 +43,7 @@ from runnerkit.fused import linear_gelu_tanh
 from runnerkit.models.qwen_image.arch import QwenImageTransformerArch
 from runnerkit.models.wan.transformer import apply_rope
 from runnerkit.offload.layout import StreamSpec
+from runnerkit.parallel.sequence import ShardsSequence
 
 ROPE_THETA = 10000.0
 ROPE_MAX_POSITIONS = 4096
@@ -161,6 +162,8 @@ class JointAttention(AttentionUser):
     """Joint attention of the text and image streams (diffusers `Attention` with
     `QwenDoubleStreamAttnProcessor2_0`): image projections `to_*`, text projections `add_*`."""
 
+    SEQUENCE_PARALLEL = "joint"  # Ulysses: text tokens first, on every rank; image tokens sharded
+
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -193,8 +196,8 @@ class JointAttention(AttentionUser):
                        self.to_v(img).unflatten(-1, heads)], dim=1)  # [B, L, N, d]
         q = apply_rope(q, *rope).to(v.dtype)  # rotated in float32, as diffusers
         k = apply_rope(k, *rope).to(v.dtype)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N, L, d]
-        out = self.attention_fn(q, k, v) if mask is None else self.attention_fn(q, k, v, mask)  # (attention.py)
+        # [B, N, L, d] (attention.py); under Ulysses the L_txt text tokens are the replicated prefix
+        out = self.joint_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), L_txt, mask)
         out = out.transpose(1, 2).flatten(2)  # [B, L, dim]
         # Contiguous slices, as diffusers: a strided input can take another bf16 matmul kernel (other rounding).
         return self.to_out[0](out[:, L_txt:].contiguous()), self.to_add_out(out[:, :L_txt].contiguous())
@@ -310,7 +313,7 @@ class QwenEmbedded:
     None without a text mask."""
 
 
-class QwenImageTransformer2D(nn.Module):
+class QwenImageTransformer2D(ShardsSequence, nn.Module):
     """Qwen-Image `QwenImageTransformer2DModel`, built from a `QwenImageTransformerArch`.
 
     `state_dict()` has exactly diffusers' keys and shapes: a diffusers checkpoint loads with an
@@ -408,11 +411,33 @@ class QwenImageTransformer2D(nn.Module):
         Source: diffusers `transformer_qwenimage.py` (`QwenImageTransformer2DModel.forward`,
         `QwenEmbedRope`, `QwenDoubleStreamAttnProcessor2_0`); Qwen-Image technical report.
         """
-        img, txt, pre = self.embed(hidden_states, encoder_hidden_states, timestep, img_shapes,
-                                   encoder_hidden_states_mask)
+        img, txt, pre = self.shard(*self.embed(hidden_states, encoder_hidden_states, timestep, img_shapes,
+                                               encoder_hidden_states_mask))
         for block in self.transformer_blocks:
             img, txt = block(img, txt, pre.temb, pre.rope, pre.img_sizes, pre.mask)
-        return self.proj_out(self.norm_out(img, pre.temb[:, 0]))  # [B, L_img, p*p*C_out]
+        return self.gather(self.proj_out(self.norm_out(img, pre.temb[:, 0])))  # [B, L_img, p*p*C_out]
+
+    def shard(self, img: Tensor, txt: Tensor, pre: QwenEmbedded) -> tuple[Tensor, Tensor, QwenEmbedded]:
+        """Ulysses sequence parallel (`sequence_parallel` set): this rank's 1/K of the image tokens
+        [B, L_img/K, dim], the RoPE tables [L_txt + L_img/K, 1, d/2] (text rows whole) and the
+        modulation segments cut to the shard (a segment may be empty on a rank); the text stream stays
+        whole on every rank. One process: unchanged."""
+        sp = self.sequence_parallel
+        if sp is None:
+            return img, txt, pre
+        L_txt = txt.shape[1]
+        start, end = sp.bounds(img.shape[1])
+        rope = tuple(torch.cat([t[:L_txt], sp.shard(t[L_txt:], 0)]) for t in pre.rope)
+        sizes, offset = [], 0
+        for size in pre.img_sizes:  # the part of each segment [offset, offset + size) inside [start, end)
+            sizes.append(max(0, min(end, offset + size) - max(start, offset)))
+            offset += size
+        return sp.shard(img, 1), txt, replace(pre, rope=rope, img_sizes=sizes)  # type: ignore[arg-type]
+
+    def gather(self, out: Tensor) -> Tensor:
+        """Every rank's image tokens of the output [B, L_img, C] (one all-gather); one process: `out`."""
+        sp = self.sequence_parallel
+        return out if sp is None else sp.gather(out, 1)
 
     def forward_branches(self, hidden_states: Tensor, encoder_hidden_states: Sequence[Tensor], timestep: Tensor,
                          img_shapes: ImgShapes,
@@ -447,7 +472,7 @@ class QwenImageTransformer2D(nn.Module):
         if len(masks) != len(encoder_hidden_states):
             raise ValueError(f"`encoder_hidden_states_masks` has {len(masks)} entries for "
                              f"{len(encoder_hidden_states)} branches: give one per branch")
-        embedded = [self.embed(hidden_states, txt, timestep, img_shapes, mask)
+        embedded = [self.shard(*self.embed(hidden_states, txt, timestep, img_shapes, mask))
                     for txt, mask in zip(encoder_hidden_states, masks)]
         imgs = [img for img, _, _ in embedded]  # [B, L_img, dim] each
         txts = [txt for _, txt, _ in embedded]  # [B, L_txt_b, dim] each
@@ -456,7 +481,7 @@ class QwenImageTransformer2D(nn.Module):
         for block in self.transformer_blocks:
             for b, pre in enumerate(pres):
                 imgs[b], txts[b] = block(imgs[b], txts[b], pre.temb, pre.rope, pre.img_sizes, pre.mask)
-        return [self.proj_out(self.norm_out(img, pre.temb[:, 0])) for img, pre in zip(imgs, pres)]
+        return [self.gather(self.proj_out(self.norm_out(img, pre.temb[:, 0]))) for img, pre in zip(imgs, pres)]
 
     def embed(self, hidden_states: Tensor, encoder_hidden_states: Tensor, timestep: Tensor,
               img_shapes: ImgShapes, encoder_hidden_states_mask: Tensor | None = None

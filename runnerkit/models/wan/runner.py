@@ -87,6 +87,8 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
 
     TASKS = ("t2v",)
     CFG_ONE_PASS = True  # run_step: forward_branches under block streaming
+    #: Every Wan task (t2v, i2v, flf2v, MoE) splits its CFG branches and its video tokens (runnerkit/parallel).
+    PARALLEL_MODES = frozenset({"cfg", "ulysses"})
     SPATIAL_FACTOR = 16  # VAE 8x * patch 2
     TEMPORAL_FACTOR = 4
     DEFAULT_NEGATIVE_PROMPT = WAN_NEGATIVE_PROMPT
@@ -442,6 +444,15 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         z = self.checkpoint.arch.vae.z_dim
         return (1, z, (info.frames - 1) // self.TEMPORAL_FACTOR + 1, info.height // 8, info.width // 8)
 
+    def attention_heads(self) -> int:
+        """Self-attention heads of the transformer (Ulysses splits them over its ranks)."""
+        return self.parse_arch(self.config.model).transformer.num_heads
+
+    def sequence_tokens(self, stage: DenoiseStage, info: InputInfo) -> int:
+        """Video tokens L = (f/pt)(h/ph)(w/pw) of the request's latent grid (Ulysses splits them)."""
+        assert self.checkpoint is not None, "load_modules first"
+        return transformer_tokens(self.checkpoint.arch.transformer, stage.latent_shape(info)[2:])
+
     def compiled_sizes(self, info: InputInfo) -> dict[str, int]:
         """The blocks' one dynamic dimension: the token count L (x [B, L, dim], RoPE [L, 1, d/2])."""
         assert self.checkpoint is not None, "load_modules first"
@@ -473,7 +484,11 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         if self.inputs.context_null is None:
             return model(latents, timestep, self.inputs.context, **extra).float()
         streamer = self.one_pass_streamer(model)
-        if streamer is not None:
+        if self.cfg_parallel:  # one branch per rank, the other's prediction all-gathered
+            cond, uncond = self.cfg_branches([
+                lambda: model(latents, timestep, self.inputs.context, **extra).float(),
+                lambda: model(latents, timestep, self.inputs.context_null, **extra).float()])
+        elif streamer is not None:
             with streamer.entries(2):
                 contexts = [self.inputs.context, self.inputs.context_null]
                 cond, uncond = model.forward_branches(latents, timestep, contexts, **extra)

@@ -37,6 +37,7 @@ from runnerkit.attention import AttentionUser
 from runnerkit.fused import TanhGELUMLP
 from runnerkit.models.wan.arch import WAN_CLIP_DIM, WAN_CLIP_TOKENS, WanTransformerArch
 from runnerkit.offload.layout import StreamSpec
+from runnerkit.parallel.sequence import ShardsSequence
 
 ROPE_THETA = 10000.0
 ROPE_MAX_POSITIONS = 1024  # positions per axis (frames, height, width), as in Wan
@@ -122,6 +123,8 @@ class FP32LayerNorm(nn.LayerNorm):
 class WanSelfAttention(AttentionUser):
     """Multi-head attention with q/k RMSNorm; `forward` is the self-attention with 3D RoPE."""
 
+    SEQUENCE_PARALLEL = "self"  # Ulysses: queries and keys are the sharded video tokens
+
     def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -156,6 +159,8 @@ class WanSelfAttention(AttentionUser):
 
 class WanCrossAttention(WanSelfAttention):
     """Text cross-attention (Wan `WanT2VCrossAttention`); i2v adds image keys in a subclass."""
+
+    SEQUENCE_PARALLEL = "none"  # Ulysses: local video queries, text (and image) keys on every rank
 
     def forward(self, x: Tensor, context: Tensor) -> Tensor:  # type: ignore[override]
         """x: [B, L, dim]; context: [B, text_len, dim] embedded text. Returns [B, L, dim]."""
@@ -296,7 +301,7 @@ class WanEmbedded:
     """[B, L_img, dim] float32 embedded CLIP tokens (i2v: 257, flf2v: 514); None for t2v."""
 
 
-class WanTransformer3D(nn.Module):
+class WanTransformer3D(ShardsSequence, nn.Module):
     """Wan2.1 `WanModel` (t2v, i2v or flf2v after `arch.model_type`), built from a `WanTransformerArch`.
 
     Raises:
@@ -470,11 +475,24 @@ class WanTransformer3D(nn.Module):
         Source: Wan-Video/Wan2.1 `wan/modules/model.py` (`WanModel.forward`, `MLPProj`,
         `WanI2VCrossAttention`).
         """
-        pre = self.embed(latents, timestep, context, clip_context, y)
+        pre = self.shard(self.embed(latents, timestep, context, clip_context, y))
         x = pre.x
         for block in self.blocks:
             x = block(x, pre.time_mod, pre.context, pre.rope, pre.image_context)
-        return self.unpatchify(self.head(x, pre.time_emb), pre.grid)
+        return self.unpatchify(self.gather(self.head(x, pre.time_emb)), pre.grid)
+
+    def shard(self, pre: WanEmbedded) -> WanEmbedded:
+        """Ulysses sequence parallel (`sequence_parallel` set): this rank's 1/K of the tokens x
+        [B, L/K, dim] and of the RoPE tables [L/K, 1, d/2]; one process: `pre` unchanged."""
+        sp = self.sequence_parallel
+        if sp is None:
+            return pre
+        return replace(pre, x=sp.shard(pre.x, 1), rope=(sp.shard(pre.rope[0], 0), sp.shard(pre.rope[1], 0)))
+
+    def gather(self, out: Tensor) -> Tensor:
+        """The head's output of every rank's tokens [B, L, C_out*pt*ph*pw] (one all-gather); one process: `out`."""
+        sp = self.sequence_parallel
+        return out if sp is None else sp.gather(out, 1)
 
     def forward_branches(self, latents: Tensor, timestep: Tensor, contexts: Sequence[Tensor],
                          clip_context: Tensor | None = None, y: Tensor | None = None) -> list[Tensor]:
@@ -504,10 +522,10 @@ class WanTransformer3D(nn.Module):
         """
         if not contexts:
             raise ValueError("`contexts` is empty: give one text context per branch")
-        pres = [self.embed(latents, timestep, context, clip_context, y) for context in contexts]
+        pres = [self.shard(self.embed(latents, timestep, context, clip_context, y)) for context in contexts]
         xs = [pre.x for pre in pres]  # [B, L, dim] each: the only reference to each branch's stream
         pres = [replace(pre, x=pre.x.new_empty(0)) for pre in pres]
         for block in self.blocks:
             for b, pre in enumerate(pres):
                 xs[b] = block(xs[b], pre.time_mod, pre.context, pre.rope, pre.image_context)
-        return [self.unpatchify(self.head(x, pre.time_emb), pre.grid) for x, pre in zip(xs, pres)]
+        return [self.unpatchify(self.gather(self.head(x, pre.time_emb)), pre.grid) for x, pre in zip(xs, pres)]

@@ -1,0 +1,156 @@
+"""`runnerkit` (runnerkit/infer.py) under torchrun: every rank runs the same lifecycle, rank 0
+reports, a failure anywhere ends the group (ARCHITECTURE §7).
+
+    init_from_env -> build runner -> attach_parallel -> check_requests_fit -> init_modules
+    (load, warmup: the same collectives in the same order on every rank) -> agree("init")
+    -> for each request: run_pipeline -> agree("request i")
+    -> exit 0
+
+Each rank reads the same command line, so the requests are the same on every rank (no broadcast);
+rank 0 alone decodes, writes the outputs and the profile, and logs INFO lines (the other ranks log
+WARNING and above, unless `--log_level` asks for another level).
+
+Failures: the rank whose phase raised first (the primary failure) records one line in the
+rendezvous store (`ParallelGroup.record_failure`) and exits 1. A watcher thread on every rank
+polls the store: rank 0 logs the line ("rank R failed during PHASE: Type: message") and every
+rank exits 1 at once, also from inside a collective that waits for the dead rank. A rank whose
+collective failed because a peer died finds the peer's record (its own error is secondary) and
+reports nothing of its own. Nothing waits longer than `parallel.timeout_s` (a collective on a hung
+peer raises after it; its rank then records that timeout as the failure).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from loguru import logger
+
+from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env
+
+__all__ = ["run_parallel"]
+
+WATCH_INTERVAL_S = 0.1
+"""How often each rank's watcher polls the store for another rank's failure."""
+SECONDARY_GRACE_S = 0.5
+"""How long a rank whose phase failed waits for a peer's record before it counts its own error as the first."""
+REPORTED_KEY = "runnerkit/reported"
+_report_lock = threading.Lock()
+_reported: list[str] = []
+
+
+def _report(group: ParallelGroup, line: str) -> None:
+    """Rank 0 logs the group's failure line once (the main thread and the watcher may both see it)."""
+    if group.rank != 0:
+        return
+    with _report_lock:
+        if _reported:
+            return
+        _reported.append(line)
+    logger.error("{}; ending all {} ranks", line, group.world_size)
+    try:
+        group._store().set(REPORTED_KEY, "1")
+    except Exception:  # noqa: BLE001 - nothing more to tell
+        pass
+
+
+class RankFailed(Exception):
+    """This rank's phase failed (the line is recorded or another rank's record was found)."""
+
+
+def failure_line(rank: int, phase: str, exc: BaseException) -> str:
+    """The one line rank 0 prints for a failure."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"rank {rank} failed during {phase}: {type(exc).__name__}{': ' + message if message else ''}"
+
+
+def _exit_now(status: int) -> None:
+    """End this process at once (a thread cannot interrupt a blocked collective otherwise)."""
+    logger.complete()
+    os._exit(status)
+
+
+def _watch(group: ParallelGroup, stop: threading.Event) -> None:
+    while not stop.wait(WATCH_INTERVAL_S):
+        found = {r: line for r, line in group.failures().items() if r != group.rank}
+        if not found:
+            continue
+        _report(group, found[min(found)])
+        _exit_now(1)
+
+
+def _phase(group: ParallelGroup, phase: str, fn: Callable[[], Any]) -> Any:
+    """Run `fn`; on failure decide whether it is the group's first, record it, and raise RankFailed."""
+    try:
+        return fn()
+    except Exception as exc:
+        from runnerkit.runners.base import error_phase
+
+        where = error_phase(exc) or phase
+        others = {r: line for r, line in group.failures(wait_s=SECONDARY_GRACE_S).items() if r != group.rank}
+        if others:  # a peer failed first; this rank's error (a broken collective) follows from it
+            logger.debug("rank {}: {} after rank {} failed: {}", group.rank, where, min(others), exc)
+            _report(group, others[min(others)])
+            raise RankFailed() from exc
+        line = failure_line(group.rank, where, exc)
+        logger.opt(exception=exc).debug("rank {}: {}", group.rank, line)
+        group.record_failure(line)
+        _report(group, line)
+        raise RankFailed() from exc
+
+
+def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callable[[Any], Any]) -> int:
+    """The lifecycle of one rank (see the module docstring). `build(config)` makes the runner.
+
+    Returns:
+        0 when every rank served every request; 2 for a launch that does not match `parallel`;
+        1 after any failure on any rank.
+    """
+    try:
+        group = init_from_env(config.parallel, config.device)
+    except ParallelSetupError as exc:
+        logger.error("invalid input: {}", exc)
+        return 2
+    if group.rank != 0 and getattr(args, "log_level", "INFO") == "INFO":  # rank 0 tells the story once
+        import sys
+
+        logger.remove()
+        fmt = f"<green>{{time:HH:mm:ss}}</green> | rank {group.rank} | <level>{{level: <7}}</level> | {{message}}"
+        logger.add(sys.stderr, level="WARNING", format=fmt)
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(group, stop), name="runnerkit-rank-watch", daemon=True)
+    watcher.start()
+    status = 1
+    try:
+        runner = _phase(group, "load", lambda: build(config))
+        runner.attach_parallel(group)
+        _phase(group, "plan", lambda: runner.check_requests_fit(requests))
+        _phase(group, "load", runner.init_modules)
+        _phase(group, "init", lambda: group.agree(True, "init"))
+        for index, request in enumerate(requests):
+            _phase(group, f"request {index}", lambda: runner.run_pipeline(request, index))
+            _phase(group, f"request {index}", lambda: group.agree(True, f"request {index}"))
+        if group.rank == 0 and getattr(args, "profile_json", None):
+            runner.profiler.write(args.profile_json)
+            logger.info("profile written to {}", args.profile_json)
+        status = 0
+    except RankFailed:
+        status = 1
+        if group.rank != 0:  # give rank 0 a moment to read this rank's record before the launcher reaps the group
+            deadline = time.monotonic() + SECONDARY_GRACE_S
+            while time.monotonic() < deadline:
+                try:
+                    if group._store().check([REPORTED_KEY]):
+                        break
+                except Exception:  # noqa: BLE001 - the store went away with rank 0
+                    break
+                time.sleep(WATCH_INTERVAL_S)
+    finally:
+        stop.set()
+    if status:
+        _exit_now(status)  # a clean shutdown would wait on the dead peers in destroy_process_group
+    group.close()
+    return status

@@ -1,0 +1,94 @@
+"""One rank of a parallel test run: `python -m torch.distributed.run ... -m test_cases.parallel._rank_worker SPEC`.
+
+SPEC is a JSON file: {"argv": [runnerkit flags], "spy_dir": folder or null, "fail": {"rank": R, "phase":
+"load" | "warmup" | "request"} or null, "warmup_shapes": [[h, w, f], [h, w, f]] or null}. The rank installs a
+collective spy (every `CollectiveCall` with the lifecycle phase it ran in, written to spy_dir/rank{R}.json when
+the run returns), injects the failure, then runs `runnerkit.infer.main(argv)` and exits with its status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+PRELOAD = ["torch", "torch.distributed", "safetensors.torch", "runnerkit.infer", "runnerkit.models.wan.runner",
+           "runnerkit.parallel.driver", "runnerkit.runners.default"]
+"""What the test's forkserver imports once, so each rank forks with them loaded (seconds per rank saved)."""
+
+
+def rank_main(spec_path: str, rank: int, world: int, port: int, log_path: str) -> None:
+    """Entry of a rank forked by the tests: torchrun's environment, stdout/stderr to `log_path`, then `main`."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.exit(main(spec_path))
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    rank = int(os.environ["RANK"])
+    from runnerkit import infer, memory
+    from runnerkit.models.wan.runner import WanT2VRunner
+    from runnerkit.parallel import collective_hooks
+    from runnerkit.runners.default import DefaultRunner
+
+    memory.freeze_gc_once = lambda: None  # type: ignore[assignment]  # the test process's gc is its own business
+    calls: list[list[Any]] = []
+    where = {"phase": "load"}
+    original_load = DefaultRunner.load_modules
+
+    def spy(call: Any) -> None:
+        calls.append([where["phase"], call.op, call.group, list(call.shape)])
+
+    collective_hooks.append(spy)
+    if spec.get("warmup_shapes"):
+        WanT2VRunner.WARMUP_SHAPES = {"debug": tuple(tuple(s) for s in spec["warmup_shapes"])}  # type: ignore[misc]
+
+    run_warmup, run_pipeline = DefaultRunner.run_warmup, DefaultRunner.run_denoise
+    fail = spec.get("fail") or {}
+
+    def load_modules(self: DefaultRunner) -> None:
+        if fail.get("rank") == rank and fail.get("phase") == "load":
+            raise RuntimeError("injected load failure")
+        original_load(self)
+
+    def spy_warmup(self: DefaultRunner, shapes: Any) -> None:
+        where["phase"] = "warmup"
+        run_warmup(self, shapes)
+        where["phase"] = "requests"
+
+    def spy_denoise(self: DefaultRunner, info: Any, warmup: bool = False) -> Any:
+        where["phase"] = "warmup" if warmup else "requests"
+        return run_pipeline(self, info, warmup)
+
+    steps = {"n": 0}
+    run_step = WanT2VRunner.run_step
+
+    def failing_step(self: WanT2VRunner, *args: Any) -> Any:
+        steps["n"] += 1
+        phase = "warmup" if self.input_info.warmup else "request"
+        if fail.get("rank") == rank and fail.get("phase") == phase and steps["n"] >= fail.get("step", 1):
+            raise RuntimeError(f"injected {phase} failure")
+        return run_step(self, *args)
+
+    DefaultRunner.load_modules = load_modules  # type: ignore[method-assign]
+    DefaultRunner.run_warmup = spy_warmup  # type: ignore[method-assign]
+    DefaultRunner.run_denoise = spy_denoise  # type: ignore[method-assign]
+    WanT2VRunner.run_step = failing_step  # type: ignore[method-assign]
+    status = infer.main(spec["argv"])
+    if spec.get("spy_dir"):
+        Path(spec["spy_dir"], f"rank{rank}.json").write_text(json.dumps(calls))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,140 @@
+"""What a parallel run refuses, and why, in one process (no process group needed; issue 24).
+
+The refusals come before any collective: the config (cfg 2 without CFG), the launch (no torchrun
+environment, a world size that is not cfg x ulysses, an explicit cuda:N), the family (a runner
+that has not opted in, heads that do not divide), and a request whose tokens do not divide (at the
+start of the denoise stage, before its first step). A stand-in group (`FakeGroup`) gives the
+runner its rank layout; nothing here reaches a collective.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from runnerkit.config import ParallelConfig, RequestConfig, load_runner_config
+from runnerkit.parallel import ParallelSetupError, init_from_env
+from runnerkit.registry import get_runner_cls
+from test_cases.conftest import REPO, TINY_CONFIG, config_dict
+
+
+@dataclass
+class FakeGroup:
+    """The rank layout a runner reads from a `ParallelGroup`; its collectives must never be reached."""
+
+    config: ParallelConfig
+    rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def cfg(self) -> int:
+        return self.config.cfg
+
+    @property
+    def ulysses(self) -> int:
+        return self.config.ulysses
+
+    @property
+    def cfg_rank(self) -> int:
+        return self.rank // self.config.ulysses
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.rank % self.config.ulysses
+
+    def all_gather(self, *args: Any) -> Any:
+        raise AssertionError("a refusal must come before any collective")
+
+    all_to_all = all_gather
+
+
+def _runner(tiny_ckpt: Path, parallel: dict[str, Any] | None, attach: bool = True, **overrides: Any) -> Any:
+    data = config_dict(TINY_CONFIG, tiny_ckpt, infer_steps=1, **overrides)
+    if parallel is not None:
+        data["parallel"] = parallel
+    config = load_runner_config(None, data)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    if attach and config.parallel is not None:
+        runner.attach_parallel(FakeGroup(config.parallel))
+    return runner
+
+
+def test_config_bounds_and_cfg_needs_cfg() -> None:
+    assert ParallelConfig(cfg=2, ulysses=4).world_size == 8
+    with pytest.raises(ValidationError, match="cfg"):
+        ParallelConfig.model_validate({"cfg": 3})
+    with pytest.raises(ValidationError, match="ulysses"):
+        ParallelConfig.model_validate({"ulysses": 0})
+    data = {**json.loads(TINY_CONFIG.read_text()), "enable_cfg": False, "parallel": {"cfg": 2}}
+    data.pop("sample_guide_scale")
+    with pytest.raises(ValueError, match=r"`parallel.cfg`=2 .* `enable_cfg` is false"):
+        load_runner_config(None, data)
+
+
+def test_launch_environment_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ParallelSetupError, match=r"torchrun --nproc_per_node 4"):
+        init_from_env(ParallelConfig(cfg=2, ulysses=2), "cpu")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ParallelSetupError, match=r"needs 4 processes, but WORLD_SIZE is 2"):
+        init_from_env(ParallelConfig(cfg=2, ulysses=2), "cpu")
+    with pytest.raises(ParallelSetupError, match=r"cuda:LOCAL_RANK"):
+        init_from_env(ParallelConfig(cfg=2), "cuda:1")
+
+
+def test_parallel_config_without_a_group_is_refused_at_load(tiny_ckpt: Path) -> None:
+    runner = _runner(tiny_ckpt, {"cfg": 2}, attach=False)
+    with pytest.raises(ParallelSetupError, match="no process group") as info:
+        runner.init_modules()
+    assert getattr(info.value, "runnerkit_phase", None) == "load"
+
+
+def test_heads_that_do_not_divide_are_refused_at_load(tiny_ckpt: Path) -> None:
+    runner = _runner(tiny_ckpt, {"ulysses": 4})  # the tiny transformer has 2 heads
+    with pytest.raises(NotImplementedError, match=r"`parallel.ulysses`=4 needs the attention heads divisible by 4, "
+                                                  r"got 2"):
+        runner.init_modules()
+
+
+def test_a_family_without_parallel_support_is_refused(tmp_path: Path) -> None:
+    """LTX-2 has not opted in (PARALLEL_MODES empty): refused at load, naming what it supports."""
+    from runnerkit.models.ltx2.runner import LTX2Runner
+
+    assert LTX2Runner.PARALLEL_MODES == frozenset()
+    data = {**json.loads((REPO / "configs" / "ltx2" / "ltx2_t2av_tiny.json").read_text()), "device": "cpu",
+            "parallel": {"ulysses": 2}}
+    config = load_runner_config(None, data)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    runner.attach_parallel(FakeGroup(config.parallel))
+    with pytest.raises(NotImplementedError, match=r"does not support \['ulysses'\] parallel \(supported: \[\]\)"):
+        runner.check_parallel()
+
+
+def test_tokens_that_do_not_divide_are_refused_before_the_first_step(tiny_ckpt: Path) -> None:
+    """48x80x9 gives 3 x 3 x 5 = 45 video tokens: ulysses 2 refuses the request at its denoise stage,
+    before any step (FakeGroup's collectives would raise otherwise)."""
+    runner = _runner(tiny_ckpt, {"ulysses": 2})
+    runner.init_modules()
+    request = RequestConfig(prompt="a fox", target_height=48, target_width=80, target_video_length=9)
+    with pytest.raises(NotImplementedError, match=r"the transformer's tokens divisible by 2, got 45"):
+        runner.run_pipeline(request, 0)
+
+
+def test_attach_parallel_after_init_is_refused(tiny_ckpt: Path) -> None:
+    from runnerkit.runners.base import LifecycleError
+
+    runner = _runner(tiny_ckpt, None)
+    runner.init_modules()
+    with pytest.raises(LifecycleError, match="before init_modules"):
+        runner.attach_parallel(FakeGroup(ParallelConfig(cfg=2)))
