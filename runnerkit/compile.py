@@ -203,12 +203,13 @@ def source_fingerprint(root: Path = Path(__file__).resolve().parent) -> str:
 
 def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: CompileConfig, attention: str | None,
                  offload: OffloadConfig, device: torch.device, text_buckets: tuple[int, ...] = (),
-                 lora: str = "off") -> dict[str, Any]:
+                 lora: str = "off", compute_dtype: str = "same") -> dict[str, Any]:
     """Everything that makes compiled artifacts valid, in readable form: the metadata of a cache
     entry, whose key is the hash of these fields. `model` is the resolved architecture (JSON);
     `text_buckets` the text lengths prompts are padded to (() unpadded: the blocks then take no mask);
     `lora`: "off", or "unfused/r<max_rank>" when every linear carries LoRA matmuls (runnerkit/lora;
-    fused LoRA compiles the same graph as none: "off")."""
+    fused LoRA compiles the same graph as none: "off"); `compute_dtype`: "same", or "fp8" when the blocks'
+    linears run fp8 GEMMs (runnerkit/fp8_compute.py)."""
     return {
         "format": CACHE_FORMAT,
         "torch": torch.__version__,
@@ -228,6 +229,7 @@ def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: Compil
         "offload.weight_dtype": offload.weight_dtype,
         "text_buckets": list(text_buckets),
         "lora": lora,
+        "compute_dtype": compute_dtype,
     }
 
 

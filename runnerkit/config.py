@@ -313,6 +313,11 @@ class RunnerConfig(_Strict):
         None, description="Latent upsampler file (.safetensors) of a single-file two-stage release; a checkpoint folder "
                           "holds its own.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Compute dtype of transformer and text encoder.")
+    compute_dtype: Literal["same", "fp8"] = Field(
+        "same", description="Matmul precision of the transformer blocks' linear layers: 'same' (`dtype`), or 'fp8': "
+        "E4M3 weights with per-output-row scales (quantized once at load) and activations quantized per token at "
+        "each call, through torch._scaled_mm (docs/fp8_compute.md). Needs CUDA compute capability >= 8.9 (or the "
+        "CPU), offload mode none or model, and `lora.mode` unfused if LoRA is set.")
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
     infer_steps: int | None = Field(None, ge=1, le=1000, description="Denoising steps (None: the family's default).")
     target_height: int | None = Field(None, gt=0, le=MAX_SIDE, description="Default output height in pixels (None: family default).")
@@ -408,6 +413,16 @@ class RunnerConfig(_Strict):
         if self.lora is not None and self.lora.mode == "fused" and self.offload.mode in ("block", "phase"):
             raise ValueError(f"`lora.mode`='fused' cannot adapt streamed weights (`offload.mode`={self.offload.mode!r} "
                              "re-fills each block from its source every step): use `lora.mode`='unfused'")
+        if self.compute_dtype == "fp8" and self.offload.mode in ("block", "phase"):
+            raise ValueError(f"`compute_dtype`='fp8' with `offload.mode`={self.offload.mode!r} is not supported: the "
+                             "streamed blocks are re-filled from their source every step, so their fp8 weights would "
+                             "be re-quantized at every fetch; use `offload.mode` 'none' or 'model' (or keep "
+                             "`compute_dtype`='same'; `offload.weight_dtype`='fp8_e4m3' stores streamed weights in "
+                             "fp8 and computes in `dtype`)")
+        if self.compute_dtype == "fp8" and self.lora is not None and self.lora.mode == "fused":
+            raise ValueError("`compute_dtype`='fp8' with `lora.mode`='fused' is not supported: fused LoRA writes "
+                             "W + s B A into the weights, which fp8 compute holds quantized; use `lora.mode`="
+                             "'unfused' (its low-rank update runs in `dtype` beside the fp8 GEMM)")
         if self.sample_sigmas is not None and self.infer_steps is not None and len(self.sample_sigmas) != self.infer_steps:
             raise ValueError(f"`infer_steps`={self.infer_steps} but `sample_sigmas` holds {len(self.sample_sigmas)} "
                              "sigmas: a fixed table runs one step per sigma")

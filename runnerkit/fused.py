@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runnerkit.lora.apply import LoRALinear
 
 ENABLED = True
 """Use the fused CUDA path. bench/speed.py turns it off for its unfused arms; nothing else should."""
@@ -38,8 +37,8 @@ def linear_gelu_tanh(x: Tensor, linear: nn.Linear) -> Tensor:
         by the rounding of the intermediate GEMM output (at most about one unit in the last place
         of the output dtype); elsewhere they are the unfused ops' bit for bit.
     """
-    if isinstance(linear, LoRALinear):  # unfused LoRA (runnerkit/lora): its update joins the GEMM output first
-        return F.gelu(linear(x), approximate="tanh")
+    if type(linear).forward is not nn.Linear.forward:  # a linear with its own GEMM: unfused LoRA (its update
+        return F.gelu(linear(x), approximate="tanh")  # joins the output first), fp8 compute (runnerkit/fp8_compute.py)
     w, b = linear.weight, linear.bias
     if not (ENABLED and x.is_cuda and b is not None and x.dtype == w.dtype == b.dtype and x.dim() >= 2):
         return F.gelu(F.linear(x, w, b), approximate="tanh")

@@ -21,7 +21,7 @@ from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
 #: `cache_fields` without a case below fails `test_every_key_field_has_a_case`.
 FIELDS = {"format", "torch", "cuda", "triton", "python", "device", "runner", "runnerkit sources", "model", "dtype",
           "compile.mode", "compile.dynamic", "compile.backend", "attention", "offload.mode", "offload.weight_dtype",
-          "text_buckets", "lora"}
+          "text_buckets", "lora", "compute_dtype"}
 
 
 class OtherRunner:
@@ -46,6 +46,7 @@ ARGUMENT_CHANGES: dict[str, dict[str, Any]] = {
     "device": {"device": torch.device("meta")},
     "text_buckets": {"text_buckets": (64, 128)},  # padded text: the blocks take a key mask
     "lora": {"lora": "unfused/r64"},
+    "compute_dtype": {"compute_dtype": "fp8"},  # the blocks' linears run fp8 GEMMs
 }
 
 ENVIRONMENT_CHANGES: dict[str, Callable[[pytest.MonkeyPatch], None]] = {

@@ -24,6 +24,7 @@ weights, restore on removal); restated.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -56,8 +57,9 @@ class LoRALinear(nn.Linear):
     lora_bias: Tensor
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: [..., in] -> [..., out] in the dtype of `F.linear(x, weight)`."""
-        y = F.linear(x, self.weight, self.bias)
+        """x: [..., in] -> [..., out] in the dtype of the base layer's output (`F.linear(x, weight)`, or
+        the base class's forward where the layer was a linear subclass, e.g. an fp8 `Fp8Linear`)."""
+        y = super().forward(x)
         h = F.linear(x.to(self.lora_down.dtype), self.lora_down)  # [..., R]
         return y + F.linear(h, self.lora_up, self.lora_bias).to(y.dtype)  # [..., out]
 
@@ -77,12 +79,21 @@ def attach_slots(module: nn.Module, rank: int, device: torch.device, dtype: torc
     for name, lin in linear_targets(module).items():
         wd = lin.weight.dtype
         sd = wd if wd in (torch.float32, torch.bfloat16, torch.float16) else dtype
-        lin.__class__ = LoRALinear
+        lin.__class__ = _lora_class(type(lin))
         lin.lora_down = torch.zeros(rank, lin.in_features, dtype=sd, device=device)  # type: ignore[attr-defined]
         lin.lora_up = torch.zeros(lin.out_features, rank, dtype=sd, device=device)  # type: ignore[attr-defined]
         lin.lora_bias = torch.zeros(lin.out_features, dtype=sd, device=device)  # type: ignore[attr-defined]
         out[name] = lin  # type: ignore[assignment]
     return out
+
+
+@functools.cache
+def _lora_class(base: type[nn.Linear]) -> type[LoRALinear]:
+    """`LoRALinear` for a plain `nn.Linear`; for a linear subclass with its own forward (fp8 compute's
+    `Fp8Linear`), a class whose forward adds the LoRA update to that base forward's output."""
+    if base is nn.Linear or issubclass(base, LoRALinear):
+        return LoRALinear if base is nn.Linear else base
+    return type(f"LoRA{base.__name__}", (LoRALinear, base), {"__module__": __name__})
 
 
 def _combine(items: Sequence[tuple[LayerDelta, float]]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -34,7 +35,7 @@ import torch
 from loguru import logger
 from torch import nn
 
-from runnerkit import attention, memory, synthetic
+from runnerkit import attention, fp8_compute, memory, synthetic
 from runnerkit import compile as regional_compile
 from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig
 from runnerkit.lora import LoRAManager
@@ -105,6 +106,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.attention: attention.AttentionBackend | None = None  # chosen in load_modules
         #: LoRA adapters per request (config `lora`; runnerkit/lora): made in load_modules; None without `lora`.
         self.lora: LoRAManager | None = None
+        self.fp8_bias_in_gemm = True  # fp8 compute: whether torch takes the bias in the GEMM (check_fp8_compute)
         self._fit_unchecked_logged = False
         self._fit_deferred_logged = False
 
@@ -340,6 +342,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         logger.info("attention: {} ({}; head size {}, {})", backend.name, backend.reason, head_dim, self.dtype)
         self.profiler.attention = {"backend": backend.name, "reason": backend.reason, "head_dim": head_dim}
         self.pipeline = pipeline = self.describe_pipeline()
+        if self.config.compute_dtype == "fp8":
+            self.check_fp8_compute(pipeline)
         can = sorted(m.name for m in pipeline.modules if m.stream is not None)
         assert can == sorted(self.STREAM_MODULES), (f"{type(self).__name__}.STREAM_MODULES "
                                                      f"{list(self.STREAM_MODULES)} differs from the modules its "
@@ -349,6 +353,27 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                     self.lora_aliases, f"{self.config.model_cls} transformer")
         self.placement = self.place_modules(pipeline)
         self.schedulers = {s.name: self.build_scheduler(s) for s in pipeline.denoise}
+
+    def check_fp8_compute(self, pipeline: Pipeline) -> None:
+        """`compute_dtype: fp8`: refuse it where it cannot run, before anything loads; else remember
+        whether the bias goes into the fp8 GEMM (`fp8_compute.probe`, one tiny matmul on the device).
+
+        Raises:
+            NotImplementedError: no transformer of the pipeline declares its blocks for fp8 compute
+                (`ModuleSpec.fp8_skip` None), or the device or torch cannot (with the probe's reason).
+        """
+        declared = [m.name for m in pipeline.modules if m.role == "transformer" and m.fp8_skip is not None
+                    and m.blocks is not None]
+        if not declared:
+            raise NotImplementedError(f"`compute_dtype`='fp8': {type(self).__name__} does not declare which of its "
+                                      "transformer's block layers may compute in fp8; use `compute_dtype`='same'")
+        why, bias_in_gemm = fp8_compute.probe(self.device, self.dtype)
+        if why is not None:
+            raise NotImplementedError(f"`compute_dtype`='fp8' cannot run on {self.device} with `dtype`="
+                                      f"{self.config.dtype!r}: {why}; use `compute_dtype`='same'")
+        self.fp8_bias_in_gemm = bias_in_gemm
+        logger.info("fp8 compute: block linear layers of {} in E4M3 (rowwise scales) via torch._scaled_mm on {}, "
+                    "bias {}", declared, self.device, "in the GEMM" if bias_in_gemm else "added after")
 
     def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
         """A fresh scheduler of `stage` (no request state)."""
@@ -386,6 +411,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         elif off.mode == "model":
             offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules}
         else:
+            if cfg.compute_dtype == "fp8":  # the config refuses block/phase; the memory planner may choose it
+                raise NotImplementedError(f"`compute_dtype`='fp8' with `offload.mode`={off.mode!r}: streamed blocks "
+                                          "cannot hold fp8 compute weights; use 'none' or 'model'")
             streamable = stream_choice(pipeline, off.stream_modules, type(self).__name__)
             if not streamable:
                 raise NotImplementedError(f"`offload.mode`={off.mode!r}: {type(self).__name__} has no module that "
@@ -430,7 +458,15 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
 
     def _finish(self, spec: ModuleSpec, module: nn.Module) -> None:
         """What every built module gets, on every build path: LoRA slots (transformers, config `lora`),
-        the attention backend, regional compile."""
+        fp8 compute (config `compute_dtype`), the attention backend, regional compile."""
+        if self.config.compute_dtype == "fp8" and spec.role == "transformer" and spec.fp8_skip is not None:
+            assert spec.blocks is not None, f"{spec.name}: fp8_skip without blocks (check_fp8_compute)"
+            start = time.perf_counter()
+            done, kept = fp8_compute.convert_blocks(module, spec.blocks, spec.fp8_skip, self.dtype,
+                                                    self.fp8_bias_in_gemm)
+            logger.info("fp8 compute: {} linear layers of {} quantized in {:.2f} s; kept in {}: {}", len(done),
+                        spec.name, time.perf_counter() - start, self.config.dtype,
+                        sorted({k.split(".", 2)[-1] + f" ({v})" for k, v in kept.items()}) or "none")
         if self.lora is not None and spec.role == "transformer":
             self.lora.attach(spec.name, module)
         attention.install(module, self.attention)

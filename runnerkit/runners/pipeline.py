@@ -82,6 +82,10 @@ class ModuleSpec:
         blocks: attribute of the built module holding its repeated blocks (an `nn.ModuleList`),
             the unit of regional compilation (`compile.enabled`, runnerkit/compile.py). None:
             the module is not compiled.
+        fp8_skip: fp8 compute (config `compute_dtype: fp8`, runnerkit/fp8_compute.py): the
+            block-relative module names whose linear layers stay in the model dtype (modulation /
+            AdaLN projections), () when every linear of the blocks is eligible. None: the family
+            has not declared its blocks for fp8 compute, which is then refused.
     """
 
     name: str
@@ -89,6 +93,7 @@ class ModuleSpec:
     build: Callable[[torch.device], nn.Module]
     stream: Callable[[], tuple[nn.Module, Any]] | None = None
     blocks: str | None = None
+    fp8_skip: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

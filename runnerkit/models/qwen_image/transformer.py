@@ -324,6 +324,9 @@ class QwenImageTransformer2D(ShardsSequence, nn.Module):
         blocks_attr="transformer_blocks", phases=("img_mod", "txt_mod", "attn", "img_mlp", "txt_mlp"),
         keep_fp32=keep_fp32)
     """Block/phase offload: `transformer_blocks[i]` and its phases in call order."""
+    FP8_SKIP: ClassVar[tuple[str, ...]] = ("img_mod", "txt_mod")
+    """fp8 compute (`compute_dtype: fp8`): the blocks' AdaLN modulation projections stay in the model dtype (one row
+    per sample, scales and shifts of the whole residual stream); attention and MLP linears are eligible."""
 
     def __init__(self, arch: QwenImageTransformerArch) -> None:
         super().__init__()

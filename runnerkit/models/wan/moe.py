@@ -140,7 +140,7 @@ class WanMoERunner(WanT2VRunner):
         return tuple(ModuleSpec(name, "transformer",
                                 build=partial(self.build_transformer, checkpoint=moe.experts[name], name=name),
                                 stream=partial(self.stream_transformer, moe.experts[name], name),
-                                blocks=WanTransformer3D.STREAM_SPEC.blocks_attr)
+                                blocks=WanTransformer3D.STREAM_SPEC.blocks_attr, fp8_skip=WanTransformer3D.FP8_SKIP)
                      for name in EXPERTS)
 
     # ---- the expert and guidance of a step ---------------------------------------------------

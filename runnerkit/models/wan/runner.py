@@ -335,7 +335,7 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
     def transformer_specs(self) -> tuple[ModuleSpec, ...]:
         """The denoising transformer(s): one for Wan2.1 (MoE runners list their experts)."""
         return (ModuleSpec("transformer", "transformer", build=self.build_transformer, stream=self.stream_transformer,
-                           blocks=WanTransformer3D.STREAM_SPEC.blocks_attr),)
+                           blocks=WanTransformer3D.STREAM_SPEC.blocks_attr, fp8_skip=WanTransformer3D.FP8_SKIP),)
 
     def image_modules(self) -> tuple[ModuleSpec, ...]:
         """Modules of the image stages (none for text-to-video; see i2v.py)."""

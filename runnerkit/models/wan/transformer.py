@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runnerkit.attention import AttentionUser
+from runnerkit.fp8_compute import input_dtype
 from runnerkit.fused import TanhGELUMLP
 from runnerkit.models.wan.arch import WAN_CLIP_DIM, WAN_CLIP_TOKENS, WanTransformerArch
 from runnerkit.offload.layout import StreamSpec
@@ -138,7 +139,7 @@ class WanSelfAttention(AttentionUser):
     def heads(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """[B, Lq, N, d], [B, Lk, N, d] x2 -> attention output [B, Lq, N*d] (weight dtype), not projected."""
         B, Lq, N, d = q.shape
-        dtype = self.o.weight.dtype
+        dtype = input_dtype(self.o)
         out = self.attention_fn(
             q.to(dtype).transpose(1, 2), k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2)
         )  # [B, N, Lq, d] (the run's attention backend: runnerkit/attention.py)
@@ -150,7 +151,7 @@ class WanSelfAttention(AttentionUser):
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         """x: [B, L, dim] (any float dtype); rope: (cos, sin) [L, 1, d/2]. Returns [B, L, dim]."""
-        x = x.to(self.q.weight.dtype)
+        x = x.to(input_dtype(self.q))
         q = self.norm_q(self.q(x)).unflatten(2, (self.num_heads, -1))  # [B, L, N, d]
         k = self.norm_k(self.k(x)).unflatten(2, (self.num_heads, -1))  # [B, L, N, d]
         v = self.v(x).unflatten(2, (self.num_heads, -1))  # [B, L, N, d]
@@ -164,8 +165,8 @@ class WanCrossAttention(WanSelfAttention):
 
     def forward(self, x: Tensor, context: Tensor) -> Tensor:  # type: ignore[override]
         """x: [B, L, dim]; context: [B, text_len, dim] embedded text. Returns [B, L, dim]."""
-        x = x.to(self.q.weight.dtype)
-        context = context.to(self.k.weight.dtype)
+        x = x.to(input_dtype(self.q))
+        context = context.to(input_dtype(self.k))
         q = self.norm_q(self.q(x)).unflatten(2, (self.num_heads, -1))  # [B, L, N, d]
         k = self.norm_k(self.k(context)).unflatten(2, (self.num_heads, -1))  # [B, text_len, N, d]
         v = self.v(context).unflatten(2, (self.num_heads, -1))  # [B, text_len, N, d]
@@ -190,9 +191,9 @@ class WanI2VCrossAttention(WanCrossAttention):
         """x: [B, L, dim]; context: [B, text_len, dim] embedded text; image_context: [B, L_img, dim]
         embedded CLIP tokens (L_img 257, or 514 for flf2v). Returns [B, L, dim]."""
         assert image_context is not None, "image cross-attention needs `image_context` (checked in `check_inputs`)"
-        x = x.to(self.q.weight.dtype)
-        context = context.to(self.k.weight.dtype)
-        image_context = image_context.to(self.k_img.weight.dtype)
+        x = x.to(input_dtype(self.q))
+        context = context.to(input_dtype(self.k))
+        image_context = image_context.to(input_dtype(self.k_img))
         q = self.norm_q(self.q(x)).unflatten(2, (self.num_heads, -1))  # [B, L, N, d]
         k = self.norm_k(self.k(context)).unflatten(2, (self.num_heads, -1))  # [B, text_len, N, d]
         v = self.v(context).unflatten(2, (self.num_heads, -1))  # [B, text_len, N, d]
@@ -260,7 +261,7 @@ class WanAttentionBlock(nn.Module):
         cross = self.cross_attn(self.norm3(x), context) if image_context is None else (
             self.cross_attn(self.norm3(x), context, image_context))
         x = x + cross.float()
-        y = self.ffn((self.norm2(x) * (1 + scale_ff) + shift_ff).to(self.ffn[0].weight.dtype))
+        y = self.ffn((self.norm2(x) * (1 + scale_ff) + shift_ff).to(input_dtype(self.ffn[0])))
         return x + y.float() * gate_ff
 
 
@@ -311,6 +312,9 @@ class WanTransformer3D(ShardsSequence, nn.Module):
     STREAM_SPEC: ClassVar[StreamSpec] = StreamSpec(blocks_attr="blocks", phases=("self_attn", "cross_attn", "ffn"),
                                                    keep_fp32=keep_fp32)
     """Block/phase offload: `blocks[i]` and its phases in call order (`norm3` and `modulation` stay resident)."""
+    FP8_SKIP: ClassVar[tuple[str, ...]] = ()
+    """fp8 compute (`compute_dtype: fp8`): every linear of a block is eligible (attention q/k/v/o, the image keys
+    of i2v, the FFN); the block's AdaLN modulation is a parameter table, not a linear layer."""
 
     def __init__(self, arch: WanTransformerArch) -> None:
         super().__init__()
