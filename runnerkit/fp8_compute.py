@@ -175,7 +175,7 @@ def convert_blocks(module: nn.Module, blocks_attr: str, skip: tuple[str, ...], d
                 continue
             full = f"{blocks_attr}.{i}.{name}"
             if any(name == s or name.startswith(s + ".") for s in skip):
-                kept[full] = "listed in fp8_skip (modulation)"
+                kept[full] = "fp8_skip"
                 continue
             why = eligible(sub, dtype)
             if why is not None:

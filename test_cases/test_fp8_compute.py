@@ -125,6 +125,24 @@ def test_qwen_image_keeps_its_modulation_projections() -> None:
     assert {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)} == set(done)
 
 
+def test_the_qwen_image_runner_converts_its_blocks_at_load(tmp_path: Path) -> None:
+    """Through the runner (its ModuleSpec carries `FP8_SKIP`): 12 fp8 linears per block, the modulation kept."""
+    from runnerkit.models.qwen_image.arch import QwenImageArch
+    from runnerkit.models.qwen_image.checkpoint import write_synthetic
+    from runnerkit.models.qwen_image.runner import QwenImageRunner
+    from test_cases.conftest import config_dict
+
+    config = REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json"
+    ckpt = write_synthetic(QwenImageArch.model_validate(json.loads(config.read_text())["model"]), tmp_path / "q",
+                           seed=0, dtype=torch.float32)
+    runner = QwenImageRunner(load_runner_config(None, config_dict(config, ckpt, compute_dtype="fp8")))
+    runner.init_modules()
+    model = runner.modules["transformer"]
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    assert len(fp8) == 24 and all(n.startswith("transformer_blocks.") for n in fp8), fp8
+    assert type(model.transformer_blocks[0].img_mod[1]) is nn.Linear
+
+
 def _video(runner: WanT2VRunner, out: Path, index: int = 0) -> torch.Tensor:
     h, w, f = SHAPE
     path = out / f"r{index}.safetensors"
