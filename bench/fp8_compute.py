@@ -87,7 +87,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="add inductor-compiled bf16 and fp8 arms")
-    p.add_argument("--smoke", action="store_true", help="the tiny architecture on the CPU (checks the script, not a result)")
+    p.add_argument("--smoke", action="store_true",
+                   help="the tiny architecture on the CPU (checks the script, not a result)")
     args = p.parse_args()
 
     import torch
@@ -163,7 +164,8 @@ def main() -> None:
     step_s = {k: v * arch.num_layers * 2 / 1000 for k, v in per_block.items()}
     results = {"model": name, "arch": arch.model_dump(mode="json"), "tokens": tokens, "text_tokens": text,
                "blocks": args.blocks, "random_weights": args.model_path is None, "bias_in_gemm": bias_in_gemm,
-               "ms_per_stack": ms, "ms_per_block": per_block, "step_s_estimate": step_s, "distance_vs_float32": distance}
+               "ms_per_stack": ms, "ms_per_block": per_block, "step_s_estimate": step_s,
+               "distance_vs_float32": distance}
     for k in timed_arms:
         print(k, f"{per_block[k]:.3f} ms/block", f"{step_s[k]:.3f} s/step", distance[k], flush=True)
     out = Path(args.out)
@@ -175,8 +177,9 @@ def main() -> None:
     title = f"Wan2.1 {name}: fp8 compute vs bf16, {args.blocks} blocks, {tokens} tokens (one CFG pass)"
     if args.smoke:
         title = "SMOKE RUN, not a result: the tiny architecture on the CPU"
+    weights = "random" if args.model_path is None else "checkpoint"
     text_md = [f"# {title}", "",
-               f"{args.rounds} rounds x {args.iters} timed calls per arm; {'random' if args.model_path is None else 'checkpoint'} "
+               f"{args.rounds} rounds x {args.iters} timed calls per arm; {weights} "
                f"weights; step = ms/block x {arch.num_layers} blocks x 2 CFG passes; SNR and cosine of the stack's "
                "output against the float32 stack.", "",
                markdown_table(["arm", "ms / block", "s / step (est.)", "speed-up vs bf16", "SNR dB vs fp32", "cosine"],
