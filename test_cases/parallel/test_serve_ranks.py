@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.registry import get_runner_cls
 from test_cases.conftest import TINY_CONFIG, config_dict
-from test_cases.parallel.test_multi_rank import (STEPS, WARMUP_SHAPES, _config, forkserver,  # noqa: F401
+from test_cases.parallel.test_multi_rank import (ERROR_LINE, STEPS, WARMUP_SHAPES, _config, forkserver,  # noqa: F401
                                                  join_ranks, start_ranks)
 from test_cases.serve.test_server import http
 
@@ -160,7 +160,9 @@ def test_a_rank_failing_in_a_job_fails_the_job_and_ends_every_rank(ckpt: Path, t
     assert job["status"] == "failed" and job["error"]["message"] == f"RankFailed: {line}", job
     assert ready.status == 503 and ready.json()["phase"] == "failed" and ready.json()["error"] == line, ready.body
     assert [r[0] for r in ranks] == [1, 1], [r[1][-2000:] for r in ranks]
-    assert f"{line}; ending all 2 ranks" in ranks[0][1]
+    assert ERROR_LINE.findall(ranks[0][1]) == [f"{line}; ending all 2 ranks", f"job {job_id} failed: RankFailed: {line}",
+                                              f"runner died: the parallel group ended: {line}; not ready any more"]
+    assert ERROR_LINE.findall(ranks[1][1]) == [], ranks[1][1][-2000:]
     assert not (tmp_path / "out" / job_id).exists()
 
 
