@@ -40,11 +40,11 @@ from typing import Any
 
 from loguru import logger
 
-from runnerkit.parallel.driver import (RankFailed, exit_now, report, run_phase, start_watcher, wait_until_reported,
-                                       quiet_other_ranks, WATCH_INTERVAL_S)
+from runnerkit.parallel.driver import (WATCH_INTERVAL_S, RankFailed, exit_now, quiet_other_ranks, report, run_phase,
+                                       start_watcher, wait_until_reported)
 from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env
 
-__all__ = ["Leader", "follow", "MESSAGE_KEY", "STOPPED_KEY", "POLL_S", "CANCEL_REFUSED"]
+__all__ = ["CANCEL_REFUSED", "MESSAGE_KEY", "POLL_S", "STOPPED_KEY", "Leader", "LeaderGone", "follow"]
 
 MESSAGE_KEY = "runnerkit/serve/msg/{seq}"
 STOPPED_KEY = "runnerkit/serve/stopped"
@@ -184,15 +184,15 @@ def follow(config: Any, log_level: str) -> int:
         logger.error("invalid input: {}", exc)
         return 2
     quiet_other_ranks(group, log_level)
-    serving = threading.Event()
+    serving, signalled = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
         if not serving.is_set():  # nothing served yet: as rank 0 does during start-up
             exit_now(0)
-        if getattr(on_signal, "seen", False):
+        if signalled.is_set():
             logger.warning("rank {}: second {}: exiting now", group.rank, signal.Signals(signum).name)
             exit_now(128 + signum)
-        on_signal.seen = True  # type: ignore[attr-defined]
+        signalled.set()
         logger.info("rank {}: {}: waiting for rank 0's stop (it finishes the running job)", group.rank,
                     signal.Signals(signum).name)
 

@@ -17,6 +17,11 @@ answered for `--drain_grace` seconds (default 3) after the last job ended, so th
 client sees the final status; then the port closes and the process exits 0. A signal during
 start-up, loading or warmup exits 0 at once; a second signal exits at once with 128 + the signal
 number. Job records live in memory only; result files stay in `--output_dir`.
+
+With a `parallel` config, under `torchrun --nproc_per_node N -m runnerkit.infer serve ...`: rank 0
+serves HTTP and leads, the other ranks follow (runnerkit/parallel/serving.py, docs/multi_gpu.md);
+ready once every rank is warm; a failure on any rank fails the running job and ends every rank
+(exit 1); a running job cannot be cancelled (409).
 """
 
 from __future__ import annotations

@@ -99,11 +99,12 @@ def _one_process_videos(ckpt: Path, tmp: Path) -> list[torch.Tensor]:
 
 def test_ready_after_every_rank_is_warm_jobs_match_one_process_and_sigterm_ends_every_rank(
         ckpt: Path, tmp_path: Path, forkserver: Any) -> None:  # noqa: F811
-    """Rank 1's warmup ends 1 s after its last collective: `/health/ready` answers 503 (`waiting_for_ranks` once rank 0 is
-    warm) until rank 1 is warm too, and never 200 before. Two jobs give one process's videos bit for bit,
-    only rank 0 writes, a running job refuses DELETE (409). SIGTERM to rank 0 ends both ranks with 0."""
-    spec = _serve_spec(tmp_path, ckpt, "--drain_grace", "0", slow_warmup={"rank": 1, "seconds": 1.0},
-                       slow_step={"rank": 1, "seconds": 0.3})
+    """Rank 1's warmup ends 0.5 s after its last collective: `/health/ready` answers 503
+    (`waiting_for_ranks` once rank 0 is warm) until rank 1 is warm too, and never 200 before. Two jobs
+    give one process's videos bit for bit; a running job refuses DELETE (409). SIGTERM to rank 0 ends
+    both ranks with 0."""
+    spec = _serve_spec(tmp_path, ckpt, "--drain_grace", "0", slow_warmup={"rank": 1, "seconds": 0.5},
+                       slow_step={"rank": 1, "seconds": 0.15})
     procs, logs = start_ranks(forkserver, 2, spec)
     try:
         url = _wait_url(logs[0], lambda: all(p.exitcode is None for p in procs))
@@ -120,7 +121,7 @@ def test_ready_after_every_rank_is_warm_jobs_match_one_process_and_sigterm_ends_
         assert phases[-1] == "ready", phases[-5:]
         assert "waiting_for_ranks" in phases, sorted(set(phases))  # rank 0 was warm, rank 1 not yet
         ids = [http("POST", f"{url}/v1/videos", body).json()["id"] for body in JOBS]
-        _wait_job(url, ids[0], until=("in_progress",))  # its steps take 0.3 s each on rank 1
+        _wait_job(url, ids[0], until=("in_progress",))  # its steps take 0.15 s more on rank 1
         refused = http("DELETE", f"{url}/v1/videos/{ids[0]}")
         assert refused.status == 409, refused.body
         assert "cannot be cancelled under `parallel`" in refused.json()["error"]["message"]
@@ -166,12 +167,40 @@ def test_a_rank_failing_in_a_job_fails_the_job_and_ends_every_rank(ckpt: Path, t
     assert not (tmp_path / "out" / job_id).exists()
 
 
+def test_a_rank_failing_in_warmup_never_turns_ready_and_ends_every_rank(ckpt: Path, tmp_path: Path,
+                                                                        forkserver: Any) -> None:  # noqa: F811
+    """Rank 1 raises in warmup's second step (after a collective ran): `/health/ready` never answers 200;
+    it answers 503 `failed` with the line naming rank 1 and warmup, then both ranks exit 1."""
+    spec = _serve_spec(tmp_path, ckpt, "--drain_grace", "1", fail={"rank": 1, "phase": "warmup", "step": 2})
+    procs, logs = start_ranks(forkserver, 2, spec)
+    line = "rank 1 failed during warmup: RuntimeError: injected warmup failure"
+    replies = []
+    try:
+        url = _wait_url(logs[0], lambda: all(p.exitcode is None for p in procs))
+        end = time.monotonic() + TIMEOUT_S
+        while procs[0].exitcode is None and time.monotonic() < end:
+            try:
+                reply = http("GET", f"{url}/health/ready", timeout=5)
+            except OSError:  # the port closed: rank 0 is exiting
+                break
+            replies.append((reply.status, reply.json()["phase"], reply.json().get("error")))
+            time.sleep(0.02)
+        ranks = join_ranks(procs, logs, TIMEOUT_S)
+    finally:
+        for p in procs:
+            p.kill()
+    assert [r[0] for r in ranks] == [1, 1], [r[1][-2000:] for r in ranks]
+    assert all(status == 503 for status, _, _ in replies), set(replies)
+    assert (503, "failed", line) in replies, set(replies)
+    assert ERROR_LINE.findall(ranks[0][1]) == [f"{line}; ending all 2 ranks"], ranks[0][1][-3000:]
+
+
 def test_sigterm_to_every_rank_finishes_the_running_job_then_ends_every_rank(ckpt: Path, tmp_path: Path,
                                                                           forkserver: Any) -> None:  # noqa: F811
     """What torchrun does with its SIGTERM: forward it to every rank. During a running job: the follower
     keeps following, rank 0 finishes the job (--on_shutdown finish), cancels the queued one, tells the
     follower to stop; both exit 0 and the finished job's video is kept."""
-    spec = _serve_spec(tmp_path, ckpt, "--drain_grace", "0", slow_step={"rank": 1, "seconds": 0.3})
+    spec = _serve_spec(tmp_path, ckpt, "--drain_grace", "0", slow_step={"rank": 1, "seconds": 0.15})
     procs, logs = start_ranks(forkserver, 2, spec)
     try:
         url = _wait_url(logs[0], lambda: all(p.exitcode is None for p in procs))
