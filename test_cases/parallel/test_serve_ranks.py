@@ -31,7 +31,8 @@ from test_cases.parallel.test_multi_rank import (ERROR_LINE, STEPS, WARMUP_SHAPE
 from test_cases.serve.test_server import http
 
 TIMEOUT_S = 60
-JOBS = [{"prompt": "a red fox in the snow", "seed": 7, "target_height": 32, "target_width": 32, "target_video_length": 5},
+JOBS = [{"prompt": "a red fox in the snow", "seed": 7, "target_height": 32, "target_width": 32,
+         "target_video_length": 5},
         {"prompt": "ocean waves at dusk", "seed": 3, "target_height": 32, "target_width": 64, "target_video_length": 5}]
 
 
@@ -161,7 +162,8 @@ def test_a_rank_failing_in_a_job_fails_the_job_and_ends_every_rank(ckpt: Path, t
     assert job["status"] == "failed" and job["error"]["message"] == f"RankFailed: {line}", job
     assert ready.status == 503 and ready.json()["phase"] == "failed" and ready.json()["error"] == line, ready.body
     assert [r[0] for r in ranks] == [1, 1], [r[1][-2000:] for r in ranks]
-    assert ERROR_LINE.findall(ranks[0][1]) == [f"{line}; ending all 2 ranks", f"job {job_id} failed: RankFailed: {line}",
+    assert ERROR_LINE.findall(ranks[0][1]) == [f"{line}; ending all 2 ranks",
+                                              f"job {job_id} failed: RankFailed: {line}",
                                               f"runner died: the parallel group ended: {line}; not ready any more"]
     assert ERROR_LINE.findall(ranks[1][1]) == [], ranks[1][1][-2000:]
     assert not (tmp_path / "out" / job_id).exists()
