@@ -220,3 +220,25 @@ def test_sigterm_to_every_rank_finishes_the_running_job_then_ends_every_rank(ckp
     assert "all 2 ranks stopped" in ranks[0][1]
     assert (tmp_path / "out" / ids[0] / "result.safetensors").exists()
     assert "ERROR" not in ranks[1][1], ranks[1][1][-2000:]
+
+
+@pytest.mark.parametrize(("rank", "flags", "expected"), [
+    ("0", ["--on_shutdown", "cancel"], "--on_shutdown cancel with `parallel`: a running job cannot be cancelled"),
+    ("1", [], "`parallel` is set but the environment lacks ['WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT']"),
+])
+def test_serve_refuses_a_parallel_start_it_cannot_serve(ckpt: Path, tmp_path: Path, capsys: Any,
+                                                        monkeypatch: pytest.MonkeyPatch, rank: str, flags: list[str],
+                                                        expected: str) -> None:
+    """Exit 2 with one line, before any port or process group: `--on_shutdown cancel` under `parallel`
+    (rank 0), and a follower (RANK 1) started without the rest of torchrun's environment."""
+    from runnerkit.serve.server import main
+
+    for key in ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", rank)
+    config = _config(ckpt, tmp_path, {"cfg": 2})
+    status = main(["--config_json", str(config), "--port", "0", "--output_dir", str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert expected in err, err
+    assert "listening on" not in err
