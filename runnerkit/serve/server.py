@@ -234,11 +234,15 @@ def serve(args: argparse.Namespace) -> int:
         except BaseException as exc:  # noqa: BLE001  ParallelSetupError: exit 2; anything else: 1
             fail("start", exc)
             return
-        try:
-            runner = leader.phase("load", lambda: get_runner_cls(config.model_cls, config.task)(config))
+        def build() -> Any:
+            built = get_runner_cls(config.model_cls, config.task)(config)
+            built.attach_parallel(leader.group)
+            return built
+
+        try:  # a failure here is recorded for the followers too (they wait in the start-up agreement)
+            runner = leader.phase("load", build)
         except RankFailed:
             return  # group_failed stops the server
-        runner.attach_parallel(leader.group)
         queue.running_cancel_refused = CANCEL_REFUSED
         state.metrics = Metrics(runner.device)
         state.runner = runner

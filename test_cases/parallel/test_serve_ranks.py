@@ -169,13 +169,18 @@ def test_a_rank_failing_in_a_job_fails_the_job_and_ends_every_rank(ckpt: Path, t
     assert not (tmp_path / "out" / job_id).exists()
 
 
-def test_a_rank_failing_in_warmup_never_turns_ready_and_ends_every_rank(ckpt: Path, tmp_path: Path,
-                                                                        forkserver: Any) -> None:  # noqa: F811
-    """Rank 1 raises in warmup's second step (after a collective ran): `/health/ready` never answers 200;
-    it answers 503 `failed` with the line naming rank 1 and warmup, then both ranks exit 1."""
-    spec = _serve_spec(tmp_path, ckpt, "--drain_grace", "1", fail={"rank": 1, "phase": "warmup", "step": 2})
+@pytest.mark.parametrize(("fail", "line"), [
+    ({"rank": 1, "phase": "warmup", "step": 2}, "rank 1 failed during warmup: RuntimeError: injected warmup failure"),
+    ({"rank": 0, "phase": "load"}, "rank 0 failed during load: RuntimeError: injected load failure"),
+], ids=["rank1-warmup", "rank0-load"])
+def test_a_rank_failing_at_start_up_never_turns_ready_and_ends_every_rank(ckpt: Path, tmp_path: Path,
+                                                                          forkserver: Any,  # noqa: F811
+                                                                          fail: dict[str, Any], line: str) -> None:
+    """Rank 1 raises in warmup's second step (after a collective ran), or rank 0 (the server) at load:
+    `/health/ready` never answers 200; it answers 503 `failed` with the line naming the rank and the
+    phase, then both ranks exit 1."""
+    spec = _serve_spec(tmp_path, ckpt, "--drain_grace", "1", fail=fail)
     procs, logs = start_ranks(forkserver, 2, spec)
-    line = "rank 1 failed during warmup: RuntimeError: injected warmup failure"
     replies = []
     try:
         url = _wait_url(logs[0], lambda: all(p.exitcode is None for p in procs))
