@@ -247,3 +247,21 @@ def test_serve_refuses_a_parallel_start_it_cannot_serve(ckpt: Path, tmp_path: Pa
     assert status == 2, err
     assert expected in err, err
     assert "listening on" not in err
+
+
+def test_followers_exit_when_rank_0_is_killed(ckpt: Path, tmp_path: Path, forkserver: Any) -> None:  # noqa: F811
+    """SIGKILL of rank 0 while the group idles (no stop message, no failure record): the follower finds
+    the rendezvous store gone at its next poll and exits 1 with one line, instead of waiting forever."""
+    spec = _serve_spec(tmp_path, ckpt, "--drain_grace", "0")
+    procs, logs = start_ranks(forkserver, 2, spec)
+    try:
+        _wait_ready(_wait_url(logs[0], lambda: all(p.exitcode is None for p in procs)))
+        os.kill(procs[0].pid, signal.SIGKILL)
+        ranks = join_ranks(procs, logs, TIMEOUT_S)
+    finally:
+        for p in procs:
+            p.kill()
+    assert [r[0] for r in ranks] == [-signal.SIGKILL, 1], ranks[1][1][-2000:]
+    errors = ERROR_LINE.findall(ranks[1][1])
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("rank 1: rank 0 is gone (the rendezvous store does not answer"), errors
