@@ -42,7 +42,7 @@ _report_lock = threading.Lock()
 _reported: list[str] = []
 
 
-def _report(group: ParallelGroup, line: str) -> None:
+def report(group: ParallelGroup, line: str) -> None:
     """Rank 0 logs the group's failure line once (the main thread and the watcher may both see it)."""
     if group.rank != 0:
         return
@@ -58,7 +58,8 @@ def _report(group: ParallelGroup, line: str) -> None:
 
 
 class RankFailed(Exception):
-    """This rank's phase failed (the line is recorded or another rank's record was found)."""
+    """This rank's phase failed (the line is recorded or another rank's record was found); its
+    message is the group's failure line ("rank R failed during PHASE: Type: message")."""
 
 
 def failure_line(rank: int, phase: str, exc: BaseException) -> str:
@@ -67,7 +68,7 @@ def failure_line(rank: int, phase: str, exc: BaseException) -> str:
     return f"rank {rank} failed during {phase}: {type(exc).__name__}{': ' + message if message else ''}"
 
 
-def _exit_now(status: int) -> None:
+def exit_now(status: int) -> None:
     """End this process at once (a thread cannot interrupt a blocked collective otherwise)."""
     logger.complete()
     os._exit(status)
@@ -78,11 +79,11 @@ def _watch(group: ParallelGroup, stop: threading.Event) -> None:
         found = {r: line for r, line in group.failures().items() if r != group.rank}
         if not found:
             continue
-        _report(group, found[min(found)])
-        _exit_now(1)
+        report(group, found[min(found)])
+        exit_now(1)
 
 
-def _phase(group: ParallelGroup, phase: str, fn: Callable[[], Any]) -> Any:
+def run_phase(group: ParallelGroup, phase: str, fn: Callable[[], Any]) -> Any:
     """Run `fn`; on failure decide whether it is the group's first, record it, and raise RankFailed."""
     try:
         return fn()
@@ -93,13 +94,44 @@ def _phase(group: ParallelGroup, phase: str, fn: Callable[[], Any]) -> Any:
         others = {r: line for r, line in group.failures(wait_s=SECONDARY_GRACE_S).items() if r != group.rank}
         if others:  # a peer failed first; this rank's error (a broken collective) follows from it
             logger.debug("rank {}: {} after rank {} failed: {}", group.rank, where, min(others), exc)
-            _report(group, others[min(others)])
-            raise RankFailed() from exc
+            report(group, others[min(others)])
+            raise RankFailed(others[min(others)]) from exc
         line = failure_line(group.rank, where, exc)
         logger.opt(exception=exc).debug("rank {}: {}", group.rank, line)
         group.record_failure(line)
-        _report(group, line)
-        raise RankFailed() from exc
+        report(group, line)
+        raise RankFailed(line) from exc
+
+
+def wait_until_reported(group: ParallelGroup) -> None:
+    """On a rank > 0 that failed: give rank 0 up to SECONDARY_GRACE_S to read this rank's record
+    (and log it) before this process exits and the launcher reaps the group."""
+    if group.rank == 0:
+        return
+    deadline = time.monotonic() + SECONDARY_GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            if group._store().check([REPORTED_KEY]):
+                return
+        except Exception:  # noqa: BLE001 - the store went away with rank 0
+            return
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def start_watcher(group: ParallelGroup, stop: threading.Event) -> None:
+    """The thread that ends this rank (exit 1) once another rank recorded a failure."""
+    threading.Thread(target=_watch, args=(group, stop), name="runnerkit-rank-watch", daemon=True).start()
+
+
+def quiet_other_ranks(group: ParallelGroup, log_level: str) -> None:
+    """Ranks > 0 log WARNING and above (rank 0 tells the story once), unless `log_level` asks otherwise."""
+    if group.rank == 0 or log_level != "INFO":
+        return
+    import sys
+
+    logger.remove()
+    fmt = f"<green>{{time:HH:mm:ss}}</green> | rank {group.rank} | <level>{{level: <7}}</level> | {{message}}"
+    logger.add(sys.stderr, level="WARNING", format=fmt)
 
 
 def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callable[[Any], Any]) -> int:
@@ -114,43 +146,29 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
     except ParallelSetupError as exc:
         logger.error("invalid input: {}", exc)
         return 2
-    if group.rank != 0 and getattr(args, "log_level", "INFO") == "INFO":  # rank 0 tells the story once
-        import sys
-
-        logger.remove()
-        fmt = f"<green>{{time:HH:mm:ss}}</green> | rank {group.rank} | <level>{{level: <7}}</level> | {{message}}"
-        logger.add(sys.stderr, level="WARNING", format=fmt)
+    quiet_other_ranks(group, getattr(args, "log_level", "INFO"))
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(group, stop), name="runnerkit-rank-watch", daemon=True)
-    watcher.start()
+    start_watcher(group, stop)
     status = 1
     try:
-        runner = _phase(group, "load", lambda: build(config))
+        runner = run_phase(group, "load", lambda: build(config))
         runner.attach_parallel(group)
-        _phase(group, "plan", lambda: runner.check_requests_fit(requests))
-        _phase(group, "load", runner.init_modules)
-        _phase(group, "init", lambda: group.agree(True, "init"))
+        run_phase(group, "plan", lambda: runner.check_requests_fit(requests))
+        run_phase(group, "load", runner.init_modules)
+        run_phase(group, "init", lambda: group.agree(True, "init"))
         for index, request in enumerate(requests):
-            _phase(group, f"request {index}", lambda: runner.run_pipeline(request, index))
-            _phase(group, f"request {index}", lambda: group.agree(True, f"request {index}"))
+            run_phase(group, f"request {index}", lambda: runner.run_pipeline(request, index))
+            run_phase(group, f"request {index}", lambda: group.agree(True, f"request {index}"))
         if group.rank == 0 and getattr(args, "profile_json", None):
             runner.profiler.write(args.profile_json)
             logger.info("profile written to {}", args.profile_json)
         status = 0
     except RankFailed:
         status = 1
-        if group.rank != 0:  # give rank 0 a moment to read this rank's record before the launcher reaps the group
-            deadline = time.monotonic() + SECONDARY_GRACE_S
-            while time.monotonic() < deadline:
-                try:
-                    if group._store().check([REPORTED_KEY]):
-                        break
-                except Exception:  # noqa: BLE001 - the store went away with rank 0
-                    break
-                time.sleep(WATCH_INTERVAL_S)
+        wait_until_reported(group)
     finally:
         stop.set()
     if status:
-        _exit_now(status)  # a clean shutdown would wait on the dead peers in destroy_process_group
+        exit_now(status)  # a clean shutdown would wait on the dead peers in destroy_process_group
     group.close()
     return status

@@ -660,6 +660,8 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
         if job.status in FINAL:
             state.queue.delete(job_id)
             return {"id": job_id, "object": f"{kind}.deleted", "deleted": True}
+        if job.status == "in_progress" and state.queue.running_cancel_refused is not None:
+            return error(409, f"job {job_id} is running: {state.queue.running_cancel_refused}")
         was_queued = job.status == "queued"
         job = state.queue.cancel(job_id)
         if job is None:

@@ -137,6 +137,8 @@ class JobQueue:
         self._lock = threading.Condition()
         self.closed = False
         self.dead: str | None = None  # why the worker stopped (the runner's state is unknown)
+        #: Why a running job cannot be cancelled (None: it can; `parallel` sets it, docs/multi_gpu.md).
+        self.running_cancel_refused: str | None = None
         self.running: Job | None = None
         # Job folders of earlier runs in the same output folder: counted (and removed first) by retention.
         self._orphans = sorted((f for f in output_dir.glob("job_*") if f.is_dir()), key=lambda f: f.stat().st_mtime)
@@ -201,6 +203,8 @@ class JobQueue:
             job = self.jobs.get(job_id)
             if job is None or job.status in FINAL:
                 return job
+            if job.status == "in_progress" and self.running_cancel_refused is not None:
+                return job  # it finishes; the caller reports why (HTTP 409)
             job.cancel.set()
             if job.status == "queued":
                 self._queue.remove(job_id)
@@ -269,16 +273,19 @@ class Worker(threading.Thread):
     before any job is taken: PyTorch keeps CUDA library state (cuBLAS handles and workspaces) per
     thread, so a runner warmed on another thread would serve its first job colder than steady
     (issue 22; `BaseRunner.check_serving_thread`). `setup` returns False when it failed (it reports
-    the failure itself): the worker then takes no job."""
+    the failure itself): the worker then takes no job. `run_request(request, index)` runs each job's
+    request (default `runner.run_pipeline`; under `parallel`, the leader's lockstep run)."""
 
     def __init__(self, runner: BaseRunner, queue: JobQueue, on_done: Callable[[Job], None],
-                 save_tensors: bool, setup: Callable[[], bool] | None = None) -> None:
+                 save_tensors: bool, setup: Callable[[], bool] | None = None,
+                 run_request: Callable[[RequestConfig, int], Any] | None = None) -> None:
         super().__init__(name="runnerkit-worker", daemon=True)
         self.runner = runner
         self.queue = queue
         self.on_done = on_done
         self.save_tensors = save_tensors
         self.setup = setup
+        self.run_request = run_request
         self.index = 0
 
     def run(self) -> None:
@@ -318,7 +325,7 @@ class Worker(threading.Thread):
         status: Status | None = None  # stays None if a BaseException (Ctrl-C) ends the worker
         error: str | None = None
         try:
-            self.runner.run_pipeline(request, index)
+            (self.run_request or self.runner.run_pipeline)(request, index)
             job.audio = result_audio(job.result_path)
             status = "completed"
             logger.info("job {} completed: {}", job.id, job.result_path)

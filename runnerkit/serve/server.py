@@ -17,6 +17,11 @@ answered for `--drain_grace` seconds (default 3) after the last job ended, so th
 client sees the final status; then the port closes and the process exits 0. A signal during
 start-up, loading or warmup exits 0 at once; a second signal exits at once with 128 + the signal
 number. Job records live in memory only; result files stay in `--output_dir`.
+
+With a `parallel` config, under `torchrun --nproc_per_node N -m runnerkit.infer serve ...`: rank 0
+serves HTTP and leads, the other ranks follow (runnerkit/parallel/serving.py, docs/multi_gpu.md);
+ready once every rank is warm; a failure on any rank fails the running job and ends every rank
+(exit 1); a running job cannot be cancelled (409).
 """
 
 from __future__ import annotations
@@ -139,13 +144,22 @@ def serve(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
         logger.error("invalid input: {}", exc)
         return 2
+    if config.parallel is not None:  # under torchrun (runnerkit/parallel/serving.py, docs/multi_gpu.md)
+        if os.environ.get("RANK", "0") != "0":  # a follower: no HTTP, runs what rank 0 publishes
+            from runnerkit.parallel.serving import follow
+
+            return follow(config, args.log_level)
+        if args.on_shutdown == "cancel":
+            logger.error("invalid input: --on_shutdown cancel with `parallel`: a running job cannot be cancelled "
+                         "under `parallel` (every rank would have to stop at the same step); use --on_shutdown finish")
+            return 2
     queue = JobQueue(output_dir, args.max_queue, args.keep_jobs,
                      None if args.keep_gib is None else int(args.keep_gib * 2**30))
     state = ServerState(runner=None, queue=queue, metrics=None)
     server = _Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
                                     timeout_graceful_shutdown=5))
     status = {"exit": 0}
-    worker: dict[str, Any] = {}
+    worker: dict[str, Any] = {}  # "w": the Worker; "leader": rank 0's Leader under `parallel`
 
     def job_done(job: Job) -> None:
         state.metrics.observe_job(job.status, job.profile)
@@ -178,6 +192,9 @@ def serve(args: argparse.Namespace) -> int:
             from runnerkit.serve.jobs import Worker
             from runnerkit.serve.metrics import Metrics
 
+            if config.parallel is not None:
+                start_parallel()  # the group, then the runner, as rank 0 of it
+                return
             runner = get_runner_cls(config.model_cls, config.task)(config)
         except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
             fail("start", exc)
@@ -203,6 +220,74 @@ def serve(args: argparse.Namespace) -> int:
         worker["w"] = w = Worker(runner, queue, job_done, args.save_tensors, setup=setup)
         w.start()
 
+    def start_parallel() -> None:
+        """Rank 0 of a parallel server (runnerkit/parallel/serving.py): join the group, build the runner,
+        load, warm up and agree with every rank on the job thread, then ready; each job runs in lockstep."""
+        from runnerkit.parallel.driver import RankFailed
+        from runnerkit.parallel.serving import CANCEL_REFUSED, Leader
+        from runnerkit.registry import get_runner_cls
+        from runnerkit.serve.jobs import Worker
+        from runnerkit.serve.metrics import Metrics
+
+        try:
+            leader = worker["leader"] = Leader(config, on_failed=group_failed)
+        except BaseException as exc:  # noqa: BLE001  ParallelSetupError: exit 2; anything else: 1
+            fail("start", exc)
+            return
+        def build() -> Any:
+            built = get_runner_cls(config.model_cls, config.task)(config)
+            built.attach_parallel(leader.group)
+            return built
+
+        try:  # a failure here is recorded for the followers too (they wait in the start-up agreement)
+            runner = leader.phase("load", build)
+        except RankFailed:
+            return  # group_failed stops the server
+        queue.running_cancel_refused = CANCEL_REFUSED
+        state.metrics = Metrics(runner.device)
+        state.runner = runner
+        runner.on_phase = lambda p: set_phase("waiting_for_ranks" if p == "ready" else p)  # ready once all agree
+
+        def setup() -> bool:
+            try:
+                leader.init(runner)
+            except RankFailed:
+                return False
+            set_phase("ready")
+            state.metrics.load_seconds.set(runner.profiler.phases.get("load_seconds", 0.0))
+            state.metrics.warmup_seconds.set((runner.profiler.warmup or {}).get("seconds", 0.0))
+            state.metrics.ready.set(1)
+            logger.info("ready: all {} ranks warm, accepting jobs", leader.group.world_size)
+            return True
+
+        def run_request(request: Any, index: int) -> None:
+            leader.run(runner, request, index)
+
+        worker["w"] = w = Worker(runner, queue, job_done, args.save_tensors, setup=setup, run_request=run_request)
+        w.start()
+
+    def group_failed(line: str) -> None:
+        """A rank failed (`line` names it and the phase): the running job fails with it, the server turns
+        not ready and refuses jobs, answers status for --drain_grace seconds, then exits 1 (every rank does)."""
+        from runnerkit.serve.jobs import FINAL
+
+        state.phase, state.error = "failed", line
+        queue.dead = queue.dead or f"the parallel group ended: {line}"
+        queue.close(cancel_running=False)
+        if state.metrics is not None:
+            state.metrics.ready.set(0)
+        job = queue.running
+        if job is not None and job.status not in FINAL:  # its worker may be stuck in a collective (NCCL)
+            job.completed_at, job.error = time.time(), f"RankFailed: {line}"
+            job.status = "failed"
+        status["exit"] = 1
+
+        def close_later() -> None:
+            time.sleep(args.drain_grace if state.runner is not None else 0.0)
+            server.should_exit = True
+
+        threading.Thread(target=close_later, name="runnerkit-group-failed", daemon=True).start()
+
     stopping = threading.Event()
 
     def drain() -> None:
@@ -216,6 +301,8 @@ def serve(args: argparse.Namespace) -> int:
                 logger.info("shutting down: {} the running job {}", "cancelling" if cancel else "finishing",
                             queue.running.id)
             w.join()
+        if worker.get("leader") is not None:  # after the last job: the followers exit
+            worker["leader"].stop()
         if args.drain_grace > 0:  # a client polling a job sees its final status before the port closes
             logger.info("jobs ended: answering status for {:g} s more (--drain_grace), then closing the port",
                         args.drain_grace)
@@ -229,7 +316,7 @@ def serve(args: argparse.Namespace) -> int:
             sys.stderr.flush()
             os._exit(128 + signum)
         stopping.set()
-        if state.phase in ("starting", "loading", "warming_up"):  # nothing served yet: abandon the load
+        if state.phase in ("starting", "loading", "warming_up", "waiting_for_ranks"):  # nothing served yet: abandon
             logger.info("{} during {}: stopped before serving", name, state.phase)
             sys.stderr.flush()
             os._exit(0)  # the loader thread runs torch code that cannot be joined or interrupted safely
@@ -246,6 +333,10 @@ def serve(args: argparse.Namespace) -> int:
         server.run()  # returns once drained after SIGTERM / Ctrl-C (on_signal), or when loading failed
     except SystemExit:  # uvicorn exits when it cannot listen (it logged why)
         pass
+    if status["exit"] and worker.get("leader") is not None:  # the job thread may wait in a collective on a dead rank
+        from runnerkit.parallel.driver import exit_now
+
+        exit_now(status["exit"])
     if status["exit"]:
         return status["exit"]
     if not server.started:

@@ -1,9 +1,12 @@
 """One rank of a parallel test run: `python -m torch.distributed.run ... -m test_cases.parallel._rank_worker SPEC`.
 
 SPEC is a JSON file: {"argv": [runnerkit flags], "spy_dir": folder or null, "fail": {"rank": R, "phase":
-"load" | "warmup" | "request"} or null, "warmup_shapes": [[h, w, f], [h, w, f]] or null}. The rank installs a
-collective spy (every `CollectiveCall` with the lifecycle phase it ran in, written to spy_dir/rank{R}.json when
-the run returns), injects the failure, then runs `runnerkit.infer.main(argv)` and exits with its status.
+"load" | "warmup" | "request"} or null, "warmup_shapes": [[h, w, f], [h, w, f]] or null, "slow_warmup" and
+"slow_step": {"rank": R, "seconds": S} or null}. The rank installs a collective spy (every `CollectiveCall`
+with the lifecycle phase it ran in, written to spy_dir/rank{R}.json when the run returns), injects the
+failure or the delays (slow_warmup: at the end of warmup, after its last collective; slow_step: before each
+denoising step of a request), touches spy_dir/warm{R} when its warmup returned, then runs
+`runnerkit.infer.main(argv)` and exits with its status.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 
 PRELOAD = ["torch", "torch.distributed", "safetensors.torch", "runnerkit.infer", "runnerkit.models.wan.runner",
-           "runnerkit.parallel.driver", "runnerkit.runners.default"]
+           "runnerkit.parallel.driver", "runnerkit.runners.default", "runnerkit.serve.server", "runnerkit.serve.app",
+           "runnerkit.parallel.serving", "uvicorn", "fastapi"]
 """What the test's forkserver imports once, so each rank forks with them loaded (seconds per rank saved)."""
 
 
@@ -61,10 +66,16 @@ def main(spec_path: str) -> int:
             raise RuntimeError("injected load failure")
         original_load(self)
 
+    slow, slow_step = spec.get("slow_warmup") or {}, spec.get("slow_step") or {}
+
     def spy_warmup(self: DefaultRunner, shapes: Any) -> None:
         where["phase"] = "warmup"
         run_warmup(self, shapes)
+        if slow.get("rank") == rank:  # after warmup's last collective: the other ranks are warm, this one not yet
+            time.sleep(slow["seconds"])
         where["phase"] = "requests"
+        if spec.get("spy_dir"):
+            Path(spec["spy_dir"], f"warm{rank}").touch()
 
     def spy_denoise(self: DefaultRunner, info: Any, warmup: bool = False) -> Any:
         where["phase"] = "warmup" if warmup else "requests"
@@ -78,6 +89,8 @@ def main(spec_path: str) -> int:
         phase = "warmup" if self.input_info.warmup else "request"
         if fail.get("rank") == rank and fail.get("phase") == phase and steps["n"] >= fail.get("step", 1):
             raise RuntimeError(f"injected {phase} failure")
+        if slow_step.get("rank") == rank and phase == "request":
+            time.sleep(slow_step["seconds"])
         return run_step(self, *args)
 
     DefaultRunner.load_modules = load_modules  # type: ignore[method-assign]

@@ -96,9 +96,9 @@ def forkserver() -> Any:
     return ctx
 
 
-def launch_ranks(ctx: Any, n: int, spec: Path) -> list[tuple[int, str]]:
-    """Start `n` ranks (forked from `ctx`'s server) with torchrun's environment; wait for each (bounded);
-    return (exit status, log) by rank."""
+def start_ranks(ctx: Any, n: int, spec: Path) -> tuple[list[Any], list[Path]]:
+    """Start `n` ranks (forked from `ctx`'s server) with torchrun's environment; return the processes
+    and their log files, by rank."""
     from test_cases.parallel._rank_worker import rank_main
 
     port = _free_port()
@@ -106,13 +106,25 @@ def launch_ranks(ctx: Any, n: int, spec: Path) -> list[tuple[int, str]]:
     procs = [ctx.Process(target=rank_main, args=(str(spec), r, n, port, str(logs[r]))) for r in range(n)]
     for p in procs:
         p.start()
+    return procs, logs
+
+
+def join_ranks(procs: list[Any], logs: list[Path], timeout_s: float = TIMEOUT_S) -> list[tuple[int, str]]:
+    """Wait for each rank (bounded: a rank still running after `timeout_s` is a hang, and every rank is
+    killed); return (exit status, log) by rank."""
     for rank, p in enumerate(procs):
-        p.join(TIMEOUT_S)
+        p.join(timeout_s)
         if p.exitcode is None:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"rank {rank} did not end within {TIMEOUT_S} s (a hang)")
+            raise AssertionError(f"rank {rank} did not end within {timeout_s} s (a hang):\n"
+                                 + "\n".join(log.read_text()[-2000:] for log in logs))
     return [(p.exitcode, log.read_text()) for p, log in zip(procs, logs)]
+
+
+def launch_ranks(ctx: Any, n: int, spec: Path) -> list[tuple[int, str]]:
+    """Start `n` ranks (`start_ranks`), wait for each (bounded); return (exit status, log) by rank."""
+    return join_ranks(*start_ranks(ctx, n, spec))
 
 
 def reference(ckpt: Path, tmp: Path, template: Path = TINY_CONFIG, shape: tuple[int, int, int] = SHAPE,

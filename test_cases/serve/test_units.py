@@ -182,6 +182,25 @@ def test_a_queued_job_turns_cancelled_after_its_end_time_and_files(tmp_path: Pat
     assert job.status == "cancelled" and job.__dict__["seen"] == (True, False)
 
 
+def test_a_running_job_is_not_cancelled_when_the_queue_refuses_it(tmp_path: Path) -> None:
+    """Under `parallel` (running_cancel_refused set) a cancel of the running job, from DELETE or from an
+    images client that went away, leaves it running with no cancel request (every rank must stop at the
+    same step, so none does); a queued job is still cancelled."""
+    queue = JobQueue(tmp_path, 4, None, None)
+    queue.running_cancel_refused = "refused under parallel"
+    jobs = []
+    for name in ("run", "wait"):
+        (tmp_path / name).mkdir()
+        jobs.append(Job(id=name, kind="video", request=RequestConfig(prompt="a"), folder=tmp_path / name, fields={}))
+    queue.submit(*jobs)
+    assert queue.next() is jobs[0]
+    queue.cancel("run", "the client disconnected")
+    queue.cancel("wait")
+    assert (jobs[0].status, jobs[0].cancel.is_set(), jobs[0].as_dict()["cancel_requested"]) == ("in_progress", False,
+                                                                                                 False)
+    assert jobs[1].status == "cancelled"
+
+
 def test_progress_stays_below_100_through_decode_and_save(tiny_ckpt: Path, tmp_path: Path) -> None:
     """A job run by the Worker on the real tiny runner (4 steps, 3 decoder chunks): its `progress`, read
     at every progress report, climbs to 95 over the steps, holds 99 while the decoder and the save run,
