@@ -56,8 +56,8 @@ class StreamSpec:
         keep_fp32: full parameter name -> True when the reference keeps it float32; inside
             blocks such tensors stay resident on the device (small tables, norms).
         more_blocks: further block lists (dotted paths) whose blocks run after those of
-            `blocks_attr`, in this order: a module with several block stacks (e.g. the LTX-2 text
-            connectors' video then audio 1D blocks) streams them all as one unit sequence.
+            `blocks_attr`, in this order: a module with several block stacks (e.g. a text
+            connector's video then audio blocks) streams them all as one unit sequence.
     """
 
     blocks_attr: str

@@ -45,7 +45,11 @@ def diffusers_pipelines(folder: Path) -> tuple[Any, Any]:
     vae = diffusers.AutoencoderKLLTX2Video.from_pretrained(folder / "vae")
     pipe = LTX2Pipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False),
-        vae=vae, audio_vae=diffusers.AutoencoderKLLTX2Audio.from_pretrained(folder / "audio_vae"),
+        vae=vae, audio_vae=diffusers.AutoencoderKLLTX2Audio.from_pretrained(
+            # the synthetic folder has no audio encoder (never used here): with `accelerate` installed (peft
+            # brings it) diffusers would leave those weights on the meta device, and the pipeline's
+            # execution device, taken from its modules' parameters, would be meta
+            folder / "audio_vae", low_cpu_mem_usage=False),
         text_encoder=transformers.Gemma3TextModel.from_pretrained(folder / "text_encoder"),
         tokenizer=transformers.AutoTokenizer.from_pretrained(folder / "tokenizer"),
         connectors=LTX2TextConnectors.from_pretrained(folder / "connectors"),

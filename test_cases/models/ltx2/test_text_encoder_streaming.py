@@ -135,7 +135,11 @@ def test_the_estimate_counts_the_streamed_gemma(tmp_path: Path, monkeypatch: pyt
     sizes = tiny_gemma_sizes(tiny_arch())
     assert streamed.stream_resident_bytes == 4 * (sizes["vocab_size"] + 1) * sizes["hidden_size"]  # embedding, norm
     assert any("stream_modules" in h.text for h in hints_whole) and not any("Gemma" in h.text for h in hints_streamed)
-    assert [h.offload for h in hints_whole] == [{"mode": "block", "stream_modules": ("transformer", "text_encoder")}]
+    # one hint per module that could stream (text encoder, connectors), then both together
+    assert [h.offload for h in hints_whole] == [{"mode": "block", "stream_modules": ("transformer", "text_encoder")},
+                                                {"mode": "block", "stream_modules": ("transformer", "connectors")},
+                                                {"mode": "block", "stream_modules": ("transformer", "text_encoder",
+                                                                                     "connectors")}]
 
 
 @pytest.mark.parametrize("mode", ["block", "phase"])
