@@ -251,17 +251,21 @@ class LoRARequest(_Strict):
 
 
 def parse_lora_flag(text: str) -> LoRARequest:
-    """`PATH[:STRENGTH]` (CLI `--lora`) -> a `LoRARequest`; a tail that is not a number stays in the path.
+    """`PATH[:STRENGTH]` (CLI `--lora`) -> a `LoRARequest`. A tail after the last ':' that is not a
+    number belongs to the path only when the whole text names an existing file.
 
     Raises:
-        ValueError: an empty path.
+        ValueError: an empty path, or a strength that is not a number.
     """
     path, sep, tail = text.rpartition(":")
     if sep and path:
         try:
             strength = float(tail)
         except ValueError:
-            return LoRARequest(path=text)
+            if os.path.exists(os.path.expanduser(text)):
+                return LoRARequest(path=text)
+            raise ValueError(f"`--lora` {text!r}: the strength {tail!r} after the last ':' is not a number "
+                             "(syntax PATH[:STRENGTH], e.g. style.safetensors:0.8)") from None
         return LoRARequest(path=path, strength=strength)
     return LoRARequest(path=text)
 

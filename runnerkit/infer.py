@@ -137,7 +137,12 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
         if "prompt" not in given:
             raise ConfigError("--prompt is required (or --requests FILE.jsonl)")
         if "lora" in given:
-            given["lora"] = [parse_lora_flag(x).model_dump() for x in given["lora"]]
+            try:
+                given["lora"] = [parse_lora_flag(x).model_dump() for x in given["lora"]]
+            except ValidationError as exc:
+                raise ConfigError(format_validation_error(exc, "request flags (--lora)")) from None
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         try:
             requests = [RequestConfig.model_validate(given)]
         except ValidationError as exc:

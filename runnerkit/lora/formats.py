@@ -192,6 +192,11 @@ def read_adapter(path: str | os.PathLike[str], header_only: bool = False) -> Ada
         if bias is not None and up is not None and bias.shape[0] != up.shape[0]:
             problems.append(f"{module}: bias delta [{bias.shape[0]}] does not fit up {tuple(up.shape)}")
             continue
+        if not header_only and any(t is not None and not bool(torch.isfinite(t).all())
+                                   for t in (down, up, bias, roles.get("alpha"))):
+            problems.append(f"{module}: holds NaN or infinite values (a damaged adapter: it would turn the "
+                            "whole output into NaN)")
+            continue
         layers[module] = LayerDelta(None if down is None else down.float(), None if up is None else up.float(),
                                     scale, None if bias is None else bias.float())
     if problems:
@@ -244,8 +249,10 @@ def match_adapter(adapter: Adapter, targets: Mapping[str, tuple[int, int]], alia
             continue
         matched[target] = delta
     if unmatched and not matched:
+        misfit = (f"; {len(bad)} match by name but not by shape (another size of this model?): "
+                  + "; ".join(bad[:3])) if bad else ""
         raise LoRAError(f"LoRA adapter {adapter.path!r}: none of its {len(adapter.layers)} layers match a linear layer "
-                        f"of the {model} (an adapter for another model?): {short_list(sorted(unmatched), 8)}")
+                        f"of the {model} (an adapter for another model?): {short_list(sorted(unmatched), 8)}{misfit}")
     if unmatched:
         raise LoRAError(f"LoRA adapter {adapter.path!r}: {len(unmatched)} of its layers match no linear layer of the "
                         f"{model}: {short_list(sorted(unmatched), 12)}")

@@ -55,7 +55,23 @@ def test_parse_lora_flag() -> None:
     assert parse_lora_flag("a.safetensors") == LoRARequest(path="a.safetensors", strength=1.0)
     assert parse_lora_flag("dir/a.safetensors:0.5") == LoRARequest(path="dir/a.safetensors", strength=0.5)
     assert parse_lora_flag("c:/x/a.safetensors:-1") == LoRARequest(path="c:/x/a.safetensors", strength=-1.0)
-    assert parse_lora_flag("weird:name.safetensors") == LoRARequest(path="weird:name.safetensors")
+    with pytest.raises(ValueError, match=r"the strength 'abc' after the last ':' is not a number"):
+        parse_lora_flag("a.safetensors:abc")
+    with pytest.raises(ValueError, match=r"the strength '' after the last ':' is not a number"):
+        parse_lora_flag("a.safetensors:")
+
+
+def test_parse_lora_flag_keeps_a_colon_of_an_existing_file(tmp_path: Path) -> None:
+    weird = tmp_path / "weird:name.safetensors"
+    weird.write_bytes(b"")
+    assert parse_lora_flag(str(weird)) == LoRARequest(path=str(weird))
+
+
+def test_a_bad_strength_exits_2_naming_it(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for flag, says in (("x.safetensors:abc", "the strength 'abc'"), ("x.safetensors:1000", "strength")):
+        rc, err = _cli(capsys, "--config_json", _config(tiny_ckpt, tmp_path, lora={}), "--prompt", "x", *SMALL,
+                       "--lora", flag)
+        assert rc == 2 and says in err and "Traceback" not in err, err
 
 
 BAD: dict[str, tuple[Any, str]] = {
@@ -71,6 +87,15 @@ BAD: dict[str, tuple[Any, str]] = {
                      "an adapter for another model"),
     "shape": ({"diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.zeros(4, 32),
                "diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.zeros(128, 4)}, "do not fit blocks.0.ffn.0 [out 128, in 64]"),
+    # a damaged adapter: NaN would turn the whole output into NaN
+    "nan": ({"diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.full((4, 64), float("nan")),
+             "diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.zeros(128, 4)}, "NaN or infinite values"),
+    # another size of the model: the names match, the shapes do not, and nothing else matches
+    "other_size": ({"diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.zeros(4, 32),
+                    "diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.zeros(128, 4),
+                    "diffusion_model.blocks.7.ffn.0.lora_down.weight": torch.zeros(4, 32),
+                    "diffusion_model.blocks.7.ffn.0.lora_up.weight": torch.zeros(128, 4)},
+                   "1 match by name but not by shape (another size of this model?): blocks.0.ffn.0: down (4, 32)"),
 }
 
 
