@@ -205,8 +205,8 @@ def probe(device: torch.device, dtype: torch.dtype) -> tuple[str | None, bool]:
     b = torch.randn(32, generator=gen)  # [N]
     x_q, sx = quantize_rows(x)
     w_q, sw = quantize_rows(w)
-    want = (x_q.float() * sx) @ (w_q.float() * sw).t() + b.to(dtype).float()  # [M, N] float32
-    tol = 4 * torch.finfo(dtype).eps * want.abs().max().item()
+    expected = (x_q.float() * sx) @ (w_q.float() * sw).t() + b.to(dtype).float()  # [M, N] float32
+    tol = 4 * torch.finfo(dtype).eps * expected.abs().max().item()
 
     def run(with_bias: bool) -> str | None:
         try:
@@ -218,7 +218,7 @@ def probe(device: torch.device, dtype: torch.dtype) -> tuple[str | None, bool]:
         except Exception as exc:  # noqa: BLE001 - any refusal of the op on the probe is the reason
             return f"torch {torch.__version__} torch._scaled_mm with rowwise scales and out_dtype {dtype} fails: " \
                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        err = (got.float().cpu() - want).abs().max().item()
+        err = (got.float().cpu() - expected).abs().max().item()
         if err > tol:
             return f"torch._scaled_mm differs from the float32 math by {err:.3g} on the probe (more than {tol:.3g})"
         return None
