@@ -31,11 +31,9 @@ import pytest
 import torch
 
 from runnerkit import synthetic
-from loguru import logger
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
-from runnerkit import memory
 from runnerkit.config import OffloadConfig
 from runnerkit.infer import main
 from runnerkit.models.wan import checkpoint as ckpt_mod
@@ -46,6 +44,7 @@ from runnerkit.offload.disk import SafetensorsDiskReader
 from runnerkit.offload.setup import stream_module
 from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta, read_safetensors, synthetic_tensor
 from test_cases.conftest import TINY_CONFIG, tiny_config_dict, write_config
+from test_cases._cli import no_gc_freeze, restore_logger  # noqa: F401 (autouse fixtures)
 
 # Offload settings, together covering every value of mode, storage, reader, lazy_load and unload_modules.
 MODES: dict[str, dict[str, Any]] = {
@@ -73,19 +72,6 @@ INDEX = {"runnerkit": "transformer/model.safetensors.index.json",
 
 # A damage reads the intact file and returns the damaged bytes and what the error must name.
 Damage = Callable[[Path], tuple[bytes, tuple[str, ...]]]
-
-
-@pytest.fixture(autouse=True)
-def _restore_logger() -> Any:
-    """`main` binds loguru to the `sys.stderr` of its call (a capsys buffer here); rebind afterwards."""
-    yield
-    logger.remove()
-    logger.add(lambda message: sys.stderr.write(message), level="DEBUG")
-
-
-@pytest.fixture(autouse=True)
-def _no_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
 
 
 @pytest.fixture(scope="module")

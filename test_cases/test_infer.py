@@ -20,13 +20,14 @@ import pytest
 import torch
 
 from runnerkit import synthetic
-from loguru import logger
 from safetensors.torch import load_file, save_file
 
 from runnerkit import memory
 from runnerkit.infer import main
 from runnerkit.media import to_uint8_frames
 from test_cases.conftest import REPO, tiny_config_dict, write_config
+from test_cases._cli import no_gc_freeze, restore_logger  # noqa: F401 (autouse fixtures)
+from test_cases._cli import run_cli as _cli
 
 # The tiny config's default shape and steps (configs/wan/wan_t2v_tiny.json).
 H, W, F = 48, 80, 9
@@ -38,27 +39,6 @@ REQUESTS: list[dict[str, Any]] = [
     {"prompt": "ocean waves at dusk", "seed": 2, "target_height": 32, "target_width": 32, "target_video_length": 5},
     {"prompt": "a city at night", "seed": 3},
 ]
-
-
-@pytest.fixture(autouse=True)
-def _restore_logger() -> Any:
-    """`main` binds loguru to the `sys.stderr` of its call (a capsys buffer here); rebind afterwards."""
-    yield
-    logger.remove()
-    logger.add(lambda message: sys.stderr.write(message), level="DEBUG")  # loguru's default level
-
-
-@pytest.fixture(autouse=True)
-def _no_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In-process warmups must not freeze the test process's gc (nor consume the once-per-process freeze)."""
-    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str]:
-    """Run `main` in-process; returns (exit status, everything it wrote to stderr)."""
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    return rc, capsys.readouterr().err
 
 
 def _flags(request: dict[str, Any]) -> list[str]:

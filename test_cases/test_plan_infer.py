@@ -15,38 +15,25 @@ tell the candidates apart.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from loguru import logger
 from safetensors.torch import load_file
 
 from runnerkit import memory
 from runnerkit.config import OffloadConfig, load_runner_config
-from runnerkit.infer import main
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.runners import fit, plan_report
 from runnerkit.runners.requests import RequestChecksMixin
 from test_cases.conftest import REPO, TINY_CONFIG, config_dict, write_config
+from test_cases._cli import no_gc_freeze, restore_logger  # noqa: F401 (autouse fixtures)
+from test_cases._cli import run_cli as _cli
 
 CUDA = torch.device("cuda")
 SHAPE = (32, 32, 5)  # small: two runs of this file decode it
 LAZY_DISK = {"mode": "block", "storage": "disk", "reader": "pread", "lazy_load": True}
-
-
-@pytest.fixture(autouse=True)
-def _restore_logger() -> Any:
-    yield
-    logger.remove()
-    logger.add(lambda message: sys.stderr.write(message), level="DEBUG")
-
-
-@pytest.fixture(autouse=True)
-def _no_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +58,6 @@ def _config(ckpt: Path, **overrides: Any) -> dict[str, Any]:
 
 def _plan_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(RequestChecksMixin, "memory_device", lambda self: CUDA)
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    return rc, capsys.readouterr().err
 
 
 def _limits(ckpt: Path) -> tuple[float, float]:

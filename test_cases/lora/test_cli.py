@@ -5,41 +5,21 @@ adapter for another model, a shape that does not fit, `lora` without the config'
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from loguru import logger
 from safetensors.torch import load_file, save_file
 
-from runnerkit import memory
 from runnerkit.config import LoRARequest, load_runner_config, parse_lora_flag
-from runnerkit.infer import main
 from runnerkit.lora.synthetic import synthetic_adapter
 from runnerkit.models.wan.runner import WanT2VRunner
 from test_cases.conftest import tiny_config_dict, write_config
+from test_cases._cli import no_gc_freeze, restore_logger  # noqa: F401 (autouse fixtures)
+from test_cases._cli import run_cli as _cli
 
 SMALL = ["--target_height", "32", "--target_width", "32", "--target_video_length", "5"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_logger() -> Any:
-    yield
-    logger.remove()
-    logger.add(lambda message: sys.stderr.write(message), level="DEBUG")
-
-
-@pytest.fixture(autouse=True)
-def _no_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    return rc, capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
