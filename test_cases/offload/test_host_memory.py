@@ -143,8 +143,11 @@ def test_pread_streaming_keeps_the_page_cache_bounded(tmp_path: Path, monkeypatc
     streamer.close()
     assert len(during) == 16 + 1  # every unit, then the wrap read-ahead's fetch of unit 0
     if not drop:
-        assert after_request == total and found["reader_dropped_bytes"] == 0
-        assert during == sorted(during) and during[-2] == total  # growing with every unit, to the whole file
+        # the control keeps (nearly) the whole file cached: the kernel may still evict a few clean pages
+        # when another process (the suite's other worker) needs memory, so allow 1 % of them
+        slack = total // 100
+        assert after_request >= total - slack and found["reader_dropped_bytes"] == 0, (after_request, total)
+        assert during[-2] >= total - slack and during[7] <= during[-2], during  # grows with the units, to the file
         return
     assert after_request == 0, f"{after_request} of {total} streamed pages still cached after the request"
     window = read_ahead_bytes(checkpoint)
