@@ -21,13 +21,18 @@ backend's call: q, k, v `[B, N, L, d]` -> `[B, N, Lq, d]`, as SDPA's.
 
 Key masks: a family whose text is padded to a few lengths (docs/prompt_lengths.md) passes
 `mask`, bool `[B, 1, 1, Lk]` (True: attend), to exclude the padded keys. SDPA's backends take it as
-`attn_mask`; FlashAttention-2 (`sdpa_flash`) and FlashAttention-4 take none. A runner that passes
-masks resolves its backend with `masked=True`: the probe then runs with a mask, so `auto` skips the
-backends that cannot take one and an explicit one is refused at load with the reason.
+`attn_mask` (cuDNN then runs its biased variant, ~10 % slower a step for Qwen-Image on the H200);
+FlashAttention-4 takes it as a key count: the attended keys are moved to the front of K and V (a
+stable gather; attention does not depend on the keys' order) and `flash_attn_varlen_func` reads the
+first `seqused_k` of them, so the padded keys cost neither time nor a mask. FlashAttention-2
+(`sdpa_flash`) takes none. A runner that passes masks resolves its backend with `masked=True`: the
+probe then runs with a mask, so `auto` skips the backends that cannot take one and an explicit one
+is refused at load with the reason.
 
 Sources: PyTorch `torch.nn.attention` (SDPBackend, sdpa_kernel); FlashAttention-4: Dao-AILab
 flash-attention `flash_attn/cute/interface.py` (`flash_attn_func(q, k, v)` with [B, L, N, d] inputs,
-returning `(out, lse)`).
+returning `(out, lse)`; `flash_attn_varlen_func(q, k, v, seqused_k=...)` with batched [B, L, N, d]
+inputs reads the first `seqused_k[b]` keys of batch element b).
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ def _sdpa_kernel(kernel: str) -> AttentionFn:
 
 _FA4_FUNC: Callable[..., object] | None = None
 """`flash_attn.cute.flash_attn_func` once `flash_attn_4` was asked for (imported on first use)."""
+_FA4_VARLEN: Callable[..., object] | None = None
+"""`flash_attn.cute.flash_attn_varlen_func` (the masked path), imported with `_FA4_FUNC`."""
 
 
 @torch.library.custom_op("runnerkit::flash_attn_4", mutates_args=())
@@ -103,31 +110,63 @@ def _(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
+def keys_first(k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The attended keys moved to the front: k, v [B, Lk, N, d] and `mask` bool [B, Lk] (True: attend)
+    -> (k', v' [B, Lk, N, d], used int32 [B]) with the `used[b]` attended keys of batch element b
+    first, in their order, and the masked ones after them (a stable sort on the mask). Attention
+    over k'[b, :used[b]] equals attention over the keys `mask` keeps: the order of keys does not
+    change softmax(q kᵀ) v."""
+    order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)  # [B, Lk]: kept keys first
+    index = order[:, :, None, None]
+    k = torch.gather(k, 1, index.expand(-1, -1, k.shape[2], k.shape[3]))
+    v = torch.gather(v, 1, index.expand(-1, -1, v.shape[2], v.shape[3]))
+    return k, v, mask.sum(dim=1, dtype=torch.int32)
+
+
+@torch.library.custom_op("runnerkit::flash_attn_4_masked", mutates_args=())
+def _flash_attn_4_masked_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """[B, Lq, N, d], [B, Lk, N, d] x2, bool [B, Lk] -> [B, Lq, N, d]: FA4 over the keys `mask` keeps."""
+    assert _FA4_VARLEN is not None, "flash_attn_4 checks for the varlen entry point before this op"
+    k, v, used = keys_first(k, v, mask)
+    out = _FA4_VARLEN(q, k, v, seqused_k=used)
+    return out[0] if isinstance(out, tuple) else out  # type: ignore[return-value]
+
+
+@_flash_attn_4_masked_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
 def flash_attn_4(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-    """FlashAttention-4: [B, N, L, d] -> [B, N, Lq, d], as SDPA's layout.
+    """FlashAttention-4: [B, N, L, d] -> [B, N, Lq, d], as SDPA's layout; `mask` None or bool
+    [B, 1, 1, Lk] (True: attend) over the keys.
 
-    Raises:
-        NotImplementedError: a `mask` is given (this entry point takes none; `resolve(masked=True)`
-            refuses the backend at load, so a request never reaches this).
-
-    It runs as the torch custom op `runnerkit::flash_attn_4` (with a shape-only fake), so that
-    regional compile keeps the block one graph with the kernel as an opaque call: FA4's own entry
-    point is an autograd Function around CuTe-DSL launches that dynamo does not trace. The [B, N, L, d]
-    inputs are views of [B, L, N, d] projections, so the transposes to and from FA4's layout copy nothing.
+    It runs as the torch custom ops `runnerkit::flash_attn_4` and `runnerkit::flash_attn_4_masked`
+    (with shape-only fakes), so that regional compile keeps the block one graph with the kernel as an
+    opaque call: FA4's own entry points are autograd Functions around CuTe-DSL launches that dynamo
+    does not trace. The [B, N, L, d] inputs are views of [B, L, N, d] projections, so the transposes to
+    and from FA4's layout copy nothing. With a mask, the kept keys are gathered to the front of K and V
+    (`keys_first`, one copy of each) and the varlen kernel reads `seqused_k` of them: the shapes stay
+    those of the padded sequence, so a prompt of a new length within a text bucket runs the same kernel.
     """
-    if mask is not None:
-        raise NotImplementedError("FlashAttention-4 (`flash_attn.cute.flash_attn_func`) takes no attention mask")
-    return _flash_attn_4_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if mask is None:
+        return _flash_attn_4_op(qt, kt, vt).transpose(1, 2)
+    if _FA4_VARLEN is None:
+        raise NotImplementedError("this flash-attn-4 has no `flash_attn_varlen_func`, which key masks need")
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        raise ValueError(f"flash_attn_4 takes a key mask [B, 1, 1, Lk] (got {tuple(mask.shape)})")
+    return _flash_attn_4_masked_op(qt, kt, vt, mask[:, 0, 0].expand(q.shape[0], -1).contiguous()).transpose(1, 2)
 
 
 def _flash_attn_4() -> AttentionFn:
-    global _FA4_FUNC
+    global _FA4_FUNC, _FA4_VARLEN
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
         raise NotImplementedError("flash-attn-4 is not installed (the `flash_attn.cute` package of "
                                   "Dao-AILab/flash-attention; pip install flash-attn-4)")
-    from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
+    import flash_attn.cute as cute  # type: ignore[import-not-found]
 
-    _FA4_FUNC = flash_attn_func
+    _FA4_FUNC, _FA4_VARLEN = cute.flash_attn_func, getattr(cute, "flash_attn_varlen_func", None)
     return flash_attn_4
 
 

@@ -133,14 +133,28 @@ def _fake_flash_attn_cute(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[int
         out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return out.transpose(1, 2).contiguous(), None
 
+    @torch.compiler.disable
+    def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        """FA4's batched varlen call: batch element b attends to its first `seqused_k[b]` keys only."""
+        calls.append(("varlen", *q.shape))
+        outs = []
+        for b in range(q.shape[0]):
+            n = int(seqused_k[b]) if seqused_k is not None else k.shape[1]
+            outs.append(flash_attn_func(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])[0])
+            calls.pop()
+        return torch.cat(outs), None
+
     pkg, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
     pkg.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
     cute.__spec__ = importlib.machinery.ModuleSpec("flash_attn.cute", None)
     cute.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
+    cute.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
     pkg.cute = cute  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flash_attn", pkg)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
     monkeypatch.setattr(attention, "_FA4_FUNC", None)
+    monkeypatch.setattr(attention, "_FA4_VARLEN", None)
 
 
 def test_flash_attn_4_takes_fa4_layout_and_compiles_as_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,21 +209,53 @@ def test_a_backend_that_asserts_on_the_probe_is_skipped_by_auto_and_refused_when
 
 
 def test_a_run_with_masks_takes_only_a_backend_that_applies_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Padded text (docs/prompt_lengths.md) needs a key mask: FlashAttention-4 (stand-in, working without a
-    mask) is skipped by `auto` and refused when asked with the reason; SDPA takes the mask and matches the
-    math path on the unmasked keys alone."""
+    """Padded text (docs/prompt_lengths.md) needs a key mask: a FlashAttention-4 without the varlen entry
+    point (stand-in, working without a mask) is skipped by `auto` and refused when asked with the reason;
+    SDPA takes the mask and matches the math path on the unmasked keys alone."""
     _fake_flash_attn_cute(monkeypatch, [])
+    monkeypatch.delattr(sys.modules["flash_attn.cute"], "flash_attn_varlen_func")
     monkeypatch.setattr(attention, "CUDA_ONLY", {})  # let the CPU probe run the stand-in
     monkeypatch.setitem(attention.AUTO_ORDER, "cpu", ("flash_attn_4", "sdpa"))
     assert attention.resolve("auto", CPU, torch.float32, 16).name == "flash_attn_4"  # without masks it runs
     with pytest.raises(NotImplementedError, match="`attention`='flash_attn_4' cannot run on cpu .* with a key mask "
-                                                  "\\(padded text: set `text_buckets` to 'off'.*takes no attention mask"):
+                                                  "\\(padded text: set `text_buckets` to 'off'.*flash_attn_varlen_func"):
         attention.resolve("flash_attn_4", CPU, torch.float32, 16, masked=True)
     chosen = attention.resolve("auto", CPU, torch.float32, 16, masked=True)
-    assert chosen.name == "sdpa" and "flash_attn_4: FlashAttention-4" in chosen.reason
+    assert chosen.name == "sdpa" and "flash_attn_4: " in chosen.reason
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 12, 16, generator=g) for _ in range(3))
     mask = torch.arange(12)[None, None, None] < 9  # the last 3 keys padded
     out = chosen(q, k, v, mask)
     ref = attention.backend_fn("sdpa_math")(q, k[:, :, :9], v[:, :, :9])
     assert (out - ref).abs().max().item() <= 1e-6
+
+
+def test_flash_attn_4_applies_a_key_mask_as_a_key_count_over_the_kept_keys_moved_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a mask, FA4 gets K and V with the kept keys first (pads in the middle, as Qwen-Image's
+    [text + pads, image] joint sequence has them; a different mask per batch element) and `seqused_k`
+    = their count: the result equals SDPA with the mask on the same inputs; `auto` takes FA4 for a
+    masked run; a block with the masked op compiles as one graph."""
+    calls: list[tuple] = []
+    _fake_flash_attn_cute(monkeypatch, calls)
+    monkeypatch.setattr(attention, "CUDA_ONLY", {})  # let the CPU probe run the stand-in
+    monkeypatch.setitem(attention.AUTO_ORDER, "cpu", ("flash_attn_4", "sdpa"))
+    chosen = attention.resolve("auto", CPU, torch.float32, 16, masked=True)
+    assert chosen.name == "flash_attn_4"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 16, generator=g) for _ in range(3))  # [B, N, L, d]
+    keep = torch.ones(2, 20, dtype=torch.bool)
+    keep[0, 4:8] = False  # batch 0: 4 text pads after 4 text tokens, then image keys
+    keep[1, 2:8] = False  # batch 1: 6 pads
+    mask = keep[:, None, None]
+    calls.clear()
+    out = chosen(q, k, v, mask)
+    assert calls == [("varlen", 2, 20, 3, 16)]
+    ref = attention.sdpa(q, k, v, mask)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    kf, vf, used = attention.keys_first(k.transpose(1, 2), v.transpose(1, 2), keep)
+    assert used.tolist() == [16, 14] and used.dtype == torch.int32
+    assert torch.equal(kf[1, :14], k.transpose(1, 2)[1][keep[1]])  # kept keys first, in their order
+    compiled = torch.compile(lambda a, b, c, m: attention.flash_attn_4(a, b, c, m), backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled(q, k, v, mask), ref, rtol=0, atol=1e-6)

@@ -42,6 +42,26 @@ def test_backends_agree_with_the_math_path_at_a_video_shape(name: str) -> None:
     assert (out.float() - ref).abs().max().item() <= BACKEND_AGREE
 
 
+@pytest.mark.parametrize("name", ["sdpa_cudnn", "sdpa_efficient", "flash_attn_4"])
+def test_masked_backends_agree_with_the_math_path_at_a_bucketed_joint_shape(name: str) -> None:
+    """Qwen-Image's bucketed joint sequence ([text padded to 256 with 150 real tokens, 4096 image tokens],
+    two batch elements with different pads): every backend that takes a key mask here equals the float32
+    math path on the kept keys (FlashAttention-4: the kept keys moved first and `seqused_k`)."""
+    why = attention.probe(name, CUDA, torch.bfloat16, 128, masked=True)
+    if why is not None:
+        pytest.skip(f"{name} does not run here with a mask: {why}")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(2, 12, 256 + 4096, 128, generator=g).to(CUDA, torch.bfloat16) for _ in range(3))
+    keep = torch.ones(2, 1, 1, 256 + 4096, dtype=torch.bool, device=CUDA)
+    keep[0, ..., 150:256] = False
+    keep[1, ..., 40:256] = False
+    with torch.inference_mode():
+        out = attention.backend_fn(name)(q, k, v, keep)
+        ref = attention.backend_fn("sdpa_math")(q.float(), k.float(), v.float(), keep)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max().item() <= BACKEND_AGREE
+
+
 def _video(ckpt: Path, out: Path, **overrides: Any) -> torch.Tensor:
     runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(ckpt, device="cuda", **overrides)))
     runner.init_modules()
