@@ -145,6 +145,8 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=1)
     p.add_argument("--ckpt_root", default="/tmp/speed")
     p.add_argument("--budget_s", type=float, default=540.0, help="start no new process after this many seconds")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms to run (default: all)")
+    p.add_argument("--merge", default="", help="an earlier run's JSON whose arms this run's results join")
     p.add_argument("--summarize", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny architecture on the CPU (checks the script only)")
     add_worker_flags(p, ARMS)
@@ -161,9 +163,12 @@ def main() -> None:
     write_adapter(args, ck)
     data: dict[str, Any] = {"title": "Wan2.1 14B, 4-step distill LoRA (rank 64, LightX2V layout), 480x832x81, "
                                      "CFG off, warmup (bench/lora_distill.py)", "arms": {a: [] for a in ARMS}}
+    if args.merge:
+        for arm, procs in json.loads(Path(args.merge).read_text())["arms"].items():
+            data["arms"][arm].extend(procs)
     out.parent.mkdir(parents=True, exist_ok=True)
     for rnd in range(args.procs):
-        for arm in ARMS:
+        for arm in [a for a in ARMS if a in args.arms.split(",")]:
             if time.perf_counter() - t0 > args.budget_s:
                 print(f"budget reached: {arm} round {rnd} not started", flush=True)
                 continue

@@ -120,7 +120,7 @@ def setup(plan: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         if plan == "wan13":
             return json.loads(c13.read_text()), ck13
         c14 = copy_config(REPO / "configs/wan/wan_t2v_14b.json", Path(args.ckpt_root) / f"wan14l{args.layers}.json",
-                          num_layers=args.layers)
+                          **({"num_layers": args.layers} if args.layers else {}))
         ck = ensure_synthetic(c14, Path(args.ckpt_root) / f"wan14l{args.layers}", generator_device="cuda",
                               transformer_only=True)
         borrow_components(ck, ck13)

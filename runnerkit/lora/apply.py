@@ -12,11 +12,15 @@ Two modes (config `lora.mode`):
   so compiled graphs (which hold the LoRA matmuls from warmup on) never recompile on a switch.
   Streamed weights (block/phase, host or disk, lazy) need nothing: the LoRA tensors are not
   streamed, they stay on the device beside the slots.
-- `fused`: `W <- W + strength * scale * up @ down` (float32 sum, one rounding to W's dtype) when
-  the request starts, after a copy of every changed weight is kept on the host; `clear` copies the
-  kept weights back (exact restore, never a subtraction). No per-step cost; a switch costs a weight
-  copy and a GEMM per adapted layer. Only for weights that stay put (offload none, model, or
-  unload_modules): a streamed unit is re-filled from its source every step.
+- `fused`: `W <- W + strength * scale * up @ down` (float32 sum on W's device, one rounding to W's
+  dtype) when the request starts; `clear` copies the base weights back (exact restore, never a
+  subtraction). The base copy of every adapted weight is taken once, the first time a layer is
+  adapted, and kept on the host for the module's life (pinned when the weight is on CUDA, so the
+  restore is one H2D copy per layer at copy-engine speed): the base weights never change, so later
+  requests reuse it. No per-step cost; a request with adapters costs a GEMM per adapted layer and
+  the restore copy (Wan 14B, 400 layers, 26 GiB: measured in bench/results/lora_distill_h200.md), and
+  the host holds one copy of the adapted weights. Only for weights that stay put (offload none,
+  model, or unload_modules): a streamed unit is re-filled from its source every step.
 
 Design source: PEFT's LoRA layer (scaling alpha / r), LightX2V's per-request LoRA wrapper (kept
 weights, restore on removal); restated.
@@ -38,6 +42,7 @@ from loguru import logger
 from torch import Tensor, nn
 
 from runnerkit.lora.formats import Adapter, LayerDelta, LoRAError, match_adapter, read_adapter
+from runnerkit.offload.pinned import HostSlab, copy_h2d
 
 __all__ = ["LoRALinear", "LoRAManager", "linear_targets"]
 
@@ -96,6 +101,18 @@ def _lora_class(base: type[nn.Linear]) -> type[LoRALinear]:
     return type(f"LoRA{base.__name__}", (LoRALinear, base), {"__module__": __name__})
 
 
+def _host_copy(t: Tensor, label: str) -> tuple[Tensor, HostSlab | None]:
+    """A host copy of `t` (the base weight fused LoRA restores) and the slab holding it: a page-locked
+    slab of exact size when `t` is on CUDA (runnerkit/offload/pinned.py; the restore is then an
+    asynchronous H2D copy), a plain clone otherwise."""
+    if not t.is_cuda:
+        return t.detach().to("cpu", copy=True), None
+    slab = HostSlab(t.numel() * t.element_size(), label=label)
+    host = slab.view(0, t.dtype, t.shape)
+    host.copy_(t)
+    return host, slab
+
+
 def _combine(items: Sequence[tuple[LayerDelta, float]]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Several adapters' deltas of one layer -> (down [r_total, in], up [out, r_total] with
     strength * scale folded in, bias [out]) in float32; parts absent in every adapter are None."""
@@ -140,7 +157,10 @@ class LoRAManager:
         self.active: tuple[tuple[str, float], ...] = ()
         self._deltas: dict[str, dict[str, list[tuple[LayerDelta, float]]]] = {}
         self._written: dict[str, set[str]] = {}  # unfused: module -> layers whose slots hold values
-        self._kept: dict[tuple[str, str], tuple[Tensor, Tensor | None]] = {}  # fused: (module, layer) -> (W, b)
+        #: fused: (module, layer) -> the base (W, b) on the host, taken the first time the layer is adapted
+        #: and kept while the module lives (dropped when `attach` registers a rebuilt module of that name)
+        self._base: dict[tuple[str, str], tuple[tuple[Tensor, HostSlab | None], tuple[Tensor, HostSlab | None] | None]] = {}
+        self._fused: set[tuple[str, str]] = set()  # fused: layers whose weights hold the running request's adapters
 
     # ---- modules ---------------------------------------------------------------------------
     def attach(self, name: str, module: nn.Module) -> None:
@@ -154,6 +174,9 @@ class LoRAManager:
         self._live[name] = weakref.ref(module)
         self._layers[name] = weakref.WeakValueDictionary(layers)
         self._written.pop(name, None)
+        for key in [k for k in self._base if k[0] == name]:  # a rebuilt module: its base copies are the old one's
+            del self._base[key]
+            self._fused.discard(key)
         if self.active:
             if name not in self._deltas:  # first built during this request (unload_modules): match it now
                 self._deltas.update(self.match(self.active, [name]))
@@ -219,7 +242,7 @@ class LoRAManager:
             LoRAError: see `match`; nothing is applied then.
             RuntimeError: the previous request's adapters were not cleared (a lifecycle bug).
         """
-        if self.active or self._written or self._kept:
+        if self.active or self._written or self._fused:
             raise RuntimeError("LoRA state of the previous request was not cleared (end_run must call clear)")
         if not specs:
             return
@@ -250,11 +273,14 @@ class LoRAManager:
                     lin.lora_bias.copy_(bias)
                 self._written.setdefault(name, set()).add(layer)
                 continue
-            w = lin.weight
-            self._kept[(name, layer)] = (w.detach().to("cpu", copy=True),
-                                         None if lin.bias is None else lin.bias.detach().to("cpu", copy=True))
+            key, w = (name, layer), lin.weight
+            if key not in self._base:
+                self._base[key] = (_host_copy(w, f"lora base {layer}"),
+                                   None if lin.bias is None else _host_copy(lin.bias, f"lora base {layer}.bias"))
+            self._fused.add(key)
             if down is not None and up is not None:
-                w.copy_((w.float() + (up @ down).to(w.device)).to(w.dtype))
+                delta = up.to(w.device, torch.float32) @ down.to(w.device, torch.float32)
+                w.copy_((w.float() + delta).to(w.dtype))
             if bias is not None:
                 assert lin.bias is not None, "checked in match"
                 lin.bias.copy_((lin.bias.float() + bias.to(lin.bias.device)).to(lin.bias.dtype))
@@ -272,15 +298,20 @@ class LoRAManager:
                 lin.lora_down.zero_()  # type: ignore[operator]
                 lin.lora_up.zero_()  # type: ignore[operator]
                 lin.lora_bias.zero_()  # type: ignore[operator]
-        for (name, layer), (w, b) in self._kept.items():
+        cuda = False
+        for name, layer in self._fused:
             lin = self._layers.get(name, {}).get(layer)
             if lin is None:
                 continue
-            lin.weight.copy_(w)
+            (w, _), b = self._base[(name, layer)]
+            copy_h2d(lin.weight, w, non_blocking=True)  # from pinned memory: asynchronous, waited for below
             if b is not None:
-                lin.bias.copy_(b)
+                copy_h2d(lin.bias, b[0], non_blocking=True)
+            cuda = cuda or lin.weight.is_cuda
+        if cuda:
+            torch.cuda.synchronize()
         self._written.clear()
-        self._kept.clear()
+        self._fused.clear()
         self._deltas = {}
         self.active = ()
 

@@ -38,7 +38,7 @@ from torch import nn
 from runnerkit import attention, fp8_compute, memory, synthetic
 from runnerkit import compile as regional_compile
 from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig
-from runnerkit.lora import LoRAManager
+from runnerkit.lora import LoRAError, LoRAManager
 from runnerkit.media import save_outputs as write_outputs
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.offload.streamer import BlockStreamer
@@ -353,6 +353,24 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                     self.lora_aliases, f"{self.config.model_cls} transformer")
         self.placement = self.place_modules(pipeline)
         self.schedulers = {s.name: self.build_scheduler(s) for s in pipeline.denoise}
+        if self.lora is not None:
+            self.preload_adapters()
+
+    def preload_adapters(self) -> None:
+        """Read and match every named adapter of the config's `lora.adapters` at load, one at a time:
+        a missing or unusable file fails the load (naming it) instead of the first request that names
+        it, and the parsed adapters are cached (`LoRAManager.read`, up to `ADAPTER_CACHE_SIZE`), so the
+        first request with one does not read it from disk.
+
+        Raises:
+            runnerkit.lora.LoRAError: naming the adapter's file and what is wrong with it.
+        """
+        assert self.lora is not None and self.config.lora is not None
+        for name, path in self.config.lora.adapters.items():
+            try:
+                self.lora.check(((path, 1.0),))
+            except LoRAError as exc:
+                raise LoRAError(f"`lora.adapters.{name}`: {exc}") from exc
 
     def check_fp8_compute(self, pipeline: Pipeline) -> None:
         """`compute_dtype: fp8`: refuse it where it cannot run, before anything loads; else remember

@@ -68,7 +68,7 @@ def serve(runner: WanT2VRunner, tmp_path: Path, loras: list[list[LoRARequest] | 
         prof = runner.run_pipeline(RequestConfig(prompt="a fox", seed=5, lora=lora, save_tensor_path=str(path), **SHAPE), i)
         out.append(load_file(str(path))["video"])
         AUDITS.append(prof.audit)
-        assert runner.lora is None or (runner.lora.active == () and not runner.lora._written and not runner.lora._kept)
+        assert runner.lora is None or (runner.lora.active == () and not runner.lora._written and not runner.lora._fused)
     return out
 
 

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from runnerkit.config import load_runner_config
 from runnerkit.lora.synthetic import synthetic_adapter
 from runnerkit.models.wan.runner import WanT2VRunner
+from runnerkit.runners.base import error_phase
 from runnerkit.serve.app import InputError, ServerState, build_request, create_app
 from runnerkit.serve.jobs import JobQueue
 from test_cases.conftest import tiny_config_dict
@@ -24,6 +25,8 @@ from test_cases.conftest import tiny_config_dict
 def state(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerState:
     folder = tmp_path_factory.mktemp("serve_lora")
     config = load_runner_config(None, tiny_config_dict(tiny_ckpt, lora={"adapters": {"style": str(folder / "s.safetensors")}}))
+    layers, _ = WanT2VRunner.lora_layers(config, "lightx2v")
+    save_file(synthetic_adapter(layers, "lightx2v", 4), str(folder / "s.safetensors"))
     runner = WanT2VRunner(config)
     runner.init_modules()
     return ServerState(runner=runner, queue=JobQueue(folder, 4, None, None), metrics=None, phase="ready")  # type: ignore[arg-type]
@@ -35,6 +38,18 @@ def test_models_lists_the_base_and_known_adapters(state: ServerState) -> None:
     assert [m["id"] for m in body["data"]] == ["wan2.1", "style"]
     assert body["data"][0]["lora"] == {"mode": "unfused", "max_rank": 64}
     assert body["data"][1]["parent"] == "wan2.1" and body["data"][1]["kind"] == "lora"
+
+
+def test_a_named_adapter_that_cannot_load_fails_the_load_naming_it(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """`lora.adapters` are read and matched at load (and cached for the first request): a missing file
+    fails `init_modules` in phase `load`, naming the config key and the file, not the first request."""
+    from runnerkit.lora import LoRAError
+
+    missing = tmp_path / "gone.safetensors"
+    runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, lora={"adapters": {"style": str(missing)}})))
+    with pytest.raises(LoRAError, match=f"`lora.adapters.style`: LoRA adapter '{missing}': no such file") as err:
+        runner.init_modules()
+    assert error_phase(err.value) == "load"
 
 
 @pytest.mark.parametrize("case", ["unknown_format", "no_layer_matches"])
