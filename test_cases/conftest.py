@@ -14,9 +14,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from runnerkit.config import RunnerConfig, load_runner_config
+# Two pytest-xdist workers on a 2-core machine, each with PyTorch's default of one intra-op thread per
+# core, oversubscribe the cores: OpenMP threads spin waiting for each other, and the measured Qwen-Image
+# runner tests took 101 s instead of 28 s. Each worker (and every subprocess a test starts, through the
+# environment) gets its share of the cores. Set before torch is imported; a value given by the caller wins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _share = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, _share)
+
+import torch  # noqa: E402
+
+from runnerkit.config import RunnerConfig, load_runner_config  # noqa: E402
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "wan" / "wan_t2v_tiny.json"
