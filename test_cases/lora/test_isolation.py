@@ -132,3 +132,28 @@ def test_compiled_switches_compile_nothing(tiny_ckpt: Path, tmp_path: Path, lora
         alone = {**alone, **{n: serve(make_runner(tiny_ckpt, lora=lora), tmp_path / n, [adapters[n]])[0]
                              for n in ("A", "B")}}
     _check(videos, alone, f"compiled/{lora}/{offload}")
+
+
+def test_fused_takes_each_base_copy_once_and_restores_from_it(tiny_ckpt: Path, tmp_path: Path,
+                                                               adapters: dict[str, list[LoRARequest]],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused mode copies a layer's base weight to the host the first time the layer is adapted only
+    (the base never changes: later requests restore from that copy), so [A, B, A] takes one copy per
+    adapted tensor, and the third request equals the first bit for bit."""
+    from runnerkit.lora import apply
+
+    copies: list[str] = []
+    original = apply._host_copy
+
+    def counting(t: torch.Tensor, label: str) -> Any:
+        copies.append(label)
+        return original(t, label)
+
+    monkeypatch.setattr(apply, "_host_copy", counting)
+    runner = make_runner(tiny_ckpt, lora={"mode": "fused"})
+    videos = serve(runner, tmp_path, [adapters["A"], adapters["B"], adapters["A"]])
+    assert torch.equal(videos[0], videos[2]) and not torch.equal(videos[0], videos[1])
+    assert len(copies) == len(set(copies)) > 0  # one copy per adapted weight and bias, none taken twice
+    assert runner.lora is not None
+    assert sorted(copies) == sorted(f"lora base {layer}" + suffix for (_, layer), (_, b) in runner.lora._base.items()
+                                    for suffix in ("", ".bias")[: 1 + (b is not None)])
