@@ -21,7 +21,7 @@ backend's call: q, k, v `[B, N, L, d]` -> `[B, N, Lq, d]`, as SDPA's.
 
 Key masks: a family whose text is padded to a few lengths (docs/prompt_lengths.md) passes
 `mask`, bool `[B, 1, 1, Lk]` (True: attend), to exclude the padded keys. SDPA's backends take it as
-`attn_mask` (cuDNN then runs its biased variant, ~10 % slower a step for Qwen-Image on the H200);
+`attn_mask` (cuDNN then runs its biased variant: ~10 % slower a step in docs/prompt_lengths.md's H200 run);
 FlashAttention-4 takes it as a key count: the attended keys are moved to the front of K and V (a
 stable gather; attention does not depend on the keys' order) and `flash_attn_varlen_func` reads the
 first `seqused_k` of them, so the padded keys cost neither time nor a mask. FlashAttention-2

@@ -304,9 +304,9 @@ class LoRAManager:
             if lin is None:
                 continue
             (w, _), b = self._base[(name, layer)]
-            copy_h2d(lin.weight, w, non_blocking=True)  # from pinned memory: asynchronous, waited for below
+            copy_h2d(lin.weight, w, non_blocking=w.is_pinned())  # pinned: asynchronous, waited for below
             if b is not None:
-                copy_h2d(lin.bias, b[0], non_blocking=True)
+                copy_h2d(lin.bias, b[0], non_blocking=b[0].is_pinned())
             cuda = cuda or lin.weight.is_cuda
         if cuda:
             torch.cuda.synchronize()
