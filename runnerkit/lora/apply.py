@@ -18,7 +18,7 @@ Two modes (config `lora.mode`):
   adapted, and kept on the host for the module's life (pinned when the weight is on CUDA, so the
   restore is one H2D copy per layer at copy-engine speed): the base weights never change, so later
   requests reuse it. No per-step cost; a request with adapters costs a GEMM per adapted layer and
-  the restore copy (Wan 14B, 400 layers, 26 GiB: measured in bench/results/lora_distill_h200.md), and
+  the restore copy (measured for a 14B transformer in bench/results/lora_distill_h200.md), and
   the host holds one copy of the adapted weights. Only for weights that stay put (offload none,
   model, or unload_modules): a streamed unit is re-filled from its source every step.
 
