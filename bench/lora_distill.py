@@ -135,6 +135,7 @@ def summarize(out: Path) -> None:
             markdown_table(["lora.mode", "attention", "procs", "base step s", "LoRA step s", "LoRA / base",
                             "switch on s", "switch off s", "request 1 / request 3", "compilations in requests",
                             "equal (base/adapter/changes)", "peak alloc GiB"], rows), ""]
+    text += [f"- {n}" for n in data.get("notes", [])] + ([""] if data.get("notes") else [])
     out.with_suffix(".md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
 
@@ -164,8 +165,10 @@ def main() -> None:
     data: dict[str, Any] = {"title": "Wan2.1 14B, 4-step distill LoRA (rank 64, LightX2V layout), 480x832x81, "
                                      "CFG off, warmup (bench/lora_distill.py)", "arms": {a: [] for a in ARMS}}
     if args.merge:
-        for arm, procs in json.loads(Path(args.merge).read_text())["arms"].items():
+        earlier = json.loads(Path(args.merge).read_text())
+        for arm, procs in earlier["arms"].items():
             data["arms"][arm].extend(procs)
+        data["notes"] = earlier.get("notes", [])
     out.parent.mkdir(parents=True, exist_ok=True)
     for rnd in range(args.procs):
         for arm in [a for a in ARMS if a in args.arms.split(",")]:
