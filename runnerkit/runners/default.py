@@ -616,6 +616,23 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         assert latents is not None
         return latents
 
+    def check_sequence_split(self, info: InputInfo, stages: Sequence[DenoiseStage] | None = None) -> None:
+        """Under Ulysses sequence parallel, refuse request `info` if a denoise stage's transformer tokens
+        (`sequence_tokens`) do not divide by `parallel.ulysses`; a no-op otherwise. The server calls it
+        at submission (422), every stage calls it before its first step. `stages`: default every one.
+
+        Raises:
+            NotImplementedError: naming the stage, the shape, the token count and `parallel.ulysses`.
+        """
+        if self.parallel is None or self.parallel.ulysses <= 1:
+            return
+        from runnerkit.parallel.group import split_even
+
+        assert self.pipeline is not None, "load_modules sets the pipeline"
+        for stage in stages if stages is not None else self.pipeline.denoise:
+            split_even(self.sequence_tokens(stage, info), self.parallel.ulysses, "the transformer's tokens",
+                       f"stage {stage.name!r} at shape {list(info.shape)}; choose a shape whose tokens divide")
+
     def run_denoise_stage(self, info: InputInfo, stage: DenoiseStage, sched: Scheduler,
                           init_latents: torch.Tensor | None, warmup: bool = False) -> torch.Tensor:
         """prepare -> condition_latents -> (step_pre -> select_transformer -> run_step -> step_post)*
@@ -625,11 +642,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         for schedulers that keep one). The chosen transformer is kept on the device while
         consecutive steps use it (an MoE switch moves the other expert in).
         """
-        if self.parallel is not None and self.parallel.ulysses > 1:  # before the stage's first step
-            from runnerkit.parallel.group import split_even
-
-            split_even(self.sequence_tokens(stage, info), self.parallel.ulysses, "the transformer's tokens",
-                       f"stage {stage.name!r} at shape {list(info.shape)}; choose a shape whose tokens divide")
+        self.check_sequence_split(info, (stage,))  # before the stage's first step
         sched.prepare(stage.latent_shape(info), stage.steps, info.seed, self.device, self.dtype,
                       init_latents=init_latents, strength=stage.strength,
                       noise_shapes=stage.noise_shapes(info) if stage.noise_shapes is not None else None)

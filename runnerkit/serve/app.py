@@ -331,6 +331,12 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         runner.check_fit(shape, "request")  # type: ignore[attr-defined]
     except ValueError as exc:  # MemoryFitError: the shape as a whole
         raise InputError(str(exc)) from None
+    check_split = getattr(runner, "check_sequence_split", None)
+    if check_split is not None:  # Ulysses: the request's tokens must divide among the ranks
+        try:
+            check_split(runner.resolve_request(request))  # type: ignore[attr-defined]
+        except NotImplementedError as exc:
+            raise InputError(str(exc), "size") from None
     cfg = runner.config
     resolved = {"model": cfg.model_cls, "seed": request.seed if request.seed is not None else cfg.seed,
                 "height": shape[0], "width": shape[1], "frames": shape[2]}

@@ -131,6 +131,22 @@ def test_tokens_that_do_not_divide_are_refused_before_the_first_step(tiny_ckpt: 
         runner.run_pipeline(request, 0)
 
 
+def test_the_server_refuses_tokens_that_do_not_divide_at_submission(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """The same check at submission: `POST` with a size whose tokens do not divide by `parallel.ulysses`
+    is a 422 naming `size` and the token count, before the job is queued; a dividing size is accepted."""
+    from runnerkit.serve.app import InputError, ServerState, build_request
+    from runnerkit.serve.jobs import JobQueue
+
+    runner = _runner(tiny_ckpt, {"ulysses": 2})
+    runner.init_modules()
+    state = ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None, phase="ready")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"the transformer's tokens divisible by 2, got 45") as err:
+        build_request(state, {"prompt": "a fox", "size": "80x48", "seconds": "1"}, tmp_path / "a")
+    assert (err.value.field, err.value.status) == ("size", 422)
+    request, _, _ = build_request(state, {"prompt": "a fox", "size": "64x32", "seconds": "1"}, tmp_path / "b")
+    assert (request.target_height, request.target_width) == (32, 64)
+
+
 def test_attach_parallel_after_init_is_refused(tiny_ckpt: Path) -> None:
     from runnerkit.runners.base import LifecycleError
 
