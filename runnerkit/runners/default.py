@@ -360,7 +360,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """Read and match every named adapter of the config's `lora.adapters` at load, one at a time:
         a missing or unusable file fails the load (naming it) instead of the first request that names
         it, and the parsed adapters are cached (`LoRAManager.read`, up to `ADAPTER_CACHE_SIZE`), so the
-        first request with one does not read it from disk.
+        first request with one does not read it from disk; in fused mode the base copies of the layers
+        they cover are taken now (`LoRAManager.prepare`), not by the first request.
 
         Raises:
             runnerkit.lora.LoRAError: naming the adapter's file and what is wrong with it.
@@ -369,6 +370,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         for name, path in self.config.lora.adapters.items():
             try:
                 self.lora.check(((path, 1.0),))
+                self.lora.prepare(((path, 1.0),))  # fused: the base copies now, not in the first request
             except LoRAError as exc:
                 raise LoRAError(f"`lora.adapters.{name}`: {exc}") from exc
 

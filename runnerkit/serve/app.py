@@ -292,6 +292,18 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
             what = "is not a request field" if name not in RequestConfig.model_fields else "takes text, not a file"
             raise InputError(f"`{name}` ({_shown(value)}) {what}; the images a request takes: "
                              f"{[*IMAGE_FIELDS, EXTRA_IMAGES_FIELD]}", name)
+    if isinstance(body.get("lora"), list):  # names of the config's `lora.adapters` only: paths are the server's business
+        known = runner.config.lora.adapters if runner.config.lora is not None else {}
+        for i, adapter in enumerate(body["lora"]):
+            path = adapter.get("path") if isinstance(adapter, dict) else None
+            if isinstance(path, str) and known and path not in known:  # no `lora` section: refused below, as before
+                raise InputError(f"`lora[{i}].path` {_shown(path)} is not an adapter name of this server's "
+                                 f"`lora.adapters` (one of {sorted(known)}); the server takes names, not file paths",
+                                 f"lora[{i}].path")
+            if isinstance(path, str) and not known and runner.config.lora is not None:
+                raise InputError(f"`lora[{i}].path` {_shown(path)}: this server's config names no adapters "
+                                 "(`lora.adapters` is empty), and the server takes names, not file paths",
+                                 f"lora[{i}].path")
     # A field the client sent under another name is named as sent (`param`).
     sent = {**({"target_width": "size", "target_height": "size"} if size not in (None, "auto") else {}),
             **({"target_video_length": "seconds"} if seconds is not None else {}),
@@ -446,7 +458,7 @@ def create_app(state: ServerState) -> FastAPI:
         base = {"id": cfg.model_cls, "object": "model", "owned_by": "runnerkit", "task": cfg.task,
                 "lora": None if cfg.lora is None else {"mode": cfg.lora.mode, "max_rank": cfg.lora.max_rank}}
         adapters = [{"id": name, "object": "model", "owned_by": "runnerkit", "parent": cfg.model_cls,
-                     "kind": "lora", "path": path} for name, path in sorted((cfg.lora.adapters if cfg.lora else {}).items())]
+                     "kind": "lora"} for name in sorted(cfg.lora.adapters if cfg.lora else {})]
         return {"object": "list", "data": [base, *adapters]}
 
     def refuse(kind: str) -> JSONResponse | None:
