@@ -162,8 +162,9 @@ def main() -> None:
     t0 = time.perf_counter()
     ck = checkpoint(args)
     write_adapter(args, ck)
-    data: dict[str, Any] = {"title": "Wan2.1 14B, 4-step distill LoRA (rank 64, LightX2V layout), 480x832x81, "
-                                     "CFG off, warmup (bench/lora_distill.py)", "arms": {a: [] for a in ARMS}}
+    title = ("SMOKE (tiny Wan on the CPU, rank 4: checks the script, not a result)" if args.smoke else
+             "Wan2.1 14B, 4-step distill LoRA (rank 64, LightX2V layout), 480x832x81, CFG off, warmup")
+    data: dict[str, Any] = {"title": f"{title} (bench/lora_distill.py)", "arms": {a: [] for a in ARMS}}
     if args.merge:
         earlier = json.loads(Path(args.merge).read_text())
         for arm, procs in earlier["arms"].items():
@@ -176,10 +177,12 @@ def main() -> None:
                 print(f"budget reached: {arm} round {rnd} not started", flush=True)
                 continue
             extra = ["--out", str(out), "--ckpt_root", args.ckpt_root, "--arm", arm] + (["--smoke"] if args.smoke else [])
+            result = out.with_name(f"{out.name}_{arm}{rnd}.tmp.json")
             try:
-                data["arms"][arm].append(run_worker(Path(__file__), extra, out.with_name(f"{out.name}_{arm}{rnd}.tmp.json")))
+                data["arms"][arm].append(run_worker(Path(__file__), extra, result))
             except RuntimeError as exc:
                 data["arms"][arm].append({"error": str(exc)})
+            result.unlink(missing_ok=True)
             print(f"{arm} round {rnd} done at {time.perf_counter() - t0:.0f} s", flush=True)
             out.with_suffix(".json").write_text(json.dumps(data, indent=1))
     summarize(out)

@@ -29,6 +29,11 @@ FAMILY_DEFAULTED = ("infer_steps", "target_height", "target_width", "target_vide
                     "sample_shift", "sample_guide_scale", "scheduler", "scheduler_spacing")
 
 
+
+MAX_TEXT_BUCKET = 1024
+"""The largest `text_buckets` entry: prompts are cut at 1024 tokens (the text encoders' maximum sequence
+length of the families with padded text), so a larger bucket is never reached."""
+
 class ConfigError(ValueError):
     """A configuration or request is invalid; the message names the field, value and what is allowed."""
 
@@ -391,15 +396,21 @@ class RunnerConfig(_Strict):
     @field_validator("text_buckets", mode="before")
     @classmethod
     def _buckets_from_json(cls, v: Any) -> Any:
-        return tuple(v) if isinstance(v, list) else v  # JSON has no tuples
+        """One clear line for a value of the wrong type (instead of the union's two); JSON has no tuples."""
+        if isinstance(v, (list, tuple)) and all(type(n) is int for n in v):
+            return tuple(v)
+        if v in ("auto", "off"):
+            return v
+        raise ValueError(f"`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of integer "
+                         f"token counts in [1, {MAX_TEXT_BUCKET}] (got {v!r})")
 
     @field_validator("text_buckets")
     @classmethod
     def _buckets(cls, v: str | tuple[int, ...]) -> str | tuple[int, ...]:
         if isinstance(v, tuple):
-            if not v or any(not 1 <= n <= 4096 for n in v) or any(a >= b for a, b in zip(v, v[1:])):
+            if not v or any(not 1 <= n <= MAX_TEXT_BUCKET for n in v) or any(a >= b for a, b in zip(v, v[1:])):
                 raise ValueError(f"`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of "
-                                 f"token counts in [1, 4096] (got {list(v)})")
+                                 f"token counts in [1, {MAX_TEXT_BUCKET}] (got {list(v)})")
         return v
 
     @field_validator("device")

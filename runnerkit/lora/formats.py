@@ -122,7 +122,8 @@ def read_adapter(path: str | os.PathLike[str], header_only: bool = False) -> Ada
     """
     path = str(path)
     if not os.path.isfile(path):
-        raise LoRAError(f"LoRA adapter {path!r}: no such file")
+        what = "a directory, not a .safetensors file" if os.path.isdir(path) else "no such file"
+        raise LoRAError(f"LoRA adapter {path!r}: {what}")
     if Path(path).suffix.lower() != ".safetensors":
         raise LoRAError(f"LoRA adapter {path!r}: unknown format (suffix {Path(path).suffix!r}); adapters are "
                         ".safetensors files (diffusers/PEFT lora_A/lora_B, kohya lora_down/lora_up, LightX2V)")

@@ -92,7 +92,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                  "holds that module; remove it from the config")
         self.check_stream_modules()
         if self.TEXT_BUCKETS is None and self.config.text_buckets != "auto":
-            raise ValueError(f"`text_buckets` ({self.config.text_buckets!r}) is not read by {self.config.model_cls!r}: "
+            raise ValueError(f"`text_buckets` ({self.config.text_buckets!r}) is not read by {self.config.model_cls!r} "
+                             f"task {self.config.task!r}: "
                              "its prompts are not padded to text buckets (docs/prompt_lengths.md); remove it")
         regional_compile.check_supported(self.config.compile, self.config.offload, self.config.unload_modules,
                                          self.device)

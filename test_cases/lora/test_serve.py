@@ -40,14 +40,19 @@ def test_models_lists_the_base_and_known_adapters(state: ServerState) -> None:
     assert body["data"][1]["parent"] == "wan2.1" and body["data"][1]["kind"] == "lora"
 
 
-def test_a_named_adapter_that_cannot_load_fails_the_load_naming_it(tiny_ckpt: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "why"), [("gone.safetensors", "no such file"),
+                                         ("folder", "a directory, not a .safetensors file")])
+def test_a_named_adapter_that_cannot_load_fails_the_load_naming_it(tiny_ckpt: Path, tmp_path: Path, name: str,
+                                                                   why: str) -> None:
     """`lora.adapters` are read and matched at load (and cached for the first request): a missing file
-    fails `init_modules` in phase `load`, naming the config key and the file, not the first request."""
+    (or a directory) fails `init_modules` in phase `load`, naming the config key and the file, not the
+    first request."""
     from runnerkit.lora import LoRAError
 
-    missing = tmp_path / "gone.safetensors"
+    missing = tmp_path / name
+    (tmp_path / "folder").mkdir()
     runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, lora={"adapters": {"style": str(missing)}})))
-    with pytest.raises(LoRAError, match=f"`lora.adapters.style`: LoRA adapter '{missing}': no such file") as err:
+    with pytest.raises(LoRAError, match=f"`lora.adapters.style`: LoRA adapter '{missing}': {why}") as err:
         runner.init_modules()
     assert error_phase(err.value) == "load"
 

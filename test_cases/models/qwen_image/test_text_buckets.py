@@ -215,10 +215,23 @@ def test_warmup_runs_every_bucket_at_every_warmup_shape(qwen_t2i_ckpt: Path, tmp
 
 def test_text_buckets_setting_is_checked(qwen_t2i_ckpt: Path, tiny_ckpt: Path) -> None:
     cfg = load_runner_config(None, tiny_config_dict(tiny_ckpt, text_buckets=[64, 512]))
-    with pytest.raises(ValueError, match="`text_buckets` \\(\\(64, 512\\)\\) is not read by 'wan2.1'"):
+    with pytest.raises(ValueError, match="`text_buckets` \\(\\(64, 512\\)\\) is not read by 'wan2.1' task 't2v'"):
         get_runner_cls(cfg.model_cls, cfg.task)(cfg)
     runner = QwenImageRunner(load_runner_config(None, qwen_config_dict(T2I_CONFIG, qwen_t2i_ckpt,
                                                                        text_buckets=[200, 1024])))
     assert runner.text_buckets() == (200, 1024)
     assert QwenImageRunner(load_runner_config(None, qwen_config_dict(T2I_CONFIG, qwen_t2i_ckpt, text_buckets="off"))
                            ).text_buckets() == ()
+
+
+@pytest.mark.parametrize("value", ["on", True, 64, [64.5], ["64"], [128, 64], [64, 64], [0], [2048], []])
+def test_a_bad_text_buckets_value_is_one_line_naming_the_field_and_what_is_allowed(value: Any) -> None:
+    """Wrong types and wrong values alike: one message naming `text_buckets`, the value and the rule
+    (no pydantic union internals); the largest bucket is 1024 tokens, where prompts are cut."""
+    from runnerkit.config import ConfigError, load_runner_config
+
+    with pytest.raises(ConfigError) as err:
+        load_runner_config(None, {"model_cls": "qwen_image", "task": "t2i", "model_path": "x", "text_buckets": value})
+    text = str(err.value)
+    assert "`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of" in text
+    assert "in [1, 1024]" in text and "literal[" not in text and "tuple[int" not in text
