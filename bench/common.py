@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,17 @@ def sequential_read_gbps(path: Path, limit_bytes: int = 2 * 1024**3) -> dict[str
     storage = storage_read_bytes() - b0
     gbps = storage / seconds / 1e9 if dropped and storage > 0 else float("nan")
     return {"gbps": gbps, "storage_bytes": storage, "bytes_returned": got, "seconds": seconds, "page_cache_dropped": dropped}
+
+
+def timed(fn: Callable[[], object], iters: int, dev: Any) -> list[float]:
+    """Milliseconds of each of `iters` calls (runnerkit's StepTimer: CUDA events on CUDA, wall clock on the CPU)."""
+    from runnerkit.profiling import StepTimer
+
+    timer = StepTimer(dev)
+    for _ in range(iters):
+        with timer.step():
+            fn()
+    return [s * 1000 for s in timer.seconds()]
 
 
 def median(xs: list[float]) -> float:

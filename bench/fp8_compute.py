@@ -32,23 +32,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import device_info, fmt_spread, markdown_table, median, spread  # noqa: E402
+from bench.common import device_info, fmt_spread, markdown_table, median, spread, timed  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"1.3b": REPO / "configs/wan/wan_t2v_1.3b.json", "14b": REPO / "configs/wan/wan_t2v_14b.json",
            "tiny": REPO / "configs/wan/wan_t2v_tiny.json"}
 TOKENS, TEXT_TOKENS = 32760, 512  # 480x832x81: latent 21 x 60 x 104, patch 1x2x2 -> 21*30*52 tokens
-
-
-def timed(fn: Callable[[], object], iters: int, dev: Any) -> list[float]:
-    """Milliseconds of each of `iters` calls (runnerkit's StepTimer: CUDA events on CUDA, wall clock on the CPU)."""
-    from runnerkit.profiling import StepTimer
-
-    timer = StepTimer(dev)
-    for _ in range(iters):
-        with timer.step():
-            fn()
-    return [s * 1000 for s in timer.seconds()]
 
 
 def build_blocks(arch: Any, n: int, model_path: str | None, seed: int) -> Any:

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import device_info, fmt_spread, markdown_table, median, spread  # noqa: E402
+from bench.common import device_info, fmt_spread, markdown_table, median, spread, timed  # noqa: E402
 
 SHAPES = {
     # name: (tokens per CFG pass, dim, hidden, blocks)
@@ -29,17 +28,6 @@ SHAPES = {
     "Wan2.1 14B 480x832x81": (32760, 5120, 13824, 40),
     "Qwen-Image 1328x1328 (image stream)": (6889, 3072, 12288, 60),
 }
-
-
-def timed(fn: Callable[[], object], iters: int, dev: Any) -> list[float]:
-    """Milliseconds of each of `iters` calls (runnerkit's StepTimer: CUDA events on CUDA, wall clock on the CPU)."""
-    from runnerkit.profiling import StepTimer
-
-    timer = StepTimer(dev)
-    for _ in range(iters):
-        with timer.step():
-            fn()
-    return [s * 1000 for s in timer.seconds()]
 
 
 def main() -> None:
