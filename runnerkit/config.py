@@ -29,10 +29,12 @@ FAMILY_DEFAULTED = ("infer_steps", "target_height", "target_width", "target_vide
                     "sample_shift", "sample_guide_scale", "scheduler", "scheduler_spacing")
 
 
-
 MAX_TEXT_BUCKET = 1024
 """The largest `text_buckets` entry: prompts are cut at 1024 tokens (the text encoders' maximum sequence
 length of the families with padded text), so a larger bucket is never reached."""
+BUCKETS_RULE = (f"`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of integer token "
+                f"counts in [1, {MAX_TEXT_BUCKET}]")
+
 
 class ConfigError(ValueError):
     """A configuration or request is invalid; the message names the field, value and what is allowed."""
@@ -401,16 +403,14 @@ class RunnerConfig(_Strict):
             return tuple(v)
         if v in ("auto", "off"):
             return v
-        raise ValueError(f"`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of integer "
-                         f"token counts in [1, {MAX_TEXT_BUCKET}] (got {v!r})")
+        raise ValueError(f"{BUCKETS_RULE} (got {v!r})")
 
     @field_validator("text_buckets")
     @classmethod
     def _buckets(cls, v: str | tuple[int, ...]) -> str | tuple[int, ...]:
         if isinstance(v, tuple):
             if not v or any(not 1 <= n <= MAX_TEXT_BUCKET for n in v) or any(a >= b for a, b in zip(v, v[1:])):
-                raise ValueError(f"`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of "
-                                 f"token counts in [1, {MAX_TEXT_BUCKET}] (got {list(v)})")
+                raise ValueError(f"{BUCKETS_RULE} (got {list(v)})")
         return v
 
     @field_validator("device")

@@ -15,9 +15,9 @@ Two modes (config `lora.mode`):
 - `fused`: `W <- W + strength * scale * up @ down` (float32 sum on W's device, one rounding to W's
   dtype) when the request starts; `clear` copies the base weights back (exact restore, never a
   subtraction). The base copy of every adapted weight is taken once (at load for the layers of
-  the config's named adapters, else the first time a layer is adapted) and kept on the host for the module's life (pinned when the weight is on CUDA, so the
-  restore is one H2D copy per layer at copy-engine speed): the base weights never change, so later
-  requests reuse it. No per-step cost; a request with adapters costs a GEMM per adapted layer and
+  the config's named adapters, else the first time a layer is adapted) and kept on the host for
+  the module's life (pinned when the weight is on CUDA, so the restore is one H2D copy per layer
+  at copy-engine speed): the base weights never change, so later requests reuse it. No per-step cost; a request with adapters costs a GEMM per adapted layer and
   the restore copy (measured for a 14B transformer in bench/results/lora_distill_h200.md), and
   the host holds one copy of the adapted weights. Only for weights that stay put (offload none,
   model, or unload_modules): a streamed unit is re-filled from its source every step.
@@ -157,8 +157,8 @@ class LoRAManager:
         self.active: tuple[tuple[str, float], ...] = ()
         self._deltas: dict[str, dict[str, list[tuple[LayerDelta, float]]]] = {}
         self._written: dict[str, set[str]] = {}  # unfused: module -> layers whose slots hold values
-        #: fused: (module, layer) -> the base (W, b) on the host, taken the first time the layer is adapted
-        #: and kept while the module lives (dropped when `attach` registers a rebuilt module of that name)
+        #: fused: (module, layer) -> the base (W, b) on the host (`_keep_base`), kept while the module lives
+        #: (dropped when `attach` registers a rebuilt module of that name)
         self._base: dict[tuple[str, str], tuple[tuple[Tensor, HostSlab | None], tuple[Tensor, HostSlab | None] | None]] = {}
         self._fused: set[tuple[str, str]] = set()  # fused: layers whose weights hold the running request's adapters
 
@@ -269,9 +269,14 @@ class LoRAManager:
         for name, layers in self.match(specs, [n for n in self._live if self._live[n]() is not None]).items():
             for layer in layers:
                 lin = self._layers[name].get(layer)
-                if lin is not None and (name, layer) not in self._base:
-                    self._base[(name, layer)] = (_host_copy(lin.weight, f"lora base {layer}"), None if lin.bias is None
-                                                 else _host_copy(lin.bias, f"lora base {layer}.bias"))
+                if lin is not None:
+                    self._keep_base(name, layer, lin)
+
+    def _keep_base(self, name: str, layer: str, lin: nn.Linear) -> None:
+        """Fused: the host copy of `layer`'s base weight and bias, taken once (`_host_copy`)."""
+        if (name, layer) not in self._base:
+            self._base[(name, layer)] = (_host_copy(lin.weight, f"lora base {layer}"), None if lin.bias is None
+                                         else _host_copy(lin.bias, f"lora base {layer}.bias"))
 
     @torch.no_grad()
     def _apply(self, name: str) -> None:
@@ -292,11 +297,9 @@ class LoRAManager:
                     lin.lora_bias.copy_(bias)
                 self._written.setdefault(name, set()).add(layer)
                 continue
-            key, w = (name, layer), lin.weight
-            if key not in self._base:
-                self._base[key] = (_host_copy(w, f"lora base {layer}"),
-                                   None if lin.bias is None else _host_copy(lin.bias, f"lora base {layer}.bias"))
-            self._fused.add(key)
+            w = lin.weight
+            self._keep_base(name, layer, lin)
+            self._fused.add((name, layer))
             if down is not None and up is not None:
                 delta = up.to(w.device, torch.float32) @ down.to(w.device, torch.float32)
                 w.copy_((w.float() + delta).to(w.dtype))

@@ -292,17 +292,14 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
             what = "is not a request field" if name not in RequestConfig.model_fields else "takes text, not a file"
             raise InputError(f"`{name}` ({_shown(value)}) {what}; the images a request takes: "
                              f"{[*IMAGE_FIELDS, EXTRA_IMAGES_FIELD]}", name)
-    if isinstance(body.get("lora"), list):  # names of the config's `lora.adapters` only: paths are the server's business
-        known = runner.config.lora.adapters if runner.config.lora is not None else {}
-        for i, adapter in enumerate(body["lora"]):
+    lora_cfg = runner.config.lora
+    if lora_cfg is not None and isinstance(body.get("lora"), list):  # without a `lora` section: refused below
+        for i, adapter in enumerate(body["lora"]):  # names of `lora.adapters` only: paths are the server's business
             path = adapter.get("path") if isinstance(adapter, dict) else None
-            if isinstance(path, str) and known and path not in known:  # no `lora` section: refused below, as before
+            if isinstance(path, str) and path not in lora_cfg.adapters:
+                names = f"one of {sorted(lora_cfg.adapters)}" if lora_cfg.adapters else "it names none"
                 raise InputError(f"`lora[{i}].path` {_shown(path)} is not an adapter name of this server's "
-                                 f"`lora.adapters` (one of {sorted(known)}); the server takes names, not file paths",
-                                 f"lora[{i}].path")
-            if isinstance(path, str) and not known and runner.config.lora is not None:
-                raise InputError(f"`lora[{i}].path` {_shown(path)}: this server's config names no adapters "
-                                 "(`lora.adapters` is empty), and the server takes names, not file paths",
+                                 f"`lora.adapters` ({names}); the server takes names, not file paths",
                                  f"lora[{i}].path")
     # A field the client sent under another name is named as sent (`param`).
     sent = {**({"target_width": "size", "target_height": "size"} if size not in (None, "auto") else {}),

@@ -233,5 +233,5 @@ def test_a_bad_text_buckets_value_is_one_line_naming_the_field_and_what_is_allow
     with pytest.raises(ConfigError) as err:
         load_runner_config(None, {"model_cls": "qwen_image", "task": "t2i", "model_path": "x", "text_buckets": value})
     text = str(err.value)
-    assert "`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of" in text
+    assert "`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of integer" in text
     assert "in [1, 1024]" in text and "literal[" not in text and "tuple[int" not in text
