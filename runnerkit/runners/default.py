@@ -370,8 +370,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         assert self.lora is not None and self.config.lora is not None
         for name, path in self.config.lora.adapters.items():
             try:
-                self.lora.check(((path, 1.0),))
-                self.lora.prepare(((path, 1.0),))  # fused: the base copies now, not in the first request
+                self.lora.prepare(((path, 1.0),))  # matched now; fused: the base copies too
             except LoRAError as exc:
                 raise LoRAError(f"`lora.adapters.{name}`: {exc}") from exc
 
