@@ -55,12 +55,16 @@ ARMS: dict[str, list[dict[str, Any]]] = {
         {"name": "compiled sdpa_cudnn no-warmup", "attention": "sdpa_cudnn", "compile": True, "warmup": False},
         {"name": "compiled sdpa_cudnn unfused GELU", "attention": "sdpa_cudnn", "compile": True, "cache": "cudnn_unfused",
          "fused": False},
+        {"name": "compiled sdpa_cudnn fp8", "attention": "sdpa_cudnn", "compile": True, "cache": "cudnn_fp8",
+         "compute_dtype": "fp8", "psnr_vs": "compiled sdpa_cudnn"},
     ],
     "wan14": [
         {"name": "eager sdpa_cudnn", "attention": "sdpa_cudnn"},
         {"name": "compiled sdpa_cudnn", "attention": "sdpa_cudnn", "compile": True, "cache": "cudnn"},
         {"name": "eager flash_attn_4", "attention": "flash_attn_4"},
         {"name": "compiled flash_attn_4", "attention": "flash_attn_4", "compile": True, "cache": "fa4"},
+        {"name": "compiled flash_attn_4 fp8", "attention": "flash_attn_4", "compile": True, "cache": "fa4_fp8",
+         "compute_dtype": "fp8", "psnr_vs": "compiled flash_attn_4"},
     ],
     "qwen": [
         {"name": "eager auto", "attention": "auto"},
@@ -70,7 +74,9 @@ ARMS: dict[str, list[dict[str, Any]]] = {
 }
 """Arms per plan. `cache`: a compile-cache directory name shared by the arm's processes (the first
 process starts with it empty, later ones load what it saved); absent: no compile cache. `fused: False`: the MLP's
-GELU as its own kernel (runnerkit/fused.py off), to measure what the fused GEMM epilogue saves."""
+GELU as its own kernel (runnerkit/fused.py off), to measure what the fused GEMM epilogue saves. `compute_dtype`:
+the config's (fp8: docs/fp8_compute.md). `psnr_vs`: an arm of the same plan run earlier in each round; every
+request's decoded video (same seed) is compared with that arm's, as PSNR in dB (videos in [-1, 1])."""
 
 
 def wan_flops(t: dict[str, Any], shape: tuple[int, int, int], cfg: bool) -> dict[str, float]:
@@ -153,7 +159,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         fused.ENABLED = False
     data, ckpt = setup(args.plan, args)
     data.update(model_path=str(ckpt), infer_steps=args.steps, warmup=arm.get("warmup", True),
-                attention="auto" if args.smoke else arm["attention"])
+                attention="auto" if args.smoke else arm["attention"], compute_dtype=arm.get("compute_dtype", "same"))
     if arm.get("compile"):
         data["compile"] = {"enabled": True}
         if arm.get("cache"):
@@ -166,7 +172,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"arm": arm, "init_s": init_s, "warmup": runner.profiler.warmup,
                            "attention": runner.profiler.attention,
                            "compile_cache": getattr(runner.profiler, "compile_cache", None), "requests": []}
-    work = Path(args.ckpt_root) / "out"
+    work = arm_outputs(args, arm["name"])
     work.mkdir(parents=True, exist_ok=True)
     with GpuClockSampler() as clocks:  # SM clock and power while the timed requests run
         for i in range(args.requests):
@@ -176,6 +182,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             out["requests"].append({"index": i, "wall_s": time.perf_counter() - t1, "steps_s": prof.steps,
                                     "stages_s": prof.stages, "audit": prof.audit})
     out["clocks"] = clocks.summary()
+    if arm.get("psnr_vs"):
+        out["psnr_db"] = [video_psnr(work / f"r{i}.safetensors", arm_outputs(args, arm["psnr_vs"]) / f"r{i}.safetensors")
+                          for i in range(args.requests)]
     if args.profile:
         out["profile"] = profile_request(runner, args, work)
     out["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else 0.0
@@ -187,6 +196,26 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         out["flops"] = wan_flops(t, (480, 832, 81), True)
     out["device"] = device_info()
     return out
+
+
+def arm_outputs(args: argparse.Namespace, arm_name: str) -> Path:
+    """The folder of an arm's saved request tensors (each process of the arm overwrites the last one's)."""
+    return Path(args.ckpt_root) / "out" / arm_name.replace(" ", "_")
+
+
+def video_psnr(path: Path, ref_path: Path) -> float | None:
+    """PSNR in dB of the saved 'video' (or 'image') tensor against the reference arm's, both in [-1, 1]
+    (peak-to-peak 2); None when the reference arm has not saved that request."""
+    import math
+
+    from safetensors.torch import load_file
+
+    if not ref_path.is_file():
+        return None
+    a, b = load_file(str(path)), load_file(str(ref_path))
+    key = "video" if "video" in a else "image"
+    mse = (a[key].double() - b[key].double()).pow(2).mean().item()
+    return 10 * math.log10(4.0 / mse) if mse > 0 else math.inf
 
 
 def profile_request(runner: Any, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -251,15 +280,17 @@ def summarize(out: Path) -> None:
             k["other"] = total - k["attention"] - k["gemm"]
             p["profile"]["per_step_s"] = k
             step = median([s for q in p["requests"][1:] for s in q["steps_s"][1:]])
-            kin.append([name, f"{k['attention']:.3f} ({fl['attention'] / k['attention'] / 1e12:.0f})",
-                        f"{k['gemm']:.3f} ({fl['matmul'] / k['gemm'] / 1e12:.0f})", f"{k['other']:.3f}",
+            def rate(flops: float, s: float) -> str:  # no CUDA kernels in a CPU (smoke) profile
+                return f"{s:.3f} ({flops / s / 1e12:.0f})" if s > 0 else f"{s:.3f} (n/a)"
+
+            kin.append([name, rate(fl["attention"], k["attention"]), rate(fl["matmul"], k["gemm"]), f"{k['other']:.3f}",
                         f"{sum(k.values()):.3f}", f"{step:.3f}"])
     rows = []
     for name, procs in data["arms"].items():
         ok = [p for p in procs if "error" not in p]
         if not ok:  # every process failed, or none started (the plan's --budget_s ran out first)
             why = "failed: " + procs[0]["error"][:160] if procs else "not run (budget reached)"
-            rows.append([name, why] + [""] * 10)
+            rows.append([name, why] + [""] * 11)
             continue
         fl = ok[0]["flops"]
         floor = (fl["matmul"] + fl["attention"]) / (MATMUL_TFLOPS * 1e12)
@@ -274,10 +305,12 @@ def summarize(out: Path) -> None:
         clk = [p["clocks"] for p in ok if p.get("clocks")]  # absent in runs before 2026-12-02's second
         clocks = (f"{median([c['sm_mhz']['median'] for c in clk]):.0f} / "
                   f"{median([c['power_w']['median'] for c in clk]):.0f}") if clk else ""
+        psnr = [v for p in ok for v in p.get("psnr_db") or [] if v is not None]
         rows.append([name, att, f"{len(ok)}", fmt_spread(spread(steady), 3), f"{median(steady) / floor:.2f}",
                      fmt_spread(spread(r1r3), 3), " ".join(str(c) for c in comp1),
                      " ".join(f"{w:.1f}" for w in warm), " ".join(str(m) for m in misses),
-                     " ".join(f"{p['init_s']:.1f}" for p in ok), kinds, clocks])
+                     " ".join(f"{p['init_s']:.1f}" for p in ok), kinds, clocks,
+                     fmt_spread(spread(psnr), 1) if psnr else ""])
         data.setdefault("floor_s", floor)
     text = [f"# {data['title']}", "", f"FLOP floor per step: {data.get('floor_s', 0):.3f} s at {MATMUL_TFLOPS:.0f} "
             "TFLOP/s (bench/speed.py docstring). Cells: median [min–max] over processes; lists: one value per "
@@ -285,7 +318,8 @@ def summarize(out: Path) -> None:
             markdown_table(["arm", "attention ran", "procs", "steady step s", "step / floor", "request 1 / last request",
                             "compilations in request 1", "warmup s", "cache misses in warmup", "init s",
                             "kernels per step s: attention / GEMM / other",
-                            "SM MHz / board W (median of samples in the timed requests)"], rows), ""]
+                            "SM MHz / board W (median of samples in the timed requests)",
+                            "video PSNR dB vs its `psnr_vs` arm (same seeds)"], rows), ""]
     if kin:
         text += ["Kernel time per step of one profiled request (torch.profiler, CUDA kernels of the denoise stage, by "
                  "name: attention kernels and GEMMs among the 15 longest kernels, everything else); in brackets the TFLOP/s reached on the step's "
