@@ -97,7 +97,8 @@ def run_prompts(args: argparse.Namespace) -> dict[str, Any]:
         print(f"request {i} ({key}): {requests[-1]['wall_s']:.3f} s, first step {prof.steps[0]:.3f} s, "
               f"text encoder {prof.stages.get('text_encoder', 0):.4f} s", flush=True)
     return {"arm": "prompts", "text_buckets": runner.config.text_buckets, "checkpoint_write_s": write_s,
-            "init_s": init_s, "warmup": runner.profiler.warmup, "requests": requests, "device": device_info()}
+            "init_s": init_s, "warmup": runner.profiler.warmup, "attention": runner.profiler.attention,
+            "requests": requests, "device": device_info()}
 
 
 def run_server(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,16 +151,19 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
 def summarize(out: Path) -> str:
     lines = ["# First requests at steady speed: new prompt lengths, the server's first job (bench/first_request.py)", ""]
     rows = []
-    for buckets in ("off", "auto"):
-        p = out.with_name(f"{out.name}_prompts_{buckets}.json")
+    # earlier runs kept under a dated name: (file suffix, label)
+    for suffix, buckets in (("off", "off"), ("auto_cudnn_2026-12-02", "auto, 2026-12-02 (before FA4 took masks)"),
+                            ("auto", "auto")):
+        p = out.with_name(f"{out.name}_prompts_{suffix}.json")
         if not p.is_file():
             continue
         r = json.loads(p.read_text())
+        attention = (r.get("attention") or {}).get("backend", "not recorded")
         first = [q for q in r["requests"] if q["first_of_prompt"]][1:]  # request 0's prompt is warmup's length
         steady = [q for q in r["requests"] if not q["first_of_prompt"]]
         steady_step = median([s for q in steady for s in q["steps_s"][1:]] + [q["steps_s"][0] for q in steady])
         rows.append([
-            buckets, f"{(r['warmup'] or {}).get('seconds', 0):.1f}",
+            buckets, attention, f"{(r['warmup'] or {}).get('seconds', 0):.1f}",
             fmt_spread(spread([q["steps_s"][0] for q in first])), fmt_spread(spread([q["steps_s"][0] for q in steady])),
             fmt_spread(spread([q["stages_s"].get("text_encoder", 0) for q in first]), 4),
             fmt_spread(spread([q["stages_s"].get("text_encoder", 0) for q in steady]), 4),
@@ -168,7 +172,7 @@ def summarize(out: Path) -> str:
             f"{median([q['steps_s'][0] for q in first]) / steady_step:.3f}"])
     if rows:
         lines += ["## New prompt lengths (six requests A B A C B C; 'new' = the first B and C, 'repeat' = later ones)", "",
-                  markdown_table(["text_buckets", "warmup s", "new: first step s", "repeat: first step s",
+                  markdown_table(["text_buckets", "attention ran", "warmup s", "new: first step s", "repeat: first step s",
                                   "new: text encoder s", "repeat: text encoder s", "new: request s",
                                   "repeat: request s", "new / repeat request", "new first step / steady step"], rows), ""]
     p = out.with_name(f"{out.name}_server.json")

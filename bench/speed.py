@@ -315,6 +315,7 @@ def summarize(out: Path) -> None:
     text = [f"# {data['title']}", "", f"FLOP floor per step: {data.get('floor_s', 0):.3f} s at {MATMUL_TFLOPS:.0f} "
             "TFLOP/s (bench/speed.py docstring). Cells: median [min–max] over processes; lists: one value per "
             "process in order (the first process of a cached arm starts with an empty cache).", "",
+            *([data["note"], ""] if data.get("note") else []),
             markdown_table(["arm", "attention ran", "procs", "steady step s", "step / floor", "request 1 / last request",
                             "compilations in request 1", "warmup s", "cache misses in warmup", "init s",
                             "kernels per step s: attention / GEMM / other",

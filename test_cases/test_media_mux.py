@@ -9,6 +9,7 @@ import math
 import re
 import shutil
 import subprocess
+import sys
 import wave
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runnerkit.media import MediaWriteError, save_outputs, to_uint8_frames
+from runnerkit.media import MediaWriteError, save_outputs, to_uint8_frames, warm_writers
 from runnerkit.runners.pipeline import OutputSpec
 
 imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg", reason="the `media` extra (imageio-ffmpeg) is not installed")
@@ -195,3 +196,21 @@ def test_failed_mux_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert str(info.value) == (f"could not write `save_result_path` {str(out / 'x.mp4')!r}: {reason}; nothing was "
                                "saved for this request")
     assert list(out.iterdir()) == []  # no partial mp4, no tensor file, no sidecar, no temporary wav
+
+
+@pytest.mark.parametrize(("specs", "warmed"), [
+    ((OutputSpec("video", "video"), OutputSpec("audio", "audio", sample_rate=RATE)), ["png", "mp4"]),
+    ((OutputSpec("image", "image"),), ["png"]),
+    ((OutputSpec("audio", "audio", sample_rate=RATE),), []),  # stdlib wave: nothing to warm
+])
+def test_warm_writers_warms_the_primary_outputs_writers_and_writes_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, specs: tuple[OutputSpec, ...], warmed: list[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert warm_writers(specs) == warmed
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_warm_writers_without_the_media_extra_warms_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing writer module is left out (a request that needs it is refused by name), not an error."""
+    monkeypatch.setitem(sys.modules, "imageio.v3", None)  # `import imageio.v3` raises ImportError
+    assert warm_writers((OutputSpec("video", "video"),)) == []

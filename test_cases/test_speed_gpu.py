@@ -21,11 +21,17 @@ CUDA = torch.device("cuda")
 BACKEND_AGREE = 2e-2
 """Max abs difference from the float32 math path, bf16 inputs ~N(0, 1), [1, 12, 4096, 128] (bf16 output rounding
 is ~4e-3 at these values; the kernels' own accumulation order adds the rest)."""
-COMPILED_AGREE = {"float32": 1e-4, "bfloat16": 5e-2}
-"""Max abs difference of the inductor-compiled tiny pipeline's video from eager's (values ~1), both run with
-cuDNN's TF32 convolutions off (see the test). float32: the bound the CPU's inductor test holds
+COMPILED_AGREE = 1e-4
+"""float32: max abs difference of the inductor-compiled tiny pipeline's video from eager's (values ~1), both
+run with cuDNN's TF32 convolutions off (see the test). The bound the CPU's inductor test holds
 (test_compile_cache.py `INDUCTOR_AGREE`): compile changes only the order of float32 reductions (Triton's
 LayerNorm/RMSNorm) and pointwise fusions, each ~1 ulp."""
+BF16_NO_WORSE = 1.25
+"""bfloat16: compiled's RMS distance from the float32 eager video over eager bf16's. Compile and eager round
+differently in bf16 (inductor keeps a fused chain of pointwise ops in float32 and rounds once, eager rounds
+after every op), so their difference is bf16 rounding carried through the steps and the VAE (0.03-0.053 max
+abs on the H200, run to run of the kernels chosen), not an error of either; what must hold is that
+compile is not less accurate than eager against the float32 result."""
 
 
 @pytest.mark.parametrize("name", ["sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4"])
@@ -90,4 +96,15 @@ def test_inductor_compiled_pipeline_agrees_with_eager(tiny_ckpt: Path, tmp_path:
     eager = _video(tiny_ckpt, tmp_path, dtype=dtype)
     compiled = _video(tiny_ckpt, tmp_path, dtype=dtype, compile={"enabled": True})
     assert eager.abs().max().item() > 0.1
-    assert (compiled - eager).abs().max().item() <= COMPILED_AGREE[dtype]
+    if dtype == "float32":
+        assert (compiled - eager).abs().max().item() <= COMPILED_AGREE
+        return
+    reference = _video(tiny_ckpt, tmp_path, dtype="float32")
+
+    def rms(x: torch.Tensor) -> float:
+        return (x - reference).pow(2).mean().sqrt().item()
+
+    print(f"bf16 RMS from float32: eager {rms(eager):.3e}, compiled {rms(compiled):.3e}; "
+          f"max abs compiled - eager {(compiled - eager).abs().max().item():.3e}")
+    assert 0 < rms(eager), "bf16 eager equals the float32 run: the bf16 arm did not run in bf16"
+    assert rms(compiled) <= BF16_NO_WORSE * rms(eager), (rms(compiled), rms(eager))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from runnerkit import memory
+from runnerkit import media, memory
 from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.runners.base import LifecycleError, error_phase
@@ -158,6 +158,13 @@ def test_warmup_drives_real_path_in_order(tiny_ckpt: Path, mocker: Any) -> None:
         return real_encode(*a, **k)
 
     runner.run_text_encoder = counting_encode  # type: ignore[method-assign]
+    real_writers = media.warm_writers
+
+    def counting_writers(specs: Any) -> list[str]:
+        calls.append(f"writers{tuple(s.kind for s in specs)}")
+        return real_writers(specs)
+
+    mocker.patch.object(media, "warm_writers", counting_writers)
     runner.init_modules()
 
     (h0, w0, f0), (h1, w1, f1) = WanT2VRunner.WARMUP_SHAPES["debug"]
@@ -167,7 +174,8 @@ def test_warmup_drives_real_path_in_order(tiny_ckpt: Path, mocker: Any) -> None:
     l0 = (g0[0], h0 // 8, w0 // 8)
     l1 = (g1[0], h1 // 8, w1 // 8)
     per_shape = lambda lat: ["prepare", "step_pre", f"infer{lat}", f"infer{lat}", "step_post", "decode"]  # noqa: E731
-    assert calls == ["encode", *per_shape(l0), *per_shape(l1)]  # text encoded once, cond + uncond each shape
+    # text encoded once, cond + uncond each shape, then the media writers once (the first request's save stage)
+    assert calls == ["encode", *per_shape(l0), *per_shape(l1), "writers('video',)"]
     assert run_pipeline.call_count == 0 and save.call_count == 0
     assert runner.profiler.warmup["shapes"] == [[h0, w0, f0], [h1, w1, f1]]
     assert runner.profiler.warmup["steps_per_shape"] == {"transformer": [0]}

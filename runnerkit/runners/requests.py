@@ -319,7 +319,8 @@ class RequestChecksMixin:
         """The request's adapters as ((path, strength), ...), names of `config.lora.adapters` resolved.
 
         Raises:
-            ValueError: `lora` in a request while the config has no `lora` section.
+            ValueError: `lora` in a request while the config has no `lora` section; an adapter that is
+                neither a name of `lora.adapters` nor an existing path (naming `lora[i].path` and the names).
         """
         if not request.lora:
             return ()
@@ -327,4 +328,9 @@ class RequestChecksMixin:
             raise ValueError("`lora`: this runner's config has no `lora` section, so requests cannot carry adapters; "
                              'add `"lora": {}` (or {"mode": "fused"}) to the config')
         known = config.lora.adapters
+        for i, a in enumerate(request.lora):
+            if a.path not in known and not Path(a.path).exists():
+                names = sorted(known) or "none: the config's `lora.adapters` is empty"
+                raise ValueError(f"`lora[{i}].path`={a.path!r} is neither a name of the config's `lora.adapters` "
+                                 f"(names: {names}) nor an existing .safetensors file")
         return tuple((known.get(a.path, a.path), a.strength) for a in request.lora)

@@ -24,7 +24,7 @@ from typing import Any
 from loguru import logger
 
 from runnerkit import compile as regional_compile
-from runnerkit import memory
+from runnerkit import media, memory
 from runnerkit.runners.base import lifecycle_phase
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, Shape
 from runnerkit.schedulers.base import Scheduler
@@ -132,8 +132,8 @@ class WarmupMixin:
     def run_warmup(self, shapes: Sequence[Shape]) -> None:
         """Both shapes through the real path: shape-independent encoders (text) once, then per shape
         (and per input variant, `warmup_infos`) the per-shape encoders (images), every denoise stage
-        (transitions included) on `warmup_steps`, and the decoders. Nothing is saved; no request
-        profile is written."""
+        (transitions included) on `warmup_steps`, and the decoders; then the media writers
+        (`media.warm_writers`). Nothing is saved; no request profile is written."""
         for sched in self.schedulers.values():
             sched.generator = None  # before any encoder that could draw random numbers
         shared = self.run_encoders(self.warmup_info(shapes[0]), per_shape=False)
@@ -147,6 +147,8 @@ class WarmupMixin:
                         self.decode(latents)
                 finally:
                     self.reset_request_state()
+        if self.decodes_here:  # the rank that saves results: the writers' imports and first encode
+            logger.debug("warmup: media writers warmed: {}", media.warm_writers(self.pipeline.outputs) or "none")
 
     def warmup_steps(self, stage: DenoiseStage, sched: Scheduler) -> list[int]:
         """Steps warmup runs in `stage` (after `prepare`): step 0, plus the first step of every

@@ -109,6 +109,17 @@ def test_lora_without_config_section_exits_2(tiny_ckpt: Path, tmp_path: Path, ca
     assert rc == 2 and "config has no `lora` section" in err, err
 
 
+def test_an_adapter_neither_named_nor_on_disk_exits_2_listing_the_names(
+        tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], layers: dict[str, tuple[int, int]]) -> None:
+    path = tmp_path / "a.safetensors"
+    save_file(synthetic_adapter(layers, "lightx2v", 2), str(path))
+    config = _config(tiny_ckpt, tmp_path, lora={"adapters": {"style": str(path), "fast": str(path)}})
+    rc, err = _cli(capsys, "--config_json", config, "--prompt", "x", *SMALL, "--lora", "stlye")
+    line = next(x for x in err.splitlines() if "stlye" in x)
+    assert rc == 2 and "`lora[0].path`='stlye' is neither a name of the config's `lora.adapters` (names: " \
+        "['fast', 'style']) nor an existing .safetensors file" in line, err
+
+
 def test_requests_file_with_and_without_lora(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              layers: dict[str, tuple[int, int]]) -> None:
     """One process: [A at 0.7 (a name of `lora.adapters`), none, A by path at 0.7]: the requests
