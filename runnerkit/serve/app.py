@@ -192,13 +192,58 @@ async def read_body(request: Request) -> dict[str, Any]:
     return body
 
 
+#: A form's LoRA parts as the official `openai` client writes `extra_body={"lora": [{"path", "strength"}]}` in a
+#: multipart body (its query-string style: `lora[][path]`, `lora[][strength]`, one path part per adapter).
+LORA_FORM_PART = re.compile(r"lora\[\]\[(path|strength)\]")
+NUMBER = r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*"
+
+
+def _form_lora(fields: dict[str, Any], key: str, value: Any) -> None:
+    """Add one `lora[][path]` / `lora[][strength]` part to `fields["lora"]`: a path part starts the next
+    adapter, a strength part belongs to the adapter of the path part before it.
+
+    Raises:
+        InputError: a strength part without an adapter before it (or a second one for it), naming the part.
+    """
+    what = LORA_FORM_PART.fullmatch(key)
+    assert what is not None
+    adapters = fields.setdefault("lora", [])
+    if isinstance(value, bytes):
+        raise InputError(f"`{key}` must be a text part, not an uploaded file of {len(value)} bytes", "lora")
+    if what[1] == "path":
+        adapters.append({"path": value})
+    elif adapters and "strength" not in adapters[-1]:  # a form's text is a number when it reads as one
+        adapters[-1]["strength"] = float(value) if re.fullmatch(NUMBER, value) else value
+    else:
+        raise InputError(f"`{key}` comes without its adapter: each adapter is a `lora[][path]` part followed by at "
+                         "most one `lora[][strength]` part", "lora")
+
+
 async def _form_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
     """A form's parts as body fields. Several `image` parts (OpenAI's `image[]` of images.edit) are
-    a list, the first image and then the references (`extra_images`, split by build_request)."""
+    a list, the first image and then the references (`extra_images`, split by build_request). LoRA
+    adapters come as `lora[][path]` / `lora[][strength]` parts (`_form_lora`, what the `openai` client
+    sends for `extra_body={"lora": [...]}`) or as one `lora` text part holding the JSON list."""
     fields: dict[str, Any] = {}
+    lora_as: str | None = None  # how the form sent `lora`: "parts" (lora[][...]) or "json" (one part)
     for key, part in items:
         name = key[:-2] if key.endswith("[]") else key
         value: Any = await part.read() if isinstance(part, UploadFile) else part
+        lora_part = ("parts" if LORA_FORM_PART.fullmatch(key)
+                     else "json" if name == "lora" and isinstance(value, str) else None)
+        if lora_part is not None:
+            if lora_as is not None and "json" in (lora_as, lora_part):
+                raise InputError("`lora` is given twice in the form", "lora")
+            lora_as = lora_part
+            if lora_part == "parts":
+                _form_lora(fields, key, value)
+                continue
+            try:
+                fields["lora"] = json.loads(value)
+            except ValueError:
+                raise InputError(f"`lora` as a form part must be a JSON list of {{\"path\": name, \"strength\": x}} "
+                                 f"(got {_shown(value)})", "lora") from None
+            continue
         if isinstance(value, str) and name in INT_FIELDS and re.fullmatch(r"\s*[+-]?\d+\s*", value):
             value = int(value)
         if name == EXTRA_IMAGES_FIELD:

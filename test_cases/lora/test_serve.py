@@ -73,3 +73,44 @@ def test_a_request_names_adapters_never_server_paths(state: ServerState, tmp_pat
 def test_a_known_adapter_name_is_accepted(state: ServerState, tmp_path: Path) -> None:
     request, _, _ = build_request(state, {"prompt": "x", "lora": [{"path": "style", "strength": 0.5}]}, tmp_path)
     assert [(a.path, a.strength) for a in request.lora or []] == [("style", 0.5)]
+
+
+def _form(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    from runnerkit.serve.app import _form_fields
+
+    return asyncio.run(_form_fields(items))
+
+
+def test_a_forms_lora_as_the_openai_client_sends_it(state: ServerState, tmp_path: Path) -> None:
+    """A multipart body (images.edit, videos.create with an upload) carries `extra_body={"lora": [...]}` as
+    the official client's query-string parts (`lora[][path]`, `lora[][strength]`): the same adapters
+    as the JSON body, strengths with the adapter before them; also one `lora` part holding the JSON list."""
+    openai_qs = pytest.importorskip("openai._qs", reason="the official openai client is not installed")
+    lora = [{"path": "style", "strength": 0.5}, {"path": "style"}, {"path": "style", "strength": -1}]
+    items = openai_qs.Querystring().stringify_items({"prompt": "x", "lora": lora}, array_format="brackets")
+    assert [k for k, _ in items][1:3] == ["lora[][path]", "lora[][strength]"]  # the client's layout, checked
+    for body in (_form(items), _form([("prompt", "x"), ("lora", json.dumps(lora))])):
+        request, _, _ = build_request(state, body, tmp_path)
+        assert [(a.path, a.strength) for a in request.lora or []] == [("style", 0.5), ("style", 1.0), ("style", -1.0)]
+
+
+@pytest.mark.parametrize(("items", "says"), [
+    ([("lora[][strength]", "0.5")], "`lora[][strength]` comes without its adapter"),
+    ([("lora[][path]", "style"), ("lora[][strength]", "0.5"), ("lora[][strength]", "2")],
+     "`lora[][strength]` comes without its adapter"),
+    ([("lora", '[{"path": "style"}]'), ("lora[][path]", "style")], "`lora` is given twice in the form"),
+    ([("lora[][path]", "style"), ("lora", '[{"path": "style"}]')], "`lora` is given twice in the form"),
+    ([("lora", "style")], "`lora` as a form part must be a JSON list of {\"path\": name, \"strength\": x} (got 'style')"),
+    ([("lora[][path]", b"\x89PNG")], "`lora[][path]` must be a text part, not an uploaded file of 4 bytes"),
+])
+def test_a_malformed_forms_lora_is_a_422_naming_lora(items: list[tuple[str, Any]], says: str) -> None:
+    with pytest.raises(InputError) as exc:
+        _form([("prompt", "x"), *items])
+    assert exc.value.field == "lora" and exc.value.status == 422 and says in str(exc.value), str(exc.value)
+
+
+def test_a_forms_strength_that_is_not_a_number_is_named(state: ServerState, tmp_path: Path) -> None:
+    body = _form([("prompt", "x"), ("lora[][path]", "style"), ("lora[][strength]", "strong")])
+    with pytest.raises(InputError) as exc:
+        build_request(state, body, tmp_path)
+    assert exc.value.status == 422 and "lora.0.strength: Input should be a valid number (got 'strong')" in str(exc.value)
