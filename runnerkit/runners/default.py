@@ -300,6 +300,12 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """
         raise NotImplementedError(f"{cls.__name__} cannot describe its LoRA layers for a synthetic adapter")
 
+    def lora_slot_rank(self) -> int:
+        """The rank R of the unfused LoRA slots every transformer carries on the device (config `lora`
+        in mode unfused: `lora.max_rank`); 0 without them. For a family's memory estimate."""
+        lora = self.config.lora
+        return lora.max_rank if lora is not None and lora.mode == "unfused" else 0
+
     def check_adapters(self, requests: Sequence[RequestConfig]) -> None:
         """After `init_modules`, before serving: every request's adapters read and matched to the
         transformer's layers (nothing applied).

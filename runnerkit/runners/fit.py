@@ -114,6 +114,9 @@ class ModuleFootprint:
             null (the family's transformers); False: only when listed (e.g. a text encoder).
         stream_moved_bytes: the streamed units' bytes as copied per pass (their raw regions: fp8
             storage and fp8-stored checkpoint tensors at 1 byte + scale); 0 when not streaming.
+        device_extra_bytes: bytes the module keeps on the compute device beside its weights, whether
+            or not the weights are offloaded or streamed, for as long as the module exists (unfused
+            LoRA slots, runnerkit/lora: `lora_slot_bytes`).
     """
 
     weight_bytes: int
@@ -122,6 +125,7 @@ class ModuleFootprint:
     stream_host_bytes: int = 0
     stream_default: bool = True
     stream_moved_bytes: int = 0
+    device_extra_bytes: int = 0
 
     @property
     def streams(self) -> bool:
@@ -211,7 +215,8 @@ def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
 
 def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[[str], bool] = lambda name: False,
                      stream: StreamSpec | None = None, offload: OffloadConfig | None = None,
-                     stream_default: bool = True, fp8_stored: Collection[str] = ()) -> ModuleFootprint:
+                     stream_default: bool = True, fp8_stored: Collection[str] = (),
+                     lora_rank: int = 0) -> ModuleFootprint:
     """Weight bytes of a module (normally built on the meta device) as the runner loads it.
 
     Floating parameters are counted in `dtype`, except names for which `keep_fp32` is true
@@ -231,6 +236,8 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
         stream_default: see `ModuleFootprint.stream_default` (False for a text encoder).
         fp8_stored: parameter names the checkpoint stores as float8_e4m3fn (their loaded bytes are
             still counted in `dtype`: a resident load upcasts them).
+        lora_rank: unfused LoRA slot rank R (config `lora.max_rank` in mode unfused; 0: none): the slots
+            of every linear layer become `device_extra_bytes` (`lora_slot_bytes`).
     """
     sizes: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -240,8 +247,9 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
         shapes[name] = tuple(p.shape)
     buffers = sum(tensor_bytes(b) for _, b in module.named_buffers())
     total = sum(sizes.values()) + buffers
+    extra = lora_slot_bytes(module, lora_rank, dtype, keep_fp32) if lora_rank else 0
     if stream is None or offload is None or offload.mode not in ("block", "phase"):
-        return ModuleFootprint(weight_bytes=total, stream_default=stream_default)
+        return ModuleFootprint(weight_bytes=total, stream_default=stream_default, device_extra_bytes=extra)
     units = plan_units(module, offload.mode, stream)
     as_stored = fp8_stored if offload.storage == "disk" else ()  # storage cpu holds upcast weights
     layouts = [plan_unit_layout(u, shapes, dtype, offload.weight_dtype, fp8_stored=as_stored) for u in units]
@@ -252,7 +260,21 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
         lay.raw_nbytes for lay in layouts)
     return ModuleFootprint(weight_bytes=total, stream_resident_bytes=total - streamed, stream_slot_bytes=slots * slot,
                            stream_host_bytes=host, stream_default=stream_default,
-                           stream_moved_bytes=sum(lay.raw_nbytes for lay in layouts))
+                           stream_moved_bytes=sum(lay.raw_nbytes for lay in layouts), device_extra_bytes=extra)
+
+
+def lora_slot_bytes(module: nn.Module, rank: int, dtype: torch.dtype,
+                    keep_fp32: Callable[[str], bool] = lambda name: False) -> int:
+    """Device bytes of the unfused LoRA slots `runnerkit.lora.attach_slots` gives `module` at rank `rank`:
+    per linear layer down [R, in], up [out, R] and bias [out], in the layer's loaded dtype (float32 where
+    `keep_fp32` keeps its weight, else `dtype`). Works on a meta-built module."""
+    from runnerkit.lora.apply import linear_targets
+
+    total = 0
+    for name, lin in linear_targets(module).items():
+        size = 4 if keep_fp32(f"{name}.weight") else torch.empty((), dtype=dtype, device="meta").element_size()
+        total += (rank * (lin.in_features + lin.out_features) + lin.out_features) * size
+    return total
 
 
 def streams(name: str, footprint: ModuleFootprint, offload: OffloadConfig) -> bool:
@@ -269,16 +291,19 @@ def _held(name: str, footprint: ModuleFootprint, stage_module: str | None, confi
     off = config.offload
     in_stage = name == stage_module
     on_cpu = device.type == "cpu"
+    extra = footprint.device_extra_bytes  # on the device while the module exists (LoRA slots)
     if config.unload_modules:
-        return footprint.weight_bytes if in_stage else 0
+        return footprint.weight_bytes + extra if in_stage else 0
     if streams(name, footprint, off):
         assert footprint.stream_resident_bytes is not None
-        part = footprint.stream_resident_bytes + footprint.stream_slot_bytes
+        part = footprint.stream_resident_bytes + footprint.stream_slot_bytes + extra
         part += footprint.stream_host_bytes if on_cpu else 0
         return part if (in_stage or not off.lazy_load) else 0
     if off.mode == "none" or on_cpu:
-        return footprint.weight_bytes  # resident; on the CPU offloaded modules live in the same memory
-    return footprint.weight_bytes if in_stage else 0  # model offload: visits the device for its stage
+        return footprint.weight_bytes + extra  # resident; on the CPU offloaded modules live in the same memory
+    if off.lazy_load and not in_stage:
+        return 0
+    return footprint.weight_bytes + extra if in_stage else extra  # model offload: visits the device for its stage
 
 
 def device_weights(estimate: MemoryEstimate, stage_module: str | None, config: RunnerConfig,

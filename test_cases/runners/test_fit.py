@@ -115,6 +115,44 @@ def test_module_footprint_counts_load_dtypes_on_meta() -> None:
     assert not footprint.streams
 
 
+@pytest.mark.parametrize("overrides, stage, weights", [
+    ({}, "decode", 15 + 1),  # resident: the slots beside the weights
+    ({"offload": {"mode": "model"}}, "denoise", 10 + 1),
+    ({"offload": {"mode": "model"}}, "decode", 1 + 1),  # the slots stay on the device while dit is offloaded
+    ({"offload": {"mode": "block"}}, "decode", 1 + 2 + 1 + 1),
+    ({"offload": {"mode": "block", "storage": "disk", "lazy_load": True}}, "denoise", 1 + 2 + 1),
+    ({"unload_modules": True}, "denoise", 10 + 1),  # built (with its slots) for its stage only
+])
+def test_lora_slots_stay_on_the_device_in_every_offload_mode(overrides: dict[str, Any], stage: str,
+                                                            weights: int) -> None:
+    dit = ESTIMATE.modules["dit"]
+    with_slots = MemoryEstimate(modules={**ESTIMATE.modules, "dit": ModuleFootprint(
+        dit.weight_bytes, dit.stream_resident_bytes, dit.stream_slot_bytes, dit.stream_host_bytes,
+        device_extra_bytes=1 * GIB)}, stages=ESTIMATE.stages)
+    config = cfg(**overrides)
+    peak = fit.peak_of(with_slots, config, CUDA)
+    during = sum(fit.device_weights(with_slots, "dit" if stage == "denoise" else "dec", config, CUDA).values())
+    assert during == weights * GIB, (peak.stage, during / GIB)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"offload": {"mode": "block"}}])
+def test_the_lora_slot_estimate_is_what_the_runner_allocates(tiny_ckpt: Path, overrides: dict[str, Any]) -> None:
+    """`lora_slot_bytes` on the meta-built transformer against the slots `attach_slots` gave the loaded
+    one (down, up and bias of every linear layer), byte for byte, at rank 8; none without `lora`."""
+    from runnerkit.lora.apply import LoRALinear
+
+    runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, lora={"max_rank": 8}, **overrides)))
+    runner.init_modules()
+    real = sum(t.numel() * t.element_size() for m in runner.modules["transformer"].modules()
+               if isinstance(m, LoRALinear) for t in (m.lora_down, m.lora_up, m.lora_bias))
+    assert real > 0 and runner.estimate_memory((48, 80, 9)).modules["transformer"].device_extra_bytes == real
+    plain = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, **overrides)))
+    assert plain.estimate_memory((48, 80, 9)).modules["transformer"].device_extra_bytes == 0
+    if not overrides:  # fused LoRA writes into the weights (refused with streamed ones): no slots
+        fused = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, lora={"mode": "fused"})))
+        assert fused.estimate_memory((48, 80, 9)).modules["transformer"].device_extra_bytes == 0
+
+
 # ---- the limit ---------------------------------------------------------------------------------
 def test_limit_from_config_wins() -> None:
     limit = memory.memory_limit(CPU, limit_gib=3.5, loaded_bytes=10 * GIB)

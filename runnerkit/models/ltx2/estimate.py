@@ -196,16 +196,18 @@ def fp8_stored_weights(ckpt: LTX2Checkpoint) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=16)
 def footprints(arch: LTX2Arch, gemma: tuple[tuple[str, int], ...], dtype: torch.dtype,
-               offload: OffloadConfig, fp8_stored: frozenset[str] = frozenset()) -> dict[str, ModuleFootprint]:
+               offload: OffloadConfig, fp8_stored: frozenset[str] = frozenset(),
+               lora_rank: int = 0) -> dict[str, ModuleFootprint]:
     """Weight bytes of every module as the runner loads it, in `dtype` (meta builds, nothing allocated);
     `gemma`: `gemma_fields(...).items()` as a tuple; `fp8_stored`: the transformer's parameters (our names)
-    that the checkpoint stores as float8_e4m3fn (streamed from disk as stored: `fit.module_footprint`)."""
+    that the checkpoint stores as float8_e4m3fn (streamed from disk as stored: `fit.module_footprint`);
+    `lora_rank`: the transformer's unfused LoRA slot rank (0: none)."""
     s = torch.empty((), dtype=dtype, device="meta").element_size()
     out = {"text_encoder": gemma_footprint(dict(gemma), dtype, offload)}
     out["connectors"] = module_footprint(_meta("connectors", arch), dtype, stream=LTX2TextConnectors.STREAM_SPEC,
                                          offload=offload, stream_default=False)
     out["transformer"] = module_footprint(_meta("transformer", arch), dtype, keep_fp32, LTX2Transformer.STREAM_SPEC,
-                                          offload, fp8_stored=fp8_stored)
+                                          offload, fp8_stored=fp8_stored, lora_rank=lora_rank)
     out["latent_upsampler"] = module_footprint(_meta("latent_upsampler", arch), dtype)
     out["vae"] = module_footprint(_meta("vae", arch), dtype)
     audio = (module_footprint(_meta(c, arch), dtype).weight_bytes for c in ("audio_vae", "vocoder"))
@@ -305,7 +307,7 @@ def _stream_hints(modules: dict[str, ModuleFootprint], offload: OffloadConfig, g
 
 def ltx2_estimate(arch: LTX2Arch, gemma: dict[str, int], shape: Shape, fps: int, task: str, dtype: torch.dtype,
                   device: torch.device, offload: OffloadConfig,
-                  fp8_stored: frozenset[str] = frozenset()) -> MemoryEstimate:
+                  fp8_stored: frozenset[str] = frozenset(), lora_rank: int = 0) -> MemoryEstimate:
     """The memory estimate of one LTX-2 request of `shape` (height, width, frames) at `fps` on `device`.
 
     Args:
@@ -337,7 +339,7 @@ def ltx2_estimate(arch: LTX2Arch, gemma: dict[str, int], shape: Shape, fps: int,
         image = (StageFootprint("vae_encoder", "vae", vae_encode_bytes(arch.vae, height // 2, width // 2, s) + context,
                                 "vae encode of the first frame at the stage-1 size"),)
     kept = context + image_latents
-    modules = footprints(arch, tuple(gemma.items()), dtype, offload, fp8_stored)
+    modules = footprints(arch, tuple(gemma.items()), dtype, offload, fp8_stored, lora_rank)
     return MemoryEstimate(
         modules=modules,
         stages=(

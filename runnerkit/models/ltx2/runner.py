@@ -472,7 +472,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         arch = self.architecture()
         cfg = self.config
         return ltx2_estimate(arch, self.gemma_sizes(arch), shape, cfg.fps, cfg.task, self.dtype, self.device,
-                             cfg.offload, self.fp8_transformer_weights())
+                             cfg.offload, self.fp8_transformer_weights(), self.lora_slot_rank())
 
     def fp8_transformer_weights(self) -> frozenset[str]:
         """The transformer parameters the checkpoint stores as float8_e4m3fn (an fp8 release; streamed from

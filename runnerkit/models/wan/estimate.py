@@ -329,10 +329,10 @@ def vae_decode_bytes(arch: WanVAEArch, latent_fhw: tuple[int, int, int], device_
 # ---- the request ------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=16)
 def footprints(arch: WanArch, dtype: torch.dtype, offload: OffloadConfig,
-               transformers: tuple[str, ...] = ("transformer",)) -> dict[str, ModuleFootprint]:
+               transformers: tuple[str, ...] = ("transformer",), lora_rank: int = 0) -> dict[str, ModuleFootprint]:
     """Weight bytes of every module as the Wan runners load them (meta-built, nothing allocated):
     text encoder, CLIP image encoder (Wan2.1 i2v / flf2v), each transformer (MoE: one per expert,
-    same architecture) and the VAE."""
+    same architecture, each with its unfused LoRA slots of rank `lora_rank`) and the VAE."""
     transformer = build_on_meta(lambda: WanTransformer3D(arch.transformer))
     encoder = build_on_meta(lambda: te.UMT5Encoder(arch.text_encoder))
     vae = build_on_meta(lambda: WanVAE(arch.vae))
@@ -342,7 +342,7 @@ def footprints(arch: WanArch, dtype: torch.dtype, offload: OffloadConfig,
         clip_arch = arch.image_encoder
         out["image_encoder"] = module_footprint(build_on_meta(lambda: CLIPVisionEncoder(clip_arch)), dtype,
                                                 clip_keep_fp32)
-    step = module_footprint(transformer, dtype, keep_fp32, WanTransformer3D.STREAM_SPEC, offload)
+    step = module_footprint(transformer, dtype, keep_fp32, WanTransformer3D.STREAM_SPEC, offload, lora_rank=lora_rank)
     out.update({name: step for name in transformers})
     out["vae"] = module_footprint(vae, torch.float32)
     return out
@@ -359,7 +359,7 @@ def clip_bytes(arch: CLIPVisionArch, images: int, s: int) -> int:
 
 def wan_t2v_estimate(arch: WanArch, shape: Shape, dtype: torch.dtype, device: torch.device, enable_cfg: bool,
                      offload: OffloadConfig, transformers: tuple[str, ...] = ("transformer",),
-                     image_frames: int = 0) -> MemoryEstimate:
+                     image_frames: int = 0, lora_rank: int = 0) -> MemoryEstimate:
     """The memory estimate of one Wan request of `shape` (height, width, frames).
 
     Stages: text_encoder (UMT5 on the prompt and, with CFG, the negative prompt); for image tasks
@@ -369,6 +369,8 @@ def wan_t2v_estimate(arch: WanArch, shape: Shape, dtype: torch.dtype, device: to
     repeats every step; image tasks add `y` and the CLIP tokens); vae_decoder; save (the decoded
     video until it is written; on the CPU also the float->uint8 conversion and the serialization
     copies: 3 x the video). `transformers`: the module names of the denoising transformer(s).
+    `lora_rank`: unfused LoRA slot rank (config `lora`; 0: none), kept on the device beside each
+    transformer (`fit.lora_slot_bytes`).
     """
     height, width, frames = shape
     s = torch.empty((), dtype=dtype, device="meta").element_size()
@@ -399,7 +401,7 @@ def wan_t2v_estimate(arch: WanArch, shape: Shape, dtype: torch.dtype, device: to
     hints = () if offload.vae_tiling else (Hint("offload.vae_tiling=true (the VAE decodes 256-px tiles: its memory "
                                                 "then grows with the tile, not the frame)", {"vae_tiling": True}),)
     return MemoryEstimate(
-        modules=footprints(arch, dtype, offload, transformers),
+        modules=footprints(arch, dtype, offload, transformers, lora_rank),
         stages=(
             StageFootprint("text_encoder", "text_encoder", text + context, "umt5 on the prompt(s)"),
             *image_stages,

@@ -431,7 +431,8 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         arch = self.architecture()
         image_frames = len(self.IMAGE_INPUTS.get(self.config.task, ()))
         return wan_t2v_estimate(arch, shape, self.dtype, self.device, self.config.enable_cfg, self.config.offload,
-                                transformers=self.transformer_names(), image_frames=image_frames)
+                                transformers=self.transformer_names(), image_frames=image_frames,
+                                lora_rank=self.lora_slot_rank())
 
     def transformer_names(self) -> tuple[str, ...]:
         """Module names of the denoising transformer(s) (MoE runners: both experts)."""
