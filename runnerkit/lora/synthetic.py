@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
 
     from runnerkit.config import ConfigError, load_runner_config
+    from runnerkit.files import give_default_mode
     from runnerkit.registry import get_runner_cls
 
     p = argparse.ArgumentParser(prog="runnerkit.lora.synthetic", description=__doc__.split("\n\n")[0])
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, args.out, metadata={"format": "pt", "runnerkit_synthetic_lora": str(args.seed)})
+    give_default_mode(Path(args.out))  # the writer creates 0o600; outputs follow the umask
     logger.info("wrote {} ({} layers, rank {}, layout {})", args.out, len(layers), args.rank, args.layout)
     return 0
 

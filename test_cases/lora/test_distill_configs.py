@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from runnerkit import memory
 from runnerkit.config import RequestConfig, load_runner_config
+from runnerkit.files import new_file_mode
 from runnerkit.lora.synthetic import main as synth_main
 from runnerkit.registry import get_runner_cls
 from test_cases.conftest import REPO, write_config
@@ -50,6 +51,7 @@ def test_distilled_config_runs_with_a_synthetic_adapter(case: str, tmp_path: Pat
     data["lora"]["adapters"] = {name: str(adapter)}
     config_path = write_config(tmp_path / "config.json", data)
     assert synth_main(["--config", str(config_path), "--out", str(adapter), "--rank", "4", "--dtype", "fp32"]) == 0
+    assert adapter.stat().st_mode & 0o777 == new_file_mode()  # the umask's mode, not the writer's 0o600
     with safe_open(str(adapter), "pt") as f:  # LightX2V's layout: original names, down/up pairs with alpha
         keys = set(f.keys())
     assert prefix + "self_attn.q.lora_down.weight" in keys or prefix + "attn.to_q.lora_down.weight" in keys, sorted(keys)[:4]
