@@ -52,8 +52,8 @@ from runnerkit.offload.layout import StreamSpec, plan_unit_layout, plan_units
 from runnerkit.offload.pinned import align_up
 
 __all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "Hint", "HostEstimate",
-           "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights", "host_bytes_of",
-           "host_module_bytes", "module_footprint", "overhead_bytes", "peak_of", "refusal_message", "streams",
+           "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights",
+           "host_bytes_of", "host_module_bytes", "lora_slot_bytes", "module_footprint", "overhead_bytes", "peak_of", "refusal_message", "streams",
            "weights_between_stages"]
 
 GIB = 1024**3
@@ -191,6 +191,7 @@ class PeakEstimate:
         weight_bytes: weights on the device during that stage.
         activation_bytes: that stage's activations.
         detail: the stage's own explanation.
+        lora_slot_bytes: of `weight_bytes`, the unfused LoRA slots (`ModuleFootprint.device_extra_bytes`).
     """
 
     bytes: int
@@ -200,9 +201,13 @@ class PeakEstimate:
     activation_bytes: int
     detail: str = ""
     overhead_bytes: int = 0
+    lora_slot_bytes: int = 0
 
-    def describe(self) -> str:
-        return (f"{self.bytes / GIB:.2f} GiB (peak in stage {self.stage}: {self.weight_bytes / GIB:.2f} GiB weights + "
+    def describe(self, digits: int = 2) -> str:
+        """`digits`: decimals of the total (more where it must be told apart from a limit)."""
+        slots = f" (of which {self.lora_slot_bytes / GIB:.2f} GiB LoRA slots)" if self.lora_slot_bytes else ""
+        return (f"{self.bytes / GIB:.{digits}f} GiB (peak in stage {self.stage}: {self.weight_bytes / GIB:.2f} GiB "
+                f"weights{slots} + "
                 f"{self.activation_bytes / GIB:.2f} GiB activations{'; ' + self.detail if self.detail else ''}; "
                 f"+{MARGIN:.0%} margin + {self.overhead_bytes / GIB:.2f} GiB fixed overhead)")
 
@@ -331,13 +336,15 @@ def peak_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.device
                          f"footprints: {sorted(estimate.modules)}")
     best: PeakEstimate | None = None
     for stage in estimate.stages:
-        weights = sum(device_weights(estimate, stage.module, config, device).values())
+        held = device_weights(estimate, stage.module, config, device)
+        weights = sum(held.values())
         formula = weights + stage.activation_bytes
         if best is None or formula > best.formula_bytes:
             overhead = overhead_bytes(device)
             best = PeakEstimate(bytes=math.ceil(formula * (1 + MARGIN)) + overhead, formula_bytes=formula,
                                 stage=stage.name, weight_bytes=weights, activation_bytes=stage.activation_bytes,
-                                detail=stage.detail, overhead_bytes=overhead)
+                                detail=stage.detail, overhead_bytes=overhead,
+                                lora_slot_bytes=sum(estimate.modules[n].device_extra_bytes for n in held))
     assert best is not None, "a memory estimate needs at least one stage"
     return best
 
@@ -429,7 +436,13 @@ def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, 
     if config.offload.mode == "none" and not config.unload_modules and device.type != "cpu" \
             and peak.weight_bytes > peak.activation_bytes:
         advice.append("offload.mode 'model' or 'block' (weights leave the device between their stages)")
+    if peak.lora_slot_bytes:
+        advice.append(f"a smaller lora.max_rank (the unfused LoRA slots take {peak.lora_slot_bytes / GIB:.2f} GiB at "
+                      f"rank {config.lora.max_rank if config.lora else '?'}) or lora.mode 'fused' (no slots)")
     advice += [h.text for h in hints]
-    return (f"{what}: shape {h}x{w}x{f} (height x width x frames) needs an estimated {peak.describe()} on "
-            f"{device}, more than the limit of {limit_bytes / GIB:.2f} GiB ({limit_source}). Try "
+    digits = 2  # enough decimals that the estimate visibly exceeds the limit
+    while digits < 6 and round(peak.bytes / GIB, digits) <= round(limit_bytes / GIB, digits):
+        digits += 1
+    return (f"{what}: shape {h}x{w}x{f} (height x width x frames) needs an estimated {peak.describe(digits)} on "
+            f"{device}, more than the limit of {limit_bytes / GIB:.{digits}f} GiB ({limit_source}). Try "
             f"{'; or '.join(advice)}. To override: config memory.limit_gib (GiB) or memory.check_fit=false")

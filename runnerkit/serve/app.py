@@ -193,30 +193,36 @@ async def read_body(request: Request) -> dict[str, Any]:
 
 
 #: A form's LoRA parts as the official `openai` client writes `extra_body={"lora": [{"path", "strength"}]}` in a
-#: multipart body (its query-string style: `lora[][path]`, `lora[][strength]`, one path part per adapter).
+#: multipart body (its query-string style: `lora[][path]`, `lora[][strength]`). The client groups repeated
+#: keys before sending (every path part, then every strength part), so the parts' order cannot say which
+#: strength belongs to which adapter: strengths are paired with paths by their order among themselves.
 LORA_FORM_PART = re.compile(r"lora\[\]\[(path|strength)\]")
 NUMBER = r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*"
 
 
-def _form_lora(fields: dict[str, Any], key: str, value: Any) -> None:
-    """Add one `lora[][path]` / `lora[][strength]` part to `fields["lora"]`: a path part starts the next
-    adapter, a strength part belongs to the adapter of the path part before it.
+def _form_lora(parts: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """The adapters of a form's `lora[][path]` / `lora[][strength]` parts ((key, value) in form order):
+    the k-th strength part belongs to the k-th path part. Every adapter has a strength, or none has one
+    (each then 1.0), or there is one adapter; anything else is ambiguous.
 
     Raises:
-        InputError: a strength part without an adapter before it (or a second one for it), naming the part.
+        InputError: a part that is an uploaded file; strength parts that cannot be paired with the path
+            parts (naming both counts and the unambiguous alternative: one `lora` part holding the JSON list).
     """
-    what = LORA_FORM_PART.fullmatch(key)
-    assert what is not None
-    adapters = fields.setdefault("lora", [])
-    if isinstance(value, bytes):
-        raise InputError(f"`{key}` must be a text part, not an uploaded file of {len(value)} bytes", "lora")
-    if what[1] == "path":
-        adapters.append({"path": value})
-    elif adapters and "strength" not in adapters[-1]:  # a form's text is a number when it reads as one
-        adapters[-1]["strength"] = float(value) if re.fullmatch(NUMBER, value) else value
-    else:
-        raise InputError(f"`{key}` comes without its adapter: each adapter is a `lora[][path]` part followed by at "
-                         "most one `lora[][strength]` part", "lora")
+    for key, value in parts:
+        if isinstance(value, bytes):
+            raise InputError(f"`{key}` must be a text part, not an uploaded file of {len(value)} bytes", "lora")
+    paths = [v for k, v in parts if k.endswith("[path]")]
+    strengths = [v for k, v in parts if k.endswith("[strength]")]
+    if strengths and len(strengths) != len(paths):
+        raise InputError(f"`lora`: the form has {len(paths)} `lora[][path]` and {len(strengths)} `lora[][strength]` "
+                         "parts, which cannot be paired (clients such as `openai` send every path part before every "
+                         "strength part): give every adapter a strength, or send `lora` as one form part holding the "
+                         'JSON list, e.g. lora=[{"path": "a", "strength": 0.5}, {"path": "b"}]', "lora")
+    adapters: list[dict[str, Any]] = [{"path": p} for p in paths]
+    for adapter, strength in zip(adapters, strengths):  # a form's text is a number when it reads as one
+        adapter["strength"] = float(strength) if re.fullmatch(NUMBER, strength) else strength
+    return adapters
 
 
 async def _form_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -225,19 +231,16 @@ async def _form_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
     adapters come as `lora[][path]` / `lora[][strength]` parts (`_form_lora`, what the `openai` client
     sends for `extra_body={"lora": [...]}`) or as one `lora` text part holding the JSON list."""
     fields: dict[str, Any] = {}
-    lora_as: str | None = None  # how the form sent `lora`: "parts" (lora[][...]) or "json" (one part)
+    lora_parts: list[tuple[str, Any]] = []  # lora[][path] / lora[][strength], paired after the loop
     for key, part in items:
         name = key[:-2] if key.endswith("[]") else key
         value: Any = await part.read() if isinstance(part, UploadFile) else part
-        lora_part = ("parts" if LORA_FORM_PART.fullmatch(key)
-                     else "json" if name == "lora" and isinstance(value, str) else None)
-        if lora_part is not None:
-            if lora_as is not None and "json" in (lora_as, lora_part):
+        if LORA_FORM_PART.fullmatch(key):
+            lora_parts.append((key, value))
+            continue
+        if name == "lora" and isinstance(value, str):
+            if "lora" in fields:
                 raise InputError("`lora` is given twice in the form", "lora")
-            lora_as = lora_part
-            if lora_part == "parts":
-                _form_lora(fields, key, value)
-                continue
             try:
                 fields["lora"] = json.loads(value)
             except ValueError:
@@ -254,6 +257,10 @@ async def _form_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
             raise InputError(f"`{name}` is given twice in the form", name)
         else:
             fields[name] = value
+    if lora_parts:
+        if "lora" in fields:
+            raise InputError("`lora` is given twice in the form (as a `lora` part and as `lora[][...]` parts)", "lora")
+        fields["lora"] = _form_lora(lora_parts)
     return fields
 
 
@@ -378,8 +385,11 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     if request.lora:  # matched to the loaded transformer's layers now: a bad adapter is the request's error
         try:
             runner.check_adapters([request])  # type: ignore[attr-defined]
-        except ValueError as exc:  # runnerkit.lora.LoRAError, naming the file
-            raise InputError(_api_wording(str(exc), folder), "lora") from None
+        except ValueError as exc:  # runnerkit.lora.LoRAError, naming the file: the client sent its name
+            message = str(exc)
+            for name, path in (lora_cfg.adapters if lora_cfg is not None else {}).items():
+                message = message.replace(path, name)  # paths are the server's business
+            raise InputError(_api_wording(message, folder), "lora") from None
     shape = runner.request_shape(request)  # type: ignore[attr-defined]
     try:
         runner.check_fit(shape, "request")  # type: ignore[attr-defined]

@@ -127,6 +127,14 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("runnerkit serve needs the `serve` extra: pip install \"runnerkit[serve]\" (from a checkout: "
                      "pip install -e \".[serve]\"); missing: {}", exc.name)
         return 2
+    from runnerkit.media import missing_media_module
+
+    missing = [m for m in (missing_media_module("result.png"), missing_media_module("result.mp4")) if m]
+    if missing:  # every job's result is written as a png or an mp4: without them each job would fail at its end
+        logger.error("runnerkit serve writes every job's result as a .png or .mp4 and needs the `media` extra: pip "
+                     "install \"runnerkit[media]\" (from a checkout: pip install -e \".[media]\"); missing: {}",
+                     ", ".join(missing))
+        return 2
 
     # Light imports only before the port opens (no torch, no model family): health answers within
     # a second or two, `starting` until the runner exists.

@@ -81,26 +81,49 @@ def _form(items: list[tuple[str, Any]]) -> dict[str, Any]:
     return asyncio.run(_form_fields(items))
 
 
-def test_a_forms_lora_as_the_openai_client_sends_it(state: ServerState, tmp_path: Path) -> None:
-    """A multipart body (images.edit, videos.create with an upload) carries `extra_body={"lora": [...]}` as
-    the official client's query-string parts (`lora[][path]`, `lora[][strength]`): the same adapters
-    as the JSON body, strengths with the adapter before them; also one `lora` part holding the JSON list."""
-    openai_qs = pytest.importorskip("openai._qs", reason="the official openai client is not installed")
-    lora = [{"path": "style", "strength": 0.5}, {"path": "style"}, {"path": "style", "strength": -1}]
-    items = openai_qs.Querystring().stringify_items({"prompt": "x", "lora": lora}, array_format="brackets")
-    assert [k for k, _ in items][1:3] == ["lora[][path]", "lora[][strength]"]  # the client's layout, checked
+def _openai_form(body: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The text parts the official `openai` client sends for `body` in a multipart request, in wire order:
+    its own serializer (`_serialize_multipartform`: repeated keys grouped, one key's values in a row)."""
+    openai = pytest.importorskip("openai", reason="the official openai client is not installed")
+    client = openai.OpenAI(api_key="x", base_url="http://127.0.0.1:9")
+    data = client._serialize_multipartform(body)
+    return [(k, v) for k, vs in data.items() for v in (vs if isinstance(vs, list) else [vs])]
+
+
+@pytest.mark.parametrize(("lora", "expect"), [
+    ([{"path": "style", "strength": 0.5}, {"path": "style", "strength": -1}], [("style", 0.5), ("style", -1.0)]),
+    ([{"path": "style"}, {"path": "style"}], [("style", 1.0), ("style", 1.0)]),
+    ([{"strength": 0.25, "path": "style"}], [("style", 0.25)]),  # strength key first: its part comes first
+])
+def test_a_forms_lora_as_the_openai_client_sends_it(state: ServerState, tmp_path: Path, lora: list[dict[str, Any]],
+                                                   expect: list[tuple[str, float]]) -> None:
+    """A multipart body (images.edit; videos.create always) carries `extra_body={"lora": [...]}` as the
+    client's `lora[][path]` / `lora[][strength]` parts, every path before every strength: the same
+    adapters and strengths as the JSON body; also one `lora` part holding the JSON list."""
+    items = _openai_form({"prompt": "x", "lora": lora})
     for body in (_form(items), _form([("prompt", "x"), ("lora", json.dumps(lora))])):
         request, _, _ = build_request(state, body, tmp_path)
-        assert [(a.path, a.strength) for a in request.lora or []] == [("style", 0.5), ("style", 1.0), ("style", -1.0)]
+        assert [(a.path, a.strength) for a in request.lora or []] == expect
+
+
+def test_strengths_that_cannot_be_paired_are_a_422_not_a_guess() -> None:
+    """Two adapters, one strength: the client's parts cannot say whose it is (it sent both paths first)."""
+    items = _openai_form({"prompt": "x", "lora": [{"path": "style", "strength": 0.5}, {"path": "other"}]})
+    assert [k for k, _ in items] == ["prompt", "lora[][path]", "lora[][path]", "lora[][strength]"]
+    with pytest.raises(InputError) as exc:
+        _form(items)
+    assert exc.value.field == "lora" and "2 `lora[][path]` and 1 `lora[][strength]` parts, which cannot be paired" \
+        in str(exc.value) and "one form part holding the JSON list" in str(exc.value)
 
 
 @pytest.mark.parametrize(("items", "says"), [
-    ([("lora[][strength]", "0.5")], "`lora[][strength]` comes without its adapter"),
+    ([("lora[][strength]", "0.5")], "0 `lora[][path]` and 1 `lora[][strength]` parts"),
     ([("lora[][path]", "style"), ("lora[][strength]", "0.5"), ("lora[][strength]", "2")],
-     "`lora[][strength]` comes without its adapter"),
+     "1 `lora[][path]` and 2 `lora[][strength]` parts"),
     ([("lora", '[{"path": "style"}]'), ("lora[][path]", "style")], "`lora` is given twice in the form"),
     ([("lora[][path]", "style"), ("lora", '[{"path": "style"}]')], "`lora` is given twice in the form"),
-    ([("lora", "style")], "`lora` as a form part must be a JSON list of {\"path\": name, \"strength\": x} (got 'style')"),
+    ([("lora", "style")],
+     "`lora` as a form part must be a JSON list of {\"path\": name, \"strength\": x} (got 'style')"),
     ([("lora[][path]", b"\x89PNG")], "`lora[][path]` must be a text part, not an uploaded file of 4 bytes"),
 ])
 def test_a_malformed_forms_lora_is_a_422_naming_lora(items: list[tuple[str, Any]], says: str) -> None:
@@ -113,4 +136,21 @@ def test_a_forms_strength_that_is_not_a_number_is_named(state: ServerState, tmp_
     body = _form([("prompt", "x"), ("lora[][path]", "style"), ("lora[][strength]", "strong")])
     with pytest.raises(InputError) as exc:
         build_request(state, body, tmp_path)
-    assert exc.value.status == 422 and "lora.0.strength: Input should be a valid number (got 'strong')" in str(exc.value)
+    says = "lora.0.strength: Input should be a valid number (got 'strong')"
+    assert exc.value.status == 422 and says in str(exc.value), str(exc.value)
+
+
+def test_an_adapter_error_names_the_adapters_never_their_server_paths(state: ServerState, tiny_ckpt: Path,
+                                                                      tmp_path: Path) -> None:
+    """3 x the rank-4 `style` is rank 12 > `lora.max_rank` 8: the 422 says so by name, not by server path."""
+    path = state.runner.config.lora.adapters["style"]  # type: ignore[union-attr]
+    runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(
+        tiny_ckpt, lora={"max_rank": 8, "adapters": {"style": path}})))
+    runner.init_modules()
+    small = ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None,  # type: ignore[arg-type]
+                        phase="ready")
+    with pytest.raises(InputError) as exc:
+        build_request(small, {"prompt": "x", "lora": [{"path": "style"}] * 3}, tmp_path / "job")
+    message = str(exc.value)
+    assert exc.value.field == "lora" and "summed rank 12" in message and "'style'" in message, message
+    assert path not in message and str(Path(path).parent) not in message, message

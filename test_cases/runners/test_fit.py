@@ -8,6 +8,7 @@ script's exit status in test_cases/test_infer.py.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +225,33 @@ def test_before_loading_a_request_that_cannot_fit_is_refused(tmp_path: Path, moc
     assert f"more than the limit of {TINY_LIMIT:.2f} GiB (config memory.limit_gib)" in msg
     assert "smaller target_height/target_width/target_video_length" in msg and "memory.check_fit=false" in msg
     assert load.call_count == 0
+
+
+def test_a_refusal_that_the_lora_slots_cause_names_them_with_enough_digits(tiny_ckpt: Path) -> None:
+    """The tiny Wan fits a limit just above its estimate without LoRA and not with rank-64 slots: the message
+    names the slots' share and what to change, with the decimals that show the estimate above the limit."""
+    shape, request = (48, 80, 9), RequestConfig(prompt="x", target_height=48, target_width=80, target_video_length=9)
+    plain = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt)))
+    base = fit.peak_of(plain.estimate_memory(shape), plain.config, CPU).bytes
+    slots = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, lora={"max_rank": 64})))
+    peak = fit.peak_of(slots.estimate_memory(shape), slots.config, CPU)
+    limit = (base + peak.bytes) / 2 / GIB  # between the two estimates (they differ in the 3rd-4th decimal)
+    for runner, refused in ((plain, False), (slots, True)):
+        runner._config = runner.config.model_copy(update={"memory": runner.config.memory.model_copy(
+            update={"limit_gib": limit})})
+        if not refused:
+            runner.check_requests_fit([request])
+            continue
+        with pytest.raises(MemoryFitError) as exc:
+            runner.check_requests_fit([request])
+    msg = str(exc.value)
+    slot_gib = f"{peak.lora_slot_bytes / GIB:.2f}"
+    assert peak.lora_slot_bytes == slots.estimate_memory(shape).modules["transformer"].device_extra_bytes > 0
+    assert f"weights (of which {slot_gib} GiB LoRA slots)" in msg, msg
+    advice = f"a smaller lora.max_rank (the unfused LoRA slots take {slot_gib} GiB at rank 64) or lora.mode 'fused'"
+    assert advice in msg, msg
+    shown = re.search(r"needs an estimated ([0-9.]+) GiB .* more than the limit of ([0-9.]+) GiB", msg)
+    assert shown is not None and float(shown[1]) > float(shown[2]), msg
 
 
 def test_requests_that_fit_are_accepted_and_logged(tmp_path: Path, logs: list[str]) -> None:
