@@ -53,8 +53,8 @@ from runnerkit.offload.pinned import align_up
 
 __all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "Hint", "HostEstimate",
            "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights",
-           "host_bytes_of", "host_module_bytes", "lora_slot_bytes", "module_footprint", "overhead_bytes", "peak_of", "refusal_message", "streams",
-           "weights_between_stages"]
+           "host_bytes_of", "host_module_bytes", "lora_slot_bytes", "module_footprint", "overhead_bytes", "peak_of",
+           "refusal_message", "streams", "weights_between_stages"]
 
 GIB = 1024**3
 MIB = 1024**2
