@@ -155,7 +155,11 @@ def test_pread_streaming_keeps_the_page_cache_bounded(tmp_path: Path, monkeypatc
     # whose first pages a large `preadv` has already started, and the kernel's read-ahead beyond
     limit = (3 * _rss_driver.UNIT_BYTES + 2 * (window or 0)) // PAGE_BYTES + 4
     if window is not None and limit <= total // 2:
-        assert max(during) <= limit, f"{max(during)} pages cached during the request, limit {limit} ({during})"
+        # at most one sample above: on a loaded machine the drop after a unit's run can be scheduled after the
+        # next sample (seen once, 7272 of a 7172 limit, the rest below); without drops every later sample is
+        # above (the file grows to 16384 pages)
+        second = sorted(during)[-2]
+        assert second <= limit, f"{second} pages cached during the request (2nd most), limit {limit} ({during})"
     assert found["reader_dropped_bytes"] >= sum(n for _, n in spans)
 
 

@@ -100,11 +100,12 @@ def _one_process_videos(ckpt: Path, tmp: Path) -> list[torch.Tensor]:
 
 def test_ready_after_every_rank_is_warm_jobs_match_one_process_and_sigterm_ends_every_rank(
         ckpt: Path, tmp_path: Path, forkserver: Any) -> None:  # noqa: F811
-    """Rank 1's warmup ends 0.5 s after its last collective: `/health/ready` answers 503
+    """Rank 1's warmup ends 1.5 s after its last collective (a window the 20 ms poll
+    sees even on a loaded 2-core machine, where 0.5 s was once missed): `/health/ready` answers 503
     (`waiting_for_ranks` once rank 0 is warm) until rank 1 is warm too, and never 200 before. Two jobs
     give one process's videos bit for bit; a running job refuses DELETE (409). SIGTERM to rank 0 ends
     both ranks with 0."""
-    spec = _serve_spec(tmp_path, ckpt, "--drain_grace", "0", slow_warmup={"rank": 1, "seconds": 0.5},
+    spec = _serve_spec(tmp_path, ckpt, "--drain_grace", "0", slow_warmup={"rank": 1, "seconds": 1.5},
                        slow_step={"rank": 1, "seconds": 0.15})
     procs, logs = start_ranks(forkserver, 2, spec)
     try:
