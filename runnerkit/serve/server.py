@@ -116,6 +116,20 @@ def prepare_output_dir(value: str) -> Path:
     return output_dir
 
 
+def missing_writers() -> list[str]:
+    """The png/mp4 writers' modules (`media` extra: runnerkit/media.py) that are not installed, found without
+    importing them or runnerkit.media (which imports torch: the port opens before torch is imported)."""
+    missing = []
+    for module in ("imageio", "imageio_ffmpeg"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ValueError:  # in sys.modules as None: imports of it fail
+            found = False
+        if not found:
+            missing.append(module)
+    return missing
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -127,9 +141,7 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("runnerkit serve needs the `serve` extra: pip install \"runnerkit[serve]\" (from a checkout: "
                      "pip install -e \".[serve]\"); missing: {}", exc.name)
         return 2
-    from runnerkit.media import missing_media_module
-
-    missing = [m for m in (missing_media_module("result.png"), missing_media_module("result.mp4")) if m]
+    missing = missing_writers()
     if missing:  # every job's result is written as a png or an mp4: without them each job would fail at its end
         logger.error("runnerkit serve writes every job's result as a .png or .mp4 and needs the `media` extra: pip "
                      "install \"runnerkit[media]\" (from a checkout: pip install -e \".[media]\"); missing: {}",
