@@ -17,10 +17,11 @@ Two modes (config `lora.mode`):
   subtraction). The base copy of every adapted weight is taken once (at load for the layers of
   the config's named adapters, else the first time a layer is adapted) and kept on the host for
   the module's life (pinned when the weight is on CUDA, so the restore is one H2D copy per layer
-  at copy-engine speed): the base weights never change, so later requests reuse it. No per-step cost; a request with adapters costs a GEMM per adapted layer and
-  the restore copy (measured for a 14B transformer in bench/results/lora_distill_h200.md), and
-  the host holds one copy of the adapted weights. Only for weights that stay put (offload none,
-  model, or unload_modules): a streamed unit is re-filled from its source every step.
+  at copy-engine speed): the base weights never change, so later requests reuse it. No per-step
+  cost; a request with adapters costs a GEMM per adapted layer and the restore copy (measured for
+  a 14B transformer in bench/results/lora_distill_h200.md), and the host holds one copy of the
+  adapted weights. Only for weights that stay put (offload none, model, or unload_modules): a
+  streamed unit is re-filled from its source every step.
 
 Design source: PEFT's LoRA layer (scaling alpha / r), LightX2V's per-request LoRA wrapper (kept
 weights, restore on removal); restated.

@@ -306,9 +306,9 @@ def _held(name: str, footprint: ModuleFootprint, stage_module: str | None, confi
         return part if (in_stage or not off.lazy_load) else 0
     if off.mode == "none" or on_cpu:
         return footprint.weight_bytes + extra  # resident; on the CPU offloaded modules live in the same memory
-    if off.lazy_load and not in_stage:
-        return 0
-    return footprint.weight_bytes + extra if in_stage else extra  # model offload: visits the device for its stage
+    if in_stage:  # model offload: the weights visit the device for their stage
+        return footprint.weight_bytes + extra
+    return 0 if off.lazy_load else extra  # the slots stay while the module exists (lazy: built for its stage)
 
 
 def device_weights(estimate: MemoryEstimate, stage_module: str | None, config: RunnerConfig,

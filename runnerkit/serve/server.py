@@ -117,10 +117,12 @@ def prepare_output_dir(value: str) -> Path:
 
 
 def missing_writers() -> list[str]:
-    """The png/mp4 writers' modules (`media` extra: runnerkit/media.py) that are not installed, found without
-    importing them or runnerkit.media (which imports torch: the port opens before torch is imported)."""
+    """The top-level packages of the png/mp4 writers (`files.MEDIA_MODULES`, the `media` extra) that are not
+    installed, found without importing them or runnerkit.media (which imports torch: the port opens first)."""
+    from runnerkit.files import MEDIA_MODULES
+
     missing = []
-    for module in ("imageio", "imageio_ffmpeg"):
+    for module in sorted({m.split(".")[0] for m in MEDIA_MODULES.values()}):
         try:
             found = importlib.util.find_spec(module) is not None
         except ValueError:  # in sys.modules as None: imports of it fail
