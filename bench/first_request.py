@@ -12,7 +12,7 @@ VAE, a 2-layer text encoder of the 7B's width), eager, CFG, warmup on, `--steps`
 
     python bench/first_request.py --arm prompts --text_buckets off --out $OUT/first_request_h200
     python bench/first_request.py --arm prompts --text_buckets auto --out $OUT/first_request_h200
-    python bench/first_request.py --arm server --out $OUT/first_request_h200
+    python bench/first_request.py --arm server --processes 3 --out $OUT/first_request_h200
     python bench/first_request.py --summarize --out $OUT/first_request_h200
 
 `--smoke` runs the tiny architecture on the CPU (checks the script; not a result).
@@ -148,46 +148,73 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
             "thread_warnings": threads, "device": device_info()}
 
 
+def runs_of(path: Path) -> list[dict[str, Any]]:
+    """The process runs a result file holds: `--processes N` writes {"runs": [...]}, earlier files one run."""
+    r = json.loads(path.read_text())
+    return r["runs"] if "runs" in r else [r]
+
+
+def prompts_row(label: str, r: dict[str, Any]) -> tuple[list[Any], float, float]:
+    """One process's table row, its new/repeat request ratio and its new first step / steady step."""
+    attention = (r.get("attention") or {}).get("backend", "not recorded")
+    first = [q for q in r["requests"] if q["first_of_prompt"]][1:]  # request 0's prompt is warmup's length
+    steady = [q for q in r["requests"] if not q["first_of_prompt"]]
+    steady_step = median([s for q in steady for s in q["steps_s"][1:]] + [q["steps_s"][0] for q in steady])
+    request_ratio = median([q["wall_s"] for q in first]) / median([q["wall_s"] for q in steady])
+    step_ratio = median([q["steps_s"][0] for q in first]) / steady_step
+    return [label, attention, f"{(r['warmup'] or {}).get('seconds', 0):.1f}",
+            fmt_spread(spread([q["steps_s"][0] for q in first])), fmt_spread(spread([q["steps_s"][0] for q in steady])),
+            fmt_spread(spread([q["stages_s"].get("text_encoder", 0) for q in first]), 4),
+            fmt_spread(spread([q["stages_s"].get("text_encoder", 0) for q in steady]), 4),
+            fmt_spread(spread([q["wall_s"] for q in first])), fmt_spread(spread([q["wall_s"] for q in steady])),
+            f"{request_ratio:.3f}", f"{step_ratio:.3f}"], request_ratio, step_ratio
+
+
+def server_ratios(r: dict[str, Any]) -> tuple[float, float]:
+    """job 1 / job 3 and job 1's first step / the steady step (the median step of jobs 2-3)."""
+    jobs = r["jobs"]
+    return jobs[0]["seconds"] / jobs[-1]["seconds"], jobs[0]["steps_s"][0] / median(
+        [s for j in jobs[1:] for s in j["steps_s"]])
+
+
 def summarize(out: Path) -> str:
     lines = ["# First requests at steady speed: new prompt lengths, the server's first job (bench/first_request.py)", ""]
-    rows = []
+    rows, spreads = [], []
     # earlier runs kept under a dated name: (file suffix, label)
     for suffix, buckets in (("off", "off"), ("auto_cudnn_2026-12-02", "auto, 2026-12-02 (before FA4 took masks)"),
                             ("auto", "auto")):
         p = out.with_name(f"{out.name}_prompts_{suffix}.json")
         if not p.is_file():
             continue
-        r = json.loads(p.read_text())
-        attention = (r.get("attention") or {}).get("backend", "not recorded")
-        first = [q for q in r["requests"] if q["first_of_prompt"]][1:]  # request 0's prompt is warmup's length
-        steady = [q for q in r["requests"] if not q["first_of_prompt"]]
-        steady_step = median([s for q in steady for s in q["steps_s"][1:]] + [q["steps_s"][0] for q in steady])
-        rows.append([
-            buckets, attention, f"{(r['warmup'] or {}).get('seconds', 0):.1f}",
-            fmt_spread(spread([q["steps_s"][0] for q in first])), fmt_spread(spread([q["steps_s"][0] for q in steady])),
-            fmt_spread(spread([q["stages_s"].get("text_encoder", 0) for q in first]), 4),
-            fmt_spread(spread([q["stages_s"].get("text_encoder", 0) for q in steady]), 4),
-            fmt_spread(spread([q["wall_s"] for q in first])), fmt_spread(spread([q["wall_s"] for q in steady])),
-            f"{median([q['wall_s'] for q in first]) / median([q['wall_s'] for q in steady]):.3f}",
-            f"{median([q['steps_s'][0] for q in first]) / steady_step:.3f}"])
+        runs = runs_of(p)
+        per = [prompts_row(buckets if len(runs) == 1 else f"{buckets}, process {i + 1}", r) for i, r in enumerate(runs)]
+        rows += [row for row, _, _ in per]
+        if len(runs) > 1:
+            spreads.append(f"text_buckets {buckets}, {len(runs)} processes: new / repeat request "
+                           f"{fmt_spread(spread([x for _, x, _ in per]))}, new first step / steady step "
+                           f"{fmt_spread(spread([y for _, _, y in per]))}")
     if rows:
         lines += ["## New prompt lengths (six requests A B A C B C; 'new' = the first B and C, 'repeat' = later ones)", "",
                   markdown_table(["text_buckets", "attention ran", "warmup s", "new: first step s", "repeat: first step s",
                                   "new: text encoder s", "repeat: text encoder s", "new: request s",
-                                  "repeat: request s", "new / repeat request", "new first step / steady step"], rows), ""]
+                                  "repeat: request s", "new / repeat request", "new first step / steady step"], rows), "",
+                  *[f"{line}; " if i < len(spreads) - 1 else line for i, line in enumerate(spreads)],
+                  *([""] if spreads else [])]
     p = out.with_name(f"{out.name}_server.json")
     if p.is_file():
-        r = json.loads(p.read_text())
-        jobs = r["jobs"]
-        steady = median([s for j in jobs[1:] for s in j["steps_s"]])
-        lines += ["## The server's first job (three jobs of one prompt after `--warmup` readiness)", "",
-                  markdown_table(["job", "seconds", "first step s", "steps s", "text encoder s"],
-                                 [[j["job"], f"{j['seconds']:.3f}", f"{j['steps_s'][0]:.3f}",
-                                   " ".join(f"{s:.3f}" for s in j["steps_s"]),
-                                   f"{j['stages_s'].get('text_encoder', 0):.4f}"] for j in jobs]), "",
-                  f"job 1 / job 3 = {jobs[0]['seconds'] / jobs[-1]['seconds']:.4f}; job 1's first step / steady step "
-                  f"(jobs 2-3) = {jobs[0]['steps_s'][0] / steady:.4f}; ready after {r['ready_s']:.1f} s; "
-                  f"thread warnings in the server log: {len(r['thread_warnings'])}", ""]
+        runs = runs_of(p)
+        lines += ["## The server's first job (three jobs of one prompt after `--warmup` readiness)", ""]
+        table = []
+        for i, r in enumerate(runs):
+            table += [[i + 1, j["job"], f"{j['seconds']:.3f}", f"{j['steps_s'][0]:.3f}",
+                       " ".join(f"{s:.3f}" for s in j["steps_s"]), f"{j['stages_s'].get('text_encoder', 0):.4f}"]
+                      for j in r["jobs"]]
+        lines += [markdown_table(["process", "job", "seconds", "first step s", "steps s", "text encoder s"], table), ""]
+        ratios = [server_ratios(r) for r in runs]
+        lines += [f"job 1 / job 3 = {fmt_spread(spread([a for a, _ in ratios]), 4)}; job 1's first step / steady step "
+                  f"(jobs 2-3) = {fmt_spread(spread([b for _, b in ratios]), 4)}; ready after "
+                  f"{fmt_spread(spread([r['ready_s'] for r in runs]), 1)} s; thread warnings in the server logs: "
+                  f"{sum(len(r['thread_warnings']) for r in runs)}", ""]
     text = "\n".join(lines)
     out.with_suffix(".md").write_text(text + "\n")
     return text
@@ -202,6 +229,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--ready_timeout_s", type=float, default=400)
     p.add_argument("--out", required=True, help="OUT prefix: OUT_prompts_<buckets>.json, OUT_server.json, OUT.md")
+    p.add_argument("--processes", type=int, default=1, help="fresh processes of the arm, one after another")
+    p.add_argument("--one", default="", help=argparse.SUPPRESS)
     p.add_argument("--summarize", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny architecture on the CPU (checks the script only)")
     args = p.parse_args()
@@ -212,15 +241,25 @@ def main() -> None:
     if args.summarize:
         print(summarize(out))
         return
-    if args.arm == "prompts":
-        result = run_prompts(args)
-        name = f"{out.name}_prompts_{result['text_buckets'] if isinstance(result['text_buckets'], str) else 'list'}"
-    elif args.arm == "server":
-        result = run_server(args)
-        name = f"{out.name}_server"
-    else:
+    if args.arm not in ("prompts", "server"):
         p.error("--arm or --summarize is required")
-    out.with_name(name + ".json").write_text(json.dumps(result, indent=1))
+    if args.processes < 1:
+        p.error(f"--processes {args.processes}: at least 1")
+    if args.one:  # one process of a --processes N run: its result to the file the parent reads
+        Path(args.one).write_text(json.dumps(run_prompts(args) if args.arm == "prompts" else run_server(args)))
+        return
+    runs = []
+    for i in range(args.processes):  # each in a fresh process
+        result_file = Path(args.work) / f"process_{i}.json"
+        result_file.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", str(result_file)], cwd=REPO, check=True)
+        runs.append(json.loads(result_file.read_text()))
+        buckets = runs[0].get("text_buckets")
+        name = (f"{out.name}_prompts_{buckets if isinstance(buckets, str) else 'list'}" if args.arm == "prompts"
+                else f"{out.name}_server")
+        # written after every process: a run cut short keeps the processes it finished
+        out.with_name(name + ".json").write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=1))
+        print(f"process {i + 1} of {args.processes} done", flush=True)
     print(summarize(out))
 
 

@@ -65,6 +65,8 @@ ARMS: dict[str, list[dict[str, Any]]] = {
         {"name": "compiled flash_attn_4", "attention": "flash_attn_4", "compile": True, "cache": "fa4"},
         {"name": "compiled flash_attn_4 fp8", "attention": "flash_attn_4", "compile": True, "cache": "fa4_fp8",
          "compute_dtype": "fp8", "psnr_vs": "compiled flash_attn_4"},
+        {"name": "compiled flash_attn_4 tuned", "attention": "flash_attn_4", "compile": True, "cache": "fa4_tuned",
+         "tune": True},
     ],
     "qwen": [
         {"name": "eager auto", "attention": "auto"},
@@ -75,7 +77,8 @@ ARMS: dict[str, list[dict[str, Any]]] = {
 """Arms per plan. `cache`: a compile-cache directory name shared by the arm's processes (the first
 process starts with it empty, later ones load what it saved); absent: no compile cache. `fused: False`: the MLP's
 GELU as its own kernel (runnerkit/fused.py off), to measure what the fused GEMM epilogue saves. `compute_dtype`:
-the config's (fp8: docs/fp8_compute.md). `psnr_vs`: an arm of the same plan run earlier in each round; every
+the config's (fp8: docs/fp8_compute.md). `tune`: `compile.coordinate_descent_tuning` (inductor tunes each
+generated kernel's launch configuration at compile time). `psnr_vs`: an arm of the same plan run earlier in each round; every
 request's decoded video (same seed) is compared with that arm's, as PSNR in dB (videos in [-1, 1])."""
 
 
@@ -161,7 +164,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     data.update(model_path=str(ckpt), infer_steps=args.steps, warmup=arm.get("warmup", True),
                 attention="auto" if args.smoke else arm["attention"], compute_dtype=arm.get("compute_dtype", "same"))
     if arm.get("compile"):
-        data["compile"] = {"enabled": True}
+        data["compile"] = {"enabled": True, **({"coordinate_descent_tuning": True} if arm.get("tune") else {})}
         if arm.get("cache"):
             data["compile"]["cache_dir"] = str(Path(args.ckpt_root) / "compile_cache" / f"{args.plan}_{arm['cache']}")
     t0 = time.perf_counter()

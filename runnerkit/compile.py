@@ -59,7 +59,7 @@ from torch import nn
 
 from runnerkit.config import CompileConfig, OffloadConfig
 
-_COMPILED: dict[tuple[type, str, bool, str], Callable[..., Any]] = {}
+_COMPILED: dict[tuple[type, str, bool, str, bool], Callable[..., Any]] = {}
 
 
 def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: bool = False,
@@ -100,10 +100,17 @@ def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: 
 
 def compiled_forward(block_cls: type, cfg: CompileConfig) -> Callable[..., Any]:
     """The one compiled `forward` of `block_cls` for `cfg` (created on first use, then shared)."""
-    key = (block_cls, cfg.mode, cfg.dynamic, cfg.backend)
+    key = (block_cls, cfg.mode, cfg.dynamic, cfg.backend, cfg.coordinate_descent_tuning)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(block_cls.forward, mode=None if cfg.backend != "inductor" else cfg.mode,
-                                       dynamic=True if cfg.dynamic else None, backend=cfg.backend)
+        dynamic = True if cfg.dynamic else None
+        if cfg.coordinate_descent_tuning:  # torch.compile takes a mode or options, not both: the mode's options + ours
+            from torch._inductor import list_mode_options
+
+            options = {**list_mode_options(cfg.mode), "coordinate_descent_tuning": True}
+            _COMPILED[key] = torch.compile(block_cls.forward, options=options, dynamic=dynamic, backend=cfg.backend)
+        else:
+            _COMPILED[key] = torch.compile(block_cls.forward, mode=None if cfg.backend != "inductor" else cfg.mode,
+                                           dynamic=dynamic, backend=cfg.backend)
     return _COMPILED[key]
 
 
@@ -153,7 +160,8 @@ def uncovered_sizes(sizes: dict[str, int]) -> dict[str, int]:
 
 @functools.cache
 def _announce(cfg: CompileConfig) -> None:
-    logger.info("compile: regional (one compiled forward per block class), mode {}, dynamic {}, backend {}", cfg.mode,
+    logger.info("compile: regional (one compiled forward per block class), mode {}{}, dynamic {}, backend {}", cfg.mode,
+                " + coordinate-descent tuning" if cfg.coordinate_descent_tuning else "",
                 "from the first compile" if cfg.dynamic else "automatic", cfg.backend)
 
 
@@ -222,6 +230,7 @@ def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: Compil
         "model": model,
         "dtype": dtype,
         "compile.mode": cfg.mode,
+        "compile.coordinate_descent_tuning": cfg.coordinate_descent_tuning,
         "compile.dynamic": cfg.dynamic,
         "compile.backend": cfg.backend,
         "attention": attention or "none",

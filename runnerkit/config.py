@@ -160,6 +160,12 @@ class CompileConfig(_Strict):
     enabled: bool = Field(False, description="Compile the transformer's repeated block (regional compile, "
                           "runnerkit/compile.py), once, shared by every block; warmup's shapes compile it.")
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    coordinate_descent_tuning: bool = Field(
+        False, description="Inductor's coordinate-descent tuning of every generated Triton kernel's launch "
+        "configuration (block sizes, warps, stages), benchmarked on the device at compile time: the fused "
+        "normalization/modulation kernels of a block run closer to memory bandwidth, the first compile takes "
+        "longer (warmup pays it; the compile cache keeps the result). Already part of the 'max-autotune' modes; "
+        "inductor backend only. bench/results/README.md 'speed round 2' measures it on Wan 14B.")
     dynamic: bool = Field(False, description="false: torch's automatic dynamic shapes (a dimension that changes "
                           "between calls becomes dynamic at its first recompile); true: dynamic from the first compile.")
     backend: Literal["inductor", "aot_eager", "eager"] = Field(
@@ -176,13 +182,20 @@ class CompileConfig(_Strict):
 
     @model_validator(mode="after")
     def _settings_act(self) -> CompileConfig:
-        changed = [k for k in ("mode", "dynamic", "backend", "cache_dir") if k in self.model_fields_set]
+        changed = [k for k in ("mode", "coordinate_descent_tuning", "dynamic", "backend", "cache_dir")
+                   if k in self.model_fields_set]
         if not self.enabled and changed:
             raise ValueError(f"`compile.{changed[0]}` does nothing while `compile.enabled` is false: set "
                              "`enabled: true` or remove it")
         if self.backend != "inductor" and self.mode != "default":
             raise ValueError(f"`compile.mode`={self.mode!r} only acts with `compile.backend`='inductor' (got "
                              f"{self.backend!r}): remove it")
+        if self.coordinate_descent_tuning and self.backend != "inductor":
+            raise ValueError(f"`compile.coordinate_descent_tuning` only acts with `compile.backend`='inductor' (got "
+                             f"{self.backend!r}): remove it")
+        if self.coordinate_descent_tuning and self.mode.startswith("max-autotune"):
+            raise ValueError(f"`compile.coordinate_descent_tuning` is already on in `compile.mode`={self.mode!r}: "
+                             "remove it")
         if self.cache_dir is not None and not self.cache_dir.strip():
             raise ValueError(f"`compile.cache_dir`={self.cache_dir!r} is blank: give a folder path (relative paths "
                              "are relative to the working directory) or remove it")

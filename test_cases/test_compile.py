@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from runnerkit import compile as regional_compile
-from runnerkit.config import RequestConfig, load_runner_config
+from runnerkit.config import CompileConfig, RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.models.wan.transformer import WanTransformer3D
 from test_cases.conftest import tiny_config_dict
@@ -123,13 +123,37 @@ def test_unsupported_combinations_are_refused_with_the_reason(tiny_ckpt: Path, o
 
 
 @pytest.mark.parametrize("compile_cfg, field", [({"backend": "eager"}, "compile.backend"),
+                                                ({"coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning"),
                                                 ({"enabled": True, "backend": "eager", "mode": "max-autotune"},
-                                                 "compile.mode")])
+                                                 "compile.mode"),
+                                                ({"enabled": True, "backend": "aot_eager",
+                                                  "coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning"),
+                                                ({"enabled": True, "mode": "max-autotune-no-cudagraphs",
+                                                  "coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning")])
 def test_compile_settings_that_do_nothing_are_refused(tiny_ckpt: Path, compile_cfg: dict[str, Any], field: str) -> None:
     from runnerkit.config import ConfigError
 
     with pytest.raises(ConfigError, match=f"`{field}`"):
         load_runner_config(None, tiny_config_dict(tiny_ckpt, compile=compile_cfg))
+
+
+@pytest.mark.parametrize("mode, options", [
+    ("default", {"coordinate_descent_tuning": True}),
+    ("reduce-overhead", {"triton.cudagraphs": True, "coordinate_descent_tuning": True}),
+])
+def test_coordinate_descent_tuning_reaches_inductor_with_the_modes_options(monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                                           options: dict[str, Any]) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    monkeypatch.setattr(regional_compile, "_COMPILED", {})
+
+    class Block(torch.nn.Module):
+        pass
+
+    for tuned in (True, False):
+        regional_compile.compiled_forward(Block, CompileConfig(enabled=True, mode=mode, coordinate_descent_tuning=tuned))
+    assert calls == [{"options": options, "dynamic": None, "backend": "inductor"},
+                     {"mode": mode, "dynamic": None, "backend": "inductor"}]
 
 
 ONE_TOKEN = (16, 16, 1)
