@@ -278,6 +278,9 @@ def parse_lora_flag(text: str) -> LoRARequest:
         ValueError: an empty path, or a strength that is not a number.
     """
     path, sep, tail = text.rpartition(":")
+    if sep and not path and not os.path.exists(os.path.expanduser(text)):
+        raise ValueError(f"`--lora` {text!r}: no path before the ':' (syntax PATH[:STRENGTH], e.g. "
+                         "style.safetensors:0.8, or a name of the config's `lora.adapters`)")
     if sep and path:
         try:
             strength = float(tail)

@@ -116,20 +116,28 @@ def prepare_output_dir(value: str) -> Path:
     return output_dir
 
 
-def missing_writers() -> list[str]:
-    """The top-level packages of the png/mp4 writers (`files.MEDIA_MODULES`, the `media` extra) that are not
-    installed, found without importing them or runnerkit.media (which imports torch: the port opens first)."""
+def check_writers(runner_cls: type, task: str) -> None:
+    """Refuse to serve a task whose result writer is missing: a job's result is a .png (image tasks) or an
+    .mp4 (video tasks, `runner_cls.RESULT_KINDS`), written by the `media` extra (`files.MEDIA_MODULES`);
+    without it the server would turn ready and fail every job after running it in full. Checked with
+    `importlib.util.find_spec`, before loading: an image server needs no ffmpeg.
+
+    Raises:
+        ConfigError: naming the extra, its pip command and the missing module.
+    """
+    from runnerkit.config import ConfigError
     from runnerkit.files import MEDIA_MODULES
 
-    missing = []
-    for module in sorted({m.split(".")[0] for m in MEDIA_MODULES.values()}):
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ValueError:  # in sys.modules as None: imports of it fail
-            found = False
-        if not found:
-            missing.append(module)
-    return missing
+    suffix = ".png" if getattr(runner_cls, "RESULT_KINDS", {}).get(task, "video") == "image" else ".mp4"
+    module = MEDIA_MODULES[suffix].split(".")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules as None: imports of it fail
+        found = False
+    if not found:
+        raise ConfigError(f"task {task!r} writes every job's result as a {suffix} and needs the `media` extra: pip "
+                          "install \"runnerkit[media]\" (from a checkout: pip install -e \".[media]\"); missing: "
+                          f"{module}")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -143,13 +151,6 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("runnerkit serve needs the `serve` extra: pip install \"runnerkit[serve]\" (from a checkout: "
                      "pip install -e \".[serve]\"); missing: {}", exc.name)
         return 2
-    missing = missing_writers()
-    if missing:  # every job's result is written as a png or an mp4: without them each job would fail at its end
-        logger.error("runnerkit serve writes every job's result as a .png or .mp4 and needs the `media` extra: pip "
-                     "install \"runnerkit[media]\" (from a checkout: pip install -e \".[media]\"); missing: {}",
-                     ", ".join(missing))
-        return 2
-
     # Light imports only before the port opens (no torch, no model family): health answers within
     # a second or two, `starting` until the runner exists.
     from runnerkit.config import ConfigError, load_runner_config
@@ -217,7 +218,9 @@ def serve(args: argparse.Namespace) -> int:
             if config.parallel is not None:
                 start_parallel()  # the group, then the runner, as rank 0 of it
                 return
-            runner = get_runner_cls(config.model_cls, config.task)(config)
+            runner_cls = get_runner_cls(config.model_cls, config.task)
+            check_writers(runner_cls, config.task)
+            runner = runner_cls(config)
         except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
             fail("start", exc)
             return
@@ -257,7 +260,9 @@ def serve(args: argparse.Namespace) -> int:
             fail("start", exc)
             return
         def build() -> Any:
-            built = get_runner_cls(config.model_cls, config.task)(config)
+            runner_cls = get_runner_cls(config.model_cls, config.task)
+            check_writers(runner_cls, config.task)
+            built = runner_cls(config)
             built.attach_parallel(leader.group)
             return built
 

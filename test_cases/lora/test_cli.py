@@ -39,6 +39,8 @@ def test_parse_lora_flag() -> None:
         parse_lora_flag("a.safetensors:abc")
     with pytest.raises(ValueError, match=r"the strength '' after the last ':' is not a number"):
         parse_lora_flag("a.safetensors:")
+    with pytest.raises(ValueError, match=r"`--lora` ':0.5': no path before the ':'"):
+        parse_lora_flag(":0.5")
 
 
 def test_parse_lora_flag_keeps_a_colon_of_an_existing_file(tmp_path: Path) -> None:

@@ -554,19 +554,60 @@ def test_output_dir_that_is_a_file_is_named_a_file(tmp_path: Path) -> None:
     assert prepare_output_dir(str(tmp_path / "a" / "b")) == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()
 
 
-def test_without_the_media_extra_the_server_exits_2_before_opening_its_port(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """Every job's result is a png or an mp4: without their writers the server would turn ready and fail
-    every job after running it in full, so it refuses to start, naming the extra and the missing modules."""
+class _NoHttp:
+    """Stands for uvicorn's server: 'listening' at once, runs until the loader asks it to exit."""
+
+    def __init__(self, config: Any) -> None:
+        self.config, self.started, self.should_exit, self.servers = config, True, False, []
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 120
+        while not self.should_exit and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+@pytest.mark.parametrize("config, refused", [("configs/wan/wan_t2v_tiny.json", True),
+                                             ("configs/qwen_image/qwen_image_t2i_tiny.json", False)])
+def test_without_ffmpeg_a_video_server_exits_2_before_loading_and_an_image_server_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], config: str,
+        refused: bool) -> None:
+    """A job's result is an .mp4 (video tasks) or a .png (image tasks): without its writer the server would turn
+    ready and fail every job after running it in full, so it refuses to load, naming the extra and the module.
+    An image server needs no ffmpeg (the GPU machine has none: the Qwen-Image server bench ran there)."""
+    import signal
     import sys
 
+    from runnerkit.config import ConfigError
+    from runnerkit.runners.default import DefaultRunner
     from runnerkit.serve import server
 
-    for module in ("imageio", "imageio_ffmpeg"):
-        monkeypatch.setitem(sys.modules, module, None)  # what an uninstalled module looks like to imports
-    started: list[Any] = []
-    monkeypatch.setattr(server, "_Server", lambda *a, **k: started.append(a))
-    rc = server.main(["--config_json", "configs/wan/wan_t2v_tiny.json", "--output_dir", str(tmp_path / "out")])
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # what an uninstalled module looks like to imports
+    monkeypatch.setattr(server, "_Server", _NoHttp)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # serve's handlers stay out of the test process
+
+    def no_load(self: Any) -> None:
+        raise ConfigError("load reached")
+
+    monkeypatch.setattr(DefaultRunner, "load_modules", no_load)
+    rc = server.main(["--config_json", config, "--output_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert rc == 2 and started == [] and not (tmp_path / "out").exists(), err
-    assert 'needs the `media` extra: pip install "runnerkit[media]"' in err and "missing: imageio, imageio_ffmpeg" in err
+    assert rc == 2, err
+    if refused:
+        assert ("start failed: ConfigError: task 't2v' writes every job's result as a .mp4 and needs the `media` "
+                'extra: pip install "runnerkit[media]" (from a checkout: pip install -e ".[media]"); missing: '
+                "imageio_ffmpeg") in err and "load reached" not in err, err
+    else:
+        assert "load failed: ConfigError: load reached" in err and "media" not in err, err
+
+
+def test_without_imageio_an_image_server_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from runnerkit.config import ConfigError
+    from runnerkit.models.qwen_image.runner import QwenImageRunner
+    from runnerkit.serve.server import check_writers
+
+    check_writers(QwenImageRunner, "t2i")
+    monkeypatch.setitem(sys.modules, "imageio", None)
+    with pytest.raises(ConfigError, match=r"task 't2i' writes every job's result as a \.png .*missing: imageio$"):
+        check_writers(QwenImageRunner, "t2i")
