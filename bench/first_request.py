@@ -170,11 +170,13 @@ def prompts_row(label: str, r: dict[str, Any]) -> tuple[list[Any], float, float]
             f"{request_ratio:.3f}", f"{step_ratio:.3f}"], request_ratio, step_ratio
 
 
-def server_ratios(r: dict[str, Any]) -> tuple[float, float]:
-    """job 1 / job 3 and job 1's first step / the steady step (the median step of jobs 2-3)."""
+def server_ratios(r: dict[str, Any]) -> tuple[float, float, float]:
+    """job 1 / job 3, job 1's first step / the steady step (the median step of jobs 2-3), and job 1's first
+    step / the first steps of jobs 2-3 (a job's first step runs before the board reaches its power cap)."""
     jobs = r["jobs"]
-    return jobs[0]["seconds"] / jobs[-1]["seconds"], jobs[0]["steps_s"][0] / median(
-        [s for j in jobs[1:] for s in j["steps_s"]])
+    return (jobs[0]["seconds"] / jobs[-1]["seconds"],
+            jobs[0]["steps_s"][0] / median([s for j in jobs[1:] for s in j["steps_s"]]),
+            jobs[0]["steps_s"][0] / median([j["steps_s"][0] for j in jobs[1:]]))
 
 
 def summarize(out: Path) -> str:
@@ -211,8 +213,9 @@ def summarize(out: Path) -> str:
                       for j in r["jobs"]]
         lines += [markdown_table(["process", "job", "seconds", "first step s", "steps s", "text encoder s"], table), ""]
         ratios = [server_ratios(r) for r in runs]
-        lines += [f"job 1 / job 3 = {fmt_spread(spread([a for a, _ in ratios]), 4)}; job 1's first step / steady step "
-                  f"(jobs 2-3) = {fmt_spread(spread([b for _, b in ratios]), 4)}; ready after "
+        lines += [f"job 1 / job 3 = {fmt_spread(spread([a for a, _, _ in ratios]), 4)}; job 1's first step / steady "
+                  f"step (jobs 2-3) = {fmt_spread(spread([b for _, b, _ in ratios]), 4)}, / the first steps of jobs 2-3 = "
+                  f"{fmt_spread(spread([c for _, _, c in ratios]), 4)}; ready after "
                   f"{fmt_spread(spread([r['ready_s'] for r in runs]), 1)} s; thread warnings in the server logs: "
                   f"{sum(len(r['thread_warnings']) for r in runs)}", ""]
     text = "\n".join(lines)
