@@ -320,7 +320,8 @@ class RequestChecksMixin:
 
         Raises:
             ValueError: `lora` in a request while the config has no `lora` section; an adapter that is
-                neither a name of `lora.adapters` nor an existing path (naming `lora[i].path` and the names).
+                neither a name of `lora.adapters` nor an existing path (naming `lora[i].path` and the names),
+                or a folder.
         """
         if not request.lora:
             return ()
@@ -333,4 +334,7 @@ class RequestChecksMixin:
                 names = sorted(known) or "none: the config's `lora.adapters` is empty"
                 raise ValueError(f"`lora[{i}].path`={a.path!r} is neither a name of the config's `lora.adapters` "
                                  f"(names: {names}) nor an existing .safetensors file")
+            if a.path not in known and Path(a.path).is_dir():
+                raise ValueError(f"`lora[{i}].path`={a.path!r} is a folder: give an adapter's .safetensors file or a "
+                                 "name of the config's `lora.adapters`")
         return tuple((known.get(a.path, a.path), a.strength) for a in request.lora)

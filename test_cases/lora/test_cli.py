@@ -120,6 +120,9 @@ def test_an_adapter_neither_named_nor_on_disk_exits_2_listing_the_names(
     line = next(x for x in err.splitlines() if "stlye" in x)
     assert rc == 2 and "`lora[0].path`='stlye' is neither a name of the config's `lora.adapters` (names: " \
         "['fast', 'style']) nor an existing .safetensors file" in line, err
+    rc, err = _cli(capsys, "--config_json", config, "--prompt", "x", *SMALL, "--lora", "style", "--lora", tmp_path)
+    line = next(x for x in err.splitlines() if "invalid input" in x)
+    assert rc == 2 and f"`lora[1].path`={str(tmp_path)!r} is a folder: give an adapter's .safetensors file" in line, err
 
 
 def test_requests_file_with_and_without_lora(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
