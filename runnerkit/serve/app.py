@@ -42,7 +42,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
-from runnerkit.config import MAX_EXTRA_IMAGES, MAX_FRAMES, RequestConfig, format_validation_error
+from runnerkit.config import MAX_EXTRA_IMAGES, MAX_FRAMES, RequestConfig, field_path, format_validation_error
 from runnerkit.serve.jobs import FINAL, Job, JobQueue, QueueClosed, QueueFull
 
 if TYPE_CHECKING:  # torch and the runners are imported after the port opened (server.py)
@@ -113,7 +113,7 @@ def error(status: int, message: str, field: str | None = None, headers: dict[str
 
 def _first_field(exc: ValidationError) -> str | None:
     errors = exc.errors()
-    return ".".join(str(p) for p in errors[0]["loc"]) if errors and errors[0]["loc"] else None
+    return field_path(errors[0]["loc"]) if errors and errors[0]["loc"] else None
 
 
 def _shown(value: Any) -> str:

@@ -136,8 +136,9 @@ def test_a_forms_strength_that_is_not_a_number_is_named(state: ServerState, tmp_
     body = _form([("prompt", "x"), ("lora[][path]", "style"), ("lora[][strength]", "strong")])
     with pytest.raises(InputError) as exc:
         build_request(state, body, tmp_path)
-    says = "lora.0.strength: Input should be a valid number (got 'strong')"
+    says = "lora[0].strength: Input should be a valid number (got 'strong')"
     assert exc.value.status == 422 and says in str(exc.value), str(exc.value)
+    assert exc.value.field == "lora[0].strength"
 
 
 def test_an_adapter_error_names_the_adapters_never_their_server_paths(state: ServerState, tiny_ckpt: Path,
