@@ -1003,22 +1003,24 @@ def test_a_flag_typo_or_help_answers_without_importing_torch(argv: list[str], co
     assert "Traceback" not in proc.stderr
 
 
-def test_without_the_media_extra_an_mp4_request_exits_2_before_loading(config_path: Path, tmp_path: Path) -> None:
+def test_without_the_media_extra_an_mp4_request_exits_2_before_loading(
+        config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 19: without `imageio_ffmpeg` a run computed everything, then failed at save with a
     77-line traceback (exit 1). Now one line with the pip command, before loading. The module is
-    hidden in a subprocess (`sys.modules[name] = None` makes its import fail)."""
+    hidden (`sys.modules[name] = None` makes its import fail, also where it was imported before),
+    and loading raises: the refusal must come first."""
+    from runnerkit.runners.default import DefaultRunner
+
+    def no_load(self: Any) -> None:
+        raise AssertionError("loaded")
+
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)
+    monkeypatch.setattr(DefaultRunner, "load_modules", no_load)
     out = tmp_path / "cat.mp4"
-    code = ("import sys; sys.modules['imageio_ffmpeg'] = None\n"
-            "from runnerkit.infer import main\n"
-            "from runnerkit.runners.default import DefaultRunner\n"
-            "def no_load(self): raise AssertionError('loaded')\n"
-            "DefaultRunner.load_modules = no_load\n"
-            "sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", code, "--config_json", str(config_path), "--prompt", "a cat",
-                           "--save_result_path", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if "| ERROR" in line]
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "a cat", "--save_result_path", out)
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if "| ERROR" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].endswith(
         f"invalid input: `save_result_path` {str(out)!r} (request on command line) needs the `media` extra: "
         "pip install \"runnerkit[media]\" (from a checkout: pip install -e \".[media]\"); missing: imageio_ffmpeg")

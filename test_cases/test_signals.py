@@ -1,10 +1,13 @@
 """SIGTERM and Ctrl-C (SIGINT) at every phase of a run: exit status, the report line, the files left.
 
-Each case runs the launch script in a real subprocess through `_signal_driver.py`, which makes the
-process signal itself at one phase (start-up imports, load, warmup, the denoising loop, the VAE
+Each case runs the launch script in a process of its own through `_signal_driver.py`, which makes
+the process signal itself at one phase (start-up imports, load, warmup, the denoising loop, the VAE
 decode, the tensor write, the media write, the synthetic-checkpoint write). A signal sent from
 inside a C/Rust call (the safetensors writer, ffmpeg's pipe) is handled when that call returns:
-the driver sends it right after the real call, exactly where Python then handles it.
+the driver sends it right after the real call, exactly where Python then handles it. The
+`imports` cases start a fresh interpreter; the others run in children forked from one driver
+process that imported the launch script once (each child still a process of its own, with the
+default signal dispositions until `main` installs its handlers: see the driver's docstring).
 
 Expected everywhere: exit 143 (SIGTERM) / 130 (Ctrl-C), one "interrupted" line and no traceback,
 request 0's files complete, nothing of the interrupted request, no `.partial-*` file or folder.
@@ -49,22 +52,34 @@ CASES += [(phase, "SIGINT") for phase in ("imports", "denoise", "tensor_write", 
 
 @pytest.fixture(scope="module")
 def runs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[Path, Any]]:
-    """Every case, run as subprocesses four at a time: (phase, signal) -> (its folder, CompletedProcess-like)."""
-    config = write_config(tmp_path_factory.mktemp("signals") / "config.json",
-                          tiny_config_dict(tiny_ckpt, **CONFIG_OVERRIDES))
+    """Every case: (phase, signal) -> (its folder, CompletedProcess-like). The `imports` cases run as
+    fresh subprocesses (torch not imported yet); the others in children of one driver process that
+    imported the launch script once (`_signal_driver.py --cases`), three at a time, beside them."""
+    root = tmp_path_factory.mktemp("signals")
+    config = write_config(root / "config.json", tiny_config_dict(tiny_ckpt, **CONFIG_OVERRIDES))
+    folders = {case: tmp_path_factory.mktemp(f"{case[0]}-{case[1]}") for case in CASES}
+    fresh = {case: subprocess.Popen([sys.executable, str(DRIVER), *case, *_argv(case[0], config, folders[case])],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=folders[case],
+                                    env=RUN_ENV)
+             for case in CASES if case[0] == "imports"}
+    forked = [case for case in CASES if case[0] != "imports"]
+    spec = {"parallel": 3, "results": str(root / "statuses.json"),
+            "cases": [{"phase": phase, "sig": sig, "argv": _argv(phase, config, folders[phase, sig]),
+                       "cwd": str(folders[phase, sig]), "stderr": str(root / f"{phase}-{sig}.stderr")}
+                      for phase, sig in forked]}
+    (root / "cases.json").write_text(json.dumps(spec))
+    driver = subprocess.run([sys.executable, str(DRIVER), "--cases", str(root / "cases.json")], capture_output=True,
+                            text=True, cwd=root, env=RUN_ENV, timeout=600)
+    assert driver.returncode == 0, driver.stderr
+    statuses = json.loads((root / "statuses.json").read_text())
     results: dict[tuple[str, str], tuple[Path, Any]] = {}
-    pending = list(CASES)
-    running: list[tuple[tuple[str, str], Path, subprocess.Popen[str]]] = []
-    while pending or running:
-        while pending and len(running) < 4:
-            phase, sig = pending.pop(0)
-            folder = tmp_path_factory.mktemp(f"{phase}-{sig}")
-            proc = subprocess.Popen([sys.executable, str(DRIVER), phase, sig, *_argv(phase, config, folder)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=folder, env=RUN_ENV)
-            running.append(((phase, sig), folder, proc))
-        case, folder, proc = running.pop(0)
+    for case, proc in fresh.items():
         _, err = proc.communicate(timeout=300)
-        results[case] = (folder, subprocess.CompletedProcess(proc.args, proc.returncode, "", err))
+        results[case] = (folders[case], subprocess.CompletedProcess(proc.args, proc.returncode, "", err))
+    for phase, sig in forked:
+        err = (root / f"{phase}-{sig}.stderr").read_text()
+        results[phase, sig] = (folders[phase, sig], subprocess.CompletedProcess(
+            [str(DRIVER), phase, sig], statuses[f"{phase} {sig}"], "", err))
     return results
 
 

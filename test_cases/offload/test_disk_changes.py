@@ -218,8 +218,9 @@ class HeldReadAhead:
         self.released.set()
 
 
-def disk_read_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("runnerkit-disk-read")]
+def disk_read_threads(besides: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
+    """The live disk-read threads, but those in `besides` (another test's streamer, not yet collected)."""
+    return [t for t in threading.enumerate() if t.name.startswith("runnerkit-disk-read") and t not in besides]
 
 
 def test_streamer_change_fails_the_forward_that_needs_the_unit_then_recovers(tmp_path: Path) -> None:
@@ -231,6 +232,7 @@ def test_streamer_change_fails_the_forward_that_needs_the_unit_then_recovers(tmp
     sd, files = write_earlier(tmp_path)
     original = files[0].read_bytes()
     os_paths = {os.path.realpath(f): f.name for f in files}
+    earlier = frozenset(disk_read_threads())  # read threads of streamers this test did not build
     model, streamer = build_streamed(sd, "phase", "pread", files=files)
     source = streamer.source
     held = HeldReadAhead(source.reader)
@@ -275,7 +277,7 @@ def test_streamer_change_fails_the_forward_that_needs_the_unit_then_recovers(tmp
             == [(True, True)], held.failures
         streamer.reset()
         assert streamer.state() == fresh
-        assert len(disk_read_threads()) == 1
+        assert len(disk_read_threads(earlier)) == 1
         assert files[0] not in source.reader.open_handles() and open_fds(os_paths)[files[0].name] == 0
         # 2. still truncated: the next request fails at its first read, and the next one again
         held.hold([])
@@ -306,9 +308,9 @@ def test_streamer_change_fails_the_forward_that_needs_the_unit_then_recovers(tmp
         restore()
         held.hold([])
         assert torch.equal(forward(), expected), "the dropped read-ahead error must not surface in the next request"
-        assert len(disk_read_threads()) == 1
+        assert len(disk_read_threads(earlier)) == 1
     streamer.close()
-    assert disk_read_threads() == [] and open_fds(os_paths) == {f.name: 0 for f in files}
+    assert disk_read_threads(earlier) == [] and open_fds(os_paths) == {f.name: 0 for f in files}
 
 
 RACE = """

@@ -3,7 +3,8 @@
 One server (tiny Wan config, 30 steps, --warmup --save_tensors) is shared by the module; servers
 with special flags (a failing warmup, --max_queue 1 --keep_jobs 1, SIGTERM with --on_shutdown
 finish / cancel) are started by their tests. Outputs are compared bit for bit with the launch
-script (`python -m runnerkit.infer`) run in its own process with the same config, prompt and seed.
+script (`python -m runnerkit.infer --requests`) run in a process of its own with the same config,
+prompts and seeds.
 """
 
 from __future__ import annotations
@@ -189,29 +190,28 @@ def config(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def references(config: Path, cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Each of REQUESTS run by the launch script in its own process (started at once, collected lazily)."""
+    """REQUESTS run by the launch script in a process of its own, one after the other from a
+    requests file, as the server runs its jobs (started at once, collected lazily)."""
     out = tmp_path_factory.mktemp("serve_refs")
-    procs = []
-    for n, req in enumerate(REQUESTS):
-        flags = [x for k, v in req.items() for x in (f"--{k}", str(v))]
-        procs.append(subprocess.Popen([sys.executable, "-m", "runnerkit.infer", "--config_json", str(config), *flags,
-                                       "--save_tensor_path", str(out / f"{n}.safetensors")],
-                                      cwd=REPO, env=env(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+    reqs = out / "requests.jsonl"
+    reqs.write_text("".join(json.dumps({**req, "save_tensor_path": str(out / f"{n}.safetensors")}) + "\n"
+                            for n, req in enumerate(REQUESTS)))
+    proc = subprocess.Popen([sys.executable, "-m", "runnerkit.infer", "--config_json", str(config), "--requests",
+                             str(reqs)], cwd=REPO, env=env(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     done: dict[int, torch.Tensor] = {}
 
     def get(n: int) -> torch.Tensor:
-        if n not in done:
-            log, _ = procs[n].communicate(timeout=180)
-            assert procs[n].returncode == 0, log
-            done[n] = video(out / f"{n}.safetensors")
+        if not done:
+            log, _ = proc.communicate(timeout=180)
+            assert proc.returncode == 0, log
+            done.update({k: video(out / f"{k}.safetensors") for k in range(len(REQUESTS))})
         return done[n]
 
     yield get
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
 
 
 @pytest.fixture(scope="module")

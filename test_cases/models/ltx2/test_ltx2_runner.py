@@ -11,7 +11,6 @@ reference outputs come from a cold runner without offload. End-to-end parity wit
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -249,22 +248,6 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture
-def _small_gc_walks() -> Iterator[None]:
-    """lazy_load collects garbage at every per-stage drop of the transformer (ARCHITECTURE §3): ~0.35 s
-    each over this process's heap (torch, transformers, pytest). Frozen for the test (restored after),
-    each collection walks only the objects made since: the runner's."""
-    if gc.get_freeze_count():  # someone else froze the process: leave it as it is
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-@pytest.mark.usefixtures("_small_gc_walks")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_warmed_requests_equal_fresh_cold_ones(checkpoint: Path, reference: Reference, tmp_path: Path,
                                                mode: str) -> None:
