@@ -52,7 +52,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-_GC_FREEZE, _GC_UNFREEZE = gc.freeze, gc.unfreeze  # the real ones: some tests replace gc.freeze to count calls
+_GC_FREEZE, _GC_UNFREEZE, _GC_COLLECT = gc.freeze, gc.unfreeze, gc.collect  # the real ones: some tests replace
+# gc.freeze / gc.collect to count calls
 
 
 @pytest.fixture(autouse=True)
@@ -65,13 +66,16 @@ def _gc_walks_only_the_tests_objects() -> Iterator[None]:
     every per-stage drop of the transformer, `freeze_gc_once` after a warmup, tests before weakref
     checks), besides Python's own full collections. Objects older than the test are parked in the
     permanent generation (`gc.freeze`) while it runs and put back after it (`gc.unfreeze`), where
-    the next collections see them again: garbage made before a test is collected after it, not
-    during it. Everything the test makes is collected as before; a freeze the code under test makes
-    (`freeze_gc_once` unpatched) is undone with it at the end, so no test inherits another's."""
+    the next collections see them again. Everything the test makes is collected as before, and its
+    garbage once more at its end, before the unfreeze (a walk of the test's own objects only): the
+    next test's freeze would otherwise park it, and the next, so that cyclic garbage (a runner, its
+    tensors) would outlive its test by many. A freeze the code under test makes (`freeze_gc_once`
+    unpatched) is undone with it at the end, so no test inherits another's."""
     _GC_FREEZE()
     try:
         yield
     finally:
+        _GC_COLLECT()
         _GC_UNFREEZE()
 
 
