@@ -165,7 +165,7 @@ class CompileConfig(_Strict):
         "configuration (block sizes, warps, stages), benchmarked on the device at compile time: the fused "
         "normalization/modulation kernels of a block run closer to memory bandwidth, the first compile takes "
         "longer (warmup pays it; the compile cache keeps the result). Already part of the 'max-autotune' modes; "
-        "inductor backend only. bench/results/README.md 'speed round 2' measures it on Wan 14B.")
+        "inductor backend only. Measured in the README's 'Regional compile'.")
     dynamic: bool = Field(False, description="false: torch's automatic dynamic shapes (a dimension that changes "
                           "between calls becomes dynamic at its first recompile); true: dynamic from the first compile.")
     backend: Literal["inductor", "aot_eager", "eager"] = Field(
