@@ -92,6 +92,10 @@ def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: 
         raise NotImplementedError(
             f"`compile.mode`='reduce-overhead' (CUDA graphs) cannot run with {moved}: a captured graph keeps the "
             "weights' old device addresses; use mode 'default' or 'max-autotune-no-cudagraphs'")
+    if cfg.coordinate_descent_tuning and cfg.backend == "inductor" and device is not None and device.type != "cuda":
+        raise NotImplementedError(
+            f"`compile.coordinate_descent_tuning` does nothing on device {device.type!r}: inductor tunes the "
+            "launch configurations of the Triton kernels it generates for CUDA; remove it")
     if cfg.mode == "reduce-overhead" and device is not None and device.type != "cuda":
         raise NotImplementedError(
             f"`compile.mode`='reduce-overhead' (CUDA graphs) does nothing on device {device.type!r}: use mode "

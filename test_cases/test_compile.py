@@ -111,6 +111,8 @@ def test_streaming_and_lazy_load_share_the_compiled_code(tiny_ckpt: Path, tmp_pa
     ({"unload_modules": True, "compile": {"enabled": True, "mode": "reduce-overhead"}},
      "`unload_modules` .* old device addresses"),
     ({"compile": {"enabled": True, "mode": "reduce-overhead"}}, "does nothing on device 'cpu'"),
+    ({"compile": {"enabled": True, "coordinate_descent_tuning": True}},
+     "`compile.coordinate_descent_tuning` does nothing on device 'cpu'"),
     ({"offload": {"mode": "block", "storage": "disk", "lazy_load": True}, "compile": {"enabled": True, "mode":
      "reduce-overhead"}}, "CUDA graphs"),
 ])
@@ -135,6 +137,11 @@ def test_compile_settings_that_do_nothing_are_refused(tiny_ckpt: Path, compile_c
 
     with pytest.raises(ConfigError, match=f"`{field}`"):
         load_runner_config(None, tiny_config_dict(tiny_ckpt, compile=compile_cfg))
+
+
+def test_the_default_written_out_is_not_refused(tiny_ckpt: Path) -> None:
+    cfg = load_runner_config(None, tiny_config_dict(tiny_ckpt, compile={"coordinate_descent_tuning": False}))
+    assert cfg.compile.coordinate_descent_tuning is False and not cfg.compile.enabled
 
 
 @pytest.mark.parametrize("mode, options", [
