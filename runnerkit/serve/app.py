@@ -94,7 +94,7 @@ class ServerState:
 
 
 class InputError(Exception):
-    """A request the server refuses (HTTP `status`), naming the field."""
+    """A request the server refuses (HTTP `status`: 4xx its fault, 500 the server's), naming the field."""
 
     def __init__(self, message: str, field: str | None = None, status: int = 422) -> None:
         super().__init__(message)
@@ -363,9 +363,17 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         name = _first_field(exc)
         raise InputError(_api_wording(format_validation_error(exc, "request"), folder),
                          sent.get(name or "", name)) from None
+    def by_name(message: str) -> str:  # paths are the server's business: its adapters by their names
+        for name, path in (lora_cfg.adapters if lora_cfg is not None else {}).items():
+            message = message.replace(path, name)
+        return _api_wording(message, folder)
+
     try:
         type(runner).validate_request(request, runner.config)  # type: ignore[attr-defined]
     except ValueError as exc:
+        if type(exc).__name__ == "LoRAError":  # a configured adapter's file cannot be read: the server's fault
+            raise InputError(f"a LoRA adapter of this server cannot be used (server error, not the request's): "
+                             f"{by_name(str(exc))}", "lora", status=500) from None
         found = re.search(r"`(\w+(?:\[\d+\])?)`", str(exc))
         name = found.group(1) if found else None
         name = {**{v: k for k, v in IMAGE_FIELDS.items()}, "extra_image_paths": EXTRA_IMAGES_FIELD}.get(name or "", name)
@@ -385,11 +393,8 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     if request.lora:  # matched to the loaded transformer's layers now: a bad adapter is the request's error
         try:
             runner.check_adapters([request])  # type: ignore[attr-defined]
-        except ValueError as exc:  # runnerkit.lora.LoRAError, naming the file: the client sent its name
-            message = str(exc)
-            for name, path in (lora_cfg.adapters if lora_cfg is not None else {}).items():
-                message = message.replace(path, name)  # paths are the server's business
-            raise InputError(_api_wording(message, folder), "lora") from None
+        except ValueError as exc:  # runnerkit.lora.LoRAError: this request's adapters together (e.g. summed rank)
+            raise InputError(by_name(str(exc)), "lora") from None
     shape = runner.request_shape(request)  # type: ignore[attr-defined]
     try:
         runner.check_fit(shape, "request")  # type: ignore[attr-defined]

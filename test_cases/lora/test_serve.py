@@ -155,3 +155,25 @@ def test_an_adapter_error_names_the_adapters_never_their_server_paths(state: Ser
     message = str(exc.value)
     assert exc.value.field == "lora" and "summed rank 12" in message and "'style'" in message, message
     assert path not in message and str(Path(path).parent) not in message, message
+
+
+def test_a_named_adapter_damaged_after_start_is_the_servers_error_never_its_path(tiny_ckpt: Path,
+                                                                                  tmp_path: Path) -> None:
+    """The file behind a configured name breaks while the server runs: the client did nothing wrong,
+    so the answer is a 500 naming the adapter, not a 422 and never the server's path."""
+    from runnerkit.config import RequestConfig
+
+    path = tmp_path / "style.safetensors"
+    config = load_runner_config(None, tiny_config_dict(tiny_ckpt, lora={"adapters": {"style": str(path)}}))
+    save_file(synthetic_adapter(WanT2VRunner.lora_layers(config, "lightx2v")[0], "lightx2v", 2), str(path))
+    runner = WanT2VRunner(config)
+    runner.init_modules()
+    small = ServerState(runner=runner, queue=JobQueue(tmp_path / "q", 4, None, None), metrics=None,  # type: ignore[arg-type]
+                        phase="ready")
+    path.write_bytes(b"\x00" * 64)  # damaged on disk after start-up
+    with pytest.raises(InputError) as exc:
+        build_request(small, {"prompt": "x", "lora": [{"path": "style"}]}, tmp_path / "job")
+    message = str(exc.value)
+    assert exc.value.status == 500 and exc.value.field == "lora", (exc.value.status, message)
+    assert "'style'" in message and str(path) not in message and str(tmp_path) not in message, message
+    runner.check_adapters([RequestConfig(prompt="x")])  # a request without adapters is untouched
