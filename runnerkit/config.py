@@ -270,12 +270,13 @@ class LoRARequest(_Strict):
         return os.path.expanduser(v) if isinstance(v, str) else v
 
 
-def parse_lora_flag(text: str) -> LoRARequest:
-    """`PATH[:STRENGTH]` (CLI `--lora`) -> a `LoRARequest`. A tail after the last ':' that is not a
-    number belongs to the path only when the whole text names an existing file.
+def lora_flag_fields(text: str) -> dict[str, Any]:
+    """`PATH[:STRENGTH]` (CLI `--lora`) -> {"path", "strength"} (strength omitted when not given), not yet
+    validated (a request validates them as `lora[i]`). A tail after the last ':' that is not a number
+    belongs to the path only when the whole text names an existing file.
 
     Raises:
-        ValueError: an empty path, or a strength that is not a number.
+        ValueError: nothing before the last ':', or a strength that is not a number.
     """
     path, sep, tail = text.rpartition(":")
     if sep and not path and not os.path.exists(os.path.expanduser(text)):
@@ -283,14 +284,23 @@ def parse_lora_flag(text: str) -> LoRARequest:
                          "style.safetensors:0.8, or a name of the config's `lora.adapters`)")
     if sep and path:
         try:
-            strength = float(tail)
+            return {"path": path, "strength": float(tail)}
         except ValueError:
             if os.path.exists(os.path.expanduser(text)):
-                return LoRARequest(path=text)
+                return {"path": text}
             raise ValueError(f"`--lora` {text!r}: the strength {tail!r} after the last ':' is not a number "
                              "(syntax PATH[:STRENGTH], e.g. style.safetensors:0.8)") from None
-        return LoRARequest(path=path, strength=strength)
-    return LoRARequest(path=text)
+    return {"path": text}
+
+
+def parse_lora_flag(text: str) -> LoRARequest:
+    """`PATH[:STRENGTH]` (CLI `--lora`) -> a validated `LoRARequest` (`lora_flag_fields`).
+
+    Raises:
+        ValueError: see `lora_flag_fields`; pydantic's ValidationError (a ValueError) for an empty path or a
+            strength outside [-100, 100] or not finite.
+    """
+    return LoRARequest(**lora_flag_fields(text))
 
 
 class ParallelConfig(_Strict):

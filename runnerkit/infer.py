@@ -106,7 +106,7 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     from pydantic import ValidationError
 
     from runnerkit.config import (ConfigError, RequestConfig, format_validation_error, load_requests, load_runner_config,
-                                  parse_lora_flag)
+                                  lora_flag_fields)
     from runnerkit.media import missing_media_module, sidecar_path
     from runnerkit.registry import get_runner_cls
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
@@ -137,10 +137,8 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
         if "prompt" not in given:
             raise ConfigError("--prompt is required (or --requests FILE.jsonl)")
         if "lora" in given:
-            try:
-                given["lora"] = [parse_lora_flag(x).model_dump() for x in given["lora"]]
-            except ValidationError as exc:
-                raise ConfigError(format_validation_error(exc, "request flags (--lora)")) from None
+            try:  # validated with the request below: its errors name lora[i].strength
+                given["lora"] = [lora_flag_fields(x) for x in given["lora"]]
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         try:

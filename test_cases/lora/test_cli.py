@@ -149,3 +149,13 @@ def test_requests_file_with_and_without_lora(tiny_ckpt: Path, tmp_path: Path, ca
     assert torch.equal(videos[0], videos[2]) and not torch.equal(videos[0], videos[1])
     sidecar = json.loads((tmp_path / "r0.json").read_text())
     assert sidecar["lora"] == [{"path": str(path.resolve()), "strength": 0.7}], sidecar
+
+
+@pytest.mark.parametrize("flag, says", [("a.safetensors:1e999", "lora[0].strength: Input should be a finite number"),
+                                        ("a.safetensors:-101", "lora[0].strength: Input should be greater than or equal"),
+                                        ("", "lora[0].path: String should have at least 1 character")])
+def test_a_lora_flag_value_out_of_range_names_its_item(tiny_ckpt: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str], flag: str, says: str) -> None:
+    rc, err = _cli(capsys, "--config_json", _config(tiny_ckpt, tmp_path, lora={}), "--prompt", "x", *SMALL,
+                   "--lora", flag)
+    assert rc == 2 and says in err, err
