@@ -183,7 +183,8 @@ class CompileConfig(_Strict):
     @model_validator(mode="after")
     def _settings_act(self) -> CompileConfig:
         changed = [k for k in ("mode", "coordinate_descent_tuning", "dynamic", "backend", "cache_dir")
-                   if k in self.model_fields_set and (k != "coordinate_descent_tuning" or self.coordinate_descent_tuning)]
+                   if k in self.model_fields_set
+                   and (k != "coordinate_descent_tuning" or self.coordinate_descent_tuning)]  # false: the default
         if not self.enabled and changed:
             raise ValueError(f"`compile.{changed[0]}` does nothing while `compile.enabled` is false: set "
                              "`enabled: true` or remove it")
