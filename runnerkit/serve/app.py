@@ -389,6 +389,8 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
             message = re.sub(r"`extra_images\[(\d+)\]`", lambda m: f"`image[{int(m[1]) + 1}]`", message)
             name = re.sub(r"^extra_images(?:\[(\d+)\])?$",
                           lambda m: "image" if m[1] is None else f"image[{int(m[1]) + 1}]", name or "") or None
+        if sent.get(name or "") == "size":  # the client sent WIDTHxHEIGHT, not the field the runner names
+            message = message.replace(f"`{name}`", f"`size`'s {'width' if name == 'target_width' else 'height'}")
         raise InputError(message, sent.get(name or "", name)) from None
     if request.lora:  # matched to the loaded transformer's layers now: a bad adapter is the request's error
         try:

@@ -132,7 +132,7 @@ def test_the_openai_client_gets_the_audio_track(server: Server) -> None:
 
 
 @pytest.mark.parametrize("body,param,says", [
-    ({"size": "200x128"}, "size", "`target_width` must be a multiple of 64 (got 200)"),
+    ({"size": "200x128"}, "size", "`size`'s width must be a multiple of 64 (got 200)"),
     ({"target_height": 96}, "target_height", "`target_height` must be a multiple of 64 (got 96)"),
     ({"target_video_length": 13}, "target_video_length", "`target_video_length` must be 8n+1, e.g. 9, 17, 81 (got 13)"),
     ({"seconds": "0.2"}, "seconds", "from 0.333333 to"),  # below one temporal step (8 frames at 24 fps)
