@@ -255,7 +255,10 @@ def main() -> None:
     for i in range(args.processes):  # each in a fresh process
         result_file = Path(args.work) / f"process_{i}.json"
         result_file.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", str(result_file)], cwd=REPO, check=True)
+        rc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", str(result_file)], cwd=REPO).returncode
+        if rc:
+            raise SystemExit(f"process {i + 1} of {args.processes} exited {rc} (its error is above); "
+                             f"{len(runs)} finished process(es) kept")
         runs.append(json.loads(result_file.read_text()))
         buckets = runs[0].get("text_buckets")
         name = (f"{out.name}_prompts_{buckets if isinstance(buckets, str) else 'list'}" if args.arm == "prompts"
