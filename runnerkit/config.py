@@ -574,13 +574,13 @@ def as_request(request: Any) -> RequestConfig:
     raise TypeError(f"a request must be a RequestConfig or a dict of its fields (got {type(request).__name__})")
 
 
-
 def field_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
     """A pydantic error location as the field is written: ('lora', 0, 'strength') -> 'lora[0].strength'."""
     out = ""
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
+
 
 def format_validation_error(err: ValidationError, source: str, origins: Mapping[str, str] | None = None) -> str:
     """One line per problem: `field: message (got value)`.

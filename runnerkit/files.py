@@ -39,7 +39,3 @@ def write_error_reason(exc: BaseException) -> str:
     found = re.search(r'message: "([^"]+)"|I/O error: ([^(]+?) \(os error', str(exc))
     return next(g for g in found.groups() if g) if found else type(exc).__name__
 
-
-#: The module of the `media` extra that writing a result file needs, by suffix (.wav: the stdlib). Here, not
-#: in runnerkit/media.py, so that torch-free start-up code (the server before its port opens) can read it.
-MEDIA_MODULES: dict[str, str] = {".mp4": "imageio_ffmpeg", ".png": "imageio.v3"}

@@ -107,7 +107,7 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
 
     from runnerkit.config import (ConfigError, RequestConfig, format_validation_error, load_requests, load_runner_config,
                                   lora_flag_fields)
-    from runnerkit.media import missing_media_module, sidecar_path
+    from runnerkit.media import MEDIA_EXTRA, missing_media_module, sidecar_path
     from runnerkit.registry import get_runner_cls
     overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
                  "text_encoder_path": args.text_encoder_path, "upsampler_path": args.upsampler_path,
@@ -186,9 +186,8 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     for req in requests:  # before loading: without the media library a run would fail only at its save
         missing = missing_media_module(req.save_result_path) if req.save_result_path else None
         if missing:
-            raise ConfigError(f"`save_result_path` {req.save_result_path!r} (request on {req.source}) needs the `media` "
-                              "extra: pip install \"runnerkit[media]\" (from a checkout: pip install -e \".[media]\"); "
-                              f"missing: {missing}")
+            raise ConfigError(f"`save_result_path` {req.save_result_path!r} (request on {req.source}) needs "
+                              f"{MEDIA_EXTRA}; missing: {missing}")
     return config, requests
 
 

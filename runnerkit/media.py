@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from runnerkit.files import MEDIA_MODULES, give_default_mode, write_error_reason
+from runnerkit.files import give_default_mode, write_error_reason
 
 if TYPE_CHECKING:
     from runnerkit.runners.pipeline import OutputSpec
@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 #: Sample rates (Hz) ffmpeg's native AAC encoder takes; an mp4's audio stream must have one.
 AAC_SAMPLE_RATES: tuple[int, ...] = (96000, 88200, 64000, 48000, 44100, 32000, 24000, 22050, 16000, 12000, 11025,
                                      8000, 7350)
+
+#: The module of the `media` extra that writing a result file needs, by suffix (.wav: the stdlib).
+MEDIA_MODULES: dict[str, str] = {".mp4": "imageio_ffmpeg", ".png": "imageio.v3"}
+#: How to install it, for the errors that name a missing module.
+MEDIA_EXTRA = "the `media` extra: pip install \"runnerkit[media]\" (from a checkout: pip install -e \".[media]\")"
 
 
 

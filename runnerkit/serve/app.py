@@ -363,6 +363,7 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         name = _first_field(exc)
         raise InputError(_api_wording(format_validation_error(exc, "request"), folder),
                          sent.get(name or "", name)) from None
+
     def by_name(message: str) -> str:  # paths are the server's business: its adapters by their names
         for name, path in (lora_cfg.adapters if lora_cfg is not None else {}).items():
             message = message.replace(path, name)
@@ -371,7 +372,9 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     try:
         type(runner).validate_request(request, runner.config)  # type: ignore[attr-defined]
     except ValueError as exc:
-        if type(exc).__name__ == "LoRAError":  # a configured adapter's file cannot be read: the server's fault
+        from runnerkit.lora import LoRAError  # torch: loaded with the runner by now
+
+        if isinstance(exc, LoRAError):  # a configured adapter's file cannot be read: the server's fault
             raise InputError(f"a LoRA adapter of this server cannot be used (server error, not the request's): "
                              f"{by_name(str(exc))}", "lora", status=500) from None
         found = re.search(r"`(\w+(?:\[\d+\])?)`", str(exc))

@@ -118,26 +118,21 @@ def prepare_output_dir(value: str) -> Path:
 
 def check_writers(runner_cls: type, task: str) -> None:
     """Refuse to serve a task whose result writer is missing: a job's result is a .png (image tasks) or an
-    .mp4 (video tasks, `runner_cls.RESULT_KINDS`), written by the `media` extra (`files.MEDIA_MODULES`);
-    without it the server would turn ready and fail every job after running it in full. Checked with
-    `importlib.util.find_spec`, before loading: an image server needs no ffmpeg.
+    .mp4 (video tasks, `runner_cls.RESULT_KINDS`), written by the `media` extra (`media.missing_media_module`);
+    without it the server would turn ready and fail every job after running it in full. Checked before
+    loading: an image server needs no ffmpeg.
 
     Raises:
         ConfigError: naming the extra, its pip command and the missing module.
     """
     from runnerkit.config import ConfigError
-    from runnerkit.files import MEDIA_MODULES
+    from runnerkit.media import MEDIA_EXTRA, missing_media_module
 
     suffix = ".png" if getattr(runner_cls, "RESULT_KINDS", {}).get(task, "video") == "image" else ".mp4"
-    module = MEDIA_MODULES[suffix].split(".")[0]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ValueError:  # in sys.modules as None: imports of it fail
-        found = False
-    if not found:
-        raise ConfigError(f"task {task!r} writes every job's result as a {suffix} and needs the `media` extra: pip "
-                          "install \"runnerkit[media]\" (from a checkout: pip install -e \".[media]\"); missing: "
-                          f"{module}")
+    missing = missing_media_module(f"result{suffix}")
+    if missing:
+        raise ConfigError(f"task {task!r} writes every job's result as a {suffix} and needs {MEDIA_EXTRA}; "
+                          f"missing: {missing}")
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -609,5 +609,6 @@ def test_without_imageio_an_image_server_is_refused(monkeypatch: pytest.MonkeyPa
 
     check_writers(QwenImageRunner, "t2i")
     monkeypatch.setitem(sys.modules, "imageio", None)
-    with pytest.raises(ConfigError, match=r"task 't2i' writes every job's result as a \.png .*missing: imageio$"):
+    monkeypatch.setitem(sys.modules, "imageio.v3", None)
+    with pytest.raises(ConfigError, match=r"task 't2i' writes every job's result as a \.png .*missing: imageio\.v3$"):
         check_writers(QwenImageRunner, "t2i")
