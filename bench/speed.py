@@ -67,10 +67,6 @@ ARMS: dict[str, list[dict[str, Any]]] = {
          "compute_dtype": "fp8", "psnr_vs": "compiled flash_attn_4"},
         {"name": "compiled flash_attn_4 tuned", "attention": "flash_attn_4", "compile": True, "cache": "fa4_tuned",
          "tune": True},
-        {"name": "compiled flash_attn_4 unfused norms", "attention": "flash_attn_4", "compile": True,
-         "cache": "fa4_unfused_norms", "fused_norm": False},
-        {"name": "compiled flash_attn_4 tuned unfused norms", "attention": "flash_attn_4", "compile": True,
-         "cache": "fa4_tuned_unfused_norms", "tune": True, "fused_norm": False},
     ],
     "qwen": [
         {"name": "eager auto", "attention": "auto"},
@@ -164,10 +160,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         from runnerkit import fused
 
         fused.ENABLED = False
-    if arm.get("fused_norm") is False:  # the block's norms as inductor fuses them (runnerkit/fused_norm.py off)
-        from runnerkit import fused_norm
-
-        fused_norm.ENABLED = False
     data, ckpt = setup(args.plan, args)
     data.update(model_path=str(ckpt), infer_steps=args.steps, warmup=arm.get("warmup", True),
                 attention="auto" if args.smoke else arm["attention"], compute_dtype=arm.get("compute_dtype", "same"))

@@ -36,7 +36,6 @@ from torch import Tensor, nn
 from runnerkit.attention import AttentionUser
 from runnerkit.fp8_compute import input_dtype
 from runnerkit.fused import TanhGELUMLP
-from runnerkit.fused_norm import residual_norm, rms_norm_rope
 from runnerkit.models.wan.arch import WAN_CLIP_DIM, WAN_CLIP_TOKENS, WanTransformerArch
 from runnerkit.offload.layout import StreamSpec
 from runnerkit.parallel.sequence import ShardsSequence
@@ -153,15 +152,9 @@ class WanSelfAttention(AttentionUser):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         """x: [B, L, dim] (any float dtype); rope: (cos, sin) [L, 1, d/2]. Returns [B, L, dim]."""
         x = x.to(input_dtype(self.q))
-        v = self.v(x).unflatten(2, (self.num_heads, -1))  # [B, L, N, d]
-        if isinstance(self.norm_q, WanRMSNorm) and isinstance(self.norm_k, WanRMSNorm):
-            # one kernel per projection on CUDA (runnerkit/fused_norm.py); the ops below elsewhere, bit for bit
-            dtype, eps = input_dtype(self.o), self.norm_q.eps
-            q = rms_norm_rope(self.q(x), self.norm_q.weight, *rope, eps=eps, num_heads=self.num_heads, out_dtype=dtype)
-            k = rms_norm_rope(self.k(x), self.norm_k.weight, *rope, eps=eps, num_heads=self.num_heads, out_dtype=dtype)
-            return self.attend(q, k, v)
         q = self.norm_q(self.q(x)).unflatten(2, (self.num_heads, -1))  # [B, L, N, d]
         k = self.norm_k(self.k(x)).unflatten(2, (self.num_heads, -1))  # [B, L, N, d]
+        v = self.v(x).unflatten(2, (self.num_heads, -1))  # [B, L, N, d]
         return self.attend(apply_rope(q, *rope), apply_rope(k, *rope), v)
 
 
@@ -263,20 +256,12 @@ class WanAttentionBlock(nn.Module):
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
             self.modulation.float() + time_mod
         ).chunk(6, dim=1)  # each [B, 1, dim]
-        # Each residual_norm is `x [+ y * gate]`, LayerNorm, [affine | modulation], cast: one kernel per row on CUDA
-        # (runnerkit/fused_norm.py), the unfused ops elsewhere. The casts are the ones each linear's input gets.
-        _, h = residual_norm(x, scale=scale_sa, shift=shift_sa, eps=self.norm1.eps,
-                             out_dtype=input_dtype(self.self_attn.q))
-        y = self.self_attn(h, rope)
-        if isinstance(self.norm3, FP32LayerNorm):
-            x, h = residual_norm(x, y=y, gate=gate_sa, weight=self.norm3.weight.float(),
-                                 bias=self.norm3.bias.float(), eps=self.norm3.eps, out_dtype=input_dtype(self.cross_attn.q))
-        else:
-            x = h = x + y.float() * gate_sa
-        cross = self.cross_attn(h, context) if image_context is None else self.cross_attn(h, context, image_context)
-        x, h = residual_norm(x, y=cross, scale=scale_ff, shift=shift_ff, eps=self.norm2.eps,
-                             out_dtype=input_dtype(self.ffn[0]))
-        y = self.ffn(h)
+        y = self.self_attn(self.norm1(x) * (1 + scale_sa) + shift_sa, rope)
+        x = x + y.float() * gate_sa
+        cross = self.cross_attn(self.norm3(x), context) if image_context is None else (
+            self.cross_attn(self.norm3(x), context, image_context))
+        x = x + cross.float()
+        y = self.ffn((self.norm2(x) * (1 + scale_ff) + shift_ff).to(input_dtype(self.ffn[0])))
         return x + y.float() * gate_ff
 
 
