@@ -430,7 +430,7 @@ class WanTransformer3D(ShardsSequence, nn.Module):
         f, h, w = x.shape[2:]
         # [B, L, dim], made row-major: `.float()` keeps the transpose's channel-major strides, with which every
         # block's LayerNorms reduce over strided channels (2-2.5x their row-major time on the H200 at 14B)
-        x = x.flatten(2).transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        x = x.flatten(2).transpose(1, 2).float().contiguous()  # (`.to(memory_format=)` is a no-op on float32)
 
         time_in = sinusoidal_embedding(timestep, self.arch.freq_dim)  # [B, freq_dim]
         time_emb = self.time_embedding(time_in.to(self.time_embedding[0].weight.dtype)).float()  # [B, dim]

@@ -94,6 +94,27 @@ def test_parity_with_diffusers(batch: int, height: int, width: int, lengths: lis
 
 
 @torch.no_grad()
+def test_blocks_get_a_row_major_residual_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The patch embedding's [B, dim, f, h, w] output reaches every block as a row-major [B, L, dim] stream: a
+    channel-major one (the transpose's strides) makes each LayerNorm reduce over strided channels (1.14 ms of
+    a compiled 14B block call on the H200, bench/results/residual_layout_h200.md). Same values either way."""
+    model = _load(_native_sd())
+    latents, timestep, context, _ = _inputs(2, 4, 6, [5, 3], [999.0, 500.0])
+    seen: list[tuple[tuple[int, ...], bool]] = []
+    block_cls = type(model.blocks[0])
+    real = block_cls.forward
+
+    def spy(self, x, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append((tuple(x.stride()), x.is_contiguous()))
+        return real(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(block_cls, "forward", spy)
+    model(latents, timestep, context)
+    assert len(seen) == ARCH.num_layers
+    assert all(contiguous for _, contiguous in seen), seen
+
+
+@torch.no_grad()
 def test_original_keys_match_diffusers_converter() -> None:
     """Independent check of the key map: diffusers' own original->diffusers converter."""
     sd = _native_sd()
