@@ -11,9 +11,11 @@ Unknown keys, wrong types and out-of-range values are errors that name the field
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -594,6 +596,8 @@ def format_validation_error(err: ValidationError, source: str, origins: Mapping[
     for e in err.errors():
         field = field_path(e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = _unknown_field_message(err.title, e["loc"])
         value = e.get("input")
         text = repr(value)
         text = text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"  # e.g. a base64 image
@@ -604,6 +608,37 @@ def format_validation_error(err: ValidationError, source: str, origins: Mapping[
             assert origins is not None
             lines.append("    (" + "; ".join(f"`{n}`={origins[n]}" for n in named) + ")")
     return f"invalid {source}:\n" + "\n".join(lines)
+
+
+def _fields_at(title: str, loc: tuple[int | str, ...]) -> list[str] | None:
+    """The field names of the config class that holds location `loc` of a `title` model (a class of this
+    module), or None where the walk meets something that is not a pydantic model."""
+    model: Any = globals().get(title)
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        if isinstance(part, int):
+            continue  # an element of a list field: its annotation was unwrapped below
+        info = model.model_fields.get(part)
+        if info is None:
+            return None
+        candidates = [info.annotation, *typing.get_args(info.annotation)]
+        candidates += [arg for c in candidates for arg in typing.get_args(c)]  # list[X] | None
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return None
+    return list(model.model_fields)
+
+
+def _unknown_field_message(title: str, loc: tuple[int | str, ...]) -> str:
+    """"unknown field" with the closest allowed name (difflib) or the allowed names of its section."""
+    allowed = _fields_at(title, tuple(loc[:-1]))
+    if not allowed:
+        return "unknown field"
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.6)
+    if close:
+        return f"unknown field; did you mean `{close[0]}`?"
+    return "unknown field; allowed here: " + ", ".join(allowed)
 
 
 def _origins(data: dict[str, Any], set_by: dict[str, str]) -> dict[str, str]:
