@@ -106,15 +106,13 @@ def compiled_forward(block_cls: type, cfg: CompileConfig) -> Callable[..., Any]:
     """The one compiled `forward` of `block_cls` for `cfg` (created on first use, then shared)."""
     key = (block_cls, cfg.mode, cfg.dynamic, cfg.backend, cfg.coordinate_descent_tuning)
     if key not in _COMPILED:
-        dynamic = True if cfg.dynamic else None
+        how: dict[str, Any] = {"mode": None if cfg.backend != "inductor" else cfg.mode}
         if cfg.coordinate_descent_tuning:  # torch.compile takes a mode or options, not both: the mode's options + ours
             from torch._inductor import list_mode_options
 
-            options = {**list_mode_options(cfg.mode), "coordinate_descent_tuning": True}
-            _COMPILED[key] = torch.compile(block_cls.forward, options=options, dynamic=dynamic, backend=cfg.backend)
-        else:
-            _COMPILED[key] = torch.compile(block_cls.forward, mode=None if cfg.backend != "inductor" else cfg.mode,
-                                           dynamic=dynamic, backend=cfg.backend)
+            how = {"options": {**list_mode_options(cfg.mode), "coordinate_descent_tuning": True}}
+        _COMPILED[key] = torch.compile(block_cls.forward, dynamic=True if cfg.dynamic else None, backend=cfg.backend,
+                                       **how)
     return _COMPILED[key]
 
 
