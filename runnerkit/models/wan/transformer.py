@@ -429,8 +429,9 @@ class WanTransformer3D(ShardsSequence, nn.Module):
         x = self.patch_embedding(latents.to(self.patch_embedding.weight.dtype))  # [B, dim, f, h, w]
         f, h, w = x.shape[2:]
         # [B, L, dim], made row-major: `.float()` keeps the transpose's channel-major strides, with which every
-        # block's LayerNorms reduce over strided channels (2-2.5x their row-major time on the H200 at 14B)
-        x = x.flatten(2).transpose(1, 2).float().contiguous()  # (`.to(memory_format=)` is a no-op on float32)
+        # block's LayerNorms reduce over strided channels (a compiled 14B block's three: 2.58 against 1.44 ms on
+        # the H200, bench/results/residual_layout_h200.md). `.to(memory_format=)` would not copy a float32 stream.
+        x = x.flatten(2).transpose(1, 2).float().contiguous()
 
         time_in = sinusoidal_embedding(timestep, self.arch.freq_dim)  # [B, freq_dim]
         time_emb = self.time_embedding(time_in.to(self.time_embedding[0].weight.dtype)).float()  # [B, dim]
