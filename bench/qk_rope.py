@@ -12,6 +12,10 @@ written once. Eager results are compared with the model's formulation (`stack`, 
   products and sums, so eager values are the same bits.
 - `two kernels`: the RMSNorm's inverse RMS [B, L, 1] computed first (a graph break keeps inductor from
   fusing it), then RoPE as a pointwise kernel that reads q again.
+- `rotate-half`: RoPE on head halves (`x * C + cat(x2, x1) * S`), which the model could use if the q and k
+  projections' output channels (and their biases, RMSNorm weights and LoRA B rows) were permuted per head
+  to (evens, odds) at load: attention scores do not depend on the order of a head's channels. Timed on
+  permuted inputs; its output, permuted back, is compared with `stack`.
 
     python bench/qk_rope.py --out $OUT/qk_rope         # writes qk_rope.json and qk_rope.md
     python bench/qk_rope.py --smoke --out /tmp/qk_rope
@@ -63,7 +67,14 @@ def formulations() -> dict[str, Callable[..., Any]]:
         x0, x1 = (q.float() * r * w).unflatten(-1, (heads, -1, 2)).unbind(-1)
         return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2).to(q.dtype)
 
-    return {"stack": stack, "flip": flip, "two kernels": two_kernels}
+    def rotate_half(q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, C: torch.Tensor,
+                    S: torch.Tensor, heads: int) -> torch.Tensor:
+        # q, w with each head's channels permuted to (evens, odds); C = (cos, cos), S = (-sin, sin) per head half
+        x = rms(q, w).unflatten(-1, (heads, -1))  # [B, L, N, d]
+        x1, x2 = x.chunk(2, dim=-1)
+        return (x * C + torch.cat([x2, x1], -1) * S).to(q.dtype)
+
+    return {"stack": stack, "flip": flip, "two kernels": two_kernels, "rotate-half": rotate_half}
 
 
 def main() -> None:
@@ -90,19 +101,28 @@ def main() -> None:
         cos, sin = angles.cos(), angles.sin()  # [L, 1, d/2]
         C = cos.repeat_interleave(2, dim=-1)  # [L, 1, d]
         S = torch.stack([-sin, sin], -1).flatten(-2)  # [L, 1, d]
-        inputs = (q, w, cos, sin, C, S, heads)
+        perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(dev)  # a head's (evens, odds)
+        full = (torch.arange(heads, device=dev)[:, None] * d + perm).flatten()  # [dim]
+        back = torch.argsort(perm)  # a head's channels back in their order
+        halves = (q[..., full], w[full], cos, sin, torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1), heads)
+        inputs = {name: halves if name == "rotate-half" else (q, w, cos, sin, C, S, heads) for name in forms}
+
+        def unpermute(name: str, out: torch.Tensor) -> torch.Tensor:
+            return out[..., back] if name == "rotate-half" else out
+
         torch._dynamo.reset()
         compiled = {name: torch.compile(f) for name, f in forms.items()}
         times: dict[str, list[float]] = {name: [] for name in forms}
         with torch.inference_mode():
-            ref = forms["stack"](*inputs)
-            diff = {name: (f(*inputs).float() - ref.float()).abs().max().item() for name, f in forms.items()}
-            compiled_diff = {name: (f(*inputs).float() - ref.float()).abs().max().item() for name, f in compiled.items()}
+            ref = forms["stack"](*inputs["stack"]).float()
+            diff = {n: (unpermute(n, f(*inputs[n])).float() - ref).abs().max().item() for n, f in forms.items()}
+            compiled_diff = {n: (unpermute(n, f(*inputs[n])).float() - ref).abs().max().item()
+                             for n, f in compiled.items()}
             for _ in range(args.rounds):
                 for name, f in compiled.items():
                     for _ in range(3):
-                        f(*inputs)
-                    times[name] += timed(lambda: f(*inputs), args.iters, dev)  # noqa: B023
+                        f(*inputs[name])
+                    times[name] += timed(lambda: f(*inputs[name]), args.iters, dev)  # noqa: B023
         nbytes = 2 * q.numel() * q.element_size()
         ms = {name: median(t) for name, t in times.items()}
         results[flavour] = {"tokens": L, "dim": dim, "heads": heads, "ms": times,
