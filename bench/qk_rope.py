@@ -1,7 +1,7 @@
 """Formulations of the Wan blocks' q/k RMSNorm + RoPE as inductor compiles them (issue 22, item 3).
 
 The kernel that fuses the self-attention's q (or k) RMSNorm with RoPE is the largest non-matmul kernel of
-a compiled Wan 14B step (0.097 s of 0.257 s, bench/results/speed_wan14_layout_h200.md), about 4x the time
+a compiled Wan 14B step (0.097 s of 0.257 s, bench/results/speed_wan14_layout_h200.md), about 3.4x the time
 of its memory traffic (read q, write q, bf16). Each formulation here is compiled alone (inductor
 defaults) on one CFG pass's tokens at 480x832x81 and timed with CUDA events; GB/s counts q read once and
 written once. Eager results are compared with the model's formulation (`stack`, max abs difference).
@@ -85,8 +85,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, not a result)")
     args = p.parse_args()
+    if args.iters < 1 or args.rounds < 1:
+        p.error(f"--iters and --rounds must be >= 1 (got {args.iters}, {args.rounds})")
+    out = Path(args.out)
+    try:  # before the run: a folder that cannot be made is found now, not after minutes of device time
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {args.out!r}: its folder cannot be created: {exc.strerror or exc}")
 
     import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        p.error("needs a CUDA device (--smoke runs tiny shapes on the CPU)")
 
     dev = torch.device("cpu" if args.smoke else "cuda")
     forms = formulations()
@@ -131,8 +141,6 @@ def main() -> None:
                             "eager_max_abs_vs_stack": diff, "compiled_max_abs_vs_eager_stack": compiled_diff}
         print(flavour, {n: round(v, 4) for n, v in ms.items()}, diff, flush=True)
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"device": device_info(), "flavours": results}, indent=1))
     title = "q/k RMSNorm + RoPE formulations, compiled by inductor"
     if args.smoke:

@@ -40,8 +40,18 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, not a result)")
     args = p.parse_args()
+    if args.iters < 1 or args.rounds < 1:
+        p.error(f"--iters and --rounds must be >= 1 (got {args.iters}, {args.rounds})")
+    out = Path(args.out)
+    try:  # before the run: a folder that cannot be made is found now, not after minutes of device time
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {args.out!r}: its folder cannot be created: {exc.strerror or exc}")
 
     import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        p.error("needs a CUDA device (--smoke runs tiny shapes on the CPU)")
 
     from runnerkit import attention
     from runnerkit.models.wan.arch import WanTransformerArch
@@ -101,8 +111,6 @@ def main() -> None:
         del block, row_major, channel_major, outs
         torch.cuda.empty_cache() if dev.type == "cuda" else None
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"device": device_info(), "flavours": results}, indent=1))
     title = "Wan block: residual stream channel-major vs row-major"
     if args.smoke:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
@@ -50,3 +51,19 @@ def check_writable(path: str, field: str) -> None:
         # e.g. /proc: writable by root, yet no new file can exist there (ENOENT)
         raise ConfigError(f"`{field}` {path!r} cannot be created in {str(parent)!r}: that folder cannot hold new files "
                           f"({reason})") from None
+
+
+def check_default_shape(runner_cls: type, config: Any, source: str) -> None:
+    """The config's own default shape (the shape of every request that gives none) must be one the runner takes.
+
+    Raises:
+        ConfigError: naming `source` (the config file) and the bad field; a problem there is the config's,
+            not a request's (the server would otherwise start and fail every job that omits the field).
+    """
+    from runnerkit.config import ConfigError
+
+    try:
+        resolved = runner_cls.resolve_config(config)
+        runner_cls.validate_shape(resolved.target_height, resolved.target_width, resolved.target_video_length)
+    except ValueError as exc:
+        raise ConfigError(f"config {source}: {exc} (the default shape of every request)") from None

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from runnerkit.cli_common import INPUT_ERRORS, check_writable, report_failure
+from runnerkit.cli_common import INPUT_ERRORS, check_default_shape, check_writable, report_failure
 from runnerkit.interrupts import (enable_fault_tracebacks, exit_status, install_sigterm_handler,
                                   restore_sigterm_default)
 
@@ -145,11 +145,7 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
             requests = [RequestConfig.model_validate(given)]
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, "request flags")) from None
-    try:  # the config's own default shape: a problem there is the config's, not a request's
-        resolved = runner_cls.resolve_config(config)
-        runner_cls.validate_shape(resolved.target_height, resolved.target_width, resolved.target_video_length)
-    except ValueError as exc:
-        raise ConfigError(f"config {args.config_json or '(CLI)'}: {exc} (the default shape of every request)") from None
+    check_default_shape(runner_cls, config, args.config_json or "(CLI)")
     inputs = {os.path.realpath(p): flag for p, flag in ((args.config_json, "--config_json"), (args.requests, "--requests"))
               if p is not None}
     outputs: dict[str, str] = {}  # real path -> who writes it

@@ -149,7 +149,7 @@ def serve(args: argparse.Namespace) -> int:
     # Light imports only before the port opens (no torch, no model family): health answers within
     # a second or two, `starting` until the runner exists.
     from runnerkit.config import ConfigError, load_runner_config
-    from runnerkit.cli_common import INPUT_ERRORS, check_writable, report_failure
+    from runnerkit.cli_common import INPUT_ERRORS, check_default_shape, check_writable, report_failure
     from runnerkit.serve.app import ServerState, create_app
     from runnerkit.serve.jobs import Job, JobQueue
 
@@ -215,6 +215,7 @@ def serve(args: argparse.Namespace) -> int:
                 return
             runner_cls = get_runner_cls(config.model_cls, config.task)
             check_writers(runner_cls, config.task)
+            check_default_shape(runner_cls, config, args.config_json or "(flags)")
             runner = runner_cls(config)
         except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
             fail("start", exc)
@@ -257,6 +258,7 @@ def serve(args: argparse.Namespace) -> int:
         def build() -> Any:
             runner_cls = get_runner_cls(config.model_cls, config.task)
             check_writers(runner_cls, config.task)
+            check_default_shape(runner_cls, config, args.config_json or "(flags)")
             built = runner_cls(config)
             built.attach_parallel(leader.group)
             return built

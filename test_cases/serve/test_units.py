@@ -612,3 +612,36 @@ def test_without_imageio_an_image_server_is_refused(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "imageio.v3", None)
     with pytest.raises(ConfigError, match=r"task 't2i' writes every job's result as a \.png .*missing: imageio\.v3$"):
         check_writers(QwenImageRunner, "t2i")
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("target_video_length", 8, "`target_video_length` must be 4n+1"),
+    ("target_height", 50, "target_height"),
+])
+def test_a_config_whose_default_shape_is_invalid_exits_2_before_loading(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], field: str, value: int,
+        needle: str) -> None:
+    """Every job that leaves the shape out would get 422 for a field its client never sent: the launch script
+    refuses such a config at start (runnerkit/cli_common.py `check_default_shape`), and so does the server."""
+    import json
+    import signal
+
+    from runnerkit.config import ConfigError
+    from runnerkit.runners.default import DefaultRunner
+    from runnerkit.serve import server
+
+    data = json.loads(Path("configs/wan/wan_t2v_tiny.json").read_text())
+    cfg = tmp_path / "bad_shape.json"
+    cfg.write_text(json.dumps({**data, field: value}))
+    monkeypatch.setattr(server, "_Server", _NoHttp)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+
+    def no_load(self: Any) -> None:
+        raise ConfigError("load reached")
+
+    monkeypatch.setattr(DefaultRunner, "load_modules", no_load)
+    rc = server.main(["--config_json", str(cfg), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"start failed: ConfigError: config {cfg}: " in err and needle in err, err
+    assert "(the default shape of every request)" in err and "load reached" not in err, err

@@ -97,7 +97,7 @@ def test_parity_with_diffusers(batch: int, height: int, width: int, lengths: lis
 def test_blocks_get_a_row_major_residual_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """The patch embedding's [B, dim, f, h, w] output reaches every block as a row-major [B, L, dim] stream: a
     channel-major one (the transpose's strides) makes each LayerNorm reduce over strided channels (1.14 ms of
-    a compiled 14B block call on the H200, bench/results/residual_layout_h200.md). Same values either way."""
+    a compiled 14B block call on the H200, bench/results/residual_layout_h200.md). Eager values are the same bits."""
     model = _load(_native_sd())
     latents, timestep, context, _ = _inputs(2, 4, 6, [5, 3], [999.0, 500.0])
     seen: list[tuple[tuple[int, ...], bool]] = []
