@@ -257,3 +257,21 @@ class GpuClockSampler:
         if not self.samples:
             return {}
         return {"sm_mhz": spread([s[0] for s in self.samples]), "power_w": spread([s[1] for s in self.samples])}
+
+
+def check_timing_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
+    """`--iters`/`--rounds` >= 1, a CUDA device unless `--smoke`, and `--out`'s folder made, before a timing run
+    starts (`p.error` otherwise: a folder that cannot be made is found now, not after minutes of device time).
+    Returns `--out` as a Path."""
+    if args.iters < 1 or args.rounds < 1:
+        p.error(f"--iters and --rounds must be >= 1 (got {args.iters}, {args.rounds})")
+    out = Path(args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {args.out!r}: its folder cannot be created: {exc.strerror or exc}")
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        p.error("needs a CUDA device (--smoke runs tiny shapes on the CPU)")
+    return out

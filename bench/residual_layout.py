@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import device_info, fmt_spread, markdown_table, median, spread, timed  # noqa: E402
+from bench.common import check_timing_args, device_info, fmt_spread, markdown_table, median, spread, timed  # noqa: E402
 
 FLAVOURS = {  # name: (dim, heads, ffn_dim, blocks); 480x832x81 is 21 x 30 x 52 = 32760 tokens
     "14B": (5120, 40, 13824, 40),
@@ -40,18 +40,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, not a result)")
     args = p.parse_args()
-    if args.iters < 1 or args.rounds < 1:
-        p.error(f"--iters and --rounds must be >= 1 (got {args.iters}, {args.rounds})")
-    out = Path(args.out)
-    try:  # before the run: a folder that cannot be made is found now, not after minutes of device time
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        p.error(f"--out {args.out!r}: its folder cannot be created: {exc.strerror or exc}")
+    out = check_timing_args(p, args)
 
     import torch
-
-    if not args.smoke and not torch.cuda.is_available():
-        p.error("needs a CUDA device (--smoke runs tiny shapes on the CPU)")
 
     from runnerkit import attention
     from runnerkit.models.wan.arch import WanTransformerArch
