@@ -100,7 +100,8 @@ def main() -> None:
             "kernels_ms": kernels}
         print(flavour, {arm: round(v, 3) for arm, v in ms.items()}, flush=True)
         del block, row_major, channel_major, outs
-        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
     out.with_suffix(".json").write_text(json.dumps({"device": device_info(), "flavours": results}, indent=1))
     title = "Wan block: residual stream channel-major vs row-major"

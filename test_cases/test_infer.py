@@ -322,7 +322,8 @@ def _assert_invalid(rc: int, err: str, *needles: str, code: int = 2) -> None:
     ({"model_cls": "wan9"}, ["model_cls", "'wan9'", "wan2.1"]),
     ({"task": "x2v"}, ["task", "'x2v'", "allowed: ['t2v', 'i2v', 'flf2v']"]),
     ({"dtype": "fp64"}, ["dtype", "float32", "bfloat16", "'fp64'"]),
-], ids=["unknown_key", "misspelled_key", "misspelled_nested_key", "wrong_type", "steps_0", "gpu_slots_1", "unknown_model_cls", "unknown_task", "bad_dtype"])
+], ids=["unknown_key", "misspelled_key", "misspelled_nested_key", "wrong_type", "steps_0", "gpu_slots_1",
+        "unknown_model_cls", "unknown_task", "bad_dtype"])
 def test_invalid_config_values(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                overrides: dict[str, Any], needles: list[str]) -> None:
     cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, **overrides))

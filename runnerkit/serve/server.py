@@ -197,6 +197,15 @@ def serve(args: argparse.Namespace) -> int:
         status["exit"] = 2 if isinstance(exc, INPUT_ERRORS) else 1
         server.should_exit = True
 
+    def new_runner() -> Any:
+        """The runner for `config`, after the checks that would otherwise fail every job (ConfigError)."""
+        from runnerkit.registry import get_runner_cls
+
+        runner_cls = get_runner_cls(config.model_cls, config.task)
+        check_writers(runner_cls, config.task)
+        check_default_shape(runner_cls, config, args.config_json or "(flags)")
+        return runner_cls(config)
+
     def load() -> None:
         while not server.started and not server.should_exit:  # the port is open before loading starts
             time.sleep(0.05)
@@ -205,7 +214,6 @@ def serve(args: argparse.Namespace) -> int:
         host, port = _bound_address(server)
         logger.info("listening on http://{}:{} (live: /health/live, ready: /health/ready)", host, port)
         try:  # torch and the model family: seconds; health answers `starting` meanwhile
-            from runnerkit.registry import get_runner_cls
             from runnerkit.runners.base import error_phase
             from runnerkit.serve.jobs import Worker
             from runnerkit.serve.metrics import Metrics
@@ -213,10 +221,7 @@ def serve(args: argparse.Namespace) -> int:
             if config.parallel is not None:
                 start_parallel()  # the group, then the runner, as rank 0 of it
                 return
-            runner_cls = get_runner_cls(config.model_cls, config.task)
-            check_writers(runner_cls, config.task)
-            check_default_shape(runner_cls, config, args.config_json or "(flags)")
-            runner = runner_cls(config)
+            runner = new_runner()
         except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
             fail("start", exc)
             return
@@ -246,7 +251,6 @@ def serve(args: argparse.Namespace) -> int:
         load, warm up and agree with every rank on the job thread, then ready; each job runs in lockstep."""
         from runnerkit.parallel.driver import RankFailed
         from runnerkit.parallel.serving import CANCEL_REFUSED, Leader
-        from runnerkit.registry import get_runner_cls
         from runnerkit.serve.jobs import Worker
         from runnerkit.serve.metrics import Metrics
 
@@ -256,10 +260,7 @@ def serve(args: argparse.Namespace) -> int:
             fail("start", exc)
             return
         def build() -> Any:
-            runner_cls = get_runner_cls(config.model_cls, config.task)
-            check_writers(runner_cls, config.task)
-            check_default_shape(runner_cls, config, args.config_json or "(flags)")
-            built = runner_cls(config)
+            built = new_runner()
             built.attach_parallel(leader.group)
             return built
 

@@ -630,7 +630,7 @@ def test_a_config_whose_default_shape_is_invalid_exits_2_before_loading(
     from runnerkit.runners.default import DefaultRunner
     from runnerkit.serve import server
 
-    data = json.loads(Path("configs/wan/wan_t2v_tiny.json").read_text())
+    data = json.loads((Path(__file__).resolve().parents[2] / "configs/wan/wan_t2v_tiny.json").read_text())
     cfg = tmp_path / "bad_shape.json"
     cfg.write_text(json.dumps({**data, field: value}))
     monkeypatch.setattr(server, "_Server", _NoHttp)
