@@ -34,10 +34,60 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 FIRST_FRAME = REPO / "assets" / "examples" / "first_frame.png"
-#: Denoising steps of the slow t2v config: at ~0.02-0.05 s a step on a CPU the transformer stage
-#: lasts seconds, long enough for the status line to show a step count and for a Cancel click
-#: to land mid-loop, short enough for the whole file to stay well under two minutes.
+#: Denoising steps of the gated t2v config. A CPU runs all of them in well under a second (the
+#: page polls every 0.5 s), so the t2v server holds every request at step GATE_STEP until the test
+#: creates its release file (STEP_GATE below): the status line shows a step count and a Cancel
+#: click lands mid-loop whatever the machine's speed.
 SLOW_STEPS = 120
+GATE_STEP = 2
+#: A `sitecustomize` on the t2v server's PYTHONPATH: once `runnerkit.runners.default` is imported,
+#: its `report_progress` (called after every denoising step) waits at step GATE_STEP of a request's
+#: transformer stage until the file RUNNERKIT_TEST_STEP_GATE exists, then removes it (one release per
+#: request; after 60 s it goes on by itself, so a broken test cannot hang the server). It waits after
+#: the job's observer ran, so a cancel requested meanwhile stops the job at the next step.
+STEP_GATE = '''import importlib.util, os, sys, time
+
+GATE_STEP = %d
+
+
+def _gate(cls):
+    original = cls.report_progress
+
+    def report_progress(self, info, stage, step=0, steps=0):
+        original(self, info, stage, step, steps)
+        if info.warmup or stage != "transformer" or step != GATE_STEP:
+            return
+        release, deadline = os.environ["RUNNERKIT_TEST_STEP_GATE"], time.monotonic() + 60
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if os.path.exists(release):
+            os.unlink(release)
+
+    cls.report_progress = report_progress
+
+
+class _Patch:
+    def find_spec(self, name, path=None, target=None):
+        if name != "runnerkit.runners.default":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        real = spec.loader
+
+        class Patched:
+            def create_module(self, spec):
+                return real.create_module(spec)
+
+            def exec_module(self, module):
+                real.exec_module(module)
+                _gate(module.DefaultRunner)
+
+        spec.loader = Patched()
+        return spec
+
+
+sys.meta_path.insert(0, _Patch())
+''' % GATE_STEP
 START_TIMEOUT_S = 90.0
 JOB_TIMEOUT_MS = 30_000
 
@@ -47,13 +97,26 @@ class Server:
     proc: subprocess.Popen[bytes]
     url: str
     log: Path
+    release: Path | None = None  # the step gate's release file (the t2v server only)
+
+    def release_step(self) -> None:
+        """Let the request held at step GATE_STEP go on."""
+        assert self.release is not None, "this server has no step gate"
+        self.release.touch()
 
 
-def _start_server(config: Path, out: Path, cache: Path) -> Server:
-    """`runnerkit serve --port 0 --warmup` on `config`; returns once it logged its address."""
+def _start_server(config: Path, out: Path, cache: Path, gated: bool = False) -> Server:
+    """`runnerkit serve --port 0 --warmup` on `config` (held at step GATE_STEP of every request when
+    `gated`); returns once it logged its address."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "server.log"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RUNNERKIT_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    release = None
+    if gated:
+        (out / "gate").mkdir(exist_ok=True)
+        (out / "gate" / "sitecustomize.py").write_text(STEP_GATE)
+        release = out / "step_may_go_on"
+        env.update(PYTHONPATH=f"{out / 'gate'}:{REPO}", RUNNERKIT_TEST_STEP_GATE=str(release))
     with log.open("wb") as sink:  # a file, not a pipe: nobody drains a pipe while the test runs
         proc = subprocess.Popen([sys.executable, "-m", "runnerkit.infer", "serve", "--config_json", str(config),
                                  "--port", "0", "--warmup", "--on_shutdown", "cancel", "--drain_grace", "0",
@@ -63,7 +126,7 @@ def _start_server(config: Path, out: Path, cache: Path) -> Server:
     while time.monotonic() < deadline:
         m = re.search(r"listening on (http://[\d.]+:\d+)", log.read_text(errors="replace"))
         if m:
-            return Server(proc, m.group(1), log)
+            return Server(proc, m.group(1), log, release)
         if proc.poll() is not None:
             break
         time.sleep(0.1)
@@ -111,13 +174,13 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def t2v_server(tmp_path_factory: pytest.TempPathFactory, cache: Path, browser: Any) -> Iterator[Server]:
-    """The tiny t2v config with SLOW_STEPS denoising steps."""
+    """The tiny t2v config with SLOW_STEPS denoising steps, held at step GATE_STEP of every request."""
     out = tmp_path_factory.mktemp("serve_t2v")
     data = json.loads((REPO / "configs" / "wan" / "wan_t2v_tiny.json").read_text())
     data.update(infer_steps=SLOW_STEPS, device="cpu")
     config = out / "t2v_slow.json"
     config.write_text(json.dumps(data))
-    server = _start_server(config, out, cache)
+    server = _start_server(config, out, cache, gated=True)
     yield server
     _stop_server(server)
 
@@ -189,10 +252,11 @@ def test_page_generates_a_video_with_progress(page: Any, t2v_server: Server) -> 
     page.fill("#prompt", "a corgi surfing a wave at sunset")
     page.fill("#seed", "7")
     page.click("#submit")
-    # the status line shows the running step count, then the result replaces it
+    # the status line shows the running step count (the job is held there), then the result replaces it
     page.wait_for_function(
-        f"/in_progress · transformer — step [0-9]+\\/{SLOW_STEPS}/.test(document.getElementById('status').textContent)")
+        f"/in_progress · transformer — step {GATE_STEP}\\/{SLOW_STEPS}/.test(document.getElementById('status').textContent)")
     assert page.is_disabled("#submit") and page.is_visible("#cancel")
+    t2v_server.release_step()
     job_id = _check_video_result(page, t2v_server)
     assert page.text_content("#status").startswith(f"{job_id}: completed")
     assert page.is_enabled("#submit") and not page.is_visible("#cancel")
@@ -204,12 +268,18 @@ def test_page_cancel_button_stops_the_running_job(page: Any, t2v_server: Server)
     _open_ready(page, t2v_server)
     page.fill("#prompt", "a slow job to cancel")
     page.click("#submit")
-    page.wait_for_function("/step [0-9]+\\//.test(document.getElementById('status').textContent)")
+    page.wait_for_function(f"/step {GATE_STEP}\\//.test(document.getElementById('status').textContent)")
     page.click("#cancel")
+    url = f"{t2v_server.url}/v1/videos/{_job_id(page)}"
+    deadline = time.monotonic() + JOB_TIMEOUT_MS / 1000
+    while not _get_json(url)["cancel_requested"]:  # the click's DELETE landed while the job is held
+        assert time.monotonic() < deadline, _get_json(url)
+        time.sleep(0.05)
+    t2v_server.release_step()
     page.wait_for_function("/: cancelled/.test(document.getElementById('status').textContent)")
     job = _get_json(f"{t2v_server.url}/v1/videos/{_job_id(page)}")
     assert job["status"] == "cancelled", job
-    assert 0 < job["steps_done"] < job["steps_total"], f"not cancelled mid-loop: {job}"
+    assert job["steps_done"] == GATE_STEP + 1 < job["steps_total"], f"not cancelled at the step after the gate: {job}"
     assert page.query_selector("#output") is None
     assert page.is_enabled("#submit") and not page.is_visible("#cancel")
 
