@@ -374,6 +374,31 @@ def test_checkpoint_missing_tensor_is_named(tiny_ckpt: Path, tmp_path: Path, cap
     assert not out.exists()
 
 
+@pytest.mark.parametrize("warmup", [False, True])
+def test_nan_weights_fail_the_request_before_decoding(tiny_ckpt: Path, tmp_path: Path, warmup: bool,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A NaN in the transformer's output head makes every latent NaN: the run fails (at warmup when it
+    runs, else at the request) naming the count, and saves nothing (it used to save noise, exit 0)."""
+    broken = tmp_path / "nan"
+    shutil.copytree(tiny_ckpt, broken)
+    (shard,) = (broken / "transformer").glob("*.safetensors")
+    sd = load_file(str(shard))
+    sd["head.head.bias"][0] = float("nan")
+    save_file(sd, str(shard))
+    cfg = write_config(tmp_path / "c.json", tiny_config_dict(broken, warmup=warmup))
+    out = tmp_path / "o.safetensors"
+    rc, err = _cli(capsys, "--config_json", cfg, "--prompt", "x", "--save_tensor_path", out)
+    assert rc == 1, err
+    # warmup's first shape runs one step (the NaN bias reaches one latent channel); a request runs
+    # four, and the solver mixes every channel
+    phase, shape, count = (("warmup failed", "[1, 16, 2, 4, 4]", "8 non-finite values (NaN or Inf) of 512")
+                           if warmup else
+                           ("request 0 (command line) failed", "[1, 16, 3, 6, 10]", "2880 non-finite values (NaN or Inf) of 2880"))
+    assert f"{phase}: FloatingPointError: the denoised latents {shape} hold {count}: " in err, err
+    assert "nothing is decoded or saved" in err, err
+    assert not out.exists()
+
+
 def test_unknown_model_cls_flag_is_rejected_by_argparse(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--config_json", str(config_path), "--model_cls", "wan9", "--prompt", "x"])

@@ -622,6 +622,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                 latents = self.run_denoise_stage(info, stage, sched, latents, warmup)
             generator = sched.generator
         assert latents is not None
+        if self.decodes_here:  # the rank that decodes (every rank holds the same latents)
+            check_finite_latents(latents, self.dtype)
         return latents
 
     def check_sequence_split(self, info: InputInfo, stages: Sequence[DenoiseStage] | None = None) -> None:
@@ -749,6 +751,23 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         for streamer in self.streamers.values():
             streamer.reset()  # slots, prefetch index and events back at the request boundary
         self.clear_request_state()
+
+
+def check_finite_latents(latents: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse denoised latents that hold NaN or Inf before they are decoded (one device sync per
+    request or warmup shape). Decoded, they would give a video or image of noise, and the request
+    would look successful. `dtype`: the transformer's compute dtype, named in the message.
+
+    Raises:
+        FloatingPointError: naming how many values are not finite, the dtype and the likely causes.
+    """
+    bad = int((~torch.isfinite(latents)).sum())
+    if bad:
+        raise FloatingPointError(
+            f"the denoised latents {list(latents.shape)} hold {bad} non-finite values (NaN or Inf) of "
+            f"{latents.numel()}: the transformer produced them (NaN or Inf in the checkpoint's weights or "
+            f"a LoRA, or an overflow of the transformer's {str(dtype).removeprefix('torch.')}); nothing is "
+            "decoded or saved")
 
 
 def stream_choice(pipeline: Pipeline, names: Sequence[str] | None, runner: str) -> list[ModuleSpec]:
