@@ -53,11 +53,28 @@ def check_writable(path: str, field: str) -> None:
                           f"({reason})") from None
 
 
+#: Runner-config flags shared by the launch script and the server (argparse attribute -> flag).
+CONFIG_FLAGS = {"model_cls": "--model_cls", "task": "--task", "model_path": "--model_path",
+                "text_encoder_path": "--text_encoder_path", "upsampler_path": "--upsampler_path",
+                "infer_steps": "--infer_steps", "device": "--device", "offload": "--offload", "warmup": "--warmup"}
+
+
+def config_source(args: Any) -> str:
+    """Where the runner config came from, for messages: `config FILE`, plus the command-line flags
+    that overrode its fields (`config c.json with --device 'cuda'`), or the flags alone."""
+    given = [f"{flag} {value!r}" if value is not True else flag
+             for attr, flag in CONFIG_FLAGS.items() if (value := getattr(args, attr, None)) not in (None, False)]
+    path = getattr(args, "config_json", None)
+    if path is None:
+        return "config from the command-line flags" + (f" ({', '.join(given)})" if given else "")
+    return f"config {path}" + (f" with {', '.join(given)}" if given else "")
+
+
 def check_default_shape(runner_cls: type, config: Any, source: str) -> None:
     """The config's own default shape (the shape of every request that gives none) must be one the runner takes.
 
     Raises:
-        ConfigError: naming `source` (the config file) and the bad field; a problem there is the config's,
+        ConfigError: naming `source` (`config_source`) and the bad field; a problem there is the config's,
             not a request's (the server would otherwise start and fail every job that omits the field).
     """
     from runnerkit.config import ConfigError
@@ -66,4 +83,4 @@ def check_default_shape(runner_cls: type, config: Any, source: str) -> None:
         resolved = runner_cls.resolve_config(config)
         runner_cls.validate_shape(resolved.target_height, resolved.target_width, resolved.target_video_length)
     except ValueError as exc:
-        raise ConfigError(f"config {source}: {exc} (the default shape of every request)") from None
+        raise ConfigError(f"{source}: {exc} (the default shape of every request)") from None

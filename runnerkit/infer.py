@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from runnerkit.cli_common import INPUT_ERRORS, check_default_shape, check_writable, report_failure
+from runnerkit.cli_common import INPUT_ERRORS, check_default_shape, check_writable, config_source, report_failure
 from runnerkit.interrupts import (enable_fault_tracebacks, exit_status, install_sigterm_handler,
                                   restore_sigterm_default)
 
@@ -145,7 +145,7 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
             requests = [RequestConfig.model_validate(given)]
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, "request flags")) from None
-    check_default_shape(runner_cls, config, args.config_json or "(CLI)")
+    check_default_shape(runner_cls, config, config_source(args))
     inputs = {os.path.realpath(p): flag for p, flag in ((args.config_json, "--config_json"), (args.requests, "--requests"))
               if p is not None}
     outputs: dict[str, str] = {}  # real path -> who writes it
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         runner: BaseRunner = get_runner_cls(config.model_cls, config.task)(config)
     except (ValueError, NotImplementedError) as exc:  # the family refuses the config's settings
-        logger.error("invalid input: config {}: {}", args.config_json or "(command-line flags)", exc)
+        logger.error("invalid input: {}: {}", config_source(args), exc)
         return 2
     try:  # before loading: offload.mode auto is planned for every request's shape, then each is checked
         runner.check_requests_fit(requests)

@@ -399,6 +399,16 @@ def test_nan_weights_fail_the_request_before_decoding(tiny_ckpt: Path, tmp_path:
     assert not out.exists()
 
 
+def test_a_refused_config_names_the_flags_that_overrode_the_file(config_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The runner refuses `device: cuda` without CUDA: the message names the file and the flags that
+    changed it (the value came from `--device`, not from the file)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, err = _cli(capsys, "--config_json", config_path, "--device", "cuda", "--infer_steps", 2, "--prompt", "x")
+    _assert_invalid(rc, err, f"invalid input: config {config_path} with --infer_steps 2, --device 'cuda': "
+                             "`device` is 'cuda' but CUDA is not available; use 'cpu' or 'auto'")
+
+
 def test_unknown_model_cls_flag_is_rejected_by_argparse(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--config_json", str(config_path), "--model_cls", "wan9", "--prompt", "x"])

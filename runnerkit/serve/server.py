@@ -149,7 +149,8 @@ def serve(args: argparse.Namespace) -> int:
     # Light imports only before the port opens (no torch, no model family): health answers within
     # a second or two, `starting` until the runner exists.
     from runnerkit.config import ConfigError, load_runner_config
-    from runnerkit.cli_common import INPUT_ERRORS, check_default_shape, check_writable, report_failure
+    from runnerkit.cli_common import (INPUT_ERRORS, check_default_shape, check_writable, config_source,
+                                      report_failure)
     from runnerkit.serve.app import ServerState, create_app
     from runnerkit.serve.jobs import Job, JobQueue
 
@@ -203,7 +204,7 @@ def serve(args: argparse.Namespace) -> int:
 
         runner_cls = get_runner_cls(config.model_cls, config.task)
         check_writers(runner_cls, config.task)
-        check_default_shape(runner_cls, config, args.config_json or "(flags)")
+        check_default_shape(runner_cls, config, config_source(args))
         return runner_cls(config)
 
     def load() -> None:
