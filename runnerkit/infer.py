@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from loguru import logger
 
 from runnerkit.cli_common import INPUT_ERRORS, check_default_shape, check_writable, config_source, report_failure
-from runnerkit.interrupts import (enable_fault_tracebacks, exit_status, install_sigterm_handler,
+from runnerkit.interrupts import (enable_fault_tracebacks, exit_status, install_sigterm_handler, interrupted_line,
                                   restore_sigterm_default)
 
 if TYPE_CHECKING:
@@ -231,10 +231,7 @@ def run(args: argparse.Namespace) -> int:
                 failed.append(index)
                 report_failure(f"request {index} ({request.source}) failed", exc)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: nothing more runs; partial files are already removed
-        finished = sum(r.saved for r in runner.profiler.requests)
-        phase = error_phase(exc)
-        logger.error("interrupted ({}{}); {} of {} requests finished", "SIGTERM" if exit_status(exc) == 143 else "Ctrl-C",
-                     f" during {phase}" if phase else "", finished, len(requests))
+        logger.error("{}", interrupted_line(exc, sum(r.saved for r in runner.profiler.requests), len(requests)))
         return exit_status(exc)
     finally:
         if args.profile_json and runner.profiler.phases:  # written once init succeeded, also after a failure

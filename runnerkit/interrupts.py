@@ -44,6 +44,14 @@ def exit_status(exc: KeyboardInterrupt) -> int:
     return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
 
 
+def interrupted_line(exc: KeyboardInterrupt, finished: int, total: int) -> str:
+    """The launch script's line for an interrupted run: the signal, the phase it hit and how many
+    requests finished (`interrupted (SIGTERM during request 1); 1 of 3 requests finished`)."""
+    phase = getattr(exc, "runnerkit_phase", None)  # runners.base.error_phase
+    return (f"interrupted ({'SIGTERM' if exit_status(exc) == 143 else 'Ctrl-C'}{f' during {phase}' if phase else ''}); "
+            f"{finished} of {total} requests finished")
+
+
 def enable_fault_tracebacks() -> None:
     """Print all threads' tracebacks to stderr on a fatal signal (`faulthandler`), unless already
     on (`python -X faulthandler`, pytest). The process still dies of the signal (exit -7 for SIGBUS)."""

@@ -3,6 +3,7 @@ reports, a failure anywhere ends the group (ARCHITECTURE §7).
 
     init_from_env -> build runner -> attach_parallel -> check_requests_fit -> init_modules
     (load, warmup: the same collectives in the same order on every rank) -> agree("init")
+    -> check_requests_split (every request's tokens divide by `parallel.ulysses`, before any runs)
     -> for each request: run_pipeline -> agree("request i")
     -> exit 0
 
@@ -16,12 +17,15 @@ polls the store: rank 0 logs the line ("rank R failed during PHASE: Type: messag
 rank exits 1 at once, also from inside a collective that waits for the dead rank. A rank whose
 collective failed because a peer died finds the peer's record (its own error is secondary) and
 reports nothing of its own. Nothing waits longer than `parallel.timeout_s` (a collective on a hung
-peer raises after it; its rank then records that timeout as the failure).
+peer raises after it; its rank then records that timeout as the failure). A SIGTERM or Ctrl-C (the
+launcher sends SIGTERM to the others once a failed rank exits) is reported as the peer's failure
+when one is recorded, else rank 0 logs the interrupt and every rank exits 143 or 130.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +33,7 @@ from typing import Any
 
 from loguru import logger
 
+from runnerkit.interrupts import exit_status, interrupted_line
 from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env
 
 __all__ = ["run_parallel"]
@@ -134,6 +139,14 @@ def quiet_other_ranks(group: ParallelGroup, log_level: str) -> None:
     logger.add(sys.stderr, level="WARNING", format=fmt)
 
 
+def ignore_interrupts() -> None:
+    """This rank is ending (exit 1, 130 or 143): a SIGTERM or Ctrl-C from now on (the launcher signals
+    the survivors once a rank exits) must not turn its report into an interrupt's. Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callable[[Any], Any]) -> int:
     """The lifecycle of one rank (see the module docstring). `build(config)` makes the runner.
 
@@ -150,12 +163,14 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
     stop = threading.Event()
     start_watcher(group, stop)
     status = 1
+    runner = None
     try:
         runner = run_phase(group, "load", lambda: build(config))
         runner.attach_parallel(group)
         run_phase(group, "plan", lambda: runner.check_requests_fit(requests))
         run_phase(group, "load", runner.init_modules)
         run_phase(group, "init", lambda: group.agree(True, "init"))
+        run_phase(group, "request check", lambda: runner.check_requests_split(requests))
         for index, request in enumerate(requests):
             run_phase(group, f"request {index}", lambda: runner.run_pipeline(request, index))
             run_phase(group, f"request {index}", lambda: group.agree(True, f"request {index}"))
@@ -164,8 +179,20 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
             logger.info("profile written to {}", args.profile_json)
         status = 0
     except RankFailed:
+        ignore_interrupts()
         status = 1
         wait_until_reported(group)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or the launcher's SIGTERM once a failed peer exited
+        ignore_interrupts()
+        found = group.failures()
+        if found:  # the peer's failure is the run's story, not an interrupt
+            report(group, found[min(found)])
+            status = 1
+        else:
+            status = exit_status(exc)
+            if group.rank == 0:
+                finished = sum(r.saved for r in runner.profiler.requests) if runner is not None else 0
+                logger.error("{}", interrupted_line(exc, finished, len(requests)))
     finally:
         stop.set()
     if status:

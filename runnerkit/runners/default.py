@@ -643,6 +643,19 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             split_even(self.sequence_tokens(stage, info), self.parallel.ulysses, "the transformer's tokens",
                        f"stage {stage.name!r} at shape {list(info.shape)}; choose a shape whose tokens divide")
 
+    def check_requests_split(self, requests: Sequence[RequestConfig]) -> None:
+        """`check_sequence_split` for every request of a launch, after `init_modules` and before the
+        first runs (under `parallel` a failed request ends every rank, so none starts).
+
+        Raises:
+            NotImplementedError: naming the first request whose tokens do not divide (index, source).
+        """
+        for index, request in enumerate(requests):
+            try:
+                self.check_sequence_split(self.resolve_request(request))
+            except NotImplementedError as exc:
+                raise NotImplementedError(f"request {index} ({request.source}): {exc}") from None
+
     def run_denoise_stage(self, info: InputInfo, stage: DenoiseStage, sched: Scheduler,
                           init_latents: torch.Tensor | None, warmup: bool = False) -> torch.Tensor:
         """prepare -> condition_latents -> (step_pre -> select_transformer -> run_step -> step_post)*

@@ -131,6 +131,20 @@ def test_tokens_that_do_not_divide_are_refused_before_the_first_step(tiny_ckpt: 
         runner.run_pipeline(request, 0)
 
 
+def test_a_launch_checks_every_request_split_before_the_first_runs(tiny_ckpt: Path) -> None:
+    """`check_requests_split` (the parallel launch, after init): the first request whose tokens do not
+    divide is named by index and source; dividing ones pass."""
+    runner = _runner(tiny_ckpt, {"ulysses": 2})
+    runner.init_modules()
+    fine = RequestConfig(prompt="a fox", target_height=32, target_width=32, target_video_length=5)
+    bad = RequestConfig(prompt="a fox", target_height=48, target_width=80, target_video_length=9)
+    bad._source = "line 2 of r.jsonl"  # as load_requests names a line
+    runner.check_requests_split([fine, fine])
+    with pytest.raises(NotImplementedError, match=r"^request 1 \(line 2 of r.jsonl\): `parallel.ulysses`=2 needs "
+                                                  r"the transformer's tokens divisible by 2, got 45 "):
+        runner.check_requests_split([fine, bad, bad])
+
+
 def test_the_server_refuses_tokens_that_do_not_divide_at_submission(tiny_ckpt: Path, tmp_path: Path) -> None:
     """The same check at submission: `POST` with a size whose tokens do not divide by `parallel.ulysses`
     is a 422 naming `size` and the token count, before the job is queued; a dividing size is accepted."""

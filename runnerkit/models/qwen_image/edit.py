@@ -58,6 +58,11 @@ def to_pixels(image: Image.Image) -> torch.Tensor:
     return (2.0 * x - 1.0).permute(2, 0, 1).contiguous()
 
 
+def reference_fields(info: InputInfo) -> list[str]:
+    """The request fields of `info.reference_paths`, in order, for messages."""
+    return ["image_path", *(f"extra_image_paths[{k}]" for k in range(len(info.extra_image_paths)))]
+
+
 def edit_shapes(area: int) -> tuple[Shape, Shape]:
     """(square, 16:9) output shapes a request of target area `area` gives (its warmup shapes)."""
     square = te.calculate_dimensions(area, 1.0)
@@ -150,6 +155,27 @@ class QwenImageEditRunner(QwenImageRunner):
                              extra_image_paths=tuple(WARMUP_REFERENCE.format(k + 1) for k in range(1, n)))
                      for n in counts)
 
+    def reference_grids(self, info: InputInfo) -> list[tuple[int, int, int]]:
+        """The references' patch grids from their displayed sizes (image headers and EXIF orientation,
+        no decode), as `run_vae_encoder` will make them: each resized to `vae_image_area` with its
+        aspect ratio (`resize_to_area`), then 16 pixels a token side. Warmup's grey references have
+        the output's size.
+
+        Raises:
+            ImageInputError: a reference that is missing or not an image, naming its field.
+        """
+        edit = self.checkpoint.arch.edit if self.checkpoint is not None else None
+        assert edit is not None, "load_modules first"
+        if info.warmup:
+            sizes = [(info.height, info.width)] * len(info.reference_paths)
+        else:
+            sizes = [image_size(path, name) for path, name in zip(info.reference_paths, reference_fields(info))]
+        grids = []
+        for height, width in sizes:
+            w, h = te.calculate_dimensions(edit.vae_image_area, width / height)
+            grids.append((1, h // 16, w // 16))
+        return grids
+
     def encoder_stages(self) -> tuple[EncoderStage, ...]:
         """The text encoder reads the references too: both stages run per request (and per warmup shape)."""
         return (EncoderStage("text_encoder", module="text_encoder", run=self.run_text_encoder, per_shape=True),
@@ -159,8 +185,7 @@ class QwenImageEditRunner(QwenImageRunner):
         """The request's reference images as RGB Pillow images (warmup: grey ones of the output's size)."""
         if info.warmup:
             return [Image.new("RGB", (info.width, info.height), WARMUP_GREY) for _ in info.reference_paths]
-        fields = ["image_path", *(f"extra_image_paths[{k}]" for k in range(len(info.extra_image_paths)))]
-        return [read_pil_image(path, name) for path, name in zip(info.reference_paths, fields)]
+        return [read_pil_image(path, name) for path, name in zip(info.reference_paths, reference_fields(info))]
 
     @torch.inference_mode()
     def run_text_encoder(self, info: InputInfo, inputs: None) -> QwenInputs:

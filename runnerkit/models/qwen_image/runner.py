@@ -263,8 +263,15 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         return self.checkpoint.arch.transformer.num_attention_heads
 
     def sequence_tokens(self, stage: DenoiseStage, info: InputInfo) -> int:
-        """Image tokens of the target and the references (Ulysses splits them; the text stays whole)."""
-        return sum(math.prod(grid) for grid in self.img_shapes(info))
+        """Image tokens of the target and the references (Ulysses splits them; the text stays whole),
+        from the request alone: the server checks them at submission and a parallel launch before
+        its first request, before any encoder ran (`reference_grids`)."""
+        return sum(math.prod(grid) for grid in [(1, info.height // 16, info.width // 16), *self.reference_grids(info)])
+
+    def reference_grids(self, info: InputInfo) -> list[tuple[int, int, int]]:
+        """Patch grids (1, h/16, w/16) the references of `info` will have, from their sizes only
+        (the edit runner's; text-to-image has none)."""
+        return []
 
     def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
         """Flow-match Euler with the checkpoint's dynamic-shifting settings, or the config's fixed

@@ -134,6 +134,44 @@ def test_edit_warmup_covers_one_and_two_references(qwen_edit_ckpt: Path, tmp_pat
     assert {n for p, n in seen if p == "request"} <= warm
 
 
+def test_edit_token_count_before_the_encoders_is_the_transformers(qwen_edit_ckpt: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sequence_tokens` (Ulysses' check at submission and before a parallel launch's first request)
+    reads only the references' headers: it equals the tokens the transformer then gets, for references
+    of three aspect ratios, and for warmup's grey references."""
+    seen: list[int] = []
+    real = QwenImageTransformer2D.forward
+
+    def spy(self: QwenImageTransformer2D, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(hidden.shape[1])
+        return real(self, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(QwenImageTransformer2D, "forward", spy)
+    runner = make(QwenImageEditRunner, EDIT_CONFIG, qwen_edit_ckpt, infer_steps=2)
+    stage = runner.pipeline.denoise[0]
+    a, b = reference_images(tmp_path)
+    wide = tmp_path / "wide.png"
+    Image.new("RGB", (96, 32), (200, 30, 30)).save(wide)
+    counts = []
+    for refs in ([a], [a, b], [wide], [b, wide]):
+        request = RequestConfig(prompt="x", image_path=str(refs[0]), extra_image_paths=[str(r) for r in refs[1:]] or None)
+        expected = runner.sequence_tokens(stage, runner.resolve_request(request))
+        seen.clear()
+        runner.run_pipeline(request, 0)
+        assert set(seen) == {expected}, (refs, seen, expected)
+        counts.append(expected)
+    assert counts[2] != counts[0] and len(set(counts)) == 4, counts  # the references change the count
+    for shape in runner.warmup_shapes():
+        for info in runner.warmup_infos(shape):
+            expected = runner.sequence_tokens(stage, info)
+            seen.clear()
+            runner.input_info = info  # as run_warmup sets it
+            runner.run_encoders(info)
+            runner.run_denoise(info, warmup=True)
+            runner.reset_request_state()
+            assert set(seen) == {expected}, (shape, seen, expected)
+
+
 def test_edit_two_references_cli_png_and_warmup_bit_identical(qwen_edit_ckpt: Path, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     a, b = reference_images(tmp_path)

@@ -1,0 +1,151 @@
+"""The parallel launch's own lifecycle (runnerkit/parallel/driver.py `run_parallel`) in one process.
+
+A stand-in group and runner record what the driver calls, in order; `exit_now` is replaced by a
+recorder (the real one ends the process). What is checked: every request's Ulysses split is checked
+after init and before the first request runs; an interrupt (the launcher's SIGTERM after a failed
+peer exited) is reported as that peer's failure when one is recorded, as an interrupt otherwise.
+The multi-process behaviour (collectives, a failing rank ending the group) is in test_multi_rank.py.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from runnerkit.interrupts import Terminated
+from runnerkit.parallel import driver
+
+PEER_LINE = "rank 1 failed during request 0: RuntimeError: injected"
+
+
+class Group:
+    """The rank-0 side of a two-rank group: a store that holds `failures` (rank -> line)."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.recorded = failures
+        self.calls: list[str] = []
+
+    def failures(self, wait_s: float = 0.0) -> dict[int, str]:
+        return dict(self.recorded)
+
+    def record_failure(self, line: str) -> None:
+        self.recorded[self.rank] = line
+
+    def agree(self, ok: bool, what: str) -> None:
+        self.calls.append(f"agree {what}")
+
+    def _store(self) -> Any:
+        return SimpleNamespace(set=lambda key, value: None, check=lambda keys: True)
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+class Runner:
+    """Records the driver's calls; `fail_in` names the call that raises `exc`."""
+
+    def __init__(self, calls: list[str], fail_in: str | None = None, exc: BaseException | None = None) -> None:
+        self.calls, self.fail_in, self.exc = calls, fail_in, exc
+        self.profiler = SimpleNamespace(requests=[])
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.fail_in:
+            assert self.exc is not None
+            raise self.exc
+
+    def attach_parallel(self, group: Any) -> None:
+        self._call("attach_parallel")
+
+    def check_requests_fit(self, requests: Any) -> None:
+        self._call("check_requests_fit")
+
+    def init_modules(self) -> None:
+        self._call("init_modules")
+
+    def check_requests_split(self, requests: Any) -> None:
+        self._call("check_requests_split")
+
+    def run_pipeline(self, request: Any, index: int) -> None:
+        self._call(f"run_pipeline {index}")
+        self.profiler.requests.append(SimpleNamespace(saved=True))
+
+
+@pytest.fixture
+def launch(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`launch(group, runner, n_requests)` -> (exit status, ERROR lines, whether interrupts were ignored)."""
+    from loguru import logger
+
+    def run(group: Group, runner: Runner, n_requests: int) -> tuple[int, list[str], bool]:
+        exits: list[int] = []
+        ignored: list[bool] = []
+        errors: list[str] = []
+        monkeypatch.setattr(driver, "init_from_env", lambda parallel, device: group)
+        monkeypatch.setattr(driver, "start_watcher", lambda group, stop: None)
+        monkeypatch.setattr(driver, "exit_now", exits.append)
+        monkeypatch.setattr(driver, "ignore_interrupts", lambda: ignored.append(True))
+        monkeypatch.setattr(driver, "SECONDARY_GRACE_S", 0.0)
+        monkeypatch.setattr(driver, "_reported", [])
+        sink = logger.add(lambda m: errors.append(m.record["message"]), level="ERROR")
+        try:
+            status = driver.run_parallel(SimpleNamespace(), SimpleNamespace(parallel=None, device="cpu"),
+                                         [object()] * n_requests, lambda config: runner)
+        finally:
+            logger.remove(sink)
+        assert exits == ([status] if status else []), exits  # a failure or interrupt ends the process at once
+        return status, errors, bool(ignored)
+
+    return run
+
+
+def test_every_request_split_is_checked_after_init_before_any_runs(launch: Any) -> None:
+    group = Group({})
+    runner = Runner(group.calls)
+    assert launch(group, runner, 2) == (0, [], False)
+    assert group.calls == ["attach_parallel", "check_requests_fit", "init_modules", "agree init", "check_requests_split",
+                           "run_pipeline 0", "agree request 0", "run_pipeline 1", "agree request 1", "close"]
+
+
+def test_a_refused_split_ends_the_launch_before_any_request(launch: Any) -> None:
+    group = Group({})
+    runner = Runner(group.calls, "check_requests_split", NotImplementedError("request 1 (command line): 45 tokens"))
+    status, errors, ignored = launch(group, runner, 2)
+    assert (status, ignored) == (1, True)
+    assert errors == ["rank 0 failed during request check: NotImplementedError: request 1 (command line): 45 tokens; "
+                      "ending all 2 ranks"]
+    assert not any(c.startswith("run_pipeline") for c in group.calls), group.calls
+
+
+def test_sigterm_after_a_peer_failed_reports_the_peer(launch: Any) -> None:
+    """The launcher's SIGTERM reaches rank 0 while a peer's failure is recorded: rank 0 prints the
+    peer's line and exits 1 (it used to log "interrupted before any request ran")."""
+    group = Group({1: PEER_LINE})
+    status, errors, ignored = launch(group, Runner(group.calls, "run_pipeline 0", Terminated()), 1)
+    assert (status, ignored) == (1, True)
+    assert errors == [f"{PEER_LINE}; ending all 2 ranks"]
+
+
+@pytest.mark.parametrize(("exc", "status", "line"), [
+    (Terminated(), 143, "interrupted (SIGTERM during request 1); 1 of 2 requests finished"),
+    (KeyboardInterrupt(), 130, "interrupted (Ctrl-C during request 1); 1 of 2 requests finished"),
+])
+def test_an_interrupt_without_a_failure_is_reported_as_one(launch: Any, exc: KeyboardInterrupt, status: int,
+                                                           line: str) -> None:
+    exc.runnerkit_phase = "request 1"  # type: ignore[attr-defined]  # as runners.base.lifecycle_phase tags it
+    group = Group({})
+    assert launch(group, Runner(group.calls, "run_pipeline 1", exc), 2) == (status, [line], True)
+
+
+def test_ignore_interrupts_ignores_sigterm_and_sigint() -> None:
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        driver.ignore_interrupts()
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == (signal.SIG_IGN, signal.SIG_IGN)
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
