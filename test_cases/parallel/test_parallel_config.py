@@ -161,6 +161,38 @@ def test_the_server_refuses_tokens_that_do_not_divide_at_submission(tiny_ckpt: P
     assert (request.target_height, request.target_width) == (32, 64)
 
 
+def test_the_server_counts_edit_references_before_any_encoder_ran(tmp_path: Path) -> None:
+    """Qwen-Image Edit under ulysses 2: the submission check counts the tokens of the target and of the
+    reference from their sizes, before any encoder ran for the job (it used to fail with "run the
+    encoders first", a 500 for every edit job). Edit grids have even sides (32-pixel multiples), so
+    the tiny model's ulysses 2 always divides: the job is accepted."""
+    import base64
+
+    from PIL import Image
+
+    from runnerkit.models.qwen_image.arch import QwenImageArch
+    from runnerkit.models.qwen_image.checkpoint import write_synthetic
+    from runnerkit.serve.app import ServerState, build_request
+    from runnerkit.serve.jobs import JobQueue
+
+    template = REPO / "configs" / "qwen_image" / "qwen_image_edit_tiny.json"
+    ckpt = write_synthetic(QwenImageArch.model_validate(json.loads(template.read_text())["model"]), tmp_path / "edit",
+                           seed=0, dtype=torch.float32)
+    config = load_runner_config(None, {**config_dict(template, ckpt), "parallel": {"ulysses": 2}})
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    runner.attach_parallel(FakeGroup(config.parallel))
+    runner.init_modules()
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(tmp_path / "ref.png")
+    image = base64.b64encode((tmp_path / "ref.png").read_bytes()).decode()
+    state = ServerState(runner=runner, queue=JobQueue(tmp_path / "jobs", 4, None, None), metrics=None, phase="ready")  # type: ignore[arg-type]
+    folder = tmp_path / "job"
+    folder.mkdir()
+    request, _, _ = build_request(state, {"prompt": "make it blue", "size": "64x64", "image": image}, folder)
+    assert (request.target_height, request.target_width) == (64, 64)
+    # the 64x64 output is 4 x 4 tokens; the 64x64 reference at the VAE area of 4096 pixels too
+    assert runner.sequence_tokens(runner.pipeline.denoise[0], runner.resolve_request(request)) == 16 + 16
+
+
 def test_attach_parallel_after_init_is_refused(tiny_ckpt: Path) -> None:
     from runnerkit.runners.base import LifecycleError
 
