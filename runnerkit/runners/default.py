@@ -373,12 +373,17 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         Raises:
             runnerkit.lora.LoRAError: naming the adapter's file and what is wrong with it.
         """
-        assert self.lora is not None and self.config.lora is not None
+        assert self.lora is not None and self.config.lora is not None and self.pipeline is not None
         for name, path in self.config.lora.adapters.items():
             try:
                 self.lora.prepare(((path, 1.0),))  # matched now; fused: the base copies too
             except LoRAError as exc:
                 raise LoRAError(f"`lora.adapters.{name}`: {exc}") from exc
+        unbuilt = [m.name for m in self.pipeline.modules if m.role == "transformer" and m.name not in self.lora.targets]
+        if self.config.lora.adapters and unbuilt:  # unload_modules: no transformer exists between requests
+            logger.warning("`lora.adapters` {} were read but not matched to {}: under `unload_modules` the transformer "
+                           "is first built by a request, so an adapter that does not fit it fails that request (then "
+                           "every later submission is checked)", sorted(self.config.lora.adapters), unbuilt)
 
     def check_fp8_compute(self, pipeline: Pipeline) -> None:
         """`compute_dtype: fp8`: refuse it where it cannot run, before anything loads; else remember

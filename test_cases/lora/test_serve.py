@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from loguru import logger
 from safetensors.torch import save_file
 
 from runnerkit.config import load_runner_config
@@ -55,6 +56,33 @@ def test_a_named_adapter_that_cannot_load_fails_the_load_naming_it(tiny_ckpt: Pa
     with pytest.raises(LoRAError, match=f"`lora.adapters.style`: LoRA adapter '{missing}': {why}") as err:
         runner.init_modules()
     assert error_phase(err.value) == "load"
+
+
+def test_a_named_adapter_under_unload_modules_is_matched_by_the_first_request(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Under `unload_modules` no transformer exists at load (and warmup is refused), so a named adapter
+    is read there but matched only when the first request builds the transformer: a warning says so at
+    load (the load used to pass in silence), and an adapter for another model fails that request,
+    naming the file."""
+    from runnerkit.config import RequestConfig
+    from runnerkit.lora import LoRAError
+
+    other = tmp_path / "other.safetensors"
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 64),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(64, 4)}, str(other))
+    config = tiny_config_dict(tiny_ckpt, unload_modules=True, infer_steps=1, lora={"adapters": {"style": str(other)}})
+    runner = WanT2VRunner(load_runner_config(None, config))
+    warnings: list[str] = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        runner.init_modules()
+    finally:
+        logger.remove(sink)
+    assert any(w.startswith("`lora.adapters` ['style'] were read but not matched to ['transformer']: under "
+                            "`unload_modules` the transformer is first built by a request") for w in warnings), warnings
+    with pytest.raises(LoRAError, match=rf"LoRA adapter '{other}': .*an adapter for another model") as err:
+        runner.run_pipeline(RequestConfig(prompt="x", lora=[{"path": "style"}], target_height=32, target_width=32,
+                                          target_video_length=5), 0)
+    assert error_phase(err.value) == "request 0"
 
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "adapters/style.safetensors", "STYLE"])
