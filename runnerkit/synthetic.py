@@ -14,6 +14,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -86,6 +87,16 @@ def write_sharded(shapes: Mapping[str, tuple[int, ...]], rename: Callable[[dict[
     if n > 1:
         (folder / f"{stem}.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=1))
+
+
+def save_pretrained_here(model: Any, folder: Path, **kwargs: Any) -> None:
+    """`model.save_pretrained(folder, **kwargs)` (a transformers model) in this process whatever its
+    torch.distributed rank. transformers (5.x) writes nothing on a rank other than 0 once a process
+    group exists (`should_save_on_this_rank`); every rank of a parallel run writes its own temporary
+    folder (`partial_folder`) and the first complete one is renamed into place (`finish`), so a rank
+    that skipped the write could publish a folder without its text encoder."""
+    model.should_save_on_this_rank = lambda is_main_process: True  # an instance attribute shadows the method
+    model.save_pretrained(folder, **kwargs)
 
 
 def finish(tmp: Path, out: Path, seed: int, layout: str, replace: bool, announce: bool = True) -> Path:

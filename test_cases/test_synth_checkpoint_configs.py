@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from runnerkit import synthetic
 from runnerkit.tools import synth_checkpoint
@@ -73,3 +74,31 @@ def test_an_omitted_wan_image_encoder_is_the_released_clip_and_an_explicit_null_
     assert WanT2VRunner.parse_arch({"transformer": {}}).image_encoder is None  # t2v: none
     with pytest.raises(ValueError, match=r"`image_encoder` \(the CLIP vision tower\) is needed"):
         WanT2VRunner.parse_arch({"transformer": transformer, "image_encoder": None})
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "ltx2"])
+def test_a_rank_other_than_0_writes_the_whole_text_encoder(family: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun every rank writes its own temporary copy of a synthetic checkpoint and the first
+    complete one is renamed into place. transformers (5.x) `save_pretrained` writes nothing on a rank
+    other than 0 once a process group exists, so a rank-1 copy lacked its text encoder, and when it won
+    the rename the cached checkpoint stayed broken for every later run. Rank 1 is simulated through
+    transformers' own helpers: the text encoder's weights are written all the same."""
+    from transformers.distributed import mixin
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    if family == "qwen_image":
+        from runnerkit.models.qwen_image.arch import QwenImageArch
+        from runnerkit.models.qwen_image.text_encoder import write_tiny_text_encoder
+
+        arch = QwenImageArch.model_validate(
+            json.loads((REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json").read_text())["model"])
+        folder = write_tiny_text_encoder(tmp_path / "te", arch.text_encoder, seed=0, dtype=torch.float32)
+    else:
+        from runnerkit.models.ltx2.arch import tiny_ltx2_arch
+        from runnerkit.models.ltx2.checkpoint_synthetic import write_tiny_gemma
+
+        folder = write_tiny_gemma(tmp_path / "te", tiny_ltx2_arch("2.3"), 0)
+    written = sorted(p.name for p in folder.iterdir())
+    assert "config.json" in written and any(n.endswith(".safetensors") for n in written), written

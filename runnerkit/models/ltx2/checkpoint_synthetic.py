@@ -117,7 +117,7 @@ def write_tiny_gemma(folder: Path, arch: LTX2Arch, seed: int, vision: bool = Fal
                 text_config=config.to_dict(), vision_config=siglip.to_dict(), mm_tokens_per_image=4))
         else:
             model = Gemma3TextModel(config)
-    model.save_pretrained(folder)
+    synthetic.save_pretrained_here(model, folder)
     return folder
 
 

@@ -31,6 +31,7 @@ from runnerkit.models.wan.arch import _Arch
 from runnerkit.offload.encoders import KeyRules, hf_skeleton, prefixed_key_map, stream_from_files
 from runnerkit.offload.layout import StreamSpec
 from runnerkit.offload.streamer import BlockStreamer
+from runnerkit.synthetic import save_pretrained_here
 from runnerkit.weights import (
     CheckpointError,
     loading_info_problems,
@@ -401,8 +402,8 @@ def write_tiny_text_encoder(folder: Path, arch: QwenVLArch, seed: int, dtype: to
     model.load_state_dict(state, strict=True, assign=True)
     model.config.dtype = dtype
     transformers.utils.logging.disable_progress_bar()
-    model.save_pretrained(Path(folder), safe_serialization=True, **(
-        {"max_shard_size": max_shard_size} if max_shard_size else {}))
+    save_pretrained_here(model, Path(folder), safe_serialization=True,
+                         **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return Path(folder)
 
 
