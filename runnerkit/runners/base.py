@@ -328,7 +328,7 @@ class BaseRunner(ABC):
         if not self.config.warmup:
             return
         self.check_warmup_supported()
-        shapes = self.warmup_shapes()
+        shapes = self.runnable_warmup_shapes(self.warmup_shapes())
         before = self._memory_report()
         graphs0, compile0 = dynamo_counts()[0], compile_seconds()
         hits0, misses0 = inductor_cache_counts()
@@ -495,6 +495,11 @@ class BaseRunner(ABC):
     @abstractmethod
     def run_warmup(self, shapes: Sequence[Shape]) -> None:
         """Drive the real request path on `shapes` (never `run_pipeline`)."""
+
+    def runnable_warmup_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        """The warmup shapes this run can serve, which warmup then runs (default: all of `shapes`;
+        DefaultRunner drops those that a parallel run refuses, with a warning)."""
+        return tuple(shapes)
 
     def warmup_step_report(self) -> Any:
         """What the profile's `warmup.steps_per_shape` records (the steps warmup ran)."""

@@ -115,6 +115,34 @@ class WarmupMixin:
         for shape in table[flavour]:  # a warmup shape that cannot fit fails here, before loading
             self.check_fit(shape, f"warmup shape {list(shape)}")
 
+    def runnable_warmup_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        """Under Ulysses (`parallel.ulysses` K > 1), the warmup shapes whose transformer tokens divide
+        by K (`check_sequence_split`); each one dropped is named in a warning (a request of that
+        shape is refused as well, so warming it would serve nothing). Otherwise all of `shapes`.
+
+        Raises:
+            NotImplementedError: no warmup shape divides (naming their token counts): warmup could
+                warm nothing; another K or no `--warmup` is the choice.
+        """
+        if self.parallel is None or self.parallel.ulysses <= 1:
+            return tuple(shapes)
+        kept, dropped = [], []
+        for shape in shapes:
+            try:
+                for info in self.warmup_infos(shape):
+                    self.check_sequence_split(info)
+            except NotImplementedError as exc:
+                dropped.append(f"{list(shape)}: {exc}")
+                continue
+            kept.append(shape)
+        if not kept:
+            raise NotImplementedError(f"`parallel.ulysses`={self.parallel.ulysses}: no warmup shape of "
+                                      f"{type(self).__name__} has tokens that divide ({'; '.join(dropped)}); use "
+                                      "another `parallel.ulysses` or run without warmup")
+        for why in dropped:
+            logger.warning("warmup: skipped shape {} (a request of that shape is refused as well)", why)
+        return tuple(kept)
+
     def warmup_info(self, shape: Shape) -> InputInfo:
         """The dummy request of warmup at `shape`: placeholder prompt, the configured negative prompt."""
         cfg = self.config

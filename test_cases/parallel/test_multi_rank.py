@@ -70,11 +70,12 @@ def _argv(config: Path, out: Path | None, warmup: bool, shape: tuple[int, int, i
     return argv + (["--save_tensor_path", str(out)] if out else []) + (["--warmup"] if warmup else [])
 
 
-def _spec(tmp: Path, argv: list[str], fail: dict[str, Any] | None = None) -> Path:
+def _spec(tmp: Path, argv: list[str], fail: dict[str, Any] | None = None,
+          warmup_shapes: list[list[int]] = WARMUP_SHAPES) -> Path:
     spy = tmp / "spy"
     spy.mkdir(exist_ok=True)
     spec = tmp / "spec.json"
-    spec.write_text(json.dumps({"argv": argv, "spy_dir": str(spy), "fail": fail, "warmup_shapes": WARMUP_SHAPES}))
+    spec.write_text(json.dumps({"argv": argv, "spy_dir": str(spy), "fail": fail, "warmup_shapes": warmup_shapes}))
     return spec
 
 
@@ -190,6 +191,21 @@ def test_cfg_and_ulysses_on_four_ranks(ckpt: Path, tmp_path: Path, forkserver: A
         assert warm[:len(step)] == step
         warm = warm[len(step):]
     assert warm == []
+
+
+def test_ulysses_warmup_skips_a_shape_whose_tokens_do_not_divide(ckpt: Path, tmp_path: Path, forkserver: Any) -> None:
+    """ulysses 2 with warmup shapes 48x80x9 (45 tokens) and 32x64x5 (16): every rank warms the second
+    only (the first would fail its split, as a request of it does), then serves the request."""
+    out = tmp_path / "video.safetensors"
+    spec = _spec(tmp_path, _argv(_config(ckpt, tmp_path, {"ulysses": 2}), out, warmup=True),
+                 warmup_shapes=[[48, 80, 9], [32, 64, 5]])
+    ranks = launch_ranks(forkserver, 2, spec)
+    assert [r[0] for r in ranks] == [0, 0], ranks[0][1][-3000:]
+    for _, log in ranks:
+        assert "warmup: skipped shape [48, 80, 9]: `parallel.ulysses`=2 needs the transformer's tokens divisible by 2, " \
+               "got 45" in log, log[-3000:]
+    assert "over shapes [[32, 64, 5]]" in ranks[0][1], ranks[0][1][-3000:]
+    assert out.exists()
 
 
 def test_ulysses_on_two_ranks_with_block_offload(ckpt: Path, tmp_path: Path, forkserver: Any) -> None:

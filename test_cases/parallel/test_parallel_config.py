@@ -131,6 +131,28 @@ def test_tokens_that_do_not_divide_are_refused_before_the_first_step(tiny_ckpt: 
         runner.run_pipeline(request, 0)
 
 
+def test_warmup_runs_the_shapes_whose_tokens_divide(tiny_ckpt: Path) -> None:
+    """Under ulysses 2 warmup drops a shape whose tokens do not divide (48x80x9: 45), naming it in a
+    warning; with none left it refuses, naming every shape's count."""
+    from loguru import logger
+
+    runner = _runner(tiny_ckpt, {"ulysses": 2})
+    runner.init_modules()
+    warnings: list[str] = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        assert runner.runnable_warmup_shapes([(48, 80, 9), (32, 32, 5)]) == ((32, 32, 5),)
+    finally:
+        logger.remove(sink)
+    assert warnings == ["warmup: skipped shape [48, 80, 9]: `parallel.ulysses`=2 needs the transformer's tokens "
+                        "divisible by 2, got 45 (stage 'transformer' at shape [48, 80, 9]; choose a shape whose tokens "
+                        "divide) (a request of that shape is refused as well)"]
+    with pytest.raises(NotImplementedError, match=r"^`parallel.ulysses`=2: no warmup shape of WanT2VRunner has tokens "
+                                                  r"that divide \(\[48, 80, 9\]: .*got 45 .*; \[16, 48, 1\]: .*got 3 "):
+        runner.runnable_warmup_shapes([(48, 80, 9), (16, 48, 1)])
+    assert _runner(tiny_ckpt, None).runnable_warmup_shapes([(48, 80, 9)]) == ((48, 80, 9),)
+
+
 def test_a_launch_checks_every_request_split_before_the_first_runs(tiny_ckpt: Path) -> None:
     """`check_requests_split` (the parallel launch, after init): the first request whose tokens do not
     divide is named by index and source; dividing ones pass."""
