@@ -730,7 +730,8 @@ def load_runner_config(path: str | Path | None, overrides: dict[str, Any],
     try:
         return RunnerConfig.model_validate(data)
     except ValidationError as exc:
-        source = f"config {str(path)}" + (" with command-line overrides" if applied else "") if path else "config (CLI)"
+        source = (f"config {str(path)}" + (" with command-line overrides" if applied else "") if path
+                  else "config from the command-line flags")
         origins = _origins(data, set_by) if applied else None
         raise ConfigError(format_validation_error(exc, source, origins)) from None
 

@@ -252,8 +252,10 @@ class LoRAManager:
         self.active = tuple(specs)
         for name in list(self._live):
             self._apply(name)
-        logger.info("LoRA ({}): {} applied to {} in {:.3f} s", self.mode,
-                    [f"{os.path.basename(p)}:{s:g}" for p, s in specs], sorted(self._live), time.perf_counter() - t0)
+        live = sorted(name for name, ref in self._live.items() if ref() is not None)
+        logger.info("LoRA ({}): {} {} in {:.3f} s", self.mode, [f"{os.path.basename(p)}:{s:g}" for p, s in specs],
+                    f"applied to {live}" if live else "set for the request (written into the transformer when the "
+                    "request builds it)", time.perf_counter() - t0)
 
     @torch.no_grad()
     def prepare(self, specs: Sequence[tuple[str, float]]) -> None:

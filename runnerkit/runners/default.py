@@ -89,7 +89,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             value = getattr(self.config, key)
             if value is not None and key not in self.MODULE_PATHS:
                 raise ValueError(f"`{key}` ({value!r}) is not read by {self.config.model_cls!r}: its checkpoint folder "
-                                 "holds that module; remove it from the config")
+                                 "holds that module; remove it")
         self.check_stream_modules()
         if self.TEXT_BUCKETS is None and self.config.text_buckets != "auto":
             raise ValueError(f"`text_buckets` ({self.config.text_buckets!r}) is not read by {self.config.model_cls!r} "
@@ -783,8 +783,8 @@ def check_finite_latents(latents: torch.Tensor, dtype: torch.dtype) -> None:
     if bad:
         raise FloatingPointError(
             f"the denoised latents {list(latents.shape)} hold {bad} non-finite values (NaN or Inf) of "
-            f"{latents.numel()}: the transformer produced them (NaN or Inf in the checkpoint's weights or "
-            f"a LoRA, or an overflow of the transformer's {str(dtype).removeprefix('torch.')}); nothing is "
+            f"{latents.numel()}: NaN or Inf in the checkpoint's weights (the transformer's, or an encoder's "
+            f"that fed it) or in a LoRA, or an overflow in {str(dtype).removeprefix('torch.')}; nothing is "
             "decoded or saved")
 
 

@@ -205,7 +205,10 @@ def serve(args: argparse.Namespace) -> int:
         runner_cls = get_runner_cls(config.model_cls, config.task)
         check_writers(runner_cls, config.task)
         check_default_shape(runner_cls, config, config_source(args))
-        return runner_cls(config)
+        try:
+            return runner_cls(config)
+        except (ValueError, NotImplementedError) as exc:  # the family refuses the config's settings
+            raise ConfigError(f"{config_source(args)}: {exc}") from None
 
     def load() -> None:
         while not server.started and not server.should_exit:  # the port is open before loading starts

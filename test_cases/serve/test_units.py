@@ -645,3 +645,24 @@ def test_a_config_whose_default_shape_is_invalid_exits_2_before_loading(
     assert rc == 2, err
     assert f"start failed: ConfigError: config {cfg}: " in err and needle in err, err
     assert "(the default shape of every request)" in err and "load reached" not in err, err
+
+
+def test_a_config_the_runner_refuses_names_the_flags_that_overrode_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`runnerkit serve --device cuda` without CUDA: the start fails (exit 2) naming the file and the flag
+    the value came from, as the launch script says it (runnerkit/cli_common.py `config_source`)."""
+    import signal
+
+    import torch
+
+    from runnerkit.serve import server
+
+    cfg = Path(__file__).resolve().parents[2] / "configs/wan/wan_t2v_tiny.json"
+    monkeypatch.setattr(server, "_Server", _NoHttp)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = server.main(["--config_json", str(cfg), "--device", "cuda", "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert (f"start failed: ConfigError: config {cfg} with --device 'cuda': `device` is 'cuda' but CUDA is not "
+            "available; use 'cpu' or 'auto'") in err, err
