@@ -135,6 +135,21 @@ def check_writers(runner_cls: type, task: str) -> None:
                           f"missing: {missing}")
 
 
+def default_size_refusal(runner: Any) -> str | None:
+    """Why a job that gives no `size` would be refused by a loaded runner under Ulysses (the config's
+    default shape has tokens that do not divide by `parallel.ulysses`), or None. A task whose size
+    follows the job's image (an edit) has no default to check."""
+    from runnerkit.config import RequestConfig
+
+    try:
+        runner.check_sequence_split(runner.resolve_request(RequestConfig(prompt="the default size")))
+    except NotImplementedError as exc:
+        return str(exc)
+    except ValueError:  # the request needs an image: its size follows the image
+        return None
+    return None
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -283,6 +298,10 @@ def serve(args: argparse.Namespace) -> int:
             except RankFailed:
                 return False
             set_phase("ready")
+            refusal = default_size_refusal(runner)
+            if refusal is not None:
+                logger.warning("the config's default size cannot run here: {}; every job must give `size` (the "
+                               "others are refused with 422)", refusal)
             state.metrics.load_seconds.set(runner.profiler.phases.get("load_seconds", 0.0))
             state.metrics.warmup_seconds.set((runner.profiler.warmup or {}).get("seconds", 0.0))
             state.metrics.ready.set(1)

@@ -215,6 +215,20 @@ def test_the_server_counts_edit_references_before_any_encoder_ran(tmp_path: Path
     assert runner.sequence_tokens(runner.pipeline.denoise[0], runner.resolve_request(request)) == 16 + 16
 
 
+def test_the_parallel_server_says_when_its_default_size_cannot_run(tiny_ckpt: Path) -> None:
+    """Under ulysses 2 the tiny config's default 48x80x9 (45 tokens) would refuse every job that gives no
+    `size`: the server warns at ready (`default_size_refusal`); a 32x32x5 default gives no warning."""
+    from runnerkit.serve.server import default_size_refusal
+
+    runner = _runner(tiny_ckpt, {"ulysses": 2})
+    runner.init_modules()
+    assert default_size_refusal(runner) == ("`parallel.ulysses`=2 needs the transformer's tokens divisible by 2, got 45 "
+                                            "(stage 'transformer' at shape [48, 80, 9]; choose a shape whose tokens divide)")
+    fine = _runner(tiny_ckpt, {"ulysses": 2}, target_height=32, target_width=32, target_video_length=5)
+    fine.init_modules()
+    assert default_size_refusal(fine) is None
+
+
 def test_attach_parallel_after_init_is_refused(tiny_ckpt: Path) -> None:
     from runnerkit.runners.base import LifecycleError
 
