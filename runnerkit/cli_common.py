@@ -15,11 +15,15 @@ from typing import Any
 from loguru import logger
 
 INPUT_ERRORS = (ValueError, NotImplementedError, OSError)  # bad config, request, checkpoint files, modes
+#: Failures whose message says all there is (a traceback adds nothing) but that are not the input's:
+#: non-finite latents (`runners.default.check_finite_latents`). Exit status 1, one line.
+DIAGNOSED_ERRORS = (FloatingPointError,)
 
 
 def report_failure(what: str, exc: BaseException) -> None:
-    """One clear line for input errors; unexpected errors also get their traceback (and notes)."""
-    if isinstance(exc, INPUT_ERRORS):
+    """One clear line for input errors and diagnosed failures (their traceback at DEBUG); unexpected
+    errors also get their traceback (and notes)."""
+    if isinstance(exc, INPUT_ERRORS + DIAGNOSED_ERRORS):
         logger.error("{}: {}: {}", what, type(exc).__name__, exc)
         logger.opt(exception=exc).debug("traceback")
     else:

@@ -395,7 +395,7 @@ def test_nan_weights_fail_the_request_before_decoding(tiny_ckpt: Path, tmp_path:
                            if warmup else
                            ("request 0 (command line) failed", "[1, 16, 3, 6, 10]", "2880 non-finite values (NaN or Inf) of 2880"))
     assert f"{phase}: FloatingPointError: the denoised latents {shape} hold {count}: " in err, err
-    assert "nothing is decoded or saved" in err, err
+    assert "nothing is decoded or saved" in err and "Traceback" not in err, err  # the one line says it all
     assert not out.exists()
 
 

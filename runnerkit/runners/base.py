@@ -146,6 +146,8 @@ class BaseRunner(ABC):
         self._config_locked = False
         self._lifecycle = "new"  # new -> initialising -> ready | failed
         self._warmup_ran = False
+        #: the shapes warmup ran (`runnable_warmup_shapes` of `warmup_shapes`); () without warmup
+        self.warmed_shapes: tuple[Shape, ...] = ()
         #: (ident, name) of the thread that ran `init_modules` (and so warmup); see `check_serving_thread`.
         self.init_thread: tuple[int, str] | None = None
         self._thread_warned = False
@@ -329,6 +331,7 @@ class BaseRunner(ABC):
             return
         self.check_warmup_supported()
         shapes = self.runnable_warmup_shapes(self.warmup_shapes())
+        self.warmed_shapes = shapes
         before = self._memory_report()
         graphs0, compile0 = dynamo_counts()[0], compile_seconds()
         hits0, misses0 = inductor_cache_counts()
@@ -411,7 +414,7 @@ class BaseRunner(ABC):
                 "recompile_reasons": reasons1[len(reasons0):],
                 "compile_seconds": round(compile_seconds() - compile0, 3),
                 "reserved_growth_gib": round(snap.reserved_gib - reserved0, 4),
-                "warmed_shape": self._warmup_ran and tuple(prof.shape) in set(self.warmup_shapes()),
+                "warmed_shape": tuple(prof.shape) in set(self.warmed_shapes),
             }
             self.profiler.end_request()
             if prof.audit["compilations"] or prof.audit["recompilations"]:

@@ -575,7 +575,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             self.lora.set_request(info.lora)
         prof.shape = list(info.shape)
         self.check_fit(info.shape, f"request {index}")
-        if self._warmup_ran and info.shape not in self.warmup_shapes():
+        if self._warmup_ran and info.shape not in self.warmed_shapes:
             self.log_unwarmed_shape(info, index)
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)

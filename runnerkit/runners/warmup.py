@@ -44,7 +44,7 @@ class WarmupMixin:
         (WARNING). Compiled: warmup's two shapes made the token-count dimensions dynamic, which
         serve sizes >= 2 only (`regional_compile.uncovered_sizes`): INFO when every size of
         `compiled_sizes` is covered, WARNING naming the size when one is not (the request compiles)."""
-        shapes = [list(x) for x in self.warmup_shapes()]
+        shapes = [list(x) for x in self.warmed_shapes]
         if not self.config.compile.enabled:
             logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower first step",
                            index, list(info.shape), shapes)

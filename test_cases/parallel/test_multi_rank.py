@@ -205,6 +205,8 @@ def test_ulysses_warmup_skips_a_shape_whose_tokens_do_not_divide(ckpt: Path, tmp
         assert "warmup: skipped shape [48, 80, 9]: `parallel.ulysses`=2 needs the transformer's tokens divisible by 2, " \
                "got 45" in log, log[-3000:]
     assert "over shapes [[32, 64, 5]]" in ranks[0][1], ranks[0][1][-3000:]
+    # the request's shape was not warmed: the line names the shapes warmup ran, not the skipped one
+    assert "shape [32, 32, 5] was not warmed (warmup shapes: [[32, 64, 5]])" in ranks[0][1], ranks[0][1][-3000:]
     assert out.exists()
 
 
