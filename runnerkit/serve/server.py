@@ -146,7 +146,7 @@ def default_size_refusal(runner: Any) -> str | None:
     except NotImplementedError as exc:
         return str(exc)
     except ValueError:  # the request needs an image: its size follows the image
-        return None
+        pass
     return None
 
 
