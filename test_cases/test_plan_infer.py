@@ -283,3 +283,19 @@ def test_host_limit_also_checks_requests_of_an_explicit_mode(ckpt: Path, monkeyp
     roomy = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "block"},
                                                           memory={"limit_gib": 64.0, "host_limit_gib": host + 1})))
     roomy.check_requests_fit([RequestConfig(prompt="a fox")])  # no error
+
+
+def test_host_limit_adds_what_the_process_holds(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without `memory.host_limit_gib` the host limit is what the kernel still offers plus this process's RSS
+    (its own weights and libraries count in the estimate, so they must count in the limit too)."""
+    _plan_for_cuda(monkeypatch)
+    available, rss_gib = 3 * fit.GIB + 12345, 1.5
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: (available, "test meminfo"))
+    monkeypatch.setattr(memory, "host_memory", lambda: memory.HostMemory(rss_gib, rss_gib, available / fit.GIB))
+    runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "auto"},
+                                                           memory={"limit_gib": 64.0})))
+    plan = runner.plan_memory([SHAPE])
+    assert plan is not None and plan.host_limit is not None
+    assert plan.host_limit.bytes == available + 3 * fit.GIB // 2
+    assert plan.host_limit.source == "3.00 GiB available (test meminfo) + 1.50 GiB held by this process"
+    assert runner.profiler.memory_plan["host_limit_gib"] == round((available + 3 * fit.GIB // 2) / fit.GIB, 3)

@@ -188,6 +188,64 @@ def test_on_the_cpu_resident_is_taken_and_said_why() -> None:
     assert f"{MODEL}: not evaluated: on the CPU the first allowed candidate is taken" in msg, msg
 
 
+def test_on_the_cpu_host_bytes_are_the_largest_shapes() -> None:
+    """On the CPU the host bytes are the device peak, which grows with the shape: the largest shape decides
+    the host check as it does the device's. Resident weights 4 + 10 + 1 = 15 GiB; BASE peaks in the transformer
+    stage (15 + 1 GiB), the small shape in the text encoder's (15 + 0.1 GiB); CPU: x1.1 + 0.5 GiB fixed."""
+    small = (240, 416, 21)
+    big_host = math.ceil(16 * GIB * 1.1) + 512 * 1024**2
+    small_host = math.ceil((15 * GIB + int(0.1 * GIB)) * 1.1) + 512 * 1024**2
+    assert small_host < int(17.8 * GIB) < big_host  # the host limit below tells the two shapes apart
+    result = plan(64, 20, device=CPU, shapes=(small, BASE))
+    assert result.chosen.name == RESIDENT and result.chosen.host is not None
+    assert result.chosen.host.bytes == big_host
+    with pytest.raises(MemoryFitError) as err:  # host limit below the device limit: refused for the big shape
+        plan(64, 17.8, device=CPU, shapes=(small, BASE))
+    assert (f"Closest: {RESIDENT} needs {big_host / GIB:.2f} GiB of host memory "
+            f"({(big_host - int(17.8 * GIB)) / GIB:.2f} GiB missing)") in str(err.value), str(err.value)
+
+
+def test_explicit_fp8_reaches_the_fp8_rung() -> None:
+    """`weight_dtype: fp8_e4m3` set with mode auto: the rungs that store weights as they are excluded, the fp8
+    host-streaming rung taken (device 8.83 GiB, host 12.5 GiB: both fit)."""
+    result = plan(80, 64, weight_dtype="fp8_e4m3")
+    assert result.chosen.name == FP8
+    assert result.offload == OffloadConfig(mode="block", weight_dtype="fp8_e4m3")
+    assert [e.name for e in result.rejected] == [RESIDENT, MODEL, BLOCK]
+    assert result.rejected[2].reason == ("excluded: `offload.weight_dtype`='fp8_e4m3' is set in the config (this "
+                                         "candidate uses 'same')")
+
+
+def test_pageable_host_memory_copies_at_the_pageable_rate() -> None:
+    """`pin_memory: false`: the streamed transformer's copy (90% of 10 GiB, 2 passes) is timed at the pageable
+    H2D rate, not the pinned one."""
+    result = plan(10, 64, pin_memory=False)
+    assert result.chosen.name == "block streaming from host memory (streams the transformers)"
+    rows = {r.name: r for r in plan_report.module_rows(result.chosen, CUDA)}
+    step = 2 * (int(10 * GIB) * 9 // 10)
+    assert rows["transformer"].copy_step_bytes == step
+    assert plan_report.H2D_PAGEABLE_BYTES_PER_S != plan_report.H2D_PINNED_BYTES_PER_S
+    assert {r.bytes_per_s for r in rows.values()} == {plan_report.H2D_PAGEABLE_BYTES_PER_S}
+    report = plan_report.report(result, config(pin_memory=False).offload)
+    assert report["copy_seconds_per_step_estimate"] == round(step / plan_report.H2D_PAGEABLE_BYTES_PER_S, 4)
+    assert {m["assumed_gb_per_s"] for m in report["modules"]} == {plan_report.H2D_PAGEABLE_BYTES_PER_S / 1e9}
+
+
+def test_a_streamed_text_encoder_is_copied_once_per_request_whatever_the_cfg_passes() -> None:
+    """The text encoder runs once per prompt: its streamed 90% of 4 GiB is copied once per request, not once
+    per CFG pass; the offloaded VAE adds its 1 GiB; the step's copy is the transformer's (2 passes)."""
+    result = plan(7.5, 64, te_streams=True)  # two_passes
+    assert result.chosen.name == BLOCK_ALL and result.passes_per_step == 2
+    rows = {r.name: r for r in plan_report.module_rows(result.chosen, CUDA)}
+    te = int(4 * GIB) * 9 // 10
+    assert (rows["text_encoder"].copy_request_bytes, rows["text_encoder"].copy_step_bytes) == (te, 0)
+    assert (rows["vae"].copy_request_bytes, rows["vae"].copy_step_bytes) == (GIB, 0)
+    assert rows["transformer"].copy_step_bytes == 2 * (int(10 * GIB) * 9 // 10)
+    report = plan_report.report(result, config().offload)
+    assert report["copy_per_request_gib"] == round((te + GIB) / GIB, 3)
+    assert report["copy_seconds_per_request_estimate"] == round((te + GIB) / plan_report.H2D_PINNED_BYTES_PER_S, 4)
+
+
 def test_host_bytes_terms() -> None:
     est = synthetic()(OffloadConfig(mode="block"), BASE)
     cfg = config().model_copy(update={"offload": OffloadConfig(mode="block")})
