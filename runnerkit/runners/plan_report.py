@@ -21,11 +21,13 @@ Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from loguru import logger
 from pydantic import ValidationError
 
 from runnerkit.config import OffloadConfig, RunnerConfig
@@ -193,6 +195,9 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
     user's keys excluded, the family's hints (`MemoryEstimate.hints`) set on an evaluated candidate, the
     largest smaller shapes. Advice the estimate says would still not fit is not given."""
     tried = [e for e in evaluations if e.peak is not None]
+    for e in evaluations:  # the whole ladder: for whoever asks why, not for the error line
+        logger.debug("memory plan candidate: {}: {}", e.name, e.reason)
+    on_cpu = device.type == "cpu"
     head = (f"`offload.mode`='auto': no offload plan fits {len(shapes)} shape(s) {[list(s) for s in shapes]} "
             f"on {device} (limit {device_limit.bytes / GIB:.2f} GiB: {device_limit.source}"
             + (f"; host limit {host_limit.bytes / GIB:.2f} GiB: {host_limit.source})" if host_limit else ")"))
@@ -212,15 +217,27 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
         return evaluate(candidate_name(off), config.model_copy(update={"offload": off}), planned, device, estimate,
                         device_limit, host_limit, passes)
 
-    advice = _would_fit(config, evaluations, shapes, judge, streamable, default_streams, supported)
+    # on the CPU the plan takes the first allowed candidate whatever fits further down the ladder
+    advice = [] if on_cpu else _would_fit(config, evaluations, shapes, judge, streamable, default_streams, supported)
     if best.device_missing:
         advice += _hints(tried, shapes, judge, supported)
     if best.device_missing and not best.host_missing:
-        advice += _smaller_shapes(tried, best, shapes, judge, device, device_limit, factors)
+        advice += _smaller_shapes(tried, best, shapes, judge, device, device_limit, factors, named=not on_cpu)
     elif best.host_missing:
-        advice.append("free host memory or raise `memory.host_limit_gib` (host memory barely depends on the shape)")
-    return (f"{head}. Closest: {best.name} needs {' and '.join(missing)}. To fit: {'; or '.join(advice)}. "
-            "Candidates: " + "; ".join(f"{e.name}: {e.reason}" for e in evaluations))
+        advice.append("free host memory or raise `memory.host_limit_gib` (host memory barely depends on the shape)"
+                      if not on_cpu else "a smaller shape or more host memory (`memory.host_limit_gib`)")
+    if on_cpu:
+        logger.debug("memory plan: {} needs {}", best.name, " and ".join(missing))
+        over = []
+        if best.device_missing:
+            over.append(f"{best.peak.bytes / GIB:.2f} GiB, {best.device_missing / GIB:.2f} GiB over the limit "
+                        f"({device_limit.bytes / GIB:.2f} GiB: {device_limit.source})")
+        if best.host_missing and host_limit is not None:
+            over.append(f"{best.host.bytes / GIB:.2f} GiB, {best.host_missing / GIB:.2f} GiB over the host limit "
+                        f"({host_limit.bytes / GIB:.2f} GiB: {host_limit.source})")
+        return (f"`offload.mode`='auto' on the CPU: {best.name} needs {' and '.join(over)}; offload cannot lower it "
+                f"(the device is the host). To fit: {'; or '.join(advice)}")
+    return f"{head}. Closest: {best.name} needs {' and '.join(missing)}. To fit: {'; or '.join(advice)}"
 
 
 def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape], judge: Judge,
@@ -271,12 +288,18 @@ def _hints(tried: Sequence[Evaluation], shapes: Sequence[Shape], judge: Judge, s
 
 
 def _smaller_shapes(tried: Sequence[Evaluation], best: Evaluation, shapes: Sequence[Shape], judge: Judge,
-                    device: torch.device, device_limit: MemoryLimit, factors: tuple[int, int]) -> list[str]:
-    """The most frames at the same size, and the largest size (same aspect ratio) at the same frames, with
-    which an evaluated candidate fits: its peak shape replaced by the smaller one, the other shapes kept,
-    device and host judged. If neither: what `best` still needs at the smallest shape of this aspect ratio
-    (weights, activations, margin and fixed overhead named apart), or that smallest shape if it fits."""
+                    device: torch.device, device_limit: MemoryLimit, factors: tuple[int, int],
+                    named: bool = True) -> list[str]:
+    """The most frames at the same size, and the largest smaller size of the same aspect ratio on the
+    family's spatial grid (`_same_ratio_sizes`) at the same frames, with which an evaluated candidate fits:
+    its peak shape replaced by the smaller one, the other shapes kept, device and host judged. If neither:
+    what `best` still needs at the smallest size of that aspect ratio at 1 frame (weights, activations,
+    margin and fixed overhead at DEBUG), or that shape if it fits. `named`: name the candidate that fits (the
+    CPU evaluates one)."""
     spatial, temporal = factors
+
+    def by(e: Evaluation, sep: str = " (") -> str:
+        return f"{sep}{e.name})" if named else (")" if sep == "; " else "")
 
     def fits(e: Evaluation, new: Shape) -> Evaluation:
         assert e.offload is not None and e.peak_shape is not None
@@ -293,36 +316,55 @@ def _smaller_shapes(tried: Sequence[Evaluation], best: Evaluation, shapes: Seque
     if frames:
         most, ev = max(frames, key=lambda x: x[0])
         h, w, _ = ev.peak_shape  # type: ignore[misc]
-        out.append(f"target_video_length {most} at {h}x{w} ({ev.name})")
-    for k in range(7, 0, -1):  # sizes k/8 of the shape, multiples of the spatial factor
-        sizes = [(e, _scaled(e.peak_shape, k, spatial)) for e in usable]  # type: ignore[arg-type]
-        ev, size = next(((e, s) for e, s in sizes if s is not None and fits(e, s).fits), (None, None))
-        if ev is not None and size is not None:
-            out.append(f"target_height x target_width {size[0]}x{size[1]} at {size[2]} frames ({ev.name})")
+        out.append(f"target_video_length {most} at {h}x{w}{by(ev)}")
+    sizes = [(e, (hs, ws, e.peak_shape[2])) for e in usable  # type: ignore[index]
+             for hs, ws in _same_ratio_sizes(e.peak_shape[0], e.peak_shape[1], spatial)]  # type: ignore[index]
+    for e, size in sorted(sizes, key=lambda x: -x[1][0] * x[1][1]):  # the largest first, fastest first
+        if fits(e, size).fits:
+            out.append(f"target_height x target_width {size[0]}x{size[1]} at {size[2]} frames (aspect ratio "
+                       f"{_ratio(size[0], size[1])}{by(e, '; ')}")
             break
     if out:
         return out
     assert best.offload is not None and best.peak_shape is not None
     h, w, _ = best.peak_shape
-    smallest = (max(spatial, h // 8 // spatial * spatial), max(spatial, w // 8 // spatial * spatial), 1)
+    smaller = _same_ratio_sizes(h, w, spatial)
+    smallest = (*(smaller[-1] if smaller else (h, w)), 1)
     ev = fits(best, smallest)
     assert ev.peak is not None
     if ev.fits:
-        return [f"target_height x target_width {smallest[0]}x{smallest[1]} at 1 frame ({best.name})"]
+        return [f"target_height x target_width {smallest[0]}x{smallest[1]} at 1 frame{by(best)}"]
     fixed = overhead_bytes(device)
     alone = (f"; its fixed overhead alone ({fixed / GIB:.2f} GiB) exceeds the limit" if fixed >= device_limit.bytes
              else "")
     others = " (the other shapes as planned)" if len(shapes) > 1 else ""
-    return [f"no smaller shape of this aspect ratio in place of {list(best.peak_shape)} fits{others}: with "
-            f"{'x'.join(map(str, smallest))} {best.name} still needs {ev.peak.describe()} at shape "
-            f"{list(ev.peak_shape or ())}{alone}; a device with more memory"]
+    ratio = (f"no smaller size of the aspect ratio {_ratio(h, w)} in place of {list(best.peak_shape)} fits{others}"
+             if smaller else f"no smaller size keeps the aspect ratio {_ratio(h, w)} of {list(best.peak_shape)} on "
+                             f"the family's {spatial}-pixel grid{others}")
+    where = f" at shape {list(ev.peak_shape)}" if ev.peak_shape not in (None, smallest) else ""  # another shape's
+    logger.debug("memory plan: at {} {} still needs {}", list(smallest), best.name, ev.peak.describe())
+    return [f"{ratio}: at {'x'.join(map(str, smallest))}{' ' + best.name if named else ' it'} still needs {ev.peak.bytes / GIB:.2f} GiB{where} "
+            f"({ev.peak.weight_bytes / GIB:.2f} GiB weights, {fixed / GIB:.2f} GiB fixed overhead){alone}; a device "
+            "with more memory"]
 
 
-def _scaled(shape: Shape, k: int, spatial: int) -> Shape | None:
-    """`shape` with height and width k/8 of theirs, rounded down to the spatial factor; None below it."""
-    h, w, f = shape
-    hs, ws = h * k // 8 // spatial * spatial, w * k // 8 // spatial * spatial
-    return (hs, ws, f) if hs >= spatial and ws >= spatial else None
+def _same_ratio_sizes(h: int, w: int, spatial: int) -> list[tuple[int, int]]:
+    """(height, width) smaller than h x w with exactly its aspect ratio, both multiples of `spatial` (the
+    family's shape rule), the largest first; none where h x w is the smallest such size (or off the grid).
+
+    E.g. 128x192 on a 64-pixel grid (2:3 = 2 x 3 cells) has none; 480x832 on a 16-pixel grid (30 x 52 cells,
+    15:26) has 240x416."""
+    if h % spatial or w % spatial:
+        return []
+    steps = math.gcd(h // spatial, w // spatial)
+    unit_h, unit_w = h // steps, w // steps
+    return [(m * unit_h, m * unit_w) for m in range(steps - 1, 0, -1)]
+
+
+def _ratio(h: int, w: int) -> str:
+    """'2:3' for 128x192."""
+    g = math.gcd(h, w)
+    return f"{h // g}:{w // g}"
 
 
 def _largest(ok: Any, top: int) -> int | None:

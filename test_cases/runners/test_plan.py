@@ -84,9 +84,10 @@ def two_passes(off: OffloadConfig) -> int:
 
 
 def plan(device_gib: float, host_gib: float | None, te_streams: bool = False, passes: Any = two_passes,
-         device: torch.device = CUDA, shapes: tuple[tuple[int, int, int], ...] = (BASE,), **offload: Any) -> Any:
+         device: torch.device = CUDA, shapes: tuple[tuple[int, int, int], ...] = (BASE,),
+         factors: tuple[int, int] = (16, 4), **offload: Any) -> Any:
     return plan_offload(config(**offload), shapes, device, synthetic(te_streams), limit(device_gib),
-                        limit(host_gib), passes)
+                        limit(host_gib), passes, factors=factors)
 
 
 BLOCK = "block streaming from pinned host memory (streams the transformers)"
@@ -94,6 +95,7 @@ BLOCK_ALL = "block streaming from pinned host memory (streams text_encoder, tran
 FP8 = "block streaming from pinned host memory (weight_dtype fp8_e4m3; streams the transformers)"
 DISK = "block streaming from disk (reader pread; streams the transformers)"
 LAZY = "block streaming from disk (reader pread; lazy_load; streams the transformers)"
+LAZY_ALL = "block streaming from disk (reader pread; lazy_load; streams text_encoder, transformer)"
 RESIDENT, MODEL = "resident (mode none)", "model offload (mode model)"
 
 
@@ -183,9 +185,8 @@ def test_on_the_cpu_resident_is_taken_and_said_why() -> None:
     assert "the device is the CPU" in result.why
     with pytest.raises(MemoryFitError) as err:  # the CPU's peak is not lowered by offload: refused, not streamed
         plan(10, None, device=CPU)
-    msg = str(err.value)
-    assert f"Closest: {RESIDENT} needs 18.10 GiB on the device (8.10 GiB missing" in msg, msg
-    assert f"{MODEL}: not evaluated: on the CPU the first allowed candidate is taken" in msg, msg
+    assert str(err.value).startswith(f"`offload.mode`='auto' on the CPU: {RESIDENT} needs 18.10 GiB, 8.10 GiB over "
+                                     "the limit (10.00 GiB: test); offload cannot lower it"), str(err.value)
 
 
 def test_on_the_cpu_host_bytes_are_the_largest_shapes() -> None:
@@ -201,8 +202,8 @@ def test_on_the_cpu_host_bytes_are_the_largest_shapes() -> None:
     assert result.chosen.host.bytes == big_host
     with pytest.raises(MemoryFitError) as err:  # host limit below the device limit: refused for the big shape
         plan(64, 17.8, device=CPU, shapes=(small, BASE))
-    assert (f"Closest: {RESIDENT} needs {big_host / GIB:.2f} GiB of host memory "
-            f"({(big_host - int(17.8 * GIB)) / GIB:.2f} GiB missing)") in str(err.value), str(err.value)
+    assert (f"on the CPU: {RESIDENT} needs {big_host / GIB:.2f} GiB, {(big_host - int(17.8 * GIB)) / GIB:.2f} GiB "
+            "over the host limit (17.80 GiB: test)") in str(err.value), str(err.value)
 
 
 def test_explicit_fp8_reaches_the_fp8_rung() -> None:
@@ -321,9 +322,9 @@ def test_refusal_names_the_missing_gib_on_the_device() -> None:
     # the peak is the text encoder's stage: tiled VAE decoding would not fit, so it is not offered; what does
     # not shrink with the shape is named as the estimate splits it (weights, margin, fixed overhead)
     assert "vae_tiling" not in msg, msg
-    assert (f"To fit: no smaller shape of this aspect ratio in place of [480, 832, 81] fits: with 48x96x1 {LAZY} still "
-            "needs 4.76 GiB (peak in stage text_encoder: 4.00 GiB weights + 0.10 GiB activations; +10% margin + "
-            "0.25 GiB fixed overhead) at shape [48, 96, 1]; a device with more memory.") in msg, msg
+    assert msg.endswith(f"To fit: no smaller size of the aspect ratio 15:26 in place of [480, 832, 81] fits: at "
+                        f"240x416x1 {LAZY} still needs 4.76 GiB (4.00 GiB weights, 0.25 GiB fixed overhead); a device "
+                        "with more memory"), msg
 
 
 def test_refusal_names_a_fixed_overhead_above_the_limit() -> None:
@@ -365,7 +366,8 @@ def test_refusal_names_the_largest_frames_and_size_that_fit() -> None:
     # 4.2 GiB: formula <= (4.2 - 0.25) / 1.1 = 3.59; transformer stage 1.0 resident + 1.8 slots + activations
     # -> activations <= 0.79 GiB -> frames f with f / 81 <= 0.79 -> 61 (4n+1)
     assert "target_video_length 61 at 480x832" in msg, msg
-    assert "target_height x target_width 416x720 at 81 frames" in msg, msg  # 7/8: 0.75 of the pixels
+    # 480x832 is 15:26 = 2 x (240x416) on the 16-pixel grid: the one smaller size of that ratio
+    assert f"target_height x target_width 240x416 at 81 frames (aspect ratio 15:26; {LAZY_ALL})" in msg, msg
 
 
 def test_refusal_names_the_missing_host_memory() -> None:
@@ -401,3 +403,50 @@ def test_weight_dtype_auto_needs_mode_auto() -> None:
     with pytest.raises(ValueError, match="`offload.weight_dtype`='auto' lets the memory planner choose"):
         OffloadConfig(mode="block", weight_dtype="auto")
     assert hash(OffloadConfig(mode="block", stream_modules=["transformer"]))  # hashable: families cache by it
+
+
+def test_on_the_cpu_the_refusal_leads_with_the_reason_and_logs_the_candidates() -> None:
+    """CPU, 17.5 GiB: resident needs ceil(1.1 x 16 GiB) + 0.5 = 18.10 GiB. Fewer frames f fit where
+    15 + f/81 <= (17.5 - 0.5) / 1.1, f <= 36.8 -> 33 (4n+1); half the size (240x416, a quarter of the pixels)
+    at 81 frames needs 1.1 x 15.25 + 0.5 = 17.28 GiB. The candidates the CPU does not evaluate go to DEBUG."""
+    from loguru import logger
+
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="DEBUG", format="{message}")
+    try:
+        with pytest.raises(MemoryFitError) as err:
+            plan(17.5, None, device=CPU)
+    finally:
+        logger.remove(sink)
+    msg = str(err.value)
+    assert msg == (f"`offload.mode`='auto' on the CPU: {RESIDENT} needs 18.10 GiB, 0.60 GiB over the limit (17.50 GiB: "
+                   "test); offload cannot lower it (the device is the host). To fit: target_video_length 33 at "
+                   "480x832; or target_height x target_width 240x416 at 81 frames (aspect ratio 15:26)"), msg
+    assert len(msg) < 300
+    skipped = "not evaluated: on the CPU the first allowed candidate is taken"
+    assert [line.strip() for line in lines if line.startswith("memory plan candidate: ")] == [
+        f"memory plan candidate: {RESIDENT}: device: peak 18.10 GiB > limit 17.50 GiB (stage transformer, shape "
+        "480x832x81)", *(f"memory plan candidate: {name}: {skipped}" for name in (MODEL, BLOCK, DISK, LAZY))]
+
+
+def test_smaller_sizes_keep_the_aspect_ratio_on_the_family_grid() -> None:
+    """LTX-2's rules (64-pixel grid, 8n+1 frames): 128x192 is 2:3 and 2 x 3 cells, the smallest size of that
+    ratio: none smaller is offered, the fallback is 128x192 at 1 frame. 256x384 (2:3, 4 x 6 cells) halves to
+    128x192, which fits on the CPU at 17.3 GiB (1.1 x 15.1 + 0.5 = 17.11 GiB); 89 frames (8n+1) do too:
+    15 + 256 x 384 x f / (480 x 832 x 81) <= 15.27 -> f <= 89.7."""
+    from runnerkit.models.ltx2.runner import LTX2Runner
+
+    factors = (LTX2Runner.SPATIAL_FACTOR, LTX2Runner.TEMPORAL_FACTOR)
+    assert factors == (64, 8)
+    with pytest.raises(MemoryFitError) as err:
+        plan(4, 64, shapes=((128, 192, 121),), factors=factors)
+    assert str(err.value).endswith(
+        f"To fit: no smaller size keeps the aspect ratio 2:3 of [128, 192, 121] on the family's 64-pixel grid: at "
+        f"128x192x1 {LAZY} still needs 4.76 GiB (4.00 GiB weights, 0.25 GiB fixed overhead); a device with more "
+        "memory"), str(err.value)
+    LTX2Runner.validate_shape(128, 192, 1)
+    with pytest.raises(MemoryFitError) as err:
+        plan(17.3, None, device=CPU, shapes=((256, 384, 121),), factors=factors)
+    assert str(err.value).endswith("To fit: target_video_length 89 at 256x384; or target_height x target_width "
+                                   "128x192 at 121 frames (aspect ratio 2:3)"), str(err.value)
+    LTX2Runner.validate_shape(256, 384, 89)
