@@ -299,3 +299,33 @@ def test_host_limit_adds_what_the_process_holds(ckpt: Path, monkeypatch: pytest.
     assert plan.host_limit.bytes == available + 3 * fit.GIB // 2
     assert plan.host_limit.source == "3.00 GiB available (test meminfo) + 1.50 GiB held by this process"
     assert runner.profiler.memory_plan["host_limit_gib"] == round((available + 3 * fit.GIB // 2) / fit.GIB, 3)
+
+
+def test_on_the_cpu_the_host_refusal_advises_only_what_lowers_host_memory(ckpt: Path) -> None:
+    """CPU, offload none, `memory.host_limit_gib` just below the estimate: each module built for its own stage
+    and lazy disk streaming lower the CPU's peak (the estimate says by how much); storage 'disk' alone, mode
+    'model' and `offload.mode`='auto' (resident on the CPU) do not, and are named as such, not advised."""
+    from runnerkit.config import RequestConfig
+    from runnerkit.runners.fit import MemoryFitError
+
+    cfg = load_runner_config(None, _config(ckpt, memory={"limit_gib": 64.0, "host_limit_gib": 0.52}))
+    runner = WanT2VRunner(cfg)
+    cpu = torch.device("cpu")
+    est = runner.estimate_memory(SHAPE)
+    now = fit.peak_of(est, cfg, cpu).bytes
+    unload = fit.peak_of(est, cfg.model_copy(update={"unload_modules": True}), cpu).bytes
+    disk = OffloadConfig(mode="block", storage="disk", reader="pread", lazy_load=True)
+    lazy = fit.peak_of(runner._estimate_with(disk, SHAPE), cfg.model_copy(update={"offload": disk}), cpu).bytes
+    assert max(unload, lazy) < now and now > 0.52 * fit.GIB
+    with pytest.raises(MemoryFitError) as err:
+        runner.check_requests_fit([RequestConfig(prompt="a fox", target_height=SHAPE[0], target_width=SHAPE[1],
+                                                 target_video_length=SHAPE[2])])
+    assert str(err.value) == (
+        f"request 0 (command line): shape {list(SHAPE)} needs an estimated {now / fit.GIB:.2f} GiB (the device is "
+        "the host: its peak estimate) of host memory, more than config memory.host_limit_gib (0.52 GiB). Try "
+        f"`unload_modules`=true (each module built for its own stage: {unload / fit.GIB:.3f} GiB); or "
+        "`offload.mode`='block' with `offload.storage`='disk' and `offload.lazy_load`=true (blocks read from disk "
+        f"per use: {lazy / fit.GIB:.3f} GiB); or a smaller target_height/target_width/target_video_length "
+        "(activations); or a larger memory.host_limit_gib if the machine has it. On the CPU the device is the host: "
+        "offloading to host memory (mode 'model', storage 'cpu', or `offload.mode`='auto', which keeps every module "
+        "resident there) lowers nothing")

@@ -54,7 +54,7 @@ from runnerkit.offload.pinned import align_up
 __all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "Hint", "HostEstimate",
            "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights",
            "host_bytes_of", "host_module_bytes", "lora_slot_bytes", "module_footprint", "overhead_bytes", "peak_of",
-           "refusal_message", "streams", "weights_between_stages"]
+           "host_refusal_message", "refusal_message", "streams", "weights_between_stages"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -446,3 +446,41 @@ def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, 
     return (f"{what}: shape {h}x{w}x{f} (height x width x frames) needs an estimated {peak.describe(digits)} on "
             f"{device}, more than the limit of {limit_bytes / GIB:.{digits}f} GiB ({limit_source}). Try "
             f"{'; or '.join(advice)}. To override: config memory.limit_gib (GiB) or memory.check_fit=false")
+
+
+def host_refusal_message(what: str, shape: tuple[int, int, int], host: HostEstimate, limit_gib: float,
+                         device: torch.device, config: RunnerConfig, estimate: MemoryEstimate,
+                         estimate_with: Callable[[OffloadConfig], MemoryEstimate]) -> str:
+    """The one-line reason a request needs more host memory than `memory.host_limit_gib`, with what to change.
+
+    On the CPU the device is the host: weights offloaded to host memory (mode model, storage cpu, and the
+    resident plan `offload.mode` 'auto' takes there) stay in the same memory, so only what the estimate says
+    is lower is advised: each module built for its own stage (`unload_modules`), blocks streamed from disk
+    and built per request, a smaller shape (activations), with their estimates.
+
+    Args:
+        estimate: the family's estimate of `shape` under `config.offload`.
+        estimate_with: the family's estimate of `shape` under another offload config.
+    """
+    head = (f"{what}: shape {list(shape)} needs an estimated {host.describe()} of host memory, more than config "
+            f"memory.host_limit_gib ({limit_gib} GiB). Try ")
+    larger = "a larger memory.host_limit_gib if the machine has it"
+    if device.type != "cpu":
+        return head + f"offload storage 'disk' (streamed weights stay on disk), `offload.mode`='auto', or {larger}"
+    options: list[str] = []
+    if not config.unload_modules and config.offload.mode == "none":
+        unload = config.model_copy(update={"unload_modules": True})
+        nbytes = host_bytes_of(estimate, unload, device).bytes
+        if nbytes < host.bytes:
+            options.append(f"`unload_modules`=true (each module built for its own stage: {nbytes / GIB:.3f} GiB)")
+    disk = OffloadConfig(mode="block", storage="disk", reader="pread", lazy_load=True)
+    streamed = estimate_with(disk)
+    if any(streams(n, m, disk) for n, m in streamed.modules.items()):
+        nbytes = host_bytes_of(streamed, config.model_copy(update={"offload": disk, "unload_modules": False}),
+                               device).bytes
+        if nbytes < host.bytes:
+            options.append(f"`offload.mode`='block' with `offload.storage`='disk' and `offload.lazy_load`=true "
+                           f"(blocks read from disk per use: {nbytes / GIB:.3f} GiB)")
+    options += ["a smaller target_height/target_width/target_video_length (activations)", larger]
+    return (head + "; or ".join(options) + ". On the CPU the device is the host: offloading to host memory (mode "
+            "'model', storage 'cpu', or `offload.mode`='auto', which keeps every module resident there) lowers nothing")

@@ -253,10 +253,9 @@ class RequestChecksMixin:
         if cfg.memory.host_limit_gib is not None:
             host = fit.host_bytes_of(estimate, cfg, device)
             if host.bytes > cfg.memory.host_limit_gib * fit.GIB:
-                raise MemoryFitError(f"{what}: shape {list(shape)} needs an estimated {host.describe()} of host "
-                                     f"memory, more than config memory.host_limit_gib ({cfg.memory.host_limit_gib} "
-                                     "GiB). Try offload storage 'disk' (streamed weights stay on disk), "
-                                     "`offload.mode`='auto', or a larger memory.host_limit_gib if the machine has it")
+                raise MemoryFitError(fit.host_refusal_message(what, shape, host, cfg.memory.host_limit_gib, device,
+                                                              cfg, estimate,
+                                                              lambda off: self._estimate_with(off, shape)))
         logger.debug("{}: shape {} fits: estimated {} of {:.2f} GiB ({})", what, list(shape), peak.describe(),
                      limit.bytes / fit.GIB, limit.source)
         return peak
