@@ -43,7 +43,8 @@ from pydantic import ValidationError
 
 from runnerkit.config import MAX_EXTRA_IMAGES, MAX_FRAMES, RequestConfig, field_path, format_validation_error
 from runnerkit.serve.body import (EXTRA_IMAGES_FIELD, MAX_IMAGE_BYTES, ClientGone, InputError,  # noqa: F401
-                                  read_body, shown)
+                                  read_body)
+from runnerkit.serve.body import shown as _shown
 from runnerkit.serve.body import form_fields as _form_fields  # noqa: F401  (the form's fields, for tests)
 from runnerkit.serve.jobs import FINAL, Job, JobQueue, QueueClosed, QueueFull
 
@@ -169,12 +170,12 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         body["image"] = _decode_image(body.pop(INPUT_REFERENCE), INPUT_REFERENCE)  # its errors name it as sent
     model = body.pop("model", None)
     if model is not None and model != runner.config.model_cls:
-        raise InputError(f"`model` {shown(model)}: this server serves {runner.config.model_cls!r}", "model")
+        raise InputError(f"`model` {_shown(model)}: this server serves {runner.config.model_cls!r}", "model")
     size = body.pop("size", None)
     if size is not None and size != "auto":  # "auto" (OpenAI): the config's size
         m = re.fullmatch(r"(\d+)x(\d+)", str(size))
         if m is None:
-            raise InputError(f"`size` must be WIDTHxHEIGHT, e.g. \"832x480\" (got {shown(size)})", "size")
+            raise InputError(f"`size` must be WIDTHxHEIGHT, e.g. \"832x480\" (got {_shown(size)})", "size")
         if "target_width" in body or "target_height" in body:
             raise InputError("give `size` or `target_width`/`target_height`, not both", "size")
         body["target_width"], body["target_height"] = int(m.group(1)), int(m.group(2))
@@ -222,7 +223,7 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         if isinstance(value, bytes):
             what = "is not a request field" if name not in RequestConfig.model_fields else "takes text, not a file"
             taken = image_inputs(runner)
-            raise InputError(f"`{name}` ({shown(value)}) {what}; the images task {runner.config.task!r} takes: "
+            raise InputError(f"`{name}` ({_shown(value)}) {what}; the images task {runner.config.task!r} takes: "
                              + (", ".join(f"`{f}`" for f in taken) if taken else "none"), name)
     lora_cfg = runner.config.lora
     if lora_cfg is not None and isinstance(body.get("lora"), list):  # without a `lora` section: refused below
@@ -230,7 +231,7 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
             path = adapter.get("path") if isinstance(adapter, dict) else None
             if isinstance(path, str) and path not in lora_cfg.adapters:
                 names = f"one of {sorted(lora_cfg.adapters)}" if lora_cfg.adapters else "it names none"
-                raise InputError(f"`lora[{i}].path` {shown(path)} is not an adapter name of this server's "
+                raise InputError(f"`lora[{i}].path` {_shown(path)} is not an adapter name of this server's "
                                  f"`lora.adapters` ({names}); the server takes names, not file paths",
                                  f"lora[{i}].path")
     # A field the client sent under another name is named as sent (`param`).
@@ -334,9 +335,9 @@ def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
     except (TypeError, ValueError):
         value = None
     if value is None or value != value:  # nan is no length either
-        raise InputError(f"`seconds` {shown(seconds)} is not a number: give seconds from {allowed}", "seconds")
+        raise InputError(f"`seconds` {_shown(seconds)} is not a number: give seconds from {allowed}", "seconds")
     if not shortest <= value <= longest:
-        raise InputError(f"`seconds` {shown(seconds)} is out of range: from {allowed}", "seconds")
+        raise InputError(f"`seconds` {_shown(seconds)} is out of range: from {allowed}", "seconds")
     return step * round(value * fps / step) + 1
 
 
@@ -550,7 +551,7 @@ def _pop_n(body: dict[str, Any]) -> int:
     if n is None:
         return 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise InputError(f"`n` must be an integer in [1, {MAX_N}] (got {shown(n)}); n images run as n jobs with "
+        raise InputError(f"`n` must be an integer in [1, {MAX_N}] (got {_shown(n)}); n images run as n jobs with "
                          "successive seeds", "n")
     return n
 
@@ -565,16 +566,16 @@ def _pop_image_options(body: dict[str, Any]) -> dict[str, Any]:
     """
     fmt = body.pop("response_format", None) or "b64_json"
     if fmt not in RESPONSE_FORMATS:
-        raise InputError(f"`response_format` must be one of {list(RESPONSE_FORMATS)} (got {shown(fmt)})",
+        raise InputError(f"`response_format` must be one of {list(RESPONSE_FORMATS)} (got {_shown(fmt)})",
                          "response_format")
     quality = body.pop("quality", None) or "auto"
     if quality not in QUALITIES:
-        raise InputError(f"`quality` must be one of {list(QUALITIES)} (got {shown(quality)}); it changes nothing "
+        raise InputError(f"`quality` must be one of {list(QUALITIES)} (got {_shown(quality)}); it changes nothing "
                          "here: "
                          "the config's steps decide", "quality")
     output_format = body.pop("output_format", None) or "png"
     if output_format != "png":
-        raise InputError(f"`output_format` {shown(output_format)}: this server writes png only", "output_format")
+        raise InputError(f"`output_format` {_shown(output_format)}: this server writes png only", "output_format")
     stream = body.pop("stream", None)
     if stream not in (None, False, "false"):
         raise InputError("`stream`: streamed (partial) images are not offered; leave `stream` unset", "stream")
