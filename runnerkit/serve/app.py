@@ -11,8 +11,9 @@ queue a job and answer its object at once (OpenAI's `Video` shape plus runnerkit
 `POST /v1/images/generations` and `/v1/images/edits` are OpenAI's synchronous image calls: they
 queue `n` jobs (successive seeds), wait for them and answer `{created, data: [{b64_json | url}]}`.
 Bodies are JSON objects or multipart / url-encoded forms (what the official `openai` client
-sends) of the launch script's request fields, validated as the launch script validates them (422
-naming the field in `param`). Images travel as base64 in JSON (`image`, `last_frame`,
+sends) of the launch script's request fields, read with their size caps counted as they arrive
+(body.py), validated as the launch script validates them (422 naming the field in `param`); any
+failure no route answers is a 500 in the same error shape (`type: server_error`). Images travel as base64 in JSON (`image`, `last_frame`,
 `extra_images`: a `data:image/...;base64,` URL or bare base64) or as file parts of a form
 (`input_reference` is OpenAI's name of the first frame); `size` ("WIDTHxHEIGHT") may replace
 `target_width`/`target_height`, `seconds` may replace `target_video_length`; `model` may name the
