@@ -24,7 +24,10 @@ import urllib.parse
 from typing import Any
 
 from fastapi import Request
-from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
+try:
+    from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
+except ImportError:  # python-multipart before 0.0.13 names its module `multipart`
+    from multipart.multipart import MultipartParseError, MultipartParser, parse_options_header  # type: ignore[no-redef]
 
 from runnerkit.config import MAX_EXTRA_IMAGES
 
