@@ -11,8 +11,9 @@ queue a job and answer its object at once (OpenAI's `Video` shape plus runnerkit
 `POST /v1/images/generations` and `/v1/images/edits` are OpenAI's synchronous image calls: they
 queue `n` jobs (successive seeds), wait for them and answer `{created, data: [{b64_json | url}]}`.
 Bodies are JSON objects or multipart / url-encoded forms (what the official `openai` client
-sends) of the launch script's request fields, validated as the launch script validates them (422
-naming the field in `param`). Images travel as base64 in JSON (`image`, `last_frame`,
+sends) of the launch script's request fields, read with their size caps counted as they arrive
+(body.py), validated as the launch script validates them (422 naming the field in `param`); any
+failure no route answers is a 500 in the same error shape (`type: server_error`). Images travel as base64 in JSON (`image`, `last_frame`,
 `extra_images`: a `data:image/...;base64,` URL or bare base64) or as file parts of a form
 (`input_reference` is OpenAI's name of the first frame); `size` ("WIDTHxHEIGHT") may replace
 `target_width`/`target_height`, `seconds` may replace `target_video_length`; `model` may name the
@@ -28,7 +29,6 @@ import asyncio
 import base64
 import binascii
 import io
-import json
 import re
 import shutil
 import time
@@ -38,11 +38,15 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
-from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from loguru import logger
 from pydantic import ValidationError
 
 from runnerkit.config import MAX_EXTRA_IMAGES, MAX_FRAMES, RequestConfig, field_path, format_validation_error
+from runnerkit.serve.body import (EXTRA_IMAGES_FIELD, MAX_IMAGE_BYTES, ClientGone, InputError,  # noqa: F401
+                                  read_body)
+from runnerkit.serve.body import shown as _shown
+from runnerkit.serve.body import form_fields as _form_fields  # noqa: F401  (the form's fields, for tests)
 from runnerkit.serve.jobs import FINAL, Job, JobQueue, QueueClosed, QueueFull
 
 if TYPE_CHECKING:  # torch and the runners are imported after the port opened (server.py)
@@ -53,18 +57,12 @@ if TYPE_CHECKING:  # torch and the runners are imported after the port opened (s
 SERVER_FIELDS = ("save_result_path", "save_tensor_path", "image_path", "last_frame_path", "extra_image_paths")
 #: Body fields that carry an image (base64, or a form's file part) -> the request field it becomes.
 IMAGE_FIELDS = {"image": "image_path", "last_frame": "last_frame_path"}
-#: Body field carrying a list of further reference images -> `extra_image_paths`.
-EXTRA_IMAGES_FIELD = "extra_images"
 #: OpenAI's name of the video's first frame (`client.videos.create(input_reference=...)`): `image`.
 INPUT_REFERENCE = "input_reference"
-#: Integer request fields, converted from a form's text parts.
-INT_FIELDS = ("seed", "target_height", "target_width", "target_video_length", "n")
 #: `quality` values of OpenAI's image models: accepted, and they change nothing (the config decides).
 QUALITIES = ("auto", "standard", "hd", "low", "medium", "high", "xhigh", "max")
 RESPONSE_FORMATS = ("b64_json", "url")
 MAX_N = 10  # OpenAI's bound on `n`
-MAX_IMAGE_BYTES = 32 * 1024**2
-MAX_BODY_BYTES = 3 * MAX_IMAGE_BYTES  # two base64 images (4/3 of their bytes) and the fields
 #: Pillow's format name -> the file extension an uploaded image is stored with.
 IMAGE_EXTENSIONS = {"PNG": ".png", "JPEG": ".jpg", "MPO": ".jpg", "WEBP": ".webp", "GIF": ".gif", "BMP": ".bmp",
                     "TIFF": ".tiff"}
@@ -93,14 +91,6 @@ class ServerState:
         return self.phase == "ready" and self.queue.dead is None and not self.queue.closed
 
 
-class InputError(Exception):
-    """A request the server refuses (HTTP `status`: 4xx its fault, 500 the server's), naming the field."""
-
-    def __init__(self, message: str, field: str | None = None, status: int = 422) -> None:
-        super().__init__(message)
-        self.field, self.status = field, status
-
-
 def error(status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None,
           **extra: Any) -> JSONResponse:
     """The API's error body, OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` (`param`:
@@ -114,11 +104,6 @@ def error(status: int, message: str, field: str | None = None, headers: dict[str
 def _first_field(exc: ValidationError) -> str | None:
     errors = exc.errors()
     return field_path(errors[0]["loc"]) if errors and errors[0]["loc"] else None
-
-
-def _shown(value: Any) -> str:
-    """A body value as an error message shows it: its repr, but never a file's contents (a form's file part)."""
-    return f"an uploaded file of {len(value)} bytes" if isinstance(value, bytes) else repr(value)
 
 
 def _decode_image(value: Any, name: str) -> bytes:
@@ -158,110 +143,6 @@ def image_extension(raw: bytes) -> str:
             return IMAGE_EXTENSIONS.get(im.format or "", ".bin")
     except (UnidentifiedImageError, OSError, ValueError):
         return ".bin"
-
-
-async def read_body(request: Request) -> dict[str, Any]:
-    """The request's fields: a JSON object, or a multipart / url-encoded form (files as bytes,
-    integer fields converted, `name[]` parts as lists).
-
-    Raises:
-        InputError: 413 over MAX_BODY_BYTES, 422 for a body that is neither.
-    """
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise InputError(f"the body holds {length} bytes; at most {MAX_BODY_BYTES} are accepted", status=413)
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        try:
-            form = await request.form(max_files=2 + MAX_EXTRA_IMAGES + 1, max_fields=100)
-        except (StarletteHTTPException, AssertionError) as exc:  # a malformed form, or python-multipart missing
-            raise InputError(f"malformed form body: {getattr(exc, 'detail', exc)}") from None
-        try:
-            return await _form_fields(form.multi_items())
-        finally:
-            await form.close()
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise InputError(f"the body holds {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted", status=413)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"malformed JSON body: {exc} (send a JSON object or a multipart form)") from None
-    if not isinstance(body, dict):
-        raise InputError("the body must be a JSON object of request fields (or a multipart form)")
-    return body
-
-
-#: A form's LoRA parts as the official `openai` client writes `extra_body={"lora": [{"path", "strength"}]}` in a
-#: multipart body (its query-string style: `lora[][path]`, `lora[][strength]`). The client groups repeated
-#: keys before sending (every path part, then every strength part), so the parts' order cannot say which
-#: strength belongs to which adapter: strengths are paired with paths by their order among themselves.
-LORA_FORM_PART = re.compile(r"lora\[\]\[(path|strength)\]")
-NUMBER = r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*"
-
-
-def _form_lora(parts: list[tuple[str, Any]]) -> list[dict[str, Any]]:
-    """The adapters of a form's `lora[][path]` / `lora[][strength]` parts ((key, value) in form order):
-    the k-th strength part belongs to the k-th path part. Every adapter has a strength, or none has one
-    (each then 1.0), or there is one adapter; anything else is ambiguous.
-
-    Raises:
-        InputError: a part that is an uploaded file; strength parts that cannot be paired with the path
-            parts (naming both counts and the unambiguous alternative: one `lora` part holding the JSON list).
-    """
-    for key, value in parts:
-        if isinstance(value, bytes):
-            raise InputError(f"`{key}` must be a text part, not an uploaded file of {len(value)} bytes", "lora")
-    paths = [v for k, v in parts if k.endswith("[path]")]
-    strengths = [v for k, v in parts if k.endswith("[strength]")]
-    if strengths and len(strengths) != len(paths):
-        raise InputError(f"`lora`: the form has {len(paths)} `lora[][path]` and {len(strengths)} `lora[][strength]` "
-                         "parts, which cannot be paired (clients such as `openai` send every path part before every "
-                         "strength part): give every adapter a strength, or send `lora` as one form part holding the "
-                         'JSON list, e.g. lora=[{"path": "a", "strength": 0.5}, {"path": "b"}]', "lora")
-    adapters: list[dict[str, Any]] = [{"path": p} for p in paths]
-    for adapter, strength in zip(adapters, strengths):  # a form's text is a number when it reads as one
-        adapter["strength"] = float(strength) if re.fullmatch(NUMBER, strength) else strength
-    return adapters
-
-
-async def _form_fields(items: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A form's parts as body fields. Several `image` parts (OpenAI's `image[]` of images.edit) are
-    a list, the first image and then the references (`extra_images`, split by build_request). LoRA
-    adapters come as `lora[][path]` / `lora[][strength]` parts (`_form_lora`, what the `openai` client
-    sends for `extra_body={"lora": [...]}`) or as one `lora` text part holding the JSON list."""
-    fields: dict[str, Any] = {}
-    lora_parts: list[tuple[str, Any]] = []  # lora[][path] / lora[][strength], paired after the loop
-    for key, part in items:
-        name = key[:-2] if key.endswith("[]") else key
-        value: Any = await part.read() if isinstance(part, UploadFile) else part
-        if LORA_FORM_PART.fullmatch(key):
-            lora_parts.append((key, value))
-            continue
-        if name == "lora" and isinstance(value, str):
-            if "lora" in fields:
-                raise InputError("`lora` is given twice in the form", "lora")
-            try:
-                fields["lora"] = json.loads(value)
-            except ValueError:
-                raise InputError(f"`lora` as a form part must be a JSON list of {{\"path\": name, \"strength\": x}} "
-                                 f"(got {_shown(value)})", "lora") from None
-            continue
-        if isinstance(value, str) and name in INT_FIELDS and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-            value = int(value)
-        if name == EXTRA_IMAGES_FIELD:
-            fields.setdefault(name, []).append(value)
-        elif name in fields and name == "image":  # build_request splits them (errors name `image[k]`, as sent)
-            fields[name] = [*fields[name], value] if isinstance(fields[name], list) else [fields[name], value]
-        elif name in fields:
-            raise InputError(f"`{name}` is given twice in the form", name)
-        else:
-            fields[name] = value
-    if lora_parts:
-        if "lora" in fields:
-            raise InputError("`lora` is given twice in the form (as a `lora` part and as `lora[][...]` parts)", "lora")
-        fields["lora"] = _form_lora(lora_parts)
-    return fields
 
 
 def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tuple[RequestConfig, dict[str, Any], dict[str, Any]]:
@@ -342,8 +223,9 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     for name, value in body.items():  # a file part in a text field, or a field not taken (`mask`): never echo its bytes
         if isinstance(value, bytes):
             what = "is not a request field" if name not in RequestConfig.model_fields else "takes text, not a file"
-            raise InputError(f"`{name}` ({_shown(value)}) {what}; the images a request takes: "
-                             f"{[*IMAGE_FIELDS, EXTRA_IMAGES_FIELD]}", name)
+            taken = image_inputs(runner)
+            raise InputError(f"`{name}` ({_shown(value)}) {what}; the images task {runner.config.task!r} takes: "
+                             + (", ".join(f"`{f}`" for f in taken) if taken else "none"), name)
     lora_cfg = runner.config.lora
     if lora_cfg is not None and isinstance(body.get("lora"), list):  # without a `lora` section: refused below
         for i, adapter in enumerate(body["lora"]):  # names of `lora.adapters` only: paths are the server's business
@@ -385,6 +267,8 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         message = _api_wording(str(exc), folder)
         if name == "image" and state.kind == "video" and request.image_path is None:  # a missing first frame
             message += f" (`image`, or `{INPUT_REFERENCE}` as OpenAI's client names the first frame)"
+        if reference:  # the first frame was sent as `input_reference`
+            message = message.replace("`image`", f"`{INPUT_REFERENCE}`")
         if image_parts:  # the references were sent as `image[1]`, `image[2]`, ...
             message = re.sub(r"`extra_images` holds (\d+) image\(s\); task (\S+) takes at most (\d+) after `image`",
                              lambda m: f"`image` holds {int(m[1]) + 1} images; task {m[2]} takes at most "
@@ -403,8 +287,9 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     shape = runner.request_shape(request)  # type: ignore[attr-defined]
     try:
         runner.check_fit(shape, "request")  # type: ignore[attr-defined]
-    except ValueError as exc:  # MemoryFitError: the shape as a whole
-        raise InputError(str(exc)) from None
+    except ValueError as exc:  # MemoryFitError: the shape as a whole, named by the first shape field sent
+        given = [sent.get(f, f) for f in ("target_width", "target_height", "target_video_length") if f in body]
+        raise InputError(str(exc), given[0] if given else None) from None
     check_split = getattr(runner, "check_sequence_split", None)
     if check_split is not None:  # Ulysses: the request's tokens must divide among the ranks
         try:
@@ -417,6 +302,15 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     if state.kind == "video":
         resolved["seconds"] = f"{(shape[2] - 1) / fps:g}"
     return request, shown, resolved
+
+
+def image_inputs(runner: Any) -> list[str]:
+    """The image fields, as a body names them, that `runner`'s task takes: `image` and `last_frame` as the
+    task needs them, then `extra_images` when it takes references."""
+    task = runner.config.task
+    body_name = {v: k for k, v in IMAGE_FIELDS.items()}
+    names = [body_name[f] for f in getattr(runner, "IMAGE_INPUTS", {}).get(task, ())]
+    return names + ([EXTRA_IMAGES_FIELD] if getattr(runner, "EXTRA_IMAGES", {}).get(task, 0) else [])
 
 
 def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
@@ -438,10 +332,12 @@ def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
     allowed = (f"{shortest:g} to {longest:g} seconds ({step} to {max_frames - 1} frame intervals at {fps} fps; "
                f"`target_video_length: 1` for a single frame)")
     try:
-        value = float(seconds)
+        value = float("nan") if isinstance(seconds, bool) else float(seconds)
     except (TypeError, ValueError):
-        value = float("nan")
-    if isinstance(seconds, bool) or not shortest <= value <= longest:  # nan fails both comparisons
+        value = None
+    if value is None or value != value:  # nan is no length either
+        raise InputError(f"`seconds` {_shown(seconds)} is not a number: give seconds from {allowed}", "seconds")
+    if not shortest <= value <= longest:
         raise InputError(f"`seconds` {_shown(seconds)} is out of range: from {allowed}", "seconds")
     return step * round(value * fps / step) + 1
 
@@ -466,6 +362,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        """Any failure the routes did not answer: 500 in the API's error shape. Starlette re-raises the exception
+        after this answer, and uvicorn logs its traceback."""
+        logger.error("{} {}: 500: {}: {}", request.method, request.url.path, type(exc).__name__, exc)
+        return error(500, f"{request.method} {request.url.path}: internal server error ({type(exc).__name__}: {exc}); "
+                          "the server's log has the traceback")
 
     def not_ready() -> JSONResponse:
         retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
@@ -565,6 +469,8 @@ def create_app(state: ServerState) -> FastAPI:
             body = await read_body(request)
         except InputError as exc:
             return error(exc.status, str(exc), exc.field)
+        except ClientGone:
+            return Response(status_code=499)
         done = queue_jobs(kind, body, 1)
         return done if isinstance(done, JSONResponse) else JSONResponse(done[1])
 
@@ -585,6 +491,8 @@ def create_app(state: ServerState) -> FastAPI:
                                  f"{state.queue.max_queue} (--max_queue); ask for n <= {state.queue.max_queue}", "n")
         except InputError as exc:
             return error(exc.status, str(exc), exc.field)
+        except ClientGone:
+            return Response(status_code=499)
         done = queue_jobs("image", body, n)
         if isinstance(done, JSONResponse):
             return done

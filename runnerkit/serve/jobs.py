@@ -327,6 +327,7 @@ class Worker(threading.Thread):
         try:
             (self.run_request or self.runner.run_pipeline)(request, index)
             job.audio = result_audio(job.result_path)
+            job.step, job.steps = job.steps_done, job.steps_total  # the last report (the save) is a stage of no steps
             status = "completed"
             logger.info("job {} completed: {}", job.id, job.result_path)
         except RequestCancelled:

@@ -266,3 +266,47 @@ def test_followers_exit_when_rank_0_is_killed(ckpt: Path, tmp_path: Path, forkse
     errors = ERROR_LINE.findall(ranks[1][1])
     assert len(errors) == 1, errors
     assert errors[0].startswith("rank 1: rank 0 is gone (the rendezvous store does not answer"), errors
+
+
+def test_a_follower_keeps_no_job_profile_between_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower serves jobs for the process lifetime: each job's profile is dropped after the job (rank 0
+    keeps the job's), so what it holds does not grow with the jobs served. `follow` in this process, over a
+    fake group whose store holds 5 request messages and a stop."""
+    import signal as signal_mod
+    from types import SimpleNamespace
+
+    import runnerkit.registry
+    from runnerkit.parallel import serving
+
+    messages = {serving.MESSAGE_KEY.format(seq=i): json.dumps({"op": "request", "index": i,
+                                                               "request": {"prompt": f"job {i}", "seed": i}})
+                for i in range(5)}
+    messages[serving.MESSAGE_KEY.format(seq=5)] = json.dumps({"op": "stop"})
+    store = SimpleNamespace(check=lambda keys: all(k in messages for k in keys), get=lambda key: messages[key],
+                            add=lambda key, n: messages.setdefault(key, n))
+    group = SimpleNamespace(rank=1, world_size=2, _store=lambda: store, agree=lambda ok, phase: True,
+                            close=lambda: None, failures=lambda wait_s=0.0: {})
+    held: list[int] = []  # profiles the runner holds as each job starts
+
+    class Runner:
+        def __init__(self, config: Any) -> None:
+            self.profiler = SimpleNamespace(requests=[])
+
+        def attach_parallel(self, group: Any) -> None:
+            pass
+
+        def init_modules(self) -> None:
+            pass
+
+        def run_pipeline(self, request: RequestConfig, index: int) -> None:
+            held.append(len(self.profiler.requests))
+            self.profiler.requests.append(SimpleNamespace(index=index, seconds=1.0, steps=[0.5] * 1000))
+
+    monkeypatch.setattr(serving, "init_from_env", lambda parallel, device: group)
+    monkeypatch.setattr(serving, "start_watcher", lambda group, stop: None)
+    monkeypatch.setattr(signal_mod, "signal", lambda sig, handler: None)
+    monkeypatch.setattr(runnerkit.registry, "get_runner_cls", lambda model_cls, task: Runner)
+    config = SimpleNamespace(parallel=object(), device="cpu", model_cls="wan2.1", task="t2v")
+    assert serving.follow(config, "WARNING") == 0
+    assert held == [0, 0, 0, 0, 0]
+    assert messages[serving.STOPPED_KEY] == 1

@@ -388,7 +388,8 @@ def test_invalid_requests_are_422(shared: tuple[Server, Any], raw: bytes | None,
 
 
 def test_an_oversized_image_is_413_as_json_and_as_a_form_part(shared: tuple[Server, Any]) -> None:
-    """One byte over the 32 MiB image limit: 413 naming the field, as base64 in JSON or as a file part (`V4`)."""
+    """One byte over the 32 MiB image limit: 413 naming the field, as base64 in JSON (its decoded size) or as a file
+    part (refused while it arrives, at the chunk that passes the limit) (`V4`)."""
     from runnerkit.serve.app import MAX_IMAGE_BYTES
 
     server, _ = shared
@@ -398,10 +399,11 @@ def test_an_oversized_image_is_413_as_json_and_as_a_form_part(shared: tuple[Serv
     as_json = server.post({"prompt": "a", "image": __import__("base64").b64encode(big).decode()})
     raw, content_type = form({"prompt": "a", "seed": "3"}, {"input_reference": big})
     as_form = http("POST", server.url + "/v1/videos", raw=raw, content_type=content_type)
-    for r, name in ((as_json, "image"), (as_form, "input_reference")):
+    for r, name, holds in ((as_json, "image", f"{MAX_IMAGE_BYTES + 1}"), (as_form, "input_reference",
+                                                                        f"more than {MAX_IMAGE_BYTES}")):
         assert r.status == 413, (r.status, r.body[:300])
         err = r.json()["error"]
-        assert err["param"] == name and f"holds {MAX_IMAGE_BYTES + 1} bytes" in err["message"], err
+        assert err["param"] == name and f"`{name}` holds {holds} bytes" in err["message"], err
     assert files(server.out_dir) == folders
 
 

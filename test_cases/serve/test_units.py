@@ -236,6 +236,8 @@ def test_progress_stays_below_100_through_decode_and_save(tiny_ckpt: Path, tmp_p
                     *[("transformer", p, "in_progress") for p in (23, 47, 71, 95)],
                     *[("vae_decoder", 99, "in_progress")] * 4, ("save", 99, "in_progress")]
     assert (job.status, job.progress_percent()) == ("completed", 100)
+    assert {k: job.as_dict()[k] for k in ("stage", "step", "steps", "steps_done", "steps_total")} == {
+        "stage": "save", "step": 4, "steps": 4, "steps_done": 4, "steps_total": 4}
 
 
 def test_first_step_metric_observes_each_jobs_first_step() -> None:

@@ -1,0 +1,75 @@
+"""Refusals of `build_request` and `seconds`, word for word: each names the field as the client sent it, the
+value, and what is allowed. The tiny runners are only built (no checkpoint is read)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runnerkit.runners.fit import MemoryFitError
+from runnerkit.serve.app import InputError, _frames_of, build_request
+from test_cases.serve.test_units import _png, _qwen_edit_state, _wan_i2v_state
+
+SECONDS_ALLOWED = ("0.5 to 128 seconds (4 to 1024 frame intervals at 8 fps; `target_video_length: 1` for a single "
+                   "frame)")
+
+
+def _refusal(state: Any, body: dict[str, Any], tmp_path: Path) -> InputError:
+    folder = tmp_path / "job"
+    folder.mkdir(exist_ok=True)
+    with pytest.raises(InputError) as exc:
+        build_request(state, body, folder)
+    return exc.value
+
+
+@pytest.mark.parametrize(("state", "task_images"), [(_qwen_edit_state, "`image`, `extra_images`"),
+                                                    (_wan_i2v_state, "`image`")], ids=["i2i", "i2v"])
+def test_a_mask_is_refused_listing_only_the_images_the_task_takes(tmp_path: Path, state: Any, task_images: str) -> None:
+    png = _png()
+    server = state(tmp_path)
+    exc = _refusal(server, {"prompt": "x", "image": png, "mask": png}, tmp_path)
+    assert (exc.field, str(exc)) == ("mask", f"`mask` (an uploaded file of {len(png)} bytes) is not a request field; "
+                                             f"the images task {server.runner.config.task!r} takes: {task_images}")
+
+
+@pytest.mark.parametrize(("sent", "param"), [({"size": "8000x8000"}, "size"),
+                                             ({"target_height": 8000, "target_width": 8000}, "target_width"),
+                                             ({"target_video_length": 1025}, "target_video_length"),
+                                             ({"seconds": "128"}, "seconds"), ({}, None)],
+                         ids=["size", "target_fields", "frames", "seconds", "defaults"])
+def test_a_shape_that_does_not_fit_names_the_shape_field_sent(tmp_path: Path, sent: dict[str, Any],
+                                                              param: str | None) -> None:
+    """The memory check refuses the shape as a whole: `param` is the first shape field the client sent, as
+    sent (`size`, `seconds`), and null only when the client sent none (the config's default shape)."""
+    state = _wan_i2v_state(tmp_path)
+    fit_error = "request 8000x8000x81 needs an estimated 912.0 GiB; the device offers 79.1 GiB"
+
+    def refuse(shape: Any, what: str) -> None:
+        raise MemoryFitError(fit_error)
+
+    state.runner.check_fit = refuse
+    exc = _refusal(state, {"prompt": "x", "image": _png(), **sent}, tmp_path)
+    assert (exc.status, exc.field, str(exc)) == (422, param, fit_error)
+
+
+@pytest.mark.parametrize("seconds", ["abc", "", "nan", True, None, [4]])
+def test_seconds_that_is_not_a_number_says_so(tmp_path: Path, seconds: Any) -> None:
+    with pytest.raises(InputError) as exc:
+        _frames_of(seconds, _wan_i2v_state(tmp_path), 8)
+    assert (exc.value.field, str(exc.value)) == (
+        "seconds", f"`seconds` {seconds!r} is not a number: give seconds from {SECONDS_ALLOWED}")
+
+
+def test_seconds_out_of_range_says_out_of_range(tmp_path: Path) -> None:
+    with pytest.raises(InputError) as exc:
+        _frames_of("129", _wan_i2v_state(tmp_path), 8)
+    assert str(exc.value) == f"`seconds` '129' is out of range: from {SECONDS_ALLOWED}"
+
+
+@pytest.mark.parametrize("field", ["input_reference", "image"])
+def test_an_unreadable_first_frame_is_named_as_sent(tmp_path: Path, field: str) -> None:
+    exc = _refusal(_wan_i2v_state(tmp_path), {"prompt": "x", field: b"not an image"}, tmp_path)
+    assert (exc.field, str(exc)) == (field, f"`{field}` (uploaded) is not an image Pillow can read (PNG, JPEG, WebP, "
+                                            "BMP, ... expected)")
