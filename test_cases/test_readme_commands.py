@@ -226,3 +226,9 @@ def test_readme_command(entry: tuple[Command, tuple[str, str | None] | None], tm
         if tensors:
             with safe_open(tensors, "pt") as f:
                 assert f.get_slice("audio").get_shape() == [audio["channels"], expected]
+
+
+def test_relative_links_point_to_files_in_the_repo() -> None:
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README)
+    assert links, "the README links its docs"
+    assert [link for link in links if not (REPO / link).exists()] == []
