@@ -530,8 +530,9 @@ class RequestConfig(_Strict):
             raise ValueError("`prompt` must contain text, not only whitespace")
         return v
     save_result_path: str | None = Field(
-        None, description=".mp4 (video), .png (image or one-frame video) or .wav (audio), as the runner's task "
-        "produces (checked by the runner's `validate_request`, before loading); a sidecar .json is written beside it.")
+        None, description=".mp4 for video tasks (.png for a one-frame request; an audio+video task's audio is an AAC "
+        "stream inside the .mp4), .png for image tasks (checked by the runner's `validate_request`, before loading); a "
+        "sidecar .json is written beside it.")
     save_tensor_path: str | None = Field(
         None, description=".safetensors with every output of the pipeline, e.g. 'video' float32 [C, F, H, W] in [-1, 1].")
     _source: str = PrivateAttr("command line")  # where the request came from, for messages (not a request field)

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "image-to-video tasks height x width is the target area and the image gives the aspect ratio")
     p.add_argument("--target_width", type=int, help="pixels, a multiple of the family's factor (e.g. 16)")
     p.add_argument("--target_video_length", type=int, help="frames, as the family allows (e.g. 4n+1; 1 for images)")
-    p.add_argument("--save_result_path", help=".mp4 video, .png image or .wav audio, as the task produces (+ sidecar .json)")
+    p.add_argument("--save_result_path", help=".mp4 for video tasks (.png for a 1-frame request; audio+video tasks "
+                   "carry their audio inside the .mp4), .png for image tasks; a sidecar .json is written beside it")
     p.add_argument("--save_tensor_path", help=".safetensors with every output, e.g. 'video' float32 [C, F, H, W] in [-1, 1]")
     p.add_argument("--lora", action="append", metavar="PATH[:STRENGTH]",
                    help="LoRA adapter of the request (.safetensors: diffusers/PEFT, kohya or LightX2V layout, or a name "
