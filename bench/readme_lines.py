@@ -1,4 +1,4 @@
-"""Print the README's "Measured on an H200" bullet lines from the benchmark JSONs.
+"""Print the "Measured on an H200" bullet lines of bench/results/summary.md from the benchmark JSONs.
 
     python bench/readme_lines.py --cold_start bench/results/cold_start_h200.json \
         --offload bench/results/offload_h200_14b.json --disk bench/results/offload_h200_disk.json

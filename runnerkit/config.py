@@ -167,7 +167,7 @@ class CompileConfig(_Strict):
         "configuration (block sizes, warps, stages), benchmarked on the device at compile time: the fused "
         "normalization/modulation kernels of a block run closer to memory bandwidth, the first compile takes "
         "longer (warmup pays it; the compile cache keeps the result). Already part of the 'max-autotune' modes; "
-        "inductor backend only. Measured in the README's 'Regional compile'.")
+        "inductor backend only. Measured in bench/results/summary.md.")
     dynamic: bool = Field(False, description="false: torch's automatic dynamic shapes (a dimension that changes "
                           "between calls becomes dynamic at its first recompile); true: dynamic from the first compile.")
     backend: Literal["inductor", "aot_eager", "eager"] = Field(
@@ -348,7 +348,7 @@ class RunnerConfig(_Strict):
                                    "a single-file release (.safetensors) where the family loads one.")
     text_encoder_path: str | None = Field(
         None, description="Text encoder folder (transformers layout) of a single-file release; a checkpoint folder holds "
-                          "its own (families that take it: its README section).")
+                          "its own (families that take it: their docs/ page).")
     upsampler_path: str | None = Field(
         None, description="Latent upsampler file (.safetensors) of a single-file two-stage release; a checkpoint folder "
                           "holds its own.")

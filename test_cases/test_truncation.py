@@ -5,7 +5,7 @@ after a given denoising step or request. mmap cases run `python -m runnerkit` in
 the default mmap reader used to die of SIGBUS (exit -7) there, which must show as a failed
 assertion, never take pytest down; the pread case runs `main` in-process (it cannot fault).
 
-What the user gets (README "Offload"): the request that was streaming when a file changed fails
+What the user gets (docs/offload.md): the request that was streaming when a file changed fails
 with one line naming the file and the change; the process goes on; a later request fails the
 same way while the file stays changed, and runs, bit-identical to the first request of a fresh
 process, once the file has its original bytes again (restored in place or by rename).

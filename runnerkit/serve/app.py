@@ -355,7 +355,7 @@ def _api_wording(message: str, folder: Path) -> str:
 
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI app over `state` (the caller runs uvicorn and owns the runner's lifecycle)."""
-    # No /docs: its page loads Swagger UI from a CDN (useless offline); the README documents the API.
+    # No /docs: its page loads Swagger UI from a CDN (useless offline); docs/server.md documents the API.
     app = FastAPI(title="runnerkit", docs_url=None, redoc_url=None, openapi_url=None)
     kinds = {"video": "videos", "image": "images"}
 
