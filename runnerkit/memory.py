@@ -266,21 +266,18 @@ def host_available_bytes() -> tuple[int, str] | None:
     return found
 
 
-def memory_limit(device: torch.device, limit_gib: float | None = None, loaded_bytes: int = 0) -> MemoryLimit | None:
-    """The bytes a run may use on `device`; None if they cannot be known (the check is then skipped).
+def memory_limit(device: torch.device, limit_gib: float | None = None) -> MemoryLimit | None:
+    """The bytes a run may use on `device`, as the device reports them now; None if they cannot be
+    known. A runner reads this once, before loading, through `device_budget`.
 
     - `limit_gib` given (config `memory.limit_gib`): exactly that, whatever the device has.
     - CUDA: driver-free memory (`torch.cuda.mem_get_info`) plus what this process's caching
-      allocator already holds (`torch.cuda.memory_reserved`: its live tensors, the loaded weights
-      among them, and its cache), so the same estimate (weights included) compares with the same
-      limit before and after loading.
-    - CPU: available host memory (`host_available_bytes`) plus `loaded_bytes`, the weights the
-      runner has loaded already (they count in the estimate and are no longer available).
+      allocator already holds (`torch.cuda.memory_reserved`: its live tensors and its cache).
+    - CPU: available host memory (`host_available_bytes`).
 
     Args:
         device: the run's compute device.
         limit_gib: the configured limit in GiB, or None to read the device.
-        loaded_bytes: CPU only: bytes of the weights already loaded by this runner.
     """
     if limit_gib is not None:
         return MemoryLimit(int(limit_gib * GIB), "config memory.limit_gib")
@@ -294,9 +291,36 @@ def memory_limit(device: torch.device, limit_gib: float | None = None, loaded_by
         if found is None:
             return None
         available, source = found
-        return MemoryLimit(available + loaded_bytes, f"cpu: {available / GIB:.2f} GiB available ({source}) + "
-                                                     f"{loaded_bytes / GIB:.2f} GiB of weights already loaded")
+        return MemoryLimit(available, f"cpu: {available / GIB:.2f} GiB available ({source})")
     return None
+
+
+HEADROOM_BYTES: dict[str, int] = {"cuda": 1024**3}
+"""Bytes a run's budget leaves unused under the device's limit, by device type (`device_budget`).
+CUDA: memory that the CUDA libraries take outside PyTorch's caching allocator after the limit is
+read (cuBLAS and cuDNN handles and workspaces, NCCL buffers, Triton and inductor modules), which
+`torch.cuda.mem_get_info` + `memory_reserved` no longer show as available, and allocator
+fragmentation beyond the estimates' margin. Measured: LTX-2.3 22B resident on an H100 lost 0.6-0.7
+GiB of free + reserved between the plan and the warmup gate. CPU: none (the estimate's fixed
+overhead covers the allocator's and oneDNN's caches)."""
+
+
+def device_budget(device: torch.device, limit_gib: float | None = None) -> MemoryLimit | None:
+    """The limit a run plans and checks against; None where the device's memory cannot be read.
+
+    A configured `limit_gib` is the budget exactly (the user's number). A limit read from the device
+    (`memory_limit`) is lowered by `HEADROOM_BYTES` for its device type: what the CUDA libraries will
+    take outside the caching allocator once work starts. A runner reads this once, before loading, and
+    keeps it: the planner, the warmup gate and every request's check compare with this same number, so
+    a plan the planner accepted is never refused later by a re-read limit that the load's library
+    allocations have lowered.
+    """
+    raw = memory_limit(device, limit_gib)
+    headroom = HEADROOM_BYTES.get(device.type, 0)
+    if raw is None or limit_gib is not None or not headroom:
+        return raw
+    return MemoryLimit(max(0, raw.bytes - headroom),
+                       f"{raw.source} - {headroom / GIB:.2f} GiB kept for the CUDA libraries")
 
 
 def maybe_empty_cache(device: torch.device, reason: str, min_free_gib: float, min_reclaimable_gib: float,

@@ -329,3 +329,73 @@ def test_on_the_cpu_the_host_refusal_advises_only_what_lowers_host_memory(ckpt: 
         "(activations); or a larger memory.host_limit_gib if the machine has it. On the CPU the device is the host: "
         "offloading to host memory (mode 'model', storage 'cpu', or `offload.mode`='auto', which keeps every module "
         "resident there) lowers nothing")
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, free: int) -> dict[str, int]:
+    """torch.cuda's memory readings for a device with `free` bytes and nothing reserved; the returned
+    state is what they report, so a test can move it."""
+    state = {"free": free, "reserved": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], 80 * fit.GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    _plan_for_cuda(monkeypatch)
+    return state
+
+
+def _resident_peak(cfg: Any) -> int:
+    """The resident candidate's estimate over every shape the plan judges (default + warmup shapes)."""
+    runner = WanT2VRunner(cfg)
+    shapes = [(cfg.target_height, cfg.target_width, cfg.target_video_length), *runner.warmup_shapes()]
+    c = cfg.model_copy(update={"offload": OffloadConfig(mode="none")})
+    return max(fit.peak_of(runner._estimate_with(OffloadConfig(mode="none"), s), c, CUDA).bytes for s in shapes)
+
+
+def test_an_accepted_plan_passes_warmup_and_every_request_while_free_memory_shrinks(
+        tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan reads the device once, before loading (free + reserved, less the CUDA headroom); the
+    load then reserves the weights and the libraries take 2 GiB outside the allocator, so a re-read
+    would offer 2 GiB less than the plan had. The plan it accepted (resident, exactly at the budget)
+    passes the warmup gate and every request's check."""
+    cfg = load_runner_config(None, config_dict(TINY_CONFIG, tiny_ckpt, warmup=True, offload={"mode": "auto"}))
+    resident = _resident_peak(cfg)
+    state = _fake_cuda(monkeypatch, resident + memory.HEADROOM_BYTES["cuda"])
+    runner = WanT2VRunner(cfg)
+    real_load = WanT2VRunner.load_modules
+
+    def load_then_shrink(self: WanT2VRunner) -> None:
+        real_load(self)
+        weights = sum(t.numel() * t.element_size() for m in self.modules.values()
+                      for t in (*m.parameters(), *m.buffers()))
+        state["reserved"] += weights
+        state["free"] -= weights + 2 * fit.GIB
+
+    monkeypatch.setattr(WanT2VRunner, "load_modules", load_then_shrink)
+    runner.init_modules()
+    assert runner.config.offload.mode == "none"
+    assert memory.memory_limit(CUDA).bytes == resident + memory.HEADROOM_BYTES["cuda"] - 2 * fit.GIB
+    for i, shape in enumerate(runner.warmup_shapes()):
+        h, w, f = shape
+        runner.run_pipeline({"prompt": "a fox", "target_height": h, "target_width": w, "target_video_length": f,
+                             "save_tensor_path": str(tmp_path / f"{i}.safetensors")}, i)
+        assert (tmp_path / f"{i}.safetensors").is_file()
+
+
+def test_the_plan_keeps_the_headroom_under_a_read_limit(tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One byte less than resident + headroom: resident is rejected (model offload taken), and the
+    rejection names the budget's source with the headroom; a configured `memory.limit_gib` is the
+    budget exactly (no headroom)."""
+    cfg = load_runner_config(None, config_dict(TINY_CONFIG, tiny_ckpt, warmup=True, offload={"mode": "auto"}))
+    resident = _resident_peak(cfg)
+    headroom = memory.HEADROOM_BYTES["cuda"]
+    assert headroom == fit.GIB
+    _fake_cuda(monkeypatch, resident + headroom - 1)
+    runner = WanT2VRunner(cfg)
+    result = runner.plan_memory(())
+    assert runner.config.offload.mode == "model"
+    assert result.device_limit.bytes == resident - 1
+    assert result.device_limit.source.endswith(" - 1.00 GiB kept for the CUDA libraries")
+    assert [e.name for e in result.rejected] == ["resident (mode none)"]
+    configured = WanT2VRunner(load_runner_config(None, config_dict(
+        TINY_CONFIG, tiny_ckpt, warmup=True, offload={"mode": "auto"}, memory={"limit_gib": resident / fit.GIB})))
+    configured.plan_memory(())
+    assert configured.config.offload.mode == "none"
+    assert configured.device_budget() == memory.MemoryLimit(resident, "config memory.limit_gib")

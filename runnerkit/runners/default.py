@@ -110,6 +110,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.fp8_bias_in_gemm = True  # fp8 compute: whether torch takes the bias in the GEMM (check_fp8_compute)
         self._fit_unchecked_logged = False
         self._fit_deferred_logged = False
+        self._budget: memory.MemoryLimit | None = None  # device_budget(): read once, before loading
+        self._budget_read = False
 
     def check_stream_modules(self) -> None:
         """Refuse an `offload.stream_modules` entry that is not one of this runner's `STREAM_MODULES`

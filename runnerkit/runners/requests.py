@@ -122,6 +122,18 @@ class RequestChecksMixin:
         for a CUDA device while computing on the CPU by replacing this.)"""
         return self.device
 
+    def device_budget(self) -> memory.MemoryLimit | None:
+        """The device memory this run plans and checks against (`memory.device_budget`: the limit less
+        the headroom kept for the CUDA libraries), read at the first call and kept for the runner's life.
+        `plan_memory` makes the first call, before anything loads (the launch script's
+        `check_requests_fit` or `init_modules`'s plan phase), so the planner, the warmup gate and every
+        request's check judge against one number (a re-read after loading would see the libraries' own
+        allocations and refuse what the plan accepted). None: the device's memory cannot be read."""
+        if not self._budget_read:
+            self._budget = memory.device_budget(self.memory_device(), self.config.memory.limit_gib)
+            self._budget_read = True
+        return self._budget
+
     def denoise_passes_per_step(self, offload: OffloadConfig | None = None) -> int:
         """Passes through the streamed transformer blocks per denoising step under `offload` (default:
         the config's), for the plan's copy volume: 1 without CFG; with CFG 1 where the family runs both
@@ -175,8 +187,8 @@ class RequestChecksMixin:
         a no-op (None) for any other mode.
 
         Plans for `shapes` (the launch script: every request's; empty: the config's default shape) and,
-        with `warmup`, the warmup shapes. Limits: `memory.limit_gib` else the device's
-        (`memory.memory_limit`); `memory.host_limit_gib` else the host's available memory plus what
+        with `warmup`, the warmup shapes. Limits: the device budget (`device_budget`: `memory.limit_gib`
+        else what the device offers, less the headroom for the CUDA libraries); `memory.host_limit_gib` else the host's available memory plus what
         this process holds already. Logs the plan (INFO), records it in the profile (`memory_plan`)
         and writes the chosen config into the run config (`update_config`, before the lock).
 
@@ -186,13 +198,14 @@ class RequestChecksMixin:
             ValueError: the device's memory cannot be read (set `memory.limit_gib`).
         """
         cfg = self.config
+        # read here, before loading, and kept: every later check judges against the same number
+        device_limit = self.device_budget() if cfg.memory.check_fit or cfg.offload.mode == "auto" else None
         if cfg.offload.mode != "auto":
             return None
         shapes = list(shapes) or [(cfg.target_height, cfg.target_width, cfg.target_video_length)]
         if cfg.warmup:
             shapes += list(self.warmup_shapes())
         device = self.memory_device()
-        device_limit = memory.memory_limit(device, cfg.memory.limit_gib)
         if device_limit is None:
             raise ValueError(f"`offload.mode`='auto': the memory of device {device} cannot be read; set "
                              "`memory.limit_gib`")
@@ -217,8 +230,8 @@ class RequestChecksMixin:
     def check_fit(self, shape: Shape, what: str) -> PeakEstimate | None:
         """Refuse `shape` if its estimated peak memory exceeds the device's limit; return the estimate.
 
-        The limit is `memory.limit_gib`, else what the device offers (`memory.memory_limit`: CUDA
-        free + held by this process; CPU available host memory + the weights already loaded).
+        The limit is the run's device budget (`device_budget`, read once before loading: `memory.limit_gib`,
+        else CUDA free + held by this process, CPU available host memory; less the CUDA headroom).
         Returns None without a check: `memory.check_fit` false, no family estimate, an estimate not
         available before loading (`fit.EstimateUnavailable`: checked again before each request), or
         a device whose memory cannot be read (each logged once).
@@ -241,8 +254,7 @@ class RequestChecksMixin:
             self._log_unchecked(f"{type(self).__name__} gives no memory estimate (estimate_memory)")
             return None
         device = self.memory_device()
-        loaded = fit.weights_between_stages(estimate, cfg, device) if self.placement is not None else 0
-        limit = memory.memory_limit(device, cfg.memory.limit_gib, loaded_bytes=loaded)
+        limit = self.device_budget()
         if limit is None:
             self._log_unchecked(f"the memory of device {device} cannot be read; set memory.limit_gib")
             return None
