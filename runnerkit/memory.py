@@ -296,13 +296,13 @@ def memory_limit(device: torch.device, limit_gib: float | None = None) -> Memory
 
 
 HEADROOM_BYTES: dict[str, int] = {"cuda": 1024**3}
-"""Bytes a run's budget leaves unused under the device's limit, by device type (`device_budget`).
-CUDA: memory that the CUDA libraries take outside PyTorch's caching allocator after the limit is
-read (cuBLAS and cuDNN handles and workspaces, NCCL buffers, Triton and inductor modules), which
-`torch.cuda.mem_get_info` + `memory_reserved` no longer show as available, and allocator
-fragmentation beyond the estimates' margin. Measured: LTX-2.3 22B resident on an H100 lost 0.6-0.7
-GiB of free + reserved between the plan and the warmup gate. CPU: none (the estimate's fixed
-overhead covers the allocator's and oneDNN's caches)."""
+"""Bytes a run's budget leaves unused under a limit read from the device, by device type
+(`device_budget`). CUDA: memory the CUDA libraries take outside PyTorch's caching allocator once
+work starts (cuBLAS and cuDNN handles and workspaces, NCCL buffers, Triton and inductor modules),
+which free + reserved no longer shows after loading and warmup, and allocator fragmentation beyond
+the estimates' margin. CPU: none (the estimate's fixed overhead covers the allocator's and oneDNN's
+caches). The drop of free + reserved between the plan and the first request is measured in
+bench/results/limit_drift_h100.md."""
 
 
 def device_budget(device: torch.device, limit_gib: float | None = None) -> MemoryLimit | None:
