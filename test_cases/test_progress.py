@@ -197,6 +197,15 @@ def test_bars_follow_stages_and_requests() -> None:
     text = stream.getvalue()
     assert "request 0 stage1: 100%" in text and "| 3/3 [" in text
     assert "request 0 stage2: 100%" in text and "| 1/1 [" in text  # strength < 1: fewer steps than scheduled
+    # a request that stopped mid-stage: the next request's stage gets a bar of its own
+    stream.seek(0)
+    stream.truncate()
+    for p in (Progress(1, "stage1", 0, 3), Progress(1, "stage1", 2, 3), Progress(2, "stage1", 0, 3),
+              Progress(2, "stage1", 1, 3)):
+        bars(p)
+    bars.close()
+    assert sorted(set(BAR_DESC.findall(stream.getvalue()))) == [("1", "stage1"), ("2", "stage1")]
+    assert "request 1 stage1:  67%" in stream.getvalue() and "request 2 stage1:  33%" in stream.getvalue()
 
 
 # ---- the server draws none ------------------------------------------------------------------------
