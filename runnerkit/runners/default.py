@@ -697,7 +697,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                         current = name
                     noise_pred = self.run_step(stage, model, latents, timestep, i)
                     sched.step_post(noise_pred)
-                logger.info("{} {}/{}", label, i + 1, sched.infer_steps)
+                # marked: while the launch script's bar shows the steps, it drops these lines (runnerkit/progress.py)
+                logger.bind(denoise_step=True).info("{} {}/{}", label, i + 1, sched.infer_steps)
                 previous = i
                 self.report_progress(info, stage.name, i + 1, sched.infer_steps)  # a cancel stops here
         return sched.latents
