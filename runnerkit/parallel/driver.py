@@ -34,7 +34,7 @@ from typing import Any
 from loguru import logger
 
 from runnerkit.interrupts import exit_status, interrupted_line
-from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env
+from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env, refuse_launch
 
 __all__ = ["run_parallel"]
 
@@ -157,7 +157,7 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
     try:
         group = init_from_env(config.parallel, config.device)
     except ParallelSetupError as exc:
-        logger.error("invalid input: {}", exc)
+        refuse_launch(exc, config.parallel.timeout_s)  # under torchrun: ends this rank with status 2
         return 2
     quiet_other_ranks(group, getattr(args, "log_level", "INFO"))
     stop = threading.Event()
