@@ -20,6 +20,12 @@ reports nothing of its own. Nothing waits longer than `parallel.timeout_s` (a co
 peer raises after it; its rank then records that timeout as the failure). A SIGTERM or Ctrl-C (the
 launcher sends SIGTERM to the others once a failed rank exits) is reported as the peer's failure
 when one is recorded, else rank 0 logs the interrupt and every rank exits 143 or 130.
+
+A rank that dies without a record (SIGKILL, the OOM killer, a crash) is found through the store's
+process records (`ParallelGroup.dead_ranks`, ranks on the same host): the survivor that notices
+(its watcher, its broken collective, or the launcher's SIGTERM) records `died_line` for it, and
+rank 0 prints that fixed line and every survivor exits 1. A request counts as finished once every
+rank agreed on it; until then a failure or interrupt removes the files rank 0 wrote for it.
 """
 
 from __future__ import annotations
