@@ -8,12 +8,20 @@ rank killed by SIGKILL is named by rank 0 in one fixed line, and the survivor ex
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from test_cases.parallel.test_multi_rank import ERROR_LINE, _argv, _config, _spec, ckpt, forkserver, launch_ranks
+from test_cases.conftest import REPO
+from test_cases.parallel.test_multi_rank import (ERROR_LINE, TIMEOUT_S, _argv, _config, _env, _free_port, _spec, ckpt,
+                                                 forkserver, launch_ranks)
 
 __all__ = ["ckpt", "forkserver"]  # fixtures shared with test_multi_rank.py
+
+DIED = ("rank 1 died without reporting during request 0: its process ended without recording a failure (killed by a "
+        "signal such as SIGKILL or the OOM killer, or crashed); ending all 2 ranks")
 
 
 def test_a_rank_failing_after_rank_0_saved_leaves_no_file(ckpt: Path, tmp_path: Path, forkserver: Any) -> None:
@@ -43,7 +51,23 @@ def test_a_killed_rank_is_named_by_rank_0(ckpt: Path, tmp_path: Path, forkserver
     spec.write_text(spec.read_text()[:-1] + ', "kill": {"rank": 1, "step": 2}}')
     ranks = launch_ranks(forkserver, 2, spec)
     assert [r[0] for r in ranks] == [1, -9], [r[1][-2000:] for r in ranks]
-    assert ERROR_LINE.findall(ranks[0][1]) == [
-        "rank 1 died without reporting during request 0: its process ended without recording a failure (killed by a "
-        "signal such as SIGKILL or the OOM killer, or crashed); ending all 2 ranks"], ranks[0][1][-3000:]
+    assert ERROR_LINE.findall(ranks[0][1]) == [DIED], ranks[0][1][-3000:]
+    assert not out.exists()
+
+
+def test_a_killed_rank_is_named_under_torchrun(ckpt: Path, tmp_path: Path) -> None:
+    """The same death under torchrun, which sends rank 0 SIGTERM once it reaps rank 1: rank 0 still
+    prints the one fixed line (not "interrupted (SIGTERM ...)") and exits 1; torchrun's summary holds
+    the signal (rank 1 `exitcode : -9`) and torchrun exits 1."""
+    out = tmp_path / "video.safetensors"
+    spec = _spec(tmp_path, _argv(_config(ckpt, tmp_path, {"cfg": 2}), out, warmup=False))
+    spec.write_text(spec.read_text()[:-1] + ', "kill": {"rank": 1, "step": 2}}')
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), "-m", "test_cases.parallel._rank_worker", str(spec)], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1, output
+    assert ERROR_LINE.findall(output) == [DIED], output
+    ranks = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\n\s+exitcode\s+: (-?\d+)", output)
+    assert sorted(ranks) == [("0", "1"), ("1", "-9")], output
     assert not out.exists()
