@@ -21,6 +21,7 @@ from runnerkit.interrupts import Terminated
 from runnerkit.parallel import driver
 
 PEER_LINE = "rank 1 failed during request 0: RuntimeError: injected"
+NO_FILES = SimpleNamespace(save_tensor_path=None, save_result_path=None)  # a request that writes nothing
 
 
 class Group:
@@ -103,7 +104,7 @@ def launch(monkeypatch: pytest.MonkeyPatch) -> Any:
         sink = logger.add(lambda m: errors.append(m.record["message"]), level="ERROR")
         try:
             status = driver.run_parallel(SimpleNamespace(), SimpleNamespace(parallel=None, device="cpu"),
-                                         [SimpleNamespace(save_tensor_path=None, save_result_path=None)] * n_requests, lambda config: runner)
+                                         [NO_FILES] * n_requests, lambda config: runner)
         finally:
             logger.remove(sink)
         assert exits == ([status] if status else []), exits  # a failure or interrupt ends the process at once
@@ -116,8 +117,9 @@ def test_every_request_split_is_checked_after_init_before_any_runs(launch: Any) 
     group = Group({})
     runner = Runner(group.calls)
     assert launch(group, runner, 2) == (0, [], False)
-    assert group.calls == ["attach_parallel", "check_requests_fit", "init_modules", "agree init", "check_requests_split",
-                           "run_pipeline 0", "agree request 0", "run_pipeline 1", "agree request 1", "ended", "close"]
+    assert group.calls == ["attach_parallel", "check_requests_fit", "init_modules", "agree init",
+                           "check_requests_split", "run_pipeline 0", "agree request 0", "run_pipeline 1",
+                           "agree request 1", "ended", "close"]
 
 
 def test_a_refused_split_ends_the_launch_before_any_request(launch: Any) -> None:
@@ -176,7 +178,8 @@ def test_a_failed_requests_files_are_removed_temporary_names_included(tmp_path: 
     `.{stem}.partial-{pid}-*`) go; another request's files and another process's temporary files stay."""
     import os
 
-    request = SimpleNamespace(save_tensor_path=str(tmp_path / "a.safetensors"), save_result_path=str(tmp_path / "a.mp4"))
+    request = SimpleNamespace(save_tensor_path=str(tmp_path / "a.safetensors"),
+                              save_result_path=str(tmp_path / "a.mp4"))
     names = ["a.safetensors", "a.mp4", "a.json", f".a.partial-{os.getpid()}-0a1b2c.mp4", "b.mp4",
              ".a.partial-1-0a1b2c.mp4"]
     for name in names:

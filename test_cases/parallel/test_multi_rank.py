@@ -181,7 +181,8 @@ def test_a_wrong_world_size_is_reported_once_by_rank_0(ckpt: Path, tmp_path: Pat
                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     output = run.stdout + run.stderr
     assert ERROR_LINE.findall(output) == ["invalid input: `parallel` = cfg 1 x ulysses 4 needs 4 processes, but "
-                                          "WORLD_SIZE is 2: use `torchrun --nproc_per_node 4` or change `parallel`"], output
+                                          "WORLD_SIZE is 2: use `torchrun --nproc_per_node 4` or change "
+                                          "`parallel`"], output
     assert run.returncode == 1, output
     ranks = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\n\s+exitcode\s+: (-?\d+)", output)
     assert sorted(ranks) == [("0", "2"), ("1", "2")], output
