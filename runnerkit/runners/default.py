@@ -27,7 +27,7 @@ import os
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -589,7 +589,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         outputs = self.decode(latents, info)
         # 5. save
         self.report_progress(info, "save")
-        with self.profiler.stage("save"):
+        # under `parallel`, the lock keeps a failing group's cleanup (parallel/driver.py) from racing the renames
+        with self.profiler.stage("save"), self.parallel.output_lock if self.parallel is not None else nullcontext():
             written = self.save_outputs(outputs, info)
             prof.saved = True  # before logging: an interrupt from here on leaves the request finished
         for path in written:
