@@ -33,7 +33,7 @@ def _no_real_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gc, "freeze", lambda: None)
 
 
-def _config(tmp_path: Path, ckpt: Path, **overrides: Any) -> dict[str, Any]:
+def _config(ckpt: Path, **overrides: Any) -> dict[str, Any]:
     return {**json.loads(TINY.read_text()), "device": "cpu", "model_path": str(ckpt), **overrides}
 
 
@@ -47,7 +47,7 @@ def test_a_synthetic_ltx2_adapter_is_matched_and_removed_exactly(tmp_path: Path,
     ckpt = write_synthetic_ltx2(LTX2Runner.parse_arch(json.loads(TINY.read_text())["model"]), tmp_path / "ckpt", 0,
                                 torch.float32)
     adapter = tmp_path / "style.safetensors"
-    data = _config(tmp_path, ckpt, lora={"mode": "unfused", "max_rank": 4, "adapters": {"style": str(adapter)}})
+    data = _config(ckpt, lora={"mode": "unfused", "max_rank": 4, "adapters": {"style": str(adapter)}})
     config_path = write_config(tmp_path / "config.json", data)
     assert synth_main(["--config", str(config_path), "--out", str(adapter), "--layout", layout, "--rank", "4",
                        "--dtype", "fp32"]) == 0
@@ -70,7 +70,7 @@ def test_a_synthetic_ltx2_adapter_is_matched_and_removed_exactly(tmp_path: Path,
     with_adapter = _serve(runner, tmp_path / "a.safetensors", 0, [LoRARequest(path="style")])
     after = _serve(runner, tmp_path / "b.safetensors", 1, None)
 
-    fresh = LTX2Runner(load_runner_config(None, _config(tmp_path, ckpt)))
+    fresh = LTX2Runner(load_runner_config(None, _config(ckpt)))
     fresh.init_modules()
     want = _serve(fresh, tmp_path / "c.safetensors", 0, None)
     for key in ("video", "audio"):
