@@ -213,13 +213,15 @@ def source_fingerprint(root: Path = Path(__file__).resolve().parent) -> str:
 
 def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: CompileConfig, attention: str | None,
                  offload: OffloadConfig, device: torch.device, text_buckets: tuple[int, ...] = (),
-                 lora: str = "off", compute_dtype: str = "same") -> dict[str, Any]:
+                 lora: str = "off", compute_dtype: str = "same", ulysses: int = 1) -> dict[str, Any]:
     """Everything that makes compiled artifacts valid, in readable form: the metadata of a cache
     entry, whose key is the hash of these fields. `model` is the resolved architecture (JSON);
     `text_buckets` the text lengths prompts are padded to (() unpadded: the blocks then take no mask);
     `lora`: "off", or "unfused/r<max_rank>" when every linear carries LoRA matmuls (runnerkit/lora;
     fused LoRA compiles the same graph as none: "off"); `compute_dtype`: "same", or "fp8" when the blocks'
-    linears run fp8 GEMMs (runnerkit/fp8_compute.py)."""
+    linears run fp8 GEMMs (runnerkit/fp8_compute.py); `ulysses`: the sequence-parallel degree (config
+    `parallel.ulysses`; above 1 the blocks' self-attention holds all-to-alls, and each rank runs
+    1/ulysses of the tokens). CFG parallel is not keyed: each rank runs the one-process graph."""
     return {
         "format": CACHE_FORMAT,
         "torch": torch.__version__,
@@ -241,6 +243,7 @@ def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: Compil
         "text_buckets": list(text_buckets),
         "lora": lora,
         "compute_dtype": compute_dtype,
+        "parallel.ulysses": ulysses,
     }
 
 

@@ -31,6 +31,7 @@ from loguru import logger
 from runnerkit.cli_common import INPUT_ERRORS, check_default_shape, check_writable, config_source, report_failure
 from runnerkit.interrupts import (enable_fault_tracebacks, exit_status, install_sigterm_handler, interrupted_line,
                                   restore_sigterm_default)
+from runnerkit.progress import PLOT_EXTRA, PROGRESS_MODES, StageBars, install_progress, missing_plot_module
 
 if TYPE_CHECKING:
     from runnerkit.config import RequestConfig
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 # typo or --help answers at once) and the signal handlers are in place (Ctrl-C or SIGTERM during
 # start-up imports ends with one line, not a traceback).
 
+LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}"
 REQUEST_FLAGS = ("prompt", "negative_prompt", "image_path", "last_frame_path", "extra_image_paths", "seed", "target_height",
                  "target_width", "target_video_length", "save_result_path", "save_tensor_path", "lora")
 
@@ -95,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action="store_true", help="run the one-time warmup before the first request")
     p.add_argument("--profile_json", help="write the profile report (warmup, per-request stages and steps) here")
     p.add_argument("--requests", help=".jsonl file, one request per line (excludes the single-request flags)")
+    p.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                   help="a bar per denoise stage with steps and ETA on stderr; auto (default): only when stderr is a "
+                        "terminal; never on torchrun ranks other than 0 (runnerkit/progress.py)")
+    p.add_argument("--plot_steps", metavar="PATH.png",
+                   help=f"write a PNG of every request's per-step seconds (warmup excluded); needs {PLOT_EXTRA}")
     return p
 
 
@@ -164,6 +171,9 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
 
     if args.profile_json:
         claim(args.profile_json, "--profile_json", "the run")
+    if args.plot_steps:
+        check_plot_flag(args.plot_steps, config)
+        claim(args.plot_steps, "--plot_steps", "the run")
     problems = []
     for req in requests:  # every bad request is reported at once, not one per start-up
         try:
@@ -188,7 +198,36 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     return config, requests
 
 
-def run(args: argparse.Namespace) -> int:
+def check_plot_flag(path: str, config: Any) -> None:
+    """Refuse `--plot_steps` before loading: not a .png, matplotlib missing, or a `parallel` run.
+
+    Raises:
+        ConfigError: naming the flag, the value and what is allowed.
+    """
+    from runnerkit.config import ConfigError
+
+    if not path.lower().endswith(".png"):
+        raise ConfigError(f"`--plot_steps` {path!r}: the plot is a PNG; give a path ending in .png")
+    if missing_plot_module():
+        raise ConfigError(f"`--plot_steps` needs {PLOT_EXTRA}; missing: {missing_plot_module()}")
+    if config.parallel is not None:
+        raise ConfigError("`--plot_steps` is not written under `parallel`; plot the `step_seconds` of --profile_json")
+
+
+def write_plot(args: argparse.Namespace, runner: BaseRunner) -> bool:
+    """Write `--plot_steps` from the run's profile; False if it could not be written."""
+    from runnerkit.progress import steps_run, write_step_plot
+
+    try:
+        drawn = write_step_plot(args.plot_steps, runner.profiler.report(), steps_run(runner.pipeline.denoise))
+        logger.info("step plot of {} request(s) written to {}", drawn, args.plot_steps)
+        return True
+    except OSError as exc:
+        logger.error("could not write --plot_steps {!r}: {}", args.plot_steps, exc)
+        return False
+
+
+def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
     from runnerkit.config import ConfigError
     from runnerkit.registry import get_runner_cls
     from runnerkit.runners.base import error_phase
@@ -201,12 +240,18 @@ def run(args: argparse.Namespace) -> int:
     if config.parallel is not None:  # under torchrun: one rank of the group (runnerkit/parallel/driver.py)
         from runnerkit.parallel.driver import run_parallel
 
-        return run_parallel(args, config, requests, lambda c: get_runner_cls(c.model_cls, c.task)(c))
+        def build(c: Any) -> BaseRunner:
+            built = get_runner_cls(c.model_cls, c.task)(c)
+            built.on_progress = bars  # None on ranks other than 0 (progress_enabled)
+            return built
+
+        return run_parallel(args, config, requests, build)
     try:
         runner: BaseRunner = get_runner_cls(config.model_cls, config.task)(config)
     except (ValueError, NotImplementedError) as exc:  # the family refuses the config's settings
         logger.error("invalid input: {}: {}", config_source(args), exc)
         return 2
+    runner.on_progress = bars
     try:  # before loading: offload.mode auto is planned for every request's shape, then each is checked
         runner.check_requests_fit(requests)
     except (ValueError, NotImplementedError) as exc:  # MemoryFitError; auto without a family estimate
@@ -230,8 +275,12 @@ def run(args: argparse.Namespace) -> int:
                 runner.run_pipeline(request, index)
             except Exception as exc:
                 failed.append(index)
+                if bars is not None:  # the failure's lines below the bar's last state, not redrawn around it
+                    bars.close()
                 report_failure(f"request {index} ({request.source}) failed", exc)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: nothing more runs; partial files are already removed
+        if bars is not None:
+            bars.close()
         logger.error("{}", interrupted_line(exc, sum(r.saved for r in runner.profiler.requests), len(requests)))
         return exit_status(exc)
     finally:
@@ -242,6 +291,8 @@ def run(args: argparse.Namespace) -> int:
             except OSError as exc:
                 logger.error("could not write --profile_json {!r}: {}", args.profile_json, exc)
                 profile_failed = True
+        if args.plot_steps and runner.profiler.phases:
+            profile_failed = not write_plot(args, runner) or profile_failed
     if failed:
         logger.error("{} of {} requests failed: {}", len(failed), len(requests), failed)
         return 1
@@ -255,16 +306,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     logger.remove()
-    logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}")
+    logger.add(sys.stderr, level="INFO", format=LOG_FORMAT)
     install_sigterm_handler()
     enable_fault_tracebacks()
     try:
         args = build_parser().parse_args(argv)
         if args.log_level != "INFO":
             logger.remove()
-            logger.add(sys.stderr, level=args.log_level,
-                       format="<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}")
-        return run(args)
+            logger.add(sys.stderr, level=args.log_level, format=LOG_FORMAT)
+        return run(args, install_progress(args.progress, args.log_level, LOG_FORMAT))
     except KeyboardInterrupt as exc:  # during start-up imports or argument parsing
         logger.error("interrupted before any request ran")
         return exit_status(exc)

@@ -173,8 +173,9 @@ def test_after_warmup_only_a_one_token_shape_compiles_and_each_start_says_so(
     """After warmup, requests at the warmed shapes and at shapes differing only in dynamic dimensions
     (token counts of 2 and more) compile nothing, and a non-warmup one's start says in an INFO line
     that the compiled blocks cover it. torch specialises sizes 0 and 1, so a shape with one
-    transformer token is not covered: its start warns that it compiles, and it does. What compiled
-    is read from torch's own counters, not only from runnerkit's audit."""
+    transformer token is not covered: its start warns that it compiles, and it does; a second request
+    at that shape compiles nothing and its start says so in an INFO line. What compiled is read from
+    torch's own counters, not only from runnerkit's audit."""
     from loguru import logger
     from torch._dynamo.utils import counters
 
@@ -182,12 +183,12 @@ def test_after_warmup_only_a_one_token_shape_compiles_and_each_start_says_so(
     try:
         runner = make(tiny_ckpt, warmup=True, **COMPILE)
         seen = {}
-        for i, shape in enumerate([*WARMED, *DYNAMIC_ONLY, (16, 16, 5), ONE_TOKEN]):
+        for i, shape in enumerate([*WARMED, *DYNAMIC_ONLY, (16, 16, 5), ONE_TOKEN, ONE_TOKEN]):
             caplog.clear()
             graphs = counters["stats"]["unique_graphs"]
             audit, _ = request(runner, shape, tmp_path, i)
             starts = [(r.levelname, r.getMessage()) for r in caplog.records if "is not a warmup shape" in r.getMessage()]
-            seen[shape] = (counters["stats"]["unique_graphs"] - graphs, audit, starts)
+            seen[shape if i < 6 else "again"] = (counters["stats"]["unique_graphs"] - graphs, audit, starts)
     finally:
         logger.remove(handler)
     assert runner.profiler.warmup is not None and runner.profiler.warmup["compilations"] >= 1
@@ -205,6 +206,12 @@ def test_after_warmup_only_a_one_token_shape_compiles_and_each_start_says_so(
     assert graphs >= 1 and audit["compilations"] >= 1  # torch: "0/1 specialization", a graph of its own
     assert [lv for lv, _ in records] == ["WARNING"], records
     assert "transformer tokens 1:" in records[0][1] and "this request compiles" in records[0][1], records
+    graphs, audit, records = seen["again"]  # the same one-token shape: the graphs request 5 compiled serve it
+    assert graphs == 0 and audit["compilations"] == 0 and audit["recompilations"] == 0, audit
+    warmed = [list(s) for s in runner.warmed_shapes]
+    assert records == [("INFO", f"request 6: shape [16, 16, 1] is not a warmup shape ({warmed}) and gives the "
+                                "compiled blocks transformer tokens 1, which request 5 compiled graphs for; the "
+                                "request's audit reports any compilation")], records
     blocks = runner.transformer.blocks
     assert len({b.forward.__func__ for b in blocks}) == 1  # one compiled forward shared by every block
     assert len(regional_compile._COMPILED) == 1

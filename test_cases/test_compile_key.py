@@ -21,7 +21,7 @@ from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
 #: `cache_fields` without a case below fails `test_every_key_field_has_a_case`.
 FIELDS = {"format", "torch", "cuda", "triton", "python", "device", "runner", "runnerkit sources", "model", "dtype",
           "compile.mode", "compile.coordinate_descent_tuning", "compile.dynamic", "compile.backend", "attention", "offload.mode", "offload.weight_dtype",
-          "text_buckets", "lora", "compute_dtype"}
+          "text_buckets", "lora", "compute_dtype", "parallel.ulysses"}
 
 
 class OtherRunner:
@@ -48,6 +48,7 @@ ARGUMENT_CHANGES: dict[str, dict[str, Any]] = {
     "text_buckets": {"text_buckets": (64, 128)},  # padded text: the blocks take a key mask
     "lora": {"lora": "unfused/r64"},
     "compute_dtype": {"compute_dtype": "fp8"},  # the blocks' linears run fp8 GEMMs
+    "parallel.ulysses": {"ulysses": 2},  # all-to-alls inside the blocks' attention, half the tokens a rank
 }
 
 ENVIRONMENT_CHANGES: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
@@ -133,3 +134,38 @@ def test_each_config_setting_reaches_the_runners_key(tmp_path: Path, cls: type[T
     base = _key(tmp_path)
     assert _key(tmp_path) == base  # the same config, another runner: the same entry
     assert _key(tmp_path, cls, **overrides) != base
+
+
+class BucketedToy(TwoStageImageRunner):
+    """The toy with padded text (the toy's text has one length; the key reads the runner's buckets)."""
+
+    TEXT_BUCKETS = (8, 16)
+
+
+class Fp8Toy(TwoStageImageRunner):
+    """The toy where `compute_dtype` fp8 is accepted (the toy declares no fp8 layers; no block is compiled
+    or quantized here, only the key is read)."""
+
+    def check_fp8_compute(self, pipeline: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cls, base, changed", [
+    (TwoStageImageRunner, {"lora": {"max_rank": 16}}, {"lora": {"max_rank": 32}}),
+    (TwoStageImageRunner, {}, {"lora": {"max_rank": 16}}),
+    (TwoStageImageRunner, {"lora": {"mode": "fused"}}, {"lora": {"max_rank": 16}}),
+    (BucketedToy, {"text_buckets": "auto"}, {"text_buckets": [8]}),
+    (BucketedToy, {"text_buckets": "auto"}, {"text_buckets": "off"}),
+    (Fp8Toy, {}, {"compute_dtype": "fp8"}),
+], ids=["lora.max_rank", "lora unfused vs none", "lora unfused vs fused", "text_buckets list",
+        "text_buckets off", "compute_dtype"])
+def test_lora_buckets_and_compute_dtype_reach_the_runners_key(tmp_path: Path, cls: type[TwoStageImageRunner],
+                                                              base: dict[str, Any], changed: dict[str, Any]) -> None:
+    key = _key(tmp_path, cls, **base)
+    assert _key(tmp_path, cls, **base) == key  # the same config: the same entry
+    assert _key(tmp_path, cls, **changed) != key
+
+
+def test_fused_lora_keys_as_no_lora(tmp_path: Path) -> None:
+    """Fused LoRA writes into the weights: the compiled graph is the one without LoRA, and so is the entry."""
+    assert _key(tmp_path, lora={"mode": "fused"}) == _key(tmp_path)

@@ -48,7 +48,7 @@ from runnerkit.offload.pinned import HostSlab, copy_h2d
 __all__ = ["LoRALinear", "LoRAManager", "linear_targets"]
 
 ADAPTER_CACHE_SIZE = 4
-"""Parsed adapter files kept in host memory (by path, size and mtime), for switches between requests."""
+"""Parsed adapter files kept in host memory (by path, device, inode, size and mtime), for switches between requests."""
 
 
 class LoRALinear(nn.Linear):
@@ -152,7 +152,7 @@ class LoRAManager:
         self._aliases: dict[str, Mapping[str, str]] = {}
         self._live: dict[str, weakref.ref[nn.Module]] = {}
         self._layers: dict[str, weakref.WeakValueDictionary[str, nn.Linear]] = {}
-        self._cache: OrderedDict[tuple[str, int, int], Adapter] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int, int, int, int], Adapter] = OrderedDict()
         self._cache_lock = threading.Lock()  # a server checks a new request's adapters while one runs
         #: the running request's adapters: ((path, strength), ...); empty: none.
         self.active: tuple[tuple[str, float], ...] = ()
@@ -185,12 +185,15 @@ class LoRAManager:
 
     # ---- adapters --------------------------------------------------------------------------
     def read(self, path: str) -> Adapter:
-        """The parsed adapter at `path` (cached by path, size and mtime)."""
+        """The parsed adapter at `path`, cached by path and the file's identity (device, inode, size,
+        mtime in ns): a file rewritten in place or replaced by another (a rename keeps the path) between
+        two requests is read again. A rewrite of the same size within one tick of the kernel's coarse
+        clock keeps the identity (see runnerkit/offload/disk.py)."""
         try:
             st = os.stat(path)
         except OSError:
             return read_adapter(path)  # raises LoRAError naming the file
-        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+        key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         with self._cache_lock:
             if key in self._cache:
                 self._cache.move_to_end(key)

@@ -20,21 +20,30 @@ reports nothing of its own. Nothing waits longer than `parallel.timeout_s` (a co
 peer raises after it; its rank then records that timeout as the failure). A SIGTERM or Ctrl-C (the
 launcher sends SIGTERM to the others once a failed rank exits) is reported as the peer's failure
 when one is recorded, else rank 0 logs the interrupt and every rank exits 143 or 130.
+
+A rank that dies without a record (SIGKILL, the OOM killer, a crash) is found through the store's
+process records (`ParallelGroup.dead_ranks`, ranks on the same host): the survivor that notices
+(its watcher, its broken collective, or the launcher's SIGTERM) records `died_line` for it, and
+rank 0 prints that fixed line and every survivor exits 1. A request counts as finished once every
+rank agreed on it; until then a failure or interrupt removes the files rank 0 wrote for it.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
 from runnerkit.interrupts import exit_status, interrupted_line
-from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env
+from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env, refuse_launch
 
 __all__ = ["run_parallel"]
 
@@ -79,13 +88,94 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
-def _watch(group: ParallelGroup, stop: threading.Event) -> None:
+def died_line(rank: int, phase: str) -> str:
+    """The one line rank 0 prints for a rank whose process vanished without a record (a signal's
+    number or name cannot be read from a process that is not this one's child)."""
+    return (f"rank {rank} died without reporting during {phase}: its process ended without recording a failure "
+            "(killed by a signal such as SIGKILL or the OOM killer, or crashed)")
+
+
+def group_failure(group: ParallelGroup, phase: str, wait_s: float = 0.0) -> str | None:
+    """The group's failure line, waiting up to `wait_s` for one: another rank's record, else a rank
+    on this host that died without one (`died_line`, recorded here so that every survivor tells the
+    same story), else None."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        others = {r: line for r, line in group.failures().items() if r != group.rank}
+        if others:
+            return others[min(others)]
+        dead = group.dead_ranks()
+        if dead:
+            line = died_line(dead[0], phase)
+            group.record_failure(line, rank=dead[0])
+            return line
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(WATCH_INTERVAL_S / 2)
+
+
+@dataclass
+class Launch:
+    """What the watcher and the failure paths of a launch read from the main thread."""
+
+    phase: str = "load"
+    """The lifecycle phase the main thread is in (named in a `died_line`)."""
+    files: list[Path] = field(default_factory=list)
+    """The running request's output files (rank 0), from its start until every rank agreed on it."""
+    finished: int = 0
+    """Requests every rank finished."""
+
+
+def request_files(request: Any) -> list[Path]:
+    """The files `request` writes on rank 0: the tensor file, the media file and its sidecar .json."""
+    from runnerkit.media import sidecar_path
+
+    paths = [Path(request.save_tensor_path)] if request.save_tensor_path else []
+    if request.save_result_path:
+        paths += [Path(request.save_result_path), sidecar_path(request.save_result_path)]
+    return paths
+
+
+def remove_request_files(launch: Launch) -> None:
+    """Remove the running request's files, final or still under their temporary names (media.py's
+    `.{stem}.partial-{pid}-*`), as a failed request leaves nothing in one process. Callers hold
+    `group.output_lock`, so no file is being renamed into place meanwhile."""
+    removed = []
+    for final in launch.files:
+        for path in [final, *final.parent.glob(f".{glob.escape(final.stem)}.partial-{os.getpid()}-*")]:
+            try:
+                path.unlink()
+                removed.append(str(path))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.error("could not remove {} of the failed request: {}", path, exc)
+    launch.files = []
+    if removed:
+        logger.warning("{}: removed its files {} (the request failed on the group)", launch.phase, removed)
+
+
+def end_rank(group: ParallelGroup, launch: Launch | None, status: int) -> None:
+    """A failed or interrupted launch ends here: the running request's files go, the store learns
+    this rank ends in order, and the process exits at once."""
+    with group.output_lock:
+        if launch is not None:
+            remove_request_files(launch)
+        group.mark_ended()
+        exit_now(status)
+
+
+def _watch(group: ParallelGroup, stop: threading.Event, launch: Launch | None) -> None:
     while not stop.wait(WATCH_INTERVAL_S):
-        found = {r: line for r, line in group.failures().items() if r != group.rank}
-        if not found:
+        if launch is not None:  # a launch also notices a peer that died without a record
+            line = group_failure(group, launch.phase)
+        else:
+            found = {r: line for r, line in group.failures().items() if r != group.rank}
+            line = found[min(found)] if found else None
+        if line is None:
             continue
-        report(group, found[min(found)])
-        exit_now(1)
+        report(group, line)
+        end_rank(group, launch, 1)
 
 
 def run_phase(group: ParallelGroup, phase: str, fn: Callable[[], Any]) -> Any:
@@ -96,11 +186,11 @@ def run_phase(group: ParallelGroup, phase: str, fn: Callable[[], Any]) -> Any:
         from runnerkit.runners.base import error_phase
 
         where = error_phase(exc) or phase
-        others = {r: line for r, line in group.failures(wait_s=SECONDARY_GRACE_S).items() if r != group.rank}
-        if others:  # a peer failed first; this rank's error (a broken collective) follows from it
-            logger.debug("rank {}: {} after rank {} failed: {}", group.rank, where, min(others), exc)
-            report(group, others[min(others)])
-            raise RankFailed(others[min(others)]) from exc
+        first = group_failure(group, where, wait_s=SECONDARY_GRACE_S)
+        if first is not None:  # a peer failed or died first; this rank's error (a broken collective) follows
+            logger.debug("rank {}: {} after the group failed ({}): {}", group.rank, where, first, exc)
+            report(group, first)
+            raise RankFailed(first) from exc
         line = failure_line(group.rank, where, exc)
         logger.opt(exception=exc).debug("rank {}: {}", group.rank, line)
         group.record_failure(line)
@@ -123,9 +213,10 @@ def wait_until_reported(group: ParallelGroup) -> None:
         time.sleep(WATCH_INTERVAL_S)
 
 
-def start_watcher(group: ParallelGroup, stop: threading.Event) -> None:
-    """The thread that ends this rank (exit 1) once another rank recorded a failure."""
-    threading.Thread(target=_watch, args=(group, stop), name="runnerkit-rank-watch", daemon=True).start()
+def start_watcher(group: ParallelGroup, stop: threading.Event, launch: Launch | None = None) -> None:
+    """The thread that ends this rank (exit 1) once another rank recorded a failure, or, with
+    `launch`, once a rank on this host died without one (removing `launch`'s running request files)."""
+    threading.Thread(target=_watch, args=(group, stop, launch), name="runnerkit-rank-watch", daemon=True).start()
 
 
 def quiet_other_ranks(group: ParallelGroup, log_level: str) -> None:
@@ -157,23 +248,30 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
     try:
         group = init_from_env(config.parallel, config.device)
     except ParallelSetupError as exc:
-        logger.error("invalid input: {}", exc)
+        refuse_launch(exc, config.parallel.timeout_s)  # under torchrun: ends this rank with status 2
         return 2
     quiet_other_ranks(group, getattr(args, "log_level", "INFO"))
+    launch = Launch()
     stop = threading.Event()
-    start_watcher(group, stop)
+    start_watcher(group, stop, launch)
+
+    def phase(name: str, fn: Callable[[], Any]) -> Any:
+        launch.phase = name
+        return run_phase(group, name, fn)
+
     status = 1
-    runner = None
     try:
-        runner = run_phase(group, "load", lambda: build(config))
+        runner = phase("load", lambda: build(config))
         runner.attach_parallel(group)
-        run_phase(group, "plan", lambda: runner.check_requests_fit(requests))
-        run_phase(group, "load", runner.init_modules)
-        run_phase(group, "init", lambda: group.agree(True, "init"))
-        run_phase(group, "request check", lambda: runner.check_requests_split(requests))
+        phase("plan", lambda: runner.check_requests_fit(requests))
+        phase("load", runner.init_modules)
+        phase("init", lambda: group.agree(True, "init"))
+        phase("request check", lambda: runner.check_requests_split(requests))
         for index, request in enumerate(requests):
-            run_phase(group, f"request {index}", lambda: runner.run_pipeline(request, index))
-            run_phase(group, f"request {index}", lambda: group.agree(True, f"request {index}"))
+            launch.files = request_files(request) if group.rank == 0 else []
+            phase(f"request {index}", lambda: runner.run_pipeline(request, index))
+            phase(f"request {index}", lambda: group.agree(True, f"request {index}"))
+            launch.files, launch.finished = [], launch.finished + 1  # every rank finished it: the files stay
         if group.rank == 0 and getattr(args, "profile_json", None):
             runner.profiler.write(args.profile_json)
             logger.info("profile written to {}", args.profile_json)
@@ -182,20 +280,20 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
         ignore_interrupts()
         status = 1
         wait_until_reported(group)
-    except KeyboardInterrupt as exc:  # Ctrl-C, or the launcher's SIGTERM once a failed peer exited
+    except KeyboardInterrupt as exc:  # Ctrl-C, or the launcher's SIGTERM once a failed or dead peer exited
         ignore_interrupts()
-        found = group.failures()
-        if found:  # the peer's failure is the run's story, not an interrupt
-            report(group, found[min(found)])
+        first = group_failure(group, launch.phase, wait_s=SECONDARY_GRACE_S)
+        if first is not None:  # the peer's failure is the run's story, not an interrupt
+            report(group, first)
             status = 1
         else:
             status = exit_status(exc)
             if group.rank == 0:
-                finished = sum(r.saved for r in runner.profiler.requests) if runner is not None else 0
-                logger.error("{}", interrupted_line(exc, finished, len(requests)))
+                logger.error("{}", interrupted_line(exc, launch.finished, len(requests)))
     finally:
         stop.set()
     if status:
-        exit_now(status)  # a clean shutdown would wait on the dead peers in destroy_process_group
+        end_rank(group, launch, status)  # a clean shutdown would wait on the dead peers in destroy_process_group
+    group.mark_ended()
     group.close()
     return status

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +34,8 @@ from torch import Tensor
 
 from runnerkit.config import ParallelConfig
 
-__all__ = ["CollectiveCall", "ParallelGroup", "ParallelSetupError", "collective_hooks", "init_from_env"]
+__all__ = ["CollectiveCall", "ParallelGroup", "ParallelSetupError", "collective_hooks", "init_from_env",
+           "refuse_launch"]
 
 
 class ParallelSetupError(ValueError):
@@ -50,8 +54,24 @@ class CollectiveCall:
 collective_hooks: list[Callable[[CollectiveCall], None]] = []
 """Called with every collective this process issues, before it is issued (tests append a spy)."""
 
+SETUP_REFUSED_KEY = "runnerkit/setup_refused/{attempt}"
 FAILURE_KEY = "runnerkit/failed/{rank}"
 FAILURE_COUNT_KEY = "runnerkit/failures"
+PROCESS_KEY = "runnerkit/process/{rank}"
+ENDED_KEY = "runnerkit/ended/{rank}"
+
+
+def _process_identity(pid: int | str = "self") -> tuple[int, str] | None:
+    """(pid, start time in clock ticks since boot) of a live process; None if it is gone or a zombie.
+    The start time tells a process from a later one that reuses its pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces: state is field 3
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(stat.split(" ", 1)[0]), fields[19]  # field 22: starttime
 
 
 @dataclass
@@ -74,6 +94,10 @@ class ParallelGroup:
     device: torch.device
     cfg_group: Any = field(repr=False, default=None)
     ulysses_group: Any = field(repr=False, default=None)
+    output_lock: threading.Lock = field(repr=False, default_factory=threading.Lock)
+    """Held while rank 0 writes a request's files, and by a thread that removes them before ending
+    the process: the removal never races a file being renamed into place."""
+    _peers: dict[int, tuple[str, int, str]] = field(repr=False, default_factory=dict)
 
     @property
     def cfg(self) -> int:
@@ -122,10 +146,11 @@ class ParallelGroup:
     def _store(self) -> Any:
         return dist.distributed_c10d._get_default_store()
 
-    def record_failure(self, line: str) -> None:
-        """Leave this rank's failure line in the rendezvous store (it outlives this process under torchrun)."""
+    def record_failure(self, line: str, rank: int | None = None) -> None:
+        """Leave the failure line of this rank (or of `rank`, a peer that died without recording its
+        own) in the rendezvous store (it outlives this process under torchrun)."""
         try:
-            self._store().set(FAILURE_KEY.format(rank=self.rank), line)
+            self._store().set(FAILURE_KEY.format(rank=self.rank if rank is None else rank), line)
             self._store().add(FAILURE_COUNT_KEY, 1)  # after the line: a reader that sees the count finds it
         except Exception as exc:  # noqa: BLE001 - the store may be gone with rank 0; the exit status still tells
             logger.debug("rank {}: could not record the failure in the store: {}", self.rank, exc)
@@ -149,6 +174,45 @@ class ParallelGroup:
             if found or time.monotonic() >= deadline:
                 return found
             time.sleep(0.05)
+
+    def register_process(self) -> None:
+        """Leave this rank's host, pid and process start time in the store (`dead_ranks` reads them)."""
+        me = _process_identity()
+        if me is not None:
+            self._store().set(PROCESS_KEY.format(rank=self.rank), f"{socket.gethostname()} {me[0]} {me[1]}")
+
+    def mark_ended(self) -> None:
+        """Say in the store that this rank ends in order (done, failed and recorded, or interrupted),
+        so a peer that finds its process gone does not report it as a death."""
+        try:
+            self._store().set(ENDED_KEY.format(rank=self.rank), "1")
+        except Exception:  # noqa: BLE001 - a store whose host exited: no peer left to tell
+            pass
+
+    def dead_ranks(self) -> list[int]:
+        """Other ranks on this host whose process is gone (or a zombie) without having recorded a
+        failure or ended in order: killed (SIGKILL, the OOM killer) or crashed. Ranks on other hosts
+        cannot be seen from here and are never listed."""
+        dead = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            try:
+                if r not in self._peers:
+                    key = PROCESS_KEY.format(rank=r)
+                    if not self._store().check([key]):
+                        continue
+                    host, pid, start = self._store().get(key).decode().split()
+                    self._peers[r] = (host, int(pid), start)
+                host, pid, start = self._peers[r]
+                if host != socket.gethostname() or _process_identity(pid) == (pid, start):
+                    continue
+                if not self._store().check([FAILURE_KEY.format(rank=r)]) and \
+                        not self._store().check([ENDED_KEY.format(rank=r)]):
+                    dead.append(r)
+            except Exception:  # noqa: BLE001 - a store whose host exited: nothing more to read
+                return dead
+        return dead
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -194,6 +258,7 @@ def init_from_env(config: ParallelConfig, device_spec: str) -> ParallelGroup:
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     cfg_rank, u_rank = divmod(rank, config.ulysses)
     group = ParallelGroup(config, rank, world, cfg_rank, u_rank, device)
+    group.register_process()  # before the collective new_group calls: once they return, every rank has
     # new_group is collective over the whole world: every rank creates every subgroup, in the same order.
     for c in range(config.cfg):
         ranks = list(range(c * config.ulysses, (c + 1) * config.ulysses))
@@ -208,6 +273,51 @@ def init_from_env(config: ParallelConfig, device_spec: str) -> ParallelGroup:
     logger.info("parallel: rank {}/{} ({} on {}), cfg rank {}, ulysses rank {}, collective timeout {:g} s",
                 rank, world, backend, device, cfg_rank, u_rank, config.timeout_s)
     return group
+
+
+def agent_store(timeout_s: float) -> Any | None:
+    """torchrun's own store, hosted by its agent (TORCHELASTIC_USE_AGENT_STORE=True): reachable
+    without a process group and alive after any rank exits. None under another launcher."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - without it each rank simply exits on its own
+        logger.debug("torchrun's agent store is not reachable: {}", exc)
+        return None
+
+
+def refuse_launch(exc: ParallelSetupError, timeout_s: float) -> None:
+    """End a launch that does not match `parallel`: every rank sees the same launch, so rank 0
+    alone logs the refusal and every rank exits 2.
+
+    Under torchrun the ranks first meet in its agent's store (up to `timeout_s`): the launcher
+    sends SIGTERM to every rank still running once the first one exits, and a rank still importing
+    would then end as an interrupt (143, a second line) instead of with the refusal. Without
+    torchrun's environment (one process) it only logs and returns.
+    """
+    if "RANK" not in os.environ:
+        logger.error("invalid input: {}", exc)
+        return
+    from runnerkit.parallel.driver import exit_now, ignore_interrupts
+
+    ignore_interrupts()  # from here the launcher's SIGTERM must not turn status 2 into 143
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == 0:
+        logger.error("invalid input: {}", exc)
+    store = agent_store(timeout_s)
+    if store is not None:
+        key = SETUP_REFUSED_KEY.format(attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        deadline = time.monotonic() + timeout_s
+        try:
+            arrived = store.add(key, 1)
+            while arrived < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+                arrived = store.add(key, 0)
+        except Exception as wait_error:  # noqa: BLE001 - the agent went away: nothing left to wait for
+            logger.debug("rank {}: the other ranks did not all reach the refusal: {}", rank, wait_error)
+    exit_now(2)
 
 
 def split_even(n: int, parts: int, what: str, why: str) -> int:

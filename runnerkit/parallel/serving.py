@@ -42,7 +42,7 @@ from loguru import logger
 
 from runnerkit.parallel.driver import (WATCH_INTERVAL_S, RankFailed, exit_now, quiet_other_ranks, report, run_phase,
                                        start_watcher, wait_until_reported)
-from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env
+from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env, refuse_launch
 
 __all__ = ["CANCEL_REFUSED", "MESSAGE_KEY", "POLL_S", "STOPPED_KEY", "Leader", "LeaderGone", "follow"]
 
@@ -181,7 +181,7 @@ def follow(config: Any, log_level: str) -> int:
     try:
         group = init_from_env(config.parallel, config.device)
     except ParallelSetupError as exc:
-        logger.error("invalid input: {}", exc)
+        refuse_launch(exc, config.parallel.timeout_s)  # rank 0 alone logs it; under torchrun every rank exits 2
         return 2
     quiet_other_ranks(group, log_level)
     serving, signalled = threading.Event(), threading.Event()

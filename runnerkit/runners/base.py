@@ -303,7 +303,8 @@ class BaseRunner(ABC):
             dtype=self.config.dtype, cfg=cfg, attention=(self.profiler.attention or {}).get("backend"),
             offload=self.config.offload, device=self.device, text_buckets=self.text_buckets(),
             lora="off" if self.config.lora is None or self.config.lora.mode == "fused" else
-            f"unfused/r{self.config.lora.max_rank}", compute_dtype=self.config.compute_dtype)
+            f"unfused/r{self.config.lora.max_rank}", compute_dtype=self.config.compute_dtype,
+            ulysses=1 if self.config.parallel is None else self.config.parallel.ulysses)
         self.compile_cache = regional_compile.CompileCache(cfg.cache_dir, fields)
         self.compile_cache.load(will_save=self.config.warmup)
         self.profiler.compile_cache = self.compile_cache.report()

@@ -27,7 +27,7 @@ import os
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -591,7 +591,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         outputs = self.decode(latents, info)
         # 5. save
         self.report_progress(info, "save")
-        with self.profiler.stage("save"):
+        # under `parallel`, the lock keeps a failing group's cleanup (parallel/driver.py) from racing the renames
+        with self.profiler.stage("save"), self.parallel.output_lock if self.parallel is not None else nullcontext():
             written = self.save_outputs(outputs, info)
             prof.saved = True  # before logging: an interrupt from here on leaves the request finished
         for path in written:
@@ -699,7 +700,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                         current = name
                     noise_pred = self.run_step(stage, model, latents, timestep, i)
                     sched.step_post(noise_pred)
-                logger.info("{} {}/{}", label, i + 1, sched.infer_steps)
+                # marked: while the launch script's bar shows the steps, it drops these lines (runnerkit/progress.py)
+                logger.bind(denoise_step=True).info("{} {}/{}", label, i + 1, sched.infer_steps)
                 previous = i
                 self.report_progress(info, stage.name, i + 1, sched.infer_steps)  # a cancel stops here
         return sched.latents

@@ -43,7 +43,8 @@ class WarmupMixin:
         """Say what a request at a shape warmup did not run costs. Eager: a slower first step
         (WARNING). Compiled: warmup's two shapes made the token-count dimensions dynamic, which
         serve sizes >= 2 only (`regional_compile.uncovered_sizes`): INFO when every size of
-        `compiled_sizes` is covered, WARNING naming the size when one is not (the request compiles)."""
+        `compiled_sizes` is covered, WARNING naming the size when one is not (the request compiles), INFO
+        again for a later request with the same uncovered sizes (it reuses what the first one compiled)."""
         shapes = [list(x) for x in self.warmed_shapes]
         if not self.config.compile.enabled:
             logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower first step",
@@ -51,7 +52,16 @@ class WarmupMixin:
             return
         sizes = self.compiled_sizes(info)
         uncovered = regional_compile.uncovered_sizes(sizes)
-        if uncovered:
+        # torch keeps the graphs a request compiled for sizes 0 and 1: a later request with the same
+        # such sizes reuses them (the runner's own record; torch's caches are not asked)
+        compiled_by: dict[tuple[tuple[str, int], ...], int] = vars(self).setdefault("_uncovered_compiled_by", {})
+        earlier = compiled_by.get(tuple(sorted(uncovered.items()))) if uncovered else None
+        if earlier is not None:
+            logger.info("request {}: shape {} is not a warmup shape ({}) and gives the compiled blocks {}, which "
+                        "request {} compiled graphs for; the request's audit reports any compilation", index,
+                        list(info.shape), shapes, ", ".join(f"{n} {v}" for n, v in uncovered.items()), earlier)
+        elif uncovered:
+            compiled_by[tuple(sorted(uncovered.items()))] = index
             logger.warning("request {}: shape {} is not a warmup shape ({}) and gives the compiled blocks {}: torch "
                            "compiles sizes 0 and 1 as graphs of their own (dynamic dimensions serve sizes >= {}), so "
                            "this request compiles; expect a slower first step", index, list(info.shape), shapes,

@@ -269,13 +269,19 @@ def serve(args: argparse.Namespace) -> int:
         """Rank 0 of a parallel server (runnerkit/parallel/serving.py): join the group, build the runner,
         load, warm up and agree with every rank on the job thread, then ready; each job runs in lockstep."""
         from runnerkit.parallel.driver import RankFailed
+        from runnerkit.parallel.group import ParallelSetupError, refuse_launch
         from runnerkit.parallel.serving import CANCEL_REFUSED, Leader
         from runnerkit.serve.jobs import Worker
         from runnerkit.serve.metrics import Metrics
 
         try:
             leader = worker["leader"] = Leader(config, on_failed=group_failed)
-        except BaseException as exc:  # noqa: BLE001  ParallelSetupError: exit 2; anything else: 1
+        except ParallelSetupError as exc:
+            if "RANK" in os.environ:  # torchrun: the same refusal on every rank, logged once; all exit 2
+                refuse_launch(exc, config.parallel.timeout_s)
+            fail("start", exc)
+            return
+        except BaseException as exc:  # noqa: BLE001  anything else: exit 1
             fail("start", exc)
             return
         def build() -> Any:

@@ -107,3 +107,37 @@ def test_one_tensor_read_into_two_destinations_fills_both(tmp_path: Path) -> Non
     want = sd[name].view(torch.uint8).flatten()
     assert torch.equal(a, want) and torch.equal(b, want)
     reader.close()
+
+
+@pytest.mark.parametrize("max_gap", [0, 1 << 20])
+def test_the_page_cache_drop_covers_the_gaps_a_run_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        max_gap: int) -> None:
+    """Tensors `a` and `c` read in one batch, `b` (two pages and more) between them not asked for: in one
+    run the gap's bytes go through the page cache too, so the drop covers `a`'s first page to `c`'s last
+    in one call; read apart (max_gap 0), each tensor's pages alone are dropped."""
+    page = disk.PAGE_BYTES
+    sd = {"a": torch.arange(5 * page // 8, dtype=torch.float32),  # 2.5 pages
+          "b": torch.zeros(2 * page // 4 + 3, dtype=torch.float32),  # 2 pages + 12 bytes
+          "c": torch.ones(3 * page // 8, dtype=torch.float32)}  # 1.5 pages
+    path = tmp_path / "gaps.safetensors"
+    save_file(sd, str(path))
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(disk.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    reader = SafetensorsDiskReader([path], reader="pread")
+    reader.max_gap = max_gap
+    a, b, c = (reader.index[n] for n in ("a", "b", "c"))
+    assert a.offset + a.nbytes == b.offset and b.offset + b.nbytes == c.offset  # the layout the test means
+    got = _read_unit(reader, ["c", "a"])
+    assert torch.equal(got["a"], sd["a"]) and torch.equal(got["c"], sd["c"])
+
+    def pages(start: int, end: int) -> tuple[int, int, int]:
+        first, last = start // page * page, -(-end // page) * page
+        return (first, last - first, os.POSIX_FADV_DONTNEED)
+
+    if max_gap:
+        assert reader.read_calls == 1 and reader.gap_bytes_read == b.nbytes
+        assert calls == [pages(a.offset, c.offset + c.nbytes)]
+    else:
+        assert reader.read_calls == 2 and reader.gap_bytes_read == 0
+        assert calls == [pages(a.offset, a.offset + a.nbytes), pages(c.offset, c.offset + c.nbytes)]
+    reader.close()

@@ -1,7 +1,9 @@
 """One rank of a parallel test run: `python -m torch.distributed.run ... -m test_cases.parallel._rank_worker SPEC`.
 
 SPEC is a JSON file: {"argv": [runnerkit flags], "spy_dir": folder or null, "fail": {"rank": R, "phase":
-"load" | "warmup" | "request"} or null, "warmup_shapes": [[h, w, f], [h, w, f]] or null, "slow_warmup" and
+"load" | "warmup" | "request" | "end_run", "step": N, "wait_for": path} or null (end_run: the rank's
+request cleanup raises once `wait_for` exists), "kill": {"rank": R, "step": N} or null (the rank
+SIGKILLs itself before its request's step N), "warmup_shapes": [[h, w, f], [h, w, f]] or null, "slow_warmup" and
 "slow_step": {"rank": R, "seconds": S} or null}. The rank installs a collective spy (every `CollectiveCall`
 with the lifecycle phase it ran in, written to spy_dir/rank{R}.json when the run returns), injects the
 failure or the delays (slow_warmup: at the end of warmup, after its last collective; slow_step: before each
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -82,13 +85,24 @@ def main(spec_path: str) -> int:
         return run_pipeline(self, info, warmup)
 
     steps = {"n": 0}
-    run_step = WanT2VRunner.run_step
+    run_step, end_run = WanT2VRunner.run_step, DefaultRunner.end_run
+    kill = spec.get("kill") or {}
+
+    def failing_end_run(self: DefaultRunner) -> None:
+        end_run(self)
+        if fail.get("rank") == rank and fail.get("phase") == "end_run":
+            deadline = time.monotonic() + 60
+            while not Path(fail["wait_for"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            raise RuntimeError("injected failure after rank 0 saved")
 
     def failing_step(self: WanT2VRunner, *args: Any) -> Any:
         steps["n"] += 1
         phase = "warmup" if self.input_info.warmup else "request"
         if fail.get("rank") == rank and fail.get("phase") == phase and steps["n"] >= fail.get("step", 1):
             raise RuntimeError(f"injected {phase} failure")
+        if kill.get("rank") == rank and phase == "request" and steps["n"] >= kill["step"]:
+            os.kill(os.getpid(), signal.SIGKILL)
         if slow_step.get("rank") == rank and phase == "request":
             time.sleep(slow_step["seconds"])
         return run_step(self, *args)
@@ -97,6 +111,7 @@ def main(spec_path: str) -> int:
     DefaultRunner.run_warmup = spy_warmup  # type: ignore[method-assign]
     DefaultRunner.run_denoise = spy_denoise  # type: ignore[method-assign]
     WanT2VRunner.run_step = failing_step  # type: ignore[method-assign]
+    DefaultRunner.end_run = failing_end_run  # type: ignore[method-assign]
     status = infer.main(spec["argv"])
     if spec.get("spy_dir"):
         Path(spec["spy_dir"], f"rank{rank}.json").write_text(json.dumps(calls))

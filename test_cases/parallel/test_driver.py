@@ -10,6 +10,8 @@ The multi-process behaviour (collectives, a failing rank ending the group) is in
 from __future__ import annotations
 
 import signal
+import threading
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +21,7 @@ from runnerkit.interrupts import Terminated
 from runnerkit.parallel import driver
 
 PEER_LINE = "rank 1 failed during request 0: RuntimeError: injected"
+NO_FILES = SimpleNamespace(save_tensor_path=None, save_result_path=None)  # a request that writes nothing
 
 
 class Group:
@@ -26,15 +29,22 @@ class Group:
 
     rank, world_size = 0, 2
 
-    def __init__(self, failures: dict[int, str]) -> None:
-        self.recorded = failures
+    def __init__(self, failures: dict[int, str], dead: tuple[int, ...] = ()) -> None:
+        self.recorded, self.dead = failures, dead
         self.calls: list[str] = []
+        self.output_lock = threading.Lock()
 
     def failures(self, wait_s: float = 0.0) -> dict[int, str]:
         return dict(self.recorded)
 
-    def record_failure(self, line: str) -> None:
-        self.recorded[self.rank] = line
+    def record_failure(self, line: str, rank: int | None = None) -> None:
+        self.recorded[self.rank if rank is None else rank] = line
+
+    def dead_ranks(self) -> list[int]:
+        return [r for r in self.dead if r not in self.recorded]
+
+    def mark_ended(self) -> None:
+        self.calls.append("ended")
 
     def agree(self, ok: bool, what: str) -> None:
         self.calls.append(f"agree {what}")
@@ -86,7 +96,7 @@ def launch(monkeypatch: pytest.MonkeyPatch) -> Any:
         ignored: list[bool] = []
         errors: list[str] = []
         monkeypatch.setattr(driver, "init_from_env", lambda parallel, device: group)
-        monkeypatch.setattr(driver, "start_watcher", lambda group, stop: None)
+        monkeypatch.setattr(driver, "start_watcher", lambda group, stop, launch: None)
         monkeypatch.setattr(driver, "exit_now", exits.append)
         monkeypatch.setattr(driver, "ignore_interrupts", lambda: ignored.append(True))
         monkeypatch.setattr(driver, "SECONDARY_GRACE_S", 0.0)
@@ -94,7 +104,7 @@ def launch(monkeypatch: pytest.MonkeyPatch) -> Any:
         sink = logger.add(lambda m: errors.append(m.record["message"]), level="ERROR")
         try:
             status = driver.run_parallel(SimpleNamespace(), SimpleNamespace(parallel=None, device="cpu"),
-                                         [object()] * n_requests, lambda config: runner)
+                                         [NO_FILES] * n_requests, lambda config: runner)
         finally:
             logger.remove(sink)
         assert exits == ([status] if status else []), exits  # a failure or interrupt ends the process at once
@@ -107,8 +117,9 @@ def test_every_request_split_is_checked_after_init_before_any_runs(launch: Any) 
     group = Group({})
     runner = Runner(group.calls)
     assert launch(group, runner, 2) == (0, [], False)
-    assert group.calls == ["attach_parallel", "check_requests_fit", "init_modules", "agree init", "check_requests_split",
-                           "run_pipeline 0", "agree request 0", "run_pipeline 1", "agree request 1", "close"]
+    assert group.calls == ["attach_parallel", "check_requests_fit", "init_modules", "agree init",
+                           "check_requests_split", "run_pipeline 0", "agree request 0", "run_pipeline 1",
+                           "agree request 1", "ended", "close"]
 
 
 def test_a_refused_split_ends_the_launch_before_any_request(launch: Any) -> None:
@@ -130,6 +141,17 @@ def test_sigterm_after_a_peer_failed_reports_the_peer(launch: Any) -> None:
     assert errors == [f"{PEER_LINE}; ending all 2 ranks"]
 
 
+def test_sigterm_after_a_peer_died_names_the_peer(launch: Any) -> None:
+    """The launcher's SIGTERM follows a peer's death without a record (SIGKILL): rank 0 names the
+    rank in one fixed line, records it for the other survivors, and exits 1, not 143."""
+    line = ("rank 1 died without reporting during request 0: its process ended without recording a failure (killed "
+            "by a signal such as SIGKILL or the OOM killer, or crashed)")
+    group = Group({}, dead=(1,))
+    status, errors, ignored = launch(group, Runner(group.calls, "run_pipeline 0", Terminated()), 1)
+    assert (status, errors, ignored) == (1, [f"{line}; ending all 2 ranks"], True)
+    assert group.recorded == {1: line}
+
+
 @pytest.mark.parametrize(("exc", "status", "line"), [
     (Terminated(), 143, "interrupted (SIGTERM during request 1); 1 of 2 requests finished"),
     (KeyboardInterrupt(), 130, "interrupted (Ctrl-C during request 1); 1 of 2 requests finished"),
@@ -149,3 +171,20 @@ def test_ignore_interrupts_ignores_sigterm_and_sigint() -> None:
     finally:
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGINT, before[1])
+
+
+def test_a_failed_requests_files_are_removed_temporary_names_included(tmp_path: Path) -> None:
+    """The running request's final files and this process's temporary ones (media.py's
+    `.{stem}.partial-{pid}-*`) go; another request's files and another process's temporary files stay."""
+    import os
+
+    request = SimpleNamespace(save_tensor_path=str(tmp_path / "a.safetensors"),
+                              save_result_path=str(tmp_path / "a.mp4"))
+    names = ["a.safetensors", "a.mp4", "a.json", f".a.partial-{os.getpid()}-0a1b2c.mp4", "b.mp4",
+             ".a.partial-1-0a1b2c.mp4"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    launch = driver.Launch(phase="request 0", files=driver.request_files(request))
+    driver.remove_request_files(launch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".a.partial-1-0a1b2c.mp4", "b.mp4"]
+    assert launch.files == []

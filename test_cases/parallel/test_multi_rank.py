@@ -170,6 +170,24 @@ def test_cfg_parallel_under_torchrun_is_bit_identical(ckpt: Path, tmp_path: Path
     assert requests == [["agree:init", "world", [1]]] + [gather] * STEPS + [["agree:request 0", "world", [1]]]
 
 
+def test_a_wrong_world_size_is_reported_once_by_rank_0(ckpt: Path, tmp_path: Path) -> None:
+    """ulysses 4 launched with 2 processes through torchrun: rank 0 alone logs the refusal (one line)
+    and every rank exits 2 (the ranks meet in torchrun's store first, so none is still starting when
+    the launcher sends SIGTERM); torchrun itself exits 1 with its own ChildFailedError summary, which
+    no rank can prevent."""
+    config = _config(ckpt, tmp_path, {"ulysses": 4})
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), "-m", "runnerkit.infer", *_argv(config, None, warmup=False)], cwd=REPO,
+                         env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = run.stdout + run.stderr
+    assert ERROR_LINE.findall(output) == ["invalid input: `parallel` = cfg 1 x ulysses 4 needs 4 processes, but "
+                                          "WORLD_SIZE is 2: use `torchrun --nproc_per_node 4` or change "
+                                          "`parallel`"], output
+    assert run.returncode == 1, output
+    ranks = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\n\s+exitcode\s+: (-?\d+)", output)
+    assert sorted(ranks) == [("0", "2"), ("1", "2")], output
+
+
 def test_cfg_and_ulysses_on_four_ranks(ckpt: Path, tmp_path: Path, forkserver: Any) -> None:
     """4 ranks, cfg 2 x ulysses 2, with warmup: the video matches one process (tolerance: module doc) and
     every rank issued the same collectives in the same order, warmup included."""

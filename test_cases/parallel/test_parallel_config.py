@@ -131,22 +131,29 @@ def test_tokens_that_do_not_divide_are_refused_before_the_first_step(tiny_ckpt: 
         runner.run_pipeline(request, 0)
 
 
-def test_warmup_runs_the_shapes_whose_tokens_divide(tiny_ckpt: Path) -> None:
+def test_warmup_runs_the_shapes_whose_tokens_divide(tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under ulysses 2 warmup drops a shape whose tokens do not divide (48x80x9: 45), naming it in a
-    warning; with none left it refuses, naming every shape's count."""
+    warning, runs the others and records exactly those as `warmed_shapes` (what the 'not warmed' line
+    and the profile's `warmed_shape` read); with none left it refuses, naming every shape's count."""
     from loguru import logger
 
-    runner = _runner(tiny_ckpt, {"ulysses": 2})
-    runner.init_modules()
+    runner = _runner(tiny_ckpt, {"ulysses": 2}, warmup=True)
+    ran: list[tuple[tuple[int, int, int], ...]] = []
+    monkeypatch.setattr(runner, "warmup_shapes", lambda: ((48, 80, 9), (32, 32, 5), (32, 64, 5)))
+    monkeypatch.setattr(runner, "run_warmup", lambda shapes: ran.append(tuple(shapes)))  # no collective to reach
     warnings: list[str] = []
     sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
     try:
-        assert runner.runnable_warmup_shapes([(48, 80, 9), (32, 32, 5)]) == ((32, 32, 5),)
+        runner.init_modules()
     finally:
         logger.remove(sink)
-    assert warnings == ["warmup: skipped shape [48, 80, 9]: `parallel.ulysses`=2 needs the transformer's tokens "
-                        "divisible by 2, got 45 (stage 'transformer' at shape [48, 80, 9]; choose a shape whose tokens "
-                        "divide) (a request of that shape is refused as well)"]
+    assert [w for w in warnings if w.startswith("warmup")] == [
+        "warmup: skipped shape [48, 80, 9]: `parallel.ulysses`=2 needs the transformer's tokens divisible by 2, got 45 "
+        "(stage 'transformer' at shape [48, 80, 9]; choose a shape whose tokens divide) (a request of that shape is "
+        "refused as well)"]
+    assert ran == [((32, 32, 5), (32, 64, 5))]
+    assert runner.warmed_shapes == ((32, 32, 5), (32, 64, 5))
+    assert runner.profiler.warmup["shapes"] == [[32, 32, 5], [32, 64, 5]]
     with pytest.raises(NotImplementedError, match=r"^`parallel.ulysses`=2: no warmup shape of WanT2VRunner has tokens "
                                                   r"that divide \(\[48, 80, 9\]: .*got 45 .*; \[16, 48, 1\]: .*got 3 "):
         runner.runnable_warmup_shapes([(48, 80, 9), (16, 48, 1)])

@@ -310,3 +310,25 @@ def test_a_follower_keeps_no_job_profile_between_jobs(monkeypatch: pytest.Monkey
     assert serving.follow(config, "WARNING") == 0
     assert held == [0, 0, 0, 0, 0]
     assert messages[serving.STOPPED_KEY] == 1
+
+
+def test_a_wrong_world_size_is_reported_once_by_rank_0_of_the_server(ckpt: Path, tmp_path: Path) -> None:
+    """`runnerkit serve` under torchrun with ulysses 4 on 2 processes: rank 0 alone logs the refusal,
+    every rank exits 2 (as the launch script does: test_multi_rank.py), no HTTP server starts."""
+    import subprocess
+    import sys
+
+    from test_cases.parallel.test_multi_rank import REPO, _env, _free_port
+
+    config = _config(ckpt, tmp_path, {"ulysses": 4})
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), "-m", "runnerkit.infer", "serve", "--config_json", str(config),
+                          "--port", "0", "--output_dir", str(tmp_path / "out")], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = run.stdout + run.stderr
+    assert ERROR_LINE.findall(output) == ["invalid input: `parallel` = cfg 1 x ulysses 4 needs 4 processes, but "
+                                          "WORLD_SIZE is 2: use `torchrun --nproc_per_node 4` or change "
+                                          "`parallel`"], output
+    ranks = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\n\s+exitcode\s+: (-?\d+)", output)
+    assert sorted(ranks) == [("0", "2"), ("1", "2")], output
+    assert "Uvicorn running" not in output

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from runnerkit.config import RunnerConfig, format_validation_error
 from runnerkit.images import read_pil_image
+from runnerkit.lora import linear_targets
 from runnerkit.media import missing_media_module, recompress_h264
 from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
@@ -235,6 +236,14 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
             raise ValueError(format_validation_error(exc, "`model` (ltx2 architecture)").replace("\n  ", "\n  model.")
                              + "\n  (`model` takes the components " + str(sorted(LTX2Arch.model_fields))
                              + " in diffusers' config names, runnerkit/models/ltx2/*arch*.py)") from None
+
+    @classmethod
+    def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+        """The blocks' linear layers of `config.model`'s transformer (video, audio and cross-modal
+        attention, feed-forwards); our names are diffusers' in every layout."""
+        model = build_on_meta(lambda: LTX2Transformer(cls.parse_arch(config.model).transformer))
+        return {n: (m.out_features, m.in_features) for n, m in linear_targets(model).items()
+                if n.startswith("transformer_blocks.")}, {}
 
     # ---- modules that tests and tools look at ---------------------------------------------
     @property

@@ -178,8 +178,9 @@ def test_bucketing_keeps_the_image_and_same_bucket_prompts_share_one_shape(
 def test_warmup_runs_every_bucket_at_every_warmup_shape(qwen_t2i_ckpt: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Spies on the attention call's key lengths and the text encoder's input lengths: warmup runs
-    every bucket a prompt can reach at each warmup shape, and a request of a length warmup never
-    saw then runs at lengths warmup ran. Also counts warmup's calls (its added cost on the CPU)."""
+    every bucket a prompt can reach at each warmup shape, and requests of lengths warmup never saw
+    run at their own prompt's bucket, all of them warmed. Also counts warmup's calls (its added cost
+    on the CPU)."""
     keys = spy_attention(monkeypatch)
     encoder_inputs: list[int] = []
     real_encode = te.QwenPromptEncoder._encode
@@ -204,13 +205,24 @@ def test_warmup_runs_every_bucket_at_every_warmup_shape(qwen_t2i_ckpt: Path, tmp
     assert set(keys) == expected
     assert len(keys) == layers * 2 * len(expected)  # every (bucket, shape): one step, cond + uncond, each layer
     warmed_keys, warmed_inputs = set(keys), set(encoder_inputs)
-    keys.clear()
-    encoder_inputs.clear()
-    prompt = "x " * 60  # a length warmup's prompts never had (bucket 256)
-    assert te.bucket_length(runner.prompt_length(prompt), buckets) == 256 and runner.prompt_length(prompt) != 256
+    # Requests: each prompt pads to the smallest bucket that holds it (the literal below, not
+    # `bucket_length`), the default negative prompt to 128, lengths warmup never had among them.
+    assert runner.config.negative_prompt is None and runner.prompt_length(runner.DEFAULT_NEGATIVE_PROMPT) <= 128
     (tmp_path / "r").mkdir()
-    _image(runner, tmp_path / "r", prompt, 0)
-    assert keys and set(keys) <= warmed_keys and set(encoder_inputs) <= warmed_inputs
+    steps = runner.config.infer_steps
+    # the tiny tokenizer: 108 + 2 k tokens for "x " * k; 128 fills its bucket exactly
+    for i, (k, bucket) in enumerate([(5, 128), (10, 128), (60, 256), (150, 512)]):
+        prompt = "x " * k
+        length = runner.prompt_length(prompt)
+        assert bucket // 2 < length <= bucket and (length == 128) == (k == 10), (prompt, length)
+        keys.clear()
+        encoder_inputs.clear()
+        _image(runner, tmp_path / "r", prompt, i)
+        assert sorted(encoder_inputs) == sorted([te.T2I_DROP_IDX + bucket, te.T2I_DROP_IDX + 128]), (length, bucket)
+        n = runner.config.target_height * runner.config.target_width // 256  # image tokens (16x16 pixels each)
+        assert sorted(set(keys)) == sorted({bucket + n, 128 + n}), (length, bucket)
+        assert len(keys) == steps * layers * 2  # cond + uncond, each layer, each step
+        assert set(keys) <= warmed_keys and set(encoder_inputs) <= warmed_inputs
 
 
 def test_text_buckets_setting_is_checked(qwen_t2i_ckpt: Path, tiny_ckpt: Path) -> None:
