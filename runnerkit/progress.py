@@ -5,8 +5,8 @@ The bar is one tqdm bar per denoise stage of a request, e.g.
     request 0 transformer: 100%|██████████| 4/4 [00:01<00:00, 2.91step/s]
 
 driven by the runner's `on_progress` observer (runners/base.py `Progress`), which is called on
-host-side stage and step boundaries and never during warmup (warmup logs its steps, no bar). A Wan
-MoE stage is one bar (the experts share its steps); LTX-2's two stages are two bars. The bar holds
+host-side stage and step boundaries and never during warmup (warmup logs its steps, no bar). One bar
+per denoise stage: a stage whose experts share its steps is one bar, a two-stage family shows two. The bar holds
 no tensor and imports no torch: it adds no device synchronization and cannot touch RNG or compute.
 
 Its ETA is tqdm's: the steps left over a smoothed rate of those host-side step boundaries. On CUDA
