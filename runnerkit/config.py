@@ -87,10 +87,12 @@ class OffloadConfig(_Strict):
     """Where weights live between uses (ARCHITECTURE §4)."""
 
     mode: Literal["none", "model", "block", "phase", "auto"] = Field(
-        "none", description="none: all resident; model: whole modules visit the GPU for their stage; "
-        "block/phase: transformer blocks (or their self-attn / cross-attn / FFN phases) stream through GPU slots; "
-        "auto: the memory planner (runnerkit/runners/plan.py, docs/memory_plan.md) chooses the fastest of these "
-        "that fits the device and host memory, before anything loads; the other keys set here constrain its choice.")
+        "auto", description="auto (the default): the memory planner (runnerkit/runners/plan.py, docs/memory_plan.md) "
+        "chooses the fastest of the modes below that fits the device and host memory, before anything loads; the "
+        "other keys set here constrain its choice (left unset, a family without a memory estimate, a run with "
+        "`memory.check_fit` false or `unload_modules` stays resident). none: all resident, refused if it does not "
+        "fit; model: whole modules visit the GPU for their stage; block/phase: transformer blocks (or their "
+        "self-attn / cross-attn / FFN phases) stream through GPU slots.")
     storage: Literal["cpu", "disk"] = Field(
         "cpu", description="cpu: streamed weights live in (pinned) host memory; disk: they stream from the "
         "checkpoint's safetensors files every step.")
@@ -451,7 +453,8 @@ class RunnerConfig(_Strict):
 
     @model_validator(mode="after")
     def _combinations(self) -> "RunnerConfig":
-        if self.unload_modules and self.offload.mode != "none":
+        default_auto = self.offload.mode == "auto" and "mode" not in self.offload.model_fields_set
+        if self.unload_modules and self.offload.mode != "none" and not default_auto:
             raise ValueError(f"`unload_modules`=true loads whole modules per request; it cannot be combined with "
                              f"`offload.mode`={self.offload.mode!r}")
         if self.lora is not None and self.lora.mode == "fused" and self.offload.mode in ("block", "phase"):

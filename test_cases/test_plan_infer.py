@@ -46,6 +46,16 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture
+def logs() -> Any:
+    from loguru import logger
+
+    lines: list[str] = []
+    handler = logger.add(lambda m: lines.append(m.rstrip("\n")), level="DEBUG", format="{level} {message}")
+    yield lines
+    logger.remove(handler)
+
+
 def _model() -> dict[str, Any]:
     model = json.loads(TINY_CONFIG.read_text())["model"]
     model["transformer"] = {**model["transformer"], "num_layers": 4}
@@ -152,7 +162,7 @@ def test_nothing_fits_exits_2_before_loading(ckpt: Path, tmp_path: Path, monkeyp
 def test_on_the_cpu_auto_keeps_everything_resident_and_says_why(ckpt: Path) -> None:
     runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "auto"})))
     plan = runner.plan_memory([SHAPE])
-    assert plan is not None and runner.config.offload == OffloadConfig()
+    assert plan is not None and runner.config.offload == OffloadConfig(mode="none")
     assert "the device is the CPU" in plan.why
 
 
@@ -195,11 +205,11 @@ def test_a_conflict_names_where_each_value_came_from(tmp_path: Path, capsys: pyt
     assert f"invalid config {path} with command-line overrides:" in err, err
     assert (f"(`offload.weight_dtype`='auto' from the config file {str(path)!r}; `offload.mode`='block' from the "
             "command line (--offload))") in err, err
-    # the file alone: its own mode; a value set nowhere: the default
-    with pytest.raises(ValueError, match=r"`offload.mode`='none' \(the default: not set\)\)"):
-        load_runner_config(write_config(tmp_path / "d.json", {"model_cls": "x", "model_path": "/x",
-                                                              "offload": {"weight_dtype": "auto"}}),
-                           {"device": "cpu"})
+    # a mode set nowhere is the default, auto, which `weight_dtype` 'auto' needs
+    alone = load_runner_config(write_config(tmp_path / "d.json", {"model_cls": "x", "model_path": "/x",
+                                                                  "offload": {"weight_dtype": "auto"}}), {})
+    assert (alone.offload.mode, alone.offload.weight_dtype, "mode" in alone.offload.model_fields_set) == (
+        "auto", "auto", False)
     # a whole section given as an override replaces the file's: its keys come from the override
     with pytest.raises(ValueError, match=r"`offload.weight_dtype`='auto' from the command line \(--offload\); "
                                          r"`offload.mode`='model' from the command line \(--offload\)"):
@@ -399,3 +409,49 @@ def test_the_plan_keeps_the_headroom_under_a_read_limit(tiny_ckpt: Path, monkeyp
     configured.plan_memory(())
     assert configured.config.offload.mode == "none"
     assert configured.device_budget() == memory.MemoryLimit(resident, "config memory.limit_gib")
+
+
+def test_a_config_without_an_offload_mode_plans_automatically(
+        ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """No `offload.mode` on a CUDA device: the plan runs as with `--offload auto` (the same concrete config,
+    the log says the mode was not set, the profile's `memory_plan.requested` has no mode); an explicit
+    `none` at the same limit is resident-or-refuse: exit 2, no plan."""
+    device_gib, host_gib = _limits(ckpt)
+    limits = {"memory": {"limit_gib": device_gib, "host_limit_gib": host_gib}}
+    request = ["--prompt", "a fox", "--seed", "3", "--target_height", "32", "--target_width", "32",
+               "--target_video_length", "5", "--save_tensor_path", tmp_path / "v.safetensors"]
+    _plan_for_cuda(monkeypatch)
+    rc, err = _cli(capsys, "--config_json", write_config(tmp_path / "default.json", _config(ckpt, **limits)),
+                   *request, "--profile_json", tmp_path / "p.json")
+    assert rc == 0, err
+    plan = json.loads((tmp_path / "p.json").read_text())["memory_plan"]
+    assert plan["requested"] == {} and plan["offload"] == OffloadConfig(**LAZY_DISK).model_dump(mode="json")
+    assert "memory plan: `offload.mode` not set, so the plan is automatic" in err
+    rc, err = _cli(capsys, "--config_json", write_config(tmp_path / "none.json", _config(
+        ckpt, offload={"mode": "none"}, **limits)), *request)
+    assert rc == 2 and "memory plan" not in err, err
+    assert "invalid input: request 0 (command line): shape 32x32x5" in err, err
+
+
+def test_without_an_estimate_the_default_stays_resident_and_says_why(tmp_path: Path, logs: list[str]) -> None:
+    """A family without a memory estimate (Qwen-Image's tiny config on a fake CUDA device): the default
+    mode keeps every module resident with one INFO line; `--offload auto` is refused (test above)."""
+    from runnerkit.models.qwen_image.runner import QwenImageRunner
+
+    cfg = load_runner_config(REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json", {"device": "cpu"})
+    runner = QwenImageRunner(cfg)
+    runner.memory_device = lambda: CUDA  # type: ignore[method-assign]
+    runner.device_budget = lambda: memory.MemoryLimit(80 * fit.GIB, "test")  # type: ignore[method-assign]
+    assert runner.plan_memory(()) is None
+    assert runner.config.offload == OffloadConfig(mode="none")
+    assert [line for line in logs if "every module resident" in line] == [
+        "INFO memory plan: `offload.mode` not set, every module resident: QwenImageRunner gives no memory "
+        "estimate (estimate_memory) to plan from"]
+
+
+def test_unload_modules_with_the_default_mode_is_accepted() -> None:
+    cfg = load_runner_config(None, {"model_cls": "x", "model_path": "/x", "unload_modules": True})
+    assert cfg.offload.mode == "auto" and "mode" not in cfg.offload.model_fields_set
+    with pytest.raises(ValueError, match=r"cannot be combined with `offload.mode`='auto'"):
+        load_runner_config(None, {"model_cls": "x", "model_path": "/x", "unload_modules": True,
+                                  "offload": {"mode": "auto"}})

@@ -472,7 +472,11 @@ class BaseRunner(ABC):
         Raises:
             NotImplementedError: `offload.mode` auto on a runner that cannot plan.
         """
-        if self.config.offload.mode == "auto":
+        offload = self.config.offload
+        if offload.mode == "auto" and "mode" not in offload.model_fields_set:  # the default: resident here
+            self.update_config(offload=type(offload).model_validate({**offload.model_dump(exclude_unset=True),
+                                                                     "mode": "none"}))
+        elif offload.mode == "auto":
             raise NotImplementedError(f"`offload.mode`='auto': {type(self).__name__} has no memory planner; choose "
                                       "`offload.mode` none/model/block/phase yourself")
         return None

@@ -293,7 +293,7 @@ def streams(name: str, footprint: ModuleFootprint, offload: OffloadConfig) -> bo
 def _held(name: str, footprint: ModuleFootprint, stage_module: str | None, config: RunnerConfig,
           device: torch.device) -> int:
     """Weight bytes of module `name` on `device` while the stage of `stage_module` runs (None: between stages)."""
-    off = config.offload
+    off = config.offload  # mode auto not yet planned: judged as its first candidate, resident
     in_stage = name == stage_module
     on_cpu = device.type == "cpu"
     extra = footprint.device_extra_bytes  # on the device while the module exists (LoRA slots)
@@ -304,7 +304,7 @@ def _held(name: str, footprint: ModuleFootprint, stage_module: str | None, confi
         part = footprint.stream_resident_bytes + footprint.stream_slot_bytes + extra
         part += footprint.stream_host_bytes if on_cpu else 0
         return part if (in_stage or not off.lazy_load) else 0
-    if off.mode == "none" or on_cpu:
+    if off.mode in ("none", "auto") or on_cpu:
         return footprint.weight_bytes + extra  # resident; on the CPU offloaded modules live in the same memory
     if in_stage:  # model offload: the weights visit the device for their stage
         return footprint.weight_bytes + extra

@@ -202,6 +202,12 @@ class RequestChecksMixin:
         device_limit = self.device_budget() if cfg.memory.check_fit or cfg.offload.mode == "auto" else None
         if cfg.offload.mode != "auto":
             return None
+        chosen = "mode" in cfg.offload.model_fields_set
+        if not chosen and (why := self._resident_by_default(device_limit)):
+            logger.info("memory plan: `offload.mode` not set, every module resident: {}", why)
+            self.update_config(offload=OffloadConfig.model_validate(
+                {**cfg.offload.model_dump(exclude_unset=True), "mode": "none"}))
+            return None
         shapes = list(shapes) or [(cfg.target_height, cfg.target_width, cfg.target_video_length)]
         if cfg.warmup:
             shapes += list(self.warmup_shapes())
@@ -221,10 +227,37 @@ class RequestChecksMixin:
         result = plan.plan_offload(cfg, shapes, device, self._estimate_with, device_limit, host_limit,
                                    self.denoise_passes_per_step, self._plan_supports,
                                    (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR))
+        if not chosen:
+            logger.info("memory plan: `offload.mode` not set, so the plan is automatic (`offload.mode` 'none' keeps "
+                        "every module resident, or refuses)")
         logger.info(plan_report.describe(result))
         self.profiler.memory_plan = plan_report.report(result, cfg.offload)
         self.update_config(offload=result.offload)
         return result
+
+    def _resident_by_default(self, device_limit: memory.MemoryLimit | None) -> str | None:
+        """Why a config that does not set `offload.mode` (auto by default) keeps every module resident
+        without a plan, or None to plan: the user turned the memory check off, `unload_modules` places
+        the modules itself, the device's memory cannot be read, or the family has no estimate before
+        loading (explicit `offload.mode` 'auto' refuses these)."""
+        cfg = self.config
+        if not cfg.memory.check_fit:
+            return "`memory.check_fit` is false"
+        if cfg.unload_modules:
+            return "`unload_modules` loads each module for its stage"
+        if self.memory_device().type == "cpu":  # the plan would take resident first: the same, without a plan
+            return "on the CPU the weights live in host memory whatever the mode, so offload cannot lower the peak"
+        if device_limit is None:
+            return f"the memory of device {self.memory_device()} cannot be read"
+        shape = (cfg.target_height, cfg.target_width, cfg.target_video_length)
+        with self._offload_for_estimate(OffloadConfig(mode="none")):
+            try:
+                estimate = self.estimate_memory(shape)
+            except fit.EstimateUnavailable as exc:
+                return f"the memory estimate is not available before loading ({exc})"
+        if estimate is None:
+            return f"{type(self).__name__} gives no memory estimate (estimate_memory) to plan from"
+        return None
 
     # ---- memory fit (runners/fit.py) --------------------------------------------------------
     def check_fit(self, shape: Shape, what: str) -> PeakEstimate | None:
@@ -239,8 +272,9 @@ class RequestChecksMixin:
         Raises:
             MemoryFitError: naming `what`, the shape, the estimate, the limit and what to change.
         """
+        if self.config.offload.mode == "auto":  # checked before init_modules (the API): plan first
+            self.plan_memory(())
         cfg = self.config
-        assert cfg.offload.mode != "auto", "plan_memory resolves offload.mode auto before any fit check"
         if not cfg.memory.check_fit:
             return None
         try:

@@ -255,7 +255,7 @@ def test_host_bytes_terms() -> None:
     assert host.modules == {"text_encoder": 4 * GIB, "transformer": slabs, "vae": GIB}
     assert (host.transient_module, host.transient_bytes) == ("transformer", int(10 * GIB) - int(10 * GIB) * 9 // 10)
     assert host.bytes == 5 * GIB + slabs + host.transient_bytes + fit.PROCESS_HOST_BYTES
-    resident = fit.host_bytes_of(est, cfg.model_copy(update={"offload": OffloadConfig()}), CUDA)
+    resident = fit.host_bytes_of(est, cfg.model_copy(update={"offload": OffloadConfig(mode="none")}), CUDA)
     assert resident.modules == {} and resident.transient_bytes == 10 * GIB  # the largest module is read through host
     on_cpu = fit.host_bytes_of(est, cfg, CPU)
     assert on_cpu.bytes == fit.peak_of(est, cfg, CPU).bytes  # the device is the host
@@ -394,7 +394,7 @@ def test_refusal_names_the_explicit_key_that_excludes_a_fitting_candidate() -> N
 
 
 def test_plan_refuses_a_concrete_mode() -> None:
-    cfg = load_runner_config(None, {"model_cls": "x", "model_path": "/x"})
+    cfg = load_runner_config(None, {"model_cls": "x", "model_path": "/x", "offload": {"mode": "none"}})
     with pytest.raises(ValueError, match="resolves `offload.mode`='auto' only"):
         plan_offload(cfg, (BASE,), CUDA, synthetic(), limit(80), limit(64), two_passes)
 
