@@ -1,0 +1,127 @@
+"""The shipped LTX-2.3 22B config with no offload keys (the default plan), through the launch script,
+on the whole device or under a cap; records the plan, the kept budget against what the device offers
+at every later check, request times, step times and peaks.
+
+    python3 bench/default_plan.py --ckpt /tmp/ltx23fp8 --write --arms full --requests 2 --out $OUT/default_plan_h100
+
+`--write` writes the synthetic fp8 single file with a Gemma-3 of the release's 12B size
+(`bench/small_machine.py`'s writer). Each arm is a fresh process (`--worker`) that runs
+`runnerkit.infer.main` on `configs/ltx2/ltx23_t2av_22b_distilled.json` (no `offload` key), with the
+synthetic paths and a requests file of `--requests` t2av requests at 512x768x121 and warmup. Arm
+`full`: the whole device, nothing configured. Arm `N` (GiB): `torch.cuda.set_per_process_memory_fraction`
+caps the allocator at N GiB, and the config adds `memory.limit_gib` N and `memory.host_limit_gib` 32.
+A spy on `check_fit` records, at the warmup gate and each request, the runner's kept budget and what
+a re-read of the device (free + reserved) would give: the drift the CUDA libraries cause after loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import add_worker_flags, worker_command  # noqa: E402
+from bench.small_machine import SHAPE, write_checkpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "ltx2" / "ltx23_t2av_22b_distilled.json"
+GIB = 2**30
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from runnerkit import infer, memory
+    from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FILE
+    from runnerkit.runners.requests import RequestChecksMixin
+
+    result, out_dir = Path(args.result), Path(args.result).with_suffix("")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = json.loads(CONFIG.read_text())
+    if args.arm != "full":
+        cap = float(args.arm)
+        torch.cuda.set_per_process_memory_fraction(cap * GIB / torch.cuda.get_device_properties(0).total_memory)
+        data["memory"] = {"limit_gib": cap, "host_limit_gib": 32.0}
+    config = out_dir / "config.json"
+    config.write_text(json.dumps(data))
+    h, w, f = SHAPE
+    lines = [{"prompt": f"a lighthouse in a storm at night, take {k}", "seed": 42, "target_height": h,
+              "target_width": w, "target_video_length": f, "save_tensor_path": str(out_dir / f"r{k}.safetensors")}
+             for k in range(args.requests)]
+    requests = out_dir / "requests.jsonl"
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    checks: list[dict[str, Any]] = []
+    real_check = RequestChecksMixin.check_fit
+
+    def spy(self: Any, shape: Any, what: str) -> Any:
+        budget = self.device_budget()
+        reread = memory.memory_limit(self.memory_device())
+        checks.append({"what": what, "budget_gib": budget.bytes / GIB if budget else None,
+                       "device_offers_gib": reread.bytes / GIB if reread else None,
+                       "reserved_gib": torch.cuda.memory_reserved() / GIB, "t": time.perf_counter()})
+        return real_check(self, shape, what)
+
+    RequestChecksMixin.check_fit = spy  # type: ignore[method-assign]
+    ckpt = Path(args.ckpt)
+    profile = out_dir / "profile.json"
+    t0 = time.perf_counter()
+    rc = infer.main(["--config_json", str(config), "--model_path", str(ckpt / SINGLE_FILE),
+                     "--upsampler_path", str(ckpt / UPSAMPLER_FILE), "--text_encoder_path", str(ckpt / "text_encoder"),
+                     "--requests", str(requests), "--profile_json", str(profile)])
+    report = json.loads(profile.read_text()) if profile.is_file() else {}
+    out = {"arm": args.arm, "exit_status": rc, "seconds": time.perf_counter() - t0, "checks": checks,
+           "memory_plan": report.get("memory_plan"), "warmup": report.get("warmup"),
+           "load_seconds": (report.get("phases") or {}).get("load_seconds"),
+           "requests": [{k: r.get(k) for k in ("index", "seconds", "stage_seconds", "step_seconds", "memory", "ok")}
+                        for r in report.get("requests", [])],
+           "max_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+           "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+           "peak_rss_gib": memory.host_memory().peak_rss_gib}
+    result.write_text(json.dumps(out, indent=1, default=str))
+
+
+def main() -> None:
+    import subprocess
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--write", action="store_true", help="write the synthetic fp8 22B checkpoint first (if absent)")
+    p.add_argument("--arms", nargs="+", default=["full"], help="'full' or a device cap in GiB, one process each")
+    p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--out", required=True)
+    add_worker_flags(p)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.write:
+        write_checkpoint(Path(args.ckpt))
+    for arm in args.arms:
+        result = Path(f"{args.out}_{arm}.json")
+        with open(f"{args.out}_{arm}.log", "w") as log:
+            rc = subprocess.run(worker_command(Path(__file__), ["--ckpt", args.ckpt, "--requests", str(args.requests),
+                                                                "--arm", arm], result),
+                                stdout=log, stderr=subprocess.STDOUT).returncode
+        run = json.loads(result.read_text()) if result.is_file() else {"exit_status": rc}
+        plan = run.get("memory_plan") or {}
+        print(f"arm {arm}: exit {rc}, plan {plan.get('candidate')} (estimate {plan.get('device_gib')} of "
+              f"{plan.get('device_limit_gib')} GiB: {plan.get('device_limit_source')}), load {run.get('load_seconds')}, "
+              f"warmup {(run.get('warmup') or {}).get('seconds')}", flush=True)
+        for c in run.get("checks", []):
+            print(f"  check {c['what']}: budget {c['budget_gib']:.3f} GiB, device offers {c['device_offers_gib']:.3f} "
+                  f"GiB, reserved {c['reserved_gib']:.2f}", flush=True)
+        for r in run.get("requests", []):
+            print(f"  request {r['index']}: {r['seconds']:.2f} s, steps {[round(s, 3) for s in r['step_seconds']]}, "
+                  f"stages { {k: round(v, 2) for k, v in (r['stage_seconds'] or {}).items()} }, "
+                  f"memory {r['memory']}", flush=True)
+        print(f"  peaks: allocated {run.get('max_allocated_gib')}, reserved {run.get('max_reserved_gib')}, "
+              f"RSS {run.get('peak_rss_gib')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
