@@ -30,6 +30,7 @@ from runnerkit.runners.requests import RequestChecksMixin
 from test_cases.conftest import REPO, TINY_CONFIG, config_dict, write_config
 from test_cases._cli import no_gc_freeze, restore_logger  # noqa: F401 (autouse fixtures)
 from test_cases._cli import run_cli as _cli
+from test_cases.runners.test_fit import logs  # noqa: F401 (fixture)
 
 CUDA = torch.device("cuda")
 SHAPE = (32, 32, 5)  # small: two runs of this file decode it
@@ -44,16 +45,6 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("plan_ckpt") / "wan"
     write_synthetic(WanArch.model_validate(_model()), path, seed=0, dtype=torch.float32)
     return path
-
-
-@pytest.fixture
-def logs() -> Any:
-    from loguru import logger
-
-    lines: list[str] = []
-    handler = logger.add(lambda m: lines.append(m.rstrip("\n")), level="DEBUG", format="{level} {message}")
-    yield lines
-    logger.remove(handler)
 
 
 def _model() -> dict[str, Any]:
