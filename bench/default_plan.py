@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="write the synthetic fp8 22B checkpoint first (if absent)")
     p.add_argument("--arms", nargs="+", default=["full"], help="'full' or a device cap in GiB, one process each")
     p.add_argument("--requests", type=int, default=2)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the files prefix (required unless --worker)")
     add_worker_flags(p)
     args = p.parse_args()
     if args.worker:
