@@ -43,7 +43,8 @@ from typing import Any
 from loguru import logger
 
 from runnerkit.interrupts import exit_status, interrupted_line
-from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env, refuse_launch
+from runnerkit.parallel.group import (SETUP_REFUSED_KEY, TORCHRUN_ENV, ParallelGroup, ParallelSetupError,
+                                      agent_store, init_from_env)
 
 __all__ = ["run_parallel"]
 
@@ -236,6 +237,36 @@ def ignore_interrupts() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def refuse_launch(exc: ParallelSetupError, timeout_s: float) -> None:
+    """End a launch that does not match `parallel`: every rank sees the same launch, so rank 0
+    alone logs the refusal and every rank exits 2.
+
+    Under torchrun the ranks first meet in its agent's store (up to `timeout_s`): the launcher
+    sends SIGTERM to every rank still running once the first one exits, and a rank still importing
+    would then end as an interrupt (143, a second line) instead of with the refusal. Without
+    torchrun's environment (one process) it only logs and returns.
+    """
+    if any(k not in os.environ for k in TORCHRUN_ENV):  # one process, or a partial environment: no group
+        logger.error("invalid input: {}", exc)
+        return
+    ignore_interrupts()  # from here the launcher's SIGTERM must not turn status 2 into 143
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == 0:
+        logger.error("invalid input: {}", exc)
+    store = agent_store(timeout_s)
+    if store is not None:
+        key = SETUP_REFUSED_KEY.format(attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        deadline = time.monotonic() + timeout_s
+        try:
+            arrived = store.add(key, 1)
+            while arrived < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+                arrived = store.add(key, 0)
+        except Exception as wait_error:  # noqa: BLE001 - the agent went away: nothing left to wait for
+            logger.debug("rank {}: the other ranks did not all reach the refusal: {}", rank, wait_error)
+    exit_now(2)
 
 
 def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callable[[Any], Any]) -> int:

@@ -34,8 +34,8 @@ from torch import Tensor
 
 from runnerkit.config import ParallelConfig
 
-__all__ = ["CollectiveCall", "ParallelGroup", "ParallelSetupError", "collective_hooks", "init_from_env",
-           "refuse_launch"]
+__all__ = ["SETUP_REFUSED_KEY", "TORCHRUN_ENV", "CollectiveCall", "ParallelGroup", "ParallelSetupError", "agent_store",
+           "collective_hooks", "init_from_env"]
 
 
 class ParallelSetupError(ValueError):
@@ -55,6 +55,8 @@ collective_hooks: list[Callable[[CollectiveCall], None]] = []
 """Called with every collective this process issues, before it is issued (tests append a spy)."""
 
 SETUP_REFUSED_KEY = "runnerkit/setup_refused/{attempt}"
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""The environment torchrun gives every rank; a process without all of it is not a rank of a group."""
 FAILURE_KEY = "runnerkit/failed/{rank}"
 FAILURE_COUNT_KEY = "runnerkit/failures"
 PROCESS_KEY = "runnerkit/process/{rank}"
@@ -232,7 +234,7 @@ def init_from_env(config: ParallelConfig, device_spec: str) -> ParallelGroup:
         ParallelSetupError: not launched by torchrun, WORLD_SIZE != cfg x ulysses, an explicit
             cuda:N, or fewer CUDA devices than LOCAL_RANK needs.
     """
-    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
     if missing:
         raise ParallelSetupError(f"`parallel` is set but the environment lacks {missing}: launch with "
                                  f"`torchrun --nproc_per_node {config.world_size} -m runnerkit.infer ...`")
@@ -286,38 +288,6 @@ def agent_store(timeout_s: float) -> Any | None:
     except Exception as exc:  # noqa: BLE001 - without it each rank simply exits on its own
         logger.debug("torchrun's agent store is not reachable: {}", exc)
         return None
-
-
-def refuse_launch(exc: ParallelSetupError, timeout_s: float) -> None:
-    """End a launch that does not match `parallel`: every rank sees the same launch, so rank 0
-    alone logs the refusal and every rank exits 2.
-
-    Under torchrun the ranks first meet in its agent's store (up to `timeout_s`): the launcher
-    sends SIGTERM to every rank still running once the first one exits, and a rank still importing
-    would then end as an interrupt (143, a second line) instead of with the refusal. Without
-    torchrun's environment (one process) it only logs and returns.
-    """
-    if "RANK" not in os.environ:
-        logger.error("invalid input: {}", exc)
-        return
-    from runnerkit.parallel.driver import exit_now, ignore_interrupts
-
-    ignore_interrupts()  # from here the launcher's SIGTERM must not turn status 2 into 143
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if rank == 0:
-        logger.error("invalid input: {}", exc)
-    store = agent_store(timeout_s)
-    if store is not None:
-        key = SETUP_REFUSED_KEY.format(attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        deadline = time.monotonic() + timeout_s
-        try:
-            arrived = store.add(key, 1)
-            while arrived < world and time.monotonic() < deadline:
-                time.sleep(0.05)
-                arrived = store.add(key, 0)
-        except Exception as wait_error:  # noqa: BLE001 - the agent went away: nothing left to wait for
-            logger.debug("rank {}: the other ranks did not all reach the refusal: {}", rank, wait_error)
-    exit_now(2)
 
 
 def split_even(n: int, parts: int, what: str, why: str) -> int:

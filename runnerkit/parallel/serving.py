@@ -40,9 +40,9 @@ from typing import Any
 
 from loguru import logger
 
-from runnerkit.parallel.driver import (WATCH_INTERVAL_S, RankFailed, exit_now, quiet_other_ranks, report, run_phase,
-                                       start_watcher, wait_until_reported)
-from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env, refuse_launch
+from runnerkit.parallel.driver import (WATCH_INTERVAL_S, RankFailed, exit_now, quiet_other_ranks, refuse_launch, report,
+                                       run_phase, start_watcher, wait_until_reported)
+from runnerkit.parallel.group import ParallelGroup, ParallelSetupError, init_from_env
 
 __all__ = ["CANCEL_REFUSED", "MESSAGE_KEY", "POLL_S", "STOPPED_KEY", "Leader", "LeaderGone", "follow"]
 

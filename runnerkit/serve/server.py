@@ -269,7 +269,8 @@ def serve(args: argparse.Namespace) -> int:
         """Rank 0 of a parallel server (runnerkit/parallel/serving.py): join the group, build the runner,
         load, warm up and agree with every rank on the job thread, then ready; each job runs in lockstep."""
         from runnerkit.parallel.driver import RankFailed
-        from runnerkit.parallel.group import ParallelSetupError, refuse_launch
+        from runnerkit.parallel.driver import refuse_launch
+        from runnerkit.parallel.group import ParallelSetupError
         from runnerkit.parallel.serving import CANCEL_REFUSED, Leader
         from runnerkit.serve.jobs import Worker
         from runnerkit.serve.metrics import Metrics

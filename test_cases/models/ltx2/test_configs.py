@@ -70,7 +70,7 @@ def test_the_22b_configs_name_the_release_and_its_flavour(config: Path, tmp_path
                        "gemma-3-12b-it", None)]  # the release's files, its architecture read from the file
     cfg = runner.config
     assert (cfg.target_height, cfg.target_width, cfg.target_video_length) in runner.WARMUP_SHAPES["22B"]
-    assert (cfg.dtype, cfg.offload.mode, cfg.warmup) == ("bfloat16", "none", True)
+    assert (cfg.dtype, cfg.offload.mode, cfg.warmup) == ("bfloat16", "auto", True)  # no offload key: the default plan
 
 
 def test_a_synthetic_config_without_model_is_the_tiny_pipeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
