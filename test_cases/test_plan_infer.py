@@ -446,3 +446,23 @@ def test_unload_modules_with_the_default_mode_is_accepted() -> None:
     with pytest.raises(ValueError, match=r"cannot be combined with `offload.mode`='auto'"):
         load_runner_config(None, {"model_cls": "x", "model_path": "/x", "unload_modules": True,
                                   "offload": {"mode": "auto"}})
+
+
+def test_on_the_cpu_the_host_refusal_advises_nothing_that_would_not_fit(ckpt: Path) -> None:
+    """A host limit below the fixed overhead: neither `unload_modules` nor lazy disk streaming nor a smaller
+    shape can fit (each estimate is still above the limit), so none is advised; the message says why."""
+    from runnerkit.config import RequestConfig
+    from runnerkit.runners.fit import MemoryFitError
+
+    cfg = load_runner_config(None, _config(ckpt, memory={"limit_gib": 64.0, "host_limit_gib": 0.01}))
+    runner = WanT2VRunner(cfg)
+    now = fit.peak_of(runner.estimate_memory(SHAPE), cfg, torch.device("cpu")).bytes
+    with pytest.raises(MemoryFitError) as err:
+        runner.check_requests_fit([RequestConfig(prompt="a fox", target_height=SHAPE[0], target_width=SHAPE[1],
+                                                 target_video_length=SHAPE[2])])
+    assert str(err.value) == (
+        f"request 0 (command line): shape {list(SHAPE)} needs an estimated {now / fit.GIB:.2f} GiB (the device is "
+        "the host: its peak estimate) of host memory, more than config memory.host_limit_gib (0.01 GiB). No setting "
+        "or shape fits: the fixed overhead alone is 0.50 GiB. Try a larger memory.host_limit_gib if the machine has "
+        "it. On the CPU the device is the host: offloading to host memory (mode 'model', storage 'cpu', or "
+        "`offload.mode`='auto', which keeps every module resident there) lowers nothing")

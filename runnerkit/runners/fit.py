@@ -467,20 +467,27 @@ def host_refusal_message(what: str, shape: tuple[int, int, int], host: HostEstim
     larger = "a larger memory.host_limit_gib if the machine has it"
     if device.type != "cpu":
         return head + f"offload storage 'disk' (streamed weights stay on disk), `offload.mode`='auto', or {larger}"
-    options: list[str] = []
+    options: list[str] = []  # only what fits the limit by the estimate
+    limit = limit_gib * GIB
     if not config.unload_modules and config.offload.mode == "none":
         unload = config.model_copy(update={"unload_modules": True})
         nbytes = host_bytes_of(estimate, unload, device).bytes
-        if nbytes < host.bytes:
+        if nbytes <= limit:
             options.append(f"`unload_modules`=true (each module built for its own stage: {nbytes / GIB:.3f} GiB)")
     disk = OffloadConfig(mode="block", storage="disk", reader="pread", lazy_load=True)
     streamed = estimate_with(disk)
     if any(streams(n, m, disk) for n, m in streamed.modules.items()):
         nbytes = host_bytes_of(streamed, config.model_copy(update={"offload": disk, "unload_modules": False}),
                                device).bytes
-        if nbytes < host.bytes:
+        if nbytes <= limit:
             options.append(f"`offload.mode`='block' with `offload.storage`='disk' and `offload.lazy_load`=true "
                            f"(blocks read from disk per use: {nbytes / GIB:.3f} GiB)")
-    options += ["a smaller target_height/target_width/target_video_length (activations)", larger]
+    fixed = overhead_bytes(device)
+    if fixed < limit:
+        options.append("a smaller target_height/target_width/target_video_length (activations)")
+    else:  # the process's own fixed part is over the limit: no setting or shape of this run can fit
+        head = head.removesuffix("Try ") + (f"No setting or shape fits: the fixed overhead alone is "
+                                            f"{fixed / GIB:.2f} GiB. Try ")
+    options.append(larger)
     return (head + "; or ".join(options) + ". On the CPU the device is the host: offloading to host memory (mode "
             "'model', storage 'cpu', or `offload.mode`='auto', which keeps every module resident there) lowers nothing")
