@@ -32,11 +32,13 @@ import io
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from loguru import logger
@@ -130,7 +132,28 @@ def _decode_image(value: Any, name: str) -> bytes:
         raise InputError(f"`{name}` is empty", name)
     if len(raw) > MAX_IMAGE_BYTES:
         raise InputError(f"`{name}` holds {len(raw)} bytes; at most {MAX_IMAGE_BYTES} are accepted", name, 413)
+    _refuse_bomb(raw, name)
     return raw
+
+
+def _refuse_bomb(raw: bytes, name: str) -> None:
+    """Refuse an image whose header declares more pixels than Pillow's decompression-bomb limit (a file of a
+    few KB can declare 20000x20000): Pillow raises at `Image.open`, before any reader of the upload could
+    name the field. Only the header is read; what Pillow cannot identify is left to the runner's check.
+
+    Raises:
+        InputError: naming `name` (422).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # below the error limit: the runner's check
+            Image.open(io.BytesIO(raw)).close()
+    except Image.DecompressionBombError as exc:
+        raise InputError(f"`{name}` (uploaded) is too large to decode safely: {exc}", name) from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):  # not an image: the runner's check names it
+        pass
 
 
 def image_extension(raw: bytes) -> str:
@@ -362,6 +385,16 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameter(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A query or path parameter FastAPI could not convert (`limit=abc`): 422 in the API's shape, naming the
+        parameter (the first one at fault) and the value as sent."""
+        problem = exc.errors()[0]
+        where, name = problem["loc"][0], field_path(problem["loc"][1:]) or str(problem["loc"][0])
+        msg = problem["msg"][:1].lower() + problem["msg"][1:]
+        value = f" {_shown(problem['input'])}" if problem.get("input") is not None else ""
+        return error(422, f"`{name}`{value} (a {where} parameter): {msg}", name)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
