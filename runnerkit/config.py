@@ -604,7 +604,8 @@ def format_validation_error(err: ValidationError, source: str, origins: Mapping[
             msg = _unknown_field_message(err.title, e["loc"])
         value = e.get("input")
         text = repr(value)
-        text = text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"  # e.g. a base64 image
+        count = len(value) if isinstance(value, str) else len(text)  # a string's own characters, not its quotes
+        text = text if len(text) <= 120 else f"{text[:100]}... ({count} characters)"  # e.g. a base64 image
         shown = "" if e["type"] == "missing" or isinstance(value, dict) or "(got " in msg else f" (got {text})"
         lines.append(f"  {field}: {msg}{shown}")
         named = [n for n in dict.fromkeys([field, *re.findall(r"`([A-Za-z_][\w.]*)`", msg)]) if n in (origins or {})]

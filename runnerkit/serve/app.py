@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
-import io
 import re
 import shutil
 import time
@@ -37,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from loguru import logger
@@ -47,25 +46,20 @@ from runnerkit.serve.body import (EXTRA_IMAGES_FIELD, MAX_IMAGE_BYTES, ClientGon
                                   read_body)
 from runnerkit.serve.body import shown as _shown
 from runnerkit.serve.body import form_fields as _form_fields  # noqa: F401  (the form's fields, for tests)
+from runnerkit.serve.fields import (IMAGE_FIELDS, INPUT_REFERENCE, SERVER_FIELDS, _decode_image,  # noqa: F401
+                                    accepted_fields, image_extension, takes_files, unknown_field)
 from runnerkit.serve.jobs import FINAL, Job, JobQueue, QueueClosed, QueueFull
 
 if TYPE_CHECKING:  # torch and the runners are imported after the port opened (server.py)
     from runnerkit.runners.base import BaseRunner
     from runnerkit.serve.metrics import Metrics
 
-#: Request fields the server sets itself (never from the body).
-SERVER_FIELDS = ("save_result_path", "save_tensor_path", "image_path", "last_frame_path", "extra_image_paths")
-#: Body fields that carry an image (base64, or a form's file part) -> the request field it becomes.
-IMAGE_FIELDS = {"image": "image_path", "last_frame": "last_frame_path"}
-#: OpenAI's name of the video's first frame (`client.videos.create(input_reference=...)`): `image`.
-INPUT_REFERENCE = "input_reference"
 #: `quality` values of OpenAI's image models: accepted, and they change nothing (the config decides).
 QUALITIES = ("auto", "standard", "hd", "low", "medium", "high", "xhigh", "max")
 RESPONSE_FORMATS = ("b64_json", "url")
 MAX_N = 10  # OpenAI's bound on `n`
-#: Pillow's format name -> the file extension an uploaded image is stored with.
-IMAGE_EXTENSIONS = {"PNG": ".png", "JPEG": ".jpg", "MPO": ".jpg", "WEBP": ".webp", "GIF": ".gif", "BMP": ".bmp",
-                    "TIFF": ".tiff"}
+#: Fields of OpenAI's synchronous image calls, taken off the body before it is read as a request.
+IMAGE_OPTIONS = ("n", "response_format", "quality", "output_format", "stream", "user", "safety_identifier")
 PAGE = Path(__file__).with_name("page.html")
 
 
@@ -106,49 +100,12 @@ def _first_field(exc: ValidationError) -> str | None:
     return field_path(errors[0]["loc"]) if errors and errors[0]["loc"] else None
 
 
-def _decode_image(value: Any, name: str) -> bytes:
-    """An image's bytes from base64 (JSON) or as sent (a form's file part).
-
-    Raises:
-        InputError: naming `name` (422; 413 above MAX_IMAGE_BYTES).
-    """
-    if isinstance(value, bytes):
-        raw = value
-    elif isinstance(value, str):
-        data = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
-        data = re.sub(r"\s+", "", data)  # MIME-wrapped base64 (line breaks every 76 characters)
-        data += "=" * (-len(data) % 4)  # unpadded base64
-        try:
-            altchars = b"-_" if ("-" in data or "_" in data) else None  # URL-safe alphabet
-            raw = base64.b64decode(data, altchars=altchars, validate=True)
-        except (binascii.Error, ValueError):
-            raise InputError(f"`{name}` is not valid base64 (standard or URL-safe alphabet, optionally a "
-                             "data:image/...;base64, URL)", name) from None
-    else:
-        raise InputError(f"`{name}` must be a base64 string, a data:image/...;base64, URL or a form's file part", name)
-    if not raw:
-        raise InputError(f"`{name}` is empty", name)
-    if len(raw) > MAX_IMAGE_BYTES:
-        raise InputError(f"`{name}` holds {len(raw)} bytes; at most {MAX_IMAGE_BYTES} are accepted", name, 413)
-    return raw
-
-
-def image_extension(raw: bytes) -> str:
-    """The file extension of an uploaded image, from its content (Pillow); `.bin` if Pillow cannot
-    tell (the runner's check then says the upload is not an image)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(raw)) as im:
-            return IMAGE_EXTENSIONS.get(im.format or "", ".bin")
-    except (UnidentifiedImageError, OSError, ValueError):
-        return ".bin"
-
-
-def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tuple[RequestConfig, dict[str, Any], dict[str, Any]]:
+def build_request(state: ServerState, body: dict[str, Any], folder: Path,
+                  options: tuple[str, ...] = ()) -> tuple[RequestConfig, dict[str, Any], dict[str, Any]]:
     """The body as a `RequestConfig` checked as the launch script checks a request; images saved
     into `folder` with their real extension. Returns it, the fields the job reports, and the values
-    it runs with (model, seed, height, width, frames; `seconds` for videos).
+    it runs with (model, seed, height, width, frames; `seconds` for videos). `options`: the endpoint's
+    own fields, already taken off `body` (named when a field is unknown).
 
     Raises:
         InputError: naming the field (422; 413 for an oversized image).
@@ -222,10 +179,13 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         del shown["target_video_length"]
     for name, value in body.items():  # a file part in a text field, or a field not taken (`mask`): never echo its bytes
         if isinstance(value, bytes):
-            what = "is not a request field" if name not in RequestConfig.model_fields else "takes text, not a file"
-            taken = image_inputs(runner)
-            raise InputError(f"`{name}` ({_shown(value)}) {what}; the images task {runner.config.task!r} takes: "
-                             + (", ".join(f"`{f}`" for f in taken) if taken else "none"), name)
+            what = (f"`{name}` ({_shown(value)}) is not a field of this endpoint" if name not in RequestConfig.model_fields
+                    else f"`{name}` is a text field, not a file (got {_shown(value)})")
+            raise InputError(f"{what}; {takes_files(runner, state.kind)}", name)
+    unknown = [name for name in body if name not in RequestConfig.model_fields]
+    if unknown:
+        raise InputError(unknown_field(unknown[0], body[unknown[0]], accepted_fields(runner, state.kind, options)),
+                         unknown[0])
     lora_cfg = runner.config.lora
     if lora_cfg is not None and isinstance(body.get("lora"), list):  # without a `lora` section: refused below
         for i, adapter in enumerate(body["lora"]):  # names of `lora.adapters` only: paths are the server's business
@@ -243,8 +203,11 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
         request = RequestConfig.model_validate(body)
     except ValidationError as exc:
         name = _first_field(exc)
-        raise InputError(_api_wording(format_validation_error(exc, "request"), folder),
-                         sent.get(name or "", name)) from None
+        message = format_validation_error(exc, "request")
+        if size not in (None, "auto"):  # the client sent WIDTHxHEIGHT, not the fields it became
+            for field, side in (("target_width", "width"), ("target_height", "height")):
+                message = message.replace(f"\n  {field}: ", f"\n  `size` {size!r} ({side}): ")
+        raise InputError(_api_wording(message, folder), sent.get(name or "", name)) from None
 
     def by_name(message: str) -> str:  # paths are the server's business: its adapters by their names
         for name, path in (lora_cfg.adapters if lora_cfg is not None else {}).items():
@@ -304,15 +267,6 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path) -> tup
     return request, shown, resolved
 
 
-def image_inputs(runner: Any) -> list[str]:
-    """The image fields, as a body names them, that `runner`'s task takes: `image` and `last_frame` as the
-    task needs them, then `extra_images` when it takes references."""
-    task = runner.config.task
-    body_name = {v: k for k, v in IMAGE_FIELDS.items()}
-    names = [body_name[f] for f in getattr(runner, "IMAGE_INPUTS", {}).get(task, ())]
-    return names + ([EXTRA_IMAGES_FIELD] if getattr(runner, "EXTRA_IMAGES", {}).get(task, 0) else [])
-
-
 def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
     """OpenAI's `seconds` (a string such as "4", or a number) as frames: (frames - 1) / fps seconds,
     rounded to the nearest frame count the model takes (TEMPORAL_FACTOR * k + 1).
@@ -362,6 +316,16 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameter(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A query or path parameter FastAPI could not convert (`limit=abc`): 422 in the API's shape, naming the
+        parameter (the first one at fault) and the value as sent."""
+        problem = exc.errors()[0]
+        where, name = problem["loc"][0], field_path(problem["loc"][1:]) or str(problem["loc"][0])
+        msg = problem["msg"][:1].lower() + problem["msg"][1:]
+        value = f" {_shown(problem['input'])}" if problem.get("input") is not None else ""
+        return error(422, f"`{name}`{value} (a {where} parameter): {msg}", name)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
@@ -436,16 +400,18 @@ def create_app(state: ServerState) -> FastAPI:
             return error(404, f"this server's task {state.runner.config.task!r} makes {state.kind}s: POST {other}")
         return None
 
-    def queue_jobs(kind: str, body: dict[str, Any], n: int) -> tuple[list[Job], dict[str, Any]] | JSONResponse:
+    def queue_jobs(kind: str, body: dict[str, Any], n: int,
+                   options: tuple[str, ...] = ()) -> tuple[list[Job], dict[str, Any]] | JSONResponse:
         """Check and queue the body's job(s): one, or `n` with successive seeds. Returns them and the
-        first one's object as queued (the worker may start it before the reply is sent)."""
+        first one's object as queued (the worker may start it before the reply is sent). `options`: the
+        endpoint's own fields (build_request)."""
         jobs: list[Job] = []
         try:
             for k in range(n):
                 job_id, folder = state.queue.new_folder()
                 varied = body if k == 0 else {**body, "seed": jobs[0].resolved["seed"] + k}
                 try:
-                    req, shown, resolved = build_request(state, varied, folder)
+                    req, shown, resolved = build_request(state, varied, folder, options)
                 except BaseException:
                     _remove(folder)
                     raise
@@ -493,7 +459,7 @@ def create_app(state: ServerState) -> FastAPI:
             return error(exc.status, str(exc), exc.field)
         except ClientGone:
             return Response(status_code=499)
-        done = queue_jobs("image", body, n)
+        done = queue_jobs("image", body, n, IMAGE_OPTIONS)
         if isinstance(done, JSONResponse):
             return done
         jobs = done[0]

@@ -10,10 +10,21 @@ import pytest
 
 from runnerkit.runners.fit import MemoryFitError
 from runnerkit.serve.app import InputError, _frames_of, build_request
+from runnerkit.registry import get_runner_cls
+from runnerkit.serve.app import ServerState
+from runnerkit.serve.jobs import JobQueue
 from test_cases.serve.test_units import _png, _qwen_edit_state, _wan_i2v_state
 
 SECONDS_ALLOWED = ("0.5 to 128 seconds (4 to 1024 frame intervals at 8 fps; `target_video_length: 1` for a single "
                    "frame)")
+
+
+def _wan_t2v_state(tmp_path: Path) -> Any:
+    """The tiny Wan i2v config as t2v (no image input), only built."""
+    state = _wan_i2v_state(tmp_path)
+    config = state.runner.config.model_copy(update={"task": "t2v"})
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    return ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None, phase="ready")
 
 
 def _refusal(state: Any, body: dict[str, Any], tmp_path: Path) -> InputError:
@@ -25,13 +36,65 @@ def _refusal(state: Any, body: dict[str, Any], tmp_path: Path) -> InputError:
 
 
 @pytest.mark.parametrize(("state", "task_images"), [(_qwen_edit_state, "`image`, `extra_images`"),
-                                                    (_wan_i2v_state, "`image`")], ids=["i2i", "i2v"])
+                                                    (_wan_i2v_state, "`image` (or `input_reference`)")],
+                         ids=["i2i", "i2v"])
 def test_a_mask_is_refused_listing_only_the_images_the_task_takes(tmp_path: Path, state: Any, task_images: str) -> None:
     png = _png()
     server = state(tmp_path)
     exc = _refusal(server, {"prompt": "x", "image": png, "mask": png}, tmp_path)
-    assert (exc.field, str(exc)) == ("mask", f"`mask` (an uploaded file of {len(png)} bytes) is not a request field; "
-                                             f"the images task {server.runner.config.task!r} takes: {task_images}")
+    assert (exc.field, str(exc)) == ("mask", f"`mask` (an uploaded file of {len(png)} bytes) is not a field of this "
+                                             f"endpoint; task {server.runner.config.task!r} takes files in: {task_images}")
+
+
+@pytest.mark.parametrize(("state", "takes"), [(_wan_i2v_state, "task 'i2v' takes files in: `image` (or `input_reference`)"),
+                                              (_wan_t2v_state, "task 't2v' takes no file")], ids=["i2v", "t2v"])
+def test_a_prompt_sent_as_a_file_is_a_text_field(tmp_path: Path, state: Any, takes: str) -> None:
+    exc = _refusal(state(tmp_path), {"prompt": b"a cat"}, tmp_path)
+    assert (exc.field, str(exc)) == ("prompt", "`prompt` is a text field, not a file (got an uploaded file of 5 bytes); "
+                                               + takes)
+
+
+I2V_FIELDS = ("`prompt`, `negative_prompt`, `image`, `input_reference`, `seed`, `target_height`, `target_width`, "
+              "`target_video_length`, `size`, `seconds`, `model`")
+
+
+@pytest.mark.parametrize(("options", "accepted"), [
+    ((), I2V_FIELDS), (("n", "quality"), I2V_FIELDS + ", `n`, `quality`")], ids=["videos", "with-options"])
+def test_an_unknown_field_lists_exactly_the_fields_the_endpoint_accepts(tmp_path: Path, options: tuple[str, ...],
+                                                                       accepted: str) -> None:
+    folder = tmp_path / "job"
+    folder.mkdir()
+    with pytest.raises(InputError) as exc:
+        build_request(_wan_i2v_state(tmp_path), {"prompt": "x", "image": _png(), "foo": 1}, folder, options)
+    assert (exc.value.field, str(exc.value)) == ("foo", f"`foo` (got 1) is not a field of this endpoint; it takes: "
+                                                        f"{accepted}")
+    exc = _refusal(_wan_i2v_state(tmp_path), {"prompt": "x", "image": _png(), "sizes": "64x64"}, tmp_path)
+    assert (exc.field, str(exc)) == ("sizes", "`sizes` (got '64x64') is not a field of this endpoint; did you mean "
+                                              f"`size`?; it takes: {I2V_FIELDS}")
+
+
+def test_each_accepted_field_is_taken(tmp_path: Path) -> None:
+    """The list above is not a guess: a body of every listed field (but `input_reference`, the same frame as
+    `image`, and `size`/`seconds`, the same shape as the target fields) builds a request."""
+    folder = tmp_path / "job"
+    folder.mkdir()
+    body = {"prompt": "x", "negative_prompt": "y", "image": _png(), "seed": 1, "target_height": 64,
+            "target_width": 64, "target_video_length": 5, "model": _wan_i2v_state(tmp_path).runner.config.model_cls}
+    request, _, _ = build_request(_wan_i2v_state(tmp_path), body, folder)
+    assert (request.seed, request.target_video_length) == (1, 5)
+
+
+def test_a_size_out_of_bounds_speaks_of_size(tmp_path: Path) -> None:
+    exc = _refusal(_wan_i2v_state(tmp_path), {"prompt": "x", "image": _png(), "size": "0x0"}, tmp_path)
+    assert (exc.field, str(exc)) == ("size", "invalid request:\n  `size` '0x0' (height): Input should be greater "
+                                             "than 0 (got 0)\n  `size` '0x0' (width): Input should be greater than 0 "
+                                             "(got 0)")
+
+
+def test_a_long_prompt_counts_its_own_characters(tmp_path: Path) -> None:
+    exc = _refusal(_wan_i2v_state(tmp_path), {"prompt": "x" * 20001, "image": _png()}, tmp_path)
+    assert (exc.field, str(exc)) == ("prompt", "invalid request:\n  prompt: String should have at most 20000 "
+                                               f"characters (got '{'x' * 99}... (20001 characters))")
 
 
 @pytest.mark.parametrize(("sent", "param"), [({"size": "8000x8000"}, "size"),
