@@ -319,6 +319,7 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
             if group.rank == 0:
                 logger.error("invalid input: {}", refused or "a request's tokens do not split on another rank")
             end_rank(group, launch, 2)
+            return 2  # reached only where `exit_now` does not end the process (tests)
         for index, request in enumerate(requests):
             launch.files = request_files(request) if group.rank == 0 else []
             phase(f"request {index}", lambda: runner.run_pipeline(request, index))
