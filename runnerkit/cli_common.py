@@ -18,6 +18,13 @@ INPUT_ERRORS = (ValueError, NotImplementedError, OSError)  # bad config, request
 #: Failures whose message says all there is (a traceback adds nothing) but that are not the input's:
 #: non-finite latents (`runners.default.check_finite_latents`). Exit status 1, one line.
 DIAGNOSED_ERRORS = (FloatingPointError,)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""The environment torchrun gives every rank; a process without all of it is not a rank of a group."""
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun launch (its whole environment is present)."""
+    return all(k in os.environ for k in TORCHRUN_ENV)
 
 
 def report_failure(what: str, exc: BaseException) -> None:

@@ -14,7 +14,8 @@ errors also print their traceback.
 
 With a `parallel` config the script runs as one rank under `torchrun` (runnerkit/parallel/driver.py,
 docs/multi_gpu.md): every rank loads, warms up and serves each request; rank 0 saves and reports;
-a failure on any rank ends every rank with status 1.
+a failure on any rank ends every rank with status 1, invalid input every rank with status 2 (reported
+once, by rank 0).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from runnerkit.cli_common import INPUT_ERRORS, check_default_shape, check_writable, config_source, report_failure
+from runnerkit.cli_common import (INPUT_ERRORS, check_default_shape, check_writable, config_source, report_failure,
+                                  under_torchrun)
 from runnerkit.interrupts import (enable_fault_tracebacks, exit_status, install_sigterm_handler, interrupted_line,
                                   restore_sigterm_default)
 from runnerkit.progress import PLOT_EXTRA, PROGRESS_MODES, StageBars, install_progress, missing_plot_module
@@ -235,6 +237,11 @@ def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
     try:
         config, requests = parse_inputs(args)
     except (ConfigError, ValueError, NotImplementedError) as exc:
+        if under_torchrun():  # every rank read the same command line: rank 0 alone reports, every rank exits 2
+            from runnerkit.config import ParallelConfig
+            from runnerkit.parallel.driver import refuse_launch
+
+            refuse_launch(exc, ParallelConfig.model_fields["timeout_s"].default)  # the config's own may be unreadable
         logger.error("invalid input: {}", exc)
         return 2
     if config.parallel is not None:  # under torchrun: one rank of the group (runnerkit/parallel/driver.py)

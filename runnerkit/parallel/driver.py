@@ -2,8 +2,9 @@
 reports, a failure anywhere ends the group (ARCHITECTURE §7).
 
     init_from_env -> build runner -> attach_parallel -> check_requests_fit -> init_modules
-    (load, warmup: the same collectives in the same order on every rank) -> agree("init")
+    (load, warmup: the same collectives in the same order on every rank)
     -> check_requests_split (every request's tokens divide by `parallel.ulysses`, before any runs)
+    -> agree("init") (a request that does not split: rank 0 logs "invalid input", every rank exits 2)
     -> for each request: run_pipeline -> agree("request i")
     -> exit 0
 
@@ -24,8 +25,10 @@ when one is recorded, else rank 0 logs the interrupt and every rank exits 143 or
 A rank that dies without a record (SIGKILL, the OOM killer, a crash) is found through the store's
 process records (`ParallelGroup.dead_ranks`, ranks on the same host): the survivor that notices
 (its watcher, its broken collective, or the launcher's SIGTERM) records `died_line` for it, and
-rank 0 prints that fixed line and every survivor exits 1. A request counts as finished once every
-rank agreed on it; until then a failure or interrupt removes the files rank 0 wrote for it.
+rank 0 prints that fixed line and every survivor exits 1. When rank 0 itself died, the lowest rank
+still alive prints it (`ParallelGroup.reporter`; only under torchrun, whose agent hosts the store:
+a store hosted by rank 0 ends with it). A request counts as finished once every rank agreed on it;
+until then a failure or interrupt removes the files rank 0 wrote for it.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ from typing import Any
 
 from loguru import logger
 
+from runnerkit.cli_common import under_torchrun
 from runnerkit.interrupts import exit_status, interrupted_line
-from runnerkit.parallel.group import (SETUP_REFUSED_KEY, TORCHRUN_ENV, ParallelGroup, ParallelSetupError,
-                                      agent_store, init_from_env)
+from runnerkit.parallel.group import SETUP_REFUSED_KEY, ParallelGroup, ParallelSetupError, agent_store, init_from_env
 
 __all__ = ["run_parallel"]
 
@@ -58,8 +61,9 @@ _reported: list[str] = []
 
 
 def report(group: ParallelGroup, line: str) -> None:
-    """Rank 0 logs the group's failure line once (the main thread and the watcher may both see it)."""
-    if group.rank != 0:
+    """The reporting rank (`ParallelGroup.reporter`: rank 0, unless it died without a word) logs the
+    group's failure line once (the main thread and the watcher may both see it)."""
+    if group.reporter() != group.rank:
         return
     with _report_lock:
         if _reported:
@@ -239,16 +243,17 @@ def ignore_interrupts() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def refuse_launch(exc: ParallelSetupError, timeout_s: float) -> None:
-    """End a launch that does not match `parallel`: every rank sees the same launch, so rank 0
-    alone logs the refusal and every rank exits 2.
+def refuse_launch(exc: Exception, timeout_s: float) -> None:
+    """End a launch refused before its group exists (invalid config or request, or a launch that
+    does not match `parallel`): every rank sees the same launch, so rank 0 alone logs the refusal
+    and every rank exits 2.
 
     Under torchrun the ranks first meet in its agent's store (up to `timeout_s`): the launcher
     sends SIGTERM to every rank still running once the first one exits, and a rank still importing
     would then end as an interrupt (143, a second line) instead of with the refusal. Without
     torchrun's environment (one process) it only logs and returns.
     """
-    if any(k not in os.environ for k in TORCHRUN_ENV):  # one process, or a partial environment: no group
+    if not under_torchrun():  # one process, or a partial environment: no group
         logger.error("invalid input: {}", exc)
         return
     ignore_interrupts()  # from here the launcher's SIGTERM must not turn status 2 into 143
@@ -269,12 +274,22 @@ def refuse_launch(exc: ParallelSetupError, timeout_s: float) -> None:
     exit_now(2)
 
 
+def split_refusal(runner: Any, requests: Sequence[Any]) -> Exception | None:
+    """The input error of the first request whose tokens `parallel.ulysses` cannot split, or None.
+    The same on every rank (the same requests), so it is each rank's to know, and rank 0's to tell."""
+    try:
+        runner.check_requests_split(requests)
+    except (ValueError, NotImplementedError) as exc:
+        return exc
+    return None
+
+
 def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callable[[Any], Any]) -> int:
     """The lifecycle of one rank (see the module docstring). `build(config)` makes the runner.
 
     Returns:
-        0 when every rank served every request; 2 for a launch that does not match `parallel`;
-        1 after any failure on any rank.
+        0 when every rank served every request; 2 for a launch that does not match `parallel` or a
+        request whose tokens do not split; 1 after any failure on any rank.
     """
     try:
         group = init_from_env(config.parallel, config.device)
@@ -296,8 +311,15 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
         runner.attach_parallel(group)
         phase("plan", lambda: runner.check_requests_fit(requests))
         phase("load", runner.init_modules)
-        phase("init", lambda: group.agree(True, "init"))
-        phase("request check", lambda: runner.check_requests_split(requests))
+        refused = phase("request check", lambda: split_refusal(runner, requests))
+        if refused is not None:  # every rank ends with 2 once they met: the launcher's SIGTERM must not make it 143
+            ignore_interrupts()
+        if not phase("init", lambda: group.agree(refused is None, "init")):
+            stop.set()
+            if group.rank == 0:
+                logger.error("invalid input: {}", refused or "a request's tokens do not split on another rank")
+            end_rank(group, launch, 2)
+            return 2  # reached only where `exit_now` does not end the process (tests)
         for index, request in enumerate(requests):
             launch.files = request_files(request) if group.rank == 0 else []
             phase(f"request {index}", lambda: runner.run_pipeline(request, index))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from loguru import logger
 from torch import Tensor
 
+from runnerkit.cli_common import TORCHRUN_ENV
 from runnerkit.config import ParallelConfig
 
 __all__ = ["SETUP_REFUSED_KEY", "TORCHRUN_ENV", "CollectiveCall", "ParallelGroup", "ParallelSetupError", "agent_store",
@@ -55,8 +56,6 @@ collective_hooks: list[Callable[[CollectiveCall], None]] = []
 """Called with every collective this process issues, before it is issued (tests append a spy)."""
 
 SETUP_REFUSED_KEY = "runnerkit/setup_refused/{attempt}"
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-"""The environment torchrun gives every rank; a process without all of it is not a rank of a group."""
 FAILURE_KEY = "runnerkit/failed/{rank}"
 FAILURE_COUNT_KEY = "runnerkit/failures"
 PROCESS_KEY = "runnerkit/process/{rank}"
@@ -191,6 +190,18 @@ class ParallelGroup:
         except Exception:  # noqa: BLE001 - a store whose host exited: no peer left to tell
             pass
 
+    def _gone(self, r: int) -> bool:
+        """Whether rank `r`'s process, on this host, is gone (or a zombie); False for a rank on another
+        host (it cannot be seen from here) or one that has not registered yet."""
+        if r not in self._peers:
+            key = PROCESS_KEY.format(rank=r)
+            if not self._store().check([key]):
+                return False
+            host, pid, start = self._store().get(key).decode().split()
+            self._peers[r] = (host, int(pid), start)
+        host, pid, start = self._peers[r]
+        return host == socket.gethostname() and _process_identity(pid) != (pid, start)
+
     def dead_ranks(self) -> list[int]:
         """Other ranks on this host whose process is gone (or a zombie) without having recorded a
         failure or ended in order: killed (SIGKILL, the OOM killer) or crashed. Ranks on other hosts
@@ -200,21 +211,24 @@ class ParallelGroup:
             if r == self.rank:
                 continue
             try:
-                if r not in self._peers:
-                    key = PROCESS_KEY.format(rank=r)
-                    if not self._store().check([key]):
-                        continue
-                    host, pid, start = self._store().get(key).decode().split()
-                    self._peers[r] = (host, int(pid), start)
-                host, pid, start = self._peers[r]
-                if host != socket.gethostname() or _process_identity(pid) == (pid, start):
-                    continue
-                if not self._store().check([FAILURE_KEY.format(rank=r)]) and \
+                if self._gone(r) and not self._store().check([FAILURE_KEY.format(rank=r)]) and \
                         not self._store().check([ENDED_KEY.format(rank=r)]):
                     dead.append(r)
             except Exception:  # noqa: BLE001 - a store whose host exited: nothing more to read
                 return dead
         return dead
+
+    def reporter(self) -> int:
+        """The rank that logs the group's failure line: 0, unless rank 0's process is gone without
+        having ended in order (killed or crashed, on this host); then the lowest rank still alive."""
+        if self.rank == 0:
+            return 0
+        try:  # gone before ended: rank 0 marks itself ended before it exits, so an orderly exit reads as ended
+            if not self._gone(0) or self._store().check([ENDED_KEY.format(rank=0)]):
+                return 0
+            return next(r for r in range(1, self.world_size) if r == self.rank or not self._gone(r))
+        except Exception:  # noqa: BLE001 - a store whose host exited (rank 0's own): nothing to read, rank 0 reports
+            return 0
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -46,8 +46,12 @@ class Group:
     def mark_ended(self) -> None:
         self.calls.append("ended")
 
-    def agree(self, ok: bool, what: str) -> None:
-        self.calls.append(f"agree {what}")
+    def agree(self, ok: bool, what: str) -> bool:
+        self.calls.append(f"agree {what}" if ok else f"agree {what}: refused")
+        return ok
+
+    def reporter(self) -> int:
+        return 0
 
     def _store(self) -> Any:
         return SimpleNamespace(set=lambda key, value: None, check=lambda keys: True)
@@ -117,19 +121,20 @@ def test_every_request_split_is_checked_after_init_before_any_runs(launch: Any) 
     group = Group({})
     runner = Runner(group.calls)
     assert launch(group, runner, 2) == (0, [], False)
-    assert group.calls == ["attach_parallel", "check_requests_fit", "init_modules", "agree init",
-                           "check_requests_split", "run_pipeline 0", "agree request 0", "run_pipeline 1",
+    assert group.calls == ["attach_parallel", "check_requests_fit", "init_modules", "check_requests_split",
+                           "agree init", "run_pipeline 0", "agree request 0", "run_pipeline 1",
                            "agree request 1", "ended", "close"]
 
 
-def test_a_refused_split_ends_the_launch_before_any_request(launch: Any) -> None:
+def test_a_refused_split_is_invalid_input_before_any_request(launch: Any) -> None:
+    """Every rank tells the others through the init agreement, rank 0 logs it as invalid input, every
+    rank ends with 2 (interrupts ignored first: the launcher's SIGTERM follows the first rank's exit)."""
     group = Group({})
     runner = Runner(group.calls, "check_requests_split", NotImplementedError("request 1 (command line): 45 tokens"))
-    status, errors, ignored = launch(group, runner, 2)
-    assert (status, ignored) == (1, True)
-    assert errors == ["rank 0 failed during request check: NotImplementedError: request 1 (command line): 45 tokens; "
-                      "ending all 2 ranks"]
-    assert not any(c.startswith("run_pipeline") for c in group.calls), group.calls
+    assert launch(group, runner, 2) == (2, ["invalid input: request 1 (command line): 45 tokens"], True)
+    assert group.calls == ["attach_parallel", "check_requests_fit", "init_modules", "check_requests_split",
+                           "agree init: refused", "ended"]
+    assert group.recorded == {}  # not a rank's failure: nothing for the watchers to report
 
 
 def test_sigterm_after_a_peer_failed_reports_the_peer(launch: Any) -> None:

@@ -71,3 +71,21 @@ def test_a_killed_rank_is_named_under_torchrun(ckpt: Path, tmp_path: Path) -> No
     ranks = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\n\s+exitcode\s+: (-?\d+)", output)
     assert sorted(ranks) == [("0", "1"), ("1", "-9")], output
     assert not out.exists()
+
+
+def test_a_killed_rank_0_is_named_by_rank_1(ckpt: Path, tmp_path: Path) -> None:
+    """Rank 0 SIGKILLs itself before its request's second step, under torchrun (whose agent hosts the
+    store, so it outlives rank 0): rank 1, the lowest rank alive, prints the one fixed line naming
+    rank 0 and exits 1."""
+    out = tmp_path / "video.safetensors"
+    spec = _spec(tmp_path, _argv(_config(ckpt, tmp_path, {"cfg": 2}), out, warmup=False))
+    spec.write_text(spec.read_text()[:-1] + ', "kill": {"rank": 0, "step": 2}}')
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), "-m", "test_cases.parallel._rank_worker", str(spec)], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = run.stdout + run.stderr
+    assert ERROR_LINE.findall(output) == [DIED.replace("rank 1 died", "rank 0 died")], output
+    assert re.search(r"\| rank 1 \| ERROR\s+\| rank 0 died without reporting", output), output
+    ranks = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\n\s+exitcode\s+: (-?\d+)", output)
+    assert sorted(ranks) == [("0", "-9"), ("1", "1")], output
+    assert not out.exists()
