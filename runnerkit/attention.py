@@ -1,6 +1,6 @@
 """Attention backends: which kernel the transformers' self- and joint attention run on.
 
-Config `attention` picks one per run (issue 11, item 3):
+Config `attention` picks one per run:
 
 - `sdpa`: `torch.nn.functional.scaled_dot_product_attention` with PyTorch's own dispatch.
 - `sdpa_cudnn`, `sdpa_flash`, `sdpa_efficient`, `sdpa_math`: SDPA restricted to one of its
@@ -51,7 +51,7 @@ AttentionName = Literal["auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_effici
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    # H200 at 480x832x81 video shapes, head size 128 (issue 11): cuDNN ~555 TFLOP/s, FA2 ~350, FA4 ~670.
+    # H200 at 480x832x81 video shapes, head size 128: cuDNN ~555 TFLOP/s, FA2 ~350, FA4 ~670.
     "cuda": ("flash_attn_4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa"),
     "cpu": ("sdpa",),
 }

@@ -1,4 +1,4 @@
-"""Regional compilation: the transformer's repeated block, compiled once and shared (issue 11, item 1).
+"""Regional compilation: the transformer's repeated block, compiled once and shared.
 
 `compile_blocks(model, blocks_attr, cfg)` replaces the `forward` of every block in
 `model.<blocks_attr>` with one `torch.compile`d function per (block class, mode, dynamic,
@@ -25,7 +25,7 @@ Not supported (refused at start with the reason, `check_supported`): `mode` "red
 (CUDA graphs) with block/phase streaming, whose weights change addresses every step; `cache_dir`
 on torch < 2.7 (no portable cache API).
 
-Compile cache (`compile.cache_dir`, issue 11 item 2; `CompileCache`): after warmup the compiled
+Compile cache (`compile.cache_dir`; `CompileCache`): after warmup the compiled
 artifacts of the process (inductor FX graphs, AOTAutograd entries, autotune results: torch's
 portable "mega-cache", `torch.compiler.save_cache_artifacts`) are written to `<key>.bin` with a
 readable `<key>.json` beside it; at the next start-up, before warmup, `<key>.bin` is handed to

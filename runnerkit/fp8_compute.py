@@ -1,4 +1,4 @@
-"""Opt-in fp8 compute for a transformer's block linear layers (config `compute_dtype: fp8`; issue 22, item 4).
+"""Opt-in fp8 compute for a transformer's block linear layers (config `compute_dtype: fp8`).
 
 Each eligible `nn.Linear` inside the transformer's blocks becomes an `Fp8Linear`:
 

@@ -1,4 +1,4 @@
-"""Hand-fused operators that the compiler leaves unfused (issue 11, item 4).
+"""Hand-fused operators that the compiler leaves unfused.
 
 `linear_gelu_tanh` puts the tanh-approximated GELU of a transformer's MLP into the epilogue of its
 first GEMM on CUDA. Inductor fuses elementwise chains into Triton kernels but does not fuse an

@@ -267,7 +267,7 @@ class BaseRunner(ABC):
         one WARNING per runner (the first such request): per-thread CUDA library state (cuBLAS
         handles and workspaces, which PyTorch keeps per thread) was created by warmup on the other
         thread, so this thread's first request creates its own and runs slower than steady
-        (issue 22: request 0's first step 1.44-1.50 s against 1.39 s, its text encoder 0.08-0.10 s
+        (measured: request 0's first step 1.44-1.50 s against 1.39 s, its text encoder 0.08-0.10 s
         against 0.03 s, on the H200). `runnerkit serve` warms up on its job thread; a Python API
         user should call `init_modules` on the thread that will call `run_pipeline`."""
         current = threading.current_thread()

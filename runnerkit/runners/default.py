@@ -159,8 +159,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
     CFG_ONE_PASS: ClassVar[bool] = False
 
     def one_pass_streamer(self, model: nn.Module) -> BlockStreamer | None:
-        """The block streamer of `model` when the CFG branches share one pass through its blocks
-        (issue 21, item 3): `offload.mode` "block" and `model` streamed. The family's `run_step` then
+        """The block streamer of `model` when the CFG branches share one pass through its blocks:
+        `offload.mode` "block" and `model` streamed. The family's `run_step` then
         calls the transformer's `forward_branches` inside `streamer.entries(branches)`, so each block
         is moved once per step instead of once per branch. None otherwise: resident or
         model-offloaded (nothing is moved per block, and one forward per branch keeps the smaller

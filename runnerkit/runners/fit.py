@@ -1,4 +1,4 @@
-"""Will a request fit on its device? Peak-memory estimates and the refusal (issue 8, item 5).
+"""Will a request fit on its device? Peak-memory estimates and the refusal.
 
 A request that cannot finish is refused before work starts, with the estimate and the limit in
 the message, instead of running for minutes and dying of an out-of-memory error (or swapping).

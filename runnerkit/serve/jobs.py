@@ -272,7 +272,7 @@ class Worker(threading.Thread):
     `setup` (the server: `init_modules`, with warmup, then readiness) runs first on this same thread,
     before any job is taken: PyTorch keeps CUDA library state (cuBLAS handles and workspaces) per
     thread, so a runner warmed on another thread would serve its first job colder than steady
-    (issue 22; `BaseRunner.check_serving_thread`). `setup` returns False when it failed (it reports
+    (`BaseRunner.check_serving_thread`). `setup` returns False when it failed (it reports
     the failure itself): the worker then takes no job. `run_request(request, index)` runs each job's
     request (default `runner.run_pipeline`; under `parallel`, the leader's lockstep run)."""
 
