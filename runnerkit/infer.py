@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--infer_steps", type=int, help="denoising steps (default: the config's, else the family's)")
     p.add_argument("--device", help="'auto', 'cpu', 'cuda' or 'cuda:N' (default: the config's, else auto)")
     p.add_argument("--offload", choices=("none", "model", "block", "phase", "auto"),
-                   help="offload mode, replacing the config's offload.mode (its other offload keys stay); auto: "
+                   help="offload mode, replacing the config's offload.mode (its other offload keys stay); auto (the "
+                        "default when the config sets none): "
                         "the fastest plan that fits every request's shape on the device and in host memory, "
                         "chosen before loading (docs/memory_plan.md)")
     p.add_argument("--log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),

@@ -466,3 +466,21 @@ def test_on_the_cpu_the_host_refusal_advises_nothing_that_would_not_fit(ckpt: Pa
         "or shape fits: the fixed overhead alone is 0.50 GiB. Try a larger memory.host_limit_gib if the machine has "
         "it. On the CPU the device is the host: offloading to host memory (mode 'model', storage 'cpu', or "
         "`offload.mode`='auto', which keeps every module resident there) lowers nothing")
+
+
+def test_offload_keys_without_a_mode_constrain_the_default_plan(ckpt: Path, tmp_path: Path) -> None:
+    """Keys that resident cannot take (`gpu_slots`) and no mode: on the CPU the default plans with them as
+    explicit auto does (the first allowed candidate: block streaming with 3 slots), instead of refusing
+    them as if the user had set mode none; a family without an estimate says why no plan can take them."""
+    from runnerkit.models.qwen_image.runner import QwenImageRunner
+
+    runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"gpu_slots": 3})))
+    runner.plan_memory([SHAPE])
+    assert runner.config.offload == OffloadConfig(mode="block", gpu_slots=3)
+    qwen = QwenImageRunner(load_runner_config(REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json",
+                                              {"device": "cpu", "offload": {"gpu_slots": 3}}))
+    with pytest.raises(ValueError) as err:
+        qwen.plan_memory(())
+    assert str(err.value) == ("`offload` sets ['gpu_slots'] but no `offload.mode`, and the default plan cannot be "
+                              "made: QwenImageRunner gives no memory estimate (estimate_memory) to plan from; set "
+                              "`offload.mode` to the mode they belong to ('model', 'block' or 'phase')")

@@ -203,11 +203,20 @@ class RequestChecksMixin:
         if cfg.offload.mode != "auto":
             return None
         chosen = "mode" in cfg.offload.model_fields_set
-        if not chosen and (why := self._resident_by_default(device_limit)):
-            logger.info("memory plan: `offload.mode` not set, every module resident: {}", why)
-            self.update_config(offload=OffloadConfig.model_validate(
-                {**cfg.offload.model_dump(exclude_unset=True), "mode": "none"}))
-            return None
+        if not chosen and (default := self._resident_by_default(device_limit)):
+            why, plannable = default
+            keys = cfg.offload.model_dump(exclude_unset=True)
+            try:
+                resident = OffloadConfig.model_validate({**keys, "mode": "none"})
+            except ValueError:  # keys of another mode are set: they constrain a plan, as with explicit auto
+                if not plannable:
+                    raise ValueError(f"`offload` sets {sorted(keys)} but no `offload.mode`, and the default plan "
+                                     f"cannot be made: {why}; set `offload.mode` to the mode they belong to "
+                                     "('model', 'block' or 'phase')") from None
+            else:
+                logger.info("memory plan: `offload.mode` not set, every module resident: {}", why)
+                self.update_config(offload=resident)
+                return None
         shapes = list(shapes) or [(cfg.target_height, cfg.target_width, cfg.target_video_length)]
         if cfg.warmup:
             shapes += list(self.warmup_shapes())
@@ -235,28 +244,30 @@ class RequestChecksMixin:
         self.update_config(offload=result.offload)
         return result
 
-    def _resident_by_default(self, device_limit: memory.MemoryLimit | None) -> str | None:
+    def _resident_by_default(self, device_limit: memory.MemoryLimit | None) -> tuple[str, bool] | None:
         """Why a config that does not set `offload.mode` (auto by default) keeps every module resident
-        without a plan, or None to plan: the user turned the memory check off, `unload_modules` places
-        the modules itself, the device's memory cannot be read, or the family has no estimate before
-        loading (explicit `offload.mode` 'auto' refuses these)."""
+        without a plan, and whether a plan could be made all the same (for offload keys that resident
+        cannot take); None to plan. Resident, with a plan possible: the memory check is off, or the
+        device is the CPU. Resident, no plan possible: `unload_modules` places the modules itself, or
+        the family has no estimate before loading. The device's memory cannot be read: resident, and a
+        plan would say to set `memory.limit_gib`."""
         cfg = self.config
         if not cfg.memory.check_fit:
-            return "`memory.check_fit` is false"
+            return "`memory.check_fit` is false", True
         if cfg.unload_modules:
-            return "`unload_modules` loads each module for its stage"
-        if self.memory_device().type == "cpu":  # the plan would take resident first: the same, without a plan
-            return "on the CPU the weights live in host memory whatever the mode, so offload cannot lower the peak"
-        if device_limit is None:
-            return f"the memory of device {self.memory_device()} cannot be read"
+            return "`unload_modules` loads each module for its stage", False
         shape = (cfg.target_height, cfg.target_width, cfg.target_video_length)
         with self._offload_for_estimate(OffloadConfig(mode="none")):
             try:
                 estimate = self.estimate_memory(shape)
             except fit.EstimateUnavailable as exc:
-                return f"the memory estimate is not available before loading ({exc})"
+                return f"the memory estimate is not available before loading ({exc})", False
         if estimate is None:
-            return f"{type(self).__name__} gives no memory estimate (estimate_memory) to plan from"
+            return f"{type(self).__name__} gives no memory estimate (estimate_memory) to plan from", False
+        if self.memory_device().type == "cpu":  # the plan would take resident first: the same, without a plan
+            return "on the CPU the weights live in host memory whatever the mode, so offload cannot lower the peak", True
+        if device_limit is None:
+            return f"the memory of device {self.memory_device()} cannot be read", True
         return None
 
     # ---- memory fit (runners/fit.py) --------------------------------------------------------

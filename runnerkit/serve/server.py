@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_path", help="override the config's checkpoint folder")
     p.add_argument("--device", help="override the config's device (auto, cpu, cuda, cuda:N)")
     p.add_argument("--offload", choices=("none", "model", "block", "phase", "auto"),
-                   help="override the config's offload.mode (auto: planned for the config's shape and, with "
+                   help="override the config's offload.mode (auto, the default when the config sets none: planned for the config's shape and, with "
                         "--warmup, the warmup shapes, before loading; docs/memory_plan.md)")
     p.add_argument("--warmup", action="store_true", help="warm up before reporting ready")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
