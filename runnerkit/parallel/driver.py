@@ -274,6 +274,19 @@ def refuse_launch(exc: Exception, timeout_s: float) -> None:
     exit_now(2)
 
 
+def plan_refusal(runner: Any, requests: Sequence[Any]) -> Exception | None:
+    """The input error of the memory plan and the requests' fit check (a request that cannot fit, a plan
+    nothing fits, offload keys no plan can take), or None. Every rank plans the same config and requests
+    before loading, so each rank knows it and rank 0 tells it (`refuse_launch`), without a collective."""
+    from runnerkit.runners.fit import MemoryFitError
+
+    try:
+        runner.check_requests_fit(requests)
+    except (MemoryFitError, ValueError, NotImplementedError) as exc:
+        return exc
+    return None
+
+
 def split_refusal(runner: Any, requests: Sequence[Any]) -> Exception | None:
     """The input error of the first request whose tokens `parallel.ulysses` cannot split, or None.
     The same on every rank (the same requests), so it is each rank's to know, and rank 0's to tell."""
@@ -309,7 +322,11 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
     try:
         runner = phase("load", lambda: build(config))
         runner.attach_parallel(group)
-        phase("plan", lambda: runner.check_requests_fit(requests))
+        refused = phase("plan", lambda: plan_refusal(runner, requests))
+        if refused is not None:  # the same plan and estimates on every rank: rank 0 tells, every rank exits 2
+            stop.set()
+            refuse_launch(refused, config.parallel.timeout_s)
+            return 2  # reached only without torchrun's environment (tests)
         phase("load", runner.init_modules)
         refused = phase("request check", lambda: split_refusal(runner, requests))
         if refused is not None:  # every rank ends with 2 once they met: the launcher's SIGTERM must not make it 143

@@ -56,3 +56,15 @@ def test_a_request_ulysses_cannot_split_is_invalid_input(tmp_path: Path) -> None
         "invalid input: request 0 (command line): `parallel.ulysses`=2 needs the transformer's tokens divisible by 2, "
         "got 15 (stage 'transformer' at shape [48, 80, 1]; choose a shape whose tokens divide)"], output
     assert ranks == [("0", "2"), ("1", "2")], output
+
+
+def test_a_request_that_cannot_fit_is_invalid_input(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Tiny Wan with `parallel.cfg` 2 and a 4096x4096 request on a 1 GiB `memory.limit_gib`: the plan phase
+    refuses it before loading; rank 0 alone logs it as invalid input and both ranks exit 2 (it was a
+    rank's failure, exit 1)."""
+    config = _config(tiny_ckpt, tmp_path, {"cfg": 2, "timeout_s": 20.0}, memory={"limit_gib": 1.0},
+                     target_height=4096, target_width=4096)
+    output, ranks = torchrun(config)
+    lines = ERROR_LINE.findall(output)
+    assert len(lines) == 1 and lines[0].startswith("invalid input: request 0 (command line): shape 4096x4096x"), output
+    assert ranks == [("0", "2"), ("1", "2")], output
