@@ -82,8 +82,8 @@ class RequestChecksMixin:
         for field in ("image_path", "last_frame_path"):
             value = getattr(request, field)
             if value is not None and field not in task_inputs:
-                raise ValueError(f"`{field}` is not used by task {config.task!r} (got {value!r}); "
-                                 f"image inputs of this task: {list(task_inputs) or 'none'}")
+                raise ValueError(f"`{field}` is not used by task {config.task!r} (got {value!r}); image inputs of "
+                                 f"this task: {', '.join(f'`{f}`' for f in task_inputs) or 'none'}")
             if field in task_inputs:
                 if value is None:
                     flag = "--" + field
@@ -209,10 +209,11 @@ class RequestChecksMixin:
             try:
                 resident = OffloadConfig.model_validate({**keys, "mode": "none"})
             except ValueError:  # keys of another mode are set: they constrain a plan, as with explicit auto
-                if not plannable:
+                missing = None if not plannable else self._estimate_missing()
+                if not plannable or missing:
                     raise ValueError(f"`offload` sets {sorted(keys)} but no `offload.mode`, and the default plan "
-                                     f"cannot be made: {why}; set `offload.mode` to the mode they belong to "
-                                     "('model', 'block' or 'phase')") from None
+                                     f"cannot be made: {missing or why}; set `offload.mode` to the mode they belong "
+                                     "to ('model', 'block' or 'phase')") from None
             else:
                 logger.info("memory plan: `offload.mode` not set, every module resident: {}", why)
                 self.update_config(offload=resident)
@@ -247,27 +248,33 @@ class RequestChecksMixin:
     def _resident_by_default(self, device_limit: memory.MemoryLimit | None) -> tuple[str, bool] | None:
         """Why a config that does not set `offload.mode` (auto by default) keeps every module resident
         without a plan, and whether a plan could be made all the same (for offload keys that resident
-        cannot take); None to plan. Resident, with a plan possible: the memory check is off, or the
-        device is the CPU. Resident, no plan possible: `unload_modules` places the modules itself, or
-        the family has no estimate before loading. The device's memory cannot be read: resident, and a
-        plan would say to set `memory.limit_gib`."""
+        cannot take); None to plan. Resident, a plan possible: the memory check is off, the device is the
+        CPU, or its memory cannot be read (the plan then says to set `memory.limit_gib`). Resident, no plan
+        possible: `unload_modules` places the modules itself, or the family has no estimate before loading.
+        The CPU is judged before the estimate, which may read the checkpoint (the load reports its damage)."""
         cfg = self.config
         if not cfg.memory.check_fit:
             return "`memory.check_fit` is false", True
         if cfg.unload_modules:
             return "`unload_modules` loads each module for its stage", False
+        if self.memory_device().type == "cpu":  # the plan would take resident first: the same, without a plan
+            return "on the CPU the weights live in host memory whatever the mode, so offload cannot lower the peak", True
+        if device_limit is None:
+            return f"the memory of device {self.memory_device()} cannot be read", True
+        missing = self._estimate_missing()
+        return (missing, False) if missing else None
+
+    def _estimate_missing(self) -> str | None:
+        """Why the family gives no memory estimate before loading, or None when it does."""
+        cfg = self.config
         shape = (cfg.target_height, cfg.target_width, cfg.target_video_length)
         with self._offload_for_estimate(OffloadConfig(mode="none")):
             try:
                 estimate = self.estimate_memory(shape)
             except fit.EstimateUnavailable as exc:
-                return f"the memory estimate is not available before loading ({exc})", False
+                return f"the memory estimate is not available before loading ({exc})"
         if estimate is None:
-            return f"{type(self).__name__} gives no memory estimate (estimate_memory) to plan from", False
-        if self.memory_device().type == "cpu":  # the plan would take resident first: the same, without a plan
-            return "on the CPU the weights live in host memory whatever the mode, so offload cannot lower the peak", True
-        if device_limit is None:
-            return f"the memory of device {self.memory_device()} cannot be read", True
+            return f"{type(self).__name__} gives no memory estimate (estimate_memory) to plan from"
         return None
 
     # ---- memory fit (runners/fit.py) --------------------------------------------------------

@@ -304,6 +304,7 @@ def _api_wording(message: str, folder: Path) -> str:
         message = message.replace(f"`{request_field}`", f"`{body_field}`")
     message = message.replace("`extra_image_paths", f"`{EXTRA_IMAGES_FIELD}")
     message = re.sub("'?" + re.escape(str(folder)) + r"/[\w.]+'?", "(uploaded)", message)  # an uploaded file
+    message = message.replace("(got (uploaded))", "(an uploaded image)")
     return message.replace("give an image file", "send the image as base64 or a file part")
 
 

@@ -136,3 +136,11 @@ def test_an_unreadable_first_frame_is_named_as_sent(tmp_path: Path, field: str) 
     exc = _refusal(_wan_i2v_state(tmp_path), {"prompt": "x", field: b"not an image"}, tmp_path)
     assert (exc.field, str(exc)) == (field, f"`{field}` (uploaded) is not an image Pillow can read (PNG, JPEG, WebP, "
                                             "BMP, ... expected)")
+
+
+def test_a_last_frame_the_task_does_not_take_names_the_fields_as_sent(tmp_path: Path) -> None:
+    """i2v takes a first frame only: a `last_frame` upload is refused naming the body field that i2v takes
+    (`image`), not the launch script's `image_path`, and the upload without its server path."""
+    exc = _refusal(_wan_i2v_state(tmp_path), {"prompt": "x", "image": _png(), "last_frame": _png()}, tmp_path)
+    assert (exc.field, str(exc)) == ("last_frame", "`last_frame` is not used by task 'i2v' (an uploaded image); "
+                                                   "image inputs of this task: `image`")
