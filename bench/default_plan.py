@@ -110,7 +110,8 @@ def main() -> None:
         run = json.loads(result.read_text()) if result.is_file() else {"exit_status": rc}
         plan = run.get("memory_plan") or {}
         print(f"arm {arm}: exit {rc}, plan {plan.get('candidate')} (estimate {plan.get('device_gib')} of "
-              f"{plan.get('device_limit_gib')} GiB: {plan.get('device_limit_source')}), load {run.get('load_seconds')}, "
+              f"{plan.get('device_limit_gib')} GiB: {plan.get('device_limit_source')}), "
+              f"load {run.get('load_seconds')}, "
               f"warmup {(run.get('warmup') or {}).get('seconds')}", flush=True)
         for c in run.get("checks", []):
             print(f"  check {c['what']}: budget {c['budget_gib']:.3f} GiB, device offers {c['device_offers_gib']:.3f} "

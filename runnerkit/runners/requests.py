@@ -188,8 +188,9 @@ class RequestChecksMixin:
 
         Plans for `shapes` (the launch script: every request's; empty: the config's default shape) and,
         with `warmup`, the warmup shapes. Limits: the device budget (`device_budget`: `memory.limit_gib`
-        else what the device offers, less the headroom for the CUDA libraries); `memory.host_limit_gib` else the host's available memory plus what
-        this process holds already. Logs the plan (INFO), records it in the profile (`memory_plan`)
+        else what the device offers, less the headroom for the CUDA libraries); `memory.host_limit_gib`
+        else the host's available memory plus what this process holds already. Logs the plan (INFO),
+        records it in the profile (`memory_plan`)
         and writes the chosen config into the run config (`update_config`, before the lock).
 
         Raises:
@@ -258,7 +259,8 @@ class RequestChecksMixin:
         if cfg.unload_modules:
             return "`unload_modules` loads each module for its stage", False
         if self.memory_device().type == "cpu":  # the plan would take resident first: the same, without a plan
-            return "on the CPU the weights live in host memory whatever the mode, so offload cannot lower the peak", True
+            return ("on the CPU the weights live in host memory whatever the mode, so offload cannot lower the "
+                    "peak", True)
         if device_limit is None:
             return f"the memory of device {self.memory_device()} cannot be read", True
         missing = self._estimate_missing()
