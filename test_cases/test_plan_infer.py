@@ -302,13 +302,21 @@ def test_host_limit_adds_what_the_process_holds(ckpt: Path, monkeypatch: pytest.
     assert runner.profiler.memory_plan["host_limit_gib"] == round((available + 3 * fit.GIB // 2) / fit.GIB, 3)
 
 
+def _host_refusal(runner: WanT2VRunner) -> str:
+    """The message of the launch script's check refusing one request at SHAPE for its host memory."""
+    from runnerkit.config import RequestConfig
+    from runnerkit.runners.fit import MemoryFitError
+
+    with pytest.raises(MemoryFitError) as err:
+        runner.check_requests_fit([RequestConfig(prompt="a fox", target_height=SHAPE[0], target_width=SHAPE[1],
+                                                 target_video_length=SHAPE[2])])
+    return str(err.value)
+
+
 def test_on_the_cpu_the_host_refusal_advises_only_what_lowers_host_memory(ckpt: Path) -> None:
     """CPU, offload none, `memory.host_limit_gib` just below the estimate: each module built for its own stage
     and lazy disk streaming lower the CPU's peak (the estimate says by how much); storage 'disk' alone, mode
     'model' and `offload.mode`='auto' (resident on the CPU) do not, and are named as such, not advised."""
-    from runnerkit.config import RequestConfig
-    from runnerkit.runners.fit import MemoryFitError
-
     cfg = load_runner_config(None, _config(ckpt, memory={"limit_gib": 64.0, "host_limit_gib": 0.52}))
     runner = WanT2VRunner(cfg)
     cpu = torch.device("cpu")
@@ -318,10 +326,7 @@ def test_on_the_cpu_the_host_refusal_advises_only_what_lowers_host_memory(ckpt: 
     disk = OffloadConfig(mode="block", storage="disk", reader="pread", lazy_load=True)
     lazy = fit.peak_of(runner._estimate_with(disk, SHAPE), cfg.model_copy(update={"offload": disk}), cpu).bytes
     assert max(unload, lazy) < now and now > 0.52 * fit.GIB
-    with pytest.raises(MemoryFitError) as err:
-        runner.check_requests_fit([RequestConfig(prompt="a fox", target_height=SHAPE[0], target_width=SHAPE[1],
-                                                 target_video_length=SHAPE[2])])
-    assert str(err.value) == (
+    assert _host_refusal(runner) == (
         f"request 0 (command line): shape {list(SHAPE)} needs an estimated {now / fit.GIB:.2f} GiB (the device is "
         "the host: its peak estimate) of host memory, more than config memory.host_limit_gib (0.52 GiB). Try "
         f"`unload_modules`=true (each module built for its own stage: {unload / fit.GIB:.3f} GiB); or "
@@ -451,16 +456,10 @@ def test_unload_modules_with_the_default_mode_is_accepted() -> None:
 def test_on_the_cpu_the_host_refusal_advises_nothing_that_would_not_fit(ckpt: Path) -> None:
     """A host limit below the fixed overhead: neither `unload_modules` nor lazy disk streaming nor a smaller
     shape can fit (each estimate is still above the limit), so none is advised; the message says why."""
-    from runnerkit.config import RequestConfig
-    from runnerkit.runners.fit import MemoryFitError
-
     cfg = load_runner_config(None, _config(ckpt, memory={"limit_gib": 64.0, "host_limit_gib": 0.01}))
     runner = WanT2VRunner(cfg)
     now = fit.peak_of(runner.estimate_memory(SHAPE), cfg, torch.device("cpu")).bytes
-    with pytest.raises(MemoryFitError) as err:
-        runner.check_requests_fit([RequestConfig(prompt="a fox", target_height=SHAPE[0], target_width=SHAPE[1],
-                                                 target_video_length=SHAPE[2])])
-    assert str(err.value) == (
+    assert _host_refusal(runner) == (
         f"request 0 (command line): shape {list(SHAPE)} needs an estimated {now / fit.GIB:.2f} GiB (the device is "
         "the host: its peak estimate) of host memory, more than config memory.host_limit_gib (0.01 GiB). No setting "
         "or shape fits: the fixed overhead alone is 0.50 GiB. Try a larger memory.host_limit_gib if the machine has "
