@@ -113,6 +113,15 @@ class OffloadConfig(_Strict):
         "transformers; a list names them all, e.g. [\"transformer\", \"text_encoder\"] to stream a text "
         "encoder's layers too (modules not listed visit the device whole for their stage).",
         strict=False)  # a JSON list, held as a tuple: the config stays hashable (estimates cache on it)
+    resident_modules: tuple[str, ...] | None = Field(
+        None, description="Modules kept on the device whole in mode model/block/phase (built there at load, never "
+        "moved), e.g. [\"transformer\"] so that only the text encoder visits the device for its stage. null: none. "
+        "A module cannot be both resident and in `offload.stream_modules`.",
+        strict=False)
+    resident_blocks: int = Field(
+        0, ge=0, le=4096, description="Mode block/phase: this many streamed units (blocks or phases) of each "
+        "streamed module stay on the device, spread evenly over its units; the others rotate through the "
+        "`gpu_slots`. 0: every unit streams. More than a module has: all of its units stay.")
 
     @model_validator(mode="after")
     def _combinations(self) -> "OffloadConfig":
@@ -122,10 +131,9 @@ class OffloadConfig(_Strict):
             raise ValueError(f"`offload.weight_dtype`='auto' lets the memory planner choose the storage dtype; it "
                              f"needs `offload.mode`='auto' (got {self.mode!r}): use 'same' or 'fp8_e4m3'")
         streaming = self.mode in ("block", "phase")
-        inert = [f for f in ("gpu_slots", "prefetch_depth", "reader", "stream_modules")
+        inert = [f for f in ("gpu_slots", "prefetch_depth", "reader", "stream_modules", "resident_blocks")
                  if f in self.model_fields_set and not streaming]
-        if "pin_memory" in self.model_fields_set and self.mode == "none":
-            inert.append("pin_memory")
+        inert += [f for f in ("pin_memory", "resident_modules") if f in self.model_fields_set and self.mode == "none"]
         if inert:
             raise ValueError(f"`offload.{inert[0]}` has no effect with `offload.mode`={self.mode!r} "
                              f"(set for: {inert}); remove it or choose a mode that uses it")
@@ -136,6 +144,16 @@ class OffloadConfig(_Strict):
             dup = sorted({m for m in self.stream_modules if self.stream_modules.count(m) > 1})
             if dup:
                 raise ValueError(f"`offload.stream_modules` lists {dup} more than once")
+        if self.resident_modules is not None:
+            if not self.resident_modules:
+                raise ValueError("`offload.resident_modules` is empty; list at least one module, or null for none")
+            dup = sorted({m for m in self.resident_modules if self.resident_modules.count(m) > 1})
+            if dup:
+                raise ValueError(f"`offload.resident_modules` lists {dup} more than once")
+            both = sorted(set(self.resident_modules) & set(self.stream_modules or ()))
+            if both and streaming:
+                raise ValueError(f"`offload.resident_modules` and `offload.stream_modules` both list {both}: a module "
+                                 "either stays on the device whole or streams its blocks")
         if self.reader != "mmap" and self.storage != "disk":
             raise ValueError(f"`offload.reader`={self.reader!r} applies to `offload.storage`='disk' only")
         if self.prefetch_depth >= self.gpu_slots:

@@ -423,11 +423,13 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         none: all resident on the device; model: all in host memory, each visits the device for
         its stage; block/phase: the modules of `offload.stream_modules` (default: the streamable
         transformers) stream their blocks or layers (built per stage under lazy_load), the others
-        are model-offloaded; unload_modules: every module built per stage.
+        are model-offloaded; in model/block/phase, `offload.resident_modules` are built on the
+        device instead; unload_modules: every module built per stage.
 
         Raises:
             NotImplementedError: block/phase offload of a pipeline without a streamable module.
-            ValueError: `offload.stream_modules` names a module that is not in the pipeline or cannot stream.
+            ValueError: `offload.stream_modules` names a module that is not in the pipeline or cannot stream;
+                `offload.resident_modules` names one that is not in the pipeline or streams.
         """
         cfg, off = self.config, self.config.offload
         thresholds = dict(empty_cache_min_free_gib=cfg.memory.empty_cache_min_free_gib,
@@ -442,7 +444,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         elif off.mode == "none":
             resident = {m.name: self._build(m, self.device) for m in pipeline.modules}
         elif off.mode == "model":
-            offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules}
+            kept = self._resident_choice(pipeline, ())
+            resident = {m.name: self._build(m, self.device) for m in pipeline.modules if m.name in kept}
+            offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules if m.name not in kept}
         else:
             if cfg.compute_dtype == "fp8":  # the config refuses block/phase; the memory planner may choose it
                 raise NotImplementedError(f"`compute_dtype`='fp8' with `offload.mode`={off.mode!r}: streamed blocks "
@@ -451,8 +455,10 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             if not streamable:
                 raise NotImplementedError(f"`offload.mode`={off.mode!r}: {type(self).__name__} has no module that "
                                           "streams its blocks; use 'none' or 'model'")
+            kept = self._resident_choice(pipeline, [x.name for x in streamable])
+            resident = {m.name: self._build(m, self.device) for m in pipeline.modules if m.name in kept}
             offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules
-                         if m.name not in {x.name for x in streamable}}
+                         if m.name not in {x.name for x in streamable} and m.name not in kept}
             self._log_cfg_passes(streamable)
             for m in streamable:
                 if off.lazy_load:
@@ -464,6 +470,25 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.modules = {**resident, **offloaded}
         return Placement(self.device, resident=resident, offloaded=offloaded, loaders=loaders, pin_memory=pin,
                          **thresholds)
+
+    def _resident_choice(self, pipeline: Pipeline, streamed: Sequence[str]) -> set[str]:
+        """The modules of `offload.resident_modules`, checked against the pipeline and the streamed ones.
+
+        Raises:
+            ValueError: a name that is not a module of the pipeline, or one that streams (`streamed`).
+        """
+        names = self.config.offload.resident_modules or ()
+        known = [m.name for m in pipeline.modules]
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise ValueError(f"`offload.resident_modules`={list(names)}: {type(self).__name__} has no module {bad}; "
+                             f"its modules: {known}")
+        both = [n for n in names if n in streamed]
+        if both:
+            raise ValueError(f"`offload.resident_modules`={list(names)}: {both} stream their blocks in mode "
+                             f"{self.config.offload.mode!r} (streamed: {list(streamed)}); list the modules to "
+                             "stream in `offload.stream_modules` without them, or leave them out of resident_modules")
+        return set(names)
 
     def _log_cfg_passes(self, streamed: Sequence[ModuleSpec]) -> None:
         """One INFO line: how the CFG branches go through the streamed transformer(s)."""

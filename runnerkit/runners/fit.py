@@ -27,6 +27,7 @@ Placement per offload mode (the same rules as `DefaultRunner.place_modules` and 
 | block / phase | streamed modules: resident part + slots; others: s's module | + streamer host slabs |
 | lazy_load | as block, streamed modules only during their stage | the same |
 | unload_modules | s's module only | s's module only |
+| `offload.resident_modules` (model/block/phase) | those modules always, the rest by the mode | every module |
 
 (Streamer host slabs: one per unit with storage cpu, one staging slab per slot with storage disk.)
 
@@ -54,6 +55,7 @@ from runnerkit.offload.pinned import align_up
 __all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "Hint", "HostEstimate",
            "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights",
            "host_bytes_of", "host_module_bytes", "lora_slot_bytes", "module_footprint", "overhead_bytes", "peak_of",
+           "placement_of",
            "host_refusal_message", "refusal_message", "streams", "weights_between_stages"]
 
 GIB = 1024**3
@@ -304,7 +306,7 @@ def _held(name: str, footprint: ModuleFootprint, stage_module: str | None, confi
         part = footprint.stream_resident_bytes + footprint.stream_slot_bytes + extra
         part += footprint.stream_host_bytes if on_cpu else 0
         return part if (in_stage or not off.lazy_load) else 0
-    if off.mode in ("none", "auto") or on_cpu:
+    if off.mode in ("none", "auto") or on_cpu or name in (off.resident_modules or ()):
         return footprint.weight_bytes + extra  # resident; on the CPU offloaded modules live in the same memory
     if in_stage:  # model offload: the weights visit the device for their stage
         return footprint.weight_bytes + extra
@@ -384,11 +386,29 @@ def host_module_bytes(name: str, footprint: ModuleFootprint, config: RunnerConfi
     with disk); a model-offloaded module (mode model, or not streamed in block/phase) all its weights;
     a resident module, and every module under `unload_modules`, none."""
     off = config.offload
-    if config.unload_modules or off.mode == "none":
+    if config.unload_modules or off.mode == "none" or name in (off.resident_modules or ()):
         return 0
     if streams(name, footprint, off):
         return footprint.stream_host_bytes
     return footprint.weight_bytes
+
+
+def placement_of(name: str, footprint: ModuleFootprint, config: RunnerConfig) -> str:
+    """Where module `name` lives under `config` on a CUDA device, in words (the plan's report and `runnerkit plan`):
+    'resident', 'visits the device for its stage', 'streamed from pinned host memory' (or 'host memory', 'disk';
+    ', built per request' under lazy_load; ', N units resident' with `offload.resident_blocks`), or 'built for its
+    stage' (`unload_modules`)."""
+    off = config.offload
+    if config.unload_modules:
+        return "built for its stage"
+    if off.mode in ("none", "auto") or name in (off.resident_modules or ()):
+        return "resident"
+    if streams(name, footprint, off):
+        source = "disk" if off.storage == "disk" else "pinned host memory" if off.pin_memory else "host memory"
+        words = f"streamed from {source}"
+        words += f", {off.resident_blocks} units resident" if off.resident_blocks else ""
+        return words + (", built per request" if off.lazy_load else "")
+    return "visits the device for its stage"
 
 
 def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.device) -> HostEstimate:
@@ -414,7 +434,7 @@ def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.
         if streams(name, m, off):
             assert m.stream_resident_bytes is not None
             loaded[name] = m.stream_resident_bytes
-        elif config.unload_modules or off.mode == "none":
+        elif config.unload_modules or off.mode == "none" or name in (off.resident_modules or ()):
             loaded[name] = m.weight_bytes
     transient_module = max(loaded, key=lambda n: loaded[n]) if loaded else None
     transient = loaded[transient_module] if transient_module is not None else 0
