@@ -35,6 +35,9 @@ from test_cases.runners.test_fit import logs  # noqa: F401 (fixture)
 CUDA = torch.device("cuda")
 SHAPE = (32, 32, 5)  # small: two runs of this file decode it
 LAZY_DISK = {"mode": "block", "storage": "disk", "reader": "pread", "lazy_load": True}
+#: what the plan makes of the `_limits` machine: lazy disk streaming, the only rung that fits, with the text
+#: encoder kept resident beside it (it fits, and then nothing visits the device per request)
+PLANNED = {**LAZY_DISK, "resident_modules": ["text_encoder"]}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,7 @@ def test_auto_resolves_before_loading_and_equals_the_explicit_config(
     device_gib, host_gib = _limits(ckpt)
     plain = write_config(tmp_path / "plain.json", _config(ckpt, memory={"limit_gib": device_gib,
                                                                          "host_limit_gib": host_gib}))
-    explicit = write_config(tmp_path / "explicit.json", _config(ckpt, offload=LAZY_DISK))
+    explicit = write_config(tmp_path / "explicit.json", _config(ckpt, offload=PLANNED))
     request = ["--prompt", "a fox", "--seed", "3", "--target_height", "32", "--target_width", "32",
                "--target_video_length", "5"]
     out_auto, out_explicit = tmp_path / "auto.mp4", tmp_path / "explicit.safetensors"
@@ -98,11 +101,12 @@ def test_auto_resolves_before_loading_and_equals_the_explicit_config(
     rc, err2 = _cli(capsys, "--config_json", explicit, *request, "--save_tensor_path", out_explicit)
     assert rc == 0, err2
 
-    concrete = OffloadConfig(**LAZY_DISK).model_dump(mode="json")
+    concrete = OffloadConfig(**PLANNED).model_dump(mode="json")
     assert json.loads(out_auto.with_suffix(".json").read_text())["config"]["offload"] == concrete
     plan = json.loads((tmp_path / "p.json").read_text())["memory_plan"]
     assert plan["offload"] == concrete and plan["requested"] == {"mode": "auto"}
-    assert plan["candidate"] == "block streaming from disk (reader pread; lazy_load; streams the transformers)"
+    assert plan["candidate"] == ("block streaming from disk (reader pread; lazy_load; streams the transformers; "
+                                 "resident text_encoder)")
     assert [r["candidate"] for r in plan["rejected"]] == [
         "resident (mode none)", "model offload (mode model)",
         "block streaming from pinned host memory (streams the transformers)",
@@ -166,7 +170,10 @@ def test_explicit_keys_constrain_the_plan(ckpt: Path, monkeypatch: pytest.Monkey
     assert plan is not None
     assert [e.name for e in plan.rejected] == ["resident (mode none)", "model offload (mode model)"]
     assert all(e.reason.startswith("excluded: `offload.gpu_slots` has no effect") for e in plan.rejected)
-    assert runner.config.offload == OffloadConfig(mode="block", gpu_slots=3, prefetch_depth=2)
+    off = runner.config.offload
+    assert off.model_copy(update={"resident_modules": None, "resident_blocks": 0}) == OffloadConfig(
+        mode="block", gpu_slots=3, prefetch_depth=2)
+    assert off.resident_modules == ("text_encoder", "vae")  # 64 GiB: whatever does not stream stays resident
 
 
 def test_a_family_without_an_estimate_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -241,7 +248,7 @@ def test_init_modules_plans_for_the_config_shape_before_loading(ckpt: Path, monk
     monkeypatch.setattr(WanT2VRunner, "load_modules", _recording(WanT2VRunner.load_modules, "load", order))
     runner.init_modules()
     assert order == ["plan", "load"]
-    assert runner.config.offload == OffloadConfig(**LAZY_DISK)
+    assert runner.config.offload == OffloadConfig(**PLANNED)
     assert runner.profiler.memory_plan is not None and runner.profiler.memory_plan["shapes"] == [list(SHAPE)]
 
 
@@ -255,7 +262,7 @@ def test_warmup_shapes_are_planned_for_and_unsupported_modes_skipped(tiny_ckpt: 
     plan = runner.plan_memory([SHAPE])
     assert plan is not None and runner.warmup_shapes()
     assert list(plan.shapes) == list(dict.fromkeys([SHAPE, *runner.warmup_shapes()]))
-    assert plan.chosen.name == "model offload (mode model)"
+    assert plan.chosen.name == "model offload (mode model; resident transformer, vae)"  # the text encoder visits
     assert [e.reason for e in plan.rejected] == ["excluded: warmup of WanT2VRunner does not support offload mode "
                                                  "'none' (supported: ['model'])"]
 
@@ -421,7 +428,7 @@ def test_a_config_without_an_offload_mode_plans_automatically(
                    *request, "--profile_json", tmp_path / "p.json")
     assert rc == 0, err
     plan = json.loads((tmp_path / "p.json").read_text())["memory_plan"]
-    assert plan["requested"] == {} and plan["offload"] == OffloadConfig(**LAZY_DISK).model_dump(mode="json")
+    assert plan["requested"] == {} and plan["offload"] == OffloadConfig(**PLANNED).model_dump(mode="json")
     assert "memory plan: `offload.mode` not set, so the plan is automatic" in err
     rc, err = _cli(capsys, "--config_json", write_config(tmp_path / "none.json", _config(
         ckpt, offload={"mode": "none"}, **limits)), *request)

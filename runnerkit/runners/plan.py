@@ -30,24 +30,26 @@ candidate are runners/plan_ladder.py; the log, the report and the refusal runner
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import combinations
 
 import torch
 
 from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
-from runnerkit.runners.fit import MemoryFitError
+from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, placement_of, streams
 from runnerkit.runners.pipeline import Shape
 from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
                                            constrain, evaluate, explicit_keys, ladder)
-from runnerkit.runners.plan_report import refusal
+from runnerkit.runners.plan_report import module_rows, refusal, request_copy_seconds
 
 __all__ = ["MemoryPlan", "plan_offload"]
 
 
 def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.device, estimate: EstimateFn,
                  device_limit: MemoryLimit, host_limit: MemoryLimit | None, passes_per_step: PassesFn,
-                 supported: SupportedFn = lambda off: None, factors: tuple[int, int] = (16, 4)) -> MemoryPlan:
+                 supported: SupportedFn = lambda off: None, factors: tuple[int, int] = (16, 4),
+                 steps_per_request: int = 1, keep_resident: bool = True) -> MemoryPlan:
     """Resolve `config.offload` (mode auto) into the fastest concrete config that fits (module docstring).
 
     Args:
@@ -61,6 +63,9 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
             volume in the report and the log.
         supported: None if the run supports a concrete config, else why not (compile, warmup).
         factors: the family's (spatial, temporal) shape factors, for the smaller shapes the refusal names.
+        steps_per_request: denoising steps of one request (all stages), for the request's copy time.
+        keep_resident: try keeping modules and streamed units resident beside each rung (`_fastest_variant`);
+            False judges each rung as the ladder writes it (the ladder alone, e.g. to compare with).
 
     Raises:
         MemoryFitError: no allowed candidate fits (the message: GiB missing, what would fit).
@@ -71,13 +76,23 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
     if not shapes:
         raise ValueError("plan_offload needs at least one request shape")
     shapes = tuple(dict.fromkeys(shapes))
+    estimate = _cached(estimate)
     requested = config.offload
     explicit = explicit_keys(requested)
     streamable, default_streams = _streamable(estimate, shapes[0])
     allow_fp8 = requested.weight_dtype in ("auto", "fp8_e4m3")
-    evaluations: list[Evaluation] = []
+    evaluations: list[Evaluation] = []  # one per rung: its least-memory variant, or why it is left out
+    fitting: list[tuple[int, Evaluation]] = []  # (rung index, the rung's fastest variant that fits)
     seen: set[str] = set()
-    for cand in ladder(streamable, default_streams, allow_fp8):
+    rung_of: dict[int, int] = {}  # rung index -> its entry in `evaluations`
+
+    def judge(off: OffloadConfig) -> Evaluation:
+        ev = evaluate(candidate_name(off), config.model_copy(update={"offload": off}), shapes, device, estimate,
+                      device_limit, host_limit, passes_per_step)
+        ev.copy_seconds = request_copy_seconds(module_rows(ev, device), steps_per_request)
+        return ev
+
+    for rung, cand in enumerate(ladder(streamable, default_streams, allow_fp8)):
         off, why = constrain(cand, explicit)
         name = candidate_name(off) if off is not None else candidate_name(OffloadConfig.model_validate(cand.keys))
         if off is None:
@@ -98,25 +113,124 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         if refused:
             evaluations.append(Evaluation(name, off, f"excluded: {refused}"))
             continue
-        if device.type == "cpu" and any(e.peak is not None for e in evaluations):
-            evaluations.append(Evaluation(name, off, "not evaluated: on the CPU the first allowed candidate is taken"))
+        if device.type == "cpu":
+            if any(e.peak is not None for e in evaluations):
+                evaluations.append(Evaluation(name, off, "not evaluated: on the CPU the first allowed candidate is "
+                                                         "taken"))
+                continue
+            ev = judge(off)
+            rung_of[rung] = len(evaluations)
+            evaluations.append(ev)
+            if ev.fits:
+                fitting.append((rung, ev))
             continue
-        ev = evaluate(name, config.model_copy(update={"offload": off}), shapes, device, estimate, device_limit,
-                      host_limit, passes_per_step)
-        evaluations.append(ev)
-        if ev.fits:
-            break
-    chosen = next((e for e in evaluations if e.fits), None)
-    if chosen is None:
+        base = judge(off)
+        rung_of[rung] = len(evaluations)
+        evaluations.append(base)
+        best = (_fastest_variant(off, base, explicit, judge) if keep_resident else base) if base.fits else None
+        if best is not None:
+            fitting.append((rung, best))
+    if not fitting:
         raise MemoryFitError(refusal(config, evaluations, shapes, device, estimate, device_limit, host_limit,
                                      streamable, default_streams, supported, passes_per_step, factors))
-    rejected = [e for e in evaluations if e is not chosen and "not evaluated" not in e.reason]
+    rung, chosen = min(fitting, key=lambda x: (x[1].copy_seconds or 0.0, x[0]))
+    assert chosen.copy_seconds is not None
+    # the rungs before the chosen one's that were left out or do not fit (those after it are slower kinds)
+    rejected = [e for e in evaluations[:rung_of[rung]] if not e.fits and "not evaluated" not in e.reason]
     why = ("the device is the CPU: weights live in host memory whatever the mode, so offload cannot lower the "
            "peak; the first allowed candidate is taken" if device.type == "cpu" else
-           "the fastest candidate that fits" + (" (every faster one was rejected)" if rejected else ""))
+           f"the fastest that fits: an estimated {chosen.copy_seconds:.2f} s of host-to-device copies per request"
+           + (f" ({len(fitting) - 1} slower plan(s) fit too)" if len(fitting) > 1 else ""))
     return MemoryPlan(chosen=chosen, rejected=rejected, shapes=shapes, device=device, device_limit=device_limit,
-                      host_limit=host_limit, why=why,
+                      host_limit=host_limit, why=why, steps_per_request=steps_per_request,
                       skipped=[e for e in evaluations if "not evaluated" in e.reason])
+
+
+#: Modules the planner tries keeping resident beside an offload mode: all subsets up to this many candidates
+#: (2^n plans judged by pure functions of cached estimates); beyond it, only the largest modules are tried.
+MAX_RESIDENT_CHOICES = 8
+#: `offload.resident_blocks` searched up to this many units per streamed module.
+MAX_RESIDENT_BLOCKS = 4096
+
+
+def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, object],
+                     judge: Callable[[OffloadConfig], Evaluation]) -> Evaluation:
+    """The fastest variant of a rung that fits, `base` (nothing kept resident) fitting: every subset of the
+    modules that neither stream nor are resident already kept on the device whole (`offload.resident_modules`,
+    unless set explicitly), and in block/phase the most streamed units kept resident that still fit
+    (`offload.resident_blocks`, unless set explicitly; more units never copy more, so the most that fits is the
+    fastest of a subset)."""
+    best = base
+    if off.mode == "none":
+        return best
+    assert base.estimate is not None
+    config = RunnerConfig.model_construct(offload=off, unload_modules=False)
+    movable = [n for n, m in base.estimate.modules.items() if placement_of(n, m, config) != "resident"
+               and not streams(n, m, off)]
+    movable = sorted(movable, key=lambda n: -base.estimate.modules[n].weight_bytes)[:MAX_RESIDENT_CHOICES]
+    subsets: list[tuple[str, ...]] = [()]
+    if "resident_modules" not in explicit:
+        order = list(base.estimate.modules)
+        subsets = [tuple(sorted(c, key=order.index)) for r in range(len(movable) + 1)
+                   for c in combinations(movable, r)]
+        if off.mode == "model":  # every module resident is mode none, the ladder's first rung
+            subsets = [c for c in subsets if len(c) < len(base.estimate.modules)]
+    search_blocks = off.mode in ("block", "phase") and "resident_blocks" not in explicit
+    for kept in subsets:
+        keys = {"resident_modules": (*(off.resident_modules or ()), *kept) or None}
+        variant = off.model_copy(update=keys)
+        if search_blocks:
+            n = _largest_fitting(lambda n: judge(variant.model_copy(update={"resident_blocks": n})).fits)
+            if n is None:
+                continue
+            variant = variant.model_copy(update={"resident_blocks": _fewest_same(variant, n, judge)})
+        ev = judge(variant)
+        if ev.fits and (ev.copy_seconds or 0.0) < (best.copy_seconds or 0.0):
+            best = ev
+    return best
+
+
+def _largest_fitting(fits: Callable[[int], bool]) -> int | None:
+    """The largest n in [0, MAX_RESIDENT_BLOCKS] with fits(n) (monotone: true up to some n), or None."""
+    if not fits(0):
+        return None
+    lo, hi = 0, MAX_RESIDENT_BLOCKS + 1
+    if fits(MAX_RESIDENT_BLOCKS):
+        return MAX_RESIDENT_BLOCKS
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _fewest_same(off: OffloadConfig, n: int, judge: Callable[[OffloadConfig], Evaluation]) -> int:
+    """The smallest resident_blocks m <= n judged the same as n (device and host bytes, copy seconds): n above the
+    units a module has says nothing more, and the plan names the count that matters."""
+
+    def verdict(m: int) -> tuple[int | None, int | None, float | None]:
+        ev = judge(off.model_copy(update={"resident_blocks": m}))
+        return (ev.peak.bytes if ev.peak else None, ev.host.bytes if ev.host else None, ev.copy_seconds)
+
+    target = verdict(n)
+    lo, hi = -1, n  # verdict(hi) == target
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if verdict(mid) == target else (mid, hi)
+    return hi
+
+
+def _cached(estimate: EstimateFn) -> EstimateFn:
+    """`estimate` memoized per (offload config, shape); `offload.resident_modules` does not change a family's
+    estimate (fit.py places the modules), so configs that differ only there share one."""
+    memo: dict[tuple[str, Shape], MemoryEstimate] = {}
+
+    def cached(off: OffloadConfig, shape: Shape) -> MemoryEstimate:
+        key = (off.model_copy(update={"resident_modules": None}).model_dump_json(), shape)
+        if key not in memo:
+            memo[key] = estimate(off, shape)
+        return memo[key]
+
+    return cached
 
 
 def _streamable(estimate: EstimateFn, shape: Shape) -> tuple[list[str], list[str]]:

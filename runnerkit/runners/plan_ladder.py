@@ -90,15 +90,18 @@ def constrain(candidate: Candidate, explicit: dict[str, Any]) -> tuple[OffloadCo
 
 def candidate_name(off: OffloadConfig) -> str:
     """A short name of a concrete offload config, e.g. 'block streaming from pinned host memory, fp8_e4m3'."""
+    kept = [f"resident {', '.join(off.resident_modules)}"] if off.resident_modules else []
     if off.mode == "none":
         return "resident (mode none)"
     if off.mode == "model":
-        return "model offload (mode model)"
+        return "model offload (mode model" + "".join(f"; {k}" for k in kept) + ")"
     source = ("disk" if off.storage == "disk" else "pinned host memory" if off.pin_memory else "host memory")
     extras = [f"weight_dtype {off.weight_dtype}"] if off.weight_dtype != "same" else []
     extras += [f"reader {off.reader}"] if off.storage == "disk" else []
     extras += ["lazy_load"] if off.lazy_load else []
     extras.append("streams " + (", ".join(off.stream_modules) if off.stream_modules else "the transformers"))
+    extras += [f"{off.resident_blocks} units resident"] if off.resident_blocks else []
+    extras += kept
     return f"{off.mode} streaming from {source} ({'; '.join(extras)})"
 
 
@@ -120,6 +123,7 @@ class Evaluation:
     device_missing: int = 0
     host_missing: int = 0
     passes_per_step: int = 0
+    copy_seconds: float | None = None  # estimated H2D seconds per request (runners/plan_report.py), once evaluated
 
     @property
     def fits(self) -> bool:
@@ -138,6 +142,7 @@ class MemoryPlan:
     host_limit: MemoryLimit | None
     why: str
     skipped: list[Evaluation] = field(default_factory=list)  # CPU: candidates not evaluated
+    steps_per_request: int = 1  # denoising steps of one request, all stages (the copy time's multiplier)
 
     @property
     def offload(self) -> OffloadConfig:

@@ -10,9 +10,14 @@ Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled
         streamed bytes = the units' raw bytes as copied (`ModuleFootprint.stream_moved_bytes`: the
                          host slabs with storage cpu; with storage disk what is read and copied,
                          checkpoint fp8 tensors at 1 byte + scale)
-    streamed text encoder: streamed bytes once per request (one encoder pass)
-    model-offloaded module: weight_bytes once per request (it visits the device for its stage)
-    resident module:       nothing
+    streamed text encoder: streamed bytes once per stage that uses it (one encoder pass)
+    model-offloaded module: weight_bytes once per stage that uses it (it visits the device for each;
+                           LTX-2's transformer twice: stage 1 and stage 2)
+    lazy_load:             + the streamed module's resident part, read from disk once per stage that uses it
+    resident module (mode none, `offload.resident_modules`, `offload.resident_blocks` units): nothing
+
+    request copy seconds = step copy seconds x denoising steps per request + the per-request copies'
+    seconds (what the planner minimizes among the candidates that fit: runners/plan.py)
 
     seconds = bytes / bandwidth: pinned H2D `H2D_PINNED_BYTES_PER_S`, pageable `H2D_PAGEABLE_BYTES_PER_S`,
     disk `min(DISK_BYTES_PER_S, H2D)`; assumptions, not measurements. One transformer runs per step
@@ -32,13 +37,13 @@ from pydantic import ValidationError
 
 from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
-from runnerkit.runners.fit import GIB, host_module_bytes, overhead_bytes, streams
+from runnerkit.runners.fit import GIB, host_module_bytes, overhead_bytes, placement_of, streams
 from runnerkit.runners.pipeline import Shape
 from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
                                            evaluate, explicit_keys, ladder)
 
 __all__ = ["DISK_BYTES_PER_S", "H2D_PAGEABLE_BYTES_PER_S", "H2D_PINNED_BYTES_PER_S", "ModuleRow", "describe",
-           "module_rows", "refusal", "report"]
+           "module_rows", "refusal", "report", "request_copy_seconds"]
 
 H2D_PINNED_BYTES_PER_S = 20e9
 """Assumed host-to-device copy rate from pinned memory: PCIe 4.0 x16 in practice (~25 GB/s peak), the
@@ -75,22 +80,27 @@ def module_rows(ev: Evaluation, device: torch.device) -> list[ModuleRow]:
     h2d = H2D_PINNED_BYTES_PER_S if off.pin_memory else H2D_PAGEABLE_BYTES_PER_S
     rows = []
     for name, m in ev.estimate.modules.items():
+        uses = max(1, sum(1 for s in ev.estimate.stages if s.module == name))
         host = host_module_bytes(name, m, config) if device.type != "cpu" else 0
-        if streams(name, m, off):
+        where = placement_of(name, m, config) if device.type != "cpu" else "resident"
+        if device.type == "cpu" or where == "resident":
+            rows.append(ModuleRow(name, "resident", m.weight_bytes, host, 0, 0, h2d))
+        elif streams(name, m, off):
             assert m.stream_resident_bytes is not None
             streamed = m.stream_moved_bytes or m.weight_bytes - m.stream_resident_bytes  # as copied (fp8: 1 byte)
-            where = "streamed from " + ("host memory" if off.storage == "cpu" else "disk")
-            where += ", built per request" if off.lazy_load else ""
-            step, request = (streamed * ev.passes_per_step, 0) if m.stream_default else (0, streamed)
+            step, request = (streamed * ev.passes_per_step, 0) if m.stream_default else (0, streamed * uses)
+            request += m.stream_resident_bytes * uses if off.lazy_load else 0  # built per stage from disk
             rate = h2d if off.storage == "cpu" else min(h2d, DISK_BYTES_PER_S)
             on_device = m.stream_resident_bytes + m.stream_slot_bytes
             rows.append(ModuleRow(name, where, on_device, host, step, request, rate))
-        elif off.mode == "none" or device.type == "cpu":
-            rows.append(ModuleRow(name, "resident", m.weight_bytes, host, 0, 0, h2d))
         else:
-            rows.append(ModuleRow(name, "offloaded (visits the device for its stage)", m.weight_bytes, host, 0,
-                                  m.weight_bytes, h2d))
+            rows.append(ModuleRow(name, where, m.weight_bytes, host, 0, m.weight_bytes * uses, h2d))
     return rows
+
+
+def request_copy_seconds(rows: Sequence[ModuleRow], steps_per_request: int) -> float:
+    """Estimated H2D seconds of one request (module docstring): the step's copy x steps + the per-request copies."""
+    return _step_copy(rows)[1] * steps_per_request + sum(r.seconds(r.copy_request_bytes) for r in rows)
 
 
 def _gib(n: int | float) -> float:
@@ -143,6 +153,8 @@ def report(plan: MemoryPlan, requested: OffloadConfig) -> dict[str, Any]:
         "copy_seconds_per_step_estimate": round(step_s, 4),
         "copy_per_request_gib": _gib(sum(r.copy_request_bytes for r in rows)),
         "copy_seconds_per_request_estimate": round(sum(r.seconds(r.copy_request_bytes) for r in rows), 4),
+        "steps_per_request": plan.steps_per_request,
+        "request_copy_seconds_estimate": round(request_copy_seconds(rows, plan.steps_per_request), 4),
         "modules": [{"name": r.name, "placement": r.placement, "device_gib": _gib(r.device_bytes),
                      "host_gib": _gib(r.host_bytes), "copy_per_step_gib": _gib(r.copy_step_bytes),
                      "copy_per_request_gib": _gib(r.copy_request_bytes),
@@ -177,6 +189,8 @@ def describe(plan: MemoryPlan) -> str:
     if request:
         lines.append(f"  copy per request (estimate): {request / GIB:.2f} GiB = "
                      f"{sum(r.seconds(r.copy_request_bytes) for r in rows):.2f} s at the assumed rates")
+    lines.append(f"  copies of one request (estimate, {plan.steps_per_request} denoising steps): "
+                 f"{request_copy_seconds(rows, plan.steps_per_request):.2f} s, the least of the plans that fit")
     for e in plan.rejected:
         lines.append(f"  rejected: {e.name}: {e.reason}")
     return "\n".join(lines)

@@ -144,6 +144,11 @@ class RequestChecksMixin:
             return 1
         return 1 if getattr(self, "CFG_ONE_PASS", False) and offload.mode == "block" else 2
 
+    def plan_steps_per_request(self) -> int:
+        """Denoising steps of one request over all its stages, for the plan's copy time per request (the
+        streamed transformers' copies repeat every step): `infer_steps`; a family with more stages overrides."""
+        return self.config.infer_steps or 1
+
     @contextmanager
     def _offload_for_estimate(self, offload: OffloadConfig) -> Iterator[None]:
         """`self.config.offload` reads `offload` inside the block (the family's `estimate_memory`
@@ -237,7 +242,7 @@ class RequestChecksMixin:
                                 "held by this process")
         result = plan.plan_offload(cfg, shapes, device, self._estimate_with, device_limit, host_limit,
                                    self.denoise_passes_per_step, self._plan_supports,
-                                   (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR))
+                                   (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR), self.plan_steps_per_request())
         if not chosen:
             logger.info("memory plan: `offload.mode` not set, so the plan is automatic (`offload.mode` 'none' keeps "
                         "every module resident, or refuses)")

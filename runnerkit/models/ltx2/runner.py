@@ -637,6 +637,10 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         tokens = pack_audio_latents(audio.float())
         return self.stage_modules["audio_decoder"](tokens).float().clamp(-1.0, 1.0)
 
+    def plan_steps_per_request(self) -> int:
+        """Stage 1's distilled steps + stage 2's (the transformer runs in both)."""
+        return len(DISTILLED_SIGMAS) + len(STAGE2_SIGMAS)
+
     def warmup_steps(self, stage: DenoiseStage, sched: Scheduler) -> list[int]:
         """Each stage's first and last step (the last lands on sigma 0)."""
         return sorted({0, sched.infer_steps - 1})
