@@ -118,6 +118,11 @@ class OffloadConfig(_Strict):
         "moved), e.g. [\"transformer\"] so that only the text encoder visits the device for its stage. null: none. "
         "A module cannot be both resident and in `offload.stream_modules`.",
         strict=False)
+    keep_across_stages: bool = Field(
+        False, description="Mode model/block/phase: a transformer that consecutive denoising stages use (LTX-2's, "
+        "around its latent upsampler) stays on the device through the transition instead of leaving and coming "
+        "back (a visiting module is copied once, a lazy_load one built once per request). The planner sets it "
+        "where it fits.")
     resident_blocks: int = Field(
         0, ge=0, le=4096, description="Mode block/phase: this many streamed units (blocks or phases) of each "
         "streamed module stay on the device, spread evenly over its units; the others rotate through the "
@@ -133,7 +138,8 @@ class OffloadConfig(_Strict):
         streaming = self.mode in ("block", "phase")
         inert = [f for f in ("gpu_slots", "prefetch_depth", "reader", "stream_modules", "resident_blocks")
                  if f in self.model_fields_set and not streaming]
-        inert += [f for f in ("pin_memory", "resident_modules") if f in self.model_fields_set and self.mode == "none"]
+        inert += [f for f in ("pin_memory", "resident_modules", "keep_across_stages")
+                  if f in self.model_fields_set and self.mode == "none"]
         if inert:
             raise ValueError(f"`offload.{inert[0]}` has no effect with `offload.mode`={self.mode!r} "
                              f"(set for: {inert}); remove it or choose a mode that uses it")

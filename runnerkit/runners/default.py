@@ -46,7 +46,7 @@ from runnerkit.profiling import RequestProfile
 from runnerkit.runners.base import BaseRunner, Progress
 from runnerkit.runners.fit import MemoryEstimate
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, OutputKind, Pipeline, Shape
-from runnerkit.runners.placement import Loader, Placement
+from runnerkit.runners.placement import Loader, Placement, held_across_stages
 from runnerkit.runners.requests import RequestChecksMixin
 from runnerkit.runners.warmup import WarmupMixin
 from runnerkit.schedulers import SCHEDULERS
@@ -642,22 +642,30 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         assert self.pipeline is not None, "load_modules first"
         latents: torch.Tensor | None = None
         generator = None
-        for stage in self.pipeline.denoise:
-            if stage.transition is not None:
-                assert latents is not None, "a transition needs the previous stage's latents"
-                self.report_progress(info, stage.transition)
-                with self.profiler.stage(stage.transition), self.module_on_device(stage.transition) as model:
-                    latents = self.run_transition(stage, model, latents)
-            sched = self.schedulers[stage.name]
-            sched.generator = generator  # one generator per request, drawn from in a fixed order
-            self.report_progress(info, stage.name, 0, stage.steps)
-            with self.profiler.stage(stage.name):
-                latents = self.run_denoise_stage(info, stage, sched, latents, warmup)
-            generator = sched.generator
+        with held_across_stages(self.pipeline.denoise, self.config.offload.keep_across_stages,
+                                self.placement) as hold:
+            for index, stage in enumerate(self.pipeline.denoise):
+                hold(index)
+                latents, generator = self._denoise_one(info, stage, latents, generator, warmup)
         assert latents is not None
         if self.decodes_here:  # the rank that decodes (every rank holds the same latents)
             check_finite_latents(latents, self.dtype)
         return latents
+
+    def _denoise_one(self, info: InputInfo, stage: DenoiseStage, latents: torch.Tensor | None, generator: Any,
+                     warmup: bool) -> tuple[torch.Tensor, Any]:
+        """One denoise stage with its transition: (its latents, the request's generator after it)."""
+        if stage.transition is not None:
+            assert latents is not None, "a transition needs the previous stage's latents"
+            self.report_progress(info, stage.transition)
+            with self.profiler.stage(stage.transition), self.module_on_device(stage.transition) as model:
+                latents = self.run_transition(stage, model, latents)
+        sched = self.schedulers[stage.name]
+        sched.generator = generator  # one generator per request, drawn from in a fixed order
+        self.report_progress(info, stage.name, 0, stage.steps)
+        with self.profiler.stage(stage.name):
+            latents = self.run_denoise_stage(info, stage, sched, latents, warmup)
+        return latents, sched.generator
 
     def check_sequence_split(self, info: InputInfo, stages: Sequence[DenoiseStage] | None = None) -> None:
         """Under Ulysses sequence parallel, refuse request `info` if a denoise stage's transformer tokens

@@ -28,6 +28,7 @@ Placement per offload mode (the same rules as `DefaultRunner.place_modules` and 
 | lazy_load | as block, streamed modules only during their stage | the same |
 | unload_modules | s's module only | s's module only |
 | `offload.resident_modules` (model/block/phase) | those modules always, the rest by the mode | every module |
+| `offload.keep_across_stages` | + during s, the modules s `holds` (a transition's transformer) | every module |
 
 (Streamer host slabs: one per unit with storage cpu, one staging slab per slot with storage disk.)
 
@@ -144,12 +145,15 @@ class StageFootprint:
         activation_bytes: the stage's peak of activations, caches, kernel workspaces and the
             request tensors alive during it (latents, embeddings, decoded outputs), in bytes.
         detail: one line on where the bytes come from (shown in logs and refusals).
+        holds: modules that stay on the device through this stage under `offload.keep_across_stages` (a
+            transition between two denoising stages of the same transformer, e.g. LTX-2's latent upsampler).
     """
 
     name: str
     module: str | None
     activation_bytes: int
     detail: str = ""
+    holds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -293,10 +297,11 @@ def streams(name: str, footprint: ModuleFootprint, offload: OffloadConfig) -> bo
 
 
 def _held(name: str, footprint: ModuleFootprint, stage_module: str | None, config: RunnerConfig,
-          device: torch.device) -> int:
-    """Weight bytes of module `name` on `device` while the stage of `stage_module` runs (None: between stages)."""
+          device: torch.device, holds: Collection[str] = ()) -> int:
+    """Weight bytes of module `name` on `device` while the stage of `stage_module` runs (None: between stages);
+    `holds`: the stage's `StageFootprint.holds` (on the device as in their own stage under keep_across_stages)."""
     off = config.offload  # mode auto not yet planned: judged as its first candidate, resident
-    in_stage = name == stage_module
+    in_stage = name == stage_module or (off.keep_across_stages and name in holds)
     on_cpu = device.type == "cpu"
     extra = footprint.device_extra_bytes  # on the device while the module exists (LoRA slots)
     if config.unload_modules:
@@ -314,10 +319,11 @@ def _held(name: str, footprint: ModuleFootprint, stage_module: str | None, confi
 
 
 def device_weights(estimate: MemoryEstimate, stage_module: str | None, config: RunnerConfig,
-                   device: torch.device) -> dict[str, int]:
+                   device: torch.device, holds: Collection[str] = ()) -> dict[str, int]:
     """Module name -> weight bytes on `device` while the stage of `stage_module` runs (None: between
-    stages), by the placement rules of the module docstring; modules with nothing there are left out."""
-    held = {n: _held(n, m, stage_module, config, device) for n, m in estimate.modules.items()}
+    stages; `holds`: the stage's `StageFootprint.holds`), by the placement rules of the module docstring;
+    modules with nothing there are left out."""
+    held = {n: _held(n, m, stage_module, config, device, holds) for n, m in estimate.modules.items()}
     return {n: b for n, b in held.items() if b > 0}
 
 
@@ -338,7 +344,7 @@ def peak_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.device
                          f"footprints: {sorted(estimate.modules)}")
     best: PeakEstimate | None = None
     for stage in estimate.stages:
-        held = device_weights(estimate, stage.module, config, device)
+        held = device_weights(estimate, stage.module, config, device, stage.holds)
         weights = sum(held.values())
         formula = weights + stage.activation_bytes
         if best is None or formula > best.formula_bytes:

@@ -13,8 +13,8 @@ device for the length of the `with` block:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 
 import torch
 from loguru import logger
@@ -22,6 +22,7 @@ from torch import nn
 
 from runnerkit import memory
 from runnerkit.offload.model_offload import ModelOffloader
+from runnerkit.runners.pipeline import DenoiseStage
 
 #: builds a module for one stage; returns it and its teardown.
 Loader = Callable[[], tuple[nn.Module, Callable[[], None]]]
@@ -49,7 +50,8 @@ class Placement:
 
     @contextmanager
     def on_device(self, name: str) -> Iterator[nn.Module]:
-        """The module `name` on the compute device for the `with` block.
+        """The module `name` on the compute device for the `with` block. Nested blocks for the same name
+        share one copy (a visiting module is copied once, a per-stage one built once).
 
         Raises:
             KeyError: unknown `name` (lists the known ones).
@@ -59,6 +61,8 @@ class Placement:
         elif self.offloader is not None and name in self.offloader.modules:
             with self.offloader.on_device(name) as module:
                 yield module
+        elif name in self.live_per_stage:  # nested (held across stages): the module already built
+            yield self.live_per_stage[name]
         elif name in self.loaders:
             module, teardown = self.loaders[name]()
             self.live_per_stage[name] = module
@@ -80,3 +84,48 @@ class Placement:
         if self.offloader is not None:
             now |= self.offloader.resident()
         return now
+
+
+def spans_across_stages(stages: Sequence[DenoiseStage]) -> dict[str, tuple[int, int]]:
+    """Transformer name -> (first, last) index of a run of two or more consecutive denoising stages that
+    use it (`DenoiseStage.transformers`): the module `held_across_stages` keeps on the device from the start
+    of the first to the end of the last (through the transitions between them). A name in two separate runs
+    keeps the first."""
+    spans: dict[str, tuple[int, int]] = {}
+    for i, stage in enumerate(stages):
+        for name in stage.transformers:
+            if name not in spans:
+                spans[name] = (i, i)
+            elif spans[name][1] == i - 1:  # the run goes on
+                spans[name] = (spans[name][0], i)
+    return {n: s for n, s in spans.items() if s[1] > s[0]}
+
+
+@contextmanager
+def held_across_stages(stages: Sequence[DenoiseStage], keep: bool,
+                       placement: Placement | None) -> Iterator[Callable[[int], None]]:
+    """`offload.keep_across_stages`: yields `at(index)`, to be called before denoising stage `index` (and its
+    transition) starts; it releases the holds whose run of stages has ended and puts on the device the
+    transformers whose run starts there (`spans_across_stages`), so a visiting transformer is copied once for
+    the run and a per-stage (lazy_load) one built once; the stages' own `on_device` nest inside the hold.
+    Everything held is released when the block ends (also on an error). `keep` False or no placement: `at`
+    does nothing."""
+    spans = spans_across_stages(stages) if keep and placement is not None else {}
+    holds: dict[str, ExitStack] = {}
+
+    def at(index: int) -> None:
+        for name in [n for n in holds if spans[n][1] < index]:
+            holds.pop(name).close()
+        for name, (first, _) in spans.items():
+            if first == index and name not in holds:
+                assert placement is not None
+                hold = ExitStack()
+                hold.enter_context(placement.on_device(name))
+                holds[name] = hold
+                logger.debug("{} held on the device through stages {}..{}", name, *spans[name])
+
+    try:
+        yield at
+    finally:
+        for hold in holds.values():
+            hold.close()

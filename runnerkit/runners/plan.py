@@ -31,7 +31,7 @@ candidate are runners/plan_ladder.py; the log, the report and the refusal runner
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import combinations
+from itertools import combinations, product
 
 import torch
 
@@ -157,7 +157,8 @@ def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, o
                      judge: Callable[[OffloadConfig], Evaluation]) -> Evaluation:
     """The fastest variant of a rung that fits, `base` (nothing kept resident) fitting: every subset of the
     modules that neither stream nor are resident already kept on the device whole (`offload.resident_modules`,
-    unless set explicitly), and in block/phase the most streamed units kept resident that still fit
+    unless set explicitly), with and without `offload.keep_across_stages` where a stage of the estimate holds a
+    module (unless set explicitly), and in block/phase the most streamed units kept resident that still fit
     (`offload.resident_blocks`, unless set explicitly; more units never copy more, so the most that fits is the
     fastest of a subset)."""
     best = base
@@ -176,8 +177,10 @@ def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, o
         if off.mode == "model":  # every module resident is mode none, the ladder's first rung
             subsets = [c for c in subsets if len(c) < len(base.estimate.modules)]
     search_blocks = off.mode in ("block", "phase") and "resident_blocks" not in explicit
-    for kept in subsets:
-        keys = {"resident_modules": (*(off.resident_modules or ()), *kept) or None}
+    holds = any(s.holds for s in base.estimate.stages)
+    keeps = [off.keep_across_stages] if "keep_across_stages" in explicit or not holds else [False, True]
+    for kept, keep in product(subsets, keeps):
+        keys = {"resident_modules": (*(off.resident_modules or ()), *kept) or None, "keep_across_stages": keep}
         variant = off.model_copy(update=keys)
         if search_blocks:
             n = _largest_fitting(lambda n: judge(variant.model_copy(update={"resident_blocks": n})).fits)

@@ -12,7 +12,7 @@ Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled
                          checkpoint fp8 tensors at 1 byte + scale)
     streamed text encoder: streamed bytes once per stage that uses it (one encoder pass)
     model-offloaded module: weight_bytes once per stage that uses it (it visits the device for each;
-                           LTX-2's transformer twice: stage 1 and stage 2)
+                           LTX-2's transformer twice: stage 1 and stage 2, once with keep_across_stages)
     lazy_load:             + the streamed module's resident part, read from disk once per stage that uses it
     resident module (mode none, `offload.resident_modules`, `offload.resident_blocks` units): nothing
 
@@ -80,7 +80,8 @@ def module_rows(ev: Evaluation, device: torch.device) -> list[ModuleRow]:
     h2d = H2D_PINNED_BYTES_PER_S if off.pin_memory else H2D_PAGEABLE_BYTES_PER_S
     rows = []
     for name, m in ev.estimate.modules.items():
-        uses = max(1, sum(1 for s in ev.estimate.stages if s.module == name))
+        held = sum(1 for s in ev.estimate.stages if name in s.holds) if off.keep_across_stages else 0
+        uses = max(1, sum(1 for s in ev.estimate.stages if s.module == name) - held)  # a hold joins two uses
         host = host_module_bytes(name, m, config) if device.type != "cpu" else 0
         where = placement_of(name, m, config) if device.type != "cpu" else "resident"
         if device.type == "cpu" or where == "resident":
