@@ -245,6 +245,9 @@ MODES: dict[str, dict[str, Any]] = {
     "block_disk_mmap": {"offload": {"mode": "block", "storage": "disk", "reader": "mmap"}},
     "phase_disk_pread": {"offload": {"mode": "phase", "storage": "disk", "reader": "pread"}},
     "block_disk_lazy_load": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
+    # built once per request: held through the upsampler between the stages
+    "lazy_load_kept_across_stages": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True,
+                                                 "keep_across_stages": True}},
 }
 
 
@@ -261,7 +264,7 @@ def test_warmed_requests_equal_fresh_cold_ones(checkpoint: Path, reference: Refe
     assert_same(large, reference.large, f"{mode}: first request after warmup")
     assert_same(small, reference.small, f"{mode}: request after another one")
     assert all(r.audit["warmed_shape"] for r in runner.profiler.requests)
-    if mode == "block_disk_lazy_load":
+    if mode in ("block_disk_lazy_load", "lazy_load_kept_across_stages"):
         assert runner.transformer is None and runner.streamer is None  # built per stage, dropped after it
     elif mode in ("block_disk_mmap", "phase_disk_pread"):
         assert runner.streamer is not None and runner.streamer.stats()["disk_bytes_read"] > 0  # read from the file
