@@ -255,10 +255,16 @@ class MemoryConfig(_Strict):
         "(`runners.fit.host_bytes_of`: offloaded weights, streamer slabs, a process constant) exceed it. None: "
         "the planner reads the host's available memory (incl. a cgroup limit) and the fit check does not check "
         "host memory.")
+    pinned_limit_gib: float | None = Field(
+        None, gt=0, le=1024**2, description="The page-locked (pinned) host memory limit in GiB, apart from the host "
+        "limit: pinned pages cannot be swapped or reclaimed, so a machine shared with other work may allow fewer of "
+        "them than it has RAM. The planner keeps a plan's pinned bytes (model-offloaded weights and streamer slabs "
+        "with `offload.pin_memory`) within it, and the fit check refuses a request above it. None: pinned memory "
+        "counts only towards the host limit.")
 
     @model_validator(mode="after")
     def _limit_needs_check(self) -> "MemoryConfig":
-        for key in ("limit_gib", "host_limit_gib"):
+        for key in ("limit_gib", "host_limit_gib", "pinned_limit_gib"):
             if getattr(self, key) is not None and not self.check_fit:
                 raise ValueError(f"`memory.{key}` has no effect with `memory.check_fit`=false; remove one of them")
         return self

@@ -51,7 +51,7 @@ from torch import nn
 
 from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.offload.layout import StreamSpec, plan_unit_layout, plan_units
-from runnerkit.offload.pinned import align_up
+from runnerkit.offload.pinned import align_up, pinning_disabled_by_env
 
 __all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "Hint", "HostEstimate",
            "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights",
@@ -368,6 +368,8 @@ class HostEstimate:
         transient_bytes: the largest module loaded onto the device through host memory (`transient_module`).
         process_bytes: `PROCESS_HOST_BYTES` (0 on the CPU device, where the device estimate's overhead holds it).
         note: how the total was formed, for logs.
+        pinned_bytes: of `bytes`, page-locked: every module's held bytes with `offload.pin_memory` (the
+            model offloader's slabs, the streamer's host or staging slabs); the rest is pageable.
     """
 
     bytes: int
@@ -376,14 +378,15 @@ class HostEstimate:
     transient_module: str | None = None
     process_bytes: int = 0
     note: str = ""
+    pinned_bytes: int = 0
 
     def describe(self) -> str:
         if self.note:
             return f"{self.bytes / GIB:.2f} GiB ({self.note})"
         held = ", ".join(f"{n} {b / GIB:.2f}" for n, b in self.modules.items()) or "no weights"
-        return (f"{self.bytes / GIB:.2f} GiB (held: {held} GiB; + {self.transient_bytes / GIB:.2f} GiB loading "
-                f"{self.transient_module or 'nothing'} through host memory; + {self.process_bytes / GIB:.2f} GiB "
-                "process)")
+        return (f"{self.bytes / GIB:.2f} GiB (held: {held} GiB, {self.pinned_bytes / GIB:.2f} GiB of it pinned; + "
+                f"{self.transient_bytes / GIB:.2f} GiB loading {self.transient_module or 'nothing'} through host "
+                f"memory; + {self.process_bytes / GIB:.2f} GiB process)")
 
 
 def host_module_bytes(name: str, footprint: ModuleFootprint, config: RunnerConfig) -> int:
@@ -445,8 +448,9 @@ def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.
     transient_module = max(loaded, key=lambda n: loaded[n]) if loaded else None
     transient = loaded[transient_module] if transient_module is not None else 0
     total = sum(held.values()) + transient + PROCESS_HOST_BYTES
+    pinned = sum(held.values()) if off.pin_memory and not pinning_disabled_by_env() else 0
     return HostEstimate(bytes=total, modules={n: b for n, b in held.items() if b > 0}, transient_bytes=transient,
-                        transient_module=transient_module, process_bytes=PROCESS_HOST_BYTES)
+                        transient_module=transient_module, process_bytes=PROCESS_HOST_BYTES, pinned_bytes=pinned)
 
 
 def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, limit_bytes: int, limit_source: str,

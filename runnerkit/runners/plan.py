@@ -49,7 +49,8 @@ __all__ = ["MemoryPlan", "plan_offload"]
 def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.device, estimate: EstimateFn,
                  device_limit: MemoryLimit, host_limit: MemoryLimit | None, passes_per_step: PassesFn,
                  supported: SupportedFn = lambda off: None, factors: tuple[int, int] = (16, 4),
-                 steps_per_request: int = 1, keep_resident: bool = True) -> MemoryPlan:
+                 steps_per_request: int = 1, keep_resident: bool = True,
+                 pinned_limit: MemoryLimit | None = None) -> MemoryPlan:
     """Resolve `config.offload` (mode auto) into the fastest concrete config that fits (module docstring).
 
     Args:
@@ -66,6 +67,8 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         steps_per_request: denoising steps of one request (all stages), for the request's copy time.
         keep_resident: try keeping modules and streamed units resident beside each rung (`_fastest_variant`);
             False judges each rung as the ladder writes it (the ladder alone, e.g. to compare with).
+        pinned_limit: page-locked host bytes allowed apart from `host_limit` (config `memory.pinned_limit_gib`);
+            None: pinned bytes count only towards the host limit.
 
     Raises:
         MemoryFitError: no allowed candidate fits (the message: GiB missing, what would fit).
@@ -88,7 +91,7 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
 
     def judge(off: OffloadConfig) -> Evaluation:
         ev = evaluate(candidate_name(off), config.model_copy(update={"offload": off}), shapes, device, estimate,
-                      device_limit, host_limit, passes_per_step)
+                      device_limit, host_limit, passes_per_step, pinned_limit)
         ev.copy_seconds = request_copy_seconds(module_rows(ev, device), steps_per_request)
         return ev
 
@@ -127,7 +130,9 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         base = judge(off)
         rung_of[rung] = len(evaluations)
         evaluations.append(base)
-        best = (_fastest_variant(off, base, explicit, judge) if keep_resident else base) if base.fits else None
+        # a variant keeps more on the device: it can only help a rung that fits the device (less host memory)
+        best = _fastest_variant(off, base, explicit, judge) if keep_resident and not base.device_missing else (
+            base if base.fits else None)
         if best is not None:
             fitting.append((rung, best))
     if not fitting:
@@ -154,14 +159,15 @@ MAX_RESIDENT_BLOCKS = 4096
 
 
 def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, object],
-                     judge: Callable[[OffloadConfig], Evaluation]) -> Evaluation:
-    """The fastest variant of a rung that fits, `base` (nothing kept resident) fitting: every subset of the
+                     judge: Callable[[OffloadConfig], Evaluation]) -> Evaluation | None:
+    """The fastest variant of a rung that fits (None: none), `base` (nothing kept resident) fitting the device:
+    every subset of the
     modules that neither stream nor are resident already kept on the device whole (`offload.resident_modules`,
     unless set explicitly), with and without `offload.keep_across_stages` where a stage of the estimate holds a
     module (unless set explicitly), and in block/phase the most streamed units kept resident that still fit
     (`offload.resident_blocks`, unless set explicitly; more units never copy more, so the most that fits is the
     fastest of a subset)."""
-    best = base
+    best = base if base.fits else None
     if off.mode == "none":
         return best
     assert base.estimate is not None
@@ -183,27 +189,25 @@ def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, o
         keys = {"resident_modules": (*(off.resident_modules or ()), *kept) or None, "keep_across_stages": keep}
         variant = off.model_copy(update=keys)
         if search_blocks:
-            n = _largest_fitting(lambda n: judge(variant.model_copy(update={"resident_blocks": n})).fits)
-            if n is None:
-                continue
-            variant = variant.model_copy(update={"resident_blocks": _fewest_same(variant, n, judge)})
-        ev = judge(variant)
-        if ev.fits and (ev.copy_seconds or 0.0) < (best.copy_seconds or 0.0):
+            ev = _most_units_that_fit(variant, judge)
+        else:
+            ev = judge(variant)
+        if ev is not None and ev.fits and (best is None or (ev.copy_seconds or 0.0) < (best.copy_seconds or 0.0)):
             best = ev
     return best
 
 
-def _largest_fitting(fits: Callable[[int], bool]) -> int | None:
-    """The largest n in [0, MAX_RESIDENT_BLOCKS] with fits(n) (monotone: true up to some n), or None."""
-    if not fits(0):
-        return None
-    lo, hi = 0, MAX_RESIDENT_BLOCKS + 1
-    if fits(MAX_RESIDENT_BLOCKS):
-        return MAX_RESIDENT_BLOCKS
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+def _most_units_that_fit(off: OffloadConfig, judge: Callable[[OffloadConfig], Evaluation]) -> Evaluation | None:
+    """`off` with the most `resident_blocks` that fit, or None. More units resident never copy more, but
+    device and host bytes are not monotone in the count together (device bytes grow with it; host slabs shrink
+    while the resident part read through host memory grows), so every count is judged, the most first, from
+    the module's own unit count down (`_fewest_same`: counts above it say nothing more)."""
+    top = _fewest_same(off, MAX_RESIDENT_BLOCKS, judge)
+    for n in range(top, -1, -1):
+        ev = judge(off.model_copy(update={"resident_blocks": n}))
+        if ev.fits:
+            return ev
+    return None
 
 
 def _fewest_same(off: OffloadConfig, n: int, judge: Callable[[OffloadConfig], Evaluation]) -> int:

@@ -122,12 +122,14 @@ class Evaluation:
     estimate: MemoryEstimate | None = None  # at `peak_shape`
     device_missing: int = 0
     host_missing: int = 0
+    pinned_missing: int = 0
     passes_per_step: int = 0
     copy_seconds: float | None = None  # estimated H2D seconds per request (runners/plan_report.py), once evaluated
 
     @property
     def fits(self) -> bool:
-        return self.offload is not None and self.peak is not None and not (self.device_missing or self.host_missing)
+        return self.offload is not None and self.peak is not None and not (self.device_missing or self.host_missing
+                                                                          or self.pinned_missing)
 
 
 @dataclass
@@ -156,9 +158,11 @@ class MemoryPlan:
 
 
 def evaluate(name: str, config: RunnerConfig, shapes: Sequence[Shape], device: torch.device, estimate: EstimateFn,
-             device_limit: MemoryLimit, host_limit: MemoryLimit | None, passes: PassesFn) -> Evaluation:
-    """Peak and host bytes of `config` over `shapes` (the worst of each) against the limits, and the
-    passes per denoising step under `config.offload` (`passes`)."""
+             device_limit: MemoryLimit, host_limit: MemoryLimit | None, passes: PassesFn,
+             pinned_limit: MemoryLimit | None = None) -> Evaluation:
+    """Peak and host bytes of `config` over `shapes` (the worst of each) against the limits (`pinned_limit`: of
+    the host bytes, the pinned ones; None: not checked apart), and the passes per denoising step under
+    `config.offload` (`passes`)."""
     ev = Evaluation(name, config.offload, passes_per_step=passes(config.offload))
     for shape in shapes:
         est = estimate(config.offload, shape)
@@ -171,12 +175,16 @@ def evaluate(name: str, config: RunnerConfig, shapes: Sequence[Shape], device: t
     assert ev.peak is not None and ev.host is not None, "plan at least one shape"
     ev.device_missing = max(0, ev.peak.bytes - device_limit.bytes)
     ev.host_missing = max(0, ev.host.bytes - host_limit.bytes) if host_limit is not None else 0
+    ev.pinned_missing = max(0, ev.host.pinned_bytes - pinned_limit.bytes) if pinned_limit is not None else 0
     problems = []
     if ev.device_missing:
         problems.append(f"device: peak {ev.peak.bytes / GIB:.2f} GiB > limit {device_limit.bytes / GIB:.2f} GiB "
                         f"(stage {ev.peak.stage}, shape {_shape(ev.peak_shape)})")
     if ev.host_missing and host_limit is not None:
         problems.append(f"host: {ev.host.bytes / GIB:.2f} GiB > limit {host_limit.bytes / GIB:.2f} GiB")
+    if ev.pinned_missing and pinned_limit is not None:
+        problems.append(f"pinned host memory: {ev.host.pinned_bytes / GIB:.2f} GiB > limit "
+                        f"{pinned_limit.bytes / GIB:.2f} GiB ({pinned_limit.source})")
     ev.reason = "; ".join(problems)
     return ev
 

@@ -147,6 +147,7 @@ def report(plan: MemoryPlan, requested: OffloadConfig) -> dict[str, Any]:
         "device_limit_gib": _gib(plan.device_limit.bytes),
         "device_limit_source": plan.device_limit.source,
         "host_gib": _gib(ev.host.bytes),
+        "host_pinned_gib": _gib(ev.host.pinned_bytes),
         "host_limit_gib": _gib(plan.host_limit.bytes) if plan.host_limit is not None else None,
         "host_limit_source": plan.host_limit.source if plan.host_limit is not None else None,
         "passes_per_step": plan.passes_per_step,
@@ -219,7 +220,7 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
     if not tried:
         return (f"{head}. Every candidate is excluded: "
                 + "; ".join(f"{e.name}: {e.reason}" for e in evaluations))
-    best = min(tried, key=lambda e: e.device_missing + e.host_missing)
+    best = min(tried, key=lambda e: e.device_missing + e.host_missing + e.pinned_missing)
     assert best.peak is not None and best.host is not None
     missing = []
     if best.device_missing:
@@ -227,6 +228,9 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
                        f"peak in stage {best.peak.stage} at shape {list(best.peak_shape or ())})")
     if best.host_missing:
         missing.append(f"{best.host.bytes / GIB:.2f} GiB of host memory ({best.host_missing / GIB:.2f} GiB missing)")
+    if best.pinned_missing:
+        missing.append(f"{best.host.pinned_bytes / GIB:.2f} GiB of pinned host memory ({best.pinned_missing / GIB:.2f} "
+                       "GiB over `memory.pinned_limit_gib`; `offload.pin_memory`=false pins none)")
 
     def judge(off: OffloadConfig, planned: Sequence[Shape]) -> Evaluation:
         return evaluate(candidate_name(off), config.model_copy(update={"offload": off}), planned, device, estimate,

@@ -242,7 +242,9 @@ class RequestChecksMixin:
                                 "held by this process")
         result = plan.plan_offload(cfg, shapes, device, self._estimate_with, device_limit, host_limit,
                                    self.denoise_passes_per_step, self._plan_supports,
-                                   (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR), self.plan_steps_per_request())
+                                   (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR), self.plan_steps_per_request(),
+                                   pinned_limit=None if cfg.memory.pinned_limit_gib is None else memory.MemoryLimit(
+                                       int(cfg.memory.pinned_limit_gib * fit.GIB), "config memory.pinned_limit_gib"))
         if not chosen:
             logger.info("memory plan: `offload.mode` not set, so the plan is automatic (`offload.mode` 'none' keeps "
                         "every module resident, or refuses)")
@@ -327,6 +329,14 @@ class RequestChecksMixin:
                 raise MemoryFitError(fit.host_refusal_message(what, shape, host, cfg.memory.host_limit_gib, device,
                                                               cfg, estimate,
                                                               lambda off: self._estimate_with(off, shape)))
+        if cfg.memory.pinned_limit_gib is not None and device.type != "cpu":
+            host = fit.host_bytes_of(estimate, cfg, device)
+            if host.pinned_bytes > cfg.memory.pinned_limit_gib * fit.GIB:
+                raise MemoryFitError(f"{what}: shape {list(shape)} needs an estimated {host.pinned_bytes / fit.GIB:.2f} "
+                                     f"GiB of pinned host memory ({host.describe()}), more than config "
+                                     f"memory.pinned_limit_gib ({cfg.memory.pinned_limit_gib} GiB). Try "
+                                     "`offload.pin_memory`=false (pageable copies, slower), offload storage 'disk' "
+                                     "(one staging slab per slot), or `offload.mode`='auto'")
         logger.debug("{}: shape {} fits: estimated {} of {:.2f} GiB ({})", what, list(shape), peak.describe(),
                      limit.bytes / fit.GIB, limit.source)
         return peak

@@ -126,13 +126,13 @@ def named(short: str) -> str:
     (16, 64, False, {}, MODEL_KEEP_TRANSFORMER, [(RESIDENT, "device: peak 17.85 GiB > limit 16.00 GiB")]),
     # 10 GiB device: block streaming from host memory, 2 of its 10 units resident beside the slots (9.82)
     (10, 64, False, {}, BLOCK + " (2 units)", [(RESIDENT, "device: peak 17.85"), (MODEL, "device: peak 12.35 GiB > limit 10.00")]),
-    # 16 GiB device, 16.5 GiB host: model offload and host streaming need 17 GiB of host memory -> disk; built
-    # per request, every unit and the vae resident (13.45): the fewest copies that fit
-    (16, 16.5, False, {}, LAZY_ALL_UNITS, [(RESIDENT, "device: peak 17.85"), (MODEL, "host: 17.00 GiB > limit 16.50 GiB"),
-                                 (BLOCK, "host: 17.00 GiB > limit 16.50 GiB")]),
-    # the same machine with weight_dtype auto: fp8 host slabs (12.5 GiB) come before disk
-    (16, 16.5, False, {"weight_dtype": "auto"}, FP8 + " (7 units)", [(RESIDENT, "device"), (MODEL, "host: 17.00"),
-                                                      (BLOCK, "host: 17.00")]),
+    # 16 GiB device, 16.5 GiB host: model offload needs 17 GiB of host memory; host streaming fits with 7 of
+    # the transformer's units and the vae resident (fewer host slabs: 16.5 GiB host, 15.87 GiB device)
+    (16, 16.5, False, {}, BLOCK + " (7 units, resident vae)", [(RESIDENT, "device: peak 17.85"),
+                                                              (MODEL, "host: 17.00 GiB > limit 16.50 GiB")]),
+    # the same machine with weight_dtype auto: lossless host streaming fits, so fp8 is not taken
+    (16, 16.5, False, {"weight_dtype": "auto"}, BLOCK + " (7 units, resident vae)", [(RESIDENT, "device"),
+                                                                                   (MODEL, "host: 17.00")]),
     # 7.5 GiB device, text encoder cannot stream: only lazy disk streaming (4.76) fits, 3 units resident (7.40)
     (7.5, 64, False, {}, LAZY + " (3 units)", [(RESIDENT, "device"), (MODEL, "device"), (BLOCK, "device: peak 7.84"),
                                 (DISK, "device: peak 7.84")]),
@@ -173,8 +173,9 @@ def test_the_fastest_candidate_that_fits(device_gib: float, host_gib: float | No
 def test_chosen_configs_are_concrete_and_complete() -> None:
     assert plan(10, 64).offload == OffloadConfig(mode="block", resident_blocks=2)
     assert plan(16, 64).offload == OffloadConfig(mode="model", resident_modules=["transformer"])
-    assert plan(16, 16.5, weight_dtype="auto").offload == OffloadConfig(mode="block", weight_dtype="fp8_e4m3",
-                                                                       resident_blocks=7)
+    assert plan(16, 16.5, weight_dtype="auto").offload == OffloadConfig(mode="block", resident_blocks=7,
+                                                                       resident_modules=["vae"])
+    assert ladder_plan(16, 16.5, weight_dtype="auto").offload == OffloadConfig(mode="block", weight_dtype="fp8_e4m3")
     assert plan(7.5, 64).offload == OffloadConfig(mode="block", storage="disk", reader="pread", lazy_load=True,
                                                   resident_blocks=3)
     assert plan(7.5, 64, te_streams=True).offload == OffloadConfig(
@@ -460,7 +461,7 @@ def test_refusal_names_the_largest_frames_and_size_that_fit() -> None:
 
 def test_refusal_names_the_missing_host_memory() -> None:
     with pytest.raises(MemoryFitError) as err:
-        plan(80, 9)
+        ladder_plan(80, 9)  # (disk streaming with the text encoder kept resident fits 9 GiB: plan(80, 9) does)
     msg = str(err.value)
     assert f"Closest: {DISK} needs 9.80 GiB of host memory (0.80 GiB missing)" in msg, msg
     assert "raise `memory.host_limit_gib`" in msg, msg
@@ -468,7 +469,7 @@ def test_refusal_names_the_missing_host_memory() -> None:
 
 def test_refusal_names_weight_dtype_auto_when_fp8_would_fit() -> None:
     with pytest.raises(MemoryFitError) as err:
-        plan(16, 14, storage="cpu")  # disk excluded by the explicit storage; fp8 not allowed
+        ladder_plan(16, 14, storage="cpu")  # disk excluded by the explicit storage; fp8 not allowed
     msg = str(err.value)
     assert ("To fit: `offload.weight_dtype`='auto' (lets the planner store streamed weights in lossy fp8_e4m3): "
             f"{FP8} fits") in msg, msg
@@ -538,3 +539,24 @@ def test_smaller_sizes_keep_the_aspect_ratio_on_the_family_grid() -> None:
     assert str(err.value).endswith("To fit: target_video_length 89 at 256x384; or target_height x target_width "
                                    "128x192 at 121 frames (aspect ratio 2:3)"), str(err.value)
     LTX2Runner.validate_shape(256, 384, 89)
+
+
+def test_pinned_host_memory_is_budgeted_apart() -> None:
+    """Model offload pins every offloaded module (4 + 10 + 1 GiB at 16 GiB with the transformer kept: 4 + 1);
+    host streaming the slabs too; disk streaming only its staging slabs. A pinned limit below a plan's pinned
+    bytes rejects it whatever the host limit; pin_memory false pins nothing."""
+    est = synthetic()(OffloadConfig(mode="model"), BASE)
+    cfg = config().model_copy(update={"offload": OffloadConfig(mode="model")})
+    host = fit.host_bytes_of(est, cfg, CUDA)
+    assert host.pinned_bytes == 15 * GIB and host.bytes == 15 * GIB + fit.PROCESS_HOST_BYTES
+    pageable = cfg.model_copy(update={"offload": OffloadConfig(mode="model", pin_memory=False)})
+    assert fit.host_bytes_of(est, pageable, CUDA).pinned_bytes == 0
+    free = plan_offload(config(), (BASE,), CUDA, synthetic(), limit(16), limit(64), two_passes, steps_per_request=10)
+    assert free.offload == OffloadConfig(mode="model", resident_modules=["transformer"])  # pins 5 GiB
+    tight = plan_offload(config(), (BASE,), CUDA, synthetic(), limit(16), limit(64), two_passes, steps_per_request=10,
+                         pinned_limit=limit(4.5, "config memory.pinned_limit_gib"))
+    assert tight.chosen.host is not None and tight.chosen.host.pinned_bytes <= 4.5 * GIB
+    assert "pinned host memory: 15.00 GiB > limit 4.50 GiB (config memory.pinned_limit_gib)" in next(
+        e.reason for e in tight.rejected if e.name == MODEL)
+    report = plan_report.report(tight, config().offload)
+    assert report["host_pinned_gib"] == round(tight.chosen.host.pinned_bytes / GIB, 3)
