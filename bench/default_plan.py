@@ -9,7 +9,10 @@ at every later check, request times, step times and peaks.
 `runnerkit.infer.main` on `configs/ltx2/ltx23_t2av_22b_distilled.json` (no `offload` key), with the
 synthetic paths and a requests file of `--requests` t2av requests at 512x768x121 and warmup. Arm
 `full`: the whole device, nothing configured. Arm `N` (GiB): `torch.cuda.set_per_process_memory_fraction`
-caps the allocator at N GiB, and the config adds `memory.limit_gib` N and `memory.host_limit_gib` 32.
+caps the allocator at N GiB, and the config adds `memory.limit_gib` N and `memory.host_limit_gib` (`--host_gib`,
+32). `--repeat K`: K processes per arm. A thread samples /proc/self/status every 0.1 s: the peaks of RssAnon
+(anonymous: heap, pinned slabs), RssFile (mapped file pages: the page cache of mmap reads, reclaimable) and
+RssShmem, set against the plan's host estimate.
 A spy on `check_fit` records, at the warmup gate and each request, the runner's kept budget and what
 a re-read of the device (free + reserved) would give: the drift the CUDA libraries cause after loading.
 """
@@ -18,15 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_worker_flags, worker_command  # noqa: E402
-from bench.small_machine import SHAPE, write_checkpoint  # noqa: E402
+from bench.common import add_worker_flags, worker_command
+from bench.small_machine import SHAPE, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "ltx2" / "ltx23_t2av_22b_distilled.json"
@@ -46,7 +51,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.arm != "full":
         cap = float(args.arm)
         torch.cuda.set_per_process_memory_fraction(cap * GIB / torch.cuda.get_device_properties(0).total_memory)
-        data["memory"] = {"limit_gib": cap, "host_limit_gib": 32.0}
+        data["memory"] = {"limit_gib": cap, "host_limit_gib": args.host_gib}
     config = out_dir / "config.json"
     config.write_text(json.dumps(data))
     h, w, f = SHAPE
@@ -67,12 +72,26 @@ def worker(args: argparse.Namespace) -> None:
         return real_check(self, shape, what)
 
     RequestChecksMixin.check_fit = spy  # type: ignore[method-assign]
+    peaks = {"RssAnon": 0, "RssFile": 0, "RssShmem": 0, "VmRSS": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.1):
+            for line in Path("/proc/self/status").read_text().splitlines():
+                key, _, rest = line.partition(":")
+                if key in peaks:
+                    peaks[key] = max(peaks[key], int(rest.split()[0]) * 1024)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     ckpt = Path(args.ckpt)
     profile = out_dir / "profile.json"
     t0 = time.perf_counter()
     rc = infer.main(["--config_json", str(config), "--model_path", str(ckpt / SINGLE_FILE),
                      "--upsampler_path", str(ckpt / UPSAMPLER_FILE), "--text_encoder_path", str(ckpt / "text_encoder"),
                      "--requests", str(requests), "--profile_json", str(profile)])
+    stop.set()
+    sampler.join()
     report = json.loads(profile.read_text()) if profile.is_file() else {}
     out = {"arm": args.arm, "exit_status": rc, "seconds": time.perf_counter() - t0, "checks": checks,
            "memory_plan": report.get("memory_plan"), "warmup": report.get("warmup"),
@@ -81,18 +100,20 @@ def worker(args: argparse.Namespace) -> None:
                         for r in report.get("requests", [])],
            "max_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
            "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
-           "peak_rss_gib": memory.host_memory().peak_rss_gib}
+           "peak_rss_gib": memory.host_memory().peak_rss_gib,
+           "sampled_peaks_gib": {k: v / GIB for k, v in peaks.items()}}
     result.write_text(json.dumps(out, indent=1, default=str))
 
 
 def main() -> None:
-    import subprocess
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True)
     p.add_argument("--write", action="store_true", help="write the synthetic fp8 22B checkpoint first (if absent)")
     p.add_argument("--arms", nargs="+", default=["full"], help="'full' or a device cap in GiB, one process each")
     p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--host_gib", type=float, default=32.0, help="memory.host_limit_gib of a capped arm")
+    p.add_argument("--repeat", type=int, default=1, help="processes per arm")
     p.add_argument("--out", help="the files prefix (required unless --worker)")
     add_worker_flags(p)
     args = p.parse_args()
@@ -102,27 +123,39 @@ def main() -> None:
     if args.write:
         write_checkpoint(Path(args.ckpt))
     for arm in args.arms:
-        result = Path(f"{args.out}_{arm}.json")
-        with open(f"{args.out}_{arm}.log", "w") as log:
-            rc = subprocess.run(worker_command(Path(__file__), ["--ckpt", args.ckpt, "--requests", str(args.requests),
-                                                                "--arm", arm], result),
-                                stdout=log, stderr=subprocess.STDOUT).returncode
-        run = json.loads(result.read_text()) if result.is_file() else {"exit_status": rc}
-        plan = run.get("memory_plan") or {}
-        print(f"arm {arm}: exit {rc}, plan {plan.get('candidate')} (estimate {plan.get('device_gib')} of "
-              f"{plan.get('device_limit_gib')} GiB: {plan.get('device_limit_source')}), "
-              f"load {run.get('load_seconds')}, "
-              f"warmup {(run.get('warmup') or {}).get('seconds')}", flush=True)
-        for c in run.get("checks", []):
-            print(f"  check {c['what']}: budget {c['budget_gib']:.3f} GiB, device offers {c['device_offers_gib']:.3f} "
-                  f"GiB, reserved {c['reserved_gib']:.2f}", flush=True)
-        for r in run.get("requests", []):
-            print(f"  request {r['index']}: {r['seconds']:.2f} s, steps {[round(s, 3) for s in r['step_seconds']]}, "
-                  f"stages { {k: round(v, 2) for k, v in (r['stage_seconds'] or {}).items()} }, "
-                  f"memory {r['memory']}", flush=True)
-        print(f"  peaks: allocated {run.get('max_allocated_gib')}, reserved {run.get('max_reserved_gib')}, "
-              f"RSS {run.get('peak_rss_gib')}", flush=True)
+        for k in range(args.repeat):
+            name = f"{args.out}_{arm}" + (f"_p{k}" if args.repeat > 1 else "")
+            _run_arm(args, arm, Path(f"{name}.json"), Path(f"{name}.log"))
 
+
+def _run_arm(args: argparse.Namespace, arm: str, result: Path, log_path: Path) -> None:
+    import subprocess
+
+    extra = ["--host_gib", str(args.host_gib)]
+    with open(log_path, "w") as log:
+        rc = subprocess.run(worker_command(Path(__file__), ["--ckpt", args.ckpt, "--requests", str(args.requests),
+                                                            "--arm", arm, *extra], result),
+                            check=False, stdout=log, stderr=subprocess.STDOUT).returncode
+    run = json.loads(result.read_text()) if result.is_file() else {"exit_status": rc}
+    plan = run.get("memory_plan") or {}
+    print(f"arm {arm} ({result.name}): exit {rc}, plan {plan.get('candidate')} (estimate {plan.get('device_gib')} "
+          f"of {plan.get('device_limit_gib')} GiB: {plan.get('device_limit_source')}; host {plan.get('host_gib')} "
+          f"(pinned {plan.get('host_pinned_gib')}) of {plan.get('host_limit_gib')}; request copies "
+          f"{plan.get('request_copy_seconds_estimate')} s), load {run.get('load_seconds')}, "
+          f"warmup {(run.get('warmup') or {}).get('seconds')}", flush=True)
+    for c in run.get("checks", []):
+        print(f"  check {c['what']}: budget {c['budget_gib']:.3f} GiB, device offers {c['device_offers_gib']:.3f} "
+              f"GiB, reserved {c['reserved_gib']:.2f}", flush=True)
+    for r in run.get("requests", []):
+        steps = r.get("step_seconds") or []
+        first = [(steps[0], statistics.median(steps[1:8])), (steps[8], statistics.median(steps[9:]))] \
+            if len(steps) == 11 else []
+        print(f"  request {r['index']}: {r['seconds']:.2f} s, steps {[round(s, 3) for s in steps]}, "
+              f"first/steady per stage {[round(a / b, 3) for a, b in first]}, "
+              f"stages { {k: round(v, 2) for k, v in (r['stage_seconds'] or {}).items()} }, "
+              f"memory {r['memory']}", flush=True)
+    print(f"  peaks: allocated {run.get('max_allocated_gib')}, reserved {run.get('max_reserved_gib')}, "
+          f"RSS {run.get('peak_rss_gib')}, sampled {run.get('sampled_peaks_gib')}", flush=True)
 
 if __name__ == "__main__":
     main()
