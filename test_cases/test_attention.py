@@ -97,7 +97,8 @@ def test_every_build_path_installs_the_backend(tiny_ckpt: Path, tmp_path: Path, 
     steps, cfg, blocks = runner.config.infer_steps, 2, runner.parse_arch(runner.config.model).transformer.num_layers
     assert len(calls) == steps * cfg * blocks * 2  # self- and cross-attention of every block, both CFG branches
     assert runner.profiler.report()["attention"] == {"backend": "sdpa_math", "reason": "asked for by the config",
-                                                     "head_dim": 32}
+                                                     "head_dim": 32, "text_buckets": [],
+                                                     "text_buckets_reason": "the family's text has one fixed length"}
 
 
 def test_every_attention_module_of_both_families_takes_the_backend() -> None:
