@@ -157,7 +157,7 @@ def main() -> None:
                 result["skipped"][arm] = missing
                 continue
             if time.perf_counter() - t0 + PER_ARM_S > args.budget_s:
-                result["skipped"].setdefault(arm, f"--budget_s {args.budget_s:g} reached before round {round_index + 1}")
+                result["skipped"].setdefault(arm, f"--budget_s {args.budget_s:g} reached in round {round_index + 1}")
                 continue
             run = run_arm(arm, args, Path(args.work) / f"{arm}_{round_index}")
             result["runs"][arm].append(run)

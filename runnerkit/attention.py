@@ -298,7 +298,8 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
     if name != "auto":
         why = probe(name, device, dtype, head_dim, masked)
         if why is not None:
-            masks = " with a key mask (padded text: set `text_buckets` to 'off' to run unpadded)" if masked else ""
+            masks = (" with a key mask (padded text: set `text_buckets` to 'auto' or 'off' to run unpadded)"
+                     if masked else "")
             raise NotImplementedError(f"`attention`={name!r} cannot run on {device} for {dtype} with head size "
                                       f"{head_dim}{masks}: {why}")
         return AttentionBackend(name, backend_fn(name), "asked for by the config", MASK_COST[name][0])

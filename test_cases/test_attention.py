@@ -219,7 +219,8 @@ def test_a_run_with_masks_takes_only_a_backend_that_applies_them(monkeypatch: py
     monkeypatch.setitem(attention.AUTO_ORDER, "cpu", ("flash_attn_4", "sdpa"))
     assert attention.resolve("auto", CPU, torch.float32, 16).name == "flash_attn_4"  # without masks it runs
     with pytest.raises(NotImplementedError, match="`attention`='flash_attn_4' cannot run on cpu .* with a key mask "
-                                                  "\\(padded text: set `text_buckets` to 'off'.*flash_attn_varlen_func"):
+                                                  "\\(padded text: set `text_buckets` to 'auto' or 'off'.*"
+                                                  "flash_attn_varlen_func"):
         attention.resolve("flash_attn_4", CPU, torch.float32, 16, masked=True)
     chosen = attention.resolve("auto", CPU, torch.float32, 16, masked=True)
     assert chosen.name == "sdpa" and "flash_attn_4: " in chosen.reason
