@@ -7,8 +7,9 @@ Config `attention` picks one per run:
   kernels (`torch.nn.attention.sdpa_kernel`): cuDNN attention, FlashAttention-2, memory-efficient
   attention, the reference math path.
 - `flash_attn_4`: FlashAttention-4 (`flash_attn.cute.flash_attn_func`, the CuTe-DSL kernels for
-  Hopper/Blackwell), when installed.
-- `auto`: the first available of `AUTO_ORDER` for the device, dtype and head size.
+  Hopper/Blackwell), when installed (PyPI `flash-attn-4`, the `fa4` extra).
+- `auto`: the first available of `AUTO_ORDER` for the device, dtype and head size (FlashAttention-4
+  only on the compute capabilities it targets, `FA4_ARCHS`).
 
 An explicitly asked backend that is not installed or does not run the model's head size and
 dtype on the device is refused at load with the reason (`resolve`), never replaced silently.
@@ -27,7 +28,9 @@ stable gather; attention does not depend on the keys' order) and `flash_attn_var
 first `seqused_k` of them, so the padded keys cost neither time nor a mask. FlashAttention-2
 (`sdpa_flash`) takes none. A runner that passes masks resolves its backend with `masked=True`: the
 probe then runs with a mask, so `auto` skips the backends that cannot take one and an explicit one
-is refused at load with the reason.
+is refused at load with the reason. Each backend declares what a mask costs it (`MASK_COST`, carried
+as `AttentionBackend.mask_cost`): `text_buckets: auto` pads prompts only where it is free
+(runnerkit/text_buckets.py).
 
 Sources: PyTorch `torch.nn.attention` (SDPBackend, sdpa_kernel); FlashAttention-4: Dao-AILab
 flash-attention `flash_attn/cute/interface.py` (`flash_attn_func(q, k, v)` with [B, L, N, d] inputs,
@@ -49,6 +52,30 @@ from torch import Tensor, nn
 
 AttentionName = Literal["auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn_4"]
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
+
+MaskCost = Literal["free", "costly", "none"]
+"""What a key mask costs a backend at steady state: "free" (the padded keys are skipped, not computed and
+masked), "costly" (a masked kernel variant that runs every step slower than the unmasked one, over the
+padded keys too), "none" (the backend takes no mask)."""
+
+MASK_COST: dict[str, tuple[MaskCost, str]] = {
+    "sdpa": ("costly", "PyTorch's SDPA with a mask leaves FlashAttention-2 for a masked kernel (cuDNN's biased "
+                       "variant, the memory-efficient kernel, or the math path on the CPU), over the padded keys too"),
+    "sdpa_cudnn": ("costly", "cuDNN attention takes the mask as a bias: its biased kernel over the padded keys, "
+                             "6-10 % slower a Qwen-Image 1328x1328 step on the H100/H200 (docs/prompt_lengths.md)"),
+    "sdpa_flash": ("none", "SDPA's FlashAttention-2 kernel takes no mask"),
+    "sdpa_efficient": ("costly", "the memory-efficient kernel adds the mask as a bias over the padded keys"),
+    "sdpa_math": ("costly", "the math path computes the padded keys and then masks them"),
+    "flash_attn_4": ("free", "FlashAttention-4 takes the mask as a key count (kept keys moved first, "
+                             "`flash_attn_varlen_func` reads only those): the pads cost no attention time"),
+}
+"""Per backend: what a key mask costs it and why (`MaskCost`); `text_buckets: auto` pads only for "free"."""
+
+FA4_ARCHS: dict[int, str] = {9: "Hopper", 10: "Blackwell", 11: "Blackwell"}
+"""CUDA compute capability majors whose kernels FlashAttention-4 is written for (sm_90 Hopper; sm_100/sm_103
+datacenter Blackwell, sm_110): `auto` tries FA4 only there. flash-attn-4 4.0.0b40 also accepts sm_80 and
+sm_120 (consumer Blackwell) through its Ampere-style kernel, not measured here: an explicit `flash_attn_4`
+is checked by running it (`probe`) and not by this table."""
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     # H200 at 480x832x81 video shapes, head size 128: cuDNN ~555 TFLOP/s, FA2 ~350, FA4 ~670.
@@ -163,7 +190,7 @@ def _flash_attn_4() -> AttentionFn:
     global _FA4_FUNC, _FA4_VARLEN
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
         raise NotImplementedError("flash-attn-4 is not installed (the `flash_attn.cute` package of "
-                                  "Dao-AILab/flash-attention; pip install flash-attn-4)")
+                                  "Dao-AILab/flash-attention; pip install 'runnerkit[fa4]', README)")
     import flash_attn.cute as cute  # type: ignore[import-not-found]
 
     _FA4_FUNC, _FA4_VARLEN = cute.flash_attn_func, getattr(cute, "flash_attn_varlen_func", None)
@@ -186,6 +213,18 @@ def backend_fn(name: str) -> AttentionFn:
     raise ValueError(f"`attention` must be one of {list(ATTENTION_NAMES)} (got {name!r})")
 
 
+def fa4_device_reason(device: torch.device) -> str | None:
+    """Why `auto` does not try FlashAttention-4 on the CUDA device `device` (its compute capability is not
+    one of `FA4_ARCHS`), or None (also for other device types: `probe` answers for those)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FA4_ARCHS:
+        return (f"FlashAttention-4 targets Hopper (sm_90) and Blackwell (sm_100, sm_103, sm_110); this device is "
+                f"sm_{major}{minor}")
+    return None
+
+
 def probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool = False) -> str | None:
     """Why backend `name` cannot run [1, 2, 64, head_dim] attention in `dtype` on `device` (with
     `masked`: with a key mask that drops the last 8 keys), or None if it can."""
@@ -193,6 +232,22 @@ def probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, ma
         return f"{CUDA_ONLY[name]} runs on CUDA devices only"
     try:
         fn = backend_fn(name)
+    except Exception as exc:  # noqa: BLE001 - not installed, or a broken install: a reason
+        return _first_line(exc)
+    return probe_fn(fn, device, dtype, head_dim, masked)
+
+
+def _first_line(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return first[:300]
+
+
+def probe_fn(fn: AttentionFn, device: torch.device, dtype: torch.dtype, head_dim: int,
+             masked: bool = False) -> str | None:
+    """Why the attention callable `fn` cannot run [1, 2, 64, head_dim] attention in `dtype` on `device`
+    (with `masked`: with a key mask that drops the last 8 keys), or None if it can: any exception is a
+    reason, and so is an output off the float32 math path by more than `PROBE_TOLERANCE`."""
+    try:
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = (torch.randn(1, 2, 64, head_dim, generator=g).to(device=device, dtype=dtype) for _ in range(3))
         mask = None
@@ -204,8 +259,7 @@ def probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, ma
             ref = _sdpa_kernel("sdpa_math")(q.float(), k.float(), v.float(), mask)
     except Exception as exc:  # noqa: BLE001 - any failure of a third-party kernel on the probe is a reason
         # (FlashAttention-4 checks dtype and head size with `assert`: AssertionError)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return first[:300]
+        return _first_line(exc)
     if out.shape != ref.shape:
         return f"returned shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
     err = (out.float() - ref).abs().max().item()
@@ -217,11 +271,13 @@ def probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, ma
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """The backend a run uses: its name, its callable, and why `auto` chose it."""
+    """The backend a run uses: its name, its callable, why `auto` chose it, and what a key mask costs it
+    (`MaskCost`; `resolve` fills it from `MASK_COST`)."""
 
     name: str
     fn: AttentionFn
     reason: str
+    mask_cost: MaskCost = "costly"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         return self.fn(q, k, v) if mask is None else self.fn(q, k, v, mask)
@@ -242,16 +298,18 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
     if name != "auto":
         why = probe(name, device, dtype, head_dim, masked)
         if why is not None:
-            masks = " with a key mask (padded text: set `text_buckets` to 'off' to run unpadded)" if masked else ""
+            masks = (" with a key mask (padded text: set `text_buckets` to 'auto' or 'off' to run unpadded)"
+                     if masked else "")
             raise NotImplementedError(f"`attention`={name!r} cannot run on {device} for {dtype} with head size "
                                       f"{head_dim}{masks}: {why}")
-        return AttentionBackend(name, backend_fn(name), "asked for by the config")
+        return AttentionBackend(name, backend_fn(name), "asked for by the config", MASK_COST[name][0])
     skipped = []
     for candidate in AUTO_ORDER.get(device.type, ("sdpa",)):
-        why = probe(candidate, device, dtype, head_dim, masked)
+        why = (fa4_device_reason(device) if candidate == "flash_attn_4" else None) or probe(
+            candidate, device, dtype, head_dim, masked)
         if why is None:
             reason = "auto: first available" + (f" (not available: {'; '.join(skipped)})" if skipped else "")
-            return AttentionBackend(candidate, backend_fn(candidate), reason)
+            return AttentionBackend(candidate, backend_fn(candidate), reason, MASK_COST[candidate][0])
         skipped.append(f"{candidate}: {why}")
     raise NotImplementedError(f"`attention`='auto' found no backend on {device} for {dtype} with head size "
                               f"{head_dim}{' with a key mask' if masked else ''}: {'; '.join(skipped)}")

@@ -34,8 +34,8 @@ FAMILY_DEFAULTED = ("infer_steps", "target_height", "target_width", "target_vide
 MAX_TEXT_BUCKET = 1024
 """The largest `text_buckets` entry: prompts are cut at 1024 tokens (the text encoders' maximum sequence
 length of the families with padded text), so a larger bucket is never reached."""
-BUCKETS_RULE = (f"`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of integer token "
-                f"counts in [1, {MAX_TEXT_BUCKET}]")
+BUCKETS_RULE = (f"`text_buckets` must be 'auto', 'on', 'off' or a non-empty, strictly increasing list of integer "
+                f"token counts in [1, {MAX_TEXT_BUCKET}]")
 
 
 class ConfigError(ValueError):
@@ -420,12 +420,12 @@ class RunnerConfig(_Strict):
     attention: Literal["auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn_4"] = Field(
         "auto", description="Attention kernel of the transformer (runnerkit/attention.py): 'auto' takes the first "
         "available of the device's preference list; an explicit one that cannot run is refused at load.")
-    text_buckets: Literal["auto", "off"] | tuple[int, ...] = Field(
-        "auto", description="Text lengths (tokens) a family with variable-length prompts pads the "
-        "text encoder's output to, with the padding masked out (docs/prompt_lengths.md): every prompt then runs at "
-        "one of a few shapes, all warmed. 'auto': the family's default (docs/prompt_lengths.md lists them); "
-        "'off': each prompt at its own length; a list: strictly increasing lengths in [1, 4096]. Families "
-        "whose text already has one fixed length take 'auto' only.")
+    text_buckets: Literal["auto", "on", "off"] | tuple[int, ...] = Field(
+        "auto", description="Text lengths (tokens) a family with variable-length prompts pads the text encoder's "
+        "output to, the padding masked out (docs/prompt_lengths.md): each prompt runs at one of a few warmed shapes. "
+        "'auto': the family's buckets where the attention backend takes the mask at no steady cost, else 'off' "
+        "(decided at load); 'on': the family's buckets; 'off': each prompt at its own length; a list: strictly "
+        "increasing lengths in [1, 1024]. Families whose text already has one fixed length take 'auto' only.")
     memory: MemoryConfig = MemoryConfig()
     parallel: ParallelConfig | None = Field(
         None, description="Split each request over the ranks of `torchrun` (CFG parallel, Ulysses sequence "
@@ -462,7 +462,7 @@ class RunnerConfig(_Strict):
         """One clear line for a value of the wrong type (instead of the union's two); JSON has no tuples."""
         if isinstance(v, (list, tuple)) and all(type(n) is int for n in v):
             return tuple(v)
-        if v in ("auto", "off"):
+        if v in ("auto", "on", "off"):
             return v
         raise ValueError(f"{BUCKETS_RULE} (got {v!r})")
 

@@ -97,7 +97,8 @@ def test_every_build_path_installs_the_backend(tiny_ckpt: Path, tmp_path: Path, 
     steps, cfg, blocks = runner.config.infer_steps, 2, runner.parse_arch(runner.config.model).transformer.num_layers
     assert len(calls) == steps * cfg * blocks * 2  # self- and cross-attention of every block, both CFG branches
     assert runner.profiler.report()["attention"] == {"backend": "sdpa_math", "reason": "asked for by the config",
-                                                     "head_dim": 32}
+                                                     "head_dim": 32, "text_buckets": [],
+                                                     "text_buckets_reason": "the family's text has one fixed length"}
 
 
 def test_every_attention_module_of_both_families_takes_the_backend() -> None:
@@ -218,7 +219,8 @@ def test_a_run_with_masks_takes_only_a_backend_that_applies_them(monkeypatch: py
     monkeypatch.setitem(attention.AUTO_ORDER, "cpu", ("flash_attn_4", "sdpa"))
     assert attention.resolve("auto", CPU, torch.float32, 16).name == "flash_attn_4"  # without masks it runs
     with pytest.raises(NotImplementedError, match="`attention`='flash_attn_4' cannot run on cpu .* with a key mask "
-                                                  "\\(padded text: set `text_buckets` to 'off'.*flash_attn_varlen_func"):
+                                                  "\\(padded text: set `text_buckets` to 'auto' or 'off'.*"
+                                                  "flash_attn_varlen_func"):
         attention.resolve("flash_attn_4", CPU, torch.float32, 16, masked=True)
     chosen = attention.resolve("auto", CPU, torch.float32, 16, masked=True)
     assert chosen.name == "sdpa" and "flash_attn_4: " in chosen.reason

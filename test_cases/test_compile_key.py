@@ -154,8 +154,8 @@ class Fp8Toy(TwoStageImageRunner):
     (TwoStageImageRunner, {"lora": {"max_rank": 16}}, {"lora": {"max_rank": 32}}),
     (TwoStageImageRunner, {}, {"lora": {"max_rank": 16}}),
     (TwoStageImageRunner, {"lora": {"mode": "fused"}}, {"lora": {"max_rank": 16}}),
-    (BucketedToy, {"text_buckets": "auto"}, {"text_buckets": [8]}),
-    (BucketedToy, {"text_buckets": "auto"}, {"text_buckets": "off"}),
+    (BucketedToy, {"text_buckets": "on"}, {"text_buckets": [8]}),
+    (BucketedToy, {"text_buckets": "on"}, {"text_buckets": "off"}),
     (Fp8Toy, {}, {"compute_dtype": "fp8"}),
 ], ids=["lora.max_rank", "lora unfused vs none", "lora unfused vs fused", "text_buckets list",
         "text_buckets off", "compute_dtype"])

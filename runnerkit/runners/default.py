@@ -51,6 +51,7 @@ from runnerkit.runners.requests import RequestChecksMixin
 from runnerkit.runners.warmup import WarmupMixin
 from runnerkit.schedulers import SCHEDULERS
 from runnerkit.schedulers.base import Scheduler
+from runnerkit.text_buckets import TextBuckets, choose, configured
 
 __all__ = ["DefaultRunner", "InputInfo", "Shape"]
 
@@ -105,6 +106,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.stage_modules: dict[str, nn.Module] = {}  # modules on the device for the running stage
         self._warmup_steps_run: dict[str, list[int]] = {}
         self.attention: attention.AttentionBackend | None = None  # chosen in load_modules
+        self.buckets: TextBuckets | None = None  # with the attention, in load_modules (runnerkit/text_buckets.py)
         #: LoRA adapters per request (config `lora`; runnerkit/lora): made in load_modules; None without `lora`.
         self.lora: LoRAManager | None = None
         self.fp8_bias_in_gemm = True  # fp8 compute: whether torch takes the bias in the GEMM (check_fp8_compute)
@@ -330,11 +332,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
 
     def text_buckets(self) -> tuple[int, ...]:
         """The text lengths (tokens) prompts are padded to, increasing; () when prompts run unpadded
-        (`text_buckets: off`, or a family without variable-length text)."""
-        setting = self.config.text_buckets
-        if setting == "off" or self.TEXT_BUCKETS is None:
-            return ()
-        return self.TEXT_BUCKETS if setting == "auto" else tuple(setting)
+        (runnerkit/text_buckets.py; `auto` is decided at load, with the attention backend)."""
+        return configured(self.config.text_buckets, self.TEXT_BUCKETS) if self.buckets is None else self.buckets.lengths
 
     def load_modules(self) -> None:
         """prepare_load -> the attention backend -> describe_pipeline -> place every module as the
@@ -346,10 +345,11 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.prepare_load()
         self.check_parallel()
         head_dim = self.attention_head_dim()
-        masked = bool(self.text_buckets())  # padded text: the backend must take a key mask
-        self.attention = backend = attention.resolve(self.config.attention, self.device, self.dtype, head_dim, masked)
+        self.attention, self.buckets = backend, buckets = choose(self.config.attention, self.config.text_buckets,
+                                                                 self.TEXT_BUCKETS, self.device, self.dtype, head_dim)
         logger.info("attention: {} ({}; head size {}, {})", backend.name, backend.reason, head_dim, self.dtype)
-        self.profiler.attention = {"backend": backend.name, "reason": backend.reason, "head_dim": head_dim}
+        self.profiler.attention = {"backend": backend.name, "reason": backend.reason, "head_dim": head_dim,
+                                   "text_buckets": list(buckets.lengths), "text_buckets_reason": buckets.reason}
         self.pipeline = pipeline = self.describe_pipeline()
         if self.config.compute_dtype == "fp8":
             self.check_fp8_compute(pipeline)

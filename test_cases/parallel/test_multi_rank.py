@@ -286,14 +286,16 @@ QWEN_CONFIG = REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json"
 def test_qwen_image_joint_tokens_on_two_ranks(tmp_path: Path, forkserver: Any) -> None:
     """Qwen-Image t2i, ulysses 2 (2 heads, 32x32: 4 image tokens, 2 per rank, and the prompt's text tokens
     on both): the joint attention (text heads local, image tokens through the all-to-alls, the text
-    output all-gathered) gives one process's image (tolerance: module doc)."""
+    output all-gathered) gives one process's image (tolerance: module doc). The ranks pad the text to
+    its bucket (`text_buckets: on`, as a FlashAttention-4 run does), so the key mask crosses the
+    all-to-alls too; the one process runs unpadded (the CPU's default)."""
     from runnerkit.models.qwen_image.arch import QwenImageArch
     from runnerkit.models.qwen_image.checkpoint import write_synthetic
 
     ckpt = write_synthetic(QwenImageArch.model_validate(json.loads(QWEN_CONFIG.read_text())["model"]),
                            tmp_path / "qwen", seed=0, dtype=torch.float32)
     out, shape = tmp_path / "image.safetensors", (32, 32, 1)
-    argv = _argv(_config(ckpt, tmp_path, {"ulysses": 2}, QWEN_CONFIG), out, False, shape)
+    argv = _argv(_config(ckpt, tmp_path, {"ulysses": 2}, QWEN_CONFIG, text_buckets="on"), out, False, shape)
     ranks = launch_ranks(forkserver, 2, _spec(tmp_path, argv))
     assert [r[0] for r in ranks] == [0, 0], ranks[0][1][-3000:]
     logs = spy_log(tmp_path, 2)

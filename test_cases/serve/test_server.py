@@ -466,7 +466,8 @@ def test_info(shared: tuple[Server, Any]) -> None:
     assert (info["model_cls"], info["task"], info["kind"], info["max_queue"]) == ("wan2.1", "t2v", "video", 16)
     assert info["defaults"] == {"target_height": 48, "target_width": 80, "target_video_length": 9,
                                 "infer_steps": STEPS, "seed": 42}
-    assert info["attention"] == {"backend": "sdpa", "reason": "auto: first available", "head_dim": 32}
+    assert info["attention"] == {"backend": "sdpa", "reason": "auto: first available", "head_dim": 32,
+                                 "text_buckets": [], "text_buckets_reason": "the family's text has one fixed length"}
 
 
 # ---- 5 and 7. a bounded queue, content, retention ---------------------------------------------

@@ -409,10 +409,17 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
         prompt (cond and negative) padded to the bucket, and one transformer step (every CFG
         branch) at each warmup shape; no VAE decode (its shapes do not follow the text). So each
         (image shape, text length) a request can produce at a warmup shape has run once
-        (docs/prompt_lengths.md)."""
+        (docs/prompt_lengths.md). Without buckets (exact lengths) only the warmup prompts' text lengths
+        are warm: a prompt of another length builds its attention plans on its first request."""
         super().run_warmup(shapes)
         buckets = self.text_buckets()
+        if not buckets and self.TEXT_BUCKETS is None:  # Edit: not bucketed, its text lengths follow the images too
+            return
         if not buckets:
+            lengths = sorted({self.prompt_length(p) for p in self.prompts(self.warmup_info(shapes[0]))})
+            logger.info("warmup: no text buckets (exact prompt lengths): text lengths {} tokens warm at {} shapes; a "
+                        "prompt of another length pays a one-time cost on its first request (docs/prompt_lengths.md)",
+                        lengths, len(shapes))
             return
         seen = self.warmed_buckets()
         shortest = self.prompt_length("")  # the template alone: no prompt gives fewer tokens

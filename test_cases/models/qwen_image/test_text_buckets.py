@@ -158,7 +158,7 @@ def test_bucketing_keeps_the_image_and_same_bucket_prompts_share_one_shape(
     """Each prompt's image with buckets equals its image without (PIPELINE_TOL), and the two prompts of
     different lengths run attention at the same key length (a spy on the attention call)."""
     keys = spy_attention(monkeypatch)
-    on = _runner(qwen_t2i_ckpt)
+    on = _runner(qwen_t2i_ckpt, text_buckets="on")  # the CPU's SDPA pays for masks: `auto` would not pad
     lengths = [on.prompt_length(p) for p in PROMPTS]
     assert lengths[0] != lengths[1] and {te.bucket_length(n, on.text_buckets()) for n in lengths} == {128}
     with_buckets = []
@@ -190,7 +190,7 @@ def test_warmup_runs_every_bucket_at_every_warmup_shape(qwen_t2i_ckpt: Path, tmp
         return real_encode(self, inputs, drop_idx)
 
     monkeypatch.setattr(te.QwenPromptEncoder, "_encode", spy_encode)
-    runner = _runner(qwen_t2i_ckpt, warmup=True)
+    runner = _runner(qwen_t2i_ckpt, warmup=True, text_buckets="on")
     buckets = runner.text_buckets()
     shortest = runner.prompt_length("")
     reachable = [b for b in buckets if b >= shortest]
@@ -234,9 +234,13 @@ def test_text_buckets_setting_is_checked(qwen_t2i_ckpt: Path, tiny_ckpt: Path) -
     assert runner.text_buckets() == (200, 1024)
     assert QwenImageRunner(load_runner_config(None, qwen_config_dict(T2I_CONFIG, qwen_t2i_ckpt, text_buckets="off"))
                            ).text_buckets() == ()
+    assert QwenImageRunner(load_runner_config(None, qwen_config_dict(T2I_CONFIG, qwen_t2i_ckpt, text_buckets="on"))
+                           ).text_buckets() == QwenImageRunner.TEXT_BUCKETS
+    with pytest.raises(RuntimeError, match="`text_buckets: auto` is decided at load with the attention backend"):
+        QwenImageRunner(load_runner_config(None, qwen_config_dict(T2I_CONFIG, qwen_t2i_ckpt))).text_buckets()
 
 
-@pytest.mark.parametrize("value", ["on", True, 64, [64.5], ["64"], [128, 64], [64, 64], [0], [2048], []])
+@pytest.mark.parametrize("value", ["yes", True, 64, [64.5], ["64"], [128, 64], [64, 64], [0], [2048], []])
 def test_a_bad_text_buckets_value_is_one_line_naming_the_field_and_what_is_allowed(value: Any) -> None:
     """Wrong types and wrong values alike: one message naming `text_buckets`, the value and the rule
     (no pydantic union internals); the largest bucket is 1024 tokens, where prompts are cut."""
@@ -245,5 +249,5 @@ def test_a_bad_text_buckets_value_is_one_line_naming_the_field_and_what_is_allow
     with pytest.raises(ConfigError) as err:
         load_runner_config(None, {"model_cls": "qwen_image", "task": "t2i", "model_path": "x", "text_buckets": value})
     text = str(err.value)
-    assert "`text_buckets` must be 'auto', 'off' or a non-empty, strictly increasing list of integer" in text
+    assert "`text_buckets` must be 'auto', 'on', 'off' or a non-empty, strictly increasing list of integer" in text
     assert "in [1, 1024]" in text and "literal[" not in text and "tuple[int" not in text

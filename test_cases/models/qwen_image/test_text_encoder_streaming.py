@@ -30,8 +30,10 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 def make_runner(cls: type[QwenImageRunner], config: Path, ckpt: Path, **offload: Any) -> QwenImageRunner:
-    """`config` over `ckpt`, its text encoder listed in `offload.stream_modules`; prepared, not loaded."""
-    overrides = {"offload": {"stream_modules": ["transformer", "text_encoder"], **offload}}
+    """`config` over `ckpt`, its text encoder listed in `offload.stream_modules`; prepared, not loaded (so
+    `text_buckets` is `on` where the family pads: `auto` is decided at load, with the attention backend)."""
+    overrides = {"offload": {"stream_modules": ["transformer", "text_encoder"], **offload},
+                 **({"text_buckets": "on"} if cls.TEXT_BUCKETS else {})}
     runner = cls(load_runner_config(None, qwen_config_dict(config, ckpt, **overrides)))
     runner.prepare_load()
     return runner
