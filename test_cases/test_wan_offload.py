@@ -30,6 +30,9 @@ MODES: dict[str, dict[str, Any]] = {
     "phase_cpu_text_encoder": {"offload": {"mode": "phase", "stream_modules": ["transformer", "text_encoder"]}},
     "block_disk_lazy_text_encoder": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True,
                                                  "stream_modules": ["transformer", "text_encoder"]}},
+    # two of the 6 phase units stay resident (offload.resident_blocks), the others stream, built per request
+    "phase_disk_lazy_resident_blocks": {"offload": {"mode": "phase", "storage": "disk", "lazy_load": True,
+                                                    "resident_blocks": 2}},
     "unload_modules": {"unload_modules": True},
     "vae_tiling_one_tile": {"offload": {"vae_tiling": True}},  # 48x80 fits one 256-px tile: exact
 }
