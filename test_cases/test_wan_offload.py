@@ -203,7 +203,7 @@ def test_disk_storage_casts_a_tensor_of_another_dtype_like_resident_loading(tiny
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["model", "block_cpu", "phase_cpu_3slots", "block_cpu_unpinned", "block_disk_mmap",
                                   "phase_disk_pread", "block_disk_lazy", "phase_cpu_text_encoder",
-                                  "block_disk_lazy_text_encoder"])
+                                  "block_disk_lazy_text_encoder", "phase_disk_lazy_resident_blocks"])
 def test_cuda_mode_is_bit_identical_to_none_under_deterministic_algorithms(
         tiny_ckpt: Path, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

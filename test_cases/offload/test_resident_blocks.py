@@ -96,10 +96,10 @@ def test_kept_units_are_resident_and_the_output_is_the_resident_one(weights: dic
     zero_model, zero = _streamed(weights, tmp_path / "zero", mode, storage, 0)
     try:
         assert streamer.units == streamed and streamer.num_slots == min(2, len(streamed))
-        assert [line for line in lines if "units resident" in line] == [
+        assert [line for line in lines if "units resident" in line] == [(
             f"toy: {mode} streaming of {len(streamed)} units from {storage}, {len(kept)} of {len(planned)} units "
             f"resident (offload.resident_blocks={n}; host memory pinned: False, slots={min(2, len(streamed))}, "
-            f"prefetch=1, reader={'mmap' if storage == 'disk' else '-'})"]
+            f"prefetch=1, reader={'mmap' if storage == 'disk' else '-'})")]
         slots = {s.untyped_storage().data_ptr() for s in streamer._slots}
         for unit in kept:  # loaded once, outside the slots, with the checkpoint's values
             for name in unit.params:
