@@ -147,7 +147,7 @@ class StageFootprint:
             request tensors alive during it (latents, embeddings, decoded outputs), in bytes.
         detail: one line on where the bytes come from (shown in logs and refusals).
         holds: modules that stay on the device through this stage under `offload.keep_across_stages` (a
-            transition between two denoising stages of the same transformer, e.g. LTX-2's latent upsampler).
+            transition between two denoising stages of the same transformer, e.g. a latent upsampler).
     """
 
     name: str
