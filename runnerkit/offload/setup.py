@@ -85,6 +85,7 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
     resident = resident_names(model, units)
     expected = model.state_dict(keep_vars=True)
     scale_map = dict(scale_map or {})
+    scales: dict[str, torch.Tensor] = {}  # storage disk: resident fp8 tensors' scales
     if cfg.storage == "cpu":
         assert state_dict is not None, "storage cpu needs the state dict"
         assert not scale_map, "storage cpu takes upcast weights (scales are applied by the caller)"
@@ -103,12 +104,21 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
         resident_scales = {n: scale_map[n] for n in resident if n in scale_map}
         loaded = reader.load_tensors([key_map.get(n, n) for n in resident] + list(resident_scales.values()))
         resident_tensors = {inverse.get(k, k): v for k, v in loaded.items() if k not in scale_keys}
-        for n, key in resident_scales.items():  # scaled fp8 outside the units: upcast as a resident load does
-            target = torch.float32 if spec.keep_fp32(n) else dtype
-            resident_tensors[n] = dequantize_fp8_e4m3(resident_tensors[n], loaded[key].reshape(()), target)
-    # to_compute: resident CPU weights 64-byte aligned whatever their file offsets (streamed ones are
-    # too: slabs and slots place them at ALIGNMENT offsets of allocator- or page-aligned buffers)
-    cast = {n: to_compute(t, torch.float32 if spec.keep_fp32(n) else dtype, device) for n, t in resident_tensors.items()}
+        scales = {n: loaded[key].reshape(()) for n, key in resident_scales.items()}
+        del loaded
+    # one tensor at a time onto the device, its host copy dropped as it goes: the host never holds the
+    # resident part twice. to_compute: resident CPU weights 64-byte aligned whatever their file offsets
+    # (streamed ones are too: slabs and slots place them at ALIGNMENT offsets of allocator- or page-aligned
+    # buffers). Scaled fp8 outside the units is upcast as a resident load does (`dequantize_fp8_e4m3`), on
+    # the compute device: the host holds the stored bytes only, not an upcast copy beside them.
+    cast: dict[str, torch.Tensor] = {}
+    for n in list(resident_tensors):
+        t = resident_tensors.pop(n)
+        target = torch.float32 if spec.keep_fp32(n) else dtype
+        if n in scales:
+            t = dequantize_fp8_e4m3(t.to(device), scales.pop(n).to(device), target)
+        cast[n] = to_compute(t, target, device)
+        del t
     model.load_state_dict(cast, strict=False, assign=True)
     init = getattr(model, "init_non_persistent_buffers", None)
     if init is not None:
