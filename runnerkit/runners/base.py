@@ -154,7 +154,7 @@ class BaseRunner(ABC):
         #: (ident, name) of the thread that ran `init_modules` (and so warmup); see `check_serving_thread`.
         self.init_thread: tuple[int, str] | None = None
         self._thread_warned = False
-        self.device = self._planned_device or resolve_device(config.device)
+        self.device = self._planned_device if self._planned_device is not None else resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.profiler = Profiler(self.device)
         #: The compile cache entry of this run (`compile.cache_dir`), opened after the config lock.

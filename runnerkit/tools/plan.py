@@ -256,10 +256,12 @@ def describe(out: dict[str, Any]) -> str:
         lines.append(f"  H2D copy per denoising step: {out['copy_per_step_gib']:.2f} GiB "
                      f"({out['passes_per_step']} pass(es)), {out['copy_seconds_per_step_estimate']:.2f} s at the "
                      "assumed rate (prefetch overlaps it with compute)")
-    lines.append(f"  {'module':<18} {'placement':<46} {'device GiB':>10} {'host GiB':>9} {'H2D/step GiB':>12}")
+    lines.append(f"  {'module':<18} {'placement':<46} {'device GiB':>10} {'host GiB':>9} {'H2D/step GiB':>12} "
+                 f"{'H2D/request GiB':>15}")
     for m in out["modules"]:
         lines.append(f"  {m['name']:<18} {m['placement']:<46} {m['device_bytes'] / GIB:>10.2f} "
-                     f"{m['host_bytes'] / GIB:>9.2f} {m['copy_bytes_per_step'] / GIB:>12.2f}")
+                     f"{m['host_bytes'] / GIB:>9.2f} {m['copy_bytes_per_step'] / GIB:>12.2f} "
+                     f"{m['copy_bytes_per_request'] / GIB:>15.2f}")
     for r in out["rejected"]:
         lines.append(f"  rejected (faster): {r['candidate']}: {r['reason']}")
     if out["refusal"] is not None:

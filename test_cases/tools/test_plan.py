@@ -158,6 +158,25 @@ def test_the_plan_equals_the_planner_called_directly(no_checkpoints: Path, capsy
         "fp8 storage: none assumed (the bf16 release; the checkpoint's headers would tell)"]
 
 
+def test_a_configs_own_mode_is_judged_over_the_runs_shapes(no_checkpoints: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`--offload model` is not planned: it is judged over the default and warmup shapes as the run checks it."""
+    config = REPO / "configs/ltx2/ltx23_t2av_22b_distilled.json"
+    off = OffloadConfig(mode="model")
+    run = RunnerConfig.model_construct(offload=off, unload_modules=False)
+    peaks = [fit.peak_of(ltx2_estimate(LTX23_22B_ARCH, plan_sources.GEMMA3_12B, shape, 24, "t2av", torch.bfloat16,
+                                       CUDA, off), run, CUDA) for shape in ((512, 768, 121), (256, 384, 25))]
+    rc, out, err = run_plan(capsys, "--config_json", config, "--offload", "model", "--device_gib", 80, "--host_gib", 128)
+    assert rc == 0, err
+    assert out["shapes"] == [[512, 768, 121], [256, 384, 25]] and out["rejected"] == []
+    assert out["why"] == "`offload.mode` 'model' is set in the config: not planned, judged as it is"
+    assert out["device_gib"] == round(max(p.bytes for p in peaks) / GIB, 3) and out["peak_shape"] == [512, 768, 121]
+    rc, out, err = run_plan(capsys, "--config_json", config, "--offload", "model", "--device_gib", 40, "--host_gib", 128)
+    assert rc == 1 and out["fits"] is False and out["offload"]["mode"] == "model"
+    assert out["refusal"].startswith("the default shape: shape 512x768x121 (height x width x frames) needs an estimated "
+                                     f"{peaks[0].bytes / GIB:.2f} GiB")
+
+
 def _tiny_wan(tmp_path: Path, model_path: Path, offload: dict[str, Any] | None) -> Path:
     data = json.loads(TINY_CONFIG.read_text())
     data["model"]["transformer"]["num_layers"] = 4
@@ -307,8 +326,9 @@ def test_the_text_output_lists_each_module_and_the_rejected(no_checkpoints: Path
     assert capsys.readouterr().out == text + "\n"
     for m in out["modules"]:
         row = next(line for line in text.splitlines() if line.split()[0] == m["name"])
-        assert m["placement"] in row and row.split()[-3:] == [
-            f"{m['device_bytes'] / GIB:.2f}", f"{m['host_bytes'] / GIB:.2f}", f"{m['copy_bytes_per_step'] / GIB:.2f}"]
+        assert m["placement"] in row and row.split()[-4:] == [
+            f"{m['device_bytes'] / GIB:.2f}", f"{m['host_bytes'] / GIB:.2f}", f"{m['copy_bytes_per_step'] / GIB:.2f}",
+            f"{m['copy_bytes_per_request'] / GIB:.2f}"]
     assert [line.split(": ", 1)[1] for line in text.splitlines() if "rejected (faster)" in line] == [
         f"{r['candidate']}: {r['reason']}" for r in out["rejected"]]
     assert "estimated request time: not given" in text
