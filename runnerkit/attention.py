@@ -62,7 +62,7 @@ MASK_COST: dict[str, tuple[MaskCost, str]] = {
     "sdpa": ("costly", "PyTorch's SDPA with a mask leaves FlashAttention-2 for a masked kernel (cuDNN's biased "
                        "variant, the memory-efficient kernel, or the math path on the CPU), over the padded keys too"),
     "sdpa_cudnn": ("costly", "cuDNN attention takes the mask as a bias: its biased kernel over the padded keys, "
-                             "6-10 % slower a Qwen-Image 1328x1328 step on the H100/H200 (docs/prompt_lengths.md)"),
+                             "6-10 % slower a 20B image transformer step at 1328x1328 on the H100/H200 (docs/prompt_lengths.md)"),
     "sdpa_flash": ("none", "SDPA's FlashAttention-2 kernel takes no mask"),
     "sdpa_efficient": ("costly", "the memory-efficient kernel adds the mask as a bias over the padded keys"),
     "sdpa_math": ("costly", "the math path computes the padded keys and then masks them"),

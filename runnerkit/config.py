@@ -119,8 +119,8 @@ class OffloadConfig(_Strict):
         "A module cannot be both resident and in `offload.stream_modules`.",
         strict=False)
     keep_across_stages: bool = Field(
-        False, description="Mode model/block/phase: a transformer that consecutive denoising stages use (LTX-2's, "
-        "around its latent upsampler) stays on the device through the transition instead of leaving and coming "
+        False, description="Mode model/block/phase: a transformer that consecutive denoising stages use (around "
+        "a latent upsampler between them) stays on the device through the transition instead of leaving and coming "
         "back (a visiting module is copied once, a lazy_load one built once per request). The planner sets it "
         "where it fits.")
     resident_blocks: int = Field(

@@ -5,8 +5,8 @@ Padding a prompt's text to a bucket makes every prompt run at one of a few seque
 them warmed, so a prompt of a new length runs at steady speed. The price is a key mask in every joint
 attention, and whether that price is paid on every step depends on the backend
 (`runnerkit.attention.MASK_COST`, carried as `AttentionBackend.mask_cost`): FlashAttention-4 skips the
-padded keys ("free"); cuDNN and SDPA's other kernels compute them under a mask ("costly": Qwen-Image
-20B at 1328x1328 on the H100, 0.78-0.80 s a step padded against 0.714-0.730 s unpadded), and SDPA's
+padded keys ("free"); cuDNN and SDPA's other kernels compute them under a mask ("costly": 6-8 % a step
+measured on a 20B image transformer on the H100, docs/prompt_lengths.md), and SDPA's
 FlashAttention-2 takes no mask ("none"). So:
 
 - `auto` (the default): the backend is resolved as for unpadded text, then buckets are on only if

@@ -36,8 +36,9 @@ CUDA = torch.device("cuda")
 SHAPE = (32, 32, 5)  # small: two runs of this file decode it
 LAZY_DISK = {"mode": "block", "storage": "disk", "reader": "pread", "lazy_load": True}
 #: what the plan makes of the `_limits` machine: lazy disk streaming, the only rung that fits, with the text
-#: encoder kept resident beside it (it fits, and then nothing visits the device per request)
-PLANNED = {**LAZY_DISK, "resident_modules": ["text_encoder"]}
+#: encoder kept resident beside it (it fits, and then nothing visits the device per request) and one of the
+#: transformer's 4 blocks (`offload.resident_blocks`: the most that still fit, so the fewest bytes copied per step)
+PLANNED = {**LAZY_DISK, "resident_modules": ["text_encoder"], "resident_blocks": 1}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_auto_resolves_before_loading_and_equals_the_explicit_config(
     plan = json.loads((tmp_path / "p.json").read_text())["memory_plan"]
     assert plan["offload"] == concrete and plan["requested"] == {"mode": "auto"}
     assert plan["candidate"] == ("block streaming from disk (reader pread; lazy_load; streams the transformers; "
-                                 "resident text_encoder)")
+                                 "1 units resident; resident text_encoder)")
     assert [r["candidate"] for r in plan["rejected"]] == [
         "resident (mode none)", "model offload (mode model)",
         "block streaming from pinned host memory (streams the transformers)",
@@ -224,7 +225,8 @@ def test_copy_volume_counts_the_cfg_passes(ckpt: Path, monkeypatch: pytest.Monke
     overrides: dict[str, Any] = {"enable_cfg": enable_cfg} if enable_cfg else {"enable_cfg": False,
                                                                                "sample_guide_scale": None}
     runner = WanT2VRunner(load_runner_config(None, _config(
-        ckpt, offload={"mode": "auto", "gpu_slots": 2}, memory={"limit_gib": 64.0, "host_limit_gib": 64.0},
+        ckpt, offload={"mode": "auto", "gpu_slots": 2, "resident_blocks": 0},  # every block streams
+        memory={"limit_gib": 64.0, "host_limit_gib": 64.0},
         **overrides)))
     plan = runner.plan_memory([SHAPE])
     assert plan is not None and plan.offload.mode == "block"

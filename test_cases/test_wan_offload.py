@@ -30,6 +30,9 @@ MODES: dict[str, dict[str, Any]] = {
     "phase_cpu_text_encoder": {"offload": {"mode": "phase", "stream_modules": ["transformer", "text_encoder"]}},
     "block_disk_lazy_text_encoder": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True,
                                                  "stream_modules": ["transformer", "text_encoder"]}},
+    # two of the 6 phase units stay resident (offload.resident_blocks), the others stream, built per request
+    "phase_disk_lazy_resident_blocks": {"offload": {"mode": "phase", "storage": "disk", "lazy_load": True,
+                                                    "resident_blocks": 2}},
     "unload_modules": {"unload_modules": True},
     "vae_tiling_one_tile": {"offload": {"vae_tiling": True}},  # 48x80 fits one 256-px tile: exact
 }
@@ -200,7 +203,7 @@ def test_disk_storage_casts_a_tensor_of_another_dtype_like_resident_loading(tiny
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["model", "block_cpu", "phase_cpu_3slots", "block_cpu_unpinned", "block_disk_mmap",
                                   "phase_disk_pread", "block_disk_lazy", "phase_cpu_text_encoder",
-                                  "block_disk_lazy_text_encoder"])
+                                  "block_disk_lazy_text_encoder", "phase_disk_lazy_resident_blocks"])
 def test_cuda_mode_is_bit_identical_to_none_under_deterministic_algorithms(
         tiny_ckpt: Path, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

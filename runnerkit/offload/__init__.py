@@ -3,6 +3,7 @@
 See ARCHITECTURE §4. Typical block/phase streaming setup (storage "cpu"):
 
     units = plan_units(model, "phase", Family.STREAM_SPEC)      # model built on meta
+    kept, units = split_resident(units, resident_blocks)        # offload.resident_blocks: kept units load as resident
     load the `resident_names(model, units)` tensors onto the device yourself
     source = HostSource(units, state_dict, dtype, weight_dtype, pin_memory)
     streamer = BlockStreamer(model, units, source, device, gpu_slots, prefetch_depth)
@@ -27,6 +28,7 @@ from runnerkit.offload.layout import (
                                       plan_units,
                                       quantize_fp8_e4m3,
                                       resident_names,
+                                      split_resident,
 )
 from runnerkit.offload.model_offload import ModelOffloader
 from runnerkit.offload.pinned import ALIGNMENT, HostSlab, align_up, plan_offsets, typed_view
@@ -39,5 +41,5 @@ __all__ = [
     "FileIdentity", "HostSlab", "HostSource", "ModelOffloader", "SafetensorsDiskReader", "StreamSpec", "StreamUnit", "SyncCopyEngine",
     "TensorIndexEntry", "TensorPlacement", "UnitLayout", "UnitSource", "align_up", "dequantize_fp8_e4m3",
     "make_copy_engine", "plan_offsets", "plan_unit_layout", "plan_units", "quantize_fp8_e4m3", "read_header",
-    "resident_names", "typed_view",
+    "resident_names", "split_resident", "typed_view",
 ]

@@ -132,6 +132,29 @@ def _block_units(blocks: nn.ModuleList, attr: str, mode: StreamMode, spec: Strea
     return units
 
 
+def split_resident(units: Sequence[StreamUnit], n: int) -> tuple[list[StreamUnit], list[StreamUnit]]:
+    """(kept, streamed): `n` of `units` stay on the device (config `offload.resident_blocks`), the others stream.
+
+    Even spread: of U units, the k-th kept one (k = 0 .. n-1) is unit floor((2k + 1) * U / (2n)), the middle
+    of the k-th of n equal stretches of the sequence, so resident units sit between streamed ones and the
+    copy of the next streamed unit overlaps their compute too (also across the step wrap: the last stretch
+    keeps a unit near the end). E.g. U = 10: n = 1 keeps [5]; n = 2 keeps [2, 7]; n = 3 keeps [1, 5, 8];
+    U = 4, n = 3 keeps [0, 2, 3]. n >= U keeps every unit (nothing streams); n = 0 keeps none. Both lists
+    keep the execution order of `units`.
+
+    Raises:
+        ValueError: `n` < 0.
+    """
+    if n < 0:
+        raise ValueError(f"`resident_blocks` must be >= 0, got {n}")
+    total = len(units)
+    n = min(n, total)
+    kept_index = {(2 * k + 1) * total // (2 * n) for k in range(n)}  # n distinct indices: the stretches are >= 1 long
+    kept = [u for i, u in enumerate(units) if i in kept_index]
+    streamed = [u for i, u in enumerate(units) if i not in kept_index]
+    return kept, streamed
+
+
 def resident_names(model: nn.Module, units: Sequence[StreamUnit]) -> list[str]:
     """Every parameter and persistent buffer name of `model` that no unit streams (load these yourself)."""
     streamed = {p for u in units for p in u.params}

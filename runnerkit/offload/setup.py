@@ -2,6 +2,7 @@
 
     streamer = stream_module(model, Family.STREAM_SPEC, cfg, ...)  # resident tensors on the device,
                                                                    # streamed ones in host slabs or on disk
+                                                                   # (`cfg.resident_blocks` units stay resident)
     model(...)                                                     # hooks stream blocks through gpu_slots
     streamer.reset()                                               # at every request boundary
     streamer.close()                                               # lazy load: before dropping the model
@@ -18,7 +19,7 @@ from torch import nn
 
 from runnerkit.config import OffloadConfig
 from runnerkit.offload.disk import SafetensorsDiskReader
-from runnerkit.offload.layout import StreamSpec, dequantize_fp8_e4m3, plan_units, resident_names
+from runnerkit.offload.layout import StreamSpec, dequantize_fp8_e4m3, plan_units, resident_names, split_resident
 from runnerkit.offload.pinned import pinning_disabled_by_env
 from runnerkit.offload.sources import DiskSource, HostSource
 from runnerkit.offload.streamer import BlockStreamer
@@ -50,7 +51,11 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
         spec: the family's stream spec (block list, phases, float32 layers), e.g. the
             `STREAM_SPEC` of the transformer class; `spec.keep_fp32` names are loaded in
             float32 and, inside blocks, stay resident (small tables, norms).
-        cfg: offload config (`mode` block/phase, `storage`, slots, prefetch, reader, weight_dtype).
+        cfg: offload config (`mode` block/phase, `storage`, slots, prefetch, reader, weight_dtype,
+            `resident_blocks`: that many units, spread evenly (`layout.split_resident`), are loaded
+            like the resident tensors, once, in the compute dtype (also with weight_dtype fp8_e4m3),
+            and only the others stream; all of them when it is >= the unit count: the streamer then
+            has no unit, slot or hook).
         state_dict: all tensors in model names (storage "cpu").
         files, key_map: the checkpoint's safetensors files and model name -> file name (storage "disk").
         shared_files: the files also hold other networks' tensors (a single-file release): only the
@@ -75,7 +80,8 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
     """
     assert cfg.mode in ("block", "phase"), f"stream_module needs mode block/phase, got {cfg.mode}"
     pin = pin_memory_enabled(cfg)
-    units = plan_units(model, cfg.mode, spec)
+    planned = plan_units(model, cfg.mode, spec)
+    kept, units = split_resident(planned, cfg.resident_blocks)  # kept units load below with the resident tensors
     resident = resident_names(model, units)
     expected = model.state_dict(keep_vars=True)
     scale_map = dict(scale_map or {})
@@ -119,7 +125,8 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
         raise CheckpointError(f"{component}: {len(left)} tensors are neither loaded nor streamed (still on the meta "
                               f"device): {short_list(left)}; a non-persistent buffer must be computed when the "
                               "skeleton is built (`init_non_persistent_buffers`, or `offload.encoders.hf_skeleton`)")
-    logger.info("{}: {} streaming of {} units from {} (host memory pinned: {}, slots={}, prefetch={}, reader={})",
-                component, cfg.mode, len(units), cfg.storage, source.pinned, cfg.gpu_slots, cfg.prefetch_depth,
-                cfg.reader if cfg.storage == "disk" else "-")
+    logger.info("{}: {} streaming of {} units from {}, {} of {} units resident (offload.resident_blocks={}; "
+                "host memory pinned: {}, slots={}, prefetch={}, reader={})", component, cfg.mode, len(units),
+                cfg.storage, len(kept), len(planned), cfg.resident_blocks, source.pinned, streamer.num_slots,
+                cfg.prefetch_depth, cfg.reader if cfg.storage == "disk" else "-")
     return streamer

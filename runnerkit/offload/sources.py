@@ -243,8 +243,8 @@ class DiskSource:
         return bool(self.staging) and all(s.is_pinned for s in self.staging)
 
     def bind(self, num_slots: int) -> None:
-        """Allocate one staging slab per slot, of the largest unit's size."""
-        size = max(layout.raw_nbytes for layout in self.layouts)
+        """Allocate one staging slab per slot, of the largest unit's size (none without units)."""
+        size = max((layout.raw_nbytes for layout in self.layouts), default=0)
         self.staging = [HostSlab(size, pin_memory=self.pin_memory, label=f"staging{s}") for s in range(num_slots)]
 
     def _read_unit(self, unit: int, slot: int, engine: CopyEngine) -> None:

@@ -52,7 +52,7 @@ from torch.utils.hooks import RemovableHandle
 from runnerkit.offload.layout import StreamUnit, UnitLayout
 from runnerkit.offload.pinned import align_up, typed_view
 from runnerkit.offload.sources import UnitSource
-from runnerkit.offload.streams import CopyEngine, make_copy_engine
+from runnerkit.offload.streams import CopyEngine, SyncCopyEngine, make_copy_engine
 from runnerkit.weights import CheckpointError
 
 
@@ -98,7 +98,9 @@ class BlockStreamer:
     Args:
         model: the network (usually a meta-device skeleton with its resident tensors loaded);
             every unit's parameters are replaced by views into device slots.
-        units: the streamed units in execution order (`plan_units`).
+        units: the streamed units in execution order (`plan_units`, less the units
+            `split_resident` keeps). Empty when every unit stays resident: then no slot, hook
+            or copy engine work; `reset`, `close`, `state` and `stats` still answer.
         source: `HostSource` or `DiskSource` built for the same `units`.
         device: device of the slots ("cuda", "cuda:0", or "cpu" for tests).
         gpu_slots: device slots (>= 2); unit j uses slot j % gpu_slots; each slot holds the
@@ -107,11 +109,11 @@ class BlockStreamer:
         copy_engine: injected engine (tests); default `make_copy_engine(device, slots, source.pinned)`.
 
     Raises:
-        ValueError: `gpu_slots` < 2, `prefetch_depth` outside [1, gpu_slots - 1], no units,
-            or a unit parameter that is not a parameter of `model`.
+        ValueError: `gpu_slots` < 2, `prefetch_depth` outside [1, gpu_slots - 1], or a unit
+            parameter that is not a parameter of `model`.
         CheckpointError: a source tensor's shape differs from the model parameter's.
 
-    Memory: gpu_slots x (largest raw unit + largest compute region) bytes on the device.
+    Memory: min(gpu_slots, units) x (largest raw unit + largest compute region) bytes on the device.
     """
 
     def __init__(self, model: nn.Module, units: Sequence[StreamUnit], source: UnitSource,
@@ -123,8 +125,6 @@ class BlockStreamer:
         if not 1 <= prefetch_depth <= gpu_slots - 1:
             raise ValueError(f"`prefetch_depth` must be in [1, gpu_slots - 1] = [1, {gpu_slots - 1}], got "
                              f"{prefetch_depth}: a deeper prefetch would overwrite the slot still computing")
-        if not units:
-            raise ValueError("`units` is empty: nothing to stream")
         if len(source.layouts) != len(units):
             raise ValueError(f"`source` has {len(source.layouts)} unit layouts but `units` has {len(units)}")
         self.device = torch.device(device)
@@ -134,19 +134,21 @@ class BlockStreamer:
         self.num_slots = min(gpu_slots, self.num_units)
         self.prefetch_depth = prefetch_depth
         self.source = source
-        if self.num_units % self.num_slots:
+        if self.num_units and self.num_units % self.num_slots:
             logger.info(f"{self.num_units} units over {self.num_slots} slots: the copy of unit 0 at the step "
                         "wrap waits for the last unit's compute (choose gpu_slots dividing the unit count)")
         self._check_model(model)
 
         # Slot buffers: [raw region | compute region], sized for the largest unit.
-        raw = max(layout.raw_nbytes for layout in self.layouts)
+        raw = max((layout.raw_nbytes for layout in self.layouts), default=0)
         self._compute_base = align_up(raw)
-        self.slot_nbytes = self._compute_base + max(layout.compute_nbytes for layout in self.layouts)
+        self.slot_nbytes = self._compute_base + max((layout.compute_nbytes for layout in self.layouts), default=0)
         self._slots: list[torch.Tensor] = [torch.empty(self.slot_nbytes, dtype=torch.uint8, device=self.device)
                                            for _ in range(self.num_slots)]
         source.bind(self.num_slots)
-        self.engine: CopyEngine = copy_engine or make_copy_engine(self.device, self.num_slots, source.pinned)
+        if copy_engine is None:  # no unit: nothing is ever copied (no CUDA stream, no pageable-copy notice)
+            copy_engine = make_copy_engine(self.device, self.num_slots, source.pinned) if units else SyncCopyEngine(0)
+        self.engine: CopyEngine = copy_engine
 
         # Re-bind every streamed parameter as a view into its unit's slot.
         self._names: list[str] = []

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from runnerkit.config import OffloadConfig, RunnerConfig
-from runnerkit.offload.layout import StreamSpec, plan_unit_layout, plan_units
+from runnerkit.offload.layout import StreamSpec, plan_unit_layout, plan_units, split_resident
 from runnerkit.offload.pinned import align_up, pinning_disabled_by_env
 
 __all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "Hint", "HostEstimate",
@@ -108,9 +108,10 @@ class ModuleFootprint:
     Attributes:
         weight_bytes: all of the module's weights.
         stream_resident_bytes: block/phase offload of a streamable module: the weights that stay
-            on the device (everything outside the streamed units). None: the module does not
-            stream (or the offload mode does not stream).
-        stream_slot_bytes: all device slots together (`min(gpu_slots, units)` x the largest unit).
+            on the device (everything outside the streamed units: the units `offload.resident_blocks`
+            keeps included). None: the module does not stream (or the offload mode does not stream).
+        stream_slot_bytes: all device slots together (`min(gpu_slots, streamed units)` x the largest
+            streamed unit).
         stream_host_bytes: host memory of the streamer: the slabs of every unit (storage cpu) or
             one staging slab per slot (storage disk). Counted only when the device is the CPU.
         stream_default: the module streams in mode block/phase when `offload.stream_modules` is
@@ -146,7 +147,7 @@ class StageFootprint:
             request tensors alive during it (latents, embeddings, decoded outputs), in bytes.
         detail: one line on where the bytes come from (shown in logs and refusals).
         holds: modules that stay on the device through this stage under `offload.keep_across_stages` (a
-            transition between two denoising stages of the same transformer, e.g. LTX-2's latent upsampler).
+            transition between two denoising stages of the same transformer, e.g. a latent upsampler).
     """
 
     name: str
@@ -233,10 +234,12 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
     Floating parameters are counted in `dtype`, except names for which `keep_fp32` is true
     (float32); buffers in their own dtype. With `stream` and an offload mode of block/phase, the
     streamed units are planned exactly as `offload.setup.stream_module` plans them
-    (`plan_units`, `plan_unit_layout`, one slot = the largest unit's raw bytes aligned + its
-    compute region), giving the resident part and the slot bytes. With storage disk, streamed
-    tensors that the checkpoint stores as float8_e4m3fn (`fp8_stored`) stream as stored: 1 byte per
-    element + a float32 scale in the raw region (slot and staging slab), and a compute region.
+    (`plan_units`, `split_resident` for `offload.resident_blocks`, `plan_unit_layout`, one slot = the
+    largest streamed unit's raw bytes aligned + its compute region), giving the resident part (kept
+    units included, in `dtype`) and the slot bytes (`min(gpu_slots, streamed units)` slots; none when
+    every unit is kept). With storage disk, streamed tensors that the checkpoint stores as
+    float8_e4m3fn (`fp8_stored`) stream as stored: 1 byte per element + a float32 scale in the raw
+    region (slot and staging slab), and a compute region.
 
     Args:
         module: the network, on the meta device (no memory) or materialized.
@@ -261,14 +264,14 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
     extra = lora_slot_bytes(module, lora_rank, dtype, keep_fp32) if lora_rank else 0
     if stream is None or offload is None or offload.mode not in ("block", "phase"):
         return ModuleFootprint(weight_bytes=total, stream_default=stream_default, device_extra_bytes=extra)
-    units = plan_units(module, offload.mode, stream)
+    _, units = split_resident(plan_units(module, offload.mode, stream), offload.resident_blocks)  # kept: resident
     as_stored = fp8_stored if offload.storage == "disk" else ()  # storage cpu holds upcast weights
     layouts = [plan_unit_layout(u, shapes, dtype, offload.weight_dtype, fp8_stored=as_stored) for u in units]
-    slot = align_up(max(lay.raw_nbytes for lay in layouts)) + max(lay.compute_nbytes for lay in layouts)
+    raw = max((lay.raw_nbytes for lay in layouts), default=0)
+    slot = align_up(raw) + max((lay.compute_nbytes for lay in layouts), default=0)
     slots = min(offload.gpu_slots, len(units))
     streamed = sum(sizes[p] for u in units for p in u.params)
-    host = sum(lay.raw_nbytes for lay in layouts) if offload.storage == "cpu" else slots * max(
-        lay.raw_nbytes for lay in layouts)
+    host = sum(lay.raw_nbytes for lay in layouts) if offload.storage == "cpu" else slots * raw
     return ModuleFootprint(weight_bytes=total, stream_resident_bytes=total - streamed, stream_slot_bytes=slots * slot,
                            stream_host_bytes=host, stream_default=stream_default,
                            stream_moved_bytes=sum(lay.raw_nbytes for lay in layouts), device_extra_bytes=extra)

@@ -12,7 +12,7 @@ Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled
                          checkpoint fp8 tensors at 1 byte + scale)
     streamed text encoder: streamed bytes once per stage that uses it (one encoder pass)
     model-offloaded module: weight_bytes once per stage that uses it (it visits the device for each;
-                           LTX-2's transformer twice: stage 1 and stage 2, once with keep_across_stages)
+                           a two-stage family's transformer twice, once with keep_across_stages)
     lazy_load:             + the streamed module's resident part, read from disk once per stage that uses it
     resident module (mode none, `offload.resident_modules`, `offload.resident_blocks` units): nothing
 

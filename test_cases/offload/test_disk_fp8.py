@@ -77,8 +77,10 @@ def expected_weights(stored: dict[str, torch.Tensor], scales: dict[str, str], dt
 
 
 def streamed_toy(files: list[Path], scales: dict[str, str], mode: Literal["block", "phase"], dtype: torch.dtype,
-                 reader: Literal["mmap", "pread"] = "mmap", slots: int = 2) -> tuple[ToyModel, BlockStreamer]:
-    cfg = OffloadConfig(mode=mode, storage="disk", reader=reader, gpu_slots=slots, pin_memory=False)
+                 reader: Literal["mmap", "pread"] = "mmap", slots: int = 2,
+                 resident_blocks: int = 0) -> tuple[ToyModel, BlockStreamer]:
+    cfg = OffloadConfig(mode=mode, storage="disk", reader=reader, gpu_slots=slots, pin_memory=False,
+                        resident_blocks=resident_blocks)
     model = build_on_meta(ToyModel)
     streamer = stream_module(model, SPEC, cfg, torch.device("cpu"), dtype, "toy", files=files, scale_map=scales)
     return model, streamer
@@ -113,6 +115,28 @@ def test_disk_streamed_fp8_equals_the_resident_load(tmp_path: Path, mode: Litera
     assert {t.name for t in streamed if t.stored_dtype == FP8} == {n for n in scales if n != RESIDENT} | {PLAIN}
     for t in streamed:
         assert torch.equal(model.get_parameter(t.name), want[t.name]), t.name
+    streamer.close()
+
+
+@pytest.mark.parametrize(("mode", "kept"), [("block", 2), ("phase", 5)])
+def test_kept_fp8_units_are_upcast_once_as_a_resident_load(tmp_path: Path, mode: Literal["block", "phase"],
+                                                           kept: int) -> None:
+    """`offload.resident_blocks`: the kept units' fp8 weights (block: blocks 1 and 3; phase: units 1, 3, 6, 8,
+    10, among them blocks.2.ffn with the unscaled fp8 weight) are read once and upcast at load, the float32
+    product rounded once to bfloat16: the weights and the output of the resident load, bit for bit."""
+    files, stored, scales = fp8_checkpoint(tmp_path)
+    want = expected_weights(stored, scales, torch.bfloat16)
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    model, streamer = streamed_toy(files, scales, mode, torch.bfloat16, resident_blocks=kept)
+    streamed = {p for u in streamer.units for p in u.params}
+    resident_fp8 = {n for n in [*scales, PLAIN] if n.startswith("blocks.") and n not in streamed}
+    assert len(resident_fp8) >= 4 and (PLAIN in resident_fp8) is (mode == "phase")
+    for name in resident_fp8:
+        assert torch.equal(model.get_parameter(name), want[name]), name
+    with torch.no_grad():
+        out = resident_toy(want)(x)
+        for _ in range(2):
+            assert torch.equal(model(x), out)
     streamer.close()
 
 

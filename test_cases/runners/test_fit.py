@@ -87,6 +87,7 @@ def test_a_stage_on_an_unknown_module_is_an_error() -> None:
 
 @pytest.mark.parametrize("overrides", [{}, {"offload": {"mode": "model"}}, {"offload": {"mode": "block"}},
                                        {"offload": {"mode": "phase"}},
+                                       {"offload": {"mode": "phase", "resident_blocks": 2}},
                                        {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
                                        {"unload_modules": True}])
 def test_placement_rules_match_the_placed_runner(tiny_ckpt: Path, overrides: dict[str, Any]) -> None:
@@ -105,6 +106,36 @@ def test_placement_rules_match_the_placed_runner(tiny_ckpt: Path, overrides: dic
     if streamer is not None and not runner.config.offload.lazy_load:  # slot bytes as the streamer allocated them
         footprint = estimate.modules["transformer"]
         assert footprint.stream_slot_bytes == streamer.num_slots * streamer.slot_nbytes
+
+
+#: the tiny Wan transformer streams U = 2 block units or 6 phase units: resident_blocks 0, 1, U - 1, U, U + 5
+RESIDENT_BLOCKS = [("phase", "cpu", n) for n in (0, 1, 5, 6, 11)] + [("block", "disk", n) for n in (0, 1, 2, 7)]
+
+
+@pytest.mark.parametrize(("mode", "storage", "kept"), RESIDENT_BLOCKS)
+def test_streamed_footprint_is_what_the_streamer_allocated(tiny_ckpt: Path, mode: str, storage: str,
+                                                           kept: int) -> None:
+    """`offload.resident_blocks`: the estimate's resident part, slots, host slabs and bytes moved per pass
+    equal, byte for byte, the transformer's tensors outside the slots, the slot buffers, the host slabs
+    (storage cpu: one per streamed unit; disk: one staging slab per slot) and the streamed units' raw
+    regions of the placed runner; min(gpu_slots, streamed units) slots."""
+    config = tiny_config_dict(tiny_ckpt, offload={"mode": mode, "storage": storage, "resident_blocks": kept})
+    runner = WanT2VRunner(load_runner_config(None, config))
+    runner.init_modules()
+    streamer, model = runner.streamers["transformer"], runner.modules["transformer"]
+    units = {"block": 2, "phase": 6}[mode]
+    streamed = max(units - kept, 0)
+    assert streamer.num_units == streamed and streamer.num_slots == min(2, streamed)
+    in_slots = {s.untyped_storage().data_ptr() for s in streamer._slots}
+    tensors = [*model.parameters(), *model.buffers()]
+    resident = sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in in_slots)
+    slabs = streamer.source.slabs if storage == "cpu" else streamer.source.staging
+    footprint = runner.estimate_memory((48, 80, 9)).modules["transformer"]
+    assert footprint.stream_resident_bytes == resident
+    assert footprint.stream_slot_bytes == sum(s.numel() * s.element_size() for s in streamer._slots)
+    assert footprint.stream_host_bytes == sum(s.nbytes for s in slabs)
+    assert footprint.stream_moved_bytes == sum(layout.raw_nbytes for layout in streamer.layouts)
+    runner.end_run()
 
 
 def test_module_footprint_counts_load_dtypes_on_meta() -> None:

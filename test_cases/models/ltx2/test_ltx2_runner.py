@@ -248,6 +248,9 @@ MODES: dict[str, dict[str, Any]] = {
     # built once per request: held through the upsampler between the stages
     "lazy_load_kept_across_stages": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True,
                                                  "keep_across_stages": True}},
+    # one block of each streamed module (Gemma-3's layers, the connectors' two stacks, the transformer) resident
+    "block_disk_resident_blocks": {"offload": {"mode": "block", "storage": "disk", "resident_blocks": 1,
+                                               "stream_modules": ["text_encoder", "connectors", "transformer"]}},
 }
 
 

@@ -30,6 +30,7 @@ MODES: dict[str, dict[str, Any]] = {
     "block_disk_mmap": {"offload": {"mode": "block", "storage": "disk", "reader": "mmap"}},
     "phase_disk_pread": {"offload": {"mode": "phase", "storage": "disk", "reader": "pread"}},
     "block_disk_lazy": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
+    "block_cpu_all_resident_blocks": {"offload": {"mode": "block", "resident_blocks": 64}},  # nothing streams
     "unload_modules": {"unload_modules": True},
 }
 T2I_REQUESTS = [RequestConfig(prompt="a red fox in the snow", seed=11),
