@@ -16,9 +16,10 @@ Limits: `--device_gib` (as config `memory.limit_gib`: the budget exactly), else 
 the cgroup v1/v2 limit less its usage, whichever is smaller). A config whose `device` is `cpu` is planned
 for the CPU (the device is the host).
 
-Output: per module its placement (`fit.placement_of`), device and host bytes and H2D copy per step; the
-estimated request time where the planner gives one (`estimated_request_seconds`, null otherwise); the
-faster candidates rejected, with the limit each broke. `--json`: the profile's `memory_plan` object
+Output: per module its placement (`fit.placement_of`), device and host bytes and H2D copy per step and per
+request; the estimated request time where the planner gives one (`estimated_request_seconds`, null
+otherwise), else its estimate of the request's host-to-device copy time (`request_copy_seconds_estimate`);
+the faster candidates rejected, with the limit each broke. `--json`: the profile's `memory_plan` object
 (docs/profile.md) with `estimated_request_seconds`, `fits`, `refusal`, `estimate_sources`, `estimate_missing`
 (why there are no numbers: a family without a memory estimate), `over_limits`, and per module
 `device_bytes`, `host_bytes`, `copy_bytes_per_step`, `copy_bytes_per_request`.
@@ -40,6 +41,7 @@ import torch
 from loguru import logger
 
 from runnerkit.config import ConfigError, load_runner_config
+from runnerkit.memory import MemoryLimit
 from runnerkit.registry import get_runner_cls
 from runnerkit.runners import fit, plan_report
 from runnerkit.runners.default import DefaultRunner
@@ -216,10 +218,12 @@ def plan_of(runner: DefaultRunner) -> dict[str, Any]:
         return {**base, **empty, "offload": cfg.offload.model_dump(mode="json"),
                 "candidate": candidate_name(cfg.offload), "why": why, "estimate_missing": reason, "fits": None,
                 "estimated_request_seconds": None}
+    pinned = cfg.memory.pinned_limit_gib  # as plan_memory judges the pinned part of the host bytes
+    pinned_limit = None if pinned is None else MemoryLimit(int(pinned * GIB), "config memory.pinned_limit_gib")
     ev = evaluate(candidate_name(cfg.offload), cfg, shapes, device, lambda off, shape: runner.estimate_memory(shape),
-                  device_limit, host_limit, runner.denoise_passes_per_step)
+                  device_limit, host_limit, runner.denoise_passes_per_step, pinned_limit)
     judged = MemoryPlan(chosen=ev, rejected=[], shapes=tuple(shapes), device=device, device_limit=device_limit,
-                        host_limit=host_limit, why=why)
+                        host_limit=host_limit, why=why, steps_per_request=runner.plan_steps_per_request())
     report = plan_report.report(judged, requested)
     report["modules"] = _module_entries(report, ev, runner)
     refusal = _first_refusal(runner, shapes)
@@ -249,17 +253,23 @@ def describe(out: dict[str, Any]) -> str:
         return "\n".join(lines)
     lines.append(f"  estimated: device {out['device_gib']:.2f} GiB at its peak (stage {out['peak_stage']}, shape "
                  f"{'x'.join(map(str, out['peak_shape']))}), host {out['host_gib']:.2f} GiB")
-    seconds = out["estimated_request_seconds"]
-    lines.append("  estimated request time: " + (f"{seconds:.1f} s" if seconds is not None else
-                                                 "not given (the planner has no time model)"))
+    seconds, copies = out["estimated_request_seconds"], out.get("request_copy_seconds_estimate")
+    if seconds is not None:
+        lines.append(f"  estimated request time: {seconds:.1f} s")
+    elif copies is not None:
+        lines.append(f"  estimated host-to-device copies per request: {copies:.2f} s over {out['steps_per_request']} "
+                     "denoising step(s) (the planner's time model: copies, not compute)")
+    else:
+        lines.append("  estimated request time: not given (the planner has no time model)")
     if out["copy_per_step_gib"]:
         lines.append(f"  H2D copy per denoising step: {out['copy_per_step_gib']:.2f} GiB "
                      f"({out['passes_per_step']} pass(es)), {out['copy_seconds_per_step_estimate']:.2f} s at the "
                      "assumed rate (prefetch overlaps it with compute)")
-    lines.append(f"  {'module':<18} {'placement':<46} {'device GiB':>10} {'host GiB':>9} {'H2D/step GiB':>12} "
+    width = max(len(m["placement"]) for m in out["modules"]) if out["modules"] else 9
+    lines.append(f"  {'module':<18} {'placement':<{width}} {'device GiB':>10} {'host GiB':>9} {'H2D/step GiB':>12} "
                  f"{'H2D/request GiB':>15}")
     for m in out["modules"]:
-        lines.append(f"  {m['name']:<18} {m['placement']:<46} {m['device_bytes'] / GIB:>10.2f} "
+        lines.append(f"  {m['name']:<18} {m['placement']:<{width}} {m['device_bytes'] / GIB:>10.2f} "
                      f"{m['host_bytes'] / GIB:>9.2f} {m['copy_bytes_per_step'] / GIB:>12.2f} "
                      f"{m['copy_bytes_per_request'] / GIB:>15.2f}")
     for r in out["rejected"]:
