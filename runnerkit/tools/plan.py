@@ -135,20 +135,13 @@ def planner_seconds(report: dict[str, Any], plan: MemoryPlan | None) -> float | 
     return None
 
 
-def _module_entries(report: dict[str, Any], ev: Evaluation, runner: DefaultRunner) -> list[dict[str, Any]]:
-    """The report's modules with their bytes (`plan_report.module_rows`) and placement words (`fit.placement_of`)."""
-    device = runner.memory_device()
-    assert ev.estimate is not None, "an evaluated candidate has its estimate"
+def _module_entries(report: dict[str, Any], ev: Evaluation, device: torch.device) -> list[dict[str, Any]]:
+    """The report's modules (their placement words: `fit.placement_of`, through `plan_report.module_rows`) with
+    their bytes."""
     rows = {r.name: r for r in plan_report.module_rows(ev, device)}
-    config = runner.config.model_copy(update={"offload": ev.offload})
-    out = []
-    for entry in report["modules"]:
-        row = rows[entry["name"]]
-        where = ("resident (the device is the host)" if device.type == "cpu" else
-                 fit.placement_of(row.name, ev.estimate.modules[row.name], config))
-        out.append({**entry, "placement": where, "device_bytes": row.device_bytes, "host_bytes": row.host_bytes,
-                    "copy_bytes_per_step": row.copy_step_bytes, "copy_bytes_per_request": row.copy_request_bytes})
-    return out
+    return [{**entry, "device_bytes": rows[entry["name"]].device_bytes, "host_bytes": rows[entry["name"]].host_bytes,
+             "copy_bytes_per_step": rows[entry["name"]].copy_step_bytes,
+             "copy_bytes_per_request": rows[entry["name"]].copy_request_bytes} for entry in report["modules"]]
 
 
 def _first_refusal(runner: DefaultRunner, shapes: Sequence[Shape]) -> str | None:
@@ -206,7 +199,7 @@ def plan_of(runner: DefaultRunner) -> dict[str, Any]:
     if plan is not None:
         assert runner.profiler.memory_plan is not None, "plan_memory records its plan"
         report = dict(runner.profiler.memory_plan)
-        report["modules"] = _module_entries(report, plan.chosen, runner)
+        report["modules"] = _module_entries(report, plan.chosen, device)
         return {**base, **report, "estimated_request_seconds": planner_seconds(report, plan)}
     cfg = runner.config  # concrete now: the config's own mode, or resident by default
     why = (f"`offload.mode` not set, every module resident: {resident_why}" if resident_why is not None else
@@ -225,7 +218,7 @@ def plan_of(runner: DefaultRunner) -> dict[str, Any]:
     judged = MemoryPlan(chosen=ev, rejected=[], shapes=tuple(shapes), device=device, device_limit=device_limit,
                         host_limit=host_limit, why=why, steps_per_request=runner.plan_steps_per_request())
     report = plan_report.report(judged, requested)
-    report["modules"] = _module_entries(report, ev, runner)
+    report["modules"] = _module_entries(report, ev, device)
     refusal = _first_refusal(runner, shapes)
     return {**base, **report, "fits": refusal is None, "refusal": refusal, "over_limits": ev.reason or None,
             "estimated_request_seconds": planner_seconds(report, judged)}
