@@ -125,8 +125,9 @@ class OffloadConfig(_Strict):
         "where it fits.")
     resident_blocks: int = Field(
         0, ge=0, le=4096, description="Mode block/phase: this many streamed units (blocks or phases) of each "
-        "streamed module stay on the device, spread evenly over its units; the others rotate through the "
-        "`gpu_slots`. 0: every unit streams. More than a module has: all of its units stay.")
+        "streamed transformer stay on the device, spread evenly over its units; the others rotate through the "
+        "`gpu_slots`. 0: every unit streams. More than a module has: all of its units stay. Streamed text "
+        "encoders and connectors (once per request) stream every unit.")
 
     @model_validator(mode="after")
     def _combinations(self) -> "OffloadConfig":

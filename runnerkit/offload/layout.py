@@ -58,12 +58,21 @@ class StreamSpec:
         more_blocks: further block lists (dotted paths) whose blocks run after those of
             `blocks_attr`, in this order: a module with several block stacks (e.g. a text
             connector's video then audio blocks) streams them all as one unit sequence.
+        per_step: the module runs at every denoising step (a transformer): `offload.resident_blocks` keeps
+            that many of its units on the device. False (a text encoder, a connector: once per request):
+            every unit streams whatever `resident_blocks` says, so the device memory it would take goes to
+            the modules that copy at every step.
     """
 
     blocks_attr: str
     phases: tuple[str, ...]
     keep_fp32: Callable[[str], bool]
     more_blocks: tuple[str, ...] = ()
+    per_step: bool = True
+
+    def resident_units(self, resident_blocks: int) -> int:
+        """The units of a module of this spec that stay resident under `offload.resident_blocks`."""
+        return resident_blocks if self.per_step else 0
 
 
 @dataclass(frozen=True)

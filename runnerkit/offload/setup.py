@@ -81,7 +81,7 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
     assert cfg.mode in ("block", "phase"), f"stream_module needs mode block/phase, got {cfg.mode}"
     pin = pin_memory_enabled(cfg)
     planned = plan_units(model, cfg.mode, spec)
-    kept, units = split_resident(planned, cfg.resident_blocks)  # kept units load below with the resident tensors
+    kept, units = split_resident(planned, spec.resident_units(cfg.resident_blocks))  # kept units load below with the resident tensors
     resident = resident_names(model, units)
     expected = model.state_dict(keep_vars=True)
     scale_map = dict(scale_map or {})

@@ -289,7 +289,7 @@ def _module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable
     extra = lora_slot_bytes(module, lora_rank, dtype, keep_fp32) if lora_rank else 0
     if stream is None or offload is None or offload.mode not in ("block", "phase"):
         return ModuleFootprint(weight_bytes=total, stream_default=stream_default, device_extra_bytes=extra)
-    _, units = split_resident(plan_units(module, offload.mode, stream), offload.resident_blocks)  # kept: resident
+    _, units = split_resident(plan_units(module, offload.mode, stream), stream.resident_units(offload.resident_blocks))  # kept: resident
     as_stored = fp8_stored if offload.storage == "disk" else ()  # storage cpu holds upcast weights
     layouts = [plan_unit_layout(u, shapes, dtype, offload.weight_dtype, fp8_stored=as_stored) for u in units]
     raw = max((lay.raw_nbytes for lay in layouts), default=0)
@@ -443,7 +443,7 @@ def placement_of(name: str, footprint: ModuleFootprint, config: RunnerConfig) ->
     if streams(name, footprint, off):
         source = "disk" if off.storage == "disk" else "pinned host memory" if off.pin_memory else "host memory"
         words = f"streamed from {source}"
-        words += f", {off.resident_blocks} units resident" if off.resident_blocks else ""
+        words += f", {off.resident_blocks} units resident" if off.resident_blocks and footprint.stream_default else ""
         return words + (", built per request" if off.lazy_load else "")
     return "visits the device for its stage"
 

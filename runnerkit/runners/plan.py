@@ -198,16 +198,35 @@ def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, o
 
 
 def _most_units_that_fit(off: OffloadConfig, judge: Callable[[OffloadConfig], Evaluation]) -> Evaluation | None:
-    """`off` with the most `resident_blocks` that fit, or None. More units resident never copy more, but
-    device and host bytes are not monotone in the count together (device bytes grow with it; host slabs shrink
-    while the resident part read through host memory grows), so every count is judged, the most first, from
-    the module's own unit count down (`_fewest_same`: counts above it say nothing more)."""
+    """`off` with the most `resident_blocks` that fit, or None. More units resident never copy more. Device
+    bytes grow with the count, so the most that fit the device is found by bisection; host bytes move one way
+    with it for a given storage (disk: the resident part read through host memory grows; cpu: the host slabs
+    shrink by what the resident part grows, or more), so if that count is over the host limit, the most below it
+    that fits everything is found by bisection too (`_fewest_same` first: counts above the module's own unit
+    count say nothing more)."""
+
+    def at(n: int) -> Evaluation:
+        return judge(off.model_copy(update={"resident_blocks": n}))
+
     top = _fewest_same(off, MAX_RESIDENT_BLOCKS, judge)
-    for n in range(top, -1, -1):
-        ev = judge(off.model_copy(update={"resident_blocks": n}))
-        if ev.fits:
-            return ev
-    return None
+    device = _most(lambda n: not at(n).device_missing, top)
+    if device is None:
+        return None
+    if at(device).fits:
+        return at(device)
+    most = _most(lambda n: at(n).fits, device)
+    return at(most) if most is not None else None
+
+
+def _most(ok: Callable[[int], bool], top: int) -> int | None:
+    """The largest n in [0, top] with ok(n), ok true up to some n and false after it; None if not ok(0)."""
+    if not ok(0):
+        return None
+    lo, hi = 0, top + 1  # ok(lo); not ok(hi) (virtually)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
 
 def _fewest_same(off: OffloadConfig, n: int, judge: Callable[[OffloadConfig], Evaluation]) -> int:

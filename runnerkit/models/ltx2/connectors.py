@@ -264,7 +264,7 @@ class LTX2TextConnectors(nn.Module):
 
     STREAM_SPEC: ClassVar[StreamSpec] = StreamSpec(
         blocks_attr="video_connector.transformer_blocks", more_blocks=("audio_connector.transformer_blocks",),
-        phases=("attn1", "ff"), keep_fp32=lambda name: False)
+        phases=("attn1", "ff"), keep_fp32=lambda name: False, per_step=False)
     """Block/phase streaming (`offload.stream_modules` lists "connectors"): the 1D blocks of the video
     connector, then the audio connector's (the order `forward` runs them); the input projections,
     registers and everything else stay resident (LTX-2.3: 1.16 B of the 3.17 B parameters)."""

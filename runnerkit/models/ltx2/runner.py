@@ -169,6 +169,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
     }
 
     def __init__(self, config: RunnerConfig) -> None:
+        self._headers: dict[tuple[Any, ...], LTX2Checkpoint] = {}  # before loading: the plan's estimates read once
         super().__init__(config)
         config = self.config
         if config.enable_cfg:
@@ -280,7 +281,13 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         folder); the config's `model` replaces its architecture unless `raw` or the config has none."""
         cfg = self.config
         arch = None if raw or cfg.model is None else self.parse_arch(cfg.model)
-        return LTX2Checkpoint.open(path, cfg.upsampler_path, cfg.text_encoder_path, arch=arch)
+        key = (path, raw, cfg.upsampler_path, cfg.text_encoder_path)
+        if self.checkpoint is None and self._headers.get(key) is not None:  # before loading: read once for the plan
+            return self._headers[key]
+        ckpt = LTX2Checkpoint.open(path, cfg.upsampler_path, cfg.text_encoder_path, arch=arch)
+        if self.checkpoint is None:
+            self._headers = {key: ckpt}
+        return ckpt
 
     def prepare_load(self) -> None:
         """Checkpoint (written first if synthetic) and its architecture into the config, the tokenizer,
@@ -290,6 +297,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
             CheckpointError: the checkpoint is missing or damaged, naming the file.
             NotImplementedError: a timestep-conditioned video VAE (no release has one).
         """
+        self._headers = {}  # the load reads the checkpoint afresh
         from runnerkit.models.ltx2 import text_encoder as te
 
         self.checkpoint = ckpt = self.locate_checkpoint()

@@ -179,7 +179,8 @@ def load_gemma_text_encoder(folder: str | Path, dtype: torch.dtype, device: torc
     return model
 
 
-STREAM_SPEC = StreamSpec(blocks_attr="layers", phases=("self_attn", "mlp"), keep_fp32=lambda name: False)
+STREAM_SPEC = StreamSpec(blocks_attr="layers", phases=("self_attn", "mlp"), keep_fp32=lambda name: False,
+                         per_step=False)
 """Layer streaming of the Gemma-3 text model (`offload.stream_modules` lists "text_encoder"): its decoder
 layers, or their attention (with its q/k norms) and MLP (mode "phase"; the four layer norms then stay
 resident). The token embedding and the final norm stay resident; nothing is kept in float32 (as

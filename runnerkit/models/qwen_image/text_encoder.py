@@ -282,7 +282,8 @@ def load_text_encoder(folder: Path, dtype: torch.dtype, device: torch.device | s
     return model
 
 
-STREAM_SPEC = StreamSpec(blocks_attr="language_model.layers", phases=("self_attn", "mlp"), keep_fp32=lambda name: False)
+STREAM_SPEC = StreamSpec(blocks_attr="language_model.layers", phases=("self_attn", "mlp"), keep_fp32=lambda name: False,
+                         per_step=False)
 """Layer streaming of `Qwen2_5_VLModel` (`offload.stream_modules` lists "text_encoder"): the decoder
 layers, or their attention and MLP (mode "phase"; the layer norms then stay resident). The vision
 tower, the token embedding and the final norm stay resident; nothing is kept in float32 (as

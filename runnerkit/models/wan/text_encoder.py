@@ -153,7 +153,8 @@ class UMT5Block(nn.Module):
 class UMT5Encoder(nn.Module):
     """The umt5 encoder stack Wan2.1 uses for text conditioning (Wan `T5Encoder`, shared_pos=False)."""
 
-    STREAM_SPEC: ClassVar[StreamSpec] = StreamSpec(blocks_attr="blocks", phases=("attn", "ffn"), keep_fp32=keep_fp32)
+    STREAM_SPEC: ClassVar[StreamSpec] = StreamSpec(blocks_attr="blocks", phases=("attn", "ffn"), keep_fp32=keep_fp32,
+                                                   per_step=False)
     """Layer streaming (`offload.stream_modules` lists "text_encoder"): `blocks[i]`, or its attention and
     FFN (mode "phase": the block's relative position bias is computed before its attention and stays
     resident, as do the float32 norms)."""
