@@ -1,5 +1,5 @@
 import sys
 
-from runnerkit.infer import main
+from runnerkit.cli import main
 
 sys.exit(main())

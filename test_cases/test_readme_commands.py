@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from runnerkit.infer import build_parser
 from runnerkit.serve.server import build_parser as build_serve_parser
+from runnerkit.tools.plan import build_parser as build_plan_parser
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -102,6 +103,7 @@ RULES: list[tuple[str, object, str | None]] = [
      "a process group of several ranks (docs/multi_gpu.md; test_cases/parallel); flags checked below"),
     ("server", lambda a: (r := runnerkit_args(a)) is not None and r[:1] == ("serve",),
      "a long-running server (test_cases/serve starts and stops one); flags checked below"),
+    ("plan", lambda a: (r := runnerkit_args(a)) is not None and r[:1] == ("plan",), None),
     ("tiny run", lambda a: (r := runnerkit_args(a)) is not None and is_tiny(r), None),
     ("real checkpoint", lambda a: (r := runnerkit_args(a)) is not None and not is_tiny(r),
      "a config of real sizes: a CUDA GPU and downloaded weights"),
@@ -121,7 +123,7 @@ CLASSIFIED = [(c, classify(c)) for c in COMMANDS]
 
 def test_readme_has_commands_of_every_kind() -> None:
     kinds = {rule[0] for _, rule in CLASSIFIED if rule is not None}
-    assert {"setup", "test suite", "tiny run", "server", "real checkpoint"} <= kinds, kinds
+    assert {"setup", "test suite", "tiny run", "server", "plan", "real checkpoint"} <= kinds, kinds
     assert len(README.splitlines()) < 450, "the README is a reader's document: details go to docs/"
 
 
@@ -137,10 +139,10 @@ RUNNERKIT_COMMANDS = [c for c in COMMANDS if runnerkit_args(c.argv) is not None]
 def test_flags_exist_and_files_are_in_the_repo(command: Command) -> None:
     args = runnerkit_args(command.argv)
     assert args is not None
-    serve = args[:1] == ("serve",)
-    parser = build_serve_parser() if serve else build_parser()
+    sub = args[:1] if args[:1] in (("serve",), ("plan",)) else ()
+    parser = {("serve",): build_serve_parser, ("plan",): build_plan_parser}.get(sub, build_parser)()
     try:
-        parsed = parser.parse_args(list(args[1:] if serve else args))
+        parsed = parser.parse_args(list(args[len(sub):]))
     except SystemExit as exc:  # argparse prints the unknown or malformed flag to stderr
         pytest.fail(f"README.md:{command.line}: the parser refuses `{command.text}` (exit {exc.code})")
     if parsed.config_json not in READER_CONFIGS:
@@ -164,6 +166,12 @@ def _parser_flags(parser: object) -> set[str]:
 
 def test_command_line_table_lists_every_flag_of_the_launch_script() -> None:
     assert _table_flags("Command line") == _parser_flags(build_parser())
+
+
+def test_plan_section_lists_every_flag_of_plan() -> None:
+    body = README.split("## What will run on my machine?\n", 1)[1].split("\n## ", 1)[0]
+    bullet = body.split("- **Flags**", 1)[1].split("\n- ", 1)[0]
+    assert set(re.findall(r"--[a-z_]+", bullet)) == _parser_flags(build_plan_parser()) - {"-h", "--help"}
 
 
 def test_server_section_lists_every_flag_of_the_server() -> None:
@@ -202,6 +210,14 @@ def test_readme_command(entry: tuple[Command, tuple[str, str | None] | None], tm
         pytest.skip(f"{name}: {reason}")
     args = runnerkit_args(command.argv)
     assert args is not None
+    if name == "plan":  # no checkpoint needed: it prints the plan of the config's architecture
+        assert not (REPO / json.loads((REPO / flag_value(args, "--config_json")).read_text())["model_path"]).exists()
+        proc = subprocess.run([sys.executable, "-m", "runnerkit", *args], cwd=REPO, env=dict(os.environ),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"README.md:{command.line}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+        shown = re.search(r"```\n\n```\n(.*?)```", README.split(command.text, 1)[1], flags=re.S).group(1)
+        assert set(shown.splitlines()) <= set(proc.stdout.splitlines()), proc.stdout  # the README's excerpt is true
+        return
     argv, promised = _redirect(args, tmp_path)
     assert promised, f"README.md:{command.line}: a command that promises no output file"
     proc = subprocess.run([sys.executable, "-m", "runnerkit.infer", *argv], cwd=REPO, env=dict(os.environ),

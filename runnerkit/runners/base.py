@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 from loguru import logger
@@ -119,6 +119,9 @@ class BaseRunner(ABC):
     #: The family's defaults of the run settings the config leaves at None (config.FAMILY_DEFAULTED):
     #: resolution, frames, fps, steps, shift, guidance, scheduler.
     DEFAULTS: ClassVar[dict[str, Any]] = {}
+    #: True for a runner built by `for_plan`: it plans memory and never loads (set before `__init__` runs).
+    plan_only: bool = False
+    _planned_device: torch.device | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -151,7 +154,7 @@ class BaseRunner(ABC):
         #: (ident, name) of the thread that ran `init_modules` (and so warmup); see `check_serving_thread`.
         self.init_thread: tuple[int, str] | None = None
         self._thread_warned = False
-        self.device = resolve_device(config.device)
+        self.device = self._planned_device if self._planned_device is not None else resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.profiler = Profiler(self.device)
         #: The compile cache entry of this run (`compile.cache_dir`), opened after the config lock.
@@ -163,6 +166,25 @@ class BaseRunner(ABC):
         self.on_progress: Callable[[Progress], None] | None = None
         #: This rank's process group under `parallel` (`attach_parallel`); None: one process.
         self.parallel: Any = None
+
+    @classmethod
+    def for_plan(cls, config: RunnerConfig, device: torch.device | None = None) -> Self:
+        """A runner of `config` that only plans its memory (`runnerkit plan`, runnerkit/tools/plan.py): built
+        without reading weights, and without needing the checkpoint files (a family then takes the architecture
+        its config gives or implies; `plan_only` is true from the start of `__init__`). `init_modules` refuses it.
+
+        Args:
+            device: the device to plan for, which this machine need not have (e.g. `cuda` on a CPU-only host);
+                None: the config's `device`, resolved as for a run.
+
+        Raises:
+            ValueError, NotImplementedError: what building the runner raises (the family's settings checks).
+        """
+        runner = cls.__new__(cls)
+        runner.plan_only = True
+        runner._planned_device = device
+        runner.__init__(config)
+        return runner
 
     def attach_parallel(self, group: Any) -> None:
         """Run as one rank of `group` (runnerkit/parallel/group.py `ParallelGroup`): its device replaces
@@ -220,12 +242,15 @@ class BaseRunner(ABC):
         (a no-op without `warmup`; with a compile cache it saves the entry after it).
 
         Raises:
-            LifecycleError: called a second time (build a new runner to reload).
+            LifecycleError: called a second time (build a new runner to reload), or on a `for_plan` runner.
             whatever planning, loading or warmup raises, tagged with phase `plan`, `load` or `warmup`.
         """
         if self._lifecycle != "new":
             raise LifecycleError(f"init_modules runs once per runner and already ran (state: {self._lifecycle}); "
                                  "build a new runner to load again")
+        if self.plan_only:
+            raise LifecycleError("this runner was built by `for_plan` to plan memory only and never loads; build "
+                                 "the runner class itself to run")
         self._lifecycle = "initialising"
         current = threading.current_thread()
         self.init_thread = (current.ident or 0, current.name)

@@ -42,6 +42,7 @@ barrier to adding families, and the check exists to stop requests that are known
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -253,6 +254,30 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
         lora_rank: unfused LoRA slot rank R (config `lora.max_rank` in mode unfused; 0: none): the slots
             of every linear layer become `device_extra_bytes` (`lora_slot_bytes`).
     """
+    first = next(module.parameters(), None)
+    if first is None or not first.is_meta:  # a materialized module may still change: computed every time
+        return _module_footprint(module, dtype, keep_fp32, stream, offload, stream_default, fp8_stored, lora_rank)
+    streaming = stream is not None and offload is not None and offload.mode in ("block", "phase")
+    # The offload keys `_module_footprint` reads (keep in step with it): the plan asks for one module under
+    # hundreds of offload configs (runners/plan.py's rungs, variants and resident-unit counts) that differ
+    # mostly in keys it does not read; families build their modules on meta once, so this memo hits.
+    read = ((offload.mode, offload.resident_blocks, offload.storage, offload.weight_dtype, offload.gpu_slots)
+            if streaming and offload is not None else None)
+    key = (dtype, keep_fp32, stream if streaming else None, read, stream_default, frozenset(fp8_stored), lora_rank)
+    memo = _FOOTPRINTS.setdefault(module, {})
+    if key not in memo:
+        memo[key] = _module_footprint(module, dtype, keep_fp32, stream, offload, stream_default, fp8_stored, lora_rank)
+    return memo[key]
+
+
+#: meta-built module -> `module_footprint`'s key -> the footprint (weak: a module's entries go with it).
+_FOOTPRINTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], ModuleFootprint]] = weakref.WeakKeyDictionary()
+
+
+def _module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[[str], bool],
+                      stream: StreamSpec | None, offload: OffloadConfig | None, stream_default: bool,
+                      fp8_stored: Collection[str], lora_rank: int) -> ModuleFootprint:
+    """`module_footprint`, computed."""
     sizes: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, p in module.named_parameters():

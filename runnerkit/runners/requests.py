@@ -134,6 +134,29 @@ class RequestChecksMixin:
             self._budget_read = True
         return self._budget
 
+    def host_budget(self) -> memory.MemoryLimit | None:
+        """The host memory the plan judges against: `memory.host_limit_gib`, else the host's available memory
+        (`memory.host_available_bytes`: MemAvailable, or the cgroup's limit less its usage if smaller) plus what
+        this process holds already. None: unknown (the plan then checks no host limit)."""
+        cfg = self.config
+        if cfg.memory.host_limit_gib is not None:
+            return memory.MemoryLimit(int(cfg.memory.host_limit_gib * fit.GIB), "config memory.host_limit_gib")
+        found = memory.host_available_bytes()
+        rss = int(memory.host_memory().rss_gib * fit.GIB)
+        return None if found is None else memory.MemoryLimit(
+            found[0] + rss, f"{found[0] / fit.GIB:.2f} GiB available ({found[1]}) + {rss / fit.GIB:.2f} GiB "
+                            "held by this process")
+
+    def estimate_sources(self) -> list[str]:
+        """Family hook: where the memory estimate before loading takes the architecture from, and what it
+        assumes beyond it (`runnerkit plan` prints these lines). Default: the checkpoint's own architecture
+        (the configured one for a synthetic checkpoint still to write)."""
+        cfg = self.config
+        if cfg.model_path is None:
+            return ["architecture: the config's `model` (its synthetic checkpoint)"]
+        over = ", the config's `model` over it" if cfg.model else ""
+        return [f"architecture: the checkpoint's own ({cfg.model_path}){over}"]
+
     def denoise_passes_per_step(self, offload: OffloadConfig | None = None) -> int:
         """Passes through the streamed transformer blocks per denoising step under `offload` (default:
         the config's), for the plan's copy volume: 1 without CFG; with CFG 1 where the family runs both
@@ -231,15 +254,7 @@ class RequestChecksMixin:
         if device_limit is None:
             raise ValueError(f"`offload.mode`='auto': the memory of device {device} cannot be read; set "
                              "`memory.limit_gib`")
-        if cfg.memory.host_limit_gib is not None:
-            host_limit: memory.MemoryLimit | None = memory.MemoryLimit(int(cfg.memory.host_limit_gib * fit.GIB),
-                                                                       "config memory.host_limit_gib")
-        else:
-            found = memory.host_available_bytes()
-            rss = int(memory.host_memory().rss_gib * fit.GIB)
-            host_limit = None if found is None else memory.MemoryLimit(
-                found[0] + rss, f"{found[0] / fit.GIB:.2f} GiB available ({found[1]}) + {rss / fit.GIB:.2f} GiB "
-                                "held by this process")
+        host_limit = self.host_budget()
         result = plan.plan_offload(cfg, shapes, device, self._estimate_with, device_limit, host_limit,
                                    self.denoise_passes_per_step, self._plan_supports,
                                    (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR), self.plan_steps_per_request(),

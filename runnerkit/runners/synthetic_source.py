@@ -52,6 +52,7 @@ class SyntheticCheckpointSource:
     config: Any
     dtype: Any
     arch_override: Any
+    plan_only: bool  # BaseRunner: built by `for_plan`
     #: The layout a synthetic checkpoint is written in when the runner writes one itself.
     SYNTHETIC_LAYOUT: str = "runnerkit"
 
@@ -79,6 +80,20 @@ class SyntheticCheckpointSource:
         if pending and not self.config.model_path:
             check_synthetic_cache()
         return pending
+
+    def checkpoint_absent(self) -> bool:
+        """True for a runner built to plan only (`BaseRunner.for_plan`) whose `model_path` does not exist (and
+        is not a synthetic checkpoint's, to write): its architecture before loading is then the one the config
+        gives or implies (`arch_from_config`). A run's load refuses the missing checkpoint as always."""
+        cfg = self.config
+        return (self.plan_only and cfg.synthetic_checkpoint is None and cfg.model_path is not None
+                and not Path(cfg.model_path).exists())
+
+    def arch_from_config(self, path: Path) -> bool:
+        """Whether the architecture before loading is the configured one (`arch_override`) rather than the
+        checkpoint's at `path`: a synthetic checkpoint still to write (`_synthetic_pending`), or a planning
+        runner's absent checkpoint (`checkpoint_absent`)."""
+        return self.checkpoint_absent() or self._synthetic_pending(path)
 
     def checkpoint_repair_hint(self) -> str | None:
         """For a synthetic checkpoint that is rewritten when absent (it holds `SYNTHETIC_MARKER` and

@@ -147,6 +147,32 @@ def test_module_footprint_counts_load_dtypes_on_meta() -> None:
     assert not footprint.streams
 
 
+def test_module_footprint_is_remembered_for_meta_modules_only() -> None:
+    """The plan asks for one module under many offload configs: a meta-built module's footprint is computed
+    once per the offload keys it depends on; a materialized module's every time (it may have changed)."""
+    from runnerkit.config import OffloadConfig
+    from runnerkit.models.wan.transformer import WanTransformer3D
+    from runnerkit.weights import build_on_meta
+    from test_cases.conftest import TINY_CONFIG
+
+    arch = WanT2VRunner.parse_arch(load_runner_config(TINY_CONFIG, {}).model).transformer.model_copy(
+        update={"num_layers": 4})  # more blocks than slots: disk staging holds fewer than all of them
+    meta = build_on_meta(lambda: WanTransformer3D(arch))
+    spec = WanTransformer3D.STREAM_SPEC
+
+    def of(**offload: Any) -> ModuleFootprint:
+        return fit.module_footprint(meta, torch.bfloat16, stream=spec, offload=OffloadConfig(mode="block", **offload))
+
+    first = of()
+    assert of(resident_modules=["vae"], pin_memory=False) is first  # keys the footprint does not read
+    assert of(resident_blocks=1).stream_resident_bytes > first.stream_resident_bytes  # one it reads
+    assert of(storage="disk").stream_host_bytes < first.stream_host_bytes
+    real = torch.nn.Linear(10, 20)
+    assert fit.module_footprint(real, torch.float32).weight_bytes == 220 * 4
+    real.register_buffer("table", torch.zeros(5))
+    assert fit.module_footprint(real, torch.float32).weight_bytes == 225 * 4
+
+
 @pytest.mark.parametrize("overrides, stage, weights", [
     ({}, "decode", 15 + 1),  # resident: the slots beside the weights
     ({"offload": {"mode": "model"}}, "denoise", 10 + 1),

@@ -61,7 +61,7 @@ def _fp32(component: str, name: str) -> bool:
     return component == "transformer" and keep_fp32(name)
 
 
-def _fp8_block_weight(name: str, shape: tuple[int, ...]) -> bool:
+def fp8_block_weight(name: str, shape: tuple[int, ...]) -> bool:
     """The tensors an fp8 release stores in fp8: 2-D linear weights inside the transformer blocks."""
     return name.startswith("transformer_blocks.") and name.endswith(".weight") and len(shape) == 2
 
@@ -133,7 +133,7 @@ def _write_single_file(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype,
             key = names[name]
             tensor = synthetic_tensor(name, shape, seed, torch.float32 if _fp32(component, name) else dtype,
                                       generator_device)
-            if component == "transformer" and fp8_blocks != "none" and _fp8_block_weight(name, tensor.shape):
+            if component == "transformer" and fp8_blocks != "none" and fp8_block_weight(name, tensor.shape):
                 if fp8_blocks == "scaled":
                     tensor, scale = quantize_fp8_e4m3(tensor.to(generator_device).float())
                     tensor, scale = tensor.cpu(), scale.cpu()

@@ -93,6 +93,7 @@ from runnerkit.config import OffloadConfig
 from runnerkit.models.ltx2.arch import LTX2Arch
 from runnerkit.models.ltx2.audio_vae import audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint, network_factory
+from runnerkit.models.ltx2.checkpoint_synthetic import fp8_block_weight
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
 from runnerkit.models.ltx2.estimate_decoders import (
     audio_decode_bytes,
@@ -115,7 +116,8 @@ from runnerkit.runners.fit import (
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import CheckpointError, build_on_meta, read_json_object
 
-__all__ = ["GEMMA_DEFAULTS", "SCHEDULER_LATENT_COPIES", "TEXT_TOKENS", "footprints", "fp8_stored_weights",
+__all__ = ["GEMMA_DEFAULTS", "SCHEDULER_LATENT_COPIES", "TEXT_TOKENS", "footprints", "fp8_release_weights",
+           "fp8_stored_weights",
            "gemma_fields",
            "gemma_footprint", "gemma_parameters", "ltx2_estimate", "stage_tokens", "transformer_step_bytes"]
 
@@ -198,6 +200,12 @@ def _meta(component: str, arch: LTX2Arch) -> nn.Module:
 def fp8_stored_weights(ckpt: LTX2Checkpoint) -> frozenset[str]:
     """The transformer parameters (our names) that `ckpt` stores as float8_e4m3fn, from its headers."""
     return ckpt.fp8_weights("transformer", list(_meta("transformer", ckpt.arch).state_dict(keep_vars=True)))
+
+
+def fp8_release_weights(arch: LTX2Arch) -> frozenset[str]:
+    """The transformer parameters (our names) an fp8 release stores as float8_e4m3fn: the blocks' 2-D linear
+    weights (`checkpoint_synthetic.fp8_block_weight`); for a checkpoint whose headers cannot be read."""
+    return frozenset(n for n, p in _meta("transformer", arch).named_parameters() if fp8_block_weight(n, tuple(p.shape)))
 
 
 @functools.lru_cache(maxsize=512)  # the memory planner judges hundreds of offload configs

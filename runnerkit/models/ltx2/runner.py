@@ -48,6 +48,7 @@ from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes, write_s
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
 from runnerkit.models.ltx2.estimate import fp8_stored_weights, gemma_fields, ltx2_estimate
 from runnerkit.models.ltx2.latents import JointLayout
+from runnerkit.models.ltx2.plan_sources import absent_sources, check_paths, configured_arch, fp8_by_name, release_gemma
 from runnerkit.models.ltx2.transformer import (
     LTX2Transformer,
     keep_fp32,
@@ -184,41 +185,22 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
                              f"{config.scheduler!r}, {config.scheduler_spacing!r}, {config.sample_shift})")
         if config.offload.vae_tiling:
             raise NotImplementedError("`offload.vae_tiling` is not available for ltx2 (the video VAE decodes whole)")
-        self.check_paths(config)
+        check_paths(config, files=not self.plan_only)
         if config.task == "i2av" and missing_media_module(".mp4") is not None:
             raise ValueError("task 'i2av' re-compresses the first frame with the `media` extra's ffmpeg "
                              f"({missing_media_module('.mp4')} is missing): pip install 'runnerkit[media]'")
         # The configured architecture; without `model`, the tiny one only for a synthetic checkpoint (a real
         # checkpoint's architecture is its own, read at load: None here, so nothing can take the tiny one for it)
         self.arch_override: LTX2Arch | None = None
-        if config.model is not None or config.synthetic_checkpoint is not None:
+        self.arch_source = ""  # planning without the checkpoint: where arch_override comes from (plan_sources.py)
+        if self.checkpoint_absent():
+            parsed = self.parse_arch(config.model) if config.model is not None else None
+            self.arch_override, self.arch_source = configured_arch(config, parsed)
+        elif config.model is not None or config.synthetic_checkpoint is not None:
             self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
         self.checkpoint: LTX2Checkpoint | None = None
         self.tokenizer: Any = None
         self.vae_stats: tuple[Tensor, Tensor, float] | None = None
-
-    @staticmethod
-    def check_paths(config: RunnerConfig) -> None:
-        """A single `.safetensors` file needs `text_encoder_path` (a folder) and `upsampler_path` (a file),
-        both present; a folder needs neither. Checked when the runner is built, before anything loads.
-
-        Raises:
-            ValueError: naming the missing, absent or superfluous field (the files' contents are checked at load).
-        """
-        single = config.model_path is not None and config.model_path.endswith(".safetensors")
-        wanted = {"text_encoder_path": ("folder", Path.is_dir, "the Gemma-3 folder (config.json, tokenizer, weights)"),
-                  "upsampler_path": ("file", Path.is_file, "the x2 latent upsampler .safetensors")}
-        for key, (kind, exists, what) in wanted.items():
-            value = getattr(config, key)
-            if single and value is None:
-                raise ValueError(f"`{key}` is required with a single-file `model_path` ({config.model_path}): the "
-                                 "release ships the Gemma-3 folder and the upsampler file separately")
-            if single and not exists(Path(value)):
-                raise ValueError(f"`{key}` {value!r} is not an existing {kind}: give {what} shipped beside the "
-                                 f"single-file `model_path` ({config.model_path})")
-            if not single and value is not None:
-                raise ValueError(f"`{key}` ({value!r}) is only read with a single-file `model_path` (.safetensors); "
-                                 "a checkpoint folder holds its own: remove it")
 
     @staticmethod
     def parse_arch(model: dict[str, Any] | None, partial: bool = False) -> LTX2Arch:
@@ -438,9 +420,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         if self.checkpoint is not None:
             return flavour_of(self.checkpoint.arch)
         path = self.checkpoint_path()
-        if self._synthetic_pending(path):
-            assert self.arch_override is not None, "a synthetic checkpoint has a configured architecture"
-            return flavour_of(self.arch_override)
+        if self.arch_from_config(path):
+            return flavour_of(self.arch_override) if self.arch_override is not None else None
         return flavour_of(self.open_checkpoint(path).arch)
 
     # ---- memory estimate (models/ltx2/estimate.py) -----------------------------------------
@@ -453,9 +434,11 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         """
         if self.checkpoint is not None:
             return self.checkpoint.arch
+        if self.checkpoint_absent() and self.arch_override is None:
+            raise EstimateUnavailable(self.arch_source)
         try:
             path = self.checkpoint_path()
-            if self._synthetic_pending(path):
+            if self.arch_from_config(path):
                 assert self.arch_override is not None, "a synthetic checkpoint has a configured architecture"
                 return self.arch_override
             return self.open_checkpoint(path).arch
@@ -475,9 +458,18 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         path = self.checkpoint_path()
         if self._synthetic_pending(path):
             return tiny_gemma_sizes(arch)
-        if cfg.text_encoder_path is not None:
-            return gemma_fields(Path(cfg.text_encoder_path))
-        return gemma_fields(path / "text_encoder")
+        folder = Path(cfg.text_encoder_path) if cfg.text_encoder_path is not None else path / "text_encoder"
+        if self.checkpoint_absent() and not (folder / "config.json").is_file():
+            return release_gemma(arch)  # planning without the files (plan_sources.py)
+        return gemma_fields(folder)
+
+    def estimate_sources(self) -> list[str]:
+        """Where the estimate before loading takes the architecture, Gemma-3's sizes and fp8 storage from."""
+        if self.checkpoint is not None or not self.checkpoint_absent() or self.arch_override is None:
+            return super().estimate_sources()
+        cfg, path = self.config, self.checkpoint_path()
+        folder = Path(cfg.text_encoder_path) if cfg.text_encoder_path is not None else path / "text_encoder"
+        return absent_sources(cfg, self.arch_source, folder, self.fp8_transformer_weights())
 
     def estimate_memory(self, shape: Shape) -> MemoryEstimate:
         """Text encoder, connectors, (VAE encoder,) both denoise stages, the upsampler, both decoders and
@@ -502,6 +494,8 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
         if ckpt is None:
             try:
                 path = self.checkpoint_path()
+                if self.checkpoint_absent():
+                    return fp8_by_name(path, self.architecture())
                 if self._synthetic_pending(path):
                     return frozenset()
                 ckpt = self.open_checkpoint(path)

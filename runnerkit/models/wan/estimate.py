@@ -58,6 +58,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -327,21 +330,30 @@ def vae_decode_bytes(arch: WanVAEArch, latent_fhw: tuple[int, int, int], device_
 
 
 # ---- the request ------------------------------------------------------------------------------
+_NETWORKS: dict[type, Callable[[Any], nn.Module]] = {
+    WanTransformerArch: WanTransformer3D, UMT5Arch: te.UMT5Encoder, WanVAEArch: WanVAE,
+    CLIPVisionArch: CLIPVisionEncoder}
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_network(arch: WanTransformerArch | UMT5Arch | WanVAEArch | CLIPVisionArch) -> nn.Module:
+    """The network of a component architecture built on the meta device, once per architecture (the plan
+    asks for every offload candidate's footprints: a 14B transformer takes ~1 s to build)."""
+    network = next(cls for kind, cls in _NETWORKS.items() if isinstance(arch, kind))
+    return build_on_meta(lambda: network(arch))
+
+
 @functools.lru_cache(maxsize=16)
 def footprints(arch: WanArch, dtype: torch.dtype, offload: OffloadConfig,
                transformers: tuple[str, ...] = ("transformer",), lora_rank: int = 0) -> dict[str, ModuleFootprint]:
     """Weight bytes of every module as the Wan runners load them (meta-built, nothing allocated):
     text encoder, CLIP image encoder (Wan2.1 i2v / flf2v), each transformer (MoE: one per expert,
     same architecture, each with its unfused LoRA slots of rank `lora_rank`) and the VAE."""
-    transformer = build_on_meta(lambda: WanTransformer3D(arch.transformer))
-    encoder = build_on_meta(lambda: te.UMT5Encoder(arch.text_encoder))
-    vae = build_on_meta(lambda: WanVAE(arch.vae))
+    transformer, encoder, vae = (_meta_network(a) for a in (arch.transformer, arch.text_encoder, arch.vae))
     out = {"text_encoder": module_footprint(encoder, dtype, te.keep_fp32, te.UMT5Encoder.STREAM_SPEC, offload,
                                             stream_default=False)}
     if arch.image_encoder is not None:
-        clip_arch = arch.image_encoder
-        out["image_encoder"] = module_footprint(build_on_meta(lambda: CLIPVisionEncoder(clip_arch)), dtype,
-                                                clip_keep_fp32)
+        out["image_encoder"] = module_footprint(_meta_network(arch.image_encoder), dtype, clip_keep_fp32)
     step = module_footprint(transformer, dtype, keep_fp32, WanTransformer3D.STREAM_SPEC, offload, lora_rank=lora_rank)
     out.update({name: step for name in transformers})
     out["vae"] = module_footprint(vae, torch.float32)

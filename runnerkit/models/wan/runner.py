@@ -118,9 +118,10 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         super().__init__(config)
         config = self.config  # with the family defaults
         self.check_guidance_settings(config)
-        # Without model_path the config's `model` is the whole architecture (of the synthetic
-        # checkpoint): check every rule now. Otherwise it overrides the checkpoint's, checked merged.
-        self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None)
+        # Without model_path (or planning without its checkpoint: `for_plan`) the config's `model` is the
+        # whole architecture: check every rule now. Otherwise it overrides the checkpoint's, checked merged.
+        self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None
+                                             and not self.checkpoint_absent())
         self.checkpoint: WanCheckpoint | None = None
         self.tokenizer: WanTokenizer | None = None
         self.check_task_fits()  # config files only: a checkpoint of another task is refused before loading
@@ -358,7 +359,7 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         load then says why)."""
         try:
             path = self.checkpoint_path()
-            if self._synthetic_pending(path):
+            if self.arch_from_config(path):
                 return self.arch_override.transformer.model_type
             return self.open_checkpoint(path, raw=True).arch.transformer.model_type
         except (ValueError, OSError):  # CheckpointError included
@@ -392,7 +393,7 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         if self.checkpoint is not None:
             return flavour_of(self.checkpoint.arch.transformer)
         path = self.checkpoint_path()
-        if self._synthetic_pending(path):
+        if self.arch_from_config(path):
             return flavour_of(self.arch_override.transformer)
         return flavour_of(self.open_checkpoint(path).arch.transformer)
 
@@ -412,7 +413,7 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
             return self.checkpoint.arch
         try:
             path = self.checkpoint_path()
-            if self._synthetic_pending(path):
+            if self.arch_from_config(path):
                 return self.arch_override
             ckpt = self.open_checkpoint(path)
         except (ValueError, OSError) as exc:  # CheckpointError included
@@ -420,6 +421,13 @@ class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
         if ckpt.layout == "original" and not self.config.model and synthetic_seed_of(ckpt.path) is not None:
             self.check_checkpoint_files(ckpt)  # headers and mapped .pth only: no weight is read
         return ckpt.arch
+
+    def estimate_sources(self) -> list[str]:
+        """Where the estimate before loading takes the architecture from (`runnerkit plan`)."""
+        if self.checkpoint is None and self.checkpoint_absent():
+            return [f"architecture: the config's `model` over the Wan release sizes (runnerkit/models/wan/arch.py "
+                    f"defaults): `model_path` {self.config.model_path} does not exist"]
+        return super().estimate_sources()
 
     def estimate_memory(self, shape: Shape) -> MemoryEstimate:
         """Text encoder, image stages (i2v / flf2v), one transformer step, VAE decode and save of
