@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -31,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_worker_flags, worker_command
-from bench.small_machine import SHAPE, write_checkpoint
+from bench.small_machine import SHAPE
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "ltx2" / "ltx23_t2av_22b_distilled.json"
@@ -106,7 +107,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True)
     p.add_argument("--write", action="store_true", help="write the synthetic fp8 22B checkpoint first (if absent)")
@@ -120,8 +120,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    if args.write:
-        write_checkpoint(Path(args.ckpt))
+    if args.write:  # in a process of its own: the arms must find the device as a fresh run does
+        code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
+                f"from bench.small_machine import write_checkpoint; write_checkpoint(Path({args.ckpt!r}))")
+        subprocess.run([sys.executable, "-c", code], check=True)
     for arm in args.arms:
         for k in range(args.repeat):
             name = f"{args.out}_{arm}" + (f"_p{k}" if args.repeat > 1 else "")
@@ -129,8 +131,6 @@ def main() -> None:
 
 
 def _run_arm(args: argparse.Namespace, arm: str, result: Path, log_path: Path) -> None:
-    import subprocess
-
     extra = ["--host_gib", str(args.host_gib)]
     with open(log_path, "w") as log:
         rc = subprocess.run(worker_command(Path(__file__), ["--ckpt", args.ckpt, "--requests", str(args.requests),
