@@ -5,8 +5,10 @@
 
 One process: validate config and every request -> build runner -> init_modules (load, lock,
 warmup once) -> run each request (a failed request is reported with its index, cleaned up, and the
-rest still run). With `offload.mode` auto (`--offload auto`) the offload config is planned for
-every request's shape before loading (runners/plan.py); every request's shape is then checked
+rest still run; each request's files are written on a writer thread while the next request
+computes, `--max_writes_in_flight`, runners/writes.py). With `offload.mode` auto (`--offload auto`)
+the offload config is planned for every request's shape before loading (runners/plan.py); every
+request's shape is then checked
 against the device's memory (runners/fit.py). Exit status 0 only if every request succeeded; 2 for
 invalid input (a request that cannot fit, or no offload plan that fits, included); 1 otherwise.
 Input errors (config, request, checkpoint, unsupported mode) are reported in one line; unexpected
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any
 
 from typing import TYPE_CHECKING
@@ -100,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action="store_true", help="run the one-time warmup before the first request")
     p.add_argument("--profile_json", help="write the profile report (warmup, per-request stages and steps) here")
     p.add_argument("--requests", help=".jsonl file, one request per line (excludes the single-request flags)")
+    p.add_argument("--max_writes_in_flight", type=int, default=1, metavar="N",
+                   help="requests whose files (mp4 encode, png, sidecar, tensors) a writer thread may still be "
+                        "writing while the next request computes (default 1; 0: written inside each request, "
+                        "as before); a request is reported done once its files are written")
     p.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
                    help="a bar per denoise stage with steps and ETA on stderr; auto (default): only when stderr is a "
                         "terminal; never on torchrun ranks other than 0 (runnerkit/progress.py)")
@@ -234,8 +241,12 @@ def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
     from runnerkit.config import ConfigError
     from runnerkit.registry import get_runner_cls
     from runnerkit.runners.base import error_phase
+    from runnerkit.runners.writes import close_writer, is_abandoned
 
     try:
+        if args.max_writes_in_flight < 0:
+            raise ConfigError(f"`--max_writes_in_flight` must be >= 0 (got {args.max_writes_in_flight}); 0 writes "
+                              "each request's files inside the request")
         config, requests = parse_inputs(args)
     except (ConfigError, ValueError, NotImplementedError) as exc:
         if under_torchrun():  # every rank read the same command line: rank 0 alone reports, every rank exits 2
@@ -260,12 +271,20 @@ def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
         logger.error("invalid input: {}: {}", config_source(args), exc)
         return 2
     runner.on_progress = bars
+    failed: list[int] = []
+
+    def request_done(prof: Any, error: BaseException | None) -> None:  # a write on the writer thread may fail
+        if error is not None and not is_abandoned(error):
+            failed.append(prof.index)
+            report_failure(f"request {prof.index} ({requests[prof.index].source}) failed", error)
+
+    runner.on_request_done = request_done
+    runner.overlap_writes(args.max_writes_in_flight)
     try:  # before loading: offload.mode auto is planned for every request's shape, then each is checked
         runner.check_requests_fit(requests)
     except (ValueError, NotImplementedError) as exc:  # MemoryFitError; auto without a family estimate
         logger.error("invalid input: {}", exc)
         return 2
-    failed: list[int] = []
     profile_failed = False
     try:
         try:
@@ -278,6 +297,7 @@ def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
         except ValueError as exc:  # runnerkit.lora.LoRAError, naming the file
             logger.error("invalid input: {}", exc)
             return 2
+        started = time.perf_counter()
         for index, request in enumerate(requests):
             try:
                 runner.run_pipeline(request, index)
@@ -286,12 +306,18 @@ def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
                 if bars is not None:  # the failure's lines below the bar's last state, not redrawn around it
                     bars.close()
                 report_failure(f"request {index} ({request.source}) failed", exc)
+        runner.finish_writes()  # the last requests' files (each request is reported once they are written)
+        runner.profiler.phases["requests_seconds"] = round(time.perf_counter() - started, 4)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: nothing more runs; partial files are already removed
         if bars is not None:
             bars.close()
+        if runner.writer is not None:  # computed requests' files complete (a second interrupt abandons them)
+            close_writer(runner.writer, interrupted=True)
         logger.error("{}", interrupted_line(exc, sum(r.saved for r in runner.profiler.requests), len(requests)))
         return exit_status(exc)
     finally:
+        if runner.writer is not None:  # also after an unexpected error: nothing is left half-written
+            close_writer(runner.writer)
         if args.profile_json and runner.profiler.phases:  # written once init succeeded, also after a failure
             try:
                 runner.profiler.write(args.profile_json)
@@ -301,8 +327,8 @@ def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
                 profile_failed = True
         if args.plot_steps and runner.profiler.phases:
             profile_failed = not write_plot(args, runner) or profile_failed
-    if failed:
-        logger.error("{} of {} requests failed: {}", len(failed), len(requests), failed)
+    if failed:  # sorted: a failed write is reported when it ends, after later requests may have failed
+        logger.error("{} of {} requests failed: {}", len(failed), len(requests), sorted(failed))
         return 1
     return 1 if profile_failed else 0
 

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import uuid
 import wave
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,7 +114,11 @@ def save_media(video: torch.Tensor, path: str | Path, fps: int, audio_wav: str |
         streams = [*video_in, "-i", str(audio_wav), "-map", "0:v:0", "-map", "1:a:0", *video_out,
                    "-acodec", "aac", "-ar", str(rate), "-ac", str(channels)]
     cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", *streams, str(path)]
-    proc = subprocess.run(cmd, input=frames.tobytes(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # A session of its own: a Ctrl-C at the terminal reaches this process alone, which decides: inline, the
+    # KeyboardInterrupt ends `run` (which kills the encoder); on the writer thread the result of a request
+    # whose compute ended is completed (runnerkit/writer.py) instead of dying with the terminal's signal.
+    proc = subprocess.run(cmd, input=frames.tobytes(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          start_new_session=True)
     if proc.returncode != 0:
         if proc.returncode < 0:
             reason = f"the encoder was killed by {signal.Signals(-proc.returncode).name}"
@@ -208,7 +212,8 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
 
 
 def save_outputs(outputs: dict[str, torch.Tensor], specs: Sequence["OutputSpec"], result_path: str | None,
-                 tensor_path: str | None, fps: int, sidecar: dict[str, Any]) -> list[str]:
+                 tensor_path: str | None, fps: int, sidecar: dict[str, Any],
+                 checkpoint: Callable[[], None] | None = None) -> list[str]:
     """Write one request's outputs, all-or-nothing; returns the final paths written.
 
     A primary "video" output written to an .mp4 beside an "audio" output (the first one of kind
@@ -227,12 +232,18 @@ def save_outputs(outputs: dict[str, torch.Tensor], specs: Sequence["OutputSpec"]
         tensor_path: .safetensors holding every output under its key.
         fps: frames per second of a video result.
         sidecar: the record written beside `result_path` (seed, prompt, resolved config, ...).
+        checkpoint: called before each file and before the files are renamed into place; what it
+            raises stops the write, which then leaves nothing (the result writer's abandonment,
+            runnerkit/writer.py). None: nothing is checked.
 
     Raises:
         MediaWriteError: a file could not be written (naming its field and final path); nothing
             of the request is left behind.
+        whatever `checkpoint` raises, after the temporary files are removed.
     """
+    check = checkpoint if checkpoint is not None else (lambda: None)
     with atomic_outputs() as out:
+        check()
         if tensor_path:
             with _naming_failures("save_tensor_path", tensor_path):
                 save_tensors(outputs, out.temp(tensor_path))
@@ -243,6 +254,7 @@ def save_outputs(outputs: dict[str, torch.Tensor], specs: Sequence["OutputSpec"]
             if primary.kind == "video" and Path(result_path).suffix.lower() == ".mp4":
                 audio = next((s for s in specs[1:] if s.kind == "audio"), None)
             record = sidecar
+            check()
             with _naming_failures("save_result_path", result_path):
                 tmp = out.temp(result_path)
                 if audio is not None:
@@ -259,8 +271,10 @@ def save_outputs(outputs: dict[str, torch.Tensor], specs: Sequence["OutputSpec"]
                 else:
                     assert primary.sample_rate is not None, f"audio output {primary.key!r} needs a sample_rate"
                     save_audio(tensor, tmp, primary.sample_rate)
+            check()
             with _naming_failures("sidecar .json of save_result_path", sidecar_path(result_path)):
                 write_sidecar(out.temp(sidecar_path(result_path)), record)
+        check()  # the last point where the files can still be dropped
     return [p for p in (tensor_path, result_path) if p]
 
 

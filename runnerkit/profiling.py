@@ -95,7 +95,8 @@ class RequestProfile:
     stages: dict[str, float]
     """Seconds per profiling stage of the family's pipeline (`Pipeline.profile_stages`), in order."""
     seconds: float = 0.0
-    """Wall seconds of the whole request, `end_run` included."""
+    """Wall seconds of the whole request, `end_run` included, and its files: when the writer thread wrote
+    them (`write.overlapped`), up to the moment they were written, beside later requests' compute."""
     steps: list[float] = field(default_factory=list)
     """Seconds of each denoising step, in order (CUDA events on the GPU, wall clock on the CPU)."""
     memory: dict[str, float | str] = field(default_factory=dict)
@@ -105,6 +106,14 @@ class RequestProfile:
     error: str | None = None
     saved: bool = False
     """True once the request's outputs were written (an interrupt after that leaves them finished)."""
+    write: dict[str, Any] = field(default_factory=dict)
+    """How its files were written: `overlapped` (on the writer thread while later requests computed),
+    `seconds` (writing them), `wait_seconds` (its `save` stage waiting for a free writer slot)."""
+    started: float = field(default=0.0, repr=False)
+    """`time.perf_counter()` when the request began (not reported)."""
+    pending_write: Any = field(default=None, repr=False)
+    """While its files are on the writer thread: the `runners.writes.PendingRequest` that reports the
+    request once both its compute and its files ended (not reported)."""
 
 
 class Profiler:
@@ -174,7 +183,7 @@ class Profiler:
             "warmup": self.warmup,
             "requests": [{"index": r.index, "shape": r.shape, "seconds": r.seconds, "stage_seconds": r.stages,
                           "step_seconds": r.steps, "memory": r.memory, "audit": r.audit, "ok": r.ok,
-                          "error": r.error, "saved": r.saved}
+                          "error": r.error, "saved": r.saved, "write": dict(r.write)}
                          for r in self.requests],
         }
 

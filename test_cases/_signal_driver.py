@@ -3,7 +3,8 @@
     python _signal_driver.py PHASE SIGNAL ARGV...     one case, in this process
     python _signal_driver.py --cases CASES.json       many cases, each in a child forked from this one
 
-PHASE: imports | load | warmup | denoise | decode | tensor_write | media_write | synthetic_write.
+PHASE: imports | load | warmup | denoise | decode | tensor_write | media_write | synthetic_write, and
+tensor_write_inline | media_write_inline (hooked as without the suffix).
 The signal is sent with `os.kill` to the process running the case, so Python handles it at its
 next bytecode, as it would a signal from outside arriving at that moment. Used by test_signals.py only.
 
@@ -95,9 +96,9 @@ def run_case(phase: str, sig: int, argv: list[str]) -> int:
         on_call(WanT2VRunner, "run_step", 4, phase, sig)  # 2 steps per request: request 1, step 2
     elif phase == "decode":
         on_call(WanT2VRunner, "run_vae_decoder", 2, phase, sig)
-    elif phase == "tensor_write":
+    elif phase in ("tensor_write", "tensor_write_inline"):  # _inline: the launch flags hold --max_writes_in_flight 0
         on_call(media, "save_file", 2, phase, sig, after=True)
-    elif phase == "media_write":
+    elif phase in ("media_write", "media_write_inline"):
         on_call(media, "save_media", 2, phase, sig, after=True)
     else:
         raise SystemExit(f"unknown phase {phase!r}")

@@ -260,7 +260,7 @@ def _key_paths(report: dict[str, Any]) -> set[str]:
         paths |= {f"warmup.{k}" for k in report["warmup"]}
     for entry in report["requests"]:
         paths |= {f"requests[].{k}" for k in entry}
-        paths |= {f"requests[].{part}.{k}" for part in ("memory", "audit") for k in entry[part]}
+        paths |= {f"requests[].{part}.{k}" for part in ("memory", "audit", "write") for k in entry[part]}
     return paths
 
 

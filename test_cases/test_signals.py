@@ -10,13 +10,18 @@ process that imported the launch script once (each child still a process of its 
 default signal dispositions until `main` installs its handlers: see the driver's docstring).
 
 Expected everywhere: exit 143 (SIGTERM) / 130 (Ctrl-C), one "interrupted" line and no traceback,
-request 0's files complete, nothing of the interrupted request, no `.partial-*` file or folder.
+request 0's files complete, nothing of the interrupted request, no `.partial-*` file or folder. The
+write phases run twice: `*_inline` with `--max_writes_in_flight 0` (the files written inside the
+request: the interrupted write leaves nothing of request 1), and with the default writer thread (the
+signal lands in the main thread while request 1's files are written beside it: they are completed,
+so both requests finish; a second interrupt, which abandons them, is test_writer.py's).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,14 +45,17 @@ def _argv(phase: str, config: Path, folder: Path) -> list[str]:
         return ["--config", str(REPO / "configs/wan/wan_t2v_tiny.json"), "--out", str(folder / "ckpt"), "--dtype", "fp32"]
     reqs = _requests(folder)
     argv = ["--config_json", str(config), "--requests", str(reqs), "--profile_json", str(folder / "profile.json")]
-    return argv + (["--warmup"] if phase == "warmup" else [])
+    return argv + (["--warmup"] if phase == "warmup" else []) + (["--max_writes_in_flight", "0"]
+                                                                  if phase.endswith("_inline") else [])
 
 
 # (phase, signal) cases; SIGINT and SIGTERM share one path (`Terminated` is a KeyboardInterrupt),
 # so Ctrl-C is checked at a few phases and SIGTERM at all of them.
 CASES = [(phase, "SIGTERM") for phase in ("imports", "load", "warmup", "denoise", "decode", "tensor_write",
-                                          "media_write", "synthetic_write")]
-CASES += [(phase, "SIGINT") for phase in ("imports", "denoise", "tensor_write", "synthetic_write")]
+                                          "media_write", "tensor_write_inline", "media_write_inline",
+                                          "synthetic_write")]
+CASES += [(phase, "SIGINT") for phase in ("imports", "denoise", "tensor_write", "tensor_write_inline",
+                                          "synthetic_write")]
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +104,10 @@ def _requests(folder: Path) -> Path:
     return path
 
 
-# phase -> requests finished before the signal (the driver fires in request 1 where a request runs)
-PHASES = {"imports": 0, "load": 0, "warmup": 0, "denoise": 1, "decode": 1, "tensor_write": 1, "media_write": 1}
+# phase -> requests finished when the run ends (the driver fires in request 1 where a request runs)
+PHASES = {"imports": 0, "load": 0, "warmup": 0, "denoise": 1, "decode": 1, "tensor_write_inline": 1,
+          "media_write_inline": 1, "tensor_write": 2, "media_write": 2}
+FILES = {n: [f"r{i}.{ext}" for i in range(n) for ext in ("json", "mp4", "safetensors")] for n in (0, 1, 2)}
 
 
 @pytest.mark.parametrize(("phase", "sig"), [c for c in CASES if c[0] != "synthetic_write"])
@@ -109,22 +119,26 @@ def test_signal_at_phase(runs: dict[tuple[str, str], tuple[Path, Any]], phase: s
     assert "Traceback" not in err and f"driver: fired {sig} at {phase}" in err, err
     if phase == "imports":
         assert "interrupted before any request ran" in err, err
+    elif finished == 2:  # the signal hit the main thread after request 1's hand-off: its cleanup or the final wait
+        assert re.search(rf"interrupted \({REPORTED[sig]} during request 1( \((end_run|write)\))?\); 2 of 2 requests "
+                         "finished", err), err
+        assert "interrupted: completing the files of request(s) [1]" in err or "saved " + str(folder / "r1") in err, err
     else:
         during = {"load": "load", "warmup": "warmup"}.get(phase, "request 1")  # the phase the signal hit
         assert f"interrupted ({REPORTED[sig]} during {during}); {finished} of 2 requests finished" in err, err
     written = sorted(p.name for p in folder.iterdir() if p.name not in ("reqs.jsonl", "profile.json"))
-    assert written == (["r0.json", "r0.mp4", "r0.safetensors"] if finished else []), err
+    assert written == FILES[finished], err
     assert not _partials(folder)
-    if finished:  # request 0's files are complete
-        assert load_file(folder / "r0.safetensors")["video"].shape == (3, 9, 48, 80)
-        assert json.loads((folder / "r0.json").read_text())["seed"] == 0
-        assert (folder / "r0.mp4").read_bytes()[4:8] == b"ftyp"
+    for i in range(finished):  # the finished requests' files are complete
+        assert load_file(folder / f"r{i}.safetensors")["video"].shape == (3, 9, 48, 80)
+        assert json.loads((folder / f"r{i}.json").read_text())["seed"] == i
+        assert (folder / f"r{i}.mp4").read_bytes()[4:8] == b"ftyp"
     profile = folder / "profile.json"
     if phase in ("imports", "load"):
         assert not profile.exists()  # nothing was loaded: no profile to report
     else:  # the profile reports what ran, also when interrupted
         report = json.loads(profile.read_text())
-        assert [r["saved"] for r in report["requests"]] == ([True, False] if finished else [])
+        assert [r["saved"] for r in report["requests"]] == {0: [], 1: [True, False], 2: [True, True]}[finished]
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])

@@ -6,6 +6,7 @@ reports, a failure anywhere ends the group (ARCHITECTURE §7).
     -> check_requests_split (every request's tokens divide by `parallel.ulysses`, before any runs)
     -> agree("init") (a request that does not split: rank 0 logs "invalid input", every rank exits 2)
     -> for each request: run_pipeline -> agree("request i")
+    -> rank 0: finish_writes -> agree("writes") (every rank exits 1 when a request's files failed)
     -> exit 0
 
 Each rank reads the same command line, so the requests are the same on every rank (no broadcast);
@@ -27,8 +28,17 @@ process records (`ParallelGroup.dead_ranks`, ranks on the same host): the surviv
 (its watcher, its broken collective, or the launcher's SIGTERM) records `died_line` for it, and
 rank 0 prints that fixed line and every survivor exits 1. When rank 0 itself died, the lowest rank
 still alive prints it (`ParallelGroup.reporter`; only under torchrun, whose agent hosts the store:
-a store hosted by rank 0 ends with it). A request counts as finished once every rank agreed on it;
-until then a failure or interrupt removes the files rank 0 wrote for it.
+a store hosted by rank 0 ends with it). A request counts as finished once every rank agreed on it
+(and rank 0 wrote its files); until the agreement a failure or interrupt removes the files rank 0
+wrote for it.
+
+Files: with `--max_writes_in_flight` N >= 1 (default 1) rank 0 writes a request's files on its writer
+thread while every rank computes the next request (runners/writes.py); the writer holds the group's
+output lock for each whole write, as the inline save does, so `end_rank` (which takes it) never sees
+half a file set: a write in flight ends first, then the running request's files are removed. A write
+that fails fails its request alone (rank 0 names it); the others run, and every rank exits 1 after
+the last (`agree("writes")`). An interrupt completes the files in flight before rank 0 reports (a
+second interrupt abandons them, leaving nothing of them).
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ from typing import Any
 
 from loguru import logger
 
-from runnerkit.cli_common import under_torchrun
+from runnerkit.cli_common import report_failure, under_torchrun
 from runnerkit.interrupts import exit_status, interrupted_line
 from runnerkit.parallel.group import SETUP_REFUSED_KEY, ParallelGroup, ParallelSetupError, agent_store, init_from_env
 
@@ -313,15 +323,29 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
     launch = Launch()
     stop = threading.Event()
     start_watcher(group, stop, launch)
+    unwritten: list[int] = []  # rank 0: requests whose files could not be written (or were abandoned)
+    built: list[Any] = []
 
     def phase(name: str, fn: Callable[[], Any]) -> Any:
         launch.phase = name
         return run_phase(group, name, fn)
 
+    def request_done(prof: Any, error: BaseException | None) -> None:  # rank 0: a write fails its request alone
+        from runnerkit.runners.writes import is_abandoned
+
+        if error is not None:
+            unwritten.append(prof.index)
+            if not is_abandoned(error):
+                report_failure(f"request {prof.index} ({requests[prof.index].source}) failed", error)
+
     status = 1
     try:
         runner = phase("load", lambda: build(config))
+        built.append(runner)
         runner.attach_parallel(group)
+        if group.rank == 0:  # the rank that writes: its files overlap the next request (all ranks compute it)
+            runner.on_request_done = request_done
+            runner.overlap_writes(getattr(args, "max_writes_in_flight", 0))
         refused = phase("plan", lambda: plan_refusal(runner, requests))
         if refused is not None:  # the same plan and estimates on every rank: rank 0 tells, every rank exits 2
             stop.set()
@@ -337,15 +361,24 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
                 logger.error("invalid input: {}", refused or "a request's tokens do not split on another rank")
             end_rank(group, launch, 2)
             return 2  # reached only where `exit_now` does not end the process (tests)
+        started = time.perf_counter()
         for index, request in enumerate(requests):
             launch.files = request_files(request) if group.rank == 0 else []
             phase(f"request {index}", lambda: runner.run_pipeline(request, index))
             phase(f"request {index}", lambda: group.agree(True, f"request {index}"))
             launch.files, launch.finished = [], launch.finished + 1  # every rank finished it: the files stay
+        if group.rank == 0:
+            phase("writes", runner.finish_writes)  # the last requests' files (the writer holds the output lock)
+            runner.profiler.phases["requests_seconds"] = round(time.perf_counter() - started, 4)
+        # one failed write fails its request alone; every rank then exits 1, as after a failed request
+        written = phase("writes", lambda: group.agree(not unwritten, "writes"))
         if group.rank == 0 and getattr(args, "profile_json", None):
             runner.profiler.write(args.profile_json)
             logger.info("profile written to {}", args.profile_json)
-        status = 0
+        if written:
+            status = 0
+        elif group.rank == 0:
+            logger.error("{} of {} requests failed: {}", len(unwritten), len(requests), sorted(unwritten))
     except RankFailed:
         ignore_interrupts()
         status = 1
@@ -359,10 +392,15 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
         else:
             status = exit_status(exc)
             if group.rank == 0:
-                logger.error("{}", interrupted_line(exc, launch.finished, len(requests)))
+                if built and built[0].writer is not None:  # computed requests' files complete (again: abandoned)
+                    from runnerkit.runners.writes import close_writer
+
+                    close_writer(built[0].writer, interrupted=True)
+                finished = launch.finished - len([i for i in set(unwritten) if i < launch.finished])
+                logger.error("{}", interrupted_line(exc, finished, len(requests)))
     finally:
         stop.set()
-    if status:
+    if status:  # (a write in flight ends first: `end_rank` waits for the output lock the writer holds)
         end_rank(group, launch, status)  # a clean shutdown would wait on the dead peers in destroy_process_group
     group.mark_ended()
     group.close()

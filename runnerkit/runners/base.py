@@ -20,9 +20,13 @@ refused when the class is created. Families fill in hooks (`load_modules`, `serv
   (`check_serving_thread`; docs/prompt_lengths.md).
 
 Observers (a server, a progress bar) set `on_phase` (called with "loading", "warming_up",
-"ready" as `init_modules` goes) and `on_progress` (called with a `Progress` at every request
+"ready" as `init_modules` goes), `on_progress` (called with a `Progress` at every request
 stage and after every denoising step; it may raise `RequestCancelled` to stop the request at
-that boundary, after which `end_run` cleans up as after any failure).
+that boundary, after which `end_run` cleans up as after any failure) and `on_request_done`
+(called with the request's profile once it is done, files included; `report_request_done`).
+
+Files: written in the `save` stage, or after `overlap_writes(N)` on the writer thread while the next
+request computes (runners/writes.py); the request is then reported once its files are written.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -46,6 +50,7 @@ from runnerkit.memory import snapshot
 from runnerkit.profiling import Profiler, RequestProfile, compile_seconds, dynamo_counts, inductor_cache_counts
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import CheckpointError
+from runnerkit.writer import ResultWriter
 
 __all__ = ["BaseRunner", "ConfigLockedError", "LifecycleError", "error_phase", "lifecycle_phase", "resolve_device"]
 
@@ -164,6 +169,9 @@ class BaseRunner(ABC):
         #: Observers (see the module docstring); None: nobody listens.
         self.on_phase: Callable[[str], None] | None = None
         self.on_progress: Callable[[Progress], None] | None = None
+        self.on_request_done: Callable[[RequestProfile, BaseException | None], None] | None = None
+        #: Writes requests' files while the next request computes (`overlap_writes`); None: inline.
+        self.writer: ResultWriter | None = None
         #: This rank's process group under `parallel` (`attach_parallel`); None: one process.
         self.parallel: Any = None
 
@@ -185,6 +193,30 @@ class BaseRunner(ABC):
         runner._planned_device = device
         runner.__init__(config)
         return runner
+
+    def overlap_writes(self, max_in_flight: int) -> None:
+        """Write each request's files on the writer thread while the next request computes, at most
+        `max_in_flight` results in flight (runnerkit/writer.py, runners/writes.py); 0: inline, inside
+        the request's `save` stage (the default). Call before the first request, and `finish_writes`
+        (or `writer.close()`) after the last: a request is done, `on_request_done`, once its files are.
+
+        Raises:
+            ValueError: `max_in_flight` is not an int >= 0.
+            RuntimeError: files of an earlier request are still being written.
+        """
+        from runnerkit.runners.writes import replace_writer
+
+        self.writer = replace_writer(self.writer, max_in_flight)
+
+    def finish_writes(self) -> None:
+        """Wait until the files of every request handed to the writer thread are written and each such
+        request was reported (`on_request_done`); a no-op when files are written inline. A
+        KeyboardInterrupt while waiting is tagged `request N (write)`, N the oldest request in flight."""
+        if self.writer is None:
+            return
+        pending = self.writer.in_flight()
+        with lifecycle_phase(f"request {pending[0]} (write)") if pending else nullcontext():
+            self.writer.drain()
 
     def attach_parallel(self, group: Any) -> None:
         """Run as one rank of `group` (runnerkit/parallel/group.py `ParallelGroup`): its device replaces
@@ -397,7 +429,8 @@ class BaseRunner(ABC):
         return {**device, **memory.host_memory().as_dict()}
 
     def run_pipeline(self, request: Any, index: int = 0) -> RequestProfile:
-        """Serve one request through `serve_request`, then `end_run` (always).
+        """Serve one request through `serve_request`, then `end_run` (always); report it done before
+        returning, or, while the writer thread still writes its files (`overlap_writes`), once it wrote them.
 
         Raises whatever the request raises, tagged with phase `request {index}` (a CUDA OOM gets a
         note separating live allocated memory from the allocator's reserved cache). If `end_run`
@@ -418,7 +451,7 @@ class BaseRunner(ABC):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         memory.reset_host_peak()
-        t0 = time.perf_counter()
+        t0 = prof.started = time.perf_counter()
         error: BaseException | None = None
         try:
             with lifecycle_phase(f"request {index}"), memory.oom_note(self.device, f"request {index}"):
@@ -450,9 +483,33 @@ class BaseRunner(ABC):
                                " (a shape warmup did not cover)" if self._warmup_ran else " (no warmup ran: --warmup)")
             if cleanup_error is not None and error is None:
                 prof.ok, prof.error = False, f"end_run: {type(cleanup_error).__name__}: {cleanup_error}"
+            if not prof.write:  # written inline (in the `save` stage), or nothing written
+                prof.write = {"overlapped": False, "seconds": round(prof.stages.get("save", 0.0), 4),
+                              "wait_seconds": 0.0}
+            if prof.pending_write is not None:  # its files are on the writer thread: the later of the two reports
+                prof.pending_write.computed(error is None and cleanup_error is None)
+            if cleanup_error is not None and error is None:
                 raise cleanup_error
-        logger.info("request {}: {:.2f} s, stages {}", index, prof.seconds, {k: round(v, 3) for k, v in prof.stages.items()})
+        if prof.pending_write is None:
+            self.report_request_done(prof, None)
         return prof
+
+    def report_request_done(self, prof: RequestProfile, error: BaseException | None) -> None:
+        """Request `prof.index` is done: its compute, and its files (`error` None: written, or none to
+        write; else why they were not). Logs its line and calls `on_request_done`. Runs at the end of
+        `run_pipeline`, or, when the writer thread still wrote its files then, on that thread once they
+        are written (`prof.seconds` then counts up to that moment: the files overlapped later requests)."""
+        if prof.pending_write is not None:
+            prof.seconds = time.perf_counter() - prof.started
+        if error is None:
+            logger.info("request {}: {:.2f} s, stages {}{}", prof.index, prof.seconds,
+                        {k: round(v, 3) for k, v in prof.stages.items()},
+                        f", its files written in {prof.write['seconds']:.2f} s on the writer thread"
+                        if prof.write.get("overlapped") else "")
+        if self.on_request_done is not None:
+            self.on_request_done(prof, error)
+        elif error is not None:
+            logger.error("request {}: its files could not be written: {}: {}", prof.index, type(error).__name__, error)
 
     def _end_run_reporting(self, index: int, error: BaseException | None) -> BaseException | None:
         """Run `end_run`; return its exception (tagged) instead of letting it replace `error`."""

@@ -9,7 +9,7 @@ runs it, for requests and for warmup alike (ARCHITECTURE §2, §3):
     #                                               -> (step_pre -> select_transformer -> run_step
     #                                                   -> step_post)*  per stage
     # 4. decoders (iterators consumed fully)        pipeline.decoders -> {output key: tensor}
-    # 5. save (all-or-nothing, through media.py)    save_outputs
+    # 5. save (all-or-nothing, through media.py)    save_outputs, or the writer thread (runners/writes.py)
     # end_run (always, from BaseRunner.run_pipeline)
 
 Module placement (offload mode none/model/block/phase, lazy_load, unload_modules) is decided here
@@ -23,7 +23,6 @@ memory fit check (runners/requests.py, `RequestChecksMixin`), and warmup with it
 from __future__ import annotations
 
 import functools
-import os
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -37,9 +36,8 @@ from torch import nn
 
 from runnerkit import attention, fp8_compute, memory, synthetic
 from runnerkit import compile as regional_compile
-from runnerkit.config import REQUEST_DEFAULT_FIELDS, RequestConfig, RunnerConfig
+from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.lora import LoRAError, LoRAManager
-from runnerkit.media import save_outputs as write_outputs
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.profiling import RequestProfile
@@ -47,6 +45,7 @@ from runnerkit.runners.base import BaseRunner, Progress
 from runnerkit.runners.fit import MemoryEstimate
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, OutputKind, Pipeline, Shape
 from runnerkit.runners.placement import Loader, Placement, held_across_stages
+from runnerkit.runners import writes
 from runnerkit.runners.requests import RequestChecksMixin
 from runnerkit.runners.warmup import WarmupMixin
 from runnerkit.schedulers import SCHEDULERS
@@ -614,8 +613,11 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             return  # parallel: rank 0 alone decodes and saves; this rank's part of the request is done
         # 4. decoders
         outputs = self.decode(latents, info)
-        # 5. save
+        # 5. save: here, or queued for the writer thread, which writes while the next request computes
         self.report_progress(info, "save")
+        if self.writer is not None and (info.save_result_path or info.save_tensor_path):
+            with self.profiler.stage("save"):  # a free writer slot, the sidecar and CPU copies (runners/writes.py)
+                return writes.hand_off(self, prof, functools.partial(writes.prepare_write, self, outputs, info))
         # under `parallel`, the lock keeps a failing group's cleanup (parallel/driver.py) from racing the renames
         with self.profiler.stage("save"), self.parallel.output_lock if self.parallel is not None else nullcontext():
             written = self.save_outputs(outputs, info)
@@ -769,24 +771,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         return outputs
 
     def save_outputs(self, outputs: dict[str, torch.Tensor], info: InputInfo) -> list[str]:
-        """Write the request's files through the media module, all-or-nothing (runnerkit/media.py);
-        returns the paths written."""
-        assert self.pipeline is not None, "load_modules first"
-        # The request's own values, and the runner config without the request defaults they replace
-        # (a sidecar that shows `seed: 42` beside the request's seed 7 would mislead).
-        sidecar = {"prompt": info.prompt, "negative_prompt": info.negative_prompt, "seed": info.seed,
-                   "height": info.height, "width": info.width, "frames": info.frames,
-                   **{k: os.path.abspath(v) for k, v in (("image_path", info.image_path),
-                                                         ("last_frame_path", info.last_frame_path)) if v},
-                   **({"extra_image_paths": [os.path.abspath(v) for v in info.extra_image_paths]}
-                      if info.extra_image_paths else {}),
-                   **({"lora": [{"path": os.path.abspath(p), "strength": st} for p, st in info.lora]}
-                      if info.lora else {}),
-                   **self.sidecar_extra(info),
-                   "config": self.config.model_dump(mode="json", exclude=set(REQUEST_DEFAULT_FIELDS))}
-        return write_outputs({k: v[0].float().cpu() for k, v in outputs.items()}, self.pipeline.outputs,
-                             result_path=info.save_result_path, tensor_path=info.save_tensor_path,
-                             fps=self.config.fps, sidecar=sidecar)
+        """Write the request's files now through the media module, all-or-nothing (runnerkit/media.py;
+        what is written: runners/writes.py `prepare_write`); returns the paths written."""
+        return writes.prepare_write(self, outputs, info)(lambda: None)
 
     def end_run(self) -> None:
         """Back to the start-up baseline, then a pressure-aware cache cleanup."""

@@ -10,6 +10,12 @@ next stage or denoising-step boundary (the worker's `on_progress` raises `Reques
 and `run_pipeline` runs `end_run` as after any failure, so the next job starts from the start-up
 baseline. If `end_run` itself fails, the runner's state is unknown: the worker stops and the
 server reports not ready (`JobQueue.dead`).
+
+Files: with `--max_writes_in_flight` N >= 1 (the default 1) a job's files (mp4 encode, sidecar,
+tensors) are written on the runner's writer thread while the next job computes (runnerkit/writer.py);
+the job stays `in_progress` (stage `save`, progress 99) until they are written, then turns
+`completed`, or `failed` if they could not be (the error names the file; nothing of the job is kept),
+in submission order. A cancel then finds no boundary left: the job completes, as during an inline save.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from loguru import logger
 from runnerkit.config import RequestConfig
 
 if TYPE_CHECKING:  # torch is imported by the worker, after the port opened (server.py)
+    from runnerkit.profiling import RequestProfile
     from runnerkit.runners.base import BaseRunner, Progress
 
 Status = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
@@ -240,9 +247,16 @@ class JobQueue:
                 self.running.cancel.set()
             self._lock.notify_all()
 
-    def finish(self, job: Job) -> None:
+    def computed(self, job: Job) -> None:
+        """`job`'s request stopped computing: it is not the running job any more (its files may still
+        be written on the writer thread; the next job may start)."""
         with self._lock:
-            self.running = None
+            if self.running is job:
+                self.running = None
+
+    def finish(self, job: Job) -> None:
+        """`job` ended (its final status is set): apply retention."""
+        self.computed(job)
         self._apply_retention()
 
     def _apply_retention(self) -> None:
@@ -287,6 +301,7 @@ class Worker(threading.Thread):
         self.setup = setup
         self.run_request = run_request
         self.index = 0
+        self._jobs: dict[int, Job] = {}  # request index -> its job, until the job ends
 
     def run(self) -> None:
         if self.setup is not None and not self.setup():
@@ -296,16 +311,22 @@ class Worker(threading.Thread):
                 try:
                     self.run_job(job)
                 finally:
-                    self.queue.finish(job)
-                    self.on_done(job)
+                    self.queue.computed(job)  # the next job may start; this one's files may still be written
                 if self.queue.dead:
                     return
         except BaseException as exc:  # noqa: BLE001  (the worker itself broke: nothing runs jobs any more)
             self.queue.dead = f"the job worker stopped: {type(exc).__name__}: {exc}"
             self.queue.close(cancel_running=False)
             logger.opt(exception=exc).error("{}", self.queue.dead)
+        finally:
+            writer = getattr(self.runner, "writer", None)
+            if writer is not None:  # jobs whose files are being written end (completed or failed) first
+                writer.close()
 
     def run_job(self, job: Job) -> None:
+        """Run `job`'s request. A failed or cancelled job ends here; one whose request succeeded ends in
+        `_request_done`: at once when its files were written inline, else once the writer thread wrote
+        them (the job stays `in_progress`, stage `save`, while the next job computes)."""
         from runnerkit.runners.base import RequestCancelled, error_phase
 
         def observe(p: Progress) -> None:
@@ -318,18 +339,16 @@ class Worker(threading.Thread):
             "save_result_path": str(job.result_path),
             "save_tensor_path": str(job.tensor_path) if self.save_tensors else None})
         self.runner.on_progress = observe
+        self.runner.on_request_done = self._request_done
         index, self.index = self.index, self.index + 1
+        self._jobs[index] = job
         logger.info("job {} started (request {})", job.id, index)
-        # The final status is assigned last: a client that sees it (the API reads jobs without a lock)
-        # also sees the job's end time, profile and error, and none of a failed or cancelled job's files.
-        status: Status | None = None  # stays None if a BaseException (Ctrl-C) ends the worker
+        status: Status | None = None  # stays None if a BaseException ends the worker
         error: str | None = None
+        computed = False
         try:
             (self.run_request or self.runner.run_pipeline)(request, index)
-            job.audio = result_audio(job.result_path)
-            job.step, job.steps = job.steps_done, job.steps_total  # the last report (the save) is a stage of no steps
-            status = "completed"
-            logger.info("job {} completed: {}", job.id, job.result_path)
+            computed = True  # it ended in `_request_done`, or will once its files are written
         except RequestCancelled:
             status = "cancelled"
             logger.info("job {} cancelled at stage {} (step {}/{})", job.id, job.stage, job.step, job.steps)
@@ -342,15 +361,50 @@ class Worker(threading.Thread):
         finally:
             self.runner.on_progress = None
             prof = self.runner.profiler.requests[-1] if self.runner.profiler.requests else None
-            if prof is not None and prof.index == index:
-                job.profile = {"seconds": prof.seconds, "stages": prof.stages, "steps": prof.steps,
-                               "memory": prof.memory, "audit": prof.audit, "shape": prof.shape}
             self.runner.profiler.requests.clear()  # the job keeps its profile; the process keeps none
+            prof = prof if prof is not None and prof.index == index else None
+            if not computed and self._jobs.pop(index, None) is not None:  # failed, cancelled, or the worker broke
+                self._finish(job, status, error, prof)
+        if index in self._jobs and getattr(self.runner, "writer", None) is None:  # inline, not reported: done now
+            self._request_done(prof, None, index)
+
+    def _request_done(self, prof: RequestProfile | None, error: BaseException | None, index: int | None = None) -> None:
+        """The runner's `on_request_done`: a job's request succeeded and its files were written (`error`
+        None), or their write failed. On the writer thread when it wrote them, else on this one."""
+        job = self._jobs.pop(prof.index if prof is not None else index, None)
+        if job is None:
+            return
+        status: Status = "completed"
+        message = None
+        if error is None:
+            try:
+                job.audio = result_audio(job.result_path)
+            except Exception as exc:  # noqa: BLE001  an unreadable sidecar: not the all-or-nothing set promised
+                error = exc
+        if error is None:
+            job.step, job.steps = job.steps_done, job.steps_total  # the last report (the save) is a stage of no steps
+            logger.info("job {} completed: {}", job.id, job.result_path)
+        else:
+            status, message = "failed", f"{type(error).__name__}: {error}"
+            logger.opt(exception=error).error("job {} failed: {}", job.id, message)
+        self._finish(job, status, message, prof)
+
+    def _finish(self, job: Job, status: Status | None, error: str | None, prof: RequestProfile | None) -> None:
+        """The job's last fields, then its status (last: a client that sees it, reading without a lock,
+        also sees the end time, profile and error, and none of a failed or cancelled job's files), then
+        retention and `on_done`."""
+        try:
+            if prof is not None:
+                job.profile = {"seconds": prof.seconds, "stages": prof.stages, "steps": prof.steps,
+                               "memory": prof.memory, "audit": prof.audit, "shape": prof.shape, "write": prof.write}
             if status != "completed":  # nothing of a failed or cancelled job is kept (nor counted as kept)
                 shutil.rmtree(job.folder, ignore_errors=True)
             job.completed_at, job.error = time.time(), error
             if status is not None:
                 job.status = status
+        finally:
+            self.queue.finish(job)
+            self.on_done(job)
 
 
 def result_audio(result_path: Path) -> dict[str, Any] | None:

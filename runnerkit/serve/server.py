@@ -12,7 +12,8 @@ else), the phase named in the log. Once ready, a worker thread runs the queued j
 
 Shutdown (SIGTERM or Ctrl-C): readiness turns 503 (`stopping`), new jobs are refused, queued
 jobs are cancelled, the running job finishes (`--on_shutdown finish`, the default) or stops at
-its next step or decoder chunk (`cancel`) while its status stays readable; job status is still
+its next step or decoder chunk (`cancel`) while its status stays readable, and jobs whose files the
+writer thread is writing complete either way (`--max_writes_in_flight`); job status is still
 answered for `--drain_grace` seconds (default 3) after the last job ended, so that a polling
 client sees the final status; then the port closes and the process exits 0. A signal during
 start-up, loading or warmup exits 0 at once; a second signal exits at once with 128 + the signal
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="finished jobs whose files are kept; older ones are deleted (default 100; 0: none)")
     p.add_argument("--keep_gib", type=float, default=None, help="also keep at most this many GiB of job files")
     p.add_argument("--save_tensors", action="store_true", help="also write each job's result.safetensors")
+    p.add_argument("--max_writes_in_flight", type=int, default=1, metavar="N",
+                   help="jobs whose files a writer thread may still be writing while the next job computes "
+                        "(default 1; 0: written inside each job); a job is completed once its files are written")
     p.add_argument("--on_shutdown", choices=("finish", "cancel"), default="finish",
                    help="what SIGTERM does to the running job (default finish)")
     p.add_argument("--drain_grace", type=float, default=DRAIN_GRACE_S,
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, level=args.log_level, format=LOG_FORMAT)
     for name, value, low in (("--max_queue", args.max_queue, 1), ("--keep_jobs", args.keep_jobs, 0),
-                             ("--port", args.port, 0)):
+                             ("--port", args.port, 0), ("--max_writes_in_flight", args.max_writes_in_flight, 0)):
         if value < low or (name == "--port" and value > 65535):
             logger.error("invalid input: {} must be {} (got {})", name,
                          "in [0, 65535]" if name == "--port" else f">= {low}", value)
@@ -247,6 +251,7 @@ def serve(args: argparse.Namespace) -> int:
         state.metrics = Metrics(runner.device)
         state.runner = runner
         runner.on_phase = set_phase
+        runner.overlap_writes(args.max_writes_in_flight)
 
         def setup() -> bool:
             """On the worker thread, before any job: load and warm up there (per-thread CUDA state), then ready."""
@@ -295,6 +300,7 @@ def serve(args: argparse.Namespace) -> int:
         except RankFailed:
             return  # group_failed stops the server
         queue.running_cancel_refused = CANCEL_REFUSED
+        runner.overlap_writes(args.max_writes_in_flight)  # rank 0 writes, holding the group's output lock
         state.metrics = Metrics(runner.device)
         state.runner = runner
         runner.on_phase = lambda p: set_phase("waiting_for_ranks" if p == "ready" else p)  # ready once all agree
@@ -391,7 +397,8 @@ def serve(args: argparse.Namespace) -> int:
     if status["exit"] and worker.get("leader") is not None:  # the job thread may wait in a collective on a dead rank
         from runnerkit.parallel.driver import exit_now
 
-        exit_now(status["exit"])
+        with worker["leader"].group.output_lock:  # a job's files being written end first (the writer holds it)
+            exit_now(status["exit"])
     if status["exit"]:
         return status["exit"]
     if not server.started:

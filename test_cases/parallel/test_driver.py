@@ -21,7 +21,7 @@ from runnerkit.interrupts import Terminated
 from runnerkit.parallel import driver
 
 PEER_LINE = "rank 1 failed during request 0: RuntimeError: injected"
-NO_FILES = SimpleNamespace(save_tensor_path=None, save_result_path=None)  # a request that writes nothing
+NO_FILES = SimpleNamespace(save_tensor_path=None, save_result_path=None, source="command line")  # writes nothing
 
 
 class Group:
@@ -65,7 +65,14 @@ class Runner:
 
     def __init__(self, calls: list[str], fail_in: str | None = None, exc: BaseException | None = None) -> None:
         self.calls, self.fail_in, self.exc = calls, fail_in, exc
-        self.profiler = SimpleNamespace(requests=[])
+        self.profiler = SimpleNamespace(requests=[], phases={})
+        self.writer, self.on_request_done, self.max_writes_in_flight = None, None, None
+
+    def overlap_writes(self, max_in_flight: int) -> None:
+        self.max_writes_in_flight = max_in_flight
+
+    def finish_writes(self) -> None:
+        self._call("finish_writes")
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -123,7 +130,30 @@ def test_every_request_split_is_checked_after_init_before_any_runs(launch: Any) 
     assert launch(group, runner, 2) == (0, [], False)
     assert group.calls == ["attach_parallel", "check_requests_fit", "init_modules", "check_requests_split",
                            "agree init", "run_pipeline 0", "agree request 0", "run_pipeline 1",
-                           "agree request 1", "ended", "close"]
+                           "agree request 1", "finish_writes", "agree writes", "ended", "close"]
+
+
+def test_a_failed_write_on_rank_0_fails_its_request_alone_and_every_rank_exits_1(launch: Any) -> None:
+    """Rank 0's writer thread reports request 0's files as failed (while request 1 runs): request 1 still
+    runs on every rank, rank 0 names the failed request, and the last agreement makes every rank exit 1."""
+    from runnerkit.media import MediaWriteError
+
+    group = Group({})
+
+    class WritingRunner(Runner):
+        def run_pipeline(self, request: Any, index: int) -> None:
+            super().run_pipeline(request, index)
+            if index == 1:  # request 0's write ends while request 1 computes
+                self.on_request_done(SimpleNamespace(index=0), MediaWriteError("could not write `save_result_path`"))
+
+    runner = WritingRunner(group.calls)
+    status, errors, _ = launch(group, runner, 2)
+    assert runner.max_writes_in_flight == 0  # (these args give no --max_writes_in_flight: inline)
+    assert (status, errors) == (1, ["request 0 (command line) failed: MediaWriteError: could not write "
+                                    "`save_result_path`", "1 of 2 requests failed: [0]"])
+    assert group.calls == ["attach_parallel", "check_requests_fit", "init_modules", "check_requests_split",
+                           "agree init", "run_pipeline 0", "agree request 0", "run_pipeline 1", "agree request 1",
+                           "finish_writes", "agree writes: refused", "ended", "ended", "close"]
 
 
 def test_a_refused_split_is_invalid_input_before_any_request(launch: Any) -> None:

@@ -167,7 +167,9 @@ def test_cfg_parallel_under_torchrun_is_bit_identical(ckpt: Path, tmp_path: Path
     # step 0 of each warmup shape: one gather of the prediction (32x64: W' = 8)
     assert warm == [gather, ["all_gather", "cfg", [1, 16, 2, 4, 8]]]
     requests = [c[1:] for c in logs[0] if c[0] == "requests"]
-    assert requests == [["agree:init", "world", [1]]] + [gather] * STEPS + [["agree:request 0", "world", [1]]]
+    # after the last request, one agreement that rank 0's files were all written (a failed one exits 1 everywhere)
+    assert requests == [["agree:init", "world", [1]]] + [gather] * STEPS + [["agree:request 0", "world", [1]],
+                                                                            ["agree:writes", "world", [1]]]
 
 
 def test_a_wrong_world_size_is_reported_once_by_rank_0(ckpt: Path, tmp_path: Path) -> None:

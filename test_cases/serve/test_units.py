@@ -139,7 +139,7 @@ def test_a_final_status_is_set_after_the_end_time_profile_and_file_cleanup(tmp_p
         def run_pipeline(self, request: RequestConfig, index: int) -> None:
             Path(request.save_result_path).write_bytes(b"mp4")
             self.profiler.requests.append(SimpleNamespace(index=index, seconds=1.0, stages={}, steps=[], memory={},
-                                                          audit={}, shape=None))
+                                                          audit={}, shape=None, write={}))
             if outcome == "cancelled":
                 raise RequestCancelled("cancelled")
             if outcome == "failed":
