@@ -5,6 +5,11 @@ without running any `finally`, leaving temporary files behind. `install_sigterm_
 SIGTERM raise `Terminated`, a `KeyboardInterrupt`, so every `finally`/cleanup that handles
 Ctrl-C also handles it; the launch script then exits 143 (128 + SIGTERM) instead of 130.
 
+Only the main thread gets the `KeyboardInterrupt`. The result writer's thread (runnerkit/writer.py)
+is never interrupted: the launch script completes the files of requests already computed after the
+first signal and abandons them after a second (runners/writes.py `close_writer`), so a write in
+flight ends complete or with its temporary files removed, never half-written.
+
 Fatal signals (SIGBUS, SIGSEGV, ...) cannot be recovered from in Python; `enable_fault_tracebacks`
 makes the launch script print every thread's Python traceback before the process dies of one, so
 such a death is not silent: e.g. the mmap disk reader's residual race, a checkpoint file cut

@@ -88,6 +88,7 @@ class ResultWriter:
         self._cond = threading.Condition()
         self._queue: deque[_Task] = deque()
         self._reserved = 0  # slots taken by a `submit` whose `prepare` runs
+        self._waiting = 0  # `submit`s waiting for a free slot
         self._active: _Task | None = None
         self._abandoned = False
         self._closed = False
@@ -97,6 +98,11 @@ class ResultWriter:
         """The indices of the writes in flight, oldest first (the one being written, then the queued)."""
         with self._cond:
             return ([self._active.index] if self._active is not None else []) + [t.index for t in self._queue]
+
+    def waiting(self) -> int:
+        """How many `submit`s wait for a free slot now (every slot is in flight)."""
+        with self._cond:  # (a submit counted here is inside `wait`: it checks and leaves under this lock)
+            return self._waiting
 
     def _count(self) -> int:
         return len(self._queue) + self._reserved + (self._active is not None)
@@ -114,8 +120,12 @@ class ResultWriter:
         """
         t0 = time.perf_counter()
         with self._cond:
-            while not (self._closed or self._abandoned) and self._count() >= self.max_in_flight:
-                self._cond.wait()
+            self._waiting += 1
+            try:
+                while not (self._closed or self._abandoned) and self._count() >= self.max_in_flight:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
             if self._closed or self._abandoned:
                 raise RuntimeError(f"the result writer is {'closed' if self._closed else 'abandoned'}: request "
                                    f"{index}'s files cannot be queued")

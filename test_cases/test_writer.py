@@ -137,7 +137,7 @@ def inline_outputs(toy_config: Path, tmp_path_factory: pytest.TempPathFactory) -
     return _outputs(folder)
 
 
-@pytest.mark.parametrize("max_in_flight", [1, 2])
+@pytest.mark.parametrize("max_in_flight", [1, 2, 3])
 def test_files_are_written_while_later_requests_compute_in_order_and_bounded(
         toy_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
         inline_outputs: list[Any], max_in_flight: int) -> None:
@@ -328,11 +328,51 @@ def test_the_writer_refuses_a_bad_bound_and_frees_the_slot_of_a_failed_prepare()
     with pytest.raises(MemoryError):
         writer.submit(0, broken, lambda o: None)
     outcomes: list[WriteOutcome] = []
-    writer.submit(1, lambda: (lambda checkpoint: ["x"]), outcomes.append)  # the slot is free again: no wait forever
+    later = threading.Thread(target=writer.submit, args=(1, lambda: (lambda checkpoint: ["x"]), outcomes.append),
+                             daemon=True)  # (a daemon: one that waits for ever must not hold the test process)
+    later.start()
+    later.join(WAIT_S)
+    assert not later.is_alive(), "the failed prepare kept its slot: the next submit waits for ever"
     writer.close()
     assert [(o.index, o.paths, o.error) for o in outcomes] == [(1, ["x"], None)]
     with pytest.raises(RuntimeError, match="the result writer is closed: request 2's files cannot be queued"):
         writer.submit(2, lambda: (lambda checkpoint: []), lambda o: None)
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+def test_a_result_that_finds_every_slot_taken_waits_before_its_copies_are_taken(max_in_flight: int) -> None:
+    """`max_in_flight` writes held in flight: the next submit waits, without calling its `prepare` (no
+    copy of its outputs is taken), until the oldest write ends; then it takes that slot."""
+    import time
+
+    writer = ResultWriter(max_in_flight)
+    late = max_in_flight
+    release = [threading.Event() for _ in range(late + 1)]
+    events: list[str] = []
+
+    def task(k: int) -> Callable[[], Any]:
+        def write(checkpoint: Callable[[], None]) -> list[str]:
+            assert release[k].wait(WAIT_S)
+            events.append(f"write {k} end")
+            return []
+
+        return lambda: (events.append(f"prepare {k}"), write)[1]
+
+    for k in range(late):
+        writer.submit(k, task(k), lambda o: None)
+    waiter = threading.Thread(target=writer.submit, args=(late, task(late), lambda o: None), daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + WAIT_S  # until it waits for a slot, or (wrongly) took one
+    while not writer.waiting() and f"prepare {late}" not in events and time.monotonic() < deadline:
+        threading.Event().wait(0.001)
+    assert events == [f"prepare {k}" for k in range(late)] and writer.waiting() == 1
+    release[0].set()
+    waiter.join(WAIT_S)
+    assert events == [*(f"prepare {k}" for k in range(late)), "write 0 end", f"prepare {late}"]
+    for event in release:
+        event.set()
+    writer.close()
+    assert events[-late:] == [f"write {k} end" for k in range(1, late + 1)]
 
 
 def test_the_python_api_writes_inline_unless_asked(tmp_path: Path) -> None:
@@ -379,6 +419,35 @@ def test_a_request_is_reported_only_once_its_compute_bookkeeping_ended_too(tmp_p
     runner.run_pipeline(RequestConfig(prompt="a", save_tensor_path=str(tmp_path / "a.safetensors")), 0)
     runner.writer.close()
     assert seen == [(True, True, True, 4 + 3)]
+
+
+def test_under_parallel_the_writer_holds_the_groups_output_lock_for_the_whole_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's writer thread writes holding `group.output_lock`, as the inline save does, so a failing
+    group's cleanup (parallel/driver.py `end_rank`, which takes it) never sees half a file set."""
+    from types import SimpleNamespace
+
+    config = load_runner_config(None, config_dict(tmp_path))
+    runner = get_runner_cls(config.model_cls)(config)
+    runner.init_modules()
+    lock = threading.Lock()
+    runner.parallel = SimpleNamespace(rank=0, cfg=1, ulysses=1, output_lock=lock)  # rank 0 of a group, as attached
+    runner.overlap_writes(1)
+    held: list[tuple[str, bool]] = []
+    real_save_tensors = media.save_tensors
+
+    def save_tensors(tensors: dict[str, torch.Tensor], path: Any) -> None:
+        held.append((threading.current_thread().name, lock.locked()))
+        real_save_tensors(tensors, path)
+
+    monkeypatch.setattr(media, "save_tensors", save_tensors)
+    monkeypatch.setattr(media, "write_sidecar", lambda path, record: held.append(
+        (threading.current_thread().name, lock.locked())) or Path(path).write_text("{}"))
+    runner.run_pipeline(RequestConfig(prompt="a", save_tensor_path=str(tmp_path / "a.safetensors"),
+                                      save_result_path=str(tmp_path / "a.png")), 0)
+    runner.finish_writes()
+    runner.writer.close()
+    assert held == [("runnerkit-writer", True)] * 2 and not lock.locked()
 
 
 # ---- the server ---------------------------------------------------------------------------------------
