@@ -37,6 +37,11 @@ from loguru import logger
 
 __all__ = ["ResultWriter", "WriteAbandoned", "WriteFn", "WriteOutcome"]
 
+#: How often a caller waiting in `submit` or `drain` wakes up. A Ctrl-C that the kernel hands to another
+#: thread (the writer, the one that signalled) does not interrupt the main thread's lock wait; its handler
+#: runs when the main thread next runs Python code, so the wait must not block longer than this.
+SIGNAL_CHECK_S = 0.1
+
 #: The write itself: called on the writer thread with `checkpoint`; returns the final paths written.
 WriteFn = Callable[[Callable[[], None]], list[str]]
 
@@ -123,7 +128,7 @@ class ResultWriter:
             self._waiting += 1
             try:
                 while not (self._closed or self._abandoned) and self._count() >= self.max_in_flight:
-                    self._cond.wait()
+                    self._cond.wait(SIGNAL_CHECK_S)
             finally:
                 self._waiting -= 1
             if self._closed or self._abandoned:
@@ -152,7 +157,7 @@ class ResultWriter:
         KeyboardInterrupt (main thread) interrupts the wait, not the writes."""
         with self._cond:
             while self._count():
-                self._cond.wait()
+                self._cond.wait(SIGNAL_CHECK_S)
 
     def abandon(self) -> list[int]:
         """Stop writing: the queued writes are dropped (their `done` gets `WriteAbandoned`, here), the

@@ -245,15 +245,17 @@ def test_the_writer_owns_copies_of_the_outputs(toy_config: Path, tmp_path: Path,
 # ---- interrupts -------------------------------------------------------------------------------------
 @pytest.fixture
 def interrupt() -> Iterator[Callable[[], None]]:
-    """`interrupt()` from any thread: a KeyboardInterrupt in the main thread, as Ctrl-C gives (SIGUSR1
-    with a handler of this test's, so nothing else of the process is signalled)."""
+    """`interrupt()` on the writer thread: a KeyboardInterrupt in the main thread, as Ctrl-C gives (SIGUSR1
+    with a handler of this test's, so nothing else of the process is signalled). The signal is delivered
+    to the calling thread, as the kernel may deliver a Ctrl-C to any thread: the main thread, blocked
+    waiting for the writer, must still see it at once (runnerkit/writer.py `SIGNAL_CHECK_S`)."""
 
     def raise_interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     before = signal.signal(signal.SIGUSR1, raise_interrupt)
     try:
-        yield lambda: os.kill(os.getpid(), signal.SIGUSR1)
+        yield lambda: signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
     finally:
         signal.signal(signal.SIGUSR1, before)
 
