@@ -8,11 +8,10 @@ warmup once) -> run each request (a failed request is reported with its index, c
 rest still run; each request's files are written on a writer thread while the next request
 computes, `--max_writes_in_flight`, runners/writes.py). With `offload.mode` auto (`--offload auto`)
 the offload config is planned for every request's shape before loading (runners/plan.py); every
-request's shape is then checked
-against the device's memory (runners/fit.py). Exit status 0 only if every request succeeded; 2 for
-invalid input (a request that cannot fit, or no offload plan that fits, included); 1 otherwise.
-Input errors (config, request, checkpoint, unsupported mode) are reported in one line; unexpected
-errors also print their traceback.
+request's shape is then checked against the device's memory (runners/fit.py). Exit status 0 only if
+every request succeeded; 2 for invalid input (a request that cannot fit, or no offload plan that
+fits, included); 1 otherwise. Input errors (config, request, checkpoint, unsupported mode) are
+reported in one line; unexpected errors also print their traceback.
 
 With a `parallel` config the script runs as one rank under `torchrun` (runnerkit/parallel/driver.py,
 docs/multi_gpu.md): every rank loads, warms up and serves each request; rank 0 saves and reports;
