@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="runnerkit", description="Run a runnerkit generation pipeline (load, optional warmup, requests).",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,  # `--infer_step 3` is a typo
-        epilog="`runnerkit serve --help`: the HTTP server (jobs, progress, cancellation) over the same configs.\n\n"
+        epilog="`runnerkit serve --help`: the HTTP server (jobs, progress, cancellation) over the same configs.\n"
+        "`runnerkit plan --help`: the memory plan a config would get on this machine, before downloading.\n\n"
                "example:\n  runnerkit --config_json configs/<family>/<config>.json --prompt 'a corgi surfing' "
                "--save_result_path outputs/corgi.mp4 --warmup\n\n"
                "exit status: 0 all requests succeeded; 1 a request failed (the others still ran) or an "
