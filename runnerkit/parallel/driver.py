@@ -3,7 +3,8 @@ reports, a failure anywhere ends the group (ARCHITECTURE §7).
 
     init_from_env -> build runner -> attach_parallel -> check_requests_fit -> init_modules
     (load, warmup: the same collectives in the same order on every rank)
-    -> check_requests_split (every request's tokens divide by `parallel.ulysses`, before any runs)
+    -> admission's split rule (check_requests_split: every request's tokens divide by `parallel.ulysses`,
+       before any runs; runnerkit/admission.py)
     -> agree("init") (a request that does not split: rank 0 logs "invalid input", every rank exits 2)
     -> for each request: run_pipeline -> agree("request i")
     -> rank 0: finish_writes -> agree("writes") (every rank exits 1 when a request's files failed)
@@ -300,10 +301,12 @@ def plan_refusal(runner: Any, requests: Sequence[Any]) -> Exception | None:
 def split_refusal(runner: Any, requests: Sequence[Any]) -> Exception | None:
     """The input error of the first request whose tokens `parallel.ulysses` cannot split, or None.
     The same on every rank (the same requests), so it is each rank's to know, and rank 0's to tell."""
+    from runnerkit.admission import Refused, admit
+
     try:
-        runner.check_requests_split(requests)
-    except (ValueError, NotImplementedError) as exc:
-        return exc
+        admit(runner, None, requests, source="parallel")  # the launch script admitted the rest before loading
+    except Refused as exc:
+        return exc.cause
     return None
 
 
