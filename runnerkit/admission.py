@@ -171,7 +171,7 @@ def admit(target: Any, config: Any, requests: Sequence[RequestConfig], *, source
             written or is written twice (the launch script's, which also knows its own output flags).
 
     Returns:
-        The requests as `AdmittedRequest`s, in order.
+        The requests as `AdmittedRequest`s, in order (`parallel`: the launch's, already admitted, as given).
 
     Raises:
         Refused: naming the rule, and each refused request's index with its error.
@@ -179,7 +179,9 @@ def admit(target: Any, config: Any, requests: Sequence[RequestConfig], *, source
     """
     if source not in RULES:
         raise ValueError(f"`source` {source!r} is not an entry point; one of {sorted(RULES)}")
-    marked = [admitted(request) for request in requests]  # a later rule's `resolve_request` checks nothing twice
+    # marked first, so that a later rule's `resolve_request` checks nothing twice; `parallel` gets the requests the
+    # launch admitted before loading, and returns them as they are
+    marked = list(requests) if source == "parallel" else [admitted(request) for request in requests]
     for rule, check in RULES[source]:
         problems = check(target, config, marked, claim)
         if problems:

@@ -195,8 +195,7 @@ def write_plot(args: argparse.Namespace, runner: BaseRunner) -> bool:
 def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
     from runnerkit.config import ConfigError
     from runnerkit.registry import get_runner_cls
-    from runnerkit.runners.base import error_phase
-    from runnerkit.runners.writes import close_writer, is_abandoned
+    from runnerkit.runners.writes import is_abandoned
 
     try:
         if args.max_writes_in_flight < 0:
@@ -240,6 +239,16 @@ def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
     except (ValueError, NotImplementedError) as exc:  # MemoryFitError; auto without a family estimate
         logger.error("invalid input: {}", exc)
         return 2
+    return serve_requests(args, runner, requests, bars, failed)
+
+
+def serve_requests(args: argparse.Namespace, runner: BaseRunner, requests: list[RequestConfig],
+                   bars: StageBars | None, failed: list[int]) -> int:
+    """init_modules (load, warmup), the adapters' check, every request in order, then the profile and plot;
+    the exit status (`failed`: the indices of failed requests, which the writer thread's reports join)."""
+    from runnerkit.runners.base import error_phase
+    from runnerkit.runners.writes import close_writer
+
     profile_failed = False
     try:
         try:

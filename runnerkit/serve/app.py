@@ -98,6 +98,18 @@ def create_app(state: ServerState) -> FastAPI:
     # No /docs: its page loads Swagger UI from a CDN (useless offline); docs/server.md documents the API.
     app = FastAPI(title="runnerkit", docs_url=None, redoc_url=None, openapi_url=None)
     kinds = {"video": "videos", "image": "images"}
+    _add_error_handlers(app)
+    _add_status_routes(app, state)
+    submit, job_or_404 = _add_submissions(app, state, kinds)
+    for kind, plural in kinds.items():
+        add_job_routes(app, state, kind, plural, submit, job_or_404)
+    _add_metrics_and_page(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in the API's shape (`error`): HTTP errors, unconvertible parameters, unexpected failures."""
+
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -121,15 +133,22 @@ def create_app(state: ServerState) -> FastAPI:
         return error(500, f"{request.method} {request.url.path}: internal server error ({type(exc).__name__}: {exc}); "
                           "the server's log has the traceback")
 
-    def not_ready() -> JSONResponse:
-        retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
-        return JSONResponse({"status": "not ready", "phase": state.phase, "error": state.error or state.queue.dead},
-                            503, headers=retry)
 
-    def not_accepting() -> JSONResponse:
-        retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
-        reason = state.error or state.queue.dead or f"the server is {state.phase.replace('_', ' ')}"
-        return error(503, f"not accepting jobs: {reason}", headers=retry, phase=state.phase)
+def _not_ready(state: ServerState) -> JSONResponse:
+    retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
+    return JSONResponse({"status": "not ready", "phase": state.phase, "error": state.error or state.queue.dead},
+                        503, headers=retry)
+
+
+def _not_accepting(state: ServerState) -> JSONResponse:
+    retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
+    reason = state.error or state.queue.dead or f"the server is {state.phase.replace('_', ' ')}"
+    return error(503, f"not accepting jobs: {reason}", headers=retry, phase=state.phase)
+
+
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """Health (live, ready), `/v1/info` and `/v1/models`."""
 
     @app.get("/health/live")
     def live() -> dict[str, Any]:
@@ -139,7 +158,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     def ready() -> Any:
         if not state.ready():
-            return not_ready()
+            return _not_ready(state)
         return {"status": "ready", "phase": state.phase}
 
     @app.get("/v1/info")
@@ -177,10 +196,15 @@ def create_app(state: ServerState) -> FastAPI:
                      "kind": "lora"} for name in sorted(cfg.lora.adapters if cfg.lora else {})]
         return {"object": "list", "data": [base, *adapters]}
 
+
+def _add_submissions(app: FastAPI, state: ServerState, kinds: dict[str, str]) -> tuple[Any, Any]:
+    """Job submission: OpenAI's synchronous image calls (routes), and the `submit` and `job_or_404` that
+    `add_job_routes` gives each result kind."""
+
     def refuse(kind: str) -> JSONResponse | None:
         """503 before ready or while stopping; 404 naming the right endpoint for the other result kind."""
         if not state.ready():
-            return not_accepting()
+            return _not_accepting(state)
         if kind != state.kind:
             other = "/v1/videos" if state.kind == "video" else "/v1/images (or OpenAI's /v1/images/generations)"
             return error(404, f"this server's task {state.runner.config.task!r} makes {state.kind}s: POST {other}")
@@ -225,6 +249,23 @@ def create_app(state: ServerState) -> FastAPI:
             return Response(status_code=499)
         done = queue_jobs(kind, body, 1)
         return done if isinstance(done, JSONResponse) else JSONResponse(done[1])
+
+    _add_image_calls(app, state, refuse, queue_jobs)
+
+    def job_or_404(job_id: str, kind: str) -> Job | JSONResponse:
+        job = state.queue.get(job_id)
+        if job is not None and job.kind == kind:
+            return job
+        if state.runner is not None and kind != state.kind:  # one server makes one kind: name the other endpoint
+            return error(404, f"no {kind} job {job_id!r}: this server's task makes {state.kind}s, "
+                              f"see /v1/{kinds[state.kind]}/{job_id}")
+        return error(404, f"no {kind} job {job_id!r}")
+
+    return submit, job_or_404
+
+
+def _add_image_calls(app: FastAPI, state: ServerState, refuse: Any, queue_jobs: Any) -> None:
+    """OpenAI's synchronous `images.generate` and `images.edit` (`refuse`, `queue_jobs`: `_add_submissions`')."""
 
     @app.post("/v1/images/generations")
     @app.post("/v1/images/edits")
@@ -272,17 +313,9 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"created": int(time.time()), "data": data, "size": jobs[0].as_dict()["size"],
                              "output_format": "png", "quality": options["quality"]})
 
-    def job_or_404(job_id: str, kind: str) -> Job | JSONResponse:
-        job = state.queue.get(job_id)
-        if job is not None and job.kind == kind:
-            return job
-        if state.runner is not None and kind != state.kind:  # one server makes one kind: name the other endpoint
-            return error(404, f"no {kind} job {job_id!r}: this server's task makes {state.kind}s, "
-                              f"see /v1/{kinds[state.kind]}/{job_id}")
-        return error(404, f"no {kind} job {job_id!r}")
 
-    for kind, plural in kinds.items():
-        add_job_routes(app, state, kind, plural, submit, job_or_404)
+def _add_metrics_and_page(app: FastAPI, state: ServerState) -> None:
+    """`/metrics` (Prometheus text; 503 while starting) and the page at `/`."""
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -296,7 +329,6 @@ def create_app(state: ServerState) -> FastAPI:
     def page() -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
-    return app
 
 
 def _pop_n(body: dict[str, Any]) -> int:
