@@ -19,6 +19,9 @@ client sees the final status; then the port closes and the process exits 0. A si
 start-up, loading or warmup exits 0 at once; a second signal exits at once with 128 + the signal
 number. Job records live in memory only; result files stay in `--output_dir`.
 
+The process is one `Server` (load_config -> run: the port, the loader thread, uvicorn until drained);
+its flags that override the config come from the override table (runnerkit/overrides.py).
+
 With a `parallel` config, under `torchrun --nproc_per_node N -m runnerkit.infer serve ...`: rank 0
 serves HTTP and leads, the other ranks follow (runnerkit/parallel/serving.py, docs/multi_gpu.md);
 ready once every rank is warm; a failure on any rank fails the running job and ends every rank
