@@ -43,7 +43,8 @@ class AdmittedRequest(RequestConfig):
 
 class Refused(Exception):
     """A rule refused requests. `rule`: its name (`RULES`); `problems`: (request index, the rule's error), in
-    request order (the `fields` rule reports every request it refuses, the others the first)."""
+    request order (the `fields` rule reports every request it refuses, the others the first; the parallel
+    `split` rule reports index 0, its message naming the refused request's index and source)."""
 
     def __init__(self, rule: str, problems: list[tuple[int, Exception]]) -> None:
         super().__init__(str(problems[0][1]))
