@@ -14,6 +14,8 @@ from typing import Any
 
 from loguru import logger
 
+from runnerkit.overrides import OVERRIDES
+
 INPUT_ERRORS = (ValueError, NotImplementedError, OSError)  # bad config, request, checkpoint files, modes
 #: Failures whose message says all there is (a traceback adds nothing) but that are not the input's:
 #: non-finite latents (`runners.default.check_finite_latents`). Exit status 1, one line.
@@ -64,10 +66,8 @@ def check_writable(path: str, field: str) -> None:
                           f"({reason})") from None
 
 
-#: Runner-config flags shared by the launch script and the server (argparse attribute -> flag).
-CONFIG_FLAGS = {"model_cls": "--model_cls", "task": "--task", "model_path": "--model_path",
-                "text_encoder_path": "--text_encoder_path", "upsampler_path": "--upsampler_path",
-                "infer_steps": "--infer_steps", "device": "--device", "offload": "--offload", "warmup": "--warmup"}
+#: Runner-config flags of the launch script and the server (argparse attribute -> flag; runnerkit/overrides.py).
+CONFIG_FLAGS = {row.name: row.flag for row in OVERRIDES if row.key is not None}
 
 
 def config_source(args: Any) -> str:
@@ -79,19 +79,3 @@ def config_source(args: Any) -> str:
     if path is None:
         return "config from the command-line flags" + (f" ({', '.join(given)})" if given else "")
     return f"config {path}" + (f" with {', '.join(given)}" if given else "")
-
-
-def check_default_shape(runner_cls: type, config: Any, source: str) -> None:
-    """The config's own default shape (the shape of every request that gives none) must be one the runner takes.
-
-    Raises:
-        ConfigError: naming `source` (`config_source`) and the bad field; a problem there is the config's,
-            not a request's (the server would otherwise start and fail every job that omits the field).
-    """
-    from runnerkit.config import ConfigError
-
-    try:
-        resolved = runner_cls.resolve_config(config)
-        runner_cls.validate_shape(resolved.target_height, resolved.target_width, resolved.target_video_length)
-    except ValueError as exc:
-        raise ConfigError(f"{source}: {exc} (the default shape of every request)") from None

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from runnerkit.cli_common import (INPUT_ERRORS, check_default_shape, check_writable, config_source, report_failure,
-                                  under_torchrun)
+from runnerkit.cli_common import INPUT_ERRORS, check_writable, config_source, report_failure, under_torchrun
 from runnerkit.interrupts import (enable_fault_tracebacks, exit_status, install_sigterm_handler, interrupted_line,
                                   restore_sigterm_default)
+from runnerkit.overrides import add_flags, config_overrides, request_flags
 from runnerkit.progress import PLOT_EXTRA, PROGRESS_MODES, StageBars, install_progress, missing_plot_module
 
 if TYPE_CHECKING:
@@ -46,8 +46,7 @@ if TYPE_CHECKING:
 # start-up imports ends with one line, not a traceback).
 
 LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}"
-REQUEST_FLAGS = ("prompt", "negative_prompt", "image_path", "last_frame_path", "extra_image_paths", "seed", "target_height",
-                 "target_width", "target_video_length", "save_result_path", "save_tensor_path", "lora")
+REQUEST_FLAGS = request_flags("launch")  # the single request's flags (runnerkit/overrides.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,41 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                "unexpected error; 2 invalid input (config, request, checkpoint, unsupported mode, a request or warmup "
                "shape whose estimated memory exceeds the device's: config memory.limit_gib / memory.check_fit); "
                "130 Ctrl-C, 143 SIGTERM")
-    p.add_argument("--model_cls", choices=model_cls_names(), help="registered model family (or in --config_json)")
-    p.add_argument("--task", help="task of the model family, e.g. t2v, i2v, flf2v (an unknown one lists the family's)")
-    p.add_argument("--model_path", help="checkpoint folder (runnerkit, the original release, or diffusers layout), "
-                   "or a single-file release (.safetensors) where the family loads one")
-    p.add_argument("--text_encoder_path", help="text encoder folder (transformers layout) of a single-file release")
-    p.add_argument("--upsampler_path", help="latent upsampler file of a single-file two-stage release")
+    add_flags(p, "launch", ("model_cls", "task", "model_path", "text_encoder_path", "upsampler_path"),
+              choices={"model_cls": model_cls_names()})
     p.add_argument("--config_json", help="JSON runner config (CLI flags override its values)")
-    p.add_argument("--prompt", help="text prompt of the single request")
-    p.add_argument("--negative_prompt", help="CFG negative prompt (default: the config's, else the family's reference one)")
-    p.add_argument("--image_path", help="conditioning image (image-conditioned tasks only)")
-    p.add_argument("--last_frame_path", help="last-frame image (first-last-frame tasks only)")
-    p.add_argument("--extra_image_paths", nargs="+", metavar="PATH",
-                   help="further reference images after --image_path, in order (image editing with several references)")
-    p.add_argument("--seed", type=int, help="seed of the request's noise (default: the config's seed)")
-    p.add_argument("--target_height", type=int, help="pixels, a multiple of the family's factor (e.g. 16); for "
-                   "image-to-video tasks height x width is the target area and the image gives the aspect ratio")
-    p.add_argument("--target_width", type=int, help="pixels, a multiple of the family's factor (e.g. 16)")
-    p.add_argument("--target_video_length", type=int, help="frames, as the family allows (e.g. 4n+1; 1 for images)")
-    p.add_argument("--save_result_path", help=".mp4 for video tasks (.png for a 1-frame request; audio+video tasks "
-                   "carry their audio inside the .mp4), .png for image tasks; a sidecar .json is written beside it")
-    p.add_argument("--save_tensor_path", help=".safetensors with every output, e.g. 'video' float32 [C, F, H, W] in [-1, 1]")
-    p.add_argument("--lora", action="append", metavar="PATH[:STRENGTH]",
-                   help="LoRA adapter of the request (.safetensors: diffusers/PEFT, kohya or LightX2V layout, or a name "
-                        "of the config's lora.adapters), strength default 1; repeat for several; needs the config's "
-                        "`lora` section (docs/lora.md)")
-    p.add_argument("--infer_steps", type=int, help="denoising steps (default: the config's, else the family's)")
-    p.add_argument("--device", help="'auto', 'cpu', 'cuda' or 'cuda:N' (default: the config's, else auto)")
-    p.add_argument("--offload", choices=("none", "model", "block", "phase", "auto"),
-                   help="offload mode, replacing the config's offload.mode (its other offload keys stay); auto (the "
-                        "default when the config sets none): "
-                        "the fastest plan that fits every request's shape on the device and in host memory, "
-                        "chosen before loading (docs/memory_plan.md)")
+    add_flags(p, "launch", (*request_flags("launch"), "infer_steps", "device", "offload"))
     p.add_argument("--log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="least severe log messages shown (default INFO)")
-    p.add_argument("--warmup", action="store_true", help="run the one-time warmup before the first request")
+    add_flags(p, "launch", ("warmup",))
     p.add_argument("--profile_json", help="write the profile report (warmup, per-request stages and steps) here")
     p.add_argument("--requests", help=".jsonl file, one request per line (excludes the single-request flags)")
     p.add_argument("--max_writes_in_flight", type=int, default=1, metavar="N",
@@ -125,12 +96,9 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
 
     from runnerkit.config import (ConfigError, RequestConfig, format_validation_error, load_requests, load_runner_config,
                                   lora_flag_fields)
-    from runnerkit.media import MEDIA_EXTRA, missing_media_module, sidecar_path
+    from runnerkit.admission import Refused, admit, check_default_shape
     from runnerkit.registry import get_runner_cls
-    overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
-                 "text_encoder_path": args.text_encoder_path, "upsampler_path": args.upsampler_path,
-                 "infer_steps": args.infer_steps, "device": args.device, "offload.mode": args.offload,
-                 "warmup": True if args.warmup else None}
+    overrides = config_overrides(args, "launch")
     if args.config_json is None and args.model_cls is None:
         raise ConfigError("give --config_json FILE (or at least --model_cls and --model_path); see --help")
     config = load_runner_config(args.config_json, overrides, flags={"offload.mode": "--offload"})
@@ -184,27 +152,14 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     if args.plot_steps:
         check_plot_flag(args.plot_steps, config)
         claim(args.plot_steps, "--plot_steps", "the run")
-    problems = []
-    for req in requests:  # every bad request is reported at once, not one per start-up
-        try:
-            runner_cls.validate_request(req, config)
-        except ValueError as exc:
-            problems.append(f"request on {req.source}: {exc}")
-    if problems:
+    try:  # fields (shape, images, adapters' files, suffix), output paths, media writer (runnerkit/admission.py)
+        requests = admit(runner_cls, config, requests, source="launch", claim=claim)
+    except Refused as exc:
+        if exc.rule != "fields":
+            raise exc.cause from None
+        problems = [f"request on {requests[index].source}: {error}" for index, error in exc.problems]
         raise ConfigError(problems[0] if len(problems) == 1 else
-                          f"{len(problems)} of {len(requests)} requests are invalid:\n  " + "\n  ".join(problems))
-    for req in requests:
-        owner = f"the request on {req.source}"
-        if req.save_tensor_path:
-            claim(req.save_tensor_path, "save_tensor_path", owner)
-        if req.save_result_path:
-            claim(req.save_result_path, "save_result_path", owner)
-            claim(str(sidecar_path(req.save_result_path)), "sidecar .json of save_result_path", owner)
-    for req in requests:  # before loading: without the media library a run would fail only at its save
-        missing = missing_media_module(req.save_result_path) if req.save_result_path else None
-        if missing:
-            raise ConfigError(f"`save_result_path` {req.save_result_path!r} (request on {req.source}) needs "
-                              f"{MEDIA_EXTRA}; missing: {missing}")
+                          f"{len(problems)} of {len(requests)} requests are invalid:\n  " + "\n  ".join(problems)) from None
     return config, requests
 
 
@@ -240,8 +195,7 @@ def write_plot(args: argparse.Namespace, runner: BaseRunner) -> bool:
 def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
     from runnerkit.config import ConfigError
     from runnerkit.registry import get_runner_cls
-    from runnerkit.runners.base import error_phase
-    from runnerkit.runners.writes import close_writer, is_abandoned
+    from runnerkit.runners.writes import is_abandoned
 
     try:
         if args.max_writes_in_flight < 0:
@@ -285,6 +239,16 @@ def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
     except (ValueError, NotImplementedError) as exc:  # MemoryFitError; auto without a family estimate
         logger.error("invalid input: {}", exc)
         return 2
+    return serve_requests(args, runner, requests, bars, failed)
+
+
+def serve_requests(args: argparse.Namespace, runner: BaseRunner, requests: list[RequestConfig],
+                   bars: StageBars | None, failed: list[int]) -> int:
+    """init_modules (load, warmup), the adapters' check, every request in order, then the profile and plot;
+    the exit status (`failed`: the indices of failed requests, which the writer thread's reports join)."""
+    from runnerkit.runners.base import error_phase
+    from runnerkit.runners.writes import close_writer
+
     profile_failed = False
     try:
         try:

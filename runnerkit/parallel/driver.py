@@ -3,7 +3,8 @@ reports, a failure anywhere ends the group (ARCHITECTURE §7).
 
     init_from_env -> build runner -> attach_parallel -> check_requests_fit -> init_modules
     (load, warmup: the same collectives in the same order on every rank)
-    -> check_requests_split (every request's tokens divide by `parallel.ulysses`, before any runs)
+    -> admission's split rule (check_requests_split: every request's tokens divide by `parallel.ulysses`,
+       before any runs; runnerkit/admission.py)
     -> agree("init") (a request that does not split: rank 0 logs "invalid input", every rank exits 2)
     -> for each request: run_pipeline -> agree("request i")
     -> rank 0: finish_writes -> agree("writes") (every rank exits 1 when a request's files failed)
@@ -43,6 +44,7 @@ second interrupt abandons them, leaving nothing of them).
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import signal
@@ -300,10 +302,12 @@ def plan_refusal(runner: Any, requests: Sequence[Any]) -> Exception | None:
 def split_refusal(runner: Any, requests: Sequence[Any]) -> Exception | None:
     """The input error of the first request whose tokens `parallel.ulysses` cannot split, or None.
     The same on every rank (the same requests), so it is each rank's to know, and rank 0's to tell."""
+    from runnerkit.admission import Refused, admit
+
     try:
-        runner.check_requests_split(requests)
-    except (ValueError, NotImplementedError) as exc:
-        return exc
+        admit(runner, None, requests, source="parallel")  # the launch script admitted the rest before loading
+    except Refused as exc:
+        return exc.cause
     return None
 
 
@@ -330,21 +334,13 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
         launch.phase = name
         return run_phase(group, name, fn)
 
-    def request_done(prof: Any, error: BaseException | None) -> None:  # rank 0: a write fails its request alone
-        from runnerkit.runners.writes import is_abandoned
-
-        if error is not None:
-            unwritten.append(prof.index)
-            if not is_abandoned(error):
-                report_failure(f"request {prof.index} ({requests[prof.index].source}) failed", error)
-
     status = 1
     try:
         runner = phase("load", lambda: build(config))
         built.append(runner)
         runner.attach_parallel(group)
         if group.rank == 0:  # the rank that writes: its files overlap the next request (all ranks compute it)
-            runner.on_request_done = request_done
+            runner.on_request_done = functools.partial(write_done, requests, unwritten)
             runner.overlap_writes(getattr(args, "max_writes_in_flight", 0))
         refused = phase("plan", lambda: plan_refusal(runner, requests))
         if refused is not None:  # the same plan and estimates on every rank: rank 0 tells, every rank exits 2
@@ -361,24 +357,7 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
                 logger.error("invalid input: {}", refused or "a request's tokens do not split on another rank")
             end_rank(group, launch, 2)
             return 2  # reached only where `exit_now` does not end the process (tests)
-        started = time.perf_counter()
-        for index, request in enumerate(requests):
-            launch.files = request_files(request) if group.rank == 0 else []
-            phase(f"request {index}", lambda: runner.run_pipeline(request, index))
-            phase(f"request {index}", lambda: group.agree(True, f"request {index}"))
-            launch.files, launch.finished = [], launch.finished + 1  # every rank finished it: the files stay
-        if group.rank == 0:
-            phase("writes", runner.finish_writes)  # the last requests' files (the writer holds the output lock)
-            runner.profiler.phases["requests_seconds"] = round(time.perf_counter() - started, 4)
-        # one failed write fails its request alone; every rank then exits 1, as after a failed request
-        written = phase("writes", lambda: group.agree(not unwritten, "writes"))
-        if group.rank == 0 and getattr(args, "profile_json", None):
-            runner.profiler.write(args.profile_json)
-            logger.info("profile written to {}", args.profile_json)
-        if written:
-            status = 0
-        elif group.rank == 0:
-            logger.error("{} of {} requests failed: {}", len(unwritten), len(requests), sorted(unwritten))
+        status = serve_requests(args, group, launch, runner, requests, phase, unwritten)
     except RankFailed:
         ignore_interrupts()
         status = 1
@@ -405,3 +384,39 @@ def run_parallel(args: Any, config: Any, requests: Sequence[Any], build: Callabl
     group.mark_ended()
     group.close()
     return status
+
+
+def serve_requests(args: Any, group: Any, launch: Launch, runner: Any, requests: Sequence[Any],
+                   phase: Callable[[str, Callable[[], Any]], Any], unwritten: list[int]) -> int:
+    """Every request in lockstep (each agreed on by every rank), rank 0's last writes and its profile; 0 when
+    every request's files were written, else 1 (rank 0 names the requests whose files failed: `unwritten`)."""
+    started = time.perf_counter()
+    for index, request in enumerate(requests):
+        launch.files = request_files(request) if group.rank == 0 else []
+        phase(f"request {index}", lambda: runner.run_pipeline(request, index))
+        phase(f"request {index}", lambda: group.agree(True, f"request {index}"))
+        launch.files, launch.finished = [], launch.finished + 1  # every rank finished it: the files stay
+    if group.rank == 0:
+        phase("writes", runner.finish_writes)  # the last requests' files (the writer holds the output lock)
+        runner.profiler.phases["requests_seconds"] = round(time.perf_counter() - started, 4)
+    # one failed write fails its request alone; every rank then exits 1, as after a failed request
+    written = phase("writes", lambda: group.agree(not unwritten, "writes"))
+    if group.rank == 0 and getattr(args, "profile_json", None):
+        runner.profiler.write(args.profile_json)
+        logger.info("profile written to {}", args.profile_json)
+    if written:
+        return 0
+    if group.rank == 0:
+        logger.error("{} of {} requests failed: {}", len(unwritten), len(requests), sorted(unwritten))
+    return 1
+
+
+def write_done(requests: Sequence[Any], unwritten: list[int], prof: Any, error: BaseException | None) -> None:
+    """Rank 0's report of a request whose files were written (`error` None) or failed: a failed write fails its
+    request alone (`unwritten`), named unless an interrupt abandoned it."""
+    from runnerkit.runners.writes import is_abandoned
+
+    if error is not None:
+        unwritten.append(prof.index)
+        if not is_abandoned(error):
+            report_failure(f"request {prof.index} ({requests[prof.index].source}) failed", error)

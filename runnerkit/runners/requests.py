@@ -26,6 +26,7 @@ from loguru import logger
 
 from runnerkit import compile as regional_compile
 from runnerkit import memory
+from runnerkit.admission import AdmittedRequest
 from runnerkit.config import OffloadConfig, RequestConfig, RunnerConfig, as_request
 from runnerkit.images import check_image
 from runnerkit.lora import LoRAError, read_adapter
@@ -383,7 +384,8 @@ class RequestChecksMixin:
                         peak.describe(), list(shape))
 
     def resolve_request(self, request: RequestConfig | dict[str, Any]) -> InputInfo:
-        """Fill request defaults from the runner config and validate the request.
+        """Fill request defaults from the runner config and validate the request (`validate_request`), unless
+        the entry point admitted it already (`runnerkit.admission.admit`: an `AdmittedRequest`).
 
         Raises:
             ValueError: an invalid request (a dict is validated as a `RequestConfig` first).
@@ -391,7 +393,8 @@ class RequestChecksMixin:
         """
         cfg = self.config
         request = as_request(request)
-        self.validate_request(request, cfg)
+        if not isinstance(request, AdmittedRequest):  # the Python API: nothing checked it yet
+            self.validate_request(request, cfg)
         height, width, frames = self.shape_of(request, cfg)
         return InputInfo(
             prompt=request.prompt,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -39,16 +38,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from loguru import logger
-from pydantic import ValidationError
 
-from runnerkit.config import MAX_EXTRA_IMAGES, MAX_FRAMES, RequestConfig, field_path, format_validation_error
+from runnerkit.config import field_path
 from runnerkit.serve.body import (EXTRA_IMAGES_FIELD, MAX_IMAGE_BYTES, ClientGone, InputError,  # noqa: F401
                                   read_body)
 from runnerkit.serve.body import shown as _shown
 from runnerkit.serve.body import form_fields as _form_fields  # noqa: F401  (the form's fields, for tests)
-from runnerkit.serve.fields import (IMAGE_FIELDS, INPUT_REFERENCE, SERVER_FIELDS, _decode_image,  # noqa: F401
-                                    accepted_fields, image_extension, takes_files, unknown_field)
+from runnerkit.serve.fields import _decode_image, image_extension  # noqa: F401  (for tests)
 from runnerkit.serve.jobs import FINAL, Job, JobQueue, QueueClosed, QueueFull
+from runnerkit.serve.request import _api_wording, _frames_of, build_request  # noqa: F401  (the last two for tests)
 
 if TYPE_CHECKING:  # torch and the runners are imported after the port opened (server.py)
     from runnerkit.runners.base import BaseRunner
@@ -95,224 +93,23 @@ def error(status: int, message: str, field: str | None = None, headers: dict[str
                          **extra}, status, headers=headers)
 
 
-def _first_field(exc: ValidationError) -> str | None:
-    errors = exc.errors()
-    return field_path(errors[0]["loc"]) if errors and errors[0]["loc"] else None
-
-
-def build_request(state: ServerState, body: dict[str, Any], folder: Path,
-                  options: tuple[str, ...] = ()) -> tuple[RequestConfig, dict[str, Any], dict[str, Any]]:
-    """The body as a `RequestConfig` checked as the launch script checks a request; images saved
-    into `folder` with their real extension. Returns it, the fields the job reports, and the values
-    it runs with (model, seed, height, width, frames; `seconds` for videos). `options`: the endpoint's
-    own fields, already taken off `body` (named when a field is unknown).
-
-    Raises:
-        InputError: naming the field (422; 413 for an oversized image).
-    """
-    runner = state.runner
-    assert runner is not None, "build_request before the runner exists"
-    body = dict(body)
-    for name in SERVER_FIELDS:
-        if name in body:
-            sent_as = {**{v: k for k, v in IMAGE_FIELDS.items()}, "extra_image_paths": EXTRA_IMAGES_FIELD}
-            hint = f"; send the image itself as `{sent_as[name]}` (base64 or a file part)" if name in sent_as else ""
-            raise InputError(f"`{name}` is set by the server, not by a request{hint}", name)
-    reference = INPUT_REFERENCE in body
-    if reference:
-        if state.kind != "video":
-            raise InputError(f"`{INPUT_REFERENCE}` is the first frame of a video; send an image task's image as "
-                             "`image`", INPUT_REFERENCE)
-        if "image" in body:
-            raise InputError(f"give `image` or `{INPUT_REFERENCE}` (the same first frame), not both", INPUT_REFERENCE)
-        body["image"] = _decode_image(body.pop(INPUT_REFERENCE), INPUT_REFERENCE)  # its errors name it as sent
-    model = body.pop("model", None)
-    if model is not None and model != runner.config.model_cls:
-        raise InputError(f"`model` {_shown(model)}: this server serves {runner.config.model_cls!r}", "model")
-    size = body.pop("size", None)
-    if size is not None and size != "auto":  # "auto" (OpenAI): the config's size
-        m = re.fullmatch(r"(\d+)x(\d+)", str(size))
-        if m is None:
-            raise InputError(f"`size` must be WIDTHxHEIGHT, e.g. \"832x480\" (got {_shown(size)})", "size")
-        if "target_width" in body or "target_height" in body:
-            raise InputError("give `size` or `target_width`/`target_height`, not both", "size")
-        body["target_width"], body["target_height"] = int(m.group(1)), int(m.group(2))
-    fps = runner.config.fps or 1
-    seconds = body.pop("seconds", None)
-    if seconds is not None:
-        if "target_video_length" in body:
-            raise InputError("give `seconds` or `target_video_length`, not both", "seconds")
-        body["target_video_length"] = _frames_of(seconds, state, fps)
-    # Several `image`s (images.edit's `image[]` parts): the image, then the references, named as sent:
-    # `image[k + 1]` is `extra_images[k]`.
-    image_parts = isinstance(body.get("image"), list) and len(body["image"]) > 1
-    extra_name, offset = ("image", 1) if image_parts else (EXTRA_IMAGES_FIELD, 0)
-    if image_parts:
-        if EXTRA_IMAGES_FIELD in body:
-            raise InputError(f"give several `image`s or `image` and `{EXTRA_IMAGES_FIELD}`, not both", "image")
-        body["image"], *body[EXTRA_IMAGES_FIELD] = body["image"]
-    elif isinstance(body.get("image"), list) and body["image"]:
-        body["image"] = body["image"][0]
-    images = {name: _decode_image(body.pop(name), name) for name in IMAGE_FIELDS if name in body}
-    extra = body.pop(EXTRA_IMAGES_FIELD, None)
-    if extra is not None and (not isinstance(extra, list) or not extra):
-        raise InputError(f"`{EXTRA_IMAGES_FIELD}` must be a non-empty list of images", EXTRA_IMAGES_FIELD)
-    if extra is not None and len(extra) > MAX_EXTRA_IMAGES:
-        raise InputError(f"`{extra_name}` holds {len(extra) + offset} images; a request takes at most "
-                         f"{MAX_EXTRA_IMAGES + offset}" + (f" (the image and {MAX_EXTRA_IMAGES} references)"
-                                                           if offset else ""), extra_name)
-    extra_raw = [_decode_image(v, f"{extra_name}[{k + offset}]") for k, v in enumerate(extra or [])]
-    shown = dict(body)
-    for name, raw in images.items():
-        path = folder / f"{name}{image_extension(raw)}"
-        path.write_bytes(raw)
-        body[IMAGE_FIELDS[name]] = str(path)
-        shown[name] = f"{len(raw)} bytes"
-    if extra_raw:
-        paths = [folder / f"{EXTRA_IMAGES_FIELD}{k}{image_extension(raw)}" for k, raw in enumerate(extra_raw)]
-        for path, raw in zip(paths, extra_raw):
-            path.write_bytes(raw)
-        body["extra_image_paths"] = [str(p) for p in paths]
-        shown[EXTRA_IMAGES_FIELD] = [f"{len(raw)} bytes" for raw in extra_raw]
-    if seconds is not None:
-        shown["seconds"] = seconds
-        del shown["target_video_length"]
-    for name, value in body.items():  # a file part in a text field, or a field not taken (`mask`): never echo its bytes
-        if isinstance(value, bytes):
-            what = (f"`{name}` ({_shown(value)}) is not a field of this endpoint" if name not in RequestConfig.model_fields
-                    else f"`{name}` is a text field, not a file (got {_shown(value)})")
-            raise InputError(f"{what}; {takes_files(runner, state.kind)}", name)
-    unknown = [name for name in body if name not in RequestConfig.model_fields]
-    if unknown:
-        raise InputError(unknown_field(unknown[0], body[unknown[0]], accepted_fields(runner, state.kind, options)),
-                         unknown[0])
-    lora_cfg = runner.config.lora
-    if lora_cfg is not None and isinstance(body.get("lora"), list):  # without a `lora` section: refused below
-        for i, adapter in enumerate(body["lora"]):  # names of `lora.adapters` only: paths are the server's business
-            path = adapter.get("path") if isinstance(adapter, dict) else None
-            if isinstance(path, str) and path not in lora_cfg.adapters:
-                names = f"one of {sorted(lora_cfg.adapters)}" if lora_cfg.adapters else "it names none"
-                raise InputError(f"`lora[{i}].path` {_shown(path)} is not an adapter name of this server's "
-                                 f"`lora.adapters` ({names}); the server takes names, not file paths",
-                                 f"lora[{i}].path")
-    # A field the client sent under another name is named as sent (`param`).
-    sent = {**({"target_width": "size", "target_height": "size"} if size not in (None, "auto") else {}),
-            **({"target_video_length": "seconds"} if seconds is not None else {}),
-            **({"image": INPUT_REFERENCE} if reference else {}), "extra_image_paths": extra_name}
-    try:
-        request = RequestConfig.model_validate(body)
-    except ValidationError as exc:
-        name = _first_field(exc)
-        message = format_validation_error(exc, "request")
-        if size not in (None, "auto"):  # the client sent WIDTHxHEIGHT, not the fields it became
-            for field, side in (("target_width", "width"), ("target_height", "height")):
-                message = message.replace(f"\n  {field}: ", f"\n  `size` {size!r} ({side}): ")
-        raise InputError(_api_wording(message, folder), sent.get(name or "", name)) from None
-
-    def by_name(message: str) -> str:  # paths are the server's business: its adapters by their names
-        for name, path in (lora_cfg.adapters if lora_cfg is not None else {}).items():
-            message = message.replace(path, name)
-        return _api_wording(message, folder)
-
-    try:
-        type(runner).validate_request(request, runner.config)  # type: ignore[attr-defined]
-    except ValueError as exc:
-        from runnerkit.lora import LoRAError  # torch: loaded with the runner by now
-
-        if isinstance(exc, LoRAError):  # a configured adapter's file cannot be read: the server's fault
-            raise InputError(f"a LoRA adapter of this server cannot be used (server error, not the request's): "
-                             f"{by_name(str(exc))}", "lora", status=500) from None
-        found = re.search(r"`(\w+(?:\[\d+\])?)`", str(exc))
-        name = found.group(1) if found else None
-        name = {**{v: k for k, v in IMAGE_FIELDS.items()}, "extra_image_paths": EXTRA_IMAGES_FIELD}.get(name or "", name)
-        if name is not None and name.startswith("extra_image_paths["):
-            name = EXTRA_IMAGES_FIELD + name[len("extra_image_paths"):]
-        message = _api_wording(str(exc), folder)
-        if name == "image" and state.kind == "video" and request.image_path is None:  # a missing first frame
-            message += f" (`image`, or `{INPUT_REFERENCE}` as OpenAI's client names the first frame)"
-        if reference:  # the first frame was sent as `input_reference`
-            message = message.replace("`image`", f"`{INPUT_REFERENCE}`")
-        if image_parts:  # the references were sent as `image[1]`, `image[2]`, ...
-            message = re.sub(r"`extra_images` holds (\d+) image\(s\); task (\S+) takes at most (\d+) after `image`",
-                             lambda m: f"`image` holds {int(m[1]) + 1} images; task {m[2]} takes at most "
-                                       f"{int(m[3]) + 1} (the image and {m[3]} references)", message)
-            message = re.sub(r"`extra_images\[(\d+)\]`", lambda m: f"`image[{int(m[1]) + 1}]`", message)
-            name = re.sub(r"^extra_images(?:\[(\d+)\])?$",
-                          lambda m: "image" if m[1] is None else f"image[{int(m[1]) + 1}]", name or "") or None
-        if sent.get(name or "") == "size":  # the client sent WIDTHxHEIGHT, not the field the runner names
-            message = message.replace(f"`{name}`", f"`size`'s {'width' if name == 'target_width' else 'height'}")
-        raise InputError(message, sent.get(name or "", name)) from None
-    if request.lora:  # matched to the loaded transformer's layers now: a bad adapter is the request's error
-        try:
-            runner.check_adapters([request])  # type: ignore[attr-defined]
-        except ValueError as exc:  # runnerkit.lora.LoRAError: this request's adapters together (e.g. summed rank)
-            raise InputError(by_name(str(exc)), "lora") from None
-    shape = runner.request_shape(request)  # type: ignore[attr-defined]
-    try:
-        runner.check_fit(shape, "request")  # type: ignore[attr-defined]
-    except ValueError as exc:  # MemoryFitError: the shape as a whole, named by the first shape field sent
-        given = [sent.get(f, f) for f in ("target_width", "target_height", "target_video_length") if f in body]
-        raise InputError(str(exc), given[0] if given else None) from None
-    check_split = getattr(runner, "check_sequence_split", None)
-    if check_split is not None:  # Ulysses: the request's tokens must divide among the ranks
-        try:
-            check_split(runner.resolve_request(request))  # type: ignore[attr-defined]
-        except NotImplementedError as exc:
-            raise InputError(str(exc), "size") from None
-    cfg = runner.config
-    resolved = {"model": cfg.model_cls, "seed": request.seed if request.seed is not None else cfg.seed,
-                "height": shape[0], "width": shape[1], "frames": shape[2]}
-    if state.kind == "video":
-        resolved["seconds"] = f"{(shape[2] - 1) / fps:g}"
-    return request, shown, resolved
-
-
-def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
-    """OpenAI's `seconds` (a string such as "4", or a number) as frames: (frames - 1) / fps seconds,
-    rounded to the nearest frame count the model takes (TEMPORAL_FACTOR * k + 1).
-
-    Allowed: from one temporal step (TEMPORAL_FACTOR / fps seconds) to the request's frame limit
-    ((MAX_FRAMES - 1) / fps, `target_video_length`'s bound); nothing outside is silently corrected
-    (a one-frame video is `target_video_length: 1`).
-
-    Raises:
-        InputError: naming `seconds`, the value and the allowed range.
-    """
-    if state.kind != "video":
-        raise InputError("`seconds` is for video tasks; this server makes images", "seconds")
-    step = getattr(state.runner, "TEMPORAL_FACTOR", 1)
-    max_frames = step * ((MAX_FRAMES - 1) // step) + 1  # the longest clip the model takes
-    shortest, longest = step / fps, (max_frames - 1) / fps
-    allowed = (f"{shortest:g} to {longest:g} seconds ({step} to {max_frames - 1} frame intervals at {fps} fps; "
-               f"`target_video_length: 1` for a single frame)")
-    try:
-        value = float("nan") if isinstance(seconds, bool) else float(seconds)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or value != value:  # nan is no length either
-        raise InputError(f"`seconds` {_shown(seconds)} is not a number: give seconds from {allowed}", "seconds")
-    if not shortest <= value <= longest:
-        raise InputError(f"`seconds` {_shown(seconds)} is out of range: from {allowed}", "seconds")
-    return step * round(value * fps / step) + 1
-
-
-def _api_wording(message: str, folder: Path) -> str:
-    """A launch-script message in the API's terms: body fields, not flags or server paths."""
-    for body_field, request_field in IMAGE_FIELDS.items():
-        message = message.replace(f"`{request_field}` (--{request_field}) is required",
-                                  f"`{body_field}` is required")
-        message = message.replace(f"`{request_field}`", f"`{body_field}`")
-    message = message.replace("`extra_image_paths", f"`{EXTRA_IMAGES_FIELD}")
-    message = re.sub("'?" + re.escape(str(folder)) + r"/[\w.]+'?", "(uploaded)", message)  # an uploaded file
-    message = message.replace("(got (uploaded))", "(an uploaded image)")
-    return message.replace("give an image file", "send the image as base64 or a file part")
-
-
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI app over `state` (the caller runs uvicorn and owns the runner's lifecycle)."""
     # No /docs: its page loads Swagger UI from a CDN (useless offline); docs/server.md documents the API.
     app = FastAPI(title="runnerkit", docs_url=None, redoc_url=None, openapi_url=None)
     kinds = {"video": "videos", "image": "images"}
+    _add_error_handlers(app)
+    _add_status_routes(app, state)
+    submit, job_or_404 = _add_submissions(app, state, kinds)
+    for kind, plural in kinds.items():
+        add_job_routes(app, state, kind, plural, submit, job_or_404)
+    _add_metrics_and_page(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in the API's shape (`error`): HTTP errors, unconvertible parameters, unexpected failures."""
+
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -336,15 +133,22 @@ def create_app(state: ServerState) -> FastAPI:
         return error(500, f"{request.method} {request.url.path}: internal server error ({type(exc).__name__}: {exc}); "
                           "the server's log has the traceback")
 
-    def not_ready() -> JSONResponse:
-        retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
-        return JSONResponse({"status": "not ready", "phase": state.phase, "error": state.error or state.queue.dead},
-                            503, headers=retry)
 
-    def not_accepting() -> JSONResponse:
-        retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
-        reason = state.error or state.queue.dead or f"the server is {state.phase.replace('_', ' ')}"
-        return error(503, f"not accepting jobs: {reason}", headers=retry, phase=state.phase)
+def _not_ready(state: ServerState) -> JSONResponse:
+    retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
+    return JSONResponse({"status": "not ready", "phase": state.phase, "error": state.error or state.queue.dead},
+                        503, headers=retry)
+
+
+def _not_accepting(state: ServerState) -> JSONResponse:
+    retry = {"Retry-After": "5"} if state.phase in ("starting", "loading", "warming_up") else None
+    reason = state.error or state.queue.dead or f"the server is {state.phase.replace('_', ' ')}"
+    return error(503, f"not accepting jobs: {reason}", headers=retry, phase=state.phase)
+
+
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """Health (live, ready), `/v1/info` and `/v1/models`."""
 
     @app.get("/health/live")
     def live() -> dict[str, Any]:
@@ -354,7 +158,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     def ready() -> Any:
         if not state.ready():
-            return not_ready()
+            return _not_ready(state)
         return {"status": "ready", "phase": state.phase}
 
     @app.get("/v1/info")
@@ -392,10 +196,15 @@ def create_app(state: ServerState) -> FastAPI:
                      "kind": "lora"} for name in sorted(cfg.lora.adapters if cfg.lora else {})]
         return {"object": "list", "data": [base, *adapters]}
 
+
+def _add_submissions(app: FastAPI, state: ServerState, kinds: dict[str, str]) -> tuple[Any, Any]:
+    """Job submission: OpenAI's synchronous image calls (routes), and the `submit` and `job_or_404` that
+    `add_job_routes` gives each result kind."""
+
     def refuse(kind: str) -> JSONResponse | None:
         """503 before ready or while stopping; 404 naming the right endpoint for the other result kind."""
         if not state.ready():
-            return not_accepting()
+            return _not_accepting(state)
         if kind != state.kind:
             other = "/v1/videos" if state.kind == "video" else "/v1/images (or OpenAI's /v1/images/generations)"
             return error(404, f"this server's task {state.runner.config.task!r} makes {state.kind}s: POST {other}")
@@ -440,6 +249,23 @@ def create_app(state: ServerState) -> FastAPI:
             return Response(status_code=499)
         done = queue_jobs(kind, body, 1)
         return done if isinstance(done, JSONResponse) else JSONResponse(done[1])
+
+    _add_image_calls(app, state, refuse, queue_jobs)
+
+    def job_or_404(job_id: str, kind: str) -> Job | JSONResponse:
+        job = state.queue.get(job_id)
+        if job is not None and job.kind == kind:
+            return job
+        if state.runner is not None and kind != state.kind:  # one server makes one kind: name the other endpoint
+            return error(404, f"no {kind} job {job_id!r}: this server's task makes {state.kind}s, "
+                              f"see /v1/{kinds[state.kind]}/{job_id}")
+        return error(404, f"no {kind} job {job_id!r}")
+
+    return submit, job_or_404
+
+
+def _add_image_calls(app: FastAPI, state: ServerState, refuse: Any, queue_jobs: Any) -> None:
+    """OpenAI's synchronous `images.generate` and `images.edit` (`refuse`, `queue_jobs`: `_add_submissions`')."""
 
     @app.post("/v1/images/generations")
     @app.post("/v1/images/edits")
@@ -487,17 +313,9 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"created": int(time.time()), "data": data, "size": jobs[0].as_dict()["size"],
                              "output_format": "png", "quality": options["quality"]})
 
-    def job_or_404(job_id: str, kind: str) -> Job | JSONResponse:
-        job = state.queue.get(job_id)
-        if job is not None and job.kind == kind:
-            return job
-        if state.runner is not None and kind != state.kind:  # one server makes one kind: name the other endpoint
-            return error(404, f"no {kind} job {job_id!r}: this server's task makes {state.kind}s, "
-                              f"see /v1/{kinds[state.kind]}/{job_id}")
-        return error(404, f"no {kind} job {job_id!r}")
 
-    for kind, plural in kinds.items():
-        add_job_routes(app, state, kind, plural, submit, job_or_404)
+def _add_metrics_and_page(app: FastAPI, state: ServerState) -> None:
+    """`/metrics` (Prometheus text; 503 while starting) and the page at `/`."""
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -511,7 +329,6 @@ def create_app(state: ServerState) -> FastAPI:
     def page() -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
-    return app
 
 
 def _pop_n(body: dict[str, Any]) -> int:

@@ -12,13 +12,17 @@ import re
 import warnings
 from typing import Any
 
-from runnerkit.config import RequestConfig
+from runnerkit.overrides import OVERRIDES, body_name
 from runnerkit.serve.body import EXTRA_IMAGES_FIELD, MAX_IMAGE_BYTES, InputError
 
-#: Request fields the server sets itself (never from the body).
-SERVER_FIELDS = ("save_result_path", "save_tensor_path", "image_path", "last_frame_path", "extra_image_paths")
+#: Request fields a job's body carries (runnerkit/overrides.py, where "body"), in the table's order.
+BODY_REQUEST_FIELDS = tuple(row.name for row in OVERRIDES if row.key is None and "body" in row.where)
+#: Request fields the server sets itself (never from the body): the output paths, then the image paths (the
+#: body carries the images themselves).
+SERVER_FIELDS = (tuple(row.name for row in OVERRIDES if row.key is None and "body" not in row.where)
+                 + tuple(name for name in BODY_REQUEST_FIELDS if body_name(name) != name))
 #: Body fields that carry an image (base64, or a form's file part) -> the request field it becomes.
-IMAGE_FIELDS = {"image": "image_path", "last_frame": "last_frame_path"}
+IMAGE_FIELDS = {body_name(name): name for name in ("image_path", "last_frame_path")}
 #: OpenAI's name of the video's first frame (`client.videos.create(input_reference=...)`): `image`.
 INPUT_REFERENCE = "input_reference"
 #: Pillow's format name -> the file extension an uploaded image is stored with.
@@ -106,14 +110,13 @@ def takes_files(runner: Any, kind: str) -> str:
 
 def accepted_fields(runner: Any, kind: str, options: tuple[str, ...] = ()) -> list[str]:
     """Every body field an endpoint takes, as a client names it: the request fields a client may set, in
-    `RequestConfig`'s order (images by their body names and only those the task takes; `lora` only with a
+    the override table's order (runnerkit/overrides.py) (images by their body names and only those the task takes; `lora` only with a
     `lora` section), then `size`, `seconds` (videos), `model` and the endpoint's own `options`."""
     images = image_inputs(runner)
-    body_name = {v: k for k, v in IMAGE_FIELDS.items()} | {"extra_image_paths": EXTRA_IMAGES_FIELD}
     names: list[str] = []
-    for field in RequestConfig.model_fields:
-        name = body_name.get(field, field)
-        if field in body_name and name in images:
+    for field in BODY_REQUEST_FIELDS:
+        name = body_name(field)
+        if name != field and name in images:
             names += [name, INPUT_REFERENCE] if name == "image" and kind == "video" else [name]
         elif field not in SERVER_FIELDS and (field != "lora" or runner.config.lora is not None):
             names.append(name)

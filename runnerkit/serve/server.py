@@ -19,6 +19,9 @@ client sees the final status; then the port closes and the process exits 0. A si
 start-up, loading or warmup exits 0 at once; a second signal exits at once with 128 + the signal
 number. Job records live in memory only; result files stay in `--output_dir`.
 
+The process is one `Server` (load_config -> run: the port, the loader thread, uvicorn until drained);
+its flags that override the config come from the override table (runnerkit/overrides.py).
+
 With a `parallel` config, under `torchrun --nproc_per_node N -m runnerkit.infer serve ...`: rank 0
 serves HTTP and leads, the other ranks follow (runnerkit/parallel/serving.py, docs/multi_gpu.md);
 ready once every rank is warm; a failure on any rank fails the running job and ends every rank
@@ -41,6 +44,8 @@ from typing import Any
 
 from loguru import logger
 
+from runnerkit.overrides import OVERRIDES, add_flags, config_overrides
+
 #: Seconds the port stays open at shutdown after the last job ended (longer than a client's poll interval:
 #: the openai client polls every second).
 DRAIN_GRACE_S = 3.0
@@ -51,14 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="runnerkit serve", description=__doc__, allow_abbrev=False,  # no prefix guessing
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config_json", required=True, help="runner config (JSON), as for the launch script")
-    p.add_argument("--model_cls", help="override the config's model_cls")
-    p.add_argument("--task", help="override the config's task")
-    p.add_argument("--model_path", help="override the config's checkpoint folder")
-    p.add_argument("--device", help="override the config's device (auto, cpu, cuda, cuda:N)")
-    p.add_argument("--offload", choices=("none", "model", "block", "phase", "auto"),
-                   help="override the config's offload.mode (auto, the default when the config sets none: planned for the config's shape and, with "
-                        "--warmup, the warmup shapes, before loading; docs/memory_plan.md)")
-    p.add_argument("--warmup", action="store_true", help="warm up before reporting ready")
+    add_flags(p, "serve", (row.name for row in OVERRIDES if "serve" in row.where))  # runnerkit/overrides.py
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--max_queue", type=int, default=16, help="jobs that may wait; more get HTTP 429 (default 16)")
@@ -155,72 +153,137 @@ def default_size_refusal(runner: Any) -> str | None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn
-        if importlib.util.find_spec("python_multipart") is None and importlib.util.find_spec("multipart") is None:
-            raise ImportError("no python-multipart", name="python-multipart")  # forms (the openai client)
-    except ImportError as exc:
-        logger.error("runnerkit serve needs the `serve` extra: pip install \"runnerkit[serve]\" (from a checkout: "
-                     "pip install -e \".[serve]\"); missing: {}", exc.name)
-        return 2
-    # Light imports only before the port opens (no torch, no model family): health answers within
-    # a second or two, `starting` until the runner exists.
-    from runnerkit.config import ConfigError, load_runner_config
-    from runnerkit.cli_common import (INPUT_ERRORS, check_default_shape, check_writable, config_source,
-                                      report_failure)
-    from runnerkit.serve.app import ServerState, create_app
-    from runnerkit.serve.jobs import Job, JobQueue
+    """Serve until a shutdown (see the module docstring); the exit status."""
+    server = Server(args)
+    status = server.load_config()
+    return status if status is not None else server.run()
 
-    overrides = {"model_cls": args.model_cls, "task": args.task, "model_path": args.model_path,
-                 "device": args.device, "offload.mode": args.offload, "warmup": True if args.warmup else None}
-    try:
-        config = load_runner_config(args.config_json, overrides, flags={"offload.mode": "--offload"})
-        output_dir = prepare_output_dir(args.output_dir)
-        check_writable(str(output_dir / "probe.mp4"), "--output_dir")
-    except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
-        logger.error("invalid input: {}", exc)
-        return 2
-    if config.parallel is not None:  # under torchrun (runnerkit/parallel/serving.py, docs/multi_gpu.md)
-        if os.environ.get("RANK", "0") != "0":  # a follower: no HTTP, runs what rank 0 publishes
-            from runnerkit.parallel.serving import follow
 
-            return follow(config, args.log_level)
-        if args.on_shutdown == "cancel":
-            logger.error("invalid input: --on_shutdown cancel with `parallel`: a running job cannot be cancelled "
-                         "under `parallel` (every rank would have to stop at the same step); use --on_shutdown finish")
+class Server:
+    """One `runnerkit serve` process: the config and output folder checked (`load_config`), the port opened
+    and the runner loaded and warmed behind it (`run`, `load`, on the loader thread), jobs run by a worker
+    thread once ready, and a signal drains it (`on_signal` -> `drain`, on the drain thread).
+
+    Threads: the main thread runs uvicorn; `runnerkit-loader` builds the runner and starts the worker, which
+    loads and warms it up (per-thread CUDA state) and then runs the jobs; `runnerkit-drain` waits for the
+    running job at shutdown; `runnerkit-group-failed` closes the port after a rank failed (`parallel`).
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.exit = 0  # the process's exit status once uvicorn returns
+        self.stopping = threading.Event()  # the first signal arrived
+        self.worker: Any = None  # the job Worker (runnerkit/serve/jobs.py)
+        self.leader: Any = None  # rank 0's Leader under `parallel`
+        self.config: Any = None
+        self.state: Any = None
+        self.queue: Any = None
+        self.http: Any = None  # uvicorn's server (`_Server`)
+
+    # ---- start-up: checks, then the port, then the runner behind it ------------------------------------------
+    def load_config(self) -> int | None:
+        """Check the web stack, the config and `--output_dir`, and make the app; the exit status of a refusal
+        (2), a follower rank's status (`parallel`, rank > 0), or None to serve."""
+        args = self.args
+        try:
+            import fastapi  # noqa: F401
+            import prometheus_client  # noqa: F401
+            import uvicorn
+            if importlib.util.find_spec("python_multipart") is None and importlib.util.find_spec("multipart") is None:
+                raise ImportError("no python-multipart", name="python-multipart")  # forms (the openai client)
+        except ImportError as exc:
+            logger.error("runnerkit serve needs the `serve` extra: pip install \"runnerkit[serve]\" (from a checkout: "
+                         "pip install -e \".[serve]\"); missing: {}", exc.name)
             return 2
-    queue = JobQueue(output_dir, args.max_queue, args.keep_jobs,
-                     None if args.keep_gib is None else int(args.keep_gib * 2**30))
-    state = ServerState(runner=None, queue=queue, metrics=None)
-    server = _Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
-                                    timeout_graceful_shutdown=5))
-    status = {"exit": 0}
-    worker: dict[str, Any] = {}  # "w": the Worker; "leader": rank 0's Leader under `parallel`
+        # Light imports only before the port opens (no torch, no model family): health answers within
+        # a second or two, `starting` until the runner exists.
+        from runnerkit.cli_common import check_writable
+        from runnerkit.config import ConfigError, load_runner_config
+        from runnerkit.serve.app import ServerState, create_app
+        from runnerkit.serve.jobs import JobQueue
 
-    def job_done(job: Job) -> None:
-        state.metrics.observe_job(job.status, job.profile)
-        state.metrics.queue_depth.set(queue.depth())
-        if queue.dead:
-            state.metrics.ready.set(0)
-            logger.error("runner died: {}; not ready any more", queue.dead)
+        try:
+            self.config = load_runner_config(args.config_json, config_overrides(args, "serve"),
+                                             flags={"offload.mode": "--offload"})
+            output_dir = prepare_output_dir(args.output_dir)
+            check_writable(str(output_dir / "probe.mp4"), "--output_dir")
+        except (ConfigError, ValueError, NotImplementedError, OSError) as exc:
+            logger.error("invalid input: {}", exc)
+            return 2
+        if self.config.parallel is not None:  # under torchrun (runnerkit/parallel/serving.py, docs/multi_gpu.md)
+            if os.environ.get("RANK", "0") != "0":  # a follower: no HTTP, runs what rank 0 publishes
+                from runnerkit.parallel.serving import follow
 
-    def set_phase(phase: str) -> None:
-        state.phase = phase
-        logger.info("phase: {}", phase)
+                return follow(self.config, args.log_level)
+            if args.on_shutdown == "cancel":
+                logger.error("invalid input: --on_shutdown cancel with `parallel`: a running job cannot be cancelled "
+                             "under `parallel` (every rank would have to stop at the same step); use --on_shutdown "
+                             "finish")
+                return 2
+        self.queue = JobQueue(output_dir, args.max_queue, args.keep_jobs,
+                              None if args.keep_gib is None else int(args.keep_gib * 2**30))
+        self.state = ServerState(runner=None, queue=self.queue, metrics=None)
+        self.http = _Server(uvicorn.Config(create_app(self.state), host=args.host, port=args.port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+        return None
 
-    def fail(phase: str, exc: BaseException, error_phase: Any = lambda e: None) -> None:
-        phase = error_phase(exc) or phase
-        state.phase, state.error = "failed", f"{phase} failed: {type(exc).__name__}: {exc}"
-        report_failure(f"{phase} failed", exc)
-        status["exit"] = 2 if isinstance(exc, INPUT_ERRORS) else 1
-        server.should_exit = True
+    def run(self) -> int:
+        """Install the signal handlers, start the loader thread, serve HTTP until drained or failed; the exit status."""
+        args, http = self.args, self.http
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        threading.Thread(target=self.load, name="runnerkit-loader", daemon=True).start()
+        try:
+            http.run()  # returns once drained after SIGTERM / Ctrl-C (on_signal), or when loading failed
+        except SystemExit:  # uvicorn exits when it cannot listen (it logged why)
+            pass
+        if self.exit and self.leader is not None:  # the job thread may wait in a collective on a dead rank
+            from runnerkit.parallel.driver import exit_now
 
-    def new_runner() -> Any:
-        """The runner for `config`, after the checks that would otherwise fail every job (ConfigError)."""
+            with self.leader.group.output_lock:  # a job's files being written end first (the writer holds it)
+                exit_now(self.exit)
+        if self.exit:
+            return self.exit
+        if not http.started:
+            logger.error("could not listen on {}:{} (in use, or not an address of this machine)", args.host, args.port)
+            return 1
+        logger.info("stopped")
+        return 0
+
+    def load(self) -> None:
+        """On the loader thread, once the port is open: build the runner and start the worker, which loads and
+        warms it up (`setup`); under `parallel`, `start_parallel`."""
+        http = self.http
+        while not http.started and not http.should_exit:  # the port is open before loading starts
+            time.sleep(0.05)
+        if http.should_exit:
+            return
+        host, port = _bound_address(http)
+        logger.info("listening on http://{}:{} (live: /health/live, ready: /health/ready)", host, port)
+        try:  # torch and the model family: seconds; health answers `starting` meanwhile
+            from runnerkit.runners.base import error_phase  # noqa: F401  (torch: imported here, reported as `start`)
+            from runnerkit.serve.jobs import Worker
+            from runnerkit.serve.metrics import Metrics  # noqa: F401
+
+            if self.config.parallel is not None:
+                self.start_parallel()  # the group, then the runner, as rank 0 of it
+                return
+            runner = self.new_runner()
+        except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
+            self.fail("start", exc)
+            return
+        self.attach(runner, self.set_phase)
+        self.worker = Worker(runner, self.queue, self.job_done, self.args.save_tensors, setup=self.setup)
+        self.worker.start()
+
+    def new_runner(self) -> Any:
+        """The runner for the config, after the checks that would otherwise fail every job (ConfigError)."""
+        from runnerkit.admission import check_default_shape
+        from runnerkit.cli_common import config_source
+        from runnerkit.config import ConfigError
         from runnerkit.registry import get_runner_cls
 
+        config, args = self.config, self.args
         runner_cls = get_runner_cls(config.model_cls, config.task)
         check_writers(runner_cls, config.task)
         check_default_shape(runner_cls, config, config_source(args))
@@ -229,69 +292,59 @@ def serve(args: argparse.Namespace) -> int:
         except (ValueError, NotImplementedError) as exc:  # the family refuses the config's settings
             raise ConfigError(f"{config_source(args)}: {exc}") from None
 
-    def load() -> None:
-        while not server.started and not server.should_exit:  # the port is open before loading starts
-            time.sleep(0.05)
-        if server.should_exit:
-            return
-        host, port = _bound_address(server)
-        logger.info("listening on http://{}:{} (live: /health/live, ready: /health/ready)", host, port)
-        try:  # torch and the model family: seconds; health answers `starting` meanwhile
-            from runnerkit.runners.base import error_phase
-            from runnerkit.serve.jobs import Worker
-            from runnerkit.serve.metrics import Metrics
+    def attach(self, runner: Any, on_phase: Any) -> None:
+        """Make `runner` the served one: its metrics, its phases reported as the server's."""
+        from runnerkit.serve.metrics import Metrics
 
-            if config.parallel is not None:
-                start_parallel()  # the group, then the runner, as rank 0 of it
-                return
-            runner = new_runner()
+        self.state.metrics = Metrics(runner.device)
+        self.state.runner = runner
+        runner.on_phase = on_phase
+        runner.overlap_writes(self.args.max_writes_in_flight)
+
+    def setup(self) -> bool:
+        """On the worker thread, before any job: load and warm up there (per-thread CUDA state), then ready."""
+        from runnerkit.runners.base import error_phase
+
+        runner = self.state.runner
+        try:
+            runner.init_modules()
         except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
-            fail("start", exc)
-            return
-        state.metrics = Metrics(runner.device)
-        state.runner = runner
-        runner.on_phase = set_phase
-        runner.overlap_writes(args.max_writes_in_flight)
+            self.fail("load", exc, error_phase)
+            return False
+        self.ready()
+        logger.info("ready: accepting jobs (on thread {!r}, which loaded and warmed the runner)",
+                    threading.current_thread().name)
+        return True
 
-        def setup() -> bool:
-            """On the worker thread, before any job: load and warm up there (per-thread CUDA state), then ready."""
-            try:
-                runner.init_modules()
-            except BaseException as exc:  # noqa: BLE001  (reported, then the process stops)
-                fail("load", exc, error_phase)
-                return False
-            state.metrics.load_seconds.set(runner.profiler.phases.get("load_seconds", 0.0))
-            state.metrics.warmup_seconds.set((runner.profiler.warmup or {}).get("seconds", 0.0))
-            state.metrics.ready.set(1)
-            logger.info("ready: accepting jobs (on thread {!r}, which loaded and warmed the runner)",
-                        threading.current_thread().name)
-            return True
+    def ready(self) -> None:
+        """The load and warmup metrics, then readiness."""
+        runner, metrics = self.state.runner, self.state.metrics
+        metrics.load_seconds.set(runner.profiler.phases.get("load_seconds", 0.0))
+        metrics.warmup_seconds.set((runner.profiler.warmup or {}).get("seconds", 0.0))
+        metrics.ready.set(1)
 
-        worker["w"] = w = Worker(runner, queue, job_done, args.save_tensors, setup=setup)
-        w.start()
-
-    def start_parallel() -> None:
-        """Rank 0 of a parallel server (runnerkit/parallel/serving.py): join the group, build the runner,
-        load, warm up and agree with every rank on the job thread, then ready; each job runs in lockstep."""
-        from runnerkit.parallel.driver import RankFailed
-        from runnerkit.parallel.driver import refuse_launch
+    # ---- under `parallel`: rank 0 (runnerkit/parallel/serving.py) -----------------------------------------------
+    def start_parallel(self) -> None:
+        """Rank 0 of a parallel server: join the group, build the runner, load, warm up and agree with every
+        rank on the job thread, then ready; each job runs in lockstep."""
+        from runnerkit.parallel.driver import RankFailed, refuse_launch
         from runnerkit.parallel.group import ParallelSetupError
         from runnerkit.parallel.serving import CANCEL_REFUSED, Leader
         from runnerkit.serve.jobs import Worker
-        from runnerkit.serve.metrics import Metrics
 
         try:
-            leader = worker["leader"] = Leader(config, on_failed=group_failed)
+            self.leader = leader = Leader(self.config, on_failed=self.group_failed)
         except ParallelSetupError as exc:
             if "RANK" in os.environ:  # torchrun: the same refusal on every rank, logged once; all exit 2
-                refuse_launch(exc, config.parallel.timeout_s)
-            fail("start", exc)
+                refuse_launch(exc, self.config.parallel.timeout_s)
+            self.fail("start", exc)
             return
         except BaseException as exc:  # noqa: BLE001  anything else: exit 1
-            fail("start", exc)
+            self.fail("start", exc)
             return
+
         def build() -> Any:
-            built = new_runner()
+            built = self.new_runner()
             built.attach_parallel(leader.group)
             return built
 
@@ -299,39 +352,37 @@ def serve(args: argparse.Namespace) -> int:
             runner = leader.phase("load", build)
         except RankFailed:
             return  # group_failed stops the server
-        queue.running_cancel_refused = CANCEL_REFUSED
-        runner.overlap_writes(args.max_writes_in_flight)  # rank 0 writes, holding the group's output lock
-        state.metrics = Metrics(runner.device)
-        state.runner = runner
-        runner.on_phase = lambda p: set_phase("waiting_for_ranks" if p == "ready" else p)  # ready once all agree
+        self.queue.running_cancel_refused = CANCEL_REFUSED
+        # rank 0 writes, holding the group's output lock; ready once all agree
+        self.attach(runner, lambda p: self.set_phase("waiting_for_ranks" if p == "ready" else p))
+        self.worker = Worker(runner, self.queue, self.job_done, self.args.save_tensors, setup=self.setup_parallel,
+                             run_request=lambda request, index: leader.run(runner, request, index))
+        self.worker.start()
 
-        def setup() -> bool:
-            try:
-                leader.init(runner)
-            except RankFailed:
-                return False
-            set_phase("ready")
-            refusal = default_size_refusal(runner)
-            if refusal is not None:
-                logger.warning("the config's default size cannot run here: {}; every job must give `size` (the "
-                               "others are refused with 422)", refusal)
-            state.metrics.load_seconds.set(runner.profiler.phases.get("load_seconds", 0.0))
-            state.metrics.warmup_seconds.set((runner.profiler.warmup or {}).get("seconds", 0.0))
-            state.metrics.ready.set(1)
-            logger.info("ready: all {} ranks warm, accepting jobs", leader.group.world_size)
-            return True
+    def setup_parallel(self) -> bool:
+        """On the job thread: every rank loads and warms up (`Leader.init`), then ready."""
+        from runnerkit.parallel.driver import RankFailed
 
-        def run_request(request: Any, index: int) -> None:
-            leader.run(runner, request, index)
+        runner = self.state.runner
+        try:
+            self.leader.init(runner)
+        except RankFailed:
+            return False
+        self.set_phase("ready")
+        refusal = default_size_refusal(runner)
+        if refusal is not None:
+            logger.warning("the config's default size cannot run here: {}; every job must give `size` (the "
+                           "others are refused with 422)", refusal)
+        self.ready()
+        logger.info("ready: all {} ranks warm, accepting jobs", self.leader.group.world_size)
+        return True
 
-        worker["w"] = w = Worker(runner, queue, job_done, args.save_tensors, setup=setup, run_request=run_request)
-        w.start()
-
-    def group_failed(line: str) -> None:
+    def group_failed(self, line: str) -> None:
         """A rank failed (`line` names it and the phase): the running job fails with it, the server turns
         not ready and refuses jobs, answers status for --drain_grace seconds, then exits 1 (every rank does)."""
         from runnerkit.serve.jobs import FINAL
 
+        state, queue = self.state, self.queue
         state.phase, state.error = "failed", line
         queue.dead = queue.dead or f"the parallel group ended: {line}"
         queue.close(cancel_running=False)
@@ -341,42 +392,68 @@ def serve(args: argparse.Namespace) -> int:
         if job is not None and job.status not in FINAL:  # its worker may be stuck in a collective (NCCL)
             job.completed_at, job.error = time.time(), f"RankFailed: {line}"
             job.status = "failed"
-        status["exit"] = 1
+        self.exit = 1
 
         def close_later() -> None:
-            time.sleep(args.drain_grace if state.runner is not None else 0.0)
-            server.should_exit = True
+            time.sleep(self.args.drain_grace if state.runner is not None else 0.0)
+            self.http.should_exit = True
 
         threading.Thread(target=close_later, name="runnerkit-group-failed", daemon=True).start()
 
-    stopping = threading.Event()
+    # ---- jobs, phases, failures ---------------------------------------------------------------------------------
+    def job_done(self, job: Any) -> None:
+        metrics, queue = self.state.metrics, self.queue
+        metrics.observe_job(job.status, job.profile)
+        metrics.queue_depth.set(queue.depth())
+        if queue.dead:
+            metrics.ready.set(0)
+            logger.error("runner died: {}; not ready any more", queue.dead)
 
-    def drain() -> None:
+    def set_phase(self, phase: str) -> None:
+        self.state.phase = phase
+        logger.info("phase: {}", phase)
+
+    def fail(self, phase: str, exc: BaseException, error_phase: Any = lambda e: None) -> None:
+        """Start-up failed in `phase` (or the phase `error_phase` finds in `exc`): reported, exit 2 for input
+        errors, else 1; the port closes."""
+        from runnerkit.cli_common import INPUT_ERRORS, report_failure
+
+        phase = error_phase(exc) or phase
+        self.state.phase, self.state.error = "failed", f"{phase} failed: {type(exc).__name__}: {exc}"
+        report_failure(f"{phase} failed", exc)
+        self.exit = 2 if isinstance(exc, INPUT_ERRORS) else 1
+        self.http.should_exit = True
+
+    # ---- shutdown -----------------------------------------------------------------------------------------------
+    def drain(self) -> None:
         """While HTTP still answers (readiness 503 `stopping`, job status and content served):
         cancel the queued jobs, finish or cancel the running one, then close the port."""
+        args, queue = self.args, self.queue
         cancel = args.on_shutdown == "cancel"
         queue.close(cancel_running=cancel)
-        w = worker.get("w")
+        w = self.worker
         if w is not None and w.is_alive():
             if queue.running is not None:
                 logger.info("shutting down: {} the running job {}", "cancelling" if cancel else "finishing",
                             queue.running.id)
             w.join()
-        if worker.get("leader") is not None:  # after the last job: the followers exit
-            worker["leader"].stop()
+        if self.leader is not None:  # after the last job: the followers exit
+            self.leader.stop()
         if args.drain_grace > 0:  # a client polling a job sees its final status before the port closes
             logger.info("jobs ended: answering status for {:g} s more (--drain_grace), then closing the port",
                         args.drain_grace)
             time.sleep(args.drain_grace)
-        server.should_exit = True
+        self.http.should_exit = True
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(self, signum: int, frame: Any) -> None:
+        """SIGTERM / SIGINT: the first drains (or exits 0 before serving); a second exits at once (128 + signum)."""
         name = signal.Signals(signum).name
-        if stopping.is_set():  # a second signal: stop waiting for the running job
+        if self.stopping.is_set():  # a second signal: stop waiting for the running job
             logger.warning("second {}: exiting now (status {})", name, 128 + signum)
             sys.stderr.flush()
             os._exit(128 + signum)
-        stopping.set()
+        self.stopping.set()
+        state = self.state
         if state.phase in ("starting", "loading", "warming_up", "waiting_for_ranks"):  # nothing served yet: abandon
             logger.info("{} during {}: stopped before serving", name, state.phase)
             sys.stderr.flush()
@@ -384,28 +461,7 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("{}: shutting down (not ready; queued jobs are cancelled)", name)
         state.phase = "stopping"
         state.metrics.ready.set(0)
-        threading.Thread(target=drain, name="runnerkit-drain", daemon=True).start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    loader = threading.Thread(target=load, name="runnerkit-loader", daemon=True)
-    loader.start()
-    try:
-        server.run()  # returns once drained after SIGTERM / Ctrl-C (on_signal), or when loading failed
-    except SystemExit:  # uvicorn exits when it cannot listen (it logged why)
-        pass
-    if status["exit"] and worker.get("leader") is not None:  # the job thread may wait in a collective on a dead rank
-        from runnerkit.parallel.driver import exit_now
-
-        with worker["leader"].group.output_lock:  # a job's files being written end first (the writer holds it)
-            exit_now(status["exit"])
-    if status["exit"]:
-        return status["exit"]
-    if not server.started:
-        logger.error("could not listen on {}:{} (in use, or not an address of this machine)", args.host, args.port)
-        return 1
-    logger.info("stopped")
-    return 0
+        threading.Thread(target=self.drain, name="runnerkit-drain", daemon=True).start()
 
 
 class _Server:
