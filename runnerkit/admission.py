@@ -8,8 +8,8 @@ is the same whatever the number of requests):
 
     rule       what it checks                                                      raises (the cause)
     fields     shape factors, image inputs, adapter files, result suffix, and the  ValueError naming the
-               family's own rules (`validate_request`; Wan i2v/flf2v and Qwen      field
-               edit add theirs as overrides)
+               family's own rules (`validate_request`; image-conditioned and edit  field
+               runners add theirs as overrides)
     outputs    every output path can be created and is written by one request     ConfigError (`claim`)
     writer     the media library for the result file (mp4 / png) is installed     ConfigError
     adapters   the request's LoRA adapters match the loaded transformer's layers  ValueError (LoRAError)
