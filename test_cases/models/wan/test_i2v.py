@@ -34,7 +34,7 @@ from runnerkit.models.wan.moe_checkpoint import write_synthetic_moe
 from runnerkit.registry import get_runner_cls
 from test_cases.conftest import tiny_config_dict, write_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = {"i2v": "wan_i2v_tiny.json", "flf2v": "wan_flf2v_tiny.json", "moe_i2v": "wan22_moe_i2v_tiny.json"}
 TASKS = list(CONFIGS)
 RUNNER_CLASSES = {"i2v": WanI2VRunner, "flf2v": WanFLF2VRunner, "moe_i2v": WanMoEI2VRunner}

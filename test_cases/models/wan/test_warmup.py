@@ -19,7 +19,7 @@ from runnerkit.runners.base import LifecycleError, error_phase
 from runnerkit.schedulers import SCHEDULERS
 from test_cases.conftest import tiny_config_dict
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def make_runner(ckpt: Path, cls: type[WanT2VRunner] = WanT2VRunner, **overrides: Any) -> WanT2VRunner:
