@@ -7,7 +7,7 @@ channels of `y`, the conditioning clip, CLIP tokens on one CFG branch only, the 
 a step, the initial noise) fails here; test_transformer_i2v.py and test_conditioning.py check the
 pieces one at a time.
 
-Setup, as test_pipeline_parity.py (the t2v parity test): tiny architectures of
+Setup, as _pipeline_parity.py (the t2v parity test): tiny architectures of
 configs/wan/*_tiny.json, float32, CPU; one synthetic diffusers-layout checkpoint written by
 runnerkit's own writer, read by runnerkit's loader on one side and by diffusers/transformers
 classes on the other; runnerkit runs with `scheduler_spacing` "diffusers"; the initial noise is
@@ -43,7 +43,7 @@ from runnerkit.models.wan.moe import WanMoERunner
 from runnerkit.models.wan.moe_checkpoint import write_synthetic_moe
 from runnerkit.registry import get_runner_cls
 from test_cases._reference import require_reference
-from test_cases.models.wan.test_pipeline_parity import _diffusers_model
+from test_cases.models.wan._pipeline_parity import _diffusers_model
 
 diffusers = require_reference("diffusers")
 transformers = require_reference("transformers")

@@ -84,7 +84,7 @@ def test_runner_matches_diffusers_wan_pipeline_with_transformer_2(moe_ckpts: dic
     low-noise steps of 6 on both sides."""
     diffusers = require_reference("diffusers")
     transformers = require_reference("transformers")
-    from test_cases.models.wan.test_pipeline_parity import _diffusers_model
+    from test_cases.models.wan._pipeline_parity import _diffusers_model
 
     ckpt, scheduler = moe_ckpts["diffusers"], "unipc"  # Wan2.2's sampler (Euler: wan2.1's parity test)
     runner = make_runner(ckpt, scheduler=scheduler, scheduler_spacing="diffusers", infer_steps=STEPS,
