@@ -77,8 +77,9 @@ class Family:
             without the fixed process overhead) >= measured; None: the family has no estimate
             (the test is skipped, naming why).
         estimate_loosest: the largest formula / measured ratio accepted (how tight the formula is).
-        parity: (tmp folder) -> None, the family's end-to-end parity check against its reference
-            package; None: no hook.
+        parity: (the test's pytest request, tmp folder) -> None, the family's end-to-end parity
+            check against its reference package (fixtures through `request.getfixturevalue`);
+            None: no hook.
         reference_package: the package `parity` needs (skipped without it unless
             RUNNERKIT_REQUIRE_REFERENCE=1).
     """
@@ -96,7 +97,7 @@ class Family:
     after_mode: Callable[[str, Any], None] | None = None
     estimate_request: RequestConfig | None = None
     estimate_loosest: float = 4.0
-    parity: Callable[[Path], None] | None = None
+    parity: Callable[[pytest.FixtureRequest, Path], None] | None = None
     reference_package: str | None = None
 
 
@@ -303,7 +304,7 @@ class FamilyContract:
 
 
     # 5. reference parity
-    def test_reference_parity(self, tmp_path: Path) -> None:
+    def test_reference_parity(self, request: pytest.FixtureRequest, tmp_path: Path) -> None:
         from test_cases._reference import require_reference
 
         family = self.family
@@ -311,7 +312,7 @@ class FamilyContract:
             pytest.skip(f"{family.name} gives no reference-parity hook")
         if family.reference_package is not None:
             require_reference(family.reference_package)
-        family.parity(tmp_path)
+        family.parity(request, tmp_path)
 
 
 def reference_outputs(family: Family, ckpt: Path, folder: Path) -> list[Outputs]:

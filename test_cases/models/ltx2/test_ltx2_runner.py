@@ -6,7 +6,8 @@ before anything loads; i2av keeps its first latent frame clean.
 
 One synthetic diffusers-layout checkpoint (seed 0, float32) is written per module and shared; the
 reference outputs come from a cold runner without offload. End-to-end parity with diffusers' chain
-(the cross attention, the generator hand-over, the upsampler's statistics): test_runner_parity.py.
+(the cross attention, the generator hand-over, the upsampler's statistics): test_runner_parity.py
+(t2av through the family contract's parity hook, i2av there).
 """
 
 from __future__ import annotations
@@ -272,10 +273,17 @@ def ltx2_after_mode(mode: str, runner: LTX2Runner) -> None:
         assert runner.streamer is not None and runner.streamer.stats()["disk_bytes_read"] > 0  # read from the file
 
 
+def ltx2_parity(request: pytest.FixtureRequest, folder: Path) -> None:
+    from test_cases.models.ltx2.test_runner_parity import check_t2av_parity  # needs diffusers
+
+    check_t2av_parity(folder, request.getfixturevalue("monkeypatch"))
+
+
 class TestFamilyContract(FamilyContract):
     """After warmup, LARGE and then SMALL equal the cold reference bit for bit (video and audio) in every
     mode: SMALL, served after another request, equals SMALL in a fresh runner; the request boundary after
-    each request; the warmup gates; the CPU estimate (test_cases/family_contract.py)."""
+    each request; the warmup gates; the CPU estimate; t2av parity with diffusers' two-stage chain
+    (test_cases/family_contract.py)."""
 
     family = Family(
         name="ltx2 t2av", runner_cls=LTX2Runner, checkpoint="checkpoint",
@@ -285,7 +293,7 @@ class TestFamilyContract(FamilyContract):
         # the configs' default shape; formula / measured: 0.998 here (16.94 / 16.97 MiB, the VAE decoder:
         # inside fit.MARGIN), 1.25 at SMALL (8.81 / 7.04 MiB, the text encoder)
         estimate_request=LARGE.model_copy(update={"target_height": 128, "target_width": 192, "target_video_length": 17}),
-        estimate_loosest=1.5)
+        estimate_loosest=1.5, parity=ltx2_parity, reference_package="diffusers")
 
     @pytest.fixture(scope="class")
     def family_reference(self, reference: Reference) -> list[Outputs]:

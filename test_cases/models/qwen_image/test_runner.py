@@ -79,15 +79,22 @@ def qwen_boundary(runner: QwenImageRunner) -> None:
     assert vae is None or vae.feature_cache is None
 
 
+def qwen_parity(request: pytest.FixtureRequest, folder: Path) -> None:
+    from test_cases.models.qwen_image.test_pipeline_parity import check_t2i_parity  # needs diffusers
+
+    check_t2i_parity(request.getfixturevalue("qwen_diffusers_ckpts"), folder)
+
+
 class TestFamilyContract(FamilyContract):
     """t2i: every mode of MODES bit-identical to `none` with and without warmup, the request boundary
-    after each request, the warmup gates (test_cases/family_contract.py)."""
+    after each request, the warmup gates, parity with diffusers' QwenImagePipeline
+    (test_cases/family_contract.py)."""
 
     family = Family(
         name="qwen_image t2i", runner_cls=QwenImageRunner, checkpoint="qwen_t2i_ckpt",
         config=lambda ckpt, **overrides: qwen_config_dict(T2I_CONFIG, ckpt, **overrides),
         requests=tuple(T2I_REQUESTS), outputs=("image",), modes=MODES, boundary=qwen_boundary,
-        shapes=({"image": (3, 48, 80)}, {"image": (3, 32, 32)}))
+        shapes=({"image": (3, 48, 80)}, {"image": (3, 32, 32)}), parity=qwen_parity, reference_package="diffusers")
 
     @pytest.fixture(scope="class")
     def family_reference(self, t2i_reference: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -84,7 +84,7 @@ def wan_boundary(runner: WanT2VRunner) -> None:
     assert runner.vae is None or runner.vae.feature_cache is None
 
 
-def wan_parity(folder: Path) -> None:
+def wan_parity(request: pytest.FixtureRequest, folder: Path) -> None:
     from test_cases.models.wan._pipeline_parity import check_parity  # needs diffusers: imported here
 
     check_parity(folder)
