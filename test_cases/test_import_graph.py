@@ -1,11 +1,12 @@
-"""The package's import graph has no cycle (issue 19, structure).
+"""The package's import graph has no cycle, and no family imports another (structure).
 
 Every module under runnerkit/ is parsed with `ast` (nothing is imported), and each import of a
 runnerkit module becomes an edge: module-level and function-level imports alike (a function-level
 import is still a dependency: the launch script and the server took names from each other that
 way), absolute and relative. Left out: imports under `if TYPE_CHECKING:` (never run) and the
 implicit import of a parent package (`runnerkit.offload/__init__` re-exports its children, which
-Python runs first without a cycle).
+Python runs first without a cycle). The family check counts `if TYPE_CHECKING:` imports too: a
+family that names another's types still depends on it.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement of `tree` that can run (any depth; `if TYPE_CHECKING:` bodies skipped)."""
+def _imports(tree: ast.AST, type_checking: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of `tree` that can run (any depth; `if TYPE_CHECKING:` bodies skipped
+    unless `type_checking`)."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
             for child in node.orelse:
                 visit(child)
             return
@@ -52,14 +54,15 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """runnerkit module -> the runnerkit modules it imports."""
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+    """runnerkit module -> the runnerkit modules it imports (also under `if TYPE_CHECKING:` when
+    `type_checking`)."""
     modules = package_modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
         targets: set[str] = set()
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)), type_checking):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
                 continue
@@ -123,6 +126,18 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+def family_of(module: str) -> str | None:
+    """The family folder a module belongs to (`runnerkit.models.<family>...`), or None for the core."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["runnerkit", "models"] else None
+
+
+def cross_family_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge `a -> b` where `a` and `b` belong to different families, sorted."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if family_of(a) and family_of(b) and family_of(a) != family_of(b))
+
+
 def test_the_package_imports_form_no_cycle() -> None:
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
@@ -144,3 +159,21 @@ def test_find_cycle_names_the_modules_of_a_cycle() -> None:
     two = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}}
     assert find_cycles(two) == [["a", "b", "a"], ["c", "d", "e", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_family_imports_another_family() -> None:
+    """Families share through the core (runnerkit/arch.py, rope.py, nets/, ...), never with each other."""
+    graph = import_graph(type_checking=True)
+    assert {family_of(m) for m in graph} >= {None, "wan", "qwen_image", "ltx2"}  # the scan sees every family
+    offenders = cross_family_imports(graph)
+    assert offenders == [], "a family imports another family's module:\n" + "\n".join(offenders)
+
+
+def test_cross_family_imports_names_each_offending_edge() -> None:
+    graph = {"runnerkit.models.x.runner": {"runnerkit.models.y.vae", "runnerkit.models.x.arch", "runnerkit.arch"},
+             "runnerkit.models.y.vae": {"runnerkit.nets.causal_vae3d"}, "runnerkit.models.x.arch": set(),
+             "runnerkit.registry": {"runnerkit.models.x.runner"}, "runnerkit.models": set()}
+    assert cross_family_imports(graph) == ["runnerkit.models.x.runner -> runnerkit.models.y.vae"]
+    assert family_of("runnerkit.models") is None and family_of("runnerkit.models.x") == "x"
+    typed = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from runnerkit.models.y import vae\n")
+    assert [len(_imports(typed, type_checking=t)) for t in (False, True)] == [1, 2]  # the family check sees it

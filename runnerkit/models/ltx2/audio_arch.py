@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
-from runnerkit.models.wan.arch import _Arch
+from runnerkit.arch import Arch
 
 LATENT_DOWNSAMPLE = 4
 """Audio VAE compression of time (mel frames) and of mel bins (diffusers `LATENT_DOWNSAMPLE_FACTOR`)."""
@@ -34,7 +34,7 @@ def _checked_fields(config: dict[str, Any], known: set[str], ignored: set[str], 
     return {k: (tuple(v) if isinstance(v, list) else v) for k, v in config.items() if k in known}
 
 
-class LTX2AudioVAEArch(_Arch):
+class LTX2AudioVAEArch(Arch):
     """Decoder half of diffusers' `AutoencoderKLLTX2Audio`; defaults are the LTX-2 / LTX-2.3 release."""
 
     base_channels: int = Field(128, gt=0, description="Channels of the first (finest) level; also the length "
@@ -98,7 +98,7 @@ class LTX2AudioVAEArch(_Arch):
 ActFn = Literal["leaky_relu", "snake", "snakebeta"]
 
 
-class LTX2VocoderArch(_Arch):
+class LTX2VocoderArch(Arch):
     """A mel -> waveform generator (diffusers `LTX2Vocoder`); defaults are the LTX-2 (19B) release vocoder."""
 
     in_channels: int = Field(128, gt=0, description="Mel features per frame: spectrogram channels x mel bins.")
@@ -150,7 +150,7 @@ class LTX2VocoderArch(_Arch):
         return cls.model_validate(_checked_fields(config, set(cls.model_fields), set(), "vocoder"), strict=False)
 
 
-class LTX2VocoderBWEArch(_Arch):
+class LTX2VocoderBWEArch(Arch):
     """Vocoder then bandwidth extender (diffusers `LTX2VocoderWithBWE`); defaults are the LTX-2.3 release.
 
     The first vocoder makes a 16 kHz waveform, whose log-mel spectrogram (causal STFT, `hop_length`)

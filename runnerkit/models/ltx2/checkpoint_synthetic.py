@@ -26,12 +26,12 @@ import torch
 from safetensors.torch import save_file
 
 from runnerkit import synthetic
+from runnerkit.debug_tokenizer import write_debug_tokenizer
 from runnerkit.files import give_default_mode
 from runnerkit.models.ltx2 import checkpoint_keys as ck
 from runnerkit.models.ltx2.arch import COMPONENTS, LTX2Arch
 from runnerkit.models.ltx2.checkpoint import DIFFUSERS_STEM, SCALE_SUFFIX, UNUSED_SCALE_SUFFIX, network_factory
 from runnerkit.models.ltx2.transformer import keep_fp32
-from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.offload.layout import quantize_fp8_e4m3
 from runnerkit.weights import build_on_meta, synthetic_tensor
 

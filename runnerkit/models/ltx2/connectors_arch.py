@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
+from runnerkit.arch import Arch
 from runnerkit.models.ltx2.audio_arch import _checked_fields
-from runnerkit.models.wan.arch import _Arch
 
 
-class LTX2ConnectorsArch(_Arch):
+class LTX2ConnectorsArch(Arch):
     """diffusers `LTX2TextConnectors`; defaults are the LTX-2 (19B) release."""
 
     caption_channels: int = Field(3840, gt=0, description="Hidden size of the text encoder (Gemma-3 12B: 3840).")

@@ -13,16 +13,17 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
+from runnerkit.arch import Arch
 from runnerkit.models.qwen_image.text_encoder import QwenVLArch
-from runnerkit.models.wan.arch import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, WanVAEArch, _Arch
+from runnerkit.nets.causal_vae3d_arch import RELEASE_LATENTS_MEAN, RELEASE_LATENTS_STD, CausalVAE3DArch
 
 # Per-channel latent statistics of the Qwen-Image VAE (diffusers `AutoencoderKLQwenImage` defaults,
 # the values of `Qwen/Qwen-Image` `vae/config.json`): the same numbers as Wan2.1's.
-QWEN_LATENTS_MEAN: tuple[float, ...] = WAN21_LATENTS_MEAN
-QWEN_LATENTS_STD: tuple[float, ...] = WAN21_LATENTS_STD
+QWEN_LATENTS_MEAN: tuple[float, ...] = RELEASE_LATENTS_MEAN
+QWEN_LATENTS_STD: tuple[float, ...] = RELEASE_LATENTS_STD
 
 
-class QwenImageTransformerArch(_Arch):
+class QwenImageTransformerArch(Arch):
     """Qwen-Image dual-stream MMDiT (diffusers `QwenImageTransformer2DModel`); defaults are the 20B model."""
 
     patch_size: int = Field(2, gt=0, description="Spatial patch of the latents (2x2).")
@@ -56,14 +57,14 @@ class QwenImageTransformerArch(_Arch):
         return self
 
 
-class QwenImageVAEArch(WanVAEArch):
+class QwenImageVAEArch(CausalVAE3DArch):
     """Qwen-Image VAE: the Wan2.1 causal 3D VAE architecture with Qwen-Image's weights and latent statistics."""
 
     latents_mean: tuple[float, ...] = Field(QWEN_LATENTS_MEAN, strict=False, description="Per-channel latent mean.")
     latents_std: tuple[float, ...] = Field(QWEN_LATENTS_STD, strict=False, description="Per-channel latent std.")
 
 
-class QwenEditArch(_Arch):
+class QwenEditArch(Arch):
     """How an image-editing checkpoint conditions on its reference images (diffusers
     `QwenImageEditPipeline` / `QwenImageEditPlusPipeline`)."""
 
@@ -82,7 +83,7 @@ class QwenEditArch(_Arch):
         return self
 
 
-class QwenImageArch(_Arch):
+class QwenImageArch(Arch):
     """The networks of a Qwen-Image pipeline and, for the editing releases, how they take references."""
 
     transformer: QwenImageTransformerArch = QwenImageTransformerArch()

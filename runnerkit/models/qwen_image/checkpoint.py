@@ -38,7 +38,7 @@ from runnerkit.models.qwen_image.tokenizer_files import write_tiny_processor, wr
 from runnerkit.models.qwen_image.arch import QwenEditArch, QwenImageArch, QwenImageTransformerArch
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D
 from runnerkit.models.qwen_image.transformer import keep_fp32 as transformer_fp32
-from runnerkit.models.wan.vae import WanVAE
+from runnerkit.nets.causal_vae3d import CausalVAE3D
 from runnerkit.weights import (
     CheckpointError,
     TensorInfo,
@@ -250,7 +250,7 @@ class QwenCheckpoint:
 def expected_shapes(arch: QwenImageArch) -> dict[str, dict[str, torch.Tensor]]:
     """Meta tensors (names and shapes) of the transformer and the VAE of `arch`."""
     return {"transformer": build_on_meta(lambda: QwenImageTransformer2D(arch.transformer)).state_dict(),
-            "vae": build_on_meta(lambda: WanVAE(arch.vae)).state_dict()}
+            "vae": build_on_meta(lambda: CausalVAE3D(arch.vae)).state_dict()}
 
 
 # ---- writing synthetic checkpoints ----------------------------------------------------------------

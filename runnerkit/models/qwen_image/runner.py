@@ -29,8 +29,8 @@ from runnerkit.models.qwen_image.latents import pack_latents, true_cfg, unpack_l
 from runnerkit.models.qwen_image.scheduler import QwenImageScheduler, QwenSchedulerConfig, check_steps
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D, keep_fp32
 from runnerkit.models.qwen_image.vae import build_qwen_vae, decode_latents
-from runnerkit.models.wan.vae import WanVAE
 from runnerkit.lora import linear_targets
+from runnerkit.nets.causal_vae3d import CausalVAE3D as WanVAE  # the shared network (Wan2.1's VAE)
 from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner

@@ -25,9 +25,9 @@ from loguru import logger
 from pydantic import Field, ValidationInfo, model_validator
 from torch import nn
 
+from runnerkit.arch import Arch
 from runnerkit.config import OffloadConfig
 from runnerkit.models.qwen_image.tokenizer_files import TINY_SPECIAL_IDS, TINY_VOCAB_SIZE
-from runnerkit.models.wan.arch import _Arch
 from runnerkit.offload.encoders import KeyRules, hf_skeleton, prefixed_key_map, stream_from_files
 from runnerkit.offload.layout import StreamSpec
 from runnerkit.offload.streamer import BlockStreamer
@@ -69,7 +69,7 @@ VL_AREA: dict[str, int] = {"edit": 1024 * 1024, "edit_plus": 384 * 384}
 (diffusers `CONDITION_IMAGE_SIZE`)."""
 
 
-class QwenVLArch(_Arch):
+class QwenVLArch(Arch):
     """Qwen2.5-VL (text decoder + vision tower); defaults are Qwen2.5-VL-7B-Instruct, as in
     `Qwen/Qwen-Image` `text_encoder/config.json`."""
 

@@ -41,9 +41,9 @@ from torch import Tensor, nn
 from runnerkit.attention import AttentionUser
 from runnerkit.fused import linear_gelu_tanh
 from runnerkit.models.qwen_image.arch import QwenImageTransformerArch
-from runnerkit.models.wan.transformer import apply_rope
 from runnerkit.offload.layout import StreamSpec
 from runnerkit.parallel.sequence import ShardsSequence
+from runnerkit.rope import apply_rope
 
 ROPE_THETA = 10000.0
 ROPE_MAX_POSITIONS = 4096

@@ -3,8 +3,8 @@
 Source: diffusers 0.42.1 `AutoencoderKLQwenImage` (models/autoencoders/autoencoder_kl_qwenimage.py)
 is the Wan2.1 VAE with Qwen-Image's weights: same modules, same parameter names and shapes as
 `AutoencoderKLWan` (Wan2.1, non-residual; checked by test_cases/models/qwen_image/
-test_vae_scheduler.py), so the network is `runnerkit.models.wan.vae.WanVAE` and the key converters are
-Wan's. What differs is the config (`input_channels` instead of `in_channels` / `out_channels`, no
+test_vae_scheduler.py), so the network is the shared `runnerkit.nets.causal_vae3d.CausalVAE3D` and the
+key converters are its. What differs is the config (`input_channels` instead of `in_channels` / `out_channels`, no
 `scale_factor_*`, no `is_residual`) and how the Qwen-Image pipelines use it on images:
 
 - encode (`QwenImageEditPipeline` / `QwenImageEditPlusPipeline._encode_vae_image`): posterior mean
@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from runnerkit.models.qwen_image.arch import QwenImageVAEArch
-from runnerkit.models.wan import vae as wan_vae
-from runnerkit.models.wan.vae import WanVAE, build_wan_vae, check_arch
+from runnerkit.nets import causal_vae3d
+from runnerkit.nets.causal_vae3d import CausalVAE3D, build_causal_vae3d, check_arch
 
 __all__ = ["arch_from_diffusers_config", "arch_to_diffusers_config", "build_qwen_vae", "decode_latents",
            "diffusers_to_native", "encode_image", "native_to_diffusers"]
@@ -30,7 +30,7 @@ __all__ = ["arch_from_diffusers_config", "arch_to_diffusers_config", "build_qwen
 DIFFUSERS_CLASS = "AutoencoderKLQwenImage"
 
 # diffusers `AutoencoderKLQwenImage` config key -> `QwenImageVAEArch` field: AutoencoderKLWan's keys.
-_CONFIG_FIELDS = wan_vae.DIFFUSERS_CONFIG_FIELDS
+_CONFIG_FIELDS = causal_vae3d.DIFFUSERS_CONFIG_FIELDS
 # Keys with no arch field: accepted when their value is one this VAE runs. `dropout` only acts
 # in training, so any value in [0, 1) is accepted and ignored.
 _CONFIG_CHECKED = ("dropout", "input_channels")
@@ -48,7 +48,7 @@ def arch_from_diffusers_config(config: dict[str, Any]) -> QwenImageVAEArch:
         ValueError: naming the key: an unknown key; `_class_name` other than
             'AutoencoderKLQwenImage'; `input_channels` other than 3; `dropout` outside [0, 1);
             a value `QwenImageVAEArch` refuses (lengths of `latents_mean` / `latents_std` /
-            `temperal_downsample`); or one `WanVAE` cannot run (non-empty `attn_scales`, a
+            `temperal_downsample`); or one `CausalVAE3D` cannot run (non-empty `attn_scales`, a
             temporal compression other than 4, a non-positive `latents_std`).
     """
     known = {*_CONFIG_FIELDS, *_CONFIG_CHECKED}
@@ -77,7 +77,7 @@ def arch_to_diffusers_config(arch: QwenImageVAEArch) -> dict[str, Any]:
     `AutoencoderKLQwenImage(**config)` builds the same network; `_class_name` is included.
 
     Raises:
-        ValueError / NotImplementedError: as `check_arch`, for an arch `WanVAE` cannot run.
+        ValueError / NotImplementedError: as `check_arch`, for an arch `CausalVAE3D` cannot run.
     """
     check_arch(arch)
     config: dict[str, Any] = {"_class_name": DIFFUSERS_CLASS}
@@ -92,50 +92,50 @@ def arch_to_diffusers_config(arch: QwenImageVAEArch) -> dict[str, Any]:
 # ---- weights -----------------------------------------------------------------------------
 
 def diffusers_to_native(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename an `AutoencoderKLQwenImage` state dict to runnerkit's Wan2.1 VAE names (tensors shared).
+    """Rename an `AutoencoderKLQwenImage` state dict to the shared VAE's native names (tensors shared).
 
     The parameter names of `AutoencoderKLQwenImage` equal those of `AutoencoderKLWan` (Wan2.1),
-    so this is Wan's converter.
+    so this is the shared VAE's converter.
 
     Raises:
-        CheckpointError: listing the keys that are not such names (the message names the Wan layout).
+        CheckpointError: listing the keys that are not such names (the message names the AutoencoderKLWan layout).
     """
-    return wan_vae.diffusers_to_native(state_dict)
+    return causal_vae3d.diffusers_to_native(state_dict)
 
 
 def native_to_diffusers(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename a runnerkit Wan2.1 VAE state dict to `AutoencoderKLQwenImage` names (tensors shared).
+    """Rename a state dict in the shared VAE's native names to `AutoencoderKLQwenImage` names (tensors shared).
 
     Raises:
-        CheckpointError: listing the keys that are not Wan2.1 VAE names.
+        CheckpointError: listing the keys that are not native names of the shared VAE.
     """
-    return wan_vae.native_to_diffusers(state_dict)
+    return causal_vae3d.native_to_diffusers(state_dict)
 
 
 def build_qwen_vae(arch: QwenImageVAEArch, state_dict_native: dict[str, Tensor],
-                   dtype: torch.dtype = torch.float32) -> WanVAE:
+                   dtype: torch.dtype = torch.float32) -> CausalVAE3D:
     """Build the Qwen-Image VAE on the meta device and load `state_dict_native` strictly.
 
     Args:
         arch: the architecture (its `latents_mean` / `latents_std` are the normalisation
             statistics `encode_image` / `decode_latents` apply).
-        state_dict_native: runnerkit Wan2.1 VAE names (convert diffusers weights with
+        state_dict_native: the shared VAE's native names (convert diffusers weights with
             `diffusers_to_native`).
         dtype: weight dtype (float32 or bfloat16).
 
     Raises:
         CheckpointError: listing missing / unexpected keys or shape mismatches.
     """
-    return build_wan_vae(arch, state_dict_native, dtype=dtype)
+    return build_causal_vae3d(arch, state_dict_native, dtype=dtype)
 
 
 # ---- images <-> normalised latents --------------------------------------------------------
 
-def encode_image(vae: WanVAE, image: Tensor) -> Tensor:
+def encode_image(vae: CausalVAE3D, image: Tensor) -> Tensor:
     """Normalised latents of a reference image, as the Qwen-Image Edit / Edit-Plus pipelines compute them.
 
     Posterior mean (nothing sampled), then `(z - mean) / std` per channel in float32: that is
-    `WanVAE.encode` on a one-frame video, so the statistics are applied once, here.
+    `CausalVAE3D.encode` on a one-frame video, so the statistics are applied once, here.
 
     Args:
         image: [B, 3, H, W] in [-1, 1], H and W multiples of 8 (the Edit pipelines resize to
@@ -153,12 +153,12 @@ def encode_image(vae: WanVAE, image: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def decode_latents(vae: WanVAE, latents: Tensor) -> Tensor:
+def decode_latents(vae: CausalVAE3D, latents: Tensor) -> Tensor:
     """Decode normalised latents to images, as `QwenImagePipeline` does after the denoising loop.
 
     Order of diffusers' pipeline: cast the latents to the VAE's dtype, de-normalise in that
     dtype as `z / (1 / std) + mean`, decode, keep frame 0. The clamp to [-1, 1] happens inside
-    the VAE decode (`WanVAE.decode_raw`, as `AutoencoderKLQwenImage._decode`); diffusers'
+    the VAE decode (`CausalVAE3D.decode_raw`, as `AutoencoderKLQwenImage._decode`); diffusers'
     `image_processor.postprocess` then maps to [0, 1] with `(x / 2 + 0.5).clamp(0, 1)`, which is
     the caller's job here.
 

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import Field, ValidationInfo, model_validator
+
+from runnerkit.arch import Arch
+from runnerkit.nets.causal_vae3d_arch import RELEASE_LATENTS_MEAN, RELEASE_LATENTS_STD, CausalVAE3DArch
 
 # Per-channel statistics of the Wan2.1 VAE latent space (Wan2.1 `wan/modules/vae.py`, WanVAE).
-WAN21_LATENTS_MEAN: tuple[float, ...] = (
-    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
-)
-WAN21_LATENTS_STD: tuple[float, ...] = (
-    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
-)
+WAN21_LATENTS_MEAN: tuple[float, ...] = RELEASE_LATENTS_MEAN
+WAN21_LATENTS_STD: tuple[float, ...] = RELEASE_LATENTS_STD
 
 WAN_CLIP_DIM = 1280
 """Width of the CLIP ViT-H/14 image features that condition the i2v / flf2v transformers."""
@@ -28,19 +25,7 @@ WAN_CLIP_TOKENS = 257
 """CLIP tokens per image: the class token and 16 x 16 patches of 14 pixels (224 x 224 input)."""
 
 
-class _Arch(BaseModel):
-    # strict: "64" is not an int, true is not a layer count; JSON lists still fill tuple fields
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
-
-    def _check(self, info: ValidationInfo, *fields: str) -> bool:
-        """Whether to check a rule between `fields`: always for a whole architecture; for a partial
-        override (validation context {"partial": True}) only if it gives every one of them (the
-        others come from the checkpoint and are checked after merging)."""
-        partial = bool(info.context and info.context.get("partial"))
-        return not partial or set(fields) <= self.model_fields_set
-
-
-class WanTransformerArch(_Arch):
+class WanTransformerArch(Arch):
     """Wan2.1 diffusion transformer (`WanModel`); defaults are the 1.3B model."""
 
     model_type: Literal["t2v", "i2v", "flf2v"] = Field("t2v", description="Task family of the weights.")
@@ -81,7 +66,7 @@ class WanTransformerArch(_Arch):
         return self
 
 
-class CLIPVisionArch(_Arch):
+class CLIPVisionArch(Arch):
     """CLIP vision tower as Wan2.1 i2v / flf2v use it (open-clip xlm-roberta-large ViT-huge-14, visual
     part: pre-norm, exact GELU, class token); defaults are the released ViT-H/14."""
 
@@ -102,7 +87,7 @@ class CLIPVisionArch(_Arch):
         return self
 
 
-class UMT5Arch(_Arch):
+class UMT5Arch(Arch):
     """UMT5 encoder as Wan uses it (`umt5-xxl` encoder only); defaults are umt5-xxl."""
 
     vocab_size: int = Field(256384, gt=0)
@@ -123,30 +108,12 @@ class UMT5Arch(_Arch):
         return self
 
 
-class WanVAEArch(_Arch):
-    """Wan2.1 causal 3D VAE (`WanVAE_`); defaults are the released Wan2.1 VAE."""
-
-    dim: int = Field(96, gt=0, description="Base channel count.")
-    z_dim: int = Field(16, gt=0, description="Latent channels.")
-    dim_mult: tuple[int, ...] = Field((1, 2, 4, 4), strict=False, description="Channel multipliers per level.")
-    num_res_blocks: int = Field(2, gt=0)
-    attn_scales: tuple[float, ...] = Field((), strict=False, description="Scales with an attention block (Wan2.1: none).")
-    temporal_downsample: tuple[bool, ...] = Field((False, True, True), strict=False, description="Levels that halve time.")
-    latents_mean: tuple[float, ...] = Field(WAN21_LATENTS_MEAN, strict=False, description="Per-channel latent mean.")
-    latents_std: tuple[float, ...] = Field(WAN21_LATENTS_STD, strict=False, description="Per-channel latent std.")
-
-    @model_validator(mode="after")
-    def _consistent_levels(self, info: ValidationInfo) -> WanVAEArch:
-        if self._check(info, "temporal_downsample", "dim_mult") and len(self.temporal_downsample) != len(self.dim_mult) - 1:
-            raise ValueError(f"`temporal_downsample` needs one entry per downsampling level, "
-                             f"len(`dim_mult`) - 1 = {len(self.dim_mult) - 1} (got {len(self.temporal_downsample)})")
-        for name in ("latents_mean", "latents_std"):
-            if self._check(info, name, "z_dim") and len(getattr(self, name)) != self.z_dim:
-                raise ValueError(f"`{name}` needs `z_dim`={self.z_dim} values (got {len(getattr(self, name))})")
-        return self
+WanVAEArch = CausalVAE3DArch
+"""Wan2.1 causal 3D VAE (`WanVAE_`): the shared network's architecture (runnerkit/nets/), whose
+defaults are the released Wan2.1 VAE."""
 
 
-class WanArch(_Arch):
+class WanArch(Arch):
     """The networks of a Wan pipeline: text encoder, transformer, VAE and, for the transformers
     with image cross-attention (Wan2.1 i2v / flf2v), the CLIP image encoder."""
 

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from runnerkit import synthetic
 from runnerkit.config import format_validation_error
+from runnerkit.debug_tokenizer import write_debug_tokenizer
 from runnerkit.files import give_default_mode, write_error_reason
 from runnerkit.models.wan import clip_keys as ck
 from runnerkit.models.wan import text_encoder as te
@@ -46,7 +47,6 @@ from runnerkit.models.wan import vae as vae_mod
 from runnerkit.models.wan.arch import CLIPVisionArch, UMT5Arch, WanArch, WanTransformerArch, WanVAEArch
 from runnerkit.models.wan.clip import CLIPVisionEncoder
 from runnerkit.models.wan.scheduler_config import write_scheduler_config
-from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D
 from runnerkit.weights import (
     CheckpointError,

@@ -1,7 +1,7 @@
 """Peak memory of a Wan2.1 text-to-video request, from the architecture and the request shape.
 
 Every formula counts the tensors that are alive at once in this package's own forward code
-(transformer.py, text_encoder.py, vae.py / vae_blocks.py / vae_tiling.py), read line by line:
+(transformer.py, text_encoder.py, nets/causal_vae3d*.py / vae_tiling.py), read line by line:
 an argument stays alive for the length of the call it is passed to, a local until it is
 rebound, and `a * b + c` keeps one temporary at a time. Kernel workspaces are from measurement
 (CPU, torch 2.13) or bounded (CUDA). `test_cases/models/wan/test_estimate.py` checks each
@@ -49,7 +49,7 @@ im2col buffer (C_in * k^3 x output positions) of the slow kernels PyTorch picks 
 N * C * T * H <= 20480 (measured: `slow_conv3d_forward`, `_slow_conv2d_forward`), else the
 oneDNN reorder of input and weights (measured <= input + weights + half the larger of input and
 output); on CUDA 2 x input + weights (cuDNN picks its algorithm and workspace at run time; the
-bound is calibrated on the H200 runs, see CUDA_CONV_WORKSPACE_INPUTS). With
+bound is calibrated on the H200 runs, see runners/estimate_parts.py). With
 `offload.vae_tiling`, the same for one tile (all frames), plus the full video accumulator,
 its weight map and the final division. Decode ends with the concatenation: 2 x the video.
 """
@@ -72,57 +72,15 @@ from runnerkit.models.wan.clip import CLIPVisionEncoder
 from runnerkit.models.wan.clip import keep_fp32 as clip_keep_fp32
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE
-from runnerkit.models.wan.vae_blocks import AttentionBlock, CausalConv3d, Decoder3d, Resample, ResidualBlock
+from runnerkit.nets.causal_vae3d_blocks import AttentionBlock, CausalConv3d, Decoder3d, Resample, ResidualBlock
+from runnerkit.runners.estimate_parts import F32, conv_workspace, sdpa_workspace
 from runnerkit.runners.fit import Hint, MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import build_on_meta
 
-F32 = 4
 #: Latent-size float32 tensors the scheduler and the CFG combine keep during a step (latents,
 #: UniPC's two model outputs and last sample, the noise prediction, the combine's temporaries).
 SCHEDULER_LATENT_COPIES = 8
-#: PyTorch's CPU convolution dispatch (float32, kernels <= 3): oneDNN when N*C*T*H (5-D input) or
-#: N*C*H*W (4-D) exceeds this, else the slow im2col kernels (measured with torch 2.13).
-CPU_MKLDNN_MIN_ELEMENTS = 20480
-#: cuDNN's workspace is chosen at run time; bounded by this many copies of the convolution's input
-#: (+ its weights). Calibrated on the H200 runs of bench/results (Wan2.1 1.3B at 480x832x81: the VAE
-#: decode peaks 9.68 GiB above the weights, cold_start_h200.md: 23.41 - 13.73 GiB); checked by
-#: bench/estimate_vs_peak.py.
-CUDA_CONV_WORKSPACE_INPUTS = 2
-#: Tiles of the CPU flash-attention kernel: query and key/value block sizes (upper bounds).
-CPU_SDPA_Q_SPLIT, CPU_SDPA_KV_SPLIT = 256, 512
-
-
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
-
-
-def sdpa_workspace(device_type: str, heads: int, q_len: int, head_dim: int, s: int) -> int:
-    """Bytes the fused attention kernel allocates besides its output.
-
-    CPU (`_scaled_dot_product_flash_attention_for_cpu`): per thread a 256 x 512 float32 score tile
-    (plus one in the compute dtype when it is not float32) and a 256 x head_dim output tile.
-    CUDA (flash / memory-efficient): the float32 log-sum-exp [heads, q_len].
-    """
-    if device_type == "cpu":
-        scores = CPU_SDPA_Q_SPLIT * CPU_SDPA_KV_SPLIT * (F32 + (s if s != F32 else 0))
-        return _threads() * (scores + CPU_SDPA_Q_SPLIT * (head_dim + 2) * F32)
-    return 2 * heads * q_len * F32
-
-
-def conv_workspace(device_type: str, in_shape: tuple[int, ...], in_bytes: int, out_positions: int, kernel_numel: int,
-                   weight_bytes: int, out_bytes: int, e: int = F32) -> int:
-    """Workspace of one convolution (see the module docstring for the sources).
-
-    Args:
-        in_shape: the (padded) input's shape, [N, C, T, H, W] or [N, C, H, W].
-        in_bytes: its bytes; out_positions: N x output positions; kernel_numel: k_t*k_h*k_w.
-    """
-    if device_type == "cpu":
-        if math.prod(in_shape[:4]) <= CPU_MKLDNN_MIN_ELEMENTS:
-            return in_shape[1] * kernel_numel * out_positions * e  # im2col columns
-        return in_bytes + weight_bytes + max(in_bytes, out_bytes) // 2
-    return CUDA_CONV_WORKSPACE_INPUTS * in_bytes + weight_bytes
 
 
 # ---- transformer ------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from runnerkit.fused import TanhGELUMLP
 from runnerkit.models.wan.arch import WAN_CLIP_DIM, WAN_CLIP_TOKENS, WanTransformerArch
 from runnerkit.offload.layout import StreamSpec
 from runnerkit.parallel.sequence import ShardsSequence
+from runnerkit.rope import apply_rope
 
 ROPE_THETA = 10000.0
 ROPE_MAX_POSITIONS = 1024  # positions per axis (frames, height, width), as in Wan
@@ -81,22 +82,6 @@ def rope_axis_dims(head_dim: int) -> tuple[int, int, int]:
     """Channels of one head given to the (frame, height, width) RoPE axes, as Wan splits them."""
     hw = 2 * (head_dim // 6)
     return head_dim - 2 * hw, hw, hw
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate adjacent channel pairs (x[2i], x[2i+1]) by the RoPE angle of their position.
-
-    Args:
-        x: [B, L, N, d] queries or keys (any float dtype).
-        cos, sin: [L, 1, d/2] float32.
-
-    Returns:
-        [B, L, N, d] float32 (the caller casts to its matmul dtype).
-    """
-    pairs = x.float().unflatten(-1, (-1, 2))  # [B, L, N, d/2, 2]
-    x0, x1 = pairs.unbind(-1)  # each [B, L, N, d/2]
-    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)  # [B, L, N, d/2, 2]
-    return rotated.flatten(-2)  # [B, L, N, d]
 
 
 class WanRMSNorm(nn.Module):

@@ -6,7 +6,8 @@ before anything loads; i2av keeps its first latent frame clean.
 
 One synthetic diffusers-layout checkpoint (seed 0, float32) is written per module and shared; the
 reference outputs come from a cold runner without offload. End-to-end parity with diffusers' chain
-(the cross attention, the generator hand-over, the upsampler's statistics): test_runner_parity.py.
+(the cross attention, the generator hand-over, the upsampler's statistics): test_runner_parity.py
+(t2av through the family contract's parity hook, i2av there).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FI
 from runnerkit.models.ltx2.runner import LTX2Runner
 from runnerkit.offload import disk
 from runnerkit.weights import safetensors_infos
+from test_cases.family_contract import Family, FamilyContract
 from test_cases.offload._handles import HandleSampler, open_fds
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"
@@ -75,10 +77,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_ltx2(tiny_arch(), tmp_path_factory.mktemp("ltx2") / "diffusers", SEED, torch.float32)
 
 
-def make_runner(task: str, **overrides: Any) -> LTX2Runner:
+def config_dict(task: str, **overrides: Any) -> dict[str, Any]:
     """The tiny config of `task` on the CPU with `overrides` (a None value removes the key)."""
     data = {**json.loads((CONFIGS / f"ltx2_{task}_tiny.json").read_text()), "device": "cpu", **overrides}
-    return LTX2Runner(load_runner_config(None, {k: v for k, v in data.items() if v is not None}))
+    return {k: v for k, v in data.items() if v is not None}
+
+
+def make_runner(task: str, **overrides: Any) -> LTX2Runner:
+    """The tiny config of `task` on the CPU with `overrides` (a None value removes the key)."""
+    return LTX2Runner(load_runner_config(None, config_dict(task, **overrides)))
 
 
 def single_file_paths(folder: Path) -> dict[str, Any]:
@@ -254,23 +261,43 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_warmed_requests_equal_fresh_cold_ones(checkpoint: Path, reference: Reference, tmp_path: Path,
-                                               mode: str) -> None:
-    """After warmup, LARGE and then SMALL equal the cold reference bit for bit (video and audio): SMALL,
-    served after another request, equals SMALL in a fresh runner."""
-    runner = make_runner("t2av", model_path=str(checkpoint), warmup=True, **MODES[mode])
-    runner.init_modules()
-    assert_request_boundary(runner)
-    large = serve(runner, LARGE, tmp_path / "large.safetensors", 0)
-    small = serve(runner, SMALL, tmp_path / "small.safetensors", 1)
-    assert_same(large, reference.large, f"{mode}: first request after warmup")
-    assert_same(small, reference.small, f"{mode}: request after another one")
-    assert all(r.audit["warmed_shape"] for r in runner.profiler.requests)
+def ltx2_boundary(runner: LTX2Runner) -> None:
+    """LTX-2's request-specific cache: the RoPE tables per grid."""
+    assert runner.transformer is None or runner.transformer._rope_cache == {}
+
+
+def ltx2_after_mode(mode: str, runner: LTX2Runner) -> None:
     if mode in ("block_disk_lazy_load", "lazy_load_kept_across_stages"):
         assert runner.transformer is None and runner.streamer is None  # built per stage, dropped after it
     elif mode in ("block_disk_mmap", "phase_disk_pread"):
         assert runner.streamer is not None and runner.streamer.stats()["disk_bytes_read"] > 0  # read from the file
+
+
+def ltx2_parity(request: pytest.FixtureRequest, folder: Path) -> None:
+    from test_cases.models.ltx2.test_runner_parity import check_t2av_parity  # needs diffusers
+
+    check_t2av_parity(folder, request.getfixturevalue("monkeypatch"))
+
+
+class TestFamilyContract(FamilyContract):
+    """After warmup, LARGE and then SMALL equal the cold reference bit for bit (video and audio) in every
+    mode: SMALL, served after another request, equals SMALL in a fresh runner; the request boundary after
+    each request; the warmup gates; the CPU estimate; t2av parity with diffusers' two-stage chain
+    (test_cases/family_contract.py)."""
+
+    family = Family(
+        name="ltx2 t2av", runner_cls=LTX2Runner, checkpoint="checkpoint",
+        config=lambda ckpt, **overrides: config_dict("t2av", model_path=str(ckpt), **overrides),
+        requests=(LARGE, SMALL), outputs=("video", "audio"), modes=MODES, warmup_arms=(True,),
+        boundary=ltx2_boundary, after_mode=ltx2_after_mode,
+        # the configs' default shape; formula / measured: 0.998 here (16.94 / 16.97 MiB, the VAE decoder:
+        # inside fit.MARGIN), 1.25 at SMALL (8.81 / 7.04 MiB, the text encoder)
+        estimate_request=LARGE.model_copy(update={"target_height": 128, "target_width": 192, "target_video_length": 17}),
+        estimate_loosest=1.5, parity=ltx2_parity, reference_package="diffusers")
+
+    @pytest.fixture(scope="class")
+    def family_reference(self, reference: Reference) -> list[Outputs]:
+        return [reference.large, reference.small]  # the reference served SMALL first, in a fresh runner
 
 
 # ---- checkpoint layouts ---------------------------------------------------------------------

@@ -17,12 +17,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from runnerkit.debug_tokenizer import write_debug_tokenizer
 from runnerkit.models.ltx2 import connectors_arch as ca
 from runnerkit.models.ltx2.release_config import arch_from_single_file_config
 from runnerkit.models.ltx2.arch import COMPONENTS, LTX2_19B_ARCH, LTX23_22B_ARCH, LTX2Arch, tiny_ltx2_arch
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import GEMMA_VOCAB, SINGLE_FILE, UPSAMPLER_FILE, _write_single_file
-from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.weights import CheckpointError
 from test_cases.models.ltx2.release_configs import (
     GEMMA3_12B_CONFIG,

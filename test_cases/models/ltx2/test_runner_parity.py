@@ -78,8 +78,8 @@ def reference_two_stage(pipe: Any, upsample: Any, seed: int, height: int, width:
                 num_inference_steps=len(STAGE2_SIGMAS), sigmas=list(STAGE2_SIGMAS), **common)
 
 
-def test_t2av_two_stage_matches_diffusers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Final latents, decoded video and the audio spectrogram within 1e-4 of diffusers' chain; the
+def check_t2av_parity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The family contract's parity hook (test_ltx2_runner.py::TestFamilyContract). Final latents, decoded video and the audio spectrogram within 1e-4 of diffusers' chain; the
     waveform is compared through the spectrogram: the random-weight vocoder turns a 1e-6 change of
     its input into ~3e-3 at its output (its parity on one input is exact: test_audio.py)."""
     monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))

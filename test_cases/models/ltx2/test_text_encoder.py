@@ -19,6 +19,7 @@ from loguru import logger
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from runnerkit.debug_tokenizer import write_debug_tokenizer
 from runnerkit.models.ltx2.arch import LTX2Arch, tiny_ltx2_arch
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import (
@@ -36,7 +37,6 @@ from runnerkit.models.ltx2.text_encoder import (
     load_gemma_tokenizer,
     text_contexts,
 )
-from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.weights import CheckpointError, load_on_meta
 from test_cases._reference import require_reference
 from test_cases.models.ltx2._parity import report

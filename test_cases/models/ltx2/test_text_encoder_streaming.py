@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from runnerkit.config import OffloadConfig, load_runner_config
+from runnerkit.debug_tokenizer import write_debug_tokenizer
 from runnerkit.models.ltx2 import text_encoder as te
 from runnerkit.models.ltx2.arch import LTX2Arch, tiny_ltx2_arch
 from runnerkit.models.ltx2.checkpoint_synthetic import (
@@ -24,7 +25,6 @@ from runnerkit.models.ltx2.checkpoint_synthetic import (
 )
 from runnerkit.models.ltx2.estimate import GEMMA_DEFAULTS, gemma_footprint, gemma_parameters
 from runnerkit.models.ltx2.runner import LTX2Runner
-from runnerkit.models.wan.tokenizer import write_debug_tokenizer
 from runnerkit.runners import fit
 from runnerkit.runners.pipeline import InputInfo
 from runnerkit.weights import safetensors_infos

@@ -2,6 +2,7 @@
 / `QwenImageEditPlusPipeline` on the same tiny random weights (the diffusers-layout synthetic
 checkpoint, loaded by diffusers' and transformers' own classes), the same initial latents, CFG > 1,
 float32 on the CPU. The comparison is of the final images (diffusers' `output_type="pt"`, [0, 1]).
+t2i runs as the family contract's parity hook (`check_t2i_parity`, test_runner.py::TestFamilyContract).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def ours(cls: type[QwenImageRunner], config: Path, folder: Path, tmp_path: Path,
     return load_file(str(out))["image"]  # [3, H, W] in [-1, 1]
 
 
-def test_t2i_matches_qwen_image_pipeline(qwen_diffusers_ckpts: dict[str, Path], tmp_path: Path) -> None:
+def check_t2i_parity(qwen_diffusers_ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """The family contract's parity hook (test_runner.py::TestFamilyContract): t2i against
+    `QwenImagePipeline`."""
     from diffusers import QwenImagePipeline
 
     folder = qwen_diffusers_ckpts["t2i"]

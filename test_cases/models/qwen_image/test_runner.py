@@ -1,6 +1,6 @@
 """The Qwen-Image runners on the CPU: the launch script end to end, input errors, warmup coverage
 (one and two references), and every offload mode bit-identical to `offload.mode: none` with and
-without warmup (ARCHITECTURE §3-4)."""
+without warmup (ARCHITECTURE §3-4; t2i through the family contract, test_cases/family_contract.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from runnerkit.models.qwen_image.edit import QwenImageEditRunner
 from runnerkit.models.qwen_image.runner import QwenImageRunner
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D
 from test_cases.conftest import write_config
+from test_cases.family_contract import Family, FamilyContract
 from test_cases.models.qwen_image.conftest import EDIT_CONFIG, T2I_CONFIG, qwen_config_dict, reference_images
 
 MODES: dict[str, dict[str, Any]] = {
@@ -71,20 +72,33 @@ def t2i_reference(qwen_t2i_ckpt: Path, tmp_path_factory: pytest.TempPathFactory)
     return serve(make(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt), T2I_REQUESTS, tmp_path_factory.mktemp("ref"), "none")
 
 
-@pytest.mark.parametrize("warmup", [False, True], ids=["cold", "warmup"])
-@pytest.mark.parametrize("mode", list(MODES))
-def test_t2i_mode_is_bit_identical_to_none(qwen_t2i_ckpt: Path, tmp_path: Path, t2i_reference: list[torch.Tensor],
-                                           mode: str, warmup: bool) -> None:
-    overrides = MODES[mode]
-    if warmup and overrides.get("unload_modules"):
-        with pytest.raises(NotImplementedError, match="unload_modules"):
-            make(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt, warmup=True, **overrides)
-        return
-    runner = make(QwenImageRunner, T2I_CONFIG, qwen_t2i_ckpt, warmup=warmup, **overrides)
-    got = serve(runner, T2I_REQUESTS, tmp_path, mode)
-    assert [tuple(x.shape) for x in got] == [(3, 48, 80), (3, 32, 32)]
-    for a, b in zip(got, t2i_reference):
-        assert torch.equal(a, b), f"{mode}: max abs diff {(a - b).abs().max().item()}"
+def qwen_boundary(runner: QwenImageRunner) -> None:
+    """Qwen-Image's request-specific caches: the RoPE tables per grid and the VAE's feature cache."""
+    transformer, vae = runner.modules.get("transformer"), runner.modules.get("vae")
+    assert transformer is None or transformer._rope_cache == {}
+    assert vae is None or vae.feature_cache is None
+
+
+def qwen_parity(request: pytest.FixtureRequest, folder: Path) -> None:
+    from test_cases.models.qwen_image.test_pipeline_parity import check_t2i_parity  # needs diffusers
+
+    check_t2i_parity(request.getfixturevalue("qwen_diffusers_ckpts"), folder)
+
+
+class TestFamilyContract(FamilyContract):
+    """t2i: every mode of MODES bit-identical to `none` with and without warmup, the request boundary
+    after each request, the warmup gates, parity with diffusers' QwenImagePipeline
+    (test_cases/family_contract.py)."""
+
+    family = Family(
+        name="qwen_image t2i", runner_cls=QwenImageRunner, checkpoint="qwen_t2i_ckpt",
+        config=lambda ckpt, **overrides: qwen_config_dict(T2I_CONFIG, ckpt, **overrides),
+        requests=tuple(T2I_REQUESTS), outputs=("image",), modes=MODES, boundary=qwen_boundary,
+        shapes=({"image": (3, 48, 80)}, {"image": (3, 32, 32)}), parity=qwen_parity, reference_package="diffusers")
+
+    @pytest.fixture(scope="class")
+    def family_reference(self, t2i_reference: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        return [{"image": image} for image in t2i_reference]
 
 
 def test_t2i_warmup_without_it_same_seed_same_image_and_cfg_acts(qwen_t2i_ckpt: Path, tmp_path: Path,

@@ -1,5 +1,6 @@
 """Offload modes of the Wan2.1 runner on the CPU: same output as `offload.mode: none`, with and
-without warmup; request-boundary state after warmup and after every request (ARCHITECTURE §3-4)."""
+without warmup; request-boundary state after warmup and after every request (ARCHITECTURE §3-4),
+through the family contract (test_cases/family_contract.py), and what only Wan's modes have."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from runnerkit import memory
 from runnerkit.config import ConfigError, RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
 from test_cases.conftest import tiny_config_dict
+from test_cases.family_contract import Family, FamilyContract
 
 MODES: dict[str, dict[str, Any]] = {
     "model": {"offload": {"mode": "model"}},
@@ -76,21 +78,37 @@ def reference(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> list
     return serve(make_runner(tiny_ckpt), tmp_path_factory.mktemp("ref"), "none")
 
 
-@pytest.mark.parametrize("warmup", [False, True], ids=["cold", "warmup"])
-@pytest.mark.parametrize("mode", list(MODES))
-def test_mode_is_bit_identical_to_none(tiny_ckpt: Path, tmp_path: Path, reference: list[torch.Tensor],
-                                       mode: str, warmup: bool) -> None:
-    overrides = MODES[mode]
-    if warmup and overrides.get("unload_modules"):
-        with pytest.raises(NotImplementedError, match="unload_modules"):
-            make_runner(tiny_ckpt, warmup=True, **overrides)
-        return
-    runner = make_runner(tiny_ckpt, warmup=warmup, **overrides)
-    if warmup:
-        assert_request_boundary(runner)
-    videos = serve(runner, tmp_path, mode)
-    for got, want in zip(videos, reference):
-        assert torch.equal(got, want), mode
+def wan_boundary(runner: WanT2VRunner) -> None:
+    """Wan's request-specific caches: the RoPE tables per grid and the VAE's feature cache."""
+    assert runner.transformer is None or runner.transformer._rope_cache == {}
+    assert runner.vae is None or runner.vae.feature_cache is None
+
+
+def wan_parity(request: pytest.FixtureRequest, folder: Path) -> None:
+    from test_cases.models.wan._pipeline_parity import check_parity  # needs diffusers: imported here
+
+    check_parity(folder)
+
+
+class TestFamilyContract(FamilyContract):
+    """Every mode of MODES bit-identical to `none` with and without warmup, the request boundary
+    after each request, the warmup gates, the CPU estimate, end-to-end parity with diffusers'
+    WanPipeline (test_cases/family_contract.py)."""
+
+    family = Family(
+        name="wan2.1 t2v", runner_cls=WanT2VRunner, checkpoint="tiny_ckpt", config=tiny_config_dict,
+        requests=tuple(REQUESTS), outputs=("video",), modes=MODES, boundary=wan_boundary,
+        shapes=({"video": (3, 9, 48, 80)}, {"video": (3, 5, 32, 32)}),
+        # formula / measured: 1.02 here (154.4 / 151.0 MiB); 1.13 at 256x256x5 (221.7 / 195.5 MiB); 0.996 at
+        # 48x80x9 (36.41 / 36.55 MiB, inside fit.MARGIN)
+        estimate_request=RequestConfig(prompt="a red fox in the snow", seed=11, target_height=128, target_width=128,
+                                       target_video_length=5),
+        estimate_loosest=1.5,
+        parity=wan_parity, reference_package="diffusers")
+
+    @pytest.fixture(scope="class")
+    def family_reference(self, reference: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        return [{"video": video} for video in reference]
 
 
 def test_fp8_weights_within_tolerance(tiny_ckpt: Path, tmp_path: Path, reference: list[torch.Tensor]) -> None:

@@ -1,7 +1,9 @@
-"""Building blocks of the Wan2.1 causal 3D video VAE.
+"""Building blocks of the causal 3D video VAE (`causal_vae3d.py`).
 
-Design and module names follow `WanVAE_` of Wan-Video/Wan2.1 (`wan/modules/vae.py`), so the
-released `Wan2.1_VAE.pth` loads without renaming (`residual.0.gamma`, `resample.1.weight`, ...).
+Design and module names follow the 2.1 release's reference VAE (its `modules/vae.py`; the
+repository is named in docs/architecture.md, "Shared code"), so its released `.pth` loads
+without renaming (`residual.0.gamma`, `resample.1.weight`, ...); diffusers ports it as
+`AutoencoderKLWan`.
 
 Video is processed in chunks along time. Every causal convolution keeps the last `CACHE_T`
 frames it saw in a `FeatureCache` and puts them in front of the next chunk, so chunked
@@ -23,7 +25,7 @@ ResampleMode = Literal["upsample2d", "upsample3d", "downsample2d", "downsample3d
 
 
 class FeatureCache:
-    """The tail frames each layer saw in the previous chunk (Wan's `feat_cache`).
+    """The tail frames each layer saw in the previous chunk (the reference's `feat_cache`).
 
     Keyed by the layer itself rather than by call order (the reference's `feat_idx` counter), so
     a layer always reads back its own frames. One cache serves one encode or decode call; once
@@ -99,7 +101,7 @@ class CausalConv3d(nn.Conv3d):
 
 
 class RMSNorm(nn.Module):
-    """RMS norm over channels (dim 1): x / ||x||_2 * sqrt(C) * gamma, no bias (as in Wan2.1's VAE).
+    """RMS norm over channels (dim 1): x / ||x||_2 * sqrt(C) * gamma, no bias (as in the reference VAE).
 
     Args:
         dim: channels C.

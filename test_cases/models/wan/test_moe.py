@@ -28,7 +28,7 @@ from runnerkit.models.wan.moe_checkpoint import WanMoECheckpoint, write_syntheti
 from runnerkit.registry import get_runner_cls
 from test_cases._reference import require_reference
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 MOE_CONFIG = REPO / "configs" / "wan" / "wan22_moe_t2v_tiny.json"
 TINY = json.loads(MOE_CONFIG.read_text())
 ARCH = WanArch.model_validate(TINY["model"])
@@ -84,7 +84,7 @@ def test_runner_matches_diffusers_wan_pipeline_with_transformer_2(moe_ckpts: dic
     low-noise steps of 6 on both sides."""
     diffusers = require_reference("diffusers")
     transformers = require_reference("transformers")
-    from test_cases.test_wan_pipeline_parity import _diffusers_model
+    from test_cases.models.wan._pipeline_parity import _diffusers_model
 
     ckpt, scheduler = moe_ckpts["diffusers"], "unipc"  # Wan2.2's sampler (Euler: wan2.1's parity test)
     runner = make_runner(ckpt, scheduler=scheduler, scheduler_spacing="diffusers", infer_steps=STEPS,

@@ -34,7 +34,7 @@ from runnerkit.models.wan.moe_checkpoint import write_synthetic_moe
 from runnerkit.registry import get_runner_cls
 from test_cases.conftest import tiny_config_dict, write_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = {"i2v": "wan_i2v_tiny.json", "flf2v": "wan_flf2v_tiny.json", "moe_i2v": "wan22_moe_i2v_tiny.json"}
 TASKS = list(CONFIGS)
 RUNNER_CLASSES = {"i2v": WanI2VRunner, "flf2v": WanFLF2VRunner, "moe_i2v": WanMoEI2VRunner}
@@ -363,9 +363,10 @@ def test_fit_last_frame_covers_and_center_crops() -> None:
 # ---- 5. input errors: exit 2 naming the flag or file, before anything loads -------------------------
 @pytest.fixture
 def no_weight_loads(mocker: Any) -> list[Any]:
-    """Every Wan weight-assignment entry point patched to fail: the test asserts none was called."""
+    """Every Wan weight-assignment entry point (the VAE's is the shared network's) patched to fail: the
+    test asserts none was called."""
     names = ["runnerkit.models.wan.runner.assign_state_dict", "runnerkit.models.wan.i2v.assign_state_dict",
-             "runnerkit.models.wan.text_encoder.assign_state_dict", "runnerkit.models.wan.vae.load_on_meta"]
+             "runnerkit.models.wan.text_encoder.assign_state_dict", "runnerkit.nets.causal_vae3d.load_on_meta"]
     return [mocker.patch(n, side_effect=AssertionError("weights loaded")) for n in names]
 
 

@@ -7,7 +7,7 @@ channels of `y`, the conditioning clip, CLIP tokens on one CFG branch only, the 
 a step, the initial noise) fails here; test_transformer_i2v.py and test_conditioning.py check the
 pieces one at a time.
 
-Setup, as test_wan_pipeline_parity.py (the t2v parity test): tiny architectures of
+Setup, as _pipeline_parity.py (the t2v parity test): tiny architectures of
 configs/wan/*_tiny.json, float32, CPU; one synthetic diffusers-layout checkpoint written by
 runnerkit's own writer, read by runnerkit's loader on one side and by diffusers/transformers
 classes on the other; runnerkit runs with `scheduler_spacing` "diffusers"; the initial noise is
@@ -43,13 +43,13 @@ from runnerkit.models.wan.moe import WanMoERunner
 from runnerkit.models.wan.moe_checkpoint import write_synthetic_moe
 from runnerkit.registry import get_runner_cls
 from test_cases._reference import require_reference
-from test_cases.test_wan_pipeline_parity import _diffusers_model
+from test_cases.models.wan._pipeline_parity import _diffusers_model
 
 diffusers = require_reference("diffusers")
 transformers = require_reference("transformers")
 from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = {name: json.loads((REPO / "configs" / "wan" / f"{file}.json").read_text())
            for name, file in (("i2v", "wan_i2v_tiny"), ("moe_i2v", "wan22_moe_i2v_tiny"), ("flf2v", "wan_flf2v_tiny"))}
 

@@ -1,4 +1,5 @@
-"""End-to-end parity of the Wan2.1 text-to-video runner with diffusers' `WanPipeline`.
+"""End-to-end parity of the Wan2.1 text-to-video runner with diffusers' `WanPipeline` (the family
+contract's parity hook, `check_parity`, run by test_offload.py::TestFamilyContract).
 
 The module tests (transformer, text encoder, VAE, schedulers) compare one piece at a time; this
 one runs the whole request path of both libraries on the same weights and compares the decoded
@@ -28,7 +29,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -56,11 +56,9 @@ ARCH = WanArch.model_validate(TINY["model"])
 SHIFT = float(TINY["sample_shift"])
 
 
-@pytest.fixture(scope="module")
-def diffusers_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def diffusers_checkpoint(folder: Path) -> Path:
     """The tiny architecture's random weights in the diffusers layout, float32."""
-    return write_synthetic(ARCH, tmp_path_factory.mktemp("parity") / "wan_tiny_diffusers", seed=0,
-                           dtype=torch.float32, layout="diffusers")
+    return write_synthetic(ARCH, folder / "wan_tiny_diffusers", seed=0, dtype=torch.float32, layout="diffusers")
 
 
 def _diffusers_model(cls: Any, folder: Path) -> torch.nn.Module:
@@ -74,7 +72,6 @@ def _diffusers_model(cls: Any, folder: Path) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.fixture(scope="module")
 def reference_modules(diffusers_ckpt: Path) -> dict[str, Any]:
     """tokenizer, text_encoder (transformers UMT5EncoderModel), transformer and vae, from the checkpoint."""
     text_encoder, info = transformers.UMT5EncoderModel.from_pretrained(
@@ -131,15 +128,18 @@ def diffusers_video(modules: dict[str, Any], scheduler: str) -> torch.Tensor:
     return frames[0].permute(1, 0, 2, 3).float() * 2 - 1  # [3, F, H, W]
 
 
-@pytest.mark.parametrize("scheduler", ["unipc", "euler"])
-def test_runner_matches_diffusers_wan_pipeline(diffusers_ckpt: Path, reference_modules: dict[str, Any],
-                                               scheduler: str, tmp_path: Path) -> None:
-    ours = runnerkit_video(diffusers_ckpt, scheduler, tmp_path / "video.safetensors")
-    expected = diffusers_video(reference_modules, scheduler)
+def check_parity(folder: Path) -> None:
+    """The family contract's parity hook (test_offload.py::TestFamilyContract): for each scheduler
+    (UniPC, Euler), the runner's video equals WanPipeline's on one checkpoint within TOLERANCE."""
+    ckpt = diffusers_checkpoint(folder)
+    modules = reference_modules(ckpt)
+    for scheduler in ("unipc", "euler"):
+        ours = runnerkit_video(ckpt, scheduler, folder / f"{scheduler}.safetensors")
+        expected = diffusers_video(modules, scheduler)
 
-    assert ours.dtype == torch.float32 and tuple(ours.shape) == (3, FRAMES, HEIGHT, WIDTH)
-    # A meaningful comparison: a varied video, mostly inside the clamp range.
-    assert expected.std().item() > 0.2
-    assert (expected.abs() >= 1).float().mean().item() < 0.2
-    diff = (ours - expected).abs().max().item()
-    assert diff <= TOLERANCE, f"{scheduler}: max abs difference {diff:.3g} > {TOLERANCE}"
+        assert ours.dtype == torch.float32 and tuple(ours.shape) == (3, FRAMES, HEIGHT, WIDTH)
+        # A meaningful comparison: a varied video, mostly inside the clamp range.
+        assert expected.std().item() > 0.2
+        assert (expected.abs() >= 1).float().mean().item() < 0.2
+        diff = (ours - expected).abs().max().item()
+        assert diff <= TOLERANCE, f"{scheduler}: max abs difference {diff:.3g} > {TOLERANCE}"
