@@ -112,6 +112,11 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
             evaluations.append(Evaluation(name, off, f"excluded: `offload.stream_modules` names {cannot}, which "
                                                      f"cannot stream (modules that can: {streamable})"))
             continue
+        kept = [m for m in off.resident_modules or () if m in (off.stream_modules or default_streams)]
+        if off.mode == "block" and kept:
+            evaluations.append(Evaluation(name, off, f"excluded: `offload.resident_modules` keeps {kept} resident, "
+                                                     "which this candidate streams"))
+            continue
         refused = supported(off)
         if refused:
             evaluations.append(Evaluation(name, off, f"excluded: {refused}"))

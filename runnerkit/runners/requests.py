@@ -29,7 +29,7 @@ from runnerkit import memory
 from runnerkit.config import OffloadConfig, RequestConfig, RunnerConfig, as_request
 from runnerkit.images import check_image
 from runnerkit.lora import LoRAError, read_adapter
-from runnerkit.runners import fit, plan, plan_report
+from runnerkit.runners import fit, offload_checks, plan, plan_report
 from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, PeakEstimate
 from runnerkit.runners.pipeline import InputInfo, Shape
 
@@ -198,6 +198,16 @@ class RequestChecksMixin:
                                       "`offload.mode` none/model/block/phase yourself")
         return estimate
 
+    def _estimate_before_load(self, offload: OffloadConfig) -> MemoryEstimate | None:
+        """The estimate of the config's default shape under `offload`; None where the family gives none before
+        loading (its load then checks what this would)."""
+        cfg = self.config
+        with self._offload_for_estimate(offload):
+            try:
+                return self.estimate_memory((cfg.target_height, cfg.target_width, cfg.target_video_length))
+            except fit.EstimateUnavailable:
+                return None
+
     def _plan_supports(self, offload: OffloadConfig) -> str | None:
         """Why this run cannot use `offload` (compile, warmup's offload modes), or None."""
         try:
@@ -224,9 +234,11 @@ class RequestChecksMixin:
         Raises:
             MemoryFitError: nothing fits (the GiB missing; what would fit).
             NotImplementedError: the family gives no estimate, or cannot before loading.
-            ValueError: the device's memory cannot be read (set `memory.limit_gib`).
+            ValueError: the device's memory cannot be read (set `memory.limit_gib`); `offload.resident_modules`
+                or `offload.keep_across_stages` the family's modules refuse (runners/offload_checks.py).
         """
         cfg = self.config
+        offload_checks.check_offload_modules(cfg, self._estimate_before_load, type(self).__name__)
         # read here, before loading, and kept: every later check judges against the same number
         device_limit = self.device_budget() if cfg.memory.check_fit or cfg.offload.mode == "auto" else None
         if cfg.offload.mode != "auto":
