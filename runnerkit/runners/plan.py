@@ -41,7 +41,8 @@ from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, placement_of, 
 from runnerkit.runners.pipeline import Shape
 from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
                                            constrain, evaluate, explicit_keys, ladder)
-from runnerkit.runners.plan_report import module_rows, refusal, request_copy_seconds
+from runnerkit.runners.plan_compute import ComputeModel
+from runnerkit.runners.plan_report import module_rows, refusal, request_copy_seconds, request_seconds
 
 __all__ = ["MemoryPlan", "plan_offload"]
 
@@ -50,7 +51,8 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
                  device_limit: MemoryLimit, host_limit: MemoryLimit | None, passes_per_step: PassesFn,
                  supported: SupportedFn = lambda off: None, factors: tuple[int, int] = (16, 4),
                  steps_per_request: int = 1, keep_resident: bool = True,
-                 pinned_limit: MemoryLimit | None = None) -> MemoryPlan:
+                 pinned_limit: MemoryLimit | None = None, compute: ComputeModel | None = None,
+                 compute_note: str = "") -> MemoryPlan:
     """Resolve `config.offload` (mode auto) into the fastest concrete config that fits (module docstring).
 
     Args:
@@ -69,6 +71,9 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
             False judges each rung as the ladder writes it (the ladder alone, e.g. to compare with).
         pinned_limit: page-locked host bytes allowed apart from `host_limit` (config `memory.pinned_limit_gib`);
             None: pinned bytes count only towards the host limit.
+        compute: the time model's compute side (runners/plan_compute.py): with it, candidates are ranked by
+            their estimated request seconds (compute overlapped with the streamed copies); None: by copy seconds.
+        compute_note: why there is no compute model (the log and the report say it).
 
     Raises:
         MemoryFitError: no allowed candidate fits (the message: GiB missing, what would fit).
@@ -92,7 +97,9 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
     def judge(off: OffloadConfig) -> Evaluation:
         ev = evaluate(candidate_name(off), config.model_copy(update={"offload": off}), shapes, device, estimate,
                       device_limit, host_limit, passes_per_step, pinned_limit)
-        ev.copy_seconds = request_copy_seconds(module_rows(ev, device), steps_per_request)
+        rows = module_rows(ev, device)
+        ev.copy_seconds = request_copy_seconds(rows, steps_per_request)
+        ev.request_seconds = request_seconds(rows, compute, off) if compute is not None else None
         return ev
 
     for rung, cand in enumerate(ladder(streamable, default_streams, allow_fp8)):
@@ -143,17 +150,20 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
     if not fitting:
         raise MemoryFitError(refusal(config, evaluations, shapes, device, estimate, device_limit, host_limit,
                                      streamable, default_streams, supported, passes_per_step, factors))
-    rung, chosen = min(fitting, key=lambda x: (x[1].copy_seconds or 0.0, x[0]))
+    rung, chosen = min(fitting, key=lambda x: (*x[1].rank, x[0]))
     assert chosen.copy_seconds is not None
     # the rungs before the chosen one's that were left out or do not fit (those after it are slower kinds)
     rejected = [e for e in evaluations[:rung_of[rung]] if not e.fits and "not evaluated" not in e.reason]
     why = ("the device is the CPU: weights live in host memory whatever the mode, so offload cannot lower the "
            "peak; the first allowed candidate is taken" if device.type == "cpu" else
-           f"the fastest that fits: an estimated {chosen.copy_seconds:.2f} s of host-to-device copies per request"
+           (f"the fastest that fits: an estimated {chosen.request_seconds:.2f} s per request (compute and copies)"
+            if chosen.request_seconds is not None else
+            f"the fastest that fits: an estimated {chosen.copy_seconds:.2f} s of host-to-device copies per request")
            + (f" ({len(fitting) - 1} slower plan(s) fit too)" if len(fitting) > 1 else ""))
     return MemoryPlan(chosen=chosen, rejected=rejected, shapes=shapes, device=device, device_limit=device_limit,
                       host_limit=host_limit, why=why, steps_per_request=steps_per_request,
-                      skipped=[e for e in evaluations if "not evaluated" in e.reason])
+                      skipped=[e for e in evaluations if "not evaluated" in e.reason], compute=compute,
+                      compute_note=compute_note)
 
 
 #: Modules the planner tries keeping resident beside an offload mode: all subsets up to this many candidates
@@ -197,7 +207,7 @@ def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, o
             ev = _most_units_that_fit(variant, judge)
         else:
             ev = judge(variant)
-        if ev is not None and ev.fits and (best is None or (ev.copy_seconds or 0.0) < (best.copy_seconds or 0.0)):
+        if ev is not None and ev.fits and (best is None or ev.rank < best.rank):
             best = ev
     return best
 

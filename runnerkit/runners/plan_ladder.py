@@ -16,6 +16,7 @@ from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
 from runnerkit.runners.fit import GIB, HostEstimate, MemoryEstimate, PeakEstimate, host_bytes_of, peak_of
 from runnerkit.runners.pipeline import Shape
+from runnerkit.runners.plan_compute import ComputeModel
 
 __all__ = ["MATCH_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "PassesFn", "SupportedFn",
            "candidate_name", "constrain", "evaluate", "explicit_keys", "ladder"]
@@ -125,6 +126,13 @@ class Evaluation:
     pinned_missing: int = 0
     passes_per_step: int = 0
     copy_seconds: float | None = None  # estimated H2D seconds per request (runners/plan_report.py), once evaluated
+    request_seconds: float | None = None  # estimated request seconds, compute included (None: no compute estimate)
+
+    @property
+    def rank(self) -> tuple[float, float]:
+        """What the planner minimizes: (estimated request seconds, else copy seconds; copy seconds)."""
+        copy = self.copy_seconds or 0.0
+        return (self.request_seconds if self.request_seconds is not None else copy, copy)
 
     @property
     def fits(self) -> bool:
@@ -145,6 +153,13 @@ class MemoryPlan:
     why: str
     skipped: list[Evaluation] = field(default_factory=list)  # CPU: candidates not evaluated
     steps_per_request: int = 1  # denoising steps of one request, all stages (the copy time's multiplier)
+    compute: ComputeModel | None = None  # the time model's compute side (runners/plan_compute.py); None: copies only
+    compute_note: str = ""  # why there is no compute estimate
+
+    @property
+    def estimated_request_seconds(self) -> float | None:
+        """The chosen plan's estimated request time (compute and copies), None without a compute estimate."""
+        return self.chosen.request_seconds
 
     @property
     def offload(self) -> OffloadConfig:

@@ -29,7 +29,7 @@ from runnerkit import memory
 from runnerkit.config import OffloadConfig, RequestConfig, RunnerConfig, as_request
 from runnerkit.images import check_image
 from runnerkit.lora import LoRAError, read_adapter
-from runnerkit.runners import fit, offload_checks, plan, plan_report
+from runnerkit.runners import fit, offload_checks, plan, plan_compute, plan_report
 from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, PeakEstimate
 from runnerkit.runners.pipeline import InputInfo, Shape
 
@@ -172,6 +172,35 @@ class RequestChecksMixin:
         streamed transformers' copies repeat every step): `infer_steps`; a family with more stages overrides."""
         return self.config.infer_steps or 1
 
+    #: The device name the plan's compute estimate looks its peak up by (`runnerkit plan --device_name`); None:
+    #: the CUDA device's own name (runners/plan_compute.py).
+    planned_device_name: str | None = None
+
+    def denoise_flops(self, shape: Shape) -> tuple[plan_compute.StageFlops, ...] | None:
+        """Family hook: per denoising stage, its steps and the FLOPs of one step at `shape` (every CFG pass), from
+        the architecture alone, for the plan's request time (runners/plan_compute.py). None: no FLOP count."""
+        return None
+
+    def compute_model(self, shapes: Sequence[Shape]) -> tuple[plan_compute.ComputeModel | None, str]:
+        """The plan's compute model for the largest of `shapes` by FLOPs, or (None, why there is none): the CPU, a
+        device without a name here (no CUDA and no `planned_device_name`) or not in the table, a family without
+        a FLOP count, or an architecture not readable before loading."""
+        device = self.memory_device()
+        if device.type != "cuda":
+            return None, f"no compute estimate: the device is {device.type}"
+        name = self.planned_device_name
+        if name is None and torch.cuda.is_available():
+            try:
+                name = torch.cuda.get_device_name(device)
+            except (RuntimeError, AssertionError):  # a device index this machine lacks
+                name = None
+        try:
+            counts = [self.denoise_flops(shape) for shape in shapes]
+        except fit.EstimateUnavailable as exc:
+            return None, f"no compute estimate: {exc}"
+        largest = max(counts, key=lambda st: sum(s.steps * s.flops for s in st or ()), default=None)
+        return plan_compute.compute_model(largest, name, self.config.compile.enabled)
+
     @contextmanager
     def _offload_for_estimate(self, offload: OffloadConfig) -> Iterator[None]:
         """`self.config.offload` reads `offload` inside the block (the family's `estimate_memory`
@@ -271,7 +300,8 @@ class RequestChecksMixin:
                                    self.denoise_passes_per_step, self._plan_supports,
                                    (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR), self.plan_steps_per_request(),
                                    pinned_limit=None if cfg.memory.pinned_limit_gib is None else memory.MemoryLimit(
-                                       int(cfg.memory.pinned_limit_gib * fit.GIB), "config memory.pinned_limit_gib"))
+                                       int(cfg.memory.pinned_limit_gib * fit.GIB), "config memory.pinned_limit_gib"),
+                                   **dict(zip(("compute", "compute_note"), self.compute_model(shapes))))
         if not chosen:
             logger.info("memory plan: `offload.mode` not set, so the plan is automatic (`offload.mode` 'none' keeps "
                         "every module resident, or refuses)")

@@ -46,7 +46,7 @@ from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_le
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes, write_synthetic_ltx2
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
-from runnerkit.models.ltx2.estimate import fp8_stored_weights, gemma_fields, ltx2_estimate
+from runnerkit.models.ltx2.estimate import LTX2Compute, fp8_stored_weights, gemma_fields, ltx2_estimate
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.plan_sources import absent_sources, check_paths, configured_arch, fp8_by_name, release_gemma
 from runnerkit.models.ltx2.transformer import (
@@ -137,7 +137,7 @@ class AudioDecoder(nn.Module):
 
 
 @register_runner("ltx2")
-class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
+class LTX2Runner(LTX2Compute, SyntheticCheckpointSource, DefaultRunner):
     """LTX-2 (19B) and LTX-2.3 (22B) distilled, text (and first frame) to video with audio."""
 
     TASKS = ("t2av", "i2av")
