@@ -31,6 +31,7 @@ candidate are runners/plan_ladder.py; the log, the report and the refusal runner
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from itertools import combinations, product
 
 import torch
@@ -40,11 +41,11 @@ from runnerkit.memory import MemoryLimit
 from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, placement_of, streams
 from runnerkit.runners.pipeline import Shape
 from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
-                                           constrain, evaluate, explicit_keys, ladder)
+                                           constrain, explicit_keys, ladder, measure, verdict)
 from runnerkit.runners.plan_compute import ComputeModel
 from runnerkit.runners.plan_report import module_rows, refusal, request_copy_seconds, request_seconds
 
-__all__ = ["MemoryPlan", "plan_offload"]
+__all__ = ["MemoryPlan", "PlanMemo", "plan_offload"]
 
 
 def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.device, estimate: EstimateFn,
@@ -52,7 +53,7 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
                  supported: SupportedFn = lambda off: None, factors: tuple[int, int] = (16, 4),
                  steps_per_request: int = 1, keep_resident: bool = True,
                  pinned_limit: MemoryLimit | None = None, compute: ComputeModel | None = None,
-                 compute_note: str = "") -> MemoryPlan:
+                 compute_note: str = "", memo: PlanMemo | None = None) -> MemoryPlan:
     """Resolve `config.offload` (mode auto) into the fastest concrete config that fits (module docstring).
 
     Args:
@@ -74,6 +75,8 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         compute: the time model's compute side (runners/plan_compute.py): with it, candidates are ranked by
             their estimated request seconds (compute overlapped with the streamed copies); None: by copy seconds.
         compute_note: why there is no compute model (the log and the report say it).
+        memo: what is pure in a plan (`PlanMemo`), shared by plans of the same run config, shapes, estimate and
+            compute model over several limits (runnerkit/tools/plan_table.py); None: a fresh one.
 
     Raises:
         MemoryFitError: no allowed candidate fits (the message: GiB missing, what would fit).
@@ -94,13 +97,20 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
     seen: set[str] = set()
     rung_of: dict[int, int] = {}  # rung index -> its entry in `evaluations`
 
+    memo = memo if memo is not None else PlanMemo()
+    measured = memo.evaluations
+
     def judge(off: OffloadConfig) -> Evaluation:
-        ev = evaluate(candidate_name(off), config.model_copy(update={"offload": off}), shapes, device, estimate,
-                      device_limit, host_limit, passes_per_step, pinned_limit)
-        rows = module_rows(ev, device)
-        ev.copy_seconds = request_copy_seconds(rows, steps_per_request)
-        ev.request_seconds = request_seconds(rows, compute, off) if compute is not None else None
-        return ev
+        key = off.model_dump_json()
+        ev = measured.get(key)
+        if ev is None:
+            ev = measure(candidate_name(off), config.model_copy(update={"offload": off}), shapes, device, estimate,
+                         passes_per_step)
+            rows = module_rows(ev, device)
+            ev.copy_seconds = request_copy_seconds(rows, steps_per_request)
+            ev.request_seconds = request_seconds(rows, compute, off) if compute is not None else None
+            measured[key] = ev
+        return verdict(ev, device_limit, host_limit, pinned_limit)
 
     for rung, cand in enumerate(ladder(streamable, default_streams, allow_fp8)):
         off, why = constrain(cand, explicit)
@@ -143,7 +153,7 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         rung_of[rung] = len(evaluations)
         evaluations.append(base)
         # a variant keeps more on the device: it can only help a rung that fits the device (less host memory)
-        best = _fastest_variant(off, base, explicit, judge) if keep_resident and not base.device_missing else (
+        best = _fastest_variant(off, base, explicit, judge, memo.tops) if keep_resident and not base.device_missing else (
             base if base.fits else None)
         if best is not None:
             fitting.append((rung, best))
@@ -173,8 +183,18 @@ MAX_RESIDENT_CHOICES = 8
 MAX_RESIDENT_BLOCKS = 4096
 
 
+@dataclass
+class PlanMemo:
+    """What a plan computes that does not depend on the limits: each candidate measured (`plan_ladder.measure`,
+    by its concrete config's JSON) and, per streaming config, the fewest resident units that keep all of them
+    (`_fewest_same`)."""
+
+    evaluations: dict[str, Evaluation] = field(default_factory=dict)
+    tops: dict[str, int] = field(default_factory=dict)
+
+
 def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, object],
-                     judge: Callable[[OffloadConfig], Evaluation]) -> Evaluation | None:
+                     judge: Callable[[OffloadConfig], Evaluation], tops: dict[str, int]) -> Evaluation | None:
     """The fastest variant of a rung that fits (None: none), `base` (nothing kept resident) fitting the device:
     every subset of the
     modules that neither stream nor are resident already kept on the device whole (`offload.resident_modules`,
@@ -204,7 +224,7 @@ def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, o
         keys = {"resident_modules": (*(off.resident_modules or ()), *kept) or None, "keep_across_stages": keep}
         variant = off.model_copy(update=keys)
         if search_blocks:
-            ev = _most_units_that_fit(variant, judge)
+            ev = _most_units_that_fit(variant, judge, tops)
         else:
             ev = judge(variant)
         if ev is not None and ev.fits and (best is None or ev.rank < best.rank):
@@ -212,7 +232,8 @@ def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, o
     return best
 
 
-def _most_units_that_fit(off: OffloadConfig, judge: Callable[[OffloadConfig], Evaluation]) -> Evaluation | None:
+def _most_units_that_fit(off: OffloadConfig, judge: Callable[[OffloadConfig], Evaluation],
+                         tops: dict[str, int]) -> Evaluation | None:
     """`off` with the most `resident_blocks` that fit, or None. More units resident never copy more. Device
     bytes grow with the count, so the most that fit the device is found by bisection; host bytes move one way
     with it for a given storage (disk: the resident part read through host memory grows; cpu: the host slabs
@@ -223,7 +244,12 @@ def _most_units_that_fit(off: OffloadConfig, judge: Callable[[OffloadConfig], Ev
     def at(n: int) -> Evaluation:
         return judge(off.model_copy(update={"resident_blocks": n}))
 
-    top = _fewest_same(off, MAX_RESIDENT_BLOCKS, judge)
+    # the count past which more units change nothing is the streamed modules' own: the same for every set of
+    # resident modules and either keep_across_stages, so it is found once per streaming config
+    key = off.model_copy(update={"resident_modules": None, "keep_across_stages": False}).model_dump_json()
+    if key not in tops:
+        tops[key] = _fewest_same(off, MAX_RESIDENT_BLOCKS, judge)
+    top = tops[key]
     device = _most(lambda n: not at(n).device_missing, top)
     if device is None:
         return None

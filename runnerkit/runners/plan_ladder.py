@@ -6,6 +6,7 @@ device and host limits. Pure functions of estimates; imported by plan.py and pla
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from runnerkit.runners.pipeline import Shape
 from runnerkit.runners.plan_compute import ComputeModel
 
 __all__ = ["MATCH_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "PassesFn", "SupportedFn",
-           "candidate_name", "constrain", "evaluate", "explicit_keys", "ladder"]
+           "candidate_name", "constrain", "evaluate", "explicit_keys", "ladder", "measure", "verdict"]
 
 #: Explicit keys a ladder candidate must match where it sets them (else the candidate is left out).
 MATCH_KEYS = ("storage", "lazy_load", "weight_dtype")
@@ -178,6 +179,13 @@ def evaluate(name: str, config: RunnerConfig, shapes: Sequence[Shape], device: t
     """Peak and host bytes of `config` over `shapes` (the worst of each) against the limits (`pinned_limit`: of
     the host bytes, the pinned ones; None: not checked apart), and the passes per denoising step under
     `config.offload` (`passes`)."""
+    return verdict(measure(name, config, shapes, device, estimate, passes), device_limit, host_limit, pinned_limit)
+
+
+def measure(name: str, config: RunnerConfig, shapes: Sequence[Shape], device: torch.device, estimate: EstimateFn,
+            passes: PassesFn) -> Evaluation:
+    """`evaluate`'s limit-independent part: the worst peak and host bytes of `config` over `shapes`, and the passes
+    per step (no verdict yet: `verdict`). Pure in (config.offload, shapes): a plan over many limits may cache it."""
     ev = Evaluation(name, config.offload, passes_per_step=passes(config.offload))
     for shape in shapes:
         est = estimate(config.offload, shape)
@@ -188,6 +196,14 @@ def evaluate(name: str, config: RunnerConfig, shapes: Sequence[Shape], device: t
         if ev.host is None or host.bytes > ev.host.bytes:
             ev.host = host
     assert ev.peak is not None and ev.host is not None, "plan at least one shape"
+    return ev
+
+
+def verdict(measured: Evaluation, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
+            pinned_limit: MemoryLimit | None = None) -> Evaluation:
+    """A copy of a `measure`d candidate judged against the limits: the bytes missing and the reason."""
+    ev = dataclasses.replace(measured)
+    assert ev.peak is not None and ev.host is not None, "a measured candidate"
     ev.device_missing = max(0, ev.peak.bytes - device_limit.bytes)
     ev.host_missing = max(0, ev.host.bytes - host_limit.bytes) if host_limit is not None else 0
     ev.pinned_missing = max(0, ev.host.pinned_bytes - pinned_limit.bytes) if pinned_limit is not None else 0
