@@ -304,17 +304,19 @@ def test_bad_input_exits_2_naming_it(argv: list[str], message: str, no_checkpoin
     assert message in " ".join(captured.err.split())
 
 
-@pytest.mark.parametrize("cgroup", ["v2", "v1"])
+@pytest.mark.parametrize("cgroup", ["v2", "v1", "none"])
 def test_default_limits_are_this_machines(cgroup: str, no_checkpoints: Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """No flags: the CUDA device's free + held less 1 GiB for the libraries; the host's available memory,
-    here the container's cgroup limit less its usage (smaller than MemAvailable), + this process's RSS."""
+    here the container's cgroup limit less its usage (smaller than MemAvailable) or, without a cgroup limit,
+    MemAvailable, + this process's RSS."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * GIB)
     root = no_checkpoints / "cgroup"
     files = ({"memory.max": 16 * GIB, "memory.current": 6 * GIB} if cgroup == "v2" else
-             {"memory/memory.limit_in_bytes": 16 * GIB, "memory/memory.usage_in_bytes": 6 * GIB})
+             {"memory/memory.limit_in_bytes": 16 * GIB, "memory/memory.usage_in_bytes": 6 * GIB} if cgroup == "v1"
+             else {})
     for name, value in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(f"{value}\n")
@@ -324,7 +326,11 @@ def test_default_limits_are_this_machines(cgroup: str, no_checkpoints: Path, mon
     rc, out, err = run_plan(capsys, "--config_json", REPO / "configs/wan/wan_t2v_1.3b.json")
     assert rc == 0, err
     assert out["device_limit_gib"] == 31.0 and "kept for the CUDA libraries" in out["device_limit_source"]
-    assert out["host_limit_gib"] == 10.5 and f"cgroup {cgroup}" in out["host_limit_source"]
+    if cgroup == "none":
+        assert out["host_limit_gib"] == 100.5 and out["host_limit_source"] == (
+            "100.00 GiB available (MemAvailable of /proc/meminfo) + 0.50 GiB held by this process")
+    else:
+        assert out["host_limit_gib"] == 10.5 and f"cgroup {cgroup}" in out["host_limit_source"]
 
 
 def test_the_text_output_lists_each_module_and_the_rejected(no_checkpoints: Path,
