@@ -95,7 +95,6 @@ from runnerkit.models.ltx2.audio_vae import audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint, network_factory
 from runnerkit.models.ltx2.checkpoint_synthetic import fp8_block_weight
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
-from runnerkit.models.ltx2.flops import LTX2Compute  # re-exported: the runner's compute hook (flops.py)
 from runnerkit.models.ltx2.estimate_decoders import (
     audio_decode_bytes,
     upsampler_bytes,
@@ -117,7 +116,7 @@ from runnerkit.runners.fit import (
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import CheckpointError, build_on_meta, read_json_object
 
-__all__ = ["GEMMA_DEFAULTS", "LTX2Compute", "SCHEDULER_LATENT_COPIES", "TEXT_TOKENS", "footprints", "fp8_release_weights",
+__all__ = ["GEMMA_DEFAULTS", "SCHEDULER_LATENT_COPIES", "TEXT_TOKENS", "footprints", "fp8_release_weights",
            "fp8_stored_weights",
            "gemma_fields",
            "gemma_footprint", "gemma_parameters", "ltx2_estimate", "stage_tokens", "transformer_step_bytes"]

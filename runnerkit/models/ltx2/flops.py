@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from runnerkit.models.ltx2.arch import LTX2Arch
+from runnerkit.models.ltx2.estimate import TEXT_TOKENS, stage_tokens
 from runnerkit.runners.pipeline import Shape
 from runnerkit.runners.plan_compute import StageFlops
 
@@ -31,8 +32,6 @@ def _attention(lq: int, dq: int, lk: int, dk: int, inner: int) -> int:
 def ltx2_step_flops(arch: LTX2Arch, shape: Shape, fps: int, stage: int, passes: int) -> float:
     """FLOPs of one step of `stage` (1: half size, 2: full size) at `shape` (height, width, frames) with
     `passes` CFG passes (module docstring)."""
-    from runnerkit.models.ltx2.estimate import TEXT_TOKENS, stage_tokens
-
     t = arch.transformer
     _, lv, la = stage_tokens(arch, shape, fps, stage)
     D, Da, T = t.inner_dim, t.audio_inner_dim, TEXT_TOKENS
@@ -49,6 +48,7 @@ class LTX2Compute:
 
     if TYPE_CHECKING:  # LTX2Runner's
         config: RunnerConfig
+        STAGE_STEPS: tuple[int, int]  # stage 1's distilled steps, stage 2's
 
         def architecture(self) -> LTX2Arch: ...
 
@@ -58,9 +58,8 @@ class LTX2Compute:
         Raises:
             EstimateUnavailable: the architecture cannot be read before loading (`architecture`).
         """
-        from runnerkit.models.ltx2.runner import DISTILLED_SIGMAS, STAGE2_SIGMAS  # the runner imports this module
-
         arch, cfg = self.architecture(), self.config
         passes = 2 if cfg.enable_cfg else 1
-        return (StageFlops("stage1", len(DISTILLED_SIGMAS), ltx2_step_flops(arch, shape, cfg.fps, 1, passes)),
-                StageFlops("stage2", len(STAGE2_SIGMAS), ltx2_step_flops(arch, shape, cfg.fps, 2, passes)))
+        first, second = self.STAGE_STEPS
+        return (StageFlops("stage1", first, ltx2_step_flops(arch, shape, cfg.fps, 1, passes)),
+                StageFlops("stage2", second, ltx2_step_flops(arch, shape, cfg.fps, 2, passes)))

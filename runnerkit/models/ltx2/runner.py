@@ -46,7 +46,8 @@ from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_le
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes, write_synthetic_ltx2
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
-from runnerkit.models.ltx2.estimate import LTX2Compute, fp8_stored_weights, gemma_fields, ltx2_estimate
+from runnerkit.models.ltx2.estimate import fp8_stored_weights, gemma_fields, ltx2_estimate
+from runnerkit.models.ltx2.flops import LTX2Compute
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.plan_sources import absent_sources, check_paths, configured_arch, fp8_by_name, release_gemma
 from runnerkit.models.ltx2.transformer import (
@@ -153,6 +154,7 @@ class LTX2Runner(LTX2Compute, SyntheticCheckpointSource, DefaultRunner):
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2av": (), "i2av": ("image_path",)}
     MODULE_PATHS = ("text_encoder_path", "upsampler_path")
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors", "transformer")
+    STAGE_STEPS: ClassVar[tuple[int, int]] = (len(DISTILLED_SIGMAS), len(STAGE2_SIGMAS))  # flops.py: the time model
     #: H.264 CRF of the conditioning image (ltx-pipelines' default for the Gemma-3 generations 2.0 and 2.3).
     IMAGE_CRF: ClassVar[int] = 33
     SYNTHETIC_LAYOUT = "diffusers"
