@@ -142,8 +142,9 @@ class OffloadConfig(_Strict):
         inert += [f for f in ("pin_memory", "resident_modules", "keep_across_stages")
                   if f in self.model_fields_set and self.mode == "none"]
         if inert:
+            keys = ", ".join(f"`offload.{f}`" for f in inert)  # each in backticks: its origin is shown too
             raise ValueError(f"`offload.{inert[0]}` has no effect with `offload.mode`={self.mode!r} "
-                             f"(set for: {inert}); remove it or choose a mode that uses it")
+                             f"(set for: {keys}); remove them or choose a mode that uses them")
         if self.stream_modules is not None:
             if not self.stream_modules:
                 raise ValueError("`offload.stream_modules` is empty; list at least one module, or null for the "
@@ -631,6 +632,8 @@ def format_validation_error(err: ValidationError, source: str, origins: Mapping[
     for e in err.errors():
         field = field_path(e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "tuple_type":  # a list field held as a tuple: JSON and the user know lists
+            msg = msg.replace("valid tuple", "valid list")
         if e["type"] == "extra_forbidden":
             msg = _unknown_field_message(err.title, e["loc"])
         value = e.get("input")
@@ -639,7 +642,8 @@ def format_validation_error(err: ValidationError, source: str, origins: Mapping[
         text = text if len(text) <= 120 else f"{text[:100]}... ({count} characters)"  # e.g. a base64 image
         shown = "" if e["type"] == "missing" or isinstance(value, dict) or "(got " in msg else f" (got {text})"
         lines.append(f"  {field}: {msg}{shown}")
-        named = [n for n in dict.fromkeys([field, *re.findall(r"`([A-Za-z_][\w.]*)`", msg)]) if n in (origins or {})]
+        whole = field_path([p for p in e["loc"] if not isinstance(p, int)])  # the list field of an item
+        named = [n for n in dict.fromkeys([field, whole, *re.findall(r"`([A-Za-z_][\w.]*)`", msg)]) if n in (origins or {})]
         if named:
             assert origins is not None
             lines.append("    (" + "; ".join(f"`{n}`={origins[n]}" for n in named) + ")")

@@ -177,7 +177,11 @@ def test_explicit_keys_constrain_the_plan(ckpt: Path, monkeypatch: pytest.Monkey
     assert off.resident_modules == ("text_encoder", "vae")  # 64 GiB: whatever does not stream stays resident
 
 
-def test_a_family_without_an_estimate_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_family_without_an_estimate_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from runnerkit.models.qwen_image.runner import QwenImageRunner
+
+    monkeypatch.setattr(QwenImageRunner, "estimate_memory", lambda self, shape: None)  # a family without one
     rc, err = _cli(capsys, "--config_json", REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json",
                    "--device", "cpu", "--offload", "auto", "--prompt", "a fox")
     assert rc == 2, err
@@ -438,10 +442,14 @@ def test_a_config_without_an_offload_mode_plans_automatically(
     assert "invalid input: request 0 (command line): shape 32x32x5" in err, err
 
 
-def test_without_an_estimate_the_default_stays_resident_and_says_why(tmp_path: Path, logs: list[str]) -> None:
-    """A family without a memory estimate (Qwen-Image's tiny config on a fake CUDA device): the default
-    mode keeps every module resident with one INFO line; `--offload auto` is refused (test above)."""
+def test_without_an_estimate_the_default_stays_resident_and_says_why(tmp_path: Path, logs: list[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family without a memory estimate (Qwen-Image's tiny config, its estimate removed, on a fake CUDA
+    device): the default mode keeps every module resident with one INFO line; `--offload auto` is refused
+    (test above)."""
     from runnerkit.models.qwen_image.runner import QwenImageRunner
+
+    monkeypatch.setattr(QwenImageRunner, "estimate_memory", lambda self, shape: None)
 
     cfg = load_runner_config(REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json", {"device": "cpu"})
     runner = QwenImageRunner(cfg)
@@ -476,7 +484,8 @@ def test_on_the_cpu_the_host_refusal_advises_nothing_that_would_not_fit(ckpt: Pa
         "`offload.mode`='auto', which keeps every module resident there) lowers nothing")
 
 
-def test_offload_keys_without_a_mode_constrain_the_default_plan(ckpt: Path, tmp_path: Path) -> None:
+def test_offload_keys_without_a_mode_constrain_the_default_plan(ckpt: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Keys that resident cannot take (`gpu_slots`) and no mode: on the CPU the default plans with them as
     explicit auto does (the first allowed candidate: block streaming with 3 slots), instead of refusing
     them as if the user had set mode none; a family without an estimate says why no plan can take them."""
@@ -485,6 +494,7 @@ def test_offload_keys_without_a_mode_constrain_the_default_plan(ckpt: Path, tmp_
     runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"gpu_slots": 3})))
     runner.plan_memory([SHAPE])
     assert runner.config.offload == OffloadConfig(mode="block", gpu_slots=3)
+    monkeypatch.setattr(QwenImageRunner, "estimate_memory", lambda self, shape: None)  # a family without one
     qwen = QwenImageRunner(load_runner_config(REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json",
                                               {"device": "cpu", "offload": {"gpu_slots": 3}}))
     with pytest.raises(ValueError) as err:

@@ -272,26 +272,51 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
 
 #: meta-built module -> `module_footprint`'s key -> the footprint (weak: a module's entries go with it).
 _FOOTPRINTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], ModuleFootprint]] = weakref.WeakKeyDictionary()
+#: meta-built module -> its parameter sizes, units and unit layouts (`_module_footprint`).
+_PARTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def _is_meta(module: nn.Module) -> bool:
+    first = next(module.parameters(), None)
+    return first is not None and first.is_meta
 
 
 def _module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[[str], bool],
                       stream: StreamSpec | None, offload: OffloadConfig | None, stream_default: bool,
                       fp8_stored: Collection[str], lora_rank: int) -> ModuleFootprint:
-    """`module_footprint`, computed."""
-    sizes: dict[str, int] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, p in module.named_parameters():
-        load = p.dtype if not p.dtype.is_floating_point else (torch.float32 if keep_fp32(name) else dtype)
-        sizes[name] = tensor_bytes(p, load)
-        shapes[name] = tuple(p.shape)
-    buffers = sum(tensor_bytes(b) for _, b in module.named_buffers())
+    """`module_footprint`, computed. On a meta-built module the parts that depend on the module alone (its
+    parameter sizes, its units, each unit's layout) are computed once (`_PARTS`): the plan asks for every
+    `offload.resident_blocks` count of the same units."""
+    parts = _PARTS.setdefault(module, {}) if _is_meta(module) else {}
+
+    def part(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        if key not in parts:
+            parts[key] = make()
+        return parts[key]
+
+    def measure_parameters() -> tuple[dict[str, int], dict[str, tuple[int, ...]], int]:
+        sizes: dict[str, int] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, p in module.named_parameters():
+            load = p.dtype if not p.dtype.is_floating_point else (torch.float32 if keep_fp32(name) else dtype)
+            sizes[name] = tensor_bytes(p, load)
+            shapes[name] = tuple(p.shape)
+        return sizes, shapes, sum(tensor_bytes(b) for _, b in module.named_buffers())
+
+    sizes, shapes, buffers = part(("sizes", dtype, keep_fp32), measure_parameters)
     total = sum(sizes.values()) + buffers
     extra = lora_slot_bytes(module, lora_rank, dtype, keep_fp32) if lora_rank else 0
     if stream is None or offload is None or offload.mode not in ("block", "phase"):
         return ModuleFootprint(weight_bytes=total, stream_default=stream_default, device_extra_bytes=extra)
-    _, units = split_resident(plan_units(module, offload.mode, stream), stream.resident_units(offload.resident_blocks))  # kept: resident
+    mode = offload.mode
+    every = part(("units", mode, stream), lambda: plan_units(module, mode, stream))
+    _, units = split_resident(every, stream.resident_units(offload.resident_blocks))  # kept: resident
     as_stored = fp8_stored if offload.storage == "disk" else ()  # storage cpu holds upcast weights
-    layouts = [plan_unit_layout(u, shapes, dtype, offload.weight_dtype, fp8_stored=as_stored) for u in units]
+    index = {id(u): k for k, u in enumerate(every)}
+    layout_key = ("layout", mode, stream, dtype, keep_fp32, offload.weight_dtype, frozenset(as_stored))
+    layouts = [part((*layout_key, index[id(u)]),
+                    lambda u=u: plan_unit_layout(u, shapes, dtype, offload.weight_dtype, fp8_stored=as_stored))
+               for u in units]
     raw = max((lay.raw_nbytes for lay in layouts), default=0)
     slot = align_up(raw) + max((lay.compute_nbytes for lay in layouts), default=0)
     slots = min(offload.gpu_slots, len(units))

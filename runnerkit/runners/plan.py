@@ -31,6 +31,7 @@ candidate are runners/plan_ladder.py; the log, the report and the refusal runner
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from itertools import combinations, product
 
 import torch
@@ -40,17 +41,19 @@ from runnerkit.memory import MemoryLimit
 from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, placement_of, streams
 from runnerkit.runners.pipeline import Shape
 from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
-                                           constrain, evaluate, explicit_keys, ladder)
-from runnerkit.runners.plan_report import module_rows, refusal, request_copy_seconds
+                                           constrain, explicit_keys, ladder, measure, verdict)
+from runnerkit.runners.plan_compute import ComputeModel
+from runnerkit.runners.plan_report import module_rows, refusal, request_copy_seconds, request_seconds
 
-__all__ = ["MemoryPlan", "plan_offload"]
+__all__ = ["MemoryPlan", "PlanMemo", "plan_offload"]
 
 
 def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.device, estimate: EstimateFn,
                  device_limit: MemoryLimit, host_limit: MemoryLimit | None, passes_per_step: PassesFn,
                  supported: SupportedFn = lambda off: None, factors: tuple[int, int] = (16, 4),
                  steps_per_request: int = 1, keep_resident: bool = True,
-                 pinned_limit: MemoryLimit | None = None) -> MemoryPlan:
+                 pinned_limit: MemoryLimit | None = None, compute: ComputeModel | None = None,
+                 compute_note: str = "", memo: PlanMemo | None = None) -> MemoryPlan:
     """Resolve `config.offload` (mode auto) into the fastest concrete config that fits (module docstring).
 
     Args:
@@ -69,6 +72,11 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
             False judges each rung as the ladder writes it (the ladder alone, e.g. to compare with).
         pinned_limit: page-locked host bytes allowed apart from `host_limit` (config `memory.pinned_limit_gib`);
             None: pinned bytes count only towards the host limit.
+        compute: the time model's compute side (runners/plan_compute.py): with it, candidates are ranked by
+            their estimated request seconds (compute overlapped with the streamed copies); None: by copy seconds.
+        compute_note: why there is no compute model (the log and the report say it).
+        memo: what is pure in a plan (`PlanMemo`), shared by plans of the same run config, shapes, estimate and
+            compute model over several limits (runnerkit/tools/plan_table.py); None: a fresh one.
 
     Raises:
         MemoryFitError: no allowed candidate fits (the message: GiB missing, what would fit).
@@ -89,11 +97,20 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
     seen: set[str] = set()
     rung_of: dict[int, int] = {}  # rung index -> its entry in `evaluations`
 
+    memo = memo if memo is not None else PlanMemo()
+    measured = memo.evaluations
+
     def judge(off: OffloadConfig) -> Evaluation:
-        ev = evaluate(candidate_name(off), config.model_copy(update={"offload": off}), shapes, device, estimate,
-                      device_limit, host_limit, passes_per_step, pinned_limit)
-        ev.copy_seconds = request_copy_seconds(module_rows(ev, device), steps_per_request)
-        return ev
+        key = off.model_dump_json()
+        ev = measured.get(key)
+        if ev is None:
+            ev = measure(candidate_name(off), config.model_copy(update={"offload": off}), shapes, device, estimate,
+                         passes_per_step)
+            rows = module_rows(ev, device)
+            ev.copy_seconds = request_copy_seconds(rows, steps_per_request)
+            ev.request_seconds = request_seconds(rows, compute, off) if compute is not None else None
+            measured[key] = ev
+        return verdict(ev, device_limit, host_limit, pinned_limit)
 
     for rung, cand in enumerate(ladder(streamable, default_streams, allow_fp8)):
         off, why = constrain(cand, explicit)
@@ -111,6 +128,11 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         if off.mode == "block" and cannot:
             evaluations.append(Evaluation(name, off, f"excluded: `offload.stream_modules` names {cannot}, which "
                                                      f"cannot stream (modules that can: {streamable})"))
+            continue
+        kept = [m for m in off.resident_modules or () if m in (off.stream_modules or default_streams)]
+        if off.mode == "block" and kept:
+            evaluations.append(Evaluation(name, off, f"excluded: `offload.resident_modules` keeps {kept} resident, "
+                                                     "which this candidate streams"))
             continue
         refused = supported(off)
         if refused:
@@ -131,24 +153,27 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         rung_of[rung] = len(evaluations)
         evaluations.append(base)
         # a variant keeps more on the device: it can only help a rung that fits the device (less host memory)
-        best = _fastest_variant(off, base, explicit, judge) if keep_resident and not base.device_missing else (
+        best = _fastest_variant(off, base, explicit, judge, memo.tops) if keep_resident and not base.device_missing else (
             base if base.fits else None)
         if best is not None:
             fitting.append((rung, best))
     if not fitting:
         raise MemoryFitError(refusal(config, evaluations, shapes, device, estimate, device_limit, host_limit,
                                      streamable, default_streams, supported, passes_per_step, factors))
-    rung, chosen = min(fitting, key=lambda x: (x[1].copy_seconds or 0.0, x[0]))
+    rung, chosen = min(fitting, key=lambda x: (*x[1].rank, x[0]))
     assert chosen.copy_seconds is not None
     # the rungs before the chosen one's that were left out or do not fit (those after it are slower kinds)
     rejected = [e for e in evaluations[:rung_of[rung]] if not e.fits and "not evaluated" not in e.reason]
     why = ("the device is the CPU: weights live in host memory whatever the mode, so offload cannot lower the "
            "peak; the first allowed candidate is taken" if device.type == "cpu" else
-           f"the fastest that fits: an estimated {chosen.copy_seconds:.2f} s of host-to-device copies per request"
+           (f"the fastest that fits: an estimated {chosen.request_seconds:.2f} s per request (compute and copies)"
+            if chosen.request_seconds is not None else
+            f"the fastest that fits: an estimated {chosen.copy_seconds:.2f} s of host-to-device copies per request")
            + (f" ({len(fitting) - 1} slower plan(s) fit too)" if len(fitting) > 1 else ""))
     return MemoryPlan(chosen=chosen, rejected=rejected, shapes=shapes, device=device, device_limit=device_limit,
                       host_limit=host_limit, why=why, steps_per_request=steps_per_request,
-                      skipped=[e for e in evaluations if "not evaluated" in e.reason])
+                      skipped=[e for e in evaluations if "not evaluated" in e.reason], compute=compute,
+                      compute_note=compute_note)
 
 
 #: Modules the planner tries keeping resident beside an offload mode: all subsets up to this many candidates
@@ -158,8 +183,18 @@ MAX_RESIDENT_CHOICES = 8
 MAX_RESIDENT_BLOCKS = 4096
 
 
+@dataclass
+class PlanMemo:
+    """What a plan computes that does not depend on the limits: each candidate measured (`plan_ladder.measure`,
+    by its concrete config's JSON) and, per streaming config, the fewest resident units that keep all of them
+    (`_fewest_same`)."""
+
+    evaluations: dict[str, Evaluation] = field(default_factory=dict)
+    tops: dict[str, int] = field(default_factory=dict)
+
+
 def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, object],
-                     judge: Callable[[OffloadConfig], Evaluation]) -> Evaluation | None:
+                     judge: Callable[[OffloadConfig], Evaluation], tops: dict[str, int]) -> Evaluation | None:
     """The fastest variant of a rung that fits (None: none), `base` (nothing kept resident) fitting the device:
     every subset of the
     modules that neither stream nor are resident already kept on the device whole (`offload.resident_modules`,
@@ -189,15 +224,16 @@ def _fastest_variant(off: OffloadConfig, base: Evaluation, explicit: dict[str, o
         keys = {"resident_modules": (*(off.resident_modules or ()), *kept) or None, "keep_across_stages": keep}
         variant = off.model_copy(update=keys)
         if search_blocks:
-            ev = _most_units_that_fit(variant, judge)
+            ev = _most_units_that_fit(variant, judge, tops)
         else:
             ev = judge(variant)
-        if ev is not None and ev.fits and (best is None or (ev.copy_seconds or 0.0) < (best.copy_seconds or 0.0)):
+        if ev is not None and ev.fits and (best is None or ev.rank < best.rank):
             best = ev
     return best
 
 
-def _most_units_that_fit(off: OffloadConfig, judge: Callable[[OffloadConfig], Evaluation]) -> Evaluation | None:
+def _most_units_that_fit(off: OffloadConfig, judge: Callable[[OffloadConfig], Evaluation],
+                         tops: dict[str, int]) -> Evaluation | None:
     """`off` with the most `resident_blocks` that fit, or None. More units resident never copy more. Device
     bytes grow with the count, so the most that fit the device is found by bisection; host bytes move one way
     with it for a given storage (disk: the resident part read through host memory grows; cpu: the host slabs
@@ -208,7 +244,12 @@ def _most_units_that_fit(off: OffloadConfig, judge: Callable[[OffloadConfig], Ev
     def at(n: int) -> Evaluation:
         return judge(off.model_copy(update={"resident_blocks": n}))
 
-    top = _fewest_same(off, MAX_RESIDENT_BLOCKS, judge)
+    # the count past which more units change nothing is the streamed modules' own: the same for every set of
+    # resident modules and either keep_across_stages, so it is found once per streaming config
+    key = off.model_copy(update={"resident_modules": None, "keep_across_stages": False}).model_dump_json()
+    if key not in tops:
+        tops[key] = _fewest_same(off, MAX_RESIDENT_BLOCKS, judge)
+    top = tops[key]
     device = _most(lambda n: not at(n).device_missing, top)
     if device is None:
         return None

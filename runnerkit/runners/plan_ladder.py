@@ -6,6 +6,7 @@ device and host limits. Pure functions of estimates; imported by plan.py and pla
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +17,10 @@ from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
 from runnerkit.runners.fit import GIB, HostEstimate, MemoryEstimate, PeakEstimate, host_bytes_of, peak_of
 from runnerkit.runners.pipeline import Shape
+from runnerkit.runners.plan_compute import ComputeModel
 
 __all__ = ["MATCH_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "PassesFn", "SupportedFn",
-           "candidate_name", "constrain", "evaluate", "explicit_keys", "ladder"]
+           "candidate_name", "constrain", "evaluate", "explicit_keys", "ladder", "measure", "verdict"]
 
 #: Explicit keys a ladder candidate must match where it sets them (else the candidate is left out).
 MATCH_KEYS = ("storage", "lazy_load", "weight_dtype")
@@ -125,6 +127,13 @@ class Evaluation:
     pinned_missing: int = 0
     passes_per_step: int = 0
     copy_seconds: float | None = None  # estimated H2D seconds per request (runners/plan_report.py), once evaluated
+    request_seconds: float | None = None  # estimated request seconds, compute included (None: no compute estimate)
+
+    @property
+    def rank(self) -> tuple[float, float]:
+        """What the planner minimizes: (estimated request seconds, else copy seconds; copy seconds)."""
+        copy = self.copy_seconds or 0.0
+        return (self.request_seconds if self.request_seconds is not None else copy, copy)
 
     @property
     def fits(self) -> bool:
@@ -145,6 +154,13 @@ class MemoryPlan:
     why: str
     skipped: list[Evaluation] = field(default_factory=list)  # CPU: candidates not evaluated
     steps_per_request: int = 1  # denoising steps of one request, all stages (the copy time's multiplier)
+    compute: ComputeModel | None = None  # the time model's compute side (runners/plan_compute.py); None: copies only
+    compute_note: str = ""  # why there is no compute estimate
+
+    @property
+    def estimated_request_seconds(self) -> float | None:
+        """The chosen plan's estimated request time (compute and copies), None without a compute estimate."""
+        return self.chosen.request_seconds
 
     @property
     def offload(self) -> OffloadConfig:
@@ -163,6 +179,13 @@ def evaluate(name: str, config: RunnerConfig, shapes: Sequence[Shape], device: t
     """Peak and host bytes of `config` over `shapes` (the worst of each) against the limits (`pinned_limit`: of
     the host bytes, the pinned ones; None: not checked apart), and the passes per denoising step under
     `config.offload` (`passes`)."""
+    return verdict(measure(name, config, shapes, device, estimate, passes), device_limit, host_limit, pinned_limit)
+
+
+def measure(name: str, config: RunnerConfig, shapes: Sequence[Shape], device: torch.device, estimate: EstimateFn,
+            passes: PassesFn) -> Evaluation:
+    """`evaluate`'s limit-independent part: the worst peak and host bytes of `config` over `shapes`, and the passes
+    per step (no verdict yet: `verdict`). Pure in (config.offload, shapes): a plan over many limits may cache it."""
     ev = Evaluation(name, config.offload, passes_per_step=passes(config.offload))
     for shape in shapes:
         est = estimate(config.offload, shape)
@@ -173,6 +196,14 @@ def evaluate(name: str, config: RunnerConfig, shapes: Sequence[Shape], device: t
         if ev.host is None or host.bytes > ev.host.bytes:
             ev.host = host
     assert ev.peak is not None and ev.host is not None, "plan at least one shape"
+    return ev
+
+
+def verdict(measured: Evaluation, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
+            pinned_limit: MemoryLimit | None = None) -> Evaluation:
+    """A copy of a `measure`d candidate judged against the limits: the bytes missing and the reason."""
+    ev = dataclasses.replace(measured)
+    assert ev.peak is not None and ev.host is not None, "a measured candidate"
     ev.device_missing = max(0, ev.peak.bytes - device_limit.bytes)
     ev.host_missing = max(0, ev.host.bytes - host_limit.bytes) if host_limit is not None else 0
     ev.pinned_missing = max(0, ev.host.pinned_bytes - pinned_limit.bytes) if pinned_limit is not None else 0

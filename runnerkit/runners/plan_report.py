@@ -38,12 +38,14 @@ from pydantic import ValidationError
 from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
 from runnerkit.runners.fit import GIB, host_module_bytes, overhead_bytes, placement_of, streams
+from runnerkit.offload.pinned import pinning_disabled_by_env
 from runnerkit.runners.pipeline import Shape
+from runnerkit.runners.plan_compute import ComputeModel, denoise_seconds
 from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
                                            evaluate, explicit_keys, ladder)
 
 __all__ = ["DISK_BYTES_PER_S", "H2D_PAGEABLE_BYTES_PER_S", "H2D_PINNED_BYTES_PER_S", "ModuleRow", "describe",
-           "module_rows", "refusal", "report", "request_copy_seconds"]
+           "module_rows", "refusal", "report", "request_copy_seconds", "request_seconds"]
 
 H2D_PINNED_BYTES_PER_S = 20e9
 """Assumed host-to-device copy rate from pinned memory: PCIe 4.0 x16 in practice (~25 GB/s peak), the
@@ -104,6 +106,15 @@ def request_copy_seconds(rows: Sequence[ModuleRow], steps_per_request: int) -> f
     return _step_copy(rows)[1] * steps_per_request + sum(r.seconds(r.copy_request_bytes) for r in rows)
 
 
+def request_seconds(rows: Sequence[ModuleRow], compute: ComputeModel, offload: OffloadConfig) -> float:
+    """Estimated seconds of one request under a candidate (runners/plan_compute.py): the denoising steps, each the
+    larger of its compute and the streamed copy (prefetched; their sum from pageable memory), + the per-request
+    copies."""
+    overlapped = offload.pin_memory and not pinning_disabled_by_env()
+    return (denoise_seconds(compute, _step_copy(rows)[1], overlapped)
+            + sum(r.seconds(r.copy_request_bytes) for r in rows))
+
+
 def _gib(n: int | float) -> float:
     return round(n / GIB, 3)
 
@@ -157,8 +168,12 @@ def report(plan: MemoryPlan, requested: OffloadConfig) -> dict[str, Any]:
         "copy_seconds_per_request_estimate": round(sum(r.seconds(r.copy_request_bytes) for r in rows), 4),
         "steps_per_request": plan.steps_per_request,
         "request_copy_seconds_estimate": round(request_copy_seconds(rows, plan.steps_per_request), 4),
+        "estimated_request_seconds": (round(ev.request_seconds, 3) if ev.request_seconds is not None else None),
+        "compute_estimate": plan.compute.report() if plan.compute is not None else None,
+        "compute_note": plan.compute_note or None,
         "modules": [{"name": r.name, "placement": r.placement, "device_gib": _gib(r.device_bytes),
                      "host_gib": _gib(r.host_bytes), "copy_per_step_gib": _gib(r.copy_step_bytes),
+                     "copy_seconds_per_step_estimate": round(r.seconds(r.copy_step_bytes), 4),
                      "copy_per_request_gib": _gib(r.copy_request_bytes),
                      "assumed_gb_per_s": round(r.bytes_per_s / 1e9, 2)} for r in rows],
         "rejected": [_rejected(e, plan.device) for e in plan.rejected],
@@ -191,8 +206,16 @@ def describe(plan: MemoryPlan) -> str:
     if request:
         lines.append(f"  copy per request (estimate): {request / GIB:.2f} GiB = "
                      f"{sum(r.seconds(r.copy_request_bytes) for r in rows):.2f} s at the assumed rates")
+    ranked = "" if plan.compute is not None else ", the least of the plans that fit"
     lines.append(f"  copies of one request (estimate, {plan.steps_per_request} denoising steps): "
-                 f"{request_copy_seconds(rows, plan.steps_per_request):.2f} s, the least of the plans that fit")
+                 f"{request_copy_seconds(rows, plan.steps_per_request):.2f} s{ranked}")
+    if plan.compute is not None and ev.request_seconds is not None:
+        steps = ", ".join(f"{n} {k} x {s:.3f} s" for n, k, s in plan.compute.stages)
+        lines.append(f"  request time (estimate): {ev.request_seconds:.2f} s, the least of the plans that fit "
+                     f"(compute per step {steps} at {plan.compute.efficiency:.0%} of the {plan.compute.peak.label}'s "
+                     f"{plan.compute.peak.tflops:.0f} TFLOP/s, overlapped with the streamed copy)")
+    elif plan.compute_note:
+        lines.append(f"  {plan.compute_note}: plans ranked by their copy seconds")
     for e in plan.rejected:
         lines.append(f"  rejected: {e.name}: {e.reason}")
     return "\n".join(lines)

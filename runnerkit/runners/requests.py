@@ -30,7 +30,7 @@ from runnerkit.admission import AdmittedRequest
 from runnerkit.config import OffloadConfig, RequestConfig, RunnerConfig, as_request
 from runnerkit.images import check_image
 from runnerkit.lora import LoRAError, read_adapter
-from runnerkit.runners import fit, plan, plan_report
+from runnerkit.runners import fit, offload_checks, plan, plan_compute, plan_report
 from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, PeakEstimate
 from runnerkit.runners.pipeline import InputInfo, Shape
 
@@ -173,6 +173,35 @@ class RequestChecksMixin:
         streamed transformers' copies repeat every step): `infer_steps`; a family with more stages overrides."""
         return self.config.infer_steps or 1
 
+    #: The device name the plan's compute estimate looks its peak up by (`runnerkit plan --device_name`); None:
+    #: the CUDA device's own name (runners/plan_compute.py).
+    planned_device_name: str | None = None
+
+    def denoise_flops(self, shape: Shape) -> tuple[plan_compute.StageFlops, ...] | None:
+        """Family hook: per denoising stage, its steps and the FLOPs of one step at `shape` (every CFG pass), from
+        the architecture alone, for the plan's request time (runners/plan_compute.py). None: no FLOP count."""
+        return None
+
+    def compute_model(self, shapes: Sequence[Shape]) -> tuple[plan_compute.ComputeModel | None, str]:
+        """The plan's compute model for the largest of `shapes` by FLOPs, or (None, why there is none): the CPU, a
+        device without a name here (no CUDA and no `planned_device_name`) or not in the table, a family without
+        a FLOP count, or an architecture not readable before loading."""
+        device = self.memory_device()
+        if device.type != "cuda":
+            return None, f"no compute estimate: the device is {device.type}"
+        name = self.planned_device_name
+        if name is None and torch.cuda.is_available():
+            try:
+                name = torch.cuda.get_device_name(device)
+            except (RuntimeError, AssertionError):  # a device index this machine lacks
+                name = None
+        try:
+            counts = [self.denoise_flops(shape) for shape in shapes]
+        except fit.EstimateUnavailable as exc:
+            return None, f"no compute estimate: {exc}"
+        largest = max(counts, key=lambda st: sum(s.steps * s.flops for s in st or ()), default=None)
+        return plan_compute.compute_model(largest, name, self.config.compile.enabled)
+
     @contextmanager
     def _offload_for_estimate(self, offload: OffloadConfig) -> Iterator[None]:
         """`self.config.offload` reads `offload` inside the block (the family's `estimate_memory`
@@ -198,6 +227,16 @@ class RequestChecksMixin:
                                       f"(model_cls {self.config.model_cls!r}) gives none (estimate_memory): choose "
                                       "`offload.mode` none/model/block/phase yourself")
         return estimate
+
+    def _estimate_before_load(self, offload: OffloadConfig) -> MemoryEstimate | None:
+        """The estimate of the config's default shape under `offload`; None where the family gives none before
+        loading (its load then checks what this would)."""
+        cfg = self.config
+        with self._offload_for_estimate(offload):
+            try:
+                return self.estimate_memory((cfg.target_height, cfg.target_width, cfg.target_video_length))
+            except fit.EstimateUnavailable:
+                return None
 
     def _plan_supports(self, offload: OffloadConfig) -> str | None:
         """Why this run cannot use `offload` (compile, warmup's offload modes), or None."""
@@ -225,9 +264,11 @@ class RequestChecksMixin:
         Raises:
             MemoryFitError: nothing fits (the GiB missing; what would fit).
             NotImplementedError: the family gives no estimate, or cannot before loading.
-            ValueError: the device's memory cannot be read (set `memory.limit_gib`).
+            ValueError: the device's memory cannot be read (set `memory.limit_gib`); `offload.resident_modules`
+                or `offload.keep_across_stages` the family's modules refuse (runners/offload_checks.py).
         """
         cfg = self.config
+        offload_checks.check_offload_modules(cfg, self._estimate_before_load, type(self).__name__)
         # read here, before loading, and kept: every later check judges against the same number
         device_limit = self.device_budget() if cfg.memory.check_fit or cfg.offload.mode == "auto" else None
         if cfg.offload.mode != "auto":
@@ -260,7 +301,8 @@ class RequestChecksMixin:
                                    self.denoise_passes_per_step, self._plan_supports,
                                    (self.SPATIAL_FACTOR, self.TEMPORAL_FACTOR), self.plan_steps_per_request(),
                                    pinned_limit=None if cfg.memory.pinned_limit_gib is None else memory.MemoryLimit(
-                                       int(cfg.memory.pinned_limit_gib * fit.GIB), "config memory.pinned_limit_gib"))
+                                       int(cfg.memory.pinned_limit_gib * fit.GIB), "config memory.pinned_limit_gib"),
+                                   **dict(zip(("compute", "compute_note"), self.compute_model(shapes))))
         if not chosen:
             logger.info("memory plan: `offload.mode` not set, so the plan is automatic (`offload.mode` 'none' keeps "
                         "every module resident, or refuses)")

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host_gib", type=_gib_flag("--host_gib"),
                    help="host memory to plan for, GiB (as config memory.host_limit_gib; default: available "
                         "memory, cgroup limits included)")
+    p.add_argument("--device_name",
+                   help="the GPU whose compute the estimated request time assumes, as CUDA names it, e.g. 'NVIDIA "
+                        "H100 80GB HBM3' (default: this machine's CUDA device; none: no compute estimate, plans "
+                        "ranked by copy seconds; known names: runners/plan_compute.py DEVICE_PEAKS)")
     p.add_argument("--offload", choices=("none", "model", "block", "phase", "auto"),
                    help="offload mode, replacing the config's offload.mode (as the launch script's --offload)")
     p.add_argument("--target_height", type=int, help="plan for this default height instead of the config's")
@@ -215,8 +219,12 @@ def plan_of(runner: DefaultRunner) -> dict[str, Any]:
     pinned_limit = None if pinned is None else MemoryLimit(int(pinned * GIB), "config memory.pinned_limit_gib")
     ev = evaluate(candidate_name(cfg.offload), cfg, shapes, device, lambda off, shape: runner.estimate_memory(shape),
                   device_limit, host_limit, runner.denoise_passes_per_step, pinned_limit)
+    compute, note = runner.compute_model(shapes)
+    if compute is not None:
+        ev.request_seconds = plan_report.request_seconds(plan_report.module_rows(ev, device), compute, cfg.offload)
     judged = MemoryPlan(chosen=ev, rejected=[], shapes=tuple(shapes), device=device, device_limit=device_limit,
-                        host_limit=host_limit, why=why, steps_per_request=runner.plan_steps_per_request())
+                        host_limit=host_limit, why=why, steps_per_request=runner.plan_steps_per_request(),
+                        compute=compute, compute_note=note)
     report = plan_report.report(judged, requested)
     report["modules"] = _module_entries(report, ev, device)
     refusal = _first_refusal(runner, shapes)
@@ -247,11 +255,18 @@ def describe(out: dict[str, Any]) -> str:
     lines.append(f"  estimated: device {out['device_gib']:.2f} GiB at its peak (stage {out['peak_stage']}, shape "
                  f"{'x'.join(map(str, out['peak_shape']))}), host {out['host_gib']:.2f} GiB")
     seconds, copies = out["estimated_request_seconds"], out.get("request_copy_seconds_estimate")
-    if seconds is not None:
+    compute = out.get("compute_estimate")
+    if seconds is not None and compute is not None:
+        steps = ", ".join(f"{st['name']} {st['steps']} x {st['seconds_per_step']:.3f} s" for st in compute["stages"])
+        lines.append(f"  estimated request time: {seconds:.1f} s (denoising compute per step {steps} on "
+                     f"{compute['device']} at {compute['efficiency']:.0%} of {compute['peak_tflops']:.0f} TFLOP/s, "
+                     f"overlapped with the streamed copy; + {copies:.2f} s of copies in all)")
+    elif seconds is not None:
         lines.append(f"  estimated request time: {seconds:.1f} s")
     elif copies is not None:
         lines.append(f"  estimated host-to-device copies per request: {copies:.2f} s over {out['steps_per_request']} "
-                     "denoising step(s) (the planner's time model: copies, not compute)")
+                     f"denoising step(s) ({out.get('compute_note') or 'no compute estimate'}: the time model counts "
+                     "copies, not compute)")
     else:
         lines.append("  estimated request time: not given (the planner has no time model)")
     if out["copy_per_step_gib"]:
@@ -289,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         runner_cls = get_runner_cls(config.model_cls, config.task)
         device = plan_device(config.device, config.memory.limit_gib)
         runner = runner_cls.for_plan(config, device)
+        runner.planned_device_name = args.device_name
         out = plan_of(runner)
     except (ValueError, NotImplementedError) as exc:  # ConfigError, CheckpointError, the family's settings checks
         logger.error("invalid input: {}: {}", args.config_json, exc)

@@ -31,7 +31,7 @@ import torch
 
 from runnerkit.config import OffloadConfig, load_runner_config
 from runnerkit.memory import MemoryLimit
-from runnerkit.runners import fit, plan_report
+from runnerkit.runners import fit, plan_compute, plan_report
 from runnerkit.runners.fit import GIB, MemoryEstimate, MemoryFitError, ModuleFootprint, StageFootprint
 from runnerkit.runners.plan import plan_offload
 from runnerkit.runners.requests import RequestChecksMixin
@@ -86,9 +86,20 @@ def two_passes(off: OffloadConfig) -> int:
 
 def plan(device_gib: float, host_gib: float | None, te_streams: bool = False, passes: Any = two_passes,
          device: torch.device = CUDA, shapes: tuple[tuple[int, int, int], ...] = (BASE,),
-         factors: tuple[int, int] = (16, 4), steps: int = 10, keep_resident: bool = True, **offload: Any) -> Any:
+         factors: tuple[int, int] = (16, 4), steps: int = 10, keep_resident: bool = True, compute: Any = None,
+         **offload: Any) -> Any:
     return plan_offload(config(**offload), shapes, device, synthetic(te_streams), limit(device_gib),
-                        limit(host_gib), passes, factors=factors, steps_per_request=steps, keep_resident=keep_resident)
+                        limit(host_gib), passes, factors=factors, steps_per_request=steps, keep_resident=keep_resident,
+                        compute=compute)
+
+
+def compute_of(step_seconds: float, steps: int = 10) -> Any:
+    """A compute model of `steps` denoising steps of `step_seconds` each on an H100 (eager)."""
+    flops = step_seconds * plan_compute.DEVICE_PEAKS[2][2] * 1e12 * plan_compute.EFFICIENCY[False]
+    model, _ = plan_compute.compute_model([plan_compute.StageFlops("transformer", steps, flops)],
+                                          "NVIDIA H100 80GB HBM3", False)
+    assert model is not None and model.stages[0][2] == pytest.approx(step_seconds)
+    return model
 
 
 ladder_plan = partial(plan, keep_resident=False)  # each rung as the ladder writes it
@@ -188,23 +199,31 @@ def test_chosen_configs_are_concrete_and_complete() -> None:
     assert ladder_plan(16, 64).offload == OffloadConfig(mode="model")
 
 
-def test_more_memory_never_gives_a_slower_plan() -> None:
-    """Over a grid of device and host limits, the chosen plan's estimated copy seconds per request never grow
-    when either limit grows (the planner takes the fastest of every candidate that fits, not the first rung)."""
+@pytest.mark.parametrize("step_seconds", [None, 0.3, 5.0], ids=["copies", "copy-bound", "compute-bound"])
+def test_more_memory_never_gives_a_slower_plan(step_seconds: float | None) -> None:
+    """Over a grid of device and host limits, the chosen plan's estimated seconds per request (copies only, or
+    with a compute model: each step the larger of compute and copy) never grow when either limit grows (the
+    planner takes the fastest of every candidate that fits, not the first rung)."""
     devices = [4.8, 6, 7.5, 8, 9, 10, 12, 14, 16, 17, 18, 24, 80]
     hosts = [10, 11.5, 12.5, 14, 16.5, 17, 20, 64]
+    compute = compute_of(step_seconds) if step_seconds is not None else None
     seconds: dict[tuple[float, float], float] = {}
     for d in devices:
         for h in hosts:
             try:
-                seconds[d, h] = plan(d, h).chosen.copy_seconds
+                chosen = plan(d, h, compute=compute).chosen
             except MemoryFitError:
                 seconds[d, h] = math.inf
+                continue
+            seconds[d, h] = chosen.copy_seconds if compute is None else chosen.request_seconds
+            assert chosen.rank[0] == seconds[d, h]
     pairs = [((d, h), (d2, h2)) for d in devices for h in hosts for d2 in devices for h2 in hosts
              if d2 >= d and h2 >= h]
     slower = [(a, b, seconds[a], seconds[b]) for a, b in pairs if seconds[b] > seconds[a] + 1e-9]
     assert not slower, slower[:5]
-    assert seconds[80, 64] == 0.0 and seconds[4.8, 64] > seconds[10, 64] > seconds[16, 64] > 0
+    floor = 0.0 if compute is None else 10 * compute.stages[0][2]  # resident: the compute alone
+    assert seconds[80, 64] == pytest.approx(floor) and seconds[4.8, 64] > seconds[10, 64] >= seconds[16, 64] >= floor
+    assert seconds[4.8, 64] > floor
 
 
 def test_the_fastest_variant_is_chosen_over_the_first_rung_that_fits() -> None:
@@ -560,3 +579,45 @@ def test_pinned_host_memory_is_budgeted_apart() -> None:
         e.reason for e in tight.rejected if e.name == MODEL)
     report = plan_report.report(tight, config().offload)
     assert report["host_pinned_gib"] == round(tight.chosen.host.pinned_bytes / GIB, 3)
+
+
+# ---- the time model: compute against copies (runners/plan_compute.py) ------------------------------
+def test_a_copy_hidden_under_compute_ranks_before_a_smaller_copy_that_is_not() -> None:
+    """16 GiB, 5 s of compute a step: model offload with the transformer resident copies the text encoder and the
+    VAE once per request (5 GiB, 0.27 s, not overlapped); block streaming with 6 of 10 units, the text encoder and
+    the VAE resident (the most that fit) copies 4 units x 2 passes every step (7.2 GiB, 0.39 s), hidden under the
+    step's compute.
+    Copies alone rank model offload first; the request time ranks block streaming first (50 s against 50.27 s).
+    From pageable memory the copy runs in line (compute + copy): model offload again."""
+    copies = plan(16, 64)
+    assert copies.chosen.name == MODEL_KEEP_TRANSFORMER and copies.chosen.request_seconds is None
+    timed = plan(16, 64, compute=compute_of(5.0))
+    assert timed.offload == OffloadConfig(mode="block", resident_blocks=6, resident_modules=["text_encoder", "vae"])
+    step_copy = 2 * 4 * (int(10 * GIB) * 9 // 10 // 10) / plan_report.H2D_PINNED_BYTES_PER_S
+    assert 0 < step_copy < 5.0
+    assert timed.chosen.request_seconds == pytest.approx(10 * 5.0)  # every copy hidden
+    model = timed.chosen.copy_seconds
+    assert model == pytest.approx(10 * step_copy) and model > copies.chosen.copy_seconds
+    assert timed.why.startswith("the fastest that fits: an estimated 50.00 s per request (compute and copies)")
+    pageable = plan(16, 64, compute=compute_of(5.0), pin_memory=False)
+    assert pageable.offload == OffloadConfig(mode="model", resident_modules=["transformer"], pin_memory=False)
+    assert pageable.chosen.request_seconds == pytest.approx(50 + 5 * GIB / plan_report.H2D_PAGEABLE_BYTES_PER_S)
+
+
+def test_request_seconds_take_the_larger_of_compute_and_copy_per_step() -> None:
+    """Copy-bound (0.3 s of compute against a 0.87 s streamed copy per step, 10 GiB device): the step costs the
+    copy; the report carries the time, the compute model and each module's copy per step."""
+    result = ladder_plan(10, 64, compute=compute_of(0.3))
+    assert result.chosen.name == BLOCK
+    rows = {r.name: r for r in plan_report.module_rows(result.chosen, CUDA)}
+    step = rows["transformer"].copy_step_bytes / plan_report.H2D_PINNED_BYTES_PER_S
+    request = (4 + 1) * GIB / plan_report.H2D_PINNED_BYTES_PER_S  # text encoder and VAE visit once
+    assert step > 0.3 and result.chosen.request_seconds == pytest.approx(10 * step + request)
+    report = plan_report.report(result, config().offload)
+    assert report["estimated_request_seconds"] == round(10 * step + request, 3)
+    assert report["compute_estimate"]["stages"] == [{"name": "transformer", "steps": 10, "seconds_per_step": 0.3}]
+    assert report["compute_note"] is None
+    assert {m["name"]: m["copy_seconds_per_step_estimate"] for m in report["modules"]} == {
+        "text_encoder": 0.0, "transformer": round(step, 4), "vae": 0.0}
+    text = plan_report.describe(result)
+    assert "  request time (estimate): " + f"{10 * step + request:.2f} s, the least of the plans that fit" in text

@@ -43,6 +43,14 @@ class OneTransformer(TwoStageImageRunner):
         return dataclasses.replace(p, modules=tuple(m for m in p.modules if m.name != "transformer_2"),
                                    denoise=(first, dataclasses.replace(second, transformers=("transformer",))))
 
+    def estimate_memory(self, shape: tuple[int, int, int]) -> MemoryEstimate:
+        """The toy estimate of this pipeline: stage 2 on `transformer`, held through the upsampler."""
+        est = super().estimate_memory(shape)
+        stages = tuple(dataclasses.replace(s, module="transformer") if s.name == "stage2" else
+                       dataclasses.replace(s, holds=("transformer",)) if s.name == "upsampler" else s
+                       for s in est.stages)
+        return MemoryEstimate({n: m for n, m in est.modules.items() if n != "transformer_2"}, stages)
+
 
 def build(tmp_path: Path, **offload: Any) -> OneTransformer:
     return OneTransformer(load_runner_config(None, config_dict(tmp_path, offload=offload)))

@@ -31,9 +31,10 @@ from runnerkit.models.ltx2 import estimate as est
 from runnerkit.models.ltx2 import plan_sources
 from runnerkit.models.ltx2.arch import LTX2_19B_ARCH, LTX23_22B_ARCH
 from runnerkit.models.ltx2.estimate import ltx2_estimate
+from runnerkit.models.ltx2.flops import ltx2_step_flops
 from runnerkit.models.ltx2.runner import DISTILLED_SIGMAS, STAGE2_SIGMAS, LTX2Runner
 from runnerkit.models.wan.runner import WanT2VRunner
-from runnerkit.runners import fit, plan, plan_report
+from runnerkit.runners import fit, plan, plan_compute, plan_report
 from runnerkit.runners.base import LifecycleError
 from runnerkit.tools.plan import describe, planner_seconds
 from test_cases._cli import restore_logger  # noqa: F401 (autouse fixture)
@@ -46,9 +47,10 @@ LTX2 = ["text_encoder", "connectors", "transformer", "latent_upsampler", "vae", 
 WAN_T2V = ["text_encoder", "transformer", "vae"]
 WAN_I2V = ["text_encoder", "image_encoder", "transformer", "vae"]  # Wan2.1 i2v / flf2v: the CLIP tower
 WAN22_MOE = ["text_encoder", "transformer", "transformer_2", "vae"]  # Wan2.2 i2v takes no CLIP tokens
+QWEN = ["text_encoder", "transformer", "vae"]
 #: The modules each real config's estimate holds, in order (none: the family gives no estimate).
-MODULES = {"ltx23_i2av_22b_distilled": LTX2, "ltx23_t2av_22b_distilled": LTX2, "qwen_image_edit_plus_20b": [],
-           "qwen_image_t2i_20b": [], "qwen_image_t2i_20b_lightning8": [], "wan22_moe_i2v_a14b": WAN22_MOE,
+MODULES = {"ltx23_i2av_22b_distilled": LTX2, "ltx23_t2av_22b_distilled": LTX2, "qwen_image_edit_plus_20b": QWEN,
+           "qwen_image_t2i_20b": QWEN, "qwen_image_t2i_20b_lightning8": QWEN, "wan22_moe_i2v_a14b": WAN22_MOE,
            "wan22_moe_t2v_a14b": WAN22_MOE, "wan_flf2v_14b": WAN_I2V, "wan_i2v_14b": WAN_I2V, "wan_t2v_1.3b": WAN_T2V,
            "wan_t2v_14b": WAN_T2V, "wan_t2v_14b_distill4": WAN_T2V}
 KEYS = {"offload", "device_gib", "host_gib", "estimated_request_seconds", "modules", "fits", "refusal", "shapes",
@@ -116,13 +118,18 @@ def test_every_real_config_plans_without_its_checkpoint(config: Path, limits: tu
     assert out["estimated_request_seconds"] is None or out["estimated_request_seconds"] > 0
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
 def _ltx23_direct_plan(device_gib: int, host_gib: int) -> plan.MemoryPlan:
     """The planner called directly on the LTX-2.3 22B release: its estimate of the release architecture,
     Gemma-3 12B, bf16 weights (no fp8 storage), one pass per step (no CFG), the 22B warmup shapes, 8 + 3
-    denoising steps per request (both stages)."""
+    denoising steps per request (both stages), an H100's compute (eager) at the largest shape."""
     config = LTX2Runner.resolve_config(load_runner_config(REPO / "configs/ltx2/ltx23_t2av_22b_distilled.json", {
         "memory.limit_gib": device_gib, "memory.host_limit_gib": host_gib}))
     gemma = plan_sources.GEMMA3_12B
+    stages = [plan_compute.StageFlops(f"stage{k}", n, ltx2_step_flops(LTX23_22B_ARCH, (512, 768, 121), 24, k, 1))
+              for k, n in ((1, len(DISTILLED_SIGMAS)), (2, len(STAGE2_SIGMAS)))]
 
     def estimate(off: OffloadConfig, shape: tuple[int, int, int]) -> fit.MemoryEstimate:
         return ltx2_estimate(LTX23_22B_ARCH, gemma, shape, 24, "t2av", torch.bfloat16, CUDA, off)
@@ -130,14 +137,16 @@ def _ltx23_direct_plan(device_gib: int, host_gib: int) -> plan.MemoryPlan:
     return plan.plan_offload(config, [(512, 768, 121), (256, 384, 25)], CUDA, estimate,
                              MemoryLimit(device_gib * GIB, "config memory.limit_gib"),
                              MemoryLimit(host_gib * GIB, "config memory.host_limit_gib"), lambda off: 1,
-                             lambda off: None, (64, 8), steps_per_request=len(DISTILLED_SIGMAS) + len(STAGE2_SIGMAS))
+                             lambda off: None, (64, 8), steps_per_request=len(DISTILLED_SIGMAS) + len(STAGE2_SIGMAS),
+                             compute=plan_compute.compute_model(stages, H100, False)[0])
 
 
 def test_the_plan_equals_the_planner_called_directly(no_checkpoints: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run_plan(capsys, "--config_json", REPO / "configs/ltx2/ltx23_t2av_22b_distilled.json",
-                            "--device_gib", 24, "--host_gib", 64)
+                            "--device_gib", 24, "--host_gib", 64, "--device_name", H100)
     assert rc == 0, err
     direct = _ltx23_direct_plan(24, 64)
+    assert out["estimated_request_seconds"] == round(direct.chosen.request_seconds, 3) > 0
     report = plan_report.report(direct, OffloadConfig())
     assert out["shapes"] == [[512, 768, 121], [256, 384, 25]]  # the default shape and the 22B warmup shapes
     for key in set(report) - {"modules", "device_limit_source", "host_limit_source"}:
@@ -295,17 +304,19 @@ def test_bad_input_exits_2_naming_it(argv: list[str], message: str, no_checkpoin
     assert message in " ".join(captured.err.split())
 
 
-@pytest.mark.parametrize("cgroup", ["v2", "v1"])
+@pytest.mark.parametrize("cgroup", ["v2", "v1", "none"])
 def test_default_limits_are_this_machines(cgroup: str, no_checkpoints: Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """No flags: the CUDA device's free + held less 1 GiB for the libraries; the host's available memory,
-    here the container's cgroup limit less its usage (smaller than MemAvailable), + this process's RSS."""
+    here the container's cgroup limit less its usage (smaller than MemAvailable) or, without a cgroup limit,
+    MemAvailable, + this process's RSS."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * GIB)
     root = no_checkpoints / "cgroup"
     files = ({"memory.max": 16 * GIB, "memory.current": 6 * GIB} if cgroup == "v2" else
-             {"memory/memory.limit_in_bytes": 16 * GIB, "memory/memory.usage_in_bytes": 6 * GIB})
+             {"memory/memory.limit_in_bytes": 16 * GIB, "memory/memory.usage_in_bytes": 6 * GIB} if cgroup == "v1"
+             else {})
     for name, value in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(f"{value}\n")
@@ -315,7 +326,11 @@ def test_default_limits_are_this_machines(cgroup: str, no_checkpoints: Path, mon
     rc, out, err = run_plan(capsys, "--config_json", REPO / "configs/wan/wan_t2v_1.3b.json")
     assert rc == 0, err
     assert out["device_limit_gib"] == 31.0 and "kept for the CUDA libraries" in out["device_limit_source"]
-    assert out["host_limit_gib"] == 10.5 and f"cgroup {cgroup}" in out["host_limit_source"]
+    if cgroup == "none":
+        assert out["host_limit_gib"] == 100.5 and out["host_limit_source"] == (
+            "100.00 GiB available (MemAvailable of /proc/meminfo) + 0.50 GiB held by this process")
+    else:
+        assert out["host_limit_gib"] == 10.5 and f"cgroup {cgroup}" in out["host_limit_source"]
 
 
 def test_the_text_output_lists_each_module_and_the_rejected(no_checkpoints: Path,
@@ -335,7 +350,8 @@ def test_the_text_output_lists_each_module_and_the_rejected(no_checkpoints: Path
     assert [line.split(": ", 1)[1] for line in text.splitlines() if "rejected (faster)" in line] == [
         f"{r['candidate']}: {r['reason']}" for r in out["rejected"]]
     assert (f"  estimated host-to-device copies per request: {out['request_copy_seconds_estimate']:.2f} s over 50 "
-            "denoising step(s) (the planner's time model: copies, not compute)") in text.splitlines()
+            "denoising step(s) (no compute estimate: the device is unnamed (runners/plan_compute.py DEVICE_PEAKS): "
+            "the time model counts copies, not compute)") in text.splitlines()
 
 
 def test_the_planners_request_time_is_shown_where_it_gives_one() -> None:

@@ -47,6 +47,7 @@ from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes, write_synthetic_ltx2
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
 from runnerkit.models.ltx2.estimate import fp8_stored_weights, gemma_fields, ltx2_estimate
+from runnerkit.models.ltx2.flops import LTX2Compute
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.plan_sources import absent_sources, check_paths, configured_arch, fp8_by_name, release_gemma
 from runnerkit.models.ltx2.transformer import (
@@ -137,7 +138,7 @@ class AudioDecoder(nn.Module):
 
 
 @register_runner("ltx2")
-class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
+class LTX2Runner(LTX2Compute, SyntheticCheckpointSource, DefaultRunner):
     """LTX-2 (19B) and LTX-2.3 (22B) distilled, text (and first frame) to video with audio."""
 
     TASKS = ("t2av", "i2av")
@@ -153,6 +154,7 @@ class LTX2Runner(SyntheticCheckpointSource, DefaultRunner):
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2av": (), "i2av": ("image_path",)}
     MODULE_PATHS = ("text_encoder_path", "upsampler_path")
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors", "transformer")
+    STAGE_STEPS: ClassVar[tuple[int, int]] = (len(DISTILLED_SIGMAS), len(STAGE2_SIGMAS))  # flops.py: the time model
     #: H.264 CRF of the conditioning image (ltx-pipelines' default for the Gemma-3 generations 2.0 and 2.3).
     IMAGE_CRF: ClassVar[int] = 33
     SYNTHETIC_LAYOUT = "diffusers"

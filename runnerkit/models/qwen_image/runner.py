@@ -25,6 +25,7 @@ from runnerkit.config import RunnerConfig, validate_model_arch
 from runnerkit.models.qwen_image import text_encoder as te
 from runnerkit.models.qwen_image.arch import QwenImageArch, QwenImageTransformerArch
 from runnerkit.models.qwen_image.checkpoint import LAYOUTS, QwenCheckpoint, write_synthetic
+from runnerkit.models.qwen_image.estimate import QwenCompute, qwen_estimate
 from runnerkit.models.qwen_image.latents import pack_latents, true_cfg, unpack_latents
 from runnerkit.models.qwen_image.scheduler import QwenImageScheduler, QwenSchedulerConfig, check_steps
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D, keep_fp32
@@ -35,6 +36,7 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
+from runnerkit.runners.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,
@@ -87,7 +89,7 @@ class QwenInputs:
 
 
 @register_runner("qwen_image")
-class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
+class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
     """Qwen-Image text-to-image (20B, and the tiny `debug` architecture)."""
 
     TASKS = ("t2i",)
@@ -199,6 +201,42 @@ class QwenImageRunner(SyntheticCheckpointSource, DefaultRunner):
             ValueError: naming each bad field as `model.<component>.<field>`.
         """
         return validate_model_arch(QwenImageArch, model, partial, "qwen_image", "runnerkit/models/qwen_image/arch.py")
+
+    # ---- memory estimate (models/qwen_image/estimate.py) -----------------------------------
+    def architecture(self) -> QwenImageArch:
+        """The checkpoint's architecture: the loaded one; before loading from its config files, or the configured
+        one (the release sizes filling what it omits) for a synthetic checkpoint still to write or a planning
+        runner's absent checkpoint.
+
+        Raises:
+            EstimateUnavailable: the config files cannot be read before loading (the load then says why).
+        """
+        if self.checkpoint is not None:
+            return self.checkpoint.arch
+        try:
+            path = self.checkpoint_path()
+            return self.arch_override if self.arch_from_config(path) else self.open_checkpoint(path).arch
+        except (ValueError, OSError) as exc:  # CheckpointError included
+            raise EstimateUnavailable(f"the checkpoint's architecture cannot be read before loading ({exc})") from None
+
+    def estimate_sources(self) -> list[str]:
+        """Where the estimate before loading takes the architecture from (`runnerkit plan`)."""
+        if self.checkpoint is None and self.checkpoint_absent():
+            return [f"architecture: the config's `model` over the Qwen-Image release sizes (runnerkit/models/"
+                    f"qwen_image/arch.py defaults): `model_path` {self.config.model_path} does not exist"]
+        return super().estimate_sources()
+
+    def estimate_memory(self, shape: Shape) -> MemoryEstimate:
+        """Text encoder, (reference encode,) one transformer step, VAE decode and save of `shape` on `self.device`
+        (bounds and sources: models/qwen_image/estimate.py); editing counts the checkpoint's most references.
+
+        Raises:
+            EstimateUnavailable: see `architecture`.
+        """
+        arch, cfg = self.architecture(), self.config
+        images = arch.edit.max_images if arch.edit is not None and self.IMAGE_INPUTS.get(cfg.task) else 0
+        return qwen_estimate(arch, shape, self.dtype, self.device, cfg.enable_cfg, cfg.offload, images,
+                             self.lora_slot_rank())
 
     # ---- modules that tests and tools look at ---------------------------------------------
     @property

@@ -23,6 +23,7 @@ from runnerkit.models.wan import lora_keys, vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
 from runnerkit.models.wan.checkpoint import LAYOUTS, WanCheckpoint, synthetic_seed_of, write_synthetic
 from runnerkit.models.wan.estimate import transformer_tokens, wan_t2v_estimate
+from runnerkit.models.wan.flops import WanCompute
 from runnerkit.models.wan.scheduler_config import SCHEDULER_CONFIG, read_flow_shift
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
@@ -82,7 +83,7 @@ class WanInputs:
 
 
 @register_runner("wan2.1")
-class WanT2VRunner(SyntheticCheckpointSource, DefaultRunner):
+class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
     """Wan2.1 text-to-video (1.3B / 14B, and the tiny `debug` architecture)."""
 
     TASKS = ("t2v",)
