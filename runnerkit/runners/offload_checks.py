@@ -29,7 +29,7 @@ def check_offload_modules(config: RunnerConfig, estimate_with: Callable[[Offload
         config: the run config (`offload.mode` concrete, or auto: the keys then constrain the plan).
         estimate_with: the family's estimate of the config's default shape under an offload config (None: the
             family gives none before loading; nothing is checked here then).
-        runner: the runner's name for messages, e.g. "WanT2VRunner".
+        runner: the runner's name for messages, e.g. "T2VRunner".
 
     Raises:
         ValueError: naming the field and its value: a `resident_modules` entry that is not a module of the

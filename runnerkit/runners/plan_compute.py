@@ -33,7 +33,7 @@ class StageFlops:
     """One denoising stage's steps and the FLOPs of one of its steps (every CFG pass counted).
 
     Attributes:
-        name: the stage, e.g. "transformer" (Wan, Qwen-Image) or "stage1" / "stage2" (LTX-2).
+        name: the stage, e.g. "transformer" (one-stage families) or "stage1" / "stage2" (two-stage ones).
         steps: denoising steps of the stage per request.
         flops: FLOPs of one step (2 per multiply-add).
     """
@@ -78,11 +78,9 @@ DEVICE_PEAKS: tuple[tuple[str, str, float, str], ...] = (
 
 EFFICIENCY: dict[bool, float] = {True: 0.60, False: 0.37}
 """Fraction of the dense peak a denoising step reaches, compiled (`compile.enabled`) or eager. Calibrated on
-an H100 SXM (989 TFLOP/s) with the families' FLOP counts (models/<family> `denoise_flops`): compiled, Wan2.1
-14B 480x832x81 with CFG, 3.357 PFLOP in 5.675 s a step (0.60); eager, Qwen-Image 20B 1328x1328 with CFG
-0.260 PFLOP in 0.714 s (0.37, docs/prompt_lengths.md), LTX-2.3 22B 512x768x121 stage 2 0.199 PFLOP in
-0.53 s (0.38) and stage 1 0.048 PFLOP in 0.175 s (0.28: small matmuls run further below the peak, so a
-short stage is estimated low by up to a quarter; bench/results/placement_h100.md)."""
+an H100 SXM (989 TFLOP/s) with the families' FLOP counts (models/<family> `denoise_flops`) against measured
+steps: docs/memory_plan.md lists the runs (a compiled 14B video step 0.60, eager image and video steps 0.37-0.38;
+a short low-resolution stage reaches 0.28, so it is estimated low by up to a quarter)."""
 
 
 def device_peak(name: str | None) -> DevicePeak | None:

@@ -18,6 +18,7 @@ seconds per request, or `refused` where no plan fits.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Sequence
@@ -40,14 +41,17 @@ __all__ = ["DEVICE_GIB", "HOST_GIB", "MODELS", "REFERENCE_DEVICE", "Cell", "mark
 REPO = Path(__file__).resolve().parents[2]
 DEVICE_GIB: tuple[int, ...] = (8, 12, 16, 24, 32, 48, 80, 141)
 HOST_GIB: tuple[int, ...] = (16, 32, 64, 128)
-#: (title, shipped config): one model per table.
-MODELS: tuple[tuple[str, str], ...] = (
-    ("Wan2.1 1.3B t2v, 480x832x81, 50 steps, CFG", "configs/wan/wan_t2v_1.3b.json"),
-    ("Wan2.1 14B t2v, 480x832x81, 50 steps, CFG", "configs/wan/wan_t2v_14b.json"),
-    ("Wan2.2 A14B t2v (two experts), 720x1280x81, 40 steps, CFG", "configs/wan/wan22_moe_t2v_a14b.json"),
-    ("Qwen-Image 20B t2i, 1328x1328, 50 steps, CFG", "configs/qwen_image/qwen_image_t2i_20b.json"),
-    ("LTX-2.3 22B t2av distilled, 512x768x121, 8 + 3 steps", "configs/ltx2/ltx23_t2av_22b_distilled.json"),
-)
+MODELS_FILE = REPO / "configs" / "plan_table.json"
+"""The table's models, one table each: `{"models": [{"title": ..., "config": "configs/..."}]}`."""
+
+
+def _models() -> tuple[tuple[str, str], ...]:
+    entries = json.loads(MODELS_FILE.read_text())["models"]
+    return tuple((entry["title"], entry["config"]) for entry in entries)
+
+
+#: (title, shipped config): one model per table, from `MODELS_FILE`.
+MODELS: tuple[tuple[str, str], ...] = _models()
 REFERENCE_DEVICE = "NVIDIA H100 80GB HBM3"
 """The compute every cell assumes (989 TFLOP/s dense bf16, as the H200's): a smaller GPU is modelled as this one
 with its memory capped (`memory.limit_gib`), so a cell shows what the memory costs, not a slower chip."""
@@ -96,7 +100,7 @@ def plan_model(config_json: str | Path, devices: Sequence[float] = DEVICE_GIB, h
     gives or implies) on a CUDA device of that size with `device_name`'s compute (module docstring)."""
     path = Path(config_json)
     data = load_runner_config(path, {}).model_dump(exclude_unset=True)
-    absent = str(Path("/nonexistent-checkpoints") / str(data["model_path"]))  # the release name kept (LTX-2)
+    absent = str(Path("/nonexistent-checkpoints") / str(data["model_path"]))  # the release's file name kept (a family may read it)
     config = load_runner_config(path, {"model_path": absent, "memory.limit_gib": max(devices), "offload.mode": "auto"})
     runner = get_runner_cls(config.model_cls, config.task).for_plan(config, torch.device("cuda"))
     runner.planned_device_name = device_name
@@ -159,7 +163,7 @@ def replace_in(doc: str, tables: str) -> str:
     Raises:
         ValueError: the markers are missing.
     """
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), flags=re.S)
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), flags=re.DOTALL)
     if not pattern.search(doc):
         raise ValueError(f"the document has no `{BEGIN}` ... `{END}` block")
     return pattern.sub(lambda m: f"{BEGIN}\n\n{tables}\n{END}", doc)

@@ -22,7 +22,8 @@ bounded by the larger of the target's and `vae_image_area`'s tokens).
   MLP's 4D hidden and GELU output: `STEP_WIDTHS` D-wide tensors in s + 4 float32 ones, x 2 branches; the
   float32 RoPE tables (L x head_dim), the attention kernel's workspace, the text context and
   `SCHEDULER_LATENT_COPIES` latent-sized float32 tensors.
-- VAE decode: Wan's causal decoder walked layer by layer (models/wan/estimate.py `vae_chunk_bytes`, which
+- VAE decode: the causal 3D decoder walked layer by layer (runnerkit/nets/causal_vae3d_estimate.py
+  `vae_chunk_bytes`, which
   counts a later latent frame of a video: two cached frames of every causal convolution's input, four
   output frames), taken for the one frame of an image: half its feature cache, a quarter of its largest
   transient, + the image. Measured on the H200 at 1328x1328 (bench/results/qwen_image_h200_none.json):
@@ -49,8 +50,9 @@ from runnerkit.config import OffloadConfig
 from runnerkit.models.qwen_image import text_encoder as te
 from runnerkit.models.qwen_image.arch import QwenImageArch, QwenImageTransformerArch
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D, keep_fp32
-from runnerkit.models.wan.estimate import F32, sdpa_workspace, vae_chunk_bytes, video_bytes
-from runnerkit.models.wan.vae import WanVAE
+from runnerkit.nets.causal_vae3d import CausalVAE3D
+from runnerkit.nets.causal_vae3d_estimate import vae_chunk_bytes, video_bytes
+from runnerkit.runners.estimate_parts import F32, sdpa_workspace
 from runnerkit.runners.fit import MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
 from runnerkit.runners.pipeline import Shape
 from runnerkit.runners.plan_compute import StageFlops
@@ -59,8 +61,15 @@ from runnerkit.weights import build_on_meta
 if TYPE_CHECKING:
     from runnerkit.config import RunnerConfig
 
-__all__ = ["FLOP_TEXT_TOKENS", "QwenCompute", "TEXT_TOKENS", "footprints", "image_decode_bytes", "qwen_estimate",
-           "qwen_step_flops"]
+__all__ = [
+    "FLOP_TEXT_TOKENS",
+    "TEXT_TOKENS",
+    "QwenCompute",
+    "footprints",
+    "image_decode_bytes",
+    "qwen_estimate",
+    "qwen_step_flops",
+]
 
 TEXT_TOKENS = 1024 + 34
 """Text tokens a prompt can take: the 1024-token limit (`text_encoder.TOKENIZER_MAX_LENGTH`) + the template."""
@@ -80,7 +89,7 @@ def _meta(kind: str, arch: QwenImageArch) -> nn.Module:
     if kind == "transformer":
         return build_on_meta(lambda: QwenImageTransformer2D(arch.transformer))
     if kind == "vae":
-        return build_on_meta(lambda: WanVAE(arch.vae))
+        return build_on_meta(lambda: CausalVAE3D(arch.vae))
     config = arch.text_encoder.to_hf_config()
     with torch.device("meta"):
         if kind == "text_encoder":
