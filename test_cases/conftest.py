@@ -20,10 +20,12 @@ import pytest
 # core, oversubscribe the cores: OpenMP threads spin waiting for each other, and the measured Qwen-Image
 # runner tests took 101 s instead of 28 s. Each worker (and every subprocess a test starts, through the
 # environment) gets its share of the cores. Set before torch is imported; a value given by the caller wins.
+# Inductor's C++ builds likewise: with one compile thread it builds in the compiling process instead of
+# starting a pool of compile workers (each importing torch) that the other worker's core would run.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     _share = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
-    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
         os.environ.setdefault(_var, _share)
 
 import torch  # noqa: E402

@@ -74,21 +74,26 @@ def test_a_failed_process_leaves_its_round_out_instead_of_shifting_the_pairs() -
 
 
 # ---- estimate_vs_peak.py: its CPU-side logic (the GPU run is bench/DEVICE_RUN.md, command 4) ------------
-def _bench(*args: str) -> None:
-    import subprocess
+def _bench(monkeypatch: pytest.MonkeyPatch, *args: str) -> None:
+    """`python bench/estimate_vs_peak.py ARGS` from the repository root, its `main` called in this process
+    (its worker processes, one per mode x shape, are still fresh ones); an error exit raises SystemExit."""
     import sys
 
     from test_cases.conftest import REPO
 
-    proc = subprocess.run([sys.executable, "bench/estimate_vs_peak.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repository first on its import
+    from bench import estimate_vs_peak  # path
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", ["bench/estimate_vs_peak.py", *args])
+    estimate_vs_peak.main()
 
 
-def test_estimate_vs_peak_dry_run_tabulates_every_mode_and_shape(tmp_path: Path) -> None:
+def test_estimate_vs_peak_dry_run_tabulates_every_mode_and_shape(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
-    _bench("--dry-run", "--out", str(tmp_path / "dry"))
+    _bench(monkeypatch, "--dry-run", "--out", str(tmp_path / "dry"))
     report = json.loads((tmp_path / "dry.json").read_text())
     cells = {(r["mode"], tuple(r["shape"])): r for r in report["results"]}
     assert set(cells) == {(m, s) for m in ("none", "block") for s in ((480, 832, 81), (720, 1280, 81))}
@@ -98,12 +103,13 @@ def test_estimate_vs_peak_dry_run_tabulates_every_mode_and_shape(tmp_path: Path)
     assert "| none | 480x832x81 cfg | vae_decoder |" in (tmp_path / "dry.md").read_text()
 
 
-def test_estimate_vs_peak_measures_stages_on_the_cpu(tiny_ckpt: Path, tmp_path: Path) -> None:
+def test_estimate_vs_peak_measures_stages_on_the_cpu(tiny_ckpt: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
     from test_cases.conftest import REPO
 
-    _bench("--config", str(REPO / "configs/wan/wan_t2v_tiny.json"), "--model_path", str(tiny_ckpt), "--device", "cpu",
+    _bench(monkeypatch, "--config", str(REPO / "configs/wan/wan_t2v_tiny.json"), "--model_path", str(tiny_ckpt), "--device", "cpu",
            "--shapes", "32", "32", "5", "--modes", "none", "--steps", "1", "--out", str(tmp_path / "smoke"))
     (result,) = json.loads((tmp_path / "smoke.json").read_text())["results"]
     assert set(result["stages"]) == {"text_encoder", "transformer", "vae_decoder", "save"}

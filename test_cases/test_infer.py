@@ -26,7 +26,7 @@ from runnerkit import memory
 from runnerkit.infer import main
 from runnerkit.media import to_uint8_frames
 from test_cases.conftest import REPO, tiny_config_dict, write_config
-from test_cases._cli import no_gc_freeze, restore_logger  # noqa: F401 (autouse fixtures)
+from test_cases._cli import no_gc_freeze, restore_logger, run_launch_script  # noqa: F401 (autouse fixtures)
 from test_cases._cli import run_cli as _cli
 
 # The tiny config's default shape and steps (configs/wan/wan_t2v_tiny.json).
@@ -855,26 +855,29 @@ def test_every_output_file_gets_the_umask_mode(config_path: Path, tmp_path: Path
     assert set(modes.values()) == {oct(0o640)}, modes
 
 
-def test_wan_t2v_script_accepts_a_requests_file(config_path: Path, tmp_path: Path) -> None:
+def test_wan_t2v_script_accepts_a_requests_file(config_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     reqs = _write_requests(tmp_path / "reqs.jsonl", [
         {"prompt": "a", "seed": 1, "save_tensor_path": str(tmp_path / "a.safetensors")},
         {"prompt": "b", "seed": 2, "save_tensor_path": str(tmp_path / "b.safetensors")}])
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(REPO), "OUT": str(tmp_path / "default.mp4")}
-    proc = subprocess.run(["bash", str(REPO / "scripts/wan/run_wan_t2v.sh"), str(config_path), "--requests", str(reqs),
-                           "--infer_steps", "1"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    rc, err = run_launch_script(capsys, monkeypatch, REPO / "scripts/wan/run_wan_t2v.sh",
+                                [str(config_path), "--requests", str(reqs), "--infer_steps", "1"], tmp_path, env)
+    assert rc == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "reqs.jsonl"]
-    assert "warmup:" in proc.stderr  # the script warms up
+    assert "warmup:" in err  # the script warms up
 
 
-def test_wan_t2v_script_with_a_prompt_still_saves_to_out(config_path: Path, tmp_path: Path) -> None:
+def test_wan_t2v_script_with_a_prompt_still_saves_to_out(config_path: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """--prompt replaces only the default prompt: the result still goes to $OUT."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(REPO), "OUT": str(tmp_path / "out.mp4")}
-    proc = subprocess.run(["bash", str(REPO / "scripts/wan/run_wan_t2v.sh"), str(config_path), "--prompt", "a cat",
-                           "--infer_steps", "1"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    rc, err = run_launch_script(capsys, monkeypatch, REPO / "scripts/wan/run_wan_t2v.sh",
+                                [str(config_path), "--prompt", "a cat", "--infer_steps", "1"], tmp_path, env)
+    assert rc == 0, err
     assert (tmp_path / "out.mp4").stat().st_size > 0 and (tmp_path / "out.json").is_file()
 
 

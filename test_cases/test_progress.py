@@ -104,7 +104,10 @@ def _videos(paths: list[Path]) -> list[torch.Tensor]:
 
 
 # ---- the bar in a terminal, none in a pipe ------------------------------------------------------
-def test_bar_in_a_terminal_and_none_in_a_pipe(config_path: Path, tmp_path: Path) -> None:
+def test_bar_in_a_terminal_and_none_in_a_pipe(config_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The terminal run is a process of its own on a pty; the pipe run is `main` here, its stderr
+    pytest's capture (not a terminal), under the same environment."""
     tty_reqs, tty_outs = _requests_file(tmp_path, "tty")
     rc, text = _launch_in_pty(["--config_json", str(config_path), "--requests", str(tty_reqs), "--warmup"], tmp_path)
     assert rc == 0, text
@@ -119,13 +122,18 @@ def test_bar_in_a_terminal_and_none_in_a_pipe(config_path: Path, tmp_path: Path)
     assert not re.search(r"\| (?!warmup)[^|\n]*transformer step \d/4", text), text
 
     pipe_reqs, pipe_outs = _requests_file(tmp_path, "pipe")
-    proc = subprocess.run([sys.executable, "-m", "runnerkit", "--config_json", str(config_path), "--requests",
-                           str(pipe_reqs), "--warmup"], check=False, cwd=REPO, env=_env(tmp_path), capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    assert "\r" not in proc.stderr and "step/s" not in proc.stderr and "s/step" not in proc.stderr
-    assert BAR_DESC.findall(proc.stderr) == [] and "█" not in proc.stderr
-    assert len(re.findall(r"\| transformer step \d/4", proc.stderr)) == 2 * STEPS, proc.stderr
+    env = _env(tmp_path)
+    for key in {*os.environ, *env}:
+        if key not in env:
+            monkeypatch.delenv(key)
+        elif os.environ.get(key) != env[key]:
+            monkeypatch.setenv(key, env[key])
+    monkeypatch.chdir(REPO)
+    rc, err = run_cli(capsys, "--config_json", config_path, "--requests", pipe_reqs, "--warmup")
+    assert rc == 0, err
+    assert "\r" not in err and "step/s" not in err and "s/step" not in err
+    assert BAR_DESC.findall(err) == [] and "█" not in err
+    assert len(re.findall(r"\| transformer step \d/4", err)) == 2 * STEPS, err
     # the bar touches neither RNG nor compute
     for with_bar, without in zip(_videos(tty_outs), _videos(pipe_outs)):
         assert torch.equal(with_bar, without)

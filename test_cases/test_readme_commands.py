@@ -8,11 +8,8 @@ A new command that no rule matches fails `test_every_command_is_classified`, so 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from safetensors import safe_open
 from runnerkit.infer import build_parser
 from runnerkit.serve.server import build_parser as build_serve_parser
 from runnerkit.tools.plan import build_parser as build_plan_parser
+from test_cases._cli import no_gc_freeze, restore_logger  # noqa: F401 (autouse fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -200,8 +198,21 @@ def _audio_samples(frames: int, fps: int, sample_rate: int) -> int:
     return (4 * latents - 3) * sample_rate // 100
 
 
+def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
+    """The `runnerkit` console script's entry point (`runnerkit.cli.main`) called in this process, from
+    the repository root: (exit status, stdout, stderr). What a command promises (files, printed text,
+    exit status) is the entry point's, not the interpreter's start-up (test_infer.py starts real ones)."""
+    from runnerkit.cli import main
+
+    capsys.readouterr()
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
 @pytest.mark.parametrize("entry", CLASSIFIED, ids=lambda e: f"line{e[0].line}-{e[1][0] if e[1] else 'unclassified'}")
-def test_readme_command(entry: tuple[Command, tuple[str, str | None] | None], tmp_path: Path) -> None:
+def test_readme_command(entry: tuple[Command, tuple[str, str | None] | None], tmp_path: Path,
+                        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     command, rule = entry
     if rule is None:
         pytest.fail(f"README.md:{command.line}: unclassified command {command.text}")
@@ -210,19 +221,18 @@ def test_readme_command(entry: tuple[Command, tuple[str, str | None] | None], tm
         pytest.skip(f"{name}: {reason}")
     args = runnerkit_args(command.argv)
     assert args is not None
+    monkeypatch.chdir(REPO)
     if name == "plan":  # no checkpoint needed: it prints the plan of the config's architecture
         assert not (REPO / json.loads((REPO / flag_value(args, "--config_json")).read_text())["model_path"]).exists()
-        proc = subprocess.run([sys.executable, "-m", "runnerkit", *args], cwd=REPO, env=dict(os.environ),
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"README.md:{command.line}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+        rc, out, err = _run(capsys, list(args))
+        assert rc == 0, f"README.md:{command.line}: exit {rc}\n{err[-3000:]}"
         shown = re.search(r"```\n\n```\n(.*?)```", README.split(command.text, 1)[1], flags=re.S).group(1)
-        assert set(shown.splitlines()) <= set(proc.stdout.splitlines()), proc.stdout  # the README's excerpt is true
+        assert set(shown.splitlines()) <= set(out.splitlines()), out  # the README's excerpt is true
         return
     argv, promised = _redirect(args, tmp_path)
     assert promised, f"README.md:{command.line}: a command that promises no output file"
-    proc = subprocess.run([sys.executable, "-m", "runnerkit.infer", *argv], cwd=REPO, env=dict(os.environ),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"README.md:{command.line}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    rc, _, err = _run(capsys, argv)
+    assert rc == 0, f"README.md:{command.line}: exit {rc}\n{err[-3000:]}"
     missing = [str(p) for p in promised if not p.is_file() or p.stat().st_size == 0]
     assert missing == [], f"README.md:{command.line}: promised files not written: {missing}"
     result = flag_value(tuple(argv), "--save_result_path")

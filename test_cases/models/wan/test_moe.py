@@ -282,20 +282,23 @@ def test_wan21_checkpoint_is_not_a_moe_checkpoint(tiny_ckpt: Path) -> None:
         make_runner(tiny_ckpt).init_modules()
 
 
-def test_launcher_runs_the_tiny_config_end_to_end_and_writes_an_mp4(tmp_path: Path) -> None:
+def test_launcher_runs_the_tiny_config_end_to_end_and_writes_an_mp4(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """scripts/wan/run_wan22_moe_t2v.sh on its default tiny config (synthetic checkpoint written
-    on first use), with warmup and a --requests file: an mp4, its sidecar naming the boundary."""
+    on first use), with warmup and a --requests file: an mp4, its sidecar naming the boundary
+    (bash runs the script; its `python -m runnerkit.infer` runs in this process: `run_launch_script`)."""
     import os
-    import subprocess
     import sys
+
+    from test_cases._cli import run_launch_script
 
     reqs = tmp_path / "reqs.jsonl"
     reqs.write_text(json.dumps({"prompt": "a fox", "seed": 1, "save_result_path": str(tmp_path / "fox.mp4")}) + "\n")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(REPO), "RUNNERKIT_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run(["bash", str(REPO / "scripts/wan/run_wan22_moe_t2v.sh"), "--requests", str(reqs),
-                           "--device", "cpu"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "warmup:" in proc.stderr and (tmp_path / "fox.mp4").stat().st_size > 0
+    rc, err = run_launch_script(capsys, monkeypatch, REPO / "scripts/wan/run_wan22_moe_t2v.sh",
+                                ["--requests", str(reqs), "--device", "cpu"], tmp_path, env)
+    assert rc == 0, err
+    assert "warmup:" in err and (tmp_path / "fox.mp4").stat().st_size > 0
     sidecar = json.loads((tmp_path / "fox.json").read_text())
     assert sidecar["boundary"] == 0.875 and sidecar["config"]["model_cls"] == "wan2.2_moe"
