@@ -45,6 +45,7 @@ from runnerkit.runners.base import BaseRunner, Progress
 from runnerkit.runners.fit import MemoryEstimate
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, OutputKind, Pipeline, Shape
 from runnerkit.runners.placement import Loader, Placement, held_across_stages
+from runnerkit.runners.request_state import RequestState
 from runnerkit.runners import writes
 from runnerkit.runners.requests import RequestChecksMixin
 from runnerkit.runners.warmup import WarmupMixin
@@ -102,7 +103,6 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.placement: Placement | None = None
         self.modules: dict[str, nn.Module] = {}  # resident and model-offloaded modules (not per-stage ones)
         self.streamers: dict[str, Any] = {}  # block/phase streamers of streamed modules, by module name
-        self.stage_modules: dict[str, nn.Module] = {}  # modules on the device for the running stage
         self._warmup_steps_run: dict[str, list[int]] = {}
         self.attention: attention.AttentionBackend | None = None  # chosen in load_modules
         self.buckets: TextBuckets | None = None  # with the attention, in load_modules (runnerkit/text_buckets.py)
@@ -145,11 +145,12 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """Model flavour recognised from the checkpoint's architecture (e.g. 'debug', '1.3B'), or None."""
 
     @abstractmethod
-    def run_step(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
-                 step_index: int) -> torch.Tensor:
+    def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor,
+                 timestep: torch.Tensor, step_index: int) -> torch.Tensor:
         """One denoising step's model output for the scheduler (all CFG branches combined).
 
         Args:
+            req: the request (its encoder outputs in `req.inputs`).
             stage: the denoise stage running.
             model: the transformer (or MoE expert) `select_transformer` chose, on the device.
             latents: `[B, C, ...]` in the model dtype; timestep: `[B]`.
@@ -230,7 +231,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             split_even(self.attention_heads(), par.ulysses, "the attention heads", "each rank attends with its share "
                        "of the heads")
 
-    def select_transformer(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> str:
+    def select_transformer(self, req: RequestState, stage: DenoiseStage, step_index: int,
+                           timestep: torch.Tensor) -> str:
         """The transformer (MoE expert) of `stage` that runs step `step_index` (default: the only one).
 
         Raises:
@@ -241,15 +243,19 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                       f"{list(stage.transformers)}; override select_transformer to choose per step")
         return stage.transformers[0]
 
-    def run_transition(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    def run_transition(self, req: RequestState, stage: DenoiseStage, model: nn.Module,
+                       latents: torch.Tensor) -> torch.Tensor:
         """Latents of the previous stage -> this stage's initial latents (default: `model(latents)`)."""
         with torch.inference_mode():
             return model(latents)
 
-    def condition_latents(self, stage: DenoiseStage, sched: Scheduler, init_latents: torch.Tensor | None) -> None:
-        """Family hook, right after `stage`'s scheduler drew its start (`sched.latents`, float32):
-        write conditioned tokens into it, e.g. an image-to-video model's clean first frame
-        (`init_latents`: what the stage started from, None for the first stage). Default: nothing."""
+    def condition_latents(self, req: RequestState, stage: DenoiseStage, latents: torch.Tensor,
+                          init_latents: torch.Tensor | None) -> torch.Tensor:
+        """Family hook, right after `stage`'s scheduler drew its start `latents` (float32, the
+        scheduler's own tensor: do not write into it): the start with conditioned tokens, e.g. an
+        image-to-video model's clean first frame (`init_latents`: what the stage started from, None
+        for the first stage); the scheduler continues from what it returns. Default: `latents`."""
+        return latents
 
     def clear_request_state(self) -> None:
         """Family hook: drop request-specific caches (RoPE tables, VAE feature caches, branch state)."""
@@ -269,7 +275,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         `runnerkit.synthetic.SYNTHETIC_MARKER`)."""
         return synthetic.synthetic_seed_of(path)
 
-    def sidecar_extra(self, info: InputInfo) -> dict[str, Any]:
+    def sidecar_extra(self, req: RequestState) -> dict[str, Any]:
         """Family fields added to the sidecar JSON of a saved result."""
         return {}
 
@@ -548,18 +554,21 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         return load
 
     @contextmanager
-    def module_on_device(self, name: str | None) -> Iterator[nn.Module | None]:
+    def module_on_device(self, name: str | None, req: RequestState | None = None) -> Iterator[nn.Module | None]:
         """Module `name` on the compute device for one stage (runners/placement.py); while the block
-        runs it is also `self.stage_modules[name]`. `name` None: yields None."""
+        runs it is also `req.modules[name]`. `name` None: yields None."""
         if name is None or self.placement is None:
             yield None
             return
         with self.placement.on_device(name) as module:
-            self.stage_modules[name] = module
+            if req is None:
+                yield module
+                return
+            req.modules[name] = module
             try:
                 yield module
             finally:
-                del self.stage_modules[name]
+                del req.modules[name]
 
     # ---- request path -------------------------------------------------------------------
     def report_progress(self, info: InputInfo, stage: str, step: int = 0, steps: int = 0) -> None:
@@ -595,7 +604,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """encoders -> denoise stages -> decoders -> save (see the module docstring)."""
         # 1. resolve and check the request (its shape against the device's memory, before any stage)
         info = self.resolve_request(request)
-        self.input_info = info
+        req = RequestState(info)  # the request's state; dropped when serve_request returns
         if info.lora:  # request state: cleared in end_run (reset_request_state)
             assert self.lora is not None, "lora_specs refuses adapters without the config's `lora`"
             self.lora.set_request(info.lora)
@@ -606,68 +615,70 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
         # 2. encoders
-        self.run_encoders(info)
+        req.inputs = self.run_encoders(req)
         # 3. denoise stages
-        latents = self.run_denoise(info)
+        latents = self.run_denoise(req)
         if not self.decodes_here:
             return  # parallel: rank 0 alone decodes and saves; this rank's part of the request is done
         # 4. decoders
-        outputs = self.decode(latents, info)
+        outputs = self.decode(req, latents)
         # 5. save: here, or queued for the writer thread, which writes while the next request computes
         self.report_progress(info, "save")
         if self.writer is not None and (info.save_result_path or info.save_tensor_path):
             with self.profiler.stage("save"):  # a free writer slot, the sidecar and CPU copies (runners/writes.py)
-                return writes.hand_off(self, prof, functools.partial(writes.prepare_write, self, outputs, info))
+                return writes.hand_off(self, prof, functools.partial(writes.prepare_write, self, req, outputs))
         # under `parallel`, the lock keeps a failing group's cleanup (parallel/driver.py) from racing the renames
         with self.profiler.stage("save"), self.parallel.output_lock if self.parallel is not None else nullcontext():
-            written = self.save_outputs(outputs, info)
+            written = self.save_outputs(req, outputs)
             prof.saved = True  # before logging: an interrupt from here on leaves the request finished
         for path in written:
             logger.info("saved {}", path)
 
-    def run_encoders(self, info: InputInfo, per_shape: bool | None = None) -> Any:
+    def run_encoders(self, req: RequestState, per_shape: bool | None = None) -> Any:
         """Run the pipeline's encoder stages (only those with `per_shape` == `per_shape` unless None),
-        each with its module on the device; stores and returns `self.inputs`."""
+        each with its module on the device and the inputs built so far in `req.inputs`; returns the
+        inputs (also left in `req.inputs`)."""
         assert self.pipeline is not None, "load_modules first"
-        inputs = self.inputs
         for enc in self.pipeline.encoders:
             if per_shape is not None and enc.per_shape != per_shape:
                 continue
-            self.report_progress(info, enc.name)
-            with self.profiler.stage(enc.name), self.module_on_device(enc.module):
-                inputs = enc.run(info, inputs)
-            self.inputs = inputs
-        return inputs
+            self.report_progress(req.info, enc.name)
+            with self.profiler.stage(enc.name), self.module_on_device(enc.module, req):
+                req.inputs = enc.run(req)
+        return req.inputs
 
-    def run_denoise(self, info: InputInfo, warmup: bool = False) -> torch.Tensor:
+    def run_denoise(self, req: RequestState, warmup: bool = False) -> torch.Tensor:
         """Every denoise stage in order (with its transition); returns the final latents."""
         assert self.pipeline is not None, "load_modules first"
         latents: torch.Tensor | None = None
-        generator = None
         with held_across_stages(self.pipeline.denoise, self.config.offload.keep_across_stages,
                                 self.placement) as hold:
-            for index, stage in enumerate(self.pipeline.denoise):
-                hold(index)
-                latents, generator = self._denoise_one(info, stage, latents, generator, warmup)
+            for stage in self.pipeline.denoise:
+                hold(stage.index)
+                req.stage = stage
+                latents = self._denoise_one(req, stage, latents, warmup)
+        req.stage = None
         assert latents is not None
         if self.decodes_here:  # the rank that decodes (every rank holds the same latents)
             check_finite_latents(latents, self.dtype)
         return latents
 
-    def _denoise_one(self, info: InputInfo, stage: DenoiseStage, latents: torch.Tensor | None, generator: Any,
-                     warmup: bool) -> tuple[torch.Tensor, Any]:
-        """One denoise stage with its transition: (its latents, the request's generator after it)."""
+    def _denoise_one(self, req: RequestState, stage: DenoiseStage, latents: torch.Tensor | None,
+                     warmup: bool) -> torch.Tensor:
+        """One denoise stage with its transition: its latents; the request's generator goes to the stage's
+        scheduler before and comes back to `req.generator` after."""
         if stage.transition is not None:
             assert latents is not None, "a transition needs the previous stage's latents"
-            self.report_progress(info, stage.transition)
-            with self.profiler.stage(stage.transition), self.module_on_device(stage.transition) as model:
-                latents = self.run_transition(stage, model, latents)
+            self.report_progress(req.info, stage.transition)
+            with self.profiler.stage(stage.transition), self.module_on_device(stage.transition, req) as model:
+                latents = self.run_transition(req, stage, model, latents)
         sched = self.schedulers[stage.name]
-        sched.generator = generator  # one generator per request, drawn from in a fixed order
-        self.report_progress(info, stage.name, 0, stage.steps)
+        sched.generator = req.generator  # one generator per request, drawn from in a fixed order
+        self.report_progress(req.info, stage.name, 0, stage.steps)
         with self.profiler.stage(stage.name):
-            latents = self.run_denoise_stage(info, stage, sched, latents, warmup)
-        return latents, sched.generator
+            latents = self.run_denoise_stage(req, stage, sched, latents, warmup)
+        req.generator = sched.generator
+        return latents
 
     def check_sequence_split(self, info: InputInfo, stages: Sequence[DenoiseStage] | None = None) -> None:
         """Under Ulysses sequence parallel, refuse request `info` if a denoise stage's transformer tokens
@@ -699,7 +710,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             except NotImplementedError as exc:
                 raise NotImplementedError(f"request {index} ({request.source}): {exc}") from None
 
-    def run_denoise_stage(self, info: InputInfo, stage: DenoiseStage, sched: Scheduler,
+    def run_denoise_stage(self, req: RequestState, stage: DenoiseStage, sched: Scheduler,
                           init_latents: torch.Tensor | None, warmup: bool = False) -> torch.Tensor:
         """prepare -> condition_latents -> (step_pre -> select_transformer -> run_step -> step_post)*
         -> the stage's latents.
@@ -708,12 +719,13 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         for schedulers that keep one). The chosen transformer is kept on the device while
         consecutive steps use it (an MoE switch moves the other expert in).
         """
+        info = req.info
         self.check_sequence_split(info, (stage,))  # before the stage's first step
         sched.prepare(stage.latent_shape(info), stage.steps, info.seed, self.device, self.dtype,
                       init_latents=init_latents, strength=stage.strength,
                       noise_shapes=stage.noise_shapes(info) if stage.noise_shapes is not None else None)
-        self.condition_latents(stage, sched, init_latents)
-        order = self.warmup_steps(stage, sched) if warmup else list(range(sched.infer_steps))
+        sched.set_latents(self.condition_latents(req, stage, sched.latents, init_latents))
+        order = self.warmup_steps(req, stage, sched) if warmup else list(range(sched.infer_steps))
         if warmup:
             self._warmup_steps_run[stage.name] = order
         label = f"warmup {list(info.shape)}: {stage.name} step" if warmup else f"{stage.name} step"
@@ -728,12 +740,12 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                     sched.set_step(i)
                 with self.profiler.step():
                     latents, timestep = sched.step_pre(i)
-                    name = self.select_transformer(stage, i, timestep)
+                    name = self.select_transformer(req, stage, i, timestep)
                     if name != current:
                         placed.close()  # the previous expert leaves the device first
-                        model = placed.enter_context(self.module_on_device(name))
+                        model = placed.enter_context(self.module_on_device(name, req))
                         current = name
-                    noise_pred = self.run_step(stage, model, latents, timestep, i)
+                    noise_pred = self.run_step(req, stage, model, latents, timestep, i)
                     sched.step_post(noise_pred)
                 # marked: while the launch script's bar shows the steps, it drops these lines (runnerkit/progress.py)
                 logger.bind(denoise_step=True).info("{} {}/{}", label, i + 1, sched.infer_steps)
@@ -741,8 +753,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                 self.report_progress(info, stage.name, i + 1, sched.infer_steps)  # a cancel stops here
         return sched.latents
 
-    def decode(self, latents: torch.Tensor, info: InputInfo | None = None) -> dict[str, torch.Tensor]:
-        """Run every decoder (iterators consumed fully while the module is on the device).
+    def decode(self, req: RequestState, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Run every decoder (iterators consumed fully while the module is on the device); progress is
+        reported for requests (never warmup's).
 
         Returns:
             output key -> tensor `[B, ...]` (e.g. video `[B, 3, F, H, W]`).
@@ -750,10 +763,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         assert self.pipeline is not None, "load_modules first"
         outputs: dict[str, torch.Tensor] = {}
         for dec in self.pipeline.decoders:
-            if info is not None:
-                self.report_progress(info, dec.name)
-            with self.profiler.stage(dec.name), self.module_on_device(dec.module):
-                out = dec.run(latents)
+            self.report_progress(req.info, dec.name)
+            with self.profiler.stage(dec.name), self.module_on_device(dec.module, req):
+                out = dec.run(req, latents)
                 if isinstance(out, torch.Tensor):
                     outputs[dec.output] = out
                     continue
@@ -761,8 +773,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                 try:
                     for chunk in out:  # an observer may cancel between chunks (a long decode)
                         chunks.append(chunk)
-                        if info is not None:
-                            self.report_progress(info, dec.name)
+                        self.report_progress(req.info, dec.name)
                 finally:
                     close = getattr(out, "close", None)
                     if close is not None:
@@ -770,10 +781,10 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                 outputs[dec.output] = torch.cat(chunks, dim=2)
         return outputs
 
-    def save_outputs(self, outputs: dict[str, torch.Tensor], info: InputInfo) -> list[str]:
+    def save_outputs(self, req: RequestState, outputs: dict[str, torch.Tensor]) -> list[str]:
         """Write the request's files now through the media module, all-or-nothing (runnerkit/media.py;
         what is written: runners/writes.py `prepare_write`); returns the paths written."""
-        return writes.prepare_write(self, outputs, info)(lambda: None)
+        return writes.prepare_write(self, req, outputs)(lambda: None)
 
     def end_run(self) -> None:
         """Back to the start-up baseline, then a pressure-aware cache cleanup."""
@@ -782,12 +793,11 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                  self.config.memory.empty_cache_min_reclaimable_gib)
 
     def reset_request_state(self) -> None:
-        """Schedulers (latents, sigmas, history, generator), request info, inputs, LoRA adapters,
-        streamer positions and the family's caches all go back to the start-up baseline."""
+        """Schedulers (latents, sigmas, history, generator), LoRA adapters, streamer positions and the
+        family's caches all go back to the start-up baseline (the request's `RequestState` itself is
+        dropped with `serve_request`'s frame)."""
         for sched in self.schedulers.values():
             sched.clear()
-        self.input_info = None
-        self.inputs = None
         if self.lora is not None:
             self.lora.clear()  # unfused slots zeroed / fused weights restored from the kept copies
         for streamer in self.streamers.values():
