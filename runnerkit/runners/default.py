@@ -12,8 +12,10 @@ runs it, for requests and for warmup alike (ARCHITECTURE §2, §3):
     # 5. save (all-or-nothing, through media.py)    save_outputs, or the writer thread (runners/writes.py)
     # end_run (always, from BaseRunner.run_pipeline)
 
-Module placement (offload mode none/model/block/phase, lazy_load, unload_modules) is decided here
-from the pipeline's `ModuleSpec`s; a family only says how to build (or stream) each module.
+Module placement (offload mode none/model/block/phase, lazy_load, unload_modules) is decided from the
+pipeline's `ModuleSpec`s by the runner's `ModuleBuilder` (runners/building.py), which applies the run's
+installers (runners/installers.py) to every module it builds; a family only says how to build (or
+stream) each module.
 
 Two parts live in their own modules, as mixins of `DefaultRunner`: request validation and the
 memory fit check (runners/requests.py, `RequestChecksMixin`), and warmup with its per-class opt-in
@@ -23,7 +25,6 @@ memory fit check (runners/requests.py, `RequestChecksMixin`), and warmup with it
 from __future__ import annotations
 
 import functools
-import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -34,18 +35,19 @@ import torch
 from loguru import logger
 from torch import nn
 
-from runnerkit import attention, fp8_compute, memory, synthetic
+from runnerkit import attention, memory, synthetic
 from runnerkit import compile as regional_compile
 from runnerkit.config import RequestConfig, RunnerConfig
-from runnerkit.lora import LoRAError, LoRAManager
-from runnerkit.offload.setup import pin_memory_enabled
+from runnerkit.lora import LoRAManager
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.profiling import RequestProfile
 from runnerkit.runners.base import BaseRunner, Progress
 from runnerkit.runners.fit import MemoryEstimate
-from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, OutputKind, Pipeline, Shape
-from runnerkit.runners.placement import Loader, Placement, held_across_stages
-from runnerkit.runners.request_state import RequestState
+from runnerkit.runners.pipeline import DenoiseStage, InputInfo, OutputKind, Pipeline, Shape
+from runnerkit.runners.building import ModuleBuilder, check_family_settings, check_stream_modules, stream_choice
+from runnerkit.runners.installers import Installer, check_fp8_compute, check_parallel, installers_for, preload_adapters
+from runnerkit.runners.placement import Placement, held_across_stages
+from runnerkit.runners.request_state import RequestState, check_finite_latents
 from runnerkit.runners import writes
 from runnerkit.runners.requests import RequestChecksMixin
 from runnerkit.runners.warmup import WarmupMixin
@@ -53,7 +55,7 @@ from runnerkit.schedulers import SCHEDULERS
 from runnerkit.schedulers.base import Scheduler
 from runnerkit.text_buckets import TextBuckets, choose, configured
 
-__all__ = ["DefaultRunner", "InputInfo", "Shape"]
+__all__ = ["DefaultRunner", "InputInfo", "Shape", "check_finite_latents", "stream_choice"]
 
 
 class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
@@ -86,16 +88,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
-        for key in ("text_encoder_path", "upsampler_path"):
-            value = getattr(self.config, key)
-            if value is not None and key not in self.MODULE_PATHS:
-                raise ValueError(f"`{key}` ({value!r}) is not read by {self.config.model_cls!r}: its checkpoint folder "
-                                 "holds that module; remove it")
+        check_family_settings(self.config, self.MODULE_PATHS, self.TEXT_BUCKETS is not None)
         self.check_stream_modules()
-        if self.TEXT_BUCKETS is None and self.config.text_buckets != "auto":
-            raise ValueError(f"`text_buckets` ({self.config.text_buckets!r}) is not read by {self.config.model_cls!r} "
-                             f"task {self.config.task!r}: "
-                             "its prompts are not padded to text buckets (docs/prompt_lengths.md); remove it")
         regional_compile.check_supported(self.config.compile, self.config.offload, self.config.unload_modules,
                                          self.device)
         self.pipeline: Pipeline | None = None
@@ -109,27 +103,19 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         #: LoRA adapters per request (config `lora`; runnerkit/lora): made in load_modules; None without `lora`.
         self.lora: LoRAManager | None = None
         self.fp8_bias_in_gemm = True  # fp8 compute: whether torch takes the bias in the GEMM (check_fp8_compute)
+        #: What every built module gets, in order (runners/installers.py), and the builder that places the
+        #: pipeline's modules and applies them (runners/building.py); both made by place_modules, in load_modules.
+        self.installers: tuple[Installer, ...] = ()
+        self.builder: ModuleBuilder | None = None
         self._fit_unchecked_logged = False
         self._fit_deferred_logged = False
         self._budget: memory.MemoryLimit | None = None  # device_budget(): read once, before loading
         self._budget_read = False
 
     def check_stream_modules(self) -> None:
-        """Refuse an `offload.stream_modules` entry that is not one of this runner's `STREAM_MODULES`
-        (before planning and loading: under mode auto it would otherwise exclude every streaming candidate).
-
-        Raises:
-            ValueError: naming the field, the value, the names that cannot stream and the allowed ones.
-        """
-        names = self.config.offload.stream_modules
-        if names is None:
-            return
-        bad = [n for n in names if n not in self.STREAM_MODULES]
-        if bad:
-            allowed = list(self.STREAM_MODULES) or "none (no module of this runner streams)"
-            raise ValueError(f"`offload.stream_modules`={list(names)}: {bad} cannot stream in model_cls "
-                             f"{self.config.model_cls!r} (task {self.config.task!r}, {type(self).__name__}); "
-                             f"modules that can: {allowed}")
+        """Refuse an `offload.stream_modules` entry that is not one of `STREAM_MODULES`, before planning and
+        loading (ValueError; runners/building.py `check_stream_modules`)."""
+        check_stream_modules(self.config, self.STREAM_MODULES, type(self).__name__)
 
     # ---- family hooks -------------------------------------------------------------------
     @abstractmethod
@@ -161,16 +147,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
     CFG_ONE_PASS: ClassVar[bool] = False
 
     def one_pass_streamer(self, model: nn.Module) -> BlockStreamer | None:
-        """The block streamer of `model` when the CFG branches share one pass through its blocks:
-        `offload.mode` "block" and `model` streamed. The family's `run_step` then
-        calls the transformer's `forward_branches` inside `streamer.entries(branches)`, so each block
-        is moved once per step instead of once per branch. None otherwise: resident or
-        model-offloaded (nothing is moved per block, and one forward per branch keeps the smaller
-        activation peak), or mode "phase" (branch-major inside a block would enter its phases
-        0, 1, 2, 0, 1, 2: one forward per branch, each phase moved twice per step)."""
-        if self.config.offload.mode != "block":
-            return None
-        return next((s for s in self.streamers.values() if s.streams(model)), None)
+        """The block streamer of `model` when the CFG branches share one pass through its blocks (mode
+        "block", `model` streamed; runners/building.py `ModuleBuilder.one_pass_streamer`), else None."""
+        return self.builder.one_pass_streamer(model) if self.builder is not None else None
 
     #: Parallel modes the runner supports under config `parallel` (runnerkit/parallel): "cfg" (its
     #: `run_step` computes the branches through `cfg_branches`), "ulysses" (its transformer derives from
@@ -208,28 +187,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         return self.parallel.all_gather(branches[self.parallel.cfg_rank](), "cfg")
 
     def check_parallel(self) -> None:
-        """Refuse a `parallel` config this runner cannot serve (at load, after `prepare_load`).
-
-        Raises:
-            ParallelSetupError: `parallel` is set but no process group is attached (not under torchrun).
-            NotImplementedError: a mode the family does not support, or heads that do not divide by `ulysses`.
-        """
-        par = self.config.parallel
-        if par is None:
-            return
-        from runnerkit.parallel.group import ParallelSetupError, split_even
-
-        if self.parallel is None:
-            raise ParallelSetupError("`parallel` is set but this runner has no process group: launch with "
-                                     f"`torchrun --nproc_per_node {par.world_size} -m runnerkit.infer ...`")
-        asked = [m for m, on in (("cfg", par.cfg > 1), ("ulysses", par.ulysses > 1)) if on]
-        unsupported = [m for m in asked if m not in self.PARALLEL_MODES]
-        if unsupported:
-            raise NotImplementedError(f"`parallel`: {type(self).__name__} (task {self.config.task!r}) does not support "
-                                      f"{unsupported} parallel (supported: {sorted(self.PARALLEL_MODES)})")
-        if par.ulysses > 1:
-            split_even(self.attention_heads(), par.ulysses, "the attention heads", "each rank attends with its share "
-                       "of the heads")
+        """Refuse a `parallel` config this runner cannot serve (at load, after `prepare_load`; runners/installers.py
+        `check_parallel` says what it raises)."""
+        check_parallel(self.config, self.parallel, self.PARALLEL_MODES, self.attention_heads, type(self).__name__)
 
     def select_transformer(self, req: RequestState, stage: DenoiseStage, step_index: int,
                            timestep: torch.Tensor) -> str:
@@ -367,51 +327,16 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                     self.lora_aliases, f"{self.config.model_cls} transformer")
         self.placement = self.place_modules(pipeline)
         self.schedulers = {s.name: self.build_scheduler(s) for s in pipeline.denoise}
-        if self.lora is not None:
-            self.preload_adapters()
-
-    def preload_adapters(self) -> None:
-        """Read and match every named adapter of the config's `lora.adapters` at load, one at a time:
-        a missing or unusable file fails the load (naming it) instead of the first request that names
-        it, and the parsed adapters are cached (`LoRAManager.read`, up to `ADAPTER_CACHE_SIZE`), so the
-        first request with one does not read it from disk; in fused mode the base copies of the layers
-        they cover are taken now (`LoRAManager.prepare`), not by the first request.
-
-        Raises:
-            runnerkit.lora.LoRAError: naming the adapter's file and what is wrong with it.
-        """
-        assert self.lora is not None and self.config.lora is not None and self.pipeline is not None
-        for name, path in self.config.lora.adapters.items():
-            try:
-                self.lora.prepare(((path, 1.0),))  # matched now; fused: the base copies too
-            except LoRAError as exc:
-                raise LoRAError(f"`lora.adapters.{name}`: {exc}") from exc
-        unbuilt = [m.name for m in self.pipeline.modules if m.role == "transformer" and m.name not in self.lora.targets]
-        if self.config.lora.adapters and unbuilt:  # unload_modules: no transformer exists between requests
-            logger.warning("`lora.adapters` {} were read but not matched to {}: under `unload_modules` the transformer "
-                           "is first built by a request, so an adapter that does not fit it fails that request (then "
-                           "every later submission is checked)", sorted(self.config.lora.adapters), unbuilt)
+        if self.lora is not None:  # every adapter of `lora.adapters` read and matched now (a bad file fails the load)
+            assert self.config.lora is not None
+            preload_adapters(self.lora, self.config.lora.adapters, pipeline)
 
     def check_fp8_compute(self, pipeline: Pipeline) -> None:
-        """`compute_dtype: fp8`: refuse it where it cannot run, before anything loads; else remember
-        whether the bias goes into the fp8 GEMM (`fp8_compute.probe`, one tiny matmul on the device).
-
-        Raises:
-            NotImplementedError: no transformer of the pipeline declares its blocks for fp8 compute
-                (`ModuleSpec.fp8_skip` None), or the device or torch cannot (with the probe's reason).
-        """
-        declared = [m.name for m in pipeline.modules if m.role == "transformer" and m.fp8_skip is not None
-                    and m.blocks is not None]
-        if not declared:
-            raise NotImplementedError(f"`compute_dtype`='fp8': {type(self).__name__} does not declare which of its "
-                                      "transformer's block layers may compute in fp8; use `compute_dtype`='same'")
-        why, bias_in_gemm = fp8_compute.probe(self.device, self.dtype)
-        if why is not None:
-            raise NotImplementedError(f"`compute_dtype`='fp8' cannot run on {self.device} with `dtype`="
-                                      f"{self.config.dtype!r}: {why}; use `compute_dtype`='same'")
-        self.fp8_bias_in_gemm = bias_in_gemm
-        logger.info("fp8 compute: block linear layers of {} in E4M3 (rowwise scales) via torch._scaled_mm on {}, "
-                    "bias {}", declared, self.device, "in the GEMM" if bias_in_gemm else "added after")
+        """`compute_dtype: fp8`: refuse it where it cannot run, before anything loads (runners/installers.py
+        `check_fp8_compute`, which raises NotImplementedError with the reason); else remember whether the
+        bias goes into the fp8 GEMM."""
+        self.fp8_bias_in_gemm = check_fp8_compute(pipeline, self.device, self.dtype, self.config.dtype,
+                                                  type(self).__name__)
 
     def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
         """A fresh scheduler of `stage` (no request state)."""
@@ -423,135 +348,15 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         return next(iter(self.schedulers.values()), None)
 
     def place_modules(self, pipeline: Pipeline) -> Placement:
-        """Build every module where the offload config puts it (ARCHITECTURE §4).
-
-        none: all resident on the device; model: all in host memory, each visits the device for
-        its stage; block/phase: the modules of `offload.stream_modules` (default: the streamable
-        transformers) stream their blocks or layers (built per stage under lazy_load), the others
-        are model-offloaded; in model/block/phase, `offload.resident_modules` are built on the
-        device instead; unload_modules: every module built per stage.
-
-        Raises:
-            NotImplementedError: block/phase offload of a pipeline without a streamable module.
-            ValueError: `offload.stream_modules` names a module that is not in the pipeline or cannot stream;
-                `offload.resident_modules` names one that is not in the pipeline or streams.
-        """
-        cfg, off = self.config, self.config.offload
-        thresholds = dict(empty_cache_min_free_gib=cfg.memory.empty_cache_min_free_gib,
-                          empty_cache_min_reclaimable_gib=cfg.memory.empty_cache_min_reclaimable_gib)
-        pin = pin_memory_enabled(off)
-        cpu = torch.device("cpu")
-        resident: dict[str, nn.Module] = {}
-        offloaded: dict[str, nn.Module] = {}
-        loaders: dict[str, Loader] = {}
-        if cfg.unload_modules:
-            loaders = {m.name: self._per_stage(m, streamed=False) for m in pipeline.modules}
-        elif off.mode == "none":
-            resident = {m.name: self._build(m, self.device) for m in pipeline.modules}
-        elif off.mode == "model":
-            kept = self._resident_choice(pipeline, ())
-            resident = {m.name: self._build(m, self.device) for m in pipeline.modules if m.name in kept}
-            offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules if m.name not in kept}
-        else:
-            if cfg.compute_dtype == "fp8":  # the config refuses block/phase; the memory planner may choose it
-                raise NotImplementedError(f"`compute_dtype`='fp8' with `offload.mode`={off.mode!r}: streamed blocks "
-                                          "cannot hold fp8 compute weights; use 'none' or 'model'")
-            streamable = stream_choice(pipeline, off.stream_modules, type(self).__name__)
-            if not streamable:
-                raise NotImplementedError(f"`offload.mode`={off.mode!r}: {type(self).__name__} has no module that "
-                                          "streams its blocks; use 'none' or 'model'")
-            kept = self._resident_choice(pipeline, [x.name for x in streamable])
-            resident = {m.name: self._build(m, self.device) for m in pipeline.modules if m.name in kept}
-            offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules
-                         if m.name not in {x.name for x in streamable} and m.name not in kept}
-            self._log_cfg_passes(streamable)
-            for m in streamable:
-                if off.lazy_load:
-                    self._stream(m)  # once now, so a checkpoint that cannot stream fails at load
-                    self._drop_streamer(m.name)
-                    loaders[m.name] = self._per_stage(m, streamed=True)
-                else:
-                    resident[m.name] = self._stream(m)
-        self.modules = {**resident, **offloaded}
-        return Placement(self.device, resident=resident, offloaded=offloaded, loaders=loaders, pin_memory=pin,
-                         **thresholds)
-
-    def _resident_choice(self, pipeline: Pipeline, streamed: Sequence[str]) -> set[str]:
-        """The modules of `offload.resident_modules`, checked against the pipeline and the streamed ones.
-
-        Raises:
-            ValueError: a name that is not a module of the pipeline, or one that streams (`streamed`).
-        """
-        names = self.config.offload.resident_modules or ()
-        known = [m.name for m in pipeline.modules]
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise ValueError(f"`offload.resident_modules`={list(names)}: {type(self).__name__} has no module {bad}; "
-                             f"its modules: {known}")
-        both = [n for n in names if n in streamed]
-        if both:
-            raise ValueError(f"`offload.resident_modules`={list(names)}: {both} stream their blocks in mode "
-                             f"{self.config.offload.mode!r} (streamed: {list(streamed)}); list the modules to "
-                             "stream in `offload.stream_modules` without them, or leave them out of resident_modules")
-        return set(names)
-
-    def _log_cfg_passes(self, streamed: Sequence[ModuleSpec]) -> None:
-        """One INFO line: how the CFG branches go through the streamed transformer(s)."""
-        names = [m.name for m in streamed if m.role == "transformer"]
-        if not (self.CFG_ONE_PASS and self.config.enable_cfg and names):
-            return
-        if self.config.offload.mode == "block":
-            logger.info("CFG: both branches run through each streamed block of {} while it is on the device "
-                        "(one block pass per step)", names)
-        else:
-            logger.info("CFG with `offload.mode`='phase': one forward per branch, so each phase of {} is "
-                        "streamed twice per step (mode 'block' streams each block once for both branches)", names)
-
-    def _build(self, spec: ModuleSpec, device: torch.device) -> nn.Module:
-        module = spec.build(device)
-        self._finish(spec, module)
-        return module
-
-    def _stream(self, spec: ModuleSpec) -> nn.Module:
-        assert spec.stream is not None, f"module {spec.name} does not stream"
-        module, streamer = spec.stream()
-        self._finish(spec, module)
-        self.streamers[spec.name] = streamer
-        return module
-
-    def _finish(self, spec: ModuleSpec, module: nn.Module) -> None:
-        """What every built module gets, on every build path: LoRA slots (transformers, config `lora`),
-        fp8 compute (config `compute_dtype`), the attention backend, regional compile."""
-        if self.config.compute_dtype == "fp8" and spec.role == "transformer" and spec.fp8_skip is not None:
-            assert spec.blocks is not None, f"{spec.name}: fp8_skip without blocks (check_fp8_compute)"
-            start = time.perf_counter()
-            done, kept = fp8_compute.convert_blocks(module, spec.blocks, spec.fp8_skip, self.dtype,
-                                                    self.fp8_bias_in_gemm)
-            logger.info("fp8 compute: {} linear layers of {} quantized in {:.2f} s; kept in {}: {}", len(done),
-                        spec.name, time.perf_counter() - start, self.config.dtype,
-                        sorted({k.split(".", 2)[-1] + f" ({v})" for k, v in kept.items()}) or "none")
-        if self.lora is not None and spec.role == "transformer":
-            self.lora.attach(spec.name, module)
-        attention.install(module, self.attention)
-        if self.parallel is not None and self.parallel.ulysses > 1:
-            from runnerkit.parallel import sequence
-
-            if sequence.install(module, sequence.SequenceParallel(self.parallel)) == 0 and spec.role == "transformer":
-                raise NotImplementedError(f"`parallel.ulysses`: transformer {spec.name!r} of {type(self).__name__} "
-                                          "does not shard its tokens (no ShardsSequence inside it)")
-        regional_compile.install(module, spec.blocks, self.config.compile)
-
-    def _drop_streamer(self, name: str) -> None:
-        streamer = self.streamers.pop(name, None)
-        if streamer is not None:
-            streamer.close()
-
-    def _per_stage(self, spec: ModuleSpec, streamed: bool) -> Loader:
-        def load() -> tuple[nn.Module, Callable[[], None]]:
-            module = self._stream(spec) if streamed else self._build(spec, self.device)
-            return module, lambda: self._drop_streamer(spec.name)
-
-        return load
+        """Build every module where the offload config puts it (runners/building.py `ModuleBuilder.place`),
+        with the run's installers (runners/installers.py), made here from what load chose (attention, LoRA, fp8)."""
+        assert self.attention is not None, "load_modules chooses the attention backend first"
+        self.installers = installers_for(self.config, self.dtype, self.attention, self.lora, self.fp8_bias_in_gemm,
+                                         self.parallel, type(self).__name__)
+        self.builder = ModuleBuilder(self.config, self.device, type(self).__name__, self.CFG_ONE_PASS, self.installers,
+                                     self.streamers)
+        placement, self.modules = self.builder.place(pipeline)
+        return placement
 
     @contextmanager
     def module_on_device(self, name: str | None, req: RequestState | None = None) -> Iterator[nn.Module | None]:
@@ -580,21 +385,11 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """
         if self.on_progress is None or info.warmup or self.pipeline is None:
             return
-        before, total = self._progress_offsets(self.pipeline)
+        before, total = self.pipeline.step_offsets
         done = before.get(stage, total) + step  # decoders and save: every step is done
         current = self.profiler.current
         self.on_progress(Progress(index=current.index if current is not None else 0, stage=stage, step=step,
                                   steps=steps, steps_done=done, steps_total=total))
-
-    @staticmethod
-    @functools.lru_cache(maxsize=8)
-    def _progress_offsets(pipeline: Pipeline) -> tuple[dict[str, int], int]:
-        """Per stage, the denoising steps of the stages before it; and the request's total steps."""
-        denoise = pipeline.denoise
-        before = {s.name: sum(d.steps for d in denoise[:k]) for k, s in enumerate(denoise)}
-        before.update({s.transition: before[s.name] for s in denoise if s.transition is not None})
-        before.update({e.name: 0 for e in pipeline.encoders})
-        return before, sum(s.steps for s in denoise)
 
     def profile_stages(self) -> tuple[str, ...]:
         assert self.pipeline is not None, "load_modules sets the pipeline"
@@ -803,38 +598,3 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         for streamer in self.streamers.values():
             streamer.reset()  # slots, prefetch index and events back at the request boundary
         self.clear_request_state()
-
-
-def check_finite_latents(latents: torch.Tensor, dtype: torch.dtype) -> None:
-    """Refuse denoised latents that hold NaN or Inf before they are decoded (one device sync per
-    request or warmup shape). Decoded, they would give a video or image of noise, and the request
-    would look successful. `dtype`: the transformer's compute dtype, named in the message.
-
-    Raises:
-        FloatingPointError: naming how many values are not finite, the dtype and the likely causes.
-    """
-    bad = int((~torch.isfinite(latents)).sum())
-    if bad:
-        raise FloatingPointError(
-            f"the denoised latents {list(latents.shape)} hold {bad} non-finite values (NaN or Inf) of "
-            f"{latents.numel()}: NaN or Inf in the checkpoint's weights (the transformer's, or an encoder's "
-            f"that fed it) or in a LoRA, or an overflow in {str(dtype).removeprefix('torch.')}; nothing is "
-            "decoded or saved")
-
-
-def stream_choice(pipeline: Pipeline, names: Sequence[str] | None, runner: str) -> list[ModuleSpec]:
-    """The modules that stream in mode block/phase: those of `names` (config `offload.stream_modules`),
-    or, for None, every streamable module of role "transformer".
-
-    Raises:
-        ValueError: a name that is not a module of the pipeline, or a module that cannot stream
-            (the message lists the ones that can).
-    """
-    can = [m for m in pipeline.modules if m.stream is not None]
-    if names is None:
-        return [m for m in can if m.role == "transformer"]
-    bad = [n for n in names if n not in {m.name for m in can}]
-    if bad:
-        raise ValueError(f"`offload.stream_modules`={list(names)}: {runner} cannot stream {bad}; modules that "
-                         f"can stream: {[m.name for m in can]}")
-    return [m for m in can if m.name in names]

@@ -23,6 +23,7 @@ transformers in one stage and picks the expert per step in `DefaultRunner.select
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -244,6 +245,16 @@ class Pipeline:
             problems.append(f"profiling stage names repeat: {stages}")
         if problems:
             raise ValueError("invalid pipeline description: " + "; ".join(problems))
+
+    @functools.cached_property
+    def step_offsets(self) -> tuple[dict[str, int], int]:
+        """Per profiling stage, the denoising steps of the stages before it (a transition counts as its
+        stage, encoders 0); and a request's total steps (what progress reports count)."""
+        denoise = self.denoise
+        before = {s.name: sum(d.steps for d in denoise[:k]) for k, s in enumerate(denoise)}
+        before.update({s.transition: before[s.name] for s in denoise if s.transition is not None})
+        before.update({e.name: 0 for e in self.encoders})
+        return before, sum(s.steps for s in denoise)
 
     def profile_stages(self) -> tuple[str, ...]:
         """Profiling stages in request order (the keys of a request profile's `stages`)."""

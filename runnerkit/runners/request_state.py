@@ -12,7 +12,8 @@ produce instead of writing it into the runner:
 
 While a stage runs, `req.modules` holds the modules on the device for it (`module_on_device`). When the
 request ends the object is dropped: nothing of the request remains on the runner (`end_run`; tested by
-test_cases/runners/test_request_state.py).
+test_cases/runners/test_request_state.py). `check_finite_latents` refuses a request's denoised latents
+that hold NaN or Inf before they are decoded.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo
 
-__all__ = ["RequestState"]
+__all__ = ["RequestState", "check_finite_latents"]
 
 
 @dataclass(eq=False)
@@ -54,3 +55,20 @@ class RequestState:
     def stage_index(self) -> int | None:
         """Index of the running denoise stage in the pipeline (0 for the first), or None outside denoising."""
         return None if self.stage is None else self.stage.index
+
+
+def check_finite_latents(latents: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse denoised latents that hold NaN or Inf before they are decoded (one device sync per
+    request or warmup shape). Decoded, they would give a video or image of noise, and the request
+    would look successful. `dtype`: the transformer's compute dtype, named in the message.
+
+    Raises:
+        FloatingPointError: naming how many values are not finite, the dtype and the likely causes.
+    """
+    bad = int((~torch.isfinite(latents)).sum())
+    if bad:
+        raise FloatingPointError(
+            f"the denoised latents {list(latents.shape)} hold {bad} non-finite values (NaN or Inf) of "
+            f"{latents.numel()}: NaN or Inf in the checkpoint's weights (the transformer's, or an encoder's "
+            f"that fed it) or in a LoRA, or an overflow in {str(dtype).removeprefix('torch.')}; nothing is "
+            "decoded or saved")
