@@ -17,17 +17,15 @@ import pytest
 import torch
 from torch import nn
 
+from runnerkit.runners.request_state import RequestState
+
 Outputs = tuple[torch.Tensor, ...]
 
 
 def text_stage(runner: Any, module: nn.Module, info: Any, *fields: str) -> Outputs:
     """The runner's own text stage (`run_text_encoder`) with `module` as its text encoder: the named fields
     of the inputs it returns (each asserted present)."""
-    runner.stage_modules["text_encoder"] = module
-    try:
-        inputs = runner.run_text_encoder(info, None)
-    finally:
-        del runner.stage_modules["text_encoder"]
+    inputs = runner.run_text_encoder(RequestState(info, modules={"text_encoder": module}))
     out = tuple(getattr(inputs, f) for f in fields)
     assert all(t is not None for t in out), f"run_text_encoder left one of {fields} unset"
     return out

@@ -197,14 +197,28 @@ def test_disk_bytes_and_copies_halve(ckpts: Callable[..., Path], tmp_path: Path,
     assert abs((two["rchar"] - one["rchar"]) - STEPS * step_bytes) < 64 * 1024, (one, two, step_bytes)
 
 
+def _running_request(runner: DefaultRunner) -> dict[str, Any]:
+    """{"req": the RequestState of the step that runs}, kept current by a wrapper of `runner.run_step`."""
+    now: dict[str, Any] = {}
+    run_step = runner.run_step
+
+    def spy(req: Any, *args: Any) -> torch.Tensor:
+        now["req"] = req
+        return run_step(req, *args)
+
+    runner.run_step = spy  # type: ignore[method-assign]
+    return now
+
+
 def _branch_of_wan(runner: DefaultRunner, model: nn.Module, order: list[tuple[int, str]]) -> None:
     """Block pre-hooks record (block, branch); the branch is known from the embedded context each got."""
     branch_of: dict[int, str] = {}
+    now = _running_request(runner)
     embed = model.embed
 
     def spy_embed(latents: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, *args: Any) -> Any:
         pre = embed(latents, timestep, context, *args)
-        branch_of[id(pre.context)] = "cond" if context is runner.inputs.context else "uncond"
+        branch_of[id(pre.context)] = "cond" if context is now["req"].inputs.context else "uncond"
         return pre
 
     model.embed = spy_embed  # type: ignore[method-assign]
@@ -214,8 +228,11 @@ def _branch_of_wan(runner: DefaultRunner, model: nn.Module, order: list[tuple[in
 
 def _branch_of_qwen(runner: DefaultRunner, model: nn.Module, order: list[tuple[int, str]]) -> None:
     """The prompt and the negative prompt have different lengths: the text stream's length names the branch."""
+    now = _running_request(runner)
+
     def hook(i: int, args: tuple) -> None:
-        lengths = {runner.inputs.prompt_embeds.shape[1]: "cond", runner.inputs.negative_embeds.shape[1]: "uncond"}
+        inputs = now["req"].inputs
+        lengths = {inputs.prompt_embeds.shape[1]: "cond", inputs.negative_embeds.shape[1]: "uncond"}
         assert len(lengths) == 2, "pick a prompt and a negative prompt of different lengths"
         order.append((i, lengths[args[1].shape[1]]))
 

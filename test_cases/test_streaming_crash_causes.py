@@ -37,7 +37,7 @@ from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.offload import disk as disk_mod
 from runnerkit.offload import streams as streams_mod
 from runnerkit.registry import get_runner_cls
-from runnerkit.runners import default as default_mod
+from runnerkit.runners import building
 from test_cases.conftest import REPO
 from test_cases.offload._handles import HandleSampler
 
@@ -256,7 +256,7 @@ def test_streamed_modules_avoid_the_four_crash_causes(config: Path, reader: str,
     assert files
     watch = Watch(files, root)
     watch.install(monkeypatch)
-    monkeypatch.setattr(default_mod, "stream_choice", _streamed_everything)
+    monkeypatch.setattr(building, "stream_choice", _streamed_everything)
     gc.collect()
     assert set(watch.sampler.sample("start").fds.values()) == {0}
     watch.sampler.start_polling(interval_s=0.05)  # besides a sample at every tensor read and safetensors open

@@ -75,15 +75,15 @@ class Recorder:
                                                  writes.write_outputs)
         real_done = BaseRunner.report_request_done
 
-        def encode(runner: Any, info: Any, inputs: Any) -> Any:
+        def encode(runner: Any, req: Any) -> Any:
             k = runner.profiler.current.index
             self.events.append(f"compute {k}")
             self.computing[k].set()
-            return real_encode(runner, info, inputs)
+            return real_encode(runner, req)
 
-        def prepare(runner: Any, outputs: Any, info: Any) -> Any:
-            self.events.append(f"prepare {_index(info.save_tensor_path)}")
-            return real_prepare(runner, outputs, info)
+        def prepare(runner: Any, req: Any, outputs: Any) -> Any:
+            self.events.append(f"prepare {_index(req.info.save_tensor_path)}")
+            return real_prepare(runner, req, outputs)
 
         def write(tensors: Any, specs: Any, **kwargs: Any) -> list[str]:
             k = _index(kwargs["tensor_path"])
@@ -220,8 +220,8 @@ def test_the_writer_owns_copies_of_the_outputs(toy_config: Path, tmp_path: Path,
     decoded = [threading.Event() for _ in range(N + 1)]
     real_decode = TwoStageImageRunner.run_decoder
 
-    def decode_into_one_buffer(runner: Any, latents: torch.Tensor) -> torch.Tensor:
-        image = real_decode(runner, latents)
+    def decode_into_one_buffer(runner: Any, req: Any, latents: torch.Tensor) -> torch.Tensor:
+        image = real_decode(runner, req, latents)
         out = buffer.setdefault("image", torch.empty_like(image))
         out.copy_(image)
         decoded[runner.profiler.current.index].set()

@@ -164,8 +164,6 @@ class BaseRunner(ABC):
         self.profiler = Profiler(self.device)
         #: The compile cache entry of this run (`compile.cache_dir`), opened after the config lock.
         self.compile_cache: regional_compile.CompileCache | None = None
-        self.input_info: Any = None
-        self.inputs: Any = None
         #: Observers (see the module docstring); None: nobody listens.
         self.on_phase: Callable[[str], None] | None = None
         self.on_progress: Callable[[Progress], None] | None = None
@@ -375,7 +373,7 @@ class BaseRunner(ABC):
 
         A no-op without `config.warmup`. Runs only inside `init_modules`, at most once. Afterwards
         the request state is the start-up baseline (`reset_request_state`: schedulers fresh with
-        generator None, `input_info`/`inputs` None, family caches cleared), also on failure.
+        generator None, family caches cleared; warmup's `RequestState`s dropped), also on failure.
 
         Raises:
             LifecycleError: called outside `init_modules` or a second time.

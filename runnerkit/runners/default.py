@@ -12,8 +12,10 @@ runs it, for requests and for warmup alike (ARCHITECTURE §2, §3):
     # 5. save (all-or-nothing, through media.py)    save_outputs, or the writer thread (runners/writes.py)
     # end_run (always, from BaseRunner.run_pipeline)
 
-Module placement (offload mode none/model/block/phase, lazy_load, unload_modules) is decided here
-from the pipeline's `ModuleSpec`s; a family only says how to build (or stream) each module.
+Module placement (offload mode none/model/block/phase, lazy_load, unload_modules) is decided from the
+pipeline's `ModuleSpec`s by the runner's `ModuleBuilder` (runners/building.py), which applies the run's
+installers (runners/installers.py) to every module it builds; a family only says how to build (or
+stream) each module.
 
 Two parts live in their own modules, as mixins of `DefaultRunner`: request validation and the
 memory fit check (runners/requests.py, `RequestChecksMixin`), and warmup with its per-class opt-in
@@ -23,7 +25,6 @@ memory fit check (runners/requests.py, `RequestChecksMixin`), and warmup with it
 from __future__ import annotations
 
 import functools
-import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -34,17 +35,19 @@ import torch
 from loguru import logger
 from torch import nn
 
-from runnerkit import attention, fp8_compute, memory, synthetic
+from runnerkit import attention, memory, synthetic
 from runnerkit import compile as regional_compile
 from runnerkit.config import RequestConfig, RunnerConfig
-from runnerkit.lora import LoRAError, LoRAManager
-from runnerkit.offload.setup import pin_memory_enabled
+from runnerkit.lora import LoRAManager
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.profiling import RequestProfile
 from runnerkit.runners.base import BaseRunner, Progress
 from runnerkit.runners.fit import MemoryEstimate
-from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, OutputKind, Pipeline, Shape
-from runnerkit.runners.placement import Loader, Placement, held_across_stages
+from runnerkit.runners.pipeline import DenoiseStage, InputInfo, OutputKind, Pipeline, Shape
+from runnerkit.runners.building import ModuleBuilder, check_family_settings, check_stream_modules, stream_choice
+from runnerkit.runners.installers import Installer, check_fp8_compute, check_parallel, installers_for, preload_adapters
+from runnerkit.runners.placement import Placement, held_across_stages
+from runnerkit.runners.request_state import RequestState, check_finite_latents
 from runnerkit.runners import writes
 from runnerkit.runners.requests import RequestChecksMixin
 from runnerkit.runners.warmup import WarmupMixin
@@ -52,7 +55,7 @@ from runnerkit.schedulers import SCHEDULERS
 from runnerkit.schedulers.base import Scheduler
 from runnerkit.text_buckets import TextBuckets, choose, configured
 
-__all__ = ["DefaultRunner", "InputInfo", "Shape"]
+__all__ = ["DefaultRunner", "InputInfo", "Shape", "check_finite_latents", "stream_choice"]
 
 
 class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
@@ -85,16 +88,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
-        for key in ("text_encoder_path", "upsampler_path"):
-            value = getattr(self.config, key)
-            if value is not None and key not in self.MODULE_PATHS:
-                raise ValueError(f"`{key}` ({value!r}) is not read by {self.config.model_cls!r}: its checkpoint folder "
-                                 "holds that module; remove it")
+        check_family_settings(self.config, self.MODULE_PATHS, self.TEXT_BUCKETS is not None)
         self.check_stream_modules()
-        if self.TEXT_BUCKETS is None and self.config.text_buckets != "auto":
-            raise ValueError(f"`text_buckets` ({self.config.text_buckets!r}) is not read by {self.config.model_cls!r} "
-                             f"task {self.config.task!r}: "
-                             "its prompts are not padded to text buckets (docs/prompt_lengths.md); remove it")
         regional_compile.check_supported(self.config.compile, self.config.offload, self.config.unload_modules,
                                          self.device)
         self.pipeline: Pipeline | None = None
@@ -102,34 +97,25 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         self.placement: Placement | None = None
         self.modules: dict[str, nn.Module] = {}  # resident and model-offloaded modules (not per-stage ones)
         self.streamers: dict[str, Any] = {}  # block/phase streamers of streamed modules, by module name
-        self.stage_modules: dict[str, nn.Module] = {}  # modules on the device for the running stage
         self._warmup_steps_run: dict[str, list[int]] = {}
         self.attention: attention.AttentionBackend | None = None  # chosen in load_modules
         self.buckets: TextBuckets | None = None  # with the attention, in load_modules (runnerkit/text_buckets.py)
         #: LoRA adapters per request (config `lora`; runnerkit/lora): made in load_modules; None without `lora`.
         self.lora: LoRAManager | None = None
         self.fp8_bias_in_gemm = True  # fp8 compute: whether torch takes the bias in the GEMM (check_fp8_compute)
+        #: What every built module gets, in order (runners/installers.py), and the builder that places the
+        #: pipeline's modules and applies them (runners/building.py); both made by place_modules, in load_modules.
+        self.installers: tuple[Installer, ...] = ()
+        self.builder: ModuleBuilder | None = None
         self._fit_unchecked_logged = False
         self._fit_deferred_logged = False
         self._budget: memory.MemoryLimit | None = None  # device_budget(): read once, before loading
         self._budget_read = False
 
     def check_stream_modules(self) -> None:
-        """Refuse an `offload.stream_modules` entry that is not one of this runner's `STREAM_MODULES`
-        (before planning and loading: under mode auto it would otherwise exclude every streaming candidate).
-
-        Raises:
-            ValueError: naming the field, the value, the names that cannot stream and the allowed ones.
-        """
-        names = self.config.offload.stream_modules
-        if names is None:
-            return
-        bad = [n for n in names if n not in self.STREAM_MODULES]
-        if bad:
-            allowed = list(self.STREAM_MODULES) or "none (no module of this runner streams)"
-            raise ValueError(f"`offload.stream_modules`={list(names)}: {bad} cannot stream in model_cls "
-                             f"{self.config.model_cls!r} (task {self.config.task!r}, {type(self).__name__}); "
-                             f"modules that can: {allowed}")
+        """Refuse an `offload.stream_modules` entry that is not one of `STREAM_MODULES`, before planning and
+        loading (ValueError; runners/building.py `check_stream_modules`)."""
+        check_stream_modules(self.config, self.STREAM_MODULES, type(self).__name__)
 
     # ---- family hooks -------------------------------------------------------------------
     @abstractmethod
@@ -145,11 +131,12 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """Model flavour recognised from the checkpoint's architecture (e.g. 'debug', '1.3B'), or None."""
 
     @abstractmethod
-    def run_step(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
-                 step_index: int) -> torch.Tensor:
+    def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor,
+                 timestep: torch.Tensor, step_index: int) -> torch.Tensor:
         """One denoising step's model output for the scheduler (all CFG branches combined).
 
         Args:
+            req: the request (its encoder outputs in `req.inputs`).
             stage: the denoise stage running.
             model: the transformer (or MoE expert) `select_transformer` chose, on the device.
             latents: `[B, C, ...]` in the model dtype; timestep: `[B]`.
@@ -160,16 +147,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
     CFG_ONE_PASS: ClassVar[bool] = False
 
     def one_pass_streamer(self, model: nn.Module) -> BlockStreamer | None:
-        """The block streamer of `model` when the CFG branches share one pass through its blocks:
-        `offload.mode` "block" and `model` streamed. The family's `run_step` then
-        calls the transformer's `forward_branches` inside `streamer.entries(branches)`, so each block
-        is moved once per step instead of once per branch. None otherwise: resident or
-        model-offloaded (nothing is moved per block, and one forward per branch keeps the smaller
-        activation peak), or mode "phase" (branch-major inside a block would enter its phases
-        0, 1, 2, 0, 1, 2: one forward per branch, each phase moved twice per step)."""
-        if self.config.offload.mode != "block":
-            return None
-        return next((s for s in self.streamers.values() if s.streams(model)), None)
+        """The block streamer of `model` when the CFG branches share one pass through its blocks (mode
+        "block", `model` streamed; runners/building.py `ModuleBuilder.one_pass_streamer`), else None."""
+        return self.builder.one_pass_streamer(model) if self.builder is not None else None
 
     #: Parallel modes the runner supports under config `parallel` (runnerkit/parallel): "cfg" (its
     #: `run_step` computes the branches through `cfg_branches`), "ulysses" (its transformer derives from
@@ -207,30 +187,12 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         return self.parallel.all_gather(branches[self.parallel.cfg_rank](), "cfg")
 
     def check_parallel(self) -> None:
-        """Refuse a `parallel` config this runner cannot serve (at load, after `prepare_load`).
+        """Refuse a `parallel` config this runner cannot serve (at load, after `prepare_load`; runners/installers.py
+        `check_parallel` says what it raises)."""
+        check_parallel(self.config, self.parallel, self.PARALLEL_MODES, self.attention_heads, type(self).__name__)
 
-        Raises:
-            ParallelSetupError: `parallel` is set but no process group is attached (not under torchrun).
-            NotImplementedError: a mode the family does not support, or heads that do not divide by `ulysses`.
-        """
-        par = self.config.parallel
-        if par is None:
-            return
-        from runnerkit.parallel.group import ParallelSetupError, split_even
-
-        if self.parallel is None:
-            raise ParallelSetupError("`parallel` is set but this runner has no process group: launch with "
-                                     f"`torchrun --nproc_per_node {par.world_size} -m runnerkit.infer ...`")
-        asked = [m for m, on in (("cfg", par.cfg > 1), ("ulysses", par.ulysses > 1)) if on]
-        unsupported = [m for m in asked if m not in self.PARALLEL_MODES]
-        if unsupported:
-            raise NotImplementedError(f"`parallel`: {type(self).__name__} (task {self.config.task!r}) does not support "
-                                      f"{unsupported} parallel (supported: {sorted(self.PARALLEL_MODES)})")
-        if par.ulysses > 1:
-            split_even(self.attention_heads(), par.ulysses, "the attention heads", "each rank attends with its share "
-                       "of the heads")
-
-    def select_transformer(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> str:
+    def select_transformer(self, req: RequestState, stage: DenoiseStage, step_index: int,
+                           timestep: torch.Tensor) -> str:
         """The transformer (MoE expert) of `stage` that runs step `step_index` (default: the only one).
 
         Raises:
@@ -241,15 +203,19 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                       f"{list(stage.transformers)}; override select_transformer to choose per step")
         return stage.transformers[0]
 
-    def run_transition(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    def run_transition(self, req: RequestState, stage: DenoiseStage, model: nn.Module,
+                       latents: torch.Tensor) -> torch.Tensor:
         """Latents of the previous stage -> this stage's initial latents (default: `model(latents)`)."""
         with torch.inference_mode():
             return model(latents)
 
-    def condition_latents(self, stage: DenoiseStage, sched: Scheduler, init_latents: torch.Tensor | None) -> None:
-        """Family hook, right after `stage`'s scheduler drew its start (`sched.latents`, float32):
-        write conditioned tokens into it, e.g. an image-to-video model's clean first frame
-        (`init_latents`: what the stage started from, None for the first stage). Default: nothing."""
+    def condition_latents(self, req: RequestState, stage: DenoiseStage, latents: torch.Tensor,
+                          init_latents: torch.Tensor | None) -> torch.Tensor:
+        """Family hook, right after `stage`'s scheduler drew its start `latents` (float32, the
+        scheduler's own tensor: do not write into it): the start with conditioned tokens, e.g. an
+        image-to-video model's clean first frame (`init_latents`: what the stage started from, None
+        for the first stage); the scheduler continues from what it returns. Default: `latents`."""
+        return latents
 
     def clear_request_state(self) -> None:
         """Family hook: drop request-specific caches (RoPE tables, VAE feature caches, branch state)."""
@@ -269,7 +235,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         `runnerkit.synthetic.SYNTHETIC_MARKER`)."""
         return synthetic.synthetic_seed_of(path)
 
-    def sidecar_extra(self, info: InputInfo) -> dict[str, Any]:
+    def sidecar_extra(self, req: RequestState) -> dict[str, Any]:
         """Family fields added to the sidecar JSON of a saved result."""
         return {}
 
@@ -361,51 +327,16 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                     self.lora_aliases, f"{self.config.model_cls} transformer")
         self.placement = self.place_modules(pipeline)
         self.schedulers = {s.name: self.build_scheduler(s) for s in pipeline.denoise}
-        if self.lora is not None:
-            self.preload_adapters()
-
-    def preload_adapters(self) -> None:
-        """Read and match every named adapter of the config's `lora.adapters` at load, one at a time:
-        a missing or unusable file fails the load (naming it) instead of the first request that names
-        it, and the parsed adapters are cached (`LoRAManager.read`, up to `ADAPTER_CACHE_SIZE`), so the
-        first request with one does not read it from disk; in fused mode the base copies of the layers
-        they cover are taken now (`LoRAManager.prepare`), not by the first request.
-
-        Raises:
-            runnerkit.lora.LoRAError: naming the adapter's file and what is wrong with it.
-        """
-        assert self.lora is not None and self.config.lora is not None and self.pipeline is not None
-        for name, path in self.config.lora.adapters.items():
-            try:
-                self.lora.prepare(((path, 1.0),))  # matched now; fused: the base copies too
-            except LoRAError as exc:
-                raise LoRAError(f"`lora.adapters.{name}`: {exc}") from exc
-        unbuilt = [m.name for m in self.pipeline.modules if m.role == "transformer" and m.name not in self.lora.targets]
-        if self.config.lora.adapters and unbuilt:  # unload_modules: no transformer exists between requests
-            logger.warning("`lora.adapters` {} were read but not matched to {}: under `unload_modules` the transformer "
-                           "is first built by a request, so an adapter that does not fit it fails that request (then "
-                           "every later submission is checked)", sorted(self.config.lora.adapters), unbuilt)
+        if self.lora is not None:  # every adapter of `lora.adapters` read and matched now (a bad file fails the load)
+            assert self.config.lora is not None
+            preload_adapters(self.lora, self.config.lora.adapters, pipeline)
 
     def check_fp8_compute(self, pipeline: Pipeline) -> None:
-        """`compute_dtype: fp8`: refuse it where it cannot run, before anything loads; else remember
-        whether the bias goes into the fp8 GEMM (`fp8_compute.probe`, one tiny matmul on the device).
-
-        Raises:
-            NotImplementedError: no transformer of the pipeline declares its blocks for fp8 compute
-                (`ModuleSpec.fp8_skip` None), or the device or torch cannot (with the probe's reason).
-        """
-        declared = [m.name for m in pipeline.modules if m.role == "transformer" and m.fp8_skip is not None
-                    and m.blocks is not None]
-        if not declared:
-            raise NotImplementedError(f"`compute_dtype`='fp8': {type(self).__name__} does not declare which of its "
-                                      "transformer's block layers may compute in fp8; use `compute_dtype`='same'")
-        why, bias_in_gemm = fp8_compute.probe(self.device, self.dtype)
-        if why is not None:
-            raise NotImplementedError(f"`compute_dtype`='fp8' cannot run on {self.device} with `dtype`="
-                                      f"{self.config.dtype!r}: {why}; use `compute_dtype`='same'")
-        self.fp8_bias_in_gemm = bias_in_gemm
-        logger.info("fp8 compute: block linear layers of {} in E4M3 (rowwise scales) via torch._scaled_mm on {}, "
-                    "bias {}", declared, self.device, "in the GEMM" if bias_in_gemm else "added after")
+        """`compute_dtype: fp8`: refuse it where it cannot run, before anything loads (runners/installers.py
+        `check_fp8_compute`, which raises NotImplementedError with the reason); else remember whether the
+        bias goes into the fp8 GEMM."""
+        self.fp8_bias_in_gemm = check_fp8_compute(pipeline, self.device, self.dtype, self.config.dtype,
+                                                  type(self).__name__)
 
     def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
         """A fresh scheduler of `stage` (no request state)."""
@@ -417,149 +348,32 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         return next(iter(self.schedulers.values()), None)
 
     def place_modules(self, pipeline: Pipeline) -> Placement:
-        """Build every module where the offload config puts it (ARCHITECTURE §4).
-
-        none: all resident on the device; model: all in host memory, each visits the device for
-        its stage; block/phase: the modules of `offload.stream_modules` (default: the streamable
-        transformers) stream their blocks or layers (built per stage under lazy_load), the others
-        are model-offloaded; in model/block/phase, `offload.resident_modules` are built on the
-        device instead; unload_modules: every module built per stage.
-
-        Raises:
-            NotImplementedError: block/phase offload of a pipeline without a streamable module.
-            ValueError: `offload.stream_modules` names a module that is not in the pipeline or cannot stream;
-                `offload.resident_modules` names one that is not in the pipeline or streams.
-        """
-        cfg, off = self.config, self.config.offload
-        thresholds = dict(empty_cache_min_free_gib=cfg.memory.empty_cache_min_free_gib,
-                          empty_cache_min_reclaimable_gib=cfg.memory.empty_cache_min_reclaimable_gib)
-        pin = pin_memory_enabled(off)
-        cpu = torch.device("cpu")
-        resident: dict[str, nn.Module] = {}
-        offloaded: dict[str, nn.Module] = {}
-        loaders: dict[str, Loader] = {}
-        if cfg.unload_modules:
-            loaders = {m.name: self._per_stage(m, streamed=False) for m in pipeline.modules}
-        elif off.mode == "none":
-            resident = {m.name: self._build(m, self.device) for m in pipeline.modules}
-        elif off.mode == "model":
-            kept = self._resident_choice(pipeline, ())
-            resident = {m.name: self._build(m, self.device) for m in pipeline.modules if m.name in kept}
-            offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules if m.name not in kept}
-        else:
-            if cfg.compute_dtype == "fp8":  # the config refuses block/phase; the memory planner may choose it
-                raise NotImplementedError(f"`compute_dtype`='fp8' with `offload.mode`={off.mode!r}: streamed blocks "
-                                          "cannot hold fp8 compute weights; use 'none' or 'model'")
-            streamable = stream_choice(pipeline, off.stream_modules, type(self).__name__)
-            if not streamable:
-                raise NotImplementedError(f"`offload.mode`={off.mode!r}: {type(self).__name__} has no module that "
-                                          "streams its blocks; use 'none' or 'model'")
-            kept = self._resident_choice(pipeline, [x.name for x in streamable])
-            resident = {m.name: self._build(m, self.device) for m in pipeline.modules if m.name in kept}
-            offloaded = {m.name: self._build(m, cpu) for m in pipeline.modules
-                         if m.name not in {x.name for x in streamable} and m.name not in kept}
-            self._log_cfg_passes(streamable)
-            for m in streamable:
-                if off.lazy_load:
-                    self._stream(m)  # once now, so a checkpoint that cannot stream fails at load
-                    self._drop_streamer(m.name)
-                    loaders[m.name] = self._per_stage(m, streamed=True)
-                else:
-                    resident[m.name] = self._stream(m)
-        self.modules = {**resident, **offloaded}
-        return Placement(self.device, resident=resident, offloaded=offloaded, loaders=loaders, pin_memory=pin,
-                         **thresholds)
-
-    def _resident_choice(self, pipeline: Pipeline, streamed: Sequence[str]) -> set[str]:
-        """The modules of `offload.resident_modules`, checked against the pipeline and the streamed ones.
-
-        Raises:
-            ValueError: a name that is not a module of the pipeline, or one that streams (`streamed`).
-        """
-        names = self.config.offload.resident_modules or ()
-        known = [m.name for m in pipeline.modules]
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise ValueError(f"`offload.resident_modules`={list(names)}: {type(self).__name__} has no module {bad}; "
-                             f"its modules: {known}")
-        both = [n for n in names if n in streamed]
-        if both:
-            raise ValueError(f"`offload.resident_modules`={list(names)}: {both} stream their blocks in mode "
-                             f"{self.config.offload.mode!r} (streamed: {list(streamed)}); list the modules to "
-                             "stream in `offload.stream_modules` without them, or leave them out of resident_modules")
-        return set(names)
-
-    def _log_cfg_passes(self, streamed: Sequence[ModuleSpec]) -> None:
-        """One INFO line: how the CFG branches go through the streamed transformer(s)."""
-        names = [m.name for m in streamed if m.role == "transformer"]
-        if not (self.CFG_ONE_PASS and self.config.enable_cfg and names):
-            return
-        if self.config.offload.mode == "block":
-            logger.info("CFG: both branches run through each streamed block of {} while it is on the device "
-                        "(one block pass per step)", names)
-        else:
-            logger.info("CFG with `offload.mode`='phase': one forward per branch, so each phase of {} is "
-                        "streamed twice per step (mode 'block' streams each block once for both branches)", names)
-
-    def _build(self, spec: ModuleSpec, device: torch.device) -> nn.Module:
-        module = spec.build(device)
-        self._finish(spec, module)
-        return module
-
-    def _stream(self, spec: ModuleSpec) -> nn.Module:
-        assert spec.stream is not None, f"module {spec.name} does not stream"
-        module, streamer = spec.stream()
-        self._finish(spec, module)
-        self.streamers[spec.name] = streamer
-        return module
-
-    def _finish(self, spec: ModuleSpec, module: nn.Module) -> None:
-        """What every built module gets, on every build path: LoRA slots (transformers, config `lora`),
-        fp8 compute (config `compute_dtype`), the attention backend, regional compile."""
-        if self.config.compute_dtype == "fp8" and spec.role == "transformer" and spec.fp8_skip is not None:
-            assert spec.blocks is not None, f"{spec.name}: fp8_skip without blocks (check_fp8_compute)"
-            start = time.perf_counter()
-            done, kept = fp8_compute.convert_blocks(module, spec.blocks, spec.fp8_skip, self.dtype,
-                                                    self.fp8_bias_in_gemm)
-            logger.info("fp8 compute: {} linear layers of {} quantized in {:.2f} s; kept in {}: {}", len(done),
-                        spec.name, time.perf_counter() - start, self.config.dtype,
-                        sorted({k.split(".", 2)[-1] + f" ({v})" for k, v in kept.items()}) or "none")
-        if self.lora is not None and spec.role == "transformer":
-            self.lora.attach(spec.name, module)
-        attention.install(module, self.attention)
-        if self.parallel is not None and self.parallel.ulysses > 1:
-            from runnerkit.parallel import sequence
-
-            if sequence.install(module, sequence.SequenceParallel(self.parallel)) == 0 and spec.role == "transformer":
-                raise NotImplementedError(f"`parallel.ulysses`: transformer {spec.name!r} of {type(self).__name__} "
-                                          "does not shard its tokens (no ShardsSequence inside it)")
-        regional_compile.install(module, spec.blocks, self.config.compile)
-
-    def _drop_streamer(self, name: str) -> None:
-        streamer = self.streamers.pop(name, None)
-        if streamer is not None:
-            streamer.close()
-
-    def _per_stage(self, spec: ModuleSpec, streamed: bool) -> Loader:
-        def load() -> tuple[nn.Module, Callable[[], None]]:
-            module = self._stream(spec) if streamed else self._build(spec, self.device)
-            return module, lambda: self._drop_streamer(spec.name)
-
-        return load
+        """Build every module where the offload config puts it (runners/building.py `ModuleBuilder.place`),
+        with the run's installers (runners/installers.py), made here from what load chose (attention, LoRA, fp8)."""
+        assert self.attention is not None, "load_modules chooses the attention backend first"
+        self.installers = installers_for(self.config, self.dtype, self.attention, self.lora, self.fp8_bias_in_gemm,
+                                         self.parallel, type(self).__name__)
+        self.builder = ModuleBuilder(self.config, self.device, type(self).__name__, self.CFG_ONE_PASS, self.installers,
+                                     self.streamers)
+        placement, self.modules = self.builder.place(pipeline)
+        return placement
 
     @contextmanager
-    def module_on_device(self, name: str | None) -> Iterator[nn.Module | None]:
+    def module_on_device(self, name: str | None, req: RequestState | None = None) -> Iterator[nn.Module | None]:
         """Module `name` on the compute device for one stage (runners/placement.py); while the block
-        runs it is also `self.stage_modules[name]`. `name` None: yields None."""
+        runs it is also `req.modules[name]`. `name` None: yields None."""
         if name is None or self.placement is None:
             yield None
             return
         with self.placement.on_device(name) as module:
-            self.stage_modules[name] = module
+            if req is None:
+                yield module
+                return
+            req.modules[name] = module
             try:
                 yield module
             finally:
-                del self.stage_modules[name]
+                del req.modules[name]
 
     # ---- request path -------------------------------------------------------------------
     def report_progress(self, info: InputInfo, stage: str, step: int = 0, steps: int = 0) -> None:
@@ -571,21 +385,11 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """
         if self.on_progress is None or info.warmup or self.pipeline is None:
             return
-        before, total = self._progress_offsets(self.pipeline)
+        before, total = self.pipeline.step_offsets
         done = before.get(stage, total) + step  # decoders and save: every step is done
         current = self.profiler.current
         self.on_progress(Progress(index=current.index if current is not None else 0, stage=stage, step=step,
                                   steps=steps, steps_done=done, steps_total=total))
-
-    @staticmethod
-    @functools.lru_cache(maxsize=8)
-    def _progress_offsets(pipeline: Pipeline) -> tuple[dict[str, int], int]:
-        """Per stage, the denoising steps of the stages before it; and the request's total steps."""
-        denoise = pipeline.denoise
-        before = {s.name: sum(d.steps for d in denoise[:k]) for k, s in enumerate(denoise)}
-        before.update({s.transition: before[s.name] for s in denoise if s.transition is not None})
-        before.update({e.name: 0 for e in pipeline.encoders})
-        return before, sum(s.steps for s in denoise)
 
     def profile_stages(self) -> tuple[str, ...]:
         assert self.pipeline is not None, "load_modules sets the pipeline"
@@ -595,7 +399,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """encoders -> denoise stages -> decoders -> save (see the module docstring)."""
         # 1. resolve and check the request (its shape against the device's memory, before any stage)
         info = self.resolve_request(request)
-        self.input_info = info
+        req = RequestState(info)  # the request's state; dropped when serve_request returns
         if info.lora:  # request state: cleared in end_run (reset_request_state)
             assert self.lora is not None, "lora_specs refuses adapters without the config's `lora`"
             self.lora.set_request(info.lora)
@@ -606,68 +410,70 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
         # 2. encoders
-        self.run_encoders(info)
+        req.inputs = self.run_encoders(req)
         # 3. denoise stages
-        latents = self.run_denoise(info)
+        latents = self.run_denoise(req)
         if not self.decodes_here:
             return  # parallel: rank 0 alone decodes and saves; this rank's part of the request is done
         # 4. decoders
-        outputs = self.decode(latents, info)
+        outputs = self.decode(req, latents)
         # 5. save: here, or queued for the writer thread, which writes while the next request computes
         self.report_progress(info, "save")
         if self.writer is not None and (info.save_result_path or info.save_tensor_path):
             with self.profiler.stage("save"):  # a free writer slot, the sidecar and CPU copies (runners/writes.py)
-                return writes.hand_off(self, prof, functools.partial(writes.prepare_write, self, outputs, info))
+                return writes.hand_off(self, prof, functools.partial(writes.prepare_write, self, req, outputs))
         # under `parallel`, the lock keeps a failing group's cleanup (parallel/driver.py) from racing the renames
         with self.profiler.stage("save"), self.parallel.output_lock if self.parallel is not None else nullcontext():
-            written = self.save_outputs(outputs, info)
+            written = self.save_outputs(req, outputs)
             prof.saved = True  # before logging: an interrupt from here on leaves the request finished
         for path in written:
             logger.info("saved {}", path)
 
-    def run_encoders(self, info: InputInfo, per_shape: bool | None = None) -> Any:
+    def run_encoders(self, req: RequestState, per_shape: bool | None = None) -> Any:
         """Run the pipeline's encoder stages (only those with `per_shape` == `per_shape` unless None),
-        each with its module on the device; stores and returns `self.inputs`."""
+        each with its module on the device and the inputs built so far in `req.inputs`; returns the
+        inputs (also left in `req.inputs`)."""
         assert self.pipeline is not None, "load_modules first"
-        inputs = self.inputs
         for enc in self.pipeline.encoders:
             if per_shape is not None and enc.per_shape != per_shape:
                 continue
-            self.report_progress(info, enc.name)
-            with self.profiler.stage(enc.name), self.module_on_device(enc.module):
-                inputs = enc.run(info, inputs)
-            self.inputs = inputs
-        return inputs
+            self.report_progress(req.info, enc.name)
+            with self.profiler.stage(enc.name), self.module_on_device(enc.module, req):
+                req.inputs = enc.run(req)
+        return req.inputs
 
-    def run_denoise(self, info: InputInfo, warmup: bool = False) -> torch.Tensor:
+    def run_denoise(self, req: RequestState, warmup: bool = False) -> torch.Tensor:
         """Every denoise stage in order (with its transition); returns the final latents."""
         assert self.pipeline is not None, "load_modules first"
         latents: torch.Tensor | None = None
-        generator = None
         with held_across_stages(self.pipeline.denoise, self.config.offload.keep_across_stages,
                                 self.placement) as hold:
-            for index, stage in enumerate(self.pipeline.denoise):
-                hold(index)
-                latents, generator = self._denoise_one(info, stage, latents, generator, warmup)
+            for stage in self.pipeline.denoise:
+                hold(stage.index)
+                req.stage = stage
+                latents = self._denoise_one(req, stage, latents, warmup)
+        req.stage = None
         assert latents is not None
         if self.decodes_here:  # the rank that decodes (every rank holds the same latents)
             check_finite_latents(latents, self.dtype)
         return latents
 
-    def _denoise_one(self, info: InputInfo, stage: DenoiseStage, latents: torch.Tensor | None, generator: Any,
-                     warmup: bool) -> tuple[torch.Tensor, Any]:
-        """One denoise stage with its transition: (its latents, the request's generator after it)."""
+    def _denoise_one(self, req: RequestState, stage: DenoiseStage, latents: torch.Tensor | None,
+                     warmup: bool) -> torch.Tensor:
+        """One denoise stage with its transition: its latents; the request's generator goes to the stage's
+        scheduler before and comes back to `req.generator` after."""
         if stage.transition is not None:
             assert latents is not None, "a transition needs the previous stage's latents"
-            self.report_progress(info, stage.transition)
-            with self.profiler.stage(stage.transition), self.module_on_device(stage.transition) as model:
-                latents = self.run_transition(stage, model, latents)
+            self.report_progress(req.info, stage.transition)
+            with self.profiler.stage(stage.transition), self.module_on_device(stage.transition, req) as model:
+                latents = self.run_transition(req, stage, model, latents)
         sched = self.schedulers[stage.name]
-        sched.generator = generator  # one generator per request, drawn from in a fixed order
-        self.report_progress(info, stage.name, 0, stage.steps)
+        sched.generator = req.generator  # one generator per request, drawn from in a fixed order
+        self.report_progress(req.info, stage.name, 0, stage.steps)
         with self.profiler.stage(stage.name):
-            latents = self.run_denoise_stage(info, stage, sched, latents, warmup)
-        return latents, sched.generator
+            latents = self.run_denoise_stage(req, stage, sched, latents, warmup)
+        req.generator = sched.generator
+        return latents
 
     def check_sequence_split(self, info: InputInfo, stages: Sequence[DenoiseStage] | None = None) -> None:
         """Under Ulysses sequence parallel, refuse request `info` if a denoise stage's transformer tokens
@@ -699,7 +505,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             except NotImplementedError as exc:
                 raise NotImplementedError(f"request {index} ({request.source}): {exc}") from None
 
-    def run_denoise_stage(self, info: InputInfo, stage: DenoiseStage, sched: Scheduler,
+    def run_denoise_stage(self, req: RequestState, stage: DenoiseStage, sched: Scheduler,
                           init_latents: torch.Tensor | None, warmup: bool = False) -> torch.Tensor:
         """prepare -> condition_latents -> (step_pre -> select_transformer -> run_step -> step_post)*
         -> the stage's latents.
@@ -708,12 +514,13 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         for schedulers that keep one). The chosen transformer is kept on the device while
         consecutive steps use it (an MoE switch moves the other expert in).
         """
+        info = req.info
         self.check_sequence_split(info, (stage,))  # before the stage's first step
         sched.prepare(stage.latent_shape(info), stage.steps, info.seed, self.device, self.dtype,
                       init_latents=init_latents, strength=stage.strength,
                       noise_shapes=stage.noise_shapes(info) if stage.noise_shapes is not None else None)
-        self.condition_latents(stage, sched, init_latents)
-        order = self.warmup_steps(stage, sched) if warmup else list(range(sched.infer_steps))
+        sched.set_latents(self.condition_latents(req, stage, sched.latents, init_latents))
+        order = self.warmup_steps(req, stage, sched) if warmup else list(range(sched.infer_steps))
         if warmup:
             self._warmup_steps_run[stage.name] = order
         label = f"warmup {list(info.shape)}: {stage.name} step" if warmup else f"{stage.name} step"
@@ -728,12 +535,12 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                     sched.set_step(i)
                 with self.profiler.step():
                     latents, timestep = sched.step_pre(i)
-                    name = self.select_transformer(stage, i, timestep)
+                    name = self.select_transformer(req, stage, i, timestep)
                     if name != current:
                         placed.close()  # the previous expert leaves the device first
-                        model = placed.enter_context(self.module_on_device(name))
+                        model = placed.enter_context(self.module_on_device(name, req))
                         current = name
-                    noise_pred = self.run_step(stage, model, latents, timestep, i)
+                    noise_pred = self.run_step(req, stage, model, latents, timestep, i)
                     sched.step_post(noise_pred)
                 # marked: while the launch script's bar shows the steps, it drops these lines (runnerkit/progress.py)
                 logger.bind(denoise_step=True).info("{} {}/{}", label, i + 1, sched.infer_steps)
@@ -741,8 +548,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                 self.report_progress(info, stage.name, i + 1, sched.infer_steps)  # a cancel stops here
         return sched.latents
 
-    def decode(self, latents: torch.Tensor, info: InputInfo | None = None) -> dict[str, torch.Tensor]:
-        """Run every decoder (iterators consumed fully while the module is on the device).
+    def decode(self, req: RequestState, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Run every decoder (iterators consumed fully while the module is on the device); progress is
+        reported for requests (never warmup's).
 
         Returns:
             output key -> tensor `[B, ...]` (e.g. video `[B, 3, F, H, W]`).
@@ -750,10 +558,9 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         assert self.pipeline is not None, "load_modules first"
         outputs: dict[str, torch.Tensor] = {}
         for dec in self.pipeline.decoders:
-            if info is not None:
-                self.report_progress(info, dec.name)
-            with self.profiler.stage(dec.name), self.module_on_device(dec.module):
-                out = dec.run(latents)
+            self.report_progress(req.info, dec.name)
+            with self.profiler.stage(dec.name), self.module_on_device(dec.module, req):
+                out = dec.run(req, latents)
                 if isinstance(out, torch.Tensor):
                     outputs[dec.output] = out
                     continue
@@ -761,8 +568,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                 try:
                     for chunk in out:  # an observer may cancel between chunks (a long decode)
                         chunks.append(chunk)
-                        if info is not None:
-                            self.report_progress(info, dec.name)
+                        self.report_progress(req.info, dec.name)
                 finally:
                     close = getattr(out, "close", None)
                     if close is not None:
@@ -770,10 +576,10 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                 outputs[dec.output] = torch.cat(chunks, dim=2)
         return outputs
 
-    def save_outputs(self, outputs: dict[str, torch.Tensor], info: InputInfo) -> list[str]:
+    def save_outputs(self, req: RequestState, outputs: dict[str, torch.Tensor]) -> list[str]:
         """Write the request's files now through the media module, all-or-nothing (runnerkit/media.py;
         what is written: runners/writes.py `prepare_write`); returns the paths written."""
-        return writes.prepare_write(self, outputs, info)(lambda: None)
+        return writes.prepare_write(self, req, outputs)(lambda: None)
 
     def end_run(self) -> None:
         """Back to the start-up baseline, then a pressure-aware cache cleanup."""
@@ -782,49 +588,13 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                                  self.config.memory.empty_cache_min_reclaimable_gib)
 
     def reset_request_state(self) -> None:
-        """Schedulers (latents, sigmas, history, generator), request info, inputs, LoRA adapters,
-        streamer positions and the family's caches all go back to the start-up baseline."""
+        """Schedulers (latents, sigmas, history, generator), LoRA adapters, streamer positions and the
+        family's caches all go back to the start-up baseline (the request's `RequestState` itself is
+        dropped with `serve_request`'s frame)."""
         for sched in self.schedulers.values():
             sched.clear()
-        self.input_info = None
-        self.inputs = None
         if self.lora is not None:
             self.lora.clear()  # unfused slots zeroed / fused weights restored from the kept copies
         for streamer in self.streamers.values():
             streamer.reset()  # slots, prefetch index and events back at the request boundary
         self.clear_request_state()
-
-
-def check_finite_latents(latents: torch.Tensor, dtype: torch.dtype) -> None:
-    """Refuse denoised latents that hold NaN or Inf before they are decoded (one device sync per
-    request or warmup shape). Decoded, they would give a video or image of noise, and the request
-    would look successful. `dtype`: the transformer's compute dtype, named in the message.
-
-    Raises:
-        FloatingPointError: naming how many values are not finite, the dtype and the likely causes.
-    """
-    bad = int((~torch.isfinite(latents)).sum())
-    if bad:
-        raise FloatingPointError(
-            f"the denoised latents {list(latents.shape)} hold {bad} non-finite values (NaN or Inf) of "
-            f"{latents.numel()}: NaN or Inf in the checkpoint's weights (the transformer's, or an encoder's "
-            f"that fed it) or in a LoRA, or an overflow in {str(dtype).removeprefix('torch.')}; nothing is "
-            "decoded or saved")
-
-
-def stream_choice(pipeline: Pipeline, names: Sequence[str] | None, runner: str) -> list[ModuleSpec]:
-    """The modules that stream in mode block/phase: those of `names` (config `offload.stream_modules`),
-    or, for None, every streamable module of role "transformer".
-
-    Raises:
-        ValueError: a name that is not a module of the pipeline, or a module that cannot stream
-            (the message lists the ones that can).
-    """
-    can = [m for m in pipeline.modules if m.stream is not None]
-    if names is None:
-        return [m for m in can if m.role == "transformer"]
-    bad = [n for n in names if n not in {m.name for m in can}]
-    if bad:
-        raise ValueError(f"`offload.stream_modules`={list(names)}: {runner} cannot stream {bad}; modules that "
-                         f"can stream: {[m.name for m in can]}")
-    return [m for m in can if m.name in names]

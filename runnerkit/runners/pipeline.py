@@ -23,7 +23,8 @@ transformers in one stage and picks the expert per step in `DefaultRunner.select
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -103,15 +104,16 @@ class EncoderStage:
     Attributes:
         name: profiling stage, e.g. "text_encoder", "image_encoder", "vae_encoder".
         module: the module placed on the device while it runs (None: no module).
-        run: `(info, inputs) -> inputs`: takes the inputs built so far (None for the first
-            stage) and returns them extended (the family's typed inputs object).
+        run: `(req) -> inputs`: `req` is the request's `RequestState` (runners/request_state.py), with
+            the inputs built so far in `req.inputs` (None for the first stage) and this stage's module in
+            `req.modules`; returns the inputs extended (the family's typed inputs object).
         per_shape: True if the result depends on the request shape (image encoders, VAE encode
             of conditioning frames): warmup then runs it per shape; False (text): once.
     """
 
     name: str
     module: str | None
-    run: Callable[[InputInfo, Any], Any]
+    run: Callable[[Any], Any]
     per_shape: bool = False
 
 
@@ -138,6 +140,8 @@ class DenoiseStage:
         noise_shapes: `info -> shapes` when the latents are several parts drawn separately
             (e.g. video and audio tokens): one noise draw per shape, in order, flattened after the
             batch dim and concatenated into `latent_shape` (`Scheduler.prepare`). None: one draw.
+        index: the stage's position in `Pipeline.denoise` (0 for the first), set by `Pipeline`;
+            -1 for a stage not (yet) part of a pipeline. Hooks tell stages apart by it.
     """
 
     name: str
@@ -151,6 +155,7 @@ class DenoiseStage:
     transition: str | None = None
     sigmas: tuple[float, ...] | None = None
     noise_shapes: Callable[[InputInfo], tuple[tuple[int, ...], ...]] | None = None
+    index: int = -1
 
 
 @dataclass(frozen=True)
@@ -161,14 +166,15 @@ class DecoderStage:
         name: profiling stage, e.g. "vae_decoder", "audio_decoder".
         module: the module placed on the device while it runs.
         output: key of the `OutputSpec` it produces.
-        run: `latents -> tensor [B, ...]` or an iterator of chunks along dim 2 (consumed fully
-            while the module is on the device).
+        run: `(req, latents) -> tensor [B, ...]` or an iterator of chunks along dim 2 (consumed fully
+            while the module is on the device); `req` is the request's `RequestState`, with this
+            stage's module in `req.modules`.
     """
 
     name: str
     module: str | None
     output: str
-    run: Callable[[torch.Tensor], torch.Tensor | Iterable[torch.Tensor]]
+    run: Callable[[Any, torch.Tensor], torch.Tensor | Iterable[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,8 @@ class Pipeline:
     """Further profiling stages the family times itself (with `runner.profiler.stage`)."""
 
     def __post_init__(self) -> None:
+        # each denoise stage knows its position (hooks tell stages apart by it, never by name)
+        object.__setattr__(self, "denoise", tuple(replace(s, index=i) for i, s in enumerate(self.denoise)))
         names = [m.name for m in self.modules]
         problems = []
         if len(set(names)) != len(names):
@@ -237,6 +245,16 @@ class Pipeline:
             problems.append(f"profiling stage names repeat: {stages}")
         if problems:
             raise ValueError("invalid pipeline description: " + "; ".join(problems))
+
+    @functools.cached_property
+    def step_offsets(self) -> tuple[dict[str, int], int]:
+        """Per profiling stage, the denoising steps of the stages before it (a transition counts as its
+        stage, encoders 0); and a request's total steps (what progress reports count)."""
+        denoise = self.denoise
+        before = {s.name: sum(d.steps for d in denoise[:k]) for k, s in enumerate(denoise)}
+        before.update({s.transition: before[s.name] for s in denoise if s.transition is not None})
+        before.update({e.name: 0 for e in self.encoders})
+        return before, sum(s.steps for s in denoise)
 
     def profile_stages(self) -> tuple[str, ...]:
         """Profiling stages in request order (the keys of a request profile's `stages`)."""

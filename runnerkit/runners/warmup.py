@@ -27,6 +27,7 @@ from runnerkit import compile as regional_compile
 from runnerkit import media, memory
 from runnerkit.runners.base import lifecycle_phase
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, Shape
+from runnerkit.runners.request_state import RequestState
 from runnerkit.schedulers.base import Scheduler
 
 __all__ = ["WARMUP_PROMPT", "WarmupMixin"]
@@ -174,26 +175,26 @@ class WarmupMixin:
         (`media.warm_writers`). Nothing is saved; no request profile is written."""
         for sched in self.schedulers.values():
             sched.generator = None  # before any encoder that could draw random numbers
-        shared = self.run_encoders(self.warmup_info(shapes[0]), per_shape=False)
+        shared = self.run_encoders(RequestState(self.warmup_info(shapes[0])), per_shape=False)
         for shape in shapes:
             for info in self.warmup_infos(shape):
                 try:
-                    self.input_info, self.inputs = info, shared
-                    self.run_encoders(info, per_shape=True)
-                    latents = self.run_denoise(info, warmup=True)
+                    req = RequestState(info, inputs=shared)
+                    self.run_encoders(req, per_shape=True)
+                    latents = self.run_denoise(req, warmup=True)
                     if self.decodes_here:  # parallel: the decoders run on rank 0 only, as in a request
-                        self.decode(latents)
+                        self.decode(req, latents)
                 finally:
                     self.reset_request_state()
         if self.decodes_here:  # the rank that saves results: the writers' imports and first encode
             logger.debug("warmup: media writers warmed: {}", media.warm_writers(self.pipeline.outputs) or "none")
 
-    def warmup_steps(self, stage: DenoiseStage, sched: Scheduler) -> list[int]:
+    def warmup_steps(self, req: RequestState, stage: DenoiseStage, sched: Scheduler) -> list[int]:
         """Steps warmup runs in `stage` (after `prepare`): step 0, plus the first step of every
         other MoE expert the stage would choose (every branch runs at least once)."""
-        steps, seen = [0], {self.select_transformer(stage, 0, sched.timesteps[0:1])}
+        steps, seen = [0], {self.select_transformer(req, stage, 0, sched.timesteps[0:1])}
         for i in range(1, sched.infer_steps):
-            expert = self.select_transformer(stage, i, sched.timesteps[i : i + 1])
+            expert = self.select_transformer(req, stage, i, sched.timesteps[i : i + 1])
             if expert not in seen:
                 seen.add(expert)
                 steps.append(i)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from runnerkit.profiling import RequestProfile
     from runnerkit.runners.base import BaseRunner
     from runnerkit.runners.default import DefaultRunner
-    from runnerkit.runners.pipeline import InputInfo
+    from runnerkit.runners.request_state import RequestState
 
 __all__ = ["PendingRequest", "close_writer", "hand_off", "prepare_write", "replace_writer", "sidecar_record"]
 
@@ -55,11 +55,12 @@ def replace_writer(current: ResultWriter | None, max_in_flight: int) -> ResultWr
     return ResultWriter(max_in_flight) if max_in_flight else None
 
 
-def sidecar_record(runner: DefaultRunner, info: InputInfo) -> dict[str, Any]:
+def sidecar_record(runner: DefaultRunner, req: RequestState) -> dict[str, Any]:
     """The sidecar JSON of a request's result: the request's own values (image paths absolute), the
     family's fields (`sidecar_extra`, which may read the request's encoded inputs: call it before
     `end_run`), and the runner config without the request defaults they replace (a sidecar that
     shows `seed: 42` beside the request's seed 7 would mislead)."""
+    info = req.info
     return {"prompt": info.prompt, "negative_prompt": info.negative_prompt, "seed": info.seed,
             "height": info.height, "width": info.width, "frames": info.frames,
             **{k: os.path.abspath(v) for k, v in (("image_path", info.image_path),
@@ -67,11 +68,11 @@ def sidecar_record(runner: DefaultRunner, info: InputInfo) -> dict[str, Any]:
             **({"extra_image_paths": [os.path.abspath(v) for v in info.extra_image_paths]}
                if info.extra_image_paths else {}),
             **({"lora": [{"path": os.path.abspath(p), "strength": st} for p, st in info.lora]} if info.lora else {}),
-            **runner.sidecar_extra(info),
+            **runner.sidecar_extra(req),
             "config": runner.config.model_dump(mode="json", exclude=set(REQUEST_DEFAULT_FIELDS))}
 
 
-def prepare_write(runner: DefaultRunner, outputs: dict[str, torch.Tensor], info: InputInfo) -> WriteFn:
+def prepare_write(runner: DefaultRunner, req: RequestState, outputs: dict[str, torch.Tensor]) -> WriteFn:
     """Everything the request's files need, taken now on the compute thread, as one write call.
 
     Args:
@@ -86,7 +87,8 @@ def prepare_write(runner: DefaultRunner, outputs: dict[str, torch.Tensor], info:
     # CPU already, and a family may decode into a buffer it reuses for the next request (a VAE cache,
     # a preallocated frame buffer). The writer owns what it writes: [C, ...] float32, contiguous, CPU.
     tensors = {k: v[0].to(device="cpu", dtype=torch.float32, copy=True).contiguous() for k, v in outputs.items()}
-    sidecar = sidecar_record(runner, info)
+    info = req.info
+    sidecar = sidecar_record(runner, req)
     specs, fps = runner.pipeline.outputs, runner.config.fps
     result_path, tensor_path = info.save_result_path, info.save_tensor_path
 

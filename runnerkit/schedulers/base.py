@@ -269,6 +269,24 @@ class Scheduler(abc.ABC):
         self.latents = self._update(noise_pred.to(torch.float32))
         self.step_index += 1
 
+    def set_latents(self, latents: torch.Tensor) -> None:
+        """Continue from `latents` instead of the start `prepare` drew (the runner passes what a family's
+        `condition_latents` returned, e.g. with an image's clean first frame; the same tensor changes nothing).
+
+        Args:
+            latents: the prepared latents' shape, float32, on their device.
+
+        Raises:
+            RuntimeError: `prepare` was not called.
+            ValueError: another shape, dtype or device than the prepared latents'.
+        """
+        self._check_prepared("set_latents")
+        old = self.latents
+        if latents.shape != old.shape or latents.dtype != old.dtype or latents.device != old.device:
+            raise ValueError(f"`latents` must match the prepared latents ({tuple(old.shape)}, {old.dtype}, "
+                             f"{old.device}), got ({tuple(latents.shape)}, {latents.dtype}, {latents.device})")
+        self.latents = latents
+
     def set_step(self, i: int) -> None:
         """Jump to step `i` (warmup runs a representative later step right after `prepare`).
 

@@ -80,9 +80,9 @@ def main(spec_path: str) -> int:
         if spec.get("spy_dir"):
             Path(spec["spy_dir"], f"warm{rank}").touch()
 
-    def spy_denoise(self: DefaultRunner, info: Any, warmup: bool = False) -> Any:
+    def spy_denoise(self: DefaultRunner, req: Any, warmup: bool = False) -> Any:
         where["phase"] = "warmup" if warmup else "requests"
-        return run_pipeline(self, info, warmup)
+        return run_pipeline(self, req, warmup)
 
     steps = {"n": 0}
     run_step, end_run = WanT2VRunner.run_step, DefaultRunner.end_run
@@ -98,7 +98,7 @@ def main(spec_path: str) -> int:
 
     def failing_step(self: WanT2VRunner, *args: Any) -> Any:
         steps["n"] += 1
-        phase = "warmup" if self.input_info.warmup else "request"
+        phase = "warmup" if args[0].info.warmup else "request"  # args[0]: the RequestState
         if fail.get("rank") == rank and fail.get("phase") == phase and steps["n"] >= fail.get("step", 1):
             raise RuntimeError(f"injected {phase} failure")
         if kill.get("rank") == rank and phase == "request" and steps["n"] >= kill["step"]:

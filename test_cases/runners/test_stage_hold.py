@@ -110,7 +110,7 @@ def test_the_hold_ends_when_a_stage_fails(tmp_path: Path, monkeypatch: pytest.Mo
     runner.init_modules()
     seen: list[set[str]] = []
 
-    def failing(stage: Any, model: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    def failing(req: Any, stage: Any, model: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         seen.append(runner.placement.on_device_now())
         raise RuntimeError("upsampler failed")
 

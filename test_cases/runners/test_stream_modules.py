@@ -22,10 +22,10 @@ def _pipeline() -> Pipeline:
         modules=(ModuleSpec("text_encoder", "text_encoder", build=build, stream=stream),
                  ModuleSpec("transformer", "transformer", build=build, stream=stream),
                  ModuleSpec("vae", "decoder", build=build)),
-        encoders=(EncoderStage("text_encoder", module="text_encoder", run=lambda info, x: x),),
+        encoders=(EncoderStage("text_encoder", module="text_encoder", run=lambda req: req.inputs),),
         denoise=(DenoiseStage("transformer", transformers=("transformer",), steps=4, scheduler="unipc", shift=1.0,
                               spacing="diffusers", latent_shape=lambda shape: (1, 4, 1, 2, 2)),),
-        decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=lambda latents: latents),),
+        decoders=(DecoderStage("vae_decoder", module="vae", output="video", run=lambda req, latents: latents),),
         outputs=(OutputSpec("video", "video"),))
 
 

@@ -20,11 +20,11 @@ from runnerkit.config import RunnerConfig
 from runnerkit.registry import RUNNERS, register_runner
 from runnerkit.runners.default import DefaultRunner
 from runnerkit.runners.fit import MemoryEstimate, StageFootprint, module_footprint
+from runnerkit.runners.request_state import RequestState
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,
     EncoderStage,
-    InputInfo,
     ModuleSpec,
     OutputSpec,
     Pipeline,
@@ -173,21 +173,21 @@ class TwoStageImageRunner(DefaultRunner):
         )
 
     @torch.inference_mode()
-    def run_text_encoder(self, info: InputInfo, inputs: None) -> dict[str, torch.Tensor]:
-        encoder = self.stage_modules["text_encoder"]
-        self.context_cache = {"cond": encoder(info.prompt), "uncond": encoder(info.negative_prompt)}
+    def run_text_encoder(self, req: RequestState) -> dict[str, torch.Tensor]:
+        encoder = req.modules["text_encoder"]
+        self.context_cache = {"cond": encoder(req.info.prompt), "uncond": encoder(req.info.negative_prompt)}
         return self.context_cache
 
     @torch.inference_mode()
-    def run_step(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
-                 step_index: int) -> torch.Tensor:
-        cond = model(latents, timestep, self.inputs["cond"])
-        uncond = model(latents, timestep, self.inputs["uncond"])
+    def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor,
+                 timestep: torch.Tensor, step_index: int) -> torch.Tensor:
+        cond = model(latents, timestep, req.inputs["cond"])
+        uncond = model(latents, timestep, req.inputs["uncond"])
         return uncond + self.config.sample_guide_scale * (cond - uncond)
 
     @torch.inference_mode()
-    def run_decoder(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.stage_modules["decoder"](latents)  # [1, 3, H, W]
+    def run_decoder(self, req: RequestState, latents: torch.Tensor) -> torch.Tensor:
+        return req.modules["decoder"](latents)  # [1, 3, H, W]
 
     def clear_request_state(self) -> None:
         self.context_cache = {}

@@ -76,6 +76,7 @@ from runnerkit.runners.pipeline import (
     Pipeline,
     Shape,
 )
+from runnerkit.runners.request_state import RequestState
 from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.schedulers.base import Scheduler
 from runnerkit.weights import CheckpointError, build_on_meta
@@ -506,6 +507,12 @@ class LTX2Runner(LTX2Compute, SyntheticCheckpointSource, DefaultRunner):
         return fp8_stored_weights(ckpt)
 
     # ---- request stages ------------------------------------------------------------------
+    def layouts(self, req: RequestState) -> tuple[JointLayout, JointLayout]:
+        """Per denoise stage (`DenoiseStage.index`), request `req`'s joint latents; computed once per request."""
+        if "ltx2.layouts" not in req.derived:
+            req.derived["ltx2.layouts"] = (self.layout(req.info, 1), self.layout(req.info, 2))
+        return req.derived["ltx2.layouts"]
+
     def layout(self, info: InputInfo, stage: int) -> JointLayout:
         """The joint latents of `stage` (1: half size; 2: full size) for request `info` (latents.py)."""
         assert self.checkpoint is not None, "prepare_load first"
@@ -519,22 +526,23 @@ class LTX2Runner(LTX2Compute, SyntheticCheckpointSource, DefaultRunner):
         return JointLayout(video, audio, packed_video=packed and self.config.task == "t2av", packed_audio=packed)
 
     @torch.inference_mode()
-    def run_text_encoder(self, info: InputInfo, inputs: None) -> LTX2Inputs:
+    def run_text_encoder(self, req: RequestState) -> LTX2Inputs:
         """Prompt -> stacked Gemma-3 hidden states [1, T, D * (layers + 1)] and the tokenizer mask (every
         prompt padded to 1024 tokens, as diffusers: a new prompt never brings a new text length)."""
         from runnerkit.models.ltx2 import text_encoder as te
 
-        encoder = te.GemmaPromptEncoder(self.tokenizer, self.stage_modules["text_encoder"])
-        hidden, mask = encoder.encode(info.prompt)
+        encoder = te.GemmaPromptEncoder(self.tokenizer, req.modules["text_encoder"])
+        hidden, mask = encoder.encode(req.info.prompt)
         return LTX2Inputs(text_hidden=hidden, text_mask=mask)
 
     @torch.inference_mode()
-    def run_connectors(self, info: InputInfo, inputs: LTX2Inputs) -> LTX2Inputs:
+    def run_connectors(self, req: RequestState) -> LTX2Inputs:
         """Stacked hidden states -> the video and audio text contexts (model dtype)."""
+        inputs = req.inputs
         assert inputs.text_hidden is not None and inputs.text_mask is not None, "run the text encoder first"
         from runnerkit.models.ltx2 import text_encoder as te
 
-        connectors = self.stage_modules["connectors"]
+        connectors = req.modules["connectors"]
         weight = next(connectors.parameters())
         video, audio, mask = te.text_contexts(connectors, inputs.text_hidden.to(weight.device, weight.dtype),
                                               inputs.text_mask.to(weight.device))
@@ -562,37 +570,35 @@ class LTX2Runner(LTX2Compute, SyntheticCheckpointSource, DefaultRunner):
         return (image * 2.0 - 1.0)[None, :, None]
 
     @torch.inference_mode()
-    def run_vae_encoder(self, info: InputInfo, inputs: LTX2Inputs) -> LTX2Inputs:
+    def run_vae_encoder(self, req: RequestState) -> LTX2Inputs:
         """i2av: the first frame's normalised latents [1, C, 1, H1, W1] (float32), as diffusers' i2v
         `prepare_latents` encodes it (the image in the model dtype, the posterior mode)."""
-        vae = self.stage_modules["vae"]
+        vae = req.modules["vae"]
         assert isinstance(vae, LTX2VideoVAE)
-        latents = vae.encode(self.first_frame(info).to(self.dtype)).to(self.device)
-        return LTX2Inputs(**{**inputs.__dict__, "image_latents": latents})
+        latents = vae.encode(self.first_frame(req.info).to(self.dtype)).to(self.device)
+        return LTX2Inputs(**{**req.inputs.__dict__, "image_latents": latents})
 
-    def condition_latents(self, stage: DenoiseStage, sched: Scheduler, init_latents: Tensor | None) -> None:
+    def condition_latents(self, req: RequestState, stage: DenoiseStage, latents: Tensor,
+                          init_latents: Tensor | None) -> Tensor:
         """i2av: the first latent frame is clean: the image's latents in stage 1, the upsampled stage-1
         frame in stage 2 (diffusers' `conditioning_mask`, noise scale 0 there)."""
         if self.config.task != "i2av":
-            return
-        info, inputs = self.input_info, self.inputs
-        assert info is not None and isinstance(inputs, LTX2Inputs) and sched.latents is not None
-        layout = self.layout(info, 1 if stage.name == "stage1" else 2)
-        video, _ = layout.split(sched.latents)  # views into the scheduler's tensor (5-D video part)
-        if init_latents is None:
-            assert inputs.image_latents is not None, "run the VAE encoder first"
-            video[:, :, :1] = inputs.image_latents.to(video.device, video.dtype)
-        else:
-            video[:, :, :1] = layout.split(init_latents.to(video.device, torch.float32))[0][:, :, :1]
+            return latents
+        layout, image = self.layouts(req)[stage.index], req.inputs.image_latents
+        assert init_latents is not None or image is not None, "run the VAE encoder first"
+        latents = latents.clone()  # the scheduler's start stays as drawn; it continues from the returned one
+        video, _ = layout.split(latents)  # views into `latents` (5-D video part)
+        clean = image if init_latents is None else layout.split(init_latents.to(video.device, torch.float32))[0][:, :, :1]
+        video[:, :, :1] = clean.to(video.device, video.dtype)
+        return latents
 
     @torch.inference_mode()
-    def run_step(self, stage: DenoiseStage, model: nn.Module, latents: Tensor, timestep: Tensor,
+    def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: Tensor, timestep: Tensor,
                  step_index: int) -> Tensor:
         """One call of the audio+video transformer; returns the joint velocity [1, N] float32 (i2av: 0 on
         the clean first frame, which Euler then keeps bit for bit)."""
-        info, inputs = self.input_info, self.inputs
-        assert info is not None and isinstance(inputs, LTX2Inputs), "run the encoders first"
-        layout = self.layout(info, 1 if stage.name == "stage1" else 2)
+        inputs, layout = req.inputs, self.layouts(req)[stage.index]
+        assert isinstance(inputs, LTX2Inputs), "run the encoders first"
         video, audio = layout.split(latents)
         C, F_, H, W = layout.video
         video_timestep, audio_timestep = timestep, None
@@ -611,41 +617,35 @@ class LTX2Runner(LTX2Compute, SyntheticCheckpointSource, DefaultRunner):
             v_video[:, :, :1] = 0.0
         return layout.join(v_video, unpack_audio_latents(v_audio.float(), layout.audio[2]))
 
-    def run_transition(self, stage: DenoiseStage, model: nn.Module, latents: Tensor) -> Tensor:
+    def run_transition(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: Tensor) -> Tensor:
         """Stage-1 joint latents -> stage 2's start: the video latents upsampled x2 by the latent
         upsampler (de-normalised, upsampled, normalised again), the audio latents as they are."""
-        info = self.input_info
-        assert info is not None and self.vae_stats is not None
-        video, audio = self.layout(info, 1).split(latents)
+        assert self.vae_stats is not None
+        video, audio = self.layouts(req)[stage.index - 1].split(latents)
         mean, std, scaling = self.vae_stats
         with torch.inference_mode():
             up = upsample_normalized_latents(model, video, mean, std, scaling)  # type: ignore[arg-type]
-        return self.layout(info, 2).join(up.float().to(latents.device), audio)
+        return self.layouts(req)[stage.index].join(up.float().to(latents.device), audio)
 
     @torch.inference_mode()
-    def run_vae_decoder(self, latents: Tensor) -> Tensor:
+    def run_vae_decoder(self, req: RequestState, latents: Tensor) -> Tensor:
         """Final joint latents -> video [1, 3, F, H, W] in [-1, 1] (float32)."""
-        info = self.input_info
-        assert info is not None
-        video, _ = self.layout(info, 2).split(latents)
-        vae = self.stage_modules["vae"]
+        video, _ = self.layouts(req)[-1].split(latents)  # the last stage's
+        vae = req.modules["vae"]
         assert isinstance(vae, LTX2VideoVAE)
         return vae.decode(video.to(self.dtype)).float().clamp(-1.0, 1.0)
 
     @torch.inference_mode()
-    def run_audio_decoder(self, latents: Tensor) -> Tensor:
+    def run_audio_decoder(self, req: RequestState, latents: Tensor) -> Tensor:
         """Final joint latents -> waveform [1, channels, samples] in [-1, 1] (float32)."""
-        info = self.input_info
-        assert info is not None
-        _, audio = self.layout(info, 2).split(latents)
-        tokens = pack_audio_latents(audio.float())
-        return self.stage_modules["audio_decoder"](tokens).float().clamp(-1.0, 1.0)
+        _, audio = self.layouts(req)[-1].split(latents)  # the last stage's
+        return req.modules["audio_decoder"](pack_audio_latents(audio.float())).float().clamp(-1.0, 1.0)
 
     def plan_steps_per_request(self) -> int:
         """Stage 1's distilled steps + stage 2's (the transformer runs in both)."""
         return len(DISTILLED_SIGMAS) + len(STAGE2_SIGMAS)
 
-    def warmup_steps(self, stage: DenoiseStage, sched: Scheduler) -> list[int]:
+    def warmup_steps(self, req: RequestState, stage: DenoiseStage, sched: Scheduler) -> list[int]:
         """Each stage's first and last step (the last lands on sigma 0)."""
         return sorted({0, sched.infer_steps - 1})
 

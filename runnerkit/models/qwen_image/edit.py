@@ -37,6 +37,7 @@ from runnerkit.models.qwen_image.runner import QwenImageRunner, QwenInputs
 from runnerkit.models.qwen_image.vae import encode_image
 from runnerkit.registry import register_runner
 from runnerkit.runners.pipeline import EncoderStage, InputInfo, Shape
+from runnerkit.runners.request_state import RequestState
 
 #: Placeholder reference names of warmup's dummy requests (never opened: warmup uses grey images).
 WARMUP_REFERENCE = "<warmup reference {}>"
@@ -188,15 +189,16 @@ class QwenImageEditRunner(QwenImageRunner):
         return [read_pil_image(path, name) for path, name in zip(info.reference_paths, reference_fields(info))]
 
     @torch.inference_mode()
-    def run_text_encoder(self, info: InputInfo, inputs: None) -> QwenInputs:
+    def run_text_encoder(self, req: RequestState) -> QwenInputs:
         """Prompt (and negative prompt) with the references seen by the VL encoder -> [1, L, D] each;
         the references at their VAE size kept for the VAE encoder."""
         edit = self.checkpoint.arch.edit if self.checkpoint is not None else None
         assert edit is not None, "load_modules first"
+        info = req.info
         images = self.reference_images(info)
         vl_area = edit.vl_image_area if edit.variant == "edit_plus" else edit.vae_image_area
         vl_images = [resize_to_area(img, vl_area) for img in images]
-        encoder = self.prompt_encoder()
+        encoder = self.prompt_encoder(req)
         embeds = [encoder.encode_edit(p, vl_images, edit.variant)[None] for p in self.prompts(info)]
         vae_images = [to_pixels(resize_to_area(img, edit.vae_image_area))[None, :, None]  # [1, 3, 1, h, w]
                       for img in images]
@@ -204,9 +206,10 @@ class QwenImageEditRunner(QwenImageRunner):
                           vae_images=vae_images)
 
     @torch.inference_mode()
-    def run_vae_encoder(self, info: InputInfo, inputs: QwenInputs) -> QwenInputs:
+    def run_vae_encoder(self, req: RequestState) -> QwenInputs:
         """Each reference -> normalised posterior-mean latents, packed and concatenated [1, sum L_i, 64]."""
-        vae = self.stage_modules["vae"]
+        inputs: QwenInputs = req.inputs
+        vae = req.modules["vae"]
         packed, shapes = [], []
         for pixels in inputs.vae_images:
             _, _, _, h, w = pixels.shape
@@ -218,6 +221,6 @@ class QwenImageEditRunner(QwenImageRunner):
         inputs.vae_images = []  # the pixels are not needed any more
         return inputs
 
-    def sidecar_extra(self, info: InputInfo) -> dict[str, Any]:
-        assert isinstance(self.inputs, QwenInputs), "run the encoders first"
-        return {"reference_latent_grids": [list(s[1:]) for s in self.inputs.ref_shapes]}
+    def sidecar_extra(self, req: RequestState) -> dict[str, Any]:
+        assert isinstance(req.inputs, QwenInputs), "run the encoders first"
+        return {"reference_latent_grids": [list(s[1:]) for s in req.inputs.ref_shapes]}

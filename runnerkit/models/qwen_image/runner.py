@@ -47,6 +47,7 @@ from runnerkit.runners.pipeline import (
     Pipeline,
     Shape,
 )
+from runnerkit.runners.request_state import RequestState
 from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.schedulers.base import Scheduler
 from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta
@@ -420,18 +421,19 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
         assert self.checkpoint is not None, "load_modules first"
         return (1, self.checkpoint.arch.vae.z_dim, 1, info.height // 8, info.width // 8)
 
-    def prompt_encoder(self) -> te.QwenPromptEncoder:
-        return te.QwenPromptEncoder(self.tokenizer, self.processor, self.stage_modules["text_encoder"])
+    def prompt_encoder(self, req: RequestState) -> te.QwenPromptEncoder:
+        return te.QwenPromptEncoder(self.tokenizer, self.processor, req.modules["text_encoder"])
 
     def prompts(self, info: InputInfo) -> list[str]:
         """The prompt, and the negative prompt when CFG is on."""
         return [info.prompt, info.negative_prompt] if self.config.enable_cfg else [info.prompt]
 
     @torch.inference_mode()
-    def run_text_encoder(self, info: InputInfo, inputs: None) -> QwenInputs:
+    def run_text_encoder(self, req: RequestState) -> QwenInputs:
         """Prompt (and negative prompt, for CFG) -> QwenInputs with [1, L, D] embeddings; with text
         buckets (`text_buckets`), each padded to its bucket with its [1, L] mask."""
-        encoder = self.prompt_encoder()
+        info = req.info
+        encoder = self.prompt_encoder(req)
         buckets = self.text_buckets()
         if not buckets:
             embeds = [encoder.encode_t2i(p)[None] for p in self.prompts(info)]  # [1, L, D] each
@@ -466,13 +468,12 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
         for bucket in extra:
             self._warmup_pad_to = bucket
             try:
-                shared = self.run_encoders(self.warmup_info(shapes[0]), per_shape=False)
+                shared = self.run_encoders(RequestState(self.warmup_info(shapes[0])), per_shape=False)
                 for shape in shapes:
-                    info = self.warmup_info(shape)
+                    req = RequestState(self.warmup_info(shape), inputs=shared)
                     try:
-                        self.input_info, self.inputs = info, shared
-                        self.run_encoders(info, per_shape=True)
-                        self.run_denoise(info, warmup=True)
+                        self.run_encoders(req, per_shape=True)
+                        self.run_denoise(req, warmup=True)
                     finally:
                         self.reset_request_state()
             finally:
@@ -494,24 +495,24 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
         ids = self.tokenizer(te.T2I_TEMPLATE.format(prompt), return_tensors="pt").input_ids
         return min(ids.shape[1], te.T2I_DROP_IDX + te.TOKENIZER_MAX_LENGTH) - te.T2I_DROP_IDX
 
-    def img_shapes(self, info: InputInfo) -> list[tuple[int, int, int]]:
+    def img_shapes(self, req: RequestState) -> list[tuple[int, int, int]]:
         """Patch grids of the target image then the references: [(1, H/16, W/16), ...]."""
-        assert isinstance(self.inputs, QwenInputs), "run the encoders first"
-        return [(1, info.height // 16, info.width // 16), *self.inputs.ref_shapes]
+        assert isinstance(req.inputs, QwenInputs), "run the encoders first"
+        return [(1, req.info.height // 16, req.info.width // 16), *req.inputs.ref_shapes]
 
     @torch.inference_mode()
-    def run_step(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
-                 step_index: int) -> torch.Tensor:
+    def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor,
+                 timestep: torch.Tensor, step_index: int) -> torch.Tensor:
         """Transformer on the cond (and uncond) prompt over [target, references] tokens; the target's
         tokens only; true CFG with norm rescale in float32. Returns [1, z, 1, H/8, W/8] float32."""
-        inputs, info = self.inputs, self.input_info
-        assert isinstance(inputs, QwenInputs) and info is not None, "run the encoders first"
+        inputs, info = req.inputs, req.info
+        assert isinstance(inputs, QwenInputs), "run the encoders first"
         packed = pack_latents(latents)  # [1, L, 64]
         tokens = packed.shape[1]
         hidden = packed if inputs.ref_latents is None else torch.cat([packed, inputs.ref_latents], dim=1)
         # The reference casts the timestep to the latents' dtype, then divides by 1000 (sigma).
         sigma = timestep.to(self.dtype) / 1000
-        shapes = self.img_shapes(info)
+        shapes = self.img_shapes(req)
 
         def velocity(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
             return model(hidden, embeds, sigma, shapes, mask)[:, :tokens].float()  # [1, L, 64]
@@ -535,10 +536,10 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
         return unpack_latents(pred, info.height, info.width)
 
     @torch.inference_mode()
-    def run_vae_decoder(self, latents: torch.Tensor) -> torch.Tensor:
+    def run_vae_decoder(self, req: RequestState, latents: torch.Tensor) -> torch.Tensor:
         """Normalised latents [1, z, 1, H/8, W/8] -> image [1, 3, H, W] in [-1, 1] (float32; the VAE
         decoder clamps, as the reference's does)."""
-        return decode_latents(self.stage_modules["vae"], latents.float())
+        return decode_latents(req.modules["vae"], latents.float())
 
     def clear_request_state(self) -> None:
         """RoPE tables and the VAE feature cache are request state."""

@@ -39,6 +39,7 @@ from runnerkit.models.wan.conditioning import conditioning_mask, conditioning_vi
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.registry import register_runner
 from runnerkit.runners.pipeline import EncoderStage, InputInfo, ModuleSpec, Shape
+from runnerkit.runners.request_state import RequestState
 from runnerkit.weights import assign_state_dict, build_on_meta
 
 VAE_STRIDE = 8
@@ -181,34 +182,35 @@ class WanImageConditioning:
         return ConditioningFrames(first, last, resize_frame(first, info.height, info.width),
                                   None if last is None else resize_frame(last, info.height, info.width))
 
-    def _with_frames(self, info: InputInfo, inputs: Any) -> Any:
-        return inputs if inputs.frames is not None else replace(inputs, frames=self.conditioning_frames(info))
+    def _with_frames(self, req: RequestState) -> Any:
+        inputs = req.inputs
+        return inputs if inputs.frames is not None else replace(inputs, frames=self.conditioning_frames(req.info))
 
     @torch.inference_mode()
-    def run_image_encoder(self, info: InputInfo, inputs: Any) -> Any:
+    def run_image_encoder(self, req: RequestState) -> Any:
         """CLIP tokens of the frame(s) as read -> `clip_context` [1, 257 * frames, 1280] float32."""
-        inputs = self._with_frames(info, inputs)
+        inputs = self._with_frames(req)
         frames = [inputs.frames.first] + ([inputs.frames.last] if inputs.frames.last is not None else [])
-        encoder = self.stage_modules["image_encoder"]  # type: ignore[attr-defined]
+        encoder = req.modules["image_encoder"]
         tokens = torch.cat([encoder.encode(f[None]) for f in frames])  # [n, 257, 1280]
         return replace(inputs, clip_context=tokens.reshape(1, -1, tokens.shape[-1]))
 
     @torch.inference_mode()
-    def run_vae_encoder(self, info: InputInfo, inputs: Any) -> Any:
+    def run_vae_encoder(self, req: RequestState) -> Any:
         """`y` = cat(temporal mask, normalised VAE latents of the conditioning clip) [1, 4 + z, f, h, w];
         the frames are dropped afterwards."""
-        inputs = self._with_frames(info, inputs)
+        info, inputs = req.info, self._with_frames(req)
         frames = inputs.frames
         video = conditioning_video(frames.first_resized, info.frames, frames.last_resized)  # [3, F, H, W]
-        latents = self.stage_modules["vae"].encode(video[None])  # type: ignore[attr-defined]
+        latents = req.modules["vae"].encode(video[None])
         mask = conditioning_mask(info.frames, info.height // VAE_STRIDE, info.width // VAE_STRIDE,
                                  last_frame=frames.last is not None).to(latents.device)
         y = torch.cat([mask[None], latents], dim=1)  # [1, 4 + z, F_lat, h, w]
         return replace(inputs, y=y, frames=None)
 
-    def transformer_inputs(self) -> dict[str, torch.Tensor]:
+    def transformer_inputs(self, req: RequestState) -> dict[str, torch.Tensor]:
         """The image inputs of every transformer call: `y`, and `clip_context` for Wan2.1."""
-        inputs = self.inputs  # type: ignore[attr-defined]
+        inputs = req.inputs
         assert inputs.y is not None, "run the vae_encoder stage first"
         extra = {"y": inputs.y}
         if inputs.clip_context is not None:

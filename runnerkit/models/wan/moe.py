@@ -37,7 +37,8 @@ from runnerkit.models.wan.runner import WanT2VRunner, flavour_of
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D
 from runnerkit.registry import register_runner
-from runnerkit.runners.pipeline import DenoiseStage, InputInfo, ModuleSpec, Shape
+from runnerkit.runners.pipeline import DenoiseStage, ModuleSpec, Shape
+from runnerkit.runners.request_state import RequestState
 
 #: Wan2.1 flavour of the experts' architecture -> MoE flavour name.
 MOE_FLAVOURS: dict[str, str] = {"debug": "debug", "14B": "A14B"}
@@ -149,20 +150,21 @@ class WanMoERunner(WanT2VRunner):
         assert self.config.boundary is not None, "prepare_load resolves the boundary"
         return self.config.boundary * self.schedulers[stage.name].num_train_timesteps
 
-    def select_transformer(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> str:
+    def select_transformer(self, req: RequestState, stage: DenoiseStage, step_index: int,
+                           timestep: torch.Tensor) -> str:
         """High-noise `transformer` while `t >= boundary * num_train_timesteps`, else low-noise
         `transformer_2` (Wan2.2 `_prepare_model_for_timestep`; diffusers WanPipeline)."""
         t = float(timestep.flatten()[0])
         return EXPERTS[0] if t >= self.boundary_timestep(stage) else EXPERTS[1]
 
-    def guide_scale(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> float:
+    def guide_scale(self, req: RequestState, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> float:
         """The CFG scale of the step's expert: `sample_guide_scale` [high-noise, low-noise] (one number: both)."""
         scale = self.config.sample_guide_scale
         if not isinstance(scale, tuple):
             return float(scale)  # type: ignore[arg-type]
-        return float(scale[EXPERTS.index(self.select_transformer(stage, step_index, timestep))])
+        return float(scale[EXPERTS.index(self.select_transformer(req, stage, step_index, timestep))])
 
-    def sidecar_extra(self, info: InputInfo) -> dict[str, Any]:
+    def sidecar_extra(self, req: RequestState) -> dict[str, Any]:
         """The expert switch the request ran with."""
         return {"boundary": self.config.boundary}
 

@@ -33,6 +33,7 @@ from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
 from runnerkit.runners.fit import EstimateUnavailable, MemoryEstimate
+from runnerkit.runners.request_state import RequestState
 from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.runners.pipeline import (
     DecoderStage,
@@ -347,7 +348,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         """Encoder stages after the text encoder (none for text-to-video; see i2v.py)."""
         return ()
 
-    def transformer_inputs(self) -> dict[str, torch.Tensor]:
+    def transformer_inputs(self, req: RequestState) -> dict[str, torch.Tensor]:
         """Extra keyword inputs of every transformer call (none for text-to-video; see i2v.py)."""
         return {}
 
@@ -470,10 +471,11 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
                                                          self.latent_shape(info)[2:])}
 
     @torch.inference_mode()
-    def run_text_encoder(self, info: InputInfo, inputs: None) -> WanInputs:
+    def run_text_encoder(self, req: RequestState) -> WanInputs:
         """Prompt (and negative prompt, for CFG) -> WanInputs with [1, L, text_dim] embeddings."""
         assert self.tokenizer is not None and self.checkpoint is not None, "load_modules first"
-        encoder = te.WanTextEncoder(self.tokenizer, self.stage_modules["text_encoder"])
+        info = req.info
+        encoder = te.WanTextEncoder(self.tokenizer, req.modules["text_encoder"])
         prompts = [info.prompt, info.negative_prompt] if self.config.enable_cfg else [info.prompt]
         embeds = encoder.encode(prompts)
         text_len = self.checkpoint.arch.text_encoder.text_len
@@ -483,44 +485,45 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         return WanInputs(context=embeds[0][None], context_null=embeds[1][None] if len(embeds) > 1 else None)
 
     @torch.inference_mode()
-    def run_step(self, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
-                 step_index: int) -> torch.Tensor:
+    def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor,
+                 timestep: torch.Tensor, step_index: int) -> torch.Tensor:
         """Transformer on the cond (and uncond) branch; CFG combine in float32. Returns [1, C, F', H', W'].
 
         With block streaming both branches go through each block while it is on the device
         (`forward_branches`, bit-identical to two forwards; `one_pass_streamer`)."""
-        assert isinstance(self.inputs, WanInputs), "run the encoders first"
-        extra = self.transformer_inputs()  # image tasks: the same clip_context and y on both branches
-        if self.inputs.context_null is None:
-            return model(latents, timestep, self.inputs.context, **extra).float()
+        inputs = req.inputs
+        assert isinstance(inputs, WanInputs), "run the encoders first"
+        extra = self.transformer_inputs(req)  # image tasks: the same clip_context and y on both branches
+        if inputs.context_null is None:
+            return model(latents, timestep, inputs.context, **extra).float()
         streamer = self.one_pass_streamer(model)
         if self.cfg_parallel:  # one branch per rank, the other's prediction all-gathered
             cond, uncond = self.cfg_branches([
-                lambda: model(latents, timestep, self.inputs.context, **extra).float(),
-                lambda: model(latents, timestep, self.inputs.context_null, **extra).float()])
+                lambda: model(latents, timestep, inputs.context, **extra).float(),
+                lambda: model(latents, timestep, inputs.context_null, **extra).float()])
         elif streamer is not None:
             with streamer.entries(2):
-                contexts = [self.inputs.context, self.inputs.context_null]
+                contexts = [inputs.context, inputs.context_null]
                 cond, uncond = model.forward_branches(latents, timestep, contexts, **extra)
             cond, uncond = cond.float(), uncond.float()
         else:
-            cond = model(latents, timestep, self.inputs.context, **extra).float()
-            uncond = model(latents, timestep, self.inputs.context_null, **extra).float()
-        return uncond + self.guide_scale(stage, step_index, timestep) * (cond - uncond)
+            cond = model(latents, timestep, inputs.context, **extra).float()
+            uncond = model(latents, timestep, inputs.context_null, **extra).float()
+        return uncond + self.guide_scale(req, stage, step_index, timestep) * (cond - uncond)
 
-    def guide_scale(self, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> float:
+    def guide_scale(self, req: RequestState, stage: DenoiseStage, step_index: int, timestep: torch.Tensor) -> float:
         """The CFG scale of one step (one scale for wan2.1; MoE runners choose it per expert)."""
         return float(self.config.sample_guide_scale)  # type: ignore[arg-type]
 
     @torch.inference_mode()
-    def run_vae_decoder(self, latents: torch.Tensor) -> torch.Tensor | Iterator[torch.Tensor]:
+    def run_vae_decoder(self, req: RequestState, latents: torch.Tensor) -> torch.Tensor | Iterator[torch.Tensor]:
         """Normalized latents [1, z, f, h, w] -> video [1, 3, 4(f-1)+1, 8h, 8w] in [-1, 1] (float32):
         chunk by chunk, one latent frame at a time (`WanVAE.decode_iter`; the runner concatenates
         them, and a cancel can stop between them), or whole when tiled."""
         if self.config.offload.vae_tiling:
-            return vae_tiling.decode_tiled(self.stage_modules["vae"], latents.float(), vae_tiling.TILE_LATENT,
+            return vae_tiling.decode_tiled(req.modules["vae"], latents.float(), vae_tiling.TILE_LATENT,
                                            vae_tiling.OVERLAP_LATENT)
-        return self.stage_modules["vae"].decode_iter(latents.float())
+        return req.modules["vae"].decode_iter(latents.float())
 
     def clear_request_state(self) -> None:
         """Per-grid RoPE tables and the VAE feature cache are request state."""

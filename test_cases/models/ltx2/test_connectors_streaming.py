@@ -23,6 +23,7 @@ from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner
 from runnerkit.runners import fit
 from runnerkit.runners.pipeline import InputInfo
 from runnerkit.runners.plan import plan_offload
+from runnerkit.runners.request_state import RequestState
 from test_cases._alignment import misaligned_weights
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"
@@ -72,11 +73,7 @@ def text_inputs() -> LTX2Inputs:
 
 def contexts(runner: LTX2Runner, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The runner's own connectors stage on `module`: video [1, T, 32], audio [1, T, 8], mask [1, T]."""
-    runner.stage_modules["connectors"] = module
-    try:
-        out = runner.run_connectors(INFO, text_inputs())
-    finally:
-        del runner.stage_modules["connectors"]
+    out = runner.run_connectors(RequestState(INFO, inputs=text_inputs(), modules={"connectors": module}))
     assert out.video_context is not None and out.audio_context is not None and out.context_mask is not None
     return out.video_context, out.audio_context, out.context_mask
 

@@ -97,13 +97,12 @@ def single_file_paths(folder: Path) -> dict[str, Any]:
 def assert_request_boundary(runner: LTX2Runner) -> None:
     """The start-up baseline: no request state, every offloaded module off the device, streamers at a
     request boundary, schedulers as fresh ones."""
-    assert runner.input_info is None and runner.inputs is None
+    assert not {"input_info", "inputs", "stage_modules"} & vars(runner).keys()
     assert runner.pipeline is not None
     for stage in runner.pipeline.denoise:
         fresh = runner.build_scheduler(stage)
         assert scheduler_state(runner.schedulers[stage.name]) == scheduler_state(fresh), stage.name
     assert runner.placement is not None and runner.placement.on_device_now() == set()
-    assert runner.stage_modules == {}
     if runner.transformer is not None:
         assert runner.transformer._rope_cache == {}
     if runner.streamer is not None:
@@ -161,7 +160,7 @@ def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Ref
     runner = make_runner("t2av", model_path=str(checkpoint))
     runner.init_modules()
     timesteps: dict[str, list[float]] = {}
-    wrap(runner, "run_step", before=lambda stage, model, latents, timestep, i: timesteps.setdefault(
+    wrap(runner, "run_step", before=lambda req, stage, model, latents, timestep, i: timesteps.setdefault(
         stage.name, []).append(float(timestep)))
     out = tmp_path_factory.mktemp("reference")
     small = serve(runner, SMALL, out / "small.safetensors")
@@ -183,20 +182,18 @@ def record_stages(runner: LTX2Runner) -> tuple[list[tuple[Any, ...]], list[tuple
     calls: list[tuple[Any, ...]] = []
     placed: list[tuple[str, set[str]]] = []
 
-    def note(stage: str, *step: Any) -> None:
-        info = runner.input_info
-        calls.append((stage, *step, info.shape if info is not None and stage not in ("text_encoder", "text_connectors")
-                      else None))
+    def note(req: Any, stage: str, *step: Any) -> None:
+        calls.append((stage, *step, req.info.shape if stage not in ("text_encoder", "text_connectors") else None))
         assert runner.placement is not None
         placed.append((stage, runner.placement.on_device_now()))
 
     for method, stage in (("run_text_encoder", "text_encoder"), ("run_connectors", "text_connectors"),
                           ("run_vae_encoder", "vae_encoder"), ("run_vae_decoder", "vae_decoder"),
                           ("run_audio_decoder", "audio_decoder")):
-        wrap(runner, method, after=lambda _, s=stage: note(s))  # after: the module is still on the device
-    wrap(runner, "run_transition", after=lambda _: note("latent_upsampler"))
-    wrap(runner, "run_step",
-         before=lambda stage, model, latents, timestep, i: note(stage.name, i, round(float(timestep) / 1000, 6)))
+        wrap(runner, method, before=lambda req, *_, s=stage: note(req, s))  # the module is on the device already
+    wrap(runner, "run_transition", before=lambda req, *_: note(req, "latent_upsampler"))
+    wrap(runner, "run_step", before=lambda req, stage, model, latents, timestep, i: note(
+        req, stage.name, i, round(float(timestep) / 1000, 6)))
     return calls, placed
 
 
@@ -209,7 +206,7 @@ def test_warmup_runs_every_stage_per_shape_in_order(checkpoint: Path, mocker: An
     runner = make_runner(task, model_path=str(checkpoint), warmup=True, offload={"mode": offload})
     calls, placed = record_stages(runner)
     stage2_left: list[bool] = []  # at each shape's first step: does stage 2 still hold the last shape's latents?
-    wrap(runner, "run_step", before=lambda stage, model, latents, timestep, i: stage2_left.append(
+    wrap(runner, "run_step", before=lambda req, stage, model, latents, timestep, i: stage2_left.append(
         runner.schedulers["stage2"].latents is not None) if (stage.name, i) == ("stage1", 0) else None)
     run_pipeline = mocker.spy(LTX2Runner, "run_pipeline")
     save = mocker.spy(LTX2Runner, "save_outputs")
@@ -429,9 +426,9 @@ def test_i2av_keeps_the_first_latent_frame_clean(checkpoint: Path, tmp_path: Pat
     runner = make_runner("i2av", model_path=str(checkpoint))
     seen: dict[str, torch.Tensor] = {}
     wrap(runner, "run_vae_encoder", after=lambda inputs: seen.__setitem__("image", inputs.image_latents.clone()))
-    wrap(runner, "run_transition", before=lambda stage, model, latents: seen.__setitem__("stage1", latents.clone()),
+    wrap(runner, "run_transition", before=lambda req, stage, model, latents: seen.__setitem__("stage1", latents.clone()),
          after=lambda latents: seen.__setitem__("stage2_start", latents.clone()))
-    wrap(runner, "run_vae_decoder", before=lambda latents: seen.__setitem__("stage2", latents.clone()))
+    wrap(runner, "run_vae_decoder", before=lambda req, latents: seen.__setitem__("stage2", latents.clone()))
     runner.init_modules()  # after wrapping: describe_pipeline takes the encoder and decoder methods
     recompress = mocker.spy(ltx2_runner, "recompress_h264")
     request = RequestConfig(prompt="a fox in the snow", seed=5, image_path=str(image))

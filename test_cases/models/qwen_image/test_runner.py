@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from runnerkit import memory
 from runnerkit.config import RequestConfig, load_runner_config
+from runnerkit.runners.request_state import RequestState
 from runnerkit.infer import main
 from runnerkit.models.qwen_image.edit import QwenImageEditRunner
 from runnerkit.models.qwen_image.runner import QwenImageRunner
@@ -62,8 +63,8 @@ def serve(runner: QwenImageRunner, requests: list[RequestConfig], folder: Path, 
         path = folder / f"{tag}_{i}.safetensors"
         runner.run_pipeline(req.model_copy(update={"save_tensor_path": str(path)}), i)
         out.append(load_file(str(path))["image"])
-        assert runner.inputs is None and runner.input_info is None and runner.scheduler.generator is None
-        assert runner.scheduler.sigmas is None and runner.stage_modules == {}
+        assert not {"input_info", "inputs", "stage_modules"} & vars(runner).keys() and runner.scheduler.generator is None
+        assert runner.scheduler.sigmas is None
     return out
 
 
@@ -180,9 +181,9 @@ def test_edit_token_count_before_the_encoders_is_the_transformers(qwen_edit_ckpt
         for info in runner.warmup_infos(shape):
             expected = runner.sequence_tokens(stage, info)
             seen.clear()
-            runner.input_info = info  # as run_warmup sets it
-            runner.run_encoders(info)
-            runner.run_denoise(info, warmup=True)
+            req = RequestState(info)  # as run_warmup makes it
+            runner.run_encoders(req)
+            runner.run_denoise(req, warmup=True)
             runner.reset_request_state()
             assert set(seen) == {expected}, (shape, seen, expected)
 

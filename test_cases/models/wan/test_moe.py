@@ -26,6 +26,7 @@ from runnerkit.models.wan.arch import WanArch
 from runnerkit.models.wan.moe import WanMoERunner
 from runnerkit.models.wan.moe_checkpoint import WanMoECheckpoint, write_synthetic_moe
 from runnerkit.registry import get_runner_cls
+from runnerkit.runners.request_state import RequestState
 from test_cases._reference import require_reference
 
 REPO = Path(__file__).resolve().parents[3]
@@ -142,12 +143,13 @@ def test_each_step_runs_the_expert_of_its_timestep_with_both_cfg_branches(
 def test_guidance_is_per_expert_and_one_number_serves_both(moe_ckpts: dict[str, Path]) -> None:
     runner = make_runner(moe_ckpts["runnerkit"])
     runner.init_modules()
-    stage = runner.pipeline.denoise[0]
-    scales = {t: runner.guide_scale(stage, 0, torch.tensor([t])) for t in (999, 875, 874, 0)}
+    stage, req = runner.pipeline.denoise[0], RequestState(runner.warmup_info((32, 32, 5)))
+    scales = {t: runner.guide_scale(req, stage, 0, torch.tensor([t])) for t in (999, 875, 874, 0)}
     assert scales == {999: 4.0, 875: 4.0, 874: 3.0, 0: 3.0}  # t >= 875 -> high-noise scale
     single = make_runner(moe_ckpts["runnerkit"], sample_guide_scale=5.0)
     single.init_modules()
-    assert single.guide_scale(stage, 0, torch.tensor([999])) == single.guide_scale(stage, 0, torch.tensor([0])) == 5.0
+    assert single.guide_scale(req, stage, 0, torch.tensor([999])) == single.guide_scale(
+        req, stage, 0, torch.tensor([0])) == 5.0
 
 
 # ---- warmup -----------------------------------------------------------------------------------
@@ -201,7 +203,7 @@ REQUEST = RequestConfig(prompt="a red fox in the snow", seed=11, target_height=3
 
 def serve(runner: WanMoERunner, path: Path) -> torch.Tensor:
     runner.run_pipeline(REQUEST.model_copy(update={"save_tensor_path": str(path)}), 0)
-    assert runner.placement.on_device_now() == set() and runner.stage_modules == {}
+    assert runner.placement.on_device_now() == set() and "stage_modules" not in vars(runner)
     return load_file(str(path))["video"]
 
 

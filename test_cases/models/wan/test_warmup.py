@@ -39,7 +39,7 @@ def assert_start_up_baseline(runner: WanT2VRunner) -> None:
                                                 spacing=runner.config.scheduler_spacing)
     assert scheduler_state(runner.scheduler) == scheduler_state(fresh)
     assert runner.scheduler.generator is None
-    assert runner.input_info is None and runner.inputs is None
+    assert not {"input_info", "inputs", "stage_modules"} & vars(runner).keys()
     assert runner.transformer._rope_cache == {}
     assert runner.vae.feature_cache is None
 
@@ -179,7 +179,7 @@ def test_decoder_iterator_is_consumed_fully(tiny_ckpt: Path) -> None:
 
     real = WanT2VRunner.run_vae_decoder
     # the real decoder yields chunks too: wrap their concatenation
-    runner.run_vae_decoder = lambda latents: Chunks(torch.cat(list(real(runner, latents)), dim=2))  # type: ignore[method-assign]
+    runner.run_vae_decoder = lambda req, latents: Chunks(torch.cat(list(real(runner, req, latents)), dim=2))  # type: ignore[method-assign]
     runner.init_modules()
     assert consumed.count(-1) == 2  # both shapes' decoders ran to the end
 
@@ -212,7 +212,7 @@ def test_gc_is_frozen_once_after_an_eager_warmup_and_never_otherwise(
 def test_exception_in_decoder_leaves_clean_state_and_names_warmup(tiny_ckpt: Path) -> None:
     runner = make_runner(tiny_ckpt, warmup=True)
 
-    def broken_decoder(latents: torch.Tensor) -> torch.Tensor:
+    def broken_decoder(req: Any, latents: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("decoder exploded")
 
     runner.run_vae_decoder = broken_decoder  # type: ignore[method-assign]
@@ -271,10 +271,11 @@ def test_failed_request_is_cleaned_and_next_request_unaffected(tiny_ckpt: Path, 
     real_step = runner.run_step
     boom = {"armed": True}
 
-    def failing_step(stage: Any, model: Any, latents: torch.Tensor, timestep: torch.Tensor, i: int) -> torch.Tensor:
+    def failing_step(req: Any, stage: Any, model: Any, latents: torch.Tensor, timestep: torch.Tensor,
+                     i: int) -> torch.Tensor:
         if boom["armed"] and i == 2:
             raise torch.cuda.OutOfMemoryError("simulated OOM")
-        return real_step(stage, model, latents, timestep, i)
+        return real_step(req, stage, model, latents, timestep, i)
 
     runner.run_step = failing_step  # type: ignore[method-assign]
     with pytest.raises(torch.cuda.OutOfMemoryError) as exc:
