@@ -121,6 +121,30 @@ def read_adapter(path: str | os.PathLike[str], header_only: bool = False) -> Ada
             that is not a scalar, a non-zero full-tensor `.diff` (not supported).
     """
     path = str(path)
+    parts = _group_by_module(path, _read_tensors(path, header_only))
+    layers: dict[str, LayerDelta] = {}
+    zero_diffs: list[str] = []
+    problems: list[str] = []
+    for module, roles in sorted(parts.items()):
+        delta = _module_delta(module, roles, header_only, zero_diffs)
+        if isinstance(delta, str):
+            problems.append(delta)
+        elif delta is not None:
+            layers[module] = delta
+    if problems:
+        raise LoRAError(f"LoRA adapter {path!r}: {len(problems)} problem(s): " + "; ".join(problems[:6])
+                        + (f"; ... (+{len(problems) - 6} more)" if len(problems) > 6 else ""))
+    return Adapter(path, layers, tuple(dict.fromkeys(zero_diffs)))
+
+
+def _read_tensors(path: str, header_only: bool) -> dict[str, Tensor]:
+    """Step 1 of `read_adapter`: whether `path` is a readable, non-empty .safetensors file; its
+    tensors by key (meta tensors of the header's shapes when `header_only`).
+
+    Raises:
+        LoRAError: the path is missing or a directory, its suffix is not .safetensors, the file is
+            unreadable, or it holds no tensors.
+    """
     if not os.path.isfile(path):
         what = "a directory, not a .safetensors file" if os.path.isdir(path) else "no such file"
         raise LoRAError(f"LoRA adapter {path!r}: {what}")
@@ -137,6 +161,16 @@ def read_adapter(path: str | os.PathLike[str], header_only: bool = False) -> Ada
         raise LoRAError(f"LoRA adapter {path!r}: unreadable safetensors file ({type(exc).__name__}: {exc})") from None
     if not tensors:
         raise LoRAError(f"LoRA adapter {path!r}: holds no tensors")
+    return tensors
+
+
+def _group_by_module(path: str, tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """Step 2 of `read_adapter`: which module and role (down, up, alpha, bias, diff) each key is,
+    from its suffix; module names with their prefix removed (`PREFIXES`).
+
+    Raises:
+        LoRAError: listing the keys with no LoRA suffix (an unknown format).
+    """
     parts: dict[str, dict[str, Tensor]] = {}
     unknown = []
     for key, value in tensors.items():
@@ -149,61 +183,61 @@ def read_adapter(path: str | os.PathLike[str], header_only: bool = False) -> Ada
     if unknown:
         raise LoRAError(f"LoRA adapter {path!r}: unknown format: {len(unknown)} keys are not LoRA keys "
                         f"(lora_A/lora_B, lora_down/lora_up, alpha, diff, diff_b): {short_list(sorted(unknown), 6)}")
-    layers: dict[str, LayerDelta] = {}
-    zero_diffs: list[str] = []
-    problems: list[str] = []
-    for module, roles in sorted(parts.items()):
-        if "diff" in roles:
-            if not header_only and torch.count_nonzero(roles.pop("diff")) != 0:
-                problems.append(f"{module}.diff is a non-zero full-tensor delta (not supported: only low-rank "
-                                "lora pairs and bias deltas are)")
-                continue
-            roles.pop("diff", None)
-            zero_diffs.append(module)
-            if not roles:
-                continue
-        down, up = roles.get("down"), roles.get("up")
-        if down is None and up is None and "bias" in roles and (header_only or torch.count_nonzero(roles["bias"]) == 0):
-            zero_diffs.append(module)  # a zero bias delta alone (LightX2V's norms): nothing to apply
-            continue
-        if (down is None) != (up is None):
-            problems.append(f"{module} has {'lora_down/lora_A' if down is not None else 'lora_up/lora_B'} "
-                            "without its pair")
-            continue
-        if down is None and "alpha" in roles and "bias" not in roles:
-            problems.append(f"{module} has an alpha but no lora pair")
-            continue
-        scale = 1.0
-        if down is not None:
-            assert up is not None
-            if down.ndim != 2 or up.ndim != 2 or down.shape[0] != up.shape[1]:
-                problems.append(f"{module}: rank mismatch: down {tuple(down.shape)} and up {tuple(up.shape)} "
-                                "(need down [r, in] and up [out, r])")
-                continue
-            if "alpha" in roles:
-                alpha = roles["alpha"]
-                if alpha.numel() != 1:
-                    problems.append(f"{module}.alpha must be a scalar, got shape {tuple(alpha.shape)}")
-                    continue
-                scale = 1.0 if header_only else float(alpha.float().item()) / down.shape[0]
-        bias = roles.get("bias")
-        if bias is not None and bias.ndim != 1:
-            problems.append(f"{module}: bias delta must be [out], got shape {tuple(bias.shape)}")
-            continue
-        if bias is not None and up is not None and bias.shape[0] != up.shape[0]:
-            problems.append(f"{module}: bias delta [{bias.shape[0]}] does not fit up {tuple(up.shape)}")
-            continue
-        if not header_only and any(t is not None and not bool(torch.isfinite(t).all())
-                                   for t in (down, up, bias, roles.get("alpha"))):
-            problems.append(f"{module}: holds NaN or infinite values (a damaged adapter: it would turn the "
-                            "whole output into NaN)")
-            continue
-        layers[module] = LayerDelta(None if down is None else down.float(), None if up is None else up.float(),
-                                    scale, None if bias is None else bias.float())
-    if problems:
-        raise LoRAError(f"LoRA adapter {path!r}: {len(problems)} problem(s): " + "; ".join(problems[:6])
-                        + (f"; ... (+{len(problems) - 6} more)" if len(problems) > 6 else ""))
-    return Adapter(path, layers, tuple(dict.fromkeys(zero_diffs)))
+    return parts
+
+
+def _module_delta(module: str, roles: dict[str, Tensor], header_only: bool,
+                  zero_diffs: list[str]) -> LayerDelta | str | None:
+    """Step 3 of `read_adapter`, per module: whether its keys form an update that can be applied.
+
+    A zero full-tensor `.diff` is dropped (the module is appended to `zero_diffs`), and so is a zero
+    bias delta that comes alone (LightX2V's norms). Otherwise the down and up matrices must come as a
+    pair of ranks that agree, the alpha be a scalar (scale = alpha / r, 1.0 without it), the bias
+    delta be [out] matching up's rows, and no tensor hold NaN or infinite values (not checked with
+    `header_only`, nor are zeros). `roles` loses its "diff" entry.
+
+    Returns:
+        The module's `LayerDelta` (float32 tensors); a problem in words, naming the module; or None
+        when the module has nothing to apply.
+    """
+    if "diff" in roles:
+        if not header_only and torch.count_nonzero(roles.pop("diff")) != 0:
+            return (f"{module}.diff is a non-zero full-tensor delta (not supported: only low-rank "
+                    "lora pairs and bias deltas are)")
+        roles.pop("diff", None)
+        zero_diffs.append(module)
+        if not roles:
+            return None
+    down, up = roles.get("down"), roles.get("up")
+    if down is None and up is None and "bias" in roles and (header_only or torch.count_nonzero(roles["bias"]) == 0):
+        zero_diffs.append(module)  # a zero bias delta alone (LightX2V's norms): nothing to apply
+        return None
+    if (down is None) != (up is None):
+        return f"{module} has {'lora_down/lora_A' if down is not None else 'lora_up/lora_B'} without its pair"
+    if down is None and "alpha" in roles and "bias" not in roles:
+        return f"{module} has an alpha but no lora pair"
+    scale = 1.0
+    if down is not None:
+        assert up is not None
+        if down.ndim != 2 or up.ndim != 2 or down.shape[0] != up.shape[1]:
+            return (f"{module}: rank mismatch: down {tuple(down.shape)} and up {tuple(up.shape)} "
+                    "(need down [r, in] and up [out, r])")
+        if "alpha" in roles:
+            alpha = roles["alpha"]
+            if alpha.numel() != 1:
+                return f"{module}.alpha must be a scalar, got shape {tuple(alpha.shape)}"
+            scale = 1.0 if header_only else float(alpha.float().item()) / down.shape[0]
+    bias = roles.get("bias")
+    if bias is not None and bias.ndim != 1:
+        return f"{module}: bias delta must be [out], got shape {tuple(bias.shape)}"
+    if bias is not None and up is not None and bias.shape[0] != up.shape[0]:
+        return f"{module}: bias delta [{bias.shape[0]}] does not fit up {tuple(up.shape)}"
+    if not header_only and any(t is not None and not bool(torch.isfinite(t).all())
+                               for t in (down, up, bias, roles.get("alpha"))):
+        return (f"{module}: holds NaN or infinite values (a damaged adapter: it would turn the "
+                "whole output into NaN)")
+    return LayerDelta(None if down is None else down.float(), None if up is None else up.float(),
+                      scale, None if bias is None else bias.float())
 
 
 def _flat(name: str) -> str:

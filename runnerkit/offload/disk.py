@@ -64,7 +64,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -73,6 +72,7 @@ from typing import Literal, NamedTuple
 import torch
 from loguru import logger
 
+from runnerkit.offload.disk_ranges import MADVISE, PAGE_BYTES, READ_GAP_BYTES, coalesce_reads, page_ranges
 from runnerkit.weights import (
     SAFETENSORS_DTYPES,
     CheckpointError,
@@ -138,44 +138,6 @@ class _Handle:
         self.identity: FileIdentity | None = None
 
 
-PAGE_BYTES = mmap.PAGESIZE
-"""The OS page size in bytes: the unit in which read pages are dropped (`page_ranges`)."""
-
-
-def page_ranges(spans: Iterable[tuple[int, int]], limit: int | None = None) -> list[tuple[int, int]]:
-    """Byte spans `(offset, nbytes)` rounded out to whole pages, sorted, overlapping or touching
-    ones merged; `(start, nbytes)` pairs, start a multiple of `PAGE_BYTES`. `limit` (bytes): no
-    range ends past `limit` rounded up to a page (a mapping's end). Empty spans are skipped."""
-    rounded = sorted((off // PAGE_BYTES * PAGE_BYTES, -(-(off + n) // PAGE_BYTES) * PAGE_BYTES)
-                     for off, n in spans if n > 0)
-    if limit is not None:
-        end_max = -(-limit // PAGE_BYTES) * PAGE_BYTES
-        rounded = [(a, min(b, end_max)) for a, b in rounded if a < end_max]
-    merged: list[list[int]] = []
-    for start, end in rounded:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b - a) for a, b in merged]
-
-
-def _libc_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """libc's `madvise(addr, length, advice) -> int` (Linux), or None."""
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise()
-
-
 def read_header(fd: int, path: Path) -> tuple[int, dict[str, TensorIndexEntry]]:
     """Read and check the header of an open safetensors file (`weights.read_safetensors_header`).
 
@@ -188,34 +150,7 @@ def read_header(fd: int, path: Path) -> tuple[int, dict[str, TensorIndexEntry]]:
     return read_safetensors_header(fd, path)
 
 
-READ_GAP_BYTES = 256 << 10
-"""pread: tensors of one batch less than this many bytes apart in a file are read with one
-`os.preadv` call, the bytes between them read and discarded (`coalesce_reads`)."""
-
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
-
-
-def coalesce_reads(spans: Sequence[tuple[int, int]], max_gap: int = READ_GAP_BYTES) -> list[list[int]]:
-    """Group one file's byte spans `(offset, nbytes)` (a batch's tensors) into runs that one scatter
-    read each covers: sorted by offset, a run goes on while the next span starts at most `max_gap`
-    bytes after the previous one ends and does not overlap it (a tensor read twice, into two
-    destinations, starts a new run). A streamed unit's tensors sit in a few such runs (a
-    safetensors writer orders tensors by dtype, then name), so a unit costs a few large reads
-    instead of one small read per tensor and scale (each a separate disk request, with its latency).
-
-    Returns:
-        Runs of indices into `spans`, in file order; every index in exactly one run.
-    """
-    runs: list[list[int]] = []
-    end = 0
-    for i in sorted(range(len(spans)), key=lambda i: spans[i]):
-        offset, nbytes = spans[i]
-        if runs and end <= offset <= end + max_gap:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-        end = offset + nbytes
-    return runs
 
 
 class SafetensorsDiskReader:
@@ -244,7 +179,7 @@ class SafetensorsDiskReader:
         if not files:
             raise CheckpointError("disk reader: no .safetensors files given")
         self.reader: ReaderKind = reader
-        self.drop_pages = drop_pages and (hasattr(os, "posix_fadvise") if reader == "pread" else _MADVISE is not None)
+        self.drop_pages = drop_pages and (hasattr(os, "posix_fadvise") if reader == "pread" else MADVISE is not None)
         self.dropped_bytes = 0  # bytes of whole pages let go after reads (`_drop_read_pages`)
         self.files = [Path(f) for f in files]
         self._long_lived: dict[Path, _Handle] = {}
@@ -491,11 +426,11 @@ class SafetensorsDiskReader:
                     return
                 self.dropped_bytes += nbytes
             return
-        if handle.mapping is None or _MADVISE is None:
+        if handle.mapping is None or MADVISE is None:
             return
         base = handle.mapping.data_ptr()  # page aligned: the mapping starts at file offset 0
         for start, nbytes in page_ranges(spans, limit=handle.mapping.numel()):
-            if _MADVISE(base + start, nbytes, mmap.MADV_DONTNEED) != 0:
+            if MADVISE(base + start, nbytes, mmap.MADV_DONTNEED) != 0:
                 logger.debug(f"madvise(MADV_DONTNEED) of {nbytes} bytes of {handle.path.name} failed: "
                              f"{os.strerror(ctypes.get_errno())}")
                 return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from loguru import logger
@@ -38,6 +39,81 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
         if buf is not None and not buf.is_meta and buf.device != torch.device(device):
             module_name, _, leaf = name.rpartition(".")
             model.get_submodule(module_name)._buffers[leaf] = buf.to(device)
+
+
+class _ResidentRead(NamedTuple):
+    """What step 1 of `stream_module` (`_read_resident`) hands on."""
+
+    tensors: dict[str, torch.Tensor]
+    """Model name -> host tensor as stored, for every resident name."""
+    scales: dict[str, torch.Tensor]
+    """Storage "disk": model name -> the float32 scalar scale of a resident float8_e4m3fn weight."""
+    reader: SafetensorsDiskReader | None
+    """Storage "disk": the reader the streamed units are fetched with; None for storage "cpu"."""
+    key_map: dict[str, str] | None
+    """Storage "disk": model name -> file name (identity when the caller gave none); None for storage "cpu"."""
+
+
+def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cfg: OffloadConfig, component: str,
+                   state_dict: Mapping[str, torch.Tensor] | None, files: list[Path] | None,
+                   key_map: Mapping[str, str] | None, shared_files: bool,
+                   scale_map: Mapping[str, str]) -> _ResidentRead:
+    """Step 1 of `stream_module`: check the checkpoint against the model, then read the resident tensors.
+
+    Decides whether the checkpoint fits `expected` (the model's state dict: names, shapes, floating
+    dtypes; storage "disk": from the headers, before any weight is read, only `key_map`'s keys when
+    `shared_files`, scale tensors left out). Storage "disk" reads the resident tensors and their fp8
+    scales first, with short-lived handles closed before any block fetch opens a long-lived one.
+
+    Raises:
+        CheckpointError: as `stream_module`.
+    """
+    if cfg.storage == "cpu":
+        assert state_dict is not None, "storage cpu needs the state dict"
+        assert not scale_map, "storage cpu takes upcast weights (scales are applied by the caller)"
+        check_tensors(expected, tensor_infos(state_dict), component)
+        return _ResidentRead({n: state_dict[n] for n in resident}, {}, None, None)
+    assert files is not None, "storage disk needs the checkpoint files"
+    key_map = dict(key_map or {n: n for n in expected})
+    reader = SafetensorsDiskReader(files, reader=cfg.reader)
+    inverse = {v: k for k, v in key_map.items()}
+    scale_keys = set(scale_map.values())
+    # names, shapes and dtypes from the headers, before any weight is read
+    check_tensors(expected, {inverse.get(n, n): entry for n, entry in reader.index.items()
+                             if (not shared_files or n in inverse) and n not in scale_keys}, component)
+    # non-block weights first: their short-lived handles close before any block fetch opens one
+    resident_scales = {n: scale_map[n] for n in resident if n in scale_map}
+    loaded = reader.load_tensors([key_map.get(n, n) for n in resident] + list(resident_scales.values()))
+    resident_tensors = {inverse.get(k, k): v for k, v in loaded.items() if k not in scale_keys}
+    scales = {n: loaded[key].reshape(()) for n, key in resident_scales.items()}
+    return _ResidentRead(resident_tensors, scales, reader, key_map)
+
+
+def _load_resident(model: nn.Module, resident_tensors: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
+                   spec: StreamSpec, dtype: torch.dtype, device: torch.device) -> None:
+    """Step 2 of `stream_module`: put the resident tensors on `device` in their compute dtype
+    (`spec.keep_fp32` names in float32, scaled fp8 upcast), then the buffers outside the state dict.
+
+    Empties `resident_tensors` and `scales` as it goes.
+    """
+    # one tensor at a time onto the device, its host copy dropped as it goes: the host never holds the
+    # resident part twice. to_compute: resident CPU weights 64-byte aligned whatever their file offsets
+    # (streamed ones are too: slabs and slots place them at ALIGNMENT offsets of allocator- or page-aligned
+    # buffers). Scaled fp8 outside the units is upcast as a resident load does (`dequantize_fp8_e4m3`), on
+    # the compute device: the host holds the stored bytes only, not an upcast copy beside them.
+    cast: dict[str, torch.Tensor] = {}
+    for n in list(resident_tensors):
+        t = resident_tensors.pop(n)
+        target = torch.float32 if spec.keep_fp32(n) else dtype
+        if n in scales:
+            t = dequantize_fp8_e4m3(t.to(device), scales.pop(n).to(device), target)
+        cast[n] = to_compute(t, target, device)
+        del t
+    model.load_state_dict(cast, strict=False, assign=True)
+    init = getattr(model, "init_non_persistent_buffers", None)
+    if init is not None:
+        init()
+    _buffers_to(model, device)
 
 
 def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device: torch.device,
@@ -83,50 +159,15 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
     planned = plan_units(model, cfg.mode, spec)
     kept, units = split_resident(planned, spec.resident_units(cfg.resident_blocks))  # kept units load below with the resident tensors
     resident = resident_names(model, units)
-    expected = model.state_dict(keep_vars=True)
     scale_map = dict(scale_map or {})
-    scales: dict[str, torch.Tensor] = {}  # storage disk: resident fp8 tensors' scales
-    if cfg.storage == "cpu":
-        assert state_dict is not None, "storage cpu needs the state dict"
-        assert not scale_map, "storage cpu takes upcast weights (scales are applied by the caller)"
-        check_tensors(expected, tensor_infos(state_dict), component)
-        resident_tensors = {n: state_dict[n] for n in resident}
-    else:
-        assert files is not None, "storage disk needs the checkpoint files"
-        key_map = dict(key_map or {n: n for n in expected})
-        reader = SafetensorsDiskReader(files, reader=cfg.reader)
-        inverse = {v: k for k, v in key_map.items()}
-        scale_keys = set(scale_map.values())
-        # names, shapes and dtypes from the headers, before any weight is read
-        check_tensors(expected, {inverse.get(n, n): entry for n, entry in reader.index.items()
-                                 if (not shared_files or n in inverse) and n not in scale_keys}, component)
-        # non-block weights first: their short-lived handles close before any block fetch opens one
-        resident_scales = {n: scale_map[n] for n in resident if n in scale_map}
-        loaded = reader.load_tensors([key_map.get(n, n) for n in resident] + list(resident_scales.values()))
-        resident_tensors = {inverse.get(k, k): v for k, v in loaded.items() if k not in scale_keys}
-        scales = {n: loaded[key].reshape(()) for n, key in resident_scales.items()}
-        del loaded
-    # one tensor at a time onto the device, its host copy dropped as it goes: the host never holds the
-    # resident part twice. to_compute: resident CPU weights 64-byte aligned whatever their file offsets
-    # (streamed ones are too: slabs and slots place them at ALIGNMENT offsets of allocator- or page-aligned
-    # buffers). Scaled fp8 outside the units is upcast as a resident load does (`dequantize_fp8_e4m3`), on
-    # the compute device: the host holds the stored bytes only, not an upcast copy beside them.
-    cast: dict[str, torch.Tensor] = {}
-    for n in list(resident_tensors):
-        t = resident_tensors.pop(n)
-        target = torch.float32 if spec.keep_fp32(n) else dtype
-        if n in scales:
-            t = dequantize_fp8_e4m3(t.to(device), scales.pop(n).to(device), target)
-        cast[n] = to_compute(t, target, device)
-        del t
-    model.load_state_dict(cast, strict=False, assign=True)
-    init = getattr(model, "init_non_persistent_buffers", None)
-    if init is not None:
-        init()
-    _buffers_to(model, device)
+    read = _read_resident(model.state_dict(keep_vars=True), resident, cfg, component, state_dict, files, key_map,
+                          shared_files, scale_map)
+    _load_resident(model, read.tensors, read.scales, spec, dtype, device)
+    reader, key_map = read.reader, read.key_map
     if cfg.storage == "cpu":
         source = HostSource(units, state_dict, dtype, cfg.weight_dtype, pin_memory=pin)
     else:
+        assert reader is not None, "storage disk reads through a disk reader"
         source = DiskSource(units, reader, dtype, key_map=key_map, pin_memory=pin, scale_map=scale_map)
     streamer = BlockStreamer(model, units, source, device, cfg.gpu_slots, cfg.prefetch_depth)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]

@@ -88,15 +88,8 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         raise ValueError("plan_offload needs at least one request shape")
     shapes = tuple(dict.fromkeys(shapes))
     estimate = _cached(estimate)
-    requested = config.offload
-    explicit = explicit_keys(requested)
+    explicit = explicit_keys(config.offload)
     streamable, default_streams = _streamable(estimate, shapes[0])
-    allow_fp8 = requested.weight_dtype in ("auto", "fp8_e4m3")
-    evaluations: list[Evaluation] = []  # one per rung: its least-memory variant, or why it is left out
-    fitting: list[tuple[int, Evaluation]] = []  # (rung index, the rung's fastest variant that fits)
-    seen: set[str] = set()
-    rung_of: dict[int, int] = {}  # rung index -> its entry in `evaluations`
-
     memo = memo if memo is not None else PlanMemo()
     measured = memo.evaluations
 
@@ -112,68 +105,114 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
             measured[key] = ev
         return verdict(ev, device_limit, host_limit, pinned_limit)
 
-    for rung, cand in enumerate(ladder(streamable, default_streams, allow_fp8)):
-        off, why = constrain(cand, explicit)
-        name = candidate_name(off) if off is not None else candidate_name(OffloadConfig.model_validate(cand.keys))
-        if off is None:
-            evaluations.append(Evaluation(name, None, f"excluded: {why}"))
-            continue
-        if off.model_dump_json() in seen:  # two rungs the explicit keys made equal: the faster one stands
-            continue
-        seen.add(off.model_dump_json())
-        if off.mode == "block" and not streamable:
-            evaluations.append(Evaluation(name, off, "excluded: no module of this family streams its blocks"))
-            continue
-        cannot = [m for m in off.stream_modules or () if m not in streamable]
-        if off.mode == "block" and cannot:
-            evaluations.append(Evaluation(name, off, f"excluded: `offload.stream_modules` names {cannot}, which "
-                                                     f"cannot stream (modules that can: {streamable})"))
-            continue
-        kept = [m for m in off.resident_modules or () if m in (off.stream_modules or default_streams)]
-        if off.mode == "block" and kept:
-            evaluations.append(Evaluation(name, off, f"excluded: `offload.resident_modules` keeps {kept} resident, "
-                                                     "which this candidate streams"))
-            continue
-        refused = supported(off)
-        if refused:
-            evaluations.append(Evaluation(name, off, f"excluded: {refused}"))
-            continue
-        if device.type == "cpu":
-            if any(e.peak is not None for e in evaluations):
-                evaluations.append(Evaluation(name, off, "not evaluated: on the CPU the first allowed candidate is "
-                                                         "taken"))
-                continue
-            ev = judge(off)
-            rung_of[rung] = len(evaluations)
-            evaluations.append(ev)
-            if ev.fits:
-                fitting.append((rung, ev))
-            continue
-        base = judge(off)
-        rung_of[rung] = len(evaluations)
-        evaluations.append(base)
-        # a variant keeps more on the device: it can only help a rung that fits the device (less host memory)
-        best = _fastest_variant(off, base, explicit, judge, memo.tops) if keep_resident and not base.device_missing else (
-            base if base.fits else None)
-        if best is not None:
-            fitting.append((rung, best))
+    walk = _walk_ladder(config.offload, explicit, streamable, default_streams, supported, device, judge,
+                        keep_resident, memo)
+    evaluations, fitting = walk.evaluations, walk.fitting
     if not fitting:
         raise MemoryFitError(refusal(config, evaluations, shapes, device, estimate, device_limit, host_limit,
                                      streamable, default_streams, supported, passes_per_step, factors))
     rung, chosen = min(fitting, key=lambda x: (*x[1].rank, x[0]))
-    assert chosen.copy_seconds is not None
     # the rungs before the chosen one's that were left out or do not fit (those after it are slower kinds)
-    rejected = [e for e in evaluations[:rung_of[rung]] if not e.fits and "not evaluated" not in e.reason]
-    why = ("the device is the CPU: weights live in host memory whatever the mode, so offload cannot lower the "
-           "peak; the first allowed candidate is taken" if device.type == "cpu" else
-           (f"the fastest that fits: an estimated {chosen.request_seconds:.2f} s per request (compute and copies)"
-            if chosen.request_seconds is not None else
-            f"the fastest that fits: an estimated {chosen.copy_seconds:.2f} s of host-to-device copies per request")
-           + (f" ({len(fitting) - 1} slower plan(s) fit too)" if len(fitting) > 1 else ""))
+    rejected = [e for e in evaluations[:walk.rung_of[rung]] if not e.fits and "not evaluated" not in e.reason]
     return MemoryPlan(chosen=chosen, rejected=rejected, shapes=shapes, device=device, device_limit=device_limit,
-                      host_limit=host_limit, why=why, steps_per_request=steps_per_request,
+                      host_limit=host_limit, why=_why_chosen(chosen, len(fitting), device),
+                      steps_per_request=steps_per_request,
                       skipped=[e for e in evaluations if "not evaluated" in e.reason], compute=compute,
                       compute_note=compute_note)
+
+
+@dataclass
+class _LadderWalk:
+    """What `_walk_ladder` found, rung by rung."""
+
+    evaluations: list[Evaluation] = field(default_factory=list)
+    """One per rung, in ladder order: its least-memory variant, or why it is left out."""
+    fitting: list[tuple[int, Evaluation]] = field(default_factory=list)
+    """(rung index, the rung's fastest variant that fits)."""
+    rung_of: dict[int, int] = field(default_factory=dict)
+    """Rung index -> its entry in `evaluations` (judged rungs only)."""
+
+
+def _walk_ladder(requested: OffloadConfig, explicit: dict[str, object], streamable: list[str],
+                 default_streams: list[str], supported: SupportedFn, device: torch.device,
+                 judge: Callable[[OffloadConfig], Evaluation], keep_resident: bool, memo: PlanMemo) -> _LadderWalk:
+    """Step 1 of `plan_offload`: judge the ladder's rungs, fastest first, under the user's explicit keys.
+
+    Decides, per rung: left out (the explicit keys make it invalid, `_excluded`), skipped (the explicit
+    keys made it equal to a faster rung), not evaluated (on the CPU, once an allowed rung was judged),
+    or judged; a judged rung that fits the device is replaced by its fastest variant that fits
+    (`_fastest_variant`, with `keep_resident`). fp8 rungs only with `weight_dtype` auto or fp8_e4m3.
+    """
+    walk = _LadderWalk()
+    seen: set[str] = set()
+    allow_fp8 = requested.weight_dtype in ("auto", "fp8_e4m3")
+    for rung, cand in enumerate(ladder(streamable, default_streams, allow_fp8)):
+        off, why = constrain(cand, explicit)
+        name = candidate_name(off) if off is not None else candidate_name(OffloadConfig.model_validate(cand.keys))
+        if off is None:
+            walk.evaluations.append(Evaluation(name, None, f"excluded: {why}"))
+            continue
+        if off.model_dump_json() in seen:  # two rungs the explicit keys made equal: the faster one stands
+            continue
+        seen.add(off.model_dump_json())
+        excluded = _excluded(off, streamable, default_streams, supported)
+        if excluded is not None:
+            walk.evaluations.append(Evaluation(name, off, excluded))
+            continue
+        if device.type == "cpu":
+            if any(e.peak is not None for e in walk.evaluations):
+                walk.evaluations.append(Evaluation(name, off, "not evaluated: on the CPU the first allowed candidate "
+                                                              "is taken"))
+                continue
+            ev = judge(off)
+            walk.rung_of[rung] = len(walk.evaluations)
+            walk.evaluations.append(ev)
+            if ev.fits:
+                walk.fitting.append((rung, ev))
+            continue
+        base = judge(off)
+        walk.rung_of[rung] = len(walk.evaluations)
+        walk.evaluations.append(base)
+        # a variant keeps more on the device: it can only help a rung that fits the device (less host memory)
+        best = _fastest_variant(off, base, explicit, judge, memo.tops) if keep_resident and not base.device_missing else (
+            base if base.fits else None)
+        if best is not None:
+            walk.fitting.append((rung, best))
+    return walk
+
+
+def _excluded(off: OffloadConfig, streamable: list[str], default_streams: list[str],
+              supported: SupportedFn) -> str | None:
+    """Whether a rung (after the explicit keys) is left out before any estimate: in block mode with no
+    module that streams, `offload.stream_modules` naming a module that cannot stream, or
+    `offload.resident_modules` keeping a module the rung streams; in any mode, the run refusing it
+    (`supported`: compile, warmup). Returns the reason ("excluded: ..."), or None: it is judged."""
+    if off.mode == "block" and not streamable:
+        return "excluded: no module of this family streams its blocks"
+    cannot = [m for m in off.stream_modules or () if m not in streamable]
+    if off.mode == "block" and cannot:
+        return (f"excluded: `offload.stream_modules` names {cannot}, which cannot stream "
+                f"(modules that can: {streamable})")
+    kept = [m for m in off.resident_modules or () if m in (off.stream_modules or default_streams)]
+    if off.mode == "block" and kept:
+        return f"excluded: `offload.resident_modules` keeps {kept} resident, which this candidate streams"
+    refused = supported(off)
+    if refused:
+        return f"excluded: {refused}"
+    return None
+
+
+def _why_chosen(chosen: Evaluation, fitting: int, device: torch.device) -> str:
+    """Step 2 of `plan_offload`: the plan's reason in words (the log and the report): the CPU's rule,
+    or the chosen candidate's estimated seconds per request and how many slower plans (`fitting` - 1)
+    fit too."""
+    assert chosen.copy_seconds is not None
+    return ("the device is the CPU: weights live in host memory whatever the mode, so offload cannot lower the "
+            "peak; the first allowed candidate is taken" if device.type == "cpu" else
+            (f"the fastest that fits: an estimated {chosen.request_seconds:.2f} s per request (compute and copies)"
+             if chosen.request_seconds is not None else
+             f"the fastest that fits: an estimated {chosen.copy_seconds:.2f} s of host-to-device copies per request")
+            + (f" ({fitting - 1} slower plan(s) fit too)" if fitting > 1 else ""))
 
 
 #: Modules the planner tries keeping resident beside an offload mode: all subsets up to this many candidates

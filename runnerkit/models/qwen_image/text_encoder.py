@@ -11,7 +11,6 @@ tokens (the system prompt and chat prefix) are dropped.
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,13 @@ from torch import nn
 from runnerkit.arch import Arch
 from runnerkit.config import OffloadConfig
 from runnerkit.models.qwen_image.tokenizer_files import TINY_SPECIAL_IDS, TINY_VOCAB_SIZE
+from runnerkit.models.qwen_image.vl_images import (
+    VL_AREA,
+    EditVariant,
+    calculate_dimensions,
+    resize_for_vl,
+    vl_image_size,
+)
 from runnerkit.offload.encoders import KeyRules, hf_skeleton, prefixed_key_map, stream_from_files
 from runnerkit.offload.layout import StreamSpec
 from runnerkit.offload.streamer import BlockStreamer
@@ -41,8 +47,6 @@ from runnerkit.weights import (
     safetensors_infos,
     synthetic_tensor,
 )
-
-EditVariant = Literal["edit", "edit_plus"]
 
 T2I_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
                 "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
@@ -64,9 +68,6 @@ EDIT_DROP_IDX = 64
 """Tokens dropped by both edit pipelines (system prompt and chat prefix, real Qwen2 tokenizer)."""
 TOKENIZER_MAX_LENGTH = 1024
 """Most prompt tokens kept after the template prefix (diffusers `tokenizer_max_length`)."""
-VL_AREA: dict[str, int] = {"edit": 1024 * 1024, "edit_plus": 384 * 384}
-"""Pixel area the VL-encoder image is resized to: Edit uses the VAE-size image, Edit-Plus a small one
-(diffusers `CONDITION_IMAGE_SIZE`)."""
 
 
 class QwenVLArch(Arch):
@@ -406,33 +407,6 @@ def write_tiny_text_encoder(folder: Path, arch: QwenVLArch, seed: int, dtype: to
     save_pretrained_here(model, Path(folder), safe_serialization=True,
                          **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return Path(folder)
-
-
-# ---- image sizes -----------------------------------------------------------------------------
-
-def calculate_dimensions(target_area: int, ratio: float) -> tuple[int, int]:
-    """(width, height) with about `target_area` pixels and aspect `ratio` = width / height, each
-    rounded to a multiple of 32 (Python's round: halves to even), as diffusers' Qwen-Image Edit and
-    Edit-Plus pipelines compute it (`calculate_dimensions`)."""
-    width = math.sqrt(target_area * ratio)
-    height = width / ratio
-    return round(width / 32) * 32, round(height / 32) * 32
-
-
-def vl_image_size(width: int, height: int, variant: EditVariant) -> tuple[int, int]:
-    """(width, height) the reference resizes a `width` x `height` input image to before the VL encoder.
-
-    Edit: the ~1024 x 1024-area size (the same image the VAE encodes). Edit-Plus: the ~384 x 384-area
-    "condition" size, per image. The processor then snaps it to multiples of 28 (`smart_resize`).
-    """
-    return calculate_dimensions(VL_AREA[variant], width / height)
-
-
-def resize_for_vl(image: PIL.Image.Image, variant: EditVariant) -> PIL.Image.Image:
-    """`image` resized to `vl_image_size` with PIL's Lanczos filter (no reducing gap), as diffusers'
-    `VaeImageProcessor.resize` does for a PIL image (its default `resample="lanczos"`)."""
-    width, height = vl_image_size(*image.size, variant)
-    return image.resize((width, height), resample=PIL.Image.Resampling.LANCZOS, reducing_gap=None)
 
 
 # ---- prompt encoding -------------------------------------------------------------------------

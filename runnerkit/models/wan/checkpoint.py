@@ -46,8 +46,10 @@ from runnerkit.models.wan import transformer_keys as tk
 from runnerkit.models.wan import vae as vae_mod
 from runnerkit.models.wan.arch import CLIPVisionArch, UMT5Arch, WanArch, WanTransformerArch, WanVAEArch
 from runnerkit.models.wan.clip import CLIPVisionEncoder
+from runnerkit.models.wan.clip import keep_fp32 as clip_fp32
 from runnerkit.models.wan.scheduler_config import write_scheduler_config
 from runnerkit.models.wan.transformer import WanTransformer3D
+from runnerkit.models.wan.transformer import keep_fp32 as transformer_fp32
 from runnerkit.weights import (
     CheckpointError,
     TensorInfo,
@@ -395,78 +397,13 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
 
     def fill() -> None:
         (tmp / SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
-        shapes = _native_shapes(arch)
-        from runnerkit.models.wan.transformer import keep_fp32 as t_fp32
-
-        def ident(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return sd
-
-        def te_fp32(name: str) -> bool:
-            return te.keep_fp32(name)
-
-        def vae_all(name: str) -> bool:
-            return True  # the VAE is kept (and run) in float32, as the reference does
-
-        from runnerkit.models.wan.clip import keep_fp32 as clip_fp32
-
-        clip = arch.image_encoder  # i2v / flf2v with CLIP image tokens only
-
-        def one(component: str, fp32: Any) -> dict[str, torch.Tensor]:
-            return {k: synthetic_tensor(k, s, seed, torch.float32 if fp32(k) else dtype, generator_device)
-                    for k, s in shapes[component].items()}
-
+        weights = _SyntheticWeights(_native_shapes(arch), seed, dtype, generator_device)
         if layout == "runnerkit":
-            (tmp / "runnerkit.json").write_text(json.dumps(
-                {"format": "runnerkit", "version": 1, "family": "wan2.1", "synthetic_seed": seed,
-                 "arch": arch.model_dump(mode="json")}, indent=1))
-            synthetic.write_sharded(shapes["transformer"], ident, tmp / "transformer", "model", seed, dtype, t_fp32, generator_device)
-            if transformer_only:
-                return
-            synthetic.write_sharded(shapes["text_encoder"], ident, tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
-            synthetic.write_sharded(shapes["vae"], ident, tmp / "vae", "model", seed, torch.float32, vae_all, generator_device)
-            write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
-            if clip is not None:
-                synthetic.write_sharded(shapes["image_encoder"], ident, tmp / "image_encoder", "model", seed, dtype, clip_fp32,
-                               generator_device)
+            _write_runnerkit_layout(tmp, arch, weights, transformer_only)
         elif layout == "original":
-            (tmp / "config.json").write_text(json.dumps(tk.arch_to_original_config(arch.transformer), indent=1))
-            synthetic.write_sharded(shapes["transformer"], ident, tmp, "diffusion_pytorch_model", seed, dtype, t_fp32, generator_device)
-            torch.save(one("text_encoder", te_fp32), tmp / ORIGINAL_T5)
-            torch.save(one("vae", vae_all), tmp / ORIGINAL_VAE)
-            write_debug_tokenizer(tmp / ORIGINAL_TOKENIZER, arch.text_encoder.vocab_size)
-            if clip is not None:  # the release file holds the whole CLIP; the vision tower is what Wan uses
-                torch.save(ck.native_to_original(one("image_encoder", clip_fp32)), tmp / ORIGINAL_CLIP)
+            _write_original_layout(tmp, arch, weights)
         else:
-            image_task = arch.transformer.model_type != "t2v"
-            (tmp / "model_index.json").write_text(json.dumps({
-                "_class_name": "WanImageToVideoPipeline" if image_task else "WanPipeline",
-                "transformer": ["diffusers", "WanTransformer3DModel"],
-                "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
-                "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-                **({"image_encoder": ["transformers", "CLIPVisionModel"] if clip else [None, None],
-                    "image_processor": ["transformers", "CLIPImageProcessor"] if clip else [None, None]}
-                   if image_task else {})}, indent=1))
-            for sub, cfg in (("transformer", tk.arch_to_diffusers_config(arch.transformer)),
-                             ("text_encoder", te.arch_to_hf_config(arch.text_encoder)),
-                             ("vae", vae_mod.arch_to_diffusers_config(arch.vae))):
-                (tmp / sub).mkdir()
-                (tmp / sub / "config.json").write_text(json.dumps(cfg, indent=1))
-            synthetic.write_sharded(shapes["transformer"], tk.native_to_diffusers, tmp / "transformer", "diffusion_pytorch_model",
-                           seed, dtype, t_fp32, generator_device)
-            synthetic.write_sharded(shapes["text_encoder"], lambda sd: te.native_to_hf(sd, embed_tokens_alias=False),
-                           tmp / "text_encoder", "model", seed, dtype, te_fp32, generator_device)
-            synthetic.write_sharded(shapes["vae"], vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", seed,
-                           torch.float32, vae_all, generator_device)
-            write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
-            write_scheduler_config(tmp)
-            if clip is not None:
-                (tmp / "image_encoder").mkdir()
-                (tmp / "image_encoder" / "config.json").write_text(json.dumps(
-                    {"architectures": ["CLIPVisionModel"], "model_type": "clip_vision_model",
-                     **ck.arch_to_hf_config(clip)}, indent=1))
-                save_file({k: v.contiguous() for k, v in ck.native_to_hf(one("image_encoder", clip_fp32)).items()},
-                          str(tmp / "image_encoder" / "model.safetensors"))
-                give_default_mode(tmp / "image_encoder" / "model.safetensors")
+            _write_diffusers_layout(tmp, arch, weights)
 
     try:
         fill()
@@ -477,6 +414,110 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
                                   "nothing was written") from None
         raise
     return synthetic.finish(tmp, out, seed, layout, replace, announce)
+
+
+
+# ---- synthetic checkpoints: one writer per layout, called by `write_synthetic` in its temporary folder ----
+
+def _same_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return sd
+
+
+def _text_encoder_fp32(name: str) -> bool:
+    return te.keep_fp32(name)
+
+
+def _all_fp32(name: str) -> bool:
+    return True  # the VAE is kept (and run) in float32, as the reference does
+
+
+@dataclass(frozen=True)
+class _SyntheticWeights:
+    """The random network every layout of `write_synthetic` holds: tensor name -> shape per
+    component (`_native_shapes`), values from (name, `seed`) alone (`synthetic_tensor`) in `dtype`,
+    except the names a component's `keep_fp32` keeps in float32."""
+
+    shapes: dict[str, dict[str, tuple[int, ...]]]
+    seed: int
+    dtype: torch.dtype
+    generator_device: str
+
+    def write_sharded(self, component: str, rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+                      folder: Path, stem: str, fp32: Callable[[str], bool], dtype: torch.dtype | None = None) -> None:
+        """`component`'s tensors as safetensors shards `<folder>/<stem>*.safetensors`, with the names
+        `rename` gives (`synthetic.write_sharded`); `dtype` overrides the checkpoint's dtype."""
+        synthetic.write_sharded(self.shapes[component], rename, folder, stem, self.seed, dtype or self.dtype, fp32,
+                                self.generator_device)
+
+    def state_dict(self, component: str, fp32: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+        """`component`'s tensors in memory, native names (for the `.pth` files of the original layout)."""
+        return {k: synthetic_tensor(k, s, self.seed, torch.float32 if fp32(k) else self.dtype, self.generator_device)
+                for k, s in self.shapes[component].items()}
+
+
+def _write_runnerkit_layout(tmp: Path, arch: WanArch, weights: _SyntheticWeights, transformer_only: bool) -> None:
+    """runnerkit layout: `runnerkit.json` (the arch) and one safetensors folder per network, native
+    names; `transformer_only` stops after the transformer. CLIP only for image tasks that have one."""
+    (tmp / "runnerkit.json").write_text(json.dumps(
+        {"format": "runnerkit", "version": 1, "family": "wan2.1", "synthetic_seed": weights.seed,
+         "arch": arch.model_dump(mode="json")}, indent=1))
+    weights.write_sharded("transformer", _same_names, tmp / "transformer", "model", transformer_fp32)
+    if transformer_only:
+        return
+    weights.write_sharded("text_encoder", _same_names, tmp / "text_encoder", "model", _text_encoder_fp32)
+    weights.write_sharded("vae", _same_names, tmp / "vae", "model", _all_fp32, dtype=torch.float32)
+    write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
+    if arch.image_encoder is not None:
+        weights.write_sharded("image_encoder", _same_names, tmp / "image_encoder", "model", clip_fp32)
+
+
+def _write_original_layout(tmp: Path, arch: WanArch, weights: _SyntheticWeights) -> None:
+    """Wan-Video release layout: `config.json` and sharded transformer safetensors at the top, the
+    T5, VAE (and CLIP) as `.pth` files under their release names, the tokenizer in its subfolder."""
+    (tmp / "config.json").write_text(json.dumps(tk.arch_to_original_config(arch.transformer), indent=1))
+    weights.write_sharded("transformer", _same_names, tmp, "diffusion_pytorch_model", transformer_fp32)
+    torch.save(weights.state_dict("text_encoder", _text_encoder_fp32), tmp / ORIGINAL_T5)
+    torch.save(weights.state_dict("vae", _all_fp32), tmp / ORIGINAL_VAE)
+    write_debug_tokenizer(tmp / ORIGINAL_TOKENIZER, arch.text_encoder.vocab_size)
+    if arch.image_encoder is not None:  # the release file holds the whole CLIP; the vision tower is what Wan uses
+        torch.save(ck.native_to_original(weights.state_dict("image_encoder", clip_fp32)), tmp / ORIGINAL_CLIP)
+
+
+def _write_diffusers_layout(tmp: Path, arch: WanArch, weights: _SyntheticWeights) -> None:
+    """diffusers layout: `model_index.json` (the image pipeline for i2v / flf2v), a config and
+    diffusers / transformers key names per component folder, the scheduler config, and CLIP as a
+    transformers `CLIPVisionModel` where the arch has one."""
+    clip = arch.image_encoder
+    image_task = arch.transformer.model_type != "t2v"
+    (tmp / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanImageToVideoPipeline" if image_task else "WanPipeline",
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
+        "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        **({"image_encoder": ["transformers", "CLIPVisionModel"] if clip else [None, None],
+            "image_processor": ["transformers", "CLIPImageProcessor"] if clip else [None, None]}
+           if image_task else {})}, indent=1))
+    for sub, cfg in (("transformer", tk.arch_to_diffusers_config(arch.transformer)),
+                     ("text_encoder", te.arch_to_hf_config(arch.text_encoder)),
+                     ("vae", vae_mod.arch_to_diffusers_config(arch.vae))):
+        (tmp / sub).mkdir()
+        (tmp / sub / "config.json").write_text(json.dumps(cfg, indent=1))
+    weights.write_sharded("transformer", tk.native_to_diffusers, tmp / "transformer", "diffusion_pytorch_model",
+                          transformer_fp32)
+    weights.write_sharded("text_encoder", lambda sd: te.native_to_hf(sd, embed_tokens_alias=False),
+                          tmp / "text_encoder", "model", _text_encoder_fp32)
+    weights.write_sharded("vae", vae_mod.native_to_diffusers, tmp / "vae", "diffusion_pytorch_model", _all_fp32,
+                          dtype=torch.float32)
+    write_debug_tokenizer(tmp / "tokenizer", arch.text_encoder.vocab_size)
+    write_scheduler_config(tmp)
+    if clip is not None:
+        (tmp / "image_encoder").mkdir()
+        (tmp / "image_encoder" / "config.json").write_text(json.dumps(
+            {"architectures": ["CLIPVisionModel"], "model_type": "clip_vision_model",
+             **ck.arch_to_hf_config(clip)}, indent=1))
+        clip_sd = ck.native_to_hf(weights.state_dict("image_encoder", clip_fp32))
+        save_file({k: v.contiguous() for k, v in clip_sd.items()}, str(tmp / "image_encoder" / "model.safetensors"))
+        give_default_mode(tmp / "image_encoder" / "model.safetensors")
 
 
 __all__ = ["LAYOUTS", "WanCheckpoint", "detect_layout", "write_synthetic", "UMT5Arch", "WanTransformerArch", "WanVAEArch"]
