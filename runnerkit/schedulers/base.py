@@ -125,6 +125,35 @@ class Scheduler(abc.ABC):
 
     # ---------------------------------------------------------------- lifecycle
 
+    def _check_prepare(self, latent_shape: tuple[int, ...], infer_steps: int, dtype: torch.dtype,
+                       init_latents: torch.Tensor | None, strength: float,
+                       noise_shapes: Sequence[tuple[int, ...]] | None) -> tuple[int, list[tuple[int, ...]]]:
+        """`prepare`'s arguments checked (its Raises); returns the steps `strength` skips and the noise parts
+        (`noise_shapes`, or `latent_shape` alone)."""
+        if not isinstance(infer_steps, int) or infer_steps < 1:
+            raise ValueError(f"`infer_steps` must be an integer >= 1, got {infer_steps!r}")
+        if len(latent_shape) == 0 or not all(isinstance(d, int) and d > 0 for d in latent_shape):
+            raise ValueError(f"`latent_shape` must be a non-empty tuple of integers > 0, got {latent_shape!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"`dtype` must be a floating-point dtype, got {dtype}")
+        if init_latents is not None and tuple(init_latents.shape) != tuple(latent_shape):
+            raise ValueError(f"`init_latents` must have shape {tuple(latent_shape)}, got {tuple(init_latents.shape)}")
+        skip = infer_steps - round(infer_steps * strength)
+        if not 0 < strength <= 1 or skip >= infer_steps:
+            raise ValueError(f"`strength` must be in (0, 1] and leave at least one of {infer_steps} steps, got {strength!r}")
+        if init_latents is None and strength != 1.0:
+            raise ValueError(f"`strength` {strength!r} needs `init_latents` (pure noise always runs the whole schedule)")
+        if self.fixed_sigmas is not None and infer_steps != len(self.fixed_sigmas):
+            raise ValueError(f"`infer_steps` must be {len(self.fixed_sigmas)}: the scheduler runs a fixed table of "
+                             f"{len(self.fixed_sigmas)} sigmas {list(self.fixed_sigmas)}, got {infer_steps!r}")
+        parts = [tuple(latent_shape)] if noise_shapes is None else [tuple(p) for p in noise_shapes]
+        if noise_shapes is not None and (
+                not parts or any(len(p) < 1 or p[0] != latent_shape[0] or min(p) <= 0 for p in parts)
+                or sum(math.prod(p) for p in parts) != math.prod(latent_shape)):
+            raise ValueError(f"`noise_shapes` {parts!r} must share the batch dim of `latent_shape` "
+                             f"{tuple(latent_shape)} and hold as many elements in all")
+        return skip, parts
+
     def prepare(
         self,
         latent_shape: tuple[int, ...],
@@ -169,28 +198,7 @@ class Scheduler(abc.ABC):
                 `noise_shapes` whose batch dims or sizes do not make `latent_shape`, or a fixed
                 `sigmas` table of another length than `infer_steps`.
         """
-        if not isinstance(infer_steps, int) or infer_steps < 1:
-            raise ValueError(f"`infer_steps` must be an integer >= 1, got {infer_steps!r}")
-        if len(latent_shape) == 0 or not all(isinstance(d, int) and d > 0 for d in latent_shape):
-            raise ValueError(f"`latent_shape` must be a non-empty tuple of integers > 0, got {latent_shape!r}")
-        if not dtype.is_floating_point:
-            raise ValueError(f"`dtype` must be a floating-point dtype, got {dtype}")
-        if init_latents is not None and tuple(init_latents.shape) != tuple(latent_shape):
-            raise ValueError(f"`init_latents` must have shape {tuple(latent_shape)}, got {tuple(init_latents.shape)}")
-        skip = infer_steps - round(infer_steps * strength)
-        if not 0 < strength <= 1 or skip >= infer_steps:
-            raise ValueError(f"`strength` must be in (0, 1] and leave at least one of {infer_steps} steps, got {strength!r}")
-        if init_latents is None and strength != 1.0:
-            raise ValueError(f"`strength` {strength!r} needs `init_latents` (pure noise always runs the whole schedule)")
-        if self.fixed_sigmas is not None and infer_steps != len(self.fixed_sigmas):
-            raise ValueError(f"`infer_steps` must be {len(self.fixed_sigmas)}: the scheduler runs a fixed table of "
-                             f"{len(self.fixed_sigmas)} sigmas {list(self.fixed_sigmas)}, got {infer_steps!r}")
-        parts = [tuple(latent_shape)] if noise_shapes is None else [tuple(p) for p in noise_shapes]
-        if noise_shapes is not None and (
-                not parts or any(len(p) < 1 or p[0] != latent_shape[0] or min(p) <= 0 for p in parts)
-                or sum(math.prod(p) for p in parts) != math.prod(latent_shape)):
-            raise ValueError(f"`noise_shapes` {parts!r} must share the batch dim of `latent_shape` "
-                             f"{tuple(latent_shape)} and hold as many elements in all")
+        skip, parts = self._check_prepare(latent_shape, infer_steps, dtype, init_latents, strength, noise_shapes)
 
         generator = self.generator
         self._reset_request_state()

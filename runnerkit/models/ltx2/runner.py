@@ -44,12 +44,11 @@ from runnerkit.media import missing_media_module, recompress_h264
 from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
-from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes, write_synthetic_ltx2
+from runnerkit.models.ltx2.checkpoint_synthetic import write_synthetic_ltx2
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
-from runnerkit.models.ltx2.estimate import fp8_stored_weights, gemma_fields, ltx2_estimate
-from runnerkit.models.ltx2.flops import LTX2Compute
 from runnerkit.models.ltx2.latents import JointLayout
-from runnerkit.models.ltx2.plan_sources import absent_sources, check_paths, configured_arch, fp8_by_name, release_gemma
+from runnerkit.models.ltx2.plan_sources import check_paths, configured_arch
+from runnerkit.models.ltx2.planning import LTX2Planning
 from runnerkit.models.ltx2.transformer import (
     LTX2Transformer,
     keep_fp32,
@@ -65,7 +64,6 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
-from runnerkit.runners.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,
@@ -139,7 +137,7 @@ class AudioDecoder(nn.Module):
 
 
 @register_runner("ltx2")
-class LTX2Runner(LTX2Compute, SyntheticCheckpointSource, DefaultRunner):
+class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
     """LTX-2 (19B) and LTX-2.3 (22B) distilled, text (and first frame) to video with audio."""
 
     TASKS = ("t2av", "i2av")
@@ -426,85 +424,6 @@ class LTX2Runner(LTX2Compute, SyntheticCheckpointSource, DefaultRunner):
         if self.arch_from_config(path):
             return flavour_of(self.arch_override) if self.arch_override is not None else None
         return flavour_of(self.open_checkpoint(path).arch)
-
-    # ---- memory estimate (models/ltx2/estimate.py) -----------------------------------------
-    def architecture(self) -> LTX2Arch:
-        """The checkpoint's architecture: from the loaded checkpoint; before loading from its headers and
-        config (or the configured one, for a synthetic checkpoint still to write).
-
-        Raises:
-            EstimateUnavailable: the checkpoint cannot be read before loading (loading then says why).
-        """
-        if self.checkpoint is not None:
-            return self.checkpoint.arch
-        if self.checkpoint_absent() and self.arch_override is None:
-            raise EstimateUnavailable(self.arch_source)
-        try:
-            path = self.checkpoint_path()
-            if self.arch_from_config(path):
-                assert self.arch_override is not None, "a synthetic checkpoint has a configured architecture"
-                return self.arch_override
-            return self.open_checkpoint(path).arch
-        except (ValueError, OSError) as exc:  # CheckpointError included
-            raise EstimateUnavailable(f"the checkpoint's architecture cannot be read before loading ({exc})") from None
-
-    def gemma_sizes(self, arch: LTX2Arch) -> dict[str, int]:
-        """The Gemma-3 text model's sizes: from the text encoder folder's config.json (the synthetic
-        one's sizes while it is still to be written).
-
-        Raises:
-            EstimateUnavailable: the config.json cannot be read.
-        """
-        cfg = self.config
-        if self.checkpoint is not None:
-            return gemma_fields(self.checkpoint.text_encoder_path)
-        path = self.checkpoint_path()
-        if self._synthetic_pending(path):
-            return tiny_gemma_sizes(arch)
-        folder = Path(cfg.text_encoder_path) if cfg.text_encoder_path is not None else path / "text_encoder"
-        if self.checkpoint_absent() and not (folder / "config.json").is_file():
-            return release_gemma(arch)  # planning without the files (plan_sources.py)
-        return gemma_fields(folder)
-
-    def estimate_sources(self) -> list[str]:
-        """Where the estimate before loading takes the architecture, Gemma-3's sizes and fp8 storage from."""
-        if self.checkpoint is not None or not self.checkpoint_absent() or self.arch_override is None:
-            return super().estimate_sources()
-        cfg, path = self.config, self.checkpoint_path()
-        folder = Path(cfg.text_encoder_path) if cfg.text_encoder_path is not None else path / "text_encoder"
-        return absent_sources(cfg, self.arch_source, folder, self.fp8_transformer_weights())
-
-    def estimate_memory(self, shape: Shape) -> MemoryEstimate:
-        """Text encoder, connectors, (VAE encoder,) both denoise stages, the upsampler, both decoders and
-        save of `shape` on `self.device` (formulas and the release sizes: models/ltx2/estimate.py).
-
-        Raises:
-            EstimateUnavailable: see `architecture` and `gemma_sizes`.
-        """
-        arch = self.architecture()
-        cfg = self.config
-        return ltx2_estimate(arch, self.gemma_sizes(arch), shape, cfg.fps, cfg.task, self.dtype, self.device,
-                             cfg.offload, self.fp8_transformer_weights(), self.lora_slot_rank())
-
-    def fp8_transformer_weights(self) -> frozenset[str]:
-        """The transformer parameters the checkpoint stores as float8_e4m3fn (an fp8 release; streamed from
-        disk as stored), from its headers; none for a synthetic checkpoint still to write.
-
-        Raises:
-            EstimateUnavailable: the checkpoint cannot be read before loading.
-        """
-        ckpt = self.checkpoint
-        if ckpt is None:
-            try:
-                path = self.checkpoint_path()
-                if self.checkpoint_absent():
-                    return fp8_by_name(path, self.architecture())
-                if self._synthetic_pending(path):
-                    return frozenset()
-                ckpt = self.open_checkpoint(path)
-            except (ValueError, OSError) as exc:  # CheckpointError included
-                raise EstimateUnavailable(f"the checkpoint's headers cannot be read before loading ({exc})") from None
-        return fp8_stored_weights(ckpt)
 
     # ---- request stages ------------------------------------------------------------------
     def layouts(self, req: RequestState) -> tuple[JointLayout, JointLayout]:
