@@ -20,6 +20,7 @@ from runnerkit import compile as regional_compile
 from runnerkit.config import CompileConfig, RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.models.wan.transformer import WanTransformer3D
+from runnerkit.runners.building import ModuleBuilder
 from test_cases.conftest import tiny_config_dict
 
 COMPILE = {"compile": {"enabled": True, "backend": "eager"}}
@@ -82,17 +83,18 @@ def test_compiled_output_equals_eager(tiny_ckpt: Path, tmp_path: Path, backend: 
 @pytest.mark.parametrize("offload", [{"mode": "block"}, {"mode": "block", "storage": "disk", "lazy_load": True}],
                          ids=["block", "lazy"])
 def test_streaming_and_lazy_load_share_the_compiled_code(tiny_ckpt: Path, tmp_path: Path, offload: dict[str, Any],
-                                                         eager_video: torch.Tensor) -> None:
+                                                         eager_video: torch.Tensor,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     runner = make(tiny_ckpt, warmup=True, offload=offload, **COMPILE)
     built: list[weakref.ref[WanTransformer3D]] = []
-    real = runner._stream
+    real = ModuleBuilder.stream
 
-    def tracked(spec: Any) -> Any:
-        module = real(spec)
+    def tracked(builder: ModuleBuilder, spec: Any) -> Any:
+        module = real(builder, spec)
         built.append(weakref.ref(module))
         return module
 
-    runner._stream = tracked  # type: ignore[method-assign]
+    monkeypatch.setattr(ModuleBuilder, "stream", tracked)  # the runner's builder streams every module
     for i in range(2):
         audit, video = request(runner, WARMED[0], tmp_path, i)
         assert audit["compilations"] == 0 and audit["recompilations"] == 0, audit
