@@ -526,9 +526,14 @@ def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, 
     digits = 2  # enough decimals that the estimate visibly exceeds the limit
     while digits < 6 and round(peak.bytes / GIB, digits) <= round(limit_bytes / GIB, digits):
         digits += 1
-    return (f"{what}: shape {h}x{w}x{f} (height x width x frames) needs an estimated {peak.describe(digits)} on "
-            f"{device}, more than the limit of {limit_bytes / GIB:.{digits}f} GiB ({limit_source}). Try "
-            f"{'; or '.join(advice)}. To override: config memory.limit_gib (GiB) or memory.check_fit=false")
+    head = (f"{what}: shape {h}x{w}x{f} (height x width x frames) needs an estimated {peak.describe(digits)} on "
+            f"{device}, more than the limit of {limit_bytes / GIB:.{digits}f} GiB ({limit_source}).")
+    if peak.overhead_bytes >= limit_bytes:  # no shape or setting of this run lowers the process's fixed part
+        return (f"{head} No shape or setting fits: the fixed overhead alone is {peak.overhead_bytes / GIB:.2f} GiB. "
+                f"Try a device with more memory, or a larger config memory.limit_gib if the device has it "
+                f"(memory.check_fit=false turns the check off)")
+    return (f"{head} Try {'; or '.join(advice)}. To override: config memory.limit_gib (GiB) or "
+            f"memory.check_fit=false")
 
 
 def host_refusal_message(what: str, shape: tuple[int, int, int], host: HostEstimate, limit_gib: float,

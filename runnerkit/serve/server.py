@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_queue", type=int, default=16, help="jobs that may wait; more get HTTP 429 (default 16)")
     p.add_argument("--output_dir", default="outputs/serve", help="where each job's files go (default outputs/serve)")
     p.add_argument("--keep_jobs", type=int, default=100,
-                   help="finished jobs whose files are kept; older ones are deleted (default 100; 0: none)")
+                   help="finished jobs whose files are kept; older ones are deleted (default 100; 0: only the newest "
+                        "result, until the next job replaces it)")
     p.add_argument("--keep_gib", type=float, default=None, help="also keep at most this many GiB of job files")
     p.add_argument("--save_tensors", action="store_true", help="also write each job's result.safetensors")
     p.add_argument("--max_writes_in_flight", type=int, default=1, metavar="N",

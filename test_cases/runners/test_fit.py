@@ -356,6 +356,25 @@ def test_a_warmup_shape_that_cannot_fit_fails_before_loading(tmp_path: Path, moc
     assert error_phase(exc.value) == "warmup" and load.call_count == 0
 
 
+def test_a_limit_below_the_fixed_overhead_advises_no_shape(tmp_path: Path) -> None:
+    """Under the process's fixed overhead no shape or offload setting can fit: the refusal says so and
+    advises a larger device; a limit above the overhead keeps the shape advice."""
+    overhead = fit.overhead_bytes(CPU) / GIB
+    runner = toy(tmp_path, memory={"limit_gib": overhead / 2})
+    runner.init_modules()
+    with pytest.raises(MemoryFitError) as exc:
+        runner.run_pipeline(RequestConfig(prompt="x"), 0)
+    msg = str(exc.value)
+    assert f"No shape or setting fits: the fixed overhead alone is {overhead:.2f} GiB. Try a device with more " \
+           "memory" in msg and "smaller target_height" not in msg, msg
+    runner = toy(tmp_path, memory={"limit_gib": TINY_LIMIT})
+    runner.init_modules()
+    with pytest.raises(MemoryFitError) as exc:
+        runner.run_pipeline(RequestConfig(prompt="huge", target_height=4096, target_width=4096), 1)
+    assert "Try a smaller target_height/target_width/target_video_length" in str(exc.value)
+    assert "No shape or setting fits" not in str(exc.value)
+
+
 def test_the_warmup_gate_checks_the_second_shape_too(tmp_path: Path, mocker: Any) -> None:
     """A limit that the first (small) warmup shape fits under and only the second exceeds: the
     gate refuses, naming the second shape, before anything loads."""
