@@ -268,6 +268,8 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
     elif best.host_missing:
         advice.append("free host memory or raise `memory.host_limit_gib` (host memory barely depends on the shape)"
                       if not on_cpu else "a smaller shape or more host memory (`memory.host_limit_gib`)")
+        if best.device_missing and not on_cpu:  # both short: the host advice alone leaves the device short
+            advice.append(f"a device with {best.device_missing / GIB:.2f} GiB more memory as well")
     if on_cpu:
         logger.debug("memory plan: {} needs {}", best.name, " and ".join(missing))
         over = []

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -331,6 +332,16 @@ def test_default_limits_are_this_machines(cgroup: str, no_checkpoints: Path, mon
             "100.00 GiB available (MemAvailable of /proc/meminfo) + 0.50 GiB held by this process")
     else:
         assert out["host_limit_gib"] == 10.5 and f"cgroup {cgroup}" in out["host_limit_source"]
+
+
+def test_a_plan_short_of_both_limits_advises_for_both(no_checkpoints: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_plan(capsys, "--config_json", REPO / "configs/wan/wan_t2v_14b.json", "--device_gib", 2,
+                          "--host_gib", 4)
+    refusal = out["refusal"]
+    assert rc == 1 and "GiB missing, peak in stage" in refusal and "of host memory (" in refusal, refusal
+    advice = refusal.split("To fit: ", 1)[1]
+    assert "raise `memory.host_limit_gib`" in advice and re.search(r"a device with \d+\.\d\d GiB more memory", advice), \
+        advice
 
 
 def test_the_text_output_lists_each_module_and_the_rejected(no_checkpoints: Path,
