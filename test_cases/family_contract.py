@@ -7,8 +7,8 @@ collects the contract's tests in that file, parametrized over the family's modes
     class TestContract(FamilyContract):
         family = Family(name="wan2.1 t2v", runner_cls=WanT2VRunner, config=..., ...)
 
-        @pytest.fixture(scope="class")
-        def family_reference(self, ...) -> list[dict[str, Tensor]]: ...  # the cold `none` outputs
+    @pytest.fixture(scope="module")
+    def family_reference(...) -> list[dict[str, Tensor]]: ...  # the cold `none` outputs
 
 What the contract checks (ARCHITECTURE §3-4, §8):
 - warmup is opt-in and gated: `unload_modules`, a subclass that did not opt in itself, and an
@@ -212,8 +212,8 @@ def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
 # ---- the contract --------------------------------------------------------------------------------
 class FamilyContract:
     """The contract's tests; a family's test file subclasses this with `family` set and defines the
-    class-scoped fixture `family_reference` (its cold `offload.mode: none` outputs of
-    `family.requests`, e.g. through `reference_outputs`)."""
+    module-scoped fixture `family_reference` beside the class: its cold `offload.mode: none` outputs of
+    `family.requests`, e.g. through `reference_outputs`."""
 
     family: ClassVar[Family]
 

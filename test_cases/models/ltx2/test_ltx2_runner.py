@@ -292,9 +292,11 @@ class TestFamilyContract(FamilyContract):
         estimate_request=LARGE.model_copy(update={"target_height": 128, "target_width": 192, "target_video_length": 17}),
         estimate_loosest=1.5, parity=ltx2_parity, reference_package="diffusers")
 
-    @pytest.fixture(scope="class")
-    def family_reference(self, reference: Reference) -> list[Outputs]:
-        return [reference.large, reference.small]  # the reference served SMALL first, in a fresh runner
+
+@pytest.fixture(scope="module")
+def family_reference(reference: Reference) -> list[Outputs]:
+    """The contract's reference outputs: the cold `offload.mode: none` runs (family_contract.py)."""
+    return [reference.large, reference.small]  # the reference served SMALL first, in a fresh runner
 
 
 # ---- checkpoint layouts ---------------------------------------------------------------------

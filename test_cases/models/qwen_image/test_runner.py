@@ -97,9 +97,11 @@ class TestFamilyContract(FamilyContract):
         requests=tuple(T2I_REQUESTS), outputs=("image",), modes=MODES, boundary=qwen_boundary,
         shapes=({"image": (3, 48, 80)}, {"image": (3, 32, 32)}), parity=qwen_parity, reference_package="diffusers")
 
-    @pytest.fixture(scope="class")
-    def family_reference(self, t2i_reference: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        return [{"image": image} for image in t2i_reference]
+
+@pytest.fixture(scope="module")
+def family_reference(t2i_reference: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The contract's reference outputs: the cold `offload.mode: none` runs (family_contract.py)."""
+    return [{"image": image} for image in t2i_reference]
 
 
 def test_t2i_warmup_without_it_same_seed_same_image_and_cfg_acts(qwen_t2i_ckpt: Path, tmp_path: Path,

@@ -105,9 +105,11 @@ class TestFamilyContract(FamilyContract):
         estimate_loosest=1.5,
         parity=wan_parity, reference_package="diffusers")
 
-    @pytest.fixture(scope="class")
-    def family_reference(self, reference: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        return [{"video": video} for video in reference]
+
+@pytest.fixture(scope="module")
+def family_reference(reference: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The contract's reference outputs: the cold `offload.mode: none` runs (family_contract.py)."""
+    return [{"video": video} for video in reference]
 
 
 def test_fp8_weights_within_tolerance(tiny_ckpt: Path, tmp_path: Path, reference: list[torch.Tensor]) -> None:
