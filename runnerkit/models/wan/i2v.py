@@ -100,8 +100,9 @@ class ConditioningFrames:
     last_resized: torch.Tensor | None
 
 
-class WanImageConditioning:
-    """Image conditioning for a Wan runner class (mixed in before `WanT2VRunner` or `WanMoERunner`).
+class WanImageConditioning(WanT2VRunner):
+    """Image conditioning of the Wan runners (a base of the i2v / flf2v runners, listed before `WanMoERunner`
+    for the Wan2.2 MoE one, so its methods come first in either chain; it registers no runner itself).
 
     Adds the image encoder module (when the transformer takes CLIP tokens), the
     `image_encoder` and `vae_encoder` stages, the request shape rule, and `clip_context` / `y`
@@ -124,7 +125,7 @@ class WanImageConditioning:
         Raises:
             ImageInputError: the image is missing, unreadable, or too narrow for the area.
         """
-        area_h, area_w, frames = super().shape_of(request, config)  # type: ignore[misc]
+        area_h, area_w, frames = super().shape_of(request, config)
         if request.image_path is None:  # validate_request reports the missing image first
             return area_h, area_w, frames
         image_h, image_w = image_size(request.image_path, "image_path")  # header only: called per check
@@ -133,8 +134,8 @@ class WanImageConditioning:
     @classmethod
     def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
         """The core checks, plus: flf2v needs at least two frames (first and last differ)."""
-        super().validate_request(request, config)  # type: ignore[misc]
-        config = cls.resolve_config(config)  # type: ignore[attr-defined]
+        super().validate_request(request, config)
+        config = cls.resolve_config(config)
         frames = request.target_video_length or config.target_video_length
         if config.task == "flf2v" and frames < 5:
             raise ValueError(f"`target_video_length` must be at least 5 for flf2v (first and last frame), got {frames}")
@@ -142,8 +143,8 @@ class WanImageConditioning:
 
     # ---- pipeline pieces ------------------------------------------------------------------------
     def takes_clip(self) -> bool:
-        assert self.checkpoint is not None, "prepare_load first"  # type: ignore[attr-defined]
-        return bool(self.checkpoint.arch.transformer.image_context)  # type: ignore[attr-defined]
+        assert self.checkpoint is not None, "prepare_load first"
+        return bool(self.checkpoint.arch.transformer.image_context)
 
     def image_modules(self) -> tuple[ModuleSpec, ...]:
         """The CLIP image encoder, for transformers that attend to CLIP tokens (Wan2.1)."""
@@ -157,10 +158,10 @@ class WanImageConditioning:
 
     def build_image_encoder(self, device: torch.device) -> CLIPVisionEncoder:
         """The CLIP vision tower with its weights, on `device` (LayerNorms kept in float32)."""
-        ckpt = self.checkpoint  # type: ignore[attr-defined]
+        ckpt = self.checkpoint
         assert ckpt is not None and ckpt.arch.image_encoder is not None, "an i2v / flf2v checkpoint with CLIP"
         model = build_on_meta(lambda: CLIPVisionEncoder(ckpt.arch.image_encoder))
-        assign_state_dict(model, ckpt.image_encoder_state_dict(), "image_encoder", dtype=self.dtype,  # type: ignore[attr-defined]
+        assign_state_dict(model, ckpt.image_encoder_state_dict(), "image_encoder", dtype=self.dtype,
                           keep_fp32=clip_keep_fp32, device=device)
         return model.to(device).eval().requires_grad_(False)
 
@@ -168,7 +169,7 @@ class WanImageConditioning:
     def conditioning_frames(self, info: InputInfo) -> ConditioningFrames:
         """The request's image(s) read and resized to the video size; for warmup, mid-grey frames
         of the warmup shape (only their sizes matter)."""
-        last_needed = self.config.task == "flf2v"  # type: ignore[attr-defined]
+        last_needed = self.config.task == "flf2v"
         if info.warmup:
             first = torch.zeros(3, info.height, info.width)
             last = first.clone() if last_needed else None
@@ -222,7 +223,7 @@ class WanImageConditioning:
 
 
 @register_runner("wan2.1")
-class WanI2VRunner(WanImageConditioning, WanT2VRunner):
+class WanI2VRunner(WanImageConditioning):
     """Wan2.1 image-to-video (the I2V-14B-480P / 720P releases, and the tiny `debug` architecture)."""
 
     TASKS = ("i2v",)
@@ -246,7 +247,7 @@ class WanI2VRunner(WanImageConditioning, WanT2VRunner):
 
 
 @register_runner("wan2.1")
-class WanFLF2VRunner(WanImageConditioning, WanT2VRunner):
+class WanFLF2VRunner(WanImageConditioning):
     """Wan2.1 first-last-frame-to-video (the FLF2V-14B-720P release, and the tiny `debug` architecture)."""
 
     TASKS = ("flf2v",)
