@@ -32,7 +32,6 @@ This module is a helper (no `test_` prefix): only the families' subclasses are c
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,12 +40,12 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.profiler import ProfilerActivity, profile
 
 from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.runners import fit
 from runnerkit.runners.base import error_phase
 from runnerkit.runners.default import DefaultRunner
+from test_cases._memory import peak_tensor_bytes
 
 Outputs = dict[str, torch.Tensor]
 MIB = 1024**2
@@ -190,23 +189,6 @@ def serve_all(family: Family, runner: Any, folder: Path, tag: str, baseline: dic
         assert_request_boundary(family, runner, baseline, f"{tag}, after request {i}")
         out.append(outputs)
     return out
-
-
-def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
-    """Peak of live CPU tensor bytes allocated while `fn` runs (its result freed after), from the
-    profiler's allocation events (`[memory]`, signed byte counts) replayed in time order."""
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    del result
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    assert len(events) > 10, "the profiler reported no allocations: its memory events changed?"
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 # ---- the contract --------------------------------------------------------------------------------

@@ -12,15 +12,12 @@
 
 from __future__ import annotations
 
-import gc
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from runnerkit.config import load_runner_config
 from runnerkit.models.ltx2 import estimate as est
@@ -32,6 +29,7 @@ from runnerkit.models.ltx2.transformer_arch import tiny_arch
 from runnerkit.models.ltx2.vae import LTX2VideoDecoder
 from runnerkit.models.ltx2.vae_arch import LTX23_VIDEO_VAE
 from runnerkit.runners import fit
+from test_cases._memory import peak_tensor_bytes
 from test_cases.conftest import REPO
 
 GIB = 1024**3
@@ -203,21 +201,6 @@ def test_the_runner_reads_gemma_from_the_configured_folder(tmp_path: Path) -> No
 
 
 # ---- formulas against measured CPU peaks ------------------------------------------------------
-def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
-    """Peak of live CPU tensor bytes while `fn` runs, from the profiler's allocation events in time order."""
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    del result
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    assert len(events) > 10, "the profiler reported no allocations: its memory events changed?"
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize("i2av", [False, True])
 def test_transformer_step_bounds_the_measured_peak(i2av: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Video 4 x 64 and audio 2 x 64 wide (the releases' ratio), 1152 video and 40 audio tokens, float32

@@ -17,7 +17,6 @@ the estimate with margin and the CPU overhead 1.9-3.3x the growth with glibc's d
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -28,7 +27,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from runnerkit.config import OffloadConfig
 from runnerkit.models.wan import estimate as est
@@ -39,26 +37,10 @@ from runnerkit.models.wan.vae import WanVAE
 from runnerkit.models.wan.vae_tiling import decode_tiled
 from runnerkit.runners import fit
 from runnerkit.weights import build_on_meta
+from test_cases._memory import peak_tensor_bytes
 from test_cases.conftest import REPO, tiny_config_dict, write_config
 
 MIB = 1024**2
-
-
-def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
-    """Peak of live CPU tensor bytes allocated while `fn` runs (its result freed after), from the
-    profiler's allocation events (`[memory]`, signed byte counts) replayed in time order."""
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    del result
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    assert len(events) > 10, "the profiler reported no allocations: its memory events changed?"
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def assert_bound(estimate: int, measured: int, loosest: float) -> None:
