@@ -25,6 +25,7 @@ from torch import nn
 from runnerkit.config import RunnerConfig
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.runners.installers import Installer
+from runnerkit.runners.offload_checks import check_resident_modules
 from runnerkit.runners.pipeline import ModuleSpec, Pipeline
 from runnerkit.runners.placement import Loader, Placement
 
@@ -112,18 +113,7 @@ class ModuleBuilder:
         Raises:
             ValueError: a name that is not a module of the pipeline, or one that streams (`streamed`).
         """
-        names = self.config.offload.resident_modules or ()
-        known = [m.name for m in pipeline.modules]
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise ValueError(f"`offload.resident_modules`={list(names)}: {self.runner} has no module {bad}; "
-                             f"its modules: {known}")
-        both = [n for n in names if n in streamed]
-        if both:
-            raise ValueError(f"`offload.resident_modules`={list(names)}: {both} stream their blocks in mode "
-                             f"{self.config.offload.mode!r} (streamed: {list(streamed)}); list the modules to "
-                             "stream in `offload.stream_modules` without them, or leave them out of resident_modules")
-        return set(names)
+        return check_resident_modules(self.config.offload, [m.name for m in pipeline.modules], streamed, self.runner)
 
     def log_cfg_passes(self, streamed: Sequence[ModuleSpec]) -> None:
         """One INFO line: how the CFG branches go through the streamed transformer(s)."""

@@ -12,12 +12,12 @@ family whose estimate is not available before loading is still checked at load
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.runners.fit import MemoryEstimate, streams
 
-__all__ = ["check_offload_modules"]
+__all__ = ["check_offload_modules", "check_resident_modules"]
 
 
 def check_offload_modules(config: RunnerConfig, estimate_with: Callable[[OffloadConfig], MemoryEstimate | None],
@@ -45,9 +45,22 @@ def check_offload_modules(config: RunnerConfig, estimate_with: Callable[[Offload
     if estimate is None:
         return
     where = f"{runner} (model_cls {config.model_cls!r}, task {config.task!r})"
-    names = off.resident_modules or ()
-    modules = list(estimate.modules)
     streamed = [n for n, m in estimate.modules.items() if off.mode != "auto" and streams(n, m, off)]
+    check_resident_modules(off, list(estimate.modules), streamed, where)
+    if off.keep_across_stages and not any(s.holds for s in estimate.stages):
+        raise ValueError(f"`offload.keep_across_stages`=true has no effect: {where} has one denoising stage (no "
+                         "module stays on the device across a transition between stages); remove it")
+
+
+def check_resident_modules(off: OffloadConfig, modules: Sequence[str], streamed: Sequence[str], where: str) -> set[str]:
+    """`off.resident_modules` checked against the pipeline's `modules` and the ones that stream in `off.mode`;
+    returns the names (empty: none listed). The check before loading (from the estimate) and the one at load
+    (from the pipeline description, for a family without an estimate) both call it.
+
+    Raises:
+        ValueError: a name that is not one of `modules`, or one of `streamed`, with the modules that can stay.
+    """
+    names = off.resident_modules or ()
     allowed = [n for n in modules if n not in streamed]
     bad = [n for n in names if n not in modules]
     if bad:
@@ -56,8 +69,6 @@ def check_offload_modules(config: RunnerConfig, estimate_with: Callable[[Offload
     both = [n for n in names if n in streamed]
     if both:
         raise ValueError(f"`offload.resident_modules`={list(names)}: {both} stream their blocks in `offload.mode`="
-                         f"{off.mode!r} (streamed: {streamed}); modules it can keep resident in this mode: {allowed} "
-                         "(or list the modules to stream in `offload.stream_modules` without them)")
-    if off.keep_across_stages and not any(s.holds for s in estimate.stages):
-        raise ValueError(f"`offload.keep_across_stages`=true has no effect: {where} has one denoising stage (no "
-                         "module stays on the device across a transition between stages); remove it")
+                         f"{off.mode!r} (streamed: {list(streamed)}); modules it can keep resident in this mode: "
+                         f"{allowed} (or list the modules to stream in `offload.stream_modules` without them)")
+    return set(names)

@@ -58,6 +58,23 @@ def test_the_run_refuses_before_writing_or_loading(tmp_path: Path, offload: dict
     assert list(folder.iterdir()) == []  # no synthetic checkpoint was written
 
 
+@pytest.mark.parametrize("offload, message", [
+    ({"mode": "model", "resident_modules": ["transformr"]},
+     "has no module ['transformr']; modules it can keep resident: ['text_encoder', 'transformer', 'vae']"),
+    ({"mode": "block", "resident_modules": ["vae", "transformer"]}, WAN_STREAMED.split(": ", 1)[1]),
+], ids=["missing", "streamed"])
+def test_without_an_estimate_the_load_refuses_with_the_same_rule(tmp_path: Path, offload: dict[str, Any], message: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family that gives no estimate before loading: the pipeline description is checked at load by the same
+    rule (`check_resident_modules`)."""
+    monkeypatch.setattr(WanT2VRunner, "estimate_memory", lambda self, shape: None)
+    runner = WanT2VRunner(load_runner_config(None, tiny_wan(tmp_path / "ckpt", **offload)))
+    with pytest.raises(ValueError) as err:
+        runner.init_modules()
+    assert str(err.value).startswith(f"`offload.resident_modules`={offload['resident_modules']}: ")
+    assert str(err.value).endswith(message), str(err.value)
+
+
 def test_a_two_stage_pipeline_takes_keep_across_stages(tmp_path: Path) -> None:
     """LTX-2 holds its transformer through the upsampler: the key is accepted before loading."""
     data = json.loads((REPO / "configs/ltx2/ltx2_t2av_tiny.json").read_text())
