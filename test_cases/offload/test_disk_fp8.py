@@ -223,3 +223,33 @@ def test_bad_scales_are_refused_naming_the_tensor_and_file(tmp_path: Path) -> No
 def test_config_refusal_points_fp8_checkpoints_to_weight_dtype_same() -> None:
     with pytest.raises(ValueError, match="For an fp8 checkpoint .* keep `offload.weight_dtype`='same'"):
         OffloadConfig(mode="block", storage="disk", weight_dtype="fp8_e4m3")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("mode", "kept"), [("block", 2), ("phase", 5)])
+def test_kept_fp8_units_are_upcast_on_the_device_as_on_the_cpu(tmp_path: Path, mode: Literal["block", "phase"],
+                                                               kept: int) -> None:
+    """On CUDA the kept units' scaled fp8 weights are moved as stored and upcast on the device: each is the
+    float32 product rounded once to bfloat16 computed on the CPU, bit for bit, and a pass through the streamed
+    toy gives the output of the resident toy on the same device."""
+    files, stored, scales = fp8_checkpoint(tmp_path)
+    want = expected_weights(stored, scales, torch.bfloat16)
+    cfg = OffloadConfig(mode=mode, storage="disk", reader="mmap", gpu_slots=2, pin_memory=True, resident_blocks=kept)
+    model = build_on_meta(ToyModel)
+    cuda = torch.device("cuda")
+    streamer = stream_module(model, SPEC, cfg, cuda, torch.bfloat16, "toy", files=files, scale_map=scales)
+    streamed = {p for u in streamer.units for p in u.params}
+    resident_fp8 = {n for n in [*scales, PLAIN] if n not in streamed}
+    assert RESIDENT in resident_fp8 and len(resident_fp8) >= 5
+    for name in resident_fp8:
+        got = model.get_parameter(name)
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), want[name]), name
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(cuda)
+    reference = build_on_meta(ToyModel)
+    reference.load_state_dict({k: v.to(cuda) for k, v in want.items()}, assign=True)
+    with torch.no_grad():
+        out = reference.eval()(x)
+        for _ in range(2):
+            assert torch.equal(model(x), out)
+    streamer.close()
