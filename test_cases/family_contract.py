@@ -7,7 +7,7 @@ collects the contract's tests in that file, parametrized over the family's modes
     class TestContract(FamilyContract):
         family = Family(name="wan2.1 t2v", runner_cls=WanT2VRunner, config=..., ...)
 
-    @pytest.fixture(scope="module")
+    @pytest.fixture(scope="module")  # optional: by default the contract serves the requests cold itself
     def family_reference(...) -> list[dict[str, Tensor]]: ...  # the cold `none` outputs
 
 What the contract checks (ARCHITECTURE §3-4, §8):
@@ -21,17 +21,29 @@ What the contract checks (ARCHITECTURE §3-4, §8):
   between stages, streamers at a request boundary, and its `__dict__` exactly as after
   `init_modules` (every key, and every value by identity, two levels into containers; only the
   log-once flags of `ONCE_PER_RUNNER` may flip), naming what leaked; plus the family's own checks
-  (`Family.boundary`);
+  (`Family.boundary`). The same `__dict__` holds during a request too (at each request's first
+  denoising step: the request lives in its `RequestState`, never on the runner; `PER_STAGE`
+  aside), and every
+  `RequestState` (warmup's included) is freed once its request returned or raised (a weak
+  reference to it is dead). All of it after requests that succeed, one that fails in its first
+  denoising step and one an `on_progress` observer cancels after it; the next request then equals a
+  fresh runner's, and neither left a file;
 - the plan's CPU estimate covers the measured peak of a request, and not by too much
-  (`Family.estimate_request`);
+  (`Family.estimate_request`; skipped, saying so, for a family without an estimate);
 - reference parity through the family's hook (`Family.parity`), skipped without the reference
   package unless RUNNERKIT_REQUIRE_REFERENCE=1.
+
+The reference outputs: a family's module-scoped fixture `family_reference` if it defines one (e.g.
+reused from its other tests), else the contract serves `Family.requests` on a cold `offload.mode:
+none` runner itself (`reference_outputs`).
 
 This module is a helper (no `test_` prefix): only the families' subclasses are collected.
 """
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +55,7 @@ from safetensors.torch import load_file
 
 from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.runners import fit
-from runnerkit.runners.base import error_phase
+from runnerkit.runners.base import Progress, RequestCancelled, error_phase
 from runnerkit.runners.default import DefaultRunner
 from test_cases._memory import peak_tensor_bytes
 
@@ -58,9 +70,11 @@ class Family:
     Attributes:
         name: shown in failure messages.
         runner_cls: the registered runner class under test.
-        checkpoint: name of the pytest fixture giving the tiny checkpoint's path.
+        checkpoint: name of the pytest fixture giving the tiny checkpoint's path (module or session
+            scope: the default reference is served once per family).
         config: (checkpoint path, **overrides) -> the tiny JSON config dict on the CPU.
-        requests: served in this order by every mode (at least two shapes: the warmup shapes).
+        requests: served in this order by every mode (at least two shapes: the warmup shapes); the
+            first is also the one that fails and the one that is cancelled.
         outputs: the keys of the saved `--save_tensor_path` file ('video', 'image', 'audio').
         shapes: per request, key -> the saved tensor's shape (checked in every mode); None: unchecked.
         modes: mode name -> config overrides, every offload mode the family supports (a `none`
@@ -128,6 +142,12 @@ ONCE_PER_RUNNER: dict[str, str] = {
 }
 
 
+#: Runner attributes that may differ from the start-up state during a request (never after it), and why.
+PER_STAGE: dict[str, str] = {
+    "streamers": "`offload.lazy_load`: the streamed module and its streamer are built per stage and dropped after it",
+}
+
+
 def leaks(baseline: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """What differs from `baseline`: attributes added, removed or changed, one line each, sorted
     (a `ONCE_PER_RUNNER` flag going from False to True excepted)."""
@@ -144,9 +164,52 @@ def scheduler_state(sched: Any) -> dict[str, Any]:
             for k, v in vars(sched).items()}
 
 
-def assert_request_boundary(family: Family, runner: Any, baseline: dict[str, Any] | None, when: str) -> None:
+class RequestSpy:
+    """The family's `run_step`, wrapped on its class (an instance attribute would itself change
+    `vars(runner)`): a weak reference to every `RequestState` a step ran with (warmup's too), the
+    runner's `__dict__` at each request's first step compared with `baseline` once that is set, a
+    step that fails on demand (`fail_step`) and an `on_progress` observer (`observe`) that cancels
+    after the first step on demand (`cancel`)."""
+
+    def __init__(self, cls: type[DefaultRunner], monkeypatch: pytest.MonkeyPatch) -> None:
+        self.states: list[weakref.ref[Any]] = []
+        self.baseline: dict[str, Any] | None = None
+        self.during: list[str] = []  # what differed from `baseline` inside a request
+        self.fail_step = False
+        self.cancel = False
+        real_step = cls.run_step
+
+        def run_step(runner: Any, req: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not self.states or self.states[-1]() is not req:  # the request's (or warmup shape's) first step
+                self.states.append(weakref.ref(req))
+                if self.baseline is not None:
+                    now = runner_state(runner)
+                    self.during += leaks(self.baseline, {k: self.baseline[k] if k in PER_STAGE and k in self.baseline
+                                                         else v for k, v in now.items()})
+            if self.fail_step:  # after the encoders and the scheduler's prepare
+                raise RuntimeError("injected step failure")
+            return real_step(runner, req, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "run_step", run_step)
+
+    def observe(self, progress: Progress) -> None:
+        if self.cancel and progress.steps_done == 1:
+            raise RequestCancelled("cancelled by the contract")
+
+    def check(self, name: str, when: str) -> None:
+        """Every `RequestState` seen is freed, and nothing of a request was on the runner during it."""
+        gc.collect()
+        alive = [i for i, ref in enumerate(self.states) if ref() is not None]
+        assert alive == [], f"{name}, {when}: RequestState(s) {alive} (in order of first step) still referenced"
+        assert self.during == [], f"{name}, {when}: request state on the runner during a request:\n" + \
+            "\n".join(self.during)
+
+
+def assert_request_boundary(family: Family, runner: Any, baseline: dict[str, Any] | None, when: str,
+                            spy: RequestSpy | None = None) -> None:
     """The start-up baseline (see the module docstring); `baseline` is `runner_state` after
-    `init_modules` (None: only the named checks)."""
+    `init_modules` (None: only the named checks); `spy`: also every `RequestState` freed and the
+    runner untouched during the requests (`RequestSpy.check`)."""
     left = [name for name in ("input_info", "inputs", "stage_modules", "request") if hasattr(runner, name)]
     assert left == [], f"{family.name}, {when}: request state on the runner: {left}"
     assert runner.pipeline is not None
@@ -166,6 +229,8 @@ def assert_request_boundary(family: Family, runner: Any, baseline: dict[str, Any
         assert leaked == [], f"{family.name}, {when}: the runner kept request state:\n" + "\n".join(leaked)
     if family.boundary is not None:
         family.boundary(runner)
+    if spy is not None:
+        spy.check(family.name, when)
 
 
 # ---- building and serving ----------------------------------------------------------------------
@@ -180,22 +245,23 @@ def serve(runner: Any, request: RequestConfig, path: Path, index: int) -> Output
     return load_file(str(path))
 
 
-def serve_all(family: Family, runner: Any, folder: Path, tag: str, baseline: dict[str, Any] | None) -> list[Outputs]:
+def serve_all(family: Family, runner: Any, folder: Path, tag: str, baseline: dict[str, Any] | None,
+              spy: RequestSpy | None = None) -> list[Outputs]:
     """The family's requests in order, the request boundary checked after each."""
     out = []
     for i, request in enumerate(family.requests):
         outputs = serve(runner, request, folder / f"{tag}_{i}.safetensors", i)
         assert sorted(outputs) == sorted(family.outputs), f"{family.name}: saved {sorted(outputs)}"
-        assert_request_boundary(family, runner, baseline, f"{tag}, after request {i}")
+        assert_request_boundary(family, runner, baseline, f"{tag}, after request {i}", spy)
         out.append(outputs)
     return out
 
 
 # ---- the contract --------------------------------------------------------------------------------
 class FamilyContract:
-    """The contract's tests; a family's test file subclasses this with `family` set and defines the
-    module-scoped fixture `family_reference` beside the class: its cold `offload.mode: none` outputs of
-    `family.requests`, e.g. through `reference_outputs`."""
+    """The contract's tests; a family's test file subclasses this with `family` set, and may define the
+    module-scoped fixture `family_reference` beside the class (its cold `offload.mode: none` outputs of
+    `family.requests`, e.g. reused from its other tests); without one the contract serves them itself."""
 
     family: ClassVar[Family]
 
@@ -213,8 +279,23 @@ class FamilyContract:
 
         monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
 
-    def ckpt(self, request: pytest.FixtureRequest) -> Path:
-        return request.getfixturevalue(self.family.checkpoint)
+    @pytest.fixture
+    def request_spy(self, monkeypatch: pytest.MonkeyPatch) -> RequestSpy:
+        return RequestSpy(self.family.runner_cls, monkeypatch)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def contract_reference(cls, request: pytest.FixtureRequest,
+                           tmp_path_factory: pytest.TempPathFactory) -> list[Outputs]:
+        """The family's `family_reference` fixture if it defines one, else its requests served cold here."""
+        try:
+            return request.getfixturevalue("family_reference")
+        except pytest.FixtureLookupError:
+            return reference_outputs(cls.family, cls.ckpt(request), tmp_path_factory.mktemp("reference"))
+
+    @classmethod
+    def ckpt(cls, request: pytest.FixtureRequest) -> Path:
+        return request.getfixturevalue(cls.family.checkpoint)
 
     # 1. warmup: opt-in and its gates, before anything loads
     @pytest.mark.parametrize("gate", ["unload_modules", "not_opted_in", "offload_mode"])
@@ -237,7 +318,8 @@ class FamilyContract:
 
     # 2. every offload mode, with and without warmup, equals a cold `none` runner; 3. state reset
     def test_mode_is_bit_identical_to_none(self, request: pytest.FixtureRequest, tmp_path: Path, mocker: Any,
-                                           family_reference: list[Outputs], mode: str, warmup: bool) -> None:
+                                           contract_reference: list[Outputs], request_spy: RequestSpy, mode: str,
+                                           warmup: bool) -> None:
         family, overrides = self.family, self.family.modes[mode]
         runner = make_runner(family, self.ckpt(request), warmup=warmup, **overrides)
         run_warmup = mocker.spy(family.runner_cls, "run_warmup")
@@ -248,12 +330,13 @@ class FamilyContract:
         runner.init_modules()
         assert run_warmup.call_count == int(warmup), f"{family.name}, {mode}: run_warmup ran {run_warmup.call_count}x"
         assert (runner.profiler.warmup is not None) == warmup
-        baseline = runner_state(runner)
-        assert_request_boundary(family, runner, None, f"{mode}, after init")
-        got = serve_all(family, runner, tmp_path, mode, baseline)
+        baseline = request_spy.baseline = runner_state(runner)
+        assert_request_boundary(family, runner, None, f"{mode}, after init", request_spy)
+        assert len(request_spy.states) == (len(runner.profiler.warmup["shapes"]) if warmup else 0)
+        got = serve_all(family, runner, tmp_path, mode, baseline, request_spy)
         if family.shapes is not None:
             assert [{k: tuple(o[k].shape) for k in family.outputs} for o in got] == list(family.shapes), mode
-        for i, (outputs, want) in enumerate(zip(got, family_reference, strict=True)):
+        for i, (outputs, want) in enumerate(zip(got, contract_reference, strict=True)):
             for key in family.outputs:
                 a, b = outputs[key], want[key]
                 assert a.shape == b.shape and torch.equal(a, b), \
@@ -263,6 +346,13 @@ class FamilyContract:
         if family.after_mode is not None:
             family.after_mode(mode, runner)
 
+    # 3b. a failed and a cancelled request leave nothing behind, and the next request is served normally
+    def test_failed_and_cancelled_requests_leave_the_start_up_state(
+            self, request: pytest.FixtureRequest, tmp_path: Path, contract_reference: list[Outputs],
+            request_spy: RequestSpy) -> None:
+        runner = make_runner(self.family, self.ckpt(request))
+        check_failed_and_cancelled(self.family, runner, request_spy, tmp_path, contract_reference[0])
+
     # 4. the plan's CPU estimate against the measured peak
     def test_cpu_estimate_bounds_the_measured_peak(self, request: pytest.FixtureRequest, tmp_path: Path) -> None:
         family = self.family
@@ -271,7 +361,7 @@ class FamilyContract:
         runner = make_runner(family, self.ckpt(request))
         runner.init_modules()
         req = family.estimate_request
-        shape = (req.target_height, req.target_width, req.target_video_length)
+        shape = runner.request_shape(req)  # the config's default shape where the request gives none
         estimate = runner.estimate_memory(shape)
         peak = fit.peak_of(estimate, runner.config, torch.device("cpu"))
         # above the weights that stay between requests (loaded before the measurement): what the plan
@@ -295,6 +385,41 @@ class FamilyContract:
         if family.reference_package is not None:
             require_reference(family.reference_package)
         family.parity(request, tmp_path)
+
+
+def check_failed_and_cancelled(family: Family, runner: Any, spy: RequestSpy, folder: Path,
+                               want: Outputs | None) -> None:
+    """On `runner` (not initialised; its class is `spy`'s): `family.requests[0]` fails in its first
+    denoising step, then is cancelled by an `on_progress` observer after that step, then served. After
+    each: the start-up state, `vars(runner)` included, and every `RequestState` freed; no file written
+    by the two that did not finish; the third's outputs equal `want` (a fresh runner's; None: unchecked).
+    Also usable for a family's variants that do not run the whole contract."""
+    first = family.requests[0]
+    runner.on_progress = spy.observe  # run-level state: set before the baseline
+    runner.init_modules()
+    baseline = spy.baseline = runner_state(runner)
+    states_before = len(spy.states)  # warmup's
+    spy.fail_step = True  # inside the denoising loop, after the encoders and `prepare`
+    with pytest.raises(RuntimeError, match="injected step failure") as exc:
+        serve(runner, first, folder / "failed.safetensors", 0)
+    spy.fail_step = False
+    assert error_phase(exc.value) == "request 0"
+    del exc  # its traceback's frames hold the request's state
+    assert_request_boundary(family, runner, baseline, "after a failed request", spy)
+    spy.cancel = True  # after the first step: the scheduler is mid-schedule
+    with pytest.raises(RequestCancelled):
+        serve(runner, first, folder / "cancelled.safetensors", 1)
+    spy.cancel = False
+    assert_request_boundary(family, runner, baseline, "after a cancelled request", spy)
+    assert [p.name for p in folder.iterdir() if p.name.startswith(("failed", "cancelled"))] == [], \
+        f"{family.name}: files left by the requests that did not finish"
+    again = serve(runner, first, folder / "again.safetensors", 2)
+    assert_request_boundary(family, runner, baseline, "after the request that followed", spy)
+    assert len(spy.states) - states_before == 3, f"{family.name}: {len(spy.states) - states_before} RequestStates " \
+                                                 "for 3 requests"
+    for key in family.outputs if want is not None else ():
+        assert torch.equal(again[key], want[key]), \
+            f"{family.name}: {key} after a failed and a cancelled request differs from a fresh runner's"
 
 
 def reference_outputs(family: Family, ckpt: Path, folder: Path) -> list[Outputs]:

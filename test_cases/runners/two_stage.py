@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from runnerkit.config import RunnerConfig
 from runnerkit.registry import RUNNERS, register_runner
 from runnerkit.runners.default import DefaultRunner
 from runnerkit.runners.fit import MemoryEstimate, StageFootprint, module_footprint
@@ -111,10 +110,6 @@ class TwoStageImageRunner(DefaultRunner):
     WARMUP_OFFLOAD_MODES: ClassVar[tuple[str, ...]] = ("none", "model")
     WARMUP_SHAPES: ClassVar[dict[str, tuple[Shape, Shape]]] = {"toy": ((32, 32, 1), (32, 64, 1))}
 
-    def __init__(self, config: RunnerConfig) -> None:
-        super().__init__(config)
-        self.context_cache: dict[str, torch.Tensor] = {}  # request state: cleared by clear_request_state
-
     @classmethod
     def validate_shape(cls, height: int, width: int, frames: int) -> None:
         super().validate_shape(height, width, 1)
@@ -174,9 +169,10 @@ class TwoStageImageRunner(DefaultRunner):
 
     @torch.inference_mode()
     def run_text_encoder(self, req: RequestState) -> dict[str, torch.Tensor]:
+        """The request's inputs: {"cond", "uncond"} -> [1, L, D]. Returned, never kept on the runner (it
+        lives in the request's `RequestState`; a family's `clear_request_state` is for caches across steps)."""
         encoder = req.modules["text_encoder"]
-        self.context_cache = {"cond": encoder(req.info.prompt), "uncond": encoder(req.info.negative_prompt)}
-        return self.context_cache
+        return {"cond": encoder(req.info.prompt), "uncond": encoder(req.info.negative_prompt)}
 
     @torch.inference_mode()
     def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor,
@@ -188,9 +184,6 @@ class TwoStageImageRunner(DefaultRunner):
     @torch.inference_mode()
     def run_decoder(self, req: RequestState, latents: torch.Tensor) -> torch.Tensor:
         return req.modules["decoder"](latents)  # [1, 3, H, W]
-
-    def clear_request_state(self) -> None:
-        self.context_cache = {}
 
 
 if NAME not in RUNNERS:  # the test modules may import this file more than once

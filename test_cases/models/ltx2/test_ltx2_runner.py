@@ -36,7 +36,7 @@ from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FI
 from runnerkit.models.ltx2.runner import LTX2Runner
 from runnerkit.offload import disk
 from runnerkit.weights import safetensors_infos
-from test_cases.family_contract import Family, FamilyContract
+from test_cases.family_contract import Family, FamilyContract, RequestSpy, check_failed_and_cancelled
 from test_cases.offload._handles import HandleSampler, open_fds
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"
@@ -446,3 +446,19 @@ def test_i2av_keeps_the_first_latent_frame_clean(checkpoint: Path, tmp_path: Pat
     assert torch.equal(stage1[:, :, :1], seen["image"])
     assert torch.equal(end[:, :, :1], start[:, :, :1])
     assert not torch.equal(end[:, :, 1:], start[:, :, 1:])  # the other frames were denoised
+
+
+def test_i2av_failed_and_cancelled_requests_leave_the_start_up_state(checkpoint: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The family contract's failed/cancelled-request check (test_cases/family_contract.py, run whole on
+    t2av) on i2av: `vars(runner)` back at its start-up state and every `RequestState` freed after a failed,
+    a cancelled and a following request (SMALL with a first frame)."""
+    image = tmp_path / "inputs" / "first.png"
+    image.parent.mkdir()
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(image)
+    family = Family(name="ltx2 i2av", runner_cls=LTX2Runner, checkpoint="checkpoint",
+                    config=lambda ckpt, **overrides: config_dict("i2av", model_path=str(ckpt), **overrides),
+                    requests=(SMALL.model_copy(update={"image_path": str(image)}),), outputs=("video", "audio"),
+                    modes={}, boundary=ltx2_boundary)
+    spy = RequestSpy(LTX2Runner, monkeypatch)
+    check_failed_and_cancelled(family, make_runner("i2av", model_path=str(checkpoint)), spy, tmp_path, None)

@@ -33,6 +33,7 @@ from runnerkit.models.wan.moe import WanMoEI2VRunner
 from runnerkit.models.wan.moe_checkpoint import write_synthetic_moe
 from runnerkit.registry import get_runner_cls
 from test_cases.conftest import tiny_config_dict, write_config
+from test_cases.family_contract import Family, RequestSpy, check_failed_and_cancelled
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = {"i2v": "wan_i2v_tiny.json", "flf2v": "wan_flf2v_tiny.json", "moe_i2v": "wan22_moe_i2v_tiny.json"}
@@ -569,3 +570,20 @@ def test_truncated_clip_file_is_refused_at_load_naming_it(layout: str, damaged: 
     assert rc == 2, err
     assert "load failed" in err and Path(damaged).name in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("task", ["i2v", "moe_i2v"])
+def test_failed_and_cancelled_requests_leave_the_start_up_state(task: str, ckpts: dict[str, Path],
+                                                                images: dict[str, Path], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The family contract's failed/cancelled-request check (test_cases/family_contract.py) on the image
+    runners, which the contract does not run whole: `vars(runner)` back at its start-up state and every
+    `RequestState` freed after a failed, a cancelled and a following request (2 steps, 32x32x5)."""
+    cls = RUNNER_CLASSES[task]
+    family = Family(name=f"wan {task}", runner_cls=cls, checkpoint="ckpts",
+                    config=lambda ckpt, **overrides: config_dict(task, ckpt, **overrides),
+                    requests=(request(task, images["small"], seed=1, target_height=32, target_width=32,
+                                      target_video_length=5),),
+                    outputs=("video",), modes={})
+    spy = RequestSpy(cls, monkeypatch)
+    check_failed_and_cancelled(family, make_runner(task, ckpts[task], infer_steps=2), spy, tmp_path, None)
