@@ -49,7 +49,7 @@ from runnerkit.serve.jobs import FINAL, Job, JobQueue, QueueClosed, QueueFull
 from runnerkit.serve.request import _api_wording, _frames_of, build_request  # noqa: F401  (the last two for tests)
 
 if TYPE_CHECKING:  # torch and the runners are imported after the port opened (server.py)
-    from runnerkit.runners.base import BaseRunner
+    from runnerkit.runners.default import DefaultRunner
     from runnerkit.serve.metrics import Metrics
 
 #: `quality` values of OpenAI's image models: accepted, and they change nothing (the config decides).
@@ -66,7 +66,7 @@ class ServerState:
     """What the API reads: the runner (None until the heavy imports are done), its start-up phase,
     the jobs, the metrics (None until then too)."""
 
-    runner: BaseRunner | None
+    runner: DefaultRunner | None  # every family runner is one (`request_shape`, the request checks)
     queue: JobQueue
     metrics: Metrics | None
     phase: str = "starting"  # starting -> loading -> warming_up -> ready | failed; stopping at shutdown

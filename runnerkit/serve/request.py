@@ -73,7 +73,7 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path,
     except Refused as exc:
         raise _refusal(state, read, exc, folder) from None
     # 3. the values it runs with
-    shape = runner.request_shape(request)  # type: ignore[attr-defined]
+    shape = runner.request_shape(request)
     cfg = runner.config
     resolved = {"model": cfg.model_cls, "seed": request.seed if request.seed is not None else cfg.seed,
                 "height": shape[0], "width": shape[1], "frames": shape[2]}
