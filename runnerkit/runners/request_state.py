@@ -11,8 +11,8 @@ produce instead of writing it into the runner:
     save_outputs(req, outputs)
 
 While a stage runs, `req.modules` holds the modules on the device for it (`module_on_device`). When the
-request ends the object is dropped: nothing of the request remains on the runner (`end_run`; tested by
-test_cases/runners/test_request_state.py). `check_finite_latents` refuses a request's denoised latents
+request ends the object is dropped: nothing of the request remains on the runner (`end_run`; the family
+contract, test_cases/family_contract.py, checks it for every family). `check_finite_latents` refuses a request's denoised latents
 that hold NaN or Inf before they are decoded.
 """
 
