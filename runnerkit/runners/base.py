@@ -7,7 +7,8 @@
 
 `init_modules`, `warmup` and `run_pipeline` are final: a subclass that defines one of them is
 refused when the class is created. Families fill in hooks (`load_modules`, `serve_request`,
-`run_warmup`, `end_run`, ...); the guarantees stay here:
+`run_warmup`, `end_run`, ...); warmup's gate, shapes and report come from the `Warmup` the runner
+holds (`warmups`, runners/warmup.py); the guarantees stay here:
 
 - `init_modules` runs once (a second call raises); the config is deeply frozen at the lock.
 - `warmup` runs at most once, only inside `init_modules`, behind its gate; the request state
@@ -38,7 +39,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 from loguru import logger
@@ -51,6 +52,9 @@ from runnerkit.profiling import Profiler, RequestProfile, compile_seconds, dynam
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import CheckpointError
 from runnerkit.writer import ResultWriter
+
+if TYPE_CHECKING:
+    from runnerkit.runners.warmup import Warmup
 
 __all__ = ["BaseRunner", "ConfigLockedError", "LifecycleError", "error_phase", "lifecycle_phase", "resolve_device"]
 
@@ -127,10 +131,13 @@ class BaseRunner(ABC):
     #: True for a runner built by `for_plan`: it plans memory and never loads (set before `__init__` runs).
     plan_only: bool = False
     _planned_device: torch.device | None = None
+    #: The runner's warmup (runners/warmup.py): its gate, shapes, step report and what follows it; made
+    #: by the runner class's `__init__` (DefaultRunner), driven by `warmup` (and its gate by `init_modules`).
+    warmups: Warmup
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # The class body, and every mixin ahead of BaseRunner in the MRO (as DefaultRunner's WarmupMixin is):
+        # The class body, and every mixin ahead of BaseRunner in the MRO (as DefaultRunner's RequestChecksMixin is):
         # a mixin would otherwise replace a final verb unnoticed. Runner parents were checked when created.
         mro = cls.__mro__
         own = [k for k in mro[:mro.index(BaseRunner)] if k is cls or not issubclass(k, BaseRunner)]
@@ -290,7 +297,7 @@ class BaseRunner(ABC):
                 self.plan_memory(())
             if self.config.warmup:
                 with lifecycle_phase("warmup"):
-                    self.check_warmup_supported()  # refuse before anything is loaded
+                    self.warmups.check_supported()  # refuse before anything is loaded
             with lifecycle_phase("load"):
                 t0 = time.perf_counter()
                 try:
@@ -369,7 +376,8 @@ class BaseRunner(ABC):
             self.on_phase(name)
 
     def warmup(self) -> None:
-        """The one-time warmup: `run_warmup` on the class-constant shapes (ARCHITECTURE §3).
+        """The one-time warmup: the gate (`warmups.check_supported`), then `run_warmup` on the class-constant
+        shapes this run can serve (`warmups.runnable_shapes`), then `warmups.after` (ARCHITECTURE §3).
 
         A no-op without `config.warmup`. Runs only inside `init_modules`, at most once. Afterwards
         the request state is the start-up baseline (`reset_request_state`: schedulers fresh with
@@ -385,8 +393,9 @@ class BaseRunner(ABC):
             raise LifecycleError("warmup already ran on this runner; it runs at most once")
         if not self.config.warmup:
             return
-        self.check_warmup_supported()
-        shapes = self.runnable_warmup_shapes(self.warmup_shapes())
+        warmups = self.warmups
+        warmups.check_supported()
+        shapes = warmups.runnable_shapes(warmups.shapes())
         self.warmed_shapes = shapes
         before = self._memory_report()
         graphs0, compile0 = dynamo_counts()[0], compile_seconds()
@@ -404,12 +413,12 @@ class BaseRunner(ABC):
         if self.compile_cache is not None:  # what warmup compiled (or loaded), for the next start-up
             self.compile_cache.save()
             self.profiler.compile_cache = self.compile_cache.report()
-        self.after_warmup()
+        warmups.after()
         after = self._memory_report()
         self.profiler.warmup = {
             "seconds": round(seconds, 4),
             "shapes": [list(s) for s in shapes],
-            "steps_per_shape": self.warmup_step_report(),
+            "steps_per_shape": warmups.step_report(),
             "compilations": dynamo_counts()[0] - graphs0,
             "compile_seconds": round(compile_seconds() - compile0, 3),
             "compile_cache_hits": hits1 - hits0,
@@ -573,25 +582,5 @@ class BaseRunner(ABC):
             raise ValueError(f"`lora`: {type(self).__name__} does not apply LoRA adapters")
 
     @abstractmethod
-    def check_warmup_supported(self) -> None:
-        """Raise NotImplementedError with the reason if warmup cannot run for this runner/config."""
-
-    @abstractmethod
-    def warmup_shapes(self) -> tuple[Shape, ...]:
-        """The class-constant warmup shapes of this checkpoint's flavour."""
-
-    @abstractmethod
     def run_warmup(self, shapes: Sequence[Shape]) -> None:
         """Drive the real request path on `shapes` (never `run_pipeline`)."""
-
-    def runnable_warmup_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
-        """The warmup shapes this run can serve, which warmup then runs (default: all of `shapes`;
-        DefaultRunner drops those that a parallel run refuses, with a warning)."""
-        return tuple(shapes)
-
-    def warmup_step_report(self) -> Any:
-        """What the profile's `warmup.steps_per_shape` records (the steps warmup ran)."""
-        return None
-
-    def after_warmup(self) -> None:
-        """Called once after a successful warmup (DefaultRunner: gc freeze on the eager path)."""

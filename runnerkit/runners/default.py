@@ -3,62 +3,57 @@
 The family returns a `Pipeline` from `describe_pipeline()` and fills in a few hooks; this class
 runs it, for requests and for warmup alike (ARCHITECTURE §2, §3):
 
-    # 1. resolve and check the request            resolve_request
+    # 1. resolve and check the request            resolve_request, check_fit
     # 2. encoders (text, image, VAE encode)         pipeline.encoders, each with its module on the device
     # 3. denoise stages, in order                   transition (e.g. upsampler) -> scheduler.prepare
-    #                                               -> (step_pre -> select_transformer -> run_step
-    #                                                   -> step_post)*  per stage
+    #                                               -> condition_latents -> (step_pre -> select_transformer
+    #                                               -> run_step -> step_post)*  per stage
     # 4. decoders (iterators consumed fully)        pipeline.decoders -> {output key: tensor}
     # 5. save (all-or-nothing, through media.py)    save_outputs, or the writer thread (runners/writes.py)
     # end_run (always, from BaseRunner.run_pipeline)
 
-Module placement (offload mode none/model/block/phase, lazy_load, unload_modules) is decided from the
-pipeline's `ModuleSpec`s by the runner's `ModuleBuilder` (runners/building.py), which applies the run's
-installers (runners/installers.py) to every module it builds; a family only says how to build (or
-stream) each module.
-
-Two parts live in their own modules, as mixins of `DefaultRunner`: request validation and the
-memory fit check (runners/requests.py, `RequestChecksMixin`), and warmup with its per-class opt-in
-(runners/warmup.py, `WarmupMixin`).
+This file holds that request path and the hooks a family overrides; the rest are objects the runner
+holds or functions it calls (docs/architecture.md §1): warmup (`self.warmups`, runners/warmup.py),
+loading and placement (runners/loading.py, building.py, installers.py), LoRA (adapters.py), parallel
+runs (parallelism.py), progress (progress_report.py), files (writes.py), request checks (requests.py).
 """
 
 from __future__ import annotations
 
 import functools
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
-from pathlib import Path
+from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any, ClassVar
 
 import torch
 from loguru import logger
 from torch import nn
 
-from runnerkit import attention, memory, synthetic
-from runnerkit import compile as regional_compile
+from runnerkit import attention, memory
 from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.lora import LoRAManager
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.profiling import RequestProfile
-from runnerkit.runners.base import BaseRunner, Progress
+from runnerkit.runners.base import BaseRunner
 from runnerkit.runners.fit import MemoryEstimate
-from runnerkit.runners.pipeline import DenoiseStage, InputInfo, OutputKind, Pipeline, Shape
-from runnerkit.runners.building import ModuleBuilder, check_family_settings, check_stream_modules, stream_choice
-from runnerkit.runners.installers import Installer, check_fp8_compute, check_parallel, installers_for, preload_adapters
+from runnerkit.runners.pipeline import DenoiseStage, InputInfo, OutputKind, Pipeline, Shape, collect_output
+from runnerkit.runners.building import ModuleBuilder, stream_choice
+from runnerkit.runners.installers import Installer
+from runnerkit.runners.loading import module_on_device
 from runnerkit.runners.placement import Placement, held_across_stages
 from runnerkit.runners.request_state import RequestState, check_finite_latents
-from runnerkit.runners import writes
+from runnerkit.runners import adapters, loading, parallelism, progress_report, writes
 from runnerkit.runners.requests import RequestChecksMixin
-from runnerkit.runners.warmup import WarmupMixin
+from runnerkit.runners.warmup import Warmup
 from runnerkit.schedulers import SCHEDULERS
 from runnerkit.schedulers.base import Scheduler
-from runnerkit.text_buckets import TextBuckets, choose, configured
+from runnerkit.text_buckets import TextBuckets, configured
 
 __all__ = ["DefaultRunner", "InputInfo", "Shape", "check_finite_latents", "stream_choice"]
 
 
-class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
+class DefaultRunner(RequestChecksMixin, BaseRunner):
     """Runs a family's `Pipeline`: requests, warmup, profiling, placement and offload."""
 
     #: Spatial and temporal factors a request shape must respect (VAE stride x patch size).
@@ -66,8 +61,6 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
     TEMPORAL_FACTOR: ClassVar[int] = 4
     #: Family default negative prompt (used when neither config nor request gives one).
     DEFAULT_NEGATIVE_PROMPT: ClassVar[str] = ""
-    #: Seed of warmup's own noise; the generator is dropped after warmup, so requests never see it.
-    WARMUP_SEED: ClassVar[int] = 0
     #: Image inputs a task takes (request fields); text-only tasks take none.
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {}
     #: Per task, how many further reference images (`extra_image_paths`) it takes at most (absent: none).
@@ -77,47 +70,41 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
     #: Config paths of separately shipped modules this family reads (`text_encoder_path`,
     #: `upsampler_path`); any other one set in the config is refused.
     MODULE_PATHS: ClassVar[tuple[str, ...]] = ()
-    #: The modules of `describe_pipeline` that can stream their blocks or layers (those it gives a
-    #: `ModuleSpec.stream`): the names `offload.stream_modules` may list. Checked when the runner is
-    #: built, before any plan (`check_stream_modules`), and against the described pipeline at load.
+    #: The modules of `describe_pipeline` that can stream their blocks or layers (given a `ModuleSpec.stream`):
+    #: the names `offload.stream_modules` may list (checked when the runner is built, and at load).
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ()
     #: Text lengths (tokens) the family pads its prompts' embeddings to under `text_buckets: auto`
-    #: (docs/prompt_lengths.md); None: the family's text has a fixed length already (or no text),
-    #: and `text_buckets` takes 'auto' only.
+    #: (docs/prompt_lengths.md); None: a fixed text length already (or no text): `text_buckets` is 'auto'.
     TEXT_BUCKETS: ClassVar[tuple[int, ...] | None] = None
+    #: The family's `run_step` runs its CFG branches through each streamed block in one pass
+    #: (`one_pass_streamer`, the transformer's `forward_branches`); read for the load-time log line.
+    CFG_ONE_PASS: ClassVar[bool] = False
+    #: Parallel modes under config `parallel` (runnerkit/parallel): "cfg" (`run_step` computes the branches
+    #: through `cfg_branches`), "ulysses" (a `ShardsSequence` transformer; `attention_heads`, `sequence_tokens`).
+    PARALLEL_MODES: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
-        check_family_settings(self.config, self.MODULE_PATHS, self.TEXT_BUCKETS is not None)
-        self.check_stream_modules()
-        regional_compile.check_supported(self.config.compile, self.config.offload, self.config.unload_modules,
-                                         self.device)
+        loading.check_settings(self)  # family settings, `offload.stream_modules`, compile support: before any plan
+        self.warmups = Warmup(self)  # the gate, the shapes, the run (runners/warmup.py); BaseRunner.warmup drives it
+        # made by `load_modules` (runners/loading.py), read by the request path
         self.pipeline: Pipeline | None = None
         self.schedulers: dict[str, Scheduler] = {}
         self.placement: Placement | None = None
         self.modules: dict[str, nn.Module] = {}  # resident and model-offloaded modules (not per-stage ones)
         self.streamers: dict[str, Any] = {}  # block/phase streamers of streamed modules, by module name
-        self._warmup_steps_run: dict[str, list[int]] = {}
         self.attention: attention.AttentionBackend | None = None  # chosen in load_modules
         self.buckets: TextBuckets | None = None  # with the attention, in load_modules (runnerkit/text_buckets.py)
-        #: LoRA adapters per request (config `lora`; runnerkit/lora): made in load_modules; None without `lora`.
-        self.lora: LoRAManager | None = None
+        self.lora: LoRAManager | None = None  # adapters per request (config `lora`; runners/adapters.py)
         self.fp8_bias_in_gemm = True  # fp8 compute: whether torch takes the bias in the GEMM (check_fp8_compute)
-        #: What every built module gets, in order (runners/installers.py), and the builder that places the
-        #: pipeline's modules and applies them (runners/building.py); both made by place_modules, in load_modules.
-        self.installers: tuple[Installer, ...] = ()
+        self.installers: tuple[Installer, ...] = ()  # what every built module gets, in order (runners/installers.py)
         self.builder: ModuleBuilder | None = None
         self._fit_unchecked_logged = False
         self._fit_deferred_logged = False
         self._budget: memory.MemoryLimit | None = None  # device_budget(): read once, before loading
         self._budget_read = False
 
-    def check_stream_modules(self) -> None:
-        """Refuse an `offload.stream_modules` entry that is not one of `STREAM_MODULES`, before planning and
-        loading (ValueError; runners/building.py `check_stream_modules`)."""
-        check_stream_modules(self.config, self.STREAM_MODULES, type(self).__name__)
-
-    # ---- family hooks -------------------------------------------------------------------
+    # ---- family hooks: loading ----------------------------------------------------------
     @abstractmethod
     def prepare_load(self) -> None:
         """Open the checkpoint, record the resolved architecture (`update_config`), load tokenizers."""
@@ -130,32 +117,48 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
     def flavour(self) -> str | None:
         """Model flavour recognised from the checkpoint's architecture (e.g. 'debug', '1.3B'), or None."""
 
-    @abstractmethod
-    def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor,
-                 timestep: torch.Tensor, step_index: int) -> torch.Tensor:
-        """One denoising step's model output for the scheduler (all CFG branches combined).
+    load_modules = loading.load_modules  # prepare_load -> attention -> describe_pipeline -> placement -> schedulers
 
-        Args:
-            req: the request (its encoder outputs in `req.inputs`).
-            stage: the denoise stage running.
-            model: the transformer (or MoE expert) `select_transformer` chose, on the device.
-            latents: `[B, C, ...]` in the model dtype; timestep: `[B]`.
+    def attention_head_dim(self) -> int:
+        """The transformer's attention head size (after `prepare_load`), for the attention backend. Default 128."""
+        return 128
+
+    def text_buckets(self) -> tuple[int, ...]:
+        """The text lengths prompts are padded to, increasing; () unpadded (`auto`: decided at load)."""
+        return configured(self.config.text_buckets, self.TEXT_BUCKETS) if self.buckets is None else self.buckets.lengths
+
+    def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
+        """A fresh scheduler of `stage` (no request state)."""
+        return SCHEDULERS[stage.scheduler](shift=stage.shift, spacing=stage.spacing, sigmas=stage.sigmas)
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The first denoise stage's scheduler (the one a single-stage family has)."""
+        return next(iter(self.schedulers.values()), None)
+
+    def estimate_memory(self, shape: Shape) -> MemoryEstimate | None:
+        """The memory estimate of a request of `shape` (h, w, f) on `self.device`, before loading and
+        before each request (runners/fit.py says what the family gives). None (default): none, unchecked.
+
+        Raises:
+            fit.EstimateUnavailable: the family cannot give it yet (checked again once loaded).
         """
+        return None
 
-    #: The family's `run_step` runs its CFG branches through each streamed block in one pass
-    #: (`one_pass_streamer`, the transformer's `forward_branches`); read for the load-time log line.
-    CFG_ONE_PASS: ClassVar[bool] = False
+    # ---- family hooks: LoRA (runners/adapters.py) ----------------------------------------------
+    def lora_aliases(self, names: Sequence[str]) -> dict[str, str]:
+        """Other names of the transformer's linear layers `names` (e.g. diffusers names) -> the layer's name."""
+        return {}
 
-    def one_pass_streamer(self, model: nn.Module) -> BlockStreamer | None:
-        """The block streamer of `model` when the CFG branches share one pass through its blocks (mode
-        "block", `model` streamed; runners/building.py `ModuleBuilder.one_pass_streamer`), else None."""
-        return self.builder.one_pass_streamer(model) if self.builder is not None else None
+    @classmethod
+    def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+        """Layers a typical adapter covers, name -> (out, in), and their names in `layout` (lora/synthetic.py)."""
+        raise NotImplementedError(f"{cls.__name__} cannot describe its LoRA layers for a synthetic adapter")
 
-    #: Parallel modes the runner supports under config `parallel` (runnerkit/parallel): "cfg" (its
-    #: `run_step` computes the branches through `cfg_branches`), "ulysses" (its transformer derives from
-    #: `parallel.sequence.ShardsSequence`, and `attention_heads` / `sequence_tokens` are given).
-    PARALLEL_MODES: ClassVar[frozenset[str]] = frozenset()
+    lora_slot_rank = adapters.slot_rank  # the unfused slots' rank (0 without), for a family's memory estimate
+    check_adapters = adapters.check_adapters  # after init_modules: every request's adapters matched, none applied
 
+    # ---- family hooks: parallel (runners/parallelism.py) ---------------------------------------
     def attention_heads(self) -> int:
         """Family hook (Ulysses): the transformer's attention heads (after `prepare_load`)."""
         raise NotImplementedError(f"{type(self).__name__} does not say its attention heads (attention_heads)")
@@ -174,30 +177,54 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """This process runs the decoders and saves: one process, or rank 0 of a parallel run."""
         return self.parallel is None or self.parallel.rank == 0
 
-    def cfg_branches(self, branches: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
-        """Each CFG branch's prediction, in `branches` order (e.g. [cond, uncond]).
+    cfg_branches = parallelism.cfg_branches  # each CFG branch's prediction (under CFG parallel: one per rank)
+    check_sequence_split = parallelism.check_sequence_split  # Ulysses: a request's tokens divide, per stage
+    check_requests_split = parallelism.check_requests_split  # the same for every request of a launch
 
-        One process: every branch runs here. CFG parallel (`parallel.cfg` = 2): this rank runs branch
-        `cfg_rank` only and one all-gather over the CFG group brings the other's (same shape and dtype
-        on both ranks), so every rank combines the same tensors as one process would.
-        """
-        if not self.cfg_parallel:
-            return [branch() for branch in branches]
-        assert len(branches) == self.parallel.cfg, f"{len(branches)} CFG branches for parallel.cfg {self.parallel.cfg}"
-        return self.parallel.all_gather(branches[self.parallel.cfg_rank](), "cfg")
+    # ---- family hooks: warmup (runners/warmup.py; opt-in: WARMUP_TASKS/SHAPES/OFFLOAD_MODES) -----
+    def run_warmup(self, shapes: Sequence[Shape]) -> None:
+        """Both shapes through the real request path, never `run_pipeline` (`Warmup.run`)."""
+        self.warmups.run(shapes)
 
-    def check_parallel(self) -> None:
-        """Refuse a `parallel` config this runner cannot serve (at load, after `prepare_load`; runners/installers.py
-        `check_parallel` says what it raises)."""
-        check_parallel(self.config, self.parallel, self.PARALLEL_MODES, self.attention_heads, type(self).__name__)
+    def warmup_infos(self, shape: Shape) -> tuple[InputInfo, ...]:
+        """The dummy requests warmup runs at `shape`: one per input variant that changes sequence lengths."""
+        return (self.warmup_info(shape),)
+
+    def warmup_info(self, shape: Shape) -> InputInfo:
+        """The dummy request of warmup at `shape` (`Warmup.info`)."""
+        return self.warmups.info(shape)
+
+    def warmup_steps(self, req: RequestState, stage: DenoiseStage, sched: Scheduler) -> list[int]:
+        """Steps warmup runs in `stage`, after `prepare` (default: `Warmup.first_steps`)."""
+        return self.warmups.first_steps(req, stage, sched)
+
+    def compiled_sizes(self, info: InputInfo) -> dict[str, int]:
+        """Sizes of the dimensions compiled blocks see as dynamic for `info` (e.g. {'transformer tokens': 45})."""
+        return {}
+
+    def warmup_shapes(self) -> tuple[Shape, ...]:
+        """The class-constant warmup shapes of this checkpoint's flavour (`Warmup.shapes`)."""
+        return self.warmups.shapes()
+
+    def _opt_in(self, name: str) -> Any:  # read by runners/requests.py
+        return self.warmups.opt_in(name)
+
+    # ---- family hooks: the request path -------------------------------------------------------
+    @abstractmethod
+    def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor,
+                 timestep: torch.Tensor, step_index: int) -> torch.Tensor:
+        """One denoising step's model output for the scheduler (all CFG branches combined): `latents`
+        `[B, C, ...]` in the model dtype, `timestep` `[B]`, `model` the transformer (or MoE expert)
+        `select_transformer` chose, on the device; the request's encoder outputs are in `req.inputs`."""
+
+    def one_pass_streamer(self, model: nn.Module) -> BlockStreamer | None:
+        """`model`'s block streamer when CFG branches share one pass through its blocks (building.py), else None."""
+        return self.builder.one_pass_streamer(model) if self.builder is not None else None
 
     def select_transformer(self, req: RequestState, stage: DenoiseStage, step_index: int,
                            timestep: torch.Tensor) -> str:
-        """The transformer (MoE expert) of `stage` that runs step `step_index` (default: the only one).
-
-        Raises:
-            NotImplementedError: the stage lists several experts and the family did not say how to choose.
-        """
+        """The transformer (MoE expert) of `stage` that runs step `step_index` (default: the only one;
+        NotImplementedError when the stage lists several)."""
         if len(stage.transformers) != 1:
             raise NotImplementedError(f"{type(self).__name__}: denoise stage {stage.name!r} has experts "
                                       f"{list(stage.transformers)}; override select_transformer to choose per step")
@@ -211,185 +238,20 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
 
     def condition_latents(self, req: RequestState, stage: DenoiseStage, latents: torch.Tensor,
                           init_latents: torch.Tensor | None) -> torch.Tensor:
-        """Family hook, right after `stage`'s scheduler drew its start `latents` (float32, the
-        scheduler's own tensor: do not write into it): the start with conditioned tokens, e.g. an
-        image-to-video model's clean first frame (`init_latents`: what the stage started from, None
+        """Right after `stage`'s scheduler drew its start `latents` (float32, its own: do not write into it), the
+        start with conditioned tokens (e.g. i2v's clean first frame; `init_latents`: the stage's input, None
         for the first stage); the scheduler continues from what it returns. Default: `latents`."""
         return latents
-
-    def clear_request_state(self) -> None:
-        """Family hook: drop request-specific caches (RoPE tables, VAE feature caches, branch state)."""
-
-    #: Checkpoint layouts `write_synthetic_checkpoint` can write (empty: the family writes none).
-    CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def write_synthetic_checkpoint(cls, config: RunnerConfig, out: Path, seed: int, dtype: torch.dtype,
-                                   layout: str, **options: Any) -> None:
-        """Write deterministic random weights of `config`'s architecture to `out` (runnerkit.tools.synth_checkpoint)."""
-        raise NotImplementedError(f"{cls.__name__} cannot write synthetic checkpoints")
-
-    @staticmethod
-    def synthetic_seed_of(path: Path) -> int | None:
-        """The seed of the synthetic checkpoint at `path`, or None if it holds none (its
-        `runnerkit.synthetic.SYNTHETIC_MARKER`)."""
-        return synthetic.synthetic_seed_of(path)
 
     def sidecar_extra(self, req: RequestState) -> dict[str, Any]:
         """Family fields added to the sidecar JSON of a saved result."""
         return {}
 
-    def estimate_memory(self, shape: Shape) -> MemoryEstimate | None:
-        """Family hook: the memory estimate of a request of `shape` (height, width, frames) on `self.device`.
-
-        Called before loading (from the checkpoint's architecture) and before each request; see
-        runners/fit.py for what the family gives (module weights, per-stage activations) and what
-        the base makes of it. None: no estimate (the default): requests are served unchecked.
-
-        Raises:
-            fit.EstimateUnavailable: the family has an estimate but cannot give it yet (e.g. the
-                checkpoint's architecture is not readable before loading); checked once loaded.
-        """
-        return None
-
-    def lora_aliases(self, names: Sequence[str]) -> dict[str, str]:
-        """Family hook: other names of the transformer's linear layers `names` (e.g. the diffusers
-        names of a model built in the original release's names) -> the layer's name, for matching
-        LoRA adapters (runnerkit/lora). Default: none (the model's names are the only ones)."""
-        return {}
-
-    @classmethod
-    def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
-        """Family hook for the synthetic adapter writer (runnerkit/lora/synthetic.py): the linear layers
-        a typical adapter of `config`'s architecture covers, name -> (out, in), and the names to write
-        them under in `layout` (e.g. diffusers names for "peft"); no weight is read.
-
-        Raises:
-            NotImplementedError: the family has no such table.
-        """
-        raise NotImplementedError(f"{cls.__name__} cannot describe its LoRA layers for a synthetic adapter")
-
-    def lora_slot_rank(self) -> int:
-        """The rank R of the unfused LoRA slots every transformer carries on the device (config `lora`
-        in mode unfused: `lora.max_rank`); 0 without them. For a family's memory estimate."""
-        lora = self.config.lora
-        return lora.max_rank if lora is not None and lora.mode == "unfused" else 0
-
-    def check_adapters(self, requests: Sequence[RequestConfig]) -> None:
-        """After `init_modules`, before serving: every request's adapters read and matched to the
-        transformer's layers (nothing applied).
-
-        Raises:
-            runnerkit.lora.LoRAError: naming the file (unknown format, keys matching no layer, an
-                adapter for another model, shapes or ranks that do not fit).
-        """
-        for request in requests:
-            specs = self.lora_specs(request, self.config)
-            if specs:
-                assert self.lora is not None, "lora_specs refuses adapters without the config's `lora`"
-                self.lora.check(specs)
-
-    # ---- loading and placement --------------------------------------------------------------
-    def attention_head_dim(self) -> int:
-        """Family hook: the transformer's attention head size (after `prepare_load`), for the attention
-        backend's probe (runnerkit/attention.py). Default 128."""
-        return 128
-
-    def text_buckets(self) -> tuple[int, ...]:
-        """The text lengths (tokens) prompts are padded to, increasing; () when prompts run unpadded
-        (runnerkit/text_buckets.py; `auto` is decided at load, with the attention backend)."""
-        return configured(self.config.text_buckets, self.TEXT_BUCKETS) if self.buckets is None else self.buckets.lengths
-
-    def load_modules(self) -> None:
-        """prepare_load -> the attention backend -> describe_pipeline -> place every module as the
-        offload config says -> schedulers.
-
-        Raises:
-            NotImplementedError: the configured attention backend cannot run here (with the reason).
-        """
-        self.prepare_load()
-        self.check_parallel()
-        head_dim = self.attention_head_dim()
-        self.attention, self.buckets = backend, buckets = choose(self.config.attention, self.config.text_buckets,
-                                                                 self.TEXT_BUCKETS, self.device, self.dtype, head_dim)
-        logger.info("attention: {} ({}; head size {}, {})", backend.name, backend.reason, head_dim, self.dtype)
-        self.profiler.attention = {"backend": backend.name, "reason": backend.reason, "head_dim": head_dim,
-                                   "text_buckets": list(buckets.lengths), "text_buckets_reason": buckets.reason}
-        self.pipeline = pipeline = self.describe_pipeline()
-        if self.config.compute_dtype == "fp8":
-            self.check_fp8_compute(pipeline)
-        can = sorted(m.name for m in pipeline.modules if m.stream is not None)
-        assert can == sorted(self.STREAM_MODULES), (f"{type(self).__name__}.STREAM_MODULES "
-                                                     f"{list(self.STREAM_MODULES)} differs from the modules its "
-                                                     f"pipeline can stream, {can}: declare them")
-        if self.config.lora is not None:
-            self.lora = LoRAManager(self.config.lora.mode, self.config.lora.max_rank, self.device, self.dtype,
-                                    self.lora_aliases, f"{self.config.model_cls} transformer")
-        self.placement = self.place_modules(pipeline)
-        self.schedulers = {s.name: self.build_scheduler(s) for s in pipeline.denoise}
-        if self.lora is not None:  # every adapter of `lora.adapters` read and matched now (a bad file fails the load)
-            assert self.config.lora is not None
-            preload_adapters(self.lora, self.config.lora.adapters, pipeline)
-
-    def check_fp8_compute(self, pipeline: Pipeline) -> None:
-        """`compute_dtype: fp8`: refuse it where it cannot run, before anything loads (runners/installers.py
-        `check_fp8_compute`, which raises NotImplementedError with the reason); else remember whether the
-        bias goes into the fp8 GEMM."""
-        self.fp8_bias_in_gemm = check_fp8_compute(pipeline, self.device, self.dtype, self.config.dtype,
-                                                  type(self).__name__)
-
-    def build_scheduler(self, stage: DenoiseStage) -> Scheduler:
-        """A fresh scheduler of `stage` (no request state)."""
-        return SCHEDULERS[stage.scheduler](shift=stage.shift, spacing=stage.spacing, sigmas=stage.sigmas)
-
-    @property
-    def scheduler(self) -> Scheduler | None:
-        """The first denoise stage's scheduler (the one a single-stage family has)."""
-        return next(iter(self.schedulers.values()), None)
-
-    def place_modules(self, pipeline: Pipeline) -> Placement:
-        """Build every module where the offload config puts it (runners/building.py `ModuleBuilder.place`),
-        with the run's installers (runners/installers.py), made here from what load chose (attention, LoRA, fp8)."""
-        assert self.attention is not None, "load_modules chooses the attention backend first"
-        self.installers = installers_for(self.config, self.dtype, self.attention, self.lora, self.fp8_bias_in_gemm,
-                                         self.parallel, type(self).__name__)
-        self.builder = ModuleBuilder(self.config, self.device, type(self).__name__, self.CFG_ONE_PASS, self.installers,
-                                     self.streamers)
-        placement, self.modules = self.builder.place(pipeline)
-        return placement
-
-    @contextmanager
-    def module_on_device(self, name: str | None, req: RequestState | None = None) -> Iterator[nn.Module | None]:
-        """Module `name` on the compute device for one stage (runners/placement.py); while the block
-        runs it is also `req.modules[name]`. `name` None: yields None."""
-        if name is None or self.placement is None:
-            yield None
-            return
-        with self.placement.on_device(name) as module:
-            if req is None:
-                yield module
-                return
-            req.modules[name] = module
-            try:
-                yield module
-            finally:
-                del req.modules[name]
+    def clear_request_state(self) -> None:
+        """Family hook: drop request-specific caches (RoPE tables, VAE feature caches, branch state)."""
 
     # ---- request path -------------------------------------------------------------------
-    def report_progress(self, info: InputInfo, stage: str, step: int = 0, steps: int = 0) -> None:
-        """Tell `on_progress` where the request is (never during warmup); the observer may raise
-        `RequestCancelled` to stop the request here.
-
-        `stage` is a profiling stage that starts, or the denoise stage that finished step `step`
-        of `steps`; `steps_done` counts the steps of every denoise stage before it.
-        """
-        if self.on_progress is None or info.warmup or self.pipeline is None:
-            return
-        before, total = self.pipeline.step_offsets
-        done = before.get(stage, total) + step  # decoders and save: every step is done
-        current = self.profiler.current
-        self.on_progress(Progress(index=current.index if current is not None else 0, stage=stage, step=step,
-                                  steps=steps, steps_done=done, steps_total=total))
+    report_progress = progress_report.report_progress  # tell `on_progress` (which may cancel) where a request is
 
     def profile_stages(self) -> tuple[str, ...]:
         assert self.pipeline is not None, "load_modules sets the pipeline"
@@ -400,13 +262,10 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         # 1. resolve and check the request (its shape against the device's memory, before any stage)
         info = self.resolve_request(request)
         req = RequestState(info)  # the request's state; dropped when serve_request returns
-        if info.lora:  # request state: cleared in end_run (reset_request_state)
-            assert self.lora is not None, "lora_specs refuses adapters without the config's `lora`"
-            self.lora.set_request(info.lora)
+        adapters.set_request(self, info)  # request state: cleared in end_run (reset_request_state)
         prof.shape = list(info.shape)
         self.check_fit(info.shape, f"request {index}")
-        if self._warmup_ran and info.shape not in self.warmed_shapes:
-            self.log_unwarmed_shape(info, index)
+        self.warmups.log_unwarmed_shape(info, index)  # after a warmup, at a shape it did not run
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
         # 2. encoders
@@ -419,15 +278,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         outputs = self.decode(req, latents)
         # 5. save: here, or queued for the writer thread, which writes while the next request computes
         self.report_progress(info, "save")
-        if self.writer is not None and (info.save_result_path or info.save_tensor_path):
-            with self.profiler.stage("save"):  # a free writer slot, the sidecar and CPU copies (runners/writes.py)
-                return writes.hand_off(self, prof, functools.partial(writes.prepare_write, self, req, outputs))
-        # under `parallel`, the lock keeps a failing group's cleanup (parallel/driver.py) from racing the renames
-        with self.profiler.stage("save"), self.parallel.output_lock if self.parallel is not None else nullcontext():
-            written = self.save_outputs(req, outputs)
-            prof.saved = True  # before logging: an interrupt from here on leaves the request finished
-        for path in written:
-            logger.info("saved {}", path)
+        writes.save(self, req, prof, outputs)
 
     def run_encoders(self, req: RequestState, per_shape: bool | None = None) -> Any:
         """Run the pipeline's encoder stages (only those with `per_shape` == `per_shape` unless None),
@@ -438,7 +289,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             if per_shape is not None and enc.per_shape != per_shape:
                 continue
             self.report_progress(req.info, enc.name)
-            with self.profiler.stage(enc.name), self.module_on_device(enc.module, req):
+            with self.profiler.stage(enc.name), module_on_device(self.placement, enc.module, req):
                 req.inputs = enc.run(req)
         return req.inputs
 
@@ -465,7 +316,8 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         if stage.transition is not None:
             assert latents is not None, "a transition needs the previous stage's latents"
             self.report_progress(req.info, stage.transition)
-            with self.profiler.stage(stage.transition), self.module_on_device(stage.transition, req) as model:
+            with (self.profiler.stage(stage.transition),
+                  module_on_device(self.placement, stage.transition, req) as model):
                 latents = self.run_transition(req, stage, model, latents)
         sched = self.schedulers[stage.name]
         sched.generator = req.generator  # one generator per request, drawn from in a fixed order
@@ -474,36 +326,6 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             latents = self.run_denoise_stage(req, stage, sched, latents, warmup)
         req.generator = sched.generator
         return latents
-
-    def check_sequence_split(self, info: InputInfo, stages: Sequence[DenoiseStage] | None = None) -> None:
-        """Under Ulysses sequence parallel, refuse request `info` if a denoise stage's transformer tokens
-        (`sequence_tokens`) do not divide by `parallel.ulysses`; a no-op otherwise. The server calls it
-        at submission (422), every stage calls it before its first step. `stages`: default every one.
-
-        Raises:
-            NotImplementedError: naming the stage, the shape, the token count and `parallel.ulysses`.
-        """
-        if self.parallel is None or self.parallel.ulysses <= 1:
-            return
-        from runnerkit.parallel.group import split_even
-
-        assert self.pipeline is not None, "load_modules sets the pipeline"
-        for stage in stages if stages is not None else self.pipeline.denoise:
-            split_even(self.sequence_tokens(stage, info), self.parallel.ulysses, "the transformer's tokens",
-                       f"stage {stage.name!r} at shape {list(info.shape)}; choose a shape whose tokens divide")
-
-    def check_requests_split(self, requests: Sequence[RequestConfig]) -> None:
-        """`check_sequence_split` for every request of a launch, after `init_modules` and before the
-        first runs (under `parallel` a failed request ends every rank, so none starts).
-
-        Raises:
-            NotImplementedError: naming the first request whose tokens do not divide (index, source).
-        """
-        for index, request in enumerate(requests):
-            try:
-                self.check_sequence_split(self.resolve_request(request))
-            except NotImplementedError as exc:
-                raise NotImplementedError(f"request {index} ({request.source}): {exc}") from None
 
     def run_denoise_stage(self, req: RequestState, stage: DenoiseStage, sched: Scheduler,
                           init_latents: torch.Tensor | None, warmup: bool = False) -> torch.Tensor:
@@ -520,9 +342,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                       init_latents=init_latents, strength=stage.strength,
                       noise_shapes=stage.noise_shapes(info) if stage.noise_shapes is not None else None)
         sched.set_latents(self.condition_latents(req, stage, sched.latents, init_latents))
-        order = self.warmup_steps(req, stage, sched) if warmup else list(range(sched.infer_steps))
-        if warmup:
-            self._warmup_steps_run[stage.name] = order
+        order = self.warmups.stage_steps(req, stage, sched) if warmup else list(range(sched.infer_steps))
         label = f"warmup {list(info.shape)}: {stage.name} step" if warmup else f"{stage.name} step"
         with ExitStack() as placed:
             current: str | None = None
@@ -538,7 +358,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
                     name = self.select_transformer(req, stage, i, timestep)
                     if name != current:
                         placed.close()  # the previous expert leaves the device first
-                        model = placed.enter_context(self.module_on_device(name, req))
+                        model = placed.enter_context(module_on_device(self.placement, name, req))
                         current = name
                     noise_pred = self.run_step(req, stage, model, latents, timestep, i)
                     sched.step_post(noise_pred)
@@ -549,36 +369,19 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         return sched.latents
 
     def decode(self, req: RequestState, latents: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Run every decoder (iterators consumed fully while the module is on the device); progress is
-        reported for requests (never warmup's).
-
-        Returns:
-            output key -> tensor `[B, ...]` (e.g. video `[B, 3, F, H, W]`).
-        """
+        """Every decoder, its module on the device (iterators consumed fully, `collect_output`): output key
+        -> tensor `[B, ...]` (e.g. video `[B, 3, F, H, W]`)."""
         assert self.pipeline is not None, "load_modules first"
         outputs: dict[str, torch.Tensor] = {}
         for dec in self.pipeline.decoders:
             self.report_progress(req.info, dec.name)
-            with self.profiler.stage(dec.name), self.module_on_device(dec.module, req):
-                out = dec.run(req, latents)
-                if isinstance(out, torch.Tensor):
-                    outputs[dec.output] = out
-                    continue
-                chunks = []
-                try:
-                    for chunk in out:  # an observer may cancel between chunks (a long decode)
-                        chunks.append(chunk)
-                        self.report_progress(req.info, dec.name)
-                finally:
-                    close = getattr(out, "close", None)
-                    if close is not None:
-                        close()  # a generator left early (cancelled, failed) releases its caches now
-                outputs[dec.output] = torch.cat(chunks, dim=2)
+            with self.profiler.stage(dec.name), module_on_device(self.placement, dec.module, req):
+                outputs[dec.output] = collect_output(dec.run(req, latents),
+                                                     functools.partial(self.report_progress, req.info, dec.name))
         return outputs
 
     def save_outputs(self, req: RequestState, outputs: dict[str, torch.Tensor]) -> list[str]:
-        """Write the request's files now through the media module, all-or-nothing (runnerkit/media.py;
-        what is written: runners/writes.py `prepare_write`); returns the paths written."""
+        """Write the request's files now, all-or-nothing (runners/writes.py `prepare_write`); the paths written."""
         return writes.prepare_write(self, req, outputs)(lambda: None)
 
     def end_run(self) -> None:

@@ -177,6 +177,25 @@ class DecoderStage:
     run: Callable[[Any, torch.Tensor], torch.Tensor | Iterable[torch.Tensor]]
 
 
+def collect_output(out: torch.Tensor | Iterable[torch.Tensor], on_chunk: Callable[[], None]) -> torch.Tensor:
+    """What a `DecoderStage.run` returned, as one tensor: a tensor as it is; an iterator consumed fully,
+    `on_chunk()` after each chunk (an observer may cancel a long decode there), closed however it ends
+    (a generator left early, cancelled or failed, releases its caches now), its chunks concatenated
+    along dim 2 (`[B, C, F, ...]`: frames)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    chunks = []
+    try:
+        for chunk in out:
+            chunks.append(chunk)
+            on_chunk()
+    finally:
+        close = getattr(out, "close", None)
+        if close is not None:
+            close()
+    return torch.cat(chunks, dim=2)
+
+
 @dataclass(frozen=True)
 class OutputSpec:
     """A result of the pipeline.

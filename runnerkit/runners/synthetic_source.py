@@ -1,8 +1,9 @@
 """Where a runner's checkpoint comes from: `model_path`, or a synthetic one written on first use.
 
-`SyntheticCheckpointSource` is mixed into a family runner that can write synthetic checkpoints
-(`DefaultRunner.write_synthetic_checkpoint`). The runner provides `arch_override` (its
-architecture, a pydantic model: the cache folder is keyed by it) and `open_checkpoint(path)`.
+`SyntheticCheckpointSource` is mixed into a family runner that can write synthetic checkpoints: it
+declares the family's hook `write_synthetic_checkpoint` and its `CHECKPOINT_LAYOUTS` (what
+runnerkit.tools.synth_checkpoint writes). The runner provides `arch_override` (its architecture, a
+pydantic model: the cache folder is keyed by it) and `open_checkpoint(path)`.
 """
 
 from __future__ import annotations
@@ -11,12 +12,17 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from loguru import logger
 
 from runnerkit.synthetic import synthetic_seed_of
 from runnerkit.weights import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+    from runnerkit.config import RunnerConfig
 
 
 def synthetic_cache_dir() -> Path:
@@ -55,6 +61,15 @@ class SyntheticCheckpointSource:
     plan_only: bool  # BaseRunner: built by `for_plan`
     #: The layout a synthetic checkpoint is written in when the runner writes one itself.
     SYNTHETIC_LAYOUT: str = "runnerkit"
+    #: Checkpoint layouts `write_synthetic_checkpoint` can write (empty: the family writes none).
+    CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def write_synthetic_checkpoint(cls, config: RunnerConfig, out: Path, seed: int, dtype: torch.dtype,
+                                   layout: str, **options: Any) -> None:
+        """Family hook: write deterministic random weights of `config`'s architecture to `out`, in `layout`
+        (one of `CHECKPOINT_LAYOUTS`; runnerkit.tools.synth_checkpoint, `synthetic_checkpoint`)."""
+        raise NotImplementedError(f"{cls.__name__} cannot write synthetic checkpoints")
 
     def open_checkpoint(self, path: Path, raw: bool = False) -> Any:
         """The family's checkpoint at `path` (`raw`: without the config's `model` over it)."""
@@ -118,7 +133,7 @@ class SyntheticCheckpointSource:
         cfg = self.config
         path = self.checkpoint_path()
         if self._synthetic_pending(path):
-            type(self).write_synthetic_checkpoint(cfg, path, cfg.synthetic_checkpoint.seed, self.dtype,  # type: ignore[attr-defined]
+            type(self).write_synthetic_checkpoint(cfg, path, cfg.synthetic_checkpoint.seed, self.dtype,
                                                   self.SYNTHETIC_LAYOUT)
         ckpt = self.open_checkpoint(path)
         seed = synthetic_seed_of(path)

@@ -17,9 +17,11 @@ does, so a failing group's cleanup (parallel/driver.py) never races a rename.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
     from runnerkit.runners.default import DefaultRunner
     from runnerkit.runners.request_state import RequestState
 
-__all__ = ["PendingRequest", "close_writer", "hand_off", "prepare_write", "replace_writer", "sidecar_record"]
+__all__ = ["PendingRequest", "close_writer", "hand_off", "prepare_write", "replace_writer", "save", "sidecar_record"]
 
 
 def replace_writer(current: ResultWriter | None, max_in_flight: int) -> ResultWriter | None:
@@ -128,6 +130,22 @@ class PendingRequest:
             due = self._computed is True
         if due:
             self._report(error)
+
+
+def save(runner: DefaultRunner, req: RequestState, prof: RequestProfile, outputs: dict[str, torch.Tensor]) -> None:
+    """Step 5 of a request, in its `save` stage: queue its files for the writer thread (`hand_off`: a free
+    writer slot, then the sidecar and CPU copies), or, without a writer or with nothing to save, write
+    them now (`runner.save_outputs`) and log each path. Inline under `parallel` the group's output lock
+    is held, so a failing group's cleanup (parallel/driver.py) never races the renames."""
+    info = req.info
+    if runner.writer is not None and (info.save_result_path or info.save_tensor_path):
+        with runner.profiler.stage("save"):
+            return hand_off(runner, prof, functools.partial(prepare_write, runner, req, outputs))
+    with runner.profiler.stage("save"), runner.parallel.output_lock if runner.parallel is not None else nullcontext():
+        paths = runner.save_outputs(req, outputs)
+        prof.saved = True  # before logging: an interrupt from here on leaves the request finished
+    for path in paths:
+        logger.info("saved {}", path)
 
 
 def hand_off(runner: BaseRunner, prof: RequestProfile, prepare: Callable[[], WriteFn]) -> None:

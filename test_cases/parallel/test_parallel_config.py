@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from runnerkit.config import ParallelConfig, RequestConfig, load_runner_config
 from runnerkit.parallel import ParallelSetupError, init_from_env
 from runnerkit.registry import get_runner_cls
+from runnerkit.runners.installers import check_parallel
 from test_cases.conftest import REPO, TINY_CONFIG, config_dict
 
 
@@ -118,7 +119,7 @@ def test_a_family_without_parallel_support_is_refused(tmp_path: Path) -> None:
     runner = get_runner_cls(config.model_cls, config.task)(config)
     runner.attach_parallel(FakeGroup(config.parallel))
     with pytest.raises(NotImplementedError, match=r"does not support \['ulysses'\] parallel \(supported: \[\]\)"):
-        runner.check_parallel()
+        check_parallel(runner.config, runner.parallel, runner.PARALLEL_MODES, runner.attention_heads, "LTX2Runner")
 
 
 def test_tokens_that_do_not_divide_are_refused_before_the_first_step(tiny_ckpt: Path) -> None:
@@ -139,7 +140,7 @@ def test_warmup_runs_the_shapes_whose_tokens_divide(tiny_ckpt: Path, monkeypatch
 
     runner = _runner(tiny_ckpt, {"ulysses": 2}, warmup=True)
     ran: list[tuple[tuple[int, int, int], ...]] = []
-    monkeypatch.setattr(runner, "warmup_shapes", lambda: ((48, 80, 9), (32, 32, 5), (32, 64, 5)))
+    monkeypatch.setattr(runner.warmups, "shapes", lambda: ((48, 80, 9), (32, 32, 5), (32, 64, 5)))
     monkeypatch.setattr(runner, "run_warmup", lambda shapes: ran.append(tuple(shapes)))  # no collective to reach
     warnings: list[str] = []
     sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
@@ -156,8 +157,8 @@ def test_warmup_runs_the_shapes_whose_tokens_divide(tiny_ckpt: Path, monkeypatch
     assert runner.profiler.warmup["shapes"] == [[32, 32, 5], [32, 64, 5]]
     with pytest.raises(NotImplementedError, match=r"^`parallel.ulysses`=2: no warmup shape of WanT2VRunner has tokens "
                                                   r"that divide \(\[48, 80, 9\]: .*got 45 .*; \[16, 48, 1\]: .*got 3 "):
-        runner.runnable_warmup_shapes([(48, 80, 9), (16, 48, 1)])
-    assert _runner(tiny_ckpt, None).runnable_warmup_shapes([(48, 80, 9)]) == ((48, 80, 9),)
+        runner.warmups.runnable_shapes([(48, 80, 9), (16, 48, 1)])
+    assert _runner(tiny_ckpt, None).warmups.runnable_shapes([(48, 80, 9)]) == ((48, 80, 9),)
 
 
 def test_a_launch_checks_every_request_split_before_the_first_runs(tiny_ckpt: Path) -> None:

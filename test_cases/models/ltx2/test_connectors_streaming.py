@@ -20,7 +20,7 @@ from runnerkit.models.ltx2 import estimate as est
 from runnerkit.models.ltx2.arch import LTX23_22B_ARCH
 from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FILE, write_synthetic_ltx2
 from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner
-from runnerkit.runners import fit
+from runnerkit.runners import fit, loading
 from runnerkit.runners.pipeline import InputInfo
 from runnerkit.runners.plan import plan_offload
 from runnerkit.runners.request_state import RequestState
@@ -119,7 +119,7 @@ def test_the_pipeline_streams_the_connectors_when_listed(checkpoints: dict[str, 
         runner = make_runner(checkpoints["diffusers"], "diffusers", mode="block", stream_modules=names)
         runner.attention = attention.resolve(runner.config.attention, runner.device, runner.dtype,
                                              runner.attention_head_dim())
-        placement = runner.place_modules(runner.describe_pipeline())
+        placement = loading.place_modules(runner, runner.describe_pipeline())
         try:
             assert ("connectors" in runner.streamers) is streamed and "transformer" in runner.streamers
             assert ("connectors" in placement.resident_modules) is streamed  # streamed: resident part + slots

@@ -225,7 +225,7 @@ def test_warmup_runs_every_stage_per_shape_in_order(checkpoint: Path, mocker: An
     assert stage2_left == [False, False]  # state is cleared after each shape, not only after warmup
     assert run_pipeline.call_count == 0 and save.call_count == 0
     assert runner.profiler.warmup["shapes"] == [list(s) for s in shapes]
-    assert runner.warmup_step_report() == runner.profiler.warmup["steps_per_shape"] == {"stage1": [0, 7],
+    assert runner.warmups.step_report() == runner.profiler.warmup["steps_per_shape"] == {"stage1": [0, 7],
                                                                                      "stage2": [0, 2]}
     assert_request_boundary(runner)
     if offload == "model":

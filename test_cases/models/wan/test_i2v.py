@@ -32,6 +32,7 @@ from runnerkit.models.wan.i2v import WanFLF2VRunner, WanI2VRunner, fit_last_fram
 from runnerkit.models.wan.moe import WanMoEI2VRunner
 from runnerkit.models.wan.moe_checkpoint import write_synthetic_moe
 from runnerkit.registry import get_runner_cls
+from runnerkit.runners import loading
 from test_cases.conftest import tiny_config_dict, write_config
 from test_cases.family_contract import Family, RequestSpy, check_failed_and_cancelled
 
@@ -248,14 +249,14 @@ def test_warmup_runs_per_shape_image_encoders_both_frames_and_both_experts(
     runner = make_runner(task, ckpts[task], warmup=True)
     calls: list[tuple[Any, ...]] = []
     ys: list[torch.Tensor] = []
-    real_place = runner.place_modules
+    real_place = loading.place_modules
 
-    def place_and_record(pipeline: Any) -> Any:
-        placement = real_place(pipeline)
+    def place_and_record(placed: Any, pipeline: Any) -> Any:
+        placement = real_place(placed, pipeline)
         instrument(runner, calls, ys)
         return placement
 
-    mocker.patch.object(runner, "place_modules", side_effect=place_and_record)
+    mocker.patch.object(loading, "place_modules", side_effect=place_and_record)
     runner.init_modules()
 
     flf = task == "flf2v"

@@ -26,6 +26,7 @@ from runnerkit.models.wan.arch import WanArch
 from runnerkit.models.wan.moe import WanMoERunner
 from runnerkit.models.wan.moe_checkpoint import WanMoECheckpoint, write_synthetic_moe
 from runnerkit.registry import get_runner_cls
+from runnerkit.runners import loading
 from runnerkit.runners.request_state import RequestState
 from test_cases._reference import require_reference
 
@@ -156,14 +157,14 @@ def test_guidance_is_per_expert_and_one_number_serves_both(moe_ckpts: dict[str, 
 def test_warmup_runs_the_first_step_of_each_expert_on_both_shapes(moe_ckpts: dict[str, Path], mocker: Any) -> None:
     runner = make_runner(moe_ckpts["runnerkit"], warmup=True)  # 4 steps: timesteps 999 973 922 | 799 (Wan spacing)
     calls: list[tuple[str, int, int]] = []
-    real_place = runner.place_modules
+    real_place = loading.place_modules
 
-    def place_and_record(pipeline: Any) -> Any:
-        placement = real_place(pipeline)
+    def place_and_record(placed: Any, pipeline: Any) -> Any:
+        placement = real_place(placed, pipeline)
         record_expert_calls(runner, calls)
         return placement
 
-    mocker.patch.object(runner, "place_modules", side_effect=place_and_record)
+    mocker.patch.object(loading, "place_modules", side_effect=place_and_record)
     runner.init_modules()
     per_shape = [(HIGH, 999), (HIGH, 999), (LOW, 799), (LOW, 799)]  # step 0, then the low-noise expert's first step
     assert [(n, t) for n, t, _ in calls] == per_shape * 2

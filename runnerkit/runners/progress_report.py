@@ -1,0 +1,34 @@
+"""Progress of `DefaultRunner`'s requests for an observer (`on_progress`, runners/base.py `Progress`):
+where the request is, in profiling stages and denoising steps over every denoise stage.
+
+The launch script's progress bar (runnerkit/progress.py) and the server's job status read these
+reports; an observer may raise `RequestCancelled` to stop the request at the boundary it was told of.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from runnerkit.runners.base import Progress
+from runnerkit.runners.pipeline import InputInfo
+
+if TYPE_CHECKING:
+    from runnerkit.runners.default import DefaultRunner
+
+__all__ = ["report_progress"]
+
+
+def report_progress(runner: DefaultRunner, info: InputInfo, stage: str, step: int = 0, steps: int = 0) -> None:
+    """Tell `runner.on_progress` where the request is (never during warmup; nothing before the pipeline
+    is described).
+
+    `stage` is a profiling stage that starts, or the denoise stage that finished step `step` of `steps`;
+    `steps_done` counts the steps of every denoise stage before it (decoders and save: every step).
+    """
+    if runner.on_progress is None or info.warmup or runner.pipeline is None:
+        return
+    before, total = runner.pipeline.step_offsets
+    done = before.get(stage, total) + step  # decoders and save: every step is done
+    current = runner.profiler.current
+    runner.on_progress(Progress(index=current.index if current is not None else 0, stage=stage, step=step,
+                                steps=steps, steps_done=done, steps_total=total))
