@@ -17,9 +17,9 @@ pipeline's `ModuleSpec`s by the runner's `ModuleBuilder` (runners/building.py), 
 installers (runners/installers.py) to every module it builds; a family only says how to build (or
 stream) each module.
 
-Two parts live in their own modules, as mixins of `DefaultRunner`: request validation and the
-memory fit check (runners/requests.py, `RequestChecksMixin`), and warmup with its per-class opt-in
-(runners/warmup.py, `WarmupMixin`).
+Request validation is functions (runners/requests.py) behind hooks declared at the end of the class;
+the memory plan and fit checks are an object the runner holds (`memory_checks`, planning/checks.py);
+warmup with its per-class opt-in is a mixin (runners/warmup.py, `WarmupMixin`).
 """
 
 from __future__ import annotations
@@ -40,16 +40,18 @@ from runnerkit import compile as regional_compile
 from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.lora import LoRAManager
 from runnerkit.offload.streamer import BlockStreamer
+from runnerkit.planning.checks import MemoryChecks, default_sources
+from runnerkit.planning.compute import StageFlops
+from runnerkit.planning.fit import MemoryEstimate
 from runnerkit.profiling import RequestProfile
 from runnerkit.runners.base import BaseRunner, Progress
-from runnerkit.runners.fit import MemoryEstimate
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, OutputKind, Pipeline, Shape
 from runnerkit.runners.building import ModuleBuilder, check_family_settings, check_stream_modules, stream_choice
 from runnerkit.runners.installers import Installer, check_fp8_compute, check_parallel, installers_for, preload_adapters
 from runnerkit.runners.placement import Placement, held_across_stages
 from runnerkit.runners.request_state import RequestState, check_finite_latents
 from runnerkit.runners import writes
-from runnerkit.runners.requests import RequestChecksMixin
+from runnerkit.runners.requests import check_request, check_shape, lora_specs, resolve, shape_with_defaults
 from runnerkit.runners.warmup import WarmupMixin
 from runnerkit.schedulers import SCHEDULERS
 from runnerkit.schedulers.base import Scheduler
@@ -58,7 +60,7 @@ from runnerkit.text_buckets import TextBuckets, choose, configured
 __all__ = ["DefaultRunner", "InputInfo", "Shape", "check_finite_latents", "stream_choice"]
 
 
-class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
+class DefaultRunner(WarmupMixin, BaseRunner):
     """Runs a family's `Pipeline`: requests, warmup, profiling, placement and offload."""
 
     #: Spatial and temporal factors a request shape must respect (VAE stride x patch size).
@@ -107,10 +109,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         #: pipeline's modules and applies them (runners/building.py); both made by place_modules, in load_modules.
         self.installers: tuple[Installer, ...] = ()
         self.builder: ModuleBuilder | None = None
-        self._fit_unchecked_logged = False
-        self._fit_deferred_logged = False
-        self._budget: memory.MemoryLimit | None = None  # device_budget(): read once, before loading
-        self._budget_read = False
+        self.memory_checks = MemoryChecks(self)  # the memory plan and fit checks (planning/checks.py)
 
     def check_stream_modules(self) -> None:
         """Refuse an `offload.stream_modules` entry that is not one of `STREAM_MODULES`, before planning and
@@ -243,7 +242,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         """Family hook: the memory estimate of a request of `shape` (height, width, frames) on `self.device`.
 
         Called before loading (from the checkpoint's architecture) and before each request; see
-        runners/fit.py for what the family gives (module weights, per-stage activations) and what
+        planning/fit.py for what the family gives (module weights, per-stage activations) and what
         the base makes of it. None: no estimate (the default): requests are served unchecked.
 
         Raises:
@@ -404,7 +403,7 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
             assert self.lora is not None, "lora_specs refuses adapters without the config's `lora`"
             self.lora.set_request(info.lora)
         prof.shape = list(info.shape)
-        self.check_fit(info.shape, f"request {index}")
+        self.memory_checks.check_request(request, info.shape, f"request {index}")  # unless admission checked it
         if self._warmup_ran and info.shape not in self.warmed_shapes:
             self.log_unwarmed_shape(info, index)
         if not (info.save_result_path or info.save_tensor_path):
@@ -598,3 +597,39 @@ class DefaultRunner(WarmupMixin, RequestChecksMixin, BaseRunner):
         for streamer in self.streamers.values():
             streamer.reset()  # slots, prefetch index and events back at the request boundary
         self.clear_request_state()
+
+    # ---- request checks (runners/requests.py) ------------------------------------------------------------------
+    @classmethod
+    def validate_shape(cls, height: int, width: int, frames: int) -> None:
+        """ValueError naming the field if the shape breaks `SPATIAL_FACTOR` / `TEMPORAL_FACTOR`."""
+        check_shape(height, width, frames, cls.SPATIAL_FACTOR, cls.TEMPORAL_FACTOR)
+
+    shape_of = staticmethod(shape_with_defaults)  # a family whose shape follows its inputs overrides it
+    lora_specs = staticmethod(lora_specs)
+
+    @classmethod
+    def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
+        """Check `request` before anything loads (`config` as the user gave it); raises as `check_request`."""
+        check_request(request, cls.resolve_config(config), cls.IMAGE_INPUTS, cls.EXTRA_IMAGES, cls.RESULT_KINDS,
+                      cls.shape_of, cls.validate_shape)
+
+    def resolve_request(self, request: RequestConfig | dict[str, Any]) -> InputInfo:
+        """The request's defaults filled in, validated unless admitted (`runners/requests.py` `resolve`)."""
+        return resolve(request, self.config, self.validate_request, self.shape_of, self.DEFAULT_NEGATIVE_PROMPT)
+
+    def request_shape(self, request: RequestConfig) -> Shape:
+        """(height, width, frames) of `request`, the config's defaults filled in (`shape_of`)."""
+        return self.shape_of(request, self.config)
+
+    # ---- memory plan hooks (planning/checks.py `MemoryChecks` asks them; families override) -------------------
+    def estimate_sources(self) -> list[str]:
+        """Where the estimate takes the architecture from, and what it assumes beyond it (`runnerkit plan`)."""
+        return default_sources(self.config)
+
+    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...] | None:
+        """Per denoising stage, its steps and the FLOPs of one step at `shape` (planning/compute.py); None: none."""
+        return None
+
+    def plan_steps_per_request(self) -> int:
+        """Denoising steps of one request over all its stages (the plan's copy time per request)."""
+        return self.config.infer_steps or 1

@@ -11,7 +11,7 @@ subclass does not inherit the opt-in and must declare its own.
 
 `WarmupMixin` is mixed into `DefaultRunner` (runners/default.py) and reads what that class
 supplies: `config`, `device`, `reset_request_state` (BaseRunner hook); `schedulers`, `flavour`,
-`select_transformer`, `check_fit`, `run_encoders`, `run_denoise`, `decode`, the class settings
+`select_transformer`, `memory_checks`, `run_encoders`, `run_denoise`, `decode`, the class settings
 `DEFAULT_NEGATIVE_PROMPT` and `WARMUP_SEED`, and `_warmup_steps_run` (set in `__init__`, filled by
 `run_denoise_stage`).
 """
@@ -124,7 +124,7 @@ class WarmupMixin:
                 f"(recognised flavours: {sorted(table)}); an unrecognised architecture is not warmed")
         assert len(table[flavour]) == 2, f"{cls}.WARMUP_SHAPES[{flavour!r}] must hold exactly two shapes"
         for shape in table[flavour]:  # a warmup shape that cannot fit fails here, before loading
-            self.check_fit(shape, f"warmup shape {list(shape)}")
+            self.memory_checks.check_fit(shape, f"warmup shape {list(shape)}")
 
     def runnable_warmup_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
         """Under Ulysses (`parallel.ulysses` K > 1), the warmup shapes whose transformer tokens divide
