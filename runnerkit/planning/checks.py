@@ -335,7 +335,7 @@ class MemoryChecks:
             logger.info("memory check: requests are not checked against the device's memory: {}", reason)
             self.unchecked_logged = True
 
-    def check_request(self, request: RequestConfig | Any, shape: Shape, what: str) -> PeakEstimate | None:
+    def check_request(self, request: RequestConfig | dict[str, Any], shape: Shape, what: str) -> PeakEstimate | None:
         """`check_fit` of a request's `shape`, unless the request was admitted with its fit checked at that shape
         (`AdmittedRequest.fit_checked`: the launch script's `check_requests_fit`, the server's admission); an
         admitted request whose check came back with an estimate records it. Returns the estimate; None also
