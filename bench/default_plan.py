@@ -13,8 +13,10 @@ caps the allocator at N GiB, and the config adds `memory.limit_gib` N and `memor
 32). `--repeat K`: K processes per arm. A thread samples /proc/self/status every 0.1 s: the peaks of RssAnon
 (anonymous: heap, pinned slabs), RssFile (mapped file pages: the page cache of mmap reads, reclaimable) and
 RssShmem, set against the plan's host estimate.
-A spy on `check_fit` records, at the warmup gate and each request, the runner's kept budget and what
-a re-read of the device (free + reserved) would give: the drift the CUDA libraries cause after loading.
+A spy on the runner's memory checks (planning/checks.py `MemoryChecks.check_fit`, and `check_request` as each
+request starts, which does not check again what the launch script checked before loading) records the kept
+budget and what a re-read of the device (free + reserved) would give: the drift the CUDA libraries cause after
+loading.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from runnerkit import infer, memory
     from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FILE
-    from runnerkit.runners.requests import RequestChecksMixin
+    from runnerkit.planning.checks import MemoryChecks
 
     result, out_dir = Path(args.result), Path(args.result).with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -62,17 +64,25 @@ def worker(args: argparse.Namespace) -> None:
     requests = out_dir / "requests.jsonl"
     requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
     checks: list[dict[str, Any]] = []
-    real_check = RequestChecksMixin.check_fit
+    real_check, real_request = MemoryChecks.check_fit, MemoryChecks.check_request
 
-    def spy(self: Any, shape: Any, what: str) -> Any:
+    def record(self: Any, what: str) -> None:
         budget = self.device_budget()
         reread = memory.memory_limit(self.memory_device())
         checks.append({"what": what, "budget_gib": budget.bytes / GIB if budget else None,
                        "device_offers_gib": reread.bytes / GIB if reread else None,
                        "reserved_gib": torch.cuda.memory_reserved() / GIB, "t": time.perf_counter()})
+
+    def spy(self: Any, shape: Any, what: str) -> Any:
+        record(self, what)
         return real_check(self, shape, what)
 
-    RequestChecksMixin.check_fit = spy  # type: ignore[method-assign]
+    def spy_request(self: Any, request: Any, shape: Any, what: str) -> Any:
+        record(self, f"{what} starts")
+        return real_request(self, request, shape, what)
+
+    MemoryChecks.check_fit = spy  # type: ignore[method-assign]
+    MemoryChecks.check_request = spy_request  # type: ignore[method-assign]
     peaks = {"RssAnon": 0, "RssFile": 0, "RssShmem": 0, "VmRSS": 0}
     stop = threading.Event()
 

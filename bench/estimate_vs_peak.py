@@ -66,7 +66,7 @@ def run_config(args: argparse.Namespace, mode: str, shape: tuple[int, int, int],
 
 def estimate_rows(runner: Any, shape: tuple[int, int, int]) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """Per stage: the estimate's weights on the device, activations, formula and estimate (GiB); and the peak."""
-    from runnerkit.runners import fit
+    from runnerkit.planning import fit
 
     estimate = runner.estimate_memory(shape)
     if estimate is None:

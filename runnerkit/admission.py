@@ -13,23 +13,28 @@ is the same whatever the number of requests):
     outputs    every output path can be created and is written by one request     ConfigError (`claim`)
     writer     the media library for the result file (mp4 / png) is installed     ConfigError
     adapters   the request's LoRA adapters match the loaded transformer's layers  ValueError (LoRAError)
-    fit        the shape's estimated peak memory fits the device (`check_fit`)    ValueError (MemoryFitError)
+    fit        the shape's estimated peak memory fits the device                  ValueError (MemoryFitError)
+               (`runner.memory_checks.check_request`, planning/checks.py)
     split      Ulysses: the transformer's tokens divide by `parallel.ulysses`     NotImplementedError
 
 The launch script (`source="launch"`, a runner class, before anything loads) applies fields, outputs
-and writer; its memory fit is planned for every request's shapes at once (`check_requests_fit`) and
+and writer; its memory fit is planned for every request's shapes at once (`memory_checks.check_requests_fit`) and
 its adapters are matched once the transformer is loaded (`check_adapters`). The parallel driver
 (`source="parallel"`, after `init_modules`) applies split to the launch's requests. The server
 (`source="server"`, a loaded runner, one request per job) applies fields, adapters, fit and split.
 
 An admitted request is an `AdmittedRequest` (a `RequestConfig` with the same fields), which the
-runner's `resolve_request` does not check again.
+runner's `resolve_request` does not check again. Its memory fit, once checked (the server's `fit` rule, the
+launch script's `check_requests_fit`), is recorded with the shape it was checked for (`fit_checked`), and the
+runner does not check it again before the request's first stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from pydantic import PrivateAttr
 
 from runnerkit.config import ConfigError, RequestConfig
 
@@ -38,7 +43,21 @@ __all__ = ["RULES", "AdmittedRequest", "Refused", "admit", "admitted", "check_de
 
 class AdmittedRequest(RequestConfig):
     """A request that passed `admit` (its fields are those of the `RequestConfig` it was made from): the
-    runner's `resolve_request` fills its defaults without running the `fields` rule again."""
+    runner's `resolve_request` fills its defaults without running the `fields` rule again, and its memory fit is
+    checked again only at a shape other than `fit_checked`."""
+
+    _fit_checked: tuple[int, int, int] | None = PrivateAttr(None)
+
+    @property
+    def fit_checked(self) -> tuple[int, int, int] | None:
+        """The shape (height, width, frames) whose estimated peak memory was checked against the runner's device
+        budget (planning/checks.py `MemoryChecks.check_request`, `check_requests_fit`), which the runner keeps for
+        its life; None: not checked with an estimate (the runner checks it before the request's first stage)."""
+        return self._fit_checked
+
+    def record_fit_check(self, shape: tuple[int, int, int]) -> None:
+        """Record that the fit of `shape` was checked with an estimate (`fit_checked`)."""
+        self._fit_checked = tuple(shape)
 
 
 class Refused(Exception):
@@ -122,7 +141,7 @@ def _adapters(target: Any, config: Any, requests: Sequence[RequestConfig], claim
 def _fit(target: Any, config: Any, requests: Sequence[RequestConfig], claim: Any) -> Problems:
     for index, request in enumerate(requests):
         try:
-            target.check_fit(target.request_shape(request), "request")
+            target.memory_checks.check_request(request, target.request_shape(request), "request")
         except ValueError as exc:
             return [(index, exc)]
     return []

@@ -26,7 +26,7 @@ class OffloadConfig(StrictModel):
     """Where weights live between uses (ARCHITECTURE §4)."""
 
     mode: Literal["none", "model", "block", "phase", "auto"] = Field(
-        "auto", description="auto (the default): the memory planner (runnerkit/runners/plan.py, docs/memory_plan.md) "
+        "auto", description="auto (the default): the memory planner (runnerkit/planning/planner.py, docs/memory_plan.md) "
         "chooses the fastest of the modes below that fits the device and host memory, before anything loads; the "
         "other keys set here constrain its choice (left unset, a family without a memory estimate, a run with "
         "`memory.check_fit` false or `unload_modules` stays resident). none: all resident, refused if it does not "
@@ -178,7 +178,7 @@ class CompileConfig(StrictModel):
 
 class MemoryConfig(StrictModel):
     """Thresholds of the pressure-aware `maybe_empty_cache` and the fit check of requests (runnerkit.memory,
-    runnerkit.runners.fit)."""
+    runnerkit.planning.fit)."""
 
     empty_cache_min_free_gib: float = Field(2.0, ge=0, description="Empty the cache when free device memory is below this.")
     empty_cache_min_reclaimable_gib: float = Field(
@@ -193,7 +193,7 @@ class MemoryConfig(StrictModel):
     host_limit_gib: float | None = Field(
         None, gt=0, le=1024**2, description="The host memory (RAM) limit in GiB of this process: the memory "
         "planner (`offload.mode` auto) plans within it, and the fit check refuses a request whose host bytes "
-        "(`runners.fit.host_bytes_of`: offloaded weights, streamer slabs, a process constant) exceed it. None: "
+        "(`planning.fit.host_bytes_of`: offloaded weights, streamer slabs, a process constant) exceed it. None: "
         "the planner reads the host's available memory (incl. a cgroup limit) and the fit check does not check "
         "host memory.")
     pinned_limit_gib: float | None = Field(

@@ -7,8 +7,8 @@ One process: validate config and every request -> build runner -> init_modules (
 warmup once) -> run each request (a failed request is reported with its index, cleaned up, and the
 rest still run; each request's files are written on a writer thread while the next request
 computes, `--max_writes_in_flight`, runners/writes.py). With `offload.mode` auto (`--offload auto`)
-the offload config is planned for every request's shape before loading (runners/plan.py); every
-request's shape is then checked against the device's memory (runners/fit.py). Exit status 0 only if
+the offload config is planned for every request's shape before loading (planning/planner.py); every
+request's shape is then checked against the device's memory (planning/fit.py). Exit status 0 only if
 every request succeeded; 2 for invalid input (a request that cannot fit, or no offload plan that
 fits, included); 1 otherwise. Input errors (config, request, checkpoint, unsupported mode) are
 reported in one line; unexpected errors also print their traceback.
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace, bars: StageBars | None = None) -> int:
     runner.on_request_done = request_done
     runner.overlap_writes(args.max_writes_in_flight)
     try:  # before loading: offload.mode auto is planned for every request's shape, then each is checked
-        runner.check_requests_fit(requests)
+        runner.memory_checks.check_requests_fit(requests)
     except (ValueError, NotImplementedError) as exc:  # MemoryFitError; auto without a family estimate
         logger.error("invalid input: {}", exc)
         return 2

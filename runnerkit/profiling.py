@@ -124,7 +124,7 @@ class Profiler:
         self.phases: dict[str, float] = {}
         self.attention: dict[str, Any] | None = None  # the attention backend chosen at load
         self.compile_cache: dict[str, Any] | None = None  # compile.cache_dir: what was loaded and saved
-        self.memory_plan: dict[str, Any] | None = None  # offload.mode auto: the plan (runners/plan_report.py)
+        self.memory_plan: dict[str, Any] | None = None  # offload.mode auto: the plan (planning/report.py)
         self.warmup: dict[str, Any] | None = None
         self.requests: list[RequestProfile] = []
         self.current: RequestProfile | None = None

@@ -54,7 +54,7 @@ import torch
 from safetensors.torch import load_file
 
 from runnerkit.config import RequestConfig, load_runner_config
-from runnerkit.runners import fit
+from runnerkit.planning import fit
 from runnerkit.runners.base import Progress, RequestCancelled, error_phase
 from runnerkit.runners.default import DefaultRunner
 from test_cases._memory import peak_tensor_bytes

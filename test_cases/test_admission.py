@@ -17,7 +17,7 @@ import pytest
 from runnerkit.admission import RULES, AdmittedRequest, Refused, admit
 from runnerkit.config import RequestConfig, RunnerConfig, load_runner_config
 from runnerkit.overrides import OVERRIDES, body_name
-from runnerkit.runners.requests import RequestChecksMixin
+from runnerkit.runners.default import DefaultRunner
 from test_cases._cli import no_gc_freeze, restore_logger, run_cli  # noqa: F401  (autouse fixtures)
 from test_cases.conftest import tiny_config_dict, write_config
 
@@ -27,13 +27,13 @@ def field_checks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """The `fields` rule's calls (`validate_request`, the family overrides included), one entry per call: the
     request's prompt."""
     calls: list[str] = []
-    original = RequestChecksMixin.validate_request.__func__  # type: ignore[attr-defined]
+    original = DefaultRunner.validate_request.__func__  # type: ignore[attr-defined]
 
     def counted(cls: type, request: RequestConfig, config: RunnerConfig) -> None:
         calls.append(request.prompt)
         original(cls, request, config)
 
-    monkeypatch.setattr(RequestChecksMixin, "validate_request", classmethod(counted))
+    monkeypatch.setattr(DefaultRunner, "validate_request", classmethod(counted))
     yield calls
 
 
@@ -109,11 +109,14 @@ class _Recorder:
         self._call("adapters", requests[0])
 
     def request_shape(self, request: RequestConfig) -> tuple[int, int, int]:
-        self._current = request  # the request `check_fit` is asked about
         return (16, 16, 5)
 
-    def check_fit(self, shape: tuple[int, int, int], what: str) -> None:
-        self._call("fit", self._current)
+    @property
+    def memory_checks(self) -> _Recorder:  # the runner's memory checks (planning/checks.py), recorded here too
+        return self
+
+    def check_request(self, request: RequestConfig, shape: tuple[int, int, int], what: str) -> None:
+        self._call("fit", request)
 
     def resolve_request(self, request: RequestConfig) -> RequestConfig:
         return request

@@ -22,7 +22,6 @@ import os
 import random
 import shutil
 import struct
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any

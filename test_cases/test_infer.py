@@ -881,14 +881,14 @@ def test_wan_t2v_script_with_a_prompt_still_saves_to_out(config_path: Path, tmp_
     assert (tmp_path / "out.mp4").stat().st_size > 0 and (tmp_path / "out.json").is_file()
 
 
-# ---- memory refusal (runners/fit.py, models/wan/estimate.py) ---------------------------------------
+# ---- memory refusal (planning/fit.py, models/wan/estimate.py) ---------------------------------------
 HUGE = ("--target_height", 4096, "--target_width", 4096)
 
 
 def _peak(config: dict[str, Any], shape: tuple[int, int, int]) -> Any:
     from runnerkit.config import load_runner_config
     from runnerkit.models.wan.runner import WanT2VRunner
-    from runnerkit.runners.fit import peak_of
+    from runnerkit.planning.fit import peak_of
 
     runner = WanT2VRunner(load_runner_config(None, config))
     return peak_of(runner.estimate_memory(shape), runner.config, runner.device)

@@ -4,7 +4,7 @@ output equals the same explicit config bit for bit, nothing fits -> exit 2 befor
 without an estimate is refused, explicit offload keys constrain the plan.
 
 The CPU's own plan is always resident (offload cannot lower its peak), so the streaming cases plan
-for a CUDA device (`RequestChecksMixin.memory_device` replaced) with `memory.limit_gib` and
+for a CUDA device (`MemoryChecks.memory_device` replaced) with `memory.limit_gib` and
 `memory.host_limit_gib` from the family's own estimates, and compute on the CPU.
 
 The Wan test architecture has a larger transformer than configs/wan/wan_t2v_tiny.json (dim 128, 6
@@ -25,12 +25,13 @@ from safetensors.torch import load_file
 from runnerkit import memory
 from runnerkit.config import OffloadConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
-from runnerkit.runners import fit, plan_report
-from runnerkit.runners.requests import RequestChecksMixin
+from runnerkit.planning import fit
+from runnerkit.planning import report as plan_report
+from runnerkit.planning.checks import MemoryChecks
 from test_cases.conftest import REPO, TINY_CONFIG, config_dict, write_config
 from test_cases._cli import no_gc_freeze, restore_logger  # noqa: F401 (autouse fixtures)
 from test_cases._cli import run_cli as _cli
-from test_cases.runners.test_fit import logs  # noqa: F401 (fixture)
+from test_cases.planning.test_fit import logs  # noqa: F401 (fixture)
 
 CUDA = torch.device("cuda")
 SHAPE = (32, 32, 5)  # small: two runs of this file decode it
@@ -62,7 +63,7 @@ def _config(ckpt: Path, **overrides: Any) -> dict[str, Any]:
 
 
 def _plan_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(RequestChecksMixin, "memory_device", lambda self: CUDA)
+    monkeypatch.setattr(MemoryChecks, "memory_device", lambda self: CUDA)
 
 
 def _limits(ckpt: Path) -> tuple[float, float]:
@@ -74,7 +75,7 @@ def _limits(ckpt: Path) -> tuple[float, float]:
     def judge(**offload: Any) -> tuple[int, int]:
         off = OffloadConfig(**offload)
         c = cfg.model_copy(update={"offload": off})
-        est = runner._estimate_with(off, SHAPE)
+        est = runner.memory_checks.estimate_with(off, SHAPE)
         return fit.peak_of(est, c, CUDA).bytes, fit.host_bytes_of(est, c, CUDA).bytes
 
     resident, model, block, disk, lazy = (judge(mode="none"), judge(mode="model"), judge(mode="block"),
@@ -132,7 +133,7 @@ def _documented_plan_keys() -> set[str]:
 def test_profile_keys_of_the_plan_are_documented(ckpt: Path) -> None:
     runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "auto"},
                                                            memory={"limit_gib": 64.0, "host_limit_gib": 64.0})))
-    runner.plan_memory([SHAPE])
+    runner.memory_checks.plan_memory([SHAPE])
     plan = runner.profiler.report()["memory_plan"]
     keys = {f"memory_plan.{k}" for k in plan}
     keys |= {f"memory_plan.modules[].{k}" for m in plan["modules"] for k in m}
@@ -157,7 +158,7 @@ def test_nothing_fits_exits_2_before_loading(ckpt: Path, tmp_path: Path, monkeyp
 
 def test_on_the_cpu_auto_keeps_everything_resident_and_says_why(ckpt: Path) -> None:
     runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "auto"})))
-    plan = runner.plan_memory([SHAPE])
+    plan = runner.memory_checks.plan_memory([SHAPE])
     assert plan is not None and runner.config.offload == OffloadConfig(mode="none")
     assert "the device is the CPU" in plan.why
 
@@ -167,7 +168,7 @@ def test_explicit_keys_constrain_the_plan(ckpt: Path, monkeypatch: pytest.Monkey
     runner = WanT2VRunner(load_runner_config(None, _config(
         ckpt, offload={"mode": "auto", "gpu_slots": 3, "prefetch_depth": 2}, memory={"limit_gib": 64.0,
                                                                                   "host_limit_gib": 64.0})))
-    plan = runner.plan_memory([SHAPE])
+    plan = runner.memory_checks.plan_memory([SHAPE])
     assert plan is not None
     assert [e.name for e in plan.rejected] == ["resident (mode none)", "model offload (mode model)"]
     assert all(e.reason.startswith("excluded: `offload.gpu_slots` has no effect") for e in plan.rejected)
@@ -232,10 +233,10 @@ def test_copy_volume_counts_the_cfg_passes(ckpt: Path, monkeypatch: pytest.Monke
         ckpt, offload={"mode": "auto", "gpu_slots": 2, "resident_blocks": 0},  # every block streams
         memory={"limit_gib": 64.0, "host_limit_gib": 64.0},
         **overrides)))
-    plan = runner.plan_memory([SHAPE])
+    plan = runner.memory_checks.plan_memory([SHAPE])
     assert plan is not None and plan.offload.mode == "block"
     assert runner.profiler.memory_plan["passes_per_step"] == passes
-    est = runner._estimate_with(runner.config.offload, SHAPE)
+    est = runner.memory_checks.estimate_with(runner.config.offload, SHAPE)
     slabs = est.modules["transformer"].stream_host_bytes  # storage cpu: every unit's slab, copied once per pass
     rows = {r.name: r for r in plan_report.module_rows(plan.chosen, CUDA)}
     assert slabs > 0 and rows["transformer"].copy_step_bytes == passes * slabs
@@ -250,7 +251,7 @@ def test_init_modules_plans_for_the_config_shape_before_loading(ckpt: Path, monk
         ckpt, target_height=SHAPE[0], target_width=SHAPE[1], target_video_length=SHAPE[2], offload={"mode": "auto"},
         memory={"limit_gib": device_gib, "host_limit_gib": host_gib})))
     order: list[str] = []
-    monkeypatch.setattr(WanT2VRunner, "plan_memory", _recording(WanT2VRunner.plan_memory, "plan", order))
+    monkeypatch.setattr(MemoryChecks, "plan_memory", _recording(MemoryChecks.plan_memory, "plan", order))
     monkeypatch.setattr(WanT2VRunner, "load_modules", _recording(WanT2VRunner.load_modules, "load", order))
     runner.init_modules()
     assert order == ["plan", "load"]
@@ -265,7 +266,7 @@ def test_warmup_shapes_are_planned_for_and_unsupported_modes_skipped(tiny_ckpt: 
     runner = WanT2VRunner(load_runner_config(None, config_dict(  # the tiny flavour has warmup shapes
         TINY_CONFIG, tiny_ckpt, warmup=True, offload={"mode": "auto"}, memory={"limit_gib": 64.0,
                                                                               "host_limit_gib": 64.0})))
-    plan = runner.plan_memory([SHAPE])
+    plan = runner.memory_checks.plan_memory([SHAPE])
     assert plan is not None and runner.warmup_shapes()
     assert list(plan.shapes) == list(dict.fromkeys([SHAPE, *runner.warmup_shapes()]))
     assert plan.chosen.name == "model offload (mode model; resident transformer, vae)"  # the text encoder visits
@@ -285,7 +286,7 @@ def test_host_limit_also_checks_requests_of_an_explicit_mode(ckpt: Path, monkeyp
     """`memory.host_limit_gib` with a concrete mode: the fit check refuses what exceeds it (before loading)."""
     _plan_for_cuda(monkeypatch)
     from runnerkit.config import RequestConfig
-    from runnerkit.runners.fit import MemoryFitError
+    from runnerkit.planning.fit import MemoryFitError
 
     host = fit.PROCESS_HOST_BYTES / fit.GIB  # the process alone; the weights do not fit beside it
     runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "block"},
@@ -293,10 +294,10 @@ def test_host_limit_also_checks_requests_of_an_explicit_mode(ckpt: Path, monkeyp
     with pytest.raises(MemoryFitError, match=r"request 0 \(command line\): shape \[48, 80, 9\] needs an estimated "
                                              r"2\.\d\d GiB \(held: text_encoder .*of host memory, more than config "
                                              r"memory.host_limit_gib \(2.0 GiB\)"):
-        runner.check_requests_fit([RequestConfig(prompt="a fox")])
+        runner.memory_checks.check_requests_fit([RequestConfig(prompt="a fox")])
     roomy = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "block"},
                                                           memory={"limit_gib": 64.0, "host_limit_gib": host + 1})))
-    roomy.check_requests_fit([RequestConfig(prompt="a fox")])  # no error
+    roomy.memory_checks.check_requests_fit([RequestConfig(prompt="a fox")])  # no error
 
 
 def test_host_limit_adds_what_the_process_holds(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -308,7 +309,7 @@ def test_host_limit_adds_what_the_process_holds(ckpt: Path, monkeypatch: pytest.
     monkeypatch.setattr(memory, "host_memory", lambda: memory.HostMemory(rss_gib, rss_gib, available / fit.GIB))
     runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"mode": "auto"},
                                                            memory={"limit_gib": 64.0})))
-    plan = runner.plan_memory([SHAPE])
+    plan = runner.memory_checks.plan_memory([SHAPE])
     assert plan is not None and plan.host_limit is not None
     assert plan.host_limit.bytes == available + 3 * fit.GIB // 2
     assert plan.host_limit.source == "3.00 GiB available (test meminfo) + 1.50 GiB held by this process"
@@ -318,11 +319,11 @@ def test_host_limit_adds_what_the_process_holds(ckpt: Path, monkeypatch: pytest.
 def _host_refusal(runner: WanT2VRunner) -> str:
     """The message of the launch script's check refusing one request at SHAPE for its host memory."""
     from runnerkit.config import RequestConfig
-    from runnerkit.runners.fit import MemoryFitError
+    from runnerkit.planning.fit import MemoryFitError
 
     with pytest.raises(MemoryFitError) as err:
-        runner.check_requests_fit([RequestConfig(prompt="a fox", target_height=SHAPE[0], target_width=SHAPE[1],
-                                                 target_video_length=SHAPE[2])])
+        runner.memory_checks.check_requests_fit([RequestConfig(prompt="a fox", target_height=SHAPE[0],
+                                                               target_width=SHAPE[1], target_video_length=SHAPE[2])])
     return str(err.value)
 
 
@@ -337,7 +338,8 @@ def test_on_the_cpu_the_host_refusal_advises_only_what_lowers_host_memory(ckpt: 
     now = fit.peak_of(est, cfg, cpu).bytes
     unload = fit.peak_of(est, cfg.model_copy(update={"unload_modules": True}), cpu).bytes
     disk = OffloadConfig(mode="block", storage="disk", reader="pread", lazy_load=True)
-    lazy = fit.peak_of(runner._estimate_with(disk, SHAPE), cfg.model_copy(update={"offload": disk}), cpu).bytes
+    lazy = fit.peak_of(runner.memory_checks.estimate_with(disk, SHAPE), cfg.model_copy(update={"offload": disk}),
+                       cpu).bytes
     assert max(unload, lazy) < now and now > 0.52 * fit.GIB
     assert _host_refusal(runner) == (
         f"request 0 (command line): shape {list(SHAPE)} needs an estimated {now / fit.GIB:.2f} GiB (the device is "
@@ -365,7 +367,8 @@ def _resident_peak(cfg: Any) -> int:
     runner = WanT2VRunner(cfg)
     shapes = [(cfg.target_height, cfg.target_width, cfg.target_video_length), *runner.warmup_shapes()]
     c = cfg.model_copy(update={"offload": OffloadConfig(mode="none")})
-    return max(fit.peak_of(runner._estimate_with(OffloadConfig(mode="none"), s), c, CUDA).bytes for s in shapes)
+    resident = OffloadConfig(mode="none")
+    return max(fit.peak_of(runner.memory_checks.estimate_with(resident, s), c, CUDA).bytes for s in shapes)
 
 
 def test_an_accepted_plan_passes_warmup_and_every_request_while_free_memory_shrinks(
@@ -408,16 +411,16 @@ def test_the_plan_keeps_the_headroom_under_a_read_limit(tiny_ckpt: Path, monkeyp
     assert headroom == fit.GIB
     _fake_cuda(monkeypatch, resident + headroom - 1)
     runner = WanT2VRunner(cfg)
-    result = runner.plan_memory(())
+    result = runner.memory_checks.plan_memory(())
     assert runner.config.offload.mode == "model"
     assert result.device_limit.bytes == resident - 1
     assert result.device_limit.source.endswith(" - 1.00 GiB kept for the CUDA libraries")
     assert [e.name for e in result.rejected] == ["resident (mode none)"]
     configured = WanT2VRunner(load_runner_config(None, config_dict(
         TINY_CONFIG, tiny_ckpt, warmup=True, offload={"mode": "auto"}, memory={"limit_gib": resident / fit.GIB})))
-    configured.plan_memory(())
+    configured.memory_checks.plan_memory(())
     assert configured.config.offload.mode == "none"
-    assert configured.device_budget() == memory.MemoryLimit(resident, "config memory.limit_gib")
+    assert configured.memory_checks.device_budget() == memory.MemoryLimit(resident, "config memory.limit_gib")
 
 
 def test_a_config_without_an_offload_mode_plans_automatically(
@@ -453,9 +456,9 @@ def test_without_an_estimate_the_default_stays_resident_and_says_why(tmp_path: P
 
     cfg = load_runner_config(REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json", {"device": "cpu"})
     runner = QwenImageRunner(cfg)
-    runner.memory_device = lambda: CUDA  # type: ignore[method-assign]
-    runner.device_budget = lambda: memory.MemoryLimit(80 * fit.GIB, "test")  # type: ignore[method-assign]
-    assert runner.plan_memory(()) is None
+    runner.memory_checks.memory_device = lambda: CUDA  # type: ignore[method-assign]
+    runner.memory_checks.device_budget = lambda: memory.MemoryLimit(80 * fit.GIB, "test")  # type: ignore[method-assign]
+    assert runner.memory_checks.plan_memory(()) is None
     assert runner.config.offload == OffloadConfig(mode="none")
     assert [line for line in logs if "every module resident" in line] == [
         "INFO memory plan: `offload.mode` not set, every module resident: QwenImageRunner gives no memory "
@@ -492,13 +495,13 @@ def test_offload_keys_without_a_mode_constrain_the_default_plan(ckpt: Path, tmp_
     from runnerkit.models.qwen_image.runner import QwenImageRunner
 
     runner = WanT2VRunner(load_runner_config(None, _config(ckpt, offload={"gpu_slots": 3})))
-    runner.plan_memory([SHAPE])
+    runner.memory_checks.plan_memory([SHAPE])
     assert runner.config.offload == OffloadConfig(mode="block", gpu_slots=3)
     monkeypatch.setattr(QwenImageRunner, "estimate_memory", lambda self, shape: None)  # a family without one
     qwen = QwenImageRunner(load_runner_config(REPO / "configs" / "qwen_image" / "qwen_image_t2i_tiny.json",
                                               {"device": "cpu", "offload": {"gpu_slots": 3}}))
     with pytest.raises(ValueError) as err:
-        qwen.plan_memory(())
+        qwen.memory_checks.plan_memory(())
     assert str(err.value) == ("`offload` sets ['gpu_slots'] but no `offload.mode`, and the default plan cannot be "
                               "made: QwenImageRunner gives no memory estimate (estimate_memory) to plan from; set "
                               "`offload.mode` to the mode they belong to ('model', 'block' or 'phase')")

@@ -17,8 +17,9 @@ PACKAGE_DIR = Path(runnerkit.__file__).parent
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
-# Entries allowed over the limits (none): an entry that no longer exceeds a limit fails the test, so the
-# list only shrinks.
+# Entries allowed over the limits: an entry that no longer exceeds a limit fails the test, so the list only
+# shrinks. runners/default.py: its request and memory-plan hook declarations came before the lora, parallel and
+# loading parts leave it (they move to modules of their own); remove the entry then.
 ALLOWED_OVER: frozenset[str] = frozenset()
 
 

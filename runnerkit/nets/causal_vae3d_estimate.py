@@ -5,7 +5,7 @@
 The decoder keeps a feature cache of two frames per causal convolution across the latent frames it
 decodes one at a time; `vae_chunk_bytes` returns that cache and the largest transient of one frame
 (float32 activations: the decoder runs in float32), counting each layer's input, output, `F.pad`
-copy and convolution workspace (`runnerkit.runners.estimate_parts.conv_workspace`). Families whose
+copy and convolution workspace (`runnerkit.planning.workspaces.conv_workspace`). Families whose
 VAE is this network (runnerkit/nets/causal_vae3d.py) build their decode estimate on it.
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 from runnerkit.nets.causal_vae3d import CausalVAE3D
 from runnerkit.nets.causal_vae3d_arch import CausalVAE3DArch
 from runnerkit.nets.causal_vae3d_blocks import AttentionBlock, CausalConv3d, Decoder3d, Resample, ResidualBlock
-from runnerkit.runners.estimate_parts import F32, conv_workspace, sdpa_workspace
+from runnerkit.planning.workspaces import F32, conv_workspace, sdpa_workspace
 from runnerkit.weights import build_on_meta
 
 __all__ = ["vae_chunk_bytes", "video_bytes"]

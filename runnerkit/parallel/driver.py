@@ -1,7 +1,7 @@
 """`runnerkit` (runnerkit/infer.py) under torchrun: every rank runs the same lifecycle, rank 0
 reports, a failure anywhere ends the group (ARCHITECTURE §7).
 
-    init_from_env -> build runner -> attach_parallel -> check_requests_fit -> init_modules
+    init_from_env -> build runner -> attach_parallel -> memory_checks.check_requests_fit -> init_modules
     (load, warmup: the same collectives in the same order on every rank)
     -> admission's split rule (check_requests_split: every request's tokens divide by `parallel.ulysses`,
        before any runs; runnerkit/admission.py)
@@ -290,10 +290,10 @@ def plan_refusal(runner: Any, requests: Sequence[Any]) -> Exception | None:
     """The input error of the memory plan and the requests' fit check (a request that cannot fit, a plan
     nothing fits, offload keys no plan can take), or None. Every rank plans the same config and requests
     before loading, so each rank knows it and rank 0 tells it (`refuse_launch`), without a collective."""
-    from runnerkit.runners.fit import MemoryFitError
+    from runnerkit.planning.fit import MemoryFitError
 
     try:
-        runner.check_requests_fit(requests)
+        runner.memory_checks.check_requests_fit(requests)
     except (MemoryFitError, ValueError, NotImplementedError) as exc:
         return exc
     return None

@@ -39,7 +39,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 import torch
 from loguru import logger
@@ -120,6 +120,16 @@ def resolve_device(spec: str) -> torch.device:
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class MemoryPlanning(Protocol):
+    """What the lifecycle and the entry points ask of a runner's memory checks (planning/checks.py)."""
+
+    def plan_memory(self, shapes: Sequence[Shape]) -> Any:
+        """Resolve `offload.mode` auto into a concrete config for `shapes` before loading; a no-op otherwise."""
+
+    def check_requests_fit(self, requests: Sequence[Any]) -> None:
+        """Before loading: raise `planning.fit.MemoryFitError` if a request cannot fit in the device's memory."""
+
+
 class BaseRunner(ABC):
     """Owns a pipeline's modules and lifecycle; holds the lifecycle guarantees (see module doc)."""
 
@@ -134,6 +144,8 @@ class BaseRunner(ABC):
     #: The runner's warmup (runners/warmup.py): its gate, shapes, step report and what follows it; made
     #: by the runner class's `__init__` (DefaultRunner), driven by `warmup` (and its gate by `init_modules`).
     warmups: Warmup
+    #: The memory plan and fit checks (the subclass's `__init__` makes them; planning/checks.py `MemoryChecks`).
+    memory_checks: MemoryPlanning
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -267,6 +279,18 @@ class BaseRunner(ABC):
             raise ConfigLockedError(f"config is locked after load_modules; refused change of {sorted(changes)}")
         self._config = RunnerConfig.model_validate({**self._config.model_dump(exclude_unset=True), **changes})
 
+    @contextmanager
+    def config_trial(self, **changes: Any) -> Iterator[None]:
+        """Inside the block `config` reads `changes` (e.g. the offload config of a candidate the memory planner
+        judges through the family's estimate, planning/checks.py); restored after it. Before the lock only."""
+        assert not self._config_locked, "a trial config is for planning, before loading"
+        saved = self._config
+        self._config = saved.model_copy(update=changes)
+        try:
+            yield
+        finally:
+            self._config = saved
+
     def _lock_config(self) -> None:
         # pydantic models are frozen already; the free-form `model` dict is frozen here, recursively.
         self._config = self._config.model_copy(update={"model": deep_freeze(self._config.model)})
@@ -274,7 +298,7 @@ class BaseRunner(ABC):
 
     # -- lifecycle (final) ------------------------------------------------------------------
     def init_modules(self) -> None:
-        """Resolve `offload.mode` auto (`plan_memory`, unless `check_requests_fit` did already), load
+        """Resolve `offload.mode` auto (`memory_checks.plan_memory`, unless `check_requests_fit` did already), load
         modules, lock the config, load the compile cache (`compile.cache_dir`), run the one-time warmup
         (a no-op without `warmup`; with a compile cache it saves the entry after it).
 
@@ -294,7 +318,7 @@ class BaseRunner(ABC):
         try:
             self._phase("loading")
             with lifecycle_phase("plan"):  # before the warmup gate: it reads the offload mode
-                self.plan_memory(())
+                self.memory_checks.plan_memory(())
             if self.config.warmup:
                 with lifecycle_phase("warmup"):
                     self.warmups.check_supported()  # refuse before anything is loaded
@@ -552,27 +576,6 @@ class BaseRunner(ABC):
     @abstractmethod
     def profile_stages(self) -> tuple[str, ...]:
         """The profiling stages of one request, in order."""
-
-    def plan_memory(self, shapes: Sequence[Shape]) -> Any:
-        """Resolve `offload.mode` auto into a concrete config for `shapes` (empty: the config's default
-        shape) before loading; a no-op for other modes. DefaultRunner plans from the family's estimate
-        (runners/plan.py).
-
-        Raises:
-            NotImplementedError: `offload.mode` auto on a runner that cannot plan.
-        """
-        offload = self.config.offload
-        if offload.mode == "auto" and "mode" not in offload.model_fields_set:  # the default: resident here
-            self.update_config(offload=type(offload).model_validate({**offload.model_dump(exclude_unset=True),
-                                                                     "mode": "none"}))
-        elif offload.mode == "auto":
-            raise NotImplementedError(f"`offload.mode`='auto': {type(self).__name__} has no memory planner; choose "
-                                      "`offload.mode` none/model/block/phase yourself")
-        return None
-
-    @abstractmethod
-    def check_requests_fit(self, requests: Sequence[Any]) -> None:
-        """Before loading: raise `runners.fit.MemoryFitError` if a request cannot fit in the device's memory."""
 
     def check_adapters(self, requests: Sequence[Any]) -> None:
         """After `init_modules`: raise ValueError naming the file if a request's LoRA adapters cannot

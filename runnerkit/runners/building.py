@@ -25,7 +25,7 @@ from torch import nn
 from runnerkit.config import RunnerConfig
 from runnerkit.offload.setup import pin_memory_enabled
 from runnerkit.runners.installers import Installer
-from runnerkit.runners.offload_checks import check_resident_modules
+from runnerkit.planning.offload_checks import check_resident_modules
 from runnerkit.runners.pipeline import ModuleSpec, Pipeline
 from runnerkit.runners.placement import Loader, Placement
 

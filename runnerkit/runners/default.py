@@ -15,7 +15,8 @@ runs it, for requests and for warmup alike (ARCHITECTURE §2, §3):
 This file holds that request path and the hooks a family overrides; the rest are objects the runner
 holds or functions it calls (docs/architecture.md §1): warmup (`self.warmups`, runners/warmup.py),
 loading and placement (runners/loading.py, building.py, installers.py), LoRA (adapters.py), parallel
-runs (parallelism.py), progress (progress_report.py), files (writes.py), request checks (requests.py).
+runs (parallelism.py), progress (progress_report.py), files (writes.py), request checks (requests.py), the memory
+plan and fit checks (`self.memory_checks`, planning/checks.py).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from runnerkit import attention, memory
 from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.lora import LoRAManager
 from runnerkit.offload.streamer import BlockStreamer
+from runnerkit.planning.checks import MemoryChecks, default_sources
+from runnerkit.planning.compute import StageFlops
+from runnerkit.planning.fit import MemoryEstimate
 from runnerkit.profiling import RequestProfile
 from runnerkit.runners.base import BaseRunner
-from runnerkit.runners.fit import MemoryEstimate
 from runnerkit.runners.pipeline import DenoiseStage, InputInfo, OutputKind, Pipeline, Shape, collect_output
 from runnerkit.runners.building import ModuleBuilder, stream_choice
 from runnerkit.runners.installers import Installer
@@ -44,7 +47,7 @@ from runnerkit.runners.loading import module_on_device
 from runnerkit.runners.placement import Placement, held_across_stages
 from runnerkit.runners.request_state import RequestState, check_finite_latents
 from runnerkit.runners import adapters, loading, parallelism, progress_report, writes
-from runnerkit.runners.requests import RequestChecksMixin
+from runnerkit.runners.requests import check_request, check_shape, lora_specs, resolve, shape_with_defaults
 from runnerkit.runners.warmup import Warmup
 from runnerkit.schedulers import SCHEDULERS
 from runnerkit.schedulers.base import Scheduler
@@ -53,7 +56,7 @@ from runnerkit.text_buckets import TextBuckets, configured
 __all__ = ["DefaultRunner", "InputInfo", "Shape", "check_finite_latents", "stream_choice"]
 
 
-class DefaultRunner(RequestChecksMixin, BaseRunner):
+class DefaultRunner(BaseRunner):
     """Runs a family's `Pipeline`: requests, warmup, profiling, placement and offload."""
 
     #: Spatial and temporal factors a request shape must respect (VAE stride x patch size).
@@ -99,10 +102,7 @@ class DefaultRunner(RequestChecksMixin, BaseRunner):
         self.fp8_bias_in_gemm = True  # fp8 compute: whether torch takes the bias in the GEMM (check_fp8_compute)
         self.installers: tuple[Installer, ...] = ()  # what every built module gets, in order (runners/installers.py)
         self.builder: ModuleBuilder | None = None
-        self._fit_unchecked_logged = False
-        self._fit_deferred_logged = False
-        self._budget: memory.MemoryLimit | None = None  # device_budget(): read once, before loading
-        self._budget_read = False
+        self.memory_checks = MemoryChecks(self)  # the memory plan and fit checks (planning/checks.py)
 
     # ---- family hooks: loading ----------------------------------------------------------
     @abstractmethod
@@ -138,7 +138,7 @@ class DefaultRunner(RequestChecksMixin, BaseRunner):
 
     def estimate_memory(self, shape: Shape) -> MemoryEstimate | None:
         """The memory estimate of a request of `shape` (h, w, f) on `self.device`, before loading and
-        before each request (runners/fit.py says what the family gives). None (default): none, unchecked.
+        before each request (planning/fit.py says what the family gives). None (default): none, unchecked.
 
         Raises:
             fit.EstimateUnavailable: the family cannot give it yet (checked again once loaded).
@@ -264,7 +264,7 @@ class DefaultRunner(RequestChecksMixin, BaseRunner):
         req = RequestState(info)  # the request's state; dropped when serve_request returns
         adapters.set_request(self, info)  # request state: cleared in end_run (reset_request_state)
         prof.shape = list(info.shape)
-        self.check_fit(info.shape, f"request {index}")
+        self.memory_checks.check_request(request, info.shape, f"request {index}")  # unless admission checked it
         self.warmups.log_unwarmed_shape(info, index)  # after a warmup, at a shape it did not run
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
@@ -401,3 +401,39 @@ class DefaultRunner(RequestChecksMixin, BaseRunner):
         for streamer in self.streamers.values():
             streamer.reset()  # slots, prefetch index and events back at the request boundary
         self.clear_request_state()
+
+    # ---- request checks (runners/requests.py) ------------------------------------------------------------------
+    @classmethod
+    def validate_shape(cls, height: int, width: int, frames: int) -> None:
+        """ValueError naming the field if the shape breaks `SPATIAL_FACTOR` / `TEMPORAL_FACTOR`."""
+        check_shape(height, width, frames, cls.SPATIAL_FACTOR, cls.TEMPORAL_FACTOR)
+
+    shape_of = staticmethod(shape_with_defaults)  # a family whose shape follows its inputs overrides it
+    lora_specs = staticmethod(lora_specs)
+
+    @classmethod
+    def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
+        """Check `request` before anything loads (`config` as the user gave it); raises as `check_request`."""
+        check_request(request, cls.resolve_config(config), cls.IMAGE_INPUTS, cls.EXTRA_IMAGES, cls.RESULT_KINDS,
+                      cls.shape_of, cls.validate_shape)
+
+    def resolve_request(self, request: RequestConfig | dict[str, Any]) -> InputInfo:
+        """The request's defaults filled in, validated unless admitted (`runners/requests.py` `resolve`)."""
+        return resolve(request, self.config, self.validate_request, self.shape_of, self.DEFAULT_NEGATIVE_PROMPT)
+
+    def request_shape(self, request: RequestConfig) -> Shape:
+        """(height, width, frames) of `request`, the config's defaults filled in (`shape_of`)."""
+        return self.shape_of(request, self.config)
+
+    # ---- memory plan hooks (planning/checks.py `MemoryChecks` asks them; families override) -------------------
+    def estimate_sources(self) -> list[str]:
+        """Where the estimate takes the architecture from, and what it assumes beyond it (`runnerkit plan`)."""
+        return default_sources(self.config)
+
+    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...] | None:
+        """Per denoising stage, its steps and the FLOPs of one step at `shape` (planning/compute.py); None: none."""
+        return None
+
+    def plan_steps_per_request(self) -> int:
+        """Denoising steps of one request over all its stages (the plan's copy time per request)."""
+        return self.config.infer_steps or 1

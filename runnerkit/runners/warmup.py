@@ -13,7 +13,7 @@ Warmup opt-in is per class: a runner class declares `WARMUP_TASKS`, `WARMUP_SHAP
 so a subclass does not inherit the opt-in and must declare its own.
 
 What it reads from the runner: `config`, `device`, `parallel`, `pipeline`, `schedulers`, `flavour`,
-`select_transformer`, `check_fit`, `check_sequence_split`, `run_encoders`, `run_denoise`, `decode`,
+`select_transformer`, `memory_checks`, `check_sequence_split`, `run_encoders`, `run_denoise`, `decode`,
 `decodes_here`, `reset_request_state`, the hooks above and `DEFAULT_NEGATIVE_PROMPT`.
 """
 
@@ -98,7 +98,7 @@ class Warmup:
                 f"(recognised flavours: {sorted(table)}); an unrecognised architecture is not warmed")
         assert len(table[flavour]) == 2, f"{cls}.WARMUP_SHAPES[{flavour!r}] must hold exactly two shapes"
         for shape in table[flavour]:  # a warmup shape that cannot fit fails here, before loading
-            runner.check_fit(shape, f"warmup shape {list(shape)}")
+            runner.memory_checks.check_fit(shape, f"warmup shape {list(shape)}")
 
     def runnable_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
         """Under Ulysses (`parallel.ulysses` K > 1), the warmup shapes whose transformer tokens divide

@@ -5,10 +5,10 @@
 
 The runner is built to plan only (`BaseRunner.for_plan`): no weight is read and the checkpoint need not
 exist (a family then takes the architecture its config gives or implies, and says so). The plan is the
-run's own: `RequestChecksMixin.plan_memory` for the config's default shape and, with `warmup`, its warmup
-shapes (the launch script's path without requests), then `check_fit` of each shape, as a run checks them
-before loading. What a config without `offload.mode` plans is `offload.mode` auto; a config with a mode
-gets that mode, judged against the limits as the planner judges a candidate.
+run's own: `runner.memory_checks.plan_memory` (planning/checks.py) for the config's default shape and, with
+`warmup`, its warmup shapes (the launch script's path without requests), then `check_fit` of each shape, as
+a run checks them before loading. What a config without `offload.mode` plans is `offload.mode` auto; a config
+with a mode gets that mode, judged against the limits as the planner judges a candidate.
 
 Limits: `--device_gib` (as config `memory.limit_gib`: the budget exactly), else this machine's CUDA device
 (`memory.device_budget`: free + held, less the headroom for the CUDA libraries); `--host_gib` (as
@@ -43,11 +43,12 @@ from loguru import logger
 from runnerkit.config import ConfigError, load_runner_config
 from runnerkit.memory import MemoryLimit
 from runnerkit.registry import get_runner_cls
-from runnerkit.runners import fit, plan_report
+from runnerkit.planning import fit
+from runnerkit.planning import report as plan_report
 from runnerkit.runners.default import DefaultRunner
-from runnerkit.runners.fit import GIB, MemoryFitError
+from runnerkit.planning.fit import GIB, MemoryFitError
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_ladder import Evaluation, MemoryPlan, candidate_name, evaluate
+from runnerkit.planning.ladder import Evaluation, MemoryPlan, candidate_name, evaluate
 
 __all__ = ["build_parser", "describe", "main", "plan_device", "plan_of"]
 
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device_name",
                    help="the GPU whose compute the estimated request time assumes, as CUDA names it, e.g. 'NVIDIA "
                         "H100 80GB HBM3' (default: this machine's CUDA device; none: no compute estimate, plans "
-                        "ranked by copy seconds; known names: runners/plan_compute.py DEVICE_PEAKS)")
+                        "ranked by copy seconds; known names: planning/compute.py DEVICE_PEAKS)")
     p.add_argument("--offload", choices=("none", "model", "block", "phase", "auto"),
                    help="offload mode, replacing the config's offload.mode (as the launch script's --offload)")
     p.add_argument("--target_height", type=int, help="plan for this default height instead of the config's")
@@ -152,7 +153,7 @@ def _first_refusal(runner: DefaultRunner, shapes: Sequence[Shape]) -> str | None
     """The run's own check of each shape before loading (`check_fit`): the first refusal, or None."""
     for k, shape in enumerate(shapes):
         try:
-            runner.check_fit(shape, "the default shape" if k == 0 else f"warmup shape {list(shape)}")
+            runner.memory_checks.check_fit(shape, "the default shape" if k == 0 else f"warmup shape {list(shape)}")
         except MemoryFitError as exc:
             return str(exc)
     return None
@@ -174,19 +175,20 @@ def plan_of(runner: DefaultRunner) -> dict[str, Any]:
     except fit.EstimateUnavailable as exc:
         raise ConfigError(f"{type(runner).__name__} cannot estimate the memory without what the checkpoint "
                           f"holds: {exc}") from None
+    checks = runner.memory_checks
     resident_why = None
     if requested.mode == "auto" and "mode" not in requested.model_fields_set:
-        default = runner._resident_by_default(runner.device_budget())  # what plan_memory logs, for the output
+        default = checks.resident_by_default(checks.device_budget())  # what plan_memory logs, for the output
         resident_why = default[0] if default else None
-    device = runner.memory_device()
+    device = checks.memory_device()
     shapes = run_shapes(runner)
     plan: MemoryPlan | None = None
     refusal: str | None = None
     try:
-        plan = runner.plan_memory(())
+        plan = checks.plan_memory(())
     except MemoryFitError as exc:
         refusal = str(exc)
-    device_limit, host_limit = runner.device_budget(), runner.host_budget()
+    device_limit, host_limit = checks.device_budget(), checks.host_budget()
     base: dict[str, Any] = {
         "config_json": None, "model_cls": cfg.model_cls, "task": cfg.task, "runner": type(runner).__name__,
         "dtype": cfg.dtype, "device": str(device), "estimate_sources": runner.estimate_sources(),
@@ -218,8 +220,8 @@ def plan_of(runner: DefaultRunner) -> dict[str, Any]:
     pinned = cfg.memory.pinned_limit_gib  # as plan_memory judges the pinned part of the host bytes
     pinned_limit = None if pinned is None else MemoryLimit(int(pinned * GIB), "config memory.pinned_limit_gib")
     ev = evaluate(candidate_name(cfg.offload), cfg, shapes, device, lambda off, shape: runner.estimate_memory(shape),
-                  device_limit, host_limit, runner.denoise_passes_per_step, pinned_limit)
-    compute, note = runner.compute_model(shapes)
+                  device_limit, host_limit, checks.denoise_passes_per_step, pinned_limit)
+    compute, note = checks.compute_model(shapes)
     if compute is not None:
         ev.request_seconds = plan_report.request_seconds(plan_report.module_rows(ev, device), compute, cfg.offload)
     judged = MemoryPlan(chosen=ev, rejected=[], shapes=tuple(shapes), device=device, device_limit=device_limit,
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         runner_cls = get_runner_cls(config.model_cls, config.task)
         device = plan_device(config.device, config.memory.limit_gib)
         runner = runner_cls.for_plan(config, device)
-        runner.planned_device_name = args.device_name
+        runner.memory_checks.planned_device_name = args.device_name
         out = plan_of(runner)
     except (ValueError, NotImplementedError) as exc:  # ConfigError, CheckpointError, the family's settings checks
         logger.error("invalid input: {}: {}", args.config_json, exc)

@@ -9,7 +9,7 @@ Each model's config is planned as `runnerkit plan --config_json CONFIG --offload
 --device_name REFERENCE_DEVICE` plans it (the default shape and, with `warmup`, the warmup shapes; the family's estimate of the
 release architecture; the compute of `REFERENCE_DEVICE`, the memory capped at D GiB). One planning runner per
 model serves every size: its estimates and the candidates' limit-independent measurements
-(`plan_ladder.measure`) are pure functions of (offload config, shape) and shared across the sizes.
+(`ladder.measure`) are pure functions of (offload config, shape) and shared across the sizes.
 
 A cell: the placement of each module in short words (`MODULE_SHORT`, `PLACEMENT_SHORT`) and the estimated
 seconds per request, or `refused` where no plan fits.
@@ -31,10 +31,10 @@ from loguru import logger
 from runnerkit.config import OffloadConfig, load_runner_config
 from runnerkit.memory import MemoryLimit
 from runnerkit.registry import get_runner_cls
-from runnerkit.runners import fit, plan
-from runnerkit.runners.fit import GIB, MemoryFitError
+from runnerkit.planning import fit, planner
+from runnerkit.planning.fit import GIB, MemoryFitError
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_report import module_rows
+from runnerkit.planning.report import module_rows
 
 __all__ = ["DEVICE_GIB", "HOST_GIB", "MODELS", "REFERENCE_DEVICE", "Cell", "markdown", "plan_model", "table"]
 
@@ -103,8 +103,9 @@ def plan_model(config_json: str | Path, devices: Sequence[float] = DEVICE_GIB, h
     absent = str(Path("/nonexistent-checkpoints") / str(data["model_path"]))  # the release's file name kept (a family may read it)
     config = load_runner_config(path, {"model_path": absent, "memory.limit_gib": max(devices), "offload.mode": "auto"})
     runner = get_runner_cls(config.model_cls, config.task).for_plan(config, torch.device("cuda"))
-    runner.planned_device_name = device_name
-    cfg, device = runner.config, runner.memory_device()
+    checks = runner.memory_checks
+    checks.planned_device_name = device_name
+    cfg, device = runner.config, checks.memory_device()
     shapes: list[Shape] = [(cfg.target_height, cfg.target_width, cfg.target_video_length)]
     shapes += list(runner.warmup_shapes()) if cfg.warmup else []
     estimates: dict[tuple[str, Shape], fit.MemoryEstimate] = {}
@@ -112,20 +113,20 @@ def plan_model(config_json: str | Path, devices: Sequence[float] = DEVICE_GIB, h
     def estimate(off: OffloadConfig, shape: Shape) -> fit.MemoryEstimate:
         key = (off.model_copy(update={"resident_modules": None}).model_dump_json(), shape)
         if key not in estimates:
-            estimates[key] = runner._estimate_with(off, shape)
+            estimates[key] = checks.estimate_with(off, shape)
         return estimates[key]
 
-    compute, note = runner.compute_model(shapes)
-    memo = plan.PlanMemo()
+    compute, note = checks.compute_model(shapes)
+    memo = planner.PlanMemo()
     out: dict[tuple[float, float], Cell] = {}
     for d in devices:
         for h in hosts:
             try:
-                result = plan.plan_offload(
+                result = planner.plan_offload(
                     cfg, shapes, device, estimate, MemoryLimit(int(d * GIB), "table"), MemoryLimit(int(h * GIB),
                                                                                                   "table"),
-                    runner.denoise_passes_per_step, runner._plan_supports, (runner.SPATIAL_FACTOR,
-                                                                            runner.TEMPORAL_FACTOR),
+                    checks.denoise_passes_per_step, checks.plan_supports, (runner.SPATIAL_FACTOR,
+                                                                           runner.TEMPORAL_FACTOR),
                     runner.plan_steps_per_request(), compute=compute, compute_note=note, memo=memo)
             except MemoryFitError:
                 out[d, h] = Cell(None, None, None)

@@ -83,6 +83,10 @@ class Runner:
     def attach_parallel(self, group: Any) -> None:
         self._call("attach_parallel")
 
+    @property
+    def memory_checks(self) -> Runner:  # the runner's memory checks (planning/checks.py), recorded here too
+        return self
+
     def check_requests_fit(self, requests: Any) -> None:
         self._call("check_requests_fit")
 

@@ -20,12 +20,13 @@ from torch import nn
 from runnerkit import memory
 from runnerkit.config import OffloadConfig, RequestConfig, load_runner_config
 from runnerkit.offload.model_offload import ModelOffloader
-from runnerkit.runners import fit, plan_report
-from runnerkit.runners.fit import GIB, MemoryEstimate, ModuleFootprint, StageFootprint
+from runnerkit.planning import fit
+from runnerkit.planning import report as plan_report
+from runnerkit.planning.fit import GIB, MemoryEstimate, ModuleFootprint, StageFootprint
 from runnerkit.runners.pipeline import Pipeline
 from runnerkit.runners.placement import Placement, spans_across_stages
-from runnerkit.runners.plan import plan_offload
-from test_cases.runners.test_plan import CUDA, config, limit
+from runnerkit.planning.planner import plan_offload
+from test_cases.planning.test_planner import CUDA, config, limit
 from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
 
 

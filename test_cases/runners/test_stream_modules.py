@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from runnerkit.config import OffloadConfig
 from runnerkit.runners.default import stream_choice
-from runnerkit.runners.fit import ModuleFootprint, streams
+from runnerkit.planning.fit import ModuleFootprint, streams
 from runnerkit.runners.pipeline import DecoderStage, DenoiseStage, EncoderStage, ModuleSpec, OutputSpec, Pipeline
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from runnerkit.registry import RUNNERS, register_runner
 from runnerkit.runners.default import DefaultRunner
-from runnerkit.runners.fit import MemoryEstimate, StageFootprint, module_footprint
+from runnerkit.planning.fit import MemoryEstimate, StageFootprint, module_footprint
 from runnerkit.runners.request_state import RequestState
 from runnerkit.runners.pipeline import (
     DecoderStage,

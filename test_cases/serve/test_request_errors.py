@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from runnerkit.runners.fit import MemoryFitError
+from runnerkit.planning.fit import MemoryFitError
 from runnerkit.serve.app import InputError, _frames_of, build_request
 from runnerkit.registry import get_runner_cls
 from runnerkit.serve.app import ServerState
@@ -112,7 +112,7 @@ def test_a_shape_that_does_not_fit_names_the_shape_field_sent(tmp_path: Path, se
     def refuse(shape: Any, what: str) -> None:
         raise MemoryFitError(fit_error)
 
-    state.runner.check_fit = refuse
+    state.runner.memory_checks.check_fit = refuse  # type: ignore[method-assign]
     exc = _refusal(state, {"prompt": "x", "image": _png(), **sent}, tmp_path)
     assert (exc.status, exc.field, str(exc)) == (422, param, fit_error)
 

@@ -3,7 +3,7 @@
 - Every shipped real-size config plans at 80 GiB / 128 GiB and at 16 / 32 GiB with no checkpoint on
   disk (the working folder is a fresh tmp folder, so the configs' relative `model_path`s do not exist):
   JSON with the documented keys, the limits given, a fitting plan within them, the exit status.
-- One config's values against the planner called directly (plan.plan_offload on the family's own
+- One config's values against the planner called directly (planner.plan_offload on the family's own
   estimate of the release architecture): the no-load path changes nothing the plan says.
 - A checkpoint on disk and the same architecture from the config alone give the same plan.
 - The run is not weakened: a `for_plan` runner does not load; a run's runner still cannot estimate
@@ -35,7 +35,10 @@ from runnerkit.models.ltx2.estimate import ltx2_estimate
 from runnerkit.models.ltx2.flops import ltx2_step_flops
 from runnerkit.models.ltx2.runner import DISTILLED_SIGMAS, STAGE2_SIGMAS, LTX2Runner
 from runnerkit.models.wan.runner import WanT2VRunner
-from runnerkit.runners import fit, plan, plan_compute, plan_report
+from runnerkit.planning import compute as plan_compute
+from runnerkit.planning import fit
+from runnerkit.planning import planner
+from runnerkit.planning import report as plan_report
 from runnerkit.runners.base import LifecycleError
 from runnerkit.tools.plan import describe, planner_seconds
 from test_cases._cli import restore_logger  # noqa: F401 (autouse fixture)
@@ -122,7 +125,7 @@ def test_every_real_config_plans_without_its_checkpoint(config: Path, limits: tu
 H100 = "NVIDIA H100 80GB HBM3"
 
 
-def _ltx23_direct_plan(device_gib: int, host_gib: int) -> plan.MemoryPlan:
+def _ltx23_direct_plan(device_gib: int, host_gib: int) -> planner.MemoryPlan:
     """The planner called directly on the LTX-2.3 22B release: its estimate of the release architecture,
     Gemma-3 12B, bf16 weights (no fp8 storage), one pass per step (no CFG), the 22B warmup shapes, 8 + 3
     denoising steps per request (both stages), an H100's compute (eager) at the largest shape."""
@@ -135,7 +138,7 @@ def _ltx23_direct_plan(device_gib: int, host_gib: int) -> plan.MemoryPlan:
     def estimate(off: OffloadConfig, shape: tuple[int, int, int]) -> fit.MemoryEstimate:
         return ltx2_estimate(LTX23_22B_ARCH, gemma, shape, 24, "t2av", torch.bfloat16, CUDA, off)
 
-    return plan.plan_offload(config, [(512, 768, 121), (256, 384, 25)], CUDA, estimate,
+    return planner.plan_offload(config, [(512, 768, 121), (256, 384, 25)], CUDA, estimate,
                              MemoryLimit(device_gib * GIB, "config memory.limit_gib"),
                              MemoryLimit(host_gib * GIB, "config memory.host_limit_gib"), lambda off: 1,
                              lambda off: None, (64, 8), steps_per_request=len(DISTILLED_SIGMAS) + len(STAGE2_SIGMAS),
@@ -361,7 +364,7 @@ def test_the_text_output_lists_each_module_and_the_rejected(no_checkpoints: Path
     assert [line.split(": ", 1)[1] for line in text.splitlines() if "rejected (faster)" in line] == [
         f"{r['candidate']}: {r['reason']}" for r in out["rejected"]]
     assert (f"  estimated host-to-device copies per request: {out['request_copy_seconds_estimate']:.2f} s over 50 "
-            "denoising step(s) (no compute estimate: the device is unnamed (runners/plan_compute.py DEVICE_PEAKS): "
+            "denoising step(s) (no compute estimate: the device is unnamed (planning/compute.py DEVICE_PEAKS): "
             "the time model counts copies, not compute)") in text.splitlines()
 
 

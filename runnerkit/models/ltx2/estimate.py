@@ -1,6 +1,6 @@
 """Peak memory of an LTX-2 / LTX-2.3 request (t2av, i2av), from the architecture and the request shape.
 
-The runner's placement (runners/fit.py) turns this into a peak per offload mode; this module gives
+The runner's placement (planning/fit.py) turns this into a peak per offload mode; this module gives
 the bytes of each module's weights and each stage's activations. Units: bytes; `s` = bytes per
 element of the model dtype (every module, Gemma-3 included, is loaded in it), float32 = 4.
 
@@ -55,7 +55,7 @@ is rebound, and a caller's `x = block(x)` keeps the block's input until the bloc
   Both streams' peaks are added (an upper bound: they do not coincide; audio has ~126 tokens). Plus
   the modulated text contexts, their k and v (4 x [1024, D + Da]), the scheduler's joint float32
   latents (`SCHEDULER_LATENT_COPIES`), stage 1's RoPE tables (still cached in stage 2) and the
-  attention kernel's workspace (runners/estimate_parts.py `sdpa_workspace`);
+  attention kernel's workspace (planning/workspaces.py `sdpa_workspace`);
 - latent_upsampler, vae_encoder (i2av), vae_decoder, audio_decoder: estimate_decoders.py (the VAE
   decodes all frames at once: a layer-by-layer walk of the decoder at the full video size); the
   audio decoder stage also holds the decoded float32 video;
@@ -103,8 +103,8 @@ from runnerkit.models.ltx2.estimate_decoders import (
     video_bytes,
 )
 from runnerkit.models.ltx2.transformer import LTX2Transformer, keep_fp32
-from runnerkit.runners.estimate_parts import F32, sdpa_workspace
-from runnerkit.runners.fit import (
+from runnerkit.planning.workspaces import F32, sdpa_workspace
+from runnerkit.planning.fit import (
     EstimateUnavailable,
     Hint,
     MemoryEstimate,

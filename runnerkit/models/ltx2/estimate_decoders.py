@@ -20,7 +20,7 @@ latent grid, and at every convolution adds what is alive at once:
   the unfolded input, its repeat and the sum);
 - the output convolution, the unpatchify copy, then the runner's `.float()` and `.clamp()`
   (two float32 videos at once).
-Convolution workspace from runners/estimate_parts.py (`conv_workspace`): on the CPU the
+Convolution workspace from planning/workspaces.py (`conv_workspace`): on the CPU the
 im2col buffer or oneDNN's reorder, on CUDA 2 x the padded input + the weights (calibrated on Wan's
 VAE on the H200; to check for this decoder with bench/estimate_vs_peak.py, bench/DEVICE_RUN.md §9).
 The decoder's `x = block(x)` keeps each block's input alive until the block returns, and an
@@ -42,7 +42,7 @@ from runnerkit.models.ltx2.audio_arch import LATENT_DOWNSAMPLE, LTX2VocoderArch,
 from runnerkit.models.ltx2.vae import LTX2VideoDecoder, LTX2VideoVAE
 from runnerkit.models.ltx2.vae_arch import LTX2VideoVAEArch
 from runnerkit.models.ltx2.vae_blocks import CausalConv3d, ResnetBlock3d, Upsampler3d
-from runnerkit.runners.estimate_parts import F32, conv_workspace
+from runnerkit.planning.workspaces import F32, conv_workspace
 from runnerkit.weights import build_on_meta
 
 __all__ = ["ENCODE_COPIES", "UPSAMPLER_COPIES", "VOCODER_COPIES", "audio_decode_bytes", "upsampler_bytes",

@@ -1,5 +1,5 @@
 """FLOPs of one LTX-2 denoising step per stage, from the architecture alone (the planner's time model,
-runners/plan_compute.py). 2 FLOPs per multiply-add.
+planning/compute.py). 2 FLOPs per multiply-add.
 
 Per block and pass, each attention with Lq queries of width Dq over Lk keys of width Dk at inner width
 E (heads x head size): q and out projections 4 Lq Dq E, k and v 4 Lk Dk E, scores and values 4 Lq Lk E.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from runnerkit.models.ltx2.arch import LTX2Arch
 from runnerkit.models.ltx2.estimate import TEXT_TOKENS, stage_tokens
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_compute import StageFlops
+from runnerkit.planning.compute import StageFlops
 
 if TYPE_CHECKING:
     from runnerkit.config import RunnerConfig

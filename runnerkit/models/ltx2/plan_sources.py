@@ -24,7 +24,7 @@ from pathlib import Path
 
 from runnerkit.config import RunnerConfig
 from runnerkit.models.ltx2.arch import LTX2_19B_ARCH, LTX23_22B_ARCH, LTX2Arch
-from runnerkit.runners.fit import EstimateUnavailable
+from runnerkit.planning.fit import EstimateUnavailable
 
 __all__ = ["GEMMA3_12B", "RELEASES", "absent_sources", "check_paths", "configured_arch", "fp8_by_name",
            "release_gemma"]

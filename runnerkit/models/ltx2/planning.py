@@ -13,7 +13,7 @@ from runnerkit.models.ltx2.checkpoint_synthetic import tiny_gemma_sizes
 from runnerkit.models.ltx2.estimate import fp8_stored_weights, gemma_fields, ltx2_estimate
 from runnerkit.models.ltx2.flops import LTX2Compute
 from runnerkit.models.ltx2.plan_sources import absent_sources, fp8_by_name, release_gemma
-from runnerkit.runners.fit import EstimateUnavailable, MemoryEstimate
+from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.pipeline import Shape
 
 __all__ = ["LTX2Planning"]

@@ -1,6 +1,6 @@
 """Memory and FLOPs of a Qwen-Image request from the architecture alone (no weights): the memory plan and
-the request check before loading (runners/fit.py, runners/plan.py) and the plan's time model
-(runners/plan_compute.py).
+the request check before loading (planning/fit.py, planning/planner.py) and the plan's time model
+(planning/compute.py).
 
 Weights: every module built on the meta device (nothing allocated) and counted by `fit.module_footprint`
 as the runner loads it: the transformer in the run's dtype (its float32 layers kept), Qwen2.5-VL as
@@ -52,10 +52,10 @@ from runnerkit.models.qwen_image.arch import QwenImageArch, QwenImageTransformer
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D, keep_fp32
 from runnerkit.nets.causal_vae3d import CausalVAE3D
 from runnerkit.nets.causal_vae3d_estimate import vae_chunk_bytes, video_bytes
-from runnerkit.runners.estimate_parts import F32, sdpa_workspace
-from runnerkit.runners.fit import MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
+from runnerkit.planning.workspaces import F32, sdpa_workspace
+from runnerkit.planning.fit import MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_compute import StageFlops
+from runnerkit.planning.compute import StageFlops
 from runnerkit.weights import build_on_meta
 
 if TYPE_CHECKING:

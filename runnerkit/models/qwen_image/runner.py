@@ -36,7 +36,7 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
-from runnerkit.runners.fit import EstimateUnavailable, MemoryEstimate
+from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,

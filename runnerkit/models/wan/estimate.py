@@ -49,7 +49,7 @@ im2col buffer (C_in * k^3 x output positions) of the slow kernels PyTorch picks 
 N * C * T * H <= 20480 (measured: `slow_conv3d_forward`, `_slow_conv2d_forward`), else the
 oneDNN reorder of input and weights (measured <= input + weights + half the larger of input and
 output); on CUDA 2 x input + weights (cuDNN picks its algorithm and workspace at run time; the
-bound is calibrated on the H200 runs, see runners/estimate_parts.py). With
+bound is calibrated on the H200 runs, see planning/workspaces.py). With
 `offload.vae_tiling`, the same for one tile (all frames), plus the full video accumulator,
 its weight map and the final division. Decode ends with the concatenation: 2 x the video.
 """
@@ -73,8 +73,8 @@ from runnerkit.models.wan.clip import keep_fp32 as clip_keep_fp32
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE
 from runnerkit.nets.causal_vae3d_estimate import vae_chunk_bytes, video_bytes
-from runnerkit.runners.estimate_parts import F32, sdpa_workspace
-from runnerkit.runners.fit import Hint, MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
+from runnerkit.planning.workspaces import F32, sdpa_workspace
+from runnerkit.planning.fit import Hint, MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import build_on_meta
 

@@ -1,5 +1,5 @@
 """FLOPs of one Wan denoising step, from the architecture alone (the planner's time model,
-runners/plan_compute.py). 2 FLOPs per multiply-add; the count of bench/speed.py's `wan_flops`.
+planning/compute.py). 2 FLOPs per multiply-add; the count of bench/speed.py's `wan_flops`.
 
 Per block and CFG pass, with L video tokens, T = text_len text tokens, I CLIP image tokens (Wan2.1
 i2v / flf2v: 257 per conditioning frame), D = dim, F = ffn_dim:
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_compute import StageFlops
+from runnerkit.planning.compute import StageFlops
 
 if TYPE_CHECKING:
     from runnerkit.config import RunnerConfig

@@ -20,9 +20,10 @@ from runnerkit.models.ltx2 import estimate as est
 from runnerkit.models.ltx2.arch import LTX23_22B_ARCH
 from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FILE, write_synthetic_ltx2
 from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner
-from runnerkit.runners import fit, loading
+from runnerkit.planning import fit
+from runnerkit.runners import loading
 from runnerkit.runners.pipeline import InputInfo
-from runnerkit.runners.plan import plan_offload
+from runnerkit.planning.planner import plan_offload
 from runnerkit.runners.request_state import RequestState
 from test_cases._alignment import misaligned_weights
 

@@ -28,7 +28,7 @@ from runnerkit.models.ltx2.transformer import LTX2Transformer
 from runnerkit.models.ltx2.transformer_arch import tiny_arch
 from runnerkit.models.ltx2.vae import LTX2VideoDecoder
 from runnerkit.models.ltx2.vae_arch import LTX23_VIDEO_VAE
-from runnerkit.runners import fit
+from runnerkit.planning import fit
 from test_cases._memory import peak_tensor_bytes
 from test_cases.conftest import REPO
 
@@ -177,7 +177,7 @@ def test_a_real_config_is_checked_once_its_checkpoint_is_readable(tmp_path: Path
     assert runner.arch_override is None
     with pytest.raises(fit.EstimateUnavailable, match="cannot be read before loading"):
         runner.estimate_memory(SHAPE)
-    assert runner.check_fit(SHAPE, "request 0") is None
+    assert runner.memory_checks.check_fit(SHAPE, "request 0") is None
 
 
 def test_the_runner_reads_gemma_from_the_configured_folder(tmp_path: Path) -> None:

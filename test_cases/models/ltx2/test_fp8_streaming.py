@@ -24,7 +24,7 @@ from runnerkit.models.ltx2.runner import LTX2Runner
 from runnerkit.models.ltx2.transformer import LTX2Transformer, keep_fp32
 from runnerkit.offload import align_up
 from runnerkit.offload.setup import stream_module
-from runnerkit.runners.fit import module_footprint
+from runnerkit.planning.fit import module_footprint
 from runnerkit.weights import build_on_meta, safetensors_infos
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"

@@ -25,7 +25,7 @@ from runnerkit.models.ltx2.checkpoint_synthetic import (
 )
 from runnerkit.models.ltx2.estimate import GEMMA_DEFAULTS, gemma_footprint, gemma_parameters
 from runnerkit.models.ltx2.runner import LTX2Runner
-from runnerkit.runners import fit
+from runnerkit.planning import fit
 from runnerkit.runners.pipeline import InputInfo
 from runnerkit.weights import safetensors_infos
 from test_cases._alignment import misaligned_weights

@@ -13,7 +13,7 @@ from runnerkit.config import OffloadConfig, load_runner_config
 from runnerkit.models.qwen_image.arch import QwenImageArch
 from runnerkit.models.qwen_image.estimate import footprints, image_decode_bytes, qwen_estimate
 from runnerkit.models.qwen_image.runner import QwenImageRunner
-from runnerkit.runners.fit import GIB
+from runnerkit.planning.fit import GIB
 from test_cases.conftest import config_dict
 from test_cases.models.qwen_image.conftest import T2I_CONFIG
 
@@ -70,6 +70,6 @@ def test_the_release_plans_without_weights(device_gib: int, mode: str) -> None:
     config = load_runner_config(T2I_CONFIG.parent / "qwen_image_t2i_20b.json",
                                 {"model_path": "absent", "memory.limit_gib": device_gib, "memory.host_limit_gib": 128})
     runner = QwenImageRunner.for_plan(config, torch.device("cuda"))
-    plan = runner.plan_memory(())
+    plan = runner.memory_checks.plan_memory(())
     assert plan is not None and plan.offload.mode == mode
     assert plan.chosen.peak is not None and plan.chosen.peak.bytes <= device_gib * GIB

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     config_path, h, w, f, out = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     from runnerkit.config import RequestConfig, load_runner_config
     from runnerkit.registry import get_runner_cls
-    from runnerkit.runners import fit
+    from runnerkit.planning import fit
 
     config = load_runner_config(config_path, {})
     runner = get_runner_cls(config.model_cls)(config)

@@ -35,7 +35,7 @@ from runnerkit.models.wan.arch import UMT5Arch, WanArch, WanTransformerArch, Wan
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
 from runnerkit.models.wan.vae import WanVAE
 from runnerkit.models.wan.vae_tiling import decode_tiled
-from runnerkit.runners import fit
+from runnerkit.planning import fit
 from runnerkit.weights import build_on_meta
 from test_cases._memory import peak_tensor_bytes
 from test_cases.conftest import REPO, tiny_config_dict, write_config

@@ -98,7 +98,7 @@ def test_the_estimate_counts_the_streamed_encoder() -> None:
     embedding, final norm, float32 layer norms) and its slots; not listed: the whole encoder."""
     from runnerkit.config import OffloadConfig, RunnerConfig
     from runnerkit.models.wan.estimate import wan_t2v_estimate
-    from runnerkit.runners import fit
+    from runnerkit.planning import fit
 
     arch = WanArch.model_validate(json.loads(TINY_CONFIG.read_text())["model"])
     te_arch, cuda = arch.text_encoder, torch.device("cuda")

@@ -1,5 +1,5 @@
 """Offload keys judged against the family's modules before anything loads or is written
-(runners/offload_checks.py): `offload.resident_modules` naming a module the pipeline lacks or one that
+(planning/offload_checks.py): `offload.resident_modules` naming a module the pipeline lacks or one that
 streams, `offload.keep_across_stages` on a pipeline with one denoising stage; the run refuses them in its
 plan phase (the synthetic checkpoint folder stays empty), `runnerkit plan` with exit 2 and the same line.
 And the config's own messages for offload keys (config.py): every inert key with its origin, a list item's
@@ -20,10 +20,10 @@ from runnerkit.config import ConfigError, OffloadConfig, load_runner_config
 from runnerkit.models.ltx2.runner import LTX2Runner
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.runners.base import LifecycleError
-from runnerkit.runners.fit import MemoryFitError
+from runnerkit.planning.fit import MemoryFitError
 from test_cases._cli import restore_logger  # noqa: F401 (autouse fixture)
 from test_cases.conftest import REPO, TINY_CONFIG
-from test_cases.runners.test_plan import BLOCK, plan
+from test_cases.planning.test_planner import BLOCK, plan
 
 WAN_MISSING = ("`offload.resident_modules`=['transformr']: WanT2VRunner (model_cls 'wan2.1', task 't2v') has no "
                "module ['transformr']; modules it can keep resident: ['text_encoder', 'transformer', 'vae']")
@@ -80,12 +80,12 @@ def test_a_two_stage_pipeline_takes_keep_across_stages(tmp_path: Path) -> None:
     data = json.loads((REPO / "configs/ltx2/ltx2_t2av_tiny.json").read_text())
     data.update(model_path=str(tmp_path / "ckpt"), device="cpu", offload={"mode": "model", "keep_across_stages": True})
     runner = LTX2Runner(load_runner_config(None, data))
-    assert runner.plan_memory(()) is None  # checked, accepted, not a plan (mode model)
+    assert runner.memory_checks.plan_memory(()) is None  # checked, accepted, not a plan (mode model)
     data["offload"] = {"mode": "model", "resident_modules": ["upsampler"]}
     with pytest.raises(ValueError, match=r"has no module \['upsampler'\]; modules it can keep resident: \["
                                          r"'text_encoder', 'connectors', 'transformer', 'latent_upsampler', 'vae', "
                                          r"'audio_decoder'\]"):
-        LTX2Runner(load_runner_config(None, data)).plan_memory(())
+        LTX2Runner(load_runner_config(None, data)).memory_checks.plan_memory(())
 
 
 @pytest.mark.parametrize("offload, message", [

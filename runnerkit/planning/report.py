@@ -1,10 +1,10 @@
-"""What a memory plan (runners/plan.py, plan_ladder.py) says: per module where it lives, its bytes and copy volume,
+"""What a memory plan (planning/planner.py, ladder.py) says: per module where it lives, its bytes and copy volume,
 the log block, the profile's `memory_plan`, and the refusal when nothing fits (docs/memory_plan.md).
 
 Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled as such):
 
     streamed transformer:  streamed bytes x passes per step under the candidate's own config (the
-                           runner's `denoise_passes_per_step`, asked per candidate: 1 without CFG; with
+                           memory checks' `denoise_passes_per_step`, per candidate: 1 without CFG; with
                            CFG 1 in mode block where the family runs both branches through each block
                            in one pass, else 2)
         streamed bytes = the units' raw bytes as copied (`ModuleFootprint.stream_moved_bytes`: the
@@ -17,7 +17,7 @@ Copy volume per denoising step (H2D, an estimate from the plan's sizes, labelled
     resident module (mode none, `offload.resident_modules`, `offload.resident_blocks` units): nothing
 
     request copy seconds = step copy seconds x denoising steps per request + the per-request copies'
-    seconds (what the planner minimizes among the candidates that fit: runners/plan.py)
+    seconds (what the planner minimizes among the candidates that fit: planning/planner.py)
 
     seconds = bytes / bandwidth: pinned H2D `H2D_PINNED_BYTES_PER_S`, pageable `H2D_PAGEABLE_BYTES_PER_S`,
     disk `min(DISK_BYTES_PER_S, H2D)`; assumptions, not measurements. One transformer runs per step
@@ -37,11 +37,11 @@ from pydantic import ValidationError
 
 from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
-from runnerkit.runners.fit import GIB, host_module_bytes, overhead_bytes, placement_of, streams
+from runnerkit.planning.fit import GIB, host_module_bytes, overhead_bytes, placement_of, streams
 from runnerkit.offload.pinned import pinning_disabled_by_env
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_compute import ComputeModel, denoise_seconds
-from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
+from runnerkit.planning.compute import ComputeModel, denoise_seconds
+from runnerkit.planning.ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
                                            evaluate, explicit_keys, ladder)
 
 __all__ = ["DISK_BYTES_PER_S", "H2D_PAGEABLE_BYTES_PER_S", "H2D_PINNED_BYTES_PER_S", "ModuleRow", "describe",
@@ -107,7 +107,7 @@ def request_copy_seconds(rows: Sequence[ModuleRow], steps_per_request: int) -> f
 
 
 def request_seconds(rows: Sequence[ModuleRow], compute: ComputeModel, offload: OffloadConfig) -> float:
-    """Estimated seconds of one request under a candidate (runners/plan_compute.py): the denoising steps, each the
+    """Estimated seconds of one request under a candidate (planning/compute.py): the denoising steps, each the
     larger of its compute and the streamed copy (prefetched; their sum from pageable memory), + the per-request
     copies."""
     overlapped = offload.pin_memory and not pinning_disabled_by_env()

@@ -24,8 +24,8 @@ On the CPU the device is the host and offload cannot lower the peak: the first a
 (exit 2) naming the GiB missing for the closest candidate and what would fit (`refusal`).
 
 Pure functions of estimates: the runner side (shapes, limits, the family's estimate per candidate)
-is `RequestChecksMixin.plan_memory` (runners/requests.py); the ladder and the judging of one
-candidate are runners/plan_ladder.py; the log, the report and the refusal runners/plan_report.py.
+is `MemoryChecks.plan_memory` (planning/checks.py); the ladder and the judging of one
+candidate are planning/ladder.py; the log, the report and the refusal planning/report.py.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ import torch
 
 from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
-from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, placement_of, streams
+from runnerkit.planning.fit import MemoryEstimate, MemoryFitError, placement_of, streams
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
+from runnerkit.planning.ladder import (EstimateFn, Evaluation, MemoryPlan, PassesFn, SupportedFn, candidate_name,
                                            constrain, explicit_keys, ladder, measure, verdict)
-from runnerkit.runners.plan_compute import ComputeModel
-from runnerkit.runners.plan_report import module_rows, refusal, request_copy_seconds, request_seconds
+from runnerkit.planning.compute import ComputeModel
+from runnerkit.planning.report import module_rows, refusal, request_copy_seconds, request_seconds
 
 __all__ = ["MemoryPlan", "PlanMemo", "plan_offload"]
 
@@ -63,7 +63,7 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         estimate: the family's estimate of a shape under a concrete offload config.
         device_limit / host_limit: bytes available (host None: host memory unknown, not checked).
         passes_per_step: passes through the streamed blocks per denoising step under a candidate's concrete
-            offload config (the runner's `denoise_passes_per_step`), asked per evaluated candidate: its copy
+            offload config (`MemoryChecks.denoise_passes_per_step`), asked per evaluated candidate: its copy
             volume in the report and the log.
         supported: None if the run supports a concrete config, else why not (compile, warmup).
         factors: the family's (spatial, temporal) shape factors, for the smaller shapes the refusal names.
@@ -72,7 +72,7 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
             False judges each rung as the ladder writes it (the ladder alone, e.g. to compare with).
         pinned_limit: page-locked host bytes allowed apart from `host_limit` (config `memory.pinned_limit_gib`);
             None: pinned bytes count only towards the host limit.
-        compute: the time model's compute side (runners/plan_compute.py): with it, candidates are ranked by
+        compute: the time model's compute side (planning/compute.py): with it, candidates are ranked by
             their estimated request seconds (compute overlapped with the streamed copies); None: by copy seconds.
         compute_note: why there is no compute model (the log and the report say it).
         memo: what is pure in a plan (`PlanMemo`), shared by plans of the same run config, shapes, estimate and
@@ -224,7 +224,7 @@ MAX_RESIDENT_BLOCKS = 4096
 
 @dataclass
 class PlanMemo:
-    """What a plan computes that does not depend on the limits: each candidate measured (`plan_ladder.measure`,
+    """What a plan computes that does not depend on the limits: each candidate measured (`ladder.measure`,
     by its concrete config's JSON) and, per streaming config, the fewest resident units that keep all of them
     (`_fewest_same`)."""
 

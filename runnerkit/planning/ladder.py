@@ -1,4 +1,4 @@
-"""The pieces of the memory planner (runners/plan.py, docs/memory_plan.md): the ladder of concrete
+"""The pieces of the memory planner (planning/planner.py, docs/memory_plan.md): the ladder of concrete
 offload configs, the user's explicit keys applied to it, and one candidate judged against the
 device and host limits. Pure functions of estimates; imported by plan.py and plan_report.py.
 """
@@ -15,9 +15,9 @@ from pydantic import ValidationError
 
 from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
-from runnerkit.runners.fit import GIB, HostEstimate, MemoryEstimate, PeakEstimate, host_bytes_of, peak_of
+from runnerkit.planning.fit import GIB, HostEstimate, MemoryEstimate, PeakEstimate, host_bytes_of, peak_of
 from runnerkit.runners.pipeline import Shape
-from runnerkit.runners.plan_compute import ComputeModel
+from runnerkit.planning.compute import ComputeModel
 
 __all__ = ["MATCH_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "PassesFn", "SupportedFn",
            "candidate_name", "constrain", "evaluate", "explicit_keys", "ladder", "measure", "verdict"]
@@ -126,7 +126,7 @@ class Evaluation:
     host_missing: int = 0
     pinned_missing: int = 0
     passes_per_step: int = 0
-    copy_seconds: float | None = None  # estimated H2D seconds per request (runners/plan_report.py), once evaluated
+    copy_seconds: float | None = None  # estimated H2D seconds per request (planning/report.py), once evaluated
     request_seconds: float | None = None  # estimated request seconds, compute included (None: no compute estimate)
 
     @property
@@ -154,7 +154,7 @@ class MemoryPlan:
     why: str
     skipped: list[Evaluation] = field(default_factory=list)  # CPU: candidates not evaluated
     steps_per_request: int = 1  # denoising steps of one request, all stages (the copy time's multiplier)
-    compute: ComputeModel | None = None  # the time model's compute side (runners/plan_compute.py); None: copies only
+    compute: ComputeModel | None = None  # the time model's compute side (planning/compute.py); None: copies only
     compute_note: str = ""  # why there is no compute estimate
 
     @property

@@ -1,4 +1,4 @@
-"""The memory refusal's core (runners/fit.py, memory.memory_limit), family-independent: placement
+"""The memory refusal's core (planning/fit.py, memory.memory_limit), family-independent: placement
 rules per offload mode (checked against a placed runner), the limit sources, and where the check
 runs (before loading, before a request's first stage, warmup shapes), on the two-stage test family.
 
@@ -19,9 +19,9 @@ from loguru import logger
 from runnerkit import memory
 from runnerkit.config import ConfigError, RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
-from runnerkit.runners import fit
+from runnerkit.planning import fit
 from runnerkit.runners.base import error_phase
-from runnerkit.runners.fit import MemoryEstimate, MemoryFitError, ModuleFootprint, StageFootprint
+from runnerkit.planning.fit import MemoryEstimate, MemoryFitError, ModuleFootprint, StageFootprint
 from test_cases.conftest import tiny_config_dict
 from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
 
@@ -271,7 +271,7 @@ def test_before_loading_a_request_that_cannot_fit_is_refused(tmp_path: Path, moc
                 RequestConfig(prompt="big", target_height=2048, target_width=2048)]
     requests[1]._source = "line 2 of 'r.jsonl'"
     with pytest.raises(MemoryFitError) as exc:
-        runner.check_requests_fit(requests)
+        runner.memory_checks.check_requests_fit(requests)
     msg = str(exc.value)
     assert msg.startswith("request 1 (line 2 of 'r.jsonl'): shape 2048x2048x1 (height x width x frames) "
                           "needs an estimated")
@@ -295,10 +295,10 @@ def test_a_refusal_that_the_lora_slots_cause_names_them_with_enough_digits(tiny_
         runner._config = runner.config.model_copy(update={"memory": runner.config.memory.model_copy(
             update={"limit_gib": limit})})
         if not refused:
-            runner.check_requests_fit([request])
+            runner.memory_checks.check_requests_fit([request])
             continue
         with pytest.raises(MemoryFitError) as exc:
-            runner.check_requests_fit([request])
+            runner.memory_checks.check_requests_fit([request])
     msg = str(exc.value)
     slot_gib = f"{peak.lora_slot_bytes / GIB:.2f}"
     assert peak.lora_slot_bytes == slots.estimate_memory(shape).modules["transformer"].device_extra_bytes > 0
@@ -311,7 +311,7 @@ def test_a_refusal_that_the_lora_slots_cause_names_them_with_enough_digits(tiny_
 
 def test_requests_that_fit_are_accepted_and_logged(tmp_path: Path, logs: list[str]) -> None:
     runner = toy(tmp_path, memory={"limit_gib": 1.0})
-    runner.check_requests_fit([RequestConfig(prompt="a", target_height=32, target_width=64),
+    runner.memory_checks.check_requests_fit([RequestConfig(prompt="a", target_height=32, target_width=64),
                                RequestConfig(prompt="b", target_height=64, target_width=64)])
     assert any(line.startswith("INFO memory check: 2 request(s) fit; largest estimate") and "[64, 64, 1]" in line
                for line in logs)
@@ -322,11 +322,11 @@ def test_the_limit_compares_strictly(tmp_path: Path, monkeypatch: pytest.MonkeyP
     runner = toy(tmp_path)
     peak = fit.peak_of(runner.estimate_memory((64, 64, 1)), runner.config, CPU)
     monkeypatch.setattr(memory, "memory_limit", lambda *a, **k: memory.MemoryLimit(peak.bytes, "test"))
-    assert runner.check_fit((64, 64, 1), "request 0") == peak
+    assert runner.memory_checks.check_fit((64, 64, 1), "request 0") == peak
     monkeypatch.setattr(memory, "memory_limit", lambda *a, **k: memory.MemoryLimit(peak.bytes - 1, "test"))
     runner = toy(tmp_path)  # a new runner reads the limit anew (device_budget: once per runner)
     with pytest.raises(MemoryFitError, match=r"request 0: shape 64x64x1 .* \(test\)"):
-        runner.check_fit((64, 64, 1), "request 0")
+        runner.memory_checks.check_fit((64, 64, 1), "request 0")
 
 
 def test_before_the_first_stage_a_request_that_cannot_fit_is_refused(tmp_path: Path, mocker: Any) -> None:
@@ -393,8 +393,8 @@ def test_the_warmup_gate_checks_the_second_shape_too(tmp_path: Path, mocker: Any
 def test_check_fit_false_skips_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory, "memory_limit", lambda *a, **k: memory.MemoryLimit(1, "test"))
     runner = toy(tmp_path, memory={"check_fit": False})
-    assert runner.check_fit((4096, 4096, 1), "request 0") is None
-    runner.check_requests_fit([RequestConfig(prompt="x", target_height=4096, target_width=4096)])
+    assert runner.memory_checks.check_fit((4096, 4096, 1), "request 0") is None
+    runner.memory_checks.check_requests_fit([RequestConfig(prompt="x", target_height=4096, target_width=4096)])
 
 
 class NoEstimateRunner(TwoStageImageRunner):
@@ -407,7 +407,7 @@ class NoEstimateRunner(TwoStageImageRunner):
 def test_a_family_without_an_estimate_is_served_unchecked_with_one_info_line(tmp_path: Path,
                                                                                logs: list[str]) -> None:
     runner = NoEstimateRunner(load_runner_config(None, config_dict(tmp_path, memory={"limit_gib": TINY_LIMIT})))
-    runner.check_requests_fit([RequestConfig(prompt="x", target_height=4096, target_width=4096)] * 2)
+    runner.memory_checks.check_requests_fit([RequestConfig(prompt="x", target_height=4096, target_width=4096)] * 2)
     runner.init_modules()
     runner.run_pipeline(RequestConfig(prompt="y", save_tensor_path=str(tmp_path / "y.safetensors")), 0)
     unchecked = [line for line in logs if "requests are not checked against the device's memory" in line]
@@ -433,10 +433,11 @@ def test_the_limit_is_read_once_before_loading_and_kept(tiny_ckpt: Path, monkeyp
     monkeypatch.setattr(memory, "memory_limit", spy)
     limits: list[int] = []
     real_peak = fit.peak_of
-    monkeypatch.setattr(fit, "peak_of", lambda *a: limits.append(runner.device_budget().bytes) or real_peak(*a))
+    budget = runner.memory_checks.device_budget
+    monkeypatch.setattr(fit, "peak_of", lambda *a: limits.append(budget().bytes) or real_peak(*a))
     runner.init_modules()
-    runner.check_fit((48, 80, 9), "after")
+    runner.memory_checks.check_fit((48, 80, 9), "after")
     assert read == ["initialising"]  # once, in the plan phase, before the load
     assert len(limits) >= 3 and set(limits) == {8 * GIB}  # the warmup shapes and the request: each judged against it
-    assert runner.device_budget() == memory.MemoryLimit(8 * GIB, "cpu: 8.00 GiB available (fake)")
+    assert runner.memory_checks.device_budget() == memory.MemoryLimit(8 * GIB, "cpu: 8.00 GiB available (fake)")
     assert memory.memory_limit(CPU).bytes == GIB // 10  # what a re-read would have judged against

@@ -18,7 +18,7 @@ The split of work:
   estimate with its peak stage, the limit with its source, and what to change.
 
 Placement per offload mode (the same rules as `DefaultRunner.place_modules` and `Placement`;
-`test_cases/runners/test_fit.py` checks them against a placed runner):
+`test_cases/planning/test_fit.py` checks them against a placed runner):
 
 | mode | weights on a CUDA device during stage s | on the CPU (device = host memory) |
 | --- | --- | --- |
@@ -165,7 +165,7 @@ class Hint:
     Attributes:
         text: the advice as the refusal words it, e.g. "offload.vae_tiling=true (...)".
         offload: the offload keys it sets, e.g. {"vae_tiling": True}. The memory planner names the advice
-            only where its own estimate, with these keys on an evaluated candidate, fits (runners/plan_report.py);
+            only where its own estimate, with these keys on an evaluated candidate, fits (planning/report.py);
             advice without keys is left out of the plan's refusal (the per-request refusal shows the text).
     """
 
@@ -259,7 +259,7 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
         return _module_footprint(module, dtype, keep_fp32, stream, offload, stream_default, fp8_stored, lora_rank)
     streaming = stream is not None and offload is not None and offload.mode in ("block", "phase")
     # The offload keys `_module_footprint` reads (keep in step with it): the plan asks for one module under
-    # hundreds of offload configs (runners/plan.py's rungs, variants and resident-unit counts) that differ
+    # hundreds of offload configs (planning/planner.py's rungs, variants and resident-unit counts) that differ
     # mostly in keys it does not read; families build their modules on meta once, so this memo hits.
     read = ((offload.mode, offload.resident_blocks, offload.storage, offload.weight_dtype, offload.gpu_slots)
             if streaming and offload is not None else None)

@@ -1,4 +1,4 @@
-"""The planner's time model (runners/plan_compute.py): device peaks by name, the compute model and why there is
+"""The planner's time model (planning/compute.py): device peaks by name, the compute model and why there is
 none, and each family's FLOPs of one denoising step against the counts of bench/speed.py and the H100 steps the
 efficiency factors are calibrated on."""
 
@@ -15,7 +15,7 @@ from runnerkit.models.qwen_image.estimate import qwen_step_flops
 from runnerkit.models.wan.arch import WanTransformerArch
 from runnerkit.models.wan.flops import wan_step_flops
 from runnerkit.models.wan.runner import WanT2VRunner
-from runnerkit.runners.plan_compute import EFFICIENCY, StageFlops, compute_model, denoise_seconds, device_peak
+from runnerkit.planning.compute import EFFICIENCY, StageFlops, compute_model, denoise_seconds, device_peak
 from test_cases.conftest import REPO
 
 WAN14 = WanTransformerArch(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
@@ -37,9 +37,9 @@ def test_no_compute_estimate_says_why() -> None:
     stages = [StageFlops("transformer", 50, 1e15)]
     assert device_peak("Tesla T4") is None and device_peak(None) is None
     assert compute_model(stages, "Tesla T4", False) == (None, "no compute estimate: device 'Tesla T4' is not in "
-                                                              "the table of peaks (runners/plan_compute.py DEVICE_PEAKS)")
+                                                              "the table of peaks (planning/compute.py DEVICE_PEAKS)")
     assert compute_model(stages, None, False)[1] == ("no compute estimate: the device is unnamed "
-                                                     "(runners/plan_compute.py DEVICE_PEAKS)")
+                                                     "(planning/compute.py DEVICE_PEAKS)")
     assert compute_model(None, "NVIDIA H100 80GB HBM3", False)[1] == ("no compute estimate: the family gives no FLOP "
                                                                       "count (denoise_flops)")
     model, note = compute_model(stages, "NVIDIA H100 80GB HBM3", True)
@@ -96,9 +96,9 @@ def test_qwen_and_ltx2_flops_match_the_eager_calibration() -> None:
 def test_planning_on_the_cpu_has_no_compute_estimate() -> None:
     config = load_runner_config(REPO / "configs/wan/wan_t2v_14b.json", {"model_path": "absent", "device": "cpu"})
     runner = WanT2VRunner.for_plan(config, torch.device("cpu"))
-    runner.planned_device_name = "NVIDIA H100 80GB HBM3"
-    assert runner.compute_model([(480, 832, 81)]) == (None, "no compute estimate: the device is cpu")
-    runner.memory_device = lambda: torch.device("cuda")  # type: ignore[method-assign]
-    model, note = runner.compute_model([(240, 416, 21), (480, 832, 81)])
+    runner.memory_checks.planned_device_name = "NVIDIA H100 80GB HBM3"
+    assert runner.memory_checks.compute_model([(480, 832, 81)]) == (None, "no compute estimate: the device is cpu")
+    runner.memory_checks.memory_device = lambda: torch.device("cuda")  # type: ignore[method-assign]
+    model, note = runner.memory_checks.compute_model([(240, 416, 21), (480, 832, 81)])
     assert note == "" and model is not None and model.peak.label == "H100 SXM"
     assert model.stages[0][2] == pytest.approx(wan_step_flops(WAN14, (480, 832, 81), 2) / (989e12 * 0.37))

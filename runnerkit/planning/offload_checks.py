@@ -4,7 +4,7 @@
 family's pipeline, which pydantic cannot know. The pipeline description itself needs the checkpoint
 (`describe_pipeline` runs at load), but the family's memory estimate lists the same modules and
 stages from the architecture alone (the config's, a checkpoint's headers, or the release sizes), so
-the keys are judged against it when the run plans its memory (`RequestChecksMixin.plan_memory`, the
+the keys are judged against it when the run plans its memory (`MemoryChecks.plan_memory`, the
 first thing `init_modules` and `runnerkit plan` do), before a synthetic checkpoint is written. A
 family whose estimate is not available before loading is still checked at load
 (`DefaultRunner._resident_choice`).
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from runnerkit.config import OffloadConfig, RunnerConfig
-from runnerkit.runners.fit import MemoryEstimate, streams
+from runnerkit.planning.fit import MemoryEstimate, streams
 
 __all__ = ["check_offload_modules", "check_resident_modules"]
 

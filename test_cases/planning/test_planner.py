@@ -1,4 +1,4 @@
-"""The memory planner (runners/plan.py, plan_report.py) on synthetic estimates: which candidate a
+"""The memory planner (planning/planner.py, plan_report.py) on synthetic estimates: which candidate a
 table of machines gets and why, the host-memory terms, the copy volume, the refusal and what it
 advises. No model: the estimate is a function of (offload config, shape) written here.
 
@@ -31,10 +31,12 @@ import torch
 
 from runnerkit.config import OffloadConfig, load_runner_config
 from runnerkit.memory import MemoryLimit
-from runnerkit.runners import fit, plan_compute, plan_report
-from runnerkit.runners.fit import GIB, MemoryEstimate, MemoryFitError, ModuleFootprint, StageFootprint
-from runnerkit.runners.plan import plan_offload
-from runnerkit.runners.requests import RequestChecksMixin
+from runnerkit.planning import compute as plan_compute
+from runnerkit.planning import fit
+from runnerkit.planning import report as plan_report
+from runnerkit.planning.checks import MemoryChecks
+from runnerkit.planning.fit import GIB, MemoryEstimate, MemoryFitError, ModuleFootprint, StageFootprint
+from runnerkit.planning.planner import plan_offload
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 BASE = (480, 832, 81)
@@ -390,7 +392,7 @@ def test_passes_per_step_are_each_candidates_own() -> None:
     block counts 1 pass per step and every other mode 2: asked of the runner's own hook per candidate."""
     cfg = config()
     runner = SimpleNamespace(config=cfg, CFG_ONE_PASS=True)
-    hook = partial(RequestChecksMixin.denoise_passes_per_step, runner)
+    hook = MemoryChecks(runner).denoise_passes_per_step  # type: ignore[arg-type]
     result = ladder_plan(7.5, 64, te_streams=True, passes=hook)
     assert result.chosen.name == BLOCK_ALL and result.passes_per_step == 1
     report = plan_report.report(result, cfg.offload)
@@ -581,7 +583,7 @@ def test_pinned_host_memory_is_budgeted_apart() -> None:
     assert report["host_pinned_gib"] == round(tight.chosen.host.pinned_bytes / GIB, 3)
 
 
-# ---- the time model: compute against copies (runners/plan_compute.py) ------------------------------
+# ---- the time model: compute against copies (planning/compute.py) ------------------------------
 def test_a_copy_hidden_under_compute_ranks_before_a_smaller_copy_that_is_not() -> None:
     """16 GiB, 5 s of compute a step: model offload with the transformer resident copies the text encoder and the
     VAE once per request (5 GiB, 0.27 s, not overlapped); block streaming with 6 of 10 units, the text encoder and

@@ -6,9 +6,9 @@
                                                    or steps x (compute + copy per step)    (pageable: in line)
                     + the per-request copies (visits, lazy reads, streamed text encoders), not overlapped
 
-The step FLOPs are the family's (`RequestChecksMixin.denoise_flops`: the transformer's matmul and attention
+The step FLOPs are the family's (`DefaultRunner.denoise_flops`: the transformer's matmul and attention
 FLOPs, 2 per multiply-add, every CFG pass, per stage), from the architecture alone. The copies are the plan's
-(runners/plan_report.py `module_rows`). Encoders and decoders run once per request; their compute is left out
+(planning/report.py `module_rows`). Encoders and decoders run once per request; their compute is left out
 (the same for every candidate, so the ranking does not change; the absolute time is low by that much).
 
 `DEVICE_PEAKS` holds the dense (no sparsity) bf16 tensor-core peak of the devices the planner knows, by the
@@ -128,7 +128,7 @@ def compute_model(stages: Sequence[StageFlops] | None, device_name: str | None,
     peak = device_peak(device_name)
     if peak is None:
         what = f"device {device_name!r} is not in the table of peaks" if device_name else "the device is unnamed"
-        return None, f"no compute estimate: {what} (runners/plan_compute.py DEVICE_PEAKS)"
+        return None, f"no compute estimate: {what} (planning/compute.py DEVICE_PEAKS)"
     efficiency = EFFICIENCY[compiled]
     rate = peak.tflops * 1e12 * efficiency
     model = ComputeModel(tuple((s.name, s.steps, s.flops / rate) for s in stages), device_name or "", peak,
