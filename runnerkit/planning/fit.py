@@ -122,6 +122,10 @@ class ModuleFootprint:
         device_extra_bytes: bytes the module keeps on the compute device beside its weights, whether
             or not the weights are offloaded or streamed, for as long as the module exists (unfused
             LoRA slots, runnerkit/lora: `lora_slot_bytes`).
+        stream_resident_stored_bytes: the resident part's bytes as read from the checkpoint when they differ
+            from `stream_resident_bytes` (storage disk with fp8-stored weights outside the streamed units:
+            1 byte each; `stream_module` moves them to the device as stored and upcasts them there); None:
+            as loaded. What loading the resident part holds in host memory.
     """
 
     weight_bytes: int
@@ -131,6 +135,15 @@ class ModuleFootprint:
     stream_default: bool = True
     stream_moved_bytes: int = 0
     device_extra_bytes: int = 0
+    stream_resident_stored_bytes: int | None = None
+
+    @property
+    def resident_read_bytes(self) -> int:
+        """Bytes of the streamed module's resident part as read from its source (stored dtype)."""
+        assert self.stream_resident_bytes is not None, "only a streamed module has a resident part"
+        if self.stream_resident_stored_bytes is None:
+            return self.stream_resident_bytes
+        return self.stream_resident_stored_bytes
 
     @property
     def streams(self) -> bool:
@@ -322,9 +335,13 @@ def _module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable
     slots = min(offload.gpu_slots, len(units))
     streamed = sum(sizes[p] for u in units for p in u.params)
     host = sum(lay.raw_nbytes for lay in layouts) if offload.storage == "cpu" else slots * raw
+    in_units = {p for u in units for p in u.params}
+    # fp8-stored weights kept resident are read as stored (1 byte each) and upcast on the device
+    saved = sum(sizes[n] - math.prod(shapes[n]) for n in as_stored if n in sizes and n not in in_units)
     return ModuleFootprint(weight_bytes=total, stream_resident_bytes=total - streamed, stream_slot_bytes=slots * slot,
                            stream_host_bytes=host, stream_default=stream_default,
-                           stream_moved_bytes=sum(lay.raw_nbytes for lay in layouts), device_extra_bytes=extra)
+                           stream_moved_bytes=sum(lay.raw_nbytes for lay in layouts), device_extra_bytes=extra,
+                           stream_resident_stored_bytes=total - streamed - saved if saved else None)
 
 
 def lora_slot_bytes(module: nn.Module, rank: int, dtype: torch.dtype,
@@ -479,7 +496,7 @@ def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.
         host = sum over modules of host_module_bytes      (offloaded weights, streamer slabs)
              + the largest module loaded onto the device through host memory
                  (resident modules and unload_modules: its weights; a streamed module: its resident
-                 part; the state dict of one module is read into host memory while it is placed:
+                 part as stored, `resident_read_bytes`; the state dict of one module is read into host memory while it is placed:
                  whole for .pth files, page by page for safetensors)
              + PROCESS_HOST_BYTES
 
@@ -494,8 +511,7 @@ def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.
     loaded: dict[str, int] = {}
     for name, m in estimate.modules.items():
         if streams(name, m, off):
-            assert m.stream_resident_bytes is not None
-            loaded[name] = m.stream_resident_bytes
+            loaded[name] = m.resident_read_bytes  # as stored: fp8 weights are upcast on the device
         elif config.unload_modules or off.mode == "none" or name in (off.resident_modules or ()):
             loaded[name] = m.weight_bytes
     transient_module = max(loaded, key=lambda n: loaded[n]) if loaded else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -253,3 +253,41 @@ def test_kept_fp8_units_are_upcast_on_the_device_as_on_the_cpu(tmp_path: Path, m
         for _ in range(2):
             assert torch.equal(model(x), out)
     streamer.close()
+
+
+@pytest.mark.parametrize(("mode", "kept"), [("block", 2), ("phase", 5)])
+def test_the_host_estimate_counts_kept_fp8_units_as_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           mode: Literal["block", "phase"], kept: int) -> None:
+    """What loading the resident part reads into host memory (the reader's tensors, scales aside) is the
+    footprint's `resident_read_bytes`: fp8-stored weights at 1 byte, not upcast; the estimate's transient
+    host term takes it. Storage cpu holds upcast weights: there the two stay equal."""
+    from runnerkit.offload.disk import SafetensorsDiskReader
+    from runnerkit.config import RunnerConfig
+    from runnerkit.planning.fit import MemoryEstimate, host_bytes_of, module_footprint
+
+    files, stored, scales = fp8_checkpoint(tmp_path)
+    read: list[int] = []
+    real = SafetensorsDiskReader.load_tensors
+
+    def spy(self: SafetensorsDiskReader, names: Any) -> dict[str, torch.Tensor]:
+        out = real(self, names)
+        read.append(sum(t.nbytes for k, t in out.items() if not k.endswith("weight_scale")))
+        return out
+
+    monkeypatch.setattr(SafetensorsDiskReader, "load_tensors", spy)
+    model, streamer = streamed_toy(files, scales, mode, torch.bfloat16, resident_blocks=kept)
+    streamer.close()
+    cfg = OffloadConfig(mode=mode, storage="disk", gpu_slots=2, resident_blocks=kept)
+    fp8 = {n for n, t in stored.items() if t.dtype == FP8}
+    footprint = module_footprint(build_on_meta(ToyModel), torch.bfloat16, SPEC.keep_fp32, SPEC, cfg, fp8_stored=fp8)
+    streamed = {p for u in streamer.units for p in u.params}
+    # the toy's file keeps its biases in float32 (4 bytes read, 2 loaded): the one difference allowed
+    wide = sum(t.numel() * 2 for n, t in stored.items()
+               if t.dtype == torch.float32 and n not in streamed and n not in scales.values())
+    assert read[0] - wide == footprint.resident_read_bytes < footprint.stream_resident_bytes
+    run = RunnerConfig(model_cls="toy", task="t2v", model_path=str(tmp_path), offload=cfg)
+    host = host_bytes_of(MemoryEstimate(modules={"toy": footprint}, stages=()), run, torch.device("cuda"))
+    assert (host.transient_module, host.transient_bytes) == ("toy", footprint.resident_read_bytes)
+    upcast = module_footprint(build_on_meta(ToyModel), torch.bfloat16, SPEC.keep_fp32, SPEC,
+                              cfg.model_copy(update={"storage": "cpu"}), fp8_stored=fp8)
+    assert upcast.resident_read_bytes == upcast.stream_resident_bytes
