@@ -9,14 +9,12 @@ runs it, for requests and for warmup alike (ARCHITECTURE §2, §3):
     #                                               -> condition_latents -> (step_pre -> select_transformer
     #                                               -> run_step -> step_post)*  per stage
     # 4. decoders (iterators consumed fully)        pipeline.decoders -> {output key: tensor}
-    # 5. save (all-or-nothing, through media.py)    save_outputs, or the writer thread (runners/writes.py)
+    # 5. save (all-or-nothing, through media.py)    inline, or the writer thread (runners/writes.py `save`)
     # end_run (always, from BaseRunner.run_pipeline)
 
-This file holds that request path and the hooks a family overrides; the rest are objects the runner
-holds or functions it calls (docs/architecture.md §1): warmup (`self.warmups`, runners/warmup.py),
-loading and placement (runners/loading.py, building.py, installers.py), LoRA (adapters.py), parallel
-runs (parallelism.py), progress (progress_report.py), files (writes.py), request checks (requests.py), the memory
-plan and fit checks (`self.memory_checks`, planning/checks.py).
+This file holds that request path and the hooks a family overrides; the rest are objects the runner holds
+(`warmups`, runners/warmup.py; `memory_checks`, planning/checks.py; `builder`) or functions it calls
+(runners/: loading, adapters, parallelism, progress_report, writes, requests; docs/architecture.md §1).
 """
 
 from __future__ import annotations
@@ -70,20 +68,15 @@ class DefaultRunner(BaseRunner):
     EXTRA_IMAGES: ClassVar[dict[str, int]] = {}
     #: The kind of each task's primary output (what `save_result_path` holds); default "video".
     RESULT_KINDS: ClassVar[dict[str, OutputKind]] = {}
-    #: Config paths of separately shipped modules this family reads (`text_encoder_path`,
-    #: `upsampler_path`); any other one set in the config is refused.
+    #: Config paths of separately shipped modules it reads (e.g. `text_encoder_path`); others are refused.
     MODULE_PATHS: ClassVar[tuple[str, ...]] = ()
-    #: The modules of `describe_pipeline` that can stream their blocks or layers (given a `ModuleSpec.stream`):
-    #: the names `offload.stream_modules` may list (checked when the runner is built, and at load).
+    #: The pipeline's modules that can stream (a `ModuleSpec.stream`): what `offload.stream_modules` may list.
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ()
-    #: Text lengths (tokens) the family pads its prompts' embeddings to under `text_buckets: auto`
-    #: (docs/prompt_lengths.md); None: a fixed text length already (or no text): `text_buckets` is 'auto'.
+    #: Text lengths (tokens) prompts are padded to under `text_buckets: auto`; None: a fixed length already.
     TEXT_BUCKETS: ClassVar[tuple[int, ...] | None] = None
-    #: The family's `run_step` runs its CFG branches through each streamed block in one pass
-    #: (`one_pass_streamer`, the transformer's `forward_branches`); read for the load-time log line.
+    #: `run_step` runs its CFG branches through each streamed block in one pass (`one_pass_streamer`).
     CFG_ONE_PASS: ClassVar[bool] = False
-    #: Parallel modes under config `parallel` (runnerkit/parallel): "cfg" (`run_step` computes the branches
-    #: through `cfg_branches`), "ulysses" (a `ShardsSequence` transformer; `attention_heads`, `sequence_tokens`).
+    #: Parallel modes (config `parallel`): "cfg" (via `cfg_branches`), "ulysses" (`attention_heads`, `sequence_tokens`).
     PARALLEL_MODES: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: RunnerConfig) -> None:
@@ -137,23 +130,14 @@ class DefaultRunner(BaseRunner):
         return next(iter(self.schedulers.values()), None)
 
     def estimate_memory(self, shape: Shape) -> MemoryEstimate | None:
-        """The memory estimate of a request of `shape` (h, w, f) on `self.device`, before loading and
-        before each request (planning/fit.py says what the family gives). None (default): none, unchecked.
-
-        Raises:
-            fit.EstimateUnavailable: the family cannot give it yet (checked again once loaded).
-        """
+        """The memory estimate of a request of `shape` (h, w, f) on `self.device` (planning/fit.py); None (default):
+        unchecked. Raises fit.EstimateUnavailable when it cannot be given before loading (checked once loaded)."""
         return None
 
     # ---- family hooks: LoRA (runners/adapters.py) ----------------------------------------------
     def lora_aliases(self, names: Sequence[str]) -> dict[str, str]:
         """Other names of the transformer's linear layers `names` (e.g. diffusers names) -> the layer's name."""
         return {}
-
-    @classmethod
-    def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
-        """Layers a typical adapter covers, name -> (out, in), and their names in `layout` (lora/synthetic.py)."""
-        raise NotImplementedError(f"{cls.__name__} cannot describe its LoRA layers for a synthetic adapter")
 
     lora_slot_rank = adapters.slot_rank  # the unfused slots' rank (0 without), for a family's memory estimate
     check_adapters = adapters.check_adapters  # after init_modules: every request's adapters matched, none applied
@@ -167,15 +151,8 @@ class DefaultRunner(BaseRunner):
         """Family hook (Ulysses): the tokens the transformer of `stage` shards for request `info`."""
         raise NotImplementedError(f"{type(self).__name__} does not say its token count (sequence_tokens)")
 
-    @property
-    def cfg_parallel(self) -> bool:
-        """The CFG branches run on two ranks (config `parallel.cfg` = 2)."""
-        return self.parallel is not None and self.parallel.cfg > 1
-
-    @property
-    def decodes_here(self) -> bool:
-        """This process runs the decoders and saves: one process, or rank 0 of a parallel run."""
-        return self.parallel is None or self.parallel.rank == 0
+    cfg_parallel = property(parallelism.cfg_parallel)  # the CFG branches run on two ranks (`parallel.cfg` = 2)
+    decodes_here = property(parallelism.decodes_here)  # one process, or rank 0: runs the decoders and saves
 
     cfg_branches = parallelism.cfg_branches  # each CFG branch's prediction (under CFG parallel: one per rank)
     check_sequence_split = parallelism.check_sequence_split  # Ulysses: a request's tokens divide, per stage
@@ -206,9 +183,6 @@ class DefaultRunner(BaseRunner):
         """The class-constant warmup shapes of this checkpoint's flavour (`Warmup.shapes`)."""
         return self.warmups.shapes()
 
-    def _opt_in(self, name: str) -> Any:  # read by runners/requests.py
-        return self.warmups.opt_in(name)
-
     # ---- family hooks: the request path -------------------------------------------------------
     @abstractmethod
     def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: torch.Tensor,
@@ -223,8 +197,7 @@ class DefaultRunner(BaseRunner):
 
     def select_transformer(self, req: RequestState, stage: DenoiseStage, step_index: int,
                            timestep: torch.Tensor) -> str:
-        """The transformer (MoE expert) of `stage` that runs step `step_index` (default: the only one;
-        NotImplementedError when the stage lists several)."""
+        """The transformer (MoE expert) of `stage` for step `step_index`: the only one (several: override)."""
         if len(stage.transformers) != 1:
             raise NotImplementedError(f"{type(self).__name__}: denoise stage {stage.name!r} has experts "
                                       f"{list(stage.transformers)}; override select_transformer to choose per step")
@@ -238,9 +211,8 @@ class DefaultRunner(BaseRunner):
 
     def condition_latents(self, req: RequestState, stage: DenoiseStage, latents: torch.Tensor,
                           init_latents: torch.Tensor | None) -> torch.Tensor:
-        """Right after `stage`'s scheduler drew its start `latents` (float32, its own: do not write into it), the
-        start with conditioned tokens (e.g. i2v's clean first frame; `init_latents`: the stage's input, None
-        for the first stage); the scheduler continues from what it returns. Default: `latents`."""
+        """The start `latents` of `stage`'s scheduler (float32; do not write into it) with conditioned tokens (e.g.
+        i2v's clean first frame; `init_latents`: the stage's input, None in the first); the scheduler goes on."""
         return latents
 
     def sidecar_extra(self, req: RequestState) -> dict[str, Any]:
@@ -268,22 +240,18 @@ class DefaultRunner(BaseRunner):
         self.warmups.log_unwarmed_shape(info, index)  # after a warmup, at a shape it did not run
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
-        # 2. encoders
-        req.inputs = self.run_encoders(req)
-        # 3. denoise stages
-        latents = self.run_denoise(req)
+        req.inputs = self.run_encoders(req)  # 2. encoders
+        latents = self.run_denoise(req)  # 3. denoise stages
         if not self.decodes_here:
             return  # parallel: rank 0 alone decodes and saves; this rank's part of the request is done
-        # 4. decoders
-        outputs = self.decode(req, latents)
+        outputs = self.decode(req, latents)  # 4. decoders
         # 5. save: here, or queued for the writer thread, which writes while the next request computes
         self.report_progress(info, "save")
         writes.save(self, req, prof, outputs)
 
     def run_encoders(self, req: RequestState, per_shape: bool | None = None) -> Any:
-        """Run the pipeline's encoder stages (only those with `per_shape` == `per_shape` unless None),
-        each with its module on the device and the inputs built so far in `req.inputs`; returns the
-        inputs (also left in `req.inputs`)."""
+        """The encoder stages (those of `per_shape` unless None), each with its module on the device and the
+        inputs built so far in `req.inputs`; returns the inputs (also left in `req.inputs`)."""
         assert self.pipeline is not None, "load_modules first"
         for enc in self.pipeline.encoders:
             if per_shape is not None and enc.per_shape != per_shape:
@@ -311,8 +279,7 @@ class DefaultRunner(BaseRunner):
 
     def _denoise_one(self, req: RequestState, stage: DenoiseStage, latents: torch.Tensor | None,
                      warmup: bool) -> torch.Tensor:
-        """One denoise stage with its transition: its latents; the request's generator goes to the stage's
-        scheduler before and comes back to `req.generator` after."""
+        """One denoise stage with its transition; the request's generator lends itself to the stage's scheduler."""
         if stage.transition is not None:
             assert latents is not None, "a transition needs the previous stage's latents"
             self.report_progress(req.info, stage.transition)
@@ -329,13 +296,9 @@ class DefaultRunner(BaseRunner):
 
     def run_denoise_stage(self, req: RequestState, stage: DenoiseStage, sched: Scheduler,
                           init_latents: torch.Tensor | None, warmup: bool = False) -> torch.Tensor:
-        """prepare -> condition_latents -> (step_pre -> select_transformer -> run_step -> step_post)*
-        -> the stage's latents.
-
-        Warmup runs `warmup_steps` only; a non-consecutive jump resets the solver history (only
-        for schedulers that keep one). The chosen transformer is kept on the device while
-        consecutive steps use it (an MoE switch moves the other expert in).
-        """
+        """prepare -> condition_latents -> (step_pre -> select_transformer -> run_step -> step_post)* -> latents.
+        Warmup runs `warmup_steps` only (a jump resets a solver's history); the chosen transformer stays on the
+        device while consecutive steps use it (an MoE switch moves the other expert in)."""
         info = req.info
         self.check_sequence_split(info, (stage,))  # before the stage's first step
         sched.prepare(stage.latent_shape(info), stage.steps, info.seed, self.device, self.dtype,
@@ -369,8 +332,7 @@ class DefaultRunner(BaseRunner):
         return sched.latents
 
     def decode(self, req: RequestState, latents: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every decoder, its module on the device (iterators consumed fully, `collect_output`): output key
-        -> tensor `[B, ...]` (e.g. video `[B, 3, F, H, W]`)."""
+        """Every decoder with its module on the device: output key -> tensor `[B, ...]` (video `[B, 3, F, H, W]`)."""
         assert self.pipeline is not None, "load_modules first"
         outputs: dict[str, torch.Tensor] = {}
         for dec in self.pipeline.decoders:
@@ -391,9 +353,8 @@ class DefaultRunner(BaseRunner):
                                  self.config.memory.empty_cache_min_reclaimable_gib)
 
     def reset_request_state(self) -> None:
-        """Schedulers (latents, sigmas, history, generator), LoRA adapters, streamer positions and the
-        family's caches all go back to the start-up baseline (the request's `RequestState` itself is
-        dropped with `serve_request`'s frame)."""
+        """Schedulers, LoRA adapters, streamer positions and the family's caches back to the start-up baseline
+        (the request's `RequestState` is dropped with `serve_request`'s frame)."""
         for sched in self.schedulers.values():
             sched.clear()
         if self.lora is not None:

@@ -20,7 +20,17 @@ from runnerkit.runners.pipeline import DenoiseStage, InputInfo
 if TYPE_CHECKING:
     from runnerkit.runners.default import DefaultRunner
 
-__all__ = ["cfg_branches", "check_requests_split", "check_sequence_split"]
+__all__ = ["cfg_branches", "cfg_parallel", "check_requests_split", "check_sequence_split", "decodes_here"]
+
+
+def cfg_parallel(runner: DefaultRunner) -> bool:
+    """The CFG branches run on two ranks (config `parallel.cfg` = 2)."""
+    return runner.parallel is not None and runner.parallel.cfg > 1
+
+
+def decodes_here(runner: DefaultRunner) -> bool:
+    """This process runs the decoders and saves: one process, or rank 0 of a parallel run."""
+    return runner.parallel is None or runner.parallel.rank == 0
 
 
 def cfg_branches(runner: DefaultRunner, branches: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:

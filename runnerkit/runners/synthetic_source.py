@@ -71,6 +71,12 @@ class SyntheticCheckpointSource:
         (one of `CHECKPOINT_LAYOUTS`; runnerkit.tools.synth_checkpoint, `synthetic_checkpoint`)."""
         raise NotImplementedError(f"{cls.__name__} cannot write synthetic checkpoints")
 
+    @classmethod
+    def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+        """Family hook for the synthetic adapter writer (runnerkit/lora/synthetic.py): the linear layers a
+        typical adapter of `config`'s architecture covers, name -> (out, in), and their names in `layout`."""
+        raise NotImplementedError(f"{cls.__name__} cannot describe its LoRA layers for a synthetic adapter")
+
     def open_checkpoint(self, path: Path, raw: bool = False) -> Any:
         """The family's checkpoint at `path` (`raw`: without the config's `model` over it)."""
         raise NotImplementedError(f"{type(self).__name__} must implement open_checkpoint(path, raw) to read its "
