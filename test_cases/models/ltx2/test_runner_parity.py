@@ -22,6 +22,7 @@ from runnerkit.models.ltx2.arch import tiny_pipeline_arch
 from runnerkit.models.ltx2.runner import DISTILLED_SIGMAS, STAGE2_SIGMAS, LTX2Runner
 from test_cases._reference import require_reference
 from test_cases.models.ltx2._parity import report
+from test_cases.models.ltx2.test_image_crf import picture
 
 diffusers = require_reference("diffusers")
 transformers = require_reference("transformers")
@@ -122,18 +123,18 @@ def check_t2av_parity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("version", ["2.3", "2.0"])
 def test_i2av_two_stage_matches_diffusers(version: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """i2av through `LTX2ImageToVideoPipeline` (both stages: the clean first latent frame, per-token
-    timesteps 0 there): the first frame's H.264 re-compression is off on both sides (`image_crf=0`; the
-    re-compression itself: test_ltx2_runner.py), so both encode the same pixels. The audio<->video
+    timesteps 0 there), the first frame H.264 re-compressed on both sides at the runner's CRF (33; PyAV in
+    both: test_image_crf.py compares that step alone), from a picture whose colours and noise the
+    re-compression changes. The audio<->video
     AdaLN follows the checkpoint's version: LTX-2.3 diffusers' default `use_cross_timestep=True`, LTX-2.0
     its legacy `use_cross_timestep=False` (the per-token video timesteps of i2av tell them apart)."""
     from PIL import Image
     from diffusers.pipelines.ltx2 import LTX2ImageToVideoPipeline
 
     monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(LTX2Runner, "IMAGE_CRF", 0)
+    require_reference("av")
     image = tmp_path / "first.png"
-    ramp = torch.linspace(0, 255, 80 * 120 * 3).reshape(80, 120, 3).to(torch.uint8).numpy()
-    Image.fromarray(ramp).save(image)
+    Image.fromarray(picture(80, 120)).save(image)
     runner = runner_for("i2av", tmp_path, version)
     finals: list[torch.Tensor] = []
     run_denoise = runner.run_denoise
@@ -150,8 +151,8 @@ def test_i2av_two_stage_matches_diffusers(version: str, tmp_path: Path, monkeypa
     guidance = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
                     modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
     common = dict(image=Image.open(image), prompt=PROMPT, num_frames=f, frame_rate=float(cfg.fps), generator=g,
-                  return_dict=False, output_type="latent", image_crf=0, use_cross_timestep=version == "2.3",
-                  **guidance)
+                  return_dict=False, output_type="latent", image_crf=LTX2Runner.IMAGE_CRF,
+                  use_cross_timestep=version == "2.3", **guidance)
     with torch.inference_mode():
         ref_video, ref_audio = pipe(height=h // 2, width=w // 2, num_inference_steps=len(DISTILLED_SIGMAS),
                                     sigmas=list(DISTILLED_SIGMAS), **common)
