@@ -12,8 +12,8 @@ with Gemma-3 12B's widths, `VideoEncoderConfigurator` / `VideoDecoderConfigurato
 file has none). Counts: 2.0 transformer 3510, connectors 59, vae 184, audio_vae 102, vocoder 194,
 upsampler 73; 2.3 transformer 4186, connectors 262, vae 170, audio_vae 102, vocoder 1227 (the 16 kHz
 generator 667, the extender 557, `mel_stft` 3: the counts a public MLX converter reports for the
-release's audio file), upsampler 72. Independent checks: diffusers 0.42.1 `single_file_utils` loads
-the transformer, VAE and audio VAE of such files strictly, and diffusers' `convert_ltx2_to_diffusers.py`
+release's audio file), upsampler 72. Independent checks: diffusers 0.42.1 `single_file_utils` converts
+the transformer, VAE and audio VAE from these names, and diffusers' `convert_ltx2_to_diffusers.py`
 (`LTX_2_3_VOCODER_RENAME_DICT`: `act_post`, `downsample.lowpass`) and ComfyUI's
 `comfy/ldm/lightricks/vocoders/vocoder.py` name the 2.3 vocoder's tensors as listed.
 
