@@ -13,10 +13,12 @@ A single-file release (`ltx-2-19b-dev.safetensors`, `ltx-2.3-22b-*.safetensors`)
 
 Sources: diffusers 0.42.1 `loaders/single_file_utils.py` (transformer, VAE, audio VAE prefixes and
 renames) and `scripts/convert_ltx2_to_diffusers.py` (vocoder and connector renames; the 2.0 projection
-read as top-level `text_embedding_projection.aggregate_embed.weight`). The 2.3 projection names
-(`video_aggregate_embed`, `audio_aggregate_embed`) are those third-party LTX-2.3 loaders read; the 2.3
-vocoder-with-extension names (`vocoder.vocoder.*`, `vocoder.bwe_generator.*` after the same renames) are
-this module's assumption, not checked against a release header.
+read as top-level `text_embedding_projection.aggregate_embed.weight`; the 2.3 vocoder's `act_post` and
+`downsample.lowpass`). Checked against Lightricks' loader (github Lightricks/LTX-2 @ 400fd31,
+`packages/ltx-core`): the release key sets its networks expect are listed, with their source, in
+`test_cases/models/ltx2/data/` and load here key for key (2.3 vocoder: `vocoder.vocoder.*`,
+`vocoder.bwe_generator.*` with BigVGAN's `act_post` and `downsample.lowpass.filter`, and
+`vocoder.mel_stft.*`; the resampler's filter is computed, and accepted unread if a file has it).
 
 The loader maps the other way by building the network on meta and naming each of its tensors here,
 so one function per direction suffices.
@@ -43,11 +45,17 @@ PREFIXES: dict[str, tuple[str, ...]] = {
 """component -> prefixes of its single-file keys (transformer: minus the connectors')."""
 
 _STATS = {"latents_mean": "per_channel_statistics.mean-of-means", "latents_std": "per_channel_statistics.std-of-means"}
-_VOCODER = (("upsamplers", "ups"), ("resnets", "resblocks"), ("conv_in", "conv_pre"), ("conv_out", "conv_post"))
+_VOCODER = (("upsamplers", "ups"), ("resnets", "resblocks"), ("conv_in", "conv_pre"), ("conv_out", "conv_post"),
+            ("act_out", "act_post"))
+_LOWPASS = ".downsample.filter"
+"""BigVGAN's anti-aliasing down-sampler keeps its filter one level deeper (`downsample.lowpass.filter`)."""
 _IGNORED = {
     # tensors of the file that no network of ours reads
     "vae": re.compile(r"vae\.per_channel_statistics\.(channel|mean-of-stds)$"),
     "audio_vae": re.compile(r"audio_vae\.(encoder\.|per_channel_statistics\.(channel|mean-of-stds)$)"),
+    # the 2.3 bandwidth extender's resampling filter: computed at build (ltx-core, diffusers and ComfyUI keep it
+    # out of their state dicts); accepted and not read should a file carry it
+    "vocoder": re.compile(r"vocoder\.resampler\.filter$"),
 }
 
 
@@ -91,8 +99,13 @@ def audio_vae_native(name: str) -> str:
 
 
 def vocoder_native(name: str) -> str:
-    """Single-file key of a diffusers `LTX2Vocoder` / `LTX2VocoderWithBWE` key."""
-    return "vocoder." + _words(name, _VOCODER)
+    """Single-file key of a diffusers `LTX2Vocoder` / `LTX2VocoderWithBWE` key (ltx-core's `Vocoder` /
+    `VocoderWithBWE` attribute names: `ups`, `resblocks`, `conv_pre`, `act_post`, `conv_post`,
+    `...downsample.lowpass.filter`)."""
+    native = _words(name, _VOCODER)
+    if native.endswith(_LOWPASS):
+        native = native[: -len(_LOWPASS)] + ".downsample.lowpass.filter"
+    return "vocoder." + native
 
 
 def native_names(component: str, names: list[str], arch: LTX2Arch) -> dict[str, str]:

@@ -40,12 +40,12 @@ from torch import Tensor, nn
 from runnerkit.config import RunnerConfig, format_validation_error
 from runnerkit.images import read_pil_image
 from runnerkit.lora import linear_targets
-from runnerkit.media import missing_media_module, recompress_h264
 from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import write_synthetic_ltx2
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
+from runnerkit.models.ltx2.image_crf import missing_pyav, recompress_h264
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.plan_sources import check_paths, configured_arch
 from runnerkit.models.ltx2.planning import LTX2Planning
@@ -187,9 +187,8 @@ class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
         if config.offload.vae_tiling:
             raise NotImplementedError("`offload.vae_tiling` is not available for ltx2 (the video VAE decodes whole)")
         check_paths(config, files=not self.plan_only)
-        if config.task == "i2av" and missing_media_module(".mp4") is not None:
-            raise ValueError("task 'i2av' re-compresses the first frame with the `media` extra's ffmpeg "
-                             f"({missing_media_module('.mp4')} is missing): pip install 'runnerkit[media]'")
+        if config.task == "i2av" and missing_pyav() is not None:
+            raise ValueError(missing_pyav())
         # The configured architecture; without `model`, the tiny one only for a synthetic checkpoint (a real
         # checkpoint's architecture is its own, read at load: None here, so nothing can take the tiny one for it)
         self.arch_override: LTX2Arch | None = None
@@ -470,7 +469,7 @@ class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
 
     def first_frame(self, info: InputInfo) -> Tensor:
         """i2av: the request's image (warmup: a grey ramp of the same size) re-compressed as one H.264
-        frame at `IMAGE_CRF` (media.recompress_h264; Lightricks ltx-pipelines `media_io.preprocess`,
+        frame at `IMAGE_CRF` (image_crf.recompress_h264, PyAV; Lightricks ltx-pipelines `media_io.preprocess`,
         diffusers 0.42.1 `ltx2.utils.apply_image_conditioning_crf`: LTX-2 is trained to condition on
         frames compressed like video), then resized
         bilinearly to the stage-1 size as diffusers' `VideoProcessor(resample="bilinear")` does (aspect

@@ -306,7 +306,7 @@ class LTX2Transformer(nn.Module):
                 audio_num_frames: int, fps: float = 24.0, audio_timestep: Tensor | None = None,
                 sigma: Tensor | None = None, audio_sigma: Tensor | None = None,
                 encoder_attention_mask: Tensor | None = None, audio_encoder_attention_mask: Tensor | None = None,
-                use_cross_timestep: bool = True) -> tuple[Tensor, Tensor]:
+                use_cross_timestep: bool | None = None) -> tuple[Tensor, Tensor]:
         """Predict the video and audio velocities of one denoising step.
 
         Args:
@@ -326,8 +326,9 @@ class LTX2Transformer(nn.Module):
             audio_sigma: [B]; None: `sigma`.
             encoder_attention_mask, audio_encoder_attention_mask: [B, Lt], 1 on real text tokens,
                 0 on padding; None: no padding.
-            use_cross_timestep: audio<->video AdaLN from the other stream's sigma (diffusers pipelines'
-                default, True) instead of each stream's own timestep.
+            use_cross_timestep: audio<->video AdaLN from the other stream's sigma (True) or from each
+                stream's own timestep (False); None: the checkpoint's version (`arch.cross_timestep`: LTX-2.3
+                True, LTX-2.0 False, diffusers' legacy path).
 
         Returns:
             (video [B, Lv, out_channels], audio [B, La, audio_out_channels]) in the weights' dtype.
@@ -337,6 +338,8 @@ class LTX2Transformer(nn.Module):
 
         Source: diffusers 0.42.1 `LTX2VideoTransformer3DModel.forward`.
         """
+        if use_cross_timestep is None:
+            use_cross_timestep = self.arch.cross_timestep
         pre = self.embed(hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
                          timestep, audio_timestep, sigma, audio_sigma, encoder_attention_mask,
                          audio_encoder_attention_mask, (num_frames, height, width), audio_num_frames, fps,

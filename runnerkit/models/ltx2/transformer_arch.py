@@ -109,6 +109,15 @@ class LTX2TransformerArch(BaseModel):
         """Whether the text keys/values are modulated by sigma (`prompt_adaln`; LTX-2.3)."""
         return self.cross_attn_mod or self.audio_cross_attn_mod
 
+    @property
+    def cross_timestep(self) -> bool:
+        """Whether the audio<->video cross-attention AdaLN takes the other stream's sigma (LTX-2.3, the
+        gated-attention release) rather than each stream's own timestep (LTX-2.0). Only i2av tells them apart
+        (per-token video timesteps). Sources: diffusers 0.42.1 `use_cross_timestep` ("`False` is the legacy
+        LTX-2.0 behavior"); ltx-core as released with LTX-2.0 (github Lightricks/LTX-2 @ 9ce438b,
+        `transformer_args.py`: both AdaLNs from the modality's own timesteps)."""
+        return self.gated_attn
+
     @model_validator(mode="after")
     def _widths_fit(self) -> LTX2TransformerArch:
         if self.cross_attention_dim != self.inner_dim:

@@ -9,6 +9,7 @@ the runner draws its noise (video then audio, per stage). float32; video and aud
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 from runnerkit.config import RequestConfig, load_runner_config
+from runnerkit.models.ltx2.arch import tiny_pipeline_arch
 from runnerkit.models.ltx2.runner import DISTILLED_SIGMAS, STAGE2_SIGMAS, LTX2Runner
 from test_cases._reference import require_reference
 from test_cases.models.ltx2._parity import report
+from test_cases.models.ltx2.test_image_crf import picture
 
 diffusers = require_reference("diffusers")
 transformers = require_reference("transformers")
@@ -28,8 +31,13 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"
 PROMPT = "a red fox runs through fresh snow, wind howls"
 
 
-def runner_for(task: str, tmp: Path, **overrides: Any) -> LTX2Runner:
-    config = load_runner_config(CONFIGS / f"ltx2_{task}_tiny.json", {"device": "cpu", **overrides})
+def runner_for(task: str, tmp: Path, version: str = "2.3", **overrides: Any) -> LTX2Runner:
+    path = CONFIGS / f"ltx2_{task}_tiny.json"
+    if version == "2.0":  # the shipped tiny configs are LTX-2.3's: the same with the tiny 2.0 pipeline
+        raw = json.loads(path.read_text()) | {"model": tiny_pipeline_arch("2.0").model_dump(mode="json")}
+        path = tmp / f"ltx2_{task}_tiny_2.0.json"
+        path.write_text(json.dumps(raw))
+    config = load_runner_config(path, {"device": "cpu", **overrides})
     runner = LTX2Runner(config)
     runner.init_modules()
     return runner
@@ -112,19 +120,22 @@ def check_t2av_parity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(ours["audio"], runner.modules["audio_decoder"].vocoder(our_mel)[0].clamp(-1, 1))
 
 
-def test_i2av_two_stage_matches_diffusers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("version", ["2.3", "2.0"])
+def test_i2av_two_stage_matches_diffusers(version: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """i2av through `LTX2ImageToVideoPipeline` (both stages: the clean first latent frame, per-token
-    timesteps 0 there): the first frame's H.264 re-compression is off on both sides (`image_crf=0`; the
-    re-compression itself: test_ltx2_runner.py), so both encode the same pixels."""
+    timesteps 0 there), the first frame H.264 re-compressed on both sides at the runner's CRF (33; PyAV in
+    both: test_image_crf.py compares that step alone), from a picture whose colours and noise the
+    re-compression changes. The audio<->video
+    AdaLN follows the checkpoint's version: LTX-2.3 diffusers' default `use_cross_timestep=True`, LTX-2.0
+    its legacy `use_cross_timestep=False` (the per-token video timesteps of i2av tell them apart)."""
     from PIL import Image
     from diffusers.pipelines.ltx2 import LTX2ImageToVideoPipeline
 
     monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(LTX2Runner, "IMAGE_CRF", 0)
+    require_reference("av")
     image = tmp_path / "first.png"
-    ramp = torch.linspace(0, 255, 80 * 120 * 3).reshape(80, 120, 3).to(torch.uint8).numpy()
-    Image.fromarray(ramp).save(image)
-    runner = runner_for("i2av", tmp_path)
+    Image.fromarray(picture(80, 120)).save(image)
+    runner = runner_for("i2av", tmp_path, version)
     finals: list[torch.Tensor] = []
     run_denoise = runner.run_denoise
     monkeypatch.setattr(runner, "run_denoise", lambda info, warmup=False: finals.append(run_denoise(info, warmup)) or finals[-1])
@@ -140,7 +151,8 @@ def test_i2av_two_stage_matches_diffusers(tmp_path: Path, monkeypatch: pytest.Mo
     guidance = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
                     modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
     common = dict(image=Image.open(image), prompt=PROMPT, num_frames=f, frame_rate=float(cfg.fps), generator=g,
-                  return_dict=False, output_type="latent", image_crf=0, **guidance)
+                  return_dict=False, output_type="latent", image_crf=LTX2Runner.IMAGE_CRF,
+                  use_cross_timestep=version == "2.3", **guidance)
     with torch.inference_mode():
         ref_video, ref_audio = pipe(height=h // 2, width=w // 2, num_inference_steps=len(DISTILLED_SIGMAS),
                                     sigmas=list(DISTILLED_SIGMAS), **common)

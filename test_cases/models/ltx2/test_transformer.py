@@ -355,7 +355,7 @@ def test_attention_runs_on_the_installed_backend(models: tuple[torch.nn.Module, 
     (lambda kw: {**kw, "encoder_hidden_states": kw["encoder_hidden_states"][..., :3]}, "`encoder_hidden_states`"),
     (lambda kw: {**kw, "timestep": kw["timestep"][:, :5]}, "`timestep`"),
     (lambda kw: {k: v for k, v in kw.items() if k != "audio_timestep"}, "`audio_timestep`"),
-    (lambda kw: {**kw, "sigma": None}, "`sigma`"),
+    (lambda kw: {**kw, "sigma": None, "use_cross_timestep": True}, "`sigma`"),  # 2.0 needs it only then
     (lambda kw: {**kw, "encoder_attention_mask": kw["encoder_attention_mask"][:, :-1]}, "`encoder_attention_mask`"),
 ], ids=["video-tokens", "audio-channels", "text-width", "timestep-shape", "no-audio-timestep", "no-sigma",
         "mask-length"])
