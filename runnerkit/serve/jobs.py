@@ -351,7 +351,8 @@ class Worker(threading.Thread):
             computed = True  # it ended in `_request_done`, or will once its files are written
         except RequestCancelled:
             status = "cancelled"
-            logger.info("job {} cancelled at stage {} (step {}/{})", job.id, job.stage, job.step, job.steps)
+            steps = f" (step {job.step}/{job.steps})" if job.steps else ""  # a stage without steps (a decoder)
+            logger.info("job {} cancelled at stage {}{}", job.id, job.stage, steps)
         except Exception as exc:  # the request failed; end_run has cleaned up (else below)
             status, error = "failed", f"{type(exc).__name__}: {exc}"
             logger.opt(exception=exc).error("job {} failed: {}", job.id, error)
