@@ -163,15 +163,24 @@ class Gemma4PromptEncoder(GemmaPromptEncoder):
     """
 
     def __init__(self, tokenizer: transformers.PreTrainedTokenizerBase, model: transformers.Gemma4UnifiedTextModel,
-                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, placeholder_ids: Sequence[int] = ()) -> None:
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH, placeholder_ids: Sequence[int] = (),
+                 prepend_bos: bool = False) -> None:
         """
         Args:
             placeholder_ids: image / video / audio placeholder ids (`gemma4_configs`' second value).
+            prepend_bos: ltx-core's rule (`LTXGemmaTokenizer.tokenize_with_weights`) instead of diffusers':
+                a prompt whose ids do not start with the bos token gets it prepended, then is cut to
+                `max_sequence_length` (its last token dropped when full). ltx-core notes that Gemma-4's
+                tokenizer adds no bos itself; diffusers relies on `add_special_tokens=True`.
 
         Raises:
-            ValueError / CheckpointError: as `GemmaPromptEncoder`.
+            ValueError: `prepend_bos` with a tokenizer without a bos token; else as `GemmaPromptEncoder`.
+            CheckpointError: as `GemmaPromptEncoder`.
         """
         super().__init__(tokenizer, model, max_sequence_length)
+        if prepend_bos and tokenizer.bos_token_id is None:
+            raise ValueError("`prepend_bos` needs a tokenizer with a bos token; this one has none")
+        self.prepend_bos = prepend_bos
         self.placeholder_ids = torch.tensor(sorted(set(placeholder_ids)), dtype=torch.int64)
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
@@ -181,8 +190,23 @@ class Gemma4PromptEncoder(GemmaPromptEncoder):
         Returns:
             ids, mask: int64 [B, max_sequence_length] on the CPU.
         """
-        ids, mask = super().tokenize(prompts)
+        ids, mask = self._tokenize_with_bos(prompts) if self.prepend_bos else super().tokenize(prompts)
         return torch.where(torch.isin(ids, self.placeholder_ids), self.pad_id, ids), mask
+
+    def _tokenize_with_bos(self, prompts: Sequence[str]) -> tuple[Tensor, Tensor]:
+        """ltx-core's tokenization: truncate, prepend bos where missing, cut, left-pad (pad id, mask 0)."""
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"`prompts` must be a non-empty list of strings, got {prompts!r}")
+        L, bos = self.max_sequence_length, self.tokenizer.bos_token_id
+        ids = torch.full((len(prompts), L), self.tokenizer.pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((len(prompts), L), dtype=torch.int64)
+        for row, prompt in enumerate(prompts):
+            tokens = self.tokenizer(prompt.strip(), truncation=True, max_length=L).input_ids
+            if not tokens or tokens[0] != bos:
+                tokens = [bos, *tokens][:L]
+            ids[row, L - len(tokens):] = torch.tensor(tokens, dtype=torch.int64)
+            mask[row, L - len(tokens):] = 1
+        return ids, mask
 
 
 __all__ = ["GEMMA4_MODEL_TYPES", "Gemma4PromptEncoder", "check_gemma4_fits_connectors", "gemma4_configs",

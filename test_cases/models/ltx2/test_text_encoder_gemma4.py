@@ -116,3 +116,20 @@ def test_refusals_name_the_folder(gemma4: Path, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
     with pytest.raises(CheckpointError, match=r"`model_type`='gemma3'; allowed: \['gemma4_unified', "):
         load_gemma4_text_encoder(tmp_path, torch.float32, CPU)
+
+
+def test_ltx_core_bos_rule(gemma4: Path) -> None:
+    """`prepend_bos`: ltx-core's tokenization. The debug tokenizer has no bos: "<unk>" (id 2) plays it."""
+    tokenizer = load_gemma_tokenizer(gemma4)
+    model = load_gemma4_text_encoder(gemma4, torch.float32, CPU)
+    with pytest.raises(ValueError, match="`prepend_bos` needs a tokenizer with a bos token"):
+        Gemma4PromptEncoder(tokenizer, model, L, prepend_bos=True)
+    tokenizer.bos_token = "<unk>"
+    encoder = Gemma4PromptEncoder(tokenizer, model, L, (TILDE,), prepend_bos=True)
+    ids, mask = encoder.tokenize([" ab~ ", "x" * 40, "<unk>b"])
+    x = 3 + ord("x") - ord(" ")
+    assert ids[0].tolist() == [0] * 27 + [2, 68, 69, 0, 1] and mask[0].tolist() == [0] * 27 + [1] * 5
+    assert ids[1].tolist() == [2] + [x] * 31 and mask[1].tolist() == [1] * 32  # bos in, </s> cut off
+    assert ids[2, -3:].tolist() == [2, 69, 1] and mask[2].sum() == 3  # already first: not doubled
+    hidden, _ = encoder.encode(["ab"])
+    assert hidden.shape == (1, L, 16 * 3)
