@@ -11,8 +11,9 @@ decode block of the LTX-2.5 modular pipeline), `LTX2VideoDiffusionDecodePipeline
 2. Stages 1-4 build the context once.
 3. Draw the pixel noise x_1 [B, 3, 8(F-1)+1, 32H, 32W] with `randn_tensor(shape, generator,
    dtype=decoder dtype)`: on the generator's device (a CPU generator draws on the CPU, then the
-   tensor moves) and DIRECTLY in the decoder's dtype (a bfloat16 draw is not the float32 draw
-   rounded). The generator is the pipeline's own: in the LTX-2.5 pipeline the one that already
+   tensor moves) and directly in the decoder's dtype. (PyTorch's CPU bfloat16 draw equals the
+   float32 draw rounded when the element count is a multiple of 16, which every pixel canvas
+   is: H_px is a multiple of 32; a count with a remainder differs in its tail.) The generator is the pipeline's own: in the LTX-2.5 pipeline the one that already
    drew the initial video and audio latents, so the decoder's noise is its next draw; standalone
    whatever generator the caller passes. No decode timestep, no noise added to the latents.
 4. No scheduler object is used (the decode pipeline registers one, `decode` never reads it):

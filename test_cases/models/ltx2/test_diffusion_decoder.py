@@ -144,8 +144,9 @@ def test_release_parameters() -> None:
 
 
 def test_noise_drawn_in_decoder_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In bfloat16 the pixel noise is the reference's bit for bit: drawn directly in bfloat16 on
-    the CPU generator (not a float32 draw rounded, which differs by up to ~2)."""
+    """In bfloat16 the pixel noise is the reference's bit for bit: the generator's next draw, on
+    the CPU, in bfloat16 (for a canvas a float32 draw rounded is the same: its size is a multiple
+    of 16, see diffusion_decode.py)."""
     reference = reference_decoder(ARCH).to(torch.bfloat16)
     ours = build_ltx2_diffusion_decoder(ARCH, dict(reference.state_dict()))
     drawn: dict[str, torch.Tensor] = {}
