@@ -127,11 +127,16 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, mask
     if mask is None:
         mask = stage_mask((T, H, W), kernel, q.device)
     q, k, v = (t.reshape(B, T * H * W, heads, d).transpose(1, 2) for t in (q, k, v))  # [B, heads, N, d]
-    if q.device.type == "cuda":
-        out = _compiled_flex()(q, k, v, block_mask=mask, scale=1.0)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+    out = attend(q, k, v, mask)  # [B, heads, N, d]
     return out.transpose(1, 2).reshape(B, T, H, W, heads * d)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: object) -> Tensor:
+    """The attention kernel on [B, heads, N, d] (scale 1): compiled FlexAttention with the
+    `BlockMask` on CUDA, `scaled_dot_product_attention` with the dense mask elsewhere."""
+    if q.device.type == "cuda":
+        return _compiled_flex()(q, k, v, block_mask=mask, scale=1.0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
 
 
 def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device) -> object:
