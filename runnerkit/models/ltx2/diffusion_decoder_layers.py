@@ -108,8 +108,11 @@ def dense_neighborhood_mask(grid: tuple[int, int, int], kernel: Kernel, device: 
 
 @cache
 def _compiled_flex() -> Callable[..., Tensor]:
+    """FlexAttention compiled once for the process (automatic dynamic shapes: the decoder meets
+    five token grids per video shape, more than a static compile's recompile limit allows).
+    Not yet run on a GPU here: the CPU tests take the dense-mask path."""
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, mask: object | None = None) -> Tensor:
