@@ -1,0 +1,276 @@
+"""Layers of the LTX-2.5 diffusion video decoder: 3D neighborhood attention with an absolute 3D
+RoPE, the tiled SwiGLU MLP, the two block kinds and the channels-last pixel-shuffle upsampler.
+
+Design source: diffusers 0.42.1 `models/autoencoders/ltx2_diffusion_decoder.py` (port of the
+Lightricks LTX-2.5 decoder, which calls NATTEN's `na3d`). Parameter names are diffusers'. All
+tensors are channels-last: `[B, T, H, W, C]` (T frames, H/W grid rows/columns of the stage).
+
+Neighborhood attention: every query attends to exactly `kernel` positions per axis, a window
+centred on it and shifted inward at the grid border (NATTEN's rule, no truncation). On CUDA it
+runs as FlexAttention with a block mask (compiled: the uncompiled kernel materialises every
+score); elsewhere the same window is a dense boolean mask for `scaled_dot_product_attention`
+(fine at test sizes only: the mask is `[N, N]`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SWIGLU_TILE_TOKENS = 16384
+"""Tokens per SwiGLU tile (the reference's `_SWIGLU_TILE_SIZE`): bounds the three hidden-width
+tensors live at once independently of the resolution; the result is the untiled one up to
+matmul reduction order."""
+
+Kernel = tuple[int, int, int]
+
+
+def swiglu_hidden_dim(dim: int, mlp_ratio: float = 4.0) -> int:
+    """Hidden width of a SwiGLU: `dim * mlp_ratio` rounded up to a multiple of 16."""
+    return (int(dim * mlp_ratio) + 15) // 16 * 16
+
+
+def rope_dim_split(head_dim: int) -> tuple[int, int, int]:
+    """Channels of `head_dim` rotated by the (T, H, W) positions: a quarter (even) to T, the rest
+    halved between H and W with both halves even.
+
+    Raises:
+        ValueError: `head_dim` not a multiple of 8.
+    """
+    if head_dim % 8 != 0:
+        raise ValueError(f"`head_dim` must be a multiple of 8, got {head_dim}.")
+    dim_t = (head_dim // 4) // 2 * 2
+    dim_hw = (head_dim - dim_t) // 2
+    if dim_hw % 2 != 0:
+        dim_t -= 2
+        dim_hw = (head_dim - dim_t) // 2
+    return dim_t, dim_hw, dim_hw
+
+
+def _rotate(x: Tensor, positions: Tensor, base: float, axis: int) -> Tensor:
+    """Rotate the interleaved pairs of `x` [B, T, H, W, heads, d] by `positions` along `axis` (1-3)."""
+    d = x.shape[-1]
+    inv_freqs = (1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)).float()
+    shape = [1, 1, 1, 1, 1, d // 2]
+    shape[axis] = positions.shape[0]
+    angles = (positions[:, None] * inv_freqs[None, :]).reshape(shape)  # broadcast over B, heads
+    pairs = x.unflatten(-1, (d // 2, 2)).float()  # [..., d/2, 2]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = angles.cos(), angles.sin()
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def apply_rope_3d(x: Tensor, base: float = 10000.0) -> Tensor:
+    """Absolute 3D RoPE on `x` [B, T, H, W, heads, head_dim]: positions are the 0-based grid
+    indices (only relative offsets matter inside a local window); float32 math, `x.dtype` out."""
+    dim_t, dim_h, _ = rope_dim_split(x.shape[-1])
+    T, H, W = x.shape[1:4]
+    pos = [torch.arange(n, dtype=torch.float32, device=x.device) for n in (T, H, W)]
+    return torch.cat([_rotate(x[..., :dim_t], pos[0], base, 1),
+                      _rotate(x[..., dim_t:dim_t + dim_h], pos[1], base, 2),
+                      _rotate(x[..., dim_t + dim_h:], pos[2], base, 3)], dim=-1)
+
+
+def _window_starts(index: Tensor, size: int, kernel: int) -> Tensor:
+    """First position of the window of each index: centred, shifted inward at the border."""
+    return torch.clamp(index - kernel // 2, 0, size - kernel)
+
+
+def neighborhood_mask_mod(grid: tuple[int, int, int], kernel: Kernel) -> Callable[..., Tensor]:
+    """FlexAttention `mask_mod` of the 3D neighborhood window on a row-major (T, H, W) token grid."""
+    T, H, W = grid
+    kt, kh, kw = kernel
+    hw = H * W
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_t, q_h, q_w = q_idx // hw, (q_idx % hw) // W, q_idx % W
+        k_t, k_h, k_w = kv_idx // hw, (kv_idx % hw) // W, kv_idx % W
+        st, sh, sw = _window_starts(q_t, T, kt), _window_starts(q_h, H, kh), _window_starts(q_w, W, kw)
+        return ((k_t >= st) & (k_t < st + kt) & (k_h >= sh) & (k_h < sh + kh)
+                & (k_w >= sw) & (k_w < sw + kw))
+
+    return mask_mod
+
+
+def dense_neighborhood_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device) -> Tensor:
+    """The neighborhood window as a boolean [N, N] mask (N = T*H*W), True where a query (row) may
+    attend to a key (column)."""
+    n = math.prod(grid)
+    idx = torch.arange(n, device=device)
+    return neighborhood_mask_mod(grid, kernel)(None, None, idx[:, None], idx[None, :])
+
+
+@cache
+def _compiled_flex() -> Callable[..., Tensor]:
+    """FlexAttention compiled once for the process (automatic dynamic shapes: the decoder meets
+    five token grids per video shape, more than a static compile's recompile limit allows).
+    Not yet run on a GPU here: the CPU tests take the dense-mask path."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention)
+
+
+def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, mask: object | None = None) -> Tensor:
+    """Softmax attention of each query over its 3D neighborhood window, no extra scaling.
+
+    Args:
+        q, k, v: [B, T, H, W, heads, head_dim] (the query already carries 1/sqrt(head_dim)).
+        kernel: window (T, H, W); each must be <= the grid's size on that axis.
+        mask: a prebuilt `stage_mask` for this grid and kernel (one per stage), or None to build it.
+
+    Returns:
+        [B, T, H, W, heads * head_dim].
+    """
+    B, T, H, W, heads, d = q.shape
+    if mask is None:
+        mask = stage_mask((T, H, W), kernel, q.device)
+    q, k, v = (t.reshape(B, T * H * W, heads, d).transpose(1, 2) for t in (q, k, v))  # [B, heads, N, d]
+    out = attend(q, k, v, mask)  # [B, heads, N, d]
+    return out.transpose(1, 2).reshape(B, T, H, W, heads * d)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: object) -> Tensor:
+    """The attention kernel on [B, heads, N, d] (scale 1): compiled FlexAttention with the
+    `BlockMask` on CUDA, `scaled_dot_product_attention` with the dense mask elsewhere."""
+    if q.device.type == "cuda":
+        return _compiled_flex()(q, k, v, block_mask=mask, scale=1.0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+
+def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device) -> object:
+    """The window mask of one (grid, kernel), shared by every block of a stage: a FlexAttention
+    `BlockMask` on CUDA, a dense boolean [N, N] tensor elsewhere."""
+    if device.type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+        n = math.prod(grid)
+        return create_block_mask(neighborhood_mask_mod(grid, kernel), B=None, H=None, Q_LEN=n, KV_LEN=n,
+                                 device=device)
+    return dense_neighborhood_mask(grid, kernel, device)
+
+
+class NeighborhoodAttention(nn.Module):
+    """QKV projections, per-head RMSNorm of q and k, q scaled by 1/sqrt(head_dim), 3D RoPE on q
+    and k (in that order, as the reference), windowed attention, output projection."""
+
+    def __init__(self, dim: int, kernel: Kernel, head_dim: int) -> None:
+        super().__init__()
+        if dim % head_dim != 0:
+            raise ValueError(f"width {dim} must be a multiple of `head_dim` {head_dim}.")
+        rope_dim_split(head_dim)  # validates head_dim
+        self.heads, self.head_dim, self.kernel = dim // head_dim, head_dim, tuple(kernel)
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+        self.norm_q = nn.RMSNorm(head_dim, eps=1e-6)
+        self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
+
+    def forward(self, x: Tensor, mask: object | None = None) -> Tensor:
+        """x: [B, T, H, W, C] -> [B, T, H, W, C].
+
+        Raises:
+            ValueError: a grid axis smaller than its kernel (NATTEN's window must fit).
+        """
+        B, T, H, W, _ = x.shape
+        if T < self.kernel[0] or H < self.kernel[1] or W < self.kernel[2]:
+            raise ValueError(f"neighborhood attention needs the (T, H, W) grid ({T}, {H}, {W}) to be at least "
+                             f"its kernel {self.kernel} on every axis; decode a larger video.")
+        shape = (B, T, H, W, self.heads, self.head_dim)
+        q = self.norm_q(self.to_q(x).view(shape)) * self.head_dim**-0.5
+        k = self.norm_k(self.to_k(x).view(shape))
+        v = self.to_v(x).view(shape)
+        out = neighborhood_attention(apply_rope_3d(q), apply_rope_3d(k), v, self.kernel, mask)
+        return self.to_out[0](out)
+
+
+class SwiGLU(nn.Module):
+    """`w_down(silu(w_gate(x)) * w_up(x))`, evaluated `SWIGLU_TILE_TOKENS` tokens at a time."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w_up = nn.Linear(dim, hidden_dim, bias=False)
+        self.w_gate = nn.Linear(dim, hidden_dim, bias=False)
+        self.w_down = nn.Linear(hidden_dim, dim, bias=False)
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [B, *grid, C] -> same shape."""
+        B, C = x.shape[0], x.shape[-1]
+        n = x[0, ..., 0].numel()
+        if n <= SWIGLU_TILE_TOKENS:
+            return self._mlp(x)
+        flat = x.reshape(B, n, C)
+        out = torch.empty_like(flat)
+        for start in range(0, n, SWIGLU_TILE_TOKENS):
+            out[:, start:start + SWIGLU_TILE_TOKENS] = self._mlp(flat[:, start:start + SWIGLU_TILE_TOKENS])
+        return out.reshape(x.shape)
+
+
+class NABlock(nn.Module):
+    """Pre-norm neighborhood-attention block of the deterministic stages (ungated residuals)."""
+
+    def __init__(self, dim: int, kernel: Kernel, head_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(dim, eps=1e-6)
+        self.attn = NeighborhoodAttention(dim, kernel, head_dim)
+        self.norm2 = nn.RMSNorm(dim, eps=1e-6)
+        self.mlp = SwiGLU(dim, swiglu_hidden_dim(dim))
+
+    def forward(self, x: Tensor, mask: object | None = None) -> Tensor:
+        """x: [B, T, H, W, C] -> same shape."""
+        x = x + self.attn(self.norm1(x), mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class DiffusionNABlock(nn.Module):
+    """Stage-5 block: adds the projected context, then attention and MLP with AdaLN scale/shift
+    (the shared modulation plus this block's `scale_shift_table`), residuals ungated."""
+
+    NUM_MOD = 7
+    """Modulation chunks: (scale, shift, gate) x (attention, MLP) + a context gate; only the four
+    scale/shift chunks 0, 1, 3, 4 are read (the reference folded the gates into the weights)."""
+
+    def __init__(self, dim: int, kernel: Kernel, context_channels: int, head_dim: int) -> None:
+        super().__init__()
+        self.context_proj = nn.Linear(context_channels, dim)
+        self.scale_shift_table = nn.Parameter(torch.zeros(self.NUM_MOD, dim))
+        self.norm1 = nn.RMSNorm(dim, eps=1e-6)
+        self.attn = NeighborhoodAttention(dim, kernel, head_dim)
+        self.norm2 = nn.RMSNorm(dim, eps=1e-6)
+        self.mlp = SwiGLU(dim, swiglu_hidden_dim(dim))
+
+    def forward(self, x: Tensor, context: Tensor, modulation: Tensor, mask: object | None = None) -> Tensor:
+        """x: [B, T, H, W, C]; context: [B, T, H, W, C_ctx]; modulation: [B, 7, C] -> [B, T, H, W, C]."""
+        mod = (modulation + self.scale_shift_table)[:, :, None, None, None, :]  # [B, 7, 1, 1, 1, C]
+        scale_msa, shift_msa, scale_mlp, shift_mlp = mod[:, 0], mod[:, 1], mod[:, 3], mod[:, 4]
+        x = x + self.context_proj(context)
+        x = x + self.attn(self.norm1(x) * (1 + scale_msa) + shift_msa, mask)
+        return x + self.mlp(self.norm2(x) * (1 + scale_mlp) + shift_mlp)
+
+
+class PixelShuffleUpsampler(nn.Module):
+    """Linear to `prod(stride) * C_out` channels, then a channels-last pixel shuffle by `stride`
+    (T, H, W). A temporal stride of 2 makes a duplicate first frame, dropped by default (causal
+    1 -> 1 + 2(T-1) frame mapping)."""
+
+    def __init__(self, in_channels: int, stride: Kernel, reduction: int) -> None:
+        super().__init__()
+        self.stride = tuple(stride)
+        self.out_channels = in_channels // reduction
+        self.proj = nn.Linear(in_channels, math.prod(self.stride) * self.out_channels)
+
+    def forward(self, x: Tensor, drop_leading_frame: bool = True) -> Tensor:
+        """x: [B, T, H, W, C] -> [B, T*st (-1), H*sh, W*sw, C_out]."""
+        B, T, H, W, _ = x.shape
+        st, sh, sw = self.stride
+        x = self.proj(x).view(B, T, H, W, self.out_channels, st, sh, sw)
+        x = x.permute(0, 1, 5, 2, 6, 3, 7, 4)  # [B, T, st, H, sh, W, sw, C_out]
+        x = x.reshape(B, T * st, H * sh, W * sw, self.out_channels)
+        return x[:, 1:] if st == 2 and drop_leading_frame else x

@@ -1,0 +1,164 @@
+"""LTX-2.5 diffusion decoder: parity with diffusers' LTX2VideoDiffusionDecoderModel (one forward,
+two shapes), its decode loop end to end through LTX2VideoDiffusionDecodePipeline (1-step x0 as
+released, multi-step x0 and v), the generator hand-over, strict loading and the release size.
+
+Tolerance: float32, tiny widths, 1e-5 absolute (measured errors ~1e-6)."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runnerkit.models.ltx2.diffusion_decode import decode_timesteps, decode_video
+from runnerkit.models.ltx2.diffusion_decoder import (
+    LTX25_DIFFUSION_DECODER,
+    TINY_LTX25_DIFFUSION_DECODER,
+    LTX2DiffusionDecoder,
+    LTX2DiffusionDecoderArch,
+    build_ltx2_diffusion_decoder,
+)
+from runnerkit.weights import CheckpointError, build_on_meta
+from test_cases._reference import require_reference
+from test_cases.models.ltx2._parity import randn, report
+
+diffusers = require_reference("diffusers")
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.models.autoencoders.ltx2_diffusion_decoder import LTX2VideoDiffusionDecoderModel
+from diffusers.pipelines.ltx2.pipeline_ltx2_diffusion_decode import LTX2VideoDiffusionDecodePipeline
+
+TOL = 1e-5
+ARCH = TINY_LTX25_DIFFUSION_DECODER
+# latents [B, C, F, H, W]: one frame pair, and a batch of two with three frames (B, F, W vary)
+SHAPES = [(1, 8, 2, 1, 3), (2, 8, 3, 1, 3)]
+# release parameter count (diffusers' defaults built on meta; weights only, buffers not included)
+RELEASE_PARAMS = 417_133_616
+
+
+def reference_decoder(arch: LTX2DiffusionDecoderArch) -> LTX2VideoDiffusionDecoderModel:
+    """A diffusers decoder with non-trivial random weights and latent statistics (seeded)."""
+    torch.manual_seed(0)
+    reference = LTX2VideoDiffusionDecoderModel(**arch.to_diffusers_config()).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        reference.latents_mean.copy_(0.5 * torch.randn(arch.latent_channels))
+        reference.latents_std.copy_(0.5 + torch.rand(arch.latent_channels))
+    return reference
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LTX2DiffusionDecoder, LTX2VideoDiffusionDecoderModel]:
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    reference = reference_decoder(ARCH)
+    return build_ltx2_diffusion_decoder(ARCH, dict(reference.state_dict())), reference
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["1x2x1x3", "2x3x1x3"])
+def test_forward_parity(pair: tuple[LTX2DiffusionDecoder, LTX2VideoDiffusionDecoderModel],
+                        shape: tuple[int, ...]) -> None:
+    """Context (stages 1-4) and one stage-5 prediction at t = 0.7, against the reference."""
+    ours, reference = pair
+    z = randn(*shape, seed=1)
+    B, _, F, H, W = shape
+    with torch.no_grad():
+        context_ref = reference.decoder.forward_stage_4(reference.decoder.forward_stages_1_to_3(z))
+        context = ours.decoder.context(z)
+        assert context.shape == (B, 8 * (F - 1) + 1, 4 * H, 4 * W, 8)
+        assert report("decoder context", context, context_ref) <= TOL
+        x_t = randn(*ours.pixel_shape(shape), seed=2)
+        t = torch.tensor([0.7, 0.3][:B])
+        expected = reference.decoder.forward_diffusion_step(context_ref, x_t, t)
+        got = ours.decoder.predict(context_ref, x_t, t)
+    assert got.shape == (B, 3, 8 * (F - 1) + 1, 16 * H, 16 * W)
+    assert report("decoder stage-5 prediction", got, expected) <= TOL
+
+
+@pytest.mark.parametrize("steps, output", [(1, "x0"), (3, "x0"), (2, "v")])
+def test_decode_pipeline_parity(steps: int, output: str) -> None:
+    """decode_video == LTX2VideoDiffusionDecodePipeline(output_type="pt") end to end: latent
+    de-normalisation with the decoder's statistics, noise from the same seeded generator, the
+    loop, and the [0, 1] map; the generator is left in the same state (one draw of the noise)."""
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    arch = LTX2DiffusionDecoderArch(**{**ARCH.model_dump(), "decoder_num_inference_steps": steps,
+                                       "decoder_model_output_type": output})
+    reference = reference_decoder(arch)
+    ours = build_ltx2_diffusion_decoder(arch, dict(reference.state_dict()))
+    pipe = LTX2VideoDiffusionDecodePipeline(diffusion_decoder=reference, scheduler=FlowMatchEulerDiscreteScheduler())
+    pipe.set_progress_bar_config(disable=True)
+    latents = randn(1, 8, 2, 1, 3, seed=3)
+    gen_ref, gen_ours = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    expected = pipe(latents, generator=gen_ref, output_type="pt").frames  # [B, F, 3, H, W] in [0, 1]
+    video = decode_video(ours, latents, generator=gen_ours)  # [B, 3, F, H, W] in [-1, 1]
+    assert video.shape == (1, 3, 9, 16, 48) and video.dtype == torch.float32
+    assert report(f"decode {steps} steps {output}", video.permute(0, 2, 1, 3, 4) / 2 + 0.5, expected) <= TOL
+    assert torch.equal(torch.randn(4, generator=gen_ours), torch.randn(4, generator=gen_ref))
+
+
+def test_decode_seed_is_a_fresh_cpu_generator(pair: tuple[LTX2DiffusionDecoder, LTX2VideoDiffusionDecoderModel]) -> None:
+    ours, _ = pair
+    latents = randn(1, 8, 2, 1, 3, seed=4)
+    by_seed = decode_video(ours, latents, generator=5, num_inference_steps=1)
+    by_generator = decode_video(ours, latents, generator=torch.Generator().manual_seed(5), num_inference_steps=1)
+    other = decode_video(ours, latents, generator=6, num_inference_steps=1)
+    assert torch.equal(by_seed, by_generator)
+    assert not torch.equal(by_seed, other)
+
+
+def test_timesteps_and_errors(pair: tuple[LTX2DiffusionDecoder, LTX2VideoDiffusionDecoderModel]) -> None:
+    ours, _ = pair
+    assert decode_timesteps(1).tolist() == [1.0]
+    assert decode_timesteps(4).tolist() == [1.0, 0.75, 0.5, 0.25]
+    with pytest.raises(ValueError, match="`num_inference_steps` must be >= 1, got 0"):
+        decode_video(ours, randn(1, 8, 2, 1, 3, seed=0), generator=0, num_inference_steps=0)
+    with pytest.raises(ValueError, match=r"grid \(4, 1, 2\) to be at least its kernel \(3, 1, 3\)"):
+        decode_video(ours, randn(1, 8, 2, 1, 2, seed=0), generator=0)
+    with pytest.raises(ValueError, match="must be a CPU generator"):
+        decode_video(ours, randn(1, 8, 2, 1, 3, seed=0), generator=SimpleNamespace(device=torch.device("cuda")))
+    with pytest.raises(ValueError, match=r"`decoder_stage_channels\[1\]` must be .* = 16, got 8"):
+        LTX2DiffusionDecoderArch(**{**ARCH.model_dump(), "decoder_stage_channels": (32, 8, 8, 8, 4)})
+
+
+def test_strict_loading(pair: tuple[LTX2DiffusionDecoder, LTX2VideoDiffusionDecoderModel]) -> None:
+    _, reference = pair
+    state = dict(reference.state_dict())
+    missing = {k: v for k, v in state.items() if k != "decoder.diff_blocks.1.scale_shift_table"}
+    with pytest.raises(CheckpointError, match=r"decoder\.diff_blocks\.1\.scale_shift_table"):
+        build_ltx2_diffusion_decoder(ARCH, missing)
+    with pytest.raises(CheckpointError, match=r"decoder\.extra\.weight"):
+        build_ltx2_diffusion_decoder(ARCH, {**state, "decoder.extra.weight": torch.zeros(2)})
+
+
+def test_release_parameters() -> None:
+    """The release architecture is diffusers' defaults: same tensor names and shapes on meta."""
+    ours = build_on_meta(lambda: LTX2DiffusionDecoder(LTX25_DIFFUSION_DECODER))
+    with torch.device("meta"):
+        reference = LTX2VideoDiffusionDecoderModel()
+    shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    assert shapes == {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    assert sum(p.numel() for p in ours.parameters()) == RELEASE_PARAMS
+    assert LTX2DiffusionDecoderArch.from_diffusers_config(
+        {"_class_name": "LTX2VideoDiffusionDecoderModel", **reference.config}) == LTX25_DIFFUSION_DECODER
+
+
+def test_noise_drawn_in_decoder_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bfloat16 the pixel noise is the reference's bit for bit: the generator's next draw, on
+    the CPU, in bfloat16 (for a canvas a float32 draw rounded is the same: its size is a multiple
+    of 16, see diffusion_decode.py)."""
+    reference = reference_decoder(ARCH).to(torch.bfloat16)
+    ours = build_ltx2_diffusion_decoder(ARCH, dict(reference.state_dict()))
+    drawn: dict[str, torch.Tensor] = {}
+
+    def capture(name: str):  # records x_t and skips stage 5
+        return lambda *args: drawn.setdefault(name, args[2] if len(args) == 4 else args[1])
+
+    monkeypatch.setattr(reference.decoder, "denoise", capture("reference"))
+    monkeypatch.setattr("runnerkit.models.ltx2.diffusion_decode.denoise_pixels", capture("ours"))
+    latents = randn(1, 8, 2, 1, 3, seed=6)
+    with torch.no_grad():
+        reference.decode(latents.to(torch.bfloat16), generator=torch.Generator().manual_seed(7))
+    decode_video(ours, latents, generator=7, normalized=False)
+    assert drawn["ours"].dtype == drawn["reference"].dtype == torch.bfloat16
+    assert torch.equal(drawn["ours"], drawn["reference"])
