@@ -68,10 +68,10 @@ OVERRIDES: tuple[Override, ...] = (
              "several references)", frozenset({LAUNCH, BODY}), body_name="extra_images",
              options={"nargs": "+", "metavar": "PATH"}),
     Override("seed", "seed of the request's noise (default: the config's seed)", frozenset({LAUNCH, BODY}), int),
-    Override("target_height", "pixels, a multiple of the family's factor (e.g. 16); for Wan's image-to-video tasks "
-             "height x width is the target area and the image gives the aspect ratio; ltx2 i2av makes exactly "
-             "height x width, the image resized to it without keeping its aspect ratio", frozenset({LAUNCH, BODY}),
-             int),
+    Override("target_height", "pixels, a multiple of the family's factor (e.g. 16); with an input image a family "
+             "either takes height x width as the target area and keeps the image's aspect ratio, or makes exactly "
+             "height x width with the image resized to it (the family's page in docs/ says which)",
+             frozenset({LAUNCH, BODY}), int),
     Override("target_width", "pixels, a multiple of the family's factor (e.g. 16)", frozenset({LAUNCH, BODY}), int),
     Override("target_video_length", "frames, as the family allows (e.g. 4n+1; 1 for images)",
              frozenset({LAUNCH, BODY}), int),
