@@ -21,7 +21,7 @@ __all__ = ["LTX2Planning"]
 
 class LTX2Planning(LTX2Compute):
     """The architecture, Gemma-3 sizes, fp8 storage and memory estimate of `LTX2Runner` (mixed into it, before
-    `SyntheticCheckpointSource` and `DefaultRunner`, whose `estimate_sources` it extends)."""
+    `DefaultRunner`, whose `estimate_sources` it extends)."""
 
     def architecture(self) -> LTX2Arch:
         """The checkpoint's architecture: from the loaded checkpoint; before loading from its headers and
@@ -32,11 +32,11 @@ class LTX2Planning(LTX2Compute):
         """
         if self.checkpoint is not None:
             return self.checkpoint.arch
-        if self.checkpoint_absent() and self.arch_override is None:
+        if self.checkpoints.absent() and self.arch_override is None:
             raise EstimateUnavailable(self.arch_source)
         try:
-            path = self.checkpoint_path()
-            if self.arch_from_config(path):
+            path = self.checkpoints.path()
+            if self.checkpoints.arch_from_config(path):
                 assert self.arch_override is not None, "a synthetic checkpoint has a configured architecture"
                 return self.arch_override
             return self.open_checkpoint(path).arch
@@ -53,19 +53,19 @@ class LTX2Planning(LTX2Compute):
         cfg = self.config
         if self.checkpoint is not None:
             return gemma_fields(self.checkpoint.text_encoder_path)
-        path = self.checkpoint_path()
-        if self._synthetic_pending(path):
+        path = self.checkpoints.path()
+        if self.checkpoints.pending(path):
             return tiny_gemma_sizes(arch)
         folder = Path(cfg.text_encoder_path) if cfg.text_encoder_path is not None else path / "text_encoder"
-        if self.checkpoint_absent() and not (folder / "config.json").is_file():
+        if self.checkpoints.absent() and not (folder / "config.json").is_file():
             return release_gemma(arch)  # planning without the files (plan_sources.py)
         return gemma_fields(folder)
 
     def estimate_sources(self) -> list[str]:
         """Where the estimate before loading takes the architecture, Gemma-3's sizes and fp8 storage from."""
-        if self.checkpoint is not None or not self.checkpoint_absent() or self.arch_override is None:
+        if self.checkpoint is not None or not self.checkpoints.absent() or self.arch_override is None:
             return super().estimate_sources()
-        cfg, path = self.config, self.checkpoint_path()
+        cfg, path = self.config, self.checkpoints.path()
         folder = Path(cfg.text_encoder_path) if cfg.text_encoder_path is not None else path / "text_encoder"
         return absent_sources(cfg, self.arch_source, folder, self.fp8_transformer_weights())
 
@@ -91,10 +91,10 @@ class LTX2Planning(LTX2Compute):
         ckpt = self.checkpoint
         if ckpt is None:
             try:
-                path = self.checkpoint_path()
-                if self.checkpoint_absent():
+                path = self.checkpoints.path()
+                if self.checkpoints.absent():
                     return fp8_by_name(path, self.architecture())
-                if self._synthetic_pending(path):
+                if self.checkpoints.pending(path):
                     return frozenset()
                 ckpt = self.open_checkpoint(path)
             except (ValueError, OSError) as exc:  # CheckpointError included

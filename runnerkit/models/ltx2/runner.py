@@ -75,7 +75,6 @@ from runnerkit.runners.pipeline import (
     Shape,
 )
 from runnerkit.runners.request_state import RequestState
-from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.schedulers.base import Scheduler
 from runnerkit.weights import CheckpointError, build_on_meta
 
@@ -137,7 +136,7 @@ class AudioDecoder(nn.Module):
 
 
 @register_runner("ltx2")
-class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
+class LTX2Runner(LTX2Planning, DefaultRunner):
     """LTX-2 (19B) and LTX-2.3 (22B) distilled, text (and first frame) to video with audio."""
 
     TASKS = ("t2av", "i2av")
@@ -193,7 +192,7 @@ class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
         # checkpoint's architecture is its own, read at load: None here, so nothing can take the tiny one for it)
         self.arch_override: LTX2Arch | None = None
         self.arch_source = ""  # planning without the checkpoint: where arch_override comes from (plan_sources.py)
-        if self.checkpoint_absent():
+        if self.checkpoints.absent():
             parsed = self.parse_arch(config.model) if config.model is not None else None
             self.arch_override, self.arch_source = configured_arch(config, parsed)
         elif config.model is not None or config.synthetic_checkpoint is not None:
@@ -300,7 +299,7 @@ class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
         self._headers = {}  # the load reads the checkpoint afresh
         from runnerkit.models.ltx2 import text_encoder as te
 
-        self.checkpoint = ckpt = self.locate_checkpoint()
+        self.checkpoint = ckpt = self.checkpoints.locate()
         if ckpt.arch.vae.timestep_conditioning:
             raise NotImplementedError("a timestep-conditioned LTX-2 video VAE is not supported (no release has one)")
         logger.info("checkpoint {} ({} layout, LTX-{}), flavour {}", ckpt.path, ckpt.layout, ckpt.arch.version,
@@ -419,8 +418,8 @@ class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
         of a synthetic checkpoint still to write)."""
         if self.checkpoint is not None:
             return flavour_of(self.checkpoint.arch)
-        path = self.checkpoint_path()
-        if self.arch_from_config(path):
+        path = self.checkpoints.path()
+        if self.checkpoints.arch_from_config(path):
             return flavour_of(self.arch_override) if self.arch_override is not None else None
         return flavour_of(self.open_checkpoint(path).arch)
 

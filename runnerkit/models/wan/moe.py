@@ -115,7 +115,7 @@ class WanMoERunner(WanT2VRunner):
             CheckpointError: an expert folder is missing, or a file is missing or damaged (named).
         """
         self.check_task_fits()
-        self.moe_checkpoint = moe = self.locate_checkpoint()
+        self.moe_checkpoint = moe = self.checkpoints.locate()
         self.check_checkpoint_files(moe)
         self.checkpoint = moe.experts["transformer"]
         boundary = self.config.boundary if self.config.boundary is not None else (moe.boundary or self.DEFAULT_BOUNDARY)

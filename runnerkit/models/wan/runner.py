@@ -34,7 +34,6 @@ from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.request_state import RequestState
-from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,
@@ -84,7 +83,7 @@ class WanInputs:
 
 
 @register_runner("wan2.1")
-class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
+class WanT2VRunner(WanCompute, DefaultRunner):
     """Wan2.1 text-to-video (1.3B / 14B, and the tiny `debug` architecture)."""
 
     TASKS = ("t2v",)
@@ -123,7 +122,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         # Without model_path (or planning without its checkpoint: `for_plan`) the config's `model` is the
         # whole architecture: check every rule now. Otherwise it overrides the checkpoint's, checked merged.
         self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None
-                                             and not self.checkpoint_absent())
+                                             and not self.checkpoints.absent())
         self.checkpoint: WanCheckpoint | None = None
         self.tokenizer: WanTokenizer | None = None
         self.check_task_fits()  # config files only: a checkpoint of another task is refused before loading
@@ -208,7 +207,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
                 naming the file and the tensor, in every offload mode.
         """
         self.check_task_fits()  # before the config's `model` is merged in and before any weight is read
-        self.checkpoint = ckpt = self.locate_checkpoint()
+        self.checkpoint = ckpt = self.checkpoints.locate()
         self.check_checkpoint_files(ckpt)
         logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
         self.resolve_sample_shift(ckpt)
@@ -258,7 +257,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         return arch.dim // arch.num_heads
 
     def build_text_encoder(self, device: torch.device) -> te.UMT5Encoder:
-        assert self.checkpoint is not None, "locate_checkpoint first"
+        assert self.checkpoint is not None, "prepare_load first"
         arch = self.checkpoint.arch.text_encoder
         return te.load_umt5_encoder(arch, self.checkpoint.text_encoder_state_dict(), dtype=self.dtype).to(device)
 
@@ -270,7 +269,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
             NotImplementedError: storage "disk" with the original layout's `.pth` encoder (named).
         """
         ckpt = self.checkpoint
-        assert ckpt is not None, "locate_checkpoint first"
+        assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: te.UMT5Encoder(ckpt.arch.text_encoder))
         off, spec = self.config.offload, te.UMT5Encoder.STREAM_SPEC
         if off.storage == "cpu":
@@ -284,7 +283,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         return model.eval().requires_grad_(False), streamer
 
     def build_vae(self, device: torch.device) -> WanVAE:
-        assert self.checkpoint is not None, "locate_checkpoint first"
+        assert self.checkpoint is not None, "prepare_load first"
         # float32, as the reference runs its VAE
         return build_wan_vae(self.checkpoint.arch.vae, self.checkpoint.vae_state_dict(), dtype=torch.float32).to(device)
 
@@ -293,7 +292,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         """The transformer of `checkpoint` (default: the runner's) with all its weights, on `device`;
         `name` labels its errors (e.g. an MoE expert's module name)."""
         ckpt = checkpoint or self.checkpoint
-        assert ckpt is not None, "locate_checkpoint first"
+        assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
         assign_state_dict(model, ckpt.transformer_state_dict(), name, dtype=self.dtype, keep_fp32=keep_fp32,
                           device=device)
@@ -304,7 +303,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         """The transformer of `checkpoint` (default: the runner's) with its blocks (or phases) streamed
         from host memory or the checkpoint files; `name` labels the streamer (its module name)."""
         ckpt = checkpoint or self.checkpoint
-        assert ckpt is not None, "locate_checkpoint first"
+        assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
         off = self.config.offload
         if off.storage == "cpu":
@@ -360,8 +359,8 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         for a synthetic checkpoint still to write); None if its config files cannot be read (the
         load then says why)."""
         try:
-            path = self.checkpoint_path()
-            if self.arch_from_config(path):
+            path = self.checkpoints.path()
+            if self.checkpoints.arch_from_config(path):
                 return self.arch_override.transformer.model_type
             return self.open_checkpoint(path, raw=True).arch.transformer.model_type
         except (ValueError, OSError):  # CheckpointError included
@@ -394,8 +393,8 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         or from the configured architecture if a synthetic checkpoint is still to be written."""
         if self.checkpoint is not None:
             return flavour_of(self.checkpoint.arch.transformer)
-        path = self.checkpoint_path()
-        if self.arch_from_config(path):
+        path = self.checkpoints.path()
+        if self.checkpoints.arch_from_config(path):
             return flavour_of(self.arch_override.transformer)
         return flavour_of(self.open_checkpoint(path).arch.transformer)
 
@@ -414,8 +413,8 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         if self.checkpoint is not None:
             return self.checkpoint.arch
         try:
-            path = self.checkpoint_path()
-            if self.arch_from_config(path):
+            path = self.checkpoints.path()
+            if self.checkpoints.arch_from_config(path):
                 return self.arch_override
             ckpt = self.open_checkpoint(path)
         except (ValueError, OSError) as exc:  # CheckpointError included
@@ -426,7 +425,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
 
     def estimate_sources(self) -> list[str]:
         """Where the estimate before loading takes the architecture from (`runnerkit plan`)."""
-        if self.checkpoint is None and self.checkpoint_absent():
+        if self.checkpoint is None and self.checkpoints.absent():
             return [f"architecture: the config's `model` over the Wan release sizes (runnerkit/models/wan/arch.py "
                     f"defaults): `model_path` {self.config.model_path} does not exist"]
         return super().estimate_sources()
