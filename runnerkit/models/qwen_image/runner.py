@@ -25,7 +25,7 @@ from runnerkit.config import RunnerConfig, validate_model_arch
 from runnerkit.models.qwen_image import text_encoder as te
 from runnerkit.models.qwen_image.arch import QwenImageArch, QwenImageTransformerArch
 from runnerkit.models.qwen_image.checkpoint import LAYOUTS, QwenCheckpoint, write_synthetic
-from runnerkit.models.qwen_image.estimate import QwenCompute, qwen_estimate
+from runnerkit.models.qwen_image.estimate import qwen_denoise_flops, qwen_estimate
 from runnerkit.models.qwen_image.latents import pack_latents, true_cfg, unpack_latents
 from runnerkit.models.qwen_image.scheduler import QwenImageScheduler, QwenSchedulerConfig, check_steps
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D, keep_fp32
@@ -36,6 +36,7 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
+from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.pipeline import (
     DecoderStage,
@@ -89,7 +90,7 @@ class QwenInputs:
 
 
 @register_runner("qwen_image")
-class QwenImageRunner(QwenCompute, DefaultRunner):
+class QwenImageRunner(DefaultRunner):
     """Qwen-Image text-to-image (20B, and the tiny `debug` architecture)."""
 
     TASKS = ("t2i",)
@@ -237,6 +238,10 @@ class QwenImageRunner(QwenCompute, DefaultRunner):
         images = arch.edit.max_images if arch.edit is not None and self.IMAGE_INPUTS.get(cfg.task) else 0
         return qwen_estimate(arch, shape, self.dtype, self.device, cfg.enable_cfg, cfg.offload, images,
                              self.lora_slot_rank())
+
+    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...]:
+        """FLOPs of a step at `shape` (estimate.py `qwen_denoise_flops`). Raises EstimateUnavailable: see `architecture`."""
+        return qwen_denoise_flops(self.architecture(), self.config, shape, len(self.IMAGE_INPUTS.get(self.config.task, ())))
 
     # ---- modules that tests and tools look at ---------------------------------------------
     @property

@@ -23,7 +23,7 @@ from runnerkit.models.wan import lora_keys, vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
 from runnerkit.models.wan.checkpoint import LAYOUTS, WanCheckpoint, synthetic_seed_of, write_synthetic
 from runnerkit.models.wan.estimate import transformer_tokens, wan_t2v_estimate
-from runnerkit.models.wan.flops import WanCompute
+from runnerkit.models.wan.flops import wan_denoise_flops
 from runnerkit.models.wan.scheduler_config import SCHEDULER_CONFIG, read_flow_shift
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
@@ -32,6 +32,7 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
+from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.request_state import RequestState
 from runnerkit.runners.pipeline import (
@@ -83,7 +84,7 @@ class WanInputs:
 
 
 @register_runner("wan2.1")
-class WanT2VRunner(WanCompute, DefaultRunner):
+class WanT2VRunner(DefaultRunner):
     """Wan2.1 text-to-video (1.3B / 14B, and the tiny `debug` architecture)."""
 
     TASKS = ("t2v",)
@@ -429,6 +430,10 @@ class WanT2VRunner(WanCompute, DefaultRunner):
             return [f"architecture: the config's `model` over the Wan release sizes (runnerkit/models/wan/arch.py "
                     f"defaults): `model_path` {self.config.model_path} does not exist"]
         return super().estimate_sources()
+
+    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...]:
+        """FLOPs of a step at `shape` (flops.py `wan_denoise_flops`). Raises EstimateUnavailable: see `architecture`."""
+        return wan_denoise_flops(self.architecture(), self.config, shape, len(self.IMAGE_INPUTS.get(self.config.task, ())))
 
     def estimate_memory(self, shape: Shape) -> MemoryEstimate:
         """Text encoder, image stages (i2v / flf2v), one transformer step, VAE decode and save of
