@@ -134,8 +134,8 @@ class BaseRunner(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # The class body, and every mixin ahead of BaseRunner in the MRO (as DefaultRunner's RequestChecksMixin is):
-        # a mixin would otherwise replace a final verb unnoticed. Runner parents were checked when created.
+        # The class body, and every non-runner class ahead of BaseRunner in the MRO (runners take no mixins, a test
+        # walks the registry): one would replace a final verb unnoticed. Runner parents were checked when created.
         mro = cls.__mro__
         own = [k for k in mro[:mro.index(BaseRunner)] if k is cls or not issubclass(k, BaseRunner)]
         overridden = [m for m in FINAL_METHODS if any(m in k.__dict__ for k in own)]

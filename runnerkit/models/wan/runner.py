@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from loguru import logger
 from torch import nn
 
-from runnerkit.config import RunnerConfig, validate_model_arch
+from runnerkit.config import RequestConfig, RunnerConfig, validate_model_arch
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import lora_keys, vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
@@ -46,6 +46,9 @@ from runnerkit.runners.pipeline import (
     Shape,
 )
 from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta
+
+if TYPE_CHECKING:
+    from runnerkit.models.wan.i2v import WanImageConditioning
 
 # Wan2.1's default negative prompt (`wan/configs/shared_config.py`, sample_neg_prompt).
 WAN_NEGATIVE_PROMPT = (
@@ -113,6 +116,8 @@ class WanT2VRunner(DefaultRunner):
     }
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2v": ()}
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "transformer")
+    #: The image conditioning the runner holds (`images`) for a task that takes images (i2v.py); None: text only.
+    IMAGE_CONDITIONING: ClassVar[type[WanImageConditioning] | None] = None
 
     def __init__(self, config: RunnerConfig) -> None:
         # Before the family defaults fill it: the user's own shift wins over the checkpoint's.
@@ -126,6 +131,7 @@ class WanT2VRunner(DefaultRunner):
                                              and not self.checkpoints.absent())
         self.checkpoint: WanCheckpoint | None = None
         self.tokenizer: WanTokenizer | None = None
+        self.images = self.IMAGE_CONDITIONING(self) if self.IMAGE_CONDITIONING is not None else None
         self.check_task_fits()  # config files only: a checkpoint of another task is refused before loading
 
     @staticmethod
@@ -341,16 +347,23 @@ class WanT2VRunner(DefaultRunner):
                            blocks=WanTransformer3D.STREAM_SPEC.blocks_attr, fp8_skip=WanTransformer3D.FP8_SKIP),)
 
     def image_modules(self) -> tuple[ModuleSpec, ...]:
-        """Modules of the image stages (none for text-to-video; see i2v.py)."""
-        return ()
+        """Modules of the image stages (`images.modules`; none for text-to-video)."""
+        return self.images.modules() if self.images is not None else ()
 
     def image_stages(self) -> tuple[EncoderStage, ...]:
-        """Encoder stages after the text encoder (none for text-to-video; see i2v.py)."""
-        return ()
+        """Encoder stages after the text encoder (`images.stages`; none for text-to-video)."""
+        return self.images.stages() if self.images is not None else ()
 
     def transformer_inputs(self, req: RequestState) -> dict[str, torch.Tensor]:
-        """Extra keyword inputs of every transformer call (none for text-to-video; see i2v.py)."""
-        return {}
+        """Extra keyword inputs of every transformer call (`images.transformer_inputs`; none for text-to-video)."""
+        return self.images.transformer_inputs(req) if self.images is not None else {}
+
+    @classmethod
+    def shape_of(cls, request: RequestConfig, config: RunnerConfig) -> Shape:
+        """(height, width, frames), the config's defaults filled in; a task with images takes the image's
+        aspect ratio over that area (`WanImageConditioning.shape`; raises ImageInputError as it does)."""
+        shape = super().shape_of(request, config)
+        return shape if cls.IMAGE_CONDITIONING is None else cls.IMAGE_CONDITIONING.shape(request, shape)
 
     #: The transformer `model_type` each task needs.
     TASK_MODEL_TYPES: ClassVar[dict[str, str]] = {"t2v": "t2v"}
