@@ -107,7 +107,7 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if config.synthetic_checkpoint is not None and not config.model_path:  # before loading: the cache folder
-        from runnerkit.runners.synthetic_source import check_synthetic_cache
+        from runnerkit.runners.checkpoints import check_synthetic_cache
 
         try:
             check_synthetic_cache()

@@ -628,7 +628,7 @@ def test_a_damaged_cached_synthetic_checkpoint_names_the_folder_to_delete(tiny_c
     monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
     cfg = _synthetic_config(tmp_path)
     config = load_runner_config(str(cfg), {})
-    folder = get_runner_cls(config.model_cls, config.task)(config).checkpoint_path()
+    folder = get_runner_cls(config.model_cls, config.task)(config).checkpoints.path()
     assert folder.is_relative_to(tmp_path / "cache")
     shutil.copytree(tiny_ckpt, folder)  # the same architecture, seed 0, float32: what the run would write
     (damaged,) = (folder / "transformer").glob("*.safetensors")

@@ -94,8 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_runner_config(args.config, {})
         runner_cls = get_runner_cls(config.model_cls, config.task)
-        if not hasattr(runner_cls, "lora_layers"):
-            raise NotImplementedError(f"{runner_cls.__name__} cannot describe its LoRA layers for a synthetic adapter")
         layers, names = runner_cls.lora_layers(config, args.layout)
         tensors = synthetic_adapter(layers, args.layout, args.rank, args.seed,
                                     args.alpha if args.alpha is not None else float(args.rank), names, DTYPES[args.dtype])

@@ -38,7 +38,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 import torch
@@ -49,41 +49,19 @@ from runnerkit import memory
 from runnerkit.config import FAMILY_DEFAULTED, ConfigLockedError, RunnerConfig, deep_freeze
 from runnerkit.memory import snapshot
 from runnerkit.profiling import Profiler, RequestProfile, compile_seconds, dynamo_counts, inductor_cache_counts
+from runnerkit.runners.checkpoints import CheckpointSource
 from runnerkit.runners.pipeline import Shape
+from runnerkit.runners.progress_report import Progress, RequestCancelled  # observers' types, named here too
 from runnerkit.weights import CheckpointError
 from runnerkit.writer import ResultWriter
 
 if TYPE_CHECKING:
     from runnerkit.runners.warmup import Warmup
 
-__all__ = ["BaseRunner", "ConfigLockedError", "LifecycleError", "error_phase", "lifecycle_phase", "resolve_device"]
+__all__ = ["BaseRunner", "ConfigLockedError", "LifecycleError", "Progress", "RequestCancelled", "error_phase",
+           "lifecycle_phase", "resolve_device"]
 
 FINAL_METHODS = ("init_modules", "warmup", "run_pipeline")
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where a request is: the stage running and the denoising steps done.
-
-    Attributes:
-        index: the request's index (`run_pipeline(request, index)`).
-        stage: the profiling stage that starts (or, after a step, the denoise stage running).
-        step: steps done in the current denoise stage (0 at a stage start).
-        steps: steps of the current denoise stage (0 outside denoising).
-        steps_done: steps done over every denoise stage of the request.
-        steps_total: steps of every denoise stage of the request.
-    """
-
-    index: int
-    stage: str
-    step: int = 0
-    steps: int = 0
-    steps_done: int = 0
-    steps_total: int = 0
-
-
-class RequestCancelled(Exception):
-    """Raised by an `on_progress` observer to stop the running request at a stage or step boundary."""
 
 
 class LifecycleError(RuntimeError):
@@ -146,11 +124,18 @@ class BaseRunner(ABC):
     warmups: Warmup
     #: The memory plan and fit checks (the subclass's `__init__` makes them; planning/checks.py `MemoryChecks`).
     memory_checks: MemoryPlanning
+    #: Checkpoint layouts `write_synthetic_checkpoint` can write (runnerkit.tools.synth_checkpoint); (): none.
+    CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ()
+    #: The layout of the synthetic checkpoint the runner writes itself (`synthetic_checkpoint`).
+    SYNTHETIC_LAYOUT: ClassVar[str] = "runnerkit"
+    #: The configured architecture (a pydantic model; the family sets it in `__init__`): the synthetic
+    #: checkpoint's, keyed into its cache folder (runners/checkpoints.py); None: the checkpoint's own.
+    arch_override: Any = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # The class body, and every mixin ahead of BaseRunner in the MRO (as DefaultRunner's RequestChecksMixin is):
-        # a mixin would otherwise replace a final verb unnoticed. Runner parents were checked when created.
+        # The class body, and every non-runner class ahead of BaseRunner in the MRO (runners take no mixins, a test
+        # walks the registry): one would replace a final verb unnoticed. Runner parents were checked when created.
         mro = cls.__mro__
         own = [k for k in mro[:mro.index(BaseRunner)] if k is cls or not issubclass(k, BaseRunner)]
         overridden = [m for m in FINAL_METHODS if any(m in k.__dict__ for k in own)]
@@ -180,6 +165,8 @@ class BaseRunner(ABC):
         self._thread_warned = False
         self.device = self._planned_device if self._planned_device is not None else resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
+        #: Where the checkpoint is, written first if synthetic (runners/checkpoints.py; `open_checkpoint` reads it).
+        self.checkpoints = CheckpointSource(self)
         self.profiler = Profiler(self.device)
         #: The compile cache entry of this run (`compile.cache_dir`), opened after the config lock.
         self.compile_cache: regional_compile.CompileCache | None = None
@@ -327,7 +314,7 @@ class BaseRunner(ABC):
                 try:
                     self.load_modules()
                 except CheckpointError as exc:  # a damaged file: say how to repair what can be rewritten
-                    hint = self.checkpoint_repair_hint()
+                    hint = self.checkpoints.repair_hint()
                     if hint and len(exc.args) == 1:
                         exc.args = (f"{exc.args[0]}; {hint}",)  # same exception: its type, traceback and phase stay
                     raise
@@ -372,11 +359,6 @@ class BaseRunner(ABC):
         """The text lengths (tokens) prompts are padded to (docs/prompt_lengths.md); () when prompts run
         unpadded. DefaultRunner reads `text_buckets` and the family's default."""
         return ()
-
-    def checkpoint_repair_hint(self) -> str | None:
-        """How to repair a damaged checkpoint, added to a `CheckpointError` at load; None: nothing to add
-        (a user's checkpoint: only its owner can replace it). `SyntheticCheckpointSource` overrides it."""
-        return None
 
     def _load_compile_cache(self) -> None:
         """With `compile.cache_dir`: load this run's entry into torch's caches before warmup compiles
@@ -557,6 +539,25 @@ class BaseRunner(ABC):
         return None
 
     # -- hooks ------------------------------------------------------------------------------
+    def open_checkpoint(self, path: Path, raw: bool = False) -> Any:
+        """Family hook: the checkpoint at `path`, no weight read (`raw`: without the config's `model` over its
+        architecture); `checkpoints.locate()` opens it. Raises CheckpointError naming what is missing."""
+        raise NotImplementedError(f"{type(self).__name__} must implement open_checkpoint(path, raw) to read its "
+                                  "checkpoint layouts (runners/checkpoints.py only locates and writes them)")
+
+    @classmethod
+    def write_synthetic_checkpoint(cls, config: RunnerConfig, out: Path, seed: int, dtype: torch.dtype,
+                                   layout: str, **options: Any) -> None:
+        """Family hook: write deterministic random weights of `config`'s architecture to `out`, in `layout`
+        (one of `CHECKPOINT_LAYOUTS`; runnerkit.tools.synth_checkpoint, `synthetic_checkpoint`)."""
+        raise NotImplementedError(f"{cls.__name__} cannot write synthetic checkpoints")
+
+    @classmethod
+    def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+        """Family hook for the synthetic adapter writer (runnerkit/lora/synthetic.py): the linear layers a
+        typical adapter of `config`'s architecture covers, name -> (out, in), and their names in `layout`."""
+        raise NotImplementedError(f"{cls.__name__} cannot describe its LoRA layers for a synthetic adapter")
+
     @abstractmethod
     def load_modules(self) -> None:
         """Family hook: build encoders, transformer(s), decoders and schedulers."""

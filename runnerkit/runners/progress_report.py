@@ -1,4 +1,4 @@
-"""Progress of `DefaultRunner`'s requests for an observer (`on_progress`, runners/base.py `Progress`):
+"""Progress of `DefaultRunner`'s requests for an observer (`on_progress`, `Progress`):
 where the request is, in profiling stages and denoising steps over every denoise stage.
 
 The launch script's progress bar (runnerkit/progress.py) and the server's job status read these
@@ -7,15 +7,40 @@ reports; an observer may raise `RequestCancelled` to stop the request at the bou
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runnerkit.runners.base import Progress
 from runnerkit.runners.pipeline import InputInfo
 
 if TYPE_CHECKING:
     from runnerkit.runners.default import DefaultRunner
 
-__all__ = ["report_progress"]
+__all__ = ["Progress", "RequestCancelled", "report_progress"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a request is: the stage running and the denoising steps done.
+
+    Attributes:
+        index: the request's index (`run_pipeline(request, index)`).
+        stage: the profiling stage that starts (or, after a step, the denoise stage running).
+        step: steps done in the current denoise stage (0 at a stage start).
+        steps: steps of the current denoise stage (0 outside denoising).
+        steps_done: steps done over every denoise stage of the request.
+        steps_total: steps of every denoise stage of the request.
+    """
+
+    index: int
+    stage: str
+    step: int = 0
+    steps: int = 0
+    steps_done: int = 0
+    steps_total: int = 0
+
+
+class RequestCancelled(Exception):
+    """Raised by an `on_progress` observer to stop the running request at a stage or step boundary."""
 
 
 def report_progress(runner: DefaultRunner, info: InputInfo, stage: str, step: int = 0, steps: int = 0) -> None:

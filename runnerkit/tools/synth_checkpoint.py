@@ -23,7 +23,6 @@ from pydantic import ValidationError
 from runnerkit.config import ConfigError, format_validation_error, load_runner_config
 from runnerkit.interrupts import exit_status, install_sigterm_handler, restore_sigterm_default
 from runnerkit.registry import get_runner_cls
-from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.synthetic import synthetic_seed_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -65,10 +64,10 @@ def _main(argv: list[str] | None) -> int:
     try:
         config = load_runner_config(args.config, {"synthetic_checkpoint": {"seed": args.seed}})
         family = get_runner_cls(config.model_cls, config.task)
-        if not issubclass(family, SyntheticCheckpointSource) or not family.CHECKPOINT_LAYOUTS:
+        if not family.CHECKPOINT_LAYOUTS:  # the class declares the layouts its `write_synthetic_checkpoint` writes
             raise ConfigError(f"`model_cls` {config.model_cls!r} cannot write synthetic checkpoints")
         if args.layout is None:
-            args.layout = getattr(family, "SYNTHETIC_LAYOUT", family.CHECKPOINT_LAYOUTS[0])
+            args.layout = family.SYNTHETIC_LAYOUT
         if args.layout not in family.CHECKPOINT_LAYOUTS:
             raise ConfigError(f"--layout {args.layout!r} is not a layout of {config.model_cls!r}; "
                               f"allowed: {list(family.CHECKPOINT_LAYOUTS)}")

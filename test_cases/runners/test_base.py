@@ -198,6 +198,22 @@ def test_registry_maps_each_task_to_its_runner_class() -> None:
         register_runner("wan2.1")(WanI2VRunner)
 
 
+def test_every_runner_class_has_one_base_up_to_base_runner() -> None:
+    """The family chain is BaseRunner -> DefaultRunner -> family (-> variant): every class in a registered
+    runner's MRO up to BaseRunner has exactly one base. Checkpoints, warmup, memory checks and a family's
+    estimates are objects or functions the runner holds and calls, never mixins."""
+    from runnerkit.registry import TASK_RUNNERS, load_families
+    from runnerkit.runners.base import BaseRunner
+    from runnerkit.runners.default import DefaultRunner
+
+    load_families()
+    runners = set(TASK_RUNNERS.values())
+    assert len(runners) >= 9 and all(DefaultRunner in r.__mro__ for r in runners)  # every family's, variants too
+    chain = {k for r in runners for k in r.__mro__[:r.__mro__.index(BaseRunner) + 1]}
+    several = {k.__qualname__: [b.__qualname__ for b in k.__bases__] for k in chain if len(k.__bases__) != 1}
+    assert several == {}, f"runner classes with several bases (class: bases): {several}"
+
+
 def test_core_names_no_family() -> None:
     """Everything outside runnerkit/models/ learns what is family-specific from the family."""
     import re

@@ -22,7 +22,7 @@ from runnerkit.planning.compute import StageFlops
 if TYPE_CHECKING:
     from runnerkit.config import RunnerConfig
 
-__all__ = ["LTX2Compute", "ltx2_step_flops"]
+__all__ = ["ltx2_denoise_flops", "ltx2_step_flops"]
 
 
 def _attention(lq: int, dq: int, lk: int, dk: int, inner: int) -> int:
@@ -43,23 +43,11 @@ def ltx2_step_flops(arch: LTX2Arch, shape: Shape, fps: int, stage: int, passes: 
     return float(block * t.num_layers * passes)
 
 
-class LTX2Compute:
-    """`denoise_flops` of `LTX2Runner` (mixed into it)."""
-
-    if TYPE_CHECKING:  # LTX2Runner's
-        config: RunnerConfig
-        STAGE_STEPS: tuple[int, int]  # stage 1's distilled steps, stage 2's
-
-        def architecture(self) -> LTX2Arch: ...
-
-    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...] | None:
-        """Stage 1's distilled steps at half size, then stage 2's at full size (`ltx2_step_flops`).
-
-        Raises:
-            EstimateUnavailable: the architecture cannot be read before loading (`architecture`).
-        """
-        arch, cfg = self.architecture(), self.config
-        passes = 2 if cfg.enable_cfg else 1
-        first, second = self.STAGE_STEPS
-        return (StageFlops("stage1", first, ltx2_step_flops(arch, shape, cfg.fps, 1, passes)),
-                StageFlops("stage2", second, ltx2_step_flops(arch, shape, cfg.fps, 2, passes)))
+def ltx2_denoise_flops(arch: LTX2Arch, config: RunnerConfig, shape: Shape,
+                       stage_steps: tuple[int, int]) -> tuple[StageFlops, ...]:
+    """Stage 1's `stage_steps[0]` distilled steps at half size, then stage 2's `stage_steps[1]` at full size
+    (`ltx2_step_flops` at `shape` (height, width, frames), `config.fps`, CFG passes from `enable_cfg`)."""
+    passes = 2 if config.enable_cfg else 1
+    first, second = stage_steps
+    return (StageFlops("stage1", first, ltx2_step_flops(arch, shape, config.fps, 1, passes)),
+            StageFlops("stage2", second, ltx2_step_flops(arch, shape, config.fps, 2, passes)))

@@ -48,7 +48,8 @@ from runnerkit.models.ltx2.connectors import LTX2TextConnectors
 from runnerkit.models.ltx2.image_crf import missing_pyav, recompress_h264
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.plan_sources import check_paths, configured_arch
-from runnerkit.models.ltx2.planning import LTX2Planning
+from runnerkit.models.ltx2 import planning
+from runnerkit.models.ltx2.flops import ltx2_denoise_flops
 from runnerkit.models.ltx2.transformer import (
     LTX2Transformer,
     keep_fp32,
@@ -60,6 +61,7 @@ from runnerkit.models.ltx2.transformer import (
 from runnerkit.models.ltx2.upsampler import upsample_normalized_latents
 from runnerkit.models.ltx2.vae import LTX2VideoVAE
 from runnerkit.offload.layout import StreamSpec
+from runnerkit.planning.compute import StageFlops
 from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
@@ -75,7 +77,6 @@ from runnerkit.runners.pipeline import (
     Shape,
 )
 from runnerkit.runners.request_state import RequestState
-from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.schedulers.base import Scheduler
 from runnerkit.weights import CheckpointError, build_on_meta
 
@@ -137,7 +138,7 @@ class AudioDecoder(nn.Module):
 
 
 @register_runner("ltx2")
-class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
+class LTX2Runner(DefaultRunner):
     """LTX-2 (19B) and LTX-2.3 (22B) distilled, text (and first frame) to video with audio."""
 
     TASKS = ("t2av", "i2av")
@@ -193,7 +194,7 @@ class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
         # checkpoint's architecture is its own, read at load: None here, so nothing can take the tiny one for it)
         self.arch_override: LTX2Arch | None = None
         self.arch_source = ""  # planning without the checkpoint: where arch_override comes from (plan_sources.py)
-        if self.checkpoint_absent():
+        if self.checkpoints.absent():
             parsed = self.parse_arch(config.model) if config.model is not None else None
             self.arch_override, self.arch_source = configured_arch(config, parsed)
         elif config.model is not None or config.synthetic_checkpoint is not None:
@@ -300,7 +301,7 @@ class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
         self._headers = {}  # the load reads the checkpoint afresh
         from runnerkit.models.ltx2 import text_encoder as te
 
-        self.checkpoint = ckpt = self.locate_checkpoint()
+        self.checkpoint = ckpt = self.checkpoints.locate()
         if ckpt.arch.vae.timestep_conditioning:
             raise NotImplementedError("a timestep-conditioned LTX-2 video VAE is not supported (no release has one)")
         logger.info("checkpoint {} ({} layout, LTX-{}), flavour {}", ckpt.path, ckpt.layout, ckpt.arch.version,
@@ -419,10 +420,21 @@ class LTX2Runner(LTX2Planning, SyntheticCheckpointSource, DefaultRunner):
         of a synthetic checkpoint still to write)."""
         if self.checkpoint is not None:
             return flavour_of(self.checkpoint.arch)
-        path = self.checkpoint_path()
-        if self.arch_from_config(path):
+        path = self.checkpoints.path()
+        if self.checkpoints.arch_from_config(path):
             return flavour_of(self.arch_override) if self.arch_override is not None else None
         return flavour_of(self.open_checkpoint(path).arch)
+
+    # ---- memory plan hooks (planning.py: before loading from headers, config or release sizes; flops.py) ----
+    architecture = planning.architecture  # the checkpoint's LTX2Arch (EstimateUnavailable before loading)
+    gemma_sizes = planning.gemma_sizes  # Gemma-3's sizes, from the text encoder folder's config.json
+    fp8_transformer_weights = planning.fp8_transformer_weights  # transformer weights stored as float8_e4m3fn
+    estimate_sources = planning.estimate_sources
+    estimate_memory = planning.estimate_memory
+
+    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...]:
+        """Both stages' step FLOPs at `shape` (flops.py `ltx2_denoise_flops`); raises as `architecture`."""
+        return ltx2_denoise_flops(self.architecture(), self.config, shape, self.STAGE_STEPS)
 
     # ---- request stages ------------------------------------------------------------------
     def layouts(self, req: RequestState) -> tuple[JointLayout, JointLayout]:

@@ -64,9 +64,9 @@ if TYPE_CHECKING:
 __all__ = [
     "FLOP_TEXT_TOKENS",
     "TEXT_TOKENS",
-    "QwenCompute",
     "footprints",
     "image_decode_bytes",
+    "qwen_denoise_flops",
     "qwen_estimate",
     "qwen_step_flops",
 ]
@@ -180,24 +180,12 @@ def qwen_step_flops(arch: QwenImageTransformerArch, image_tokens: int, text_toke
     return float((24 * L * D * D + 4 * L * L * D) * arch.num_layers * passes)
 
 
-class QwenCompute:
-    """`denoise_flops` of the Qwen-Image runners (mixed into `QwenImageRunner`)."""
-
-    if TYPE_CHECKING:  # QwenImageRunner's
-        config: RunnerConfig
-        IMAGE_INPUTS: dict[str, tuple[str, ...]]
-
-        def architecture(self) -> QwenImageArch: ...
-
-    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...] | None:
-        """The one denoising stage: `infer_steps` steps of `qwen_step_flops` (the references' tokens for editing:
-        one reference image, as most edits give).
-
-        Raises:
-            EstimateUnavailable: the architecture cannot be read before loading.
-        """
-        arch, cfg = self.architecture(), self.config
-        refs, _ = _references(arch, shape, len(self.IMAGE_INPUTS.get(cfg.task, ())))
-        tokens = (shape[0] // 16) * (shape[1] // 16) + refs
-        flops = qwen_step_flops(arch.transformer, tokens, FLOP_TEXT_TOKENS, 2 if cfg.enable_cfg else 1)
-        return (StageFlops("transformer", cfg.infer_steps or 1, flops),)
+def qwen_denoise_flops(arch: QwenImageArch, config: RunnerConfig, shape: Shape,
+                       image_inputs: int) -> tuple[StageFlops, ...]:
+    """The one denoising stage of a Qwen-Image runner: `infer_steps` steps of `qwen_step_flops` at `shape`
+    (height, width, frames), with the reference images' tokens when the task takes `image_inputs` images (one
+    reference image, as most edits give)."""
+    refs, _ = _references(arch, shape, image_inputs)
+    tokens = (shape[0] // 16) * (shape[1] // 16) + refs
+    flops = qwen_step_flops(arch.transformer, tokens, FLOP_TEXT_TOKENS, 2 if config.enable_cfg else 1)
+    return (StageFlops("transformer", config.infer_steps or 1, flops),)

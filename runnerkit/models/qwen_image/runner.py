@@ -25,7 +25,7 @@ from runnerkit.config import RunnerConfig, validate_model_arch
 from runnerkit.models.qwen_image import text_encoder as te
 from runnerkit.models.qwen_image.arch import QwenImageArch, QwenImageTransformerArch
 from runnerkit.models.qwen_image.checkpoint import LAYOUTS, QwenCheckpoint, write_synthetic
-from runnerkit.models.qwen_image.estimate import QwenCompute, qwen_estimate
+from runnerkit.models.qwen_image.estimate import qwen_denoise_flops, qwen_estimate
 from runnerkit.models.qwen_image.latents import pack_latents, true_cfg, unpack_latents
 from runnerkit.models.qwen_image.scheduler import QwenImageScheduler, QwenSchedulerConfig, check_steps
 from runnerkit.models.qwen_image.transformer import QwenImageTransformer2D, keep_fp32
@@ -36,6 +36,7 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
+from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.pipeline import (
     DecoderStage,
@@ -48,7 +49,6 @@ from runnerkit.runners.pipeline import (
     Shape,
 )
 from runnerkit.runners.request_state import RequestState
-from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.schedulers.base import Scheduler
 from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta
 
@@ -90,7 +90,7 @@ class QwenInputs:
 
 
 @register_runner("qwen_image")
-class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
+class QwenImageRunner(DefaultRunner):
     """Qwen-Image text-to-image (20B, and the tiny `debug` architecture)."""
 
     TASKS = ("t2i",)
@@ -172,8 +172,8 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
         (t2i, edit, edit_plus) and scheduler settings. None if unreadable (the load says why)."""
         if self._declared is None:
             try:
-                path = self.checkpoint_path()
-                if self._synthetic_pending(path):
+                path = self.checkpoints.path()
+                if self.checkpoints.pending(path):
                     edit = self.arch_override.edit
                     self._declared = ("t2i" if edit is None else edit.variant, QwenSchedulerConfig())
                 else:
@@ -215,14 +215,14 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
         if self.checkpoint is not None:
             return self.checkpoint.arch
         try:
-            path = self.checkpoint_path()
-            return self.arch_override if self.arch_from_config(path) else self.open_checkpoint(path).arch
+            path = self.checkpoints.path()
+            return self.arch_override if self.checkpoints.arch_from_config(path) else self.open_checkpoint(path).arch
         except (ValueError, OSError) as exc:  # CheckpointError included
             raise EstimateUnavailable(f"the checkpoint's architecture cannot be read before loading ({exc})") from None
 
     def estimate_sources(self) -> list[str]:
         """Where the estimate before loading takes the architecture from (`runnerkit plan`)."""
-        if self.checkpoint is None and self.checkpoint_absent():
+        if self.checkpoint is None and self.checkpoints.absent():
             return [f"architecture: the config's `model` over the Qwen-Image release sizes (runnerkit/models/"
                     f"qwen_image/arch.py defaults): `model_path` {self.config.model_path} does not exist"]
         return super().estimate_sources()
@@ -238,6 +238,10 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
         images = arch.edit.max_images if arch.edit is not None and self.IMAGE_INPUTS.get(cfg.task) else 0
         return qwen_estimate(arch, shape, self.dtype, self.device, cfg.enable_cfg, cfg.offload, images,
                              self.lora_slot_rank())
+
+    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...]:
+        """FLOPs of a step at `shape` (estimate.py `qwen_denoise_flops`). Raises EstimateUnavailable: see `architecture`."""
+        return qwen_denoise_flops(self.architecture(), self.config, shape, len(self.IMAGE_INPUTS.get(self.config.task, ())))
 
     # ---- modules that tests and tools look at ---------------------------------------------
     @property
@@ -272,7 +276,7 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
             CheckpointError: the checkpoint is missing or damaged, naming the file and the tensor.
         """
         self.check_task_fits()
-        self.checkpoint = ckpt = self.locate_checkpoint()
+        self.checkpoint = ckpt = self.checkpoints.locate()
         ckpt.check_files()
         logger.info("checkpoint {} ({} layout, {}), flavour {}", ckpt.path, ckpt.layout, ckpt.kind,
                     flavour_of(ckpt.arch.transformer))
@@ -319,23 +323,23 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
         return QwenImageScheduler(self.checkpoint.scheduler, sigmas=stage.sigmas)
 
     def build_text_encoder(self, device: torch.device) -> nn.Module:
-        assert self.checkpoint is not None, "locate_checkpoint first"
+        assert self.checkpoint is not None, "prepare_load first"
         return te.load_text_encoder(self.checkpoint.folder("text_encoder"), self.dtype, device)
 
     def stream_text_encoder(self) -> tuple[nn.Module, BlockStreamer]:
         """The Qwen2.5-VL with its decoder layers (or their attention and MLP, mode "phase") streamed
         from host memory or the folder's safetensors (`offload.stream_modules` lists "text_encoder")."""
-        assert self.checkpoint is not None, "locate_checkpoint first"
+        assert self.checkpoint is not None, "prepare_load first"
         return te.stream_text_encoder(self.checkpoint.folder("text_encoder"), self.config.offload, self.device,
                                       self.dtype)
 
     def build_vae(self, device: torch.device) -> WanVAE:
-        assert self.checkpoint is not None, "locate_checkpoint first"
+        assert self.checkpoint is not None, "prepare_load first"
         return build_qwen_vae(self.checkpoint.arch.vae, self.checkpoint.vae_state_dict(), torch.float32).to(device)
 
     def build_transformer(self, device: torch.device) -> QwenImageTransformer2D:
         ckpt = self.checkpoint
-        assert ckpt is not None, "locate_checkpoint first"
+        assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: QwenImageTransformer2D(ckpt.arch.transformer))
         assign_state_dict(model, ckpt.transformer_state_dict(), "transformer", dtype=self.dtype, keep_fp32=keep_fp32,
                           device=device)
@@ -344,7 +348,7 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
     def stream_transformer(self) -> tuple[QwenImageTransformer2D, BlockStreamer]:
         """The transformer with its blocks (or phases) streamed from host memory or the checkpoint files."""
         ckpt = self.checkpoint
-        assert ckpt is not None, "locate_checkpoint first"
+        assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: QwenImageTransformer2D(ckpt.arch.transformer))
         off = self.config.offload
         if off.storage == "cpu":
@@ -393,7 +397,7 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
         if declared is None:
             return
         kind = declared[0]
-        pending = self._synthetic_pending(self.checkpoint_path())
+        pending = self.checkpoints.pending(self.checkpoints.path())
         task = self.config.task
         where = self.config.model_path or "the synthetic checkpoint"
         if kind not in self.TASK_KINDS[task]:
@@ -410,8 +414,8 @@ class QwenImageRunner(QwenCompute, SyntheticCheckpointSource, DefaultRunner):
         architecture of a synthetic checkpoint still to write)."""
         if self.checkpoint is not None:
             return flavour_of(self.checkpoint.arch.transformer)
-        path = self.checkpoint_path()
-        if self._synthetic_pending(path):
+        path = self.checkpoints.path()
+        if self.checkpoints.pending(path):
             return flavour_of(self.arch_override.transformer)
         return flavour_of(self.open_checkpoint(path).arch.transformer)
 

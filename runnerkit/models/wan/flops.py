@@ -24,7 +24,7 @@ from runnerkit.planning.compute import StageFlops
 if TYPE_CHECKING:
     from runnerkit.config import RunnerConfig
 
-__all__ = ["WanCompute", "wan_step_flops"]
+__all__ = ["wan_denoise_flops", "wan_step_flops"]
 
 
 def wan_step_flops(arch: WanTransformerArch, shape: Shape, passes: int, image_tokens: int = 0) -> float:
@@ -39,26 +39,13 @@ def wan_step_flops(arch: WanTransformerArch, shape: Shape, passes: int, image_to
     return float((matmul + attention) * arch.num_layers * passes)
 
 
-class WanCompute:
-    """`denoise_flops` of the Wan runners (mixed into `WanT2VRunner`: MoE experts share the architecture)."""
-
-    if TYPE_CHECKING:  # WanT2VRunner's
-        config: RunnerConfig
-        IMAGE_INPUTS: dict[str, tuple[str, ...]]
-
-        def architecture(self) -> WanArch: ...
-
-    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...] | None:
-        """The one denoising stage: `infer_steps` steps of `wan_step_flops` (CLIP tokens for Wan2.1 i2v / flf2v).
-
-        Raises:
-            EstimateUnavailable: the architecture cannot be read before loading (`architecture`).
-        """
-        arch, cfg = self.architecture(), self.config
-        clip = arch.image_encoder
-        frames = len(self.IMAGE_INPUTS.get(cfg.task, ()))
-        tokens = frames * ((clip.image_size // clip.patch_size) ** 2 + 1) if clip is not None and frames else 0
-        if not arch.transformer.image_context:
-            tokens = 0
-        flops = wan_step_flops(arch.transformer, shape, 2 if cfg.enable_cfg else 1, tokens)
-        return (StageFlops("transformer", cfg.infer_steps or 1, flops),)
+def wan_denoise_flops(arch: WanArch, config: RunnerConfig, shape: Shape, image_frames: int) -> tuple[StageFlops, ...]:
+    """The one denoising stage of a Wan runner (MoE experts share the architecture): `infer_steps` steps of
+    `wan_step_flops` at `shape` (height, width, frames), with the CLIP tokens of `image_frames` conditioning
+    frames (Wan2.1 i2v: 1, flf2v: 2) when the transformer attends to them."""
+    clip = arch.image_encoder
+    tokens = image_frames * ((clip.image_size // clip.patch_size) ** 2 + 1) if clip is not None and image_frames else 0
+    if not arch.transformer.image_context:
+        tokens = 0
+    flops = wan_step_flops(arch.transformer, shape, 2 if config.enable_cfg else 1, tokens)
+    return (StageFlops("transformer", config.infer_steps or 1, flops),)

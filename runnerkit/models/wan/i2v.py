@@ -38,7 +38,7 @@ from runnerkit.models.wan.clip import keep_fp32 as clip_keep_fp32
 from runnerkit.models.wan.conditioning import conditioning_mask, conditioning_video
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.registry import register_runner
-from runnerkit.runners.pipeline import EncoderStage, InputInfo, ModuleSpec, Shape
+from runnerkit.runners.pipeline import EncoderStage, InputInfo, ModuleSpec, OutputKind, Shape
 from runnerkit.runners.request_state import RequestState
 from runnerkit.weights import assign_state_dict, build_on_meta
 
@@ -100,57 +100,51 @@ class ConditioningFrames:
     last_resized: torch.Tensor | None
 
 
-class WanImageConditioning(WanT2VRunner):
-    """Image conditioning of the Wan runners (a base of the i2v / flf2v runners, listed before `WanMoERunner`
-    for the Wan2.2 MoE one, so its methods come first in either chain; it registers no runner itself).
+#: Image request fields per task (the core checks they are given and readable before loading).
+IMAGE_TASK_INPUTS: dict[str, tuple[str, ...]] = {"i2v": ("image_path",), "flf2v": ("image_path", "last_frame_path")}
+IMAGE_TASK_RESULTS: dict[str, OutputKind] = {"i2v": "video", "flf2v": "video"}
+#: The transformer `model_type` each task needs.
+IMAGE_TASK_MODEL_TYPES: dict[str, str] = {"i2v": "i2v", "flf2v": "flf2v"}
 
-    Adds the image encoder module (when the transformer takes CLIP tokens), the
-    `image_encoder` and `vae_encoder` stages, the request shape rule, and `clip_context` / `y`
-    in every transformer call. The runner class sets `TASKS`, `DEFAULTS` and its warmup opt-in.
+
+class WanImageConditioning:
+    """Image conditioning of a Wan runner whose task takes images (`runner.images`, made in `WanT2VRunner.__init__`
+    from the runner class's `IMAGE_CONDITIONING`: the i2v / flf2v runners and the Wan2.2 MoE i2v one).
+
+    Gives the image encoder module (when the transformer takes CLIP tokens), the `image_encoder` and
+    `vae_encoder` stages, the request shape rule (`shape`), and `clip_context` / `y` in every transformer
+    call; the runner's hooks `shape_of`, `image_modules`, `image_stages` and `transformer_inputs` call it.
+    The runner class sets `TASKS`, `DEFAULTS`, its warmup opt-in and the tables above.
     """
 
-    #: Image request fields per task (the core checks they are given and readable before loading).
-    IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"i2v": ("image_path",),
-                                                          "flf2v": ("image_path", "last_frame_path")}
-    RESULT_KINDS: ClassVar[dict[str, str]] = {"i2v": "video", "flf2v": "video"}
-    #: The transformer `model_type` each task needs.
-    TASK_MODEL_TYPES: ClassVar[dict[str, str]] = {"i2v": "i2v", "flf2v": "flf2v"}
+    def __init__(self, runner: WanT2VRunner) -> None:
+        self.runner = runner
 
     # ---- requests --------------------------------------------------------------------------
-    @classmethod
-    def shape_of(cls, request: RequestConfig, config: RunnerConfig) -> Shape:
-        """(height, width, frames): `target_height` x `target_width` is the area, the image gives the
-        aspect ratio (`wan_resize_shape`).
+    @staticmethod
+    def shape(request: RequestConfig, area: Shape) -> Shape:
+        """(height, width, frames): `area`'s height x width (the config's `target_height` x `target_width`
+        filled in) is the area, the image gives the aspect ratio (`wan_resize_shape`).
 
         Raises:
             ImageInputError: the image is missing, unreadable, or too narrow for the area.
         """
-        area_h, area_w, frames = super().shape_of(request, config)
+        area_h, area_w, frames = area
         if request.image_path is None:  # validate_request reports the missing image first
             return area_h, area_w, frames
         image_h, image_w = image_size(request.image_path, "image_path")  # header only: called per check
         return (*wan_resize_shape(image_h, image_w, area_h * area_w), frames)
 
-    @classmethod
-    def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
-        """The core checks, plus: flf2v needs at least two frames (first and last differ)."""
-        super().validate_request(request, config)
-        config = cls.resolve_config(config)
-        frames = request.target_video_length or config.target_video_length
-        if config.task == "flf2v" and frames < 5:
-            raise ValueError(f"`target_video_length` must be at least 5 for flf2v (first and last frame), got {frames}")
-
-
     # ---- pipeline pieces ------------------------------------------------------------------------
     def takes_clip(self) -> bool:
-        assert self.checkpoint is not None, "prepare_load first"
-        return bool(self.checkpoint.arch.transformer.image_context)
+        assert self.runner.checkpoint is not None, "prepare_load first"
+        return bool(self.runner.checkpoint.arch.transformer.image_context)
 
-    def image_modules(self) -> tuple[ModuleSpec, ...]:
+    def modules(self) -> tuple[ModuleSpec, ...]:
         """The CLIP image encoder, for transformers that attend to CLIP tokens (Wan2.1)."""
         return (ModuleSpec("image_encoder", "image_encoder", build=self.build_image_encoder),) if self.takes_clip() else ()
 
-    def image_stages(self) -> tuple[EncoderStage, ...]:
+    def stages(self) -> tuple[EncoderStage, ...]:
         """`image_encoder` (Wan2.1) and `vae_encoder`, both per shape (warmup runs them on each)."""
         clip = (EncoderStage("image_encoder", module="image_encoder", run=self.run_image_encoder, per_shape=True),)
         vae = (EncoderStage("vae_encoder", module="vae", run=self.run_vae_encoder, per_shape=True),)
@@ -158,10 +152,10 @@ class WanImageConditioning(WanT2VRunner):
 
     def build_image_encoder(self, device: torch.device) -> CLIPVisionEncoder:
         """The CLIP vision tower with its weights, on `device` (LayerNorms kept in float32)."""
-        ckpt = self.checkpoint
+        ckpt = self.runner.checkpoint
         assert ckpt is not None and ckpt.arch.image_encoder is not None, "an i2v / flf2v checkpoint with CLIP"
         model = build_on_meta(lambda: CLIPVisionEncoder(ckpt.arch.image_encoder))
-        assign_state_dict(model, ckpt.image_encoder_state_dict(), "image_encoder", dtype=self.dtype,
+        assign_state_dict(model, ckpt.image_encoder_state_dict(), "image_encoder", dtype=self.runner.dtype,
                           keep_fp32=clip_keep_fp32, device=device)
         return model.to(device).eval().requires_grad_(False)
 
@@ -169,7 +163,7 @@ class WanImageConditioning(WanT2VRunner):
     def conditioning_frames(self, info: InputInfo) -> ConditioningFrames:
         """The request's image(s) read and resized to the video size; for warmup, mid-grey frames
         of the warmup shape (only their sizes matter)."""
-        last_needed = self.config.task == "flf2v"
+        last_needed = self.runner.config.task == "flf2v"
         if info.warmup:
             first = torch.zeros(3, info.height, info.width)
             last = first.clone() if last_needed else None
@@ -223,10 +217,14 @@ class WanImageConditioning(WanT2VRunner):
 
 
 @register_runner("wan2.1")
-class WanI2VRunner(WanImageConditioning):
+class WanI2VRunner(WanT2VRunner):
     """Wan2.1 image-to-video (the I2V-14B-480P / 720P releases, and the tiny `debug` architecture)."""
 
     TASKS = ("i2v",)
+    IMAGE_CONDITIONING = WanImageConditioning
+    IMAGE_INPUTS = IMAGE_TASK_INPUTS
+    RESULT_KINDS = IMAGE_TASK_RESULTS
+    TASK_MODEL_TYPES = IMAGE_TASK_MODEL_TYPES
     #: Wan2.1 i2v (`wan/configs/wan_i2v_14B.py`, `generate.py`): the 480P release's area 480 x 832,
     #: 81 frames at 16 fps, 40 UniPC steps, shift 5.0, guidance 5.0.
     DEFAULTS: ClassVar[dict[str, Any]] = {
@@ -247,15 +245,27 @@ class WanI2VRunner(WanImageConditioning):
 
 
 @register_runner("wan2.1")
-class WanFLF2VRunner(WanImageConditioning):
+class WanFLF2VRunner(WanT2VRunner):
     """Wan2.1 first-last-frame-to-video (the FLF2V-14B-720P release, and the tiny `debug` architecture)."""
 
     TASKS = ("flf2v",)
+    IMAGE_CONDITIONING = WanImageConditioning
+    IMAGE_INPUTS = IMAGE_TASK_INPUTS
+    RESULT_KINDS = IMAGE_TASK_RESULTS
+    TASK_MODEL_TYPES = IMAGE_TASK_MODEL_TYPES
     #: Wan2.1 flf2v (`wan/configs/wan_flf2v_14B.py`, `generate.py`): area 720 x 1280, 81 frames at
     #: 16 fps, 50 UniPC steps, shift 16.0, guidance 5.0.
     DEFAULTS: ClassVar[dict[str, Any]] = {
         "infer_steps": 50, "target_height": 720, "target_width": 1280, "target_video_length": 81, "fps": 16,
         "sample_shift": 16.0, "sample_guide_scale": 5.0, "scheduler": "unipc", "scheduler_spacing": "train_range"}
+
+    @classmethod
+    def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
+        """The core checks, plus: at least two frames (first and last differ)."""
+        super().validate_request(request, config)
+        frames = request.target_video_length or cls.resolve_config(config).target_video_length
+        if frames < 5:
+            raise ValueError(f"`target_video_length` must be at least 5 for flf2v (first and last frame), got {frames}")
 
     # ---- warmup opt-in (this class's own) -----------------------------------------------------
     WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("flf2v",)
@@ -266,5 +276,6 @@ class WanFLF2VRunner(WanImageConditioning):
     }
 
 
-__all__ = ["ConditioningFrames", "WanFLF2VRunner", "WanI2VRunner", "WanImageConditioning", "fit_last_frame",
-           "resize_frame", "wan_resize_shape"]
+__all__ = ["IMAGE_TASK_INPUTS", "IMAGE_TASK_MODEL_TYPES", "IMAGE_TASK_RESULTS", "ConditioningFrames",
+           "WanFLF2VRunner", "WanI2VRunner", "WanImageConditioning", "fit_last_frame", "resize_frame",
+           "wan_resize_shape"]

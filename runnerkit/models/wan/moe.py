@@ -31,7 +31,7 @@ from loguru import logger
 from runnerkit.config import RunnerConfig
 from runnerkit.models.wan.arch import WanArch
 from runnerkit.models.wan.checkpoint import LAYOUTS
-from runnerkit.models.wan.i2v import WanImageConditioning
+from runnerkit.models.wan.i2v import IMAGE_TASK_INPUTS, IMAGE_TASK_MODEL_TYPES, IMAGE_TASK_RESULTS, WanImageConditioning
 from runnerkit.models.wan.moe_checkpoint import EXPERTS, WanMoECheckpoint, write_synthetic_moe
 from runnerkit.models.wan.runner import WanT2VRunner, flavour_of
 from runnerkit.models.wan.tokenizer import WanTokenizer
@@ -115,7 +115,7 @@ class WanMoERunner(WanT2VRunner):
             CheckpointError: an expert folder is missing, or a file is missing or damaged (named).
         """
         self.check_task_fits()
-        self.moe_checkpoint = moe = self.locate_checkpoint()
+        self.moe_checkpoint = moe = self.checkpoints.locate()
         self.check_checkpoint_files(moe)
         self.checkpoint = moe.experts["transformer"]
         boundary = self.config.boundary if self.config.boundary is not None else (moe.boundary or self.DEFAULT_BOUNDARY)
@@ -179,11 +179,15 @@ class WanMoERunner(WanT2VRunner):
 
 
 @register_runner("wan2.2_moe")
-class WanMoEI2VRunner(WanImageConditioning, WanMoERunner):
+class WanMoEI2VRunner(WanMoERunner):
     """Wan2.2 MoE image-to-video (the I2V-A14B release): experts with 36 input channels that take
     the first frame through the VAE latents `y` only (no CLIP image encoder; i2v.py)."""
 
     TASKS = ("i2v",)
+    IMAGE_CONDITIONING = WanImageConditioning
+    IMAGE_INPUTS = IMAGE_TASK_INPUTS
+    RESULT_KINDS = IMAGE_TASK_RESULTS
+    TASK_MODEL_TYPES = IMAGE_TASK_MODEL_TYPES
     #: Wan2.2 i2v A14B (`wan/configs/wan_i2v_A14B.py`, `generate.py`): area 720 x 1280, 81 frames at
     #: 16 fps, 40 UniPC steps, shift 5.0, guidance 3.5 for both experts.
     DEFAULTS: ClassVar[dict[str, Any]] = {

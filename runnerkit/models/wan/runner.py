@@ -11,19 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from loguru import logger
 from torch import nn
 
-from runnerkit.config import RunnerConfig, validate_model_arch
+from runnerkit.config import RequestConfig, RunnerConfig, validate_model_arch
 from runnerkit.models.wan import text_encoder as te
 from runnerkit.models.wan import lora_keys, vae_tiling
 from runnerkit.models.wan.arch import WanArch, WanTransformerArch
 from runnerkit.models.wan.checkpoint import LAYOUTS, WanCheckpoint, synthetic_seed_of, write_synthetic
 from runnerkit.models.wan.estimate import transformer_tokens, wan_t2v_estimate
-from runnerkit.models.wan.flops import WanCompute
+from runnerkit.models.wan.flops import wan_denoise_flops
 from runnerkit.models.wan.scheduler_config import SCHEDULER_CONFIG, read_flow_shift
 from runnerkit.models.wan.tokenizer import WanTokenizer
 from runnerkit.models.wan.transformer import WanTransformer3D, keep_fp32
@@ -32,9 +32,9 @@ from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
+from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.runners.request_state import RequestState
-from runnerkit.runners.synthetic_source import SyntheticCheckpointSource
 from runnerkit.runners.pipeline import (
     DecoderStage,
     DenoiseStage,
@@ -46,6 +46,9 @@ from runnerkit.runners.pipeline import (
     Shape,
 )
 from runnerkit.weights import CheckpointError, assign_state_dict, build_on_meta
+
+if TYPE_CHECKING:
+    from runnerkit.models.wan.i2v import WanImageConditioning
 
 # Wan2.1's default negative prompt (`wan/configs/shared_config.py`, sample_neg_prompt).
 WAN_NEGATIVE_PROMPT = (
@@ -84,7 +87,7 @@ class WanInputs:
 
 
 @register_runner("wan2.1")
-class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
+class WanT2VRunner(DefaultRunner):
     """Wan2.1 text-to-video (1.3B / 14B, and the tiny `debug` architecture)."""
 
     TASKS = ("t2v",)
@@ -113,6 +116,8 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
     }
     IMAGE_INPUTS: ClassVar[dict[str, tuple[str, ...]]] = {"t2v": ()}
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "transformer")
+    #: The image conditioning the runner holds (`images`) for a task that takes images (i2v.py); None: text only.
+    IMAGE_CONDITIONING: ClassVar[type[WanImageConditioning] | None] = None
 
     def __init__(self, config: RunnerConfig) -> None:
         # Before the family defaults fill it: the user's own shift wins over the checkpoint's.
@@ -123,9 +128,10 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         # Without model_path (or planning without its checkpoint: `for_plan`) the config's `model` is the
         # whole architecture: check every rule now. Otherwise it overrides the checkpoint's, checked merged.
         self.arch_override = self.parse_arch(config.model, partial=config.model_path is not None
-                                             and not self.checkpoint_absent())
+                                             and not self.checkpoints.absent())
         self.checkpoint: WanCheckpoint | None = None
         self.tokenizer: WanTokenizer | None = None
+        self.images = self.IMAGE_CONDITIONING(self) if self.IMAGE_CONDITIONING is not None else None
         self.check_task_fits()  # config files only: a checkpoint of another task is refused before loading
 
     @staticmethod
@@ -208,7 +214,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
                 naming the file and the tensor, in every offload mode.
         """
         self.check_task_fits()  # before the config's `model` is merged in and before any weight is read
-        self.checkpoint = ckpt = self.locate_checkpoint()
+        self.checkpoint = ckpt = self.checkpoints.locate()
         self.check_checkpoint_files(ckpt)
         logger.info("checkpoint {} ({} layout), flavour {}", ckpt.path, ckpt.layout, flavour_of(ckpt.arch.transformer))
         self.resolve_sample_shift(ckpt)
@@ -258,7 +264,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         return arch.dim // arch.num_heads
 
     def build_text_encoder(self, device: torch.device) -> te.UMT5Encoder:
-        assert self.checkpoint is not None, "locate_checkpoint first"
+        assert self.checkpoint is not None, "prepare_load first"
         arch = self.checkpoint.arch.text_encoder
         return te.load_umt5_encoder(arch, self.checkpoint.text_encoder_state_dict(), dtype=self.dtype).to(device)
 
@@ -270,7 +276,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
             NotImplementedError: storage "disk" with the original layout's `.pth` encoder (named).
         """
         ckpt = self.checkpoint
-        assert ckpt is not None, "locate_checkpoint first"
+        assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: te.UMT5Encoder(ckpt.arch.text_encoder))
         off, spec = self.config.offload, te.UMT5Encoder.STREAM_SPEC
         if off.storage == "cpu":
@@ -284,7 +290,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         return model.eval().requires_grad_(False), streamer
 
     def build_vae(self, device: torch.device) -> WanVAE:
-        assert self.checkpoint is not None, "locate_checkpoint first"
+        assert self.checkpoint is not None, "prepare_load first"
         # float32, as the reference runs its VAE
         return build_wan_vae(self.checkpoint.arch.vae, self.checkpoint.vae_state_dict(), dtype=torch.float32).to(device)
 
@@ -293,7 +299,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         """The transformer of `checkpoint` (default: the runner's) with all its weights, on `device`;
         `name` labels its errors (e.g. an MoE expert's module name)."""
         ckpt = checkpoint or self.checkpoint
-        assert ckpt is not None, "locate_checkpoint first"
+        assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
         assign_state_dict(model, ckpt.transformer_state_dict(), name, dtype=self.dtype, keep_fp32=keep_fp32,
                           device=device)
@@ -304,7 +310,7 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         """The transformer of `checkpoint` (default: the runner's) with its blocks (or phases) streamed
         from host memory or the checkpoint files; `name` labels the streamer (its module name)."""
         ckpt = checkpoint or self.checkpoint
-        assert ckpt is not None, "locate_checkpoint first"
+        assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: WanTransformer3D(ckpt.arch.transformer))
         off = self.config.offload
         if off.storage == "cpu":
@@ -341,16 +347,23 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
                            blocks=WanTransformer3D.STREAM_SPEC.blocks_attr, fp8_skip=WanTransformer3D.FP8_SKIP),)
 
     def image_modules(self) -> tuple[ModuleSpec, ...]:
-        """Modules of the image stages (none for text-to-video; see i2v.py)."""
-        return ()
+        """Modules of the image stages (`images.modules`; none for text-to-video)."""
+        return self.images.modules() if self.images is not None else ()
 
     def image_stages(self) -> tuple[EncoderStage, ...]:
-        """Encoder stages after the text encoder (none for text-to-video; see i2v.py)."""
-        return ()
+        """Encoder stages after the text encoder (`images.stages`; none for text-to-video)."""
+        return self.images.stages() if self.images is not None else ()
 
     def transformer_inputs(self, req: RequestState) -> dict[str, torch.Tensor]:
-        """Extra keyword inputs of every transformer call (none for text-to-video; see i2v.py)."""
-        return {}
+        """Extra keyword inputs of every transformer call (`images.transformer_inputs`; none for text-to-video)."""
+        return self.images.transformer_inputs(req) if self.images is not None else {}
+
+    @classmethod
+    def shape_of(cls, request: RequestConfig, config: RunnerConfig) -> Shape:
+        """(height, width, frames), the config's defaults filled in; a task with images takes the image's
+        aspect ratio over that area (`WanImageConditioning.shape`; raises ImageInputError as it does)."""
+        shape = super().shape_of(request, config)
+        return shape if cls.IMAGE_CONDITIONING is None else cls.IMAGE_CONDITIONING.shape(request, shape)
 
     #: The transformer `model_type` each task needs.
     TASK_MODEL_TYPES: ClassVar[dict[str, str]] = {"t2v": "t2v"}
@@ -360,8 +373,8 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         for a synthetic checkpoint still to write); None if its config files cannot be read (the
         load then says why)."""
         try:
-            path = self.checkpoint_path()
-            if self.arch_from_config(path):
+            path = self.checkpoints.path()
+            if self.checkpoints.arch_from_config(path):
                 return self.arch_override.transformer.model_type
             return self.open_checkpoint(path, raw=True).arch.transformer.model_type
         except (ValueError, OSError):  # CheckpointError included
@@ -394,8 +407,8 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         or from the configured architecture if a synthetic checkpoint is still to be written."""
         if self.checkpoint is not None:
             return flavour_of(self.checkpoint.arch.transformer)
-        path = self.checkpoint_path()
-        if self.arch_from_config(path):
+        path = self.checkpoints.path()
+        if self.checkpoints.arch_from_config(path):
             return flavour_of(self.arch_override.transformer)
         return flavour_of(self.open_checkpoint(path).arch.transformer)
 
@@ -414,8 +427,8 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
         if self.checkpoint is not None:
             return self.checkpoint.arch
         try:
-            path = self.checkpoint_path()
-            if self.arch_from_config(path):
+            path = self.checkpoints.path()
+            if self.checkpoints.arch_from_config(path):
                 return self.arch_override
             ckpt = self.open_checkpoint(path)
         except (ValueError, OSError) as exc:  # CheckpointError included
@@ -426,10 +439,14 @@ class WanT2VRunner(WanCompute, SyntheticCheckpointSource, DefaultRunner):
 
     def estimate_sources(self) -> list[str]:
         """Where the estimate before loading takes the architecture from (`runnerkit plan`)."""
-        if self.checkpoint is None and self.checkpoint_absent():
+        if self.checkpoint is None and self.checkpoints.absent():
             return [f"architecture: the config's `model` over the Wan release sizes (runnerkit/models/wan/arch.py "
                     f"defaults): `model_path` {self.config.model_path} does not exist"]
         return super().estimate_sources()
+
+    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...]:
+        """FLOPs of a step at `shape` (flops.py `wan_denoise_flops`). Raises EstimateUnavailable: see `architecture`."""
+        return wan_denoise_flops(self.architecture(), self.config, shape, len(self.IMAGE_INPUTS.get(self.config.task, ())))
 
     def estimate_memory(self, shape: Shape) -> MemoryEstimate:
         """Text encoder, image stages (i2v / flf2v), one transformer step, VAE decode and save of

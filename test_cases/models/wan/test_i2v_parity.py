@@ -115,8 +115,8 @@ def run_runnerkit(name: str, ckpt: Path, images: dict[str, Path], out: Path, moc
     data.pop("synthetic_checkpoint")
     config = load_runner_config(None, data)
     runner = get_runner_cls(config.model_cls, config.task)(config)
-    # Spies before init_modules: the pipeline's stages bind the runner's methods when it is described.
-    spies = {key: mocker.spy(runner, method) for key, method in
+    # Spies before init_modules: the pipeline's stages bind the image conditioning's methods when it is described.
+    spies = {key: mocker.spy(runner.images, method) for key, method in
              (("clip_context", "run_image_encoder"), ("y", "run_vae_encoder"))}
     runner.init_modules()
     runner.run_pipeline(RequestConfig(

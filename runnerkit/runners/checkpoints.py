@@ -1,9 +1,11 @@
 """Where a runner's checkpoint comes from: `model_path`, or a synthetic one written on first use.
 
-`SyntheticCheckpointSource` is mixed into a family runner that can write synthetic checkpoints: it
-declares the family's hook `write_synthetic_checkpoint` and its `CHECKPOINT_LAYOUTS` (what
-runnerkit.tools.synth_checkpoint writes). The runner provides `arch_override` (its architecture, a
-pydantic model: the cache folder is keyed by it) and `open_checkpoint(path)`.
+`CheckpointSource` is an object every runner holds (`runner.checkpoints`, made in `BaseRunner.__init__`):
+it locates the checkpoint, writes a synthetic one once when configured, and says how to repair one. The
+family's side are hooks declared on `BaseRunner` with their defaults: `open_checkpoint(path, raw)` (read
+the family's layouts), `write_synthetic_checkpoint` and `CHECKPOINT_LAYOUTS` (what it writes, also for
+runnerkit.tools.synth_checkpoint), `SYNTHETIC_LAYOUT`, and `arch_override` (the configured architecture,
+a pydantic model: the synthetic cache folder is keyed by it).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
@@ -20,9 +22,7 @@ from runnerkit.synthetic import synthetic_seed_of
 from runnerkit.weights import CheckpointError
 
 if TYPE_CHECKING:
-    import torch
-
-    from runnerkit.config import RunnerConfig
+    from runnerkit.runners.base import BaseRunner
 
 
 def synthetic_cache_dir() -> Path:
@@ -52,76 +52,66 @@ def check_synthetic_cache() -> None:
     raise CheckpointError(f"{where} must be a writable folder (synthetic checkpoints are written under it): {problem}")
 
 
-class SyntheticCheckpointSource:
-    """Locate (and, for `synthetic_checkpoint`, write once) the runner's checkpoint."""
+class CheckpointSource:
+    """Locate (and, for `synthetic_checkpoint`, write once) `runner`'s checkpoint.
 
-    config: Any
-    dtype: Any
-    arch_override: Any
-    plan_only: bool  # BaseRunner: built by `for_plan`
-    #: The layout a synthetic checkpoint is written in when the runner writes one itself.
-    SYNTHETIC_LAYOUT: str = "runnerkit"
-    #: Checkpoint layouts `write_synthetic_checkpoint` can write (empty: the family writes none).
-    CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ()
+    Reads the runner's current `config`, `dtype`, `plan_only` and `arch_override` at each call (the
+    config may change before the lock: `update_config`, `config_trial`), and calls its hooks
+    `open_checkpoint` and `write_synthetic_checkpoint` (in `SYNTHETIC_LAYOUT`).
+    """
 
-    @classmethod
-    def write_synthetic_checkpoint(cls, config: RunnerConfig, out: Path, seed: int, dtype: torch.dtype,
-                                   layout: str, **options: Any) -> None:
-        """Family hook: write deterministic random weights of `config`'s architecture to `out`, in `layout`
-        (one of `CHECKPOINT_LAYOUTS`; runnerkit.tools.synth_checkpoint, `synthetic_checkpoint`)."""
-        raise NotImplementedError(f"{cls.__name__} cannot write synthetic checkpoints")
+    def __init__(self, runner: BaseRunner) -> None:
+        self.runner = runner
 
-    @classmethod
-    def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
-        """Family hook for the synthetic adapter writer (runnerkit/lora/synthetic.py): the linear layers a
-        typical adapter of `config`'s architecture covers, name -> (out, in), and their names in `layout`."""
-        raise NotImplementedError(f"{cls.__name__} cannot describe its LoRA layers for a synthetic adapter")
-
-    def open_checkpoint(self, path: Path, raw: bool = False) -> Any:
-        """The family's checkpoint at `path` (`raw`: without the config's `model` over it)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement open_checkpoint(path, raw) to read its "
-                                  "checkpoint layouts (SyntheticCheckpointSource only locates and writes them)")
-
-    def checkpoint_path(self) -> Path:
+    def path(self) -> Path:
         """`model_path`, or the cache folder of this architecture's synthetic checkpoint."""
-        cfg = self.config
+        cfg = self.runner.config
         if cfg.model_path:
             return Path(cfg.model_path)
         assert cfg.synthetic_checkpoint is not None, "config validation requires model_path or synthetic_checkpoint"
-        digest = hashlib.sha1(json.dumps(self.arch_override.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        arch = self.runner.arch_override
+        assert arch is not None, f"{type(self.runner).__name__} sets `arch_override` for a synthetic checkpoint"
+        digest = hashlib.sha1(json.dumps(arch.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
         return synthetic_cache_dir() / f"{cfg.model_cls}-{digest[:12]}-seed{cfg.synthetic_checkpoint.seed}-{cfg.dtype}"
 
-    def _synthetic_pending(self, path: Path) -> bool:
-        """True if a synthetic checkpoint is configured and not written yet at `path`."""
-        if self.config.synthetic_checkpoint is None:
+    def pending(self, path: Path) -> bool:
+        """True if a synthetic checkpoint is configured and not written yet at `path`.
+
+        Raises:
+            CheckpointError: `path` is a file, or the synthetic cache root cannot hold folders (`check_synthetic_cache`).
+        """
+        cfg = self.runner.config
+        if cfg.synthetic_checkpoint is None:
             return False
         if path.exists() and not path.is_dir():
             raise CheckpointError(f"`model_path` {str(path)!r} is a file; a synthetic checkpoint needs a folder")
         pending = not path.exists() or not any(path.iterdir())
-        if pending and not self.config.model_path:
+        if pending and not cfg.model_path:
             check_synthetic_cache()
         return pending
 
-    def checkpoint_absent(self) -> bool:
+    def absent(self) -> bool:
         """True for a runner built to plan only (`BaseRunner.for_plan`) whose `model_path` does not exist (and
         is not a synthetic checkpoint's, to write): its architecture before loading is then the one the config
         gives or implies (`arch_from_config`). A run's load refuses the missing checkpoint as always."""
-        cfg = self.config
-        return (self.plan_only and cfg.synthetic_checkpoint is None and cfg.model_path is not None
+        cfg = self.runner.config
+        return (self.runner.plan_only and cfg.synthetic_checkpoint is None and cfg.model_path is not None
                 and not Path(cfg.model_path).exists())
 
     def arch_from_config(self, path: Path) -> bool:
         """Whether the architecture before loading is the configured one (`arch_override`) rather than the
-        checkpoint's at `path`: a synthetic checkpoint still to write (`_synthetic_pending`), or a planning
-        runner's absent checkpoint (`checkpoint_absent`)."""
-        return self.checkpoint_absent() or self._synthetic_pending(path)
+        checkpoint's at `path`: a synthetic checkpoint still to write (`pending`), or a planning runner's
+        absent checkpoint (`absent`)."""
+        return self.absent() or self.pending(path)
 
-    def checkpoint_repair_hint(self) -> str | None:
-        """For a synthetic checkpoint that is rewritten when absent (it holds `SYNTHETIC_MARKER` and
-        `synthetic_checkpoint` is configured): delete its folder so that the next run writes it again."""
-        if self.config.synthetic_checkpoint is None:
+    def repair_hint(self) -> str | None:
+        """How to repair a damaged checkpoint, added to a `CheckpointError` at load (`BaseRunner.init_modules`):
+        for a synthetic checkpoint that is rewritten when absent (it holds `SYNTHETIC_MARKER` and
+        `synthetic_checkpoint` is configured), delete its folder so that the next run writes it again; None
+        otherwise (a user's checkpoint: only its owner can replace it)."""
+        if self.runner.config.synthetic_checkpoint is None:
             return None
-        path = self.checkpoint_path()
+        path = self.path()
         try:
             if synthetic_seed_of(path) is None:
                 return None
@@ -129,19 +119,20 @@ class SyntheticCheckpointSource:
             return None
         return f"{path} is a synthetic checkpoint: delete that folder and run again to write it anew"
 
-    def locate_checkpoint(self) -> Any:
-        """Open the checkpoint (`open_checkpoint`), writing a synthetic one first if configured and absent
-        (`write_synthetic_checkpoint`).
+    def locate(self) -> Any:
+        """Open the checkpoint (`runner.open_checkpoint`), writing a synthetic one first if configured and absent
+        (`write_synthetic_checkpoint` of the runner's class, in its `SYNTHETIC_LAYOUT`).
 
         Raises:
             CheckpointError: no checkpoint there, or a synthetic one written with another seed.
         """
-        cfg = self.config
-        path = self.checkpoint_path()
-        if self._synthetic_pending(path):
-            type(self).write_synthetic_checkpoint(cfg, path, cfg.synthetic_checkpoint.seed, self.dtype,
-                                                  self.SYNTHETIC_LAYOUT)
-        ckpt = self.open_checkpoint(path)
+        runner = self.runner
+        cfg = runner.config
+        path = self.path()
+        if self.pending(path):
+            type(runner).write_synthetic_checkpoint(cfg, path, cfg.synthetic_checkpoint.seed, runner.dtype,
+                                                    runner.SYNTHETIC_LAYOUT)
+        ckpt = runner.open_checkpoint(path)
         seed = synthetic_seed_of(path)
         if seed is not None:
             expected = cfg.synthetic_checkpoint.seed if cfg.synthetic_checkpoint else seed
