@@ -188,7 +188,7 @@ class LTX2Runner(DefaultRunner):
         if config.offload.vae_tiling:
             raise NotImplementedError("`offload.vae_tiling` is not available for ltx2 (the video VAE decodes whole)")
         check_paths(config, files=not self.plan_only)
-        if config.task == "i2av" and missing_pyav() is not None:
+        if config.task == "i2av" and not self.plan_only and missing_pyav() is not None:  # a plan encodes nothing
             raise ValueError(missing_pyav())
         # The configured architecture; without `model`, the tiny one only for a synthetic checkpoint (a real
         # checkpoint's architecture is its own, read at load: None here, so nothing can take the tiny one for it)

@@ -62,3 +62,4 @@ def test_without_pyav_i2av_is_refused_naming_the_package(monkeypatch: pytest.Mon
         LTX2Runner(config)
     t2av = load_runner_config(configs / "ltx2_t2av_tiny.json", {"device": "cpu", "model_path": str(tmp_path / "m")})
     LTX2Runner(t2av)  # t2av does not need it
+    assert LTX2Runner.for_plan(config).plan_only  # nor does a memory plan of i2av (`runnerkit plan`)
