@@ -496,8 +496,8 @@ def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.
         host = sum over modules of host_module_bytes      (offloaded weights, streamer slabs)
              + the largest module loaded onto the device through host memory
                  (resident modules and unload_modules: its weights; a streamed module: its resident
-                 part as stored, `resident_read_bytes`; the state dict of one module is read into host memory while it is placed:
-                 whole for .pth files, page by page for safetensors)
+                 part as stored, `resident_read_bytes`; the state dict of one module is read into host
+                 memory while it is placed: whole for .pth files, page by page for safetensors)
              + PROCESS_HOST_BYTES
 
     On the CPU the device is the host: the total is the device estimate (`peak_of(...).bytes`).
@@ -535,6 +535,12 @@ def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, 
     if config.offload.mode == "none" and not config.unload_modules and device.type != "cpu" \
             and peak.weight_bytes > peak.activation_bytes:
         advice.append("offload.mode 'model' or 'block' (weights leave the device between their stages)")
+    off = config.offload
+    if off.mode in ("block", "phase") and device.type != "cpu" and peak.weight_bytes > peak.activation_bytes:
+        if off.resident_blocks:  # weights bound the peak: the kept units are what an explicit plan can shed
+            advice.append(f"fewer offload.resident_blocks (now {off.resident_blocks}: "
+                          "each kept unit stays on the device)")
+        advice.append("offload.mode 'auto' (the fastest plan that fits this device, if one does)")
     if peak.lora_slot_bytes:
         advice.append(f"a smaller lora.max_rank (the unfused LoRA slots take {peak.lora_slot_bytes / GIB:.2f} GiB at "
                       f"rank {config.lora.max_rank if config.lora else '?'}) or lora.mode 'fused' (no slots)")

@@ -441,3 +441,20 @@ def test_the_limit_is_read_once_before_loading_and_kept(tiny_ckpt: Path, monkeyp
     assert len(limits) >= 3 and set(limits) == {8 * GIB}  # the warmup shapes and the request: each judged against it
     assert runner.memory_checks.device_budget() == memory.MemoryLimit(8 * GIB, "cpu: 8.00 GiB available (fake)")
     assert memory.memory_limit(CPU).bytes == GIB // 10  # what a re-read would have judged against
+
+
+@pytest.mark.parametrize("kept", [0, 30])
+def test_an_explicit_streaming_plan_bound_by_weights_is_advised_what_sheds_them(kept: int) -> None:
+    """Block streaming whose peak is weights (e.g. 30 kept units beside a resident text encoder): the refusal
+    advises fewer `offload.resident_blocks` (when some are kept) and the automatic plan, not only a smaller
+    shape."""
+    config = cfg(offload={"mode": "block", "resident_blocks": kept})
+    peak = fit.PeakEstimate(bytes=33 * GIB, formula_bytes=33 * GIB, stage="text_encoder", weight_bytes=32 * GIB,
+                            activation_bytes=GIB // 2)
+    message = fit.refusal_message("request 0", (480, 832, 81), peak, 24 * GIB, "--device_gib", CUDA, config)
+    assert ("fewer offload.resident_blocks (now 30" in message) is (kept == 30)
+    assert "offload.mode 'auto'" in message and "a smaller target_height" in message
+    activations = fit.PeakEstimate(bytes=33 * GIB, formula_bytes=33 * GIB, stage="denoise", weight_bytes=GIB,
+                                   activation_bytes=32 * GIB)  # a shape too large: no offload advice
+    assert "offload.mode 'auto'" not in fit.refusal_message("request 0", (480, 832, 81), activations, 24 * GIB,
+                                                             "--device_gib", CUDA, config)
