@@ -101,6 +101,7 @@ class QwenImageEditRunner(QwenImageRunner):
         """Output (height, width, 1): the target area with the last reference image's aspect ratio.
 
         Raises:
+            ValueError: naming `target_height` x `target_width` when their area is too small for any output.
             ImageInputError: naming the reference whose aspect ratio leaves a side below 32 pixels.
         """
         area = (request.target_height or config.target_height) * (request.target_width or config.target_width)
@@ -109,6 +110,10 @@ class QwenImageEditRunner(QwenImageRunner):
         last = refs[-1]
         if last is None:  # validate_request has refused the request already; a neutral shape for messages
             return (request.target_height or config.target_height, request.target_width or config.target_width, frames)
+        if min(te.calculate_dimensions(area, 1.0)) < 32:  # too small whatever the image: the size's fault
+            raise ValueError(f"`target_height` x `target_width` = {area} pixels is too small a target area for an "
+                             "edit: even a square output would have a side under 32 pixels; give a larger area "
+                             "(32 x 32 = 1024 pixels is enough)")
         field = "image_path" if len(refs) == 1 else f"extra_image_paths[{len(refs) - 2}]"
         height, width = image_size(last, field)
         w, h = te.calculate_dimensions(area, width / height)

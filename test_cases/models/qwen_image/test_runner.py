@@ -239,7 +239,7 @@ def test_t2i_input_errors_exit_2_naming_the_field(qwen_t2i_ckpt: Path, tmp_path:
 @pytest.mark.parametrize("case, field", [
     ("no image", "image_path"), ("missing image", "image_path"), ("unreadable image", "image_path"),
     ("unreadable second reference", "extra_image_paths[0]"), ("too many references", "extra_image_paths"),
-    ("too wide a last reference", "extra_image_paths[0]"),
+    ("too wide a last reference", "extra_image_paths[0]"), ("too small an area", "target_height"),
 ])
 def test_edit_input_errors_exit_2_naming_the_field(qwen_edit_ckpt: Path, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str], case: str, field: str) -> None:
@@ -252,7 +252,8 @@ def test_edit_input_errors_exit_2_naming_the_field(qwen_edit_ckpt: Path, tmp_pat
              "unreadable image": ["--image_path", junk],
              "unreadable second reference": ["--image_path", a, "--extra_image_paths", junk],
              "too many references": ["--image_path", a, "--extra_image_paths", b, b, b],
-             "too wide a last reference": ["--image_path", a, "--extra_image_paths", wide]}[case]
+             "too wide a last reference": ["--image_path", a, "--extra_image_paths", wide],
+             "too small an area": ["--image_path", a, "--target_height", 16, "--target_width", 16]}[case]
     config = write_config(tmp_path / "c.json", qwen_config_dict(EDIT_CONFIG, qwen_edit_ckpt))
     rc, err = _cli(capsys, "--config_json", config, "--prompt", "x", *flags)
     assert rc == 2, err
