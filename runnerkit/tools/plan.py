@@ -240,6 +240,8 @@ def describe(out: dict[str, Any]) -> str:
     lines = [(f"memory plan of {out['config_json']}: {out['model_cls']} {out['task']} ({out['runner']}), "
              f"{out['dtype']}, on {out['device']}, shapes {shapes} (height x width x frames)")]
     lines += [f"  {s}" for s in out["estimate_sources"]]
+    lines.append("  weights: not read (the plan reads architectures and headers only; a run checks every file as it "
+                 "loads)")
     host = (f"{out['host_limit_gib']:.2f} GiB ({out['host_limit_source']})" if out["host_limit_gib"] is not None
             else "unknown (not checked)")
     device = (f"{out['device_limit_gib']:.2f} GiB ({out['device_limit_source']})"

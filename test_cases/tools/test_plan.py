@@ -356,6 +356,7 @@ def test_the_text_output_lists_each_module_and_the_rejected(no_checkpoints: Path
     text = describe(out)
     assert cli_main(["plan", "--config_json", str(config), "--device_gib", "24", "--host_gib", "64"]) == 0
     assert capsys.readouterr().out == text + "\n"
+    assert "  weights: not read (the plan reads architectures and headers only" in text  # it never vouches for them
     for m in out["modules"]:
         row = next(line for line in text.splitlines() if line.split()[0] == m["name"])
         assert m["placement"] in row and row.split()[-4:] == [
