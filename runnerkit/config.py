@@ -39,8 +39,8 @@ __all__ = ["FAMILY_DEFAULTED", "MAX_EXTRA_IMAGES", "MAX_FRAMES", "MAX_PROMPT_CHA
            "REQUEST_DEFAULT_FIELDS", "CompileConfig", "ConfigError", "ConfigLockedError", "FrozenDict", "FrozenList",
            "LoRAConfig", "LoRARequest", "MemoryConfig", "OffloadConfig", "ParallelConfig", "RequestConfig",
            "RunnerConfig", "SyntheticCheckpointConfig", "as_request", "deep_freeze", "field_path",
-           "format_validation_error", "load_requests", "load_runner_config", "lora_flag_fields", "parse_lora_flag",
-           "validate_model_arch"]
+           "format_validation_error", "invalid_lines", "load_requests", "load_runner_config", "lora_flag_fields",
+           "parse_lora_flag", "read_requests", "validate_model_arch"]
 
 MAX_SIDE = 8192  # pixels: bounds a request far above any released model resolution (720p video, 1328 px images)
 MAX_FRAMES = 1025  # frames
@@ -505,11 +505,12 @@ def load_runner_config(path: str | Path | None, overrides: dict[str, Any],
         raise ConfigError(format_validation_error(exc, source, origins)) from None
 
 
-def load_requests(path: str | Path) -> list[RequestConfig]:
-    """Read and validate every line of a `--requests` .jsonl file before anything is loaded.
+def read_requests(path: str | Path) -> tuple[list[RequestConfig], list[tuple[int, str]], int]:
+    """Every line of a `--requests` .jsonl file: (the valid requests, (line number, problem) of each invalid
+    line, the count of non-empty lines). `load_requests` refuses the file if any line is invalid.
 
     Raises:
-        ConfigError: naming the line number and field of every bad line (all at once).
+        ConfigError: the file is missing, a folder, or not UTF-8 text.
     """
     p = Path(path)
     if not p.is_file():
@@ -518,7 +519,9 @@ def load_requests(path: str | Path) -> list[RequestConfig]:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"requests file {str(p)!r} is not UTF-8 text: {exc}") from None
-    requests, problems, lines = [], [], 0
+    requests: list[RequestConfig] = []
+    problems: list[tuple[int, str]] = []
+    lines = 0
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -526,13 +529,28 @@ def load_requests(path: str | Path) -> list[RequestConfig]:
         try:
             request = RequestConfig.model_validate_json(line)
         except ValidationError as exc:
-            problems.append(format_validation_error(exc, f"request on line {n} of {str(p)!r}"))
+            problems.append((n, format_validation_error(exc, f"request on line {n} of {str(p)!r}")))
             continue
         request._source = f"line {n} of {str(p)!r}"
         requests.append(request)
+    return requests, problems, lines
+
+
+def load_requests(path: str | Path) -> list[RequestConfig]:
+    """Read and validate every line of a `--requests` .jsonl file before anything is loaded.
+
+    Raises:
+        ConfigError: naming the line number and field of every bad line (all at once).
+    """
+    requests, problems, lines = read_requests(path)
     if problems:  # every bad line at once, not one per run
-        raise ConfigError(problems[0] if len(problems) == 1 else
-                          f"{len(problems)} of {lines} request lines are invalid:\n" + "\n".join(problems))
+        raise ConfigError(invalid_lines(problems, lines))
     if not requests:
-        raise ConfigError(f"requests file {str(p)!r} holds no request")
+        raise ConfigError(f"requests file {str(path)!r} holds no request")
     return requests
+
+
+def invalid_lines(problems: list[tuple[int, str]], lines: int) -> str:
+    """One message for the invalid lines of a requests file, in line order."""
+    texts = [text for _, text in sorted(problems, key=lambda item: item[0])]
+    return texts[0] if len(texts) == 1 else f"{len(texts)} of {lines} request lines are invalid:\n" + "\n".join(texts)

@@ -94,8 +94,8 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     """
     from pydantic import ValidationError
 
-    from runnerkit.config import (ConfigError, RequestConfig, format_validation_error, load_requests, load_runner_config,
-                                  lora_flag_fields)
+    from runnerkit.config import (ConfigError, RequestConfig, format_validation_error, invalid_lines, load_runner_config,
+                                  lora_flag_fields, read_requests)
     from runnerkit.admission import Refused, admit, check_default_shape
     from runnerkit.registry import get_runner_cls
     overrides = config_overrides(args, "launch")
@@ -118,7 +118,16 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
         if given:
             raise ConfigError(f"--requests cannot be combined with single-request flags {sorted('--' + k for k in given)}: "
                               "put them on the lines of the requests file")
-        requests = load_requests(args.requests)
+        requests, bad_lines, lines = read_requests(args.requests)
+        if bad_lines:  # with the other lines' runner-level problems: every bad line in one report
+            for request in requests:
+                try:
+                    runner_cls.validate_request(request, config)
+                except ValueError as exc:  # `source` is "line N of 'path'"
+                    bad_lines.append((int(request.source.split(" ", 2)[1]), f"request on {request.source}: {exc}"))
+            raise ConfigError(invalid_lines(bad_lines, lines))
+        if not requests:
+            raise ConfigError(f"requests file {args.requests!r} holds no request")
     else:
         if "prompt" not in given:
             raise ConfigError("--prompt is required (or --requests FILE.jsonl)")

@@ -480,6 +480,17 @@ def test_requests_file_reports_every_malformed_line_at_once(config_path: Path, t
     _assert_invalid(rc, err, "3 of 4 request lines are invalid", "line 2", "bogus", "line 3", "seed", "line 4")
 
 
+def test_requests_file_reports_malformed_and_refused_lines_in_one_report(config_path: Path, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A line the runner refuses (a shape) is named beside the lines that are not requests at all, in line
+    order and in one count, not in a second report once the others are fixed."""
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text('{"prompt": "a"}\n{"prompt": "b", "target_height": 33}\n{"prompt": "c", "bogus": 1}\n')
+    rc, err = _cli(capsys, "--config_json", config_path, "--requests", reqs)
+    _assert_invalid(rc, err, "2 of 3 request lines are invalid", "line 2", "multiple of 16 (got 33)", "line 3", "bogus")
+    assert err.index("line 2") < err.index("line 3")
+
+
 def test_config_file_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.json"
     rc, err = _cli(capsys, "--config_json", missing, "--prompt", "x")
