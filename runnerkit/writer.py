@@ -182,7 +182,8 @@ class ResultWriter:
             thread = self._thread
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            while thread.is_alive():  # timed, as every wait of the main thread here: a Ctrl-C reaches it at once
+                thread.join(SIGNAL_CHECK_S)
 
     def _checkpoint(self) -> None:
         if self._abandoned:
@@ -191,8 +192,8 @@ class ResultWriter:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
+                while not self._queue and not self._closed:  # timed: a wakeup lost to an interrupt cannot hang it
+                    self._cond.wait(SIGNAL_CHECK_S)
                 if not self._queue:
                     return
                 task = self._active = self._queue.popleft()
