@@ -155,9 +155,10 @@ class ResultWriter:
     def drain(self) -> None:
         """Wait until every write submitted so far has ended (written, failed or abandoned). A
         KeyboardInterrupt (main thread) interrupts the wait, not the writes."""
-        with self._cond:
-            while self._count():
-                self._cond.wait(SIGNAL_CHECK_S)
+        # polled without taking the lock: a KeyboardInterrupt can land anywhere in this wait, and one landing
+        # between a lock's acquire and its `with` block would leave it held, and the writer thread waiting on it
+        while self._count():  # reads under the GIL; the writer thread changes it under the lock
+            time.sleep(SIGNAL_CHECK_S)
 
     def abandon(self) -> list[int]:
         """Stop writing: the queued writes are dropped (their `done` gets `WriteAbandoned`, here), the
@@ -177,10 +178,8 @@ class ResultWriter:
     def close(self) -> None:
         """Drain, then end the thread (a later `submit` raises)."""
         self.drain()
-        with self._cond:
-            self._closed = True
-            thread = self._thread
-            self._cond.notify_all()
+        self._closed = True  # no lock (as `drain`): the writer thread's idle wait re-reads it every SIGNAL_CHECK_S
+        thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             while thread.is_alive():  # timed, as every wait of the main thread here: a Ctrl-C reaches it at once
                 thread.join(SIGNAL_CHECK_S)
