@@ -94,8 +94,8 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
     """
     from pydantic import ValidationError
 
-    from runnerkit.config import (ConfigError, RequestConfig, format_validation_error, invalid_lines, load_runner_config,
-                                  lora_flag_fields, read_requests)
+    from runnerkit.config import (ConfigError, RequestConfig, format_validation_error, load_runner_config,
+                                  lora_flag_fields)
     from runnerkit.admission import Refused, admit, check_default_shape
     from runnerkit.registry import get_runner_cls
     overrides = config_overrides(args, "launch")
@@ -118,16 +118,7 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
         if given:
             raise ConfigError(f"--requests cannot be combined with single-request flags {sorted('--' + k for k in given)}: "
                               "put them on the lines of the requests file")
-        requests, bad_lines, lines = read_requests(args.requests)
-        if bad_lines:  # with the other lines' runner-level problems: every bad line in one report
-            for request in requests:
-                try:
-                    runner_cls.validate_request(request, config)
-                except ValueError as exc:  # `source` is "line N of 'path'"
-                    bad_lines.append((int(request.source.split(" ", 2)[1]), f"request on {request.source}: {exc}"))
-            raise ConfigError(invalid_lines(bad_lines, lines))
-        if not requests:
-            raise ConfigError(f"requests file {args.requests!r} holds no request")
+        requests = requests_from_file(args.requests, runner_cls, config)
     else:
         if "prompt" not in given:
             raise ConfigError("--prompt is required (or --requests FILE.jsonl)")
@@ -170,6 +161,28 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} of {len(requests)} requests are invalid:\n  " + "\n  ".join(problems)) from None
     return config, requests
+
+
+def requests_from_file(path: str, runner_cls: Any, config: Any) -> list[Any]:
+    """The requests of a `--requests` file. A file with malformed lines is refused naming them together with
+    the lines the runner refuses (`validate_request`), in line order: every bad line in one report.
+
+    Raises:
+        ConfigError: the file cannot be read, holds no request, or holds invalid lines.
+    """
+    from runnerkit.config import ConfigError, invalid_lines, read_requests
+
+    requests, bad_lines, lines = read_requests(path)
+    if bad_lines:
+        for request in requests:
+            try:
+                runner_cls.validate_request(request, config)
+            except ValueError as exc:  # `source` is "line N of 'path'"
+                bad_lines.append((int(request.source.split(" ", 2)[1]), f"request on {request.source}: {exc}"))
+        raise ConfigError(invalid_lines(bad_lines, lines))
+    if not requests:
+        raise ConfigError(f"requests file {path!r} holds no request")
+    return requests
 
 
 def check_plot_flag(path: str, config: Any) -> None:

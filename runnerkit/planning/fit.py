@@ -122,10 +122,8 @@ class ModuleFootprint:
         device_extra_bytes: bytes the module keeps on the compute device beside its weights, whether
             or not the weights are offloaded or streamed, for as long as the module exists (unfused
             LoRA slots, runnerkit/lora: `lora_slot_bytes`).
-        stream_resident_stored_bytes: the resident part's bytes as read from the checkpoint when they differ
-            from `stream_resident_bytes` (storage disk with fp8-stored weights outside the streamed units:
-            1 byte each; `stream_module` moves them to the device as stored and upcasts them there); None:
-            as loaded. What loading the resident part holds in host memory.
+        stream_resident_stored_bytes: the resident part as read (storage disk: fp8-stored weights at 1 byte, upcast
+            on the device by `stream_module`), what its load holds in host memory; None: as loaded.
     """
 
     weight_bytes: int
@@ -141,9 +139,8 @@ class ModuleFootprint:
     def resident_read_bytes(self) -> int:
         """Bytes of the streamed module's resident part as read from its source (stored dtype)."""
         assert self.stream_resident_bytes is not None, "only a streamed module has a resident part"
-        if self.stream_resident_stored_bytes is None:
-            return self.stream_resident_bytes
-        return self.stream_resident_stored_bytes
+        stored = self.stream_resident_stored_bytes
+        return self.stream_resident_bytes if stored is None else stored
 
     @property
     def streams(self) -> bool:
