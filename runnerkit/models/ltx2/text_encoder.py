@@ -41,6 +41,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -109,19 +110,20 @@ def gemma_text_config(folder: str | Path) -> transformers.Gemma3TextConfig:
     return config.get_text_config()
 
 
-def check_fits_connectors(text_config: transformers.Gemma3TextConfig, connectors: LTX2ConnectorsArch,
-                          folder: str | Path) -> None:
-    """Refuse a Gemma-3 whose stacked hidden states do not fit the connectors' input projection.
+def check_fits_connectors(text_config: transformers.PretrainedConfig, connectors: LTX2ConnectorsArch,
+                          folder: str | Path, name: str = "Gemma-3") -> None:
+    """Refuse a Gemma (`name`: "Gemma-3", "Gemma-4") whose stacked hidden states do not fit the connectors'
+    input projection.
 
     Raises:
         CheckpointError: naming `folder` and both numbers: `hidden_size` != `caption_channels`, or
             `num_hidden_layers` + 1 != `text_proj_in_factor`.
     """
     if text_config.hidden_size != connectors.caption_channels:
-        raise CheckpointError(f"text_encoder: {folder}: Gemma-3 `hidden_size`={text_config.hidden_size} does not fit "
+        raise CheckpointError(f"text_encoder: {folder}: {name} `hidden_size`={text_config.hidden_size} does not fit "
                               f"the connectors' `caption_channels`={connectors.caption_channels}")
     if text_config.num_hidden_layers + 1 != connectors.text_proj_in_factor:
-        raise CheckpointError(f"text_encoder: {folder}: Gemma-3 has `num_hidden_layers`={text_config.num_hidden_layers}"
+        raise CheckpointError(f"text_encoder: {folder}: {name} has `num_hidden_layers`={text_config.num_hidden_layers}"
                               f" (+ 1 embedding output = {text_config.num_hidden_layers + 1} hidden states) but the "
                               f"connectors stack `text_proj_in_factor`={connectors.text_proj_in_factor}")
 
@@ -149,32 +151,43 @@ def load_gemma_text_encoder(folder: str | Path, dtype: torch.dtype, device: torc
             shard, a model that does not fit `connectors` (both numbers), or missing / unexpected /
             mismatched text-model keys (listed).
     """
+    return load_text_tower(_GemmaTextTower, Path(folder), gemma_text_config(Path(folder)), dtype, device, connectors,
+                           "Gemma-3", TEXT_PREFIXES, UNUSED_PREFIXES, "vision/projector")
+
+
+def load_text_tower(tower: type[transformers.PreTrainedModel], folder: Path, text_config: transformers.PretrainedConfig,
+                    dtype: torch.dtype, device: torch.device | str, connectors: LTX2ConnectorsArch | None, name: str,
+                    text_prefixes: tuple[str, ...], unused_prefixes: tuple[str, ...], unused: str) -> Any:
+    """A Gemma text model (`tower`, named `name`) of a transformers folder, strictly: the connectors fit
+    checked first, the text weights under `text_prefixes` read, those under `unused_prefixes` (`unused`,
+    e.g. "vision/projector") left unread; on `device` in eval mode, without gradients.
+
+    Raises:
+        CheckpointError: naming the folder (see `load_gemma_text_encoder`).
+    """
     start = time.perf_counter()
-    folder = Path(folder)
-    text_config = gemma_text_config(folder)
     if connectors is not None:
-        check_fits_connectors(text_config, connectors, folder)
+        check_fits_connectors(text_config, connectors, folder, name)
     files = safetensors_files(folder, component="text_encoder")
     if not files:
-        raise CheckpointError(f"text_encoder: Gemma-3 folder {folder} holds no *.safetensors weights")
-    skipped = {k: e for k, e in safetensors_infos(files, "text_encoder").items()
-               if k.startswith(UNUSED_PREFIXES)}
+        raise CheckpointError(f"text_encoder: {name} folder {folder} holds no *.safetensors weights")
+    skipped = {k: e for k, e in safetensors_infos(files, "text_encoder").items() if k.startswith(unused_prefixes)}
     try:
         transformers.utils.logging.disable_progress_bar()  # runnerkit logs one line per module instead
-        model, info = _GemmaTextTower.from_pretrained(
+        model, info = tower.from_pretrained(
             folder, config=text_config, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
             use_safetensors=True, output_loading_info=True, ignore_mismatched_sizes=True,  # refused below, named
-            key_mapping={"^" + re.escape(prefix): "" for prefix in TEXT_PREFIXES})
+            key_mapping={"^" + re.escape(prefix): "" for prefix in text_prefixes})
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"text_encoder: transformers cannot load {folder}: {exc}") from None
     problems = loading_info_problems(info)
     if problems:
-        raise CheckpointError(f"text_encoder: {folder} does not match its Gemma-3 text config; " + "; ".join(problems))
+        raise CheckpointError(f"text_encoder: {folder} does not match its {name} text config; " + "; ".join(problems))
     model = own_cpu_memory(model.to(device)).eval().requires_grad_(False)
     gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     skipped_gib = sum(e.nbytes for e in skipped.values()) / 2**30
-    logger.info(f"text_encoder: loaded Gemma-3 text model ({text_config.num_hidden_layers} layers, {gib:.3f} GiB, "
-                f"{dtype}, {device}); left {len(skipped)} vision/projector tensors ({skipped_gib:.3f} GiB) unread; "
+    logger.info(f"text_encoder: loaded {name} text model ({text_config.num_hidden_layers} layers, {gib:.3f} GiB, "
+                f"{dtype}, {device}); left {len(skipped)} {unused} tensors ({skipped_gib:.3f} GiB) unread; "
                 f"{time.perf_counter() - start:.2f} s")
     return model
 

@@ -30,25 +30,19 @@ tokenizer embedded, the connectors' projection bundled) is not read here.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 import transformers
-from loguru import logger
 from torch import Tensor
 
 from runnerkit.models.ltx2.connectors_arch import LTX2ConnectorsArch
-from runnerkit.models.ltx2.text_encoder import MAX_SEQUENCE_LENGTH, GemmaPromptEncoder
+from runnerkit.models.ltx2.text_encoder import MAX_SEQUENCE_LENGTH, GemmaPromptEncoder, load_text_tower
 from runnerkit.weights import (
     CheckpointError,
-    loading_info_problems,
-    own_cpu_memory,
     read_json_object,
-    safetensors_files,
-    safetensors_infos,
 )
 
 GEMMA4_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
@@ -92,23 +86,6 @@ def gemma4_configs(folder: str | Path) -> tuple[transformers.Gemma4UnifiedTextCo
     return config.get_text_config(), placeholders
 
 
-def check_gemma4_fits_connectors(text_config: transformers.Gemma4UnifiedTextConfig,
-                                 connectors: LTX2ConnectorsArch, folder: str | Path) -> None:
-    """Refuse a Gemma-4 whose stacked hidden states do not fit the connectors' input projections.
-
-    Raises:
-        CheckpointError: naming `folder` and both numbers: `hidden_size` != `caption_channels`, or
-            `num_hidden_layers` + 1 != `text_proj_in_factor`.
-    """
-    if text_config.hidden_size != connectors.caption_channels:
-        raise CheckpointError(f"text_encoder: {folder}: Gemma-4 `hidden_size`={text_config.hidden_size} does not fit "
-                              f"the connectors' `caption_channels`={connectors.caption_channels}")
-    if text_config.num_hidden_layers + 1 != connectors.text_proj_in_factor:
-        raise CheckpointError(f"text_encoder: {folder}: Gemma-4 has `num_hidden_layers`={text_config.num_hidden_layers}"
-                              f" (+ 1 embedding output = {text_config.num_hidden_layers + 1} hidden states) but the "
-                              f"connectors stack `text_proj_in_factor`={connectors.text_proj_in_factor}")
-
-
 def load_gemma4_text_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
                              connectors: LTX2ConnectorsArch | None = None) -> transformers.Gemma4UnifiedTextModel:
     """Load the Gemma-4 text model of a transformers folder strictly, without the multimodal embedders.
@@ -116,7 +93,7 @@ def load_gemma4_text_encoder(folder: str | Path, dtype: torch.dtype, device: tor
     Args:
         dtype: weight dtype (the release runs it in bfloat16).
         device: where the model goes (loaded on the CPU first).
-        connectors: when given, the model must fit them (`check_gemma4_fits_connectors`), checked
+        connectors: when given, the model must fit them (`text_encoder.check_fits_connectors`), checked
             before any weight is read.
 
     Returns:
@@ -126,32 +103,9 @@ def load_gemma4_text_encoder(folder: str | Path, dtype: torch.dtype, device: tor
         CheckpointError: naming the folder: no config.json, not Gemma-4 unified, no `*.safetensors`,
             a model that does not fit `connectors`, or missing / unexpected / mismatched keys (listed).
     """
-    start = time.perf_counter()
-    folder = Path(folder)
-    text_config, _ = gemma4_configs(folder)
-    if connectors is not None:
-        check_gemma4_fits_connectors(text_config, connectors, folder)
-    files = safetensors_files(folder, component="text_encoder")
-    if not files:
-        raise CheckpointError(f"text_encoder: Gemma-4 folder {folder} holds no *.safetensors weights")
-    skipped = [k for k in safetensors_infos(files, "text_encoder") if k.startswith(UNUSED_PREFIXES)]
-    try:
-        transformers.utils.logging.disable_progress_bar()
-        model, info = _Gemma4TextTower.from_pretrained(
-            folder, config=text_config, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
-            use_safetensors=True, output_loading_info=True, ignore_mismatched_sizes=True,  # refused below, named
-            key_mapping={"^" + re.escape(prefix): "" for prefix in TEXT_PREFIXES})
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"text_encoder: transformers cannot load {folder}: {exc}") from None
-    problems = loading_info_problems(info)
-    if problems:
-        raise CheckpointError(f"text_encoder: {folder} does not match its Gemma-4 text config; " + "; ".join(problems))
-    model = own_cpu_memory(model.to(device)).eval().requires_grad_(False)
-    gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    logger.info(f"text_encoder: loaded Gemma-4 text model ({text_config.num_hidden_layers} layers, {gib:.3f} GiB, "
-                f"{dtype}, {device}); left {len(skipped)} multimodal tensors unread; "
-                f"{time.perf_counter() - start:.2f} s")
-    return model
+    text_config, _ = gemma4_configs(Path(folder))
+    return load_text_tower(_Gemma4TextTower, Path(folder), text_config, dtype, device, connectors, "Gemma-4",
+                           TEXT_PREFIXES, UNUSED_PREFIXES, "multimodal")
 
 
 class Gemma4PromptEncoder(GemmaPromptEncoder):
@@ -209,5 +163,5 @@ class Gemma4PromptEncoder(GemmaPromptEncoder):
         return ids, mask
 
 
-__all__ = ["GEMMA4_MODEL_TYPES", "Gemma4PromptEncoder", "check_gemma4_fits_connectors", "gemma4_configs",
+__all__ = ["GEMMA4_MODEL_TYPES", "Gemma4PromptEncoder", "gemma4_configs",
            "load_gemma4_text_encoder"]
