@@ -2,7 +2,7 @@
 tanh-GELU feed-forward, in diffusers' key layouts.
 
 Source: diffusers 0.42.1 `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`,
-`TimestepEmbedding` and `FeedForward(activation_fn="gelu-approximate")` (models/embeddings.py,
+`TimestepEmbedding` and `FeedForward(activation_fn="gelu-approximate", bias=...)` (models/embeddings.py,
 models/attention.py), as the LTX-2 transformer, text connectors and video VAE use them.
 """
 
@@ -51,21 +51,23 @@ class TimestepMLP(nn.Module):
 class GELUProj(nn.Module):
     """Holder of `proj` (diffusers `GELU` key layout); the tanh GELU is applied by `FeedForward`."""
 
-    def __init__(self, dim_in: int, dim_out: int) -> None:
+    def __init__(self, dim_in: int, dim_out: int, bias: bool = True) -> None:
         super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
+        self.proj = nn.Linear(dim_in, dim_out, bias=bias)
 
 
 class FeedForward(nn.Module):
     """Linear(dim, 4 dim) -> tanh GELU -> Linear(4 dim, dim), in diffusers' keys `net.0.proj`, `net.2`
     (`net.1` stands where diffusers keeps a no-op Dropout).
 
-    The GELU runs in the first GEMM's epilogue on CUDA (`runnerkit.fused.linear_gelu_tanh`).
+    The GELU runs in the first GEMM's epilogue on CUDA (`runnerkit.fused.linear_gelu_tanh`) when the
+    linears have biases; `bias=False` (LTX-2.5's video FFN: no `net.0.proj.bias`, `net.2.bias`) runs it
+    unfused.
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, bias: bool = True) -> None:
         super().__init__()
-        self.net = nn.ModuleList([GELUProj(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])
+        self.net = nn.ModuleList([GELUProj(dim, 4 * dim, bias), nn.Identity(), nn.Linear(4 * dim, dim, bias=bias)])
 
     def forward(self, x: Tensor) -> Tensor:
         """[..., dim] -> [..., dim]."""

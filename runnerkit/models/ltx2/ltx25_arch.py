@@ -4,15 +4,15 @@ Sources: diffusers' `scripts/convert_ltx2_to_diffusers.py` (version "2.5": `get_
 `convert_ltx2_duration_head`), diffusers 0.42.1's class docstrings, Lightricks' LTX-2 README and
 ltx-core (`encoder_configurator.py`, `duration_head/`), and `google/gemma-4-12B`'s public config.json.
 
-Every size is LTX-2.3's (`LTX25_22B_ARCH` equals `LTX23_22B_ARCH`):
+Every size is LTX-2.3's (`LTX25_22B_ARCH` is `LTX23_22B_ARCH` with the transformer's two LTX-2.5 switches):
 
 - transformer: the same widths and depth (video 32 x 128, audio 32 x 64, 48 blocks, 128 latent
   channels, gated attention, cross-attention AdaLN, `use_prompt_adaln_single` still true). Two
   config switches differ (`LTX25_TRANSFORMER_CHANGES`): the video FFN has no biases (`ff_bias`
   false: 96 fewer tensors, `ff.net.0.proj.bias` [16384] and `ff.net.2.bias` [4096] per block), and
   2.5.1+ files carry `keyframes_abs_pos_embedding` [1, 4096], added after `proj_in` to tokens a
-  `video_keyframes_mask` marks (the plain text/image-to-video path passes none: no effect).
-  `LTX2TransformerArch` refuses both switches until the transformer implements them.
+  `video_keyframes_mask` marks (the plain text/image-to-video path passes none: no effect). Both are
+  `LTX2TransformerArch` fields (`transformer_arch.LTX25_22B`), implemented by the transformer.
 - connectors: the 2.3 layout (per-modality projections, 8 + 8 gated blocks, 128 registers); the input
   width is now read from the Gemma-4 config (`caption_channels` = `hidden_size`, `text_proj_in_factor` =
   `num_hidden_layers` + 1), which for Gemma-4 12B (`GEMMA4_12B_TEXT`) is Gemma-3 12B's 3840 and 48 + 1.
@@ -36,9 +36,11 @@ from typing import Any
 
 from runnerkit.models.ltx2 import arch
 from runnerkit.models.ltx2.duration import LTX25_DURATION_HEAD, LTX2DurationHeadArch
+from runnerkit.models.ltx2.transformer_arch import LTX25_22B
 
-LTX25_22B_ARCH = arch.LTX2Arch(**{name: getattr(arch.LTX23_22B_ARCH, name) for name in arch.COMPONENTS})
-"""LTX-2.5 (22B) sizes: LTX-2.3's in every component (module docstring)."""
+LTX25_22B_ARCH = arch.LTX2Arch(**{name: getattr(arch.LTX23_22B_ARCH, name) for name in arch.COMPONENTS
+                                  if name != "transformer"}, transformer=LTX25_22B)
+"""LTX-2.5 (22B): LTX-2.3's sizes in every component, the transformer with LTX-2.5's switches (module docstring)."""
 LTX25_TRANSFORMER_CHANGES: dict[str, Any] = {"ff_bias": False, "use_keyframes_abs_pos_embedding": True}
 """diffusers `LTX2VideoTransformer3DModel` config keys whose LTX-2.5 value differs from LTX-2.3's."""
 LTX25_DURATION: LTX2DurationHeadArch = LTX25_DURATION_HEAD

@@ -16,7 +16,9 @@ Mapping (ltx-core -> ours):
   `pos_embed_max_pos`, `base_height`, `base_width`; `positional_embedding_theta` -> `rope_theta`;
   `frequencies_precision` "float64" -> `rope_double_precision`; `av_ca_timestep_scale_multiplier` ->
   `cross_attn_timestep_scale_multiplier`; `apply_gated_attention` -> both streams' `*gated_attn`;
-  `cross_attention_adaln` -> both streams' `*cross_attn_mod`. The same section carries the text
+  `cross_attention_adaln` -> both streams' `*cross_attn_mod`; LTX-2.5's two switches keep their
+  names: `ff_bias` (false: the video FFN without biases) and `use_keyframes_abs_pos_embedding`, with
+  ltx-core's defaults (true, false; `LTXModelConfigurator`). The same section carries the text
   connectors (`connector_*`, `audio_connector_*`, `connector_apply_gated_attention`) and the text
   projection switch: ltx-core's four keys `caption_proj_before_connector` true and
   `caption_proj_input_norm`, `caption_projection_first_linear`, `caption_projection_second_linear` false
@@ -57,9 +59,8 @@ Not carried by the ltx-core config, so taken elsewhere:
   `apply_final_activation` defaults to true for that generator), a difference only for samples past 1.
 
 Refused: a key no reader knows (ValueError naming it), and a known key whose value no release uses
-(NotImplementedError naming key and value): LTX-2.5's `ff_bias`, `audio_ff_bias`,
-`connector_ff_bias` false, `use_prompt_adaln_single` false, `use_keyframes_abs_pos_embedding`, a
-`duration_head` section, the diffusion VAE decoder (`CausalDiffusionVAE`), and any switch ltx-core
+(NotImplementedError naming key and value): `audio_ff_bias`, `connector_ff_bias` and
+`use_prompt_adaln_single` false (ltx-core knows them, no release sets them), a `duration_head` section, the diffusion VAE decoder (`CausalDiffusionVAE`), and any switch ltx-core
 itself refuses (`check_config_value`).
 """
 
@@ -176,9 +177,9 @@ _TRANSFORMER_FIXED: dict[str, Any] = {
     "share_ff": False, "av_cross_ada_norm": True, "use_middle_indices_grid": True, "attention_type": "default",
     "causal_temporal_positioning": True, "use_embeddings_connector": True, "connector_norm_output": True,
 }
-_LTX25 = {"ff_bias": True, "audio_ff_bias": True, "connector_ff_bias": True, "use_prompt_adaln_single": True,
-          "use_keyframes_abs_pos_embedding": False}
-"""LTX-2.5 switches (ltx-core defaults keep the LTX-2 / 2.3 networks)."""
+_UNRELEASED = {"audio_ff_bias": True, "connector_ff_bias": True, "use_prompt_adaln_single": True}
+"""ltx-core switches whose other value no release uses (LTX-2.5 keeps these defaults: diffusers'
+`convert_ltx2_to_diffusers.py` "2.5" configs), so they are not implemented."""
 _V2_PROJECTION = {"caption_proj_before_connector": True, "caption_projection_first_linear": False,
                   "caption_proj_input_norm": False, "caption_projection_second_linear": False}
 """ltx-core `_V2_EXPECTED_CONFIG`: all four -> LTX-2.3's per-modality text projection; none -> LTX-2.0's."""
@@ -207,8 +208,10 @@ def _projection(t: _Section) -> bool:
 
 
 def _transformer(t: _Section, vae: va.LTX2VideoVAEArch, audio: aa.LTX2AudioVAEArch) -> ta.LTX2TransformerArch:
-    for key, value in {**_TRANSFORMER_FIXED, **_LTX25}.items():
+    for key, value in _TRANSFORMER_FIXED.items():
         t.supported(key, value)
+    for key, value in _UNRELEASED.items():
+        t.supported(key, value, " (so does LTX-2.5; no release uses another value)")
     t.ignore("_diffusers_version", "norm_num_groups")  # unused by any layer
     frames, height, width = t.integers("positional_embedding_max_pos", [20, 2048, 2048], length=3)
     (audio_frames,) = t.integers("audio_positional_embedding_max_pos", [20], length=1)
@@ -231,7 +234,8 @@ def _transformer(t: _Section, vae: va.LTX2VideoVAEArch, audio: aa.LTX2AudioVAEAr
         vae_scale_factors=(vae.temporal_compression, vae.spatial_compression, vae.spatial_compression),
         audio_sampling_rate=audio.sample_rate, audio_hop_length=audio.mel_hop_length,
         audio_scale_factor=aa.LATENT_DOWNSAMPLE, causal_offset=1, patch_size=1, patch_size_t=1,
-        audio_patch_size=1, audio_patch_size_t=1)
+        audio_patch_size=1, audio_patch_size_t=1, ff_bias=t.flag("ff_bias", True),
+        use_keyframes_abs_pos_embedding=t.flag("use_keyframes_abs_pos_embedding", False))
 
 
 def _connectors(t: _Section, transformer: ta.LTX2TransformerArch,
@@ -451,7 +455,8 @@ def arch_from_release_config(config: dict[str, Any], upsampler: up.LTX2LatentUps
 
     Raises:
         ValueError: a missing section, an unknown key or a value of the wrong type, naming the key.
-        NotImplementedError: a known key with a value no release uses (LTX-2.5 features), naming key and value.
+        NotImplementedError: a known key with a value no release uses, or an LTX-2.5 part not covered here
+            (a `duration_head` section), naming key and value.
     """
     top = _Section(config, "config")
     if "duration_head" in config:

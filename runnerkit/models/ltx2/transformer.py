@@ -1,4 +1,4 @@
-"""LTX-2 / LTX-2.3 audio+video diffusion transformer, in diffusers' key names.
+"""LTX-2 / LTX-2.3 / LTX-2.5 audio+video diffusion transformer, in diffusers' key names.
 
 Design and numerics follow diffusers 0.42.1 `LTX2VideoTransformer3DModel`
 (models/transformers/transformer_ltx2.py; Lightricks LTX-2, ltx-core `LTXModel`): two token
@@ -10,10 +10,14 @@ timestep 0). LTX-2.0 projects the text with caption projections here; LTX-2.3 re
 connector-projected text, gates every attention per head, and modulates its text attention with
 sigma (`prompt_adaln`). See `transformer_arch.py` for the switches.
 
-Not covered: LTX-2.5 (its Gemma-4 text encoder, the transformer's keyframe absolute-position
-embedding, bias-free video FFN and static prompt modulation; `from_diffusers_config` refuses
-those configs), the duration head, the diffusion decoder and DFR (separate networks and
-pipelines); the guidance inputs of the non-distilled pipelines: STG (`perturbed_attn` runs
+LTX-2.5's transformer is LTX-2.3's with a bias-free video FFN and (2.5.1+) a learned keyframe
+embedding: `keyframes_abs_pos_embedding` [1, D], added after `proj_in` to the video tokens that
+`video_keyframes_mask` marks (tokens whose latent frame encodes a single pixel frame: the causal
+first frame, generated keyframe slots). The text/image-to-video path passes no mask, so the
+parameter is loaded and kept but has no effect there.
+
+Not covered: a static prompt modulation (`use_prompt_adaln_single` false, no release uses it;
+`from_diffusers_config` refuses it), DFR and keyframe-slot pipelines; the guidance inputs of the non-distilled pipelines: STG (`perturbed_attn` runs
 without perturbation), modality isolation, IC-LoRA video self-attention masks.
 
 State-dict keys and shapes are exactly diffusers': a diffusers-layout checkpoint loads with
@@ -121,7 +125,7 @@ def unpack_audio_latents(tokens: Tensor, mel_bins: int) -> Tensor:
 
 
 class LTX2Transformer(nn.Module):
-    """diffusers `LTX2VideoTransformer3DModel` (LTX-2.0 or LTX-2.3 after `arch`), same state-dict keys."""
+    """diffusers `LTX2VideoTransformer3DModel` (LTX-2.0, 2.3 or 2.5 after `arch`), same state-dict keys."""
 
     STREAM_SPEC: ClassVar[StreamSpec] = StreamSpec(
         blocks_attr="transformer_blocks",
@@ -152,6 +156,8 @@ class LTX2Transformer(nn.Module):
         if arch.prompt_modulation:
             self.prompt_adaln = AdaLNSingle(dim, 2)
             self.audio_prompt_adaln = AdaLNSingle(adim, 2)
+        if arch.use_keyframes_abs_pos_embedding:  # LTX-2.5.1+: zeros until loaded, as in the reference
+            self.keyframes_abs_pos_embedding = nn.Parameter(torch.zeros(1, dim))
         self.transformer_blocks = nn.ModuleList([LTX2Block(arch) for _ in range(arch.num_layers)])
         self.proj_out = nn.Linear(dim, arch.out_channels)
         self.audio_proj_out = nn.Linear(adim, arch.audio_out_channels)
@@ -243,7 +249,7 @@ class LTX2Transformer(nn.Module):
               audio_encoder_hidden_states: Tensor, timestep: Tensor, audio_timestep: Tensor | None,
               sigma: Tensor | None, audio_sigma: Tensor | None, encoder_attention_mask: Tensor | None,
               audio_encoder_attention_mask: Tensor | None, grid: tuple[int, int, int], audio_frames: int,
-              fps: float, use_cross_timestep: bool) -> LTX2Embedded:
+              fps: float, use_cross_timestep: bool, video_keyframes_mask: Tensor | None = None) -> LTX2Embedded:
         """Project the tokens and text, embed the timesteps, build masks and RoPE (see `forward`)."""
         self.check_inputs(hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
                           timestep, audio_timestep, sigma, (encoder_attention_mask, audio_encoder_attention_mask),
@@ -252,7 +258,7 @@ class LTX2Transformer(nn.Module):
         B = hidden_states.shape[0]
         audio_timestep = timestep if audio_timestep is None else audio_timestep
         audio_sigma = sigma if audio_sigma is None else audio_sigma
-        video = self.proj_in(hidden_states)  # [B, Lv, D]
+        video = self.add_keyframes_embedding(self.proj_in(hidden_states), video_keyframes_mask)  # [B, Lv, D]
         audio = self.audio_proj_in(audio_hidden_states)  # [B, La, Da]
 
         temb, embedded = self.time_embed(timestep, B)  # [B, Tv, rows*D], [B, Tv, D]
@@ -290,6 +296,20 @@ class LTX2Transformer(nn.Module):
             additive(encoder_attention_mask, video.dtype), additive(audio_encoder_attention_mask, audio.dtype),
             embedded, audio_embedded)
 
+    def add_keyframes_embedding(self, video: Tensor, mask: Tensor | None) -> Tensor:
+        """Add `keyframes_abs_pos_embedding` [1, D] to the projected video tokens [B, Lv, D] where `mask`
+        [B, Lv, 1] is > 0; unchanged when `mask` is None or the model has no embedding (pre-2.5.1 arch:
+        the mask is ignored, as in the reference).
+
+        Raises: ValueError when the mask is not [B, Lv, 1]."""
+        if mask is None or not self.arch.use_keyframes_abs_pos_embedding:
+            return video
+        if mask.shape != (*video.shape[:2], 1):
+            raise ValueError(f"`video_keyframes_mask` must be [B, Lv, 1] = {(*video.shape[:2], 1)}, "
+                             f"got {tuple(mask.shape)}")
+        marker = (mask > 0).to(video.dtype)
+        return video + marker * self.keyframes_abs_pos_embedding.to(video.dtype)
+
     def head(self, video: Tensor, audio: Tensor, embedded: Tensor, audio_embedded: Tensor) -> tuple[Tensor, Tensor]:
         """Output layer: LayerNorm, AdaLN (shift, scale) from the timestep embedding, Linear, per stream."""
         outs = []
@@ -306,7 +326,8 @@ class LTX2Transformer(nn.Module):
                 audio_num_frames: int, fps: float = 24.0, audio_timestep: Tensor | None = None,
                 sigma: Tensor | None = None, audio_sigma: Tensor | None = None,
                 encoder_attention_mask: Tensor | None = None, audio_encoder_attention_mask: Tensor | None = None,
-                use_cross_timestep: bool | None = None) -> tuple[Tensor, Tensor]:
+                use_cross_timestep: bool | None = None,
+                video_keyframes_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Predict the video and audio velocities of one denoising step.
 
         Args:
@@ -329,6 +350,9 @@ class LTX2Transformer(nn.Module):
             use_cross_timestep: audio<->video AdaLN from the other stream's sigma (True) or from each
                 stream's own timestep (False); None: the checkpoint's version (`arch.cross_timestep`: LTX-2.3
                 True, LTX-2.0 False, diffusers' legacy path).
+            video_keyframes_mask: [B, Lv, 1], > 0 on the video tokens that receive the learned
+                `keyframes_abs_pos_embedding` (LTX-2.5.1+; tokens whose latent frame is a single pixel frame);
+                None (the t2av/i2av runner path): no token marked. Ignored by a model without the embedding.
 
         Returns:
             (video [B, Lv, out_channels], audio [B, La, audio_out_channels]) in the weights' dtype.
@@ -336,14 +360,15 @@ class LTX2Transformer(nn.Module):
         Raises:
             ValueError: an input shape does not fit (the message names the argument).
 
-        Source: diffusers 0.42.1 `LTX2VideoTransformer3DModel.forward`.
+        Source: diffusers 0.42.1 `LTX2VideoTransformer3DModel.forward`; the keyframe marker as ltx-core's
+        `apply_keyframes_absolute_embedding` (github Lightricks/LTX-2 @ 400fd31, `transformer_args.py`).
         """
         if use_cross_timestep is None:
             use_cross_timestep = self.arch.cross_timestep
         pre = self.embed(hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
                          timestep, audio_timestep, sigma, audio_sigma, encoder_attention_mask,
                          audio_encoder_attention_mask, (num_frames, height, width), audio_num_frames, fps,
-                         use_cross_timestep)
+                         use_cross_timestep, video_keyframes_mask)
         video, audio = pre.video, pre.audio
         inputs = pre.block_inputs()
         for block in self.transformer_blocks:

@@ -14,11 +14,17 @@ values come from diffusers' conversion script (`scripts/convert_ltx2_to_diffuser
 - `use_prompt_embeddings` false: the caption projections moved into the text connectors;
 - `perturbed_attn` true: diffusers' STG-capable attention processor (no weights of its own).
 
-Not covered (refused by `from_diffusers_config` with NotImplementedError): LTX-2.5's video FFN
-without bias (`ff_bias` false), its keyframe absolute-position embedding
-(`use_keyframes_abs_pos_embedding`) and its timestep-independent prompt modulation
-(`use_prompt_adaln_single` false); non-default activation, q/k norm, affine block norms or
-attention biases, which no release uses.
+LTX-2.5 (diffusers' "2.5" conversion config) keeps every 2.3 switch and adds two:
+
+- `ff_bias` false: the video FFN's two linears have no bias (`ff.net.0.proj.bias`, `ff.net.2.bias` gone);
+- `use_keyframes_abs_pos_embedding` (2.5.1+ files): one learned [1, video width] vector,
+  `keyframes_abs_pos_embedding`, added after `proj_in` to the video tokens a keyframe mask marks
+  (`LTX2Transformer.forward`'s `video_keyframes_mask`); without a mask it has no effect.
+
+Not covered (refused by `from_diffusers_config` with NotImplementedError), as no release uses them:
+`audio_ff_bias` false (LTX-2.5 keeps the audio FFN's biases), a timestep-independent prompt
+modulation (`use_prompt_adaln_single` false), non-default activation, q/k norm, affine block norms
+or attention biases.
 """
 
 from __future__ import annotations
@@ -86,13 +92,16 @@ class LTX2TransformerArch(BaseModel):
         False, description="Caption projections in the transformer (LTX-2.0); LTX-2.3 projects in the connectors.")
     perturbed_attn: bool = Field(
         True, description="diffusers' STG attention processor (LTX-2.3); no weights, and `forward` runs without STG.")
+    ff_bias: bool = Field(True, description="Biases on the video FFN's two linears (LTX-2.5: false).")
+    use_keyframes_abs_pos_embedding: bool = Field(
+        False, description="A learned [1, video width] `keyframes_abs_pos_embedding` added after `proj_in` to the "
+        "tokens a keyframe mask marks (LTX-2.5.1+).")
 
     FIXED: ClassVar[dict[str, Any]] = {
         "activation_fn": "gelu-approximate", "qk_norm": "rms_norm_across_heads", "norm_elementwise_affine": False,
-        "attention_bias": True, "attention_out_bias": True, "ff_bias": True, "audio_ff_bias": True,
-        "use_prompt_adaln_single": True, "use_keyframes_abs_pos_embedding": False,
+        "attention_bias": True, "attention_out_bias": True, "audio_ff_bias": True, "use_prompt_adaln_single": True,
     }
-    """diffusers config keys with the one value both releases use and this module implements."""
+    """diffusers config keys with the one value every release (2.0, 2.3, 2.5) uses and this module implements."""
 
     @property
     def inner_dim(self) -> int:
@@ -138,7 +147,7 @@ class LTX2TransformerArch(BaseModel):
         Keys starting with "_" (class name, version) are ignored; diffusers defaults fill missing keys.
 
         Raises:
-            NotImplementedError: a key of `FIXED` with another value (an LTX-2.5 or unreleased variant).
+            NotImplementedError: a key of `FIXED` with another value (a variant no release uses).
             ValueError (pydantic ValidationError): an unknown key or a bad value.
         """
         fields = {k: v for k, v in config.items() if not k.startswith("_")}
@@ -146,8 +155,8 @@ class LTX2TransformerArch(BaseModel):
             if key in fields:
                 value = fields.pop(key)
                 if value != supported:
-                    raise NotImplementedError(f"transformer config `{key}`={value!r} is not supported (LTX-2.0 and "
-                                              f"LTX-2.3 use {supported!r}; LTX-2.5 features are not covered)")
+                    raise NotImplementedError(f"transformer config `{key}`={value!r} is not supported (LTX-2.0, "
+                                              f"2.3 and 2.5 use {supported!r}; no release uses another value)")
         # diffusers' own defaults (not ours) for keys a config leaves out
         defaults = {"gated_attn": False, "cross_attn_mod": False, "audio_gated_attn": False,
                     "audio_cross_attn_mod": False, "rope_type": "interleaved", "use_prompt_embeddings": True,
@@ -166,15 +175,20 @@ LTX2_19B = LTX2TransformerArch(gated_attn=False, cross_attn_mod=False, audio_gat
 """LTX-2 (19B) transformer (`Lightricks/LTX-2`): no gates, 6-row AdaLN, caption projections inside."""
 LTX23_22B = LTX2TransformerArch()
 """LTX-2.3 (22B) transformer (`Lightricks/LTX-2.3`): the class defaults."""
+LTX25_22B = LTX2TransformerArch(ff_bias=False, use_keyframes_abs_pos_embedding=True)
+"""LTX-2.5 (22B) transformer (`Lightricks/LTX-2.5`, 2.5.1+ files): LTX-2.3's, video FFN without biases, with the
+keyframe embedding."""
+SWITCHES = ("gated_attn", "cross_attn_mod", "audio_gated_attn", "audio_cross_attn_mod", "use_prompt_embeddings",
+            "perturbed_attn", "ff_bias", "use_keyframes_abs_pos_embedding")
+"""The fields that tell the releases apart (the rest are sizes, equal in all three)."""
 
 
-def tiny_arch(version: Literal["2.0", "2.3"], **overrides: Any) -> LTX2TransformerArch:
+def tiny_arch(version: Literal["2.0", "2.3", "2.5"], **overrides: Any) -> LTX2TransformerArch:
     """A tiny transformer with the switches of `version` (tests, synthetic checkpoints): video 4 heads x 4,
     audio 2 heads x 4 (so the video side of the audio<->video RoPE groups channels by 4, its attention by 2,
     as happens whenever the head counts differ), 2 blocks, 4 latent channels, caption width 16."""
-    release = LTX2_19B if version == "2.0" else LTX23_22B
-    switches = {k: getattr(release, k) for k in ("gated_attn", "cross_attn_mod", "audio_gated_attn",
-                                                 "audio_cross_attn_mod", "use_prompt_embeddings", "perturbed_attn")}
+    release = {"2.0": LTX2_19B, "2.3": LTX23_22B, "2.5": LTX25_22B}[version]
+    switches = {k: getattr(release, k) for k in SWITCHES}
     sizes = {"in_channels": 4, "out_channels": 4, "num_attention_heads": 4, "attention_head_dim": 4,
              "cross_attention_dim": 16, "audio_in_channels": 4, "audio_out_channels": 4,
              "audio_num_attention_heads": 2, "audio_attention_head_dim": 4, "audio_cross_attention_dim": 8,

@@ -7,7 +7,8 @@ sublayer input is an RMSNorm (no affine) modulated by AdaLN rows: the block's le
 per-token (or per-sample) projection of the timestep embedding, as in PixArt-alpha's adaLN-single.
 
 LTX-2.3 adds per-head output gates (`to_gate_logits`) and AdaLN on the text cross-attention: three
-more rows (query shift/scale/gate) and a sigma-driven shift/scale of the text keys/values.
+more rows (query shift/scale/gate) and a sigma-driven shift/scale of the text keys/values. LTX-2.5
+drops the video FFN's biases (`ff_bias` false).
 
 Numerics follow diffusers: everything in the activation dtype (the weights'), RMSNorm statistics
 and RoPE in float32. Text masks are additive (-10000 on padded keys), as diffusers applies them.
@@ -146,7 +147,7 @@ class LTX2Block(nn.Module):
         # audio<->video attention at the audio width: a2v queries from video, v2a queries from audio
         self.audio_to_video_attn = LTX2Attention(dim, aheads, ahead_dim, eps, kv_dim=adim, gated=arch.gated_attn)
         self.video_to_audio_attn = LTX2Attention(adim, aheads, ahead_dim, eps, kv_dim=dim, gated=arch.audio_gated_attn)
-        self.ff = FeedForward(dim)
+        self.ff = FeedForward(dim, bias=arch.ff_bias)  # LTX-2.5: no biases
         self.audio_ff = FeedForward(adim)
         # Rows: shift, scale, gate (self-attention); shift, scale, gate (FFN);
         # LTX-2.3 adds shift, scale, gate (text cross-attention query)

@@ -17,6 +17,11 @@ differ from diffusers' (which this package uses) by whole-word renames:
     scale_shift_table_a2v_ca_audio -> audio_a2v_cross_attn_scale_shift_table
     prompt_adaln_single -> prompt_adaln (LTX-2.3; also audio_)     q_norm -> norm_q, k_norm -> norm_k
 
+LTX-2.5 adds no rename: its keyframe embedding is `keyframes_abs_pos_embedding` in both layouts
+(`model.diffusion_model.keyframes_abs_pos_embedding` [1, 4096] in the file; ltx-core `LTXModel` and
+diffusers use the same attribute name), and its bias-free video FFN just lacks `ff.net.0.proj.bias`
+and `ff.net.2.bias`.
+
 Source: diffusers `scripts/convert_ltx2_to_diffusers.py` (LTX_2_0 / LTX_2_3 rename dicts) and
 0.42.1 `loaders/single_file_utils.py` (`convert_ltx2_transformer_to_diffusers`, which lacks the
 LTX-2.3 prompt_adaln renames).

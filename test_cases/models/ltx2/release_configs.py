@@ -1,4 +1,4 @@
-"""The `config` metadata of Lightricks' LTX-2 (19B) and LTX-2.3 (22B) single files, written out by hand.
+"""The `config` metadata of Lightricks' LTX-2 (19B), LTX-2.3 (22B) and LTX-2.5 files, written out by hand.
 
 Test data, independent of runnerkit's mapping (release_config.py). Sources (the release files
 themselves are not in this repository):
@@ -15,6 +15,12 @@ themselves are not in this repository):
   `guess_config`) and ltx-core's own VAE test use for this 32x/8x VAE, and the values of diffusers'
   `scripts/convert_ltx2_to_diffusers.py` ("2.0"); the audio VAE is the 2.3 one (diffusers: "Same config
   as LTX-2.0").
+- LTX-2.5 (`diffusion_models/ltx-2.5-22b-*-transformer-bf16.safetensors`): no verbatim dump was found. The
+  `transformer` section is 2.3's plus the four switches ltx-core's `LTXModelConfigurator` reads for 2.5
+  (github Lightricks/LTX-2 @ 400fd31: `ff_bias`, `audio_ff_bias`, `use_prompt_adaln_single`,
+  `use_keyframes_abs_pos_embedding`), valued as diffusers' `convert_ltx2_to_diffusers.py` "2.5" config and
+  public third-party loaders' tests of 2.5 metadata have them (ff_bias false, the others true). The other
+  sections are 2.3's (the conv VAE: `ltx-2.5-video-vae-conv-bf16.safetensors` has 2.3's sizes).
 - upsampler files: the keys ltx-core's `LatentUpsamplerConfigurator` reads (the set ComfyUI's
   `LatentUpsampler.config()` writes), values from diffusers' `get_ltx2_spatial_latent_upsampler_config`.
 """
@@ -98,6 +104,12 @@ LTX23_22B_CONFIG: dict[str, Any] = {
                 "hop_length": 80, "n_fft": 512, "win_size": 512, "num_mels": 64}},
 }
 
+LTX25_SWITCHES: dict[str, Any] = {"ff_bias": False, "audio_ff_bias": True, "use_prompt_adaln_single": True,
+                                   "use_keyframes_abs_pos_embedding": True}
+"""The transformer keys of a 2.5 file's `config` that 2.3's lacks."""
+LTX25_22B_CONFIG: dict[str, Any] = {**copy.deepcopy(LTX23_22B_CONFIG),
+                                    "transformer": {**LTX23_22B_CONFIG["transformer"], **LTX25_SWITCHES}}
+
 LTX2_19B_CONFIG: dict[str, Any] = {
     "transformer": {**_TRANSFORMER_COMMON, "_diffusers_version": "0.25.1", "connector_num_attention_heads": 30,
                     "connector_num_layers": 2},
@@ -137,10 +149,10 @@ GEMMA3_12B_CONFIG = {"architectures": ["Gemma3ForConditionalGeneration"], "model
 
 
 def tiny_release_config(version: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The release config of `version` at the tiny sizes of `tiny_ltx2_arch` (2.3: with the connectors
+    """The release config of `version` at the tiny sizes of `tiny_ltx2_arch` (2.3, 2.5: with the connectors
     chained to the transformer's widths, which a release config cannot express otherwise), and its upsampler's."""
-    latest = version == "2.3"
-    config = copy.deepcopy(LTX23_22B_CONFIG if latest else LTX2_19B_CONFIG)
+    latest = version in ("2.3", "2.5")
+    config = copy.deepcopy({"2.0": LTX2_19B_CONFIG, "2.3": LTX23_22B_CONFIG, "2.5": LTX25_22B_CONFIG}[version])
     config["transformer"].update({
         "in_channels": 4, "out_channels": 4, "num_attention_heads": 4, "attention_head_dim": 4,
         "cross_attention_dim": 16, "audio_in_channels": 4, "audio_out_channels": 4, "audio_num_attention_heads": 2,

@@ -176,6 +176,24 @@ def test_single_file_uses_release_names(written: tuple[LTX2Arch, Path, Path]) ->
     assert [k for k in expected if k not in keys] == []
 
 
+def test_ltx25_transformer_single_file_round_trips(tmp_path: Path) -> None:
+    """The synthetic writer gives an LTX-2.5 transformer its key set (no video FFN biases, the audio FFN's kept,
+    the keyframe embedding under the single-file prefix, as ltx-core names it); the file's own config reads back
+    the switches and the transformer loads strictly with the drawn values."""
+    arch = tiny_ltx2_arch("2.3").model_copy(update={"transformer": tiny_arch("2.5")})
+    ckpt = _single(write_synthetic_ltx2(arch, tmp_path / "single", SEED, torch.float32, "single_file"))
+    assert ckpt.arch == arch
+    keys = set(safetensors_infos([ckpt.path], "test"))
+    dm = "model.diffusion_model."
+    assert {f"{dm}keyframes_abs_pos_embedding", f"{dm}transformer_blocks.1.ff.net.0.proj.weight",
+            f"{dm}transformer_blocks.1.audio_ff.net.2.bias"} <= keys
+    assert not {k for k in keys if k.startswith(f"{dm}transformer_blocks.") and ".ff.net." in k and k.endswith("bias")}
+    loaded = ckpt.load("transformer").state_dict()
+    drawn = synthetic_state_dict(arch, "transformer", SEED, torch.float32)
+    assert list(loaded) == list(drawn) and all(torch.equal(loaded[k], v) for k, v in drawn.items())
+    assert loaded["keyframes_abs_pos_embedding"].shape == (1, 16)
+
+
 def test_tiny_gemma_feeds_the_connectors(written: tuple[LTX2Arch, Path, Path]) -> None:
     from transformers import Gemma3TextModel
 

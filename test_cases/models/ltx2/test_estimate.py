@@ -23,6 +23,7 @@ from runnerkit.config import load_runner_config
 from runnerkit.models.ltx2 import estimate as est
 from runnerkit.models.ltx2.arch import LTX23_22B_ARCH, tiny_pipeline_arch
 from runnerkit.models.ltx2.estimate_decoders import vae_decode_bytes
+from runnerkit.models.ltx2.ltx25_arch import LTX25_22B_ARCH
 from runnerkit.models.ltx2.runner import LTX2Runner
 from runnerkit.models.ltx2.transformer import LTX2Transformer
 from runnerkit.models.ltx2.transformer_arch import tiny_arch
@@ -64,6 +65,18 @@ def test_release_parameter_counts() -> None:
     assert count("vae") == PARAMS_22B["vae"] and count("latent_upsampler") == PARAMS_22B["latent_upsampler"]
     assert count("audio_vae") + count("vocoder") == PARAMS_22B["audio_decoder"]
     assert est.gemma_parameters(GEMMA_12B) == PARAMS_22B["text_encoder"]
+
+
+def test_ltx25_transformer_weights_follow_its_switches() -> None:
+    """LTX-2.5's transformer weights: 2.3's count less the video FFN biases of 48 blocks ([16384] + [4096] each)
+    plus the [1, 4096] keyframe embedding (outside the blocks)."""
+    params = PARAMS_22B["transformer"] - 48 * (16384 + 4096) + 4096
+    assert params == 18_987_859_200
+    offload = load_runner_config(None, {"model_cls": "ltx2", "model_path": "/x"}).offload
+    weights = est.footprints(LTX25_22B_ARCH, tuple(GEMMA_12B.items()), torch.bfloat16, offload)["transformer"]
+    assert weights.weight_bytes == 2 * params
+    blocks = est._meta("transformer", LTX25_22B_ARCH).transformer_blocks
+    assert sum(p.numel() for p in blocks.parameters()) == BLOCKS_22B - 48 * (16384 + 4096)
 
 
 def test_gemma_sizes_come_from_the_release_folder_config(tmp_path: Path) -> None:

@@ -22,6 +22,8 @@ from runnerkit.models.ltx2 import connectors_arch as ca
 from runnerkit.models.ltx2.release_config import arch_from_single_file_config
 from runnerkit.models.ltx2.arch import COMPONENTS, LTX2_19B_ARCH, LTX23_22B_ARCH, LTX2Arch, tiny_ltx2_arch
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
+from runnerkit.models.ltx2.ltx25_arch import LTX25_22B_ARCH
+from runnerkit.models.ltx2.transformer_arch import tiny_arch
 from runnerkit.models.ltx2.checkpoint_synthetic import GEMMA_VOCAB, SINGLE_FILE, UPSAMPLER_FILE, _write_single_file
 from runnerkit.weights import CheckpointError
 from test_cases.models.ltx2.release_configs import (
@@ -30,11 +32,13 @@ from test_cases.models.ltx2.release_configs import (
     LTX2_UPSAMPLER_CONFIG,
     LTX23_22B_CONFIG,
     LTX23_UPSAMPLER_CONFIG,
+    LTX25_22B_CONFIG,
     tiny_release_config,
 )
 
 RELEASES = {"19B": (LTX2_19B_CONFIG, LTX2_UPSAMPLER_CONFIG, LTX2_19B_ARCH),
-            "22B": (LTX23_22B_CONFIG, LTX23_UPSAMPLER_CONFIG, LTX23_22B_ARCH)}
+            "22B": (LTX23_22B_CONFIG, LTX23_UPSAMPLER_CONFIG, LTX23_22B_ARCH),
+            "2.5-22B": (LTX25_22B_CONFIG, LTX23_UPSAMPLER_CONFIG, LTX25_22B_ARCH)}
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -44,11 +48,14 @@ def test_release_config_maps_to_the_release_arch(release: str, gemma: dict | Non
     arch = arch_from_single_file_config(copy.deepcopy(config), dict(upsampler), "test", gemma)
     for component in COMPONENTS:  # field for field, so a failure shows the differing fields
         assert getattr(arch, component).model_dump() == getattr(expected, component).model_dump(), component
-    assert arch == expected and arch.version == ("2.3" if release == "22B" else "2.0")
+    assert arch == expected and arch.version == ("2.0" if release == "19B" else "2.3")
 
 
 def _tiny_arch(version: str) -> LTX2Arch:
-    """tiny_ltx2_arch, with 2.3's video connector as wide as the transformer (ltx-core sizes it so)."""
+    """tiny_ltx2_arch, with 2.3's video connector as wide as the transformer (ltx-core sizes it so); 2.5: 2.3's
+    with the transformer's 2.5 switches."""
+    if version == "2.5":
+        return _tiny_arch("2.3").model_copy(update={"transformer": tiny_arch("2.5")})
     arch = tiny_ltx2_arch(version)
     if version == "2.0":
         return arch
@@ -82,7 +89,7 @@ def _release_like(arch: LTX2Arch, version: str, folder: Path, edit: dict[str, An
     return folder
 
 
-@pytest.mark.parametrize("version", ["2.0", "2.3"])
+@pytest.mark.parametrize("version", ["2.0", "2.3", "2.5"])
 def test_tiny_single_file_with_release_metadata_opens_without_arch(version: str, tmp_path: Path) -> None:
     """A file laid out like a release (ltx-core metadata, Gemma folder next to it) opens without `arch`:
     the connectors' input comes from the Gemma config, and every network loads strictly from the file."""
@@ -118,9 +125,11 @@ def _edit(path: str, value: Any) -> dict[str, Any]:
     ("transformer.frequencies_precision", "float16", ValueError, r"`config\.transformer\.frequencies_precision`="
                                                                 r"'float16'"),
     ("transformer.num_layers", "48", ValueError, r"`config\.transformer\.num_layers`='48'"),
-    ("transformer.ff_bias", False, NotImplementedError, r"`config\.transformer\.ff_bias`=False"),
-    ("transformer.use_keyframes_abs_pos_embedding", True, NotImplementedError,
-     r"use_keyframes_abs_pos_embedding`=True"),
+    ("transformer.ff_bias", "false", ValueError, r"`config\.transformer\.ff_bias`='false': expected true or false"),
+    ("transformer.use_keyframes_abs_pos_embedding", 1, ValueError, r"use_keyframes_abs_pos_embedding`=1: expected"),
+    ("transformer.audio_ff_bias", False, NotImplementedError,
+     r"`config\.transformer\.audio_ff_bias`=False .*so does LTX-2\.5"),
+    ("transformer.connector_ff_bias", False, NotImplementedError, r"`config\.transformer\.connector_ff_bias`=False"),
     ("transformer.use_prompt_adaln_single", False, NotImplementedError, r"use_prompt_adaln_single`=False"),
     ("transformer.caption_proj_input_norm", None, NotImplementedError, r"missing \['caption_proj_input_norm'\]"),
     ("transformer.qk_norm", "layer_norm", NotImplementedError, r"`config\.transformer\.qk_norm`='layer_norm'"),
@@ -159,6 +168,6 @@ def test_upsampler_and_text_encoder_errors_are_named() -> None:
 
 
 def test_checkpoint_error_names_key_and_file(tmp_path: Path) -> None:
-    out = _release_like(_tiny_arch("2.3"), "2.3", tmp_path / "ckpt", {"ff_bias": False})
-    with pytest.raises(CheckpointError, match=rf"(?s){out / SINGLE_FILE}.*`config\.transformer\.ff_bias`=False"):
+    out = _release_like(_tiny_arch("2.3"), "2.3", tmp_path / "ckpt", {"audio_ff_bias": False})
+    with pytest.raises(CheckpointError, match=rf"(?s){out / SINGLE_FILE}.*`config\.transformer\.audio_ff_bias`=False"):
         LTX2Checkpoint.open(out / SINGLE_FILE, out / UPSAMPLER_FILE, out / "text_encoder")

@@ -231,10 +231,10 @@ def test_release_rope_tables_match_diffusers(release: LTX2TransformerArch) -> No
 
 
 def test_from_diffusers_config_refuses_uncovered_switches() -> None:
-    config = {"_class_name": "LTX2VideoTransformer3DModel", **tiny_arch("2.3").model_dump(), "ff_bias": True}
+    config = {"_class_name": "LTX2VideoTransformer3DModel", **tiny_arch("2.3").model_dump(), "audio_ff_bias": True}
     assert LTX2TransformerArch.from_diffusers_config(config) == tiny_arch("2.3")
-    for key, value in (("ff_bias", False), ("use_keyframes_abs_pos_embedding", True),
-                       ("use_prompt_adaln_single", False), ("norm_elementwise_affine", True)):
+    for key, value in (("audio_ff_bias", False), ("use_prompt_adaln_single", False),
+                       ("norm_elementwise_affine", True)):
         with pytest.raises(NotImplementedError, match=f"`{key}`"):
             LTX2TransformerArch.from_diffusers_config({**config, key: value})
     with pytest.raises(ValueError, match="no_such_key"):
