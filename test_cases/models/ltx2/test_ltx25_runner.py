@@ -1,0 +1,158 @@
+"""The LTX-2.5 runner on its tiny CPU config (configs/ltx2/ltx25_t2av_tiny.json): the frame count
+omitted and predicted by the duration head, the bounds used before the prediction, warmup over the
+bounds' smallest and largest counts, the launch script end to end, the synthetic checkpoint.
+
+The tiny flavour's duration bounds are 0.3 s to 1.6 s: 9 to 33 frames at 24 fps; the synthetic head
+predicts ~1.24 s for these prompts, 25 frames. Parity with diffusers' LTX-2.5 chain:
+test_runner25_parity.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from runnerkit import memory
+from runnerkit.config import RequestConfig, RunnerConfig, load_runner_config
+from runnerkit.infer import main
+from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
+from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint
+from runnerkit.models.ltx2.duration import LTX2DurationHead, frames_for_duration
+from runnerkit.models.ltx2.runner import LTX2Runner
+from runnerkit.models.ltx2.runner25 import LTX25Runner
+from runnerkit.weights import CheckpointError
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"
+CONFIG = CONFIGS / "ltx25_t2av_tiny.json"
+PROMPT = "a red fox runs through fresh snow, wind howls"
+PREDICTED = 25  # what the synthetic head predicts for PROMPT (1.24 s at 24 fps -> 30 -> snapped to 25)
+Outputs = dict[str, torch.Tensor]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A cache of this module's own (the synthetic checkpoint); never the test process's gc freeze."""
+    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
+    monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path_factory.getbasetemp() / "ltx25-cache"))
+
+
+def make_runner(**overrides: Any) -> LTX25Runner:
+    return LTX25Runner(load_runner_config(CONFIG, {"device": "cpu", **overrides}))
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A cold runner's outputs: PROMPT with the frames omitted, then given as 17, then given as 25."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RUNNERKIT_CACHE", str(tmp_path_factory.getbasetemp() / "ltx25-cache"))
+    out = tmp_path_factory.mktemp("cold")
+    try:
+        runner = make_runner()
+        runner.init_modules()
+        calls: list[int] = []
+        hook = runner.modules["duration_head"].register_forward_hook(lambda *_: calls.append(1))
+        results = {}
+        for name, frames in (("omitted", None), ("given17", 17), ("given25", PREDICTED)):
+            before = len(calls)
+            runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3, target_video_length=frames,
+                                              save_tensor_path=str(out / f"{name}.safetensors"),
+                                              save_result_path=str(out / f"{name}.mp4")))
+            results[name] = (load_file(out / f"{name}.safetensors"),
+                             json.loads((out / f"{name}.json").read_text()), len(calls) - before)
+        hook.remove()
+        return {"runner": runner, **results}
+    finally:
+        mp.undo()
+
+
+def test_frames_omitted_run_at_the_predicted_count(cold: dict[str, Any]) -> None:
+    """The head's count replaces the bound for the whole request: the outputs equal a request that gives
+    that count, bit for bit (latent shapes, audio length, noise), and the sidecar records the prediction."""
+    omitted, sidecar, head_calls = cold["omitted"]
+    given, given_sidecar, _ = cold["given25"]
+    assert head_calls == 1
+    assert omitted["video"].shape == (3, PREDICTED, 64, 128)
+    assert torch.equal(omitted["video"], given["video"]) and torch.equal(omitted["audio"], given["audio"])
+    duration = sidecar["duration"]
+    assert duration["predicted"] is True and duration["frames"] == sidecar["frames"] == PREDICTED
+    assert duration["seconds"] == PREDICTED / 24 and duration["bounds_seconds"] == [0.3, 1.6]
+    assert frames_for_duration(duration["head_seconds"], 24.0, 8, 0.3, 1.6) == PREDICTED
+    assert 1.2 < duration["head_seconds"] < 1.3
+    assert sidecar["streams"]["video"]["frames"] == PREDICTED and sidecar["streams"]["audio"]["codec"] == "aac"
+    assert given_sidecar["duration"] == {"predicted": False, "frames": PREDICTED, "seconds": PREDICTED / 24}
+
+
+def test_frames_given_skip_the_head(cold: dict[str, Any]) -> None:
+    outputs, sidecar, head_calls = cold["given17"]
+    assert head_calls == 0
+    assert outputs["video"].shape == (3, 17, 64, 128) and sidecar["duration"]["predicted"] is False
+
+
+def test_admission_uses_the_largest_count(cold: dict[str, Any]) -> None:
+    """Before the prediction a request's shape is the bounds' largest count (what admission and the memory
+    checks see); a frame count given by the request or the config is kept; LTX-2.3 keeps its default."""
+    runner: LTX25Runner = cold["runner"]
+    assert runner.request_shape(RequestConfig(prompt="p")) == (64, 128, 33)
+    info = runner.resolve_request(RequestConfig(prompt="p"))
+    assert (info.frames, info.frames_omitted) == (33, True)
+    info = runner.resolve_request(RequestConfig(prompt="p", target_video_length=17))
+    assert (info.frames, info.frames_omitted) == (17, False)
+    assert LTX25Runner.frame_bounds(runner.config) == (9, 33)
+    release = RunnerConfig(model_cls="ltx2.5", task="t2av", model_path="/nonexistent", enable_cfg=False)
+    assert LTX25Runner.frame_bounds(LTX25Runner.resolve_config(release)) == (25, 473)  # diffusers' 1 s .. 20 s
+    with_frames = LTX25Runner.resolve_config(load_runner_config(CONFIG, {"target_video_length": 17}))
+    assert LTX25Runner.shape_of(RequestConfig(prompt="p"), with_frames) == (64, 128, 17)
+    tiny23 = LTX2Runner(load_runner_config(CONFIGS / "ltx2_t2av_tiny.json", {"device": "cpu"}))
+    info = tiny23.resolve_request(RequestConfig(prompt="p"))
+    assert (info.frames, info.frames_omitted) == (17, False)
+
+
+def test_launch_script_with_warmup(cold: dict[str, Any], tmp_path: Path, mocker: Any) -> None:
+    """`runnerkit --warmup` with the frames omitted: warmup runs the head and all three loops at the bounds'
+    smallest and largest counts (9, 33), then the request equals the cold runner's bit for bit (mp4 with
+    its audio stream, the predicted duration in the sidecar)."""
+    head = mocker.spy(LTX2DurationHead, "forward")
+    decoded = mocker.spy(LTX25Runner, "run_diffusion_decoder")
+    stages = mocker.spy(LTX25Runner, "run_denoise_stage")
+    mp4, tensors = tmp_path / "clip.mp4", tmp_path / "clip.safetensors"
+    status = main(["--config_json", str(CONFIG), "--device", "cpu", "--prompt", PROMPT, "--seed", "3", "--warmup",
+                   "--save_result_path", str(mp4), "--save_tensor_path", str(tensors)])
+    assert status == 0
+    warm_shapes = [c.args[1].info.shape for c in decoded.call_args_list]
+    assert warm_shapes == [(64, 64, 9), (64, 128, 33), (64, 128, PREDICTED)]
+    assert [(c.args[1].info.shape, c.args[2].name) for c in stages.call_args_list][:4] == [
+        ((64, 64, 9), "stage1"), ((64, 64, 9), "stage2"), ((64, 128, 33), "stage1"), ((64, 128, 33), "stage2")]
+    assert head.call_count == 2  # warmup's (its count unused) and the request's
+    omitted, cold_sidecar, _ = cold["omitted"]
+    ours = load_file(tensors)
+    assert torch.equal(ours["video"], omitted["video"]) and torch.equal(ours["audio"], omitted["audio"])
+    sidecar = json.loads(mp4.with_suffix(".json").read_text())
+    assert sidecar["duration"] == cold_sidecar["duration"]
+    assert sidecar["streams"]["video"]["frames"] == PREDICTED and "audio" in sidecar["streams"]
+
+
+def test_i2av_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="ltx2.5: task 'i2av' is not implemented yet"):
+        make_runner(task="i2av")
+
+
+def test_synthetic_checkpoint(cold: dict[str, Any], tmp_path: Path) -> None:
+    """The folder reads back to the config's architecture, Gemma-4 as its text encoder, the diffusion
+    decoder's latent statistics the video VAE's; an LTX-2.3 folder is refused naming what it lacks."""
+    runner: LTX25Runner = cold["runner"]
+    folder = Path(runner.config.model_path)
+    ckpt = LTX25Checkpoint.open(folder)
+    assert isinstance(ckpt.arch, LTX25Arch) and ckpt.arch == tiny_ltx25_arch()
+    assert json.loads((folder / "text_encoder" / "config.json").read_text())["model_type"] == "gemma4_unified"
+    stats = ckpt.read_tensors("vae", ["latents_mean", "latents_std"])
+    decoder = ckpt.state_dict("diffusion_decoder")[0]
+    assert torch.equal(decoder["latents_mean"], stats["latents_mean"].float())
+    assert torch.equal(decoder["latents_std"], stats["latents_std"].float())
+    assert runner.flavour() == "debug-2.5"
+    with pytest.raises(CheckpointError, match="duration_head does not exist"):
+        LTX25Checkpoint.open(tmp_path)
