@@ -156,3 +156,16 @@ def test_synthetic_checkpoint(cold: dict[str, Any], tmp_path: Path) -> None:
     assert runner.flavour() == "debug-2.5"
     with pytest.raises(CheckpointError, match="duration_head does not exist"):
         LTX25Checkpoint.open(tmp_path)
+
+
+def test_server_admits_a_job_without_frames(tmp_path: Path) -> None:
+    """The server's request path (`build_request`, on an unloaded runner) takes a body without a frame count
+    (admitted at the bounds' largest) and still takes `seconds` (then the head does not run)."""
+    from runnerkit.serve.app import ServerState, build_request
+    from runnerkit.serve.jobs import JobQueue
+
+    state = ServerState(runner=make_runner(), queue=JobQueue(tmp_path, 4, None, None), metrics=None)
+    request, _, resolved = build_request(state, {"prompt": "x"}, tmp_path)
+    assert request.target_video_length is None and resolved["frames"] == 33
+    request, _, resolved = build_request(state, {"prompt": "x", "seconds": "0.5"}, tmp_path)
+    assert request.target_video_length == resolved["frames"] == 17  # (frames - 1) / fps = 0.5 s: 12 -> 16 + 1
