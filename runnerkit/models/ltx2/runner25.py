@@ -1,4 +1,4 @@
-"""LTX-2.5 distilled two-stage audio+video runner (`model_cls` "ltx2.5", task t2av; i2av not yet).
+"""LTX-2.5 distilled two-stage audio+video runner (`model_cls` "ltx2.5", tasks t2av and i2av).
 
 LTX-2's runner (runner.py) with what LTX-2.5 changes, after diffusers 0.42.1's LTX-2.5 chain
 (`LTX2Pipeline` with its `duration_head` and `num_frames` omitted, `output_type="latent"` ->
@@ -6,7 +6,7 @@ LTX-2's runner (runner.py) with what LTX-2.5 changes, after diffusers 0.42.1's L
 
     text_encoder (Gemma-4, transformers) -> text_connectors -> duration_head (only when the request
     and the config give no frame count: the predicted count replaces the request's frames for the
-    rest of the request) -> stage1 -> latent_upsampler -> stage2 -> diffusion_decoder (its own
+    rest of the request) -> [i2av: vae_encoder of the first frame, re-compressed at CRF 18] -> stage1 -> latent_upsampler -> stage2 -> diffusion_decoder (its own
     denoising loop; its pixel noise is the request generator's next draw after the stages' noise)
     and audio_decoder (as LTX-2.3) -> mp4 with its audio stream
 
@@ -22,7 +22,7 @@ bounds' smallest and largest frame counts, so every predicted count lies between
 same kernels). The duration head runs in warmup (its prediction is not used there), and all three
 loops (stage 1, stage 2, the diffusion decoder's) run at both shapes.
 
-Not covered yet: i2av (refused when the runner is built), the single-file release, the memory
+Not covered yet: the single-file release, the memory
 estimate of the new modules (`estimate_memory` gives none: requests are unchecked), streaming the
 Gemma-4 text encoder.
 """
@@ -63,7 +63,7 @@ DURATION_KEY = "ltx25.duration"
 class LTX25Runner(LTX2Runner):
     """LTX-2.5 (22B) distilled, text to video with audio; the clip length predicted when not given."""
 
-    TASKS = ("t2av",)
+    TASKS = ("t2av", "i2av")
     #: LTX-2's defaults, the frame count left unset: predicted per request by the duration head.
     DEFAULTS: ClassVar[dict[str, Any]] = {**LTX2Runner.DEFAULTS, "target_video_length": None}
     MODULE_PATHS = ()  # the diffusers folder holds every module
@@ -75,7 +75,7 @@ class LTX25Runner(LTX2Runner):
     DURATION_BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {"debug-2.5": (0.3, 1.6)}
 
     # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
-    WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("t2av",)
+    WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("t2av", "i2av")
     WARMUP_OFFLOAD_MODES: ClassVar[tuple[str, ...]] = ("none", "model", "block", "phase", "lazy_load")
     #: flavour -> two output shapes (height, width, frames): the smallest and the largest frame count the
     #: duration bounds allow at 24 fps (debug-2.5: 9 and 33; 22B-2.5: 25 and 473).
@@ -85,9 +85,6 @@ class LTX25Runner(LTX2Runner):
     }
 
     def __init__(self, config: RunnerConfig) -> None:
-        if config.task == "i2av":
-            raise NotImplementedError("ltx2.5: task 'i2av' is not implemented yet (the image conditioning at CRF 18 "
-                                      "is not parity-tested); use task 't2av'")
         super().__init__(config)
         self.gemma4_placeholders: tuple[int, ...] = ()
 
@@ -188,17 +185,19 @@ class LTX25Runner(LTX2Runner):
     # ---- the pipeline ---------------------------------------------------------------------------
     def describe_pipeline(self) -> Pipeline:
         """LTX-2's, with Gemma-4 (resident or model-offloaded), the duration head after the connectors and
-        the diffusion decoder in place of the video VAE's decoder (the VAE itself is not loaded)."""
+        the diffusion decoder in place of the video VAE's decoder (the VAE is loaded for i2av's encoder only)."""
         base = super().describe_pipeline()
         head = EncoderStage("duration_head", module="duration_head", run=self.run_duration_head)
+        unused = ("text_encoder",) if self.config.task == "i2av" else ("text_encoder", "vae")
         modules = [ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder)]
-        modules += [m for m in base.modules if m.name not in ("text_encoder", "vae")]
+        modules += [m for m in base.modules if m.name not in unused]
         modules += [ModuleSpec("duration_head", "text_encoder", build=lambda d: self._load("duration_head", d)),
                     ModuleSpec("diffusion_decoder", "decoder", build=lambda d: self._load("diffusion_decoder", d))]
         decoders = [DecoderStage("diffusion_decoder", module="diffusion_decoder", output="video",
                                  run=self.run_diffusion_decoder)]
         decoders += [d for d in base.decoders if d.name != "vae_decoder"]
-        return replace(base, modules=tuple(modules), encoders=(*base.encoders, head), decoders=tuple(decoders))
+        encoders = (*base.encoders[:2], head, *base.encoders[2:])  # text, connectors, head, [i2av: VAE encoder]
+        return replace(base, modules=tuple(modules), encoders=encoders, decoders=tuple(decoders))
 
     def build_text_encoder(self, device: torch.device) -> nn.Module:
         from runnerkit.models.ltx2.text_encoder_gemma4 import load_gemma4_text_encoder

@@ -2,7 +2,7 @@
 omitted and predicted by the duration head, the bounds used before the prediction, warmup over the
 bounds' smallest and largest counts, the launch script end to end, the synthetic checkpoint.
 
-The tiny flavour's duration bounds are 0.3 s to 1.6 s: 9 to 33 frames at 24 fps; the synthetic head
+i2av: the VAE encoder per warmup shape. The tiny flavour's duration bounds are 0.3 s to 1.6 s: 9 to 33 frames at 24 fps; the synthetic head
 predicts ~1.24 s for these prompts, 25 frames. Parity with diffusers' LTX-2.5 chain:
 test_runner25_parity.py.
 """
@@ -136,9 +136,21 @@ def test_launch_script_with_warmup(cold: dict[str, Any], tmp_path: Path, mocker:
     assert sidecar["streams"]["video"]["frames"] == PREDICTED and "audio" in sidecar["streams"]
 
 
-def test_i2av_is_refused() -> None:
-    with pytest.raises(NotImplementedError, match="ltx2.5: task 'i2av' is not implemented yet"):
-        make_runner(task="i2av")
+def test_i2av_warmup_encodes_the_first_frame_per_shape(tmp_path: Path, mocker: Any) -> None:
+    """i2av under warmup: the head once (text stages are shared), the VAE encoder and the diffusion decoder at
+    both shapes; the VAE is loaded for i2av only (t2av decodes with the diffusion decoder alone)."""
+    pytest.importorskip("av")
+    head = mocker.spy(LTX2DurationHead, "forward")
+    encoded = mocker.spy(LTX25Runner, "run_vae_encoder")
+    decoded = mocker.spy(LTX25Runner, "run_diffusion_decoder")
+    runner = make_runner(task="i2av", warmup=True)
+    runner.init_modules()
+    assert head.call_count == 1
+    assert [c.args[1].info.shape for c in encoded.call_args_list] == [(64, 64, 9), (64, 128, 33)]
+    assert [c.args[1].info.shape for c in decoded.call_args_list] == [(64, 64, 9), (64, 128, 33)]
+    assert runner.pipeline is not None and "vae" in {m.name for m in runner.pipeline.modules}
+    assert [e.name for e in runner.pipeline.encoders] == ["text_encoder", "text_connectors", "duration_head",
+                                                           "vae_encoder"]
 
 
 def test_synthetic_checkpoint(cold: dict[str, Any], tmp_path: Path) -> None:
@@ -154,6 +166,7 @@ def test_synthetic_checkpoint(cold: dict[str, Any], tmp_path: Path) -> None:
     assert torch.equal(decoder["latents_mean"], stats["latents_mean"].float())
     assert torch.equal(decoder["latents_std"], stats["latents_std"].float())
     assert runner.flavour() == "debug-2.5"
+    assert runner.pipeline is not None and "vae" not in {m.name for m in runner.pipeline.modules}  # t2av
     with pytest.raises(CheckpointError, match="duration_head does not exist"):
         LTX25Checkpoint.open(tmp_path)
 

@@ -119,3 +119,59 @@ def test_t2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pyte
         ref_mel = audio_vae.decode(ref_audio, return_dict=False)[0]
         our_mel = runner.modules["audio_decoder"].vae.decode_tokens(audio.transpose(1, 2).flatten(2, 3))
         assert report("spectrogram", our_mel, ref_mel) <= TOL
+
+
+def test_i2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """i2av through `LTX2ImageToVideoPipeline` with the duration head (both stages: the clean first latent
+    frame), the first frame re-compressed at diffusers' default CRF for a Gemma-4 text encoder
+    (`resolve_default_image_crf`: 18, not passed here) and at the runner's `IMAGE_CRF`; final latents
+    within 1e-4, the predicted count equal."""
+    from PIL import Image
+    from diffusers.pipelines.ltx2 import LTX2ImageToVideoPipeline
+
+    from test_cases.models.ltx2.test_image_crf import picture
+
+    require_reference("av")
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
+    image = tmp_path / "first.png"
+    Image.fromarray(picture(80, 120)).save(image)
+    runner = LTX25Runner(load_runner_config(CONFIG.with_name("ltx25_i2av_tiny.json"), {"device": "cpu"}))
+    runner.init_modules()
+    finals: list[torch.Tensor] = []
+    run_denoise = runner.run_denoise
+    monkeypatch.setattr(runner, "run_denoise", lambda req, warmup=False: finals.append(run_denoise(req, warmup)) or finals[-1])
+    layouts: list[Any] = []
+    layouts_of = runner.layouts
+    monkeypatch.setattr(runner, "layouts", lambda req: layouts.append(layouts_of(req)) or layouts[-1])
+    out = tmp_path / "ours.safetensors"
+    runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=5, image_path=str(image), save_tensor_path=str(out)))
+    cfg = runner.config
+    h, w = cfg.target_height, cfg.target_width
+    video, audio = layouts[-1][1].split(finals[0])
+    t2v, upsample, _ = reference_pipelines(Path(cfg.model_path))
+    pipe = LTX2ImageToVideoPipeline(**{k: getattr(t2v, k) for k in (
+        "scheduler", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "transformer", "vocoder",
+        "duration_head")})
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(5)
+    low, high = runner.duration_bounds(cfg)
+    common = dict(image=Image.open(image), prompt=PROMPT, frame_rate=float(cfg.fps), generator=g, return_dict=False,
+                  output_type="latent", **GUIDANCE_OFF)
+    with torch.inference_mode():
+        ref_video, ref_audio = pipe(height=h // 2, width=w // 2, num_inference_steps=len(DISTILLED_SIGMAS),
+                                    sigmas=list(DISTILLED_SIGMAS), min_seconds=low, max_seconds=high, **common)
+        frames = (ref_video.shape[2] - 1) * 8 + 1
+        ref_video = upsample(latents=ref_video, height=h, width=w, num_frames=frames, output_type="latent",
+                             return_dict=False)[0]
+        ref_video, ref_audio = pipe(latents=ref_video, audio_latents=ref_audio, height=h, width=w, num_frames=frames,
+                                    noise_scale=STAGE2_SIGMAS[0], num_inference_steps=len(STAGE2_SIGMAS),
+                                    sigmas=list(STAGE2_SIGMAS), **common)
+    assert frames == load_file(out)["video"].shape[1] == 25
+    vae, audio_vae = t2v.vae, t2v.audio_vae
+    raw_video = video * vae.latents_std.view(1, -1, 1, 1, 1) / vae.config.scaling_factor \
+        + vae.latents_mean.view(1, -1, 1, 1, 1)
+    assert report("i2av stage-2 video latents", raw_video, ref_video) <= TOL
+    tokens = audio.transpose(1, 2).flatten(2, 3) * audio_vae.latents_std + audio_vae.latents_mean
+    assert report("i2av stage-2 audio latents", tokens.unflatten(2, (audio.shape[1], -1)).transpose(1, 2),
+                  ref_audio) <= TOL
