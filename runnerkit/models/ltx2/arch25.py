@@ -46,7 +46,8 @@ class LTX25Arch(arch.LTX2Arch):
         """
         missing = [c for c in EXTRA_COMPONENTS if c not in sections]
         if missing:
-            raise ValueError(f"{where}: no config for {missing} (an LTX-2.5 checkpoint has them; has {sorted(sections)})")
+            raise ValueError(f"{where}: no config for {missing} (an LTX-2.5 checkpoint has them; has "
+                             f"{sorted(sections)})")
         base = arch.LTX2Arch.from_sections(sections, where)
         duration = {k: v for k, v in sections["duration_head"].items() if not k.startswith("_")}
         return cls(**{name: getattr(base, name) for name in arch.COMPONENTS},

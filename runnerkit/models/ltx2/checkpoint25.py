@@ -63,7 +63,8 @@ class LTX25Checkpoint(LTX2Checkpoint):
                 raise CheckpointError(f"LTX-2.5 checkpoint {path}: folder {path / sub} does not exist (an LTX-2.3 "
                                       "folder? use model_cls 'ltx2')")
         if arch is None:
-            arch = _arch(lambda: LTX25Arch.from_diffusers_folder(path), f"config.json files of {path}")  # type: ignore[assignment]
+            read = lambda: LTX25Arch.from_diffusers_folder(path)
+            arch = _arch(read, f"config.json files of {path}")  # type: ignore[assignment]
         ckpt = cls._open_diffusers(path, arch)
         for component in EXTRA_COMPONENTS:
             files = safetensors_files(path / component, component=component)
@@ -86,7 +87,8 @@ def tiny_gemma4_sizes(arch: LTX25Arch) -> dict[str, object]:
     (`caption_channels`, `text_proj_in_factor` - 1 layers), sliding layers then a full one, 2 heads."""
     c = arch.connectors
     layers = c.text_proj_in_factor - 1
-    return {"vocab_size": GEMMA_VOCAB, "hidden_size": c.caption_channels, "intermediate_size": min(2 * c.caption_channels, 256),
+    return {"vocab_size": GEMMA_VOCAB, "hidden_size": c.caption_channels,
+            "intermediate_size": min(2 * c.caption_channels, 256),
             "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
             "global_head_dim": 16, "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 16,
             "max_position_embeddings": 256,

@@ -6,9 +6,10 @@ LTX-2's runner (runner.py) with what LTX-2.5 changes, after diffusers 0.42.1's L
 
     text_encoder (Gemma-4, transformers) -> text_connectors -> duration_head (only when the request
     and the config give no frame count: the predicted count replaces the request's frames for the
-    rest of the request) -> [i2av: vae_encoder of the first frame, re-compressed at CRF 18] -> stage1 -> latent_upsampler -> stage2 -> diffusion_decoder (its own
-    denoising loop; its pixel noise is the request generator's next draw after the stages' noise)
-    and audio_decoder (as LTX-2.3) -> mp4 with its audio stream
+    rest of the request) -> [i2av: vae_encoder of the first frame, re-compressed at CRF 18]
+    -> stage1 -> latent_upsampler -> stage2 -> diffusion_decoder (its own denoising loop; its pixel
+    noise is the request generator's next draw after the stages' noise) and audio_decoder (as
+    LTX-2.3) -> mp4 with its audio stream
 
 Frames omitted: the request's `frames` is the largest count the duration bounds allow
 (`frame_bounds`) until the head predicts it, so admission and the memory checks plan for the

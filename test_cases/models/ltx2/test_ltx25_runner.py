@@ -1,8 +1,9 @@
 """The LTX-2.5 runner on its tiny CPU config (configs/ltx2/ltx25_t2av_tiny.json): the frame count
 omitted and predicted by the duration head, the bounds used before the prediction, warmup over the
-bounds' smallest and largest counts, the launch script end to end, the synthetic checkpoint.
+bounds' smallest and largest counts, the launch script end to end, the synthetic checkpoint, i2av's VAE
+encoder per warmup shape.
 
-i2av: the VAE encoder per warmup shape. The tiny flavour's duration bounds are 0.3 s to 1.6 s: 9 to 33 frames at 24 fps; the synthetic head
+The tiny flavour's duration bounds are 0.3 s to 1.6 s: 9 to 33 frames at 24 fps; the synthetic head
 predicts ~1.24 s for these prompts, 25 frames. Parity with diffusers' LTX-2.5 chain:
 test_runner25_parity.py.
 """

@@ -32,8 +32,10 @@ transformers = require_reference("transformers")
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ltx2" / "ltx25_t2av_tiny.json"
 PROMPT = "a red fox runs through fresh snow, wind howls"
 TOL = 1e-4
-GUIDANCE_OFF = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
-                    modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
+GUIDANCE_OFF = {"guidance_scale": 1.0, "audio_guidance_scale": 1.0, "stg_scale": 0.0, "audio_stg_scale": 0.0,
+                "modality_scale": 1.0, "audio_modality_scale": 1.0, "guidance_rescale": 0.0,
+                "audio_guidance_rescale": 0.0}
+"""Every guidance off (0.42.1's defaults are the LTX-2.5 dev model's: CFG, STG, modality guidance)."""
 
 
 def reference_pipelines(folder: Path) -> tuple[Any, Any, Any]:
@@ -50,7 +52,8 @@ def reference_pipelines(folder: Path) -> tuple[Any, Any, Any]:
     vae = diffusers.AutoencoderKLLTX2Video.from_pretrained(folder / "vae")
     pipe = LTX2Pipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False),
-        vae=vae, audio_vae=diffusers.AutoencoderKLLTX2Audio.from_pretrained(folder / "audio_vae", low_cpu_mem_usage=False),
+        vae=vae,
+        audio_vae=diffusers.AutoencoderKLLTX2Audio.from_pretrained(folder / "audio_vae", low_cpu_mem_usage=False),
         text_encoder=transformers.Gemma4UnifiedForConditionalGeneration.from_pretrained(folder / "text_encoder"),
         tokenizer=transformers.AutoTokenizer.from_pretrained(folder / "tokenizer"),
         connectors=LTX2TextConnectors.from_pretrained(folder / "connectors"),
@@ -94,7 +97,8 @@ def test_t2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pyte
     runner.init_modules()
     finals: list[torch.Tensor] = []
     run_denoise = runner.run_denoise
-    monkeypatch.setattr(runner, "run_denoise", lambda req, warmup=False: finals.append(run_denoise(req, warmup)) or finals[-1])
+    monkeypatch.setattr(runner, "run_denoise",
+                        lambda req, warmup=False: finals.append(run_denoise(req, warmup)) or finals[-1])
     layouts: list[Any] = []
     layouts_of = runner.layouts
     monkeypatch.setattr(runner, "layouts", lambda req: layouts.append(layouts_of(req)) or layouts[-1])
@@ -126,8 +130,8 @@ def test_i2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pyte
     frame), the first frame re-compressed at diffusers' default CRF for a Gemma-4 text encoder
     (`resolve_default_image_crf`: 18, not passed here) and at the runner's `IMAGE_CRF`; final latents
     within 1e-4, the predicted count equal."""
-    from PIL import Image
     from diffusers.pipelines.ltx2 import LTX2ImageToVideoPipeline
+    from PIL import Image
 
     from test_cases.models.ltx2.test_image_crf import picture
 
@@ -140,7 +144,8 @@ def test_i2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pyte
     runner.init_modules()
     finals: list[torch.Tensor] = []
     run_denoise = runner.run_denoise
-    monkeypatch.setattr(runner, "run_denoise", lambda req, warmup=False: finals.append(run_denoise(req, warmup)) or finals[-1])
+    monkeypatch.setattr(runner, "run_denoise",
+                        lambda req, warmup=False: finals.append(run_denoise(req, warmup)) or finals[-1])
     layouts: list[Any] = []
     layouts_of = runner.layouts
     monkeypatch.setattr(runner, "layouts", lambda req: layouts.append(layouts_of(req)) or layouts[-1])
