@@ -23,9 +23,7 @@ bounds' smallest and largest frame counts, so every predicted count lies between
 same kernels). The duration head runs in warmup (its prediction is not used there), and all three
 loops (stage 1, stage 2, the diffusion decoder's) run at both shapes.
 
-Not covered yet: the single-file release, the memory
-estimate of the new modules (`estimate_memory` gives none: requests are unchecked), streaming the
-Gemma-4 text encoder.
+Not covered yet: the single-file release, streaming the Gemma-4 text encoder.
 """
 
 from __future__ import annotations
@@ -46,11 +44,12 @@ from runnerkit.models.ltx2.diffusion_decode import decode_video
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
 from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner, flavour_of
 from runnerkit.planning.compute import StageFlops
-from runnerkit.planning.fit import MemoryEstimate
+from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.registry import register_runner
 from runnerkit.runners.pipeline import DecoderStage, EncoderStage, ModuleSpec, Pipeline, Shape
 from runnerkit.runners.request_state import RequestState
 from runnerkit.runners.requests import shape_with_defaults
+from runnerkit.weights import CheckpointError
 
 __all__ = ["FLAVOURS_25", "LTX25Runner"]
 
@@ -173,10 +172,48 @@ class LTX25Runner(LTX2Runner):
         """`LTX2Runner.validate_shape`; `frames` None (the config's omitted default) is predicted, always valid."""
         super().validate_shape(height, width, 1 if frames is None else frames)
 
-    def estimate_memory(self, shape: Shape) -> MemoryEstimate | None:  # type: ignore[override]
-        """None: the estimate does not cover Gemma-4, the duration head and the diffusion decoder yet, so
-        requests are not checked against the device's memory."""
-        return None
+    def estimate_memory(self, shape: Shape) -> MemoryEstimate:  # type: ignore[override]
+        """The estimate of a request of `shape` (estimate25.py `ltx25_estimate`); omitted frames (None) at the
+        bounds' largest count.
+
+        Raises:
+            EstimateUnavailable: the architecture or the Gemma-4 config cannot be read before loading.
+        """
+        from runnerkit.models.ltx2 import planning
+        from runnerkit.models.ltx2.estimate25 import ltx25_estimate
+
+        h, w, f = shape
+        arch = planning.architecture(self)
+        assert isinstance(arch, LTX25Arch), "an LTX-2.5 runner reads LTX-2.5 architectures"
+        cfg = self.config
+        return ltx25_estimate(arch, self.gemma4_text_config(arch), (h, w, f if f is not None else
+                                                                    self.frame_bounds(cfg)[1]),
+                              cfg.fps, cfg.task, self.dtype, self.device, cfg.offload,
+                              planning.fp8_transformer_weights(self), self.lora_slot_rank())
+
+    def gemma4_text_config(self, arch: LTX25Arch) -> dict[str, Any]:
+        """The Gemma-4 text config's fields: the checkpoint's `text_encoder/` (the synthetic one's while it is
+        still to be written).
+
+        Raises:
+            EstimateUnavailable: its config.json cannot be read.
+        """
+        import transformers
+
+        from runnerkit.models.ltx2.checkpoint25 import tiny_gemma4_sizes
+        from runnerkit.models.ltx2.text_encoder_gemma4 import gemma4_configs
+
+        if self.checkpoint is not None:
+            folder = self.checkpoint.text_encoder_path
+        else:
+            path = self.checkpoints.path()
+            if self.checkpoints.pending(path):
+                return transformers.Gemma4UnifiedTextConfig(**tiny_gemma4_sizes(arch)).to_dict()
+            folder = path / "text_encoder"
+        try:
+            return gemma4_configs(folder)[0].to_dict()
+        except CheckpointError as exc:
+            raise EstimateUnavailable(f"the Gemma-4 config cannot be read before loading ({exc})") from None
 
     def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...]:
         """`LTX2Runner.denoise_flops`, omitted frames at the bounds' largest count."""

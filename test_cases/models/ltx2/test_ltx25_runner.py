@@ -183,3 +183,24 @@ def test_server_admits_a_job_without_frames(tmp_path: Path) -> None:
     assert request.target_video_length is None and resolved["frames"] == 33
     request, _, resolved = build_request(state, {"prompt": "x", "seconds": "0.5"}, tmp_path)
     assert request.target_video_length == resolved["frames"] == 17  # (frames - 1) / fps = 0.5 s: 12 -> 16 + 1
+
+
+def test_estimate_counts_the_new_modules_and_stages(cold: dict[str, Any]) -> None:
+    """The estimate's weights of Gemma-4, the duration head and the diffusion decoder are the loaded modules'
+    bytes; its stages are the pipeline's profiled stages in order (the diffusion decoder in place of the VAE
+    decoder, no VAE module for t2av); the decoder's stage holds `diffusion_decode_bytes` at stage 2's grid
+    (frames omitted: at the bounds' largest count, 33 frames -> 5 latent frames)."""
+    from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes
+
+    runner: LTX25Runner = cold["runner"]
+    estimate = runner.estimate_memory(runner.request_shape(RequestConfig(prompt="p")))
+    assert runner.estimate_memory((64, 128, None)) == estimate  # the config's omitted default (`runnerkit plan`)
+    for name in ("text_encoder", "duration_head", "diffusion_decoder"):
+        module = runner.modules[name]
+        loaded = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+        assert estimate.modules[name].weight_bytes == loaded, name
+    assert "vae" not in estimate.modules and set(estimate.modules) == set(runner.modules)
+    assert tuple(s.name for s in estimate.stages) == runner.profile_stages()
+    decode = next(s for s in estimate.stages if s.name == "diffusion_decoder")
+    assert decode.activation_bytes > diffusion_decode_bytes(runner.checkpoint.arch.diffusion_decoder, (5, 2, 4), 4)[0]
+    assert decode.activation_bytes < diffusion_decode_bytes(runner.checkpoint.arch.diffusion_decoder, (6, 2, 4), 4)[0]
