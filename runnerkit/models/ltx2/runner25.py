@@ -55,6 +55,8 @@ __all__ = ["FLAVOURS_25", "LTX25Runner"]
 
 #: LTX-2 flavour of the same sizes -> the LTX-2.5 flavour.
 FLAVOURS_25: dict[str, str] = {"debug": "debug-2.5", "22B": "22B-2.5"}
+WARMUP_FPS = 24
+"""The frame rate at which `LTX25Runner.WARMUP_SHAPES` hold the duration bounds' smallest and largest counts."""
 DURATION_KEY = "ltx25.duration"
 """`RequestState.derived` key of the request's predicted duration (`run_duration_head`)."""
 
@@ -86,6 +88,10 @@ class LTX25Runner(LTX2Runner):
 
     def __init__(self, config: RunnerConfig) -> None:
         super().__init__(config)
+        if self.config.warmup and self.config.fps != WARMUP_FPS:
+            raise NotImplementedError(f"ltx2.5 warmup at `fps` {self.config.fps}: its shapes hold the duration bounds' "
+                                      f"smallest and largest frame counts at {WARMUP_FPS} fps only (WARMUP_SHAPES); "
+                                      f"run with fps {WARMUP_FPS} or without warmup")
         self.gemma4_placeholders: tuple[int, ...] = ()
 
     # ---- architecture, checkpoint, flavour ------------------------------------------------------

@@ -137,6 +137,19 @@ def test_launch_script_with_warmup(cold: dict[str, Any], tmp_path: Path, mocker:
     assert sidecar["streams"]["video"]["frames"] == PREDICTED and "audio" in sidecar["streams"]
 
 
+def test_warmup_shapes_hold_the_bounds_at_24_fps() -> None:
+    """The warmup shapes' frame counts are the bounds' smallest and largest at 24 fps; at another fps they
+    would not be, so warmup is refused there, naming fps."""
+    config = make_runner().config
+    assert {f for _, _, f in LTX25Runner.WARMUP_SHAPES["debug-2.5"]} == set(LTX25Runner.frame_bounds(config))
+    release = LTX25Runner.resolve_config(RunnerConfig(model_cls="ltx2.5", task="t2av", model_path="/x",
+                                                      enable_cfg=False))
+    assert {f for _, _, f in LTX25Runner.WARMUP_SHAPES["22B-2.5"]} == set(LTX25Runner.frame_bounds(release))
+    with pytest.raises(NotImplementedError, match="ltx2.5 warmup at `fps` 12: .* at 24 fps only"):
+        make_runner(warmup=True, fps=12)
+    make_runner(fps=12)  # without warmup: any fps
+
+
 def test_i2av_warmup_encodes_the_first_frame_per_shape(tmp_path: Path, mocker: Any) -> None:
     """i2av under warmup: the head once (text stages are shared), the VAE encoder and the diffusion decoder at
     both shapes; the VAE is loaded for i2av only (t2av decodes with the diffusion decoder alone)."""
