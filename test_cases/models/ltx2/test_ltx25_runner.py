@@ -11,11 +11,14 @@ test_runner25_parity.py.
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from loguru import logger
 from safetensors.torch import load_file
 
 from runnerkit import memory
@@ -40,6 +43,14 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPath
     """A cache of this module's own (the synthetic checkpoint); never the test process's gc freeze."""
     monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
     monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path_factory.getbasetemp() / "ltx25-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_logger() -> Iterator[None]:
+    """`runnerkit.infer.main` binds loguru to the `sys.stderr` of its call (pytest's capture); rebind."""
+    yield
+    logger.remove()
+    logger.add(lambda message: sys.stderr.write(message), level="DEBUG")
 
 
 def make_runner(**overrides: Any) -> LTX25Runner:
