@@ -41,6 +41,11 @@ class InputInfo:
 
     `warmup` is True for the dummy requests of warmup: encoders then replace user content
     (prompt text, images) with placeholders of the right shape.
+
+    `frames_omitted` is True when neither the request nor the config gives a frame count (a family
+    that predicts it from the encoded inputs leaves its default unset): `frames` is then the largest
+    count the family's prediction allows (its `shape_of`), which admission and the memory checks use,
+    until the family's encoder stage replaces `RequestState.info` with the predicted count.
     """
 
     prompt: str
@@ -57,6 +62,7 @@ class InputInfo:
     lora: tuple[tuple[str, float], ...] = ()
     """The request's LoRA adapters: (file path, strength), in order (names resolved); empty: none."""
     warmup: bool = False
+    frames_omitted: bool = False
 
     @property
     def shape(self) -> Shape:

@@ -1,5 +1,5 @@
-"""Every shipped LTX-2 config validates and builds a runner, and its default shape is a warmup shape of
-its flavour; the LTX-2.3 22B configs name the release files and are the 22B flavour once the release's
+"""Every shipped LTX-2 / LTX-2.5 config validates and builds a runner, and its default shape is a warmup
+shape of its flavour; the LTX-2.3 22B configs name the release files and are the 22B flavour once the release's
 architecture is read; a real config (no `model`) never falls back to the tiny architecture.
 
 The release files are not here: the configs' relative paths are created empty in a scratch working
@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from runnerkit.config import load_runner_config
+from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.models.ltx2 import checkpoint
 from runnerkit.models.ltx2.arch import LTX23_22B_ARCH, tiny_pipeline_arch
 from runnerkit.models.ltx2.runner import LTX2Runner
+from runnerkit.models.ltx2.runner25 import LTX25Runner
 from test_cases.conftest import REPO
 
 CONFIGS = sorted((REPO / "configs" / "ltx2").glob("*.json"))
@@ -42,13 +43,16 @@ def test_every_ltx2_config_validates_and_builds_a_runner(config: Path, tmp_path:
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
     release_files_in(tmp_path, config, monkeypatch)
-    runner = LTX2Runner(load_runner_config(config, {"device": "cpu"}))
+    ltx25 = json.loads(config.read_text())["model_cls"] == "ltx2.5"
+    runner = (LTX25Runner if ltx25 else LTX2Runner)(load_runner_config(config, {"device": "cpu"}))
     cfg = runner.config
     runner.validate_shape(cfg.target_height, cfg.target_width, cfg.target_video_length)
     assert (cfg.enable_cfg, cfg.infer_steps, cfg.fps) == (False, 8, 24)
     if config not in REAL:  # synthetic: the configured (tiny) architecture, nothing written to tell it
-        assert runner.flavour() == "debug"
-        assert (cfg.target_height, cfg.target_width, cfg.target_video_length) in runner.WARMUP_SHAPES["debug"]
+        flavour = "debug-2.5" if ltx25 else "debug"
+        assert runner.flavour() == flavour
+        # LTX-2.5 leaves the frames to the duration head: the default shape holds the bounds' largest count
+        assert runner.request_shape(RequestConfig(prompt="p")) in runner.WARMUP_SHAPES[flavour]
 
 
 @pytest.mark.parametrize("config", REAL, ids=[p.stem for p in REAL])

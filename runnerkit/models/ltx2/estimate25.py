@@ -1,0 +1,105 @@
+"""Memory estimate of one LTX-2.5 request: LTX-2's (estimate.py) with what LTX-2.5 changes.
+
+`ltx25_estimate` takes `estimate.ltx2_estimate` of the LTX-2 part (the connectors, both denoise
+stages, the upsampler, the audio decoder and save are LTX-2's) and changes:
+
+- `text_encoder`: Gemma-4's weights, counted on a meta-built `Gemma4UnifiedTextModel` of its config
+  (never streamed: `LTX25Runner` does not stream it); its activations with estimate.py's Gemma
+  formula at Gemma-4's width, depth and MLP width (the stacked hidden states dominate it);
+- `duration_head` (new, after the connectors): its weights; activations the two contexts projected
+  to the pooler width and its attention (a few MiB at 1024 tokens) beside the contexts;
+- `diffusion_decoder` replaces `vae_decoder`: its weights (the latent statistics as float32 buffers)
+  and `estimate_diffusion_decoder.diffusion_decode_bytes` at stage 2's latent grid, plus what LTX-2's
+  VAE-decoder stage keeps beside its decode (the contexts, the final latents);
+- `vae`: loaded for i2av's encoder only (t2av drops it).
+
+Hints that suggest streaming the text encoder are left out (Gemma-4 does not stream here).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from runnerkit.config import OffloadConfig
+from runnerkit.models.ltx2.arch25 import LTX25Arch
+from runnerkit.models.ltx2.checkpoint25 import extra_factory
+from runnerkit.models.ltx2.duration import LTX2DurationHead
+from runnerkit.models.ltx2.estimate import TEXT_TOKENS, ltx2_estimate, stage_tokens
+from runnerkit.models.ltx2.estimate_decoders import vae_decode_bytes
+from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes
+from runnerkit.planning.fit import MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
+from runnerkit.runners.pipeline import Shape
+from runnerkit.weights import build_on_meta
+
+__all__ = ["duration_head_bytes", "gemma4_footprint", "ltx25_estimate"]
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_gemma4(config_json: str) -> nn.Module:
+    """A meta-device `Gemma4UnifiedTextModel` of the text config `config_json` (built once per config)."""
+    import transformers
+
+    config = transformers.Gemma4UnifiedTextConfig.from_dict(json.loads(config_json))
+    return build_on_meta(lambda: transformers.Gemma4UnifiedTextModel(config))
+
+
+def gemma4_footprint(text_config: dict, dtype: torch.dtype) -> ModuleFootprint:
+    """Gemma-4's text-model weights in `dtype` (`Gemma4UnifiedTextConfig` fields `text_config`), resident or
+    visiting its stage (never streamed)."""
+    model = _meta_gemma4(json.dumps(text_config, sort_keys=True, default=str))
+    return replace(module_footprint(model, dtype), stream_default=False)
+
+
+def duration_head_bytes(head: LTX2DurationHead, s: int) -> int:
+    """Activations of the head on the two 1024-token contexts: both projections to the pooler width with their
+    modality sum, the concatenation, k and v (6 x 2T x P), the pooled queries (a few KiB)."""
+    P = head.arch.pooler_hidden_dim
+    return 6 * 2 * TEXT_TOKENS * P * s + 4 * head.arch.num_queries * P * s
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_extra(component: str, arch: LTX25Arch) -> nn.Module:
+    return extra_factory(component, arch)
+
+
+def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, task: str, dtype: torch.dtype,
+                   device: torch.device, offload: OffloadConfig, fp8_stored: frozenset[str] = frozenset(),
+                   lora_rank: int = 0) -> MemoryEstimate:
+    """The memory estimate of one LTX-2.5 request of `shape` (height, width, frames) at `fps` on `device`
+    (module docstring); `text_config`: the Gemma-4 text config's fields (config.json's `text_config`)."""
+    gemma = {"hidden_size": text_config["hidden_size"], "intermediate_size": text_config["intermediate_size"],
+             "num_hidden_layers": text_config["num_hidden_layers"], "vocab_size": text_config["vocab_size"],
+             "num_attention_heads": text_config["num_attention_heads"],
+             "num_key_value_heads": text_config["num_key_value_heads"], "head_dim": text_config["head_dim"]}
+    base = ltx2_estimate(arch.base(), gemma, shape, fps, task, dtype, device, offload, fp8_stored, lora_rank)
+    s = torch.empty((), dtype=dtype, device="meta").element_size()
+    modules = dict(base.modules)
+    modules["text_encoder"] = gemma4_footprint(text_config, dtype)
+    head = _meta_extra("duration_head", arch)
+    modules["duration_head"] = module_footprint(head, dtype)
+    modules["diffusion_decoder"] = module_footprint(_meta_extra("diffusion_decoder", arch), dtype)
+    if task != "i2av":
+        del modules["vae"]
+    grid2 = stage_tokens(arch, shape, fps, 2)[0]
+    t = arch.transformer  # the video and audio contexts, kept through the request (as estimate.py counts them)
+    context = TEXT_TOKENS * (t.caption_channels * 2 if t.use_prompt_embeddings else t.inner_dim + t.audio_inner_dim) * s
+    stages: list[StageFootprint] = []
+    for stage in base.stages:
+        if stage.name == "text_encoder":
+            stage = replace(stage, detail=stage.detail.replace("gemma-3", "gemma-4"))
+        if stage.name == "vae_decoder":  # the same tensors kept beside it; the diffusion decode instead of the VAE's
+            kept = stage.activation_bytes - vae_decode_bytes(arch.vae, grid2, s, device.type)[0]
+            decode, detail = diffusion_decode_bytes(arch.diffusion_decoder, grid2, s)
+            stage = StageFootprint("diffusion_decoder", "diffusion_decoder", decode + kept, detail)
+        stages.append(stage)
+        if stage.name == "text_connectors":
+            head_bytes = duration_head_bytes(head, s)  # type: ignore[arg-type]
+            stages.append(StageFootprint("duration_head", "duration_head", context + head_bytes,
+                                         "duration head on the two contexts"))
+    hints = tuple(h for h in base.hints if "text_encoder" not in (h.offload.get("stream_modules") or ()))
+    return MemoryEstimate(modules=modules, stages=tuple(stages), hints=hints)

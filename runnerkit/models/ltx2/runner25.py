@@ -1,0 +1,307 @@
+"""LTX-2.5 distilled two-stage audio+video runner (`model_cls` "ltx2.5", tasks t2av and i2av).
+
+LTX-2's runner (runner.py) with what LTX-2.5 changes, after diffusers 0.42.1's LTX-2.5 chain
+(`LTX2Pipeline` with its `duration_head` and `num_frames` omitted, `output_type="latent"` ->
+`LTX2LatentUpsamplePipeline` -> `LTX2Pipeline` stage 2 -> `LTX2VideoDiffusionDecodePipeline`):
+
+    text_encoder (Gemma-4, transformers) -> text_connectors -> duration_head (only when the request
+    and the config give no frame count: the predicted count replaces the request's frames for the
+    rest of the request) -> [i2av: vae_encoder of the first frame, re-compressed at CRF 18]
+    -> stage1 -> latent_upsampler -> stage2 -> diffusion_decoder (its own denoising loop; its pixel
+    noise is the request generator's next draw after the stages' noise) and audio_decoder (as
+    LTX-2.3) -> mp4 with its audio stream
+
+Frames omitted: the request's `frames` is the largest count the duration bounds allow
+(`frame_bounds`) until the head predicts it, so admission and the memory checks plan for the
+longest clip; the sidecar records the prediction (`sidecar_extra`). Bounds: diffusers' defaults
+(1 s to 20 s, 25 to 473 frames at 24 fps), the test flavour `debug-2.5` 0.3 s to 1.6 s (9 to 33
+frames at 24 fps) so CPU tests reach every bucket.
+
+Warmup (the shape is known only after the text encoder): the flavour's two shapes hold the
+bounds' smallest and largest frame counts, so every predicted count lies between two warmed ones
+(compiled blocks: dynamic token dimensions after two sizes serve every count between; eager: the
+same kernels). The duration head runs in warmup (its prediction is not used there), and all three
+loops (stage 1, stage 2, the diffusion decoder's) run at both shapes.
+
+Not covered yet: the single-file release, streaming the Gemma-4 text encoder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from pydantic import ValidationError
+from torch import Tensor, nn
+
+from runnerkit.config import RequestConfig, RunnerConfig, format_validation_error
+from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
+from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
+from runnerkit.models.ltx2.diffusion_decode import decode_video
+from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
+from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner, flavour_of
+from runnerkit.planning.compute import StageFlops
+from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
+from runnerkit.registry import register_runner
+from runnerkit.runners.pipeline import DecoderStage, EncoderStage, ModuleSpec, Pipeline, Shape
+from runnerkit.runners.request_state import RequestState
+from runnerkit.runners.requests import shape_with_defaults
+from runnerkit.weights import CheckpointError
+
+__all__ = ["FLAVOURS_25", "LTX25Runner"]
+
+#: LTX-2 flavour of the same sizes -> the LTX-2.5 flavour.
+FLAVOURS_25: dict[str, str] = {"debug": "debug-2.5", "22B": "22B-2.5"}
+WARMUP_FPS = 24
+"""The frame rate at which `LTX25Runner.WARMUP_SHAPES` hold the duration bounds' smallest and largest counts."""
+DURATION_KEY = "ltx25.duration"
+"""`RequestState.derived` key of the request's predicted duration (`run_duration_head`)."""
+
+
+@register_runner("ltx2.5")
+class LTX25Runner(LTX2Runner):
+    """LTX-2.5 (22B) distilled, text to video with audio; the clip length predicted when not given."""
+
+    TASKS = ("t2av", "i2av")
+    #: LTX-2's defaults, the frame count left unset: predicted per request by the duration head.
+    DEFAULTS: ClassVar[dict[str, Any]] = {**LTX2Runner.DEFAULTS, "target_video_length": None}
+    MODULE_PATHS = ()  # the diffusers folder holds every module
+    STREAM_MODULES: ClassVar[tuple[str, ...]] = ("connectors", "transformer")
+    #: H.264 CRF of a conditioning image (diffusers `resolve_default_image_crf` for Gemma-4 generations).
+    IMAGE_CRF: ClassVar[int] = 18
+    CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ("diffusers",)
+    #: flavour -> duration bounds (seconds) of a predicted clip; others: diffusers' (1 s, 20 s).
+    DURATION_BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {"debug-2.5": (0.3, 1.6)}
+
+    # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
+    WARMUP_TASKS: ClassVar[tuple[str, ...]] = ("t2av", "i2av")
+    WARMUP_OFFLOAD_MODES: ClassVar[tuple[str, ...]] = ("none", "model", "block", "phase", "lazy_load")
+    #: flavour -> two output shapes (height, width, frames): the smallest and the largest frame count the
+    #: duration bounds allow at 24 fps (debug-2.5: 9 and 33; 22B-2.5: 25 and 473).
+    WARMUP_SHAPES: ClassVar[dict[str, tuple[Shape, Shape]]] = {
+        "debug-2.5": ((64, 64, 9), (64, 128, 33)),
+        "22B-2.5": ((256, 384, 25), (512, 768, 473)),
+    }
+
+    def __init__(self, config: RunnerConfig) -> None:
+        super().__init__(config)
+        if self.config.warmup and self.config.fps != WARMUP_FPS:
+            raise NotImplementedError(f"ltx2.5 warmup at `fps` {self.config.fps}: its shapes hold the duration bounds' "
+                                      f"smallest and largest frame counts at {WARMUP_FPS} fps only (WARMUP_SHAPES); "
+                                      f"run with fps {WARMUP_FPS} or without warmup")
+        self.gemma4_placeholders: tuple[int, ...] = ()
+
+    # ---- architecture, checkpoint, flavour ------------------------------------------------------
+    @staticmethod
+    def parse_arch(model: dict[str, Any] | None, partial: bool = False) -> LTX25Arch:
+        """The config's `model` key as a validated LTX-2.5 architecture (`arch25.LTX25Arch`); without one,
+        the tiny pipeline (`arch25.tiny_ltx25_arch`).
+
+        Raises:
+            ValueError: naming each bad field as `model.<component>.<field>`.
+        """
+        if model is None:
+            return tiny_ltx25_arch()
+        try:
+            return LTX25Arch.model_validate_json(json.dumps(model), context={"partial": partial})
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, "`model` (ltx2.5 architecture)").replace("\n  ", "\n  model.")
+                             + "\n  (`model` takes the components " + str(sorted(LTX25Arch.model_fields))
+                             + ", runnerkit/models/ltx2/arch25.py)") from None
+
+    @classmethod
+    def write_synthetic_checkpoint(cls, config: RunnerConfig, out: Path, seed: int, dtype: torch.dtype,
+                                   layout: str, **options: Any) -> None:
+        """Deterministic random weights of `config.model`'s architecture (the tiny one without it) as a
+        diffusers folder at `out` (checkpoint25.py `write_synthetic_ltx25`).
+
+        Raises:
+            ValueError: a layout other than "diffusers".
+        """
+        if layout != "diffusers":
+            raise ValueError(f"ltx2.5 writes synthetic checkpoints in the 'diffusers' layout only (got {layout!r})")
+        write_synthetic_ltx25(cls.parse_arch(config.model), out, seed, dtype, replace=options.get("replace", False))
+
+    def open_checkpoint(self, path: Path, raw: bool = False) -> LTX25Checkpoint:
+        """The diffusers folder at `path` (checkpoint25.py); the config's `model` replaces its architecture
+        unless `raw` or the config has none."""
+        arch = None if raw or self.config.model is None else self.parse_arch(self.config.model)
+        key = (path, raw)
+        if self.checkpoint is None and self._headers.get(key) is not None:
+            return self._headers[key]  # type: ignore[return-value]
+        ckpt = LTX25Checkpoint.open(path, arch=arch)
+        if self.checkpoint is None:
+            self._headers = {key: ckpt}
+        return ckpt
+
+    def flavour(self) -> str | None:
+        """`LTX2Runner.flavour` of the same sizes, as an LTX-2.5 flavour (`FLAVOURS_25`)."""
+        return FLAVOURS_25.get(super().flavour() or "")
+
+    def prepare_load(self) -> None:
+        """`LTX2Runner.prepare_load`, then the Gemma-4 placeholder ids (embedded as padding)."""
+        from runnerkit.models.ltx2.text_encoder_gemma4 import gemma4_configs
+
+        super().prepare_load()
+        assert self.checkpoint is not None
+        self.gemma4_placeholders = gemma4_configs(self.checkpoint.text_encoder_path)[1]
+
+    # ---- frames omitted: the bounds ------------------------------------------------------------
+    @classmethod
+    def duration_bounds(cls, config: RunnerConfig) -> tuple[float, float]:
+        """(min, max) seconds of a predicted clip for `config`'s architecture (`DURATION_BOUNDS`); a config
+        without `model` and without a synthetic checkpoint is a release's: diffusers' bounds."""
+        if config.model is None and config.synthetic_checkpoint is None:
+            return (MIN_SECONDS, MAX_SECONDS)
+        name = FLAVOURS_25.get(flavour_of(cls.parse_arch(config.model)) or "")
+        return cls.DURATION_BOUNDS.get(name or "", (MIN_SECONDS, MAX_SECONDS))
+
+    @classmethod
+    def frame_bounds(cls, config: RunnerConfig) -> tuple[int, int]:
+        """(smallest, largest) frame count a prediction can give at `config.fps` (duration.py rules)."""
+        low, high = cls.duration_bounds(config)
+        fps = float(config.fps or cls.DEFAULTS["fps"])
+        return (frames_for_duration(low, fps, cls.TEMPORAL_FACTOR, low, high),
+                frames_for_duration(high, fps, cls.TEMPORAL_FACTOR, low, high))
+
+    @classmethod
+    def shape_of(cls, request: RequestConfig, config: RunnerConfig) -> Shape:  # type: ignore[override]
+        """(height, width, frames); frames omitted by the request and the config: the largest the bounds allow."""
+        height, width, frames = shape_with_defaults(request, config)
+        return (height, width, frames if frames is not None else cls.frame_bounds(config)[1])
+
+    @classmethod
+    def validate_shape(cls, height: int, width: int, frames: int | None) -> None:  # type: ignore[override]
+        """`LTX2Runner.validate_shape`; `frames` None (the config's omitted default) is predicted, always valid."""
+        super().validate_shape(height, width, 1 if frames is None else frames)
+
+    def estimate_memory(self, shape: Shape) -> MemoryEstimate:  # type: ignore[override]
+        """The estimate of a request of `shape` (estimate25.py `ltx25_estimate`); omitted frames (None) at the
+        bounds' largest count.
+
+        Raises:
+            EstimateUnavailable: the architecture or the Gemma-4 config cannot be read before loading.
+        """
+        from runnerkit.models.ltx2 import planning
+        from runnerkit.models.ltx2.estimate25 import ltx25_estimate
+
+        h, w, f = shape
+        arch = planning.architecture(self)
+        assert isinstance(arch, LTX25Arch), "an LTX-2.5 runner reads LTX-2.5 architectures"
+        cfg = self.config
+        return ltx25_estimate(arch, self.gemma4_text_config(arch), (h, w, f if f is not None else
+                                                                    self.frame_bounds(cfg)[1]),
+                              cfg.fps, cfg.task, self.dtype, self.device, cfg.offload,
+                              planning.fp8_transformer_weights(self), self.lora_slot_rank())
+
+    def gemma4_text_config(self, arch: LTX25Arch) -> dict[str, Any]:
+        """The Gemma-4 text config's fields: the checkpoint's `text_encoder/` (the synthetic one's while it is
+        still to be written).
+
+        Raises:
+            EstimateUnavailable: its config.json cannot be read.
+        """
+        import transformers
+
+        from runnerkit.models.ltx2.checkpoint25 import tiny_gemma4_sizes
+        from runnerkit.models.ltx2.text_encoder_gemma4 import gemma4_configs
+
+        if self.checkpoint is not None:
+            folder = self.checkpoint.text_encoder_path
+        else:
+            path = self.checkpoints.path()
+            if self.checkpoints.pending(path):
+                return transformers.Gemma4UnifiedTextConfig(**tiny_gemma4_sizes(arch)).to_dict()
+            folder = path / "text_encoder"
+        try:
+            return gemma4_configs(folder)[0].to_dict()
+        except CheckpointError as exc:
+            raise EstimateUnavailable(f"the Gemma-4 config cannot be read before loading ({exc})") from None
+
+    def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...]:
+        """`LTX2Runner.denoise_flops`, omitted frames at the bounds' largest count."""
+        h, w, f = shape
+        return super().denoise_flops((h, w, f if f is not None else self.frame_bounds(self.config)[1]))
+
+    # ---- the pipeline ---------------------------------------------------------------------------
+    def describe_pipeline(self) -> Pipeline:
+        """LTX-2's, with Gemma-4 (resident or model-offloaded), the duration head after the connectors and
+        the diffusion decoder in place of the video VAE's decoder (the VAE is loaded for i2av's encoder only)."""
+        base = super().describe_pipeline()
+        head = EncoderStage("duration_head", module="duration_head", run=self.run_duration_head)
+        unused = ("text_encoder",) if self.config.task == "i2av" else ("text_encoder", "vae")
+        modules = [ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder)]
+        modules += [m for m in base.modules if m.name not in unused]
+        modules += [ModuleSpec("duration_head", "text_encoder", build=lambda d: self._load("duration_head", d)),
+                    ModuleSpec("diffusion_decoder", "decoder", build=lambda d: self._load("diffusion_decoder", d))]
+        decoders = [DecoderStage("diffusion_decoder", module="diffusion_decoder", output="video",
+                                 run=self.run_diffusion_decoder)]
+        decoders += [d for d in base.decoders if d.name != "vae_decoder"]
+        encoders = (*base.encoders[:2], head, *base.encoders[2:])  # text, connectors, head, [i2av: VAE encoder]
+        return replace(base, modules=tuple(modules), encoders=encoders, decoders=tuple(decoders))
+
+    def build_text_encoder(self, device: torch.device) -> nn.Module:
+        from runnerkit.models.ltx2.text_encoder_gemma4 import load_gemma4_text_encoder
+
+        assert self.checkpoint is not None, "prepare_load first"
+        return load_gemma4_text_encoder(self.checkpoint.text_encoder_path, self.dtype, device,
+                                        connectors=self.checkpoint.arch.connectors)
+
+    @torch.inference_mode()
+    def run_text_encoder(self, req: RequestState) -> LTX2Inputs:
+        """Prompt -> stacked Gemma-4 hidden states [1, 1024, D * (layers + 1)] and the tokenizer mask
+        (diffusers' tokenization: no bos prepended beyond the tokenizer's)."""
+        from runnerkit.models.ltx2.text_encoder_gemma4 import Gemma4PromptEncoder
+
+        encoder = Gemma4PromptEncoder(self.tokenizer, req.modules["text_encoder"],
+                                      placeholder_ids=self.gemma4_placeholders)
+        hidden, mask = encoder.encode(req.info.prompt)
+        return LTX2Inputs(text_hidden=hidden, text_mask=mask)
+
+    @torch.inference_mode()
+    def run_duration_head(self, req: RequestState) -> LTX2Inputs:
+        """Frames omitted: the head's seconds from the connectors' outputs -> a frame count (duration.py
+        `frames_for_duration`, the flavour's bounds, `config.fps`) that replaces `req.info.frames` (the
+        stages' latent shapes follow); recorded under `DURATION_KEY`. Frames given: nothing runs. Warmup:
+        the head runs, its count unused (the warmup shape stays).
+
+        Raises:
+            ValueError: the head's prediction is not finite (as `frames_for_duration`).
+        """
+        info, inputs = req.info, req.inputs
+        if not (info.frames_omitted or info.warmup):
+            return inputs
+        assert isinstance(inputs, LTX2Inputs) and inputs.video_context is not None, "run the connectors first"
+        seconds = float(req.modules["duration_head"](inputs.video_context, inputs.audio_context).item())
+        low, high = self.duration_bounds(self.config)
+        frames = frames_for_duration(seconds, float(self.config.fps), self.TEMPORAL_FACTOR, low, high)
+        if not info.warmup:
+            req.info = replace(info, frames=frames)
+            req.derived[DURATION_KEY] = {"head_seconds": seconds, "frames": frames}
+        return inputs
+
+    @torch.inference_mode()
+    def run_diffusion_decoder(self, req: RequestState, latents: Tensor) -> Tensor:
+        """Final joint latents -> video [1, 3, F, H, W] in [-1, 1] (float32): de-normalised with the video
+        VAE's statistics, decoded by the diffusion decoder's loop (diffusion_decode.py `decode_video`), its
+        pixel noise drawn from the request's generator (after every stage's noise)."""
+        assert self.vae_stats is not None and req.generator is not None, "run the denoise stages first"
+        video, _ = self.layouts(req)[-1].split(latents)  # the last stage's, normalised
+        mean, std, scaling = self.vae_stats
+        return decode_video(req.modules["diffusion_decoder"], video.float(), req.generator, latents_mean=mean,
+                            latents_std=std, scaling_factor=scaling)
+
+    def sidecar_extra(self, req: RequestState) -> dict[str, Any]:
+        """`duration`: `predicted` (whether the duration head chose the frame count), `frames`, `seconds`
+        (frames / fps, the video's length); predicted also `head_seconds` (the head's raw output) and
+        `bounds_seconds` [min, max]."""
+        fps = float(self.config.fps)
+        record: dict[str, Any] = {"predicted": DURATION_KEY in req.derived, "frames": req.info.frames,
+                                  "seconds": req.info.frames / fps}
+        if record["predicted"]:
+            record |= {"head_seconds": req.derived[DURATION_KEY]["head_seconds"],
+                       "bounds_seconds": list(self.duration_bounds(self.config))}
+        return {"duration": record}

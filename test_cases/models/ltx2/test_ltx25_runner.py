@@ -1,0 +1,230 @@
+"""The LTX-2.5 runner on its tiny CPU config (configs/ltx2/ltx25_t2av_tiny.json): the frame count
+omitted and predicted by the duration head, the bounds used before the prediction, warmup over the
+bounds' smallest and largest counts, the launch script end to end, the synthetic checkpoint, i2av's VAE
+encoder per warmup shape.
+
+The tiny flavour's duration bounds are 0.3 s to 1.6 s: 9 to 33 frames at 24 fps; the synthetic head
+predicts ~1.24 s for these prompts, 25 frames. Parity with diffusers' LTX-2.5 chain:
+test_runner25_parity.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from loguru import logger
+from safetensors.torch import load_file
+
+from runnerkit import memory
+from runnerkit.config import RequestConfig, RunnerConfig, load_runner_config
+from runnerkit.infer import main
+from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
+from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint
+from runnerkit.models.ltx2.duration import LTX2DurationHead, frames_for_duration
+from runnerkit.models.ltx2.runner import LTX2Runner
+from runnerkit.models.ltx2.runner25 import LTX25Runner
+from runnerkit.weights import CheckpointError
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"
+CONFIG = CONFIGS / "ltx25_t2av_tiny.json"
+PROMPT = "a red fox runs through fresh snow, wind howls"
+PREDICTED = 25  # what the synthetic head predicts for PROMPT (1.24 s at 24 fps -> 30 -> snapped to 25)
+Outputs = dict[str, torch.Tensor]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A cache of this module's own (the synthetic checkpoint); never the test process's gc freeze."""
+    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
+    monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path_factory.getbasetemp() / "ltx25-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_logger() -> Iterator[None]:
+    """`runnerkit.infer.main` binds loguru to the `sys.stderr` of its call (pytest's capture); rebind."""
+    yield
+    logger.remove()
+    logger.add(lambda message: sys.stderr.write(message), level="DEBUG")
+
+
+def make_runner(**overrides: Any) -> LTX25Runner:
+    return LTX25Runner(load_runner_config(CONFIG, {"device": "cpu", **overrides}))
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A cold runner's outputs: PROMPT with the frames omitted, then given as 17, then given as 25."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RUNNERKIT_CACHE", str(tmp_path_factory.getbasetemp() / "ltx25-cache"))
+    out = tmp_path_factory.mktemp("cold")
+    try:
+        runner = make_runner()
+        runner.init_modules()
+        calls: list[int] = []
+        hook = runner.modules["duration_head"].register_forward_hook(lambda *_: calls.append(1))
+        results = {}
+        for name, frames in (("omitted", None), ("given17", 17), ("given25", PREDICTED)):
+            before = len(calls)
+            runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3, target_video_length=frames,
+                                              save_tensor_path=str(out / f"{name}.safetensors"),
+                                              save_result_path=str(out / f"{name}.mp4")))
+            results[name] = (load_file(out / f"{name}.safetensors"),
+                             json.loads((out / f"{name}.json").read_text()), len(calls) - before)
+        hook.remove()
+        return {"runner": runner, **results}
+    finally:
+        mp.undo()
+
+
+def test_frames_omitted_run_at_the_predicted_count(cold: dict[str, Any]) -> None:
+    """The head's count replaces the bound for the whole request: the outputs equal a request that gives
+    that count, bit for bit (latent shapes, audio length, noise), and the sidecar records the prediction."""
+    omitted, sidecar, head_calls = cold["omitted"]
+    given, given_sidecar, _ = cold["given25"]
+    assert head_calls == 1
+    assert omitted["video"].shape == (3, PREDICTED, 64, 128)
+    assert torch.equal(omitted["video"], given["video"]) and torch.equal(omitted["audio"], given["audio"])
+    duration = sidecar["duration"]
+    assert duration["predicted"] is True and duration["frames"] == sidecar["frames"] == PREDICTED
+    assert duration["seconds"] == PREDICTED / 24 and duration["bounds_seconds"] == [0.3, 1.6]
+    assert frames_for_duration(duration["head_seconds"], 24.0, 8, 0.3, 1.6) == PREDICTED
+    assert 1.2 < duration["head_seconds"] < 1.3
+    assert sidecar["streams"]["video"]["frames"] == PREDICTED and sidecar["streams"]["audio"]["codec"] == "aac"
+    assert given_sidecar["duration"] == {"predicted": False, "frames": PREDICTED, "seconds": PREDICTED / 24}
+
+
+def test_frames_given_skip_the_head(cold: dict[str, Any]) -> None:
+    outputs, sidecar, head_calls = cold["given17"]
+    assert head_calls == 0
+    assert outputs["video"].shape == (3, 17, 64, 128) and sidecar["duration"]["predicted"] is False
+
+
+def test_admission_uses_the_largest_count(cold: dict[str, Any]) -> None:
+    """Before the prediction a request's shape is the bounds' largest count (what admission and the memory
+    checks see); a frame count given by the request or the config is kept; LTX-2.3 keeps its default."""
+    runner: LTX25Runner = cold["runner"]
+    assert runner.request_shape(RequestConfig(prompt="p")) == (64, 128, 33)
+    info = runner.resolve_request(RequestConfig(prompt="p"))
+    assert (info.frames, info.frames_omitted) == (33, True)
+    info = runner.resolve_request(RequestConfig(prompt="p", target_video_length=17))
+    assert (info.frames, info.frames_omitted) == (17, False)
+    assert LTX25Runner.frame_bounds(runner.config) == (9, 33)
+    release = RunnerConfig(model_cls="ltx2.5", task="t2av", model_path="/nonexistent", enable_cfg=False)
+    assert LTX25Runner.frame_bounds(LTX25Runner.resolve_config(release)) == (25, 473)  # diffusers' 1 s .. 20 s
+    with_frames = LTX25Runner.resolve_config(load_runner_config(CONFIG, {"target_video_length": 17}))
+    assert LTX25Runner.shape_of(RequestConfig(prompt="p"), with_frames) == (64, 128, 17)
+    tiny23 = LTX2Runner(load_runner_config(CONFIGS / "ltx2_t2av_tiny.json", {"device": "cpu"}))
+    info = tiny23.resolve_request(RequestConfig(prompt="p"))
+    assert (info.frames, info.frames_omitted) == (17, False)
+
+
+def test_launch_script_with_warmup(cold: dict[str, Any], tmp_path: Path, mocker: Any) -> None:
+    """`runnerkit --warmup` with the frames omitted: warmup runs the head and all three loops at the bounds'
+    smallest and largest counts (9, 33), then the request equals the cold runner's bit for bit (mp4 with
+    its audio stream, the predicted duration in the sidecar)."""
+    head = mocker.spy(LTX2DurationHead, "forward")
+    decoded = mocker.spy(LTX25Runner, "run_diffusion_decoder")
+    stages = mocker.spy(LTX25Runner, "run_denoise_stage")
+    mp4, tensors = tmp_path / "clip.mp4", tmp_path / "clip.safetensors"
+    status = main(["--config_json", str(CONFIG), "--device", "cpu", "--prompt", PROMPT, "--seed", "3", "--warmup",
+                   "--save_result_path", str(mp4), "--save_tensor_path", str(tensors)])
+    assert status == 0
+    warm_shapes = [c.args[1].info.shape for c in decoded.call_args_list]
+    assert warm_shapes == [(64, 64, 9), (64, 128, 33), (64, 128, PREDICTED)]
+    assert [(c.args[1].info.shape, c.args[2].name) for c in stages.call_args_list][:4] == [
+        ((64, 64, 9), "stage1"), ((64, 64, 9), "stage2"), ((64, 128, 33), "stage1"), ((64, 128, 33), "stage2")]
+    assert head.call_count == 2  # warmup's (its count unused) and the request's
+    omitted, cold_sidecar, _ = cold["omitted"]
+    ours = load_file(tensors)
+    assert torch.equal(ours["video"], omitted["video"]) and torch.equal(ours["audio"], omitted["audio"])
+    sidecar = json.loads(mp4.with_suffix(".json").read_text())
+    assert sidecar["duration"] == cold_sidecar["duration"]
+    assert sidecar["streams"]["video"]["frames"] == PREDICTED and "audio" in sidecar["streams"]
+
+
+def test_warmup_shapes_hold_the_bounds_at_24_fps() -> None:
+    """The warmup shapes' frame counts are the bounds' smallest and largest at 24 fps; at another fps they
+    would not be, so warmup is refused there, naming fps."""
+    config = make_runner().config
+    assert {f for _, _, f in LTX25Runner.WARMUP_SHAPES["debug-2.5"]} == set(LTX25Runner.frame_bounds(config))
+    release = LTX25Runner.resolve_config(RunnerConfig(model_cls="ltx2.5", task="t2av", model_path="/x",
+                                                      enable_cfg=False))
+    assert {f for _, _, f in LTX25Runner.WARMUP_SHAPES["22B-2.5"]} == set(LTX25Runner.frame_bounds(release))
+    with pytest.raises(NotImplementedError, match="ltx2.5 warmup at `fps` 12: .* at 24 fps only"):
+        make_runner(warmup=True, fps=12)
+    make_runner(fps=12)  # without warmup: any fps
+
+
+def test_i2av_warmup_encodes_the_first_frame_per_shape(tmp_path: Path, mocker: Any) -> None:
+    """i2av under warmup: the head once (text stages are shared), the VAE encoder and the diffusion decoder at
+    both shapes; the VAE is loaded for i2av only (t2av decodes with the diffusion decoder alone)."""
+    pytest.importorskip("av")
+    head = mocker.spy(LTX2DurationHead, "forward")
+    encoded = mocker.spy(LTX25Runner, "run_vae_encoder")
+    decoded = mocker.spy(LTX25Runner, "run_diffusion_decoder")
+    runner = make_runner(task="i2av", warmup=True)
+    runner.init_modules()
+    assert head.call_count == 1
+    assert [c.args[1].info.shape for c in encoded.call_args_list] == [(64, 64, 9), (64, 128, 33)]
+    assert [c.args[1].info.shape for c in decoded.call_args_list] == [(64, 64, 9), (64, 128, 33)]
+    assert runner.pipeline is not None and "vae" in {m.name for m in runner.pipeline.modules}
+    assert [e.name for e in runner.pipeline.encoders] == ["text_encoder", "text_connectors", "duration_head",
+                                                           "vae_encoder"]
+
+
+def test_synthetic_checkpoint(cold: dict[str, Any], tmp_path: Path) -> None:
+    """The folder reads back to the config's architecture, Gemma-4 as its text encoder, the diffusion
+    decoder's latent statistics the video VAE's; an LTX-2.3 folder is refused naming what it lacks."""
+    runner: LTX25Runner = cold["runner"]
+    folder = Path(runner.config.model_path)
+    ckpt = LTX25Checkpoint.open(folder)
+    assert isinstance(ckpt.arch, LTX25Arch) and ckpt.arch == tiny_ltx25_arch()
+    assert json.loads((folder / "text_encoder" / "config.json").read_text())["model_type"] == "gemma4_unified"
+    stats = ckpt.read_tensors("vae", ["latents_mean", "latents_std"])
+    decoder = ckpt.state_dict("diffusion_decoder")[0]
+    assert torch.equal(decoder["latents_mean"], stats["latents_mean"].float())
+    assert torch.equal(decoder["latents_std"], stats["latents_std"].float())
+    assert runner.flavour() == "debug-2.5"
+    assert runner.pipeline is not None and "vae" not in {m.name for m in runner.pipeline.modules}  # t2av
+    with pytest.raises(CheckpointError, match="duration_head does not exist"):
+        LTX25Checkpoint.open(tmp_path)
+
+
+def test_server_admits_a_job_without_frames(tmp_path: Path) -> None:
+    """The server's request path (`build_request`, on an unloaded runner) takes a body without a frame count
+    (admitted at the bounds' largest) and still takes `seconds` (then the head does not run)."""
+    from runnerkit.serve.app import ServerState, build_request
+    from runnerkit.serve.jobs import JobQueue
+
+    state = ServerState(runner=make_runner(), queue=JobQueue(tmp_path, 4, None, None), metrics=None)
+    request, _, resolved = build_request(state, {"prompt": "x"}, tmp_path)
+    assert request.target_video_length is None and resolved["frames"] == 33
+    request, _, resolved = build_request(state, {"prompt": "x", "seconds": "0.5"}, tmp_path)
+    assert request.target_video_length == resolved["frames"] == 17  # (frames - 1) / fps = 0.5 s: 12 -> 16 + 1
+
+
+def test_estimate_counts_the_new_modules_and_stages(cold: dict[str, Any]) -> None:
+    """The estimate's weights of Gemma-4, the duration head and the diffusion decoder are the loaded modules'
+    bytes; its stages are the pipeline's profiled stages in order (the diffusion decoder in place of the VAE
+    decoder, no VAE module for t2av); the decoder's stage holds `diffusion_decode_bytes` at stage 2's grid
+    (frames omitted: at the bounds' largest count, 33 frames -> 5 latent frames)."""
+    from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes
+
+    runner: LTX25Runner = cold["runner"]
+    estimate = runner.estimate_memory(runner.request_shape(RequestConfig(prompt="p")))
+    assert runner.estimate_memory((64, 128, None)) == estimate  # the config's omitted default (`runnerkit plan`)
+    for name in ("text_encoder", "duration_head", "diffusion_decoder"):
+        module = runner.modules[name]
+        loaded = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+        assert estimate.modules[name].weight_bytes == loaded, name
+    assert "vae" not in estimate.modules and set(estimate.modules) == set(runner.modules)
+    assert tuple(s.name for s in estimate.stages) == runner.profile_stages()
+    decode = next(s for s in estimate.stages if s.name == "diffusion_decoder")
+    assert decode.activation_bytes > diffusion_decode_bytes(runner.checkpoint.arch.diffusion_decoder, (5, 2, 4), 4)[0]
+    assert decode.activation_bytes < diffusion_decode_bytes(runner.checkpoint.arch.diffusion_decoder, (6, 2, 4), 4)[0]
