@@ -38,8 +38,9 @@ MEDIA = ["<boi>", "<eoi>", "<image>", "<|video|>", "<boa>", "<eoa>", "<audio>", 
 VOCAB = {t: i for i, t in enumerate([*SPECIALS, *CHARS, *MEDIA])}
 # A chat template of the tiny tokenizer: the real one differs, but both sides render the same messages with it.
 TEMPLATE = ("{% for m in messages %}<sot>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-            "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}"
-            "{% endif %}{% endfor %}{% endif %}<eot>\n{% endfor %}{% if add_generation_prompt %}<sot>model\n{% endif %}")
+            "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
+            "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<eot>\n{% endfor %}"
+            "{% if add_generation_prompt %}<sot>model\n{% endif %}")
 SYSTEM = {"t2v": "Write a detailed video caption.", "i2v": "Describe the video that starts at this image."}
 NEW_TOKENS = 6
 
@@ -276,4 +277,5 @@ def test_saved_model_loads_back(tmp_path: Path, enhancer: PromptEnhancer) -> Non
     save_pretrained_here(enhancer.model, tmp_path)
     loaded = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
     again = PromptEnhancer(loaded, enhancer.processor, SYSTEM)
-    assert again.generate_ids("a b", max_new_tokens=3).tolist() == enhancer.generate_ids("a b", max_new_tokens=3).tolist()
+    expected = enhancer.generate_ids("a b", max_new_tokens=3).tolist()
+    assert again.generate_ids("a b", max_new_tokens=3).tolist() == expected
