@@ -31,6 +31,8 @@ from loguru import logger
 from PIL import Image
 from torch import nn
 
+from runnerkit.config import RunnerConfig
+from runnerkit.runners.request_state import RequestState
 from runnerkit.weights import CheckpointError
 
 __all__ = [
@@ -43,8 +45,10 @@ __all__ = [
     "clean_response",
     "enhancer_messages",
     "fit_long_side",
+    "load_configured_enhancer",
     "load_prompt_enhancer",
     "pad_to_multiple",
+    "prompt_to_encode",
     "read_system_prompts",
 ]
 
@@ -146,16 +150,16 @@ class PromptEnhancer:
         processor: its processor (`tokenizer` with a chat template; images for image-conditioned prompts).
         system_prompts: "t2v" and/or "i2v" -> the system prompt text.
         decoding: the `generate` recipe (LTX-2.5: `GEMMA4_DECODING`).
+        device: where it generates (None: where `model` is). A model kept elsewhere (e.g. the CPU) visits
+            `device` for each enhancement and goes back after it, as model offload does.
     """
 
     def __init__(self, model: nn.Module, processor: Any, system_prompts: Mapping[str, str],
-                 decoding: Decoding = GEMMA4_DECODING) -> None:
+                 decoding: Decoding = GEMMA4_DECODING, device: torch.device | None = None) -> None:
         self.model, self.processor, self.decoding = model, processor, decoding
         self.system_prompts = dict(system_prompts)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        self.home = next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else self.home
 
     def inputs(self, prompt: str, image: Image.Image | None = None) -> dict[str, torch.Tensor]:
         """The model inputs of one enhancement (`input_ids` `[1, T]`, T a multiple of 8, `attention_mask`, and
@@ -192,9 +196,16 @@ class PromptEnhancer:
         inputs = self.inputs(prompt, image)
         budget = self.decoding.max_new_tokens if max_new_tokens is None else max_new_tokens
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            sequences = self.model.generate(**inputs, max_new_tokens=budget, **self.decoding.kwargs)
+        visiting = self.device != self.home
+        try:
+            if visiting:
+                self.model.to(self.device)
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                sequences = self.model.generate(**inputs, max_new_tokens=budget, **self.decoding.kwargs)
+        finally:
+            if visiting:
+                self.model.to(self.home)
         return sequences[0, inputs["input_ids"].shape[1]:].cpu()  # [N]: the prompt's tokens dropped
 
     def enhance(self, prompt: str, image: Image.Image | None = None, seed: int = 10,
@@ -207,12 +218,14 @@ class PromptEnhancer:
         ids = self.generate_ids(prompt, image, seed, max_new_tokens)
         return clean_response(self.processor.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def warm(self, with_image: bool) -> str:
-        """Warmup's one short enhancement (`WARMUP_NEW_TOKENS` new tokens, a placeholder prompt, and with
-        `with_image` a mid-gray 896 x 512 frame through the vision path): the prefill and the cached decode
-        step each run once, so a request's enhancement meets no first-call cost. Returns its text."""
-        image = Image.new("RGB", (IMAGE_LONG_SIDE, 512), (128, 128, 128)) if with_image else None
-        return self.enhance(WARMUP_PROMPT, image, seed=0, max_new_tokens=WARMUP_NEW_TOKENS)
+    def warm(self) -> list[str]:
+        """Warmup's short enhancements, one per kind it has a system prompt for (`WARMUP_NEW_TOKENS` new tokens
+        of a placeholder prompt; "i2v" with a mid-gray 896 x 512 frame through the vision path): the prefill and
+        the cached decode step each run once, so a request's enhancement meets no first-call cost. Returns
+        their texts, in kind order ("t2v", "i2v")."""
+        gray = Image.new("RGB", (IMAGE_LONG_SIDE, 512), (128, 128, 128))
+        return [self.enhance(WARMUP_PROMPT, gray if kind == "i2v" else None, seed=0, max_new_tokens=WARMUP_NEW_TOKENS)
+                for kind in ("t2v", "i2v") if kind in self.system_prompts]
 
 
 def read_system_prompts(kinds: tuple[str, ...], files: Mapping[str, str | None], folder: Path) -> dict[str, str]:
@@ -259,13 +272,14 @@ def enhancer_folders(root: str | Path) -> tuple[Path, Path]:
 
 
 def load_prompt_enhancer(root: str | Path, kinds: tuple[str, ...], system_prompt_files: Mapping[str, str | None],
-                         dtype: torch.dtype, device: torch.device,
-                         decoding: Decoding = GEMMA4_DECODING) -> PromptEnhancer:
-    """Load the enhancer of `root` (`enhancer_folders`) through transformers, in `dtype` on `device`.
+                         dtype: torch.dtype, device: torch.device, decoding: Decoding = GEMMA4_DECODING,
+                         home: torch.device | None = None) -> PromptEnhancer:
+    """Load the enhancer of `root` (`enhancer_folders`) through transformers, in `dtype`, generating on `device`.
 
     Args:
         kinds: the system prompts the runner's task needs ("t2v" for text-only tasks, "i2v" with an image).
         system_prompt_files: kind -> configured file or None (`read_system_prompts`).
+        home: where the weights stay between enhancements (None: `device`, resident).
 
     Raises:
         CheckpointError: no enhancer at `root`, or its config is not a Gemma-4 conditional-generation model.
@@ -283,4 +297,57 @@ def load_prompt_enhancer(root: str | Path, kinds: tuple[str, ...], system_prompt
     processor = transformers.AutoProcessor.from_pretrained(processor_dir)
     logger.info("prompt enhancer: {} ({} parameters, {}), system prompts {}", model_dir,
                 sum(p.numel() for p in model.parameters()), dtype, sorted(prompts))
-    return PromptEnhancer(model.to(device).eval(), processor, prompts, decoding)
+    return PromptEnhancer(model.to(home or device).eval(), processor, prompts, decoding, device)
+
+
+def load_configured_enhancer(config: RunnerConfig, image_task: bool, dtype: torch.dtype, device: torch.device,
+                             home: torch.device | None = None) -> PromptEnhancer | None:
+    """The runner's enhancer as its config's `prompt_enhancer` section says (None: no section, nothing loads):
+    from `path` (else `model_path`), with the system prompt of the task's kind ("i2v" for `image_task`, else
+    "t2v") and at most `max_new_tokens` new tokens; `load_prompt_enhancer` for the rest.
+
+    Raises:
+        CheckpointError, ValueError: as `load_prompt_enhancer`.
+    """
+    section = config.prompt_enhancer
+    if section is None:
+        return None
+    root = section.path or config.model_path
+    if root is None:
+        raise ValueError("`prompt_enhancer.path`: no enhancer folder (and no `model_path` to look in)")
+    kind: Kind = "i2v" if image_task else "t2v"
+    files = {"t2v": section.system_prompt_t2v, "i2v": section.system_prompt_i2v}
+    decoding = Decoding(section.max_new_tokens, GEMMA4_DECODING.kwargs)
+    return load_prompt_enhancer(root, (kind,), files, dtype, device, decoding, home)
+
+
+def prompt_to_encode(req: RequestState, enhancer: PromptEnhancer | None, image: Image.Image | None = None) -> str:
+    """The prompt the text encoder reads for request `req`: the hook a family's text stage calls first.
+
+    - `req.info.enhance_prompt` false: `req.info.prompt`, nothing runs.
+    - true: `enhancer.enhance(prompt, image, seed=req.info.seed)` (the request's seed, as diffusers' pipeline
+      seeds from the request's generator), also stored in `req.enhanced_prompt` for the sidecar.
+    - warmup (`req.info.warmup`) with an enhancer: `enhancer.warm()` (the family calls its text stage once
+      for all warmup shapes), then the dummy prompt as it is.
+
+    Args:
+        image: the request's reference frame for image-conditioned tasks, else None (not read in warmup).
+
+    Raises:
+        RuntimeError: `enhance_prompt` without an enhancer (admission refuses such a request first).
+    """
+    info = req.info
+    if info.warmup:
+        if enhancer is not None:
+            enhancer.warm()
+        return info.prompt
+    if not info.enhance_prompt:
+        return info.prompt
+    if enhancer is None:
+        raise RuntimeError("`enhance_prompt`=true reached a runner without a loaded prompt enhancer (admission "
+                           "should have refused it: the runner class must declare PROMPT_ENHANCER and load the "
+                           "config's `prompt_enhancer`)")
+    req.enhanced_prompt = enhancer.enhance(info.prompt, image, seed=info.seed)
+    logger.info("enhanced prompt ({} -> {} characters): {}", len(info.prompt), len(req.enhanced_prompt),
+                req.enhanced_prompt)
+    return req.enhanced_prompt

@@ -16,15 +16,20 @@ import torch
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models
 
+from runnerkit.config import load_runner_config
 from runnerkit.models.ltx2.prompt_enhancer import (
     GEMMA4_DECODING,
     PromptEnhancer,
     clean_response,
     enhancer_folders,
     fit_long_side,
+    load_configured_enhancer,
     pad_to_multiple,
+    prompt_to_encode,
     read_system_prompts,
 )
+from runnerkit.runners.pipeline import InputInfo
+from runnerkit.runners.request_state import RequestState
 from runnerkit.synthetic import save_pretrained_here
 from runnerkit.weights import CheckpointError
 from test_cases._reference import require_reference
@@ -192,7 +197,8 @@ def test_seed_leaves_the_callers_rng_alone(enhancer: PromptEnhancer) -> None:
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_warm_runs_one_short_enhancement_per_path(enhancer: PromptEnhancer) -> None:
+def _generate_calls(enhancer: PromptEnhancer, run: Any) -> list[tuple[int, bool]]:
+    """`run()`'s calls of the model's `generate`: (max_new_tokens, with pixel values)."""
     calls: list[tuple[int, bool]] = []
     generate = enhancer.model.generate
 
@@ -202,11 +208,61 @@ def test_warm_runs_one_short_enhancement_per_path(enhancer: PromptEnhancer) -> N
 
     enhancer.model.generate = spy
     try:
-        enhancer.warm(with_image=False)
-        enhancer.warm(with_image=True)
+        run()
     finally:
         del enhancer.model.generate
-    assert calls == [(4, False), (4, True)]
+    return calls
+
+
+def test_warm_runs_one_short_enhancement_per_kind(enhancer: PromptEnhancer) -> None:
+    assert _generate_calls(enhancer, enhancer.warm) == [(4, False), (4, True)]
+    text_only = PromptEnhancer(enhancer.model, enhancer.processor, {"t2v": "x"})
+    assert _generate_calls(text_only, text_only.warm) == [(4, False)]
+
+
+def _state(warmup: bool = False, enhance: bool = False) -> RequestState:
+    info = InputInfo(prompt="a fox", negative_prompt="", seed=5, height=32, width=32, frames=9, warmup=warmup,
+                     enhance_prompt=enhance)
+    return RequestState(info)
+
+
+def test_prompt_to_encode(enhancer: PromptEnhancer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not asked: the prompt, nothing generated; asked: the enhanced text (the request's seed), kept for the
+    sidecar; warmup: `warm` once, the dummy prompt unchanged."""
+    seeds: list[int] = []
+    original = PromptEnhancer.enhance
+
+    def enhance(self: PromptEnhancer, prompt: str, image: Any = None, seed: int = 10,
+                max_new_tokens: Any = None) -> str:
+        seeds.append(seed)
+        return original(self, prompt, image, seed, max_new_tokens if max_new_tokens is not None else NEW_TOKENS)
+
+    monkeypatch.setattr(PromptEnhancer, "enhance", enhance)
+    plain = _state()
+    assert _generate_calls(enhancer, lambda: prompt_to_encode(plain, enhancer)) == []
+    assert prompt_to_encode(plain, None) == "a fox" and plain.enhanced_prompt is None
+    asked = _state(enhance=True)
+    text = prompt_to_encode(asked, enhancer)
+    assert text == asked.enhanced_prompt == original(enhancer, "a fox", None, 5, NEW_TOKENS) and seeds[0] == 5
+    with_image = _state(enhance=True)
+    assert prompt_to_encode(with_image, enhancer, _image()) == original(enhancer, "a fox", _image(), 5, NEW_TOKENS)
+    warm = _state(warmup=True)
+    assert _generate_calls(enhancer, lambda: prompt_to_encode(warm, enhancer)) == [(4, False), (4, True)]
+    assert prompt_to_encode(warm, None) == "a fox" and warm.enhanced_prompt is None
+    with pytest.raises(RuntimeError, match="without a loaded prompt enhancer"):
+        prompt_to_encode(_state(enhance=True), None)
+
+
+def test_a_model_kept_elsewhere_visits_the_device_per_enhancement(enhancer: PromptEnhancer) -> None:
+    moves: list[str] = []
+    visiting = PromptEnhancer(enhancer.model, enhancer.processor, SYSTEM, device=torch.device("cpu"))
+    visiting.home = torch.device("meta")  # stands for the CPU of a GPU run; `to` is recorded, not done
+    visiting.model.to = lambda device: moves.append(str(device)) or visiting.model
+    try:
+        ids = visiting.generate_ids("x", max_new_tokens=2)
+    finally:
+        del visiting.model.to
+    assert moves == ["cpu", "meta"] and ids.tolist() == enhancer.generate_ids("x", max_new_tokens=2).tolist()
 
 
 def test_decoding_recipe_is_the_gemma4_one() -> None:
@@ -279,3 +335,29 @@ def test_saved_model_loads_back(tmp_path: Path, enhancer: PromptEnhancer) -> Non
     again = PromptEnhancer(loaded, enhancer.processor, SYSTEM)
     expected = enhancer.generate_ids("a b", max_new_tokens=3).tolist()
     assert again.generate_ids("a b", max_new_tokens=3).tolist() == expected
+
+
+def test_load_configured_enhancer(tmp_path: Path, enhancer: PromptEnhancer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No section: nothing loads. A diffusers layout under `model_path`: the saved model, the system prompt of the
+    task's kind and the section's token budget. (transformers' `AutoProcessor` needs torchvision for Gemma-4's
+    video processor, absent here: it returns the in-memory tiny processor, and is checked to be asked for
+    `processor/`.)"""
+    base = {"model_cls": "ltx2", "task": "t2av", "model_path": str(tmp_path), "device": "cpu"}
+    assert load_configured_enhancer(load_runner_config(None, base), False, torch.float32, torch.device("cpu")) is None
+    save_pretrained_here(enhancer.model, tmp_path / "prompt_enhancer")
+    (tmp_path / "prompt_enhancer" / "system_prompt_i2v.txt").write_text("From the image.")
+    asked: list[Path] = []
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained",
+                        lambda folder, **kw: asked.append(Path(folder)) or enhancer.processor)
+    config = load_runner_config(None, {**base, "prompt_enhancer": {"max_new_tokens": 3}})
+    with pytest.raises(ValueError, match="`prompt_enhancer.system_prompt_t2v`: the t2v system prompt file"):
+        load_configured_enhancer(config, False, torch.float32, torch.device("cpu"))
+    assert asked == []  # refused before anything loads
+    loaded = load_configured_enhancer(config, True, torch.float32, torch.device("cpu"))
+    assert asked == [tmp_path / "processor"] and loaded.system_prompts == {"i2v": "From the image."}
+    assert loaded.decoding == type(GEMMA4_DECODING)(3, GEMMA4_DECODING.kwargs)
+    other = PromptEnhancer(enhancer.model, enhancer.processor, {"i2v": "From the image."})
+    assert loaded.generate_ids("z", _image()).tolist() == other.generate_ids("z", _image(), max_new_tokens=3).tolist()
+    (tmp_path / "prompt_enhancer" / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    with pytest.raises(CheckpointError, match="model_type 'gemma3', expected 'gemma4'"):
+        load_configured_enhancer(config, True, torch.float32, torch.device("cpu"))
