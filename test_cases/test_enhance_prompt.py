@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from runnerkit.admission import admitted
 from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.runners.request_state import RequestState
 from test_cases._cli import no_gc_freeze, restore_logger, run_cli  # noqa: F401  (autouse fixtures)
@@ -58,6 +59,8 @@ def test_the_server_and_the_python_api_refuse_it(loaded: Any, tmp_path: Path) ->
     with pytest.raises(ValueError, match="has no prompt enhancer; remove the field"):
         loaded.resolve_request(RequestConfig(prompt="python", enhance_prompt=True))
     assert loaded.resolve_request(RequestConfig(prompt="python")).enhance_prompt is False
+    # an admitted request is resolved as given (a runner with an enhancer admits it): the field reaches the hooks
+    assert loaded.resolve_request(admitted(RequestConfig(prompt="python", enhance_prompt=True))).enhance_prompt
 
 
 def test_a_form_part_true_or_false_is_a_bool() -> None:

@@ -319,6 +319,7 @@ def test_enhancer_folders(tmp_path: Path) -> None:
     """diffusers layout (prompt_enhancer/ + processor/) first, else one transformers folder; else refused."""
     (tmp_path / "prompt_enhancer").mkdir()
     (tmp_path / "prompt_enhancer" / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text("{}")  # a folder of both layouts: the diffusers one wins
     assert enhancer_folders(tmp_path) == (tmp_path / "prompt_enhancer", tmp_path / "processor")
     flat = tmp_path / "flat"
     flat.mkdir()
@@ -326,15 +327,6 @@ def test_enhancer_folders(tmp_path: Path) -> None:
     assert enhancer_folders(flat) == (flat, flat)
     with pytest.raises(CheckpointError, match="neither prompt_enhancer/config.json"):
         enhancer_folders(tmp_path / "nothing")
-
-
-def test_saved_model_loads_back(tmp_path: Path, enhancer: PromptEnhancer) -> None:
-    """The tiny model round-trips through save_pretrained / from_pretrained with the same greedy ids."""
-    save_pretrained_here(enhancer.model, tmp_path)
-    loaded = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    again = PromptEnhancer(loaded, enhancer.processor, SYSTEM)
-    expected = enhancer.generate_ids("a b", max_new_tokens=3).tolist()
-    assert again.generate_ids("a b", max_new_tokens=3).tolist() == expected
 
 
 def test_load_configured_enhancer(tmp_path: Path, enhancer: PromptEnhancer, monkeypatch: pytest.MonkeyPatch) -> None:
