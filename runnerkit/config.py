@@ -29,6 +29,7 @@ from runnerkit.config_sections import (
     MemoryConfig,
     OffloadConfig,
     ParallelConfig,
+    PromptEnhancerConfig,
     SyntheticCheckpointConfig,
     lora_flag_fields,
     parse_lora_flag,
@@ -165,6 +166,9 @@ class RunnerConfig(_Strict):
         None, description="Write random weights to model_path (or a cache folder) if no checkpoint is there.")
     model: dict[str, Any] | None = Field(None, description="Architecture in runnerkit's names; normally read from the checkpoint.")
     lora: LoRAConfig | None = Field(None, description="LoRA adapters per request (None: requests may not carry `lora`).")
+    prompt_enhancer: PromptEnhancerConfig | None = Field(
+        None, description="Load the runner's prompt enhancer, for requests with `enhance_prompt` (None: not loaded; "
+        "a runner without one refuses the section).")
 
     @field_validator("sample_sigmas", mode="before")
     @classmethod
@@ -286,6 +290,8 @@ class RequestConfig(_Strict):
     lora: list[LoRARequest] | None = Field(
         None, max_length=8, description="LoRA adapters of this request only, in order (needs the config's `lora`); "
         "removed after the request.")
+    enhance_prompt: bool = Field(False, description="Rewrite `prompt` with the runner's prompt enhancer before "
+                                 "encoding (needs the config's `prompt_enhancer`); the sidecar keeps both prompts.")
 
     @field_validator("prompt")
     @classmethod

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["CompileConfig", "LoRAConfig", "LoRARequest", "MemoryConfig", "OffloadConfig", "ParallelConfig",
-           "StrictModel", "SyntheticCheckpointConfig", "lora_flag_fields", "parse_lora_flag"]
+           "PromptEnhancerConfig", "StrictModel", "SyntheticCheckpointConfig", "lora_flag_fields", "parse_lora_flag"]
 
 
 class StrictModel(BaseModel):
@@ -300,6 +300,21 @@ class ParallelConfig(StrictModel):
     def world_size(self) -> int:
         """Processes the launcher must start: `cfg` x `ulysses`."""
         return self.cfg * self.ulysses
+
+
+class PromptEnhancerConfig(StrictModel):
+    """The runner's prompt enhancer (an LLM that rewrites a request's prompt when it asks, `enhance_prompt`).
+    Its presence loads the enhancer; warmup then runs one short enhancement (the family's docs/ page)."""
+
+    path: str | None = Field(None, description="The enhancer's folder: a diffusers checkpoint holding "
+                             "`prompt_enhancer/` and `processor/`, or one transformers folder with both (None: "
+                             "`model_path`).")
+    system_prompt_t2v: str | None = Field(None, description="UTF-8 file with the system prompt of text-only "
+                                          "requests (None: `system_prompt_t2v.txt` in the enhancer's folder).")
+    system_prompt_i2v: str | None = Field(None, description="UTF-8 file with the system prompt of requests with a "
+                                          "reference image (None: `system_prompt_i2v.txt` in the enhancer's folder).")
+    max_new_tokens: int = Field(600, ge=1, le=4096, description="Most tokens the enhancer writes (600: the "
+                                "reference's).")
 
 
 class SyntheticCheckpointConfig(StrictModel):

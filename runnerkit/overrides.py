@@ -83,6 +83,9 @@ OVERRIDES: tuple[Override, ...] = (
              "name of the config's lora.adapters), strength default 1; repeat for several; needs the config's "
              "`lora` section (docs/lora.md)", frozenset({LAUNCH, BODY}),
              options={"action": "append", "metavar": "PATH[:STRENGTH]"}),
+    Override("enhance_prompt", "rewrite the prompt with the runner's prompt enhancer (an LLM) before encoding; the "
+             "sidecar keeps both prompts; needs a runner with an enhancer and the config's `prompt_enhancer` section",
+             frozenset({LAUNCH, BODY}), bool, options={"default": None}),  # None: not given (a requests file's lines)
     # ---- runner-config keys ------------------------------------------------------------------------------
     Override("infer_steps", "denoising steps (default: the config's, else the family's)", frozenset({LAUNCH}), int,
              key="infer_steps"),

@@ -206,7 +206,7 @@ def test_the_three_surfaces_agree_with_the_override_table() -> None:
     assert accepted_fields(runner, "video") == [*expected, "size", "seconds", "model"]
     assert accepted_fields(runner, "image", ("n",)) == [
         "prompt", "negative_prompt", "image", "last_frame", "extra_images", "seed", "target_height", "target_width",
-        "target_video_length", "lora", "size", "model", "n"]
+        "target_video_length", "lora", "enhance_prompt", "size", "model", "n"]
 
 
 def test_a_flag_overrides_the_config_key_the_table_names(tmp_path: Path) -> None:

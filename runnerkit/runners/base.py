@@ -128,6 +128,8 @@ class BaseRunner(ABC):
     CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ()
     #: The layout of the synthetic checkpoint the runner writes itself (`synthetic_checkpoint`).
     SYNTHETIC_LAYOUT: ClassVar[str] = "runnerkit"
+    #: The family has a prompt enhancer (config `prompt_enhancer` loads it; requests ask with `enhance_prompt`).
+    PROMPT_ENHANCER: ClassVar[bool] = False
     #: The configured architecture (a pydantic model; the family sets it in `__init__`): the synthetic
     #: checkpoint's, keyed into its cache folder (runners/checkpoints.py); None: the checkpoint's own.
     arch_override: Any = None

@@ -205,10 +205,12 @@ def check_stream_modules(config: RunnerConfig, allowed: Sequence[str], runner: s
                          f"{config.model_cls!r} (task {config.task!r}, {runner}); modules that can: {can}")
 
 
-def check_family_settings(config: RunnerConfig, module_paths: Sequence[str], pads_text: bool) -> None:
+def check_family_settings(config: RunnerConfig, module_paths: Sequence[str], pads_text: bool,
+                          enhancer: bool = False) -> None:
     """Refuse settings the family does not read, when the runner is built: `text_encoder_path` /
-    `upsampler_path` not among its `MODULE_PATHS`, and `text_buckets` other than 'auto' when it pads no
-    text (`pads_text`: it declares `TEXT_BUCKETS`).
+    `upsampler_path` not among its `MODULE_PATHS`, `text_buckets` other than 'auto' when it pads no
+    text (`pads_text`: it declares `TEXT_BUCKETS`), and `prompt_enhancer` without one (`enhancer`: it declares
+    `PROMPT_ENHANCER`).
 
     Raises:
         ValueError: naming the field, its value and why it is refused.
@@ -222,3 +224,6 @@ def check_family_settings(config: RunnerConfig, module_paths: Sequence[str], pad
         raise ValueError(f"`text_buckets` ({config.text_buckets!r}) is not read by {config.model_cls!r} "
                          f"task {config.task!r}: "
                          "its prompts are not padded to text buckets (docs/prompt_lengths.md); remove it")
+    if not enhancer and config.prompt_enhancer is not None:
+        raise ValueError(f"`prompt_enhancer` is not read by {config.model_cls!r} task {config.task!r}: it has no "
+                         "prompt enhancer; remove the section")

@@ -376,7 +376,7 @@ class DefaultRunner(BaseRunner):
     def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
         """Check `request` before anything loads (`config` as the user gave it); raises as `check_request`."""
         check_request(request, cls.resolve_config(config), cls.IMAGE_INPUTS, cls.EXTRA_IMAGES, cls.RESULT_KINDS,
-                      cls.shape_of, cls.validate_shape)
+                      cls.shape_of, cls.validate_shape, cls.PROMPT_ENHANCER)
 
     def resolve_request(self, request: RequestConfig | dict[str, Any]) -> InputInfo:
         """The request's defaults filled in, validated unless admitted (`runners/requests.py` `resolve`)."""

@@ -61,6 +61,9 @@ class InputInfo:
     extra_image_paths: tuple[str, ...] = ()
     lora: tuple[tuple[str, float], ...] = ()
     """The request's LoRA adapters: (file path, strength), in order (names resolved); empty: none."""
+    enhance_prompt: bool = False
+    """Rewrite `prompt` with the runner's prompt enhancer before encoding (the family's text stage does it and
+    records the result in `RequestState.enhanced_prompt`)."""
     warmup: bool = False
     frames_omitted: bool = False
 

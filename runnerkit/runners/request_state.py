@@ -42,6 +42,8 @@ class RequestState:
         stage: the denoise stage running (its transition included), or None outside denoising.
         derived: values a family computes once per request from `info` (e.g. the latent layout of each stage),
             by name; the family owns the names.
+        enhanced_prompt: the prompt the family's prompt enhancer wrote for `info.prompt` (`info.enhance_prompt`),
+            which the text encoder read instead; None: not enhanced. The sidecar records it beside the prompt.
     """
 
     info: InputInfo
@@ -50,6 +52,7 @@ class RequestState:
     generator: torch.Generator | None = None
     stage: DenoiseStage | None = None
     derived: dict[str, Any] = field(default_factory=dict)
+    enhanced_prompt: str | None = None
 
     @property
     def stage_index(self) -> int | None:

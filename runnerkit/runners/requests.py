@@ -21,7 +21,7 @@ from runnerkit.images import check_image
 from runnerkit.lora import LoRAError, read_adapter
 from runnerkit.runners.pipeline import InputInfo, OutputKind, Shape
 
-__all__ = ["check_request", "check_shape", "lora_specs", "resolve", "shape_with_defaults"]
+__all__ = ["check_enhance_prompt", "check_request", "check_shape", "lora_specs", "resolve", "shape_with_defaults"]
 
 
 def check_shape(height: int, width: int, frames: int, spatial: int, temporal: int) -> None:
@@ -48,7 +48,7 @@ def shape_with_defaults(request: RequestConfig, config: RunnerConfig) -> Shape:
 def check_request(request: RequestConfig, config: RunnerConfig, image_inputs: Mapping[str, tuple[str, ...]],
                   extra_images: Mapping[str, int], result_kinds: Mapping[str, OutputKind],
                   shape_of: Callable[[RequestConfig, RunnerConfig], Shape],
-                  validate_shape: Callable[[int, int, int], None]) -> None:
+                  validate_shape: Callable[[int, int, int], None], enhancer: bool = False) -> None:
     """Check a request against a runner before anything loads.
 
     Args:
@@ -56,14 +56,17 @@ def check_request(request: RequestConfig, config: RunnerConfig, image_inputs: Ma
         image_inputs, extra_images, result_kinds: the runner class's `IMAGE_INPUTS`, `EXTRA_IMAGES` and
             `RESULT_KINDS` (per task).
         shape_of, validate_shape: the runner class's hooks (a family may override them).
+        enhancer: the runner class has a prompt enhancer (`PROMPT_ENHANCER`; `check_enhance_prompt`).
 
     Raises:
         ValueError: naming the field: `lora` adapters that are not readable adapter files
             (`runnerkit.lora.LoRAError`, naming the file) or without the config's `lora`; image
             inputs the task does not take, lacks, or that are
             not readable images (`runnerkit.images.ImageInputError`), shape factors, a result
-            file suffix that does not fit the task's primary output.
+            file suffix that does not fit the task's primary output, `enhance_prompt` where nothing can
+            enhance (`check_enhance_prompt`).
     """
+    check_enhance_prompt(request, config, enhancer)
     if request.negative_prompt is not None and not config.enable_cfg:
         raise ValueError("`negative_prompt` only acts with classifier-free guidance, but the runner's "
                          "`enable_cfg` is false: remove it from the request")
@@ -102,6 +105,24 @@ def check_request(request: RequestConfig, config: RunnerConfig, image_inputs: Ma
                              f"use {' or '.join(allowed)}{hint}")
 
 
+def check_enhance_prompt(request: RequestConfig, config: RunnerConfig, enhancer: bool) -> None:
+    """Refuse `enhance_prompt` on a runner that cannot enhance: its class has no prompt enhancer (`enhancer`
+    False), or the config does not load it (no `prompt_enhancer` section).
+
+    Raises:
+        ValueError: naming the field, its value and why.
+    """
+    if not request.enhance_prompt:
+        return
+    if not enhancer:
+        raise ValueError(f"`enhance_prompt`=true: model_cls {config.model_cls!r} (task {config.task!r}) has no "
+                         "prompt enhancer; remove the field (or set it false)")
+    if config.prompt_enhancer is None:
+        raise ValueError(f"`enhance_prompt`=true: the runner's config does not load the prompt enhancer of "
+                         f"{config.model_cls!r}; add a `prompt_enhancer` section to the config (docs/configs.md) "
+                         "or remove the field")
+
+
 def resolve(request: RequestConfig | dict[str, Any], config: RunnerConfig,
             validate_request: Callable[[RequestConfig, RunnerConfig], None],
             shape_of: Callable[[RequestConfig, RunnerConfig], Shape], default_negative_prompt: str) -> InputInfo:
@@ -136,6 +157,7 @@ def resolve(request: RequestConfig | dict[str, Any], config: RunnerConfig,
         last_frame_path=request.last_frame_path,
         extra_image_paths=tuple(request.extra_image_paths or ()),
         lora=lora_specs(request, cfg),
+        enhance_prompt=request.enhance_prompt,
     )
 
 

@@ -59,11 +59,13 @@ def replace_writer(current: ResultWriter | None, max_in_flight: int) -> ResultWr
 
 def sidecar_record(runner: DefaultRunner, req: RequestState) -> dict[str, Any]:
     """The sidecar JSON of a request's result: the request's own values (image paths absolute), the
-    family's fields (`sidecar_extra`, which may read the request's encoded inputs: call it before
-    `end_run`), and the runner config without the request defaults they replace (a sidecar that
+    prompt the enhancer wrote (`enhanced_prompt`, when it ran), the family's fields (`sidecar_extra`,
+    which may read the request's encoded inputs: call it before `end_run`), and the runner config without the request defaults they replace (a sidecar that
     shows `seed: 42` beside the request's seed 7 would mislead)."""
     info = req.info
-    return {"prompt": info.prompt, "negative_prompt": info.negative_prompt, "seed": info.seed,
+    enhanced = {"enhanced_prompt": req.enhanced_prompt} if req.enhanced_prompt is not None else {}
+    return {"prompt": info.prompt, **enhanced,
+            "negative_prompt": info.negative_prompt, "seed": info.seed,
             "height": info.height, "width": info.width, "frames": info.frames,
             **{k: os.path.abspath(v) for k, v in (("image_path", info.image_path),
                                                   ("last_frame_path", info.last_frame_path)) if v},

@@ -40,6 +40,8 @@ MAX_FILES = 2 + MAX_EXTRA_IMAGES + 1  # image, last_frame, the references, and a
 MAX_FIELDS = 100
 #: Integer request fields, converted from a form's text parts.
 INT_FIELDS = ("seed", "target_height", "target_width", "target_video_length", "n")
+#: Boolean request fields, converted from a form's text parts "true" / "false".
+BOOL_FIELDS = ("enhance_prompt",)
 #: Body field carrying a list of further reference images -> `extra_image_paths`.
 EXTRA_IMAGES_FIELD = "extra_images"
 #: A form's LoRA parts as the official `openai` client writes `extra_body={"lora": [{"path", "strength"}]}` in a
@@ -308,6 +310,8 @@ async def form_fields(items: list[tuple[str, str | bytes]]) -> dict[str, Any]:
             continue
         if isinstance(value, str) and name in INT_FIELDS and re.fullmatch(r"\s*[+-]?\d+\s*", value):
             value = int(value)
+        if isinstance(value, str) and name in BOOL_FIELDS and value.strip().lower() in ("true", "false"):
+            value = value.strip().lower() == "true"
         if name == EXTRA_IMAGES_FIELD:
             fields.setdefault(name, []).append(value)
         elif name in fields and name == "image":  # build_request splits them (errors name `image[k]`, as sent)

@@ -55,7 +55,7 @@ def test_a_prompt_sent_as_a_file_is_a_text_field(tmp_path: Path, state: Any, tak
 
 
 I2V_FIELDS = ("`prompt`, `negative_prompt`, `image`, `input_reference`, `seed`, `target_height`, `target_width`, "
-              "`target_video_length`, `size`, `seconds`, `model`")
+              "`target_video_length`, `enhance_prompt`, `size`, `seconds`, `model`")
 
 
 @pytest.mark.parametrize(("options", "accepted"), [
