@@ -19,7 +19,7 @@ from runnerkit.models.ltx2.diffusion_decoder import (
     LTX2DiffusionDecoderArch,
 )
 from runnerkit.models.ltx2.duration import LTX25_DURATION_HEAD, TINY_DURATION_HEAD, LTX2DurationHeadArch
-from runnerkit.models.ltx2.ltx25_arch import LTX25_22B_ARCH
+from runnerkit.models.ltx2.ltx25_arch import LTX25_22B_ARCH, LTX25_TRANSFORMER_CHANGES
 
 EXTRA_COMPONENTS = ("duration_head", "diffusion_decoder")
 """What an LTX-2.5 diffusers folder adds to `arch.COMPONENTS` (diffusers' folder names)."""
@@ -75,13 +75,15 @@ LTX25_22B_PIPELINE_ARCH = LTX25Arch(**{name: getattr(LTX25_22B_ARCH, name) for n
 
 def tiny_ltx25_arch() -> LTX25Arch:
     """A tiny LTX-2.5 pipeline (configs/ltx2/ltx25_t2av_tiny.json, runner tests): `arch.tiny_pipeline_arch("2.3")`
-    with the tiny duration head (it takes the tiny connectors' video 32 and audio 8 wide outputs) and a
+    with LTX-2.5's transformer switches (`LTX25_TRANSFORMER_CHANGES`: video FFN without biases, the keyframe
+    embedding), the tiny duration head (it takes the tiny connectors' video 32 and audio 8 wide outputs) and a
     tiny diffusion decoder at the video VAE's ratios (8 latent channels, 32x spatial: patch 8 after a 4x
     pixel shuffle; 8x temporal), its windows small enough for a 64 x 64 output (2 x 2 latent cells)."""
     base = arch.tiny_pipeline_arch("2.3")
     decoder = LTX2DiffusionDecoderArch(**{
         **TINY_LTX25_DIFFUSION_DECODER.model_dump(), "patch_size": 8, "spatial_compression_ratio": 32,
         "decoder_stage_kernels": ((3, 1, 1), (3, 3, 3), (3, 3, 3), (3, 3, 3)), "decoder_stage5_kernel": (3, 3, 3)})
+    base = base.model_copy(update={"transformer": base.transformer.model_copy(update=LTX25_TRANSFORMER_CHANGES)})
     return LTX25Arch(**{name: getattr(base, name) for name in arch.COMPONENTS}, duration_head=TINY_DURATION_HEAD,
                      diffusion_decoder=decoder)
 
