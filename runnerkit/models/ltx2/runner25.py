@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from pydantic import ValidationError
@@ -50,6 +50,9 @@ from runnerkit.runners.pipeline import DecoderStage, EncoderStage, ModuleSpec, P
 from runnerkit.runners.request_state import RequestState
 from runnerkit.runners.requests import shape_with_defaults
 from runnerkit.weights import CheckpointError
+
+if TYPE_CHECKING:
+    from runnerkit.models.ltx2.prompt_enhancer import PromptEnhancer
 
 __all__ = ["FLAVOURS_25", "LTX25Runner"]
 
@@ -73,6 +76,9 @@ class LTX25Runner(LTX2Runner):
     #: H.264 CRF of a conditioning image (diffusers `resolve_default_image_crf` for Gemma-4 generations).
     IMAGE_CRF: ClassVar[int] = 18
     CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ("diffusers",)
+    #: Gemma-4 prompt enhancer (prompt_enhancer.py): loaded by the config's `prompt_enhancer` section, run for
+    #: requests with `enhance_prompt`.
+    PROMPT_ENHANCER: ClassVar[bool] = True
     #: flavour -> duration bounds (seconds) of a predicted clip; others: diffusers' (1 s, 20 s).
     DURATION_BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {"debug-2.5": (0.3, 1.6)}
 
@@ -93,6 +99,7 @@ class LTX25Runner(LTX2Runner):
                                       f"smallest and largest frame counts at {WARMUP_FPS} fps only (WARMUP_SHAPES); "
                                       f"run with fps {WARMUP_FPS} or without warmup")
         self.gemma4_placeholders: tuple[int, ...] = ()
+        self.enhancer: PromptEnhancer | None = None
 
     # ---- architecture, checkpoint, flavour ------------------------------------------------------
     @staticmethod
@@ -142,12 +149,18 @@ class LTX25Runner(LTX2Runner):
         return FLAVOURS_25.get(super().flavour() or "")
 
     def prepare_load(self) -> None:
-        """`LTX2Runner.prepare_load`, then the Gemma-4 placeholder ids (embedded as padding)."""
+        """`LTX2Runner.prepare_load`, then the Gemma-4 placeholder ids (embedded as padding) and the prompt
+        enhancer when the config has a `prompt_enhancer` section (on the device with `offload.mode` none,
+        else kept in host memory and moved in for each enhancement; the memory plan does not count it)."""
+        from runnerkit.models.ltx2.prompt_enhancer import load_configured_enhancer
         from runnerkit.models.ltx2.text_encoder_gemma4 import gemma4_configs
 
         super().prepare_load()
         assert self.checkpoint is not None
         self.gemma4_placeholders = gemma4_configs(self.checkpoint.text_encoder_path)[1]
+        home = None if self.config.offload.mode == "none" else torch.device("cpu")
+        self.enhancer = load_configured_enhancer(self.config, image_task=self.config.task == "i2av",
+                                                 dtype=self.dtype, device=self.device, home=home)
 
     # ---- frames omitted: the bounds ------------------------------------------------------------
     @classmethod
@@ -253,12 +266,20 @@ class LTX25Runner(LTX2Runner):
     @torch.inference_mode()
     def run_text_encoder(self, req: RequestState) -> LTX2Inputs:
         """Prompt -> stacked Gemma-4 hidden states [1, 1024, D * (layers + 1)] and the tokenizer mask
-        (diffusers' tokenization: no bos prepended beyond the tokenizer's)."""
+        (diffusers' tokenization: no bos prepended beyond the tokenizer's). A request with `enhance_prompt`
+        encodes the enhancer's rewrite of its prompt (`prompt_to_encode`; i2av: conditioned on the request's
+        image as read, before its CRF re-compression, as diffusers does)."""
+        from runnerkit.images import read_pil_image
+        from runnerkit.models.ltx2.prompt_enhancer import prompt_to_encode
         from runnerkit.models.ltx2.text_encoder_gemma4 import Gemma4PromptEncoder
 
+        info = req.info
+        image = (read_pil_image(info.image_path, "image_path")
+                 if info.enhance_prompt and info.image_path and not info.warmup else None)
+        prompt = prompt_to_encode(req, self.enhancer, image)
         encoder = Gemma4PromptEncoder(self.tokenizer, req.modules["text_encoder"],
                                       placeholder_ids=self.gemma4_placeholders)
-        hidden, mask = encoder.encode(req.info.prompt)
+        hidden, mask = encoder.encode(prompt)
         return LTX2Inputs(text_hidden=hidden, text_mask=mask)
 
     @torch.inference_mode()

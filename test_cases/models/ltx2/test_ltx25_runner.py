@@ -228,3 +228,40 @@ def test_estimate_counts_the_new_modules_and_stages(cold: dict[str, Any]) -> Non
     decode = next(s for s in estimate.stages if s.name == "diffusion_decoder")
     assert decode.activation_bytes > diffusion_decode_bytes(runner.checkpoint.arch.diffusion_decoder, (5, 2, 4), 4)[0]
     assert decode.activation_bytes < diffusion_decode_bytes(runner.checkpoint.arch.diffusion_decoder, (6, 2, 4), 4)[0]
+
+
+class FakeEnhancer:
+    """Stands in for the Gemma-4 enhancer (its parity: test_prompt_enhancer.py): records its calls and
+    rewrites every prompt to PROMPT."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, int]] = []
+        self.warmed = 0
+
+    def enhance(self, prompt: str, image: Any = None, seed: int = 10) -> str:
+        self.calls.append((prompt, image, seed))
+        return PROMPT
+
+    def warm(self) -> None:
+        self.warmed += 1
+
+
+def test_enhanced_prompt_is_what_the_text_encoder_reads(cold: dict[str, Any], tmp_path: Path, mocker: Any) -> None:
+    """With a `prompt_enhancer` section the runner loads the enhancer; warmup warms it once; a request with
+    `enhance_prompt` is encoded from the rewrite (its outputs equal a plain request of the rewritten prompt,
+    bit for bit), the sidecar keeps both prompts, and a request without the field never calls it."""
+    fake = FakeEnhancer()
+    load = mocker.patch("runnerkit.models.ltx2.prompt_enhancer.load_configured_enhancer", return_value=fake)
+    runner = make_runner(prompt_enhancer={}, warmup=True)
+    runner.init_modules()
+    assert load.call_args.kwargs["image_task"] is False and fake.warmed == 1
+    runner.run_pipeline(RequestConfig(prompt="fox", seed=3, enhance_prompt=True, save_result_path=str(tmp_path / "e.mp4"),
+                                      save_tensor_path=str(tmp_path / "e.safetensors")))
+    runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3, save_result_path=str(tmp_path / "p.mp4"),
+                                      save_tensor_path=str(tmp_path / "p.safetensors")))
+    assert fake.calls == [("fox", None, 3)] and fake.warmed == 1
+    enhanced, expected = load_file(tmp_path / "e.safetensors"), cold["omitted"][0]
+    assert torch.equal(enhanced["video"], expected["video"]) and torch.equal(enhanced["audio"], expected["audio"])
+    sidecar = json.loads((tmp_path / "e.json").read_text())
+    assert (sidecar["prompt"], sidecar["enhanced_prompt"]) == ("fox", PROMPT)
+    assert "enhanced_prompt" not in json.loads((tmp_path / "p.json").read_text())
