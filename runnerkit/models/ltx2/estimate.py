@@ -302,12 +302,14 @@ def connectors_bytes(arch: LTX2Arch, g: dict[str, int], s: int) -> int:
     return max(4 * states, 2 * states + T * (16 * widest + c.width("video") + c.width("audio")) * s)
 
 
-def _stream_hints(modules: dict[str, ModuleFootprint], offload: OffloadConfig, gemma_bytes: int) -> tuple[Hint, ...]:
-    """Advice for a refusal: list the text encoder, the connectors, or both in `offload.stream_modules`
-    (each hint keeps the modules already streamed; the planner offers one only where it then fits)."""
+def _stream_hints(modules: dict[str, ModuleFootprint], offload: OffloadConfig, gemma_bytes: int,
+                  gemma: str = "Gemma-3") -> tuple[Hint, ...]:
+    """Advice for a refusal: list the text encoder (`gemma`, `gemma_bytes` whole), the connectors, or both in
+    `offload.stream_modules` (each hint keeps the modules already streamed; the planner offers one only where
+    it then fits)."""
     listed = tuple(offload.stream_modules or ("transformer",))
     missing = [m for m in ("text_encoder", "connectors") if not streams(m, modules[m], offload)]
-    words = {"text_encoder": f"the Gemma-3 text encoder, {gemma_bytes / 2**30:.1f} GiB, then streams its layers "
+    words = {"text_encoder": f"the {gemma} text encoder, {gemma_bytes / 2**30:.1f} GiB, then streams its layers "
                              "instead of visiting the device whole for its stage",
              "connectors": f"the text connectors, {modules['connectors'].weight_bytes / 2**30:.1f} GiB, then stream "
                            "their 1D blocks"}

@@ -3,9 +3,11 @@
 `ltx25_estimate` takes `estimate.ltx2_estimate` of the LTX-2 part (the connectors, both denoise
 stages, the upsampler, the audio decoder and save are LTX-2's) and changes:
 
-- `text_encoder`: Gemma-4's weights, counted on a meta-built `Gemma4UnifiedTextModel` of its config
-  (never streamed: `LTX25Runner` does not stream it); its activations with estimate.py's Gemma
-  formula at Gemma-4's width, depth and MLP width (the stacked hidden states dominate it);
+- `text_encoder`: Gemma-4's weights, counted on a meta-built `Gemma4UnifiedTextModel` of its config; when
+  `offload.stream_modules` lists it (mode block/phase), its layer streaming planned as `stream_module` plans
+  it (`text_encoder_gemma4_stream.GEMMA4_STREAM_SPEC`): the resident part (embedding, final norm; in
+  "phase" also the layer norms and scalars) + the slots, as Gemma-3's; its activations with estimate.py's
+  Gemma formula at Gemma-4's width, depth and MLP width (the stacked hidden states dominate it);
 - `duration_head` (new, after the connectors): its weights; activations the two contexts projected
   to the pooler width and its attention (a few MiB at 1024 tokens) beside the contexts;
 - `diffusion_decoder` replaces `vae_decoder`: its weights (the latent statistics as float32 buffers)
@@ -13,7 +15,8 @@ stages, the upsampler, the audio decoder and save are LTX-2's) and changes:
   VAE-decoder stage keeps beside its decode (the contexts, the final latents);
 - `vae`: loaded for i2av's encoder only (t2av drops it).
 
-Hints that suggest streaming the text encoder are left out (Gemma-4 does not stream here).
+The refusal hints (list the text encoder, the connectors, or both in `offload.stream_modules`) name
+Gemma-4 and its size.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from runnerkit.config import OffloadConfig
 from runnerkit.models.ltx2.arch25 import LTX25Arch
 from runnerkit.models.ltx2.checkpoint25 import extra_factory
 from runnerkit.models.ltx2.duration import LTX2DurationHead
-from runnerkit.models.ltx2.estimate import TEXT_TOKENS, ltx2_estimate, stage_tokens
+from runnerkit.models.ltx2.estimate import TEXT_TOKENS, _stream_hints, ltx2_estimate, stage_tokens
 from runnerkit.models.ltx2.estimate_decoders import vae_decode_bytes
 from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes
 from runnerkit.planning.fit import MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
@@ -48,11 +51,15 @@ def _meta_gemma4(config_json: str) -> nn.Module:
     return build_on_meta(lambda: transformers.Gemma4UnifiedTextModel(config))
 
 
-def gemma4_footprint(text_config: dict, dtype: torch.dtype) -> ModuleFootprint:
-    """Gemma-4's text-model weights in `dtype` (`Gemma4UnifiedTextConfig` fields `text_config`), resident or
-    visiting its stage (never streamed)."""
+def gemma4_footprint(text_config: dict, dtype: torch.dtype, offload: OffloadConfig | None = None) -> ModuleFootprint:
+    """Gemma-4's text-model weights in `dtype` (`Gemma4UnifiedTextConfig` fields `text_config`): parameters and
+    buffers; in offload mode block/phase also its layer streaming (`GEMMA4_STREAM_SPEC`, used when
+    `offload.stream_modules` lists "text_encoder": `stream_resident_bytes` the embedding and final norm (+ the
+    layer norms and scalars in "phase"), `stream_slot_bytes` the slots of the largest unit)."""
+    from runnerkit.models.ltx2.text_encoder_gemma4_stream import GEMMA4_STREAM_SPEC
+
     model = _meta_gemma4(json.dumps(text_config, sort_keys=True, default=str))
-    return replace(module_footprint(model, dtype), stream_default=False)
+    return module_footprint(model, dtype, stream=GEMMA4_STREAM_SPEC, offload=offload, stream_default=False)
 
 
 def duration_head_bytes(head: LTX2DurationHead, s: int) -> int:
@@ -79,7 +86,7 @@ def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, t
     base = ltx2_estimate(arch.base(), gemma, shape, fps, task, dtype, device, offload, fp8_stored, lora_rank)
     s = torch.empty((), dtype=dtype, device="meta").element_size()
     modules = dict(base.modules)
-    modules["text_encoder"] = gemma4_footprint(text_config, dtype)
+    modules["text_encoder"] = gemma4_footprint(text_config, dtype, offload)
     head = _meta_extra("duration_head", arch)
     modules["duration_head"] = module_footprint(head, dtype)
     modules["diffusion_decoder"] = module_footprint(_meta_extra("diffusion_decoder", arch), dtype)
@@ -101,5 +108,5 @@ def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, t
             head_bytes = duration_head_bytes(head, s)  # type: ignore[arg-type]
             stages.append(StageFootprint("duration_head", "duration_head", context + head_bytes,
                                          "duration head on the two contexts"))
-    hints = tuple(h for h in base.hints if "text_encoder" not in (h.offload.get("stream_modules") or ()))
+    hints = _stream_hints(modules, offload, modules["text_encoder"].weight_bytes, "Gemma-4")
     return MemoryEstimate(modules=modules, stages=tuple(stages), hints=hints)

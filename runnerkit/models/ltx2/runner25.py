@@ -23,7 +23,9 @@ bounds' smallest and largest frame counts, so every predicted count lies between
 same kernels). The duration head runs in warmup (its prediction is not used there), and all three
 loops (stage 1, stage 2, the diffusion decoder's) run at both shapes.
 
-Not covered yet: the single-file release, streaming the Gemma-4 text encoder.
+Gemma-4 streams its decoder layers as Gemma-3 does when `offload.stream_modules` lists "text_encoder"
+(text_encoder_gemma4_stream.py), which the memory plan's rungs that stream every module do.
+Not covered yet: the single-file release.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from runnerkit.weights import CheckpointError
 
 if TYPE_CHECKING:
     from runnerkit.models.ltx2.prompt_enhancer import PromptEnhancer
+    from runnerkit.offload.streamer import BlockStreamer
 
 __all__ = ["FLAVOURS_25", "LTX25Runner"]
 
@@ -72,7 +75,7 @@ class LTX25Runner(LTX2Runner):
     #: LTX-2's defaults, the frame count left unset: predicted per request by the duration head.
     DEFAULTS: ClassVar[dict[str, Any]] = {**LTX2Runner.DEFAULTS, "target_video_length": None}
     MODULE_PATHS = ()  # the diffusers folder holds every module
-    STREAM_MODULES: ClassVar[tuple[str, ...]] = ("connectors", "transformer")
+    STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors", "transformer")
     #: H.264 CRF of a conditioning image (diffusers `resolve_default_image_crf` for Gemma-4 generations).
     IMAGE_CRF: ClassVar[int] = 18
     CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ("diffusers",)
@@ -241,12 +244,13 @@ class LTX25Runner(LTX2Runner):
 
     # ---- the pipeline ---------------------------------------------------------------------------
     def describe_pipeline(self) -> Pipeline:
-        """LTX-2's, with Gemma-4 (resident or model-offloaded), the duration head after the connectors and
+        """LTX-2's, with Gemma-4 (resident, model-offloaded or streamed), the duration head after the connectors and
         the diffusion decoder in place of the video VAE's decoder (the VAE is loaded for i2av's encoder only)."""
         base = super().describe_pipeline()
         head = EncoderStage("duration_head", module="duration_head", run=self.run_duration_head)
         unused = ("text_encoder",) if self.config.task == "i2av" else ("text_encoder", "vae")
-        modules = [ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder)]
+        modules = [ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder,
+                              stream=self.stream_text_encoder)]
         modules += [m for m in base.modules if m.name not in unused]
         modules += [ModuleSpec("duration_head", "text_encoder", build=lambda d: self._load("duration_head", d)),
                     ModuleSpec("diffusion_decoder", "decoder", build=lambda d: self._load("diffusion_decoder", d))]
@@ -262,6 +266,15 @@ class LTX25Runner(LTX2Runner):
         assert self.checkpoint is not None, "prepare_load first"
         return load_gemma4_text_encoder(self.checkpoint.text_encoder_path, self.dtype, device,
                                         connectors=self.checkpoint.arch.connectors)
+
+    def stream_text_encoder(self) -> tuple[nn.Module, BlockStreamer]:
+        """Gemma-4 with its layers (or their attention and MLP, mode "phase") streamed from host memory or its
+        folder's safetensors (`offload.stream_modules` lists "text_encoder"; text_encoder_gemma4_stream.py)."""
+        from runnerkit.models.ltx2.text_encoder_gemma4_stream import stream_gemma4_text_encoder
+
+        assert self.checkpoint is not None, "prepare_load first"
+        return stream_gemma4_text_encoder(self.checkpoint.text_encoder_path, self.config.offload, self.device,
+                                          self.dtype, connectors=self.checkpoint.arch.connectors)
 
     @torch.inference_mode()
     def run_text_encoder(self, req: RequestState) -> LTX2Inputs:

@@ -214,17 +214,33 @@ def stream_gemma_text_encoder(folder: str | Path, offload: OffloadConfig, device
         CheckpointError: as `load_gemma_text_encoder` (naming the folder), or tensors the files lack.
     """
     folder = Path(folder)
-    text_config = gemma_text_config(folder)
+    return stream_text_tower(_GemmaTextTower, folder, gemma_text_config(folder), offload, device, dtype, connectors,
+                             "Gemma-3", STREAM_SPEC, KEY_RULES)
+
+
+def stream_text_tower(tower: type[transformers.PreTrainedModel], folder: Path,
+                      text_config: transformers.PretrainedConfig, offload: OffloadConfig, device: torch.device,
+                      dtype: torch.dtype, connectors: LTX2ConnectorsArch | None, name: str, spec: StreamSpec,
+                      key_rules: KeyRules) -> tuple[Any, BlockStreamer]:
+    """A Gemma text model (`tower`, named `name`) of a transformers folder built on the meta device
+    (`hf_skeleton`), its units (`spec`) streamed and the rest resident on `device`: the connectors fit
+    checked first, only the tensors `key_rules` map the model's names to read (`load_text_tower`'s
+    counterpart; attention "sdpa", as there).
+
+    Raises:
+        CheckpointError: naming the folder: a model that does not fit `connectors`, no `*.safetensors`,
+            tensors the files lack (listed), wrong shapes or dtypes.
+    """
     if connectors is not None:
-        check_fits_connectors(text_config, connectors, folder)
-    text_config._attn_implementation = "sdpa"  # as `load_gemma_text_encoder` asks transformers
+        check_fits_connectors(text_config, connectors, folder, name)
+    text_config._attn_implementation = "sdpa"  # as `load_text_tower` asks transformers
     files = safetensors_files(folder, component="text_encoder")
     if not files:
-        raise CheckpointError(f"text_encoder: Gemma-3 folder {folder} holds no *.safetensors weights")
-    model = hf_skeleton(lambda: _GemmaTextTower(text_config), dtype)
+        raise CheckpointError(f"text_encoder: {name} folder {folder} holds no *.safetensors weights")
+    model = hf_skeleton(lambda: tower(text_config), dtype)
     names = list(model.state_dict(keep_vars=True))
-    key_map = prefixed_key_map(names, safetensors_infos(files, "text_encoder"), KEY_RULES, "text_encoder", folder)
-    streamer = stream_from_files(model, STREAM_SPEC, offload, device, dtype, "text_encoder", files, key_map)
+    key_map = prefixed_key_map(names, safetensors_infos(files, "text_encoder"), key_rules, "text_encoder", folder)
+    streamer = stream_from_files(model, spec, offload, device, dtype, "text_encoder", files, key_map)
     return model, streamer
 
 
@@ -352,4 +368,4 @@ def text_contexts(connectors: LTX2TextConnectors, hidden_states: Tensor,
 
 __all__ = ["GEMMA_PADDING_SIDE", "MAX_SEQUENCE_LENGTH", "STREAM_SPEC", "GemmaPromptEncoder", "check_fits_connectors",
            "gemma_text_config", "load_gemma_text_encoder", "load_gemma_tokenizer", "stream_gemma_text_encoder",
-           "text_contexts"]
+           "stream_text_tower", "text_contexts"]

@@ -26,12 +26,17 @@ CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ltx2" / "ltx25_t2av_
 SMALL = RequestConfig(prompt="a red fox runs through fresh snow, wind howls", seed=11, target_height=64,
                       target_width=64, target_video_length=9)
 LARGE = RequestConfig(prompt="waves break on a rocky shore", seed=12)
+STREAM_ALL = ["text_encoder", "connectors", "transformer"]
 MODES: dict[str, dict[str, Any]] = {
     "none": {"offload": {"mode": "none"}},
     "model": {"offload": {"mode": "model"}},
     "block_disk_mmap": {"offload": {"mode": "block", "storage": "disk", "reader": "mmap"}},
     "phase_disk_pread": {"offload": {"mode": "phase", "storage": "disk", "reader": "pread"}},
     "block_disk_lazy_load": {"offload": {"mode": "block", "storage": "disk", "lazy_load": True}},
+    # every module that can stream does: Gemma-4's layers (text_encoder_gemma4_stream.py) too
+    "block_cpu_streams_gemma4": {"offload": {"mode": "block", "storage": "cpu", "stream_modules": STREAM_ALL}},
+    "phase_disk_lazy_streams_gemma4": {"offload": {"mode": "phase", "storage": "disk", "lazy_load": True,
+                                                   "stream_modules": STREAM_ALL}},
 }
 
 
@@ -51,6 +56,16 @@ def ltx25_boundary(runner: LTX25Runner) -> None:
     assert runner.transformer is None or runner.transformer._rope_cache == {}
 
 
+def ltx25_after_mode(mode: str, runner: LTX25Runner) -> None:
+    """Gemma-4 streamed: its streamer moved every layer (storage cpu), or, built per request, none is left."""
+    if mode == "block_cpu_streams_gemma4":
+        streamer = runner.streamers["text_encoder"]
+        # warmup's one text stage (its embeddings serve both shapes) and the two requests
+        assert streamer.stats()["h2d_copies"] >= 3 * len(streamer.units) > 0
+    elif mode == "phase_disk_lazy_streams_gemma4":
+        assert "text_encoder" not in runner.streamers
+
+
 def ltx25_parity(request: pytest.FixtureRequest, folder: Path) -> None:
     from test_cases.models.ltx2.test_runner25_parity import test_t2av_frames_omitted_matches_diffusers
 
@@ -64,4 +79,5 @@ class TestFamilyContract(FamilyContract):
         name="ltx2.5 t2av", runner_cls=LTX25Runner, checkpoint="checkpoint25", config=config_dict,
         requests=(SMALL, LARGE), outputs=("video", "audio"), modes=MODES, warmup_arms=(True,),
         shapes=({"video": (3, 9, 64, 64), "audio": (2, 15840)}, {"video": (3, 25, 64, 128), "audio": (2, 48480)}),
-        boundary=ltx25_boundary, estimate_request=SMALL, parity=ltx25_parity, reference_package="diffusers")
+        boundary=ltx25_boundary, after_mode=ltx25_after_mode, estimate_request=SMALL, parity=ltx25_parity,
+        reference_package="diffusers")
