@@ -1039,7 +1039,7 @@ print("RESULT", code, ",".join(heavy) or "-")
 
 @pytest.mark.parametrize(("argv", "code", "needle"), [
     (["--bogus"], 2, "unrecognized arguments: --bogus"),
-    (["--help"], 0, "{ltx2,qwen_image,wan2.1,wan2.2_moe}"),
+    (["--help"], 0, "{ltx2,ltx2.5,qwen_image,wan2.1,wan2.2_moe}"),
     (["--model_cls", "wan9", "--prompt", "x"], 2, "invalid choice: 'wan9' (choose from"),
     (["--infer_step", "3", "--prompt", "x"], 2, "unrecognized arguments: --infer_step 3"),
 ], ids=["typo", "help", "unknown_model_cls", "abbreviation"])
