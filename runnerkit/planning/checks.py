@@ -151,14 +151,18 @@ class MemoryChecks:
                                       "`offload.mode` none/model/block/phase yourself")
         return estimate
 
+    def default_shape(self) -> Shape:
+        """(height, width, frames) of a request that sets no shape field: the config's defaults through the
+        family's `shape_of` (a family that predicts the frame count gives its largest one)."""
+        return self.runner.shape_of(RequestConfig(prompt="-"), self.runner.config)
+
     def _estimate_before_load(self, offload: OffloadConfig) -> MemoryEstimate | None:
         """The estimate of the config's default shape under `offload`; None where the family gives none before
         loading (its load then checks what this would)."""
         runner = self.runner
-        cfg = runner.config
         with runner.config_trial(offload=offload):
             try:
-                return runner.estimate_memory((cfg.target_height, cfg.target_width, cfg.target_video_length))
+                return runner.estimate_memory(self.default_shape())
             except fit.EstimateUnavailable:
                 return None
 
@@ -218,7 +222,7 @@ class MemoryChecks:
                 logger.info("memory plan: `offload.mode` not set, every module resident: {}", why)
                 runner.update_config(offload=resident)
                 return None
-        shapes = list(shapes) or [(cfg.target_height, cfg.target_width, cfg.target_video_length)]
+        shapes = list(shapes) or [self.default_shape()]
         if cfg.warmup:
             shapes += list(runner.warmup_shapes())
         device = self.memory_device()
@@ -263,8 +267,7 @@ class MemoryChecks:
     def _estimate_missing(self) -> str | None:
         """Why the family gives no memory estimate before loading, or None when it does."""
         runner = self.runner
-        cfg = runner.config
-        shape = (cfg.target_height, cfg.target_width, cfg.target_video_length)
+        shape = self.default_shape()
         with runner.config_trial(offload=OffloadConfig(mode="none")):
             try:
                 estimate = runner.estimate_memory(shape)

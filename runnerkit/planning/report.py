@@ -345,16 +345,30 @@ def _smaller_shapes(tried: Sequence[Evaluation], best: Evaluation, shapes: Seque
     def by(e: Evaluation, sep: str = " (") -> str:
         return f"{sep}{e.name})" if named else (")" if sep == "; " else "")
 
-    def fits(e: Evaluation, new: Shape) -> Evaluation:
+    def judged(e: Evaluation, new: Shape) -> Evaluation | None:
+        """`e`'s plan with its peak shape replaced by `new`; None where the family's estimate refuses `new`
+        (a shape below its networks' minimum, e.g. a decoder window: ValueError), which then does not fit."""
         assert e.offload is not None and e.peak_shape is not None
-        return judge(e.offload, tuple(dict.fromkeys(new if s == e.peak_shape else s for s in shapes)))
+        try:
+            return judge(e.offload, tuple(dict.fromkeys(new if s == e.peak_shape else s for s in shapes)))
+        except ValueError as exc:
+            logger.debug("memory plan: shape {} not estimated ({})", list(new), exc)
+            return None
+
+    def fits(e: Evaluation, new: Shape) -> bool:
+        ev = judged(e, new)
+        return ev is not None and ev.fits
 
     usable = [e for e in tried if e.offload is not None and e.peak_shape is not None and not e.host_missing]
     out = []
     frames = []
     for e in usable:
         h, w, f = e.peak_shape  # type: ignore[misc]
-        n = _largest(lambda n, e=e, h=h, w=w: fits(e, (h, w, temporal * n + 1)).fits, (f - 1) // temporal)
+        top = (f - 1) // temporal
+        # the fewest frames the estimate takes (a family may refuse counts below its networks' minimum), then
+        # the most that fit above them
+        low = _smallest(lambda n, e=e, h=h, w=w: judged(e, (h, w, temporal * n + 1)) is not None, top)
+        n = None if low is None else _largest(lambda n, e=e, h=h, w=w: fits(e, (h, w, temporal * n + 1)), top, low)
         if n is not None and f > 1:
             frames.append((temporal * n + 1, e))
     if frames:
@@ -364,7 +378,7 @@ def _smaller_shapes(tried: Sequence[Evaluation], best: Evaluation, shapes: Seque
     sizes = [(e, (hs, ws, e.peak_shape[2])) for e in usable  # type: ignore[index]
              for hs, ws in _same_ratio_sizes(e.peak_shape[0], e.peak_shape[1], spatial)]  # type: ignore[index]
     for e, size in sorted(sizes, key=lambda x: -x[1][0] * x[1][1]):  # the largest first, fastest first
-        if fits(e, size).fits:
+        if fits(e, size):
             out.append(f"target_height x target_width {size[0]}x{size[1]} at {size[2]} frames (aspect ratio "
                        f"{_ratio(size[0], size[1])}{by(e, '; ')}")
             break
@@ -374,7 +388,10 @@ def _smaller_shapes(tried: Sequence[Evaluation], best: Evaluation, shapes: Seque
     h, w, _ = best.peak_shape
     smaller = _same_ratio_sizes(h, w, spatial)
     smallest = (*(smaller[-1] if smaller else (h, w)), 1)
-    ev = fits(best, smallest)
+    ev = judged(best, smallest)
+    if ev is None:
+        return [(f"no smaller size of the aspect ratio {_ratio(h, w)} in place of {list(best.peak_shape)} fits (the "
+                 "smallest the estimate takes was tried); a device with more memory")]
     assert ev.peak is not None
     if ev.fits:
         return [f"target_height x target_width {smallest[0]}x{smallest[1]} at 1 frame{by(best)}"]
@@ -411,10 +428,19 @@ def _ratio(h: int, w: int) -> str:
     return f"{h // g}:{w // g}"
 
 
-def _largest(ok: Any, top: int) -> int | None:
-    """The largest n in [0, top) with ok(n) (ok monotone: true up to some n), or None."""
-    lo, hi = -1, top  # ok(lo) true (virtually), ok(hi) false (the shape that failed)
+def _largest(ok: Any, top: int, bottom: int = 0) -> int | None:
+    """The largest n in [bottom, top) with ok(n) (ok monotone: true up to some n), or None."""
+    lo, hi = bottom - 1, top  # ok(lo) true (virtually), ok(hi) false (the shape that failed)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo if lo >= 0 else None
+    return lo if lo >= bottom else None
+
+
+def _smallest(ok: Any, top: int) -> int | None:
+    """The smallest n in [0, top) with ok(n) (ok monotone: false up to some n, then true), or None."""
+    lo, hi = -1, top  # ok(lo) false (virtually), ok(hi) true (virtually)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi if hi < top else None

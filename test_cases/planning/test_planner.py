@@ -623,3 +623,27 @@ def test_request_seconds_take_the_larger_of_compute_and_copy_per_step() -> None:
         "text_encoder": 0.0, "transformer": round(step, 4), "vae": 0.0}
     text = plan_report.describe(result)
     assert "  request time (estimate): " + f"{10 * step + request:.2f} s, the least of the plans that fit" in text
+
+
+@pytest.mark.parametrize("minimum_frames, offered", [(65, None), (41, 61)])
+def test_smaller_shapes_the_estimate_refuses_do_not_fit(minimum_frames: int, offered: int | None) -> None:
+    """A family whose estimate refuses shapes below its networks' minimum (ValueError, as LTX-2.5's diffusion
+    decoder below its window): the refusal's search for a smaller shape counts them as not fitting instead of
+    failing with the estimate's error. 61 frames would fit (test above): offered where the estimate takes it;
+    refused below 65 frames (and below 480 px), nothing is offered and the last resort names no shape."""
+    inner = synthetic(te_streams=True)
+
+    def estimate(off: OffloadConfig, shape: tuple[int, int, int]) -> MemoryEstimate:
+        if shape[2] < minimum_frames or shape[0] < 480:
+            raise ValueError(f"latent grid of {shape} is smaller than the decoder's window")
+        return inner(off, shape)
+
+    with pytest.raises(MemoryFitError) as err:
+        plan_offload(config(), (BASE,), CUDA, estimate, limit(4.2), limit(64), two_passes, factors=(16, 4),
+                     steps_per_request=10)
+    msg = str(err.value)
+    if offered is None:
+        assert msg.endswith("To fit: no smaller size of the aspect ratio 15:26 in place of [480, 832, 81] fits (the "
+                            "smallest the estimate takes was tried); a device with more memory"), msg
+    else:
+        assert f"To fit: target_video_length {offered} at 480x832" in msg, msg

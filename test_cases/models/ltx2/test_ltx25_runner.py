@@ -265,3 +265,19 @@ def test_enhanced_prompt_is_what_the_text_encoder_reads(cold: dict[str, Any], tm
     sidecar = json.loads((tmp_path / "e.json").read_text())
     assert (sidecar["prompt"], sidecar["enhanced_prompt"]) == ("fox", PROMPT)
     assert "enhanced_prompt" not in json.loads((tmp_path / "p.json").read_text())
+
+
+def test_plan_refusal_at_the_largest_predicted_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`runnerkit plan` of the tiny config with `offload.mode` auto and its frames omitted, on a device too
+    small for 33 frames: the plan judges the bounds' largest count (33), and its refusal offers the frame
+    count that fits (9) instead of failing on the omitted count."""
+    from runnerkit.tools.plan import main as plan_main
+
+    raw = json.loads(CONFIG.read_text()) | {"offload": {"mode": "auto"}}
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps(raw))
+    rc = plan_main(["--config_json", str(path), "--device_gib", "0.26", "--host_gib", "64"])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc == 1, text  # the plan tool's "nothing fits" (the run itself would exit 2)
+    assert "no offload plan fits 1 shape(s) [[64, 128, 33]]" in text and "To fit: target_video_length 9 at 64x128" in text
