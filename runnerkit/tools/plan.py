@@ -119,10 +119,11 @@ def plan_device(config_device: str, limit_gib: float | None) -> torch.device:
 
 
 def run_shapes(runner: DefaultRunner) -> list[Shape]:
-    """The shapes a run of the config plans and checks without requests: its default shape, and with `warmup`
-    the warmup shapes (`plan_memory` with no request shapes)."""
+    """The shapes a run of the config plans and checks without requests: its default shape (`default_shape`: a
+    frame count the config omits at the family's count for a request without one), and with `warmup` the warmup
+    shapes (`plan_memory` with no request shapes)."""
     cfg = runner.config
-    shapes: list[Shape] = [(cfg.target_height, cfg.target_width, cfg.target_video_length)]
+    shapes: list[Shape] = [runner.memory_checks.default_shape()]
     if cfg.warmup:
         shapes += list(runner.warmup_shapes())
     return list(dict.fromkeys(shapes))

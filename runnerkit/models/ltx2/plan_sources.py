@@ -20,6 +20,7 @@ its load refuses missing files with their own messages.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from runnerkit.config import RunnerConfig
@@ -66,17 +67,18 @@ def check_paths(config: RunnerConfig, files: bool = True) -> None:
                              "a checkpoint folder holds its own: remove it")
 
 
-def configured_arch(config: RunnerConfig, parsed: LTX2Arch | None) -> tuple[LTX2Arch | None, str]:
+def configured_arch(config: RunnerConfig, parsed: LTX2Arch | None,
+                    releases: Sequence[tuple[str, LTX2Arch, str]] = RELEASES) -> tuple[LTX2Arch | None, str]:
     """The architecture of an absent checkpoint and where it comes from (module docstring): `parsed` (the
-    config's `model`, validated whole) if given, else the release `model_path`'s name names; (None, why) if
-    neither."""
+    config's `model`, validated whole) if given, else the release `model_path`'s name names among `releases`
+    (LTX-2.5: `plan_sources25.RELEASES_25`); (None, why) if neither."""
     if parsed is not None:
         return parsed, "the config's `model`"
     name = Path(config.model_path or "").name
-    for pattern, arch, release in RELEASES:
+    for pattern, arch, release in releases:
         if re.search(pattern, name.lower()):
             return arch, f"the {release} release, named by `model_path`'s name {name!r}"
-    known = ", ".join(f"{release} ({pattern!r})" for pattern, _, release in RELEASES)
+    known = ", ".join(f"{release} ({pattern!r})" for pattern, _, release in releases)
     return None, (f"`model_path` {config.model_path} does not exist and its name names no known release ({known}): "
                   "give the config's `model` (the whole LTX-2 architecture) or the checkpoint")
 

@@ -44,6 +44,8 @@ from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
 from runnerkit.models.ltx2.diffusion_decode import decode_video
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
+from runnerkit.models.ltx2.plan_sources import configured_arch
+from runnerkit.models.ltx2.plan_sources25 import RELEASES_25, absent_sources_25, frames_source, release_gemma4
 from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner, flavour_of
 from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
@@ -74,7 +76,8 @@ class LTX25Runner(LTX2Runner):
     TASKS = ("t2av", "i2av")
     #: LTX-2's defaults, the frame count left unset: predicted per request by the duration head.
     DEFAULTS: ClassVar[dict[str, Any]] = {**LTX2Runner.DEFAULTS, "target_video_length": None}
-    MODULE_PATHS = ()  # the diffusers folder holds every module
+    #: with `model_path` the release's transformer file (checkpoint_release25.py); a diffusers folder holds every module
+    MODULE_PATHS = ("text_encoder_path", "upsampler_path")
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors", "transformer")
     #: H.264 CRF of a conditioning image (diffusers `resolve_default_image_crf` for Gemma-4 generations).
     IMAGE_CRF: ClassVar[int] = 18
@@ -101,6 +104,8 @@ class LTX25Runner(LTX2Runner):
             raise NotImplementedError(f"ltx2.5 warmup at `fps` {self.config.fps}: its shapes hold the duration bounds' "
                                       f"smallest and largest frame counts at {WARMUP_FPS} fps only (WARMUP_SHAPES); "
                                       f"run with fps {WARMUP_FPS} or without warmup")
+        if self.checkpoints.absent() and self.config.model is None:  # planning without the files (plan_sources25.py)
+            self.arch_override, self.arch_source = configured_arch(self.config, None, RELEASES_25)
         self.gemma4_placeholders: tuple[int, ...] = ()
         self.enhancer: PromptEnhancer | None = None
 
@@ -129,10 +134,15 @@ class LTX25Runner(LTX2Runner):
         diffusers folder at `out` (checkpoint25.py `write_synthetic_ltx25`).
 
         Raises:
-            ValueError: a layout other than "diffusers".
+            ValueError: a layout other than "diffusers"; `model` omitted in a config that names another checkpoint
+                (`model_path`), whose architecture is not the tiny one.
         """
         if layout != "diffusers":
             raise ValueError(f"ltx2.5 writes synthetic checkpoints in the 'diffusers' layout only (got {layout!r})")
+        if config.model is None and config.model_path is not None and Path(config.model_path).absolute() != out.absolute():
+            raise ValueError(f"`model` is omitted, so the architecture is the checkpoint's at `model_path` "
+                             f"({config.model_path}), not the tiny one: give `model`, or start from "
+                             "configs/ltx2/ltx25_t2av_tiny.json")
         write_synthetic_ltx25(cls.parse_arch(config.model), out, seed, dtype, replace=options.get("replace", False))
 
     def open_checkpoint(self, path: Path, raw: bool = False) -> LTX25Checkpoint:
@@ -231,11 +241,30 @@ class LTX25Runner(LTX2Runner):
             path = self.checkpoints.path()
             if self.checkpoints.pending(path):
                 return transformers.Gemma4UnifiedTextConfig(**tiny_gemma4_sizes(arch)).to_dict()
-            folder = path / "text_encoder"
+            folder = self._gemma4_folder(path)
+            if self.checkpoints.absent() and not (folder / "config.json").is_file():
+                return release_gemma4(arch)  # planning without the files (plan_sources25.py)
         try:
             return gemma4_configs(folder)[0].to_dict()
         except CheckpointError as exc:
             raise EstimateUnavailable(f"the Gemma-4 config cannot be read before loading ({exc})") from None
+
+    def _gemma4_folder(self, path: Path) -> Path:
+        cfg = self.config
+        return Path(cfg.text_encoder_path) if cfg.text_encoder_path is not None else path / "text_encoder"
+
+    def estimate_sources(self) -> list[str]:
+        """`LTX2Runner.estimate_sources` with Gemma-4 for an absent checkpoint (plan_sources25.py), and the frame
+        count an omitted one is planned at."""
+        from runnerkit.models.ltx2.planning import fp8_transformer_weights
+
+        if self.checkpoint is None and self.checkpoints.absent() and self.arch_override is not None:
+            lines = absent_sources_25(self.config, self.arch_source, self._gemma4_folder(self.checkpoints.path()),
+                                      fp8_transformer_weights(self))
+        else:
+            lines = super().estimate_sources()
+        frames = frames_source(self.config, self.frame_bounds(self.config)[1], self.duration_bounds(self.config))
+        return lines + ([frames] if frames else [])
 
     def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...]:
         """`LTX2Runner.denoise_flops`, omitted frames at the bounds' largest count."""

@@ -1,0 +1,72 @@
+"""What the LTX-2.5 runner's memory estimate takes before loading when its files are absent
+(`runnerkit plan` of configs/ltx2/ltx25_*_22b_distilled.json on a machine without the release).
+
+As for LTX-2.x (`plan_sources.py`), a runner built to plan only whose checkpoint (`model_path`) does not
+exist takes what the files would say from what the config gives or implies:
+
+- the architecture: the config's `model` (the whole LTX-2.5 architecture), else the release the
+  checkpoint's file or folder name names (`RELEASES_25`: `ltx-2.5-22b...`, as Lightricks names the
+  transformer file `diffusion_models/ltx-2.5-22b-distilled-transformer-bf16.safetensors`) ->
+  `arch25.LTX25_22B_PIPELINE_ARCH`;
+- the Gemma-4 text model's config: its config.json where the folder exists (`text_encoder_path`, or the
+  checkpoint folder's `text_encoder/`), else Gemma-4 12B's sizes (`ltx25_arch.GEMMA4_12B_TEXT`, whose width
+  and depth the connectors fix: checked against them);
+- fp8 storage and the omitted frame count: as `plan_sources.fp8_by_name`, and the largest count the duration
+  head can predict (`LTX25Runner.frame_bounds`).
+
+Each is said in the plan's output (`estimate_sources`). A run (not `for_plan`) never takes them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runnerkit.config import RunnerConfig
+from runnerkit.models.ltx2.arch25 import LTX25_22B_PIPELINE_ARCH, LTX25Arch
+from runnerkit.models.ltx2.ltx25_arch import GEMMA4_12B_TEXT
+from runnerkit.planning.fit import EstimateUnavailable
+
+__all__ = ["RELEASES_25", "absent_sources_25", "frames_source", "release_gemma4"]
+
+#: (pattern of the checkpoint's file or folder name, lower case; the release's architecture; its name).
+RELEASES_25 = ((r"ltx-?2\.5-22b", LTX25_22B_PIPELINE_ARCH, "LTX-2.5 22B"),)
+
+
+def release_gemma4(arch: LTX25Arch) -> dict[str, Any]:
+    """Gemma-4 12B's text config (`GEMMA4_12B_TEXT`, transformers' defaults for the rest) for `arch`'s
+    connectors, which take its width and its layers + 1 hidden states.
+
+    Raises:
+        EstimateUnavailable: the connectors are sized for another text model (give `text_encoder_path`, a
+            folder with its config.json).
+    """
+    import transformers
+
+    c = arch.connectors
+    sizes = (GEMMA4_12B_TEXT["hidden_size"], GEMMA4_12B_TEXT["num_hidden_layers"])
+    if (c.caption_channels, c.text_proj_in_factor - 1) != sizes:
+        raise EstimateUnavailable(f"the connectors take a {c.caption_channels}-wide text model of "
+                                  f"{c.text_proj_in_factor - 1} layers, not Gemma-4 12B: give `text_encoder_path` "
+                                  "(a folder with its config.json)")
+    return transformers.Gemma4UnifiedTextConfig(**GEMMA4_12B_TEXT).to_dict()
+
+
+def frames_source(config: RunnerConfig, largest: int, bounds: tuple[float, float]) -> str | None:
+    """The plan's line on an omitted frame count (None when the config gives one): it is planned at `largest`,
+    the largest count the duration head's prediction can take within `bounds` (seconds) at the config's fps."""
+    if config.target_video_length is not None:
+        return None
+    return (f"frames: omitted by the config (the duration head predicts them per request): planned at {largest}, "
+            f"the largest count a prediction can take ({bounds[0]:g} s to {bounds[1]:g} s at {config.fps} fps)")
+
+
+def absent_sources_25(config: RunnerConfig, arch_source: str, gemma_folder: Path, fp8: frozenset[str]) -> list[str]:
+    """The plan's lines on what an absent LTX-2.5 checkpoint's estimate takes (module docstring): `arch_source`
+    from `plan_sources.configured_arch`, the Gemma-4 folder looked at, the fp8-stored weights."""
+    gemma = (f"Gemma-4 sizes: {gemma_folder / 'config.json'}" if (gemma_folder / "config.json").is_file() else
+             f"Gemma-4 sizes: Gemma-4 12B (ltx25_arch.GEMMA4_12B_TEXT, the release's text encoder): {gemma_folder} "
+             "has no config.json")
+    stored = (f"fp8 storage: {len(fp8)} transformer block weights assumed float8_e4m3fn (`fp8` in the file name)"
+              if fp8 else "fp8 storage: none assumed (the bf16 release; the checkpoint's headers would tell)")
+    return [f"architecture: {arch_source} (`model_path` {config.model_path} does not exist)", gemma, stored]

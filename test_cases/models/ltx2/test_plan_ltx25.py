@@ -1,0 +1,95 @@
+"""`runnerkit plan` of the real-size LTX-2.5 config without any file (configs/ltx2/ltx25_t2av_22b_distilled.json):
+the release's architecture from the transformer file's name, Gemma-4 12B's sizes, the omitted frame count at the
+largest the duration head can predict (473 at 24 fps), each said in `estimate_sources`; at 80 GiB the plan equals
+the planner called directly on estimate25.py's estimate of those; at 24 and 16 GiB nothing fits (the diffusion
+decoder's activations at 512 x 768 x 473 alone exceed either) and the refusal says where the peak is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from runnerkit.config import OffloadConfig, load_runner_config
+from runnerkit.memory import MemoryLimit
+from runnerkit.models.ltx2.arch25 import LTX25_22B_PIPELINE_ARCH
+from runnerkit.models.ltx2.estimate25 import ltx25_estimate
+from runnerkit.models.ltx2.ltx25_arch import GEMMA4_12B_TEXT
+from runnerkit.models.ltx2.runner import DISTILLED_SIGMAS, STAGE2_SIGMAS
+from runnerkit.models.ltx2.runner25 import LTX25Runner
+from runnerkit.planning import fit, planner
+from runnerkit.planning import report as plan_report
+from test_cases.conftest import REPO
+from test_cases.tools.test_plan import no_checkpoints, run_plan  # noqa: F401 (fixture)
+
+CONFIG = REPO / "configs/ltx2/ltx25_t2av_22b_distilled.json"
+GIB = 1024**3
+SHAPES = [[512, 768, 473], [256, 384, 25]]  # the default shape at the head's largest count, the 22B-2.5 warmup's
+SOURCES = [
+    ("architecture: the LTX-2.5 22B release, named by `model_path`'s name "
+     "'ltx-2.5-22b-distilled-transformer-bf16.safetensors' (`model_path` "
+     "models/LTX-2.5/diffusion_models/ltx-2.5-22b-distilled-transformer-bf16.safetensors does not exist)"),
+    ("Gemma-4 sizes: Gemma-4 12B (ltx25_arch.GEMMA4_12B_TEXT, the release's text encoder): "
+     "models/LTX-2.5/text_encoders/gemma-4-12b-ltx-2.5 has no config.json"),
+    "fp8 storage: none assumed (the bf16 release; the checkpoint's headers would tell)",
+    ("frames: omitted by the config (the duration head predicts them per request): planned at 473, the largest "
+     "count a prediction can take (1 s to 20 s at 24 fps)")]
+
+
+def _direct_plan(device_gib: int, host_gib: int) -> planner.MemoryPlan:
+    """The planner on estimate25.py's estimate of the release: `LTX25_22B_PIPELINE_ARCH`, Gemma-4 12B, bf16, no
+    fp8 storage, one pass per step, 8 + 3 steps, the shapes above, no compute model (no device name)."""
+    config = LTX25Runner.resolve_config(load_runner_config(CONFIG, {
+        "memory.limit_gib": device_gib, "memory.host_limit_gib": host_gib}))
+    gemma = transformers.Gemma4UnifiedTextConfig(**GEMMA4_12B_TEXT).to_dict()
+
+    def estimate(off: OffloadConfig, shape: tuple[int, int, int]) -> fit.MemoryEstimate:
+        return ltx25_estimate(LTX25_22B_PIPELINE_ARCH, gemma, shape, 24, "t2av", torch.bfloat16,
+                              torch.device("cuda"), off)
+
+    return planner.plan_offload(config, [tuple(s) for s in SHAPES], torch.device("cuda"), estimate,
+                                MemoryLimit(device_gib * GIB, "config memory.limit_gib"),
+                                MemoryLimit(host_gib * GIB, "config memory.host_limit_gib"), lambda off: 1,
+                                lambda off: None, (64, 8),
+                                steps_per_request=len(DISTILLED_SIGMAS) + len(STAGE2_SIGMAS),
+                                compute_note="no compute estimate: the device is unnamed (planning/compute.py DEVICE_PEAKS)")
+
+
+def test_the_80_gib_plan_equals_the_planner_on_the_release_sizes(no_checkpoints: Path,  # noqa: F811
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert not (no_checkpoints / "models").exists()
+    rc, out, err = run_plan(capsys, "--config_json", CONFIG, "--device_gib", 80, "--host_gib", 128)
+    assert rc == 0, err
+    assert out["shapes"] == SHAPES and out["estimate_sources"] == SOURCES
+    direct = _direct_plan(80, 128)
+    report = plan_report.report(direct, OffloadConfig())
+    for key in set(report) - {"modules", "device_limit_source", "host_limit_source", "estimated_request_seconds"}:
+        assert out[key] == report[key], key
+    assert out["offload"]["mode"] == "model" and out["peak_stage"] == "diffusion_decoder"
+    assert out["peak_shape"] == [512, 768, 473]
+    rows = plan_report.module_rows(direct.chosen, torch.device("cuda"))
+    assert [(m["name"], m["device_bytes"], m["host_bytes"]) for m in out["modules"]] == [
+        (r.name, r.device_bytes, r.host_bytes) for r in rows]
+
+
+@pytest.mark.parametrize("device_gib", [24, 16])
+def test_at_24_and_16_gib_nothing_fits_and_the_refusal_names_the_decoder(
+        device_gib: int, no_checkpoints: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    rc, out, err = run_plan(capsys, "--config_json", CONFIG, "--device_gib", device_gib, "--host_gib", 128)
+    assert (rc, out["fits"], out["offload"], out["modules"]) == (1, False, None, []), err
+    assert out["shapes"] == SHAPES and out["estimate_sources"] == SOURCES
+    with pytest.raises(fit.MemoryFitError) as direct:
+        _direct_plan(device_gib, 128)
+    assert out["refusal"] == str(direct.value)
+    assert "peak in stage diffusion_decoder at shape [512, 768, 473]" in out["refusal"]
+
+
+def test_a_given_frame_count_is_planned_as_given(no_checkpoints: Path,  # noqa: F811
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_plan(capsys, "--config_json", CONFIG, "--device_gib", 80, "--host_gib", 128,
+                            "--target_video_length", 121)
+    assert rc == 0, err
+    assert out["shapes"] == [[512, 768, 121], SHAPES[1], SHAPES[0]] and out["estimate_sources"] == SOURCES[:3]
