@@ -106,7 +106,7 @@ def plan_model(config_json: str | Path, devices: Sequence[float] = DEVICE_GIB, h
     checks = runner.memory_checks
     checks.planned_device_name = device_name
     cfg, device = runner.config, checks.memory_device()
-    shapes: list[Shape] = [(cfg.target_height, cfg.target_width, cfg.target_video_length)]
+    shapes: list[Shape] = [checks.default_shape()]  # frames omitted: the family's count for a request without
     shapes += list(runner.warmup_shapes()) if cfg.warmup else []
     estimates: dict[tuple[str, Shape], fit.MemoryEstimate] = {}
 
