@@ -4,8 +4,8 @@ An LTX-2.5 diffusers folder is LTX-2.3's (`checkpoint.py`: `transformer/`, `conn
 `audio_vae/`, `vocoder/`, `latent_upsampler/`, `tokenizer/`) with `duration_head/` and
 `diffusion_decoder/` added (config.json + safetensors, diffusers' tensor names, loaded strictly) and
 `text_encoder/` a Gemma-4 (`gemma4_unified`) transformers folder (`text_encoder_gemma4.py`).
-Lightricks' per-component release files (`diffusion_models/`, `text_encoders/`, ...) are not read
-yet: such a path is refused naming the layout that is.
+Lightricks' per-component release files (`diffusion_models/`, `text_encoders/`, ...) are read by
+checkpoint_release25.py (`open_ltx25` opens either layout).
 
 `write_synthetic_ltx25` writes that folder with deterministic random weights (the LTX-2 part through
 `checkpoint_synthetic.write_synthetic_ltx2`, the same values for the same names and seed); the
@@ -47,17 +47,18 @@ class LTX25Checkpoint(LTX2Checkpoint):
     @classmethod
     def open(cls, path: str | Path, upsampler_path: str | Path | None = None,  # type: ignore[override]
              text_encoder_path: str | Path | None = None, arch: LTX25Arch | None = None) -> LTX25Checkpoint:
-        """Open the folder `path`; `arch` replaces the architecture read from its config.json files.
+        """Open the diffusers folder `path`; `arch` replaces the architecture read from its config.json files
+        (Lightricks' per-component release: checkpoint_release25.py `open_ltx25`, which opens either).
 
         Raises:
-            CheckpointError: a single file or separate module paths (not read for LTX-2.5 yet), a missing
-                folder or file (naming it), a config the architecture refuses, or a Gemma-3 text encoder.
+            CheckpointError: a single file or separate module paths (naming `open_ltx25`), a missing folder or
+                file (naming it), a config the architecture refuses, or a Gemma-3 text encoder.
         """
         path = Path(path)
         if path.suffix == ".safetensors" or upsampler_path is not None or text_encoder_path is not None:
-            raise CheckpointError(f"LTX-2.5: `model_path` {path} must be a diffusers folder (with duration_head/ and "
-                                  "diffusion_decoder/); the per-component release files and `upsampler_path` / "
-                                  "`text_encoder_path` are not read yet")
+            raise CheckpointError(f"LTX-2.5: {path} with `upsampler_path` / `text_encoder_path` is the per-component "
+                                  "release, opened by checkpoint_release25.py `open_ltx25`; this opens a diffusers "
+                                  "folder (with duration_head/ and diffusion_decoder/)")
         for sub in EXTRA_COMPONENTS:
             if not (path / sub).is_dir():
                 raise CheckpointError(f"LTX-2.5 checkpoint {path}: folder {path / sub} does not exist (an LTX-2.3 "

@@ -25,7 +25,8 @@ loops (stage 1, stage 2, the diffusion decoder's) run at both shapes.
 
 Gemma-4 streams its decoder layers as Gemma-3 does when `offload.stream_modules` lists "text_encoder"
 (text_encoder_gemma4_stream.py), which the memory plan's rungs that stream every module do.
-Not covered yet: the single-file release.
+Checkpoints: a diffusers folder, or Lightricks' per-component release (`model_path` its transformer file;
+checkpoint_release25.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 from runnerkit.config import RequestConfig, RunnerConfig, format_validation_error
 from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
+from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
 from runnerkit.models.ltx2.diffusion_decode import decode_video
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
 from runnerkit.models.ltx2.plan_sources import configured_arch
@@ -76,7 +78,8 @@ class LTX25Runner(LTX2Runner):
     TASKS = ("t2av", "i2av")
     #: LTX-2's defaults, the frame count left unset: predicted per request by the duration head.
     DEFAULTS: ClassVar[dict[str, Any]] = {**LTX2Runner.DEFAULTS, "target_video_length": None}
-    #: with `model_path` the release's transformer file (checkpoint_release25.py); a diffusers folder holds every module
+    #: read with `model_path` the release's transformer file (checkpoint_release25.py); a diffusers folder holds every
+    #: module
     MODULE_PATHS = ("text_encoder_path", "upsampler_path")
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors", "transformer")
     #: H.264 CRF of a conditioning image (diffusers `resolve_default_image_crf` for Gemma-4 generations).
@@ -139,20 +142,25 @@ class LTX25Runner(LTX2Runner):
         """
         if layout != "diffusers":
             raise ValueError(f"ltx2.5 writes synthetic checkpoints in the 'diffusers' layout only (got {layout!r})")
-        if config.model is None and config.model_path is not None and Path(config.model_path).absolute() != out.absolute():
+        elsewhere = config.model_path is not None and Path(config.model_path).absolute() != out.absolute()
+        if config.model is None and elsewhere:
             raise ValueError(f"`model` is omitted, so the architecture is the checkpoint's at `model_path` "
                              f"({config.model_path}), not the tiny one: give `model`, or start from "
                              "configs/ltx2/ltx25_t2av_tiny.json")
         write_synthetic_ltx25(cls.parse_arch(config.model), out, seed, dtype, replace=options.get("replace", False))
 
     def open_checkpoint(self, path: Path, raw: bool = False) -> LTX25Checkpoint:
-        """The diffusers folder at `path` (checkpoint25.py); the config's `model` replaces its architecture
-        unless `raw` or the config has none."""
+        """The diffusers folder at `path`, or the release whose transformer file `path` is (with `upsampler_path`
+        and `text_encoder_path`; checkpoint25.py, checkpoint_release25.py); the config's `model` replaces its
+        architecture unless `raw` or the config has none."""
         arch = None if raw or self.config.model is None else self.parse_arch(self.config.model)
         key = (path, raw)
         if self.checkpoint is None and self._headers.get(key) is not None:
             return self._headers[key]  # type: ignore[return-value]
-        ckpt = LTX25Checkpoint.open(path, arch=arch)
+        single = path.suffix == ".safetensors"  # the release's transformer file: its companions from the config
+        cfg = self.config
+        ckpt = open_ltx25(path, cfg.upsampler_path if single else None, cfg.text_encoder_path if single else None,
+                          arch=arch)
         if self.checkpoint is None:
             self._headers = {key: ckpt}
         return ckpt

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from runnerkit.config import RequestConfig, load_runner_config
-from runnerkit.models.ltx2 import checkpoint
+from runnerkit.models.ltx2 import checkpoint, runner25
 from runnerkit.models.ltx2.arch import LTX23_22B_ARCH, tiny_pipeline_arch
+from runnerkit.models.ltx2.arch25 import LTX25_22B_PIPELINE_ARCH
 from runnerkit.models.ltx2.runner import LTX2Runner
 from runnerkit.models.ltx2.runner25 import LTX25Runner
 from test_cases.conftest import REPO
@@ -82,6 +83,35 @@ def test_the_22b_configs_name_the_release_and_its_flavour(config: Path, tmp_path
     cfg = runner.config
     assert (cfg.target_height, cfg.target_width, cfg.target_video_length) in runner.WARMUP_SHAPES["22B"]
     assert (cfg.dtype, cfg.offload.mode, cfg.warmup) == ("bfloat16", "auto", True)  # no offload key: the default plan
+
+
+REAL25 = [p for p in REAL if p.stem.startswith("ltx25_")]
+
+
+@pytest.mark.parametrize("config", REAL25, ids=[p.stem for p in REAL25])
+def test_the_ltx25_22b_configs_name_the_release_files(config: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transformer file with its companion paths reaches `open_ltx25` (no architecture: the
+    file's); the 22B-2.5 flavour; the frames left to the duration head, at most 473: a warmup shape."""
+    opened: list[tuple[Any, ...]] = []
+
+    def release(path: Any, upsampler: Any = None, text_encoder: Any = None, arch: Any = None) -> Any:
+        opened.append((Path(path).as_posix(), Path(upsampler).name, Path(text_encoder).name,
+                       arch))
+        return SimpleNamespace(arch=LTX25_22B_PIPELINE_ARCH)
+
+    monkeypatch.setattr(runner25, "open_ltx25", release)
+    release_files_in(tmp_path, config, monkeypatch)
+    model_path = json.loads(config.read_text())["model_path"]
+    (tmp_path / model_path).parent.mkdir(parents=True)
+    (tmp_path / model_path).touch()
+    runner = LTX25Runner(load_runner_config(config, {"device": "cpu"}))
+    assert runner.flavour() == "22B-2.5"
+    assert opened == [("models/LTX-2.5/diffusion_models/ltx-2.5-22b-distilled-transformer-bf16.safetensors",
+                       "ltx-2.5-latent-spatial-upscaler-x2-bf16-1.0.safetensors", "gemma-4-12b-ltx-2.5", None)]
+    cfg = runner.config
+    assert cfg.target_video_length is None and (cfg.dtype, cfg.offload.mode, cfg.warmup) == ("bfloat16", "auto", True)
+    assert runner.request_shape(RequestConfig(prompt="p")) == (512, 768, 473) == runner.WARMUP_SHAPES["22B-2.5"][1]
 
 
 def test_a_synthetic_config_without_model_is_the_tiny_pipeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,7 +55,8 @@ def _direct_plan(device_gib: int, host_gib: int) -> planner.MemoryPlan:
                                 MemoryLimit(host_gib * GIB, "config memory.host_limit_gib"), lambda off: 1,
                                 lambda off: None, (64, 8),
                                 steps_per_request=len(DISTILLED_SIGMAS) + len(STAGE2_SIGMAS),
-                                compute_note="no compute estimate: the device is unnamed (planning/compute.py DEVICE_PEAKS)")
+                                compute_note=("no compute estimate: the device is unnamed "
+                                              "(planning/compute.py DEVICE_PEAKS)"))
 
 
 def test_the_80_gib_plan_equals_the_planner_on_the_release_sizes(no_checkpoints: Path,  # noqa: F811

@@ -1,0 +1,160 @@
+"""Synthetic LTX-2.5 checkpoints in Lightricks' per-component release layout (release25_names.py).
+
+`write_release_ltx25` writes deterministic random weights under the release's folders and file names; every
+tensor has the value the diffusers-folder writer (`checkpoint25.write_synthetic_ltx25`) gives the same network
+for the same seed and generator device (values depend only on our name and the seed, `weights.synthetic_tensor`;
+the duration head's and decoder's drawn as `<component>.<name>`; the decoder's latent statistics are the video
+VAE's), so both layouts hold the same pipeline. Each file is built in host memory, one tensor drawn at a time
+(the 22B transformer file: its own size, ~38 GB in bf16, ~24 GB with fp8 blocks); `generator_device` "cuda" draws
+a real-size one in seconds. The transformer file's `config` metadata is runnerkit's sections format (with the
+duration head's and decoder's sections), read back by checkpoint_release25.py.
+
+Text encoder: a Gemma-4 transformers folder (`text_encoders/gemma-4-12b-ltx-2.5/`, the release's packed file is
+not written) with runnerkit's debug tokenizer: "tiny" (`checkpoint25.write_tiny_gemma4`) or "release" (a random
+stand-in of Gemma-4 12B's sizes, `ltx25_arch.GEMMA4_12B_TEXT`, ~22 GiB in bf16, written shard by shard).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from runnerkit import synthetic
+from runnerkit.debug_tokenizer import write_debug_tokenizer
+from runnerkit.files import give_default_mode
+from runnerkit.models.ltx2.arch25 import EXTRA_COMPONENTS, LTX25Arch
+from runnerkit.models.ltx2.checkpoint import SCALE_SUFFIX, UNUSED_SCALE_SUFFIX
+from runnerkit.models.ltx2.checkpoint25 import extra_factory, write_tiny_gemma4
+from runnerkit.models.ltx2.checkpoint_synthetic import (
+    GEMMA_VOCAB,
+    Fp8Blocks,
+    GemmaSize,
+    fp8_block_weight,
+    synthetic_state_dict,
+)
+from runnerkit.models.ltx2.ltx25_arch import GEMMA4_12B_TEXT
+from runnerkit.models.ltx2.release25_names import (
+    RELEASE_FILES,
+    TEXT_ENCODER_FOLDER,
+    audio_file,
+    duration_file,
+    transformer_file,
+    vae_file,
+)
+from runnerkit.models.ltx2.text_encoder_gemma4 import TEXT_PREFIXES
+from runnerkit.offload.layout import quantize_fp8_e4m3
+from runnerkit.weights import synthetic_tensor
+
+__all__ = ["write_release_ltx25"]
+
+
+def _extra(arch: LTX25Arch, component: str, seed: int, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    shapes = {k: tuple(v.shape) for k, v in extra_factory(component, arch).state_dict().items()}
+    return {k: synthetic_tensor(f"{component}.{k}", s, seed, dtype, device) for k, s in shapes.items()}
+
+
+def _fp8(tensors: dict[str, torch.Tensor], names: dict[str, str], fp8_blocks: Fp8Blocks, device: str) -> None:
+    """The transformer blocks' 2-D linear weights (by our name, `names`: ours -> file key) stored as fp8, in place."""
+    for ours, key in names.items():
+        tensor = tensors[key]
+        if not fp8_block_weight(ours, tuple(tensor.shape)):
+            continue
+        if fp8_blocks == "scaled":
+            quantized, scale = quantize_fp8_e4m3(tensor.to(device).float())
+            tensors[key] = quantized.cpu()
+            module = key[: -len("weight")]
+            tensors[module + SCALE_SUFFIX] = scale.cpu().reshape(()).float()
+            tensors[module + UNUSED_SCALE_SUFFIX] = torch.ones((), dtype=torch.float32)
+        else:
+            tensors[key] = tensor.to(torch.float8_e4m3fn)
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    give_default_mode(path)
+
+
+def write_release_gemma4(folder: Path, seed: int, dtype: torch.dtype, generator_device: str = "cpu") -> Path:
+    """A random Gemma-4 12B-sized `Gemma4UnifiedForConditionalGeneration` folder (text model only, no towers):
+    its config.json and `model-*.safetensors` shards of the text model's keys (`model.language_model.*`)."""
+    import transformers
+
+    text = transformers.Gemma4UnifiedTextConfig(**GEMMA4_12B_TEXT)
+    config = transformers.Gemma4UnifiedConfig(text_config=text.to_dict())
+    config.torch_dtype = dtype
+    with torch.device("meta"):
+        model = transformers.Gemma4UnifiedTextModel(text)
+    shapes = {TEXT_PREFIXES[0] + k: tuple(v.shape) for k, v in model.state_dict().items()}
+    config.save_pretrained(folder)
+    synthetic.write_sharded(shapes, lambda sd: sd, folder, "model", seed, dtype, lambda name: False,
+                            generator_device=generator_device)
+    return folder
+
+
+def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtype = torch.bfloat16,
+                        fp8_blocks: Fp8Blocks = "none", replace: bool = False, generator_device: str = "cpu",
+                        gemma: GemmaSize = "tiny") -> Path:
+    """Write `arch`'s synthetic weights in the release layout under `out` (module docstring; atomically: assembled
+    beside `out`, then renamed). Open with `LTX25Checkpoint.open(out / RELEASE_FILES["transformer"],
+    out / RELEASE_FILES["latent_upsampler"], out / TEXT_ENCODER_FOLDER)`.
+
+    Args:
+        fp8_blocks: store the transformer blocks' linear weights as float8_e4m3fn, "plain" (cast) or "scaled"
+            (absmax / 448 per tensor, `weight_scale` and an unused `input_scale`), as fp8 releases do.
+        gemma: "tiny" or "release" (module docstring; "release" needs the connectors' 3840 x 48 + 1 input).
+
+    Raises:
+        ValueError: `gemma` "release" for connectors of another width or depth.
+        CheckpointError: `out` is not empty and not this seed's synthetic checkpoint (`replace` false).
+    """
+    c = arch.connectors
+    if gemma == "release" and (c.caption_channels, c.text_proj_in_factor - 1) != (
+            GEMMA4_12B_TEXT["hidden_size"], GEMMA4_12B_TEXT["num_hidden_layers"]):
+        raise ValueError(f"`gemma`='release' writes Gemma-4 12B (3840 wide, 48 layers); the connectors take "
+                         f"{c.caption_channels} x {c.text_proj_in_factor - 1}: use gemma 'tiny' for this arch")
+    out = Path(out).absolute()
+    tmp = synthetic.partial_folder(out)
+    try:
+        (tmp / synthetic.SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": "release",
+                                                                  "weights": "random"}))
+        base = arch.base()
+        ours = {c: synthetic_state_dict(base, c, seed, dtype, generator_device) for c in ("transformer", "connectors")}
+        tensors = transformer_file(ours["transformer"], ours["connectors"], arch)
+        if fp8_blocks != "none":
+            names = {n: k for n, k in zip(ours["transformer"], transformer_file(ours["transformer"], {}, arch))}
+            _fp8(tensors, names, fp8_blocks, generator_device)
+        sections = arch.to_sections()
+        upsampler_config = sections.pop("latent_upsampler")
+        _save(tensors, tmp / RELEASE_FILES["transformer"],
+              {"config": json.dumps(sections), "model_version": f"synthetic-ltx-{arch.version}-2.5"})
+        del tensors, ours
+        vae = synthetic_state_dict(base, "vae", seed, dtype, generator_device)
+        decoder = _extra(arch, "diffusion_decoder", seed, dtype, generator_device)
+        _save(vae_file(vae, decoder, arch), tmp / RELEASE_FILES["video_vae"])
+        del vae, decoder
+        _save(audio_file(synthetic_state_dict(base, "audio_vae", seed, dtype, generator_device),
+                         synthetic_state_dict(base, "vocoder", seed, dtype, generator_device), arch),
+              tmp / RELEASE_FILES["audio_vae"])
+        _save(synthetic_state_dict(base, "latent_upsampler", seed, dtype, generator_device),
+              tmp / RELEASE_FILES["latent_upsampler"], {"config": json.dumps(upsampler_config)})
+        _save(duration_file(_extra(arch, "duration_head", seed, dtype, generator_device)),
+              tmp / RELEASE_FILES["duration_head"], {"model_version": "synthetic-2.5"})
+        text_encoder = tmp / TEXT_ENCODER_FOLDER
+        if gemma == "release":
+            write_release_gemma4(text_encoder, seed, dtype, generator_device)
+        else:
+            text_encoder.parent.mkdir(parents=True)
+            write_tiny_gemma4(text_encoder, arch, seed)
+        write_debug_tokenizer(text_encoder, GEMMA_VOCAB)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return synthetic.finish(tmp, out, seed, "release", replace)
+
+
+assert set(EXTRA_COMPONENTS) == {"duration_head", "diffusion_decoder"}, "the release files hold both"
