@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from runnerkit import synthetic
+from runnerkit.config import RunnerConfig
 from runnerkit.debug_tokenizer import write_debug_tokenizer
 from runnerkit.files import give_default_mode
 from runnerkit.models.ltx2.arch25 import EXTRA_COMPONENTS, LTX25Arch
@@ -49,7 +50,7 @@ from runnerkit.models.ltx2.text_encoder_gemma4 import TEXT_PREFIXES
 from runnerkit.offload.layout import quantize_fp8_e4m3
 from runnerkit.weights import synthetic_tensor
 
-__all__ = ["write_release_ltx25"]
+__all__ = ["arch_to_write", "transformer_path", "write_release_ltx25"]
 
 
 def _extra(arch: LTX25Arch, component: str, seed: int, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
@@ -86,7 +87,7 @@ def write_release_gemma4(folder: Path, seed: int, dtype: torch.dtype, generator_
 
     text = transformers.Gemma4UnifiedTextConfig(**GEMMA4_12B_TEXT)
     config = transformers.Gemma4UnifiedConfig(text_config=text.to_dict())
-    config.torch_dtype = dtype
+    config.dtype = dtype
     with torch.device("meta"):
         model = transformers.Gemma4UnifiedTextModel(text)
     shapes = {TEXT_PREFIXES[0] + k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -96,11 +97,42 @@ def write_release_gemma4(folder: Path, seed: int, dtype: torch.dtype, generator_
     return folder
 
 
+def transformer_path(fp8_blocks: Fp8Blocks = "none") -> str:
+    """Where the writer puts the transformer file under its root: the bf16 release's name, `-fp8` for fp8 blocks."""
+    path = RELEASE_FILES["transformer"]
+    return path if fp8_blocks == "none" else path.replace("-bf16.safetensors", "-fp8.safetensors")
+
+
+def arch_to_write(config: RunnerConfig, parsed: LTX25Arch, out: Path) -> tuple[LTX25Arch, GemmaSize]:
+    """The architecture a release-layout synthetic checkpoint of `config` gets, and its Gemma-4's size: the
+    config's `model` (`parsed`, the tiny pipeline without it) when it has one or its `model_path` lies in `out` (or
+    is unset); else the release `model_path`'s name names (plan_sources25.py `RELEASES_25`: a real-size config such
+    as configs/ltx2/ltx25_t2av_22b_distilled.json). Gemma-4 12B's size ("release") where the connectors take it.
+
+    Raises:
+        ValueError: `model` omitted and `model_path` (outside `out`) names no known release, naming `model`.
+    """
+    from runnerkit.models.ltx2.plan_sources import configured_arch
+    from runnerkit.models.ltx2.plan_sources25 import RELEASES_25
+
+    arch = parsed
+    inside = config.model_path is None or Path(config.model_path).absolute().is_relative_to(Path(out).absolute())
+    if config.model is None and not inside:
+        named, why = configured_arch(config, None, RELEASES_25)
+        if named is None:
+            raise ValueError(f"`model` is omitted and {why}")
+        arch = named  # type: ignore[assignment]
+    c = arch.connectors
+    release = (c.caption_channels, c.text_proj_in_factor - 1) == (GEMMA4_12B_TEXT["hidden_size"],
+                                                                   GEMMA4_12B_TEXT["num_hidden_layers"])
+    return arch, "release" if release else "tiny"
+
+
 def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtype = torch.bfloat16,
                         fp8_blocks: Fp8Blocks = "none", replace: bool = False, generator_device: str = "cpu",
                         gemma: GemmaSize = "tiny") -> Path:
     """Write `arch`'s synthetic weights in the release layout under `out` (module docstring; atomically: assembled
-    beside `out`, then renamed). Open with `LTX25Checkpoint.open(out / RELEASE_FILES["transformer"],
+    beside `out`, then renamed). Open with `open_ltx25(out / transformer_path(fp8_blocks),
     out / RELEASE_FILES["latent_upsampler"], out / TEXT_ENCODER_FOLDER)`.
 
     Args:
@@ -130,7 +162,7 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
             _fp8(tensors, names, fp8_blocks, generator_device)
         sections = arch.to_sections()
         upsampler_config = sections.pop("latent_upsampler")
-        _save(tensors, tmp / RELEASE_FILES["transformer"],
+        _save(tensors, tmp / transformer_path(fp8_blocks),
               {"config": json.dumps(sections), "model_version": f"synthetic-ltx-{arch.version}-2.5"})
         del tensors, ours
         vae = synthetic_state_dict(base, "vae", seed, dtype, generator_device)

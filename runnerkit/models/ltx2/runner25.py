@@ -84,7 +84,8 @@ class LTX25Runner(LTX2Runner):
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors", "transformer")
     #: H.264 CRF of a conditioning image (diffusers `resolve_default_image_crf` for Gemma-4 generations).
     IMAGE_CRF: ClassVar[int] = 18
-    CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ("diffusers",)
+    #: "release": Lightricks' per-component files (checkpoint_release25_write.py), for real-size runs
+    CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ("diffusers", "release")
     #: Gemma-4 prompt enhancer (prompt_enhancer.py): loaded by the config's `prompt_enhancer` section, run for
     #: requests with `enhance_prompt`.
     PROMPT_ENHANCER: ClassVar[bool] = True
@@ -136,12 +137,25 @@ class LTX25Runner(LTX2Runner):
         """Deterministic random weights of `config.model`'s architecture (the tiny one without it) as a
         diffusers folder at `out` (checkpoint25.py `write_synthetic_ltx25`).
 
+        Layout "release": Lightricks' per-component files under `out` (`arch_to_write`: a real-size config's
+        release architecture from `model_path`'s name, Gemma-4 12B's size; options `fp8_blocks`,
+        `generator_device`, `replace`).
+
         Raises:
-            ValueError: a layout other than "diffusers"; `model` omitted in a config that names another checkpoint
-                (`model_path`), whose architecture is not the tiny one.
+            ValueError: a layout other than "diffusers" and "release"; `model` omitted in a config that names another
+                checkpoint (`model_path`), whose architecture is not the tiny one (the release layout: one whose
+                name names no release).
         """
+        if layout == "release":
+            from runnerkit.models.ltx2.checkpoint_release25_write import arch_to_write, write_release_ltx25
+
+            arch, gemma = arch_to_write(config, cls.parse_arch(config.model), out)
+            write_release_ltx25(arch, out, seed, dtype, options.get("fp8_blocks") or "none",
+                                options.get("replace", False), options.get("generator_device") or "cpu", gemma)
+            return
         if layout != "diffusers":
-            raise ValueError(f"ltx2.5 writes synthetic checkpoints in the 'diffusers' layout only (got {layout!r})")
+            raise ValueError(f"ltx2.5 writes synthetic checkpoints in the 'diffusers' or 'release' layout (got "
+                             f"{layout!r})")
         elsewhere = config.model_path is not None and Path(config.model_path).absolute() != out.absolute()
         if config.model is None and elsewhere:
             raise ValueError(f"`model` is omitted, so the architecture is the checkpoint's at `model_path` "
