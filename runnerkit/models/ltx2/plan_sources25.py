@@ -20,14 +20,17 @@ Each is said in the plan's output (`estimate_sources`). A run (not `for_plan`) n
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runnerkit.config import RunnerConfig
 from runnerkit.models.ltx2.arch25 import LTX25_22B_PIPELINE_ARCH, LTX25Arch
 from runnerkit.models.ltx2.ltx25_arch import GEMMA4_12B_TEXT
 from runnerkit.planning.fit import EstimateUnavailable
 
-__all__ = ["RELEASES_25", "absent_sources_25", "frames_source", "release_gemma4"]
+if TYPE_CHECKING:
+    from runnerkit.models.ltx2.runner25 import LTX25Runner
+
+__all__ = ["RELEASES_25", "absent_sources_25", "estimate_sources_25", "frames_source", "release_gemma4"]
 
 #: (pattern of the checkpoint's file or folder name, lower case; the release's architecture; its name).
 RELEASES_25 = ((r"ltx-?2\.5-22b", LTX25_22B_PIPELINE_ARCH, "LTX-2.5 22B"),)
@@ -70,3 +73,17 @@ def absent_sources_25(config: RunnerConfig, arch_source: str, gemma_folder: Path
     stored = (f"fp8 storage: {len(fp8)} transformer block weights assumed float8_e4m3fn (`fp8` in the file name)"
               if fp8 else "fp8 storage: none assumed (the bf16 release; the checkpoint's headers would tell)")
     return [f"architecture: {arch_source} (`model_path` {config.model_path} does not exist)", gemma, stored]
+
+
+def estimate_sources_25(runner: LTX25Runner) -> list[str]:
+    """`LTX25Runner.estimate_sources`: LTX-2's lines (planning.py), Gemma-4's for an absent checkpoint
+    (`absent_sources_25`), then the frame count an omitted one is planned at (`frames_source`)."""
+    from runnerkit.models.ltx2.planning import estimate_sources, fp8_transformer_weights
+
+    if runner.checkpoint is None and runner.checkpoints.absent() and runner.arch_override is not None:
+        lines = absent_sources_25(runner.config, runner.arch_source,
+                                  runner.gemma4_folder(runner.checkpoints.path()), fp8_transformer_weights(runner))
+    else:
+        lines = estimate_sources(runner)
+    frames = frames_source(runner.config, runner.frame_bounds(runner.config)[1], runner.duration_bounds(runner.config))
+    return lines + ([frames] if frames else [])

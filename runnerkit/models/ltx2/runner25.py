@@ -47,7 +47,7 @@ from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
 from runnerkit.models.ltx2.diffusion_decode import decode_video
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
 from runnerkit.models.ltx2.plan_sources import configured_arch
-from runnerkit.models.ltx2.plan_sources25 import RELEASES_25, absent_sources_25, frames_source, release_gemma4
+from runnerkit.models.ltx2.plan_sources25 import RELEASES_25, estimate_sources_25, release_gemma4
 from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner, flavour_of
 from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
@@ -263,7 +263,7 @@ class LTX25Runner(LTX2Runner):
             path = self.checkpoints.path()
             if self.checkpoints.pending(path):
                 return transformers.Gemma4UnifiedTextConfig(**tiny_gemma4_sizes(arch)).to_dict()
-            folder = self._gemma4_folder(path)
+            folder = self.gemma4_folder(path)
             if self.checkpoints.absent() and not (folder / "config.json").is_file():
                 return release_gemma4(arch)  # planning without the files (plan_sources25.py)
         try:
@@ -271,22 +271,12 @@ class LTX25Runner(LTX2Runner):
         except CheckpointError as exc:
             raise EstimateUnavailable(f"the Gemma-4 config cannot be read before loading ({exc})") from None
 
-    def _gemma4_folder(self, path: Path) -> Path:
+    def gemma4_folder(self, path: Path) -> Path:
+        """The Gemma-4 folder of the checkpoint at `path`: `text_encoder_path` (the release), else `text_encoder/`."""
         cfg = self.config
         return Path(cfg.text_encoder_path) if cfg.text_encoder_path is not None else path / "text_encoder"
 
-    def estimate_sources(self) -> list[str]:
-        """`LTX2Runner.estimate_sources` with Gemma-4 for an absent checkpoint (plan_sources25.py), and the frame
-        count an omitted one is planned at."""
-        from runnerkit.models.ltx2.planning import fp8_transformer_weights
-
-        if self.checkpoint is None and self.checkpoints.absent() and self.arch_override is not None:
-            lines = absent_sources_25(self.config, self.arch_source, self._gemma4_folder(self.checkpoints.path()),
-                                      fp8_transformer_weights(self))
-        else:
-            lines = super().estimate_sources()
-        frames = frames_source(self.config, self.frame_bounds(self.config)[1], self.duration_bounds(self.config))
-        return lines + ([frames] if frames else [])
+    estimate_sources = estimate_sources_25  # an absent checkpoint's Gemma-4 and omitted frames (plan_sources25.py)
 
     def denoise_flops(self, shape: Shape) -> tuple[StageFlops, ...]:
         """`LTX2Runner.denoise_flops`, omitted frames at the bounds' largest count."""
