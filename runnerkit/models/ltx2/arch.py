@@ -19,11 +19,13 @@ Readers:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from runnerkit.config import format_validation_error
 from runnerkit.models.ltx2 import audio_arch as aa
 from runnerkit.models.ltx2 import connectors_arch as ca
 from runnerkit.models.ltx2 import transformer_arch as ta
@@ -58,6 +60,21 @@ class LTX2Arch(BaseModel):
     def version(self) -> Version:
         """"2.3" when the transformer has the LTX-2.3 gated attention, else "2.0"."""
         return "2.3" if self.transformer.gated_attn else "2.0"
+
+    @classmethod
+    def from_config_model(cls, model: dict[str, Any], partial: bool, model_cls: str) -> Self:
+        """A config's `model` key validated as this architecture (`partial`: missing components allowed).
+
+        Raises:
+            ValueError: naming each bad field as `model.<component>.<field>`, and the components it takes.
+        """
+        try:
+            return cls.model_validate_json(json.dumps(model), context={"partial": partial})
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, f"`model` ({model_cls} architecture)")
+                             .replace("\n  ", "\n  model.") + "\n  (`model` takes the components "
+                             + str(sorted(cls.model_fields)) + " in diffusers' config names, "
+                             "runnerkit/models/ltx2/*arch*.py)") from None
 
     @classmethod
     def from_sections(cls, sections: dict[str, Any], where: str) -> LTX2Arch:

@@ -109,12 +109,14 @@ def fp8_by_name(path: Path, arch: LTX2Arch) -> frozenset[str]:
     return fp8_release_weights(arch)
 
 
-def absent_sources(config: RunnerConfig, arch_source: str, gemma_folder: Path, fp8: frozenset[str]) -> list[str]:
+def absent_sources(config: RunnerConfig, arch_source: str, gemma_folder: Path, fp8: frozenset[str],
+                   gemma_name: str = "Gemma-3",
+                   gemma_default: str = "Gemma-3 12B (google/gemma-3-12b-it, the releases' text encoder)") -> list[str]:
     """The plan's lines on what an absent checkpoint's estimate takes (module docstring): `arch_source` from
-    `configured_arch`, the Gemma-3 folder looked at, the fp8-stored weights `fp8_by_name` gave."""
-    gemma = (f"Gemma-3 sizes: {gemma_folder / 'config.json'}" if (gemma_folder / "config.json").is_file() else
-             f"Gemma-3 sizes: Gemma-3 12B (google/gemma-3-12b-it, the releases' text encoder): {gemma_folder} has no "
-             "config.json")
+    `configured_arch`, the text encoder's folder looked at (`gemma_name`; `gemma_default` the sizes taken
+    without its config.json), the fp8-stored weights `fp8_by_name` gave."""
+    gemma = (f"{gemma_name} sizes: {gemma_folder / 'config.json'}" if (gemma_folder / "config.json").is_file() else
+             f"{gemma_name} sizes: {gemma_default}: {gemma_folder} has no config.json")
     stored = (f"fp8 storage: {len(fp8)} transformer block weights assumed float8_e4m3fn (`fp8` in the file name)"
               if fp8 else "fp8 storage: none assumed (the bf16 release; the checkpoint's headers would tell)")
     return [f"architecture: {arch_source} (`model_path` {config.model_path} does not exist)", gemma, stored]

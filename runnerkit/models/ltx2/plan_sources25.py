@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from runnerkit.config import RunnerConfig
 from runnerkit.models.ltx2.arch25 import LTX25_22B_PIPELINE_ARCH, LTX25Arch
 from runnerkit.models.ltx2.ltx25_arch import GEMMA4_12B_TEXT
+from runnerkit.models.ltx2.plan_sources import absent_sources
 from runnerkit.planning.fit import EstimateUnavailable
 
 if TYPE_CHECKING:
@@ -67,12 +68,8 @@ def frames_source(config: RunnerConfig, largest: int, bounds: tuple[float, float
 def absent_sources_25(config: RunnerConfig, arch_source: str, gemma_folder: Path, fp8: frozenset[str]) -> list[str]:
     """The plan's lines on what an absent LTX-2.5 checkpoint's estimate takes (module docstring): `arch_source`
     from `plan_sources.configured_arch`, the Gemma-4 folder looked at, the fp8-stored weights."""
-    gemma = (f"Gemma-4 sizes: {gemma_folder / 'config.json'}" if (gemma_folder / "config.json").is_file() else
-             f"Gemma-4 sizes: Gemma-4 12B (ltx25_arch.GEMMA4_12B_TEXT, the release's text encoder): {gemma_folder} "
-             "has no config.json")
-    stored = (f"fp8 storage: {len(fp8)} transformer block weights assumed float8_e4m3fn (`fp8` in the file name)"
-              if fp8 else "fp8 storage: none assumed (the bf16 release; the checkpoint's headers would tell)")
-    return [f"architecture: {arch_source} (`model_path` {config.model_path} does not exist)", gemma, stored]
+    return absent_sources(config, arch_source, gemma_folder, fp8, "Gemma-4",
+                          "Gemma-4 12B (ltx25_arch.GEMMA4_12B_TEXT, the release's text encoder)")
 
 
 def estimate_sources_25(runner: LTX25Runner) -> list[str]:

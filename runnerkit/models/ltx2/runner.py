@@ -25,7 +25,6 @@ model is trained without it (`enable_cfg` must be false). Where diffusers and Li
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,22 +33,21 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from loguru import logger
-from pydantic import ValidationError
 from torch import Tensor, nn
 
-from runnerkit.config import RunnerConfig, format_validation_error
+from runnerkit.config import RunnerConfig
 from runnerkit.images import read_pil_image
 from runnerkit.lora import linear_targets
+from runnerkit.models.ltx2 import planning
 from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint_synthetic import write_synthetic_ltx2
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
+from runnerkit.models.ltx2.flops import ltx2_denoise_flops
 from runnerkit.models.ltx2.image_crf import missing_pyav, recompress_h264
 from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.plan_sources import check_paths, configured_arch
-from runnerkit.models.ltx2 import planning
-from runnerkit.models.ltx2.flops import ltx2_denoise_flops
 from runnerkit.models.ltx2.transformer import (
     LTX2Transformer,
     keep_fp32,
@@ -61,9 +59,9 @@ from runnerkit.models.ltx2.transformer import (
 from runnerkit.models.ltx2.upsampler import upsample_normalized_latents
 from runnerkit.models.ltx2.vae import LTX2VideoVAE
 from runnerkit.offload.layout import StreamSpec
-from runnerkit.planning.compute import StageFlops
 from runnerkit.offload.setup import stream_module
 from runnerkit.offload.streamer import BlockStreamer
+from runnerkit.planning.compute import StageFlops
 from runnerkit.registry import register_runner
 from runnerkit.runners.default import DefaultRunner
 from runnerkit.runners.pipeline import (
@@ -214,12 +212,7 @@ class LTX2Runner(DefaultRunner):
         """
         if model is None:
             return tiny_pipeline_arch("2.3")
-        try:
-            return LTX2Arch.model_validate_json(json.dumps(model), context={"partial": partial})
-        except ValidationError as exc:
-            raise ValueError(format_validation_error(exc, "`model` (ltx2 architecture)").replace("\n  ", "\n  model.")
-                             + "\n  (`model` takes the components " + str(sorted(LTX2Arch.model_fields))
-                             + " in diffusers' config names, runnerkit/models/ltx2/*arch*.py)") from None
+        return LTX2Arch.from_config_model(model, partial, "ltx2")
 
     @classmethod
     def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:

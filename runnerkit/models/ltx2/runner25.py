@@ -31,16 +31,14 @@ checkpoint_release25.py).
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import ValidationError
 from torch import Tensor, nn
 
-from runnerkit.config import RequestConfig, RunnerConfig, format_validation_error
+from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
@@ -124,12 +122,7 @@ class LTX25Runner(LTX2Runner):
         """
         if model is None:
             return tiny_ltx25_arch()
-        try:
-            return LTX25Arch.model_validate_json(json.dumps(model), context={"partial": partial})
-        except ValidationError as exc:
-            raise ValueError(format_validation_error(exc, "`model` (ltx2.5 architecture)").replace("\n  ", "\n  model.")
-                             + "\n  (`model` takes the components " + str(sorted(LTX25Arch.model_fields))
-                             + ", runnerkit/models/ltx2/arch25.py)") from None
+        return LTX25Arch.from_config_model(model, partial, "ltx2.5")
 
     @classmethod
     def write_synthetic_checkpoint(cls, config: RunnerConfig, out: Path, seed: int, dtype: torch.dtype,
