@@ -21,7 +21,9 @@ decode block of the LTX-2.5 modular pipeline), `LTX2VideoDiffusionDecodePipeline
    stage-5 prediction at t = 1 as it is. Otherwise, for each step, in float32:
    v = (x_t - x0) / t_i for x0 prediction (the model output itself for "v"),
    x_{t_{i+1}} = x_t - (t_i - t_{i+1}) v, cast back to the decoder dtype after each step.
-5. The pipeline's `postprocess_video` maps the result to [0, 1] by `(x / 2 + 0.5).clamp(0, 1)`;
+5. With `tiling` (config `offload.vae_tiling`) and latents larger than a tile, steps 2-4 run per
+   tile (diffusion_decode_tiled.py, diffusers' `enable_tiling` path).
+6. The pipeline's `postprocess_video` maps the result to [0, 1] by `(x / 2 + 0.5).clamp(0, 1)`;
    `decode_video` returns the same pixels before that map, clamped to [-1, 1] (the project's
    tensor convention): reference pixels = (decode_video(...) + 1) / 2.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling, decode_tiled
 from runnerkit.models.ltx2.diffusion_decoder import LTX2DiffusionDecoder, LTX2DiffusionDecoder3d
 from runnerkit.models.ltx2.vae import denormalize_latents
 
@@ -70,7 +73,7 @@ def denoise_pixels(decoder: LTX2DiffusionDecoder3d, context: Tensor, x_t: Tensor
 def decode_video(model: LTX2DiffusionDecoder, latents: Tensor, generator: torch.Generator | int,
                  num_inference_steps: int | None = None, normalized: bool = True,
                  latents_mean: Tensor | None = None, latents_std: Tensor | None = None,
-                 scaling_factor: float | None = None) -> Tensor:
+                 scaling_factor: float | None = None, tiling: DecoderTiling | None = None) -> Tensor:
     """Decode video latents with the diffusion decoder (the reference's decode block end to end).
 
     Args:
@@ -83,6 +86,8 @@ def decode_video(model: LTX2DiffusionDecoder, latents: Tensor, generator: torch.
         normalized: whether to de-normalise first.
         latents_mean, latents_std, scaling_factor: the statistics to de-normalise with (the
             VAE's); None takes the decoder's own buffers and config.
+        tiling: tile sizes of a tiled decode (diffusion_decode_tiled.py), used when the latents are
+            larger than one tile (`DecoderTiling.applies`); None decodes whole.
 
     Returns:
         [B, 3, 8(F-1)+1, 32H, 32W] float32 pixels in [-1, 1] (release ratios), on `latents.device`.
@@ -104,6 +109,8 @@ def decode_video(model: LTX2DiffusionDecoder, latents: Tensor, generator: torch.
         scale = model.arch.scaling_factor if scaling_factor is None else scaling_factor
         latents = denormalize_latents(latents, mean, std, scale)
     latents = latents.to(dtype)
+    if tiling is not None and tiling.applies(model.arch, tuple(latents.shape[2:])):
+        return decode_tiled(model.decoder, latents, generator, steps, tiling)
     context = model.decoder.context(latents)  # [B, T, H/p, W/p, C_5]
     B, T, Hc, Wc, _ = context.shape
     p = model.arch.patch_size

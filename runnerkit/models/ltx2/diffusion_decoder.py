@@ -19,8 +19,9 @@ The network (channels-last `[B, T, H, W, C]` throughout):
 The release runs stage 5 once (`num_inference_steps=1`, x0 prediction): the output is its
 prediction from pure noise. More steps integrate Euler updates on t = linspace(1, 1/n, n), 0.
 
-Not covered: tiled decoding (`enable_tiling`: stages 4-5 per overlapping tile, blended), the
-NATTEN kernel processor (the FlexAttention window computes the same attention).
+Tiled decoding (diffusers' `enable_tiling`: stage 4 and stage 5 per overlapping tile, blended)
+is diffusion_decode_tiled.py. Not covered: the NATTEN kernel processor (the FlexAttention window
+computes the same attention).
 """
 
 from __future__ import annotations
@@ -143,17 +144,40 @@ class LTX2DiffusionDecoder3d(nn.Module):
         Raises:
             ValueError: a stage's grid smaller than its window (the latent is too small).
         """
+        return self.stage_4(self.features(latents))
+
+    def features(self, latents: Tensor) -> Tensor:
+        """Stages 1-3 (the padding frames appended, kept): raw latents [B, C_lat, F, H, W] ->
+        [B, 4(F + pad - 1) + 1, 8H, 8W, C_4] in the release (the input of the last stage, which a
+        tiled decode runs per tile: diffusion_decode_tiled.py)."""
         pad = self.arch.trailing_pad_frames
         if pad:
             latents = torch.cat([latents, latents[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
         x = self.conv_in(latents.permute(0, 2, 3, 4, 1))  # [B, F+pad, H, W, C_1]
-        for blocks, upsample in zip(self.det_stages, self.upsamples):
-            mask = stage_mask(tuple(x.shape[1:4]), blocks[0].attn.kernel, x.device) if len(blocks) else None
-            for block in blocks:
-                x = block(x, mask)
+        for blocks, upsample in zip(self.det_stages[:-1], self.upsamples[:-1]):
+            x = self._stage(blocks, x)
             x = upsample(x)
-        if pad:
+        return x
+
+    def stage_4(self, x: Tensor, drop_leading_frame: bool = True, crop_padding: bool = True) -> Tensor:
+        """The last deterministic stage: `features` output [B, T, H, W, C_4] (or a tile of it) ->
+        context [B, T_5, H_5, W_5, C_5]. The defaults are the whole video's; a temporal tile that
+        does not start at frame 0 keeps the upsampler's leading frame (`drop_leading_frame` False:
+        its first input frame is an interior one), and only the tile that holds the video's end
+        has padding frames to crop."""
+        x = self._stage(self.det_stages[-1], x)
+        x = self.upsamples[-1](x, drop_leading_frame=drop_leading_frame)
+        pad = self.arch.trailing_pad_frames
+        if pad and crop_padding:
             x = x[:, :-pad * self.arch.temporal_compression_ratio]
+        return x
+
+    @staticmethod
+    def _stage(blocks: nn.ModuleList, x: Tensor) -> Tensor:
+        """A deterministic stage's blocks on x [B, T, H, W, C], one window mask shared by them."""
+        mask = stage_mask(tuple(x.shape[1:4]), blocks[0].attn.kernel, x.device) if len(blocks) else None
+        for block in blocks:
+            x = block(x, mask)
         return x
 
     def predict(self, context: Tensor, x_t: Tensor, t: Tensor) -> Tensor:
