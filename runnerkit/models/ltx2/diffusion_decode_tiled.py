@@ -219,12 +219,16 @@ def decode_tiled(decoder: LTX2DiffusionDecoder3d, latents: Tensor, generator: to
                 group[:, :, :, rows_at[i]:rows_at[i] + keep_h, cols_at[j]:cols_at[j] + keep_w] = \
                     tile[:, :, :, :keep_h, :keep_w]
                 row.append(tile)
+                del tile
             above = list(row)
             del row
+        del above  # the last row's tiles
         if previous is not None:
             blend(previous, group, plan.blends[0], dim=2)
         keep = group.shape[2] if k == len(tiles_t) - 1 else plan.strides[0] * st - (1 if origin and st == 2 else 0)
-        out[:, :, written:written + keep] = group[:, :, :keep].float().clamp(-1.0, 1.0)
+        kept = out[:, :, written:written + keep]
+        kept.copy_(group[:, :, :keep])  # as `.float()`, without a temporary
+        kept.clamp_(-1.0, 1.0)
         written += keep
         previous = group
     assert written == total[2], f"temporal tiles wrote {written} of {total[2]} frames"

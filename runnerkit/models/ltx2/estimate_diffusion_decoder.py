@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling, tile_plan
 from runnerkit.models.ltx2.diffusion_decoder import LTX2DiffusionDecoderArch
 from runnerkit.models.ltx2.diffusion_decoder_layers import DiffusionNABlock
 from runnerkit.models.ltx2.layers import TIMESTEP_FEATURES
@@ -84,10 +85,10 @@ def _rope_k_peak(stage: _Stage, s: int, head_dim: int, copies: int) -> int:
     return (copies - 2) * a + (a - c * s) + temporaries
 
 
-def diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tuple[int, int, int], s: int,
-                           batch: int = 1) -> tuple[int, str]:
-    """Activation peak of `decode_video` on latents [batch, C, f, h, w] with one stage-5 step
-    (the release), the float32 result included; and a one-line detail.
+def _latent_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tuple[int, int, int], s: int,
+                  batch: int) -> tuple[int, tuple[int, int, int]]:
+    """The latents' bytes (the caller's float32 ones, their de-normalised copy, its cast, the padded copy in
+    the decoder dtype) and the padded latent grid (f + pad, h, w).
 
     Raises:
         ValueError: a latent grid smaller than the stage-1 window.
@@ -99,35 +100,120 @@ def diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tuple[int
         raise ValueError(f"latent grid (f + {pad} padding frames, h, w) = {grid} is smaller than the stage-1 "
                          f"window {arch.decoder_stage_kernels[0]}.")
     cells = batch * arch.latent_channels * h * w
-    # the caller's float32 latents, their de-normalised copy, its cast, the padded copy (decoder dtype)
-    latents = 2 * cells * f * F32 + (cells * f * s if s != F32 else 0) + cells * (f + pad) * s
-    peak, where, context = latents, "latents", 0
-    stored = batch * math.prod(grid) * arch.decoder_stage_channels[0] * s  # conv_in's output
-    for i, (stride, reduction) in enumerate(zip(arch.decoder_upsample_strides,
-                                                arch.decoder_upsample_channel_reductions)):
+    return 2 * cells * f * F32 + (cells * f * s if s != F32 else 0) + cells * (f + pad) * s, grid
+
+
+def _deterministic_stages(arch: LTX2DiffusionDecoderArch, grid: tuple[int, int, int], batch: int, s: int,
+                          stages: range, stored: int, base: int, peak: tuple[int, str],
+                          ) -> tuple[tuple[int, str], int, tuple[int, int, int]]:
+    """Deterministic stages `stages` (0-based) and their upsamplers from a (T, H, W) `grid` whose input
+    storage is `stored` bytes, with `base` bytes alive beside them: the (peak, where) so far updated,
+    the last upsampler's storage (bytes) and the grid after it (no frames cropped)."""
+    for i in stages:
+        stride, reduction = arch.decoder_upsample_strides[i], arch.decoder_upsample_channel_reductions[i]
         stage = _Stage(batch * math.prod(grid), arch.decoder_stage_channels[i])
         a = stage.tokens * stage.width * s
         shuffled = stage.tokens * math.prod(stride) * (stage.width // reduction) * s
         for name, live in ((f"stage {i + 1} block", _block_peak(stage, batch, s, BLOCK_COPIES, stored, arch.decoder_head_dim)),
                            (f"upsampler {i + 1}", a + 2 * shuffled)):
             if arch.decoder_stage_depths[i] or name.startswith("upsampler"):
-                peak, where = max((peak, where), (latents + live, name))
-        stored = context = shuffled  # the last one's storage stays alive as the context
+                peak = max(peak, (base + live, name))
+        stored = shuffled  # the last one's storage stays alive (the context, or the tiled decode's features)
         grid = (grid[0] * stride[0] - (1 if stride[0] == 2 else 0), grid[1] * stride[1], grid[2] * stride[2])
-    frames = grid[0] - pad * arch.temporal_compression_ratio
+    return peak, stored, grid
+
+
+def _stage5_points(arch: LTX2DiffusionDecoderArch, grid: tuple[int, int, int], batch: int, s: int,
+                   base: int) -> tuple[list[tuple[int, str]], int, int, int]:
+    """One stage-5 step on a (T, H/p, W/p) token `grid` with `base` bytes alive beside it (the context
+    included): its (bytes, where) points, the bytes alive around its blocks (`base`, the noise canvas, the
+    modulation), the canvas's element count and one stage-5 activation (bytes)."""
     p = arch.patch_size
-    stage5 = _Stage(batch * frames * grid[1] * grid[2], arch.decoder_stage_channels[4])
-    canvas = batch * arch.out_channels * frames * grid[1] * p * grid[2] * p  # elements
+    stage5 = _Stage(batch * math.prod(grid), arch.decoder_stage_channels[4])
+    canvas = batch * arch.out_channels * grid[0] * grid[1] * p * grid[2] * p  # elements
     # the timestep features (float32), its embedding, the shared modulation and one block's sum with its table
     modulation = batch * (TIMESTEP_FEATURES * F32 + arch.decoder_t_emb_dim * s
                           + 2 * DiffusionNABlock.NUM_MOD * stage5.width * s)
-    outer = latents + context + canvas * s + modulation
+    outer = base + canvas * s + modulation
     a5 = stage5.tokens * stage5.width * s
+    points = [(outer + 2 * a5 + canvas * s, "stage 5 norm_out + conv_out"), (outer + 2 * canvas * s, "unpatchify")]
     if arch.decoder_stage_depths[4]:
-        peak, where = max((peak, where), (outer + _block_peak(stage5, batch, s, DIFFUSION_BLOCK_COPIES, a5, arch.decoder_head_dim),
-                                          "stage 5 block"))
-    peak, where = max((peak, where), (outer + 2 * a5 + canvas * s, "stage 5 norm_out + conv_out"),
-                      (outer + 2 * canvas * s, "unpatchify"), (outer + (canvas * s if s != F32 else 0) + 2 * canvas * F32, "float + clamp"))
+        points.append((outer + _block_peak(stage5, batch, s, DIFFUSION_BLOCK_COPIES, a5, arch.decoder_head_dim),
+                       "stage 5 block"))
+    return points, outer, canvas, a5
+
+
+def diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tuple[int, int, int], s: int,
+                           batch: int = 1) -> tuple[int, str]:
+    """Activation peak of `decode_video` on latents [batch, C, f, h, w] with one stage-5 step
+    (the release), the float32 result included; and a one-line detail.
+
+    Raises:
+        ValueError: a latent grid smaller than the stage-1 window.
+    """
+    latents, grid = _latent_bytes(arch, latent_fhw, s, batch)
+    pad = arch.trailing_pad_frames
+    stored = batch * math.prod(grid) * arch.decoder_stage_channels[0] * s  # conv_in's output
+    (peak, where), context, grid = _deterministic_stages(arch, grid, batch, s, range(4), stored, latents,
+                                                         (latents, "latents"))
+    frames = grid[0] - pad * arch.temporal_compression_ratio
+    points, outer, canvas, a5 = _stage5_points(arch, (frames, grid[1], grid[2]), batch, s, latents + context)
+    peak, where = max([(peak, where), *points,
+                       (outer + (canvas * s if s != F32 else 0) + 2 * canvas * F32, "float + clamp")])
     gib = 2**30
     return peak, (f"diffusion decode peak in {where}: {frames} frames, stage-5 activation {a5 / gib:.2f} GiB, "
                   f"context {context / gib:.2f} GiB")
+
+
+def tiled_diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tuple[int, int, int], s: int,
+                                 tiling: DecoderTiling, batch: int = 1) -> tuple[int, str]:
+    """Activation peak of `decode_video(..., tiling=tiling)` (diffusion_decode_tiled.py) with one x0 stage-5
+    step (the release); the untiled `diffusion_decode_bytes` when the latents fit one tile. Stages 1-3 on
+    the whole latent as untiled; then, tile by tile in the decode's order, stage 4 and stage 5 on the tile
+    beside what stays alive: the latents, the features (stage 3's upsampler storage), the float32 output
+    video, the previous and the current temporal group (decoder dtype) and the row tiles still to blend
+    from (the current row's and the previous row's not yet consumed). A multi-step decode's noise canvas
+    is added; its per-step float32 temporaries are not counted.
+
+    Raises:
+        ValueError: a latent grid smaller than the stage-1 window.
+    """
+    if not tiling.applies(arch, latent_fhw):
+        return diffusion_decode_bytes(arch, latent_fhw, s, batch)
+    latents, grid = _latent_bytes(arch, latent_fhw, s, batch)
+    stored = batch * math.prod(grid) * arch.decoder_stage_channels[0] * s  # conv_in's output
+    peak, features, _ = _deterministic_stages(arch, grid, batch, s, range(3), stored, latents, (latents, "latents"))
+    plan = tile_plan(arch, latent_fhw, tiling)
+    (st, sh, sw), (tiles_t, tiles_h, tiles_w) = plan.scale, plan.tiles
+    px = batch * arch.out_channels * sh * sw  # elements per feature cell (H, W) and output frame
+    total = px * plan.pixel_frames(0, plan.frames) * plan.height * plan.width
+    base = latents + features + total * F32
+    if not (arch.decoder_num_inference_steps == 1 and arch.decoder_model_output_type == "x0"):
+        base += total * s  # the shared noise canvas
+    up = arch.decoder_upsample_strides[-1]
+    previous, largest = 0, (0, 0, 0)
+    for t0, t1 in tiles_t:
+        frames = plan.pixel_frames(t0, t1)
+        group = px * frames * plan.height * plan.width * s
+        above = [0] * len(tiles_w)
+        for h0, h1 in tiles_h:
+            row: list[int] = []
+            for j, (w0, w1) in enumerate(tiles_w):
+                alive = base + previous + group + sum(row) + sum(above[j:])
+                grid4 = (t1 - t0 + (plan.ghost if t1 == plan.frames else 0), h1 - h0, w1 - w0)
+                a4 = batch * math.prod(grid4) * arch.decoder_stage_channels[3] * s
+                # the first block reads a view of the features; a later one its predecessor's output
+                peak, context, _ = _deterministic_stages(arch, grid4, batch, s, range(3, 4),
+                                                         a4 if arch.decoder_stage_depths[3] > 1 else 0, alive, peak)
+                grid5 = (frames, (h1 - h0) * up[1], (w1 - w0) * up[2])
+                points, *_ = _stage5_points(arch, grid5, batch, s, alive + context)
+                peak = max([peak, *points])
+                largest = max(largest, grid5, key=math.prod)
+                above[j] = 0
+                row.append(px * frames * (h1 - h0) * (w1 - w0) * s)
+            above = row
+        previous = group
+    gib = 2**30
+    tiles = len(tiles_t) * len(tiles_h) * len(tiles_w)
+    return peak[0], (f"tiled diffusion decode peak in {peak[1]}: {tiles} tiles, the largest stage-5 grid "
+                     f"{'x'.join(map(str, largest))}, features {features / gib:.2f} GiB, output {total * F32 / gib:.2f} GiB")

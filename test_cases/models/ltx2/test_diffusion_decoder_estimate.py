@@ -23,7 +23,8 @@ from runnerkit.models.ltx2.diffusion_decoder import (
     LTX2DiffusionDecoder,
     LTX2DiffusionDecoderArch,
 )
-from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
+from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes, tiled_diffusion_decode_bytes
 from test_cases._memory import peak_tensor_bytes
 from test_cases.models.ltx2._parity import randn
 
@@ -34,6 +35,11 @@ ARCHS = {
     "wide-stage1": LTX2DiffusionDecoderArch(**{**TINY, "decoder_stage_channels": (512, 64, 64, 64, 8),
                                                "decoder_upsample_channel_reductions": (8, 1, 1, 8)}),
     "tiny": TINY_LTX25_DIFFUSION_DECODER,
+    "wide-stage4": LTX2DiffusionDecoderArch(**{**TINY, "decoder_stage_channels": (256, 256, 256, 256, 8),
+                                               "decoder_upsample_channel_reductions": (1, 1, 1, 32),
+                                               "decoder_stage_depths": (0, 0, 0, 2, 2)}),
+    "wide-stage3": LTX2DiffusionDecoderArch(**{**TINY, "decoder_stage_channels": (256, 256, 256, 32, 8),
+                                               "decoder_upsample_channel_reductions": (1, 1, 8, 4)}),
 }
 CASES = [("wide-stage5", 64, "stage 5 block"), ("wide-stage5", None, "stage 5 block"),
          ("wide-stage1", 4, "stage 4 block"), ("wide-stage1", None, "stage 4 block"),
@@ -77,3 +83,47 @@ def test_release_peak() -> None:
     assert peak == latents + context + canvas + modulation + rope == 17_066_566_400
     with pytest.raises(ValueError, match=r"latent grid \(f \+ 2 padding frames, h, w\) = \(3, 6, 7\) is smaller"):
         diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (1, 6, 7), 2)
+
+
+# tiled: tiny latents (4, 3, 4) -> 3 temporal x 2 x 2 tiles (test_diffusion_decode_tiled.py's sizes), (5, 4, 4) -> 4 x 2
+# x 2 tiles, the largest in the second row; the peak in a tile's stage-5 block (wide stage 5), in stage 3 on the
+# whole latent (wide stages 1-3), at a tile's unpatchify, and in the trailing tile's stage 4 (wide, two blocks; the
+# ghost frames make it the largest) with one spatial tile
+SMALL_TILES = DecoderTiling(tile_height=32, tile_width=32, tile_frames=12, stride_height=24, stride_width=24,
+                            stride_frames=8)
+FRAME_TILES = DecoderTiling(tile_height=64, tile_width=64, tile_frames=12, stride_height=64, stride_width=64,
+                            stride_frames=8)
+TILED_CASES = [("wide-stage5", SMALL_TILES, "stage 5 block"), ("wide-stage3", SMALL_TILES, "stage 3 block"),
+               ("tiny", SMALL_TILES, "unpatchify"), ("wide-stage4", FRAME_TILES, "stage 4 block")]
+
+
+@pytest.mark.parametrize("name, tiling, where", TILED_CASES, ids=[n for n, _, _ in TILED_CASES])
+@pytest.mark.parametrize("shape", [(1, 8, 4, 3, 4), (2, 8, 5, 4, 4)], ids=["1x4x3x4", "2x5x4x4"])
+def test_tiled_formula_bounds_measured_peak(monkeypatch: pytest.MonkeyPatch, name: str, tiling: DecoderTiling,
+                                            where: str, shape: tuple[int, ...]) -> None:
+    monkeypatch.setattr(layers, "attend", lambda q, k, v, mask: torch.empty_like(q))
+    monkeypatch.setattr(layers, "stage_mask", lambda *args: None)
+    monkeypatch.setattr(dd, "stage_mask", lambda *args: None)
+    monkeypatch.setattr(layers, "SWIGLU_TILE_TOKENS", 4 if name == "wide-stage3" else 64)
+    arch = ARCHS[name]
+    torch.manual_seed(0)
+    model = LTX2DiffusionDecoder(arch).eval().requires_grad_(False)
+    latents = randn(*shape, seed=0)
+    with torch.inference_mode():
+        measured = peak_tensor_bytes(lambda: decode_video(model, latents, generator=0, tiling=tiling))
+    measured += latents.numel() * 4
+    formula, detail = tiled_diffusion_decode_bytes(arch, shape[2:], 4, tiling, batch=shape[0])
+    assert detail.startswith(f"tiled diffusion decode peak in {where}")
+    assert 0.999 <= formula / measured <= 1.003, f"{formula} / {measured} = {formula / measured:.5f} ({detail})"
+
+
+def test_release_tiled_peak() -> None:
+    """512x768x473 (latents 60x16x24) in bfloat16 with the default tiles: nine 80-frame tiles, 14.3 GiB against
+    61.6 GiB whole; a latent within one tile is the untiled estimate."""
+    tiled, detail = tiled_diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (60, 16, 24), 2, DecoderTiling())
+    whole = diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (60, 16, 24), 2)[0]
+    assert detail.startswith("tiled diffusion decode peak in stage 5 block: 9 tiles, the largest stage-5 grid "
+                             "80x128x192")
+    assert (round(tiled / 2**30, 2), round(whole / 2**30, 2)) == (14.28, 61.55)
+    assert tiled_diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (4, 16, 24), 2, DecoderTiling()) == \
+        diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (4, 16, 24), 2)
