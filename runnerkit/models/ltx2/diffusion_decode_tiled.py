@@ -26,7 +26,7 @@ does, in order:
    pixels. Every tile but the last of its axis keeps `stride` cells (the frame-0 group one frame less
    under the causal mapping); the last keeps all of itself.
 
-Memory: the features, the float32 output and, per temporal group, the previous group, the group
+Memory: the features, the output (decoder dtype; float32 at the end) and, per temporal group, the previous group, the group
 being assembled and one row of tiles beside one tile's stage 4 + stage 5 (estimate: the tiled branch
 of estimate_diffusion_decoder.py). Cost: the overlaps are computed twice (release defaults: 80-frame
 tiles every 56 frames, 768-px tiles every 704 px: ~1.4x the untiled stage 4 + 5 work on long clips),
@@ -185,7 +185,7 @@ def decode_tiled(decoder: LTX2DiffusionDecoder3d, latents: Tensor, generator: to
     canvas = None
     if not (num_inference_steps == 1 and arch.decoder_model_output_type == "x0"):
         canvas = torch.randn(total, generator=generator, dtype=dtype).to(device)  # shared by overlapping tiles
-    out = torch.empty(total, dtype=torch.float32, device=device)
+    out = torch.empty(total, dtype=dtype, device=device)
     rows_at = _spatial_offsets(tiles_h, plan.strides[1], sh)
     cols_at = _spatial_offsets(tiles_w, plan.strides[2], sw)
     previous: Tensor | None = None
@@ -226,10 +226,9 @@ def decode_tiled(decoder: LTX2DiffusionDecoder3d, latents: Tensor, generator: to
         if previous is not None:
             blend(previous, group, plan.blends[0], dim=2)
         keep = group.shape[2] if k == len(tiles_t) - 1 else plan.strides[0] * st - (1 if origin and st == 2 else 0)
-        kept = out[:, :, written:written + keep]
-        kept.copy_(group[:, :, :keep])  # as `.float()`, without a temporary
-        kept.clamp_(-1.0, 1.0)
+        out[:, :, written:written + keep] = group[:, :, :keep]
         written += keep
         previous = group
     assert written == total[2], f"temporal tiles wrote {written} of {total[2]} frames"
-    return out
+    del features, previous, group
+    return out.float().clamp_(-1.0, 1.0)  # (in float32 `float()` is `out` itself: clamped in place)

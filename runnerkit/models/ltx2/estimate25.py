@@ -11,12 +11,13 @@ stages, the upsampler, the audio decoder and save are LTX-2's) and changes:
 - `duration_head` (new, after the connectors): its weights; activations the two contexts projected
   to the pooler width and its attention (a few MiB at 1024 tokens) beside the contexts;
 - `diffusion_decoder` replaces `vae_decoder`: its weights (the latent statistics as float32 buffers)
-  and `estimate_diffusion_decoder.diffusion_decode_bytes` at stage 2's latent grid, plus what LTX-2's
+  and `estimate_diffusion_decoder.diffusion_decode_bytes` at stage 2's latent grid (with
+  `offload.vae_tiling`: `tiled_diffusion_decode_bytes` of the default tiles), plus what LTX-2's
   VAE-decoder stage keeps beside its decode (the contexts, the final latents);
 - `vae`: loaded for i2av's encoder only (t2av drops it).
 
 The refusal hints (list the text encoder, the connectors, or both in `offload.stream_modules`) name
-Gemma-4 and its size.
+Gemma-4 and its size; without `offload.vae_tiling`, `TILING_HINT` offers the tiled diffusion decode.
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ from runnerkit.models.ltx2.checkpoint25 import extra_factory
 from runnerkit.models.ltx2.duration import LTX2DurationHead
 from runnerkit.models.ltx2.estimate import TEXT_TOKENS, _stream_hints, ltx2_estimate, stage_tokens
 from runnerkit.models.ltx2.estimate_decoders import vae_decode_bytes
-from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes
-from runnerkit.planning.fit import MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
+from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes, tiled_diffusion_decode_bytes
+from runnerkit.planning.fit import Hint, MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
 from runnerkit.runners.pipeline import Shape
 from runnerkit.weights import build_on_meta
 
-__all__ = ["duration_head_bytes", "gemma4_footprint", "ltx25_estimate"]
+__all__ = ["TILING_HINT", "duration_head_bytes", "gemma4_footprint", "ltx25_estimate"]
+
+TILING_HINT = Hint("offload.vae_tiling=true (the diffusion decoder's last two stages run on 768 x 768 px x 80-frame "
+                   "tiles: its memory then grows with the tile, not the clip)", {"vae_tiling": True})
+"""The refusal's advice while `offload.vae_tiling` is off (the memory planner names it where it makes a plan fit)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -101,7 +107,8 @@ def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, t
             stage = replace(stage, detail=stage.detail.replace("gemma-3", "gemma-4"))
         if stage.name == "vae_decoder":  # the same tensors kept beside it; the diffusion decode instead of the VAE's
             kept = stage.activation_bytes - vae_decode_bytes(arch.vae, grid2, s, device.type)[0]
-            decode, detail = diffusion_decode_bytes(arch.diffusion_decoder, grid2, s)
+            decode, detail = (tiled_diffusion_decode_bytes(arch.diffusion_decoder, grid2, s, DecoderTiling())
+                              if offload.vae_tiling else diffusion_decode_bytes(arch.diffusion_decoder, grid2, s))
             stage = StageFootprint("diffusion_decoder", "diffusion_decoder", decode + kept, detail)
         stages.append(stage)
         if stage.name == "text_connectors":
@@ -109,4 +116,6 @@ def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, t
             stages.append(StageFootprint("duration_head", "duration_head", context + head_bytes,
                                          "duration head on the two contexts"))
     hints = _stream_hints(modules, offload, modules["text_encoder"].weight_bytes, "Gemma-4")
+    if not offload.vae_tiling:
+        hints += (TILING_HINT,)
     return MemoryEstimate(modules=modules, stages=tuple(stages), hints=hints)

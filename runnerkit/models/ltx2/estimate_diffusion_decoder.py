@@ -170,8 +170,8 @@ def tiled_diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tup
     """Activation peak of `decode_video(..., tiling=tiling)` (diffusion_decode_tiled.py) with one x0 stage-5
     step (the release); the untiled `diffusion_decode_bytes` when the latents fit one tile. Stages 1-3 on
     the whole latent as untiled; then, tile by tile in the decode's order, stage 4 and stage 5 on the tile
-    beside what stays alive: the latents, the features (stage 3's upsampler storage), the float32 output
-    video, the previous and the current temporal group (decoder dtype) and the row tiles still to blend
+    beside what stays alive: the latents, the features (stage 3's upsampler storage), the output video
+    (decoder dtype; its float32 copy at the end), the previous and the current temporal group (decoder dtype) and the row tiles still to blend
     from (the current row's and the previous row's not yet consumed). A multi-step decode's noise canvas
     is added; its per-step float32 temporaries are not counted.
 
@@ -187,7 +187,7 @@ def tiled_diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tup
     (st, sh, sw), (tiles_t, tiles_h, tiles_w) = plan.scale, plan.tiles
     px = batch * arch.out_channels * sh * sw  # elements per feature cell (H, W) and output frame
     total = px * plan.pixel_frames(0, plan.frames) * plan.height * plan.width
-    base = latents + features + total * F32
+    base = latents + features + total * s
     if not (arch.decoder_num_inference_steps == 1 and arch.decoder_model_output_type == "x0"):
         base += total * s  # the shared noise canvas
     up = arch.decoder_upsample_strides[-1]
@@ -213,7 +213,9 @@ def tiled_diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tup
                 row.append(px * frames * (h1 - h0) * (w1 - w0) * s)
             above = row
         previous = group
+    # the end: the output and its float32 copy (none in float32), clamped in place
+    peak = max(peak, (latents + total * s + (total * F32 if s != F32 else 0), "float + clamp"))
     gib = 2**30
     tiles = len(tiles_t) * len(tiles_h) * len(tiles_w)
     return peak[0], (f"tiled diffusion decode peak in {peak[1]}: {tiles} tiles, the largest stage-5 grid "
-                     f"{'x'.join(map(str, largest))}, features {features / gib:.2f} GiB, output {total * F32 / gib:.2f} GiB")
+                     f"{'x'.join(map(str, largest))}, features {features / gib:.2f} GiB, output {total * s / gib:.2f} GiB")

@@ -155,6 +155,7 @@ class LTX2Runner(DefaultRunner):
     STAGE_STEPS: ClassVar[tuple[int, int]] = (len(DISTILLED_SIGMAS), len(STAGE2_SIGMAS))  # flops.py: the time model
     #: H.264 CRF of the conditioning image (ltx-pipelines' default for the Gemma-3 generations 2.0 and 2.3).
     IMAGE_CRF: ClassVar[int] = 33
+    DECODER_TILING: ClassVar[bool] = False  # whether `offload.vae_tiling` tiles the video decoder (LTX-2.5's)
     SYNTHETIC_LAYOUT = "diffusers"
 
     # ---- warmup opt-in (declared here; not inherited by subclasses) --------------------------
@@ -183,7 +184,7 @@ class LTX2Runner(DefaultRunner):
             raise ValueError("ltx2 samples with Euler on the distilled sigma tables as given: `scheduler` 'euler', "
                              "`scheduler_spacing` 'diffusers' and `sample_shift` 1.0 (got "
                              f"{config.scheduler!r}, {config.scheduler_spacing!r}, {config.sample_shift})")
-        if config.offload.vae_tiling:
+        if config.offload.vae_tiling and not self.DECODER_TILING:
             raise NotImplementedError("`offload.vae_tiling` is not available for ltx2 (the video VAE decodes whole)")
         check_paths(config, files=not self.plan_only)
         if config.task == "i2av" and not self.plan_only and missing_pyav() is not None:  # a plan encodes nothing

@@ -43,6 +43,7 @@ from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
 from runnerkit.models.ltx2.diffusion_decode import decode_video
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
 from runnerkit.models.ltx2.plan_sources import configured_arch
 from runnerkit.models.ltx2.plan_sources25 import RELEASES_25, estimate_sources_25, release_gemma4
@@ -82,6 +83,9 @@ class LTX25Runner(LTX2Runner):
     STREAM_MODULES: ClassVar[tuple[str, ...]] = ("text_encoder", "connectors", "transformer")
     #: H.264 CRF of a conditioning image (diffusers `resolve_default_image_crf` for Gemma-4 generations).
     IMAGE_CRF: ClassVar[int] = 18
+    #: `offload.vae_tiling`: the diffusion decoder's stage 4 and stage 5 run on overlapping tiles
+    #: (diffusion_decode_tiled.py, diffusers' default tile sizes `DecoderTiling()`)
+    DECODER_TILING: ClassVar[bool] = True
     #: "release": Lightricks' per-component files (checkpoint_release25_write.py), for real-size runs
     CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ("diffusers", "release")
     #: Gemma-4 prompt enhancer (prompt_enhancer.py): loaded by the config's `prompt_enhancer` section, run for
@@ -355,12 +359,14 @@ class LTX25Runner(LTX2Runner):
     def run_diffusion_decoder(self, req: RequestState, latents: Tensor) -> Tensor:
         """Final joint latents -> video [1, 3, F, H, W] in [-1, 1] (float32): de-normalised with the video
         VAE's statistics, decoded by the diffusion decoder's loop (diffusion_decode.py `decode_video`), its
-        pixel noise drawn from the request's generator (after every stage's noise)."""
+        pixel noise drawn from the request's generator (after every stage's noise); with `offload.vae_tiling`
+        on overlapping tiles (diffusion_decode_tiled.py) when the latents are larger than one."""
         assert self.vae_stats is not None and req.generator is not None, "run the denoise stages first"
         video, _ = self.layouts(req)[-1].split(latents)  # the last stage's, normalised
         mean, std, scaling = self.vae_stats
         return decode_video(req.modules["diffusion_decoder"], video.float(), req.generator, latents_mean=mean,
-                            latents_std=std, scaling_factor=scaling)
+                            latents_std=std, scaling_factor=scaling,
+                            tiling=DecoderTiling() if self.config.offload.vae_tiling else None)
 
     def sidecar_extra(self, req: RequestState) -> dict[str, Any]:
         """`duration`: `predicted` (whether the duration head chose the frame count), `frames`, `seconds`

@@ -118,12 +118,12 @@ def test_tiled_formula_bounds_measured_peak(monkeypatch: pytest.MonkeyPatch, nam
 
 
 def test_release_tiled_peak() -> None:
-    """512x768x473 (latents 60x16x24) in bfloat16 with the default tiles: nine 80-frame tiles, 14.3 GiB against
+    """512x768x473 (latents 60x16x24) in bfloat16 with the default tiles: nine 80-frame tiles, 13.2 GiB against
     61.6 GiB whole; a latent within one tile is the untiled estimate."""
     tiled, detail = tiled_diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (60, 16, 24), 2, DecoderTiling())
     whole = diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (60, 16, 24), 2)[0]
     assert detail.startswith("tiled diffusion decode peak in stage 5 block: 9 tiles, the largest stage-5 grid "
                              "80x128x192")
-    assert (round(tiled / 2**30, 2), round(whole / 2**30, 2)) == (14.28, 61.55)
+    assert (round(tiled / 2**30, 2), round(whole / 2**30, 2)) == (13.24, 61.55)
     assert tiled_diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (4, 16, 24), 2, DecoderTiling()) == \
         diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (4, 16, 24), 2)

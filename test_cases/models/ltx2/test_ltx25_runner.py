@@ -281,3 +281,26 @@ def test_plan_refusal_at_the_largest_predicted_count(tmp_path: Path, capsys: pyt
     text = out.out + out.err
     assert rc == 1, text  # the plan tool's "nothing fits" (the run itself would exit 2)
     assert "no offload plan fits 1 shape(s) [[64, 128, 33]]" in text and "To fit: target_video_length 9 at 64x128" in text
+
+
+def test_vae_tiling_tiles_the_diffusion_decoder(cold: dict[str, Any], tmp_path: Path, mocker: Any) -> None:
+    """`offload.vae_tiling` (refused by LTX-2.3, whose VAE decodes whole) hands the default tiles to the
+    diffusion decode; a tiny latent fits one tile, so the video is the untiled one bit for bit. The estimate
+    then takes the tiled decode's bytes and drops the tiling advice the untiled estimate gives."""
+    from runnerkit.models.ltx2 import runner25
+    from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
+    from runnerkit.models.ltx2.estimate25 import TILING_HINT
+
+    with pytest.raises(NotImplementedError, match="`offload.vae_tiling` is not available for ltx2"):
+        LTX2Runner(load_runner_config(CONFIGS / "ltx2_t2av_tiny.json", {"device": "cpu", "offload.vae_tiling": True}))
+    spy = mocker.spy(runner25, "decode_video")
+    runner = make_runner(**{"offload.vae_tiling": True})
+    runner.init_modules()
+    runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3, target_video_length=17,
+                                      save_tensor_path=str(tmp_path / "tiled.safetensors")))
+    assert spy.call_count == 1 and spy.call_args.kwargs["tiling"] == DecoderTiling()
+    assert torch.equal(load_file(tmp_path / "tiled.safetensors")["video"], cold["given17"][0]["video"])
+    untiled = cold["runner"].estimate_memory((64, 128, 17))
+    tiled = runner.estimate_memory((64, 128, 17))
+    assert TILING_HINT in untiled.hints and TILING_HINT not in tiled.hints
+    assert tiled.stages == untiled.stages  # one tile: the same bytes

@@ -7,6 +7,7 @@ decoder's activations at 512 x 768 x 473 alone exceed either) and the refusal sa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,11 +40,11 @@ SOURCES = [
      "count a prediction can take (1 s to 20 s at 24 fps)")]
 
 
-def _direct_plan(device_gib: int, host_gib: int) -> planner.MemoryPlan:
+def _direct_plan(device_gib: int, host_gib: int, vae_tiling: bool = False) -> planner.MemoryPlan:
     """The planner on estimate25.py's estimate of the release: `LTX25_22B_PIPELINE_ARCH`, Gemma-4 12B, bf16, no
     fp8 storage, one pass per step, 8 + 3 steps, the shapes above, no compute model (no device name)."""
     config = LTX25Runner.resolve_config(load_runner_config(CONFIG, {
-        "memory.limit_gib": device_gib, "memory.host_limit_gib": host_gib}))
+        "memory.limit_gib": device_gib, "memory.host_limit_gib": host_gib, "offload.vae_tiling": vae_tiling}))
     gemma = transformers.Gemma4UnifiedTextConfig(**GEMMA4_12B_TEXT).to_dict()
 
     def estimate(off: OffloadConfig, shape: tuple[int, int, int]) -> fit.MemoryEstimate:
@@ -94,3 +95,29 @@ def test_a_given_frame_count_is_planned_as_given(no_checkpoints: Path,  # noqa: 
                             "--target_video_length", 121)
     assert rc == 0, err
     assert out["shapes"] == [[512, 768, 121], SHAPES[1], SHAPES[0]] and out["estimate_sources"] == SOURCES[:3]
+
+
+@pytest.mark.parametrize("device_gib, resident_units", [(24, 22), (16, 12)])
+def test_with_decoder_tiling_24_and_16_gib_plan_block_streaming_from_disk(
+        device_gib: int, resident_units: int, no_checkpoints: Path, tmp_path: Path,  # noqa: F811
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`offload.vae_tiling` (the diffusion decoder on 768 px x 80-frame tiles: 13.2 GiB instead of 61.6 GiB at
+    512x768x473) is the refusal's advice above, and with it the planner finds lazy block streaming from disk of
+    Gemma-4, the connectors and the transformer; it equals the planner on the release sizes."""
+    rc, out, _ = run_plan(capsys, "--config_json", CONFIG, "--device_gib", device_gib, "--host_gib", 128)
+    assert "offload.vae_tiling=true (the diffusion decoder's last two stages run on" in out["refusal"]
+    config = json.loads(CONFIG.read_text()) | {"offload": {"vae_tiling": True}}
+    (tmp_path / "tiled.json").write_text(json.dumps(config))
+    rc, out, err = run_plan(capsys, "--config_json", tmp_path / "tiled.json", "--device_gib", device_gib,
+                            "--host_gib", 128)
+    assert (rc, out["fits"]) == (0, True), err
+    offload = out["offload"]
+    assert (offload["mode"], offload["storage"], offload["lazy_load"], offload["vae_tiling"]) == \
+        ("block", "disk", True, True)
+    assert tuple(offload["stream_modules"]) == ("text_encoder", "connectors", "transformer")
+    direct = _direct_plan(device_gib, 128, vae_tiling=True)
+    report = plan_report.report(direct, OffloadConfig(vae_tiling=True))
+    for key in set(report) - {"modules", "device_limit_source", "host_limit_source", "estimated_request_seconds"}:
+        assert out[key] == report[key], key
+    assert f"{resident_units} units resident" in direct.chosen.name
+    assert out["peak_stage"] == ("stage2" if device_gib == 24 else "diffusion_decoder")
