@@ -42,7 +42,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from runnerkit.models.ltx2.diffusion_decoder import LTX2DiffusionDecoder3d, LTX2DiffusionDecoderArch
+from runnerkit.models.ltx2.diffusion_decoder import (
+    LTX2DiffusionDecoder,
+    LTX2DiffusionDecoder3d,
+    LTX2DiffusionDecoderArch,
+)
 
 Interval = tuple[int, int]
 
@@ -143,6 +147,44 @@ def tile_plan(arch: LTX2DiffusionDecoderArch, latent_fhw: tuple[int, int, int], 
     tiles = tuple(tile_intervals(n, k, s, m) for n, k, s, m in zip(grid, tile, stride, min_sizes))
     blends = tuple((k - s) * c for k, s, c in zip(tile, stride, scale))
     return TilePlan(*grid, ghost, scale, tiles, stride, blends)  # type: ignore[arg-type]
+
+
+def decode_grids(arch: LTX2DiffusionDecoderArch, latent_fhw: tuple[int, int, int],
+                 tiling: DecoderTiling | None) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
+    """The distinct (stage-4 grid, stage-5 grid) pairs, each (T, H, W) in tokens, that a decode of latents
+    (F, H, W) runs stage 4 and stage 5 on: one pair untiled (or within one tile), one per tile shape tiled
+    (what warmup must cover: docs/ltx2.md, "Tiled diffusion decode")."""
+    up = arch.decoder_upsample_strides[-1]
+    pad = arch.trailing_pad_frames * arch.temporal_compression_ratio
+    if tiling is None or not tiling.applies(arch, latent_fhw):
+        t, h, w = feature_grid(arch, latent_fhw)
+        return [((t, h, w), (t * up[0] - (1 if up[0] == 2 else 0) - pad, h * up[1], w * up[2]))]
+    plan = tile_plan(arch, latent_fhw, tiling)
+    grids = {((t1 - t0 + (plan.ghost if t1 == plan.frames else 0), h1 - h0, w1 - w0),
+              (plan.pixel_frames(t0, t1), (h1 - h0) * up[1], (w1 - w0) * up[2]))
+             for t0, t1 in plan.tiles[0] for h0, h1 in plan.tiles[1] for w0, w1 in plan.tiles[2]}
+    return sorted(grids)
+
+
+def warm_whole_decode(model: LTX2DiffusionDecoder, latents: Tensor, tiling: DecoderTiling) -> None:
+    """Warmup's extra decode with tiling on: zero latents of the warmed request's batch, width and height
+    with the most frames a decode takes whole (`tiling.tile_frames // r_t` latent frames, 73 output frames
+    by default). Its stage-4 grid is the largest any tile or whole decode of that size runs on (a tiled
+    clip's tiles are shorter), so the warmed token counts span those of every predicted frame count at
+    that size (docs/ltx2.md, "Tiled diffusion decode"). Its noise comes from a generator of its own (the
+    request's draws are untouched); the result is dropped.
+
+    Args:
+        model: the decoder, on its device and dtype.
+        latents: [B, C_lat, F, H, W] the warmed request's latents (only B, C_lat, H, W are read).
+        tiling: the tile sizes.
+    """
+    from runnerkit.models.ltx2.diffusion_decode import decode_video
+
+    B, C, _, H, W = latents.shape
+    frames = tiling.tile_frames // model.arch.temporal_compression_ratio
+    zeros = torch.zeros((B, C, frames, H, W), dtype=torch.float32, device=latents.device)
+    decode_video(model, zeros, torch.Generator("cpu").manual_seed(0), normalized=False, tiling=tiling)
 
 
 def blend(a: Tensor, b: Tensor, extent: int, dim: int) -> None:

@@ -43,7 +43,7 @@ from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
 from runnerkit.models.ltx2.diffusion_decode import decode_video
-from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling, warm_whole_decode
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
 from runnerkit.models.ltx2.plan_sources import configured_arch
 from runnerkit.models.ltx2.plan_sources25 import RELEASES_25, estimate_sources_25, release_gemma4
@@ -360,13 +360,17 @@ class LTX25Runner(LTX2Runner):
         """Final joint latents -> video [1, 3, F, H, W] in [-1, 1] (float32): de-normalised with the video
         VAE's statistics, decoded by the diffusion decoder's loop (diffusion_decode.py `decode_video`), its
         pixel noise drawn from the request's generator (after every stage's noise); with `offload.vae_tiling`
-        on overlapping tiles (diffusion_decode_tiled.py) when the latents are larger than one."""
+        on overlapping tiles (diffusion_decode_tiled.py) when the latents are larger than one, and in warmup
+        also the largest whole decode at the shape's size (`warm_whole_decode`)."""
         assert self.vae_stats is not None and req.generator is not None, "run the denoise stages first"
         video, _ = self.layouts(req)[-1].split(latents)  # the last stage's, normalised
         mean, std, scaling = self.vae_stats
-        return decode_video(req.modules["diffusion_decoder"], video.float(), req.generator, latents_mean=mean,
-                            latents_std=std, scaling_factor=scaling,
-                            tiling=DecoderTiling() if self.config.offload.vae_tiling else None)
+        tiling = DecoderTiling() if self.config.offload.vae_tiling else None
+        decoded = decode_video(req.modules["diffusion_decoder"], video.float(), req.generator, latents_mean=mean,
+                               latents_std=std, scaling_factor=scaling, tiling=tiling)
+        if tiling is not None and req.info.warmup:  # the largest whole decode too (its stage-4 grid tops any tile's)
+            warm_whole_decode(req.modules["diffusion_decoder"], video, tiling)
+        return decoded
 
     def sidecar_extra(self, req: RequestState) -> dict[str, Any]:
         """`duration`: `predicted` (whether the duration head chose the frame count), `frames`, `seconds`

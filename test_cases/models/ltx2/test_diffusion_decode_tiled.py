@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runnerkit.models.ltx2.diffusion_decode import decode_video
-from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling, tile_intervals, tile_plan
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling, decode_grids, tile_intervals, tile_plan
 from runnerkit.models.ltx2.diffusion_decoder import (
     LTX25_DIFFUSION_DECODER,
     TINY_LTX25_DIFFUSION_DECODER,
@@ -94,3 +94,38 @@ def test_release_plan_and_errors() -> None:
     assert plan.tiles[1:] == ([(0, 64)], [(0, 96)]) and plan.blends == (24, 64, 64)
     with pytest.raises(ValueError, match=r"`stride_frames` must be in \[1, tile_frames=80\], got 96"):
         DecoderTiling(stride_frames=96)
+
+
+def _tokens(grid: tuple[int, int, int]) -> int:
+    return grid[0] * grid[1] * grid[2]
+
+
+def test_warmup_covers_every_tile_at_the_configs_size() -> None:
+    """With tiling on, the 22B-2.5 warmup (256x384x25: decoded whole; 512x768x473: nine tiles of three shapes;
+    at each size also `warm_whole_decode`'s 10 latent frames, the largest whole decode, whose 45-frame stage-4
+    grid tops every tile's) spans the stage-4 and stage-5 token counts of every tile of every frame count a
+    prediction can give at 512x768 (each between two warmed counts; the compiled FlexAttention's only varying
+    size is the token count). At 256x384 seven counts (129, 185, ... 465 frames) end in an 18-frame tile below
+    the smallest warmed counts (a size the dynamic kernel has not run)."""
+    from runnerkit.models.ltx2.runner25 import LTX25Runner
+
+    arch, tiling = LTX25_DIFFUSION_DECODER, DecoderTiling()
+
+    def latent(h: int, w: int, frames: int) -> tuple[int, int, int]:
+        return ((frames - 1) // 8 + 1, h // 32, w // 32)
+
+    warmed = [g for h, w, f in LTX25Runner.WARMUP_SHAPES["22B-2.5"]
+              for g in decode_grids(arch, latent(h, w, f), tiling) + decode_grids(arch, latent(h, w, 73), tiling)]
+    assert [g5 for _, g5 in warmed] == [(25, 64, 96), (73, 64, 96), (26, 128, 192), (79, 128, 192), (80, 128, 192),
+                                        (73, 128, 192)]
+    assert max(g4 for g4, _ in warmed) == (45, 64, 96)
+    lows = [min(_tokens(g[i]) for g in warmed) for i in (0, 1)]
+    highs = [max(_tokens(g[i]) for g in warmed) for i in (0, 1)]
+    outside: dict[tuple[int, int], list[int]] = {}
+    for h, w in ((512, 768), (256, 384)):
+        for frames in range(25, 474, 8):
+            for grids in decode_grids(arch, latent(h, w, frames), tiling):
+                if any(not lows[i] <= _tokens(grids[i]) <= highs[i] for i in (0, 1)):
+                    outside.setdefault((h, w), []).append(frames)
+    assert outside == {(256, 384): list(range(129, 474, 56))}
+    assert decode_grids(arch, latent(256, 384, 129), tiling)[0] == ((17, 32, 48), (18, 64, 96))

@@ -304,3 +304,22 @@ def test_vae_tiling_tiles_the_diffusion_decoder(cold: dict[str, Any], tmp_path: 
     tiled = runner.estimate_memory((64, 128, 17))
     assert TILING_HINT in untiled.hints and TILING_HINT not in tiled.hints
     assert tiled.stages == untiled.stages  # one tile: the same bytes
+
+
+def test_warmup_with_vae_tiling_adds_the_largest_whole_decode(cold: dict[str, Any], tmp_path: Path,
+                                                               mocker: Any) -> None:
+    """Warmup with `offload.vae_tiling`: after each shape's decode, one decode of zero latents at the shape's
+    latent size with `tile_frames // 8` = 10 latent frames (`warm_whole_decode`), from a generator of its own:
+    the first request still equals the cold runner's bit for bit."""
+    from runnerkit.models.ltx2 import diffusion_decode, runner25
+
+    spy = mocker.spy(runner25, "warm_whole_decode")
+    inner = mocker.spy(diffusion_decode, "decode_video")  # the extra decode's (runner25 holds its own name)
+    runner = make_runner(**{"offload.vae_tiling": True, "warmup": True})
+    runner.init_modules()
+    assert [tuple(c.args[1].shape) for c in spy.call_args_list] == [(1, 8, 2, 2, 2), (1, 8, 5, 2, 4)]
+    assert [tuple(c.args[1].shape) for c in inner.call_args_list] == [(1, 8, 10, 2, 2), (1, 8, 10, 2, 4)]
+    runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3, target_video_length=17,
+                                      save_tensor_path=str(tmp_path / "warm.safetensors")))
+    assert spy.call_count == 2  # a request does not run it
+    assert torch.equal(load_file(tmp_path / "warm.safetensors")["video"], cold["given17"][0]["video"])
