@@ -32,10 +32,10 @@ from torch import nn
 from runnerkit.config import OffloadConfig
 from runnerkit.models.ltx2.arch25 import LTX25Arch
 from runnerkit.models.ltx2.checkpoint25 import extra_factory
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
 from runnerkit.models.ltx2.duration import LTX2DurationHead
 from runnerkit.models.ltx2.estimate import TEXT_TOKENS, _stream_hints, ltx2_estimate, stage_tokens
 from runnerkit.models.ltx2.estimate_decoders import vae_decode_bytes
-from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
 from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes, tiled_diffusion_decode_bytes
 from runnerkit.planning.fit import Hint, MemoryEstimate, ModuleFootprint, StageFootprint, module_footprint
 from runnerkit.runners.pipeline import Shape

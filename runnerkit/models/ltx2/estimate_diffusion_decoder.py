@@ -184,7 +184,7 @@ def tiled_diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tup
     stored = batch * math.prod(grid) * arch.decoder_stage_channels[0] * s  # conv_in's output
     peak, features, _ = _deterministic_stages(arch, grid, batch, s, range(3), stored, latents, (latents, "latents"))
     plan = tile_plan(arch, latent_fhw, tiling)
-    (st, sh, sw), (tiles_t, tiles_h, tiles_w) = plan.scale, plan.tiles
+    (_, sh, sw), (tiles_t, tiles_h, tiles_w) = plan.scale, plan.tiles
     px = batch * arch.out_channels * sh * sw  # elements per feature cell (H, W) and output frame
     total = px * plan.pixel_frames(0, plan.frames) * plan.height * plan.width
     base = latents + features + total * s

@@ -17,13 +17,13 @@ import torch
 from runnerkit.models.ltx2 import diffusion_decoder as dd
 from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
 from runnerkit.models.ltx2.diffusion_decode import decode_video
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
 from runnerkit.models.ltx2.diffusion_decoder import (
     LTX25_DIFFUSION_DECODER,
     TINY_LTX25_DIFFUSION_DECODER,
     LTX2DiffusionDecoder,
     LTX2DiffusionDecoderArch,
 )
-from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
 from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes, tiled_diffusion_decode_bytes
 from test_cases._memory import peak_tensor_bytes
 from test_cases.models.ltx2._parity import randn
