@@ -247,8 +247,8 @@ def read_system_prompts(kinds: tuple[str, ...], files: Mapping[str, str | None],
             what = "is empty" if path.is_file() else "does not exist"
             raise ValueError(
                 f"`prompt_enhancer.system_prompt_{kind}`: the {kind} system prompt file {str(path)!r} {what}. "
-                "runnerkit ships no system prompts: give a text file (e.g. the LTX-2.5 prompt of Lightricks' "
-                f"ltx-core, see docs/ltx2.md) in the config, or put it at {SYSTEM_PROMPT_FILES[kind]!r} in the "
+                "runnerkit ships no system prompts: give a text file (e.g. diffusers' LTX-2.5 prompt, "
+                f"see docs/ltx2.md \"Prompt enhancement\") in the config, or put it at {SYSTEM_PROMPT_FILES[kind]!r} in the "
                 "enhancer's folder")
         prompts[kind] = text
     return prompts
@@ -295,6 +295,10 @@ def load_prompt_enhancer(root: str | Path, kinds: tuple[str, ...], system_prompt
                               "'gemma4' (Gemma4ForConditionalGeneration)")
     model = transformers.Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
     processor = transformers.AutoProcessor.from_pretrained(processor_dir)
+    if not hasattr(processor, "tokenizer"):  # transformers fell back to the bare tokenizer
+        raise CheckpointError(f"prompt enhancer processor {str(processor_dir)!r} loaded as "
+                              f"{type(processor).__name__}, not Gemma-4's processor: transformers builds "
+                              "Gemma4Processor only with torchvision installed (`pip install torchvision`)")
     logger.info("prompt enhancer: {} ({} parameters, {}), system prompts {}", model_dir,
                 sum(p.numel() for p in model.parameters()), dtype, sorted(prompts))
     return PromptEnhancer(model.to(home or device).eval(), processor, prompts, decoding, device)
@@ -312,6 +316,10 @@ def load_configured_enhancer(config: RunnerConfig, image_task: bool, dtype: torc
     section = config.prompt_enhancer
     if section is None:
         return None
+    if section.path is None and config.synthetic_checkpoint is not None:
+        raise ValueError("`prompt_enhancer.path`: a synthetic checkpoint (`synthetic_checkpoint`) has no prompt "
+                         "enhancer; give the folder of one (e.g. a diffusers LTX-2.5 folder's `prompt_enhancer/` "
+                         "parent)")
     root = section.path or config.model_path
     if root is None:
         raise ValueError("`prompt_enhancer.path`: no enhancer folder (and no `model_path` to look in)")

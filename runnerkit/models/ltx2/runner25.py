@@ -219,6 +219,25 @@ class LTX25Runner(LTX2Runner):
         return (height, width, frames if frames is not None else cls.frame_bounds(config)[1])
 
     @classmethod
+    def validate_request(cls, request: RequestConfig, config: RunnerConfig) -> None:
+        """`LTX2Runner.validate_request`, and a frame count the request or the config gives no smaller than
+        the shortest clip the duration head predicts (`frame_bounds`: 25 at 24 fps for the release): the
+        diffusion decoder's attention windows need several latent frames (a 1-frame request would fail in
+        the decoder, after both stages).
+
+        Raises:
+            ValueError: naming `target_video_length`, its value and the smallest allowed.
+        """
+        super().validate_request(request, config)
+        frames = shape_with_defaults(request, cls.resolve_config(config))[2]
+        smallest = cls.frame_bounds(cls.resolve_config(config))[0]
+        if frames is not None and frames < smallest:
+            raise ValueError(f"`target_video_length` {frames}: ltx2.5 takes at least {smallest} frames at "
+                             f"{config.fps or cls.DEFAULTS['fps']} fps (the shortest clip its duration head "
+                             "predicts; the diffusion decoder needs several latent frames); omit it to have it "
+                             "predicted")
+
+    @classmethod
     def validate_shape(cls, height: int, width: int, frames: int | None) -> None:  # type: ignore[override]
         """`LTX2Runner.validate_shape`; `frames` None (the config's omitted default) is predicted, always valid."""
         super().validate_shape(height, width, 1 if frames is None else frames)

@@ -323,3 +323,16 @@ def test_warmup_with_vae_tiling_adds_the_largest_whole_decode(cold: dict[str, An
                                       save_tensor_path=str(tmp_path / "warm.safetensors")))
     assert spy.call_count == 2  # a request does not run it
     assert torch.equal(load_file(tmp_path / "warm.safetensors")["video"], cold["given17"][0]["video"])
+
+
+@pytest.mark.parametrize("frames, refused", [(1, True), (9, False), (17, False)])
+def test_a_frame_count_below_the_shortest_prediction_is_refused(frames: int, refused: bool) -> None:
+    """A given count below the bounds' smallest (9 at 24 fps for the tiny flavour) is refused before anything
+    loads, naming the field and the smallest allowed (the decoder would fail on it after both stages)."""
+    config = load_runner_config(CONFIG, {"device": "cpu"})
+    request = RequestConfig(prompt="p", target_video_length=frames)
+    if refused:
+        with pytest.raises(ValueError, match=r"`target_video_length` 1: ltx2.5 takes at least 9 frames at 24 fps"):
+            LTX25Runner.validate_request(request, config)
+    else:
+        LTX25Runner.validate_request(request, config)

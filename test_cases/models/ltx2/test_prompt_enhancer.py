@@ -350,6 +350,13 @@ def test_load_configured_enhancer(tmp_path: Path, enhancer: PromptEnhancer, monk
     assert loaded.decoding == type(GEMMA4_DECODING)(3, GEMMA4_DECODING.kwargs)
     other = PromptEnhancer(enhancer.model, enhancer.processor, {"i2v": "From the image."})
     assert loaded.generate_ids("z", _image()).tolist() == other.generate_ids("z", _image(), max_new_tokens=3).tolist()
+    # without torchvision transformers hands back the bare tokenizer: refused at load, naming torchvision
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", lambda folder, **kw: enhancer.processor.tokenizer)
+    with pytest.raises(CheckpointError, match=r"not Gemma-4's processor: .*torchvision"):
+        load_configured_enhancer(config, True, torch.float32, torch.device("cpu"))
+    synthetic = load_runner_config(None, {**base, "prompt_enhancer": {}, "synthetic_checkpoint": {"seed": 0}})
+    with pytest.raises(ValueError, match=r"`prompt_enhancer.path`: a synthetic checkpoint .* has no prompt enhancer"):
+        load_configured_enhancer(synthetic, True, torch.float32, torch.device("cpu"))
     (tmp_path / "prompt_enhancer" / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
     with pytest.raises(CheckpointError, match="model_type 'gemma3', expected 'gemma4'"):
         load_configured_enhancer(config, True, torch.float32, torch.device("cpu"))
