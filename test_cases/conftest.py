@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -179,6 +181,34 @@ def restored_loguru_sinks() -> Iterator[None]:
         if set(logger._core.handlers) != before:  # type: ignore[attr-defined]
             logger.remove()
             logger.add(lambda message: sys.stderr.write(message), level="DEBUG")
+
+
+def built_once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder that `build(folder)` fills once per pytest run, shared by the xdist workers.
+
+    For the costly results a module's tests only read (subprocess runs, a first compile): with
+    `--dist worksteal` a worker that steals tests of such a module would otherwise build its module
+    fixture a second time. The first worker to get here builds the folder under the run's temp root
+    (the parent of every worker's basetemp) holding an exclusive lock; the other waits on the lock
+    and reads it (it would have spent the same time building). A folder without its completion mark
+    (a build that raised) is built again, so the failure shows in each worker's tests. Without xdist,
+    the folder is the session's own (nothing to share). The tests must not write into the folder:
+    they copy what they change."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    root = tmp_path_factory.getbasetemp().parent / "built_once"
+    root.mkdir(exist_ok=True)
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 
 from runnerkit.config import ConfigError, RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
-from test_cases.conftest import REPO, tiny_config_dict, write_config
+from test_cases.conftest import REPO, built_once_per_run, tiny_config_dict, write_config
 from test_cases.test_infer import _documented_keys
 
 COMPILE = {"enabled": True, "backend": "inductor"}
@@ -73,10 +73,17 @@ def _cli_run(ckpt: Path, folder: Path, cache_dir: Path, **compile_cfg: Any) -> t
 
 @pytest.fixture(scope="module")
 def first_start(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> FirstStart:
-    """A first start-up into an empty cache folder: (cache folder, profile, video, log)."""
-    root = tmp_path_factory.mktemp("first")
-    proc, report, video = _cli_run(tiny_ckpt, root / "run", root / "cache")
-    return root / "cache", report, video, proc.stderr
+    """A first start-up into an empty cache folder: (cache folder, profile, video, log). Run once per
+    pytest run (`built_once_per_run`): both xdist workers read the same start; tests copy the cache."""
+
+    def first(root: Path) -> None:
+        proc, _, _ = _cli_run(tiny_ckpt, root / "run", root / "cache")
+        (root / "run" / "stderr.txt").write_text(proc.stderr)
+
+    root = built_once_per_run(tmp_path_factory, "compile_cache_first_start", first)
+    run = root / "run"
+    report = json.loads((run / "profile.json").read_text())
+    return root / "cache", report, load_file(str(run / "out.safetensors"))["video"], (run / "stderr.txt").read_text()
 
 
 def _copy(cache: Path, to: Path) -> Path:

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from test_cases.conftest import REPO, tiny_config_dict, write_config
+from test_cases.conftest import REPO, built_once_per_run, tiny_config_dict, write_config
 
 DRIVER = Path(__file__).with_name("_signal_driver.py")
 STATUS = {"SIGTERM": 143, "SIGINT": 130}
@@ -62,16 +62,28 @@ CASES += [(phase, "SIGINT") for phase in ("imports", "denoise", "tensor_write", 
 def runs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[Path, Any]]:
     """Every case: (phase, signal) -> (its folder, CompletedProcess-like). The `imports` cases run as
     fresh subprocesses (torch not imported yet); the others in children of one driver process that
-    imported the launch script once (`_signal_driver.py --cases`), three at a time, beside them."""
-    root = tmp_path_factory.mktemp("signals")
+    imported the launch script once (`_signal_driver.py --cases`), three at a time, beside them.
+    Run once per pytest run (`built_once_per_run`): both xdist workers read the same cases."""
+    root = built_once_per_run(tmp_path_factory, "signals", lambda folder: _run_cases(tiny_ckpt, folder))
+    statuses = json.loads((root / "statuses.json").read_text())
+    return {(phase, sig): (root / f"{phase}-{sig}", subprocess.CompletedProcess(
+        [str(DRIVER), phase, sig], statuses[f"{phase} {sig}"], "", (root / f"{phase}-{sig}.stderr").read_text()))
+        for phase, sig in CASES}
+
+
+def _run_cases(tiny_ckpt: Path, root: Path) -> None:
+    """Runs every case in `root`: case folders `root/<phase>-<sig>`, each case's stderr in
+    `root/<phase>-<sig>.stderr`, the exit statuses in `root/statuses.json` ("<phase> <sig>": status)."""
     config = write_config(root / "config.json", tiny_config_dict(tiny_ckpt, **CONFIG_OVERRIDES))
-    folders = {case: tmp_path_factory.mktemp(f"{case[0]}-{case[1]}") for case in CASES}
+    folders = {case: root / f"{case[0]}-{case[1]}" for case in CASES}
+    for folder in folders.values():
+        folder.mkdir()
     fresh = {case: subprocess.Popen([sys.executable, str(DRIVER), *case, *_argv(case[0], config, folders[case])],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=folders[case],
                                     env=RUN_ENV)
              for case in CASES if case[0] == "imports"}
     forked = [case for case in CASES if case[0] != "imports"]
-    spec = {"parallel": 3, "results": str(root / "statuses.json"),
+    spec = {"parallel": 3, "results": str(root / "forked.json"),
             "cases": [{"phase": phase, "sig": sig, "argv": _argv(phase, config, folders[phase, sig]),
                        "cwd": str(folders[phase, sig]), "stderr": str(root / f"{phase}-{sig}.stderr")}
                       for phase, sig in forked]}
@@ -79,16 +91,12 @@ def runs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tupl
     driver = subprocess.run([sys.executable, str(DRIVER), "--cases", str(root / "cases.json")], capture_output=True,
                             text=True, cwd=root, env=RUN_ENV, timeout=600)
     assert driver.returncode == 0, driver.stderr
-    statuses = json.loads((root / "statuses.json").read_text())
-    results: dict[tuple[str, str], tuple[Path, Any]] = {}
-    for case, proc in fresh.items():
+    statuses = json.loads((root / "forked.json").read_text())
+    for (phase, sig), proc in fresh.items():
         _, err = proc.communicate(timeout=300)
-        results[case] = (folders[case], subprocess.CompletedProcess(proc.args, proc.returncode, "", err))
-    for phase, sig in forked:
-        err = (root / f"{phase}-{sig}.stderr").read_text()
-        results[phase, sig] = (folders[phase, sig], subprocess.CompletedProcess(
-            [str(DRIVER), phase, sig], statuses[f"{phase} {sig}"], "", err))
-    return results
+        (root / f"{phase}-{sig}.stderr").write_text(err)
+        statuses[f"{phase} {sig}"] = proc.returncode
+    (root / "statuses.json").write_text(json.dumps(statuses))
 
 
 def _partials(folder: Path) -> list[Path]:
