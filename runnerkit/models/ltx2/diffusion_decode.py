@@ -34,39 +34,12 @@ import torch
 from torch import Tensor
 
 from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling, decode_tiled
-from runnerkit.models.ltx2.diffusion_decoder import LTX2DiffusionDecoder, LTX2DiffusionDecoder3d
+from runnerkit.models.ltx2.diffusion_decoder import (
+    LTX2DiffusionDecoder,
+    decode_timesteps,
+    denoise_pixels,
+)
 from runnerkit.models.ltx2.vae import denormalize_latents
-
-
-def decode_timesteps(num_inference_steps: int) -> Tensor:
-    """The decoder's noise levels t_0..t_{n-1} = linspace(1, 1/n, n), [n] float32 (t_n = 0 implied).
-
-    Raises:
-        ValueError: `num_inference_steps` < 1.
-    """
-    if num_inference_steps < 1:
-        raise ValueError(f"`num_inference_steps` must be >= 1, got {num_inference_steps}.")
-    return torch.linspace(1.0, 1.0 / num_inference_steps, num_inference_steps, dtype=torch.float32)
-
-
-@torch.no_grad()
-def denoise_pixels(decoder: LTX2DiffusionDecoder3d, context: Tensor, x_t: Tensor, num_inference_steps: int) -> Tensor:
-    """Stage-5 loop from the noise `x_t` [B, 3, T, H, W] (decoder dtype) given `context`
-    [B, T, H/p, W/p, C_5]; returns the pixels [B, 3, T, H, W] in the decoder dtype, unclamped."""
-    B = x_t.shape[0]
-    timesteps = decode_timesteps(num_inference_steps).to(x_t.device)
-    x0_output = decoder.arch.decoder_model_output_type == "x0"
-    if num_inference_steps == 1 and x0_output:
-        return decoder.predict(context, x_t, timesteps[:1].expand(B))
-    for i in range(num_inference_steps):
-        t = timesteps[i].expand(B)
-        t_next = timesteps[i + 1] if i + 1 < num_inference_steps else torch.zeros_like(t)
-        out = decoder.predict(context, x_t, t).float()
-        x = x_t.float()
-        if x0_output:
-            out = (x - out) / t.view(B, 1, 1, 1, 1)  # velocity from the x0 prediction
-        x_t = (x - (t - t_next).view(-1, 1, 1, 1, 1) * out).to(x_t.dtype)
-    return x_t
 
 
 @torch.no_grad()
@@ -118,3 +91,22 @@ def decode_video(model: LTX2DiffusionDecoder, latents: Tensor, generator: torch.
     x_t = torch.randn(shape, generator=generator, dtype=dtype).to(latents.device)
     video = denoise_pixels(model.decoder, context, x_t, steps)
     return video.float().clamp(-1.0, 1.0)
+
+
+def warm_whole_decode(model: LTX2DiffusionDecoder, latents: Tensor, tiling: DecoderTiling) -> None:
+    """Warmup's extra decode with tiling on: zero latents of the warmed request's batch, width and height
+    with the most frames a decode takes whole (`tiling.tile_frames // r_t` latent frames, 73 output frames
+    by default). Its stage-4 grid is the largest any tile or whole decode of that size runs on (a tiled
+    clip's tiles are shorter), so the warmed token counts span those of every predicted frame count at
+    that size (docs/ltx2.md, "Tiled diffusion decode"). Its noise comes from a generator of its own (the
+    request's draws are untouched); the result is dropped.
+
+    Args:
+        model: the decoder, on its device and dtype.
+        latents: [B, C_lat, F, H, W] the warmed request's latents (only B, C_lat, H, W are read).
+        tiling: the tile sizes.
+    """
+    B, C, _, H, W = latents.shape
+    frames = tiling.tile_frames // model.arch.temporal_compression_ratio
+    zeros = torch.zeros((B, C, frames, H, W), dtype=torch.float32, device=latents.device)
+    decode_video(model, zeros, torch.Generator("cpu").manual_seed(0), normalized=False, tiling=tiling)

@@ -43,9 +43,9 @@ import torch
 from torch import Tensor
 
 from runnerkit.models.ltx2.diffusion_decoder import (
-    LTX2DiffusionDecoder,
     LTX2DiffusionDecoder3d,
     LTX2DiffusionDecoderArch,
+    denoise_pixels,
 )
 
 Interval = tuple[int, int]
@@ -166,27 +166,6 @@ def decode_grids(arch: LTX2DiffusionDecoderArch, latent_fhw: tuple[int, int, int
     return sorted(grids)
 
 
-def warm_whole_decode(model: LTX2DiffusionDecoder, latents: Tensor, tiling: DecoderTiling) -> None:
-    """Warmup's extra decode with tiling on: zero latents of the warmed request's batch, width and height
-    with the most frames a decode takes whole (`tiling.tile_frames // r_t` latent frames, 73 output frames
-    by default). Its stage-4 grid is the largest any tile or whole decode of that size runs on (a tiled
-    clip's tiles are shorter), so the warmed token counts span those of every predicted frame count at
-    that size (docs/ltx2.md, "Tiled diffusion decode"). Its noise comes from a generator of its own (the
-    request's draws are untouched); the result is dropped.
-
-    Args:
-        model: the decoder, on its device and dtype.
-        latents: [B, C_lat, F, H, W] the warmed request's latents (only B, C_lat, H, W are read).
-        tiling: the tile sizes.
-    """
-    from runnerkit.models.ltx2.diffusion_decode import decode_video
-
-    B, C, _, H, W = latents.shape
-    frames = tiling.tile_frames // model.arch.temporal_compression_ratio
-    zeros = torch.zeros((B, C, frames, H, W), dtype=torch.float32, device=latents.device)
-    decode_video(model, zeros, torch.Generator("cpu").manual_seed(0), normalized=False, tiling=tiling)
-
-
 def blend(a: Tensor, b: Tensor, extent: int, dim: int) -> None:
     """In place: `b`'s first rows along `dim` ramp from `a`'s last ones (diffusers' blend_v / blend_h /
     blend_t: `b[y] = a[y - e] * (1 - y / e) + b[y] * (y / e)`, e = min(extent, both lengths))."""
@@ -215,8 +194,6 @@ def decode_tiled(decoder: LTX2DiffusionDecoder3d, latents: Tensor, generator: to
     Returns:
         [B, 3, 8(F-1)+1, 32H, 32W] float32 pixels clamped to [-1, 1] (release ratios).
     """
-    from runnerkit.models.ltx2.diffusion_decode import denoise_pixels
-
     arch = decoder.arch
     B, dtype, device = latents.shape[0], latents.dtype, latents.device
     plan = tile_plan(arch, tuple(latents.shape[2:]), tiling)  # type: ignore[arg-type]

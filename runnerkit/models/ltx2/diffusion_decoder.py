@@ -237,3 +237,34 @@ def build_ltx2_diffusion_decoder(arch: LTX2DiffusionDecoderArch, state_dict: dic
         CheckpointError: listing missing / unexpected keys or shape mismatches.
     """
     return load_on_meta(lambda: LTX2DiffusionDecoder(arch), state_dict, component="diffusion_decoder", dtype=dtype)
+
+
+def decode_timesteps(num_inference_steps: int) -> Tensor:
+    """The decoder's noise levels t_0..t_{n-1} = linspace(1, 1/n, n), [n] float32 (t_n = 0 implied).
+
+    Raises:
+        ValueError: `num_inference_steps` < 1.
+    """
+    if num_inference_steps < 1:
+        raise ValueError(f"`num_inference_steps` must be >= 1, got {num_inference_steps}.")
+    return torch.linspace(1.0, 1.0 / num_inference_steps, num_inference_steps, dtype=torch.float32)
+
+
+@torch.no_grad()
+def denoise_pixels(decoder: LTX2DiffusionDecoder3d, context: Tensor, x_t: Tensor, num_inference_steps: int) -> Tensor:
+    """Stage-5 loop from the noise `x_t` [B, 3, T, H, W] (decoder dtype) given `context`
+    [B, T, H/p, W/p, C_5]; returns the pixels [B, 3, T, H, W] in the decoder dtype, unclamped."""
+    B = x_t.shape[0]
+    timesteps = decode_timesteps(num_inference_steps).to(x_t.device)
+    x0_output = decoder.arch.decoder_model_output_type == "x0"
+    if num_inference_steps == 1 and x0_output:
+        return decoder.predict(context, x_t, timesteps[:1].expand(B))
+    for i in range(num_inference_steps):
+        t = timesteps[i].expand(B)
+        t_next = timesteps[i + 1] if i + 1 < num_inference_steps else torch.zeros_like(t)
+        out = decoder.predict(context, x_t, t).float()
+        x = x_t.float()
+        if x0_output:
+            out = (x - out) / t.view(B, 1, 1, 1, 1)  # velocity from the x0 prediction
+        x_t = (x - (t - t_next).view(-1, 1, 1, 1, 1) * out).to(x_t.dtype)
+    return x_t

@@ -42,8 +42,8 @@ from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
-from runnerkit.models.ltx2.diffusion_decode import decode_video
-from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling, warm_whole_decode
+from runnerkit.models.ltx2.diffusion_decode import decode_video, warm_whole_decode
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
 from runnerkit.models.ltx2.plan_sources import configured_arch
 from runnerkit.models.ltx2.plan_sources25 import RELEASES_25, estimate_sources_25, release_gemma4
