@@ -12,7 +12,6 @@ predicted frame count equal.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +89,10 @@ def reference_chain(folder: Path, seed: int, height: int, width: int, fps: int,
     return frames, video, audio, pixels.permute(0, 2, 1, 3, 4), pipe
 
 
-def test_t2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-    monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
-    runner = LTX25Runner(load_runner_config(CONFIG, {"device": "cpu"}))
+def run_ours(config: Path, request: RequestConfig, monkeypatch: pytest.MonkeyPatch) -> tuple[LTX25Runner, Any, Any]:
+    """The runner on `config` (CPU) serving `request`: (runner, stage 2's final video latents, audio latents),
+    normalised, split by stage 2's layout."""
+    runner = LTX25Runner(load_runner_config(config, {"device": "cpu"}))
     runner.init_modules()
     finals: list[torch.Tensor] = []
     run_denoise = runner.run_denoise
@@ -102,12 +101,23 @@ def test_t2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pyte
     layouts: list[Any] = []
     layouts_of = runner.layouts
     monkeypatch.setattr(runner, "layouts", lambda req: layouts.append(layouts_of(req)) or layouts[-1])
+    runner.run_pipeline(request)
+    video, audio = layouts[-1][1].split(finals[0])
+    return runner, video, audio
+
+
+FLEX_EAGER = "ignore:flex_attention called without torch.compile"
+
+
+@pytest.mark.filterwarnings(FLEX_EAGER)
+def test_t2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "ours.safetensors"
-    runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=7, save_tensor_path=str(out)))
+    runner, video, audio = run_ours(CONFIG, RequestConfig(prompt=PROMPT, seed=7, save_tensor_path=str(out)),
+                                    monkeypatch)
     ours = load_file(out)
     cfg = runner.config
     h, w = cfg.target_height, cfg.target_width
-    video, audio = layouts[-1][1].split(finals[0])  # stage 2's layout, normalised latents
     with torch.inference_mode():
         frames, ref_video, ref_audio, ref_pixels, pipe = reference_chain(
             Path(cfg.model_path), 7, h, w, cfg.fps, runner.duration_bounds(cfg))
@@ -125,6 +135,7 @@ def test_t2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pyte
         assert report("spectrogram", our_mel, ref_mel) <= TOL
 
 
+@pytest.mark.filterwarnings(FLEX_EAGER)
 def test_i2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """i2av through `LTX2ImageToVideoPipeline` with the duration head (both stages: the clean first latent
     frame), the first frame re-compressed at diffusers' default CRF for a Gemma-4 text encoder
@@ -136,24 +147,14 @@ def test_i2av_frames_omitted_matches_diffusers(tmp_path: Path, monkeypatch: pyte
     from test_cases.models.ltx2.test_image_crf import picture
 
     require_reference("av")
-    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path / "cache"))
     image = tmp_path / "first.png"
     Image.fromarray(picture(80, 120)).save(image)
-    runner = LTX25Runner(load_runner_config(CONFIG.with_name("ltx25_i2av_tiny.json"), {"device": "cpu"}))
-    runner.init_modules()
-    finals: list[torch.Tensor] = []
-    run_denoise = runner.run_denoise
-    monkeypatch.setattr(runner, "run_denoise",
-                        lambda req, warmup=False: finals.append(run_denoise(req, warmup)) or finals[-1])
-    layouts: list[Any] = []
-    layouts_of = runner.layouts
-    monkeypatch.setattr(runner, "layouts", lambda req: layouts.append(layouts_of(req)) or layouts[-1])
     out = tmp_path / "ours.safetensors"
-    runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=5, image_path=str(image), save_tensor_path=str(out)))
+    request = RequestConfig(prompt=PROMPT, seed=5, image_path=str(image), save_tensor_path=str(out))
+    runner, video, audio = run_ours(CONFIG.with_name("ltx25_i2av_tiny.json"), request, monkeypatch)
     cfg = runner.config
     h, w = cfg.target_height, cfg.target_width
-    video, audio = layouts[-1][1].split(finals[0])
     t2v, upsample, _ = reference_pipelines(Path(cfg.model_path))
     pipe = LTX2ImageToVideoPipeline(**{k: getattr(t2v, k) for k in (
         "scheduler", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "transformer", "vocoder",
