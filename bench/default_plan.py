@@ -1,8 +1,14 @@
-"""The shipped LTX-2.3 22B config with no offload keys (the default plan), through the launch script,
+"""A shipped real-size config with no offload keys (the default plan), through the launch script,
 on the whole device or under a cap; records the plan, the kept budget against what the device offers
 at every later check, request times, step times and peaks.
 
     python3 bench/default_plan.py --ckpt /tmp/ltx23fp8 --write --arms full --requests 2 --out $OUT/default_plan_h100
+    python3 bench/default_plan.py --family wan14 --ckpt /tmp/wan14 --write --arms full 24 --host_gib 64 --out $OUT/wan14
+
+`--family` (default `ltx23`): `ltx23` is configs/ltx2/ltx23_t2av_22b_distilled.json at 512x768x121 (below);
+`wan14` configs/wan/wan_t2v_14b.json at 480x832x81 and `qwen20` configs/qwen_image/qwen_image_t2i_20b.json at
+1328x1328, each with `--steps` denoising steps (default 8) and its synthetic checkpoint written by
+`runnerkit.tools.synth_checkpoint` (full size, text encoder included).
 
 `--write` writes the synthetic fp8 single file with a Gemma-3 of the release's 12B size
 (`bench/small_machine.py`'s writer). Each arm is a fresh process (`--worker`) that runs
@@ -33,34 +39,50 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_worker_flags, worker_command
+from bench.common import add_worker_flags, ensure_synthetic, worker_command
 from bench.small_machine import SHAPE
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "ltx2" / "ltx23_t2av_22b_distilled.json"
 GIB = 2**30
+FAMILIES: dict[str, dict[str, Any]] = {
+    "ltx23": {"config": REPO / "configs/ltx2/ltx23_t2av_22b_distilled.json", "shape": SHAPE},
+    "wan14": {"config": REPO / "configs/wan/wan_t2v_14b.json", "shape": (480, 832, 81)},
+    "qwen20": {"config": REPO / "configs/qwen_image/qwen_image_t2i_20b.json", "shape": (1328, 1328, 1)},
+}
+
+
+def _paths(family: str, ckpt: Path) -> list[str]:
+    """The launch script's checkpoint flags for `family`'s synthetic checkpoint at `ckpt`."""
+    if family != "ltx23":
+        return ["--model_path", str(ckpt)]
+    from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FILE
+
+    return ["--model_path", str(ckpt / SINGLE_FILE), "--upsampler_path", str(ckpt / UPSAMPLER_FILE),
+            "--text_encoder_path", str(ckpt / "text_encoder")]
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
 
     from runnerkit import infer, memory
-    from runnerkit.models.ltx2.checkpoint_synthetic import SINGLE_FILE, UPSAMPLER_FILE
     from runnerkit.planning.checks import MemoryChecks
 
     result, out_dir = Path(args.result), Path(args.result).with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = json.loads(CONFIG.read_text())
+    family = FAMILIES[args.family]
+    data = json.loads(family["config"].read_text())
+    if args.family != "ltx23":
+        data["infer_steps"] = args.steps
     if args.arm != "full":
         cap = float(args.arm)
         torch.cuda.set_per_process_memory_fraction(cap * GIB / torch.cuda.get_device_properties(0).total_memory)
         data["memory"] = {"limit_gib": cap, "host_limit_gib": args.host_gib}
     config = out_dir / "config.json"
     config.write_text(json.dumps(data))
-    h, w, f = SHAPE
+    h, w, f = family["shape"]
     lines = [{"prompt": f"a lighthouse in a storm at night, take {k}", "seed": 42, "target_height": h,
-              "target_width": w, "target_video_length": f, "save_tensor_path": str(out_dir / f"r{k}.safetensors")}
-             for k in range(args.requests)]
+              "target_width": w, "save_tensor_path": str(out_dir / f"r{k}.safetensors"),
+              **({"target_video_length": f} if f > 1 else {})} for k in range(args.requests)]
     requests = out_dir / "requests.jsonl"
     requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
     checks: list[dict[str, Any]] = []
@@ -98,9 +120,8 @@ def worker(args: argparse.Namespace) -> None:
     ckpt = Path(args.ckpt)
     profile = out_dir / "profile.json"
     t0 = time.perf_counter()
-    rc = infer.main(["--config_json", str(config), "--model_path", str(ckpt / SINGLE_FILE),
-                     "--upsampler_path", str(ckpt / UPSAMPLER_FILE), "--text_encoder_path", str(ckpt / "text_encoder"),
-                     "--requests", str(requests), "--profile_json", str(profile)])
+    rc = infer.main(["--config_json", str(config), *_paths(args.family, ckpt),
+                     "--requests", str(requests), "--profile_json", str(profile), "--warmup"])
     stop.set()
     sampler.join()
     report = json.loads(profile.read_text()) if profile.is_file() else {}
@@ -118,8 +139,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", choices=sorted(FAMILIES), default="ltx23")
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--write", action="store_true", help="write the synthetic fp8 22B checkpoint first (if absent)")
+    p.add_argument("--write", action="store_true", help="write the family's synthetic checkpoint first (if absent)")
+    p.add_argument("--steps", type=int, default=8, help="denoising steps a request (wan14, qwen20)")
     p.add_argument("--arms", nargs="+", default=["full"], help="'full' or a device cap in GiB, one process each")
     p.add_argument("--requests", type=int, default=2)
     p.add_argument("--host_gib", type=float, default=32.0, help="memory.host_limit_gib of a capped arm")
@@ -131,9 +154,12 @@ def main() -> None:
         worker(args)
         return
     if args.write:  # in a process of its own: the arms must find the device as a fresh run does
-        code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
-                f"from bench.small_machine import write_checkpoint; write_checkpoint(Path({args.ckpt!r}))")
-        subprocess.run([sys.executable, "-c", code], check=True)
+        if args.family == "ltx23":
+            code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
+                    f"from bench.small_machine import write_checkpoint; write_checkpoint(Path({args.ckpt!r}))")
+            subprocess.run([sys.executable, "-c", code], check=True)
+        else:
+            ensure_synthetic(FAMILIES[args.family]["config"], Path(args.ckpt), generator_device="cuda")
     for arm in args.arms:
         for k in range(args.repeat):
             name = f"{args.out}_{arm}" + (f"_p{k}" if args.repeat > 1 else "")
@@ -143,8 +169,9 @@ def main() -> None:
 def _run_arm(args: argparse.Namespace, arm: str, result: Path, log_path: Path) -> None:
     extra = ["--host_gib", str(args.host_gib)]
     with open(log_path, "w") as log:
-        rc = subprocess.run(worker_command(Path(__file__), ["--ckpt", args.ckpt, "--requests", str(args.requests),
-                                                            "--arm", arm, *extra], result),
+        rc = subprocess.run(worker_command(Path(__file__), ["--family", args.family, "--ckpt", args.ckpt,
+                                                            "--requests", str(args.requests), "--steps",
+                                                            str(args.steps), "--arm", arm, *extra], result),
                             check=False, stdout=log, stderr=subprocess.STDOUT).returncode
     run = json.loads(result.read_text()) if result.is_file() else {"exit_status": rc}
     plan = run.get("memory_plan") or {}
@@ -159,7 +186,8 @@ def _run_arm(args: argparse.Namespace, arm: str, result: Path, log_path: Path) -
     for r in run.get("requests", []):
         steps = r.get("step_seconds") or []
         first = [(steps[0], statistics.median(steps[1:8])), (steps[8], statistics.median(steps[9:]))] \
-            if len(steps) == 11 else []
+            if args.family == "ltx23" and len(steps) == 11 else [(steps[0], statistics.median(steps[1:]))] \
+            if len(steps) > 1 else []
         print(f"  request {r['index']}: {r['seconds']:.2f} s, steps {[round(s, 3) for s in steps]}, "
               f"first/steady per stage {[round(a / b, 3) for a, b in first]}, "
               f"stages { {k: round(v, 2) for k, v in (r['stage_seconds'] or {}).items()} }, "
