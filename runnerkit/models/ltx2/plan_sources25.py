@@ -19,6 +19,8 @@ Each is said in the plan's output (`estimate_sources`). A run (not `for_plan`) n
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +33,8 @@ from runnerkit.planning.fit import EstimateUnavailable
 if TYPE_CHECKING:
     from runnerkit.models.ltx2.runner25 import LTX25Runner
 
-__all__ = ["RELEASES_25", "absent_sources_25", "estimate_sources_25", "frames_source", "release_gemma4"]
+__all__ = ["RELEASES_25", "absent_sources_25", "estimate_sources_25", "frames_source", "gemma4_text_dict",
+           "release_gemma4"]
 
 #: (pattern of the checkpoint's file or folder name, lower case; the release's architecture; its name).
 RELEASES_25 = ((r"ltx-?2\.5-22b", LTX25_22B_PIPELINE_ARCH, "LTX-2.5 22B"),)
@@ -45,15 +48,27 @@ def release_gemma4(arch: LTX25Arch) -> dict[str, Any]:
         EstimateUnavailable: the connectors are sized for another text model (give `text_encoder_path`, a
             folder with its config.json).
     """
-    import transformers
-
     c = arch.connectors
     sizes = (GEMMA4_12B_TEXT["hidden_size"], GEMMA4_12B_TEXT["num_hidden_layers"])
     if (c.caption_channels, c.text_proj_in_factor - 1) != sizes:
         raise EstimateUnavailable(f"the connectors take a {c.caption_channels}-wide text model of "
                                   f"{c.text_proj_in_factor - 1} layers, not Gemma-4 12B: give `text_encoder_path` "
                                   "(a folder with its config.json)")
-    return transformers.Gemma4UnifiedTextConfig(**GEMMA4_12B_TEXT).to_dict()
+    return gemma4_text_dict(GEMMA4_12B_TEXT)
+
+
+def gemma4_text_dict(sizes: dict[str, Any]) -> dict[str, Any]:
+    """`transformers.Gemma4UnifiedTextConfig(**sizes).to_dict()`, built once per distinct `sizes` (a planner
+    estimates hundreds of candidate plans with the same text model; building the config is milliseconds each).
+    Each call returns its own top-level dict."""
+    return dict(_gemma4_text_dict(json.dumps(sizes, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=16)
+def _gemma4_text_dict(sizes_json: str) -> dict[str, Any]:
+    import transformers
+
+    return transformers.Gemma4UnifiedTextConfig(**json.loads(sizes_json)).to_dict()
 
 
 def frames_source(config: RunnerConfig, largest: int, bounds: tuple[float, float]) -> str | None:

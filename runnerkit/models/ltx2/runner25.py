@@ -46,7 +46,7 @@ from runnerkit.models.ltx2.diffusion_decode import decode_video, warm_whole_deco
 from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
 from runnerkit.models.ltx2.plan_sources import configured_arch
-from runnerkit.models.ltx2.plan_sources25 import RELEASES_25, estimate_sources_25, release_gemma4
+from runnerkit.models.ltx2.plan_sources25 import RELEASES_25, estimate_sources_25, gemma4_text_dict, release_gemma4
 from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner, flavour_of
 from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
@@ -268,8 +268,6 @@ class LTX25Runner(LTX2Runner):
         Raises:
             EstimateUnavailable: its config.json cannot be read.
         """
-        import transformers
-
         from runnerkit.models.ltx2.checkpoint25 import tiny_gemma4_sizes
         from runnerkit.models.ltx2.text_encoder_gemma4 import gemma4_configs
 
@@ -278,7 +276,7 @@ class LTX25Runner(LTX2Runner):
         else:
             path = self.checkpoints.path()
             if self.checkpoints.pending(path):
-                return transformers.Gemma4UnifiedTextConfig(**tiny_gemma4_sizes(arch)).to_dict()
+                return gemma4_text_dict(tiny_gemma4_sizes(arch))
             folder = self.gemma4_folder(path)
             if self.checkpoints.absent() and not (folder / "config.json").is_file():
                 return release_gemma4(arch)  # planning without the files (plan_sources25.py)

@@ -121,3 +121,18 @@ def test_with_decoder_tiling_24_and_16_gib_plan_block_streaming_from_disk(
         assert out[key] == report[key], key
     assert f"{resident_units} units resident" in direct.chosen.name
     assert out["peak_stage"] == ("stage2" if device_gib == 24 else "diffusion_decoder")
+
+
+def test_the_gemma4_config_is_built_once_per_sizes_and_each_call_gets_its_own_dict() -> None:
+    """The planner's hundreds of estimates share one built Gemma-4 text config per sizes: other sizes give
+    another config (the cache keys on every size), and a caller changing its dict changes no later call's."""
+    from runnerkit.models.ltx2.plan_sources25 import _gemma4_text_dict, gemma4_text_dict
+
+    _gemma4_text_dict.cache_clear()
+    first = gemma4_text_dict(GEMMA4_12B_TEXT)
+    assert first == transformers.Gemma4UnifiedTextConfig(**GEMMA4_12B_TEXT).to_dict()
+    first["hidden_size"] = 1
+    assert gemma4_text_dict(GEMMA4_12B_TEXT)["hidden_size"] == GEMMA4_12B_TEXT["hidden_size"]
+    other = gemma4_text_dict({**GEMMA4_12B_TEXT, "num_hidden_layers": 7})
+    assert other["num_hidden_layers"] == 7
+    assert _gemma4_text_dict.cache_info().misses == 2
