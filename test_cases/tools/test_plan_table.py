@@ -2,13 +2,15 @@
 host size, from the architecture alone. More memory never gives a longer estimated request; a refusal only at
 the small end; a cell is the plan `runnerkit plan` prints; the doc's tables are current.
 
-The whole table is planned once for the module (one planning runner per model; estimates and measured
-candidates shared across the sizes): ~10 s of CPU on a free core, most of it LTX-2.3's six modules.
+The whole table is planned once per pytest run (one planning runner per model; estimates and measured
+candidates shared across the sizes; `built_once_per_run` shares it between the xdist workers): ~10 s of CPU
+on a free core, most of it LTX-2.3's six modules.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -17,14 +19,17 @@ from runnerkit.cli import main as cli_main
 from runnerkit.tools import plan_table
 from runnerkit.tools.plan_table import Cell
 from test_cases._cli import restore_logger  # noqa: F401 (autouse fixture)
-from test_cases.conftest import REPO
+from test_cases.conftest import REPO, built_once_per_run
 
 Table = dict[str, dict[tuple[float, float], Cell]]
 
 
 @pytest.fixture(scope="module")
-def table() -> Table:
-    return plan_table.table()
+def table(tmp_path_factory: pytest.TempPathFactory) -> Table:
+    def build(folder: Path) -> None:
+        (folder / "table.pickle").write_bytes(pickle.dumps(plan_table.table()))
+
+    return pickle.loads((built_once_per_run(tmp_path_factory, "plan_table", build) / "table.pickle").read_bytes())
 
 
 def test_more_memory_never_gives_a_longer_request_and_refusals_are_at_the_small_end(table: Table) -> None:
