@@ -198,6 +198,29 @@ def test_failed_mux_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert list(out.iterdir()) == []  # no partial mp4, no tensor file, no sidecar, no temporary wav
 
 
+def test_the_encoder_runs_at_a_lower_cpu_priority_and_gets_every_frame(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encoder (a stand-in recording its niceness after reading stdin, as ffmpeg reads the frames) runs
+    `ENCODER_NICENESS` below this process's priority: on the writer thread it leaves the cores to the thread
+    launching the next request's GPU work. It still receives every frame's bytes."""
+    import os
+
+    from runnerkit.media import ENCODER_NICENESS, save_media
+
+    seen = tmp_path / "seen"
+    script = tmp_path / "bin" / "ffmpeg"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\nbytes=$(wc -c)\necho "$bytes $(nice)" > {seen}\nfor last; do :; done\n'
+                      'echo mp4 > "$last"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: str(script))
+    video = _video()
+    save_media(video, tmp_path / "x.mp4", FPS)
+    received, niceness = map(int, seen.read_text().split())
+    assert received == video.shape[1] * video.shape[2] * video.shape[3] * 3
+    assert niceness == min(19, os.getpriority(os.PRIO_PROCESS, 0) + ENCODER_NICENESS)
+
+
 @pytest.mark.parametrize(("specs", "warmed"), [
     ((OutputSpec("video", "video"), OutputSpec("audio", "audio", sample_rate=RATE)), ["png", "mp4"]),
     ((OutputSpec("image", "image"),), ["png"]),
