@@ -518,7 +518,7 @@ class BaseRunner(ABC):
             prof.seconds = time.perf_counter() - prof.started
         if error is None:
             logger.info("request {}: {:.2f} s, stages {}{}", prof.index, prof.seconds,
-                        {k: round(v, 3) for k, v in prof.stages.items()},
+                        {k: None if v is None else round(v, 3) for k, v in prof.stages.items()},
                         f", its files written in {prof.write['seconds']:.2f} s on the writer thread"
                         if prof.write.get("overlapped") else "")
         if self.on_request_done is not None:

@@ -118,12 +118,15 @@ class EncoderStage:
             `req.modules`; returns the inputs extended (the family's typed inputs object).
         per_shape: True if the result depends on the request shape (image encoders, VAE encode
             of conditioning frames): warmup then runs it per shape; False (text): once.
+        runs: `(req) -> bool`: whether the stage runs for this request (False: skipped, its module
+            not placed, and the profile records null for it, not 0 seconds); None: it always runs.
     """
 
     name: str
     module: str | None
     run: Callable[[Any], Any]
     per_shape: bool = False
+    runs: Callable[[Any], bool] | None = None
 
 
 @dataclass(frozen=True)

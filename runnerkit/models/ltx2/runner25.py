@@ -304,7 +304,8 @@ class LTX25Runner(LTX2Runner):
         """LTX-2's, with Gemma-4 (resident, model-offloaded or streamed), the duration head after the connectors and
         the diffusion decoder in place of the video VAE's decoder (the VAE is loaded for i2av's encoder only)."""
         base = super().describe_pipeline()
-        head = EncoderStage("duration_head", module="duration_head", run=self.run_duration_head)
+        head = EncoderStage("duration_head", module="duration_head", run=self.run_duration_head,
+                            runs=lambda req: req.info.frames_omitted or req.info.warmup)  # frames given: it does not
         unused = ("text_encoder",) if self.config.task == "i2av" else ("text_encoder", "vae")
         modules = [ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder,
                               stream=self.stream_text_encoder)]
