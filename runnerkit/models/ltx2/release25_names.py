@@ -40,8 +40,8 @@ from runnerkit.models.ltx2.arch25 import LTX25Arch
 from runnerkit.models.ltx2.diffusion_decoder_keys import STATISTICS
 from runnerkit.models.ltx2.duration import SINGLE_FILE_PREFIX as DURATION_PREFIX
 
-__all__ = ["DTYPE_NAMES", "FOLDERS", "RELEASE_FILES", "TEXT_ENCODER_FOLDER", "audio_file", "release_files", "duration_file", "transformer_file",
-           "vae_file"]
+__all__ = ["DTYPE_NAMES", "FOLDERS", "RELEASE_FILES", "TEXT_ENCODER_FOLDER", "audio_file", "duration_file",
+           "release_files", "transformer_file", "vae_file"]
 
 FOLDERS = ("diffusion_models", "text_encoders", "vae", "latent_upscale_models", "model_patches")
 RELEASE_FILES: dict[str, str] = {
