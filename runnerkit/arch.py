@@ -6,7 +6,9 @@ sizes); it is read from a checkpoint or given under the `model` key of a runnerk
 
 from __future__ import annotations
 
+import json
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo
@@ -71,3 +73,42 @@ def _allowed(info: Any) -> str:
             if getattr(meta, attr, None) is not None:
                 text += f", {word} {getattr(meta, attr)}" if attr == "multiple_of" else f" {word} {getattr(meta, attr)}"
     return text
+
+
+def disagreements(configured: Mapping[str, Any], read: Mapping[str, Any], prefix: str = "model") -> list[str]:
+    """Each field a config's `model` (`configured`, possibly partial) gives with another value than the
+    architecture read from a checkpoint's own files (`read`, `model_dump(mode="json")` of it), as
+    "`model.transformer.num_layers` 3 (the checkpoint's: 2)". Nested objects are compared field by field; a
+    field or component the checkpoint's architecture does not hold (absent, or None: e.g. the CLIP tower of a
+    text-to-video checkpoint) is not compared: the config gives it. Values are compared as JSON (tuples as
+    lists; 2 equals 2.0)."""
+    out = []
+    for key, value in configured.items():
+        name = f"{prefix}.{key}"
+        theirs = read.get(key)
+        if theirs is None:
+            continue
+        if isinstance(value, Mapping) and isinstance(theirs, Mapping):
+            out += disagreements(value, theirs, name)
+        elif json.loads(json.dumps(value)) != theirs:
+            out.append(f"`{name}` {json.dumps(value)} (the checkpoint's: {json.dumps(theirs)})")
+    return out
+
+
+def refuse_disagreements(configured: Mapping[str, Any] | None, read: BaseModel, where: str) -> None:
+    """Refuse a config's `model` that says another architecture than the checkpoint's own config files.
+
+    Args:
+        configured: the config's `model` (None: nothing to compare).
+        read: the architecture read from the checkpoint's files.
+        where: those files, as the error names them.
+
+    Raises:
+        ValueError: naming each field that differs, both values and `where` (nothing is silently corrected:
+            drop those fields from `model`, or point `model_path` at a checkpoint of that architecture).
+    """
+    found = disagreements(configured or {}, read.model_dump(mode="json"))
+    if found:
+        raise ValueError(f"the config's `model` disagrees with the architecture in {where}:\n  "
+                         + "\n  ".join(found) + "\n  (the checkpoint's own config wins: drop those fields from "
+                         "`model`, or use a checkpoint of that architecture)")
