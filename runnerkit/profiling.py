@@ -91,7 +91,8 @@ class RequestProfile:
 
     index: int
     shape: list[int]
-    """[height, width, frames] of the request, pixels and frames."""
+    """[height, width, frames] of the request, pixels and frames: the shape it ran at (read after the encoders:
+    a family may predict part of it, LTX-2.5 its frame count)."""
     stages: dict[str, float | None]
     """Seconds per profiling stage of the family's pipeline (`Pipeline.profile_stages`), in order; None for a
     stage that did not run for this request (`Profiler.skip_stage`: e.g. LTX-2.5's `duration_head` when the
@@ -111,6 +112,9 @@ class RequestProfile:
     write: dict[str, Any] = field(default_factory=dict)
     """How its files were written: `overlapped` (on the writer thread while later requests computed),
     `seconds` (writing them), `wait_seconds` (its `save` stage waiting for a free writer slot)."""
+    admitted_shape: list[int] | None = field(default=None, repr=False)
+    """The shape admission checked (not reported): `audit.warmed_shape` asks about it, as a family's warmup covers
+    every shape its prediction can give from it (LTX-2.5: the bounds' smallest and largest frame counts)."""
     started: float = field(default=0.0, repr=False)
     """`time.perf_counter()` when the request began (not reported)."""
     pending_write: Any = field(default=None, repr=False)

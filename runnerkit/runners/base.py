@@ -488,7 +488,7 @@ class BaseRunner(ABC):
                 "recompile_reasons": reasons1[len(reasons0):],
                 "compile_seconds": round(compile_seconds() - compile0, 3),
                 "reserved_growth_gib": round(snap.reserved_gib - reserved0, 4),
-                "warmed_shape": tuple(prof.shape) in set(self.warmed_shapes),
+                "warmed_shape": tuple(prof.admitted_shape or prof.shape) in set(self.warmed_shapes),
             }
             self.profiler.end_request()
             if prof.audit["compilations"] or prof.audit["recompilations"]:

@@ -22,7 +22,7 @@ transformers in one stage and picks the expert per step in `DefaultRunner.select
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -286,6 +286,17 @@ class Pipeline:
         before.update({s.transition: before[s.name] for s in denoise if s.transition is not None})
         before.update({e.name: 0 for e in self.encoders})
         return before, sum(s.steps for s in denoise)
+
+    def encoders_to_run(self, req: Any, per_shape: bool | None, profiler: Any) -> Iterator[EncoderStage]:
+        """The encoder stages of `per_shape` (None: all), in order, but those whose `runs` says no for the
+        request state `req`: each of those is recorded as not run (`profiler.skip_stage`: null in the profile)."""
+        for enc in self.encoders:
+            if per_shape is not None and enc.per_shape != per_shape:
+                continue
+            if enc.runs is not None and not enc.runs(req):
+                profiler.skip_stage(enc.name)
+                continue
+            yield enc
 
     def profile_stages(self) -> tuple[str, ...]:
         """Profiling stages in request order (the keys of a request profile's `stages`)."""

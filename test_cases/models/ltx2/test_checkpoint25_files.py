@@ -37,8 +37,8 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
 
 def test_the_writer_warns_once_naming_the_final_folder(written: tuple[Path, list[str]]) -> None:
     out, warnings = written
-    assert warnings == [f"wrote a SYNTHETIC checkpoint of RANDOM weights (seed 0, diffusers layout) to {out}: its "
-                        "output is noise"]
+    assert warnings == [(f"wrote a SYNTHETIC checkpoint of RANDOM weights (seed 0, diffusers layout) to {out}: its "
+                         "output is noise")]
 
 
 @pytest.mark.parametrize(("component", "change", "says"), [

@@ -216,8 +216,8 @@ def test_server_admits_a_job_without_frames(tmp_path: Path) -> None:
     state = ServerState(runner=make_runner(), queue=JobQueue(tmp_path, 4, None, None), metrics=None)
     request, _, resolved = build_request(state, {"prompt": "x"}, tmp_path)
     assert request.target_video_length is None and resolved["frames"] == 33
-    request, _, resolved = build_request(state, {"prompt": "x", "seconds": "0.5"}, tmp_path)
-    assert request.target_video_length == resolved["frames"] == 17  # (frames - 1) / fps = 0.5 s: 12 -> 16 + 1
+    request, _, resolved = build_request(state, {"prompt": "x", "seconds": "0.7"}, tmp_path)
+    assert request.target_video_length == resolved["frames"] == 17  # frames / fps = 0.7 s: 16.8 -> 17 (8k + 1)
 
 
 def test_estimate_counts_the_new_modules_and_stages(cold: dict[str, Any]) -> None:
