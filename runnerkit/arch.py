@@ -6,7 +6,12 @@ sizes); it is read from a checkpoint or given under the `model` key of a runnerk
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo
+import json
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo
 
 
 class Arch(BaseModel):
@@ -26,3 +31,84 @@ class Arch(BaseModel):
         others come from the checkpoint and are checked after merging)."""
         partial = bool(info.context and info.context.get("partial"))
         return not partial or set(fields) <= self.model_fields_set
+
+
+def config_file_error(exc: ValidationError, model: type[BaseModel], where: str) -> str:
+    """`exc` (validating a checkpoint's config file as `model`) as one line per problem naming the key, the
+    value and what is allowed, under a first line naming `where` (the file):
+
+        invalid diffusion_decoder config in /ckpt/diffusion_decoder/config.json:
+          `latent_channels`: Input should be a valid integer (got '8'); allowed: int > 0
+          `bogus`: unknown key (got 3); allowed keys: out_channels, latent_channels, ...
+    """
+    lines = []
+    for e in exc.errors():
+        loc = e["loc"]
+        key = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
+        value = e.get("input")
+        shown = repr(value) if len(repr(value)) <= 120 else repr(value)[:100] + "..."
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  `{key}`: unknown key (got {shown}); allowed keys: {', '.join(model.model_fields)}")
+        elif not loc:  # a rule between several keys (its message names them)
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
+        else:
+            info = model.model_fields.get(str(loc[0]))
+            allowed = f"; allowed: {_allowed(info)}" if info is not None else ""
+            lines.append(f"  `{key}`: {e['msg']} (got {shown}){allowed}")
+    return f"invalid {where}:\n" + "\n".join(lines)
+
+
+def _allowed(info: Any) -> str:
+    """A field's type and bounds as a user reads them: `int > 0`, `'x0' | 'v'`, `tuple[int, int, int]` (a list)."""
+    annotation = info.annotation
+    if typing.get_origin(annotation) is typing.Literal:
+        text = " | ".join(repr(a) for a in typing.get_args(annotation))
+    elif isinstance(annotation, type) and typing.get_origin(annotation) is None:
+        text = annotation.__name__
+    else:
+        text = str(annotation).replace("typing.", "") + " (a JSON list)"
+    bounds = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "multiple_of": "a multiple of"}
+    for meta in info.metadata:
+        for attr, word in bounds.items():
+            if getattr(meta, attr, None) is not None:
+                text += f", {word} {getattr(meta, attr)}" if attr == "multiple_of" else f" {word} {getattr(meta, attr)}"
+    return text
+
+
+def disagreements(configured: Mapping[str, Any], read: Mapping[str, Any], prefix: str = "model") -> list[str]:
+    """Each field a config's `model` (`configured`, possibly partial) gives with another value than the
+    architecture read from a checkpoint's own files (`read`, `model_dump(mode="json")` of it), as
+    "`model.transformer.num_layers` 3 (the checkpoint's: 2)". Nested objects are compared field by field; a
+    field or component the checkpoint's architecture does not hold (absent, or None: e.g. the CLIP tower of a
+    text-to-video checkpoint) is not compared: the config gives it. Values are compared as JSON (tuples as
+    lists; 2 equals 2.0)."""
+    out = []
+    for key, value in configured.items():
+        name = f"{prefix}.{key}"
+        theirs = read.get(key)
+        if theirs is None:
+            continue
+        if isinstance(value, Mapping) and isinstance(theirs, Mapping):
+            out += disagreements(value, theirs, name)
+        elif json.loads(json.dumps(value)) != theirs:
+            out.append(f"`{name}` {json.dumps(value)} (the checkpoint's: {json.dumps(theirs)})")
+    return out
+
+
+def refuse_disagreements(configured: Mapping[str, Any] | None, read: BaseModel, where: str) -> None:
+    """Refuse a config's `model` that says another architecture than the checkpoint's own config files.
+
+    Args:
+        configured: the config's `model` (None: nothing to compare).
+        read: the architecture read from the checkpoint's files.
+        where: those files, as the error names them.
+
+    Raises:
+        ValueError: naming each field that differs, both values and `where` (nothing is silently corrected:
+            drop those fields from `model`, or point `model_path` at a checkpoint of that architecture).
+    """
+    found = disagreements(configured or {}, read.model_dump(mode="json"))
+    if found:
+        raise ValueError(f"the config's `model` disagrees with the architecture in {where}:\n  "
+                         + "\n  ".join(found) + "\n  (the checkpoint's own config wins: drop those fields from "
+                         "`model`, or use a checkpoint of that architecture)")

@@ -91,9 +91,12 @@ class RequestProfile:
 
     index: int
     shape: list[int]
-    """[height, width, frames] of the request, pixels and frames."""
-    stages: dict[str, float]
-    """Seconds per profiling stage of the family's pipeline (`Pipeline.profile_stages`), in order."""
+    """[height, width, frames] of the request, pixels and frames: the shape it ran at (read after the encoders:
+    a family may predict part of it, LTX-2.5 its frame count)."""
+    stages: dict[str, float | None]
+    """Seconds per profiling stage of the family's pipeline (`Pipeline.profile_stages`), in order; None for a
+    stage that did not run for this request (`Profiler.skip_stage`: e.g. LTX-2.5's `duration_head` when the
+    request gives its frame count)."""
     seconds: float = 0.0
     """Wall seconds of the whole request, `end_run` included, and its files: when the writer thread wrote
     them (`write.overlapped`), up to the moment they were written, beside later requests' compute."""
@@ -109,6 +112,9 @@ class RequestProfile:
     write: dict[str, Any] = field(default_factory=dict)
     """How its files were written: `overlapped` (on the writer thread while later requests computed),
     `seconds` (writing them), `wait_seconds` (its `save` stage waiting for a free writer slot)."""
+    admitted_shape: list[int] | None = field(default=None, repr=False)
+    """The shape admission checked (not reported): `audit.warmed_shape` asks about it, as a family's warmup covers
+    every shape its prediction can give from it (LTX-2.5: the bounds' smallest and largest frame counts)."""
     started: float = field(default=0.0, repr=False)
     """`time.perf_counter()` when the request began (not reported)."""
     pending_write: Any = field(default=None, repr=False)
@@ -154,6 +160,20 @@ class Profiler:
         with self._timer.step():
             yield
 
+    def skip_stage(self, name: str) -> None:
+        """Record that stage `name` did not run for the current request (None in its profile, not 0.0 seconds);
+        no-op outside a request (warmup).
+
+        Raises:
+            ValueError: `name` is not one of the pipeline's profiling stages.
+        """
+        if self.current is None:
+            return
+        if name not in self.current.stages:
+            raise ValueError(f"unknown profiling stage {name!r}; this pipeline's stages: {list(self.current.stages)}")
+        if not self.current.stages[name]:  # a stage that ran earlier in the request keeps its seconds
+            self.current.stages[name] = None
+
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         """Time a request stage (adds up if entered twice, e.g. two text encodes).
@@ -169,7 +189,7 @@ class Profiler:
         finally:
             synchronize(self.device)
             if self.current is not None:
-                self.current.stages[name] += time.perf_counter() - t0
+                self.current.stages[name] = (self.current.stages[name] or 0.0) + time.perf_counter() - t0
 
     def report(self) -> dict[str, Any]:
         """The `--profile_json` report; every key is described in docs/profile.md (schema version 2)."""

@@ -539,8 +539,8 @@ def test_image_path_on_text_to_video_is_refused(config_path: Path, capsys: pytes
                                                       ("boundary", 0.9, "MoE"),
                                                       ("offload", {"mode": "none", "gpu_slots": 3}, "no effect"),
                                                       ("sample_guide_scale", -5.0, "must be >= 0"),
-                                                      ("model", {"transformer": {"num_heads": 3}},
-                                                       "model.transformer: `dim`=64 must be `num_heads`=3 times")])
+                                                      ("model", {"transformer": {"num_heads": 3}},  # not the ckpt's
+                                                       "`model.transformer.num_heads` 3 (the checkpoint's: 2)")])
 def test_no_silent_coercion_or_ignored_settings(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                 key: str, value: Any, needle: str) -> None:
     cfg = write_config(tmp_path / "c.json", tiny_config_dict(tiny_ckpt, **{key: value}))

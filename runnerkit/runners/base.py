@@ -488,7 +488,7 @@ class BaseRunner(ABC):
                 "recompile_reasons": reasons1[len(reasons0):],
                 "compile_seconds": round(compile_seconds() - compile0, 3),
                 "reserved_growth_gib": round(snap.reserved_gib - reserved0, 4),
-                "warmed_shape": tuple(prof.shape) in set(self.warmed_shapes),
+                "warmed_shape": tuple(prof.admitted_shape or prof.shape) in set(self.warmed_shapes),
             }
             self.profiler.end_request()
             if prof.audit["compilations"] or prof.audit["recompilations"]:
@@ -518,7 +518,7 @@ class BaseRunner(ABC):
             prof.seconds = time.perf_counter() - prof.started
         if error is None:
             logger.info("request {}: {:.2f} s, stages {}{}", prof.index, prof.seconds,
-                        {k: round(v, 3) for k, v in prof.stages.items()},
+                        {k: None if v is None else round(v, 3) for k, v in prof.stages.items()},
                         f", its files written in {prof.write['seconds']:.2f} s on the writer thread"
                         if prof.write.get("overlapped") else "")
         if self.on_request_done is not None:

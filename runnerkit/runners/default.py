@@ -235,12 +235,13 @@ class DefaultRunner(BaseRunner):
         info = self.resolve_request(request)
         req = RequestState(info)  # the request's state; dropped when serve_request returns
         adapters.set_request(self, info)  # request state: cleared in end_run (reset_request_state)
-        prof.shape = list(info.shape)
+        prof.shape = prof.admitted_shape = list(info.shape)  # until the encoders ran (a family may predict part)
         self.memory_checks.check_request(request, info.shape, f"request {index}")  # unless admission checked it
         self.warmups.log_unwarmed_shape(info, index)  # after a warmup, at a shape it did not run
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
         req.inputs = self.run_encoders(req)  # 2. encoders
+        prof.shape = list(req.info.shape)  # the shape that runs (LTX-2.5's duration head predicts its frames)
         latents = self.run_denoise(req)  # 3. denoise stages
         if not self.decodes_here:
             return  # parallel: rank 0 alone decodes and saves; this rank's part of the request is done
@@ -250,12 +251,10 @@ class DefaultRunner(BaseRunner):
         writes.save(self, req, prof, outputs)
 
     def run_encoders(self, req: RequestState, per_shape: bool | None = None) -> Any:
-        """The encoder stages (those of `per_shape` unless None), each with its module on the device and the
+        """The encoder stages that run (`Pipeline.encoders_to_run`), each with its module on the device and the
         inputs built so far in `req.inputs`; returns the inputs (also left in `req.inputs`)."""
         assert self.pipeline is not None, "load_modules first"
-        for enc in self.pipeline.encoders:
-            if per_shape is not None and enc.per_shape != per_shape:
-                continue
+        for enc in self.pipeline.encoders_to_run(req, per_shape, self.profiler):
             self.report_progress(req.info, enc.name)
             with self.profiler.stage(enc.name), module_on_device(self.placement, enc.module, req):
                 req.inputs = enc.run(req)

@@ -22,7 +22,7 @@ transformers in one stage and picks the expert per step in `DefaultRunner.select
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -118,12 +118,15 @@ class EncoderStage:
             `req.modules`; returns the inputs extended (the family's typed inputs object).
         per_shape: True if the result depends on the request shape (image encoders, VAE encode
             of conditioning frames): warmup then runs it per shape; False (text): once.
+        runs: `(req) -> bool`: whether the stage runs for this request (False: skipped, its module
+            not placed, and the profile records null for it, not 0 seconds); None: it always runs.
     """
 
     name: str
     module: str | None
     run: Callable[[Any], Any]
     per_shape: bool = False
+    runs: Callable[[Any], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -283,6 +286,17 @@ class Pipeline:
         before.update({s.transition: before[s.name] for s in denoise if s.transition is not None})
         before.update({e.name: 0 for e in self.encoders})
         return before, sum(s.steps for s in denoise)
+
+    def encoders_to_run(self, req: Any, per_shape: bool | None, profiler: Any) -> Iterator[EncoderStage]:
+        """The encoder stages of `per_shape` (None: all), in order, but those whose `runs` says no for the
+        request state `req`: each of those is recorded as not run (`profiler.skip_stage`: null in the profile)."""
+        for enc in self.encoders:
+            if per_shape is not None and enc.per_shape != per_shape:
+                continue
+            if enc.runs is not None and not enc.runs(req):
+                profiler.skip_stage(enc.name)
+                continue
+            yield enc
 
     def profile_stages(self) -> tuple[str, ...]:
         """Profiling stages in request order (the keys of a request profile's `stages`)."""

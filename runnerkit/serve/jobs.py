@@ -60,7 +60,7 @@ class Job:
     request: RequestConfig
     folder: Path
     fields: dict[str, Any]  # the submitted request fields (images as their byte counts), for the API
-    resolved: dict[str, Any] = field(default_factory=dict)  # seed, height, width, frames it runs with
+    resolved: dict[str, Any] = field(default_factory=dict)  # seed, height, width, frames (seconds) it runs with
     status: Status = "queued"
     created_at: float = field(default_factory=time.time)  # Unix seconds (float: sub-second order of jobs)
     started_at: float | None = None
@@ -83,6 +83,17 @@ class Job:
     @property
     def tensor_path(self) -> Path:
         return self.folder / "result.safetensors"
+
+    def ran_at(self, shape: list[int], fps: float) -> None:
+        """`shape` [height, width, frames] is what the request ran at (its profile's, read once the encoders ran):
+        it replaces the admitted shape in `resolved` (and `seconds`, a video's length, with it). A family may
+        predict part of a shape after admission: LTX-2.5 with the frames omitted is admitted at the bounds'
+        largest count and runs the duration head's."""
+        if not self.resolved or not all(shape):  # [0, 0, 0]: the request failed before its shape was known
+            return
+        self.resolved.update(height=shape[0], width=shape[1], frames=shape[2])
+        if "seconds" in self.resolved:
+            self.resolved["seconds"] = clip_seconds(shape[2], fps)
 
     def progress_percent(self) -> int:
         """0-95 over the denoising steps, 99 once decoding and saving run, 100 when completed."""
@@ -119,6 +130,12 @@ class Job:
             "profile": self.profile, "audio": self.audio,
             "content_available": self.status == "completed" and not self.expired,
         }
+
+
+def clip_seconds(frames: int, fps: float) -> str:
+    """The length of a clip of `frames` frames at `fps` as the API's `seconds` string: frames / fps (each frame
+    is shown 1 / fps s, as the mp4 and the result's sidecar count it), e.g. 25 frames at 24 fps -> "1.04167"."""
+    return f"{frames / fps:g}"
 
 
 def _int_or_none(t: float | None) -> int | None:
@@ -396,6 +413,8 @@ class Worker(threading.Thread):
         retention and `on_done`."""
         try:
             if prof is not None:
+                if job.resolved:
+                    job.ran_at(prof.shape, self.runner.config.fps or 1)
                 job.profile = {"seconds": prof.seconds, "stages": prof.stages, "steps": prof.steps,
                                "memory": prof.memory, "audit": prof.audit, "shape": prof.shape, "write": prof.write}
             if status != "completed":  # nothing of a failed or cancelled job is kept (nor counted as kept)
@@ -426,4 +445,4 @@ def result_audio(result_path: Path) -> dict[str, Any] | None:
     return None if audio is None else {k: audio[k] for k in ("codec", "sample_rate", "channels")}
 
 
-__all__ = ["FINAL", "Job", "JobQueue", "QueueClosed", "QueueFull", "Worker", "result_audio"]
+__all__ = ["FINAL", "Job", "JobQueue", "QueueClosed", "QueueFull", "Worker", "clip_seconds", "result_audio"]

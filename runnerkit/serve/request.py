@@ -26,6 +26,7 @@ from runnerkit.serve.fields import (
     takes_files,
     unknown_field,
 )
+from runnerkit.serve.jobs import clip_seconds
 
 if TYPE_CHECKING:
     from runnerkit.serve.app import ServerState
@@ -78,7 +79,7 @@ def build_request(state: ServerState, body: dict[str, Any], folder: Path,
     resolved = {"model": cfg.model_cls, "seed": request.seed if request.seed is not None else cfg.seed,
                 "height": shape[0], "width": shape[1], "frames": shape[2]}
     if state.kind == "video":
-        resolved["seconds"] = f"{(shape[2] - 1) / (cfg.fps or 1):g}"
+        resolved["seconds"] = clip_seconds(shape[2], cfg.fps or 1)
     return request, read.shown, resolved
 
 
@@ -256,12 +257,13 @@ def _field_refusal(state: ServerState, read: _Body, exc: BaseException, folder: 
 
 
 def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
-    """OpenAI's `seconds` (a string such as "4", or a number) as frames: (frames - 1) / fps seconds,
-    rounded to the nearest frame count the model takes (TEMPORAL_FACTOR * k + 1).
+    """OpenAI's `seconds` (a string such as "4", or a number) as frames: a clip of F frames lasts F / fps
+    seconds (each frame is shown 1 / fps s: the mp4's duration, its audio track's length and the sidecar's
+    `duration.seconds`), rounded to the nearest frame count the model takes (TEMPORAL_FACTOR * k + 1, k >= 1).
 
-    Allowed: from one temporal step (TEMPORAL_FACTOR / fps seconds) to the request's frame limit
-    ((MAX_FRAMES - 1) / fps, `target_video_length`'s bound); nothing outside is silently corrected
-    (a one-frame video is `target_video_length: 1`).
+    Allowed: from the shortest such clip ((TEMPORAL_FACTOR + 1) / fps seconds) to the longest (the request's
+    frame limit, `target_video_length`'s bound, / fps); nothing outside is silently corrected (a one-frame
+    video is `target_video_length: 1`).
 
     Raises:
         InputError: naming `seconds`, the value and the allowed range.
@@ -270,9 +272,9 @@ def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
         raise InputError("`seconds` is for video tasks; this server makes images", "seconds")
     step = getattr(state.runner, "TEMPORAL_FACTOR", 1)
     max_frames = step * ((MAX_FRAMES - 1) // step) + 1  # the longest clip the model takes
-    shortest, longest = step / fps, (max_frames - 1) / fps
-    allowed = (f"{shortest:g} to {longest:g} seconds ({step} to {max_frames - 1} frame intervals at {fps} fps; "
-               f"`target_video_length: 1` for a single frame)")
+    shortest, longest = (step + 1) / fps, max_frames / fps
+    allowed = (f"{shortest:g} to {longest:g} seconds ({step + 1} to {max_frames} frames at {fps} fps, each shown "
+               f"1/{fps} s; `target_video_length: 1` for a single frame)")
     try:
         value = float("nan") if isinstance(seconds, bool) else float(seconds)
     except (TypeError, ValueError):
@@ -281,7 +283,7 @@ def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
         raise InputError(f"`seconds` {_shown(seconds)} is not a number: give seconds from {allowed}", "seconds")
     if not shortest <= value <= longest:
         raise InputError(f"`seconds` {_shown(seconds)} is out of range: from {allowed}", "seconds")
-    return step * round(value * fps / step) + 1
+    return step * round((value * fps - 1) / step) + 1
 
 
 def _api_wording(message: str, folder: Path) -> str:

@@ -91,7 +91,7 @@ def test_i2av_needs_its_first_frame_and_takes_input_reference(launched: Server, 
     png = FIRST_FRAME.read_bytes()
     request, shown, resolved = build_request(state, {"prompt": "x", "input_reference": png, "seconds": "1"}, tmp_path)
     assert Path(request.image_path).read_bytes() == png and shown["image"] == f"{len(png)} bytes"
-    assert (resolved["height"], resolved["width"], resolved["frames"], resolved["seconds"]) == (128, 192, 25, "1")
+    assert (resolved["height"], resolved["width"], resolved["frames"], resolved["seconds"]) == (128, 192, 25, "1.04167")
     with pytest.raises(InputError) as exc:
         build_request(state, {"prompt": "x", "input_reference": png, "size": "192x96"}, tmp_path)
     assert exc.value.field == "size" and "multiple of 64" in str(exc.value)
@@ -101,7 +101,7 @@ def test_i2av_needs_its_first_frame_and_takes_input_reference(launched: Server, 
 def test_a_t2av_job_returns_an_mp4_with_h264_and_aac_and_says_so(server: Server, tmp_path: Path) -> None:
     job_id = server.submit({"prompt": "waves on a beach", "seed": 3, "size": "192x128", "target_video_length": 25})
     job = server.wait_job(job_id)
-    assert (job["status"], job["resolved"]["frames"], job["seconds"]) == ("completed", 25, "1"), job
+    assert (job["status"], job["resolved"]["frames"], job["seconds"]) == ("completed", 25, "1.04167"), job
     assert job["audio"] == {"codec": "aac", "sample_rate": SAMPLE_RATE, "channels": CHANNELS}, job
     content = server.get(f"/v1/videos/{job_id}/content")
     assert content.status == 200 and content.headers["content-type"] == "video/mp4"
@@ -121,21 +121,21 @@ def test_a_t2av_job_returns_an_mp4_with_h264_and_aac_and_says_so(server: Server,
 def test_the_openai_client_gets_the_audio_track(server: Server) -> None:
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    video = client.videos.create_and_poll(prompt="a drum solo", size="128x64", seconds="0.34", poll_interval_ms=20)
+    video = client.videos.create_and_poll(prompt="a drum solo", size="128x64", seconds="0.4", poll_interval_ms=20)
     content = client.videos.download_content(video.id).content
-    assert (video.status, video.model, video.size, video.seconds) == ("completed", "ltx2", "128x64", "0.333333"), video
+    assert (video.status, video.model, video.size, video.seconds) == ("completed", "ltx2", "128x64", "0.375"), video
     assert video.model_dump()["audio"] == {"codec": "aac", "sample_rate": SAMPLE_RATE, "channels": CHANNELS}
     mp4 = server.out_dir / video.id / "result.mp4"
     assert content == mp4.read_bytes()
     assert_h264_and_aac(mp4, 128, 64)
-    assert frames(mp4) == 9  # "0.34" s at 24 fps: 8 intervals, the nearest 8k + 1
+    assert frames(mp4) == 9  # "0.4" s at 24 fps: 9.6 frames, the nearest 8k + 1 is 9 (9 / 24 = 0.375 s)
 
 
 @pytest.mark.parametrize("body,param,says", [
     ({"size": "200x128"}, "size", "`size`'s width must be a multiple of 64 (got 200)"),
     ({"target_height": 96}, "target_height", "`target_height` must be a multiple of 64 (got 96)"),
     ({"target_video_length": 13}, "target_video_length", "`target_video_length` must be 8n+1, e.g. 9, 17, 81 (got 13)"),
-    ({"seconds": "0.2"}, "seconds", "from 0.333333 to"),  # below one temporal step (8 frames at 24 fps)
+    ({"seconds": "0.2"}, "seconds", "from 0.375 to"),  # below the shortest clip (9 frames at 24 fps)
     ({"image": base64.b64encode(FIRST_FRAME.read_bytes()).decode()}, "image", "`image` is not used by task 't2av'"),
 ], ids=["size", "height", "frames", "seconds", "image"])
 def test_shapes_off_the_family_factors_are_refused_naming_the_field(server: Server, body: dict[str, Any],

@@ -93,7 +93,7 @@ def test_videos_create_poll_retrieve_download(client: openai.OpenAI, server: Ser
     queued = client.videos.create(prompt="a red fox in the snow", size="48x32", seconds="1")  # a multipart form
     assert isinstance(queued, openai.types.Video)
     assert (queued.object, queued.status, queued.size, queued.seconds, queued.model) == \
-        ("video", "queued", "48x32", "1", "wan2.1")
+        ("video", "queued", "48x32", "1.125", "wan2.1")
     assert isinstance(queued.created_at, int) and queued.completed_at is None and queued.prompt == "a red fox in the snow"
     assert abs(queued.created_at - time.time()) < 60
     done = client.videos.poll(queued.id, poll_interval_ms=20)
@@ -104,12 +104,12 @@ def test_videos_create_poll_retrieve_download(client: openai.OpenAI, server: Ser
     content = client.videos.download_content(queued.id)
     mp4 = server.out_dir / queued.id / "result.mp4"
     assert content.content == mp4.read_bytes() and content.content[4:8] == b"ftyp"
-    assert frames(mp4) == 9  # seconds "1" at the tiny config's 8 fps: (9 - 1) / 8
-    # 8 fps, frames 4k+1: "0.5" s is 5 frames
-    short = client.videos.create_and_poll(prompt="ocean waves", seconds="0.5", poll_interval_ms=20)
-    assert (short.status, short.seconds, short.size) == ("completed", "0.5", "80x48"), short
+    assert frames(mp4) == 9  # seconds "1" at the tiny config's 8 fps: 8 frames, the nearest 4k + 1 is 9 (9 / 8 s)
+    # 8 fps, frames 4k+1: "0.7" s is 5.6 frames: 5 (0.625 s, the shortest clip) is the nearest
+    short = client.videos.create_and_poll(prompt="ocean waves", seconds="0.7", poll_interval_ms=20)
+    assert (short.status, short.seconds, short.size) == ("completed", "0.625", "80x48"), short
     assert server.job(short.id)["resolved"]["frames"] == 5 and server.job(short.id)["request"] == {
-        "prompt": "ocean waves", "seconds": "0.5"}
+        "prompt": "ocean waves", "seconds": "0.7"}
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         client.videos.download_content(queued.id, variant="thumbnail")
     assert exc.value.param == "variant"

@@ -15,8 +15,8 @@ from runnerkit.serve.app import ServerState
 from runnerkit.serve.jobs import JobQueue
 from test_cases.serve.test_units import _png, _qwen_edit_state, _wan_i2v_state
 
-SECONDS_ALLOWED = ("0.5 to 128 seconds (4 to 1024 frame intervals at 8 fps; `target_video_length: 1` for a single "
-                   "frame)")
+SECONDS_ALLOWED = ("0.625 to 128.125 seconds (5 to 1025 frames at 8 fps, each shown 1/8 s; `target_video_length: 1` "
+                   "for a single frame)")
 
 
 def _wan_t2v_state(tmp_path: Path) -> Any:

@@ -315,7 +315,7 @@ def test_jobs_run_in_order_and_match_launch_script(shared: tuple[Server, Any], r
     assert all(s < e for s, e in zip(starts, ends)), (starts, ends)
     assert [j["timestamps"]["created_at"] for j in jobs] == sorted(j["timestamps"]["created_at"] for j in jobs)
     assert all(isinstance(j[k], int) for j in jobs for k in ("created_at", "started_at", "completed_at"))  # OpenAI's
-    assert [j["seconds"] for j in jobs] == ["1", "0.5", "1"]  # (frames - 1) / fps, the tiny config's 8 fps
+    assert [j["seconds"] for j in jobs] == ["1.125", "0.625", "1.125"]  # frames / fps, the tiny config's 8 fps
     for n, j in enumerate(jobs):
         assert (j["steps_done"], j["steps_total"], j["progress"]) == (STEPS, STEPS, 100)
         assert j["request"] == REQUESTS[n]

@@ -289,7 +289,7 @@ def test_an_upload_is_stored_under_the_extension_of_its_content() -> None:
 
 def test_input_reference_is_the_first_frame_and_seconds_the_length(tmp_path: Path) -> None:
     """OpenAI's `input_reference` (a form's file part: bytes) becomes the i2v request's image, stored under
-    its real extension; `seconds` becomes (frames - 1) / fps rounded to 4k + 1 frames; errors name the
+    its real extension; `seconds` becomes frames / fps rounded to 4k + 1 frames; errors name the
     fields as sent. The tiny i2v runner is only built (no checkpoint is read)."""
     import io
     import json
@@ -311,11 +311,11 @@ def test_input_reference_is_the_first_frame_and_seconds_the_length(tmp_path: Pat
     fps = runner.config.fps
     folder = tmp_path / "job"
     folder.mkdir()
-    request, shown, resolved = build_request(state, {"prompt": "x", "input_reference": jpeg, "seconds": "0.75"}, folder)
+    request, shown, resolved = build_request(state, {"prompt": "x", "input_reference": jpeg, "seconds": "1.1"}, folder)
     assert request.image_path == str(folder / "image.jpg") and (folder / "image.jpg").read_bytes() == jpeg
-    assert fps == 8  # 0.75 s is 6 frame intervals; Wan takes 4k + 1 frames: 9 (1 s), the nearest
-    assert request.target_video_length == resolved["frames"] == 9 and resolved["seconds"] == "1"
-    assert shown == {"prompt": "x", "image": f"{len(jpeg)} bytes", "seconds": "0.75"}
+    assert fps == 8  # 1.1 s is 8.8 frames; Wan takes 4k + 1 frames: 9 (1.125 s, each frame shown 1/8 s), the nearest
+    assert request.target_video_length == resolved["frames"] == 9 and resolved["seconds"] == "1.125"
+    assert shown == {"prompt": "x", "image": f"{len(jpeg)} bytes", "seconds": "1.1"}
     for body, param in (({"image": jpeg}, "input_reference"), ({"seconds": "0"}, "seconds"),
                         ({"seconds": "2", "target_video_length": 9}, "seconds")):
         with pytest.raises(InputError) as exc:
@@ -382,9 +382,10 @@ def _wan_i2v_state(tmp_path: Path) -> Any:
     return ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None, phase="ready")
 
 
-@pytest.mark.parametrize("seconds", ["0.1", "0.2", "1000", "129", "3601", "-1", "nan", "four"])
+@pytest.mark.parametrize("seconds", ["0.1", "0.5", "0.62", "1000", "128.2", "3601", "-1", "nan", "four"])
 def test_seconds_out_of_range_names_seconds_and_the_range_in_seconds(tmp_path: Path, seconds: str) -> None:
-    """`seconds` outside [TEMPORAL_FACTOR / fps, (MAX_FRAMES - 1) / fps] (Wan at 8 fps: 0.5 to 128 s) is refused
+    """`seconds` outside [(TEMPORAL_FACTOR + 1) / fps, MAX_FRAMES / fps] (Wan at 8 fps: 0.625 to 128.125 s, a clip of
+    F frames lasting F / fps) is refused
     with one message naming `seconds`, the value and that range: not a `target_video_length` error (a field the
     client never sent), no hidden cap of its own, and a short clip is never silently made one frame."""
     from runnerkit.config import MAX_FRAMES
@@ -397,10 +398,11 @@ def test_seconds_out_of_range_names_seconds_and_the_range_in_seconds(tmp_path: P
         _frames_of(seconds, state, fps)
     message = str(exc.value)
     assert exc.value.field == "seconds" and "target_video_length`" not in message.split(";")[0], message
-    assert f"`seconds` {seconds!r}" in message and "0.5 to 128 seconds" in message, message
+    assert f"`seconds` {seconds!r}" in message and "0.625 to 128.125 seconds" in message, message
 
 
-@pytest.mark.parametrize(("seconds", "frames"), [("0.5", 5), ("0.75", 9), ("128", 1025), (4, 33)])
+@pytest.mark.parametrize(("seconds", "frames"), [("0.625", 5), ("0.75", 5), ("1", 9), ("1.1", 9), ("128", 1025),
+                                                  ("128.125", 1025), (4, 33)])
 def test_seconds_in_range_become_frames(tmp_path: Path, seconds: Any, frames: int) -> None:
     from runnerkit.serve.app import _frames_of
 

@@ -9,9 +9,13 @@ folder holds each in a folder of that name (`<name>/config.json` + safetensors).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from runnerkit.arch import config_file_error
 from runnerkit.models.ltx2 import arch
 from runnerkit.models.ltx2.diffusion_decoder import (
     LTX25_DIFFUSION_DECODER,
@@ -38,21 +42,32 @@ class LTX25Arch(arch.LTX2Arch):
         return arch.LTX2Arch(**{name: getattr(self, name) for name in arch.COMPONENTS})
 
     @classmethod
-    def from_sections(cls, sections: dict[str, Any], where: str) -> LTX25Arch:
-        """From component -> diffusers config dict, `arch.COMPONENTS` and `EXTRA_COMPONENTS`.
+    def from_sections(cls, sections: dict[str, Any], where: str, folder: bool = False) -> LTX25Arch:
+        """From component -> diffusers config dict, `arch.COMPONENTS` and `EXTRA_COMPONENTS`. `where`: the
+        diffusers folder (`folder`: each section is its `<component>/config.json`) or the file whose `config`
+        metadata holds the sections.
 
         Raises:
-            ValueError: a missing section, naming `where`; the component readers' errors pass through.
+            ValueError: a missing section, naming `where`; a bad duration head or diffusion decoder config,
+                naming its file (or section), each bad key, its value and what is allowed; the other component
+                readers' errors pass through.
         """
         missing = [c for c in EXTRA_COMPONENTS if c not in sections]
         if missing:
             raise ValueError(f"{where}: no config for {missing} (an LTX-2.5 checkpoint has them; has "
                              f"{sorted(sections)})")
         base = arch.LTX2Arch.from_sections(sections, where)
+        origin = {c: (f"{c} config in {Path(where) / c / 'config.json'}" if folder
+                      else f"section `{c}` of the `config` in {where}") for c in EXTRA_COMPONENTS}
         duration = {k: v for k, v in sections["duration_head"].items() if not k.startswith("_")}
-        return cls(**{name: getattr(base, name) for name in arch.COMPONENTS},
-                   duration_head=LTX2DurationHeadArch(**duration),
-                   diffusion_decoder=LTX2DiffusionDecoderArch.from_diffusers_config(sections["diffusion_decoder"]))
+        try:
+            duration_head = LTX2DurationHeadArch.model_validate_json(json.dumps(duration))
+        except ValidationError as exc:
+            raise ValueError(config_file_error(exc, LTX2DurationHeadArch, origin["duration_head"])) from None
+        decoder = LTX2DiffusionDecoderArch.from_diffusers_config(sections["diffusion_decoder"],
+                                                                 origin["diffusion_decoder"])
+        return cls(**{name: getattr(base, name) for name in arch.COMPONENTS}, duration_head=duration_head,
+                   diffusion_decoder=decoder)
 
     def to_sections(self) -> dict[str, dict[str, Any]]:
         """component -> diffusers config dict that `from_sections` reads back to this arch."""
@@ -65,7 +80,8 @@ class LTX25Arch(arch.LTX2Arch):
         from runnerkit.weights import read_json_object
 
         names = (*arch.COMPONENTS, *EXTRA_COMPONENTS)
-        return cls.from_sections({c: read_json_object(Path(path) / c / "config.json", c) for c in names}, str(path))
+        return cls.from_sections({c: read_json_object(Path(path) / c / "config.json", c) for c in names}, str(path),
+                                 folder=True)
 
 
 LTX25_22B_PIPELINE_ARCH = LTX25Arch(**{name: getattr(LTX25_22B_ARCH, name) for name in arch.COMPONENTS},

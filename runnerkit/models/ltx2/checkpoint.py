@@ -37,12 +37,13 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from pydantic import ValidationError
 from torch import nn
 
+from runnerkit.arch import refuse_disagreements
 from runnerkit.config import format_validation_error
 from runnerkit.models.ltx2 import checkpoint_keys as ck
 from runnerkit.models.ltx2.arch import COMPONENTS, LTX2Arch
@@ -385,6 +386,36 @@ def _check_tokenizer(path: Path, where: str) -> None:
     (every prompt then encodes to nothing), so a folder without a tokenizer file is refused here."""
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"tokenizer: {where} {path} holds none of {list(TOKENIZER_FILES)}")
+
+
+C = TypeVar("C", bound="LTX2Checkpoint")
+
+
+def open_checked(open_: Callable[[LTX2Arch | None], C], path: Path, model: dict[str, Any] | None,
+                 parse: Callable[[], LTX2Arch]) -> C:
+    """The checkpoint at `path` opened with its own architecture (`open_(None)`), the config's `model` checked
+    against it: the checkpoint's config wins, and a `model` field with another value is an error. A single
+    file whose `config` metadata cannot give the whole architecture (a release without the `vae`, `audio_vae`,
+    `vocoder` sections) takes the config's (`open_(parse())`): there the checkpoint says nothing to compare.
+
+    Raises:
+        CheckpointError: a `model` field differs from the checkpoint's config, naming the field, both values and
+            the files; the opener's errors.
+    """
+    if model is None:
+        return open_(None)
+    try:
+        ckpt = open_(None)
+    except CheckpointError:
+        if path.is_dir():
+            raise
+        return open_(parse())
+    where = f"{path}/*/config.json" if path.is_dir() else f"the `config` metadata of {path}"
+    try:
+        refuse_disagreements(model, ckpt.arch, where)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    return ckpt
 
 
 def _arch(read: Callable[[], LTX2Arch], where: str) -> LTX2Arch:

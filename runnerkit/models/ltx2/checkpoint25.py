@@ -134,7 +134,7 @@ def write_synthetic_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dt
     out = Path(out).absolute()
     staging = synthetic.partial_folder(out)
     try:
-        folder = write_synthetic_ltx2(arch.base(), staging / "ltx25", seed, dtype, "diffusers")
+        folder = write_synthetic_ltx2(arch.base(), staging / "ltx25", seed, dtype, "diffusers", announce=False)
         shutil.rmtree(folder / "text_encoder")
         write_tiny_gemma4(folder / "text_encoder", arch, seed)
         vae_stats = {k: v for file in safetensors_files(folder / "vae", component="vae")

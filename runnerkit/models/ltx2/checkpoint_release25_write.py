@@ -39,10 +39,11 @@ from runnerkit.models.ltx2.checkpoint_synthetic import (
 )
 from runnerkit.models.ltx2.ltx25_arch import GEMMA4_12B_TEXT
 from runnerkit.models.ltx2.release25_names import (
-    RELEASE_FILES,
+    DTYPE_NAMES,
     TEXT_ENCODER_FOLDER,
     audio_file,
     duration_file,
+    release_files,
     transformer_file,
     vae_file,
 )
@@ -97,10 +98,11 @@ def write_release_gemma4(folder: Path, seed: int, dtype: torch.dtype, generator_
     return folder
 
 
-def transformer_path(fp8_blocks: Fp8Blocks = "none") -> str:
-    """Where the writer puts the transformer file under its root: the bf16 release's name, `-fp8` for fp8 blocks."""
-    path = RELEASE_FILES["transformer"]
-    return path if fp8_blocks == "none" else path.replace("-bf16.safetensors", "-fp8.safetensors")
+def transformer_path(fp8_blocks: Fp8Blocks = "none", dtype: torch.dtype = torch.bfloat16) -> str:
+    """Where the writer puts the transformer file under its root: the release's name with the dtype written
+    (`-bf16`, `-fp32`: `release_files`), `-fp8` for fp8 blocks."""
+    path = release_files(dtype)["transformer"]
+    return path if fp8_blocks == "none" else path.replace(f"-{DTYPE_NAMES[dtype]}.safetensors", "-fp8.safetensors")
 
 
 def arch_to_write(config: RunnerConfig, parsed: LTX25Arch, out: Path) -> tuple[LTX25Arch, GemmaSize]:
@@ -132,8 +134,9 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
                         fp8_blocks: Fp8Blocks = "none", replace: bool = False, generator_device: str = "cpu",
                         gemma: GemmaSize = "tiny") -> Path:
     """Write `arch`'s synthetic weights in the release layout under `out` (module docstring; atomically: assembled
-    beside `out`, then renamed). Open with `open_ltx25(out / transformer_path(fp8_blocks),
-    out / RELEASE_FILES["latent_upsampler"], out / TEXT_ENCODER_FOLDER)`.
+    beside `out`, then renamed), each file named with the dtype it holds (`release_files(dtype)`: `-bf16`, `-fp16`,
+    `-fp32`). Open with `open_ltx25(out / transformer_path(fp8_blocks, dtype),
+    out / release_files(dtype)["latent_upsampler"], out / TEXT_ENCODER_FOLDER)`.
 
     Args:
         fp8_blocks: store the transformer blocks' linear weights as float8_e4m3fn, "plain" (cast) or "scaled"
@@ -141,7 +144,8 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
         gemma: "tiny" or "release" (module docstring; "release" needs the connectors' 3840 x 48 + 1 input).
 
     Raises:
-        ValueError: `gemma` "release" for connectors of another width or depth.
+        ValueError: `gemma` "release" for connectors of another width or depth; a `dtype` other than bfloat16,
+            float16 and float32.
         CheckpointError: `out` is not empty and not this seed's synthetic checkpoint (`replace` false).
     """
     c = arch.connectors
@@ -149,6 +153,7 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
             GEMMA4_12B_TEXT["hidden_size"], GEMMA4_12B_TEXT["num_hidden_layers"]):
         raise ValueError(f"`gemma`='release' writes Gemma-4 12B (3840 wide, 48 layers); the connectors take "
                          f"{c.caption_channels} x {c.text_proj_in_factor - 1}: use gemma 'tiny' for this arch")
+    files = release_files(dtype)  # before anything is written: an unnamed dtype is refused here
     out = Path(out).absolute()
     tmp = synthetic.partial_folder(out)
     try:
@@ -162,20 +167,20 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
             _fp8(tensors, names, fp8_blocks, generator_device)
         sections = arch.to_sections()
         upsampler_config = sections.pop("latent_upsampler")
-        _save(tensors, tmp / transformer_path(fp8_blocks),
+        _save(tensors, tmp / transformer_path(fp8_blocks, dtype),
               {"config": json.dumps(sections), "model_version": f"synthetic-ltx-{arch.version}-2.5"})
         del tensors, ours
         vae = synthetic_state_dict(base, "vae", seed, dtype, generator_device)
         decoder = _extra(arch, "diffusion_decoder", seed, dtype, generator_device)
-        _save(vae_file(vae, decoder, arch), tmp / RELEASE_FILES["video_vae"])
+        _save(vae_file(vae, decoder, arch), tmp / files["video_vae"])
         del vae, decoder
         _save(audio_file(synthetic_state_dict(base, "audio_vae", seed, dtype, generator_device),
                          synthetic_state_dict(base, "vocoder", seed, dtype, generator_device), arch),
-              tmp / RELEASE_FILES["audio_vae"])
+              tmp / files["audio_vae"])
         _save(synthetic_state_dict(base, "latent_upsampler", seed, dtype, generator_device),
-              tmp / RELEASE_FILES["latent_upsampler"], {"config": json.dumps(upsampler_config)})
+              tmp / files["latent_upsampler"], {"config": json.dumps(upsampler_config)})
         _save(duration_file(_extra(arch, "duration_head", seed, dtype, generator_device)),
-              tmp / RELEASE_FILES["duration_head"], {"model_version": "synthetic-2.5"})
+              tmp / files["duration_head"], {"model_version": "synthetic-2.5"})
         text_encoder = tmp / TEXT_ENCODER_FOLDER
         if gemma == "release":
             write_release_gemma4(text_encoder, seed, dtype, generator_device)

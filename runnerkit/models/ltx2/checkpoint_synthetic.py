@@ -172,7 +172,8 @@ def _write_diffusers(arch: LTX2Arch, tmp: Path, seed: int, dtype: torch.dtype, g
 
 def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtype = torch.bfloat16,
                          layout: Literal["single_file", "diffusers"] = "diffusers", fp8_blocks: Fp8Blocks = "none",
-                         replace: bool = False, generator_device: str = "cpu", gemma: GemmaSize = "tiny") -> Path:
+                         replace: bool = False, generator_device: str = "cpu", gemma: GemmaSize = "tiny",
+                         announce: bool = True) -> Path:
     """Write deterministic random weights for `arch` to the folder `out` (atomically: tmp folder, rename).
 
     single_file: `out/ltx2.safetensors`, `out/latent_upsampler.safetensors`, `out/text_encoder/` (Gemma-3
@@ -188,6 +189,8 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
             host memory (its own size: a 22B fp8 file ~25 GB), the diffusers layout shard by shard.
         gemma: "tiny" (a narrow stand-in of the arch's width and depth, `tiny_gemma_sizes`) or "release"
             (Gemma-3-12B's sizes, `write_release_gemma`; the arch must have its 3840 x 48 connectors).
+        announce: log the "SYNTHETIC checkpoint" warning naming `out` (False: a writer that builds on this one,
+            e.g. LTX-2.5's in a temporary folder, announces its own final folder once).
 
     Raises:
         ValueError: fp8 blocks asked for the diffusers layout.
@@ -218,7 +221,7 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return synthetic.finish(tmp, out, seed, layout, replace)
+    return synthetic.finish(tmp, out, seed, layout, replace, announce)
 
 
 def tiny_gemma_sizes(arch: LTX2Arch) -> dict[str, int]:

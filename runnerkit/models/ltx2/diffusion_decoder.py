@@ -26,13 +26,15 @@ computes the same attention).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor, nn
 
+from runnerkit.arch import config_file_error
 from runnerkit.models.ltx2.diffusion_decoder_layers import (
     DiffusionNABlock,
     Kernel,
@@ -81,13 +83,21 @@ class LTX2DiffusionDecoderArch(BaseModel):
                                  f"got {self.decoder_stage_channels[i + 1]}.")
 
     @classmethod
-    def from_diffusers_config(cls, config: dict[str, Any]) -> LTX2DiffusionDecoderArch:
-        """Read diffusers' `diffusion_decoder/config.json` (keys starting with `_` are ignored).
+    def from_diffusers_config(cls, config: dict[str, Any],
+                              where: str = "diffusion_decoder config") -> LTX2DiffusionDecoderArch:
+        """Read diffusers' `diffusion_decoder/config.json` (keys starting with `_` are ignored) as JSON is read:
+        lists fill the tuple fields, and nothing is coerced (a string or a float where an int is expected is
+        refused).
 
         Raises:
-            pydantic.ValidationError: an unknown key or a value out of bounds.
+            ValueError: naming `where` (the file), each bad key, its value and what is allowed (an unknown key,
+                a wrong type, a value out of bounds, stage widths that do not follow the reductions).
         """
-        return cls(**{k: v for k, v in config.items() if not k.startswith("_")})
+        fields = {k: v for k, v in config.items() if not k.startswith("_")}
+        try:
+            return cls.model_validate_json(json.dumps(fields), strict=True)
+        except ValidationError as exc:
+            raise ValueError(config_file_error(exc, cls, where)) from None
 
     def to_diffusers_config(self) -> dict[str, Any]:
         """Keyword arguments of diffusers' `LTX2VideoDiffusionDecoderModel`."""

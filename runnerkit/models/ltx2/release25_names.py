@@ -40,8 +40,8 @@ from runnerkit.models.ltx2.arch25 import LTX25Arch
 from runnerkit.models.ltx2.diffusion_decoder_keys import STATISTICS
 from runnerkit.models.ltx2.duration import SINGLE_FILE_PREFIX as DURATION_PREFIX
 
-__all__ = ["FOLDERS", "RELEASE_FILES", "TEXT_ENCODER_FOLDER", "audio_file", "duration_file", "transformer_file",
-           "vae_file"]
+__all__ = ["DTYPE_NAMES", "FOLDERS", "RELEASE_FILES", "TEXT_ENCODER_FOLDER", "audio_file", "duration_file",
+           "release_files", "transformer_file", "vae_file"]
 
 FOLDERS = ("diffusion_models", "text_encoders", "vae", "latent_upscale_models", "model_patches")
 RELEASE_FILES: dict[str, str] = {
@@ -51,7 +51,23 @@ RELEASE_FILES: dict[str, str] = {
     "latent_upsampler": "latent_upscale_models/ltx-2.5-latent-spatial-upscaler-x2-bf16-1.0.safetensors",
     "duration_head": "model_patches/ltx-2.5-duration-head-bf16.safetensors",
 }
-"""What the synthetic writer writes where (relative to the root); the bf16 release's names."""
+"""What the synthetic writer writes where (relative to the root); the bf16 release's names (`release_files`:
+another dtype's)."""
+DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+"""The dtype word of a release file name (`-bf16`), per dtype the writer stores."""
+
+
+def release_files(dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+    """`RELEASE_FILES` with the dtype word of `dtype` in each name (`-bf16` -> `-fp32` for float32 weights): a
+    file's name says the dtype it holds, as the release's own names do (`-bf16`, `-fp8`, `-nvfp4`).
+
+    Raises:
+        ValueError: `dtype` is not one of `DTYPE_NAMES`, naming it and those allowed.
+    """
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"`dtype` {dtype} has no release file name; allowed: {[str(d) for d in DTYPE_NAMES]}")
+    word = DTYPE_NAMES[dtype]
+    return {k: v.replace("-bf16", f"-{word}") for k, v in RELEASE_FILES.items()}
 TEXT_ENCODER_FOLDER = "text_encoders/gemma-4-12b-ltx-2.5"
 """Where the writer puts the Gemma-4 transformers folder (the release ships a packed file instead)."""
 VAE_PREFIX = "vae."

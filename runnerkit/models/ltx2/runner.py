@@ -41,7 +41,7 @@ from runnerkit.lora import linear_targets
 from runnerkit.models.ltx2 import planning
 from runnerkit.models.ltx2.arch import LTX2Arch, tiny_pipeline_arch
 from runnerkit.models.ltx2.audio_vae import LTX2AudioVAEDecoder, audio_latent_length
-from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
+from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint, open_checked
 from runnerkit.models.ltx2.checkpoint_synthetic import write_synthetic_ltx2
 from runnerkit.models.ltx2.connectors import LTX2TextConnectors
 from runnerkit.models.ltx2.flops import ltx2_denoise_flops
@@ -273,13 +273,13 @@ class LTX2Runner(DefaultRunner):
     # ---- loading -----------------------------------------------------------------------
     def open_checkpoint(self, path: Path, raw: bool = False) -> LTX2Checkpoint:
         """The checkpoint at `path` (a folder, or a single file with the configured upsampler and Gemma-3
-        folder); the config's `model` replaces its architecture unless `raw` or the config has none."""
+        folder) with its own architecture; the config's `model` must agree with it (`open_checked`) unless `raw`."""
         cfg = self.config
-        arch = None if raw or cfg.model is None else self.parse_arch(cfg.model)
         key = (path, raw, cfg.upsampler_path, cfg.text_encoder_path)
         if self.checkpoint is None and self._headers.get(key) is not None:  # before loading: read once for the plan
             return self._headers[key]
-        ckpt = LTX2Checkpoint.open(path, cfg.upsampler_path, cfg.text_encoder_path, arch=arch)
+        ckpt = open_checked(lambda a: LTX2Checkpoint.open(path, cfg.upsampler_path, cfg.text_encoder_path, arch=a),
+                            path, None if raw else cfg.model, lambda: self.parse_arch(cfg.model))
         if self.checkpoint is None:
             self._headers = {key: ckpt}
         return ckpt

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
+from runnerkit.models.ltx2.checkpoint import open_checked
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
 from runnerkit.models.ltx2.diffusion_decode import decode_video, warm_whole_decode
@@ -162,16 +163,16 @@ class LTX25Runner(LTX2Runner):
 
     def open_checkpoint(self, path: Path, raw: bool = False) -> LTX25Checkpoint:
         """The diffusers folder at `path`, or the release whose transformer file `path` is (with `upsampler_path`
-        and `text_encoder_path`; checkpoint25.py, checkpoint_release25.py); the config's `model` replaces its
-        architecture unless `raw` or the config has none."""
-        arch = None if raw or self.config.model is None else self.parse_arch(self.config.model)
+        and `text_encoder_path`; checkpoint25.py, checkpoint_release25.py) with its own architecture; the config's
+        `model` must agree with it (checkpoint.py `open_checked`) unless `raw`."""
         key = (path, raw)
         if self.checkpoint is None and self._headers.get(key) is not None:
             return self._headers[key]  # type: ignore[return-value]
         single = path.suffix == ".safetensors"  # the release's transformer file: its companions from the config
         cfg = self.config
-        ckpt = open_ltx25(path, cfg.upsampler_path if single else None, cfg.text_encoder_path if single else None,
-                          arch=arch)
+        ckpt = open_checked(lambda arch: open_ltx25(path, cfg.upsampler_path if single else None,
+                                                    cfg.text_encoder_path if single else None, arch=arch),
+                            path, None if raw else cfg.model, lambda: self.parse_arch(cfg.model))
         if self.checkpoint is None:
             self._headers = {key: ckpt}
         return ckpt
@@ -302,7 +303,8 @@ class LTX25Runner(LTX2Runner):
         """LTX-2's, with Gemma-4 (resident, model-offloaded or streamed), the duration head after the connectors and
         the diffusion decoder in place of the video VAE's decoder (the VAE is loaded for i2av's encoder only)."""
         base = super().describe_pipeline()
-        head = EncoderStage("duration_head", module="duration_head", run=self.run_duration_head)
+        head = EncoderStage("duration_head", module="duration_head", run=self.run_duration_head,
+                            runs=lambda req: req.info.frames_omitted or req.info.warmup)  # frames given: it does not
         unused = ("text_encoder",) if self.config.task == "i2av" else ("text_encoder", "vae")
         modules = [ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder,
                               stream=self.stream_text_encoder)]

@@ -29,6 +29,7 @@ import torch
 from pydantic import ValidationError
 
 from runnerkit import synthetic
+from runnerkit.arch import refuse_disagreements
 from runnerkit.config import format_validation_error
 from runnerkit.files import write_error_reason
 from runnerkit.models.qwen_image import scheduler as sched_mod
@@ -155,14 +156,23 @@ def read_arch(path: Path, layout: Layout) -> tuple[QwenImageArch, sched_mod.Qwen
     return _validated(arch.model_dump(mode="json"), path), sched
 
 
-def merge_override(arch: QwenImageArch, override: dict[str, Any] | None, path: Path) -> QwenImageArch:
-    """`arch` with the config's `model` (component by component) over it, validated as a whole.
+def merge_override(arch: QwenImageArch, override: dict[str, Any] | None, path: Path,
+                   layout: str = "runnerkit") -> QwenImageArch:
+    """`arch` (read from the checkpoint's files) completed by the config's `model` where the checkpoint says
+    nothing (a component it lacks), validated as a whole. Where both say a value, they must agree: the
+    checkpoint's own config wins and a differing `model` value is an error.
 
     Raises:
-        CheckpointError: the merged architecture breaks a rule (naming the field).
+        CheckpointError: a `model` field differs from the checkpoint's config (naming the field, both values and
+            the file); the merged architecture breaks a rule (naming the field).
     """
     if not override:
         return arch
+    where = path / "runnerkit.json" if layout == "runnerkit" else path / "*" / "config.json"
+    try:
+        refuse_disagreements(override, arch, str(where))
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     data = arch.model_dump(mode="json")
     for component, fields in override.items():
         if isinstance(fields, dict) and isinstance(data.get(component), dict):
@@ -191,7 +201,7 @@ class QwenCheckpoint:
         path = Path(path)
         layout = detect_layout(path)
         arch, sched = read_arch(path, layout)
-        return cls(path, layout, merge_override(arch, override, path), sched)
+        return cls(path, layout, merge_override(arch, override, path, layout), sched)
 
     @property
     def kind(self) -> Literal["t2i", "edit", "edit_plus"]:

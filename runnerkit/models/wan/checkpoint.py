@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from runnerkit import synthetic
+from runnerkit.arch import refuse_disagreements
 from runnerkit.config import format_validation_error
 from runnerkit.debug_tokenizer import write_debug_tokenizer
 from runnerkit.files import give_default_mode, write_error_reason
@@ -106,20 +107,32 @@ def _arch_from(path: Path, component: str, convert: Callable[[dict[str, Any]], T
         raise CheckpointError(f"{component}: {path}: {exc}") from None
 
 
-def merge_override(arch: WanArch, override: dict[str, Any] | None, path: Path) -> WanArch:
-    """`arch` with the config's `model` over it, per component (a component the checkpoint lacks,
-    such as `image_encoder` of a t2v checkpoint, is taken whole from `model`).
+def merge_override(arch: WanArch, override: dict[str, Any] | None, path: Path, layout: str = "runnerkit",
+                   where: str | None = None) -> WanArch:
+    """`arch` (read from the checkpoint's files) completed by the config's `model` where the checkpoint says
+    nothing: a component it lacks (`image_encoder` of a t2v checkpoint), or, in the original layout, which
+    records only the transformer's architecture, the text encoder, VAE and CLIP tower. Where both say a
+    value, they must agree: the checkpoint's own config wins and a differing `model` value is an error.
 
     Raises:
-        CheckpointError: `model` names a component Wan does not have.
+        CheckpointError: `model` names a component Wan does not have; a `model` field differs from the
+            checkpoint's config (naming the field, both values and the file).
         ValueError: the merged architecture is invalid (naming `model.<component>.<field>`).
     """
     if not override:
         return arch
     merged = arch.model_dump()
-    for component, values in override.items():
+    for component in override:
         if component not in merged:
             raise CheckpointError(f"`model.{component}` is not a Wan component; allowed: {sorted(merged)}")
+    stated = ("transformer",) if layout == "original" else tuple(merged)  # what the checkpoint's files say
+    files = where or str({"runnerkit": path / "runnerkit.json", "original": path / "config.json"}.get(
+        layout, path / "*" / "config.json"))
+    try:
+        refuse_disagreements({k: v for k, v in override.items() if k in stated}, arch, files)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    for component, values in override.items():
         merged[component] = {**(merged[component] or {}), **values}
     try:
         return WanArch.model_validate(merged)
@@ -174,7 +187,7 @@ class WanCheckpoint:
                 image_encoder=_arch_from(path / "image_encoder/config.json", "image_encoder", ck.arch_from_hf_config)
                 if transformer.image_context else None,
             )
-        return cls(path=path, layout=layout, arch=merge_override(arch, override, path))
+        return cls(path=path, layout=layout, arch=merge_override(arch, override, path, layout))
 
     # ---- transformer -------------------------------------------------------------------
     def transformer_files(self) -> list[Path]:

@@ -155,7 +155,8 @@ class WanMoECheckpoint:
         if second != arch.transformer:
             raise CheckpointError(f"{path}: the experts' architectures differ ({folders['transformer'].name}: "
                                   f"{arch.transformer}; {folders['transformer_2'].name}: {second})")
-        arch = merge_override(arch, override, path)
+        where = str(path / "runnerkit.json") if layout == "runnerkit" else f"the {layout} layout's configs in {path}"
+        arch = merge_override(arch, override, path, layout, where)
         if arch.transformer.image_context:
             raise CheckpointError(f"{path}: the experts attend to CLIP image tokens (`image_context` true), which no "
                                   "Wan2.2 MoE release does (Wan2.2 i2v conditions through the VAE latents only)")

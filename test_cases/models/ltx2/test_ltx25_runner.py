@@ -77,7 +77,8 @@ def cold(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             results[name] = (load_file(out / f"{name}.safetensors"),
                              json.loads((out / f"{name}.json").read_text()), len(calls) - before)
         hook.remove()
-        return {"runner": runner, **results}
+        profiles = {name: runner.profiler.requests[i] for i, name in enumerate(results)}
+        return {"runner": runner, "profiles": profiles, **results}
     finally:
         mp.undo()
 
@@ -103,6 +104,16 @@ def test_frames_given_skip_the_head(cold: dict[str, Any]) -> None:
     outputs, sidecar, head_calls = cold["given17"]
     assert head_calls == 0
     assert outputs["video"].shape == (3, 17, 64, 128) and sidecar["duration"]["predicted"] is False
+
+
+def test_the_profile_records_the_shape_that_ran_and_the_head_only_when_it_ran(cold: dict[str, Any]) -> None:
+    """`shape` is the predicted count's, not admission's largest; `duration_head` is null (not 0.0 s) when the
+    request gave its frames, and its seconds when it ran."""
+    profiles = cold["profiles"]
+    assert [p.shape for p in profiles.values()] == [[64, 128, PREDICTED], [64, 128, 17], [64, 128, PREDICTED]]
+    assert [p.stages["duration_head"] is None for p in profiles.values()] == [False, True, True]
+    assert profiles["omitted"].stages["duration_head"] > 0
+    assert all(v is not None and v > 0 for p in profiles.values() for k, v in p.stages.items() if k != "duration_head")
 
 
 def test_admission_uses_the_largest_count(cold: dict[str, Any]) -> None:
@@ -205,8 +216,8 @@ def test_server_admits_a_job_without_frames(tmp_path: Path) -> None:
     state = ServerState(runner=make_runner(), queue=JobQueue(tmp_path, 4, None, None), metrics=None)
     request, _, resolved = build_request(state, {"prompt": "x"}, tmp_path)
     assert request.target_video_length is None and resolved["frames"] == 33
-    request, _, resolved = build_request(state, {"prompt": "x", "seconds": "0.5"}, tmp_path)
-    assert request.target_video_length == resolved["frames"] == 17  # (frames - 1) / fps = 0.5 s: 12 -> 16 + 1
+    request, _, resolved = build_request(state, {"prompt": "x", "seconds": "0.7"}, tmp_path)
+    assert request.target_video_length == resolved["frames"] == 17  # frames / fps = 0.7 s: 16.8 -> 17 (8k + 1)
 
 
 def test_estimate_counts_the_new_modules_and_stages(cold: dict[str, Any]) -> None:

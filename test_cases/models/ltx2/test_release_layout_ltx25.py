@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from runnerkit import memory
@@ -34,6 +35,7 @@ from test_cases.models.ltx2.test_release_keys_ltx25 import ltx25_keys
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"
 PROMPT = "a red fox runs through fresh snow, wind howls"
+FILES = names.release_files(torch.float32)  # the `layouts` fixture writes float32: its files are named `-fp32`
 NETWORKS = ("transformer", "connectors", "vae", "audio_vae", "vocoder", "latent_upsampler", "duration_head",
             "diffusion_decoder")
 
@@ -53,7 +55,7 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _open_release(root: Path, arch: Any = None) -> LTX25Checkpoint:
-    return open_ltx25(root / names.RELEASE_FILES["transformer"], root / names.RELEASE_FILES["latent_upsampler"],
+    return open_ltx25(root / FILES["transformer"], root / FILES["latent_upsampler"],
                       root / names.TEXT_ENCODER_FOLDER, arch=arch)
 
 
@@ -73,6 +75,20 @@ def test_release_size_files_hold_exactly_ltx_cores_keys() -> None:
     assert _shapes(names.duration_file(extra_factory("duration_head", arch).state_dict())) == keys["duration_head"]
     decoder = extra_factory("diffusion_decoder", arch).state_dict()
     assert _shapes(names.vae_file(ours["vae"], decoder, arch)) == keys["diffusion_vae"]
+
+
+def test_the_release_files_are_named_with_the_dtype_they_hold(layouts: dict[str, Path]) -> None:
+    """A float32 write names every file `-fp32` (not the bf16 release's `-bf16`), and each holds float32 tensors."""
+    root = layouts["release"]
+    written = {p.relative_to(root).as_posix() for p in root.rglob("*.safetensors") if "text_encoders" not in p.parts}
+    assert written == set(FILES.values()) and all("-fp32" in n and "-bf16" not in n for n in written), written
+    for name in written:
+        with safe_open(str(root / name), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}, name
+    assert names.release_files(torch.bfloat16) == names.RELEASE_FILES
+    with pytest.raises(ValueError, match=r"`dtype` torch.float8_e4m3fn has no release file name; allowed: "):
+        write_release_ltx25(tiny_ltx25_arch(), root.parent / "fp8", 0, torch.float8_e4m3fn)
+    assert not (root.parent / "fp8").exists()
 
 
 def test_both_layouts_hold_the_same_networks(layouts: dict[str, Path]) -> None:
@@ -97,8 +113,8 @@ def _config(tmp: Path, task: str, layouts: dict[str, Path], layout: str) -> Path
         data["model_path"] = str(layouts["diffusers"])
     else:
         root = layouts["release"]
-        data |= {"model_path": str(root / names.RELEASE_FILES["transformer"]),
-                 "upsampler_path": str(root / names.RELEASE_FILES["latent_upsampler"]),
+        data |= {"model_path": str(root / FILES["transformer"]),
+                 "upsampler_path": str(root / FILES["latent_upsampler"]),
                  "text_encoder_path": str(root / names.TEXT_ENCODER_FOLDER)}
     path = tmp / f"{task}_{layout}.json"
     path.write_text(json.dumps(data))
@@ -137,7 +153,7 @@ def test_files_are_found_by_content_and_what_cannot_be_placed_is_refused(layouts
     root = tmp_path / "release"
     shutil.copytree(layouts["release"], root)
     for key in ("video_vae", "audio_vae", "duration_head"):  # any names: the reader looks inside
-        file = root / names.RELEASE_FILES[key]
+        file = root / FILES[key]
         file.rename(file.with_name(f"renamed-{key}.safetensors"))
     assert _open_release(root).arch == tiny_ltx25_arch()
     shutil.copy(root / "vae" / "renamed-video_vae.safetensors", root / "vae" / "copy.safetensors")
@@ -148,8 +164,8 @@ def test_files_are_found_by_content_and_what_cannot_be_placed_is_refused(layouts
     with pytest.raises(CheckpointError, match=r"0 files in .*model_patches hold the duration head"):
         _open_release(root)
     moved = tmp_path / "elsewhere.safetensors"
-    shutil.copy(root / names.RELEASE_FILES["transformer"], moved)
+    shutil.copy(root / FILES["transformer"], moved)
     with pytest.raises(CheckpointError, match="must be the transformer file in the release's `diffusion_models/`"):
-        open_ltx25(moved, root / names.RELEASE_FILES["latent_upsampler"], root / names.TEXT_ENCODER_FOLDER)
+        open_ltx25(moved, root / FILES["latent_upsampler"], root / names.TEXT_ENCODER_FOLDER)
     with pytest.raises(CheckpointError, match="`upsampler_path` and `text_encoder_path` are required"):
-        open_ltx25(root / names.RELEASE_FILES["transformer"])
+        open_ltx25(root / FILES["transformer"])

@@ -24,7 +24,7 @@ from runnerkit.config import load_runner_config
 from runnerkit.infer import main as infer_main
 from runnerkit.models.ltx2.arch25 import LTX25_22B_PIPELINE_ARCH, tiny_ltx25_arch
 from runnerkit.models.ltx2.checkpoint_release25_write import arch_to_write, transformer_path
-from runnerkit.models.ltx2.release25_names import RELEASE_FILES, TEXT_ENCODER_FOLDER
+from runnerkit.models.ltx2.release25_names import RELEASE_FILES, TEXT_ENCODER_FOLDER, release_files
 from runnerkit.models.ltx2.runner25 import LTX25Runner
 from runnerkit.tools import synth_checkpoint
 from test_cases.conftest import REPO
@@ -56,11 +56,11 @@ def test_the_device_run_dry_at_tiny_sizes(tmp_path: Path, monkeypatch: pytest.Mo
     root = tmp_path / "ltx25"
     assert synth_checkpoint.main(["--config", "tiny.json", "--out", str(root), "--layout", "release",
                                   "--fp8_blocks", "scaled", "--dtype", "fp32", "--generator_device", "cpu"]) == 0
-    transformer = root / transformer_path("scaled")
+    transformer = root / transformer_path("scaled", torch.float32)
     assert transformer.name == "ltx-2.5-22b-distilled-transformer-fp8.safetensors"
     shutil.copy(REQUESTS, tmp_path / "requests.jsonl")
     rc = infer_main(["--config_json", "tiny.json", "--model_path", str(transformer),
-                     "--upsampler_path", str(root / RELEASE_FILES["latent_upsampler"]),
+                     "--upsampler_path", str(root / release_files(torch.float32)["latent_upsampler"]),
                      "--text_encoder_path", str(root / TEXT_ENCODER_FOLDER), "--warmup", "--requests", "requests.jsonl"])
     assert rc == 0
     tiny = load_runner_config(tmp_path / "tiny.json", {"model_path": str(transformer)})

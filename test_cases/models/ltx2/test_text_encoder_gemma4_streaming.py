@@ -29,26 +29,21 @@ from runnerkit.models.ltx2.runner25 import LTX25Runner
 from runnerkit.models.ltx2.text_encoder import load_gemma_tokenizer
 from runnerkit.models.ltx2.text_encoder_gemma4 import Gemma4PromptEncoder, load_gemma4_text_encoder
 from runnerkit.models.ltx2.text_encoder_gemma4_stream import stream_gemma4_text_encoder
-from runnerkit.offload import disk
 from runnerkit.planning import fit
 from runnerkit.planning.planner import plan_offload
-from runnerkit.runners.pipeline import InputInfo
 from runnerkit.synthetic import save_pretrained_here
 from runnerkit.weights import safetensors_infos
-from test_cases._alignment import misaligned_weights
-from test_cases._encoder_streaming import (
-    assert_streamed_parity,
-    layer_units,
-    streamed_encoder,
-    text_stage,
-    two_requests,
+from test_cases._encoder_streaming import assert_streamed_parity, layer_units, streamed_encoder, two_requests
+from test_cases.models.ltx2._gemma_streaming import (
+    count_disk_reads,
+    hidden_states,
+    resident_hidden_states,
+    streaming_runner,
 )
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ltx2" / "ltx25_t2av_tiny.json"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 GIB = 2**30
-INFO = InputInfo(prompt="a red fox runs through fresh snow", negative_prompt="", seed=0, height=64, width=64,
-                 frames=9)
 CASES: dict[str, dict[str, Any]] = {
     "block_cpu": {"mode": "block"},
     "block_disk_3slots_prefetch2": {"mode": "block", "storage": "disk", "gpu_slots": 3, "prefetch_depth": 2},
@@ -67,24 +62,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_runner(ckpt: Path, **offload: Any) -> LTX25Runner:
-    data = {**json.loads(CONFIG.read_text()), "device": "cpu", "model_path": str(ckpt),
-            "offload": {"stream_modules": ["transformer", "text_encoder"], **offload}}
-    runner = LTX25Runner(load_runner_config(None, data))
-    runner.prepare_load()
-    return runner
-
-
-def hidden_states(runner: LTX25Runner, module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    """The runner's own text stage on `module`: stacked hidden states [1, 1024, D * (layers + 1)] and the mask."""
-    return text_stage(runner, module, INFO, "text_hidden", "text_mask")
+    return streaming_runner(LTX25Runner, CONFIG, ckpt, **offload)
 
 
 @pytest.fixture(scope="module")
 def resident(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    runner = make_runner(checkpoint, mode="block")
-    module = runner.build_text_encoder(CPU)
-    assert misaligned_weights(module) == []
-    return hidden_states(runner, module)
+    return resident_hidden_states(make_runner(checkpoint, mode="block"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -136,10 +119,7 @@ def test_shared_kv_layers_stream_and_only_the_text_model_is_read(tmp_path: Path,
     encoder = Gemma4PromptEncoder(load_gemma_tokenizer(folder), load_gemma4_text_encoder(folder, torch.float32, CPU),
                                   32)
     want = encoder.encode(["a fox~ in snow", ""])
-    read: list[str] = []
-    original = disk.SafetensorsDiskReader._read_batch
-    monkeypatch.setattr(disk.SafetensorsDiskReader, "_read_batch", lambda self, handle, batch: (
-        read.extend(e.name for e, _ in batch), original(self, handle, batch))[1])
+    read = count_disk_reads(monkeypatch)
     model, streamer = stream_gemma4_text_encoder(folder, OffloadConfig(mode=mode, storage=storage), CPU, torch.float32)
     try:
         attn = [layer.self_attn for layer in model.layers]

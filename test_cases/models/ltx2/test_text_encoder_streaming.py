@@ -26,16 +26,23 @@ from runnerkit.models.ltx2.checkpoint_synthetic import (
 from runnerkit.models.ltx2.estimate import GEMMA_DEFAULTS, gemma_footprint, gemma_parameters
 from runnerkit.models.ltx2.runner import LTX2Runner
 from runnerkit.planning import fit
-from runnerkit.runners.pipeline import InputInfo
 from runnerkit.weights import safetensors_infos
-from test_cases._alignment import misaligned_weights
-from test_cases._encoder_streaming import (assert_streamed_parity, deterministic_cuda, layer_units, streamed_encoder,
-                                           text_stage, two_requests)
+from test_cases._encoder_streaming import (
+    assert_streamed_parity,
+    deterministic_cuda,
+    layer_units,
+    streamed_encoder,
+    two_requests,
+)
+from test_cases.models.ltx2._gemma_streaming import (
+    count_disk_reads,
+    hidden_states,
+    resident_hidden_states,
+    streaming_runner,
+)
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "ltx2"
 CPU = torch.device("cpu")
-INFO = InputInfo(prompt="a red fox runs through fresh snow", negative_prompt="", seed=0, height=64, width=64,
-                 frames=9)
 CASES: dict[str, dict[str, Any]] = {
     "block_cpu": {"mode": "block"},
     "block_disk_3slots_prefetch2": {"mode": "block", "storage": "disk", "gpu_slots": 3, "prefetch_depth": 2},
@@ -55,24 +62,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_runner(ckpt: Path, **offload: Any) -> LTX2Runner:
-    data = {**json.loads((CONFIGS / "ltx2_t2av_tiny.json").read_text()), "device": "cpu", "model_path": str(ckpt),
-            "offload": {"stream_modules": ["transformer", "text_encoder"], **offload}}
-    runner = LTX2Runner(load_runner_config(None, data))
-    runner.prepare_load()
-    return runner
-
-
-def hidden_states(runner: LTX2Runner, module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    """The runner's own text stage on `module`: stacked hidden states [1, 1024, D * (layers + 1)] and the mask."""
-    return text_stage(runner, module, INFO, "text_hidden", "text_mask")
+    return streaming_runner(LTX2Runner, CONFIGS / "ltx2_t2av_tiny.json", ckpt, **offload)
 
 
 @pytest.fixture(scope="module")
 def resident(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    runner = make_runner(checkpoint, mode="block")
-    module = runner.build_text_encoder(CPU)
-    assert misaligned_weights(module) == []  # transformers leaves float32 weights on the file mapping: re-homed
-    return hidden_states(runner, module)
+    return resident_hidden_states(make_runner(checkpoint, mode="block"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -96,12 +91,7 @@ def test_a_release_folder_streams_its_text_layers_only(tmp_path: Path, storage: 
     encoder = te.GemmaPromptEncoder(te.load_gemma_tokenizer(folder), te.load_gemma_text_encoder(folder, torch.float32,
                                                                                                  CPU), 32)
     want = encoder.encode(["a fox", ""])
-    from runnerkit.offload import disk
-
-    read: list[str] = []
-    original = disk.SafetensorsDiskReader._read_batch
-    monkeypatch.setattr(disk.SafetensorsDiskReader, "_read_batch", lambda self, handle, batch: (
-        read.extend(e.name for e, _ in batch), original(self, handle, batch))[1])
+    read = count_disk_reads(monkeypatch)
     model, streamer = te.stream_gemma_text_encoder(folder, OffloadConfig(mode="block", storage=storage), CPU,
                                                    torch.float32)
     try:

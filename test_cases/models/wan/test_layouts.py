@@ -8,6 +8,7 @@ Synthetic weights depend only on (tensor name, seed), so every layout written by
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -190,11 +191,32 @@ def test_synthetic_writer_shards_and_shards_load(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(video, reference)
 
 
-# ---- config `model` override vs the checkpoint -------------------------------------------------------
-def test_model_override_mismatch_names_missing_keys(tiny_ckpt: Path) -> None:
-    # num_layers 3 against a 2-layer checkpoint: block 2 has no weights.
+# ---- config `model` vs the checkpoint; a checkpoint whose config does not match its weights --------------
+def _claiming(tiny_ckpt: Path, tmp_path: Path, **transformer: Any) -> Path:
+    """A copy of the tiny checkpoint whose runnerkit.json claims other transformer sizes than its weights."""
+    ckpt = tmp_path / "claiming"
+    shutil.copytree(tiny_ckpt, ckpt)
+    meta = json.loads((ckpt / "runnerkit.json").read_text())
+    meta["arch"]["transformer"].update(transformer)
+    (ckpt / "runnerkit.json").write_text(json.dumps(meta))
+    return ckpt
+
+
+def test_a_model_that_disagrees_with_the_checkpoint_is_a_load_error(tiny_ckpt: Path) -> None:
     config = load_runner_config(None, tiny_config_dict(tiny_ckpt, model={"transformer": {"num_layers": 3}}))
     runner = get_runner_cls("wan2.1")(config)
+    with pytest.raises(CheckpointError) as exc:
+        runner.init_modules()
+    assert error_phase(exc.value) == "load"
+    assert str(exc.value).startswith(f"the config's `model` disagrees with the architecture in {tiny_ckpt}/runnerkit."
+                                     "json:\n  `model.transformer.num_layers` 3 (the checkpoint's: 2)\n")
+    assert runner.transformer is None  # nothing half-loaded is kept
+
+
+def test_a_config_file_claiming_more_layers_names_missing_keys(tiny_ckpt: Path, tmp_path: Path) -> None:
+    # num_layers 3 against 2 layers of weights: block 2 has no weights.
+    ckpt = _claiming(tiny_ckpt, tmp_path, num_layers=3)
+    runner = get_runner_cls("wan2.1")(load_runner_config(None, tiny_config_dict(ckpt, model=None)))
     with pytest.raises(CheckpointError) as exc:
         runner.init_modules()
     msg = str(exc.value)
@@ -208,9 +230,9 @@ def test_model_override_mismatch_names_missing_keys(tiny_ckpt: Path) -> None:
     assert runner.transformer is None  # nothing half-loaded is kept
 
 
-def test_model_override_wrong_width_names_shape_mismatch(tiny_ckpt: Path) -> None:
-    config = load_runner_config(None, tiny_config_dict(tiny_ckpt, model={"transformer": {"ffn_dim": 96}}))
-    runner = get_runner_cls("wan2.1")(config)
+def test_a_config_file_claiming_another_width_names_shape_mismatch(tiny_ckpt: Path, tmp_path: Path) -> None:
+    ckpt = _claiming(tiny_ckpt, tmp_path, ffn_dim=96)
+    runner = get_runner_cls("wan2.1")(load_runner_config(None, tiny_config_dict(ckpt, model=None)))
     with pytest.raises(CheckpointError, match="shape mismatch") as exc:
         runner.init_modules()
     assert "blocks.0.ffn.0.weight" in str(exc.value)

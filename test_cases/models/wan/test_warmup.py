@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import gc
+import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +69,16 @@ class NoTaskVariant(WanT2VRunner):
         (WanT2VRunner, {"model": {"transformer": {"dim": 32}}}, r"no shapes for this checkpoint's flavour None"),
     ],
 )
-def test_gates_refuse_before_anything_runs(tiny_ckpt: Path, mocker: Any, cls: type, overrides: dict, reason: str) -> None:
-    runner = make_runner(tiny_ckpt, cls, warmup=True, **overrides)
+def test_gates_refuse_before_anything_runs(tiny_ckpt: Path, tmp_path: Path, mocker: Any, cls: type, overrides: dict,
+                                           reason: str) -> None:
+    ckpt = tiny_ckpt
+    if "model" in overrides:  # a checkpoint whose own config says that architecture (a `model` must agree with it)
+        ckpt = tmp_path / "ckpt"
+        shutil.copytree(tiny_ckpt, ckpt)
+        meta = json.loads((ckpt / "runnerkit.json").read_text())
+        meta["arch"]["transformer"].update(overrides["model"]["transformer"])
+        (ckpt / "runnerkit.json").write_text(json.dumps(meta))
+    runner = make_runner(ckpt, cls, warmup=True, **overrides)
     load = mocker.spy(cls, "load_modules")
     run_warmup = mocker.spy(cls, "run_warmup")
     with pytest.raises(NotImplementedError, match=reason) as exc:
