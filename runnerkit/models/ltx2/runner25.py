@@ -26,7 +26,7 @@ loops (stage 1, stage 2, the diffusion decoder's) run at both shapes.
 Gemma-4 streams its decoder layers as Gemma-3 does when `offload.stream_modules` lists "text_encoder"
 (text_encoder_gemma4_stream.py), which the memory plan's rungs that stream every module do.
 Checkpoints: a diffusers folder, or Lightricks' per-component release (`model_path` its transformer file;
-checkpoint_release25.py).
+`text_encoder_path` its packed Gemma-4 file, text_encoder_packed.py, or a Gemma-4 folder; checkpoint_release25.py).
 """
 
 from __future__ import annotations
@@ -46,7 +46,14 @@ from runnerkit.models.ltx2.diffusion_decode import decode_video, warm_whole_deco
 from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
 from runnerkit.models.ltx2.plan_sources import configured_arch
-from runnerkit.models.ltx2.plan_sources25 import RELEASES_25, estimate_sources_25, release_gemma4
+from runnerkit.models.ltx2.plan_sources25 import (
+    RELEASES_25,
+    check_paths_25,
+    estimate_sources_25,
+    gemma4_present,
+    release_gemma4,
+)
+from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner, flavour_of
 from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
@@ -262,11 +269,11 @@ class LTX25Runner(LTX2Runner):
                               planning.fp8_transformer_weights(self), self.lora_slot_rank())
 
     def gemma4_text_config(self, arch: LTX25Arch) -> dict[str, Any]:
-        """The Gemma-4 text config's fields: the checkpoint's `text_encoder/` (the synthetic one's while it is
-        still to be written).
+        """The Gemma-4 text config's fields: the checkpoint's text encoder (`gemma4_folder`: a packed file's
+        `gemma_config` or a folder's config.json; the synthetic one's while it is still to be written).
 
         Raises:
-            EstimateUnavailable: its config.json cannot be read.
+            EstimateUnavailable: its config cannot be read.
         """
         import transformers
 
@@ -280,7 +287,7 @@ class LTX25Runner(LTX2Runner):
             if self.checkpoints.pending(path):
                 return transformers.Gemma4UnifiedTextConfig(**tiny_gemma4_sizes(arch)).to_dict()
             folder = self.gemma4_folder(path)
-            if self.checkpoints.absent() and not (folder / "config.json").is_file():
+            if self.checkpoints.absent() and not gemma4_present(folder):
                 return release_gemma4(arch)  # planning without the files (plan_sources25.py)
         try:
             return gemma4_configs(folder)[0].to_dict()
@@ -288,9 +295,22 @@ class LTX25Runner(LTX2Runner):
             raise EstimateUnavailable(f"the Gemma-4 config cannot be read before loading ({exc})") from None
 
     def gemma4_folder(self, path: Path) -> Path:
-        """The Gemma-4 folder of the checkpoint at `path`: `text_encoder_path` (the release), else `text_encoder/`."""
+        """The Gemma-4 text encoder of the checkpoint at `path`: `text_encoder_path` (the release: its packed file or
+        a folder), else the packed file in the release's `text_encoders/` (by content; its usual name there when
+        none is found), else the diffusers folder's `text_encoder/`."""
+        from runnerkit.models.ltx2.checkpoint_release25 import find_packed_text_encoder
+        from runnerkit.models.ltx2.release25_names import RELEASE_FILES
+
         cfg = self.config
-        return Path(cfg.text_encoder_path) if cfg.text_encoder_path is not None else path / "text_encoder"
+        if cfg.text_encoder_path is not None:
+            return Path(cfg.text_encoder_path)
+        if path.suffix != ".safetensors":
+            return path / "text_encoder"
+        root = path.parent.parent  # <root>/diffusion_models/<transformer file>
+        try:
+            return find_packed_text_encoder(root)
+        except CheckpointError:
+            return root / RELEASE_FILES["text_encoder"]
 
     estimate_sources = estimate_sources_25  # an absent checkpoint's Gemma-4 and omitted frames (plan_sources25.py)
 
@@ -316,6 +336,15 @@ class LTX25Runner(LTX2Runner):
         decoders += [d for d in base.decoders if d.name != "vae_decoder"]
         encoders = (*base.encoders[:2], head, *base.encoders[2:])  # text, connectors, head, [i2av: VAE encoder]
         return replace(base, modules=tuple(modules), encoders=encoders, decoders=tuple(decoders))
+
+    check_module_paths = staticmethod(check_paths_25)  # the packed text encoder file, or none (plan_sources25.py)
+
+    def load_tokenizer(self, ckpt: LTX2Checkpoint) -> Any:  # type: ignore[override]
+        """The tokenizer of `ckpt`'s tokenizer folder, or the one its packed Gemma-4 file embeds
+        (`text_encoder_gemma4.load_gemma4_tokenizer`)."""
+        from runnerkit.models.ltx2.text_encoder_gemma4 import load_gemma4_tokenizer
+
+        return load_gemma4_tokenizer(ckpt.tokenizer_path)
 
     def build_text_encoder(self, device: torch.device) -> nn.Module:
         from runnerkit.models.ltx2.text_encoder_gemma4 import load_gemma4_text_encoder

@@ -54,7 +54,7 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _open_release(root: Path, arch: Any = None) -> LTX25Checkpoint:
     return open_ltx25(root / names.RELEASE_FILES["transformer"], root / names.RELEASE_FILES["latent_upsampler"],
-                      root / names.TEXT_ENCODER_FOLDER, arch=arch)
+                      root / names.RELEASE_FILES["text_encoder"], arch=arch)
 
 
 def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
@@ -65,11 +65,13 @@ def test_release_size_files_hold_exactly_ltx_cores_keys() -> None:
     arch, keys = LTX25_22B_PIPELINE_ARCH, ltx25_keys()
     ours = {c: build_on_meta(network_factory(c, arch)).state_dict() for c in ("transformer", "connectors", "vae")}
     transformer = names.transformer_file(ours["transformer"], ours["connectors"], arch)
-    connectors = {k for k in transformer if k.startswith(("text_embedding_projection.",
-                                                          "model.diffusion_model.video_embeddings_connector.",
+    connectors = {k for k in transformer if k.startswith(("model.diffusion_model.video_embeddings_connector.",
                                                           "model.diffusion_model.audio_embeddings_connector."))}
     assert _shapes({k: v for k, v in transformer.items() if k not in connectors}) == keys["transformer"]
-    assert len(connectors) == len(ours["connectors"])
+    projection = names.projection_tensors(ours["connectors"])  # in the packed text-encoder file
+    assert set(projection) == {f"text_embedding_projection.{m}_aggregate_embed.{p}" for m in ("video", "audio")
+                               for p in ("weight", "bias")}
+    assert len(connectors) + len(projection) == len(ours["connectors"])
     assert _shapes(names.duration_file(extra_factory("duration_head", arch).state_dict())) == keys["duration_head"]
     decoder = extra_factory("diffusion_decoder", arch).state_dict()
     assert _shapes(names.vae_file(ours["vae"], decoder, arch)) == keys["diffusion_vae"]
@@ -99,7 +101,7 @@ def _config(tmp: Path, task: str, layouts: dict[str, Path], layout: str) -> Path
         root = layouts["release"]
         data |= {"model_path": str(root / names.RELEASE_FILES["transformer"]),
                  "upsampler_path": str(root / names.RELEASE_FILES["latent_upsampler"]),
-                 "text_encoder_path": str(root / names.TEXT_ENCODER_FOLDER)}
+                 "text_encoder_path": str(root / names.RELEASE_FILES["text_encoder"])}
     path = tmp / f"{task}_{layout}.json"
     path.write_text(json.dumps(data))
     return path
@@ -150,6 +152,6 @@ def test_files_are_found_by_content_and_what_cannot_be_placed_is_refused(layouts
     moved = tmp_path / "elsewhere.safetensors"
     shutil.copy(root / names.RELEASE_FILES["transformer"], moved)
     with pytest.raises(CheckpointError, match="must be the transformer file in the release's `diffusion_models/`"):
-        open_ltx25(moved, root / names.RELEASE_FILES["latent_upsampler"], root / names.TEXT_ENCODER_FOLDER)
-    with pytest.raises(CheckpointError, match="`upsampler_path` and `text_encoder_path` are required"):
+        open_ltx25(moved, root / names.RELEASE_FILES["latent_upsampler"], root / names.RELEASE_FILES["text_encoder"])
+    with pytest.raises(CheckpointError, match="`upsampler_path` is required"):
         open_ltx25(root / names.RELEASE_FILES["transformer"])
