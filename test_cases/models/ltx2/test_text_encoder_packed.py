@@ -42,6 +42,7 @@ from runnerkit.models.ltx2.text_encoder_gemma4 import (
 from runnerkit.models.ltx2.text_encoder_gemma4_stream import stream_gemma4_text_encoder
 from runnerkit.models.ltx2.text_encoder_packed import PackedGemma4
 from runnerkit.models.ltx2.text_encoder_packed_write import pack_gemma4_folder
+from runnerkit.offload import disk
 from runnerkit.weights import CheckpointError
 
 CPU = torch.device("cpu")
@@ -107,10 +108,16 @@ def test_the_packed_file_holds_the_folders_text_encoder(packed: dict[str, Path],
 @pytest.mark.parametrize(("mode", "storage", "reader"), [("block", "disk", "mmap"), ("phase", "disk", "pread"),
                                                          ("block", "cpu", "mmap")])
 def test_streaming_from_the_packed_file_equals_the_resident_encoder(packed: dict[str, Path], mode: str, storage: str,
-                                                                    reader: str) -> None:
+                                                                    reader: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bit for bit; the bytes read (either storage) are exactly the text model's tensors under the file's names,
+    never the towers', the head's, the projections' or the embedded files'."""
     file = packed["comfy"]
     want = _encode(file)
     tokenizer, (_, placeholders) = load_gemma4_tokenizer(file), gemma4_configs(file)
+    read: list[str] = []  # from here: the streamed model's reads only
+    original = disk.SafetensorsDiskReader._read_batch
+    monkeypatch.setattr(disk.SafetensorsDiskReader, "_read_batch", lambda self, handle, batch: (
+        read.extend(e.name for e, _ in batch), original(self, handle, batch))[1])
     offload = OffloadConfig(mode=mode, storage=storage, reader=reader)
     model, streamer = stream_gemma4_text_encoder(file, offload, CPU, torch.float32)
     try:
@@ -121,6 +128,7 @@ def test_streaming_from_the_packed_file_equals_the_resident_encoder(packed: dict
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert len(streamer.units) == 2 * (2 if mode == "phase" else 1) and stats["h2d_copies"] >= len(streamer.units)
     assert (stats.get("disk_bytes_read", 0) > 0) == (storage == "disk")
+    assert set(read) == set(PackedGemma4.open(file).text)
 
 
 # ---- bad files ---------------------------------------------------------------------------------------------
@@ -234,3 +242,25 @@ def test_the_estimate_reads_gemma4_from_the_packed_file_before_loading(release: 
     assert [config[k] for k in fields] == [sizes[k] for k in fields]
     assert runner.estimate_memory((64, 64, 9)).modules["text_encoder"].weight_bytes > 0
     assert f"Gemma-4 sizes: metadata `gemma_config` of {packed}" in runner.estimate_sources()
+
+
+def test_the_release_size_writer_streams_a_packed_file_the_reader_takes(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`write_release_gemma4` (the 12B stand-in, here at the tiny sizes) writes the packed file tensor by tensor:
+    ComfyUI's naming, the projections and the tokenizer embedded, each weight the value the folder writer draws
+    for its transformers name (`synthetic_tensor`)."""
+    from runnerkit.models.ltx2 import checkpoint_release25_write as write
+    from runnerkit.weights import synthetic_tensor
+
+    monkeypatch.setattr(write, "GEMMA4_12B_TEXT", tiny_gemma4_sizes(tiny_ltx25_arch()))
+    write_debug_tokenizer(tmp_path / "tok", GEMMA_VOCAB)
+    out = write.write_release_gemma4(tmp_path / "te.safetensors", 3, torch.bfloat16, PROJECTION, tmp_path / "tok")
+    opened = PackedGemma4.open(out)
+    assert opened.naming == "comfy" and set(opened.connectors) == set(PROJECTION) and not opened.unused
+    assert torch.equal(load_file(out)["text_embedding_projection.video_aggregate_embed.bias"], torch.arange(4.0))
+    model = load_gemma4_text_encoder(out, torch.bfloat16, CPU)
+    for name, value in model.state_dict().items():
+        if name in ("embed_tokens.weight", "layers.1.mlp.down_proj.weight", "norm.weight", "layers.0.layer_scalar"):
+            want = synthetic_tensor(f"model.language_model.{name}", tuple(value.shape), 3, torch.bfloat16)
+            assert torch.equal(value, want), name
+    assert load_gemma4_tokenizer(out)("ab").input_ids == load_gemma4_tokenizer(tmp_path / "tok")("ab").input_ids
