@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
+from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
 from runnerkit.models.ltx2.diffusion_decode import decode_video, warm_whole_decode
@@ -53,7 +54,6 @@ from runnerkit.models.ltx2.plan_sources25 import (
     gemma4_present,
     release_gemma4,
 )
-from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint
 from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner, flavour_of
 from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
@@ -192,11 +192,11 @@ class LTX25Runner(LTX2Runner):
         enhancer when the config has a `prompt_enhancer` section (on the device with `offload.mode` none,
         else kept in host memory and moved in for each enhancement; the memory plan does not count it)."""
         from runnerkit.models.ltx2.prompt_enhancer import load_configured_enhancer
-        from runnerkit.models.ltx2.text_encoder_gemma4 import gemma4_configs
+        from runnerkit.models.ltx2.text_encoder_packed import configs_of
 
         super().prepare_load()
         assert self.checkpoint is not None
-        self.gemma4_placeholders = gemma4_configs(self.checkpoint.text_encoder_path)[1]
+        self.gemma4_placeholders = configs_of(self.checkpoint.text_encoder_path)[1]
         home = None if self.config.offload.mode == "none" else torch.device("cpu")
         self.enhancer = load_configured_enhancer(self.config, image_task=self.config.task == "i2av",
                                                  dtype=self.dtype, device=self.device, home=home)
@@ -278,7 +278,7 @@ class LTX25Runner(LTX2Runner):
         import transformers
 
         from runnerkit.models.ltx2.checkpoint25 import tiny_gemma4_sizes
-        from runnerkit.models.ltx2.text_encoder_gemma4 import gemma4_configs
+        from runnerkit.models.ltx2.text_encoder_packed import configs_of
 
         if self.checkpoint is not None:
             folder = self.checkpoint.text_encoder_path
@@ -290,7 +290,7 @@ class LTX25Runner(LTX2Runner):
             if self.checkpoints.absent() and not gemma4_present(folder):
                 return release_gemma4(arch)  # planning without the files (plan_sources25.py)
         try:
-            return gemma4_configs(folder)[0].to_dict()
+            return configs_of(folder)[0].to_dict()
         except CheckpointError as exc:
             raise EstimateUnavailable(f"the Gemma-4 config cannot be read before loading ({exc})") from None
 
@@ -341,26 +341,26 @@ class LTX25Runner(LTX2Runner):
 
     def load_tokenizer(self, ckpt: LTX2Checkpoint) -> Any:  # type: ignore[override]
         """The tokenizer of `ckpt`'s tokenizer folder, or the one its packed Gemma-4 file embeds
-        (`text_encoder_gemma4.load_gemma4_tokenizer`)."""
-        from runnerkit.models.ltx2.text_encoder_gemma4 import load_gemma4_tokenizer
+        (text_encoder_packed.py `load_tokenizer`)."""
+        from runnerkit.models.ltx2.text_encoder_packed import load_tokenizer
 
-        return load_gemma4_tokenizer(ckpt.tokenizer_path)
+        return load_tokenizer(ckpt.tokenizer_path)
 
     def build_text_encoder(self, device: torch.device) -> nn.Module:
-        from runnerkit.models.ltx2.text_encoder_gemma4 import load_gemma4_text_encoder
+        from runnerkit.models.ltx2.text_encoder_packed import load_text_model
 
         assert self.checkpoint is not None, "prepare_load first"
-        return load_gemma4_text_encoder(self.checkpoint.text_encoder_path, self.dtype, device,
-                                        connectors=self.checkpoint.arch.connectors)
+        return load_text_model(self.checkpoint.text_encoder_path, self.dtype, device,
+                               connectors=self.checkpoint.arch.connectors)
 
     def stream_text_encoder(self) -> tuple[nn.Module, BlockStreamer]:
         """Gemma-4 with its layers (or their attention and MLP, mode "phase") streamed from host memory or its
         folder's safetensors (`offload.stream_modules` lists "text_encoder"; text_encoder_gemma4_stream.py)."""
-        from runnerkit.models.ltx2.text_encoder_gemma4_stream import stream_gemma4_text_encoder
+        from runnerkit.models.ltx2.text_encoder_packed import stream_text_model
 
         assert self.checkpoint is not None, "prepare_load first"
-        return stream_gemma4_text_encoder(self.checkpoint.text_encoder_path, self.config.offload, self.device,
-                                          self.dtype, connectors=self.checkpoint.arch.connectors)
+        return stream_text_model(self.checkpoint.text_encoder_path, self.config.offload, self.device,
+                                 self.dtype, connectors=self.checkpoint.arch.connectors)
 
     @torch.inference_mode()
     def run_text_encoder(self, req: RequestState) -> LTX2Inputs:

@@ -24,8 +24,8 @@ Loading: a transformers folder (`save_pretrained` of `Gemma4UnifiedForConditiona
 keys `model.language_model.*`; the vision / audio embedders `model.embed_vision.*`,
 `model.embed_audio.*` and `lm_head.*` are never read), or a `Gemma4UnifiedTextModel` folder.
 Lightricks' packed single file (`gemma4-12b-with-proj-ltx-2.5-bf16.safetensors`: config and
-tokenizer embedded, the connectors' projection bundled) is read by text_encoder_packed.py: every function
-here taking a folder takes such a `.safetensors` file as well.
+tokenizer embedded, the connectors' projection bundled) is read by text_encoder_packed.py, whose
+`load_text_model`, `stream_text_model`, `configs_of` and `load_tokenizer` take either.
 """
 
 from __future__ import annotations
@@ -40,13 +40,7 @@ import transformers
 from torch import Tensor
 
 from runnerkit.models.ltx2.connectors_arch import LTX2ConnectorsArch
-from runnerkit.models.ltx2.text_encoder import (
-    MAX_SEQUENCE_LENGTH,
-    GemmaPromptEncoder,
-    load_gemma_tokenizer,
-    load_text_tower,
-)
-from runnerkit.models.ltx2.text_encoder_packed import PackedGemma4, is_packed_file
+from runnerkit.models.ltx2.text_encoder import MAX_SEQUENCE_LENGTH, GemmaPromptEncoder, load_text_tower
 from runnerkit.weights import (
     CheckpointError,
     read_json_object,
@@ -70,16 +64,13 @@ class _Gemma4TextTower(transformers.Gemma4UnifiedTextModel):
 
 
 def gemma4_configs(folder: str | Path) -> tuple[transformers.Gemma4UnifiedTextConfig, tuple[int, ...]]:
-    """The Gemma-4 text config of a transformers folder (or a packed file, text_encoder_packed.py) and the
-    multimodal placeholder ids of its top-level config (none for a text-model folder).
+    """The Gemma-4 text config of a transformers folder and the multimodal placeholder ids of its
+    top-level config (none for a text-model folder).
 
     Raises:
-        CheckpointError: naming the folder: no config.json, unreadable, or not a Gemma-4 unified model
-            (a packed file: as `PackedGemma4.open`).
+        CheckpointError: naming the folder: no config.json, unreadable, or not a Gemma-4 unified model.
     """
     folder = Path(folder)
-    if is_packed_file(folder):
-        return PackedGemma4.open(folder).configs()
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"text_encoder: Gemma-4 folder {folder} has no config.json "
                               "(a transformers `save_pretrained` folder of `Gemma4UnifiedForConditionalGeneration`)")
@@ -98,8 +89,7 @@ def gemma4_configs(folder: str | Path) -> tuple[transformers.Gemma4UnifiedTextCo
 
 def load_gemma4_text_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
                              connectors: LTX2ConnectorsArch | None = None) -> transformers.Gemma4UnifiedTextModel:
-    """Load the Gemma-4 text model of a transformers folder (or a packed file: `PackedGemma4.load`) strictly,
-    without the multimodal embedders.
+    """Load the Gemma-4 text model of a transformers folder strictly, without the multimodal embedders.
 
     Args:
         dtype: weight dtype (the release runs it in bfloat16).
@@ -114,23 +104,9 @@ def load_gemma4_text_encoder(folder: str | Path, dtype: torch.dtype, device: tor
         CheckpointError: naming the folder: no config.json, not Gemma-4 unified, no `*.safetensors`,
             a model that does not fit `connectors`, or missing / unexpected / mismatched keys (listed).
     """
-    if is_packed_file(folder):
-        return PackedGemma4.open(folder).load(dtype, device, connectors)
     text_config, _ = gemma4_configs(Path(folder))
     return load_text_tower(_Gemma4TextTower, Path(folder), text_config, dtype, device, connectors, "Gemma-4",
                            TEXT_PREFIXES, UNUSED_PREFIXES, "multimodal")
-
-
-def load_gemma4_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerBase:
-    """The tokenizer of a Gemma-4 folder (`text_encoder.load_gemma_tokenizer`) or the one a packed file embeds
-    (`PackedGemma4.tokenizer`: loaded the same way from the same files).
-
-    Raises:
-        CheckpointError: naming the folder or file (as those two).
-    """
-    if is_packed_file(path):
-        return PackedGemma4.open(path).tokenizer()
-    return load_gemma_tokenizer(path)
 
 
 class Gemma4PromptEncoder(GemmaPromptEncoder):
@@ -189,4 +165,4 @@ class Gemma4PromptEncoder(GemmaPromptEncoder):
 
 
 __all__ = ["GEMMA4_MODEL_TYPES", "Gemma4PromptEncoder", "gemma4_configs",
-           "load_gemma4_text_encoder", "load_gemma4_tokenizer"]
+           "load_gemma4_text_encoder"]

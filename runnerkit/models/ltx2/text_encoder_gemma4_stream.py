@@ -2,7 +2,8 @@
 
 `offload.stream_modules` lists "text_encoder" (mode block or phase): the decoder layers of transformers
 5.23's `Gemma4UnifiedTextModel` go through the device slots, from pinned host memory (storage "cpu") or
-from the folder's safetensors (storage "disk"); the token embedding and the final norm stay resident.
+from the folder's safetensors or LTX-2.5's packed file (storage "disk", text_encoder_packed.py); the token
+embedding and the final norm stay resident.
 What a Gemma-4 layer holds, and why none of it stops it streaming:
 
 - sliding-window and full-attention layers differ in size: the full layers have the wider head
@@ -36,7 +37,6 @@ from runnerkit.config import OffloadConfig
 from runnerkit.models.ltx2.connectors_arch import LTX2ConnectorsArch
 from runnerkit.models.ltx2.text_encoder import stream_text_tower
 from runnerkit.models.ltx2.text_encoder_gemma4 import TEXT_PREFIXES, _Gemma4TextTower, gemma4_configs
-from runnerkit.models.ltx2.text_encoder_packed import PackedGemma4, is_packed_file
 from runnerkit.offload.encoders import KeyRules
 from runnerkit.offload.layout import StreamSpec
 from runnerkit.offload.streamer import BlockStreamer
@@ -55,8 +55,7 @@ def stream_gemma4_text_encoder(folder: str | Path, offload: OffloadConfig, devic
                                ) -> tuple[transformers.Gemma4UnifiedTextModel, BlockStreamer]:
     """The Gemma-4 text model of a transformers folder with its layers streamed (`GEMMA4_STREAM_SPEC`) from
     host memory (`offload.storage` "cpu") or from the folder's safetensors ("disk"); its hidden states equal
-    `text_encoder_gemma4.load_gemma4_text_encoder`'s bit for bit. A packed file (text_encoder_packed.py) streams
-    the same way from its byte ranges (`PackedGemma4.stream`).
+    `text_encoder_gemma4.load_gemma4_text_encoder`'s bit for bit.
 
     Args:
         offload: mode "block" or "phase", storage, slots, prefetch depth, reader, pinning.
@@ -73,8 +72,6 @@ def stream_gemma4_text_encoder(folder: str | Path, offload: OffloadConfig, devic
             `connectors`, no `*.safetensors`, or text-model tensors the files lack (listed).
     """
     folder = Path(folder)
-    if is_packed_file(folder):
-        return PackedGemma4.open(folder).stream(offload, device, dtype, connectors)
     text_config, _ = gemma4_configs(folder)
     return stream_text_tower(_Gemma4TextTower, folder, text_config, offload, device, dtype, connectors, "Gemma-4",
                              GEMMA4_STREAM_SPEC, GEMMA4_KEY_RULES)

@@ -48,11 +48,19 @@ from runnerkit.config import OffloadConfig
 from runnerkit.models.ltx2 import checkpoint_keys as ck
 from runnerkit.models.ltx2.connectors_arch import LTX2ConnectorsArch
 from runnerkit.models.ltx2.text_encoder import check_fits_connectors, load_gemma_tokenizer
+from runnerkit.models.ltx2.text_encoder_gemma4 import (
+    MULTIMODAL_TOKEN_FIELDS,
+    _Gemma4TextTower,
+    gemma4_configs,
+    load_gemma4_text_encoder,
+)
+from runnerkit.models.ltx2.text_encoder_gemma4_stream import GEMMA4_STREAM_SPEC, stream_gemma4_text_encoder
 from runnerkit.offload.encoders import hf_skeleton, prefixed_key_map, read_mapped, stream_from_files
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.weights import CheckpointError, TensorIndexEntry, assign_state_dict, safetensors_infos, short_list
 
-__all__ = ["ASSET_PREFIX", "GEMMA_CONFIG_KEY", "NAMINGS", "TOKENIZER_TENSOR", "PackedGemma4", "is_packed_file"]
+__all__ = ["ASSET_PREFIX", "GEMMA_CONFIG_KEY", "NAMINGS", "TOKENIZER_TENSOR", "PackedGemma4", "configs_of",
+           "is_packed_file", "load_text_model", "load_tokenizer", "stream_text_model"]
 
 GEMMA_CONFIG_KEY = "gemma_config"
 """Metadata entry holding the Gemma config.json (a JSON string)."""
@@ -189,8 +197,6 @@ class PackedGemma4:
         Raises:
             CheckpointError: transformers refuses the config, naming the file.
         """
-        from runnerkit.models.ltx2.text_encoder_gemma4 import MULTIMODAL_TOKEN_FIELDS
-
         try:
             config = transformers.CONFIG_MAPPING[self.config["model_type"]].from_dict(dict(self.config))
         except (KeyError, ValueError, TypeError) as exc:
@@ -240,8 +246,6 @@ class PackedGemma4:
         return kmap
 
     def _skeleton(self, dtype: torch.dtype, connectors: LTX2ConnectorsArch | None) -> torch.nn.Module:
-        from runnerkit.models.ltx2.text_encoder_gemma4 import _Gemma4TextTower
-
         text_config, _ = self.configs()
         if connectors is not None:
             check_fits_connectors(text_config, connectors, self.path, "Gemma-4")
@@ -281,8 +285,6 @@ class PackedGemma4:
         Raises:
             CheckpointError: as `load`.
         """
-        from runnerkit.models.ltx2.text_encoder_gemma4_stream import GEMMA4_STREAM_SPEC
-
         model = self._skeleton(dtype, connectors)
         key_map = self.key_map(list(model.state_dict(keep_vars=True)))
         try:
@@ -291,3 +293,51 @@ class PackedGemma4:
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (in the packed file {self.path})") from None
         return model, streamer
+
+
+# ---- a folder or a packed file ---------------------------------------------------------------------
+def configs_of(path: str | Path) -> tuple[transformers.Gemma4UnifiedTextConfig, tuple[int, ...]]:
+    """The text config and placeholder ids of a Gemma-4 folder (`text_encoder_gemma4.gemma4_configs`) or a packed
+    file (`PackedGemma4.configs`).
+
+    Raises:
+        CheckpointError: naming the folder or file (as those two and `PackedGemma4.open`).
+    """
+    return PackedGemma4.open(path).configs() if is_packed_file(path) else gemma4_configs(path)
+
+
+def load_text_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+                    connectors: LTX2ConnectorsArch | None = None) -> transformers.Gemma4UnifiedTextModel:
+    """The Gemma-4 text model of a folder (`text_encoder_gemma4.load_gemma4_text_encoder`) or a packed file
+    (`PackedGemma4.load`): the same tensors from a folder and its packed file.
+
+    Raises:
+        CheckpointError: naming the folder or file (as those two).
+    """
+    if is_packed_file(path):
+        return PackedGemma4.open(path).load(dtype, device, connectors)
+    return load_gemma4_text_encoder(path, dtype, device, connectors)
+
+
+def stream_text_model(path: str | Path, offload: OffloadConfig, device: torch.device, dtype: torch.dtype,
+                      connectors: LTX2ConnectorsArch | None = None
+                      ) -> tuple[transformers.Gemma4UnifiedTextModel, BlockStreamer]:
+    """The Gemma-4 text model of a folder (`text_encoder_gemma4_stream.stream_gemma4_text_encoder`) or a packed
+    file (`PackedGemma4.stream`) with its layers streamed; close the streamer before dropping the model.
+
+    Raises:
+        CheckpointError: naming the folder or file (as those two).
+    """
+    if is_packed_file(path):
+        return PackedGemma4.open(path).stream(offload, device, dtype, connectors)
+    return stream_gemma4_text_encoder(path, offload, device, dtype, connectors)
+
+
+def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer of a folder (`text_encoder.load_gemma_tokenizer`) or the one a packed file embeds
+    (`PackedGemma4.tokenizer`: loaded the same way from the same files).
+
+    Raises:
+        CheckpointError: naming the folder or file (as those two).
+    """
+    return PackedGemma4.open(path).tokenizer() if is_packed_file(path) else load_gemma_tokenizer(path)

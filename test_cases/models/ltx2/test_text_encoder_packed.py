@@ -33,14 +33,12 @@ from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
 from runnerkit.models.ltx2.checkpoint_release25_write import write_release_ltx25
 from runnerkit.models.ltx2.checkpoint_synthetic import GEMMA_VOCAB
 from runnerkit.models.ltx2.runner25 import LTX25Runner
-from runnerkit.models.ltx2.text_encoder_gemma4 import (
-    Gemma4PromptEncoder,
-    gemma4_configs,
-    load_gemma4_text_encoder,
-    load_gemma4_tokenizer,
-)
-from runnerkit.models.ltx2.text_encoder_gemma4_stream import stream_gemma4_text_encoder
+from runnerkit.models.ltx2.text_encoder_gemma4 import Gemma4PromptEncoder
 from runnerkit.models.ltx2.text_encoder_packed import PackedGemma4
+from runnerkit.models.ltx2.text_encoder_packed import configs_of as gemma4_configs
+from runnerkit.models.ltx2.text_encoder_packed import load_text_model as load_gemma4_text_encoder
+from runnerkit.models.ltx2.text_encoder_packed import load_tokenizer as load_gemma4_tokenizer
+from runnerkit.models.ltx2.text_encoder_packed import stream_text_model as stream_gemma4_text_encoder
 from runnerkit.models.ltx2.text_encoder_packed_write import pack_gemma4_folder
 from runnerkit.offload import disk
 from runnerkit.weights import CheckpointError
