@@ -5,7 +5,8 @@
   (data/ltx2.5_release_keys.json.gz; the transformer file's connectors beside them, as the writer stores them).
 - The tiny pipeline written in that layout and as a diffusers folder from the same seed: every network loads to
   the same tensors, the architecture reads back from the transformer file's metadata, and the tiny runner (t2av
-  with the frames predicted, i2av) gives bit-identical outputs from either.
+  with the frames predicted, i2av) gives bit-identical outputs from either (the Gemma-4 text encoder from the packed
+  file); streamed from the release files (Gemma-4 from the packed file's byte ranges, lazily built), the same.
 - The reader finds files by content (renamed files still load) and refuses what it cannot place, naming it.
 """
 
@@ -91,10 +92,12 @@ def test_both_layouts_hold_the_same_networks(layouts: dict[str, Path]) -> None:
         assert all(torch.equal(a[k], b[k]) for k in b), component
 
 
-def _config(tmp: Path, task: str, layouts: dict[str, Path], layout: str) -> Path:
+def _config(tmp: Path, task: str, layouts: dict[str, Path], layout: str, offload: dict[str, Any] | None = None) -> Path:
     data = json.loads((CONFIGS / f"ltx25_{task}_tiny.json").read_text())
     del data["synthetic_checkpoint"]
     data["device"] = "cpu"
+    if offload is not None:
+        data["offload"] = offload
     if layout == "diffusers":
         data["model_path"] = str(layouts["diffusers"])
     else:
@@ -131,6 +134,23 @@ def test_the_runner_from_the_release_equals_the_diffusers_folder(task: str, layo
         outputs[layout] = _run(_config(tmp_path, task, layouts, layout), request, tmp_path / layout)
     (a, side_a), (b, side_b) = outputs["diffusers"], outputs["release"]
     assert side_a["duration"]["predicted"] and side_a["duration"] == side_b["duration"]
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_streaming_from_the_release_files_equals_the_resident_run(layouts: dict[str, Path], tmp_path: Path) -> None:
+    """Gemma-4 streamed from the packed file's byte ranges, the connectors from the transformer file and the packed
+    file (their projections), the transformer from its file, built per request (`lazy_load`): the same video and
+    audio as every module resident."""
+    request = RequestConfig(prompt=PROMPT, seed=3)
+    streamed = {"mode": "block", "storage": "disk", "lazy_load": True,
+                "stream_modules": ["text_encoder", "connectors", "transformer"]}
+    outputs = []
+    for name, offload in (("resident", {"mode": "none"}), ("streamed", streamed)):
+        (tmp_path / name).mkdir()
+        config = _config(tmp_path, "t2av", layouts, "release", offload)
+        outputs.append(_run(config.rename(tmp_path / f"{name}.json"), request, tmp_path / name))
+    (a, side_a), (b, side_b) = outputs
+    assert side_a["duration"] == side_b["duration"]
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
