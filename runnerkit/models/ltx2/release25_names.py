@@ -21,8 +21,11 @@ Tensor names (checked key for key against ltx-core's, test_cases/models/ltx2/dat
   (`model.diffusion_model.{video,audio}_embeddings_connector.*`, `text_embedding_projection.*`): ltx-core builds
   them from the transformer file and then the packed text-encoder file, the latter's tensor winning where both have
   one; ltx-trainer says the split packs keep the projections (`text_embedding_projection.*`) in the packed file.
-  The writer puts the connectors' 1-D transformers in the transformer file and the projections in the packed file
-  (`transformer_file`, `projection_tensors`); the reader takes each tensor from either (text_encoder_packed.py).
+  The sizes agree: the packed file's 26,263,858,182 bytes are Gemma-4 12B's text model in bf16 (23,814,700,640)
+  + the two projections (2,312,122,368) + 137,035,174 (the towers' embedders, the tokenizer), while the whole
+  connectors (6,344,455,168) would not fit. The writer puts the connectors' 1-D transformers in the transformer
+  file and the projections in the packed file (`transformer_file`, `projection_tensors`); the reader takes each
+  tensor from either (text_encoder_packed.py).
 - packed text-encoder file: text_encoder_packed.py (Gemma-4's config, tokenizer and weights, + the projections).
 - diffusion VAE file: bare `encoder.*` (LTX-2.3's VAE encoder names without `vae.`), `per_channel_statistics.*`
   (the latent statistics both halves read) and `decoder.*` in Lightricks' names (diffusion_decoder_keys.py; the

@@ -57,7 +57,15 @@ from runnerkit.models.ltx2.text_encoder_gemma4 import (
 from runnerkit.models.ltx2.text_encoder_gemma4_stream import GEMMA4_STREAM_SPEC, stream_gemma4_text_encoder
 from runnerkit.offload.encoders import hf_skeleton, prefixed_key_map, read_mapped, stream_from_files
 from runnerkit.offload.streamer import BlockStreamer
-from runnerkit.weights import CheckpointError, TensorIndexEntry, assign_state_dict, safetensors_infos, short_list
+from runnerkit.weights import (
+    CheckpointError,
+    TensorIndexEntry,
+    check_tensors,
+    safetensors_infos,
+    short_list,
+    tensor_infos,
+    to_compute,
+)
 
 __all__ = ["ASSET_PREFIX", "GEMMA_CONFIG_KEY", "NAMINGS", "TOKENIZER_TENSOR", "PackedGemma4", "configs_of",
            "is_packed_file", "load_text_model", "load_tokenizer", "stream_text_model"]
@@ -255,7 +263,8 @@ class PackedGemma4:
     def load(self, dtype: torch.dtype, device: torch.device | str,
              connectors: LTX2ConnectorsArch | None = None) -> transformers.Gemma4UnifiedTextModel:
         """The Gemma-4 text model with the file's weights (`text_encoder_gemma4.load_gemma4_text_encoder`'s
-        counterpart: the same tensors as from the folder the file was packed from).
+        counterpart: the same tensors as from the folder the file was packed from). Host memory: the text model's
+        weights once, plus one tensor (each is read, then cast into aligned memory of its own, one at a time).
 
         Raises:
             CheckpointError: naming the file: a model that does not fit `connectors`, missing or unexpected
@@ -266,10 +275,13 @@ class PackedGemma4:
         state = read_mapped([self.path], self.key_map(list(model.state_dict(keep_vars=True))))
         device = torch.device(device)
         try:
-            assign_state_dict(model, state, "text_encoder", dtype, device=device)
+            check_tensors(model.state_dict(keep_vars=True), tensor_infos(state), "text_encoder")
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (in the packed file {self.path})") from None
-        model = model.to(device).eval().requires_grad_(False)
+        for name in list(state):  # one tensor at a time: the read copy is freed as its cast copy replaces it
+            state[name] = to_compute(state[name], dtype, device)
+        model.load_state_dict(state, strict=True, assign=True)
+        model = model.to(device).eval().requires_grad_(False)  # the non-persistent buffers (RoPE tables) too
         gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
         logger.info(f"text_encoder: loaded Gemma-4 text model from the packed file {self.path} ({self.naming} "
                     f"naming, {gib:.3f} GiB, {dtype}, {device}); left {len(self.unused)} tower tensors unread; "
