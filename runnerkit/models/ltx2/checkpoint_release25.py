@@ -1,16 +1,20 @@
 """LTX-2.5's per-component release (release25_names.py): the files located, indexed and loaded into our networks.
 
 Config keys (as LTX-2.3's single file): `model_path` the transformer file in `<root>/diffusion_models/`,
-`upsampler_path` the x2 latent upsampler file, `text_encoder_path` a Gemma-4 transformers folder with its tokenizer
-(`gemma4_unified`; the release's packed `gemma4-12b-with-proj-*.safetensors` is not read). The rest is found by
-content in the root's folders, whatever the files are called:
+`upsampler_path` the x2 latent upsampler file, `text_encoder_path` the release's packed Gemma-4 file
+(`text_encoders/gemma4-12b-with-proj-ltx-2.5-bf16.safetensors`, text_encoder_packed.py) or a Gemma-4 transformers
+folder with its tokenizer (`gemma4_unified`); omitted, the packed file is found by content in `<root>/text_encoders/`
+(the one file there with a `tokenizer_json` tensor and `gemma_config` metadata). The rest is found by content in the
+root's folders, whatever the files are called:
 
 - `vae/`: the diffusion VAE file (the one with `decoder.conv_in_x_t.weight`): the video VAE's encoder and latent
   statistics (the `vae` component: our `LTX2VideoVAE` without its convolutional decoder, which LTX-2.5 does not
   run) and the diffusion decoder (`diffusion_decoder`, diffusion_decoder_keys.py); the audio file (the one with
   `audio_vae.*` keys): the audio VAE decoder and the vocoder. Other files there (the conv VAE) are not read.
 - `model_patches/`: the duration head file (the one with `duration_head.*` keys).
-- the text connectors: in the transformer file, else in a `.safetensors` directly in `text_encoders/`.
+- the text connectors: each tensor from the packed text-encoder file if it has it, else from the transformer file
+  (ltx-core reads the transformer file, then the packed file, the later file's tensor replacing the earlier's);
+  with a Gemma-4 folder: from the transformer file, else from a `.safetensors` directly in `text_encoders/`.
 
 Architecture (unless the config's `model` gives it): the transformer file's `config` metadata, LTX-2's part as
 `release_config.arch_from_single_file_config` reads it (ltx-core's format: Gemma-4's width and depth from
@@ -39,6 +43,13 @@ from runnerkit.models.ltx2.duration import LTX25_DURATION_HEAD
 from runnerkit.models.ltx2.duration import state_dict_from_single_file as duration_state_dict
 from runnerkit.models.ltx2.release25_names import VAE_PREFIX
 from runnerkit.models.ltx2.release_config import arch_from_single_file_config, is_release_config
+from runnerkit.models.ltx2.text_encoder_packed import (
+    GEMMA_CONFIG_KEY,
+    TOKENIZER_TENSOR,
+    PackedGemma4,
+    is_packed_file,
+    read_metadata,
+)
 from runnerkit.offload.disk import SafetensorsDiskReader
 from runnerkit.weights import (
     CheckpointError,
@@ -49,7 +60,7 @@ from runnerkit.weights import (
     safetensors_infos,
 )
 
-__all__ = ["LTX25ReleaseCheckpoint", "open_ltx25", "release_root"]
+__all__ = ["LTX25ReleaseCheckpoint", "find_packed_text_encoder", "open_ltx25", "release_root"]
 
 _DIFFUSION_VAE_KEY = "decoder.conv_in_x_t.weight"
 _VAE_STATS_IGNORED = ("per_channel_statistics.channel", "per_channel_statistics.mean-of-stds")
@@ -87,23 +98,28 @@ class LTX25ReleaseCheckpoint(LTX25Checkpoint):
     """The per-component release (module docstring), `layout` "single_file" (the transformer file's names)."""
 
     @classmethod
-    def open_release(cls, transformer: Path, upsampler: Path, text_encoder: Path,
+    def open_release(cls, transformer: Path, upsampler: Path, text_encoder: Path | None,
                      arch: LTX25Arch | None = None) -> LTX25ReleaseCheckpoint:
         """Locate every file and index its tensors by component (headers only); `arch` replaces the architecture
-        read from the transformer file's metadata.
+        read from the transformer file's metadata; `text_encoder` None: the packed file in `text_encoders/`.
 
         Raises:
             CheckpointError: a missing file or folder, none or several files of one kind (naming the folder),
-                tensors under no known prefix, a config the architecture refuses.
+                tensors under no known prefix, a packed text-encoder file that is not one (text_encoder_packed.py
+                `PackedGemma4.open`), a config the architecture refuses.
         """
         root = release_root(transformer)
         for path, kind in ((transformer, "transformer"), (upsampler, "latent_upsampler")):
             if not path.is_file():
                 raise CheckpointError(f"{kind}: release file {path} does not exist")
-        if not (text_encoder / "config.json").is_file():
-            raise CheckpointError(f"text_encoder: `text_encoder_path` {text_encoder} is not a Gemma-4 transformers "
-                                  "folder with a config.json (the packed release file is not read)")
-        _check_tokenizer(text_encoder, "the Gemma-4 folder (`text_encoder_path`)")
+        if text_encoder is None:
+            text_encoder = find_packed_text_encoder(root)
+        packed = PackedGemma4.open(text_encoder) if is_packed_file(text_encoder) else None
+        if packed is None and not (text_encoder / "config.json").is_file():
+            raise CheckpointError(f"text_encoder: `text_encoder_path` {text_encoder} is neither the release's packed "
+                                  "Gemma-4 file (.safetensors) nor a Gemma-4 transformers folder with a config.json")
+        if packed is None:
+            _check_tokenizer(text_encoder, "the Gemma-4 folder (`text_encoder_path`)")
         vae = _one(_with_keys(root / "vae", _DIFFUSION_VAE_KEY), "the diffusion VAE", root / "vae")
         audio = _one(_with_keys(root / "vae", "audio_vae.", prefix=True), "the audio VAE", root / "vae")
         head = _one(_with_keys(root / "model_patches", "duration_head.", prefix=True), "the duration head",
@@ -115,7 +131,9 @@ class LTX25ReleaseCheckpoint(LTX25Checkpoint):
                 raise CheckpointError(f"{transformer}: tensor {key!r} is neither the transformer's nor the text "
                                       "connectors'")
             index[owner][key] = entry
-        if not index["connectors"]:  # the connectors beside the text encoder (ltx-core reads either place)
+        if packed is not None:  # ltx-core: the packed file's tensor replaces the transformer file's
+            index["connectors"] |= packed.connectors
+        elif not index["connectors"]:  # the connectors beside a Gemma-4 folder (ltx-core reads either place)
             for file in _with_keys(root / "text_encoders", ck.CONNECTOR_PREFIXES[0], prefix=True):
                 index["connectors"] |= {k: e for k, e in safetensors_infos([file], "connectors").items()
                                         if ck.owner(k) == "connectors"}
@@ -180,21 +198,37 @@ class LTX25ReleaseCheckpoint(LTX25Checkpoint):
 
 def open_ltx25(path: str | Path, upsampler_path: str | Path | None = None, text_encoder_path: str | Path | None = None,
                arch: LTX25Arch | None = None) -> LTX25Checkpoint:
-    """An LTX-2.5 checkpoint: the release whose transformer file `path` is (then `upsampler_path` and
-    `text_encoder_path` are required), else the diffusers folder `path` (`LTX25Checkpoint.open`); `arch` replaces
-    the architecture read from it.
+    """An LTX-2.5 checkpoint: the release whose transformer file `path` is (then `upsampler_path` is required;
+    `text_encoder_path` the packed file or a Gemma-4 folder, None: found in the root's `text_encoders/`), else the
+    diffusers folder `path` (`LTX25Checkpoint.open`); `arch` replaces the architecture read from it.
 
     Raises:
-        CheckpointError: a release file without its companion paths; as `LTX25ReleaseCheckpoint.open_release` and
+        CheckpointError: a release file without `upsampler_path`; as `LTX25ReleaseCheckpoint.open_release` and
             `LTX25Checkpoint.open`.
     """
     path = Path(path)
     if path.suffix != ".safetensors":
         return LTX25Checkpoint.open(path, upsampler_path, text_encoder_path, arch)
-    if upsampler_path is None or text_encoder_path is None:
-        raise CheckpointError(f"LTX-2.5 release file {path}: `upsampler_path` and `text_encoder_path` are required "
-                              "(the release ships them as separate files)")
-    return LTX25ReleaseCheckpoint.open_release(path, Path(upsampler_path), Path(text_encoder_path), arch)
+    if upsampler_path is None:
+        raise CheckpointError(f"LTX-2.5 release file {path}: `upsampler_path` is required (the release ships the "
+                              "upsampler as a separate file)")
+    return LTX25ReleaseCheckpoint.open_release(path, Path(upsampler_path),
+                                               None if text_encoder_path is None else Path(text_encoder_path), arch)
+
+
+def find_packed_text_encoder(root: Path) -> Path:
+    """The packed Gemma-4 file in `<root>/text_encoders/`, by content: the one `.safetensors` there with a
+    `tokenizer_json` tensor and `gemma_config` metadata.
+
+    Raises:
+        CheckpointError: none or several such files (naming the folder; give `text_encoder_path`).
+    """
+    folder = root / "text_encoders"
+    found = [f for f in _with_keys(folder, TOKENIZER_TENSOR) if GEMMA_CONFIG_KEY in read_metadata(f)]
+    if len(found) != 1:
+        raise CheckpointError(f"LTX-2.5 release: {len(found)} packed Gemma-4 files in {folder} "
+                              f"({[f.name for f in found]}); exactly one must be there, or give `text_encoder_path`")
+    return found[0]
 
 
 def _release_arch(transformer: Path, upsampler: Path, text_encoder: Path) -> LTX25Arch:
@@ -202,7 +236,10 @@ def _release_arch(transformer: Path, upsampler: Path, text_encoder: Path) -> LTX
     config = read_metadata_config(transformer, "transformer")
     up_config = read_metadata_config(upsampler, "latent_upsampler")
     release = is_release_config(config)
-    gemma = read_json_object(text_encoder / "config.json", "text_encoder") if release else None
+    gemma = None
+    if release:  # ltx-core sizes the connectors' input from the Gemma config (a packed file's `gemma_config`)
+        gemma = (PackedGemma4.open(text_encoder).config if is_packed_file(text_encoder)
+                 else read_json_object(text_encoder / "config.json", "text_encoder"))
     ours = {k: config.pop(k) for k in EXTRA_COMPONENTS if k in config}
     base = _arch(lambda: arch_from_single_file_config(config, up_config, str(transformer), gemma),
                  f"metadata `config` of {transformer} and {upsampler}")

@@ -9,9 +9,11 @@ VAE's), so both layouts hold the same pipeline. Each file is built in host memor
 a real-size one in seconds. The transformer file's `config` metadata is runnerkit's sections format (with the
 duration head's and decoder's sections), read back by checkpoint_release25.py.
 
-Text encoder: a Gemma-4 transformers folder (`text_encoders/gemma-4-12b-ltx-2.5/`, the release's packed file is
-not written) with runnerkit's debug tokenizer: "tiny" (`checkpoint25.write_tiny_gemma4`) or "release" (a random
-stand-in of Gemma-4 12B's sizes, `ltx25_arch.GEMMA4_12B_TEXT`, ~22 GiB in bf16, written shard by shard).
+Text encoder: the release's packed file (`text_encoders/gemma4-12b-with-proj-ltx-2.5-bf16.safetensors`,
+text_encoder_packed_write.py: config, runnerkit's debug tokenizer, the weights in ComfyUI's flat naming, and the
+connectors' projections `text_embedding_projection.*`, which the transformer file then lacks) of a Gemma-4 "tiny"
+(`checkpoint25.write_tiny_gemma4`, packed from its folder) or "release" (a random stand-in of Gemma-4 12B's sizes,
+`ltx25_arch.GEMMA4_12B_TEXT`, ~22 GiB in bf16, written tensor by tensor straight into the file).
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ from runnerkit.models.ltx2.checkpoint_synthetic import (
 from runnerkit.models.ltx2.ltx25_arch import GEMMA4_12B_TEXT
 from runnerkit.models.ltx2.release25_names import (
     DTYPE_NAMES,
-    TEXT_ENCODER_FOLDER,
     audio_file,
     duration_file,
+    projection_tensors,
     release_files,
     transformer_file,
     vae_file,
 )
 from runnerkit.models.ltx2.text_encoder_gemma4 import TEXT_PREFIXES
+from runnerkit.models.ltx2.text_encoder_packed_write import pack_gemma4_folder, write_packed_gemma4
 from runnerkit.offload.layout import quantize_fp8_e4m3
 from runnerkit.weights import synthetic_tensor
 
@@ -81,9 +84,11 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
     give_default_mode(path)
 
 
-def write_release_gemma4(folder: Path, seed: int, dtype: torch.dtype, generator_device: str = "cpu") -> Path:
-    """A random Gemma-4 12B-sized `Gemma4UnifiedForConditionalGeneration` folder (text model only, no towers):
-    its config.json and `model-*.safetensors` shards of the text model's keys (`model.language_model.*`)."""
+def write_release_gemma4(out: Path, seed: int, dtype: torch.dtype, projection: dict[str, torch.Tensor],
+                         tokenizer_folder: Path, generator_device: str = "cpu") -> Path:
+    """A random Gemma-4 12B-sized `Gemma4UnifiedForConditionalGeneration` (text model only, no towers) as the packed
+    file `out`: its config, the text model's tensors (drawn as `model.language_model.*`, stored in ComfyUI's flat
+    naming, one at a time), `projection` and the tokenizer of `tokenizer_folder`."""
     import transformers
 
     text = transformers.Gemma4UnifiedTextConfig(**GEMMA4_12B_TEXT)
@@ -91,11 +96,10 @@ def write_release_gemma4(folder: Path, seed: int, dtype: torch.dtype, generator_
     config.dtype = dtype
     with torch.device("meta"):
         model = transformers.Gemma4UnifiedTextModel(text)
-    shapes = {TEXT_PREFIXES[0] + k: tuple(v.shape) for k, v in model.state_dict().items()}
-    config.save_pretrained(folder)
-    synthetic.write_sharded(shapes, lambda sd: sd, folder, "model", seed, dtype, lambda name: False,
-                            generator_device=generator_device)
-    return folder
+    weights = {TEXT_PREFIXES[0] + k: (tuple(v.shape), dtype, lambda k=TEXT_PREFIXES[0] + k, s=tuple(v.shape):
+                                      synthetic_tensor(k, s, seed, dtype, generator_device).cpu())
+               for k, v in model.state_dict().items()}
+    return write_packed_gemma4(out, config.to_dict(), weights, tokenizer_folder, projection)
 
 
 def transformer_path(fp8_blocks: Fp8Blocks = "none", dtype: torch.dtype = torch.bfloat16) -> str:
@@ -136,7 +140,7 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
     """Write `arch`'s synthetic weights in the release layout under `out` (module docstring; atomically: assembled
     beside `out`, then renamed), each file named with the dtype it holds (`release_files(dtype)`: `-bf16`, `-fp16`,
     `-fp32`). Open with `open_ltx25(out / transformer_path(fp8_blocks, dtype),
-    out / release_files(dtype)["latent_upsampler"], out / TEXT_ENCODER_FOLDER)`.
+    out / release_files(dtype)["latent_upsampler"], out / release_files(dtype)["text_encoder"])`.
 
     Args:
         fp8_blocks: store the transformer blocks' linear weights as float8_e4m3fn, "plain" (cast) or "scaled"
@@ -162,6 +166,7 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
         base = arch.base()
         ours = {c: synthetic_state_dict(base, c, seed, dtype, generator_device) for c in ("transformer", "connectors")}
         tensors = transformer_file(ours["transformer"], ours["connectors"], arch)
+        projection = projection_tensors(ours["connectors"])
         if fp8_blocks != "none":
             names = {n: k for n, k in zip(ours["transformer"], transformer_file(ours["transformer"], {}, arch))}
             _fp8(tensors, names, fp8_blocks, generator_device)
@@ -181,13 +186,16 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
               tmp / files["latent_upsampler"], {"config": json.dumps(upsampler_config)})
         _save(duration_file(_extra(arch, "duration_head", seed, dtype, generator_device)),
               tmp / files["duration_head"], {"model_version": "synthetic-2.5"})
-        text_encoder = tmp / TEXT_ENCODER_FOLDER
+        folder = tmp / "gemma4-folder.partial"  # the tokenizer (and the tiny model) before packing
         if gemma == "release":
-            write_release_gemma4(text_encoder, seed, dtype, generator_device)
+            write_debug_tokenizer(folder, GEMMA_VOCAB)
+            write_release_gemma4(tmp / files["text_encoder"], seed, dtype, projection, folder,
+                                 generator_device)
         else:
-            text_encoder.parent.mkdir(parents=True)
-            write_tiny_gemma4(text_encoder, arch, seed)
-        write_debug_tokenizer(text_encoder, GEMMA_VOCAB)
+            write_tiny_gemma4(folder, arch, seed)
+            write_debug_tokenizer(folder, GEMMA_VOCAB)
+            pack_gemma4_folder(folder, tmp / files["text_encoder"], projection)
+        shutil.rmtree(folder, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -2,7 +2,7 @@
 the tensor names inside each file, from ours (diffusers') names.
 
     <root>/diffusion_models/ltx-2.5-22b-distilled-transformer-bf16.safetensors    transformer (+ connectors, see below)
-    <root>/text_encoders/gemma4-12b-with-proj-ltx-2.5-bf16.safetensors           Gemma-4, packed (not read here)
+    <root>/text_encoders/gemma4-12b-with-proj-ltx-2.5-bf16.safetensors           Gemma-4 packed, + the projections
     <root>/vae/ltx-2.5-video-vae-bf16.safetensors        the diffusion VAE: conv encoder + diffusion decoder
     <root>/vae/ltx-2.5-video-vae-conv-bf16.safetensors   the convolutional VAE (not read: the diffusion decoder decodes)
     <root>/vae/ltx-2.5-audio-vae-bf16.safetensors        audio VAE + vocoder
@@ -18,9 +18,15 @@ config's paths) by its content in these folders, whatever its name; the writer u
 Tensor names (checked key for key against ltx-core's, test_cases/models/ltx2/data/ltx2.5_release_keys.json.gz):
 
 - transformer file: `model.diffusion_model.*` (checkpoint_keys.py, as LTX-2.3's single file). The text connectors
-  (`model.diffusion_model.{video,audio}_embeddings_connector.*`, `text_embedding_projection.*`): ltx-core's split
-  loader reads them from the transformer file and the text encoder's; which one the release puts them in is not
-  in its code, so the reader takes them from either, and the writer puts them in the transformer file.
+  (`model.diffusion_model.{video,audio}_embeddings_connector.*`, `text_embedding_projection.*`): ltx-core builds
+  them from the transformer file and then the packed text-encoder file, the latter's tensor winning where both have
+  one; ltx-trainer says the split packs keep the projections (`text_embedding_projection.*`) in the packed file.
+  The sizes agree: the packed file's 26,263,858,182 bytes are Gemma-4 12B's text model in bf16 (23,814,700,640)
+  + the two projections (2,312,122,368) + 137,035,174 (the towers' embedders, the tokenizer), while the whole
+  connectors (6,344,455,168) would not fit. The writer puts the connectors' 1-D transformers in the transformer
+  file and the projections in the packed file (`transformer_file`, `projection_tensors`); the reader takes each
+  tensor from either (text_encoder_packed.py).
+- packed text-encoder file: text_encoder_packed.py (Gemma-4's config, tokenizer and weights, + the projections).
 - diffusion VAE file: bare `encoder.*` (LTX-2.3's VAE encoder names without `vae.`), `per_channel_statistics.*`
   (the latent statistics both halves read) and `decoder.*` in Lightricks' names (diffusion_decoder_keys.py; the
   inverse here: q / k / v fused into `qkv`, `to_out.0` -> `proj`, `norm_q` -> `q_norm`, ...).
@@ -40,7 +46,7 @@ from runnerkit.models.ltx2.arch25 import LTX25Arch
 from runnerkit.models.ltx2.diffusion_decoder_keys import STATISTICS
 from runnerkit.models.ltx2.duration import SINGLE_FILE_PREFIX as DURATION_PREFIX
 
-__all__ = ["DTYPE_NAMES", "FOLDERS", "RELEASE_FILES", "TEXT_ENCODER_FOLDER", "audio_file", "duration_file",
+__all__ = ["DTYPE_NAMES", "FOLDERS", "RELEASE_FILES", "audio_file", "duration_file", "projection_tensors",
            "release_files", "transformer_file", "vae_file"]
 
 FOLDERS = ("diffusion_models", "text_encoders", "vae", "latent_upscale_models", "model_patches")
@@ -50,6 +56,7 @@ RELEASE_FILES: dict[str, str] = {
     "audio_vae": "vae/ltx-2.5-audio-vae-bf16.safetensors",
     "latent_upsampler": "latent_upscale_models/ltx-2.5-latent-spatial-upscaler-x2-bf16-1.0.safetensors",
     "duration_head": "model_patches/ltx-2.5-duration-head-bf16.safetensors",
+    "text_encoder": "text_encoders/gemma4-12b-with-proj-ltx-2.5-bf16.safetensors",
 }
 """What the synthetic writer writes where (relative to the root); the bf16 release's names (`release_files`:
 another dtype's)."""
@@ -68,8 +75,8 @@ def release_files(dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
         raise ValueError(f"`dtype` {dtype} has no release file name; allowed: {[str(d) for d in DTYPE_NAMES]}")
     word = DTYPE_NAMES[dtype]
     return {k: v.replace("-bf16", f"-{word}") for k, v in RELEASE_FILES.items()}
-TEXT_ENCODER_FOLDER = "text_encoders/gemma-4-12b-ltx-2.5"
-"""Where the writer puts the Gemma-4 transformers folder (the release ships a packed file instead)."""
+
+
 VAE_PREFIX = "vae."
 _STAT_FILE = {ours: f"per_channel_statistics.{name}" for name, ours in STATISTICS.items()}
 _DECODER_RENAMES = (("t_embedder.timestep_embedder.linear_1.", "t_embedder.mlp.0."),
@@ -80,10 +87,18 @@ _DECODER_RENAMES = (("t_embedder.timestep_embedder.linear_1.", "t_embedder.mlp.0
 
 def transformer_file(transformer: dict[str, Tensor], connectors: dict[str, Tensor],
                      arch: LTX25Arch) -> dict[str, Tensor]:
-    """The transformer file's tensors from our transformer's and connectors' state dicts (module docstring)."""
+    """The transformer file's tensors from our transformer's and connectors' state dicts (module docstring): the
+    connectors' 1-D transformers, not their projections (`projection_tensors`)."""
     out = {ck.native_names("transformer", [n], arch)[n]: v for n, v in transformer.items()}
-    out |= {ck.connectors_native(n): v for n, v in connectors.items()}
-    return out
+    native = {ck.connectors_native(n): v for n, v in connectors.items()}
+    return out | {k: v for k, v in native.items() if not k.startswith(ck.PROJECTION_PREFIX)}
+
+
+def projection_tensors(connectors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The connectors' input projections (`text_embedding_projection.*`) that the packed text-encoder file carries,
+    from our connectors' state dict."""
+    native = {ck.connectors_native(n): v for n, v in connectors.items()}
+    return {k: v for k, v in native.items() if k.startswith(ck.PROJECTION_PREFIX)}
 
 
 def vae_encoder_names(names: list[str], arch: LTX25Arch) -> dict[str, str]:

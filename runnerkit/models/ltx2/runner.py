@@ -186,7 +186,7 @@ class LTX2Runner(DefaultRunner):
                              f"{config.scheduler!r}, {config.scheduler_spacing!r}, {config.sample_shift})")
         if config.offload.vae_tiling and not self.DECODER_TILING:
             raise NotImplementedError("`offload.vae_tiling` is not available for ltx2 (the video VAE decodes whole)")
-        check_paths(config, files=not self.plan_only)
+        self.check_module_paths(config, files=not self.plan_only)
         if config.task == "i2av" and not self.plan_only and missing_pyav() is not None:  # a plan encodes nothing
             raise ValueError(missing_pyav())
         # The configured architecture; without `model`, the tiny one only for a synthetic checkpoint (a real
@@ -293,17 +293,23 @@ class LTX2Runner(DefaultRunner):
             NotImplementedError: a timestep-conditioned video VAE (no release has one).
         """
         self._headers = {}  # the load reads the checkpoint afresh
-        from runnerkit.models.ltx2 import text_encoder as te
-
         self.checkpoint = ckpt = self.checkpoints.locate()
         if ckpt.arch.vae.timestep_conditioning:
             raise NotImplementedError("a timestep-conditioned LTX-2 video VAE is not supported (no release has one)")
         logger.info("checkpoint {} ({} layout, LTX-{}), flavour {}", ckpt.path, ckpt.layout, ckpt.arch.version,
                     flavour_of(ckpt.arch))
         self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
-        self.tokenizer = te.load_gemma_tokenizer(ckpt.tokenizer_path)
+        self.tokenizer = self.load_tokenizer(ckpt)
         stats = ckpt.read_tensors("vae", ["latents_mean", "latents_std"])
         self.vae_stats = (stats["latents_mean"].float(), stats["latents_std"].float(), ckpt.arch.vae.scaling_factor)
+
+    check_module_paths = staticmethod(check_paths)  # `text_encoder_path`, `upsampler_path` (plan_sources.py)
+
+    def load_tokenizer(self, ckpt: LTX2Checkpoint) -> Any:
+        """The Gemma tokenizer of `ckpt` (`text_encoder.load_gemma_tokenizer` of its tokenizer folder)."""
+        from runnerkit.models.ltx2 import text_encoder as te
+
+        return te.load_gemma_tokenizer(ckpt.tokenizer_path)
 
     def attention_head_dim(self) -> int:
         """The video stream's head size (128 in both releases; the audio stream's is 64)."""

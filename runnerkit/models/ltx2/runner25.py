@@ -26,7 +26,7 @@ loops (stage 1, stage 2, the diffusion decoder's) run at both shapes.
 Gemma-4 streams its decoder layers as Gemma-3 does when `offload.stream_modules` lists "text_encoder"
 (text_encoder_gemma4_stream.py), which the memory plan's rungs that stream every module do.
 Checkpoints: a diffusers folder, or Lightricks' per-component release (`model_path` its transformer file;
-checkpoint_release25.py).
+`text_encoder_path` its packed Gemma-4 file, text_encoder_packed.py, or a Gemma-4 folder; checkpoint_release25.py).
 """
 
 from __future__ import annotations
@@ -40,14 +40,21 @@ from torch import Tensor, nn
 
 from runnerkit.config import RequestConfig, RunnerConfig
 from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
-from runnerkit.models.ltx2.checkpoint import open_checked
+from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint, open_checked
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
 from runnerkit.models.ltx2.diffusion_decode import decode_video, warm_whole_decode
 from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
 from runnerkit.models.ltx2.plan_sources import configured_arch
-from runnerkit.models.ltx2.plan_sources25 import RELEASES_25, estimate_sources_25, gemma4_text_dict, release_gemma4
+from runnerkit.models.ltx2.plan_sources25 import (
+    RELEASES_25,
+    check_paths_25,
+    estimate_sources_25,
+    gemma4_present,
+    gemma4_text_dict,
+    release_gemma4,
+)
 from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner, flavour_of
 from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
@@ -186,11 +193,11 @@ class LTX25Runner(LTX2Runner):
         enhancer when the config has a `prompt_enhancer` section (on the device with `offload.mode` none,
         else kept in host memory and moved in for each enhancement; the memory plan does not count it)."""
         from runnerkit.models.ltx2.prompt_enhancer import load_configured_enhancer
-        from runnerkit.models.ltx2.text_encoder_gemma4 import gemma4_configs
+        from runnerkit.models.ltx2.text_encoder_packed import configs_of
 
         super().prepare_load()
         assert self.checkpoint is not None
-        self.gemma4_placeholders = gemma4_configs(self.checkpoint.text_encoder_path)[1]
+        self.gemma4_placeholders = configs_of(self.checkpoint.text_encoder_path)[1]
         home = None if self.config.offload.mode == "none" else torch.device("cpu")
         self.enhancer = load_configured_enhancer(self.config, image_task=self.config.task == "i2av",
                                                  dtype=self.dtype, device=self.device, home=home)
@@ -263,14 +270,14 @@ class LTX25Runner(LTX2Runner):
                               planning.fp8_transformer_weights(self), self.lora_slot_rank())
 
     def gemma4_text_config(self, arch: LTX25Arch) -> dict[str, Any]:
-        """The Gemma-4 text config's fields: the checkpoint's `text_encoder/` (the synthetic one's while it is
-        still to be written).
+        """The Gemma-4 text config's fields: the checkpoint's text encoder (`gemma4_folder`: a packed file's
+        `gemma_config` or a folder's config.json; the synthetic one's while it is still to be written).
 
         Raises:
-            EstimateUnavailable: its config.json cannot be read.
+            EstimateUnavailable: its config cannot be read.
         """
         from runnerkit.models.ltx2.checkpoint25 import tiny_gemma4_sizes
-        from runnerkit.models.ltx2.text_encoder_gemma4 import gemma4_configs
+        from runnerkit.models.ltx2.text_encoder_packed import configs_of
 
         if self.checkpoint is not None:
             folder = self.checkpoint.text_encoder_path
@@ -279,17 +286,30 @@ class LTX25Runner(LTX2Runner):
             if self.checkpoints.pending(path):
                 return gemma4_text_dict(tiny_gemma4_sizes(arch))
             folder = self.gemma4_folder(path)
-            if self.checkpoints.absent() and not (folder / "config.json").is_file():
+            if self.checkpoints.absent() and not gemma4_present(folder):
                 return release_gemma4(arch)  # planning without the files (plan_sources25.py)
         try:
-            return gemma4_configs(folder)[0].to_dict()
+            return configs_of(folder)[0].to_dict()
         except CheckpointError as exc:
             raise EstimateUnavailable(f"the Gemma-4 config cannot be read before loading ({exc})") from None
 
     def gemma4_folder(self, path: Path) -> Path:
-        """The Gemma-4 folder of the checkpoint at `path`: `text_encoder_path` (the release), else `text_encoder/`."""
+        """The Gemma-4 text encoder of the checkpoint at `path`: `text_encoder_path` (the release: its packed file or
+        a folder), else the packed file in the release's `text_encoders/` (by content; its usual name there when
+        none is found), else the diffusers folder's `text_encoder/`."""
+        from runnerkit.models.ltx2.checkpoint_release25 import find_packed_text_encoder
+        from runnerkit.models.ltx2.release25_names import RELEASE_FILES
+
         cfg = self.config
-        return Path(cfg.text_encoder_path) if cfg.text_encoder_path is not None else path / "text_encoder"
+        if cfg.text_encoder_path is not None:
+            return Path(cfg.text_encoder_path)
+        if path.suffix != ".safetensors":
+            return path / "text_encoder"
+        root = path.parent.parent  # <root>/diffusion_models/<transformer file>
+        try:
+            return find_packed_text_encoder(root)
+        except CheckpointError:
+            return root / RELEASE_FILES["text_encoder"]
 
     estimate_sources = estimate_sources_25  # an absent checkpoint's Gemma-4 and omitted frames (plan_sources25.py)
 
@@ -317,21 +337,30 @@ class LTX25Runner(LTX2Runner):
         encoders = (*base.encoders[:2], head, *base.encoders[2:])  # text, connectors, head, [i2av: VAE encoder]
         return replace(base, modules=tuple(modules), encoders=encoders, decoders=tuple(decoders))
 
+    check_module_paths = staticmethod(check_paths_25)  # the packed text encoder file, or none (plan_sources25.py)
+
+    def load_tokenizer(self, ckpt: LTX2Checkpoint) -> Any:  # type: ignore[override]
+        """The tokenizer of `ckpt`'s tokenizer folder, or the one its packed Gemma-4 file embeds
+        (text_encoder_packed.py `load_tokenizer`)."""
+        from runnerkit.models.ltx2.text_encoder_packed import load_tokenizer
+
+        return load_tokenizer(ckpt.tokenizer_path)
+
     def build_text_encoder(self, device: torch.device) -> nn.Module:
-        from runnerkit.models.ltx2.text_encoder_gemma4 import load_gemma4_text_encoder
+        from runnerkit.models.ltx2.text_encoder_packed import load_text_model
 
         assert self.checkpoint is not None, "prepare_load first"
-        return load_gemma4_text_encoder(self.checkpoint.text_encoder_path, self.dtype, device,
-                                        connectors=self.checkpoint.arch.connectors)
+        return load_text_model(self.checkpoint.text_encoder_path, self.dtype, device,
+                               connectors=self.checkpoint.arch.connectors)
 
     def stream_text_encoder(self) -> tuple[nn.Module, BlockStreamer]:
         """Gemma-4 with its layers (or their attention and MLP, mode "phase") streamed from host memory or its
         folder's safetensors (`offload.stream_modules` lists "text_encoder"; text_encoder_gemma4_stream.py)."""
-        from runnerkit.models.ltx2.text_encoder_gemma4_stream import stream_gemma4_text_encoder
+        from runnerkit.models.ltx2.text_encoder_packed import stream_text_model
 
         assert self.checkpoint is not None, "prepare_load first"
-        return stream_gemma4_text_encoder(self.checkpoint.text_encoder_path, self.config.offload, self.device,
-                                          self.dtype, connectors=self.checkpoint.arch.connectors)
+        return stream_text_model(self.checkpoint.text_encoder_path, self.config.offload, self.device,
+                                 self.dtype, connectors=self.checkpoint.arch.connectors)
 
     @torch.inference_mode()
     def run_text_encoder(self, req: RequestState) -> LTX2Inputs:

@@ -24,7 +24,8 @@ Loading: a transformers folder (`save_pretrained` of `Gemma4UnifiedForConditiona
 keys `model.language_model.*`; the vision / audio embedders `model.embed_vision.*`,
 `model.embed_audio.*` and `lm_head.*` are never read), or a `Gemma4UnifiedTextModel` folder.
 Lightricks' packed single file (`gemma4-12b-with-proj-ltx-2.5-bf16.safetensors`: config and
-tokenizer embedded, the connectors' projection bundled) is not read here.
+tokenizer embedded, the connectors' projection bundled) is read by text_encoder_packed.py, whose
+`load_text_model`, `stream_text_model`, `configs_of` and `load_tokenizer` take either.
 """
 
 from __future__ import annotations

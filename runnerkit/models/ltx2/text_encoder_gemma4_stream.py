@@ -2,7 +2,8 @@
 
 `offload.stream_modules` lists "text_encoder" (mode block or phase): the decoder layers of transformers
 5.23's `Gemma4UnifiedTextModel` go through the device slots, from pinned host memory (storage "cpu") or
-from the folder's safetensors (storage "disk"); the token embedding and the final norm stay resident.
+from the folder's safetensors or LTX-2.5's packed file (storage "disk", text_encoder_packed.py); the token
+embedding and the final norm stay resident.
 What a Gemma-4 layer holds, and why none of it stops it streaming:
 
 - sliding-window and full-attention layers differ in size: the full layers have the wider head

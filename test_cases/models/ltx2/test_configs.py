@@ -33,7 +33,12 @@ def release_files_in(folder: Path, config: Path, monkeypatch: pytest.MonkeyPatch
     """Empty stand-ins of a real config's side files (Gemma folder, upsampler file), the working folder there."""
     data = json.loads(config.read_text())
     if "text_encoder_path" in data:
-        (folder / data["text_encoder_path"]).mkdir(parents=True)
+        text_encoder = folder / data["text_encoder_path"]
+        if text_encoder.suffix == ".safetensors":  # LTX-2.5's packed Gemma-4 file
+            text_encoder.parent.mkdir(parents=True)
+            text_encoder.touch()
+        else:
+            text_encoder.mkdir(parents=True)
         (folder / data["upsampler_path"]).parent.mkdir(parents=True, exist_ok=True)
         (folder / data["upsampler_path"]).touch()
     monkeypatch.chdir(folder)
@@ -108,7 +113,8 @@ def test_the_ltx25_22b_configs_name_the_release_files(config: Path, tmp_path: Pa
     runner = LTX25Runner(load_runner_config(config, {"device": "cpu"}))
     assert runner.flavour() == "22B-2.5"
     assert opened == [("models/LTX-2.5/diffusion_models/ltx-2.5-22b-distilled-transformer-bf16.safetensors",
-                       "ltx-2.5-latent-spatial-upscaler-x2-bf16-1.0.safetensors", "gemma-4-12b-ltx-2.5", None)]
+                       "ltx-2.5-latent-spatial-upscaler-x2-bf16-1.0.safetensors",
+                       "gemma4-12b-with-proj-ltx-2.5-bf16.safetensors", None)]
     cfg = runner.config
     assert cfg.target_video_length is None and (cfg.dtype, cfg.offload.mode, cfg.warmup) == ("bfloat16", "auto", True)
     assert runner.request_shape(RequestConfig(prompt="p")) == (512, 768, 473) == runner.WARMUP_SHAPES["22B-2.5"][1]

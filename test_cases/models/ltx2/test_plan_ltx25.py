@@ -34,7 +34,7 @@ SOURCES = [
      "'ltx-2.5-22b-distilled-transformer-bf16.safetensors' (`model_path` "
      "models/LTX-2.5/diffusion_models/ltx-2.5-22b-distilled-transformer-bf16.safetensors does not exist)"),
     ("Gemma-4 sizes: Gemma-4 12B (ltx25_arch.GEMMA4_12B_TEXT, the release's text encoder): "
-     "models/LTX-2.5/text_encoders/gemma-4-12b-ltx-2.5 has no config.json"),
+     "models/LTX-2.5/text_encoders/gemma4-12b-with-proj-ltx-2.5-bf16.safetensors does not exist"),
     "fp8 storage: none assumed (the bf16 release; the checkpoint's headers would tell)",
     ("frames: omitted by the config (the duration head predicts them per request): planned at 473, the largest "
      "count a prediction can take (1 s to 20 s at 24 fps)")]

@@ -5,7 +5,8 @@
   (data/ltx2.5_release_keys.json.gz; the transformer file's connectors beside them, as the writer stores them).
 - The tiny pipeline written in that layout and as a diffusers folder from the same seed: every network loads to
   the same tensors, the architecture reads back from the transformer file's metadata, and the tiny runner (t2av
-  with the frames predicted, i2av) gives bit-identical outputs from either.
+  with the frames predicted, i2av) gives bit-identical outputs from either (the Gemma-4 text encoder from the packed
+  file); streamed from the release files (Gemma-4 from the packed file's byte ranges, lazily built), the same.
 - The reader finds files by content (renamed files still load) and refuses what it cannot place, naming it.
 """
 
@@ -55,8 +56,8 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _open_release(root: Path, arch: Any = None) -> LTX25Checkpoint:
-    return open_ltx25(root / FILES["transformer"], root / FILES["latent_upsampler"],
-                      root / names.TEXT_ENCODER_FOLDER, arch=arch)
+    return open_ltx25(root / FILES["transformer"], root / FILES["latent_upsampler"], root / FILES["text_encoder"],
+                      arch=arch)
 
 
 def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
@@ -67,11 +68,13 @@ def test_release_size_files_hold_exactly_ltx_cores_keys() -> None:
     arch, keys = LTX25_22B_PIPELINE_ARCH, ltx25_keys()
     ours = {c: build_on_meta(network_factory(c, arch)).state_dict() for c in ("transformer", "connectors", "vae")}
     transformer = names.transformer_file(ours["transformer"], ours["connectors"], arch)
-    connectors = {k for k in transformer if k.startswith(("text_embedding_projection.",
-                                                          "model.diffusion_model.video_embeddings_connector.",
+    connectors = {k for k in transformer if k.startswith(("model.diffusion_model.video_embeddings_connector.",
                                                           "model.diffusion_model.audio_embeddings_connector."))}
     assert _shapes({k: v for k, v in transformer.items() if k not in connectors}) == keys["transformer"]
-    assert len(connectors) == len(ours["connectors"])
+    projection = names.projection_tensors(ours["connectors"])  # in the packed text-encoder file
+    assert set(projection) == {f"text_embedding_projection.{m}_aggregate_embed.{p}" for m in ("video", "audio")
+                               for p in ("weight", "bias")}
+    assert len(connectors) + len(projection) == len(ours["connectors"])
     assert _shapes(names.duration_file(extra_factory("duration_head", arch).state_dict())) == keys["duration_head"]
     decoder = extra_factory("diffusion_decoder", arch).state_dict()
     assert _shapes(names.vae_file(ours["vae"], decoder, arch)) == keys["diffusion_vae"]
@@ -105,17 +108,19 @@ def test_both_layouts_hold_the_same_networks(layouts: dict[str, Path]) -> None:
         assert all(torch.equal(a[k], b[k]) for k in b), component
 
 
-def _config(tmp: Path, task: str, layouts: dict[str, Path], layout: str) -> Path:
+def _config(tmp: Path, task: str, layouts: dict[str, Path], layout: str, offload: dict[str, Any] | None = None) -> Path:
     data = json.loads((CONFIGS / f"ltx25_{task}_tiny.json").read_text())
     del data["synthetic_checkpoint"]
     data["device"] = "cpu"
+    if offload is not None:
+        data["offload"] = offload
     if layout == "diffusers":
         data["model_path"] = str(layouts["diffusers"])
     else:
         root = layouts["release"]
         data |= {"model_path": str(root / FILES["transformer"]),
                  "upsampler_path": str(root / FILES["latent_upsampler"]),
-                 "text_encoder_path": str(root / names.TEXT_ENCODER_FOLDER)}
+                 "text_encoder_path": str(root / FILES["text_encoder"])}
     path = tmp / f"{task}_{layout}.json"
     path.write_text(json.dumps(data))
     return path
@@ -148,6 +153,23 @@ def test_the_runner_from_the_release_equals_the_diffusers_folder(task: str, layo
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_streaming_from_the_release_files_equals_the_resident_run(layouts: dict[str, Path], tmp_path: Path) -> None:
+    """Gemma-4 streamed from the packed file's byte ranges, the connectors from the transformer file and the packed
+    file (their projections), the transformer from its file, built per request (`lazy_load`): the same video and
+    audio as every module resident."""
+    request = RequestConfig(prompt=PROMPT, seed=3)
+    streamed = {"mode": "block", "storage": "disk", "lazy_load": True,
+                "stream_modules": ["text_encoder", "connectors", "transformer"]}
+    outputs = []
+    for name, offload in (("resident", {"mode": "none"}), ("streamed", streamed)):
+        (tmp_path / name).mkdir()
+        config = _config(tmp_path, "t2av", layouts, "release", offload)
+        outputs.append(_run(config.rename(tmp_path / f"{name}.json"), request, tmp_path / name))
+    (a, side_a), (b, side_b) = outputs
+    assert side_a["duration"] == side_b["duration"]
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_files_are_found_by_content_and_what_cannot_be_placed_is_refused(layouts: dict[str, Path],
                                                                         tmp_path: Path) -> None:
     root = tmp_path / "release"
@@ -166,6 +188,6 @@ def test_files_are_found_by_content_and_what_cannot_be_placed_is_refused(layouts
     moved = tmp_path / "elsewhere.safetensors"
     shutil.copy(root / FILES["transformer"], moved)
     with pytest.raises(CheckpointError, match="must be the transformer file in the release's `diffusion_models/`"):
-        open_ltx25(moved, root / FILES["latent_upsampler"], root / names.TEXT_ENCODER_FOLDER)
-    with pytest.raises(CheckpointError, match="`upsampler_path` and `text_encoder_path` are required"):
+        open_ltx25(moved, root / FILES["latent_upsampler"], root / FILES["text_encoder"])
+    with pytest.raises(CheckpointError, match="`upsampler_path` is required"):
         open_ltx25(root / FILES["transformer"])

@@ -24,7 +24,7 @@ from runnerkit.config import load_runner_config
 from runnerkit.infer import main as infer_main
 from runnerkit.models.ltx2.arch25 import LTX25_22B_PIPELINE_ARCH, tiny_ltx25_arch
 from runnerkit.models.ltx2.checkpoint_release25_write import arch_to_write, transformer_path
-from runnerkit.models.ltx2.release25_names import RELEASE_FILES, TEXT_ENCODER_FOLDER, release_files
+from runnerkit.models.ltx2.release25_names import RELEASE_FILES, release_files
 from runnerkit.models.ltx2.runner25 import LTX25Runner
 from runnerkit.tools import synth_checkpoint
 from test_cases.conftest import REPO
@@ -61,7 +61,8 @@ def test_the_device_run_dry_at_tiny_sizes(tmp_path: Path, monkeypatch: pytest.Mo
     shutil.copy(REQUESTS, tmp_path / "requests.jsonl")
     rc = infer_main(["--config_json", "tiny.json", "--model_path", str(transformer),
                      "--upsampler_path", str(root / release_files(torch.float32)["latent_upsampler"]),
-                     "--text_encoder_path", str(root / TEXT_ENCODER_FOLDER), "--warmup", "--requests", "requests.jsonl"])
+                     "--text_encoder_path", str(root / release_files(torch.float32)["text_encoder"]), "--warmup",
+                     "--requests", "requests.jsonl"])
     assert rc == 0
     tiny = load_runner_config(tmp_path / "tiny.json", {"model_path": str(transformer)})
     low, high = LTX25Runner.frame_bounds(tiny)
@@ -80,7 +81,8 @@ def _headers(path: Path) -> list[torch.Tensor]:
 def test_the_real_size_write_has_the_release_files_and_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Section 20's write of the real-size config, with meta tensors (nothing drawn or written): every release file
     is written under its name, the transformer, duration head and diffusion VAE files with ltx-core's key sets
-    (the transformer's plus the connectors'), and the Gemma-4 12B stand-in."""
+    (the transformer's plus the connectors' 1-D transformers), and the packed Gemma-4 12B stand-in with the
+    connectors' projections."""
     from runnerkit import synthetic
     from runnerkit.models.ltx2 import checkpoint_release25_write as write
     from runnerkit.models.ltx2.checkpoint import network_factory
@@ -93,16 +95,20 @@ def test_the_real_size_write_has_the_release_files_and_keys(tmp_path: Path, monk
     monkeypatch.setattr(write, "synthetic_tensor", lambda name, shape, *a, **k: torch.empty(shape, device="meta"))
     monkeypatch.setattr(write, "_save", lambda tensors, path, metadata=None: saved.update(
         {path.relative_to(path.parents[1]).as_posix(): {k: list(v.shape) for k, v in tensors.items()}}))
-    monkeypatch.setattr(write, "write_release_gemma4", lambda folder, *a, **k: saved.update({"gemma": {}}) or folder)
+    monkeypatch.setattr(write, "write_release_gemma4", lambda out, seed, dtype, projection, *a, **k: saved.update(
+        {RELEASE_FILES["text_encoder"]: {k: list(v.shape) for k, v in projection.items()}}))
     monkeypatch.setattr(write, "write_debug_tokenizer", lambda *a, **k: None)
     monkeypatch.setattr(synthetic, "finish", lambda tmp, out, *a, **k: out)
     assert synth_checkpoint.main(["--config", str(REPO / "configs/ltx2/ltx25_t2av_22b_distilled.json"),
                                   "--out", str(tmp_path / "ltx25"), "--layout", "release"]) == 0
-    assert set(saved) == {*RELEASE_FILES.values(), "gemma"}
+    assert set(saved) == set(RELEASE_FILES.values())
     keys = ltx25_keys()
     transformer = saved[RELEASE_FILES["transformer"]]
     assert {k: s for k, s in transformer.items() if k in keys["transformer"]} == keys["transformer"]
-    assert len(transformer) - len(keys["transformer"]) == len(build_on_meta(
+    projection = saved[RELEASE_FILES["text_encoder"]]  # the packed file's "with-proj" tensors, [4096 | 2048, 188160]
+    assert projection["text_embedding_projection.video_aggregate_embed.weight"] == [4096, 3840 * 49]
+    assert projection["text_embedding_projection.audio_aggregate_embed.weight"] == [2048, 3840 * 49]
+    assert len(transformer) - len(keys["transformer"]) + len(projection) == len(build_on_meta(
         network_factory("connectors", LTX25_22B_PIPELINE_ARCH)).state_dict())
     assert saved[RELEASE_FILES["duration_head"]] == keys["duration_head"]
     assert saved[RELEASE_FILES["video_vae"]] == keys["diffusion_vae"]
