@@ -169,6 +169,9 @@ class RunnerConfig(_Strict):
     prompt_enhancer: PromptEnhancerConfig | None = Field(
         None, description="Load the runner's prompt enhancer, for requests with `enhance_prompt` (None: not loaded; "
         "a runner without one refuses the section).")
+    video_decoder: Literal["diffusion", "conv"] | None = Field(
+        None, description="What decodes the video latents, where the family has a choice (LTX-2.5: 'diffusion', the "
+        "default, or 'conv', the convolutional VAE; docs/ltx2.md); None: the family's default; others refuse it.")
 
     @field_validator("sample_sigmas", mode="before")
     @classmethod
