@@ -170,8 +170,8 @@ class RunnerConfig(_Strict):
         None, description="Load the runner's prompt enhancer, for requests with `enhance_prompt` (None: not loaded; "
         "a runner without one refuses the section).")
     video_decoder: Literal["diffusion", "conv"] | None = Field(
-        None, description="What decodes the video latents, where the family has a choice (LTX-2.5: 'diffusion', the "
-        "default, or 'conv', the convolutional VAE; docs/ltx2.md); None: the family's default; others refuse it.")
+        None, description="What decodes the video latents in a family with two decoders: 'diffusion' (a diffusion "
+        "decoder) or 'conv' (the convolutional VAE); None: the family's default; a family with one refuses the key.")
 
     @field_validator("sample_sigmas", mode="before")
     @classmethod

@@ -74,9 +74,15 @@ def _open_release(root: Path, video_decoder: str) -> Any:
                       root / names.TEXT_ENCODER_FOLDER, video_decoder=video_decoder)
 
 
-def test_release_size_conv_file_holds_ltx_cores_keys() -> None:
+def ltx23_vae_keys() -> dict[str, list[int]]:
+    """ltx-core's key set of the release's conv VAE file: LTX-2.3's monolith `vae.*` listing without `vae.`
+    (module docstring)."""
     with gzip.open(DATA / "ltx2.3_release_keys.json.gz", "rt") as f:
-        expected = {k.removeprefix("vae."): s for k, s in json.load(f)["networks"]["vae"].items()}
+        return {k.removeprefix("vae."): s for k, s in json.load(f)["networks"]["vae"].items()}
+
+
+def test_release_size_conv_file_holds_ltx_cores_keys() -> None:
+    expected = ltx23_vae_keys()
     vae = build_on_meta(network_factory("vae", LTX25_22B_PIPELINE_ARCH)).state_dict()
     ours = {k: list(v.shape) for k, v in conv_vae_file(vae, LTX25_22B_PIPELINE_ARCH).items()}
     assert ours == expected and len(ours) == 170
@@ -151,19 +157,23 @@ def _config(tmp: Path, layouts: dict[str, Path], layout: str, warmup: bool) -> P
 
 def test_conv_runner_t2av_same_output_with_and_without_warmup_from_either_layout(
         layouts: dict[str, Path], tmp_path: Path, mocker: Any) -> None:
+    from runnerkit.models.ltx2.vae import LTX2VideoVAE
+
     outputs, decoded = {}, []
+    conv = mocker.spy(LTX2VideoVAE, "decode")  # the conv decoder itself: [B, C, F, H, W] latents in
     for layout, warmup in (("diffusers", False), ("diffusers", True), ("release", True)):
         runner = LTX25Runner(load_runner_config(_config(tmp_path, layouts, layout, warmup), {}))
-        spy = mocker.spy(runner, "run_vae_decoder")
         diffusion = mocker.spy(runner, "run_diffusion_decoder")
+        conv.reset_mock()
         runner.init_modules()
         assert "diffusion_decoder" not in runner.modules and "vae" in runner.modules
-        decoded.append([tuple(c.args[0].info.shape) for c in spy.call_args_list])
         out = tmp_path / f"{layout}-{warmup}"
         runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3, save_tensor_path=str(out / "o.safetensors")))
-        assert spy.call_count == len(decoded[-1]) + 1 and diffusion.call_count == 0
+        decoded.append([tuple(c.args[1].shape) for c in conv.call_args_list])
+        assert diffusion.call_count == 0
         outputs[(layout, warmup)] = load_file(out / "o.safetensors")
-    assert decoded == [[], [(64, 64, 9), (64, 128, 33)], [(64, 64, 9), (64, 128, 33)]]  # warmup: the conv decode
+    warm = [(1, 8, 2, 2, 2), (1, 8, 5, 2, 4)]  # the warmup shapes 64x64x9 and 64x128x33 in latents
+    assert decoded == [[(1, 8, 4, 2, 4)], [*warm, (1, 8, 4, 2, 4)], [*warm, (1, 8, 4, 2, 4)]]  # the request: 25 frames
     first = outputs[("diffusers", False)]
     assert first["video"].shape == (3, 25, 64, 128)  # frames predicted (bounds 9..33)
     for key, other in outputs.items():
