@@ -169,6 +169,9 @@ class RunnerConfig(_Strict):
     prompt_enhancer: PromptEnhancerConfig | None = Field(
         None, description="Load the runner's prompt enhancer, for requests with `enhance_prompt` (None: not loaded; "
         "a runner without one refuses the section).")
+    video_decoder: Literal["diffusion", "conv"] | None = Field(
+        None, description="What decodes the video latents in a family with two decoders: 'diffusion' (a diffusion "
+        "decoder) or 'conv' (the convolutional VAE); None: the family's default; a family with one refuses the key.")
 
     @field_validator("sample_sigmas", mode="before")
     @classmethod

@@ -130,6 +130,8 @@ class BaseRunner(ABC):
     SYNTHETIC_LAYOUT: ClassVar[str] = "runnerkit"
     #: The family has a prompt enhancer (config `prompt_enhancer` loads it; requests ask with `enhance_prompt`).
     PROMPT_ENHANCER: ClassVar[bool] = False
+    #: The config's `video_decoder` choices the family reads, its default first; (): it refuses the key.
+    VIDEO_DECODERS: ClassVar[tuple[str, ...]] = ()
     #: The configured architecture (a pydantic model; the family sets it in `__init__`): the synthetic
     #: checkpoint's, keyed into its cache folder (runners/checkpoints.py); None: the checkpoint's own.
     arch_override: Any = None

@@ -206,11 +206,11 @@ def check_stream_modules(config: RunnerConfig, allowed: Sequence[str], runner: s
 
 
 def check_family_settings(config: RunnerConfig, module_paths: Sequence[str], pads_text: bool,
-                          enhancer: bool = False) -> None:
+                          enhancer: bool = False, video_decoders: Sequence[str] = ()) -> None:
     """Refuse settings the family does not read, when the runner is built: `text_encoder_path` /
     `upsampler_path` not among its `MODULE_PATHS`, `text_buckets` other than 'auto' when it pads no
-    text (`pads_text`: it declares `TEXT_BUCKETS`), and `prompt_enhancer` without one (`enhancer`: it declares
-    `PROMPT_ENHANCER`).
+    text (`pads_text`: it declares `TEXT_BUCKETS`), `prompt_enhancer` without one (`enhancer`: it declares
+    `PROMPT_ENHANCER`), and a `video_decoder` not among its `VIDEO_DECODERS`.
 
     Raises:
         ValueError: naming the field, its value and why it is refused.
@@ -227,3 +227,6 @@ def check_family_settings(config: RunnerConfig, module_paths: Sequence[str], pad
     if not enhancer and config.prompt_enhancer is not None:
         raise ValueError(f"`prompt_enhancer` is not read by {config.model_cls!r} task {config.task!r}: it has no "
                          "prompt enhancer; remove the section")
+    if config.video_decoder is not None and config.video_decoder not in video_decoders:
+        can = f"it takes {list(video_decoders)}" if video_decoders else "it has one video decoder; remove the key"
+        raise ValueError(f"`video_decoder` ({config.video_decoder!r}) is not read by {config.model_cls!r}: {can}")

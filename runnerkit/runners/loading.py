@@ -44,7 +44,8 @@ def check_settings(runner: DefaultRunner) -> None:
         ValueError, NotImplementedError: naming the setting, its value and what is allowed.
     """
     config = runner.config
-    check_family_settings(config, runner.MODULE_PATHS, runner.TEXT_BUCKETS is not None, runner.PROMPT_ENHANCER)
+    check_family_settings(config, runner.MODULE_PATHS, runner.TEXT_BUCKETS is not None, runner.PROMPT_ENHANCER,
+                          runner.VIDEO_DECODERS)
     check_stream_modules(config, runner.STREAM_MODULES, type(runner).__name__)
     regional_compile.check_supported(config.compile, config.offload, config.unload_modules, runner.device)
 

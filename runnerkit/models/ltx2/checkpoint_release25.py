@@ -10,7 +10,9 @@ root's folders, whatever the files are called:
 - `vae/`: the diffusion VAE file (the one with `decoder.conv_in_x_t.weight`): the video VAE's encoder and latent
   statistics (the `vae` component: our `LTX2VideoVAE` without its convolutional decoder, which LTX-2.5 does not
   run) and the diffusion decoder (`diffusion_decoder`, diffusion_decoder_keys.py); the audio file (the one with
-  `audio_vae.*` keys): the audio VAE decoder and the vocoder. Other files there (the conv VAE) are not read.
+  `audio_vae.*` keys): the audio VAE decoder and the vocoder. With `video_decoder` "conv" the conv VAE file instead
+  of the diffusion VAE (conv_vae25.py `find_conv_vae`): the whole `vae` (encoder, conv decoder, statistics), as
+  ltx-core builds both halves from the one video VAE file it is given; the diffusion VAE file is then not read.
 - `model_patches/`: the duration head file (the one with `duration_head.*` keys).
 - the text connectors: each tensor from the packed text-encoder file if it has it, else from the transformer file
   (ltx-core reads the transformer file, then the packed file, the later file's tensor replacing the earlier's);
@@ -37,6 +39,7 @@ from runnerkit.models.ltx2.arch import COMPONENTS
 from runnerkit.models.ltx2.arch25 import EXTRA_COMPONENTS, LTX25Arch
 from runnerkit.models.ltx2.checkpoint import _arch, _check_tokenizer, network_factory, read_metadata_config
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, extra_factory
+from runnerkit.models.ltx2.conv_vae25 import find_conv_vae
 from runnerkit.models.ltx2.diffusion_decoder import LTX25_DIFFUSION_DECODER
 from runnerkit.models.ltx2.diffusion_decoder_keys import state_dict_from_single_file as decoder_state_dict
 from runnerkit.models.ltx2.duration import LTX25_DURATION_HEAD
@@ -99,9 +102,10 @@ class LTX25ReleaseCheckpoint(LTX25Checkpoint):
 
     @classmethod
     def open_release(cls, transformer: Path, upsampler: Path, text_encoder: Path | None,
-                     arch: LTX25Arch | None = None) -> LTX25ReleaseCheckpoint:
+                     arch: LTX25Arch | None = None, video_decoder: str = "diffusion") -> LTX25ReleaseCheckpoint:
         """Locate every file and index its tensors by component (headers only); `arch` replaces the architecture
-        read from the transformer file's metadata; `text_encoder` None: the packed file in `text_encoders/`.
+        read from the transformer file's metadata; `text_encoder` None: the packed file in `text_encoders/`;
+        `video_decoder` "conv": the video VAE is the conv VAE file.
 
         Raises:
             CheckpointError: a missing file or folder, none or several files of one kind (naming the folder),
@@ -120,7 +124,9 @@ class LTX25ReleaseCheckpoint(LTX25Checkpoint):
                                   "Gemma-4 file (.safetensors) nor a Gemma-4 transformers folder with a config.json")
         if packed is None:
             _check_tokenizer(text_encoder, "the Gemma-4 folder (`text_encoder_path`)")
-        vae = _one(_with_keys(root / "vae", _DIFFUSION_VAE_KEY), "the diffusion VAE", root / "vae")
+        conv = video_decoder == "conv"
+        vae = (find_conv_vae(root / "vae") if conv
+               else _one(_with_keys(root / "vae", _DIFFUSION_VAE_KEY), "the diffusion VAE", root / "vae"))
         audio = _one(_with_keys(root / "vae", "audio_vae.", prefix=True), "the audio VAE", root / "vae")
         head = _one(_with_keys(root / "model_patches", "duration_head.", prefix=True), "the duration head",
                     root / "model_patches")
@@ -138,8 +144,10 @@ class LTX25ReleaseCheckpoint(LTX25Checkpoint):
                 index["connectors"] |= {k: e for k, e in safetensors_infos([file], "connectors").items()
                                         if ck.owner(k) == "connectors"}
         for key, entry in safetensors_infos([vae], "vae").items():
-            index["diffusion_decoder" if key.startswith("decoder.") else "vae"][key] = entry
-        index["diffusion_decoder"] |= {k: e for k, e in index["vae"].items() if k.startswith("per_channel_statistics.")}
+            index["diffusion_decoder" if key.startswith("decoder.") and not conv else "vae"][key] = entry
+        if not conv:
+            index["diffusion_decoder"] |= {k: e for k, e in index["vae"].items()
+                                           if k.startswith("per_channel_statistics.")}
         for key, entry in safetensors_infos([audio], "audio_vae").items():
             index[ck.owner(key) or "audio_vae"][key] = entry
         index["duration_head"] = dict(safetensors_infos([head], "duration_head"))
@@ -165,9 +173,9 @@ class LTX25ReleaseCheckpoint(LTX25Checkpoint):
         if component in EXTRA_COMPONENTS:
             raise CheckpointError(f"{component}: the release file's tensors are mapped whole (fused q / k / v); "
                                   "use `load` or `state_dict`")
-        if component == "vae" and module is None:
+        if component == "vae" and module is None and not any(k.startswith("decoder.") for k in self._index["vae"]):
             module = build_on_meta(network_factory("vae", self.arch))
-            module.decoder = None  # type: ignore[assignment]  # LTX-2.5 decodes with the diffusion decoder
+            module.decoder = None  # type: ignore[assignment]  # the diffusion decoder decodes (not the conv VAE file)
         return super()._plan(component, module)
 
     def state_dict(self, component: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -189,6 +197,11 @@ class LTX25ReleaseCheckpoint(LTX25Checkpoint):
 
     def load(self, component: str, dtype: torch.dtype | None = None, device: torch.device | None = None) -> nn.Module:
         """`LTX2Checkpoint.load`; the duration head and the diffusion decoder strictly from `state_dict`."""
+        if component == "vae":  # the video VAE file named (the diffusion VAE's or the conv VAE's)
+            try:
+                return super().load(component, dtype, device)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{', '.join(map(str, self.files('vae')))}: {exc}") from None
         if component not in EXTRA_COMPONENTS:
             return super().load(component, dtype, device)
         assert isinstance(self.arch, LTX25Arch), "an LTX-2.5 checkpoint has an LTX25Arch"
@@ -197,10 +210,12 @@ class LTX25ReleaseCheckpoint(LTX25Checkpoint):
 
 
 def open_ltx25(path: str | Path, upsampler_path: str | Path | None = None, text_encoder_path: str | Path | None = None,
-               arch: LTX25Arch | None = None) -> LTX25Checkpoint:
+               arch: LTX25Arch | None = None, video_decoder: str = "diffusion") -> LTX25Checkpoint:
     """An LTX-2.5 checkpoint: the release whose transformer file `path` is (then `upsampler_path` is required;
     `text_encoder_path` the packed file or a Gemma-4 folder, None: found in the root's `text_encoders/`), else the
-    diffusers folder `path` (`LTX25Checkpoint.open`); `arch` replaces the architecture read from it.
+    diffusers folder `path` (`LTX25Checkpoint.open`; its `vae/` holds the conv decoder too); `arch` replaces the
+    architecture read from it; `video_decoder` "conv": the release's video VAE is the conv VAE file
+    (`LTX25ReleaseCheckpoint.open_release`).
 
     Raises:
         CheckpointError: a release file without `upsampler_path`; as `LTX25ReleaseCheckpoint.open_release` and
@@ -213,7 +228,8 @@ def open_ltx25(path: str | Path, upsampler_path: str | Path | None = None, text_
         raise CheckpointError(f"LTX-2.5 release file {path}: `upsampler_path` is required (the release ships the "
                               "upsampler as a separate file)")
     return LTX25ReleaseCheckpoint.open_release(path, Path(upsampler_path),
-                                               None if text_encoder_path is None else Path(text_encoder_path), arch)
+                                               None if text_encoder_path is None else Path(text_encoder_path), arch,
+                                               video_decoder)
 
 
 def find_packed_text_encoder(root: Path) -> Path:

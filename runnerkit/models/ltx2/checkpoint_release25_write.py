@@ -7,7 +7,8 @@ the duration head's and decoder's drawn as `<component>.<name>`; the decoder's l
 VAE's), so both layouts hold the same pipeline. Each file is built in host memory, one tensor drawn at a time
 (the 22B transformer file: its own size, ~38 GB in bf16, ~24 GB with fp8 blocks); `generator_device` "cuda" draws
 a real-size one in seconds. The transformer file's `config` metadata is runnerkit's sections format (with the
-duration head's and decoder's sections), read back by checkpoint_release25.py.
+duration head's and decoder's sections), read back by checkpoint_release25.py. The conv VAE file
+(conv_vae25.py) holds the same video VAE's encoder and its convolutional decoder.
 
 Text encoder: the release's packed file (`text_encoders/gemma4-12b-with-proj-ltx-2.5-bf16.safetensors`,
 text_encoder_packed_write.py: config, runnerkit's debug tokenizer, the weights in ComfyUI's flat naming, and the
@@ -39,6 +40,7 @@ from runnerkit.models.ltx2.checkpoint_synthetic import (
     fp8_block_weight,
     synthetic_state_dict,
 )
+from runnerkit.models.ltx2.conv_vae25 import CONV_VAE_FILE, conv_vae_file, conv_vae_metadata
 from runnerkit.models.ltx2.ltx25_arch import GEMMA4_12B_TEXT
 from runnerkit.models.ltx2.release25_names import (
     DTYPE_NAMES,
@@ -178,6 +180,8 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
         vae = synthetic_state_dict(base, "vae", seed, dtype, generator_device)
         decoder = _extra(arch, "diffusion_decoder", seed, dtype, generator_device)
         _save(vae_file(vae, decoder, arch), tmp / files["video_vae"])
+        _save(conv_vae_file(vae, arch), tmp / CONV_VAE_FILE.replace("-bf16", f"-{DTYPE_NAMES[dtype]}"),
+              conv_vae_metadata(arch))  # the same encoder, its decoder
         del vae, decoder
         _save(audio_file(synthetic_state_dict(base, "audio_vae", seed, dtype, generator_device),
                          synthetic_state_dict(base, "vocoder", seed, dtype, generator_device), arch),

@@ -16,6 +16,9 @@ stages, the upsampler, the audio decoder and save are LTX-2's) and changes:
   VAE-decoder stage keeps beside its decode (the contexts, the final latents);
 - `vae`: loaded for i2av's encoder only (t2av drops it).
 
+With `conv_decoder` (`video_decoder` "conv") LTX-2's VAE decoder stage and the `vae` weights stay, and the diffusion
+decoder is not counted (nor `TILING_HINT` offered).
+
 The refusal hints (list the text encoder, the connectors, or both in `offload.stream_modules`) name
 Gemma-4 and its size; without `offload.vae_tiling`, `TILING_HINT` offers the tiled diffusion decode.
 """
@@ -82,9 +85,10 @@ def _meta_extra(component: str, arch: LTX25Arch) -> nn.Module:
 
 def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, task: str, dtype: torch.dtype,
                    device: torch.device, offload: OffloadConfig, fp8_stored: frozenset[str] = frozenset(),
-                   lora_rank: int = 0) -> MemoryEstimate:
+                   lora_rank: int = 0, conv_decoder: bool = False) -> MemoryEstimate:
     """The memory estimate of one LTX-2.5 request of `shape` (height, width, frames) at `fps` on `device`
-    (module docstring); `text_config`: the Gemma-4 text config's fields (config.json's `text_config`)."""
+    (module docstring); `text_config`: the Gemma-4 text config's fields (config.json's `text_config`);
+    `conv_decoder`: the video VAE's convolutional decoder decodes, not the diffusion decoder."""
     gemma = {"hidden_size": text_config["hidden_size"], "intermediate_size": text_config["intermediate_size"],
              "num_hidden_layers": text_config["num_hidden_layers"], "vocab_size": text_config["vocab_size"],
              "num_attention_heads": text_config["num_attention_heads"],
@@ -95,9 +99,10 @@ def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, t
     modules["text_encoder"] = gemma4_footprint(text_config, dtype, offload)
     head = _meta_extra("duration_head", arch)
     modules["duration_head"] = module_footprint(head, dtype)
-    modules["diffusion_decoder"] = module_footprint(_meta_extra("diffusion_decoder", arch), dtype)
-    if task != "i2av":
-        del modules["vae"]
+    if not conv_decoder:
+        modules["diffusion_decoder"] = module_footprint(_meta_extra("diffusion_decoder", arch), dtype)
+        if task != "i2av":
+            del modules["vae"]
     grid2 = stage_tokens(arch, shape, fps, 2)[0]
     t = arch.transformer  # the video and audio contexts, kept through the request (as estimate.py counts them)
     context = TEXT_TOKENS * (t.caption_channels * 2 if t.use_prompt_embeddings else t.inner_dim + t.audio_inner_dim) * s
@@ -105,7 +110,7 @@ def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, t
     for stage in base.stages:
         if stage.name == "text_encoder":
             stage = replace(stage, detail=stage.detail.replace("gemma-3", "gemma-4"))
-        if stage.name == "vae_decoder":  # the same tensors kept beside it; the diffusion decode instead of the VAE's
+        if stage.name == "vae_decoder" and not conv_decoder:  # the same tensors kept beside it; the diffusion decode instead of the VAE's
             kept = stage.activation_bytes - vae_decode_bytes(arch.vae, grid2, s, device.type)[0]
             decode, detail = (tiled_diffusion_decode_bytes(arch.diffusion_decoder, grid2, s, DecoderTiling())
                               if offload.vae_tiling else diffusion_decode_bytes(arch.diffusion_decoder, grid2, s))
@@ -116,6 +121,6 @@ def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, t
             stages.append(StageFootprint("duration_head", "duration_head", context + head_bytes,
                                          "duration head on the two contexts"))
     hints = _stream_hints(modules, offload, modules["text_encoder"].weight_bytes, "Gemma-4")
-    if not offload.vae_tiling:
+    if not (offload.vae_tiling or conv_decoder):
         hints += (TILING_HINT,)
     return MemoryEstimate(modules=modules, stages=tuple(stages), hints=hints)

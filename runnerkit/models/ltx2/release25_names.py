@@ -4,7 +4,7 @@ the tensor names inside each file, from ours (diffusers') names.
     <root>/diffusion_models/ltx-2.5-22b-distilled-transformer-bf16.safetensors    transformer (+ connectors, see below)
     <root>/text_encoders/gemma4-12b-with-proj-ltx-2.5-bf16.safetensors           Gemma-4 packed, + the projections
     <root>/vae/ltx-2.5-video-vae-bf16.safetensors        the diffusion VAE: conv encoder + diffusion decoder
-    <root>/vae/ltx-2.5-video-vae-conv-bf16.safetensors   the convolutional VAE (not read: the diffusion decoder decodes)
+    <root>/vae/ltx-2.5-video-vae-conv-bf16.safetensors   the convolutional VAE (read with video_decoder "conv": conv_vae25.py)
     <root>/vae/ltx-2.5-audio-vae-bf16.safetensors        audio VAE + vocoder
     <root>/latent_upscale_models/ltx-2.5-latent-spatial-upscaler-x2-bf16-1.0.safetensors
     <root>/model_patches/ltx-2.5-duration-head-bf16.safetensors

@@ -23,6 +23,11 @@ bounds' smallest and largest frame counts, so every predicted count lies between
 same kernels). The duration head runs in warmup (its prediction is not used there), and all three
 loops (stage 1, stage 2, the diffusion decoder's) run at both shapes.
 
+`video_decoder` "conv" (the config key): the video VAE's convolutional decoder decodes instead, as LTX-2.3's runner does
+(diffusers: `LTX2Pipeline` stage 2 with an `output_type` other than "latent" decodes with its `vae`): the diffusion
+decoder is neither loaded nor counted in the memory plan, warmup runs the conv decode, and the release's video VAE
+is its conv VAE file (conv_vae25.py).
+
 Gemma-4 streams its decoder layers as Gemma-3 does when `offload.stream_modules` lists "text_encoder"
 (text_encoder_gemma4_stream.py), which the memory plan's rungs that stream every module do.
 Checkpoints: a diffusers folder, or Lightricks' per-component release (`model_path` its transformer file;
@@ -94,6 +99,8 @@ class LTX25Runner(LTX2Runner):
     #: `offload.vae_tiling`: the diffusion decoder's stage 4 and stage 5 run on overlapping tiles
     #: (diffusion_decode_tiled.py, diffusers' default tile sizes `DecoderTiling()`)
     DECODER_TILING: ClassVar[bool] = True
+    #: `video_decoder`: "diffusion" (the default, the release's main pipelines) or "conv" (the video VAE's decoder)
+    VIDEO_DECODERS: ClassVar[tuple[str, ...]] = ("diffusion", "conv")
     #: "release": Lightricks' per-component files (checkpoint_release25_write.py), for real-size runs
     CHECKPOINT_LAYOUTS: ClassVar[tuple[str, ...]] = ("diffusers", "release")
     #: Gemma-4 prompt enhancer (prompt_enhancer.py): loaded by the config's `prompt_enhancer` section, run for
@@ -118,10 +125,18 @@ class LTX25Runner(LTX2Runner):
             raise NotImplementedError(f"ltx2.5 warmup at `fps` {self.config.fps}: its shapes hold the duration bounds' "
                                       f"smallest and largest frame counts at {WARMUP_FPS} fps only (WARMUP_SHAPES); "
                                       f"run with fps {WARMUP_FPS} or without warmup")
+        if self.conv_decoder and self.config.offload.vae_tiling:
+            raise NotImplementedError("`offload.vae_tiling` with `video_decoder` 'conv': the convolutional VAE decodes "
+                                      "whole (tiling is the diffusion decoder's); remove one of them")
         if self.checkpoints.absent() and self.config.model is None:  # planning without the files (plan_sources25.py)
             self.arch_override, self.arch_source = configured_arch(self.config, None, RELEASES_25)
         self.gemma4_placeholders: tuple[int, ...] = ()
         self.enhancer: PromptEnhancer | None = None
+
+    @property
+    def conv_decoder(self) -> bool:
+        """Whether the video VAE's convolutional decoder decodes (`video_decoder` "conv"), not the diffusion decoder."""
+        return self.config.video_decoder == "conv"
 
     # ---- architecture, checkpoint, flavour ------------------------------------------------------
     @staticmethod
@@ -178,7 +193,8 @@ class LTX25Runner(LTX2Runner):
         single = path.suffix == ".safetensors"  # the release's transformer file: its companions from the config
         cfg = self.config
         ckpt = open_checked(lambda arch: open_ltx25(path, cfg.upsampler_path if single else None,
-                                                    cfg.text_encoder_path if single else None, arch=arch),
+                                                    cfg.text_encoder_path if single else None, arch=arch,
+                                                    video_decoder="conv" if self.conv_decoder else "diffusion"),
                             path, None if raw else cfg.model, lambda: self.parse_arch(cfg.model))
         if self.checkpoint is None:
             self._headers = {key: ckpt}
@@ -267,7 +283,7 @@ class LTX25Runner(LTX2Runner):
         return ltx25_estimate(arch, self.gemma4_text_config(arch), (h, w, f if f is not None else
                                                                     self.frame_bounds(cfg)[1]),
                               cfg.fps, cfg.task, self.dtype, self.device, cfg.offload,
-                              planning.fp8_transformer_weights(self), self.lora_slot_rank())
+                              planning.fp8_transformer_weights(self), self.lora_slot_rank(), self.conv_decoder)
 
     def gemma4_text_config(self, arch: LTX25Arch) -> dict[str, Any]:
         """The Gemma-4 text config's fields: the checkpoint's text encoder (`gemma4_folder`: a packed file's
@@ -321,10 +337,18 @@ class LTX25Runner(LTX2Runner):
     # ---- the pipeline ---------------------------------------------------------------------------
     def describe_pipeline(self) -> Pipeline:
         """LTX-2's, with Gemma-4 (resident, model-offloaded or streamed), the duration head after the connectors and
-        the diffusion decoder in place of the video VAE's decoder (the VAE is loaded for i2av's encoder only)."""
+        the diffusion decoder in place of the video VAE's decoder (the VAE is loaded for i2av's encoder only); with
+        `video_decoder` "conv" the video VAE's decoder stays (LTX-2's `vae_decoder`) and the diffusion decoder is
+        left out."""
         base = super().describe_pipeline()
         head = EncoderStage("duration_head", module="duration_head", run=self.run_duration_head,
                             runs=lambda req: req.info.frames_omitted or req.info.warmup)  # frames given: it does not
+        if self.conv_decoder:
+            modules = [ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder,
+                                  stream=self.stream_text_encoder)]
+            modules += [m for m in base.modules if m.name != "text_encoder"]
+            modules += [ModuleSpec("duration_head", "text_encoder", build=lambda d: self._load("duration_head", d))]
+            return replace(base, modules=tuple(modules), encoders=(*base.encoders[:2], head, *base.encoders[2:]))
         unused = ("text_encoder",) if self.config.task == "i2av" else ("text_encoder", "vae")
         modules = [ModuleSpec("text_encoder", "text_encoder", build=self.build_text_encoder,
                               stream=self.stream_text_encoder)]

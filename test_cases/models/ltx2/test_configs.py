@@ -100,9 +100,10 @@ def test_the_ltx25_22b_configs_name_the_release_files(config: Path, tmp_path: Pa
     file's); the 22B-2.5 flavour; the frames left to the duration head, at most 473: a warmup shape."""
     opened: list[tuple[Any, ...]] = []
 
-    def release(path: Any, upsampler: Any = None, text_encoder: Any = None, arch: Any = None) -> Any:
+    def release(path: Any, upsampler: Any = None, text_encoder: Any = None, arch: Any = None,
+                video_decoder: str = "") -> Any:
         opened.append((Path(path).as_posix(), Path(upsampler).name, Path(text_encoder).name,
-                       arch))
+                       arch, video_decoder))
         return SimpleNamespace(arch=LTX25_22B_PIPELINE_ARCH)
 
     monkeypatch.setattr(runner25, "open_ltx25", release)
@@ -114,7 +115,8 @@ def test_the_ltx25_22b_configs_name_the_release_files(config: Path, tmp_path: Pa
     assert runner.flavour() == "22B-2.5"
     assert opened == [("models/LTX-2.5/diffusion_models/ltx-2.5-22b-distilled-transformer-bf16.safetensors",
                        "ltx-2.5-latent-spatial-upscaler-x2-bf16-1.0.safetensors",
-                       "gemma4-12b-with-proj-ltx-2.5-bf16.safetensors", None)]
+                       "gemma4-12b-with-proj-ltx-2.5-bf16.safetensors", None,
+                       "diffusion")]  # the release's main pipelines decode with the diffusion decoder
     cfg = runner.config
     assert cfg.target_video_length is None and (cfg.dtype, cfg.offload.mode, cfg.warmup) == ("bfloat16", "auto", True)
     assert runner.request_shape(RequestConfig(prompt="p")) == (512, 768, 473) == runner.WARMUP_SHAPES["22B-2.5"][1]

@@ -86,7 +86,9 @@ def test_the_real_size_write_has_the_release_files_and_keys(tmp_path: Path, monk
     from runnerkit import synthetic
     from runnerkit.models.ltx2 import checkpoint_release25_write as write
     from runnerkit.models.ltx2.checkpoint import network_factory
+    from runnerkit.models.ltx2.conv_vae25 import CONV_VAE_FILE
     from runnerkit.weights import build_on_meta
+    from test_cases.models.ltx2.test_conv_vae25 import ltx23_vae_keys
     from test_cases.models.ltx2.test_release_keys_ltx25 import ltx25_keys
 
     saved: dict[str, dict[str, list[int]]] = {}
@@ -101,7 +103,7 @@ def test_the_real_size_write_has_the_release_files_and_keys(tmp_path: Path, monk
     monkeypatch.setattr(synthetic, "finish", lambda tmp, out, *a, **k: out)
     assert synth_checkpoint.main(["--config", str(REPO / "configs/ltx2/ltx25_t2av_22b_distilled.json"),
                                   "--out", str(tmp_path / "ltx25"), "--layout", "release"]) == 0
-    assert set(saved) == set(RELEASE_FILES.values())
+    assert set(saved) == {*RELEASE_FILES.values(), CONV_VAE_FILE}
     keys = ltx25_keys()
     transformer = saved[RELEASE_FILES["transformer"]]
     assert {k: s for k, s in transformer.items() if k in keys["transformer"]} == keys["transformer"]
@@ -112,3 +114,4 @@ def test_the_real_size_write_has_the_release_files_and_keys(tmp_path: Path, monk
         network_factory("connectors", LTX25_22B_PIPELINE_ARCH)).state_dict())
     assert saved[RELEASE_FILES["duration_head"]] == keys["duration_head"]
     assert saved[RELEASE_FILES["video_vae"]] == keys["diffusion_vae"]
+    assert saved[CONV_VAE_FILE] == ltx23_vae_keys()  # ltx-core's conv VAE file (test_conv_vae25.py)
