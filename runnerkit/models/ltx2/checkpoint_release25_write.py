@@ -40,7 +40,7 @@ from runnerkit.models.ltx2.checkpoint_synthetic import (
     fp8_block_weight,
     synthetic_state_dict,
 )
-from runnerkit.models.ltx2.conv_vae25 import CONV_VAE_FILE, conv_vae_file, conv_vae_metadata
+from runnerkit.models.ltx2.conv_vae25 import conv_vae_file, conv_vae_metadata
 from runnerkit.models.ltx2.ltx25_arch import GEMMA4_12B_TEXT
 from runnerkit.models.ltx2.release25_names import (
     DTYPE_NAMES,
@@ -180,8 +180,7 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
         vae = synthetic_state_dict(base, "vae", seed, dtype, generator_device)
         decoder = _extra(arch, "diffusion_decoder", seed, dtype, generator_device)
         _save(vae_file(vae, decoder, arch), tmp / files["video_vae"])
-        _save(conv_vae_file(vae, arch), tmp / CONV_VAE_FILE.replace("-bf16", f"-{DTYPE_NAMES[dtype]}"),
-              conv_vae_metadata(arch))  # the same encoder, its decoder
+        _save(conv_vae_file(vae, arch), tmp / files["conv_vae"], conv_vae_metadata(arch))  # same encoder, its decoder
         del vae, decoder
         _save(audio_file(synthetic_state_dict(base, "audio_vae", seed, dtype, generator_device),
                          synthetic_state_dict(base, "vocoder", seed, dtype, generator_device), arch),

@@ -33,14 +33,14 @@ from typing import Any
 from torch import Tensor
 
 from runnerkit.models.ltx2.arch25 import LTX25Arch
-from runnerkit.models.ltx2.release25_names import vae_encoder_names
+from runnerkit.models.ltx2.release25_names import RELEASE_FILES, vae_encoder_names
 from runnerkit.weights import CheckpointError, safetensors_infos
 
 __all__ = ["CONV_VAE_CLASS", "CONV_VAE_FILE", "conv_vae_file", "conv_vae_metadata", "find_conv_vae", "vae_class_name"]
 
 CONV_VAE_CLASS = "CausalVideoAutoencoder"
 """ltx-core's `_CONV_VAE_CLASS_NAME`: the `config` metadata's `vae._class_name` of a convolutional VAE file."""
-CONV_VAE_FILE = "vae/ltx-2.5-video-vae-conv-bf16.safetensors"
+CONV_VAE_FILE = RELEASE_FILES["conv_vae"]
 """Where the synthetic writer puts the conv VAE under the release root (the bf16 release's name)."""
 CONV_DECODER_KEY = "decoder.conv_in.conv.weight"
 """The conv decoder's first convolution (ltx-core `ConvVideoDecoder.conv_in`, a `CausalConv3d`)."""

@@ -53,6 +53,7 @@ FOLDERS = ("diffusion_models", "text_encoders", "vae", "latent_upscale_models", 
 RELEASE_FILES: dict[str, str] = {
     "transformer": "diffusion_models/ltx-2.5-22b-distilled-transformer-bf16.safetensors",
     "video_vae": "vae/ltx-2.5-video-vae-bf16.safetensors",
+    "conv_vae": "vae/ltx-2.5-video-vae-conv-bf16.safetensors",
     "audio_vae": "vae/ltx-2.5-audio-vae-bf16.safetensors",
     "latent_upsampler": "latent_upscale_models/ltx-2.5-latent-spatial-upscaler-x2-bf16-1.0.safetensors",
     "duration_head": "model_patches/ltx-2.5-duration-head-bf16.safetensors",

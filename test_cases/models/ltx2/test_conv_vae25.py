@@ -38,7 +38,7 @@ from runnerkit.models.ltx2.checkpoint import network_factory
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
 from runnerkit.models.ltx2.checkpoint_release25_write import write_release_ltx25
-from runnerkit.models.ltx2.conv_vae25 import CONV_VAE_FILE, conv_vae_file
+from runnerkit.models.ltx2.conv_vae25 import conv_vae_file
 from runnerkit.models.ltx2.estimate import ltx2_estimate
 from runnerkit.models.ltx2.estimate25 import TILING_HINT, ltx25_estimate
 from runnerkit.models.ltx2.ltx25_arch import GEMMA4_12B_TEXT
@@ -51,6 +51,7 @@ from test_cases.tools.test_plan import no_checkpoints, run_plan  # noqa: F401 (f
 DATA = Path(__file__).parent / "data"
 CONFIGS = REPO / "configs" / "ltx2"
 PROMPT = "a red fox runs through fresh snow, wind howls"
+FILES = names.release_files(torch.float32)  # `layouts` writes float32: its files are named `-fp32`
 RELEASE_CONV_BYTES = 1_452_269_922
 """The size of the release's `vae/ltx-2.5-video-vae-conv-bf16.safetensors` (header included)."""
 
@@ -70,8 +71,8 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _open_release(root: Path, video_decoder: str) -> Any:
-    return open_ltx25(root / names.RELEASE_FILES["transformer"], root / names.RELEASE_FILES["latent_upsampler"],
-                      root / names.TEXT_ENCODER_FOLDER, video_decoder=video_decoder)
+    return open_ltx25(root / FILES["transformer"], root / FILES["latent_upsampler"], root / FILES["text_encoder"],
+                      video_decoder=video_decoder)
 
 
 def ltx23_vae_keys() -> dict[str, list[int]]:
@@ -94,12 +95,12 @@ def test_conv_file_gives_the_whole_vae_and_the_diffusion_file_stays_apart(layout
     root = layouts["release"]
     diffusers = LTX25Checkpoint.open(layouts["diffusers"]).load("vae", torch.float32).state_dict()
     conv = _open_release(root, "conv")
-    assert conv.files("vae") == [root / CONV_VAE_FILE] and not conv._index["diffusion_decoder"]
+    assert conv.files("vae") == [root / FILES["conv_vae"]] and not conv._index["diffusion_decoder"]
     ours = conv.load("vae", torch.float32).state_dict()
     assert set(ours) == set(diffusers) and any(k.startswith("decoder.") for k in ours)
     assert all(torch.equal(ours[k], diffusers[k]) for k in ours)
     diffusion = _open_release(root, "diffusion")
-    assert diffusion.files("vae") == [root / names.RELEASE_FILES["video_vae"]]
+    assert diffusion.files("vae") == [root / FILES["video_vae"]]
     assert not any(k.startswith("decoder.") for k in diffusion.load("vae", torch.float32).state_dict())
 
 
@@ -116,7 +117,7 @@ def _rewrite(file: Path, drop: str | None = None, metadata: dict[str, str] | Non
 def test_bad_conv_files_are_refused_naming_them(layouts: dict[str, Path], tmp_path: Path) -> None:
     root = tmp_path / "release"
     shutil.copytree(layouts["release"], root)
-    conv = root / CONV_VAE_FILE
+    conv = root / FILES["conv_vae"]
     conv.rename(conv.with_name("any-name.safetensors"))  # found by content, whatever its name
     conv = conv.with_name("any-name.safetensors")
     assert _open_release(root, "conv").files("vae") == [conv]
@@ -147,9 +148,9 @@ def _config(tmp: Path, layouts: dict[str, Path], layout: str, warmup: bool) -> P
         data["model_path"] = str(layouts["diffusers"])
     else:
         root = layouts["release"]
-        data |= {"model_path": str(root / names.RELEASE_FILES["transformer"]),
-                 "upsampler_path": str(root / names.RELEASE_FILES["latent_upsampler"]),
-                 "text_encoder_path": str(root / names.TEXT_ENCODER_FOLDER)}
+        data |= {"model_path": str(root / FILES["transformer"]),
+                 "upsampler_path": str(root / FILES["latent_upsampler"]),
+                 "text_encoder_path": str(root / FILES["text_encoder"])}
     path = tmp / f"conv_{layout}_{warmup}.json"
     path.write_text(json.dumps(data))
     return path

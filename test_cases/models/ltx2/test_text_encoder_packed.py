@@ -44,6 +44,7 @@ from runnerkit.offload import disk
 from runnerkit.weights import CheckpointError
 
 CPU = torch.device("cpu")
+FILES = names.release_files(torch.float32)  # `_release` writes float32: its files are named `-fp32`
 PROMPTS = ["a red fox runs~ through fresh snow", ""]
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ltx2" / "ltx25_t2av_tiny.json"
 PROJECTION = {"text_embedding_projection.video_aggregate_embed.bias": torch.arange(4.0)}
@@ -190,12 +191,12 @@ def test_connector_tensors_of_the_packed_file_take_precedence(release: Path, tmp
     """ltx-core loads the transformer file, then the packed file, the later tensor replacing the earlier: a
     projection in both is the packed file's; one in neither is a load error naming the key."""
     root = _copy(release, tmp_path)
-    transformer, packed = root / names.RELEASE_FILES["transformer"], root / names.RELEASE_FILES["text_encoder"]
+    transformer, packed = root / FILES["transformer"], root / FILES["text_encoder"]
     key = "text_embedding_projection.video_aggregate_embed.bias"
     theirs = load_file(packed)[key]
     _rewrite(transformer, tmp_path / "t.safetensors", add={key: torch.full_like(theirs, 7.0)})
     shutil.move(tmp_path / "t.safetensors", transformer)
-    upsampler = root / names.RELEASE_FILES["latent_upsampler"]
+    upsampler = root / FILES["latent_upsampler"]
     ckpt = open_ltx25(transformer, upsampler, packed)
     assert torch.equal(ckpt.state_dict("connectors")[0]["video_text_proj_in.bias"], theirs)
     _rewrite(packed, tmp_path / "p.safetensors", drop=(key,))
@@ -210,9 +211,9 @@ def test_connector_tensors_of_the_packed_file_take_precedence(release: Path, tmp
 
 def test_the_packed_file_is_found_by_content_without_text_encoder_path(release: Path, tmp_path: Path) -> None:
     root = _copy(release, tmp_path)
-    transformer, upsampler = root / names.RELEASE_FILES["transformer"], root / names.RELEASE_FILES["latent_upsampler"]
+    transformer, upsampler = root / FILES["transformer"], root / FILES["latent_upsampler"]
     renamed = root / "text_encoders" / "any-name.safetensors"
-    (root / names.RELEASE_FILES["text_encoder"]).rename(renamed)
+    (root / FILES["text_encoder"]).rename(renamed)
     save_file({"text_embedding_projection.other.weight": torch.ones(1)}, root / "text_encoders" / "not-gemma.safetensors")
     assert open_ltx25(transformer, upsampler, None).text_encoder_path == renamed
     data = {**json.loads(CONFIG.read_text()), "device": "cpu", "model_path": str(transformer),
@@ -228,10 +229,10 @@ def test_the_packed_file_is_found_by_content_without_text_encoder_path(release: 
 def test_the_estimate_reads_gemma4_from_the_packed_file_before_loading(release: Path, tmp_path: Path) -> None:
     """Planning a release whose transformer file is absent: the Gemma-4 sizes are the packed file's (the tiny
     ones, which the tiny connectors take; Gemma-4 12B's would not fit them), and the plan's sources say so."""
-    packed = release / names.RELEASE_FILES["text_encoder"]
+    packed = release / FILES["text_encoder"]
     data = {**json.loads(CONFIG.read_text()), "device": "cpu", "model": tiny_ltx25_arch().model_dump(mode="json"),
             "model_path": str(tmp_path / "diffusion_models" / "ltx-2.5-22b-absent.safetensors"),
-            "upsampler_path": str(release / names.RELEASE_FILES["latent_upsampler"]), "text_encoder_path": str(packed)}
+            "upsampler_path": str(release / FILES["latent_upsampler"]), "text_encoder_path": str(packed)}
     del data["synthetic_checkpoint"]
     runner = LTX25Runner.for_plan(load_runner_config(None, data))
     sizes = tiny_gemma4_sizes(tiny_ltx25_arch())
