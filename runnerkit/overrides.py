@@ -53,7 +53,7 @@ OVERRIDES: tuple[Override, ...] = (
              "single-file release (.safetensors) where the family loads one", frozenset({LAUNCH, SERVE}),
              key="model_path", serve_help="override the config's checkpoint folder"),
     Override("text_encoder_path", "text encoder folder (transformers layout) of a single-file release, or "
-             "LTX-2.5's packed text-encoder .safetensors",
+             "a packed text-encoder .safetensors where the family reads one",
              frozenset({LAUNCH}), key="text_encoder_path"),
     Override("upsampler_path", "latent upsampler file of a single-file two-stage release", frozenset({LAUNCH}),
              key="upsampler_path"),

@@ -92,11 +92,11 @@ class RequestProfile:
     index: int
     shape: list[int]
     """[height, width, frames] of the request, pixels and frames: the shape it ran at (read after the encoders:
-    a family may predict part of it, LTX-2.5 its frame count)."""
+    a family may predict part of it, e.g. the frame count)."""
     stages: dict[str, float | None]
     """Seconds per profiling stage of the family's pipeline (`Pipeline.profile_stages`), in order; None for a
-    stage that did not run for this request (`Profiler.skip_stage`: e.g. LTX-2.5's `duration_head` when the
-    request gives its frame count)."""
+    stage that did not run for this request (`Profiler.skip_stage`: e.g. a stage that predicts the frame count when
+    the request gives it)."""
     seconds: float = 0.0
     """Wall seconds of the whole request, `end_run` included, and its files: when the writer thread wrote
     them (`write.overlapped`), up to the moment they were written, beside later requests' compute."""
@@ -114,7 +114,7 @@ class RequestProfile:
     `seconds` (writing them), `wait_seconds` (its `save` stage waiting for a free writer slot)."""
     admitted_shape: list[int] | None = field(default=None, repr=False)
     """The shape admission checked (not reported): `audit.warmed_shape` asks about it, as a family's warmup covers
-    every shape its prediction can give from it (LTX-2.5: the bounds' smallest and largest frame counts)."""
+    every shape its prediction can give from it (e.g. the smallest and largest frame counts a prediction can take)."""
     started: float = field(default=0.0, repr=False)
     """`time.perf_counter()` when the request began (not reported)."""
     pending_write: Any = field(default=None, repr=False)

@@ -241,7 +241,7 @@ class DefaultRunner(BaseRunner):
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
         req.inputs = self.run_encoders(req)  # 2. encoders
-        prof.shape = list(req.info.shape)  # the shape that runs (LTX-2.5's duration head predicts its frames)
+        prof.shape = list(req.info.shape)  # the shape that runs (a family may predict its frames)
         latents = self.run_denoise(req)  # 3. denoise stages
         if not self.decodes_here:
             return  # parallel: rank 0 alone decodes and saves; this rank's part of the request is done

@@ -87,8 +87,8 @@ class Job:
     def ran_at(self, shape: list[int], fps: float) -> None:
         """`shape` [height, width, frames] is what the request ran at (its profile's, read once the encoders ran):
         it replaces the admitted shape in `resolved` (and `seconds`, a video's length, with it). A family may
-        predict part of a shape after admission: LTX-2.5 with the frames omitted is admitted at the bounds'
-        largest count and runs the duration head's."""
+        predict part of a shape after admission (a request that omits its frame count may be admitted at the
+        largest count the family's bounds allow and run at the count the family predicts from its prompt)."""
         if not self.resolved or not all(shape):  # [0, 0, 0]: the request failed before its shape was known
             return
         self.resolved.update(height=shape[0], width=shape[1], frames=shape[2])

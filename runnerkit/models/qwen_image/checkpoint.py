@@ -169,8 +169,13 @@ def merge_override(arch: QwenImageArch, override: dict[str, Any] | None, path: P
     if not override:
         return arch
     where = path / "runnerkit.json" if layout == "runnerkit" else path / "*" / "config.json"
+    compared = override
+    if layout != "runnerkit" and isinstance(override.get("edit"), dict):
+        # a diffusers folder states the edit variant (model_index.json's pipeline class) but not the image areas
+        # (constants of diffusers' pipeline code, not of the folder): `model` may set those
+        compared = {**override, "edit": {k: v for k, v in override["edit"].items() if k == "variant"}}
     try:
-        refuse_disagreements(override, arch, str(where))
+        refuse_disagreements(compared, arch, str(where))
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     data = arch.model_dump(mode="json")
