@@ -110,7 +110,7 @@ def dense_neighborhood_mask(grid: tuple[int, int, int], kernel: Kernel, device: 
 def _compiled_flex() -> Callable[..., Tensor]:
     """FlexAttention compiled once for the process (automatic dynamic shapes: the decoder meets
     five token grids per video shape, more than a static compile's recompile limit allows).
-    Not yet run on a GPU here: the CPU tests take the dense-mask path."""
+    The CPU tests take the dense-mask path."""
     from torch.nn.attention.flex_attention import flex_attention
     return torch.compile(flex_attention)
 
@@ -128,24 +128,35 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, mask
     """
     B, T, H, W, heads, d = q.shape
     if mask is None:
-        mask = stage_mask((T, H, W), kernel, q.device)
+        mask = stage_mask((T, H, W), kernel, q.device, d)
     q, k, v = (t.reshape(B, T * H * W, heads, d).transpose(1, 2) for t in (q, k, v))  # [B, heads, N, d]
     out = attend(q, k, v, mask)  # [B, heads, N, d]
     return out.transpose(1, 2).reshape(B, T, H, W, heads * d)
 
 
+FLEX_MIN_HEAD_DIM = 16
+"""The smallest head size inductor lowers FlexAttention for ("NYI: embedding dimension of the query, key, and
+value must be at least 16", torch 2.11 on an H100); smaller heads (the tiny test configs') take the dense mask."""
+
+
+def uses_flex(device: torch.device, head_dim: int) -> bool:
+    """Whether the decoder's attention on `device` with heads of `head_dim` runs compiled FlexAttention with a
+    `BlockMask` (CUDA, heads of at least `FLEX_MIN_HEAD_DIM`) rather than SDPA with a dense [N, N] mask."""
+    return device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: object) -> Tensor:
-    """The attention kernel on [B, heads, N, d] (scale 1): compiled FlexAttention with the
-    `BlockMask` on CUDA, `scaled_dot_product_attention` with the dense mask elsewhere."""
-    if q.device.type == "cuda":
-        return _compiled_flex()(q, k, v, block_mask=mask, scale=1.0)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+    """The attention kernel on [B, heads, N, d] (scale 1), chosen by the mask `stage_mask` built: compiled
+    FlexAttention for a `BlockMask`, `scaled_dot_product_attention` for a dense boolean [N, N] mask."""
+    if isinstance(mask, Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+    return _compiled_flex()(q, k, v, block_mask=mask, scale=1.0)
 
 
-def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device) -> object:
-    """The window mask of one (grid, kernel), shared by every block of a stage: a FlexAttention
-    `BlockMask` on CUDA, a dense boolean [N, N] tensor elsewhere."""
-    if device.type == "cuda":
+def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device, head_dim: int) -> object:
+    """The window mask of one (grid, kernel), shared by every block of a stage: a FlexAttention `BlockMask`
+    where `uses_flex(device, head_dim)`, a dense boolean [N, N] tensor elsewhere."""
+    if uses_flex(device, head_dim):
         from torch.nn.attention.flex_attention import create_block_mask
         n = math.prod(grid)
         return create_block_mask(neighborhood_mask_mod(grid, kernel), B=None, H=None, Q_LEN=n, KV_LEN=n,

@@ -162,3 +162,21 @@ def test_noise_drawn_in_decoder_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     decode_video(ours, latents, generator=7, normalized=False)
     assert drawn["ours"].dtype == drawn["reference"].dtype == torch.bfloat16
     assert torch.equal(drawn["ours"], drawn["reference"])
+
+
+def test_the_window_attention_kernel_follows_the_device_and_head_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlexAttention (a `BlockMask`) only on CUDA with heads of at least 16 (inductor lowers no smaller head);
+    elsewhere, and for the tiny configs' 8-wide heads on CUDA, SDPA with the dense window mask, whose output is
+    the windowed softmax itself."""
+    from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert layers.uses_flex(cuda, 64) and layers.uses_flex(cuda, 16)
+    assert not layers.uses_flex(cuda, 8) and not layers.uses_flex(cpu, 64)
+    monkeypatch.setattr(layers, "_compiled_flex", lambda: pytest.fail("FlexAttention called for a dense mask"))
+    grid, kernel = (2, 3, 3), (1, 3, 3)
+    mask = layers.stage_mask(grid, kernel, cpu, 64)
+    assert isinstance(mask, torch.Tensor) and mask.shape == (18, 18)
+    q, k, v = (torch.randn(1, 2, 18, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    scores = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(layers.attend(q, k, v, mask), scores.softmax(-1) @ v, rtol=1e-5, atol=1e-6)

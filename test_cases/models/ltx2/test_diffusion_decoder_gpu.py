@@ -1,0 +1,31 @@
+"""The LTX-2.5 diffusion decoder's window attention on CUDA (GPU test, `-m gpu`): compiled FlexAttention for heads
+of 16 and more, the dense mask below (inductor lowers FlexAttention for no smaller head), both against the
+dense-mask path on the CPU (diffusion_decoder_layers.py `uses_flex`). float32, tiny widths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runnerkit.models.ltx2.diffusion_decoder import TINY_LTX25_DIFFUSION_DECODER, LTX2DiffusionDecoder
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("head_dim", [8, 16], ids=["dense-mask", "flex"])
+def test_cuda_window_attention_equals_the_cpu_dense_path(head_dim: int) -> None:
+    arch = TINY_LTX25_DIFFUSION_DECODER.model_copy(update={"decoder_head_dim": head_dim,
+                                                          "decoder_stage_channels": (64, 32, 32, 32, 16)})
+    torch.manual_seed(0)
+    cpu = LTX2DiffusionDecoder(arch).eval()
+    cuda = LTX2DiffusionDecoder(arch).cuda().eval()
+    cuda.load_state_dict(cpu.state_dict())
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(1, arch.latent_channels, 2, 1, 3, generator=g)
+    x_t = torch.randn(*cpu.pixel_shape(tuple(z.shape)), generator=g)
+    t = torch.tensor([0.7])
+    with torch.no_grad():
+        want = cpu.decoder.predict(cpu.decoder.context(z), x_t, t)
+        got = cuda.decoder.predict(cuda.decoder.context(z.cuda()), x_t.cuda(), t.cuda()).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
