@@ -58,16 +58,24 @@ class ModelOffloader:
             if bad:
                 raise ValueError(f"`modules[{name!r}]`: tensors must be on the CPU before model offload, got {bad[:4]}")
             unique = list({id(t): t for *_, t in tensors}.values())  # a tied tensor is stored once
-            offsets, total = plan_offsets([t.numel() * t.element_size() for t in unique])
-            offset_of = {id(t): off for t, off in zip(unique, offsets)}
-            slab = HostSlab(total, pin_memory=pin_memory, label=name)
-            for t in unique:
-                typed_view(slab.buffer, offset_of[id(t)], t.dtype, t.shape).copy_(t)
-            entries: list[_Entry] = []
+            uses: dict[int, list[tuple[nn.Module, str, bool]]] = {}
             for m, leaf, is_param, t in tensors:
-                offset = offset_of[id(t)]
-                self._rebind(m, leaf, is_param, typed_view(slab.buffer, offset, t.dtype, t.shape))
-                entries.append((m, leaf, is_param, offset, t.dtype, tuple(t.shape)))
+                uses.setdefault(id(t), []).append((m, leaf, is_param))
+            del tensors
+            offsets, total = plan_offsets([t.numel() * t.element_size() for t in unique])
+            slab = HostSlab(total, pin_memory=pin_memory, label=name)
+            entries: list[_Entry] = []
+            # One tensor at a time: copied into the slab, then every use of it rebound, so the module's original
+            # (pageable) tensor is freed before the next is copied: the load's host peak is the slab plus one
+            # tensor, not the slab plus the whole module.
+            unique.reverse()
+            for offset in offsets:
+                t = unique.pop()
+                typed_view(slab.buffer, offset, t.dtype, t.shape).copy_(t)
+                for m, leaf, is_param in uses.pop(id(t)):
+                    self._rebind(m, leaf, is_param, typed_view(slab.buffer, offset, t.dtype, t.shape))
+                    entries.append((m, leaf, is_param, offset, t.dtype, tuple(t.shape)))
+                del t
             self._slabs[name] = slab
             self._entries[name] = entries
         total_gib = sum(s.nbytes for s in self._slabs.values()) / 2**30

@@ -57,3 +57,37 @@ def test_tensors_visit_the_device_and_return_to_the_slab() -> None:
     with pytest.raises(RuntimeError, match="closed"):
         with off.on_device("vae"):
             pass
+
+
+
+def test_packing_rebinds_each_tensor_before_copying_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host peak of packing a module is its slab plus one tensor: each tensor is copied into the slab and every
+    use of it re-bound there (its original storage freed) before the next is copied, so a visiting text encoder
+    loaded as pageable tensors never sits twice in host memory. A tied tensor is stored and copied once."""
+    from runnerkit.offload import model_offload
+
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8))
+    enc.register_buffer("table", torch.arange(6, dtype=torch.float32))
+    enc.tied = enc[0].bias  # the same Parameter under a second name
+    values = {n: t.detach().clone() for n, t in enc.state_dict().items()}
+    events: list[str] = []
+    real_view, real_rebind = model_offload.typed_view, ModelOffloader._rebind
+
+    def view(*args: object) -> torch.Tensor:
+        events.append("view")
+        return real_view(*args)  # type: ignore[arg-type]
+
+    def rebind(module: nn.Module, leaf: str, is_param: bool, tensor: torch.Tensor) -> None:
+        events.append(f"rebind {leaf}")
+        real_rebind(module, leaf, is_param, tensor)
+
+    monkeypatch.setattr(model_offload, "typed_view", view)
+    monkeypatch.setattr(ModelOffloader, "_rebind", staticmethod(rebind))
+    ModelOffloader({"text_encoder": enc}, "meta", pin_memory=False)
+    # per stored tensor: its copy's view, then one view + re-bind per use (`module.modules()` order: the root's
+    # `tied` first, which is layer 0's bias too; then layer 0's weight, layer 1's weight and bias; the buffer)
+    assert events == ["view", "view", "rebind tied", "view", "rebind bias", "view", "view", "rebind weight",
+                      "view", "view", "rebind weight", "view", "view", "rebind bias", "view", "view", "rebind table"]
+    assert all(torch.equal(t, values[k]) for k, t in enc.state_dict().items())
+    assert enc.tied is enc[0].bias
