@@ -18,7 +18,8 @@ synthetic paths and a requests file of `--requests` t2av requests at 512x768x121
 caps the allocator at N GiB, and the config adds `memory.limit_gib` N and `memory.host_limit_gib` (`--host_gib`,
 32). `--repeat K`: K processes per arm. A thread samples /proc/self/status every 0.1 s: the peaks of RssAnon
 (anonymous: heap, pinned slabs), RssFile (mapped file pages: the page cache of mmap reads, reclaimable) and
-RssShmem, set against the plan's host estimate.
+RssShmem, and of RssAnon + RssShmem at one sample (what the host estimate bounds), set against the plan's host
+estimate.
 A spy on the runner's memory checks (planning/checks.py `MemoryChecks.check_fit`, and `check_request` as each
 request starts, which does not check again what the launch script checked before loading) records the kept
 budget and what a re-read of the device (free + reserved) would give: the drift the CUDA libraries cause after
@@ -105,15 +106,19 @@ def worker(args: argparse.Namespace) -> None:
 
     MemoryChecks.check_fit = spy  # type: ignore[method-assign]
     MemoryChecks.check_request = spy_request  # type: ignore[method-assign]
-    peaks = {"RssAnon": 0, "RssFile": 0, "RssShmem": 0, "VmRSS": 0}
+    peaks = {"RssAnon": 0, "RssFile": 0, "RssShmem": 0, "VmRSS": 0, "RssAnon+RssShmem": 0}
     stop = threading.Event()
 
-    def sample() -> None:
+    def sample() -> None:  # each field's peak, and the peak of anonymous + shared (pinned) at one sample
         while not stop.wait(0.1):
+            now = {}
             for line in Path("/proc/self/status").read_text().splitlines():
                 key, _, rest = line.partition(":")
                 if key in peaks:
-                    peaks[key] = max(peaks[key], int(rest.split()[0]) * 1024)
+                    now[key] = int(rest.split()[0]) * 1024
+            now["RssAnon+RssShmem"] = now.get("RssAnon", 0) + now.get("RssShmem", 0)
+            for key, value in now.items():
+                peaks[key] = max(peaks[key], value)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
