@@ -81,7 +81,8 @@ def worker(args: argparse.Namespace) -> None:
     config = out_dir / "config.json"
     config.write_text(json.dumps(data))
     h, w, f = family["shape"]
-    lines = [{"prompt": f"a lighthouse in a storm at night, take {k}", "seed": 42, "target_height": h,
+    words = " ".join(["and the waves crash on the black rocks below"] * (args.prompt_words // 9))
+    lines = [{"prompt": f"a lighthouse in a storm at night, take {k} {words}".strip(), "seed": 42, "target_height": h,
               "target_width": w, "save_tensor_path": str(out_dir / f"r{k}.safetensors"),
               **({"target_video_length": f} if f > 1 else {})} for k in range(args.requests)]
     requests = out_dir / "requests.jsonl"
@@ -148,6 +149,8 @@ def main() -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--write", action="store_true", help="write the family's synthetic checkpoint first (if absent)")
     p.add_argument("--steps", type=int, default=8, help="denoising steps a request (wan14, qwen20)")
+    p.add_argument("--prompt_words", type=int, default=0,
+                   help="lengthen each prompt by about this many words (the text encoder's stage at a long prompt)")
     p.add_argument("--arms", nargs="+", default=["full"], help="'full' or a device cap in GiB, one process each")
     p.add_argument("--requests", type=int, default=2)
     p.add_argument("--host_gib", type=float, default=32.0, help="memory.host_limit_gib of a capped arm")
@@ -176,7 +179,8 @@ def _run_arm(args: argparse.Namespace, arm: str, result: Path, log_path: Path) -
     with open(log_path, "w") as log:
         rc = subprocess.run(worker_command(Path(__file__), ["--family", args.family, "--ckpt", args.ckpt,
                                                             "--requests", str(args.requests), "--steps",
-                                                            str(args.steps), "--arm", arm, *extra], result),
+                                                            str(args.steps), "--prompt_words", str(args.prompt_words),
+                                                            "--arm", arm, *extra], result),
                             check=False, stdout=log, stderr=subprocess.STDOUT).returncode
     run = json.loads(result.read_text()) if result.is_file() else {"exit_status": rc}
     plan = run.get("memory_plan") or {}
