@@ -22,9 +22,11 @@ Architecture (unless the config's `model` gives it): the transformer file's `con
 `release_config.arch_from_single_file_config` reads it (ltx-core's format: Gemma-4's width and depth from
 `text_encoder_path`'s config.json; or runnerkit's sections format, which the synthetic writer stores, with the
 duration head's and decoder's sections); ltx-core's format gives the duration head and the diffusion decoder the
-release's sizes (`LTX25_DURATION_HEAD`, `LTX25_DIFFUSION_DECODER`; every shape is checked at load). Whether the
-release's transformer file carries the `vae`, `audio_vae` and `vocoder` sections that format needs is not known
-here: if not, the error names them; give the config's `model` (`LTX25_22B_PIPELINE_ARCH.model_dump(mode="json")`).
+release's sizes (`LTX25_DURATION_HEAD`, `LTX25_DIFFUSION_DECODER`; every shape is checked at load). A split
+release's transformer file may leave out the `vae`, `audio_vae` and `vocoder` sections (ltx-trainer's
+`is_split_transformer`: its metadata declares `transformer` and `scheduler` only); those it lacks take the
+release's sizes (`LTX25_22B_ARCH`: LTX-2.3's video VAE encoder, audio VAE and vocoder), checked shape by shape at
+load like the rest.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from runnerkit.models.ltx2.diffusion_decoder import LTX25_DIFFUSION_DECODER
 from runnerkit.models.ltx2.diffusion_decoder_keys import state_dict_from_single_file as decoder_state_dict
 from runnerkit.models.ltx2.duration import LTX25_DURATION_HEAD
 from runnerkit.models.ltx2.duration import state_dict_from_single_file as duration_state_dict
+from runnerkit.models.ltx2.ltx25_arch import LTX25_22B_ARCH
 from runnerkit.models.ltx2.release25_names import VAE_PREFIX
 from runnerkit.models.ltx2.release_config import arch_from_single_file_config, is_release_config
 from runnerkit.models.ltx2.text_encoder_packed import (
@@ -257,7 +260,8 @@ def _release_arch(transformer: Path, upsampler: Path, text_encoder: Path) -> LTX
         gemma = (PackedGemma4.open(text_encoder).config if is_packed_file(text_encoder)
                  else read_json_object(text_encoder / "config.json", "text_encoder"))
     ours = {k: config.pop(k) for k in EXTRA_COMPONENTS if k in config}
-    base = _arch(lambda: arch_from_single_file_config(config, up_config, str(transformer), gemma),
+    base = _arch(lambda: arch_from_single_file_config(config, up_config, str(transformer), gemma,
+                                                      defaults=LTX25_22B_ARCH if release else None),
                  f"metadata `config` of {transformer} and {upsampler}")
     sections = {**base.to_sections(), "duration_head": LTX25_DURATION_HEAD.model_dump(mode="json"),
                 "diffusion_decoder": LTX25_DIFFUSION_DECODER.model_dump(mode="json"), **ours}

@@ -445,13 +445,16 @@ def upsampler_from_release_config(config: dict[str, Any]) -> up.LTX2LatentUpsamp
 
 
 def arch_from_release_config(config: dict[str, Any], upsampler: up.LTX2LatentUpsamplerArch,
-                             text_encoder_config: dict[str, Any] | None = None) -> LTX2Arch:
+                             text_encoder_config: dict[str, Any] | None = None,
+                             defaults: LTX2Arch | None = None) -> LTX2Arch:
     """The architecture a release file's `config` metadata describes (module docstring).
 
     Args:
         config: the JSON object of the single file's `config` metadata entry.
         upsampler: the upsampler file's architecture.
         text_encoder_config: the Gemma-3 folder's config.json (None: Gemma-3 12B's widths).
+        defaults: the `vae`, `audio_vae` and `vocoder` a split release's transformer file may leave out (its
+            VAE and audio files carry them); None: every section is required.
 
     Raises:
         ValueError: a missing section, an unknown key or a value of the wrong type, naming the key.
@@ -461,24 +464,29 @@ def arch_from_release_config(config: dict[str, Any], upsampler: up.LTX2LatentUps
     top = _Section(config, "config")
     if "duration_head" in config:
         raise NotImplementedError("`config.duration_head`: LTX-2.5's duration head is not implemented")
-    missing = [s for s in SECTIONS if s not in config]
+    optional = () if defaults is None else ("vae", "audio_vae", "vocoder")
+    missing = [s for s in SECTIONS if s not in config and s not in optional]
     if missing:
         raise ValueError(f"`config` has no {missing} section (has {sorted(config)})")
     top.ignore("scheduler")
-    t, vo = top.section("transformer"), top.section("vocoder")
-    vae_section, audio_section = top.section("vae"), top.section("audio_vae")
-    vae, audio = _video_vae(vae_section), _audio_vae(audio_section)
+    t = top.section("transformer")
+    vae_section = top.section("vae") if "vae" in config else None
+    vae = _video_vae(vae_section) if vae_section is not None else defaults.vae  # type: ignore[union-attr]
+    audio = _audio_vae(top.section("audio_vae")) if "audio_vae" in config else defaults.audio_vae  # type: ignore
     transformer = _transformer(t, vae, audio)
     widths = None if text_encoder_config is None else text_encoder_widths(text_encoder_config)
+    vocoder = _vocoder(top.section("vocoder"), audio) if "vocoder" in config else defaults.vocoder  # type: ignore
     arch = LTX2Arch(transformer=transformer, connectors=_connectors(t, transformer, widths), vae=vae,
-                    audio_vae=audio, vocoder=_vocoder(vo, audio), latent_upsampler=upsampler)
+                    audio_vae=audio, vocoder=vocoder, latent_upsampler=upsampler)
     for section in (t, vae_section, top):
-        section.done()
+        if section is not None:
+            section.done()
     return arch
 
 
 def arch_from_single_file_config(config: dict[str, Any], upsampler_config: dict[str, Any], where: str,
-                                 text_encoder_config: dict[str, Any] | None = None) -> LTX2Arch:
+                                 text_encoder_config: dict[str, Any] | None = None,
+                                 defaults: LTX2Arch | None = None) -> LTX2Arch:
     """The architecture from the `config` metadata of a single file and of its upsampler file: the
     ltx-core format of Lightricks' releases (this module), or runnerkit's own sections format
     (`LTX2Arch.to_sections`, as the synthetic writer stores it).
@@ -486,6 +494,7 @@ def arch_from_single_file_config(config: dict[str, Any], upsampler_config: dict[
     Args:
         text_encoder_config: the Gemma-3 folder's config.json; a release config takes the connectors'
             input width and stacked-layer count from it, as ltx-core does (None: Gemma-3 12B's).
+        defaults: a release config's sections that may be missing (`arch_from_release_config`).
 
     Raises:
         ValueError, NotImplementedError: a missing section, an unknown key or an unsupported value,
@@ -496,5 +505,5 @@ def arch_from_single_file_config(config: dict[str, Any], upsampler_config: dict[
     else:
         upsampler = up.LTX2LatentUpsamplerArch.from_diffusers_config(upsampler_config)
     if is_release_config(config):
-        return arch_from_release_config(config, upsampler, text_encoder_config)
+        return arch_from_release_config(config, upsampler, text_encoder_config, defaults)
     return LTX2Arch.from_sections({**config, "latent_upsampler": upsampler.to_diffusers_config()}, where)

@@ -90,6 +90,28 @@ def test_transformer_file_loads_with_its_metadata(tmp_path: Path) -> None:
     assert keys["model.diffusion_model.keyframes_abs_pos_embedding"] == [1, 4096]
 
 
+
+@pytest.mark.parametrize("left_out", [("vae", "audio_vae", "vocoder"), ("vocoder",)], ids=["split", "no-vocoder"])
+def test_a_split_transformer_file_without_vae_and_audio_sections_takes_the_release_sizes(
+        tmp_path: Path, left_out: tuple[str, ...]) -> None:
+    """A split release's transformer file may declare only `transformer` and `scheduler` (ltx-trainer's
+    `is_split_transformer`): the sections it leaves out take LTX-2.5's release sizes, so the architecture equals the
+    full config's. A single file (LTX-2.x) still needs every section."""
+    from runnerkit.models.ltx2.checkpoint_release25 import _release_arch
+    from runnerkit.models.ltx2.release_config import arch_from_release_config, upsampler_from_release_config
+
+    config = {k: v for k, v in LTX25_22B_CONFIG.items() if k not in left_out}
+    write_header_only(tmp_path / "transformer.safetensors", {"x": [1]}, {**METADATA, "config": json.dumps(config)})
+    write_header_only(tmp_path / "upsampler.safetensors", {"x": [1]}, {"config": json.dumps(LTX23_UPSAMPLER_CONFIG)})
+    (tmp_path / "gemma").mkdir()
+    (tmp_path / "gemma" / "config.json").write_text(json.dumps(GEMMA3_12B_CONFIG))  # Gemma-4 12B: the same widths
+    arch = _release_arch(tmp_path / "transformer.safetensors", tmp_path / "upsampler.safetensors", tmp_path / "gemma")
+    for name in ("transformer", "connectors", "vae", "audio_vae", "vocoder"):
+        assert getattr(arch, name) == getattr(LTX25_22B_ARCH, name), name
+    upsampler = upsampler_from_release_config(LTX23_UPSAMPLER_CONFIG)
+    with pytest.raises(ValueError, match=rf"`config` has no \[{', '.join(repr(s) for s in left_out)}\] section"):
+        arch_from_release_config(config, upsampler, GEMMA3_12B_CONFIG)
+
 def test_duration_head_file_loads(tmp_path: Path) -> None:
     """The head's file (read for real: 1.9 M zeros) loads strictly into the LTX-2.5 head."""
     from safetensors.torch import load_file
