@@ -384,6 +384,23 @@ def _header_entry(path: Path, name: str, meta: Any, data_start: int) -> TensorIn
                             nbytes=end - begin)
 
 
+def safetensors_metadata(path: Path, component: str) -> dict[str, str]:
+    """The `__metadata__` object of safetensors file `path` ({} when it has none), its header checked first
+    (`read_safetensors_header`); read, not mapped.
+
+    Raises:
+        CheckpointError: naming `component` and `path`: missing or damaged.
+    """
+    path = Path(path)
+    safetensors_infos([path], component)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        return json.loads(os.pread(fd, n, 8)).get("__metadata__") or {}
+    finally:
+        os.close(fd)
+
+
 def safetensors_infos(files: Iterable[Path], component: str) -> dict[str, TensorIndexEntry]:
     """Every tensor of `files` from their checked headers (one short-lived handle at a time).
 

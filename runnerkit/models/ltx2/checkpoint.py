@@ -32,8 +32,6 @@ block-wise), float8_e5m2 with scales.
 from __future__ import annotations
 
 import json
-import os
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +64,7 @@ from runnerkit.weights import (
     read_json_object,
     safetensors_files,
     safetensors_infos,
+    safetensors_metadata,
 )
 
 Layout = Literal["single_file", "diffusers"]
@@ -124,13 +123,7 @@ def read_metadata_config(path: Path, component: str) -> dict:
     """
     if not path.is_file():
         raise CheckpointError(f"{component}: checkpoint file {path} does not exist")
-    safetensors_infos([path], component)  # a damaged header is refused here, naming the file
-    fd = os.open(path, os.O_RDONLY)  # read, not mapped: no mapping outlives this function
-    try:
-        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        metadata = json.loads(os.pread(fd, n, 8)).get("__metadata__") or {}
-    finally:
-        os.close(fd)
+    metadata = safetensors_metadata(path, component)  # a damaged header is refused here, naming the file
     if "config" not in metadata:
         raise CheckpointError(f"{component}: {path} has no `config` metadata entry (has {sorted(metadata)}); "
                               "pass `arch` explicitly")

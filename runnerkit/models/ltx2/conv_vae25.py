@@ -25,8 +25,6 @@ beside `decoder.conv_in_x_t.weight`; the audio file has `audio_vae.*` only). Whe
 from __future__ import annotations
 
 import json
-import os
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,7 @@ from torch import Tensor
 
 from runnerkit.models.ltx2.arch25 import LTX25Arch
 from runnerkit.models.ltx2.release25_names import RELEASE_FILES, vae_encoder_names
-from runnerkit.weights import CheckpointError, safetensors_infos
+from runnerkit.weights import CheckpointError, safetensors_infos, safetensors_metadata
 
 __all__ = ["CONV_VAE_CLASS", "CONV_VAE_FILE", "conv_vae_file", "conv_vae_metadata", "find_conv_vae", "vae_class_name"]
 
@@ -46,23 +44,13 @@ CONV_DECODER_KEY = "decoder.conv_in.conv.weight"
 """The conv decoder's first convolution (ltx-core `ConvVideoDecoder.conv_in`, a `CausalConv3d`)."""
 
 
-def _metadata(path: Path) -> dict[str, str]:
-    """The `__metadata__` of safetensors file `path` (its header read, not mapped)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        return json.loads(os.pread(fd, n, 8)).get("__metadata__") or {}
-    finally:
-        os.close(fd)
-
-
 def vae_class_name(path: Path) -> str | None:
     """The `config` metadata's `vae._class_name` of `path` (None: no such entry; ltx-core then takes the conv class).
 
     Raises:
         CheckpointError: the `config` entry is not a JSON object, naming the file.
     """
-    raw = _metadata(path).get("config")
+    raw = safetensors_metadata(path, "vae").get("config")
     if raw is None:
         return None
     try:

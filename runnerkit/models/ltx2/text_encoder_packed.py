@@ -33,8 +33,6 @@ transformers' config class of its `model_type` (as `AutoConfig` reads a config.j
 from __future__ import annotations
 
 import json
-import os
-import struct
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -62,6 +60,7 @@ from runnerkit.weights import (
     TensorIndexEntry,
     check_tensors,
     safetensors_infos,
+    safetensors_metadata,
     short_list,
     tensor_infos,
     to_compute,
@@ -106,13 +105,7 @@ def read_metadata(path: Path) -> dict[str, str]:
     """
     if not path.is_file():
         raise CheckpointError(f"text_encoder: packed Gemma-4 file {path} does not exist")
-    safetensors_infos([path], "text_encoder")  # a damaged header is refused here, naming the file
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        return json.loads(os.pread(fd, n, 8)).get("__metadata__") or {}
-    finally:
-        os.close(fd)
+    return safetensors_metadata(path, "text_encoder")  # a damaged header is refused here, naming the file
 
 
 @dataclass(frozen=True)
