@@ -46,8 +46,8 @@ ENHANCER = "prompt_enhancer"
 TEMPLATE_TOKENS = 64
 """The chat template's tokens around the system prompt and the user turn, and the left padding to a multiple of 8."""
 IMAGE_TOKENS = 280
-"""An image's soft tokens in the processor's prompt (Gemma-4's `image_seq_length` default), when its
-processor_config.json gives none; + 2 for the begin/end-of-image tokens."""
+"""An image's soft tokens in the processor's prompt (Gemma-4's `image_seq_length` / `max_soft_tokens` default;
+a processor configured for more is beyond the estimate); + 2 for the begin/end-of-image tokens."""
 RELEASE_SYSTEM_PROMPT_BYTES = {"t2v": 3769, "i2v": 4708}
 """UTF-8 bytes of diffusers 0.42.1's LTX-2.5 system prompts (`LTX2_5_T2V_DEFAULT_SYSTEM_PROMPT`,
 `LTX2_5_I2V_DEFAULT_SYSTEM_PROMPT`), counted when the configured file cannot be read before loading."""

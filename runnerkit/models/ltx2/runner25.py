@@ -4,6 +4,8 @@ LTX-2's runner (runner.py) with what LTX-2.5 changes, after diffusers 0.42.1's L
 (`LTX2Pipeline` with its `duration_head` and `num_frames` omitted, `output_type="latent"` ->
 `LTX2LatentUpsamplePipeline` -> `LTX2Pipeline` stage 2 -> `LTX2VideoDiffusionDecodePipeline`):
 
+    [prompt_enhancer (with the config's `prompt_enhancer` section, for requests with `enhance_prompt`: a
+    Gemma-4 chat model rewrites the prompt, prompt_enhancer.py)] ->
     text_encoder (Gemma-4, transformers) -> text_connectors -> duration_head (only when the request
     and the config give no frame count: the predicted count replaces the request's frames for the
     rest of the request) -> [i2av: vae_encoder of the first frame, re-compressed at CRF 18]
