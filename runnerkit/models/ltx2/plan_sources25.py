@@ -132,7 +132,8 @@ def absent_sources_25(config: RunnerConfig, arch_source: str, gemma_folder: Path
 
 def estimate_sources_25(runner: LTX25Runner) -> list[str]:
     """`LTX25Runner.estimate_sources`: LTX-2's lines (planning.py), Gemma-4's for an absent checkpoint
-    (`absent_sources_25`), then the frame count an omitted one is planned at (`frames_source`)."""
+    (`absent_sources_25`), then the frame count an omitted one is planned at (`frames_source`), then where the
+    prompt enhancer's sizes come from (with a `prompt_enhancer` section: estimate_enhancer.py `enhancer_config`)."""
     from runnerkit.models.ltx2.planning import estimate_sources, fp8_transformer_weights
 
     if runner.checkpoint is None and runner.checkpoints.absent() and runner.arch_override is not None:
@@ -141,4 +142,9 @@ def estimate_sources_25(runner: LTX25Runner) -> list[str]:
     else:
         lines = estimate_sources(runner)
     frames = frames_source(runner.config, runner.frame_bounds(runner.config)[1], runner.duration_bounds(runner.config))
-    return lines + ([frames] if frames else [])
+    lines += [frames] if frames else []
+    if runner.config.prompt_enhancer is not None:  # its folder's config.json, or the release's sizes
+        from runnerkit.models.ltx2.estimate_enhancer import enhancer_config
+
+        lines.append(enhancer_config(runner.config)[1])
+    return lines

@@ -41,11 +41,17 @@ __all__ = [
     "PROCESSOR_FOLDER",
     "SYSTEM_PROMPT_FILES",
     "Decoding",
+    "EnhancerParts",
     "PromptEnhancer",
     "clean_response",
+    "configured_enhancer_parts",
+    "configured_enhancer_root",
+    "enhancer_folders",
     "enhancer_messages",
     "fit_long_side",
     "load_configured_enhancer",
+    "load_enhancer_model",
+    "load_enhancer_parts",
     "load_prompt_enhancer",
     "pad_to_multiple",
     "prompt_to_encode",
@@ -271,6 +277,62 @@ def enhancer_folders(root: str | Path) -> tuple[Path, Path]:
     return model, processor
 
 
+@dataclass(frozen=True)
+class EnhancerParts:
+    """An enhancer without its weights: what the runner loads at start-up, the weights being a pipeline module
+    placed by the offload config (resident, visiting the device for its stage, or built for it).
+
+    Attributes:
+        model_dir: the folder of the model's config.json and safetensors (`enhancer_folders`).
+        processor: its processor; system_prompts: kind -> text; decoding: the `generate` recipe.
+    """
+
+    model_dir: Path
+    processor: Any
+    system_prompts: Mapping[str, str]
+    decoding: Decoding
+
+    def around(self, model: nn.Module) -> PromptEnhancer:
+        """A `PromptEnhancer` generating with `model` where it is (the stage's placed module)."""
+        return PromptEnhancer(model, self.processor, self.system_prompts, self.decoding)
+
+
+def load_enhancer_parts(root: str | Path, kinds: tuple[str, ...], system_prompt_files: Mapping[str, str | None],
+                        decoding: Decoding = GEMMA4_DECODING) -> EnhancerParts:
+    """The system prompts, the config check and the processor of the enhancer at `root` (`enhancer_folders`),
+    without its weights (`load_enhancer_model`).
+
+    Raises:
+        CheckpointError: no enhancer at `root`, its config is not a Gemma-4 conditional-generation model, or the
+            processor loads as a bare tokenizer (torchvision missing).
+        ValueError: a missing system prompt (`read_system_prompts`), checked first.
+    """
+    import transformers
+
+    model_dir, processor_dir = enhancer_folders(root)
+    prompts = read_system_prompts(kinds, system_prompt_files, model_dir)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    if config.model_type != "gemma4":
+        raise CheckpointError(f"prompt enhancer {str(model_dir)!r}: model_type {config.model_type!r}, expected "
+                              "'gemma4' (Gemma4ForConditionalGeneration)")
+    processor = transformers.AutoProcessor.from_pretrained(processor_dir)
+    if not hasattr(processor, "tokenizer"):  # transformers fell back to the bare tokenizer
+        raise CheckpointError(f"prompt enhancer processor {str(processor_dir)!r} loaded as "
+                              f"{type(processor).__name__}, not Gemma-4's processor: transformers builds "
+                              "Gemma4Processor only with torchvision installed (`pip install torchvision`)")
+    return EnhancerParts(model_dir, processor, prompts, decoding)
+
+
+def load_enhancer_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The enhancer's `Gemma4ForConditionalGeneration` of `model_dir` in `dtype`, in eval mode on `device`."""
+    import transformers
+
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
+    logger.info("prompt enhancer: {} ({} parameters, {}) on {}", model_dir,
+                sum(p.numel() for p in model.parameters()), dtype, device)
+    return model.to(device).eval()
+
+
 def load_prompt_enhancer(root: str | Path, kinds: tuple[str, ...], system_prompt_files: Mapping[str, str | None],
                          dtype: torch.dtype, device: torch.device, decoding: Decoding = GEMMA4_DECODING,
                          home: torch.device | None = None) -> PromptEnhancer:
@@ -285,33 +347,17 @@ def load_prompt_enhancer(root: str | Path, kinds: tuple[str, ...], system_prompt
         CheckpointError: no enhancer at `root`, or its config is not a Gemma-4 conditional-generation model.
         ValueError: a missing system prompt (`read_system_prompts`), checked before the weights load.
     """
-    import transformers
-
-    model_dir, processor_dir = enhancer_folders(root)
-    prompts = read_system_prompts(kinds, system_prompt_files, model_dir)
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    if config.model_type != "gemma4":
-        raise CheckpointError(f"prompt enhancer {str(model_dir)!r}: model_type {config.model_type!r}, expected "
-                              "'gemma4' (Gemma4ForConditionalGeneration)")
-    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
-    processor = transformers.AutoProcessor.from_pretrained(processor_dir)
-    if not hasattr(processor, "tokenizer"):  # transformers fell back to the bare tokenizer
-        raise CheckpointError(f"prompt enhancer processor {str(processor_dir)!r} loaded as "
-                              f"{type(processor).__name__}, not Gemma-4's processor: transformers builds "
-                              "Gemma4Processor only with torchvision installed (`pip install torchvision`)")
-    logger.info("prompt enhancer: {} ({} parameters, {}), system prompts {}", model_dir,
-                sum(p.numel() for p in model.parameters()), dtype, sorted(prompts))
-    return PromptEnhancer(model.to(home or device).eval(), processor, prompts, decoding, device)
+    parts = load_enhancer_parts(root, kinds, system_prompt_files, decoding)
+    model = load_enhancer_model(parts.model_dir, dtype, home or device)
+    return PromptEnhancer(model, parts.processor, parts.system_prompts, decoding, device)
 
 
-def load_configured_enhancer(config: RunnerConfig, image_task: bool, dtype: torch.dtype, device: torch.device,
-                             home: torch.device | None = None) -> PromptEnhancer | None:
-    """The runner's enhancer as its config's `prompt_enhancer` section says (None: no section, nothing loads):
-    from `path` (else `model_path`), with the system prompt of the task's kind ("i2v" for `image_task`, else
-    "t2v") and at most `max_new_tokens` new tokens; `load_prompt_enhancer` for the rest.
+def configured_enhancer_root(config: RunnerConfig) -> Path | None:
+    """The enhancer folder the config's `prompt_enhancer` section names: `path`, else `model_path` (None: no
+    section).
 
     Raises:
-        CheckpointError, ValueError: as `load_prompt_enhancer`.
+        ValueError: a section without a folder (a synthetic checkpoint, or neither key).
     """
     section = config.prompt_enhancer
     if section is None:
@@ -323,10 +369,40 @@ def load_configured_enhancer(config: RunnerConfig, image_task: bool, dtype: torc
     root = section.path or config.model_path
     if root is None:
         raise ValueError("`prompt_enhancer.path`: no enhancer folder (and no `model_path` to look in)")
+    return Path(root)
+
+
+def configured_enhancer_parts(config: RunnerConfig, image_task: bool) -> EnhancerParts | None:
+    """`load_enhancer_parts` as the config's `prompt_enhancer` section says (None: no section): from
+    `configured_enhancer_root`, with the system prompt of the task's kind ("i2v" for `image_task`, else "t2v") and
+    at most `max_new_tokens` new tokens.
+
+    Raises:
+        CheckpointError, ValueError: as `configured_enhancer_root` and `load_enhancer_parts`.
+    """
+    root = configured_enhancer_root(config)
+    if root is None:
+        return None
+    section = config.prompt_enhancer
+    assert section is not None, "a root comes from the section"
     kind: Kind = "i2v" if image_task else "t2v"
     files = {"t2v": section.system_prompt_t2v, "i2v": section.system_prompt_i2v}
-    decoding = Decoding(section.max_new_tokens, GEMMA4_DECODING.kwargs)
-    return load_prompt_enhancer(root, (kind,), files, dtype, device, decoding, home)
+    return load_enhancer_parts(root, (kind,), files, Decoding(section.max_new_tokens, GEMMA4_DECODING.kwargs))
+
+
+def load_configured_enhancer(config: RunnerConfig, image_task: bool, dtype: torch.dtype, device: torch.device,
+                             home: torch.device | None = None) -> PromptEnhancer | None:
+    """The enhancer as its config's `prompt_enhancer` section says (None: no section, nothing loads):
+    `configured_enhancer_parts`, then its weights in `dtype` on `home` (None: `device`), generating on `device`.
+
+    Raises:
+        CheckpointError, ValueError: as `configured_enhancer_parts`.
+    """
+    parts = configured_enhancer_parts(config, image_task)
+    if parts is None:
+        return None
+    model = load_enhancer_model(parts.model_dir, dtype, home or device)
+    return PromptEnhancer(model, parts.processor, parts.system_prompts, parts.decoding, device)
 
 
 def prompt_to_encode(req: RequestState, enhancer: PromptEnhancer | None, image: Image.Image | None = None) -> str:

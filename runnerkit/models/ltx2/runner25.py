@@ -4,6 +4,8 @@ LTX-2's runner (runner.py) with what LTX-2.5 changes, after diffusers 0.42.1's L
 (`LTX2Pipeline` with its `duration_head` and `num_frames` omitted, `output_type="latent"` ->
 `LTX2LatentUpsamplePipeline` -> `LTX2Pipeline` stage 2 -> `LTX2VideoDiffusionDecodePipeline`):
 
+    [prompt_enhancer (with the config's `prompt_enhancer` section, for requests with `enhance_prompt`: a
+    Gemma-4 chat model rewrites the prompt, prompt_enhancer.py)] ->
     text_encoder (Gemma-4, transformers) -> text_connectors -> duration_head (only when the request
     and the config give no frame count: the predicted count replaces the request's frames for the
     rest of the request) -> [i2av: vae_encoder of the first frame, re-compressed at CRF 18]
@@ -70,7 +72,7 @@ from runnerkit.runners.requests import shape_with_defaults
 from runnerkit.weights import CheckpointError
 
 if TYPE_CHECKING:
-    from runnerkit.models.ltx2.prompt_enhancer import PromptEnhancer
+    from runnerkit.models.ltx2.prompt_enhancer import EnhancerParts
     from runnerkit.offload.streamer import BlockStreamer
 
 __all__ = ["FLAVOURS_25", "LTX25Runner"]
@@ -131,7 +133,7 @@ class LTX25Runner(LTX2Runner):
         if self.checkpoints.absent() and self.config.model is None:  # planning without the files (plan_sources25.py)
             self.arch_override, self.arch_source = configured_arch(self.config, None, RELEASES_25)
         self.gemma4_placeholders: tuple[int, ...] = ()
-        self.enhancer: PromptEnhancer | None = None
+        self.enhancer: EnhancerParts | None = None
 
     @property
     def conv_decoder(self) -> bool:
@@ -205,18 +207,16 @@ class LTX25Runner(LTX2Runner):
         return FLAVOURS_25.get(super().flavour() or "")
 
     def prepare_load(self) -> None:
-        """`LTX2Runner.prepare_load`, then the Gemma-4 placeholder ids (embedded as padding) and the prompt
-        enhancer when the config has a `prompt_enhancer` section (on the device with `offload.mode` none,
-        else kept in host memory and moved in for each enhancement; the memory plan does not count it)."""
-        from runnerkit.models.ltx2.prompt_enhancer import load_configured_enhancer
+        """`LTX2Runner.prepare_load`, then the Gemma-4 placeholder ids (embedded as padding) and, when the config
+        has a `prompt_enhancer` section, the enhancer's processor and system prompts (its weights are the pipeline
+        module `prompt_enhancer`, placed as the offload config says: `describe_pipeline`)."""
+        from runnerkit.models.ltx2.prompt_enhancer import configured_enhancer_parts
         from runnerkit.models.ltx2.text_encoder_packed import configs_of
 
         super().prepare_load()
         assert self.checkpoint is not None
         self.gemma4_placeholders = configs_of(self.checkpoint.text_encoder_path)[1]
-        home = None if self.config.offload.mode == "none" else torch.device("cpu")
-        self.enhancer = load_configured_enhancer(self.config, image_task=self.config.task == "i2av",
-                                                 dtype=self.dtype, device=self.device, home=home)
+        self.enhancer = configured_enhancer_parts(self.config, image_task=self.config.task == "i2av")
 
     # ---- frames omitted: the bounds ------------------------------------------------------------
     @classmethod
@@ -267,23 +267,26 @@ class LTX25Runner(LTX2Runner):
         super().validate_shape(height, width, 1 if frames is None else frames)
 
     def estimate_memory(self, shape: Shape) -> MemoryEstimate:  # type: ignore[override]
-        """The estimate of a request of `shape` (estimate25.py `ltx25_estimate`); omitted frames (None) at the
-        bounds' largest count.
+        """The estimate of a request of `shape` (estimate25.py `ltx25_estimate`; with a `prompt_enhancer` section
+        also the enhancer's module and stage, estimate_enhancer.py); omitted frames (None) at the bounds' largest
+        count.
 
         Raises:
             EstimateUnavailable: the architecture or the Gemma-4 config cannot be read before loading.
         """
         from runnerkit.models.ltx2 import planning
         from runnerkit.models.ltx2.estimate25 import ltx25_estimate
+        from runnerkit.models.ltx2.estimate_enhancer import with_enhancer
 
         h, w, f = shape
         arch = planning.architecture(self)
         assert isinstance(arch, LTX25Arch), "an LTX-2.5 runner reads LTX-2.5 architectures"
         cfg = self.config
-        return ltx25_estimate(arch, self.gemma4_text_config(arch), (h, w, f if f is not None else
-                                                                    self.frame_bounds(cfg)[1]),
-                              cfg.fps, cfg.task, self.dtype, self.device, cfg.offload,
-                              planning.fp8_transformer_weights(self), self.lora_slot_rank(), self.conv_decoder)
+        estimate = ltx25_estimate(arch, self.gemma4_text_config(arch), (h, w, f if f is not None else
+                                                                        self.frame_bounds(cfg)[1]),
+                                  cfg.fps, cfg.task, self.dtype, self.device, cfg.offload,
+                                  planning.fp8_transformer_weights(self), self.lora_slot_rank(), self.conv_decoder)
+        return with_enhancer(estimate, cfg, cfg.task, self.dtype)  # the prompt enhancer's module and stage
 
     def gemma4_text_config(self, arch: LTX25Arch) -> dict[str, Any]:
         """The Gemma-4 text config's fields: the checkpoint's text encoder (`gemma4_folder`: a packed file's
@@ -339,7 +342,24 @@ class LTX25Runner(LTX2Runner):
         """LTX-2's, with Gemma-4 (resident, model-offloaded or streamed), the duration head after the connectors and
         the diffusion decoder in place of the video VAE's decoder (the VAE is loaded for i2av's encoder only); with
         `video_decoder` "conv" the video VAE's decoder stays (LTX-2's `vae_decoder`) and the diffusion decoder is
-        left out."""
+        left out. With a `prompt_enhancer` section: the module `prompt_enhancer` (placed by the offload config like
+        the text encoder: resident, visiting the device for its stage, or built for it) and its stage before the
+        text encoder, run for requests with `enhance_prompt` and in warmup."""
+        base = self._describe_pipeline()
+        if self.config.prompt_enhancer is None:
+            return base
+        from runnerkit.models.ltx2.estimate_enhancer import ENHANCER
+        from runnerkit.models.ltx2.prompt_enhancer import load_enhancer_model
+
+        parts = self.enhancer
+        assert parts is not None, "prepare_load reads the enhancer's parts first"
+        module = ModuleSpec(ENHANCER, "text_encoder", build=lambda d: load_enhancer_model(parts.model_dir, self.dtype, d))
+        stage = EncoderStage(ENHANCER, module=ENHANCER, run=self.run_prompt_enhancer,
+                             runs=lambda req: req.info.enhance_prompt or req.info.warmup)
+        return replace(base, modules=(module, *base.modules), encoders=(stage, *base.encoders))
+
+    def _describe_pipeline(self) -> Pipeline:
+        """`describe_pipeline` without the prompt enhancer."""
         base = super().describe_pipeline()
         head = EncoderStage("duration_head", module="duration_head", run=self.run_duration_head,
                             runs=lambda req: req.info.frames_omitted or req.info.warmup)  # frames given: it does not
@@ -387,19 +407,27 @@ class LTX25Runner(LTX2Runner):
                                  self.dtype, connectors=self.checkpoint.arch.connectors)
 
     @torch.inference_mode()
+    def run_prompt_enhancer(self, req: RequestState) -> Any:
+        """A request with `enhance_prompt`: the enhancer (the placed `prompt_enhancer` module) rewrites its prompt
+        into `req.enhanced_prompt` (`prompt_to_encode`; i2av: conditioned on the request's image as read, before
+        its CRF re-compression, as diffusers does); warmup: its short enhancements. Returns `req.inputs` unchanged."""
+        from runnerkit.images import read_pil_image
+        from runnerkit.models.ltx2.prompt_enhancer import prompt_to_encode
+
+        assert self.enhancer is not None, "prepare_load reads the enhancer's parts first"
+        info = req.info
+        image = read_pil_image(info.image_path, "image_path") if info.image_path and not info.warmup else None
+        prompt_to_encode(req, self.enhancer.around(req.modules["prompt_enhancer"]), image)
+        return req.inputs
+
+    @torch.inference_mode()
     def run_text_encoder(self, req: RequestState) -> LTX2Inputs:
         """Prompt -> stacked Gemma-4 hidden states [1, 1024, D * (layers + 1)] and the tokenizer mask
         (diffusers' tokenization: no bos prepended beyond the tokenizer's). A request with `enhance_prompt`
-        encodes the enhancer's rewrite of its prompt (`prompt_to_encode`; i2av: conditioned on the request's
-        image as read, before its CRF re-compression, as diffusers does)."""
-        from runnerkit.images import read_pil_image
-        from runnerkit.models.ltx2.prompt_enhancer import prompt_to_encode
+        encodes the enhancer's rewrite of its prompt (`req.enhanced_prompt`, `run_prompt_enhancer`)."""
         from runnerkit.models.ltx2.text_encoder_gemma4 import Gemma4PromptEncoder
 
-        info = req.info
-        image = (read_pil_image(info.image_path, "image_path")
-                 if info.enhance_prompt and info.image_path and not info.warmup else None)
-        prompt = prompt_to_encode(req, self.enhancer, image)
+        prompt = req.enhanced_prompt if req.enhanced_prompt is not None else req.info.prompt
         encoder = Gemma4PromptEncoder(self.tokenizer, req.modules["text_encoder"],
                                       placeholder_ids=self.gemma4_placeholders)
         hidden, mask = encoder.encode(prompt)

@@ -242,12 +242,17 @@ def test_estimate_counts_the_new_modules_and_stages(cold: dict[str, Any]) -> Non
 
 
 class FakeEnhancer:
-    """Stands in for the Gemma-4 enhancer (its parity: test_prompt_enhancer.py): records its calls and
-    rewrites every prompt to PROMPT."""
+    """Stands in for the Gemma-4 enhancer (its parity: test_prompt_enhancer.py): records its calls and the
+    placed module it generates with, and rewrites every prompt to PROMPT."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, int]] = []
+        self.models: list[Any] = []
         self.warmed = 0
+
+    def around(self, model: Any) -> FakeEnhancer:
+        self.models.append(model)
+        return self
 
     def enhance(self, prompt: str, image: Any = None, seed: int = 10) -> str:
         self.calls.append((prompt, image, seed))
@@ -258,19 +263,27 @@ class FakeEnhancer:
 
 
 def test_enhanced_prompt_is_what_the_text_encoder_reads(cold: dict[str, Any], tmp_path: Path, mocker: Any) -> None:
-    """With a `prompt_enhancer` section the runner loads the enhancer; warmup warms it once; a request with
+    """With a `prompt_enhancer` section the runner reads the enhancer's parts and places its weights as the
+    pipeline module `prompt_enhancer` (stage before the text encoder); warmup warms it once; a request with
     `enhance_prompt` is encoded from the rewrite (its outputs equal a plain request of the rewritten prompt,
     bit for bit), the sidecar keeps both prompts, and a request without the field never calls it."""
-    fake = FakeEnhancer()
-    load = mocker.patch("runnerkit.models.ltx2.prompt_enhancer.load_configured_enhancer", return_value=fake)
-    runner = make_runner(prompt_enhancer={}, warmup=True)
+    from test_cases.models.ltx2.test_prompt_enhancer import _model
+
+    _model().config.to_json_file(tmp_path / "config.json")  # the estimate reads its sizes
+    fake, weights = FakeEnhancer(), torch.nn.Linear(1, 1)
+    fake.model_dir = tmp_path  # type: ignore[attr-defined]
+    parts = mocker.patch("runnerkit.models.ltx2.prompt_enhancer.configured_enhancer_parts", return_value=fake)
+    load = mocker.patch("runnerkit.models.ltx2.prompt_enhancer.load_enhancer_model", return_value=weights)
+    runner = make_runner(prompt_enhancer={"path": str(tmp_path)}, warmup=True)
     runner.init_modules()
-    assert load.call_args.kwargs["image_task"] is False and fake.warmed == 1
+    assert parts.call_args.kwargs["image_task"] is False and fake.warmed == 1 and fake.models == [weights]
+    assert load.call_args.args == (tmp_path, torch.float32, torch.device("cpu"))  # mode none: on the device
+    assert runner.profile_stages()[:2] == ("prompt_enhancer", "text_encoder")
     runner.run_pipeline(RequestConfig(prompt="fox", seed=3, enhance_prompt=True, save_result_path=str(tmp_path / "e.mp4"),
                                       save_tensor_path=str(tmp_path / "e.safetensors")))
     runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3, save_result_path=str(tmp_path / "p.mp4"),
                                       save_tensor_path=str(tmp_path / "p.safetensors")))
-    assert fake.calls == [("fox", None, 3)] and fake.warmed == 1
+    assert fake.calls == [("fox", None, 3)] and fake.warmed == 1 and fake.models == [weights, weights]
     enhanced, expected = load_file(tmp_path / "e.safetensors"), cold["omitted"][0]
     assert torch.equal(enhanced["video"], expected["video"]) and torch.equal(enhanced["audio"], expected["audio"])
     sidecar = json.loads((tmp_path / "e.json").read_text())
