@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo
@@ -95,20 +96,41 @@ def disagreements(configured: Mapping[str, Any], read: Mapping[str, Any], prefix
     return out
 
 
-def refuse_disagreements(configured: Mapping[str, Any] | None, read: BaseModel, where: str) -> None:
+def component_files(folder: str | Path) -> Callable[[str], str]:
+    """Where a diffusers folder states each component's architecture, for `refuse_disagreements`:
+    `<folder>/<component>/config.json`, else (a component without its own folder, e.g. one the pipeline class
+    implies) `<folder>/model_index.json`."""
+    root = Path(folder)
+
+    def file_of(component: str) -> str:
+        own = root / component / "config.json"
+        return str(own if own.is_file() else root / "model_index.json")
+
+    return file_of
+
+
+def refuse_disagreements(configured: Mapping[str, Any] | None, read: BaseModel,
+                         where: str | Callable[[str], str]) -> None:
     """Refuse a config's `model` that says another architecture than the checkpoint's own config files.
 
     Args:
         configured: the config's `model` (None: nothing to compare).
         read: the architecture read from the checkpoint's files.
-        where: those files, as the error names them.
+        where: those files, as the error names them: one for the whole architecture, or the file of each
+            component (`component_files`), named on each field's line.
 
     Raises:
-        ValueError: naming each field that differs, both values and `where` (nothing is silently corrected:
+        ValueError: naming each field that differs, both values and the file (nothing is silently corrected:
             drop those fields from `model`, or point `model_path` at a checkpoint of that architecture).
     """
-    found = disagreements(configured or {}, read.model_dump(mode="json"))
+    dumped = read.model_dump(mode="json")
+    if callable(where):
+        found = [line[:-1] + f", in {where(component)})" for component, value in (configured or {}).items()
+                 for line in disagreements({component: value}, dumped)]
+        head = "the checkpoint's config files"
+    else:
+        found, head = disagreements(configured or {}, dumped), where
     if found:
-        raise ValueError(f"the config's `model` disagrees with the architecture in {where}:\n  "
+        raise ValueError(f"the config's `model` disagrees with the architecture in {head}:\n  "
                          + "\n  ".join(found) + "\n  (the checkpoint's own config wins: drop those fields from "
                          "`model`, or use a checkpoint of that architecture)")

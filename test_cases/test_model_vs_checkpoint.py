@@ -17,19 +17,22 @@ from runnerkit.tools import synth_checkpoint
 from runnerkit.weights import CheckpointError
 from test_cases.conftest import REPO, config_dict
 
-# (tiny config, layout written, the files the error names, relative to the checkpoint)
+# (tiny config, layout written, the file the error names, relative to the checkpoint: one for the whole
+# architecture, or None: a diffusers folder, whose component's own config.json is named on the field's line)
 CASES = {
     "wan-runnerkit": ("wan/wan_t2v_tiny.json", "runnerkit", "runnerkit.json"),
     "wan-original": ("wan/wan_t2v_tiny.json", "original", "config.json"),
-    "wan-diffusers": ("wan/wan_t2v_tiny.json", "diffusers", "*/config.json"),
+    "wan-diffusers": ("wan/wan_t2v_tiny.json", "diffusers", None),
     "qwen_image": ("qwen_image/qwen_image_t2i_tiny.json", "runnerkit", "runnerkit.json"),
-    "ltx2": ("ltx2/ltx2_t2av_tiny.json", "diffusers", "*/config.json"),
-    "ltx2.5": ("ltx2/ltx25_t2av_tiny.json", "diffusers", "*/config.json"),
+    "qwen_image-diffusers": ("qwen_image/qwen_image_t2i_tiny.json", "diffusers", None),
+    "ltx2": ("ltx2/ltx2_t2av_tiny.json", "diffusers", None),
+    "ltx2.5": ("ltx2/ltx25_t2av_tiny.json", "diffusers", None),
 }
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str]:
+def written(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str | None]:
     """A case's config (pointing at its checkpoint), the checkpoint written from its `model`, and its files."""
     config, layout, files = CASES[request.param]
     out = tmp_path_factory.mktemp(request.param) / "ckpt"
@@ -43,7 +46,7 @@ def _open(data: dict[str, Any], ckpt: Path) -> Any:
     return get_runner_cls(config.model_cls, config.task)(config).open_checkpoint(ckpt)
 
 
-def test_a_checkpoint_written_from_the_config_agrees(written: tuple[dict[str, Any], Path, str]) -> None:
+def test_a_checkpoint_written_from_the_config_agrees(written: tuple[dict[str, Any], Path, str | None]) -> None:
     data, ckpt, _ = written
     config = load_runner_config(None, data)
     runner = get_runner_cls(config.model_cls, config.task)(config)
@@ -51,18 +54,20 @@ def test_a_checkpoint_written_from_the_config_agrees(written: tuple[dict[str, An
 
 
 def test_a_model_field_that_disagrees_is_a_load_error_naming_both_values_and_the_file(
-        written: tuple[dict[str, Any], Path, str]) -> None:
-    data, ckpt, files = written
+        written: tuple[dict[str, Any], Path, str | None]) -> None:
+    data, ckpt, file = written
     changed = copy.deepcopy(data)
     changed["model"]["transformer"]["num_layers"] = 3
     with pytest.raises(CheckpointError) as exc:
         _open(changed, ckpt)
     lines = str(exc.value).splitlines()
-    assert lines[0].endswith(f"the config's `model` disagrees with the architecture in {ckpt}/{files}:"), lines
-    assert "  `model.transformer.num_layers` 3 (the checkpoint's: 2)" in lines, lines
+    head = "the checkpoint's config files" if file is None else f"{ckpt}/{file}"
+    assert lines[0].endswith(f"the config's `model` disagrees with the architecture in {head}:"), lines
+    where = f", in {ckpt}/transformer/config.json" if file is None else ""
+    assert f"  `model.transformer.num_layers` 3 (the checkpoint's: 2{where})" in lines, lines
 
 
-def test_a_partial_model_that_agrees_is_taken(written: tuple[dict[str, Any], Path, str]) -> None:
+def test_a_partial_model_that_agrees_is_taken(written: tuple[dict[str, Any], Path, str | None]) -> None:
     data, ckpt, _ = written
     if data["model_cls"].startswith("ltx2"):
         pytest.skip("LTX-2's `model` gives every component (arch.py `from_config_model`)")

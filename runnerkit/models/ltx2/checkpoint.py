@@ -41,7 +41,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from runnerkit.arch import refuse_disagreements
+from runnerkit.arch import component_files, refuse_disagreements
 from runnerkit.config import format_validation_error
 from runnerkit.models.ltx2 import checkpoint_keys as ck
 from runnerkit.models.ltx2.arch import COMPONENTS, LTX2Arch
@@ -403,7 +403,7 @@ def open_checked(open_: Callable[[LTX2Arch | None], C], path: Path, model: dict[
         if path.is_dir():
             raise
         return open_(parse())
-    where = f"{path}/*/config.json" if path.is_dir() else f"the `config` metadata of {path}"
+    where = component_files(path) if path.is_dir() else f"the `config` metadata of {path}"
     try:
         refuse_disagreements(model, ckpt.arch, where)
     except ValueError as exc:

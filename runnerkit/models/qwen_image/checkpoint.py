@@ -29,7 +29,7 @@ import torch
 from pydantic import ValidationError
 
 from runnerkit import synthetic
-from runnerkit.arch import refuse_disagreements
+from runnerkit.arch import component_files, refuse_disagreements
 from runnerkit.config import format_validation_error
 from runnerkit.files import write_error_reason
 from runnerkit.models.qwen_image import scheduler as sched_mod
@@ -168,14 +168,14 @@ def merge_override(arch: QwenImageArch, override: dict[str, Any] | None, path: P
     """
     if not override:
         return arch
-    where = path / "runnerkit.json" if layout == "runnerkit" else path / "*" / "config.json"
+    where = str(path / "runnerkit.json") if layout == "runnerkit" else component_files(path)
     compared = override
     if layout != "runnerkit" and isinstance(override.get("edit"), dict):
         # a diffusers folder states the edit variant (model_index.json's pipeline class) but not the image areas
         # (constants of diffusers' pipeline code, not of the folder): `model` may set those
         compared = {**override, "edit": {k: v for k, v in override["edit"].items() if k == "variant"}}
     try:
-        refuse_disagreements(compared, arch, str(where))
+        refuse_disagreements(compared, arch, where)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     data = arch.model_dump(mode="json")

@@ -37,7 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from runnerkit import synthetic
-from runnerkit.arch import refuse_disagreements
+from runnerkit.arch import component_files, refuse_disagreements
 from runnerkit.config import format_validation_error
 from runnerkit.debug_tokenizer import write_debug_tokenizer
 from runnerkit.files import give_default_mode, write_error_reason
@@ -126,8 +126,8 @@ def merge_override(arch: WanArch, override: dict[str, Any] | None, path: Path, l
         if component not in merged:
             raise CheckpointError(f"`model.{component}` is not a Wan component; allowed: {sorted(merged)}")
     stated = ("transformer",) if layout == "original" else tuple(merged)  # what the checkpoint's files say
-    files = where or str({"runnerkit": path / "runnerkit.json", "original": path / "config.json"}.get(
-        layout, path / "*" / "config.json"))
+    named = {"runnerkit": path / "runnerkit.json", "original": path / "config.json"}
+    files = where or (str(named[layout]) if layout in named else component_files(path))
     try:
         refuse_disagreements({k: v for k, v in override.items() if k in stated}, arch, files)
     except ValueError as exc:
