@@ -557,6 +557,12 @@ class BaseRunner(ABC):
         raise NotImplementedError(f"{cls.__name__} cannot write synthetic checkpoints")
 
     @classmethod
+    def shortest_clip(cls, config: RunnerConfig) -> int:
+        """Family hook: the fewest frames a video request may give besides one (the server's `seconds` range;
+        one frame where `validate_request` takes it): `TEMPORAL_FACTOR` + 1 unless the family needs more."""
+        return getattr(cls, "TEMPORAL_FACTOR", 1) + 1
+
+    @classmethod
     def lora_layers(cls, config: RunnerConfig, layout: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
         """Family hook for the synthetic adapter writer (runnerkit/lora/synthetic.py): the linear layers a
         typical adapter of `config`'s architecture covers, name -> (out, in), and their names in `layout`."""

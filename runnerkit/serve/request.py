@@ -261,9 +261,9 @@ def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
     seconds (each frame is shown 1 / fps s: the mp4's duration, its audio track's length and the sidecar's
     `duration.seconds`), rounded to the nearest frame count the model takes (TEMPORAL_FACTOR * k + 1, k >= 1).
 
-    Allowed: from the shortest such clip ((TEMPORAL_FACTOR + 1) / fps seconds) to the longest (the request's
-    frame limit, `target_video_length`'s bound, / fps); nothing outside is silently corrected (a one-frame
-    video is `target_video_length: 1`).
+    Allowed: from the family's shortest clip (`shortest_clip`, (TEMPORAL_FACTOR + 1) / fps seconds unless the family
+    needs more) to the longest (the request's frame limit, `target_video_length`'s bound, / fps); nothing outside
+    is silently corrected (a one-frame video, where the family takes one, is `target_video_length: 1`).
 
     Raises:
         InputError: naming `seconds`, the value and the allowed range.
@@ -271,10 +271,12 @@ def _frames_of(seconds: Any, state: ServerState, fps: int) -> int:
     if state.kind != "video":
         raise InputError("`seconds` is for video tasks; this server makes images", "seconds")
     step = getattr(state.runner, "TEMPORAL_FACTOR", 1)
+    fewest = state.runner.shortest_clip(state.runner.config)  # the family's (more than step + 1 for some)
     max_frames = step * ((MAX_FRAMES - 1) // step) + 1  # the longest clip the model takes
-    shortest, longest = (step + 1) / fps, max_frames / fps
-    allowed = (f"{shortest:g} to {longest:g} seconds ({step + 1} to {max_frames} frames at {fps} fps, each shown "
-               f"1/{fps} s; `target_video_length: 1` for a single frame)")
+    shortest, longest = fewest / fps, max_frames / fps
+    single = "; `target_video_length: 1` for a single frame" if fewest == step + 1 else ""
+    allowed = (f"{shortest:g} to {longest:g} seconds ({fewest} to {max_frames} frames at {fps} fps, each shown "
+               f"1/{fps} s{single})")
     try:
         value = float("nan") if isinstance(seconds, bool) else float(seconds)
     except (TypeError, ValueError):

@@ -409,6 +409,30 @@ def test_seconds_in_range_become_frames(tmp_path: Path, seconds: Any, frames: in
     assert _frames_of(seconds, _wan_i2v_state(tmp_path), 8) == frames
 
 
+
+def test_seconds_start_at_the_familys_shortest_clip(tmp_path: Path) -> None:
+    """LTX-2.5 (the release's bounds: no `model`) takes at least 25 frames at 24 fps (`shortest_clip`): `seconds`
+    from 25 / 24 s, refused below naming `seconds` and that range without the one-frame hint (it takes no single
+    frame); Wan's range starts at TEMPORAL_FACTOR + 1 frames and keeps the hint."""
+    import json
+
+    from runnerkit.serve.app import ServerState, _frames_of
+    from test_cases.conftest import REPO
+
+    data = json.loads((REPO / "configs" / "ltx2" / "ltx25_t2av_22b_distilled.json").read_text())
+    data.update(device="cpu")
+    config = load_runner_config(None, data)
+    runner = get_runner_cls(config.model_cls, config.task).for_plan(config)  # the release's files are absent here
+    state = ServerState(runner=runner, queue=JobQueue(tmp_path, 4, None, None), metrics=None, phase="ready")
+    assert runner.shortest_clip(config) == 25 and _frames_of("1.05", state, 24) == 25
+    with pytest.raises(InputError) as exc:
+        _frames_of("0.5", state, 24)
+    message = str(exc.value)
+    assert exc.value.field == "seconds" and "from 1.04167 to 42.7083 seconds (25 to 1025 frames at 24 fps" in message
+    assert "single frame" not in message, message
+    with pytest.raises(InputError, match=r"0.625 to 128.125 seconds \(5 to 1025 frames .*single frame"):
+        _frames_of("0.5", _wan_i2v_state(tmp_path), 8)
+
 def _qwen_edit_state(tmp_path: Path) -> Any:
     """A ServerState over the tiny Qwen-Image edit runner (i2i: `image` and up to 2 `extra_images`), only
     built (no checkpoint is read)."""

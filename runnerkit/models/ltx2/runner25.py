@@ -254,12 +254,18 @@ class LTX25Runner(LTX2Runner):
         """
         super().validate_request(request, config)
         frames = shape_with_defaults(request, cls.resolve_config(config))[2]
-        smallest = cls.frame_bounds(cls.resolve_config(config))[0]
+        smallest = cls.shortest_clip(config)
         if frames is not None and frames < smallest:
             raise ValueError(f"`target_video_length` {frames}: ltx2.5 takes at least {smallest} frames at "
                              f"{config.fps or cls.DEFAULTS['fps']} fps (the shortest clip its duration head "
                              "predicts; the diffusion decoder needs several latent frames); omit it to have it "
                              "predicted")
+
+    @classmethod
+    def shortest_clip(cls, config: RunnerConfig) -> int:
+        """The shortest clip the duration head predicts (`frame_bounds`), also the fewest frames a request may give
+        (`validate_request`); never one frame."""
+        return cls.frame_bounds(cls.resolve_config(config))[0]
 
     @classmethod
     def validate_shape(cls, height: int, width: int, frames: int | None) -> None:  # type: ignore[override]
