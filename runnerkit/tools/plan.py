@@ -295,6 +295,24 @@ def describe(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def check_shape(runner_cls: type[DefaultRunner], config: Any) -> None:
+    """The shape `config` plans for, checked as a request of it is checked before loading (the family's
+    `validate_shape`: multiples, frame grid; its `shortest_clip`): a plan for a shape no run takes is refused.
+
+    Raises:
+        ValueError: naming the field (`target_height`, `target_width`, `target_video_length`), its value and what
+            is allowed.
+    """
+    from runnerkit.config import RequestConfig
+    from runnerkit.runners.requests import shape_with_defaults
+
+    height, width, frames = shape_with_defaults(RequestConfig(prompt="plan"), runner_cls.resolve_config(config))
+    runner_cls.validate_shape(height, width, frames)
+    fewest = runner_cls.shortest_clip(config)
+    if frames is not None and 1 < frames < fewest:
+        raise ValueError(f"`target_video_length` {frames}: {config.model_cls} takes at least {fewest} frames")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`runnerkit plan ...` (module docstring); returns the exit status."""
     args = build_parser().parse_args(argv)  # bad or unknown flags: argparse's message, exit 2
@@ -307,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_runner_config(args.config_json, overrides, flags=flags)
         runner_cls = get_runner_cls(config.model_cls, config.task)
+        check_shape(runner_cls, config)
         device = plan_device(config.device, config.memory.limit_gib)
         runner = runner_cls.for_plan(config, device)
         runner.memory_checks.planned_device_name = args.device_name

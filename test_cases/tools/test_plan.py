@@ -379,3 +379,15 @@ def test_the_planners_request_time_is_shown_where_it_gives_one() -> None:
     assert planner_seconds({}, SimpleNamespace(chosen=chosen)) == 12.5  # type: ignore[arg-type]
     assert planner_seconds({"estimated_request_seconds": 3}, None) == 3.0
     assert planner_seconds({}, SimpleNamespace(chosen=SimpleNamespace())) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--target_video_length", "24"], "`target_video_length` must be 8n+1, e.g. 9, 17, 81 (got 24)"),
+    (["--target_video_length", "9"], "`target_video_length` 9: ltx2.5 takes at least 25 frames"),
+    (["--target_height", "512", "--target_width", "700"], "`target_width` must be a multiple of 64 (got 700)"),
+], ids=["frame-grid", "shortest-clip", "width-multiple"])
+def test_a_shape_no_run_takes_is_refused_as_the_launch_script_refuses_it(
+        flags: list[str], message: str, no_checkpoints: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_plan(capsys, "--config_json", REPO / "configs/ltx2/ltx25_t2av_22b_distilled.json",
+                            "--device_gib", 80, *flags)
+    assert (rc, out) == (2, {}) and message in err, err
