@@ -245,9 +245,24 @@ def find_packed_text_encoder(root: Path) -> Path:
     folder = root / "text_encoders"
     found = [f for f in _with_keys(folder, TOKENIZER_TENSOR) if GEMMA_CONFIG_KEY in read_metadata(f)]
     if len(found) != 1:
+        others = [f for f in (sorted(folder.glob("*.safetensors")) if folder.is_dir() else []) if f not in found]
+        why = "".join(f"; {f.name} is not one: {_not_packed(f)}" for f in others)
         raise CheckpointError(f"LTX-2.5 release: {len(found)} packed Gemma-4 files in {folder} "
-                              f"({[f.name for f in found]}); exactly one must be there, or give `text_encoder_path`")
+                              f"({[f.name for f in found]}){why}; exactly one must be there, or give "
+                              "`text_encoder_path`")
     return found[0]
+
+
+def _not_packed(file: Path) -> str:
+    """Why `file` is not a packed Gemma-4 text-encoder file (for `find_packed_text_encoder`'s refusal)."""
+    try:
+        keys = safetensors_infos([file], "text_encoder")
+        metadata = read_metadata(file)
+    except CheckpointError as exc:
+        return str(exc)
+    missing = ([f"no `{TOKENIZER_TENSOR}` tensor"] if TOKENIZER_TENSOR not in keys else []) + (
+        [f"no `{GEMMA_CONFIG_KEY}` metadata entry"] if GEMMA_CONFIG_KEY not in metadata else [])
+    return " and ".join(missing)
 
 
 def _release_arch(transformer: Path, upsampler: Path, text_encoder: Path) -> LTX25Arch:

@@ -224,6 +224,13 @@ def test_the_packed_file_is_found_by_content_without_text_encoder_path(release: 
     shutil.copy(renamed, root / "text_encoders" / "second.safetensors")
     with pytest.raises(CheckpointError, match=r"2 packed Gemma-4 files in .*text_encoders .*give `text_encoder_path`"):
         open_ltx25(transformer, upsampler, None)
+    (root / "text_encoders" / "second.safetensors").unlink()
+    _rewrite(renamed, renamed, metadata={"gemma_config": None})  # damaged: the refusal says why it is not one
+    with pytest.raises(CheckpointError) as exc:
+        open_ltx25(transformer, upsampler, None)
+    assert ("0 packed Gemma-4 files in" in str(exc.value) and "; any-name.safetensors is not one: no `gemma_config` "
+            "metadata entry; not-gemma.safetensors is not one: no `tokenizer_json` tensor and no `gemma_config` "
+            "metadata entry; exactly one" in str(exc.value)), exc.value
 
 
 def test_the_estimate_reads_gemma4_from_the_packed_file_before_loading(release: Path, tmp_path: Path) -> None:
