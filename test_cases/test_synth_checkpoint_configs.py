@@ -102,3 +102,21 @@ def test_a_rank_other_than_0_writes_the_whole_text_encoder(family: str, tmp_path
         folder = write_tiny_gemma(tmp_path / "te", tiny_ltx2_arch("2.3"), 0)
     written = sorted(p.name for p in folder.iterdir())
     assert "config.json" in written and any(n.endswith(".safetensors") for n in written), written
+
+
+def test_a_synthetic_config_pointing_at_a_file_says_how_to_run_from_it(tmp_path: Path) -> None:
+    """A tiny config (`synthetic_checkpoint`) whose `model_path` names a file (a single-file release) is refused at
+    load, naming the path and the key to remove to run from existing files."""
+    from runnerkit.config import load_runner_config
+    from runnerkit.registry import get_runner_cls
+    from runnerkit.weights import CheckpointError
+
+    file = tmp_path / "release.safetensors"
+    file.write_bytes(b"x")
+    data = {**json.loads((REPO / "configs/wan/wan_t2v_tiny.json").read_text()), "model_path": str(file)}
+    config = load_runner_config(None, data)
+    runner = get_runner_cls(config.model_cls, config.task)(config)
+    with pytest.raises(CheckpointError, match=r"`model_path` '.*release.safetensors' is a file; a synthetic checkpoint "
+                                              r"needs a folder \(to run from existing files, remove "
+                                              r"`synthetic_checkpoint` from the config\)"):
+        runner.init_modules()

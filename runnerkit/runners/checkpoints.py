@@ -84,7 +84,8 @@ class CheckpointSource:
         if cfg.synthetic_checkpoint is None:
             return False
         if path.exists() and not path.is_dir():
-            raise CheckpointError(f"`model_path` {str(path)!r} is a file; a synthetic checkpoint needs a folder")
+            raise CheckpointError(f"`model_path` {str(path)!r} is a file; a synthetic checkpoint needs a folder "
+                                  "(to run from existing files, remove `synthetic_checkpoint` from the config)")
         pending = not path.exists() or not any(path.iterdir())
         if pending and not cfg.model_path:
             check_synthetic_cache()
