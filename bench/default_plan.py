@@ -145,14 +145,15 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--family", choices=sorted(FAMILIES), default="ltx23")
-    p.add_argument("--ckpt", required=True)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="ltx23",
+                   help="the shipped real-size config to run (module docstring)")
+    p.add_argument("--ckpt", required=True, help="the synthetic checkpoint's folder (written there with --write)")
     p.add_argument("--write", action="store_true", help="write the family's synthetic checkpoint first (if absent)")
     p.add_argument("--steps", type=int, default=8, help="denoising steps a request (wan14, qwen20)")
     p.add_argument("--prompt_words", type=int, default=0,
                    help="lengthen each prompt by about this many words (the text encoder's stage at a long prompt)")
     p.add_argument("--arms", nargs="+", default=["full"], help="'full' or a device cap in GiB, one process each")
-    p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--requests", type=int, default=2, help="requests a process serves after warmup")
     p.add_argument("--host_gib", type=float, default=32.0, help="memory.host_limit_gib of a capped arm")
     p.add_argument("--repeat", type=int, default=1, help="processes per arm")
     p.add_argument("--out", help="the files prefix (required unless --worker)")
