@@ -30,14 +30,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runnerkit import memory
 from runnerkit.config import OffloadConfig, RequestConfig, load_runner_config
-from runnerkit.models.ltx2 import release25_names as names
-from runnerkit.models.ltx2.arch25 import LTX25_22B_PIPELINE_ARCH, tiny_ltx25_arch
+from runnerkit.models.ltx2.arch25 import LTX25_22B_PIPELINE_ARCH
 from runnerkit.models.ltx2.checkpoint import network_factory
-from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
+from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
-from runnerkit.models.ltx2.checkpoint_release25_write import write_release_ltx25
 from runnerkit.models.ltx2.conv_vae25 import conv_vae_file
 from runnerkit.models.ltx2.estimate import ltx2_estimate
 from runnerkit.models.ltx2.estimate25 import TILING_HINT, ltx25_estimate
@@ -46,28 +43,14 @@ from runnerkit.models.ltx2.runner25 import LTX25Runner
 from runnerkit.runners.base import error_phase
 from runnerkit.weights import CheckpointError, build_on_meta
 from test_cases.conftest import REPO
+from test_cases.models.ltx2.test_release_layout_ltx25 import FILES, _no_gc_freeze, layouts  # noqa: F401 (fixtures)
 from test_cases.tools.test_plan import no_checkpoints, run_plan  # noqa: F401 (fixture)
 
 DATA = Path(__file__).parent / "data"
 CONFIGS = REPO / "configs" / "ltx2"
 PROMPT = "a red fox runs through fresh snow, wind howls"
-FILES = names.release_files(torch.float32)  # `layouts` writes float32: its files are named `-fp32`
 RELEASE_CONV_BYTES = 1_452_269_922
 """The size of the release's `vae/ltx-2.5-video-vae-conv-bf16.safetensors` (header included)."""
-
-
-@pytest.fixture(autouse=True)
-def _no_gc_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
-
-
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny pipeline (seed 0, float32) as a diffusers folder and in the release layout."""
-    root = tmp_path_factory.mktemp("conv_layouts")
-    write_synthetic_ltx25(tiny_ltx25_arch(), root / "diffusers", 0, torch.float32)
-    write_release_ltx25(tiny_ltx25_arch(), root / "release", 0, torch.float32)
-    return {"diffusers": root / "diffusers", "release": root / "release"}
 
 
 def _open_release(root: Path, video_decoder: str) -> Any:
