@@ -44,6 +44,7 @@ from runnerkit.runners.base import error_phase
 from runnerkit.weights import CheckpointError, build_on_meta
 from test_cases.conftest import REPO
 from test_cases.models.ltx2.test_release_layout_ltx25 import FILES, _no_gc_freeze, layouts  # noqa: F401 (fixtures)
+from test_cases.models.ltx2.test_release_layout_ltx25 import _config as release_config
 from test_cases.tools.test_plan import no_checkpoints, run_plan  # noqa: F401 (fixture)
 
 DATA = Path(__file__).parent / "data"
@@ -124,19 +125,7 @@ def test_bad_conv_files_are_refused_naming_them(layouts: dict[str, Path], tmp_pa
 
 
 def _config(tmp: Path, layouts: dict[str, Path], layout: str, warmup: bool) -> Path:
-    data = json.loads((CONFIGS / "ltx25_t2av_tiny.json").read_text())
-    del data["synthetic_checkpoint"]
-    data |= {"device": "cpu", "video_decoder": "conv", "warmup": warmup}
-    if layout == "diffusers":
-        data["model_path"] = str(layouts["diffusers"])
-    else:
-        root = layouts["release"]
-        data |= {"model_path": str(root / FILES["transformer"]),
-                 "upsampler_path": str(root / FILES["latent_upsampler"]),
-                 "text_encoder_path": str(root / FILES["text_encoder"])}
-    path = tmp / f"conv_{layout}_{warmup}.json"
-    path.write_text(json.dumps(data))
-    return path
+    return release_config(tmp, "t2av", layouts, layout, video_decoder="conv", warmup=warmup)
 
 
 def test_conv_runner_t2av_same_output_with_and_without_warmup_from_either_layout(

@@ -109,10 +109,14 @@ def test_both_layouts_hold_the_same_networks(layouts: dict[str, Path]) -> None:
         assert all(torch.equal(a[k], b[k]) for k in b), component
 
 
-def _config(tmp: Path, task: str, layouts: dict[str, Path], layout: str, offload: dict[str, Any] | None = None) -> Path:
+def _config(tmp: Path, task: str, layouts: dict[str, Path], layout: str, offload: dict[str, Any] | None = None,
+            **extra: Any) -> Path:
+    """The tiny `task` config reading `layout` ("diffusers" or "release") of `layouts`, with `offload` and `extra`
+    config keys, written to a file of its own under `tmp`."""
     data = json.loads((CONFIGS / f"ltx25_{task}_tiny.json").read_text())
     del data["synthetic_checkpoint"]
     data["device"] = "cpu"
+    data |= extra
     if offload is not None:
         data["offload"] = offload
     if layout == "diffusers":
@@ -122,7 +126,7 @@ def _config(tmp: Path, task: str, layouts: dict[str, Path], layout: str, offload
         data |= {"model_path": str(root / FILES["transformer"]),
                  "upsampler_path": str(root / FILES["latent_upsampler"]),
                  "text_encoder_path": str(root / FILES["text_encoder"])}
-    path = tmp / f"{task}_{layout}.json"
+    path = tmp / ("_".join([task, layout, *(f"{k}-{v}" for k, v in extra.items())]) + ".json")
     path.write_text(json.dumps(data))
     return path
 
