@@ -15,7 +15,13 @@ from runnerkit.config import load_runner_config
 from runnerkit.offload import disk
 from runnerkit.runners.pipeline import InputInfo
 from test_cases._alignment import misaligned_weights
-from test_cases._encoder_streaming import text_stage
+from test_cases._encoder_streaming import (
+    assert_streamed_parity,
+    layer_units,
+    streamed_encoder,
+    text_stage,
+    two_requests,
+)
 
 INFO = InputInfo(prompt="a red fox runs through fresh snow", negative_prompt="", seed=0, height=64, width=64,
                  frames=9)
@@ -42,6 +48,20 @@ def resident_hidden_states(runner: Any) -> tuple[torch.Tensor, ...]:
     module = runner.build_text_encoder(torch.device("cpu"))
     assert misaligned_weights(module) == []
     return hidden_states(runner, module)
+
+
+def check_streamed_case(runner: Any, offload: dict[str, Any], resident: tuple[torch.Tensor, ...], case: str,
+                        head_dims: list[int] | None = None) -> None:
+    """The runner's streamed text encoder (`offload` its settings) over two requests: one unit per decoder layer
+    (two with phase streaming), the layers' head sizes `head_dims` where given, hidden states equal to the resident
+    encoder's `resident` and the copies `assert_streamed_parity` expects."""
+    phases = ("self_attn", "mlp") if offload["mode"] == "phase" else ("",)
+    with streamed_encoder(runner) as (model, streamer):
+        assert [u.module for u in streamer.units] == layer_units("layers", len(model.layers), phases)
+        if head_dims is not None:
+            assert [layer.self_attn.head_dim for layer in model.layers] == head_dims
+        runs, stats = two_requests(lambda m: hidden_states(runner, m), model, streamer)
+    assert_streamed_parity(runs, resident, stats, len(streamer.units), offload.get("storage", "cpu"), case)
 
 
 def count_disk_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -33,10 +33,9 @@ from runnerkit.planning import fit
 from runnerkit.planning.planner import plan_offload
 from runnerkit.synthetic import save_pretrained_here
 from runnerkit.weights import safetensors_infos
-from test_cases._encoder_streaming import assert_streamed_parity, layer_units, streamed_encoder, two_requests
 from test_cases.models.ltx2._gemma_streaming import (
+    check_streamed_case,
     count_disk_reads,
-    hidden_states,
     resident_hidden_states,
     streaming_runner,
 )
@@ -73,13 +72,8 @@ def resident(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_streamed_hidden_states_equal_the_resident_encoders(checkpoint: Path, resident: tuple[torch.Tensor, ...],
                                                             case: str) -> None:
-    runner = make_runner(checkpoint, **CASES[case])
-    phases = ("self_attn", "mlp") if CASES[case]["mode"] == "phase" else ("",)
-    with streamed_encoder(runner) as (model, streamer):
-        assert [u.module for u in streamer.units] == layer_units("layers", len(model.layers), phases)
-        assert [layer.self_attn.head_dim for layer in model.layers] == [8, 16]  # sliding, then full
-        runs, stats = two_requests(lambda m: hidden_states(runner, m), model, streamer)
-    assert_streamed_parity(runs, resident, stats, len(streamer.units), CASES[case].get("storage", "cpu"), case)
+    check_streamed_case(make_runner(checkpoint, **CASES[case]), CASES[case], resident, case,
+                        head_dims=[8, 16])  # sliding, then full
 
 
 # ---- shared KV layers, unread tensors ----------------------------------------------------------------------

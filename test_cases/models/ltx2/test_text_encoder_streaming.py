@@ -30,11 +30,11 @@ from runnerkit.weights import safetensors_infos
 from test_cases._encoder_streaming import (
     assert_streamed_parity,
     deterministic_cuda,
-    layer_units,
     streamed_encoder,
     two_requests,
 )
 from test_cases.models.ltx2._gemma_streaming import (
+    check_streamed_case,
     count_disk_reads,
     hidden_states,
     resident_hidden_states,
@@ -73,12 +73,7 @@ def resident(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_streamed_hidden_states_equal_the_resident_encoders(checkpoint: Path, resident: tuple[torch.Tensor, ...],
                                                             case: str) -> None:
-    runner = make_runner(checkpoint, **CASES[case])
-    phases = ("self_attn", "mlp") if CASES[case]["mode"] == "phase" else ("",)
-    with streamed_encoder(runner) as (model, streamer):
-        assert [u.module for u in streamer.units] == layer_units("layers", len(model.layers), phases)
-        runs, stats = two_requests(lambda m: hidden_states(runner, m), model, streamer)
-    assert_streamed_parity(runs, resident, stats, len(streamer.units), CASES[case].get("storage", "cpu"), case)
+    check_streamed_case(make_runner(checkpoint, **CASES[case]), CASES[case], resident, case)
 
 
 @pytest.mark.parametrize("storage", ["cpu", "disk"])
