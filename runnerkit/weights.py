@@ -384,21 +384,26 @@ def _header_entry(path: Path, name: str, meta: Any, data_start: int) -> TensorIn
                             nbytes=end - begin)
 
 
-def safetensors_metadata(path: Path, component: str) -> dict[str, str]:
-    """The `__metadata__` object of safetensors file `path` ({} when it has none), its header checked first
-    (`read_safetensors_header`); read, not mapped.
+def safetensors_header(path: Path, component: str) -> tuple[dict[str, TensorIndexEntry], dict[str, str]]:
+    """The tensors (`safetensors_infos`) and the `__metadata__` object ({} when it has none) of safetensors file
+    `path`, its header checked once (`read_safetensors_header`); read, not mapped.
 
     Raises:
         CheckpointError: naming `component` and `path`: missing or damaged.
     """
     path = Path(path)
-    safetensors_infos([path], component)
+    infos = safetensors_infos([path], component)
     fd = os.open(path, os.O_RDONLY)
     try:
         (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        return json.loads(os.pread(fd, n, 8)).get("__metadata__") or {}
+        return infos, json.loads(os.pread(fd, n, 8)).get("__metadata__") or {}
     finally:
         os.close(fd)
+
+
+def safetensors_metadata(path: Path, component: str) -> dict[str, str]:
+    """The `__metadata__` object of safetensors file `path` (`safetensors_header`)."""
+    return safetensors_header(path, component)[1]
 
 
 def safetensors_infos(files: Iterable[Path], component: str) -> dict[str, TensorIndexEntry]:

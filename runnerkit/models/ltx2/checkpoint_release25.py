@@ -54,6 +54,7 @@ from runnerkit.models.ltx2.text_encoder_packed import (
     TOKENIZER_TENSOR,
     PackedGemma4,
     is_packed_file,
+    read_header,
     read_metadata,
 )
 from runnerkit.offload.disk import SafetensorsDiskReader
@@ -256,8 +257,7 @@ def find_packed_text_encoder(root: Path) -> Path:
 def _not_packed(file: Path) -> str:
     """Why `file` is not a packed Gemma-4 text-encoder file (for `find_packed_text_encoder`'s refusal)."""
     try:
-        keys = safetensors_infos([file], "text_encoder")
-        metadata = read_metadata(file)
+        keys, metadata = read_header(file)
     except CheckpointError as exc:
         return str(exc)
     missing = ([f"no `{TOKENIZER_TENSOR}` tensor"] if TOKENIZER_TENSOR not in keys else []) + (

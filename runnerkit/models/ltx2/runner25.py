@@ -302,7 +302,7 @@ class LTX25Runner(LTX2Runner):
             EstimateUnavailable: its config cannot be read.
         """
         from runnerkit.models.ltx2.checkpoint25 import tiny_gemma4_sizes
-        from runnerkit.models.ltx2.text_encoder_packed import configs_of
+        from runnerkit.models.ltx2.text_encoder_packed import text_config_dict
 
         if self.checkpoint is not None:
             folder = self.checkpoint.text_encoder_path
@@ -314,7 +314,7 @@ class LTX25Runner(LTX2Runner):
             if self.checkpoints.absent() and not gemma4_present(folder):
                 return release_gemma4(arch)  # planning without the files (plan_sources25.py)
         try:
-            return configs_of(folder)[0].to_dict()
+            return text_config_dict(folder)
         except CheckpointError as exc:
             raise EstimateUnavailable(f"the Gemma-4 config cannot be read before loading ({exc})") from None
 

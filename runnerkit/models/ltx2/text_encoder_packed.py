@@ -32,11 +32,13 @@ transformers' config class of its `model_type` (as `AutoConfig` reads a config.j
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -59,8 +61,7 @@ from runnerkit.weights import (
     CheckpointError,
     TensorIndexEntry,
     check_tensors,
-    safetensors_infos,
-    safetensors_metadata,
+    safetensors_header,
     short_list,
     tensor_infos,
     to_compute,
@@ -97,15 +98,20 @@ def is_packed_file(path: str | Path) -> bool:
     return Path(path).suffix == ".safetensors"
 
 
-def read_metadata(path: Path) -> dict[str, str]:
-    """The `__metadata__` object of safetensors file `path` (empty when it has none); the header is checked first.
+def read_header(path: Path) -> tuple[dict[str, TensorIndexEntry], dict[str, str]]:
+    """The tensors and the `__metadata__` object of safetensors file `path` (`weights.safetensors_header`).
 
     Raises:
         CheckpointError: naming `path`: missing or damaged.
     """
     if not path.is_file():
         raise CheckpointError(f"text_encoder: packed Gemma-4 file {path} does not exist")
-    return safetensors_metadata(path, "text_encoder")  # a damaged header is refused here, naming the file
+    return safetensors_header(path, "text_encoder")  # a damaged header is refused here, naming the file
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The `__metadata__` object of safetensors file `path` (`read_header`)."""
+    return read_header(path)[1]
 
 
 @dataclass(frozen=True)
@@ -138,7 +144,7 @@ class PackedGemma4:
                 (examples listed).
         """
         path = Path(path)
-        metadata = read_metadata(path)
+        infos, metadata = read_header(path)
         where = f"text_encoder: packed Gemma-4 file {path}"
         if GEMMA_CONFIG_KEY not in metadata:
             raise CheckpointError(f"{where} has no `{GEMMA_CONFIG_KEY}` metadata entry (the Gemma config.json; "
@@ -152,7 +158,6 @@ class PackedGemma4:
         if config.get("model_type") not in GEMMA4_PACKED_TYPES:
             raise CheckpointError(f"{where}: `{GEMMA_CONFIG_KEY}` has `model_type`={config.get('model_type')!r}; "
                                   f"allowed: {list(GEMMA4_PACKED_TYPES)} (Gemma-4 unified, LTX-2.5)")
-        infos = safetensors_infos([path], "text_encoder")
         if TOKENIZER_TENSOR not in infos:
             raise CheckpointError(f"{where} has no `{TOKENIZER_TENSOR}` tensor (tokenizer.json's bytes)")
         assets: dict[str, TensorIndexEntry | str] = {"tokenizer.json": infos[TOKENIZER_TENSOR]}
@@ -309,6 +314,29 @@ def configs_of(path: str | Path) -> tuple[transformers.Gemma4UnifiedTextConfig, 
         CheckpointError: naming the folder or file (as those two and `PackedGemma4.open`).
     """
     return PackedGemma4.open(path).configs() if is_packed_file(path) else gemma4_configs(path)
+
+
+def text_config_dict(path: str | Path) -> dict[str, Any]:
+    """`configs_of(path)[0].to_dict()`, read once per version of the file it comes from (the packed file, or the
+    folder's config.json: keyed on its path, size and modification time), since a planner estimates hundreds of
+    candidate plans with it. Each call returns its own top-level dict.
+
+    Raises:
+        CheckpointError: as `configs_of` (nothing is cached then).
+    """
+    path = Path(path)
+    source = path if is_packed_file(path) else path / "config.json"
+    try:
+        st = source.stat()
+        stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = None
+    return dict(_text_config_dict(str(path), stamp))
+
+
+@functools.lru_cache(maxsize=16)
+def _text_config_dict(path: str, stamp: tuple[int, int] | None) -> dict[str, Any]:
+    return configs_of(path)[0].to_dict()
 
 
 def load_text_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,

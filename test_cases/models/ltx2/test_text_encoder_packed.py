@@ -270,3 +270,36 @@ def test_the_release_size_writer_streams_a_packed_file_the_reader_takes(tmp_path
             want = synthetic_tensor(f"model.language_model.{name}", tuple(value.shape), 3, torch.bfloat16)
             assert torch.equal(value, want), name
     assert load_gemma4_tokenizer(out)("ab").input_ids == load_gemma4_tokenizer(tmp_path / "tok")("ab").input_ids
+
+
+def test_the_text_config_is_read_once_per_version_of_its_file(packed: dict[str, Path], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimate's Gemma-4 config (`text_config_dict`, asked once per candidate plan) reads a packed file or a
+    folder's config.json once, and again once the file changes (its size or modification time); each call gets
+    its own dict, and a file that cannot be read is not remembered."""
+    import os
+
+    from runnerkit.models.ltx2 import text_encoder_packed as tp
+
+    tp._text_config_dict.cache_clear()
+    reads: list[str] = []
+    real = tp.configs_of
+    monkeypatch.setattr(tp, "configs_of", lambda path: (reads.append(Path(path).name), real(path))[1])
+    file = shutil.copy(packed["comfy"], tmp_path / "packed.safetensors")
+    first = tp.text_config_dict(file)
+    first["hidden_size"] = -1
+    assert tp.text_config_dict(file) == real(file)[0].to_dict() and reads == ["packed.safetensors"]
+    folder = shutil.copytree(packed["folder"], tmp_path / "folder")
+    tp.text_config_dict(folder)
+    tp.text_config_dict(folder)
+    assert reads == ["packed.safetensors", "folder"]
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config, indent=4))  # another size: another version
+    os.utime(folder / "config.json", ns=(1, 1))
+    tp.text_config_dict(folder)
+    assert reads == ["packed.safetensors", "folder", "folder"]
+    (folder / "config.json").unlink()
+    for _ in range(2):
+        with pytest.raises(CheckpointError, match="has no config.json"):
+            tp.text_config_dict(folder)
+    assert reads[3:] == ["folder", "folder"]
