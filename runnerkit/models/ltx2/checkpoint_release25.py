@@ -55,7 +55,6 @@ from runnerkit.models.ltx2.text_encoder_packed import (
     PackedGemma4,
     is_packed_file,
     read_header,
-    read_metadata,
 )
 from runnerkit.offload.disk import SafetensorsDiskReader
 from runnerkit.weights import (
@@ -244,10 +243,11 @@ def find_packed_text_encoder(root: Path) -> Path:
         CheckpointError: none or several such files (naming the folder; give `text_encoder_path`).
     """
     folder = root / "text_encoders"
-    found = [f for f in _with_keys(folder, TOKENIZER_TENSOR) if GEMMA_CONFIG_KEY in read_metadata(f)]
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    why_not = {f: _not_packed(f) for f in files}  # "" for a packed file
+    found = [f for f in files if not why_not[f]]
     if len(found) != 1:
-        others = [f for f in (sorted(folder.glob("*.safetensors")) if folder.is_dir() else []) if f not in found]
-        why = "".join(f"; {f.name} is not one: {_not_packed(f)}" for f in others)
+        why = "".join(f"; {f.name} is not one: {why_not[f]}" for f in files if why_not[f])
         raise CheckpointError(f"LTX-2.5 release: {len(found)} packed Gemma-4 files in {folder} "
                               f"({[f.name for f in found]}){why}; exactly one must be there, or give "
                               "`text_encoder_path`")
@@ -255,7 +255,8 @@ def find_packed_text_encoder(root: Path) -> Path:
 
 
 def _not_packed(file: Path) -> str:
-    """Why `file` is not a packed Gemma-4 text-encoder file (for `find_packed_text_encoder`'s refusal)."""
+    """Why `file` is not a packed Gemma-4 text-encoder file ("" when it is one: a `tokenizer_json` tensor and
+    `gemma_config` metadata; its header read once)."""
     try:
         keys, metadata = read_header(file)
     except CheckpointError as exc:

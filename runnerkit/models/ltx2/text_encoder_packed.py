@@ -109,11 +109,6 @@ def read_header(path: Path) -> tuple[dict[str, TensorIndexEntry], dict[str, str]
     return safetensors_header(path, "text_encoder")  # a damaged header is refused here, naming the file
 
 
-def read_metadata(path: Path) -> dict[str, str]:
-    """The `__metadata__` object of safetensors file `path` (`read_header`)."""
-    return read_header(path)[1]
-
-
 @dataclass(frozen=True)
 class PackedGemma4:
     """A checked packed Gemma-4 file: its config, the naming of its weights and its tensors by role (headers only;
