@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--shape", type=int, nargs=3, default=[480, 832, 81], metavar=("H", "W", "F"))
     p.add_argument("--slack", type=float, nargs="+", default=[-1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 2.0],
                    help="GiB above the uncapped decode's need that the cap allows, one arm each")
-    p.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
+    p.add_argument("--out", type=Path, help="OUT.json and OUT.md are written (required)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--need_gib", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -94,6 +94,8 @@ def main() -> None:
         args.slack = args.arm_slack
         args.result.write_text(json.dumps(worker(args)))
         return
+    if args.out is None:
+        p.error("--out is required")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     shape = ["--shape", *map(str, args.shape)]
     free = run_worker(Path(__file__), shape, args.out.with_suffix(".free.json"))

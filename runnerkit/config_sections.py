@@ -202,6 +202,12 @@ class MemoryConfig(StrictModel):
         "them than it has RAM. The planner keeps a plan's pinned bytes (model-offloaded weights and streamer slabs "
         "with `offload.pin_memory`) within it, and the fit check refuses a request above it. None: pinned memory "
         "counts only towards the host limit.")
+    expandable_segments: bool = Field(
+        True, description="CUDA: PyTorch's caching allocator grows its segments in place (`expandable_segments`), "
+        "so memory freed between differently sized activations is reused instead of left in gaps; set before "
+        "loading, for the whole process. The memory plan counts allocated bytes and may fill the device to its "
+        "limit, which the default segments' gaps can exceed (runnerkit/allocator.py). False: PyTorch's default. "
+        "Not applied when PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set (the environment's settings are kept).")
 
     @model_validator(mode="after")
     def _limit_needs_check(self) -> MemoryConfig:

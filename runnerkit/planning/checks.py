@@ -27,7 +27,7 @@ import torch
 from loguru import logger
 
 from runnerkit import compile as regional_compile
-from runnerkit import memory
+from runnerkit import allocator, memory
 from runnerkit.admission import AdmittedRequest
 from runnerkit.config import OffloadConfig, RequestConfig
 from runnerkit.planning import compute, fit, offload_checks, planner, report
@@ -184,7 +184,8 @@ class MemoryChecks:
     # ---- the plan ---------------------------------------------------------------------------------------------
     def plan_memory(self, shapes: Sequence[Shape]) -> planner.MemoryPlan | None:
         """Resolve `offload.mode` auto into a concrete offload config before anything loads (planning/planner.py);
-        a no-op (None) for any other mode.
+        a no-op (None) for any other mode. First, on a runner that will load, sets the CUDA caching allocator the
+        plan's allocated bytes assume (`memory.expandable_segments`, runnerkit/allocator.py).
 
         Plans for `shapes` (the launch script: every request's; empty: the config's default shape) and,
         with `warmup`, the warmup shapes. Limits: the device budget (`device_budget`: `memory.limit_gib`
@@ -201,6 +202,8 @@ class MemoryChecks:
         """
         runner = self.runner
         cfg = runner.config
+        if not runner.plan_only:  # the allocator the plan's allocated bytes assume, before anything is reserved
+            allocator.configure_cuda_allocator(runner.device, cfg.memory.expandable_segments)
         offload_checks.check_offload_modules(cfg, self._estimate_before_load, type(runner).__name__)
         # read here, before loading, and kept: every later check judges against the same number
         device_limit = self.device_budget() if cfg.memory.check_fit or cfg.offload.mode == "auto" else None
