@@ -6,7 +6,8 @@ the next is copied. The slab is page-locked only once filled (`HostSlab(defer_pi
 packing never holds the module twice in host memory: its peak is the slab plus one tensor.
 `on_device(name)` copies the slab to the device in one H2D copy, re-binds the tensors as views of
 the device copy, and in `finally` re-binds them to the host views and drops the device copy:
-weights are read-only, so nothing is copied back. Buffers a module replaces during forward are not carried back (inference only).
+weights are read-only, so nothing is copied back. Buffers a module replaces during forward are
+not carried back (inference only).
 
 Design source: diffusers `enable_model_cpu_offload` (one module on the GPU per stage) and
 LightX2V's CPU offload of encoders and VAE; restated here.
