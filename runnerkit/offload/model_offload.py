@@ -1,10 +1,13 @@
 """Model-level offload: whole modules visit the GPU for their stage (ARCHITECTURE §4, mode "model").
 
 Each module's parameters and buffers are packed once into one exact-size host slab (pinned
-where possible) and re-bound as views into it. `on_device(name)` copies the slab to the device
-in one H2D copy, re-binds the tensors as views of the device copy, and in `finally` re-binds
-them to the host views and drops the device copy: weights are read-only, so nothing is copied
-back. Buffers a module replaces during forward are not carried back (inference only).
+where possible) and re-bound as views into it, one tensor at a time, each original freed before
+the next is copied. The slab is page-locked only once filled (`HostSlab(defer_pinning=True)`), so
+packing never holds the module twice in host memory: its peak is the slab plus one tensor.
+`on_device(name)` copies the slab to the device in one H2D copy, re-binds the tensors as views of
+the device copy, and in `finally` re-binds them to the host views and drops the device copy:
+weights are read-only, so nothing is copied back. Buffers a module replaces during forward are
+not carried back (inference only).
 
 Design source: diffusers `enable_model_cpu_offload` (one module on the GPU per stage) and
 LightX2V's CPU offload of encoders and VAE; restated here.
@@ -33,7 +36,8 @@ class ModelOffloader:
             must be materialized on the CPU (not meta).
         device: the compute device. On the CPU, nothing is packed or copied and `on_device`
             only tracks residency.
-        pin_memory: page-locked slabs where possible (see `HostSlab`).
+        pin_memory: page-locked slabs where possible (see `HostSlab`); a slab whose registration
+            fails after packing stays pageable (a WARNING; its copies are synchronous).
 
     Raises:
         ValueError: a module has tensors on the meta device or on a non-CPU device.
@@ -63,11 +67,14 @@ class ModelOffloader:
                 uses.setdefault(id(t), []).append((m, leaf, is_param))
             del tensors
             offsets, total = plan_offsets([t.numel() * t.element_size() for t in unique])
-            slab = HostSlab(total, pin_memory=pin_memory, label=name)
+            # page-locked only once filled: registering populates every page, so a slab registered first would
+            # sit fully resident beside the whole pageable module
+            slab = HostSlab(total, pin_memory=pin_memory, label=name, defer_pinning=True)
             entries: list[_Entry] = []
-            # One tensor at a time: copied into the slab, then every use of it rebound, so the module's original
-            # (pageable) tensor is freed before the next is copied: the load's host peak is the slab plus one
-            # tensor, not the slab plus the whole module.
+            # One tensor at a time: copied into the (untouched) slab, then every use of it rebound, so the module's
+            # original (pageable) tensor is freed before the next is copied. Resident at any moment: the slab pages
+            # written so far and the originals not yet copied, i.e. the slab plus the one tensor being copied; the
+            # registration after the loop only locks pages that are already resident.
             unique.reverse()
             for offset in offsets:
                 t = unique.pop()
@@ -76,6 +83,7 @@ class ModelOffloader:
                     self._rebind(m, leaf, is_param, typed_view(slab.buffer, offset, t.dtype, t.shape))
                     entries.append((m, leaf, is_param, offset, t.dtype, tuple(t.shape)))
                 del t
+            slab.pin()  # registers the filled slab (chunked, all or nothing); stays pageable on failure
             self._slabs[name] = slab
             self._entries[name] = entries
         total_gib = sum(s.nbytes for s in self._slabs.values()) / 2**30

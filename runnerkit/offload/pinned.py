@@ -20,6 +20,19 @@ A slab is obtained through a fallback chain (ARCHITECTURE §4):
    ``pin_memory=False``, when env ``RUNNERKIT_DISABLE_PINNED=1`` is set, or when both steps
    above fail. Copies from pageable memory must be synchronous (see ``streams.py``).
 
+Deferred pinning (``HostSlab(..., defer_pinning=True)``, used by model offload): registering
+populates every page of the mapping, so a slab registered before it is filled from a pageable
+module holds the module twice (the full slab resident next to the full module). A deferred slab is
+the same anonymous mapping left untouched (no resident pages) until its owner has copied the
+tensors in, one at a time, freeing each pageable original as it goes (each slab page becomes
+resident as it is written); ``pin()`` then registers it, in chunks, all or nothing, as above. The
+host peak of filling is the slab plus one tensor. When that registration fails, the slab stays
+``pageable`` (a WARNING says so; copies from it are synchronous): the next step of the chain,
+torch's pinned allocator, would need a second buffer of the slab's size rounded up to a power of
+two while the first is full, i.e. the double hold deferral exists to avoid, at the moment a
+registration just failed (most often for lack of lockable memory). When the mapping itself cannot
+be created, the deferred slab is pageable from the start, for the same reason.
+
 "Exact size": the buffer holds exactly the bytes asked for. Tensors packed into one slab are
 placed at offsets aligned to ``ALIGNMENT`` (256 bytes, enough for every dtype and for the
 128-byte vectorised loads of GPU kernels); each tensor occupies its size rounded up to the
@@ -196,13 +209,13 @@ def register_chunks(ptr: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, 
         try:
             code = torch.cuda.cudart().cudaHostRegister(ptr + start, size, 0)
         except Exception as exc:
-            logger.info(f"cudaHostRegister unavailable ({exc}); falling back to pin_memory")
+            logger.info(f"cudaHostRegister unavailable ({exc})")
             _unregister_chunks(done)
             return None
         if not _cuda_ok(code):
             _clear_cuda_last_error()
             logger.info(f"cudaHostRegister of chunk {len(done) + 1} ({size} bytes at offset {start} of {nbytes}) "
-                        f"returned {code}; unregistering the {len(done)} chunks before it, falling back to pin_memory")
+                        f"returned {code}; unregistering the {len(done)} chunks before it")
             _unregister_chunks(done)
             return None
         done.append((ptr + start, size))
@@ -216,16 +229,22 @@ class HostSlab:
     Attributes:
         nbytes: size in bytes (exact, no rounding).
         kind: "registered" | "pinned" | "pageable" (see module docstring), "pageable" after
-            `release()` of a registered slab.
+            `release()` of a registered slab, and for a deferred slab until `pin()` registers it.
         chunks: kind "registered": the `(address, nbytes)` ranges registered one call each
             (at most `REGISTER_CHUNK_BYTES` each, tiling the buffer); otherwise empty.
         buffer: uint8 tensor [nbytes] on the CPU.
+        pin_pending: a deferred slab whose `pin()` has not run yet (its buffer is an anonymous
+            mapping that `pin()` will try to register).
 
     Args:
         nbytes: bytes to allocate (>= 0).
         pin_memory: try page-locked memory (needs CUDA); False, or env
             RUNNERKIT_DISABLE_PINNED=1, forces pageable memory.
         label: name used in log lines (e.g. "blocks.3").
+        defer_pinning: map the buffer untouched now and page-lock it only in `pin()`, after the
+            owner has filled it (module docstring, "Deferred pinning"): filling then costs no
+            more host memory than the slab itself. Without pinning (no CUDA, `pin_memory`
+            False, the env switch) the slab is pageable as without deferral and `pin()` does nothing.
 
     Raises:
         ValueError: `nbytes` < 0.
@@ -234,7 +253,7 @@ class HostSlab:
     pinned CPU buffers, with cudaHostRegister first to avoid the allocator's rounding.
     """
 
-    def __init__(self, nbytes: int, pin_memory: bool = True, label: str = "slab") -> None:
+    def __init__(self, nbytes: int, pin_memory: bool = True, label: str = "slab", defer_pinning: bool = False) -> None:
         if nbytes < 0:
             raise ValueError(f"`nbytes` must be >= 0, got {nbytes}")
         self.nbytes = int(nbytes)
@@ -242,9 +261,16 @@ class HostSlab:
         self._finalizer: weakref.finalize | None = None
         try_pinning = pin_memory and not pinning_disabled_by_env() and torch.cuda.is_available() and nbytes > 0
         self.kind: SlabKind = "pageable"
+        self.pin_pending = False
         buffer = None
         self.chunks: list[tuple[int, int]] = []  # registered `(address, nbytes)` ranges, tiling the buffer
-        if try_pinning:
+        if try_pinning and defer_pinning:
+            buffer = self._map(self.nbytes)  # zero resident pages until written
+            self.pin_pending = buffer is not None
+            if buffer is None:
+                logger.warning(f"host slab {label}: no anonymous mapping for deferred pinning; the slab stays "
+                               f"pageable ({self.nbytes / 2**30:.3f} GiB, synchronous H2D copies)")
+        elif try_pinning:
             registered = self._try_register(self.nbytes)
             if registered is not None:
                 buffer, self.chunks = registered
@@ -260,27 +286,65 @@ class HostSlab:
         reason = "" if try_pinning or self.kind != "pageable" else (
             " (pinning off: " + ("env " + DISABLE_PINNED_ENV if pinning_disabled_by_env()
                                  else "no CUDA" if not torch.cuda.is_available() else "pin_memory=False") + ")")
-        logger.debug(f"host slab {label}: {self.nbytes / 2**30:.3f} GiB, {self.kind}{reason}")
+        pending = ", page-locked once filled" if self.pin_pending else ""
+        logger.debug(f"host slab {label}: {self.nbytes / 2**30:.3f} GiB, {self.kind}{reason}{pending}")
 
     @property
     def is_pinned(self) -> bool:
         """True when the buffer is page-locked (registered or pinned): async H2D copies are safe."""
         return self.kind in ("registered", "pinned")
 
+    def pin(self) -> SlabKind:
+        """Page-lock a deferred slab now that it is filled: `register_chunks` over the whole buffer,
+        in chunks of `REGISTER_CHUNK_BYTES`, all or nothing. Contents and address are unchanged, so
+        views taken while filling stay valid. On failure nothing stays registered and the slab stays
+        "pageable", with a WARNING (module docstring: why not torch's pinned allocator).
+        Does nothing for a slab that was not deferred, or was already pinned or released.
+
+        Returns:
+            `kind` afterwards: "registered", or "pageable" when the registration failed.
+        """
+        if not self.pin_pending:
+            return self.kind
+        self.pin_pending = False
+        assert self.buffer is not None, "a released slab has no pending pinning"
+        start = time.perf_counter()
+        chunks = register_chunks(self.buffer.data_ptr(), self.nbytes, REGISTER_CHUNK_BYTES)
+        if chunks is None:
+            logger.warning(f"host slab {self.label}: cudaHostRegister of the filled slab failed; it stays pageable "
+                           f"({self.nbytes / 2**30:.3f} GiB, synchronous H2D copies). torch's pinned allocator is "
+                           f"not tried: it would hold a second copy of the slab while this one is full")
+            return self.kind
+        self.chunks = chunks
+        self.kind = "registered"
+        self._finalizer = weakref.finalize(self, _unregister, self.buffer, list(chunks))
+        logger.debug(f"host slab {self.label}: filled, then registered ({self.nbytes} bytes in {len(chunks)} chunks "
+                     f"of <= {REGISTER_CHUNK_BYTES} bytes, {time.perf_counter() - start:.3f}s)")
+        return self.kind
+
+    @staticmethod
+    def _map(nbytes: int) -> torch.Tensor | None:
+        """Anonymous mapping of exactly `nbytes` (page aligned; no resident pages until written) as a
+        uint8 tensor [nbytes] that keeps the mapping alive; None when the mapping fails."""
+        try:
+            region = mmap.mmap(-1, nbytes)
+        except OSError as exc:
+            logger.info(f"anonymous mapping of {nbytes} bytes failed ({exc})")
+            return None
+        return torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+
     @staticmethod
     def _try_register(nbytes: int) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
         """Anonymous mapping of exactly `nbytes`, page-locked with `register_chunks` in chunks of
         `REGISTER_CHUNK_BYTES`: (uint8 tensor [nbytes], its registered chunks), or None on failure
         (nothing left registered; the mapping is dropped with the tensor)."""
-        try:
-            region = mmap.mmap(-1, nbytes)
-        except OSError as exc:
-            logger.info(f"anonymous mapping of {nbytes} bytes failed ({exc}); falling back to pin_memory")
-            return None
-        tensor = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+        tensor = HostSlab._map(nbytes)
+        chunks = None
         start = time.perf_counter()
-        chunks = register_chunks(tensor.data_ptr(), nbytes, REGISTER_CHUNK_BYTES)
-        if chunks is None:
+        if tensor is not None:
+            chunks = register_chunks(tensor.data_ptr(), nbytes, REGISTER_CHUNK_BYTES)
+        if tensor is None or chunks is None:
+            logger.info(f"no registered slab of {nbytes} bytes; falling back to pin_memory")
             return None
         logger.debug(f"cudaHostRegister: {nbytes} bytes in {len(chunks)} chunks of <= {REGISTER_CHUNK_BYTES} bytes, "
                      f"{time.perf_counter() - start:.3f}s")
@@ -317,6 +381,7 @@ class HostSlab:
             self._finalizer = None
             self.kind = "pageable"
             self.chunks = []
+        self.pin_pending = False
         self.buffer = None
 
 

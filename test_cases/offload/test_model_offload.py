@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from runnerkit.offload import ModelOffloader
+from runnerkit.offload import HostSlab, ModelOffloader
+from runnerkit.offload import pinned as pinned_mod
 
 
 def _modules() -> dict[str, nn.Module]:
@@ -59,7 +64,6 @@ def test_tensors_visit_the_device_and_return_to_the_slab() -> None:
             pass
 
 
-
 def test_packing_rebinds_each_tensor_before_copying_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     """The host peak of packing a module is its slab plus one tensor: each tensor is copied into the slab and every
     use of it re-bound there (its original storage freed) before the next is copied, so a visiting text encoder
@@ -91,3 +95,159 @@ def test_packing_rebinds_each_tensor_before_copying_the_next(monkeypatch: pytest
                       "view", "view", "rebind weight", "view", "view", "rebind bias", "view", "view", "rebind table"]
     assert all(torch.equal(t, values[k]) for k, t in enc.state_dict().items())
     assert enc.tied is enc[0].bias
+
+
+# -- page-locking after packing (HostSlab(defer_pinning=True)) -------------------------------------------------
+
+class RecordingDriver:
+    """`cudaHostRegister`/`cudaHostUnregister` for a CPU-only torch, recorded into `events` with how many of
+    `originals` (storages of the module's tensors before packing) were freed at that call. `fail_at`: the n-th
+    register call (1-based) returns cudaErrorMemoryAllocation. `populate`: a register call makes every page of
+    its range resident (contents unchanged), as the real driver does when it locks a range."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, events: list[tuple], originals: list[StorageWeakRef],
+                 fail_at: int | None = None, populate: bool = False) -> None:
+        self.events, self.originals, self.fail_at, self.populate = events, originals, fail_at, populate
+        self.locked: dict[int, int] = {}
+        self.registers = 0
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: self)
+        monkeypatch.setattr(pinned_mod, "_clear_cuda_last_error", lambda: None)
+        monkeypatch.setattr(HostSlab, "_try_pin", staticmethod(self._pin))
+        monkeypatch.delenv("RUNNERKIT_DISABLE_PINNED", raising=False)
+
+    def freed(self) -> int:
+        return sum(ref.expired() for ref in self.originals)
+
+    def _pin(self, nbytes: int) -> torch.Tensor:
+        self.events.append(("pin_memory", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.registers += 1
+        self.events.append(("register", self.freed()))
+        if self.registers == self.fail_at:
+            return 2
+        if self.populate:  # x + 0 writes every byte back: each page becomes resident, the bytes stay
+            torch.frombuffer((ctypes.c_uint8 * size).from_address(ptr), dtype=torch.uint8).add_(0)
+        self.locked[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.events.append(("unregister", self.locked.pop(ptr)))
+        return 0
+
+
+def _packed_module() -> tuple[nn.Module, list[StorageWeakRef], dict[str, torch.Tensor]]:
+    """Five tensors (one of them used twice, a buffer) of 37.25 KiB, their storages before packing, their bytes."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32))
+    enc.register_buffer("table", torch.randn(100))
+    enc.tied = enc[0].bias
+    storages = {t.data_ptr(): t.untyped_storage() for t in enc.state_dict().values()}  # the tied one once
+    originals = [StorageWeakRef(s) for s in storages.values()]
+    values = {n: t.detach().view(torch.uint8).clone() for n, t in enc.state_dict().items()}
+    return enc, originals, values
+
+
+def test_the_slab_is_registered_only_after_every_tensor_is_copied_and_its_original_freed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registration populates every page of the slab, so it comes after packing: when the first chunk is
+    registered, every tensor of the module has been copied and re-bound and its original storage freed; each
+    original is freed before the next tensor is re-bound (the tied one is stored once)."""
+    from runnerkit.offload import model_offload
+
+    monkeypatch.setattr(pinned_mod, "REGISTER_CHUNK_BYTES", 4 * 4096)
+    enc, originals, values = _packed_module()
+    events: list[tuple] = []
+    driver = RecordingDriver(monkeypatch, events, originals)
+    real_rebind = ModelOffloader._rebind
+
+    def rebind(module: nn.Module, leaf: str, is_param: bool, tensor: torch.Tensor) -> None:
+        events.append(("rebind", leaf, driver.freed()))
+        real_rebind(module, leaf, is_param, tensor)
+
+    monkeypatch.setattr(ModelOffloader, "_rebind", staticmethod(rebind))
+    off = model_offload.ModelOffloader({"text_encoder": enc}, "meta")
+    slab = off._slabs["text_encoder"]
+    # 24576 + 384 + 12288 + 128 + 400 bytes, each at a 256-byte offset: two chunks of 16 KiB and a last one
+    assert slab.nbytes == 24576 + 512 + 12288 + 256 + 512 == 38144
+    # `module.modules()` order: root's `tied` (= layer 0's bias) and its second use, then each weight/bias, the
+    # buffer; freed before each re-bind: every tensor copied before (a parameter's original storage goes at its
+    # first re-bind: the Parameter object stays, on the slab's storage)
+    assert events == [("rebind", "tied", 0), ("rebind", "bias", 1), ("rebind", "weight", 1), ("rebind", "weight", 2),
+                      ("rebind", "bias", 3), ("rebind", "table", 4),
+                      ("register", 5), ("register", 5), ("register", 5)]
+    assert slab.kind == "registered" and slab.is_pinned and not slab.pin_pending
+    assert slab.chunks == sorted(driver.locked.items()) and [n for _, n in slab.chunks] == [16384, 16384, 5376]
+    assert all(torch.equal(t.view(torch.uint8), values[n]) for n, t in enc.state_dict().items())
+    off.close()
+    assert driver.locked == {}
+
+
+def test_a_failed_registration_after_packing_leaves_the_module_pageable_and_intact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The third chunk's registration fails: the two before it are unregistered (nothing stays locked), torch's
+    pinned allocator is not tried (it would hold a second copy of the full slab), the slab stays pageable with a
+    WARNING, its bytes are the module's bit for bit, and visits to the device copy synchronously."""
+    from loguru import logger
+
+    from runnerkit.offload import model_offload
+
+    monkeypatch.setattr(pinned_mod, "REGISTER_CHUNK_BYTES", 4 * 4096)
+    enc, originals, values = _packed_module()
+    events: list[tuple] = []
+    driver = RecordingDriver(monkeypatch, events, originals, fail_at=3)
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="WARNING", format="{level} {message}")
+    try:
+        off = model_offload.ModelOffloader({"text_encoder": enc}, "meta")
+    finally:
+        logger.remove(sink)
+    slab = off._slabs["text_encoder"]
+    assert events == [("register", 5), ("register", 5), ("register", 5), ("unregister", 16384),
+                      ("unregister", 16384)]  # no ("pin_memory", ...)
+    assert driver.locked == {} and slab.kind == "pageable" and not slab.is_pinned and slab.chunks == []
+    assert len(lines) == 1 and lines[0].startswith("WARNING host slab text_encoder: cudaHostRegister of the filled "
+                                                   "slab failed; it stays pageable")
+    lo, hi = slab.buffer.data_ptr(), slab.buffer.data_ptr() + slab.nbytes
+    for n, t in enc.state_dict().items():
+        assert lo <= t.data_ptr() < hi and torch.equal(t.view(torch.uint8), values[n])
+    copies: list[bool] = []
+    monkeypatch.setattr(model_offload, "copy_h2d", lambda dst, src, non_blocking: copies.append(non_blocking))
+    with off.on_device("text_encoder"):
+        pass
+    assert copies == [False]  # from pageable memory: synchronous
+    assert all(torch.equal(t.view(torch.uint8), values[n]) for n, t in enc.state_dict().items())
+    off.close()
+    assert driver.locked == {} and events[5:] == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="VmHWM reset is Linux's /proc/self/clear_refs")
+def test_packing_a_module_does_not_hold_it_twice_in_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peak RSS while a 384 MiB module of fresh tensors (six of 64 MiB: above glibc's largest mmap threshold,
+    so each is returned to the OS when freed) is packed into a slab whose registration makes every page
+    resident (as the driver does): it grows by about one tensor, far below the 384 MiB that registering the
+    slab before filling it costs (the whole slab resident beside the whole module)."""
+    mib, count = 2**20, 6
+    module = nn.Module()
+    for i in range(count):
+        module.register_parameter(f"w{i}", nn.Parameter(torch.full((16 * mib,), float(i + 1)), requires_grad=False))
+    events: list[tuple] = []
+    RecordingDriver(monkeypatch, events, [], populate=True)
+
+    def status_kib(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    baseline = status_kib("VmRSS") * 1024
+    off = ModelOffloader({"text_encoder": module}, "meta")
+    grown = status_kib("VmHWM") * 1024 - baseline
+    slab = off._slabs["text_encoder"]
+    assert slab.kind == "registered" and slab.nbytes == count * 64 * mib
+    assert [e[0] for e in events] == ["register"] * 2  # 384 MiB in two chunks of <= 256 MiB, each populated
+    assert all(torch.all(getattr(module, f"w{i}") == i + 1) for i in range(count))
+    assert grown < slab.nbytes // 2, f"peak RSS grew {grown / mib:.0f} MiB packing {slab.nbytes / mib:.0f} MiB"
+    off.close()

@@ -299,3 +299,52 @@ def test_a_copy_from_a_chunked_slab_is_split_at_the_chunk_boundaries(monkeypatch
     slab.release()
     copies.clear()
     assert pinned_mod.chunk_cuts(base, nbytes) == []  # released chunks are forgotten
+
+
+def test_a_deferred_slab_is_registered_only_by_pin_and_only_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`defer_pinning=True`: an untouched page-aligned mapping, pageable and not registered until `pin()`, which
+    registers it in chunks with its contents and address unchanged; a second `pin()` does nothing, `release()`
+    unregisters every chunk, and a slab released before `pin()` is never registered."""
+    monkeypatch.setattr(pinned_mod, "REGISTER_CHUNK_BYTES", CHUNK)
+    driver = ChunkDriver(monkeypatch)
+    nbytes = 2 * CHUNK + 100
+    slab = HostSlab(nbytes, defer_pinning=True)
+    assert driver.calls == [] and slab.kind == "pageable" and not slab.is_pinned and slab.pin_pending
+    base = slab.buffer.data_ptr()
+    assert base % 4096 == 0 and slab.buffer.numel() == nbytes and not slab.buffer.is_pinned()
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    view = slab.view(0, torch.uint8, (nbytes,))
+    view.copy_(data)
+    assert slab.pin() == "registered"
+    assert driver.calls == [("register", base, CHUNK), ("register", base + CHUNK, CHUNK),
+                            ("register", base + 2 * CHUNK, 100)]
+    assert slab.chunks == [(base, CHUNK), (base + CHUNK, CHUNK), (base + 2 * CHUNK, 100)] and not slab.pin_pending
+    assert slab.is_pinned and view.is_pinned() and slab.buffer.data_ptr() == base and torch.equal(view, data)
+    assert slab.pin() == "registered" and len(driver.calls) == 3
+    slab.release()
+    assert [c[0] for c in driver.calls[3:]] == ["unregister"] * 3 and driver.locked == []
+    assert slab.pin() == "pageable" and len(driver.calls) == 6
+    unfilled = HostSlab(CHUNK, defer_pinning=True)
+    unfilled.release()  # released before it was pinned: nothing left to register
+    assert unfilled.pin() == "pageable" and not unfilled.pin_pending and len(driver.calls) == 6
+
+
+@pytest.mark.parametrize("why", ["env", "argument", "no_mapping"])
+def test_a_deferred_slab_without_pinning_is_pageable_and_pin_does_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                                          why: str) -> None:
+    """Pinning switched off (env, `pin_memory=False`) or no anonymous mapping to register later: a pageable slab
+    at once, no driver call now or at `pin()`, and torch's pinned allocator is not tried."""
+    import mmap
+
+    driver = ChunkDriver(monkeypatch)
+    if why == "env":
+        monkeypatch.setenv("RUNNERKIT_DISABLE_PINNED", "1")
+    if why == "no_mapping":
+        def refuse(*args: object) -> None:
+            raise OSError(12, "Cannot allocate memory (fake)")
+
+        monkeypatch.setattr(mmap, "mmap", refuse)
+    slab = HostSlab(5000, pin_memory=why != "argument", defer_pinning=True)
+    assert slab.kind == "pageable" and not slab.pin_pending and slab.buffer.numel() == 5000
+    assert slab.pin() == "pageable" and not slab.is_pinned
+    assert driver.calls == [] and driver.locked == []  # FakeDriver locks torch's pinned allocations too
