@@ -40,13 +40,17 @@ def _setter() -> Callable[[str], None]:
     return torch._C._cuda_cudaCachingAllocator_set_allocator_settings
 
 
+_logged: set[str] = set()  # the lines logged in this process: a run that plans twice says each once
+
+
 def configure_cuda_allocator(device: torch.device, expandable_segments: bool) -> str | None:
     """Apply `memory.expandable_segments` to this process's CUDA caching allocator; the log line, or None.
 
     Process-wide (the allocator is one per process) and applied before any weight is loaded, so every segment
     the run reserves is expandable. Nothing is changed when `device` is not CUDA, when `expandable_segments` is
     False (PyTorch's default allocator), or when an allocator variable of `ENV_VARS` is set (the user's
-    settings, kept whole).
+    settings, kept whole). Each distinct line is logged once per process (the launch script plans before its
+    fit check and again in `init_modules`).
 
     Args:
         device: the run's compute device.
@@ -63,5 +67,7 @@ def configure_cuda_allocator(device: torch.device, expandable_segments: bool) ->
     else:
         _setter()(EXPANDABLE)
         line = "CUDA allocator: expandable segments (`memory.expandable_segments`), so freed memory is reused whatever its size"
-    logger.info(line)
+    if line not in _logged:
+        _logged.add(line)
+        logger.info(line)
     return line

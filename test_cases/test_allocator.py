@@ -76,3 +76,15 @@ def test_a_runner_that_only_plans_leaves_the_allocator_alone(tiny_ckpt: Path, mo
     runner = WanT2VRunner.for_plan(config)
     assert runner.memory_checks.plan_memory(()) is not None  # a plan was made
     assert events == []
+
+
+def test_each_line_is_logged_once_per_process(applied: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocator, "_logged", set())
+    logged: list[str] = []
+    monkeypatch.setattr(allocator.logger, "info", logged.append)
+    for _ in range(2):
+        allocator.configure_cuda_allocator(CUDA, True)
+    allocator.configure_cuda_allocator(CUDA, False)
+    assert applied == ["expandable_segments:True"] * 2  # applied each time: cheap, and the process's state
+    assert [line.split(" (")[0] for line in logged] == ["CUDA allocator: expandable segments",
+                                                         "CUDA allocator: PyTorch's default segments"]
