@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from runnerkit.config import OffloadConfig
+from runnerkit.config import OffloadConfig, RunnerConfig
 from runnerkit.offload import HostSource, StreamUnit, host_fill_peak, plan_units
 from runnerkit.offload import encoders as encoders_mod
 from runnerkit.offload import sources as sources_mod
 from runnerkit.offload.encoders import stream_from_files
 from runnerkit.offload.pinned import HostSlab
 from runnerkit.offload.setup import stream_module
-from runnerkit.planning.fit import module_footprint
+from runnerkit.planning.fit import PROCESS_HOST_BYTES, MemoryEstimate, host_bytes_of, module_footprint
 from runnerkit.weights import build_on_meta
 from test_cases.offload._toy import ToyModel, make_reference, state_dict_of, write_checkpoint
 
@@ -164,7 +164,8 @@ def test_the_planned_load_transient_is_the_peak_of_the_fill(monkeypatch: pytest.
                                                             weight_dtype: str, kept: int) -> None:
     """`stream_load_bytes` of a storage-cpu footprint = the largest (bytes left in the handed-over state dict +
     slabs allocated so far), at the start and at each slab allocation, less all the slabs: counted here from
-    the real fill of a float32 toy (the compute dtype, as the planner counts a state dict)."""
+    the real fill of a float32 toy (the compute dtype, as the planner counts a state dict). The host estimate
+    takes it as the load transient on top of the slabs."""
     cfg = OffloadConfig(mode=mode, storage="cpu", pin_memory=False, weight_dtype=weight_dtype,  # type: ignore[arg-type]
                         resident_blocks=kept)
     sd = state_dict_of(make_reference(seed=0))
@@ -182,7 +183,11 @@ def test_the_planned_load_transient_is_the_peak_of_the_fill(monkeypatch: pytest.
                              state_dict=sd, consume=True)
     footprint = module_footprint(build_on_meta(ToyModel), torch.float32, SPEC.keep_fp32, SPEC, cfg)
     assert footprint.stream_host_bytes == sum(slabs) > 0
-    assert footprint.stream_load_bytes == max(totals) - sum(slabs)
+    assert footprint.stream_load_bytes == max(totals) - sum(slabs) != footprint.resident_read_bytes
+    run = RunnerConfig(model_cls="toy", task="t2v", model_path="unused", offload=cfg)
+    host = host_bytes_of(MemoryEstimate(modules={"toy": footprint}, stages=()), run, torch.device("cuda"))
+    assert (host.transient_module, host.transient_bytes) == ("toy", footprint.stream_load_bytes)
+    assert host.bytes == sum(slabs) + footprint.stream_load_bytes + PROCESS_HOST_BYTES
     streamer.close()
 
 
