@@ -124,7 +124,9 @@ def stream_from_files(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, de
     """`stream_module` of a meta-built encoder whose tensors are the `key_map` entries of `files`.
 
     Storage "cpu": those tensors are read once (`read_mapped`) into the resident weights and the host
-    slabs; storage "disk": the streamer reads the layers from the files at every fetch. Other
+    slabs, each read tensor freed once copied (`stream_module`'s `consume`: no unit is held twice but
+    the one being copied); storage "disk": the streamer reads the layers from the files at every
+    fetch. Other
     tensors of the files (a head, a vision tower the module does not hold) are neither checked nor read.
 
     Raises:
@@ -132,7 +134,7 @@ def stream_from_files(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, de
     """
     if cfg.storage == "cpu":
         return stream_module(model, spec, cfg, device, dtype, component,
-                             state_dict=read_mapped(files, key_map, cfg.reader))
+                             state_dict=read_mapped(files, key_map, cfg.reader), consume=True)
     return stream_module(model, spec, cfg, device, dtype, component, files=list(files), key_map=key_map,
                          shared_files=True)
 

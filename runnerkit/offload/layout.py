@@ -280,3 +280,19 @@ def quantize_fp8_e4m3(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def dequantize_fp8_e4m3(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`q * scale` rounded once to `dtype`: bit-identical to what the streamer computes in a slot."""
     return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+
+
+def host_fill_peak(left: int, reads: Sequence[int], slabs: Sequence[int]) -> int:
+    """The most host bytes a storage-cpu load that hands its state dict over (`stream_module(..., consume=True)`:
+    the resident part moved to the device, then `HostSource` fills the unit slabs) holds beyond all the slabs.
+
+    `left`: the state dict's bytes outside the units (freed as they are moved); `reads[j]`: unit j's tensors
+    as read; `slabs[j]`: its slab. Held at the start: the whole state dict, no slab; once unit j's slab is
+    allocated: slabs 0..j and the tensors of units j.. (unit j's freed one by one as they are copied). With
+    slabs of the tensors' own size this is about max(left, the largest unit).
+    """
+    peak, pending, later = left + sum(reads) - sum(slabs), 0, 0
+    for read, slab in zip(reversed(reads), reversed(slabs)):  # unit j: reads[j:] still held, slabs[j+1:] not yet
+        pending += read
+        peak, later = max(peak, pending - later), later + slab
+    return peak

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,7 +47,7 @@ class _ResidentRead(NamedTuple):
     tensors: dict[str, torch.Tensor]
     """Model name -> host tensor as stored, for every resident name."""
     scales: dict[str, torch.Tensor]
-    """Storage "disk": model name -> the float32 scalar scale of a resident float8_e4m3fn weight."""
+    """Model name -> the float32 scalar scale of a resident float8_e4m3fn weight."""
     reader: SafetensorsDiskReader | None
     """Storage "disk": the reader the streamed units are fetched with; None for storage "cpu"."""
     key_map: dict[str, str] | None
@@ -56,23 +56,31 @@ class _ResidentRead(NamedTuple):
 
 def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cfg: OffloadConfig, component: str,
                    state_dict: Mapping[str, torch.Tensor] | None, files: list[Path] | None,
-                   key_map: Mapping[str, str] | None, shared_files: bool,
-                   scale_map: Mapping[str, str]) -> _ResidentRead:
+                   key_map: Mapping[str, str] | None, shared_files: bool, scale_map: Mapping[str, str],
+                   scales: Mapping[str, torch.Tensor], consume: bool) -> _ResidentRead:
     """Step 1 of `stream_module`: check the checkpoint against the model, then read the resident tensors.
 
     Decides whether the checkpoint fits `expected` (the model's state dict: names, shapes, floating
     dtypes; storage "disk": from the headers, before any weight is read, only `key_map`'s keys when
     `shared_files`, scale tensors left out). Storage "disk" reads the resident tensors and their fp8
     scales first, with short-lived handles closed before any block fetch opens a long-lived one.
+    Storage "cpu" with `consume`: the resident names leave `state_dict` (and `scales`).
 
     Raises:
         CheckpointError: as `stream_module`.
     """
     if cfg.storage == "cpu":
         assert state_dict is not None, "storage cpu needs the state dict"
-        assert not scale_map, "storage cpu takes upcast weights (scales are applied by the caller)"
+        assert not scale_map, "storage cpu takes its scales as tensors (`scales`)"
         check_tensors(expected, tensor_infos(state_dict), component)
-        return _ResidentRead({n: state_dict[n] for n in resident}, {}, None, None)
+        read = _ResidentRead({n: state_dict[n] for n in resident},
+                             {n: scales[n].reshape(()) for n in resident if n in scales}, None, None)
+        if consume:  # the caller's mappings hand the resident tensors over: `_load_resident` frees them one by one
+            assert isinstance(state_dict, MutableMapping) and isinstance(scales, MutableMapping)
+            for n in resident:
+                state_dict.pop(n)
+                scales.pop(n, None)
+        return read
     assert files is not None, "storage disk needs the checkpoint files"
     key_map = dict(key_map or {n: n for n in expected})
     reader = SafetensorsDiskReader(files, reader=cfg.reader)
@@ -119,7 +127,8 @@ def _load_resident(model: nn.Module, resident_tensors: dict[str, torch.Tensor], 
 def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device: torch.device,
                   dtype: torch.dtype, component: str, state_dict: Mapping[str, torch.Tensor] | None = None,
                   files: list[Path] | None = None, key_map: Mapping[str, str] | None = None,
-                  shared_files: bool = False, scale_map: Mapping[str, str] | None = None) -> BlockStreamer:
+                  shared_files: bool = False, scale_map: Mapping[str, str] | None = None,
+                  scales: Mapping[str, torch.Tensor] | None = None, consume: bool = False) -> BlockStreamer:
     """Load the resident part of meta-built `model` onto `device` and stream its blocks.
 
     Args:
@@ -132,7 +141,8 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
             like the resident tensors, once, in the compute dtype (also with weight_dtype fp8_e4m3),
             and only the others stream; all of them when it is >= the unit count: the streamer then
             has no unit, slot or hook).
-        state_dict: all tensors in model names (storage "cpu").
+        state_dict: all tensors in model names (storage "cpu"); float8_e4m3fn ones are upcast (the
+            scale of `scales`, or none) as they are loaded or copied into their host slab.
         files, key_map: the checkpoint's safetensors files and model name -> file name (storage "disk").
         shared_files: the files also hold other networks' tensors (a single-file release): only the
             keys of `key_map` are checked and read (the caller has checked the rest of the file).
@@ -140,6 +150,13 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
             float8_e4m3fn weight (weight = fp8 x scale). Streamed fp8 weights, scaled or not, stream as
             stored and are upcast on the device (`DiskSource`); resident ones are upcast here, the same
             way (`dequantize_fp8_e4m3`: float32 product, rounded once).
+        scales: storage "cpu": model name -> float32 scale (one element) of its float8_e4m3fn weight in
+            `state_dict`; upcast the same way, one tensor at a time (resident ones on the device,
+            streamed ones into their slab: `HostSource`), so the host never holds the upcast module.
+        consume: storage "cpu": take ownership of `state_dict` and `scales` (mutable mappings): every
+            tensor leaves them once it is on the device or in its host slab, so a tensor nobody else
+            holds is freed at once: no unit is held twice but the one being copied (`HostSource`;
+            docs/host_memory.md). Default False: both are only read.
 
     Buffers outside the state dict: created by `model.init_non_persistent_buffers()` when the model
     has it, or computed when the skeleton was built (then moved to `device` as they are).
@@ -149,23 +166,32 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
             tensors (listed), wrong shapes or non-floating dtypes (`weights.check_tensors`, naming
             the file and the tensor), checked before any weight is read; a tensor left on the meta
             device (neither loaded nor streamed nor computed), listed.
+        TypeError: `consume` with a `state_dict` or `scales` that is not a mutable mapping.
+        ValueError: a scale of `scales` whose tensor is not float8_e4m3fn (`HostSource`).
 
     Streamed tensors stored in another floating dtype than `dtype` are cast as resident ones are:
     once into the host slabs (storage "cpu"), at every fetch into the staging slab (storage "disk"),
     except float8_e4m3fn ones with storage "disk", which cross H2D as stored and are upcast on the device.
     """
     assert cfg.mode in ("block", "phase"), f"stream_module needs mode block/phase, got {cfg.mode}"
+    if consume and not all(isinstance(m, MutableMapping) for m in (state_dict, scales or {})):
+        raise TypeError(f"{component}: consume=True hands `state_dict` and `scales` over (their tensors leave them "
+                        f"as they are loaded), so both must be mutable mappings; got {type(state_dict).__name__} "
+                        f"and {type(scales).__name__}")
+    assert not (scales and cfg.storage == "disk"), "storage disk reads its scales from the files (`scale_map`)"
+    scales = scales if scales is not None else {}
     pin = pin_memory_enabled(cfg)
     planned = plan_units(model, cfg.mode, spec)
     kept, units = split_resident(planned, spec.resident_units(cfg.resident_blocks))  # kept units load below with the resident tensors
     resident = resident_names(model, units)
     scale_map = dict(scale_map or {})
     read = _read_resident(model.state_dict(keep_vars=True), resident, cfg, component, state_dict, files, key_map,
-                          shared_files, scale_map)
+                          shared_files, scale_map, scales, consume)
     _load_resident(model, read.tensors, read.scales, spec, dtype, device)
     reader, key_map = read.reader, read.key_map
     if cfg.storage == "cpu":
-        source = HostSource(units, state_dict, dtype, cfg.weight_dtype, pin_memory=pin)
+        assert state_dict is not None, "storage cpu needs the state dict"
+        source = HostSource(units, state_dict, dtype, cfg.weight_dtype, pin_memory=pin, scales=scales, consume=consume)
     else:
         assert reader is not None, "storage disk reads through a disk reader"
         source = DiskSource(units, reader, dtype, key_map=key_map, pin_memory=pin, scale_map=scale_map)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -16,11 +16,17 @@ import torch
 from loguru import logger
 
 from runnerkit.offload.disk import SafetensorsDiskReader
-from runnerkit.offload.layout import StreamUnit, UnitLayout, WeightDtype, plan_unit_layout, quantize_fp8_e4m3
+from runnerkit.offload.layout import (
+    StreamUnit,
+    UnitLayout,
+    WeightDtype,
+    dequantize_fp8_e4m3,
+    plan_unit_layout,
+    quantize_fp8_e4m3,
+)
 from runnerkit.offload.pinned import HostSlab, typed_view
 from runnerkit.offload.streams import CopyEngine
 from runnerkit.weights import CheckpointError, short_list
-
 
 FP8 = torch.float8_e4m3fn
 """The checkpoint dtype a disk source streams as stored, whatever the compute dtype."""
@@ -79,19 +85,32 @@ class HostSource:
     Args:
         units: the streamed units (see `plan_units`).
         tensors: full parameter name -> CPU tensor (model names); only the units' names are read,
-            cast to `dtype` (or quantized to fp8) while filling. The caller may drop it after.
+            cast to `dtype` (or quantized to fp8) while filling. A `MutableMapping` with `consume`.
         dtype: compute dtype of the streamed weights.
         weight_dtype: "same" (store in `dtype`) or "fp8_e4m3" (store fp8 + float32 scale per
             tensor; upcast on the device before compute, see `layout.py` for the error).
         pin_memory: page-locked slabs where possible (see `HostSlab`).
+        scales: name -> float32 scale (one element) of a float8_e4m3fn tensor of `tensors`: that
+            tensor is upcast while filling, `dequantize_fp8_e4m3` (float32 product rounded once to
+            `dtype`, as a resident load upcasts it), one tensor at a time. Names no unit streams are
+            ignored.
+        consume: take ownership of `tensors` (and `scales`): each unit name is removed from them
+            right after its tensor is copied into its slab, so a tensor nobody else holds is freed
+            before the next one is copied. The host then holds, while filling, the slabs so far and
+            what is not yet copied (about the module plus one unit), not the slabs beside the whole
+            module. Other names are left. False (default): both mappings are only read and the
+            caller may drop them after. On an error while filling, the names copied so far are gone.
 
     Raises:
         CheckpointError: `tensors` lacks unit parameters.
-        ValueError: a streamed tensor is not floating point, or bad `weight_dtype`.
+        ValueError: a streamed tensor is not floating point, a scale's tensor is not float8_e4m3fn
+            or the scale is not one float32 element, or bad `weight_dtype`.
+        TypeError: `consume` with a read-only mapping.
     """
 
     def __init__(self, units: Sequence[StreamUnit], tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                 weight_dtype: WeightDtype = "same", pin_memory: bool = True) -> None:
+                 weight_dtype: WeightDtype = "same", pin_memory: bool = True, *,
+                 scales: Mapping[str, torch.Tensor] | None = None, consume: bool = False) -> None:
         start = time.perf_counter()
         missing = [n for u in units for n in u.params if n not in tensors]
         if missing:
@@ -99,22 +118,41 @@ class HostSource:
         not_float = [n for u in units for n in u.params if not tensors[n].is_floating_point()]
         if not_float:
             raise ValueError(f"host source: streamed tensors must be floating point; got {short_list(not_float)}")
+        scaled = {n for u in units for n in u.params if n in (scales or {})}
+        bad = [f"{n} ({tensors[n].dtype}, scale {scales[n].dtype} {list(scales[n].shape)})" for n in sorted(scaled)
+               if scales is not None and (tensors[n].dtype != FP8 or scales[n].dtype != torch.float32
+                                          or scales[n].numel() != 1)]
+        if bad:
+            raise ValueError(f"host source: a scale applies to a float8_e4m3fn tensor and is one float32 element; "
+                             f"got {short_list(bad)}")
+        owned = [m for m in (tensors, scales) if isinstance(m, MutableMapping)] if consume else []
+        if consume and len(owned) != 1 + (scales is not None):
+            raise TypeError("host source: consume=True removes the units' names from `tensors` and `scales`, so both "
+                            f"must be mutable mappings; got {type(tensors).__name__} and {type(scales).__name__}")
         self.weight_dtype = weight_dtype
         self.layouts = [plan_unit_layout(u, {n: tensors[n].shape for n in u.params}, dtype, weight_dtype)
                         for u in units]
         self.slabs: list[HostSlab] = []
         for layout in self.layouts:
             slab = HostSlab(layout.raw_nbytes, pin_memory=pin_memory, label=layout.module)
-            scales = (slab.view(layout.scales_offset, torch.float32, (layout.num_scales,))
-                      if layout.scales_offset is not None else None)
+            slab_scales = (slab.view(layout.scales_offset, torch.float32, (layout.num_scales,))
+                           if layout.scales_offset is not None else None)
             for t in layout.tensors:
                 dst = slab.view(t.offset, t.stored_dtype, t.shape)
+                src = tensors[t.name]
+                if t.name in scaled:
+                    assert scales is not None
+                    src = dequantize_fp8_e4m3(src, scales[t.name], dtype)
                 if t.scale_index is not None:
-                    q, scale = quantize_fp8_e4m3(tensors[t.name])
+                    q, scale = quantize_fp8_e4m3(src)
                     dst.copy_(q)
-                    scales[t.scale_index] = scale[0]
+                    slab_scales[t.scale_index] = scale[0]
+                    del q
                 else:
-                    dst.copy_(tensors[t.name])  # casts to the compute dtype
+                    dst.copy_(src)  # casts to the compute dtype
+                del src
+                for mapping in owned:  # consume: the caller's original goes now, before the next tensor is copied
+                    mapping.pop(t.name, None)
             self.slabs.append(slab)
         kinds = sorted({s.kind for s in self.slabs})
         nbytes = sum(s.nbytes for s in self.slabs)

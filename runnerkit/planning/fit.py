@@ -51,14 +51,13 @@ import torch
 from torch import nn
 
 from runnerkit.config import OffloadConfig, RunnerConfig
-from runnerkit.offload.layout import StreamSpec, plan_unit_layout, plan_units, split_resident
+from runnerkit.offload.layout import StreamSpec, host_fill_peak, plan_unit_layout, plan_units, split_resident
 from runnerkit.offload.pinned import align_up, pinning_disabled_by_env
 
 __all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "Hint", "HostEstimate",
            "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights",
            "host_bytes_of", "host_module_bytes", "lora_slot_bytes", "module_footprint", "overhead_bytes", "peak_of",
-           "placement_of",
-           "host_refusal_message", "refusal_message", "streams", "weights_between_stages"]
+           "placement_of", "host_refusal_message", "refusal_message", "streams", "weights_between_stages"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -72,7 +71,6 @@ process's resident memory grows beyond its live tensors: glibc keeps freed block
 dynamic mmap threshold (up to 32 MiB) in its heaps, and oneDNN caches primitives and scratchpads;
 measured up to 0.32 GiB above the tensor peak for one request of the tiny test config at
 256x256x9 (the whole-request test of the first family's estimate, under test_cases/models/)."""
-
 
 PROCESS_HOST_BYTES = 2 * GIB
 """Host memory of a CUDA run's process besides the weights it holds: the interpreter, torch's and
@@ -122,8 +120,8 @@ class ModuleFootprint:
         device_extra_bytes: bytes the module keeps on the compute device beside its weights, whether
             or not the weights are offloaded or streamed, for as long as the module exists (unfused
             LoRA slots, runnerkit/lora: `lora_slot_bytes`).
-        stream_resident_stored_bytes: the resident part as read (storage disk: fp8-stored weights at 1 byte, upcast
-            on the device by `stream_module`), what its load holds in host memory; None: as loaded.
+        stream_resident_stored_bytes: the resident part as read (fp8-stored weights at 1 byte); None: as loaded.
+        stream_load_bytes: storage cpu: the peak host bytes of its load beside the slabs (`host_fill_peak`).
     """
 
     weight_bytes: int
@@ -134,6 +132,7 @@ class ModuleFootprint:
     stream_moved_bytes: int = 0
     device_extra_bytes: int = 0
     stream_resident_stored_bytes: int | None = None
+    stream_load_bytes: int | None = None
 
     @property
     def resident_read_bytes(self) -> int:
@@ -260,7 +259,7 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
         offload: the run's offload config (mode, slots, weight_dtype, storage).
         stream_default: see `ModuleFootprint.stream_default` (False for a text encoder).
         fp8_stored: parameter names the checkpoint stores as float8_e4m3fn (their loaded bytes are
-            still counted in `dtype`: a resident load upcasts them).
+            still counted in `dtype`: a resident load upcasts them; read at 1 byte in both storages).
         lora_rank: unfused LoRA slot rank R (config `lora.max_rank` in mode unfused; 0: none): the slots
             of every linear layer become `device_extra_bytes` (`lora_slot_bytes`).
     """
@@ -321,24 +320,25 @@ def _module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable
     mode = offload.mode
     every = part(("units", mode, stream), lambda: plan_units(module, mode, stream))
     _, units = split_resident(every, stream.resident_units(offload.resident_blocks))  # kept: resident
-    as_stored = fp8_stored if offload.storage == "disk" else ()  # storage cpu holds upcast weights
+    as_stored = fp8_stored if offload.storage == "disk" else ()  # storage cpu fills its slabs with upcast weights
     index = {id(u): k for k, u in enumerate(every)}
     layout_key = ("layout", mode, stream, dtype, keep_fp32, offload.weight_dtype, frozenset(as_stored))
     layouts = [part((*layout_key, index[id(u)]),
                     lambda u=u: plan_unit_layout(u, shapes, dtype, offload.weight_dtype, fp8_stored=as_stored))
                for u in units]
-    raw = max((lay.raw_nbytes for lay in layouts), default=0)
-    slot = align_up(raw) + max((lay.compute_nbytes for lay in layouts), default=0)
+    raws = [lay.raw_nbytes for lay in layouts]
+    slot = align_up(max(raws, default=0)) + max((lay.compute_nbytes for lay in layouts), default=0)
     slots = min(offload.gpu_slots, len(units))
     streamed = sum(sizes[p] for u in units for p in u.params)
-    host = sum(lay.raw_nbytes for lay in layouts) if offload.storage == "cpu" else slots * raw
-    in_units = {p for u in units for p in u.params}
-    # fp8-stored weights kept resident are read as stored (1 byte each) and upcast on the device
-    saved = sum(sizes[n] - math.prod(shapes[n]) for n in as_stored if n in sizes and n not in in_units)
+    host = sum(raws) if offload.storage == "cpu" else slots * max(raws, default=0)
+    saved = {n: sizes[n] - math.prod(shapes[n]) for n in fp8_stored if n in sizes}  # fp8 is read at 1 byte
+    reads = [sum(sizes[p] - saved.get(p, 0) for p in u.params) for u in units]
+    resident_read = total - sum(saved.values()) - sum(reads)  # resident fp8 weights are upcast on the device
     return ModuleFootprint(weight_bytes=total, stream_resident_bytes=total - streamed, stream_slot_bytes=slots * slot,
-                           stream_host_bytes=host, stream_default=stream_default,
-                           stream_moved_bytes=sum(lay.raw_nbytes for lay in layouts), device_extra_bytes=extra,
-                           stream_resident_stored_bytes=total - streamed - saved if saved else None)
+                           stream_host_bytes=host, stream_default=stream_default, device_extra_bytes=extra,
+                           stream_moved_bytes=sum(raws), stream_load_bytes=(
+                               host_fill_peak(resident_read, reads, raws) if offload.storage == "cpu" else None),
+                           stream_resident_stored_bytes=resident_read if resident_read != total - streamed else None)
 
 
 def lora_slot_bytes(module: nn.Module, rank: int, dtype: torch.dtype,
@@ -492,9 +492,9 @@ def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.
 
         host = sum over modules of host_module_bytes      (offloaded weights, streamer slabs)
              + the largest module loaded onto the device through host memory
-                 (resident modules and unload_modules: its weights; a streamed module: its resident
-                 part as stored, `resident_read_bytes`; the state dict of one module is read into host
-                 memory while it is placed: whole for .pth files, page by page for safetensors)
+                 (resident modules and unload_modules: its weights, read whole from .pth, page by page from
+                 safetensors; a streamed module: storage disk, its resident part as stored, `resident_read_bytes`;
+                 storage cpu, the peak of (its state dict left + its slabs so far) - its slabs, `stream_load_bytes`)
              + PROCESS_HOST_BYTES
 
     On the CPU the device is the host: the total is the device estimate (`peak_of(...).bytes`).
@@ -507,8 +507,8 @@ def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.
     off = config.offload
     loaded: dict[str, int] = {}
     for name, m in estimate.modules.items():
-        if streams(name, m, off):
-            loaded[name] = m.resident_read_bytes  # as stored: fp8 weights are upcast on the device
+        if streams(name, m, off):  # as stored: fp8 weights are upcast on the device
+            loaded[name] = m.resident_read_bytes if m.stream_load_bytes is None else m.stream_load_bytes
         elif config.unload_modules or off.mode == "none" or name in (off.resident_modules or ()):
             loaded[name] = m.weight_bytes
     transient_module = max(loaded, key=lambda n: loaded[n]) if loaded else None

@@ -25,7 +25,6 @@ model is trained without it (`enable_cfg` must be false). Where diffusers and Li
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -50,7 +49,6 @@ from runnerkit.models.ltx2.latents import JointLayout
 from runnerkit.models.ltx2.plan_sources import check_paths, configured_arch
 from runnerkit.models.ltx2.transformer import (
     LTX2Transformer,
-    keep_fp32,
     pack_audio_latents,
     pack_video_latents,
     unpack_audio_latents,
@@ -345,7 +343,7 @@ class LTX2Runner(DefaultRunner):
         ckpt = self.checkpoint
         assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: LTX2Transformer(ckpt.arch.transformer))
-        return model, self._stream_network("transformer", model, LTX2Transformer.STREAM_SPEC, keep_fp32)
+        return model, self._stream_network("transformer", model, LTX2Transformer.STREAM_SPEC)
 
     def stream_connectors(self) -> tuple[LTX2TextConnectors, BlockStreamer]:
         """The text connectors with their 1D blocks (video connector's, then audio's; or their attention
@@ -354,21 +352,19 @@ class LTX2Runner(DefaultRunner):
         ckpt = self.checkpoint
         assert ckpt is not None, "prepare_load first"
         model = build_on_meta(lambda: LTX2TextConnectors(ckpt.arch.connectors))
-        return model, self._stream_network("connectors", model, LTX2TextConnectors.STREAM_SPEC, lambda name: False)
+        return model, self._stream_network("connectors", model, LTX2TextConnectors.STREAM_SPEC)
 
-    def _stream_network(self, component: str, model: nn.Module, spec: StreamSpec,
-                        fp32: Callable[[str], bool]) -> BlockStreamer:
+    def _stream_network(self, component: str, model: nn.Module, spec: StreamSpec) -> BlockStreamer:
         """`stream_module` of meta-built `model` (`component` of the checkpoint): storage cpu from its state
-        dict (scaled fp8 weights upcast once, as a resident load does), storage disk from its file(s).
-        `model` is left in eval mode without gradients."""
+        dict, handed over (fp8 weights read as stored, each upcast as a resident load does and freed once
+        copied), storage disk from its file(s). `model` is left in eval mode without gradients."""
         ckpt = self.checkpoint
         assert ckpt is not None, "prepare_load first"
         off = self.config.offload
         if off.storage == "cpu":
             tensors, scales = ckpt.state_dict(component)
-            for name, scale in scales.items():
-                tensors[name] = (tensors[name].float() * scale).to(torch.float32 if fp32(name) else self.dtype)
-            streamer = stream_module(model, spec, off, self.device, self.dtype, component, state_dict=tensors)
+            streamer = stream_module(model, spec, off, self.device, self.dtype, component, state_dict=tensors,
+                                     scales=scales, consume=True)
         else:
             files, key_map, scale_map = ckpt.stream_sources(component, model)
             streamer = stream_module(model, spec, off, self.device, self.dtype, component, files=files,

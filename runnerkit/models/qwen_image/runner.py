@@ -353,7 +353,7 @@ class QwenImageRunner(DefaultRunner):
         off = self.config.offload
         if off.storage == "cpu":
             streamer = stream_module(model, QwenImageTransformer2D.STREAM_SPEC, off, self.device, self.dtype,
-                                     "transformer", state_dict=ckpt.transformer_state_dict())
+                                     "transformer", state_dict=ckpt.transformer_state_dict(), consume=True)
         else:
             names = list(model.state_dict(keep_vars=True))  # the file names are the model's names
             streamer = stream_module(model, QwenImageTransformer2D.STREAM_SPEC, off, self.device, self.dtype,

@@ -281,7 +281,7 @@ class WanT2VRunner(DefaultRunner):
         off, spec = self.config.offload, te.UMT5Encoder.STREAM_SPEC
         if off.storage == "cpu":
             streamer = stream_module(model, spec, off, self.device, self.dtype, "text_encoder",
-                                     state_dict=ckpt.text_encoder_state_dict())
+                                     state_dict=ckpt.text_encoder_state_dict(), consume=True)
         else:
             names = list(model.state_dict(keep_vars=True))
             streamer = stream_module(model, spec, off, self.device, self.dtype, "text_encoder",
@@ -315,7 +315,7 @@ class WanT2VRunner(DefaultRunner):
         off = self.config.offload
         if off.storage == "cpu":
             streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, off, self.device, self.dtype, name,
-                                     state_dict=ckpt.transformer_state_dict())
+                                     state_dict=ckpt.transformer_state_dict(), consume=True)
         else:
             names = list(model.state_dict(keep_vars=True))
             streamer = stream_module(model, WanTransformer3D.STREAM_SPEC, off, self.device, self.dtype, name,

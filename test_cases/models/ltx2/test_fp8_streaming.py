@@ -170,3 +170,64 @@ def test_the_tool_writes_an_fp8_single_file(tmp_path: Path) -> None:
     wan = ["--config", str(CONFIGS.parent / "wan" / "wan_t2v_tiny.json"), "--out", str(tmp_path / "wan")]
     assert synth_checkpoint.main([*wan, "--fp8_blocks", "plain"]) == 2
     assert not (tmp_path / "wan").exists()
+
+
+@pytest.mark.parametrize(("mode", "kept"), [("phase", 0), ("block", 1)])
+def test_storage_cpu_hands_the_fp8_state_dict_over_and_equals_the_resident_load(
+        fp8_file: tuple[str, Path], monkeypatch: pytest.MonkeyPatch, mode: str, kept: int) -> None:
+    """`offload.storage` cpu: the transformer's state dict is read as stored and handed over. At each unit slab's
+    allocation it holds exactly the tensors of that unit and the later ones (the resident part already on the
+    device), its fp8 weights still fp8 (upcast one at a time as they are copied); it ends empty, scales too; the
+    streamed transformer equals the resident load bit for bit, and the estimate's load transient is the peak of
+    (state dict left + slabs so far) - slabs."""
+    from runnerkit.offload import sources
+    from runnerkit.offload.pinned import HostSlab
+
+    kind, folder = fp8_file
+    base = {**json.loads((CONFIGS / "ltx2_t2av_tiny.json").read_text()), "device": "cpu", "dtype": "bfloat16",
+            "model_path": str(folder / SINGLE_FILE), "upsampler_path": str(folder / UPSAMPLER_FILE),
+            "text_encoder_path": str(folder / "text_encoder")}
+    for key in ("synthetic_checkpoint", "model"):
+        base.pop(key)
+    offload = {"mode": mode, "storage": "cpu", "pin_memory": False, "resident_blocks": kept}
+    runner = LTX2Runner(load_runner_config(None, {**base, "offload": offload}))
+    runner.checkpoint = ckpt = _single(folder)
+    handed: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []  # what `state_dict` returned
+    totals: list[int] = []  # bytes held: the state dict at the start, then with each slab the dict left + slabs
+    slab_sizes: list[int] = []
+    seen: list[dict[str, torch.dtype]] = []  # at each slab allocation: the dtypes left in the state dict
+    real = LTX2Checkpoint.state_dict
+
+    def spy(self: LTX2Checkpoint, component: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        handed.append(real(self, component))
+        totals.append(sum(t.nbytes for t in handed[0][0].values()))
+        return handed[-1]
+
+    class RecordingSlab(HostSlab):
+        def __init__(self, nbytes: int, *args: Any, **kw: Any) -> None:
+            seen.append({n: t.dtype for n, t in handed[0][0].items()})
+            slab_sizes.append(nbytes)
+            totals.append(sum(t.nbytes for t in handed[0][0].values()) + sum(slab_sizes))
+            super().__init__(nbytes, *args, **kw)
+
+    monkeypatch.setattr(LTX2Checkpoint, "state_dict", spy)
+    monkeypatch.setattr(sources, "HostSlab", RecordingSlab)
+    model, streamer = runner.stream_transformer()
+    names = list(model.state_dict())
+    fp8 = ckpt.fp8_weights("transformer", names)
+    units = streamer.units
+    assert len(seen) == len(units) >= 1
+    for j, left in enumerate(seen):
+        assert set(left) == {p for u in units[j:] for p in u.params}
+        assert {n for n, d in left.items() if d == FP8} == fp8 & set(left) != set()
+    assert handed[0] == ({}, {})
+    dtype = torch.bfloat16
+    kw = transformer_inputs(ckpt.arch, dtype)
+    with torch.no_grad():
+        want = ckpt.load("transformer", dtype).eval()(**kw)
+        got = model(**kw)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    footprint = runner.estimate_memory((64, 64, 9)).modules["transformer"]
+    assert footprint.stream_host_bytes == sum(slab_sizes)
+    assert footprint.stream_load_bytes == max(totals) - sum(slab_sizes)
+    streamer.close()
