@@ -7,7 +7,6 @@ copied (docs/host_memory.md, "Block streaming from host memory"). The planner's 
 
 from __future__ import annotations
 
-import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from runnerkit.offload.pinned import HostSlab
 from runnerkit.offload.setup import stream_module
 from runnerkit.planning.fit import PROCESS_HOST_BYTES, MemoryEstimate, host_bytes_of, module_footprint
 from runnerkit.weights import build_on_meta
+from test_cases._rss import CAN_MEASURE, peak_growth
 from test_cases.offload._toy import ToyModel, make_reference, state_dict_of, write_checkpoint
 
 SPEC = ToyModel.STREAM_SPEC
@@ -201,26 +201,27 @@ def test_host_fill_peak_by_hand() -> None:
     assert host_fill_peak(5, [], []) == 5
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="VmHWM reset is Linux's /proc/self/clear_refs")
+@pytest.mark.skipif(not CAN_MEASURE, reason="VmHWM reset is Linux's /proc/self/clear_refs")
 def test_filling_the_slabs_does_not_hold_the_module_twice() -> None:
     """Peak RSS while six fresh 64 MiB tensors (above glibc's largest mmap threshold, so each goes back to the OS
     when freed) fill six pageable unit slabs (written page by page): it grows by about one unit, far below the
-    384 MiB that keeping the state dict beside the slabs costs."""
-    mib, count = 2**20, 6
-    units = [StreamUnit(f"b{i}", (f"b{i}.w",)) for i in range(count)]
-    sd = {f"b{i}.w": torch.full((16 * mib,), float(i + 1)) for i in range(count)}
+    384 MiB that keeping the state dict beside the slabs costs. Measured in a fresh interpreter
+    (test_cases/_rss.py)."""
+    out = peak_growth("""
+        import torch
+        from runnerkit.offload import HostSource, StreamUnit
 
-    def status_kib(key: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+        units = [StreamUnit(f"b{i}", (f"b{i}.w",)) for i in range(6)]
+        sd = {f"b{i}.w": torch.full((2**24,), float(i + 1)) for i in range(6)}
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    baseline = status_kib("VmRSS") * 1024
-    source = HostSource(units, sd, torch.float32, pin_memory=False, consume=True)
-    grown = status_kib("VmHWM") * 1024 - baseline
-    total = sum(s.nbytes for s in source.slabs)
-    assert total >= count * 64 * mib and sd == {}
-    assert all(torch.all(s.buffer.view(torch.float32)[: 16 * mib] == i + 1) for i, s in enumerate(source.slabs))
-    assert grown < total // 2, f"peak RSS grew {grown / mib:.0f} MiB filling {total / mib:.0f} MiB of slabs"
-    source.close()
+        def work():
+            source = HostSource(units, sd, torch.float32, pin_memory=False, consume=True)
+            values = all(bool(torch.all(s.buffer.view(torch.float32)[: 2**24] == i + 1))
+                         for i, s in enumerate(source.slabs))
+            return {"total": sum(s.nbytes for s in source.slabs), "left": len(sd), "values": values}
+
+        measure(work)
+    """)
+    mib = 2**20
+    assert out["total"] >= 384 * mib and (out["left"], out["values"]) == (0, True)
+    assert out["grown"] < out["total"] // 2, f"peak RSS grew {out['grown'] / mib:.0f} MiB filling {out['total'] / mib:.0f} MiB"
