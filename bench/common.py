@@ -74,8 +74,8 @@ def add_worker_flags(p: argparse.ArgumentParser, arms: Sequence[str] | None = No
     """The flags of the worker protocol (`worker_command`): `--worker` (run one arm in this process),
     `--arm` (which; `arms`: its choices) and `--result` (the JSON file the worker writes)."""
     p.add_argument("--worker", action="store_true", help="(internal) run one arm in this process")
-    p.add_argument("--arm", choices=list(arms) if arms is not None else None)
-    p.add_argument("--result")
+    p.add_argument("--arm", choices=list(arms) if arms is not None else None, help="(internal) the worker's arm")
+    p.add_argument("--result", help="(internal) the JSON file the worker writes")
 
 
 def worker_command(script: Path, args: list[str], result: Path) -> list[str]:

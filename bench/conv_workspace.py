@@ -81,7 +81,8 @@ def formula_gib(shape: tuple[int, int, int]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", type=int, nargs=3, default=[480, 832, 81], metavar=("H", "W", "F"))
+    p.add_argument("--shape", type=int, nargs=3, default=[480, 832, 81], metavar=("H", "W", "F"),
+                   help="the decoded video's height, width and frames (default 480 832 81)")
     p.add_argument("--slack", type=float, nargs="+", default=[-1.0, -0.5, 0.0, 0.25, 0.5, 1.0, 2.0],
                    help="GiB above the uncapped decode's need that the cap allows, one arm each")
     p.add_argument("--out", type=Path, help="OUT.json and OUT.md are written (required)")
@@ -96,6 +97,10 @@ def main() -> None:
         return
     if args.out is None:
         p.error("--out is required")
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench/conv_workspace.py measures the CUDA caching allocator: it needs a CUDA device")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     shape = ["--shape", *map(str, args.shape)]
     free = run_worker(Path(__file__), shape, args.out.with_suffix(".free.json"))

@@ -144,9 +144,10 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=sorted(FAMILIES), default="ltx23",
-                   help="the shipped real-size config to run (module docstring)")
+                   help="ltx23: the LTX-2.3 22B fp8 release at 512x768x121; wan14: Wan2.1 14B at 480x832x81; qwen20: "
+                        "Qwen-Image 20B at 1328x1328")
     p.add_argument("--ckpt", required=True, help="the synthetic checkpoint's folder (written there with --write)")
     p.add_argument("--write", action="store_true", help="write the family's synthetic checkpoint first (if absent)")
     p.add_argument("--steps", type=int, default=8, help="denoising steps a request (wan14, qwen20)")
@@ -156,12 +157,14 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2, help="requests a process serves after warmup")
     p.add_argument("--host_gib", type=float, default=32.0, help="memory.host_limit_gib of a capped arm")
     p.add_argument("--repeat", type=int, default=1, help="processes per arm")
-    p.add_argument("--out", help="the files prefix (required unless --worker)")
+    p.add_argument("--out", help="the files prefix: OUT_<arm>.json and .log per process (required)")
     add_worker_flags(p)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
+    if not args.out:
+        p.error("--out is required")
     if args.write:  # in a process of its own: the arms must find the device as a fresh run does
         if args.family == "ltx23":
             code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
@@ -169,13 +172,19 @@ def main() -> None:
             subprocess.run([sys.executable, "-c", code], check=True)
         else:
             ensure_synthetic(FAMILIES[args.family]["config"], Path(args.ckpt), generator_device="cuda")
+    failed = []
     for arm in args.arms:
         for k in range(args.repeat):
             name = f"{args.out}_{arm}" + (f"_p{k}" if args.repeat > 1 else "")
-            _run_arm(args, arm, Path(f"{name}.json"), Path(f"{name}.log"))
+            if _run_arm(args, arm, Path(f"{name}.json"), Path(f"{name}.log")):
+                failed.append(name)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (their .log files say why)")
 
 
-def _run_arm(args: argparse.Namespace, arm: str, result: Path, log_path: Path) -> None:
+def _run_arm(args: argparse.Namespace, arm: str, result: Path, log_path: Path) -> int:
+    """One arm's process; prints its plan, checks, requests and peaks. Returns the launch script's exit status
+    (the worker's own where it wrote no result)."""
     extra = ["--host_gib", str(args.host_gib)]
     with open(log_path, "w") as log:
         rc = subprocess.run(worker_command(Path(__file__), ["--family", args.family, "--ckpt", args.ckpt,
@@ -184,8 +193,13 @@ def _run_arm(args: argparse.Namespace, arm: str, result: Path, log_path: Path) -
                                                             "--arm", arm, *extra], result),
                             check=False, stdout=log, stderr=subprocess.STDOUT).returncode
     run = json.loads(result.read_text()) if result.is_file() else {"exit_status": rc}
+    status = run["exit_status"] if rc == 0 else rc
     plan = run.get("memory_plan") or {}
-    print(f"arm {arm} ({result.name}): exit {rc}, plan {plan.get('candidate')} (estimate {plan.get('device_gib')} "
+    if status:
+        errors = [line for line in log_path.read_text(errors="replace").splitlines() if "ERROR" in line or "Error" in line]
+        print(f"arm {arm} ({result.name}): exit {status}: {errors[-1] if errors else 'see ' + str(log_path)}", flush=True)
+        return status
+    print(f"arm {arm} ({result.name}): exit {status}, plan {plan.get('candidate')} (estimate {plan.get('device_gib')} "
           f"of {plan.get('device_limit_gib')} GiB: {plan.get('device_limit_source')}; host {plan.get('host_gib')} "
           f"(pinned {plan.get('host_pinned_gib')}) of {plan.get('host_limit_gib')}; request copies "
           f"{plan.get('request_copy_seconds_estimate')} s), load {run.get('load_seconds')}, "
@@ -204,6 +218,7 @@ def _run_arm(args: argparse.Namespace, arm: str, result: Path, log_path: Path) -
               f"memory {r['memory']}", flush=True)
     print(f"  peaks: allocated {run.get('max_allocated_gib')}, reserved {run.get('max_reserved_gib')}, "
           f"RSS {run.get('peak_rss_gib')}, sampled {run.get('sampled_peaks_gib')}", flush=True)
+    return 0
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,8 @@ convolution algorithms whose workspace fits.
 With `expandable_segments` the allocator maps physical memory into one growing virtual range per stream, so
 freed memory is reused whatever the sizes. Measured on an H100 (bench/results/allocator_h100.md): a video VAE
 decode that allocates 9.6 GiB above its weights reserves 13.0 GiB with the default segments and runs out of
-memory under a cap 2 GiB above its allocated peak; with expandable segments it runs at its uncapped speed under
-a cap at that peak, and a 24 GiB plan's decode took 3.16 s instead of 5.24 s.
+memory under a cap 2 GiB above its allocated peak; with expandable segments it runs under a cap at that peak
+within 2 % of its uncapped time, and a 24 GiB plan's decode took 3.16 s instead of 5.24 s.
 
 Settings given in the environment (`PYTORCH_CUDA_ALLOC_CONF`, or `PYTORCH_ALLOC_CONF` of newer PyTorch) are the
 user's and are kept as they are: the config key then has no effect, and the log says so.

@@ -95,8 +95,16 @@ def save_pretrained_here(model: Any, folder: Path, **kwargs: Any) -> None:
     group exists (`should_save_on_this_rank`); every rank of a parallel run writes its own temporary
     folder (`partial_folder`) and the first complete one is renamed into place (`finish`), so a rank
     that skipped the write could publish a folder without its text encoder."""
+    from transformers.utils import logging as hf_logging
+
     model.should_save_on_this_rank = lambda is_main_process: True  # an instance attribute shadows the method
-    model.save_pretrained(folder, **kwargs)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the writer logs one line per checkpoint instead of shard progress bars
+    try:
+        model.save_pretrained(folder, **kwargs)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def finish(tmp: Path, out: Path, seed: int, layout: str, replace: bool, announce: bool = True) -> Path:

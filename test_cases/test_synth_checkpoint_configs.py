@@ -120,3 +120,24 @@ def test_a_synthetic_config_pointing_at_a_file_says_how_to_run_from_it(tmp_path:
                                               r"needs a folder \(to run from existing files, remove "
                                               r"`synthetic_checkpoint` from the config\)"):
         runner.init_modules()
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_a_transformers_write_shows_no_progress_bars_and_leaves_the_setting_as_it_was(shown: bool,
+                                                                                      tmp_path: Path) -> None:
+    """transformers' shard-writing progress bars are off while a synthetic text encoder is saved (the writer logs
+    one line instead), and the caller's setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    seen: list[bool] = []
+
+    class Model:
+        def save_pretrained(self, folder: Path) -> None:
+            seen.append(hf_logging.is_progress_bar_enabled())
+
+    (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+    try:
+        synthetic.save_pretrained_here(Model(), tmp_path)
+        assert seen == [False] and hf_logging.is_progress_bar_enabled() is shown
+    finally:
+        hf_logging.enable_progress_bar()
