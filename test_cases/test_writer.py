@@ -509,3 +509,30 @@ def test_a_job_completes_once_its_files_are_written_while_the_next_job_computes(
     assert not jobs[1].folder.exists() and jobs[0].result_path.exists() and jobs[2].result_path.exists()
     assert jobs[0].profile["write"]["overlapped"] and jobs[0].completed_at <= jobs[2].completed_at
     assert not worker.is_alive() and runner.writer.in_flight() == []
+
+
+@pytest.mark.parametrize("interrupted", [True, False])
+def test_an_interrupt_after_every_write_ended_names_no_empty_list(monkeypatch: pytest.MonkeyPatch,
+                                                                  interrupted: bool) -> None:
+    """An interrupt while the writer closes with nothing in flight (a request's files were just saved): the line
+    says nothing is being written instead of abandoning "request(s) []", and the writer still closes."""
+    writer = ResultWriter(1)
+    real_close = writer.close
+    calls: list[str] = []
+
+    def close_interrupted_once() -> None:
+        calls.append("close")
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real_close()
+
+    monkeypatch.setattr(writer, "close", close_interrupted_once)
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="WARNING")
+    try:
+        writes.close_writer(writer, interrupted=interrupted)
+    finally:
+        logger.remove(sink)
+    again = " again" if interrupted else ""
+    assert lines == [f"interrupted{again}: no request's files are being written"]
+    assert calls == ["close", "close"] and writer.in_flight() == []

@@ -3,6 +3,7 @@ offload config that fits it (docs/memory_plan.md).
 
     fit.py             a family's estimate (`MemoryEstimate`: module footprints, per-stage activations) -> the
                        peak on the device and the host memory under an offload config; `MemoryFitError`
+    host_advice.py     what a refusal over the host (or pinned) limit advises: only settings the config accepts
     workspaces.py      kernel workspaces and element sizes every family's estimate shares (SDPA, convolutions)
     offload_checks.py  offload keys judged against the family's modules before loading (`resident_modules`,
                        `keep_across_stages`)

@@ -30,7 +30,7 @@ from runnerkit import compile as regional_compile
 from runnerkit import allocator, memory
 from runnerkit.admission import AdmittedRequest
 from runnerkit.config import OffloadConfig, RequestConfig
-from runnerkit.planning import compute, fit, offload_checks, planner, report
+from runnerkit.planning import compute, fit, host_advice, offload_checks, planner, report
 from runnerkit.planning.fit import MemoryEstimate, MemoryFitError, PeakEstimate
 from runnerkit.runners.pipeline import Shape
 
@@ -321,17 +321,16 @@ class MemoryChecks:
         if cfg.memory.host_limit_gib is not None:
             host = fit.host_bytes_of(estimate, cfg, device)
             if host.bytes > cfg.memory.host_limit_gib * fit.GIB:
-                raise MemoryFitError(fit.host_refusal_message(what, shape, host, cfg.memory.host_limit_gib, device,
-                                                              cfg, estimate,
-                                                              lambda off: self.estimate_with(off, shape)))
+                raise MemoryFitError(host_advice.host_refusal_message(what, shape, host, cfg.memory.host_limit_gib,
+                                                                      device, cfg, estimate,
+                                                                      lambda off: self.estimate_with(off, shape)))
         if cfg.memory.pinned_limit_gib is not None and device.type != "cpu":
             host = fit.host_bytes_of(estimate, cfg, device)
             if host.pinned_bytes > cfg.memory.pinned_limit_gib * fit.GIB:
                 raise MemoryFitError(f"{what}: shape {list(shape)} needs an estimated "
                                      f"{host.pinned_bytes / fit.GIB:.2f} GiB of pinned host memory ({host.describe()}), more than config "
                                      f"memory.pinned_limit_gib ({cfg.memory.pinned_limit_gib} GiB). Try "
-                                     "`offload.pin_memory`=false (pageable copies, slower), offload storage 'disk' "
-                                     "(one staging slab per slot), or `offload.mode`='auto'")
+                                     f"{host_advice.pinned_options(cfg)}")
         logger.debug("{}: shape {} fits: estimated {} of {:.2f} GiB ({})", what, list(shape), peak.describe(),
                      limit.bytes / fit.GIB, limit.source)
         return peak

@@ -57,7 +57,7 @@ from runnerkit.offload.pinned import align_up, pinning_disabled_by_env
 __all__ = ["MARGIN", "OVERHEAD_BYTES", "PROCESS_HOST_BYTES", "EstimateUnavailable", "Hint", "HostEstimate",
            "MemoryEstimate", "MemoryFitError", "ModuleFootprint", "PeakEstimate", "StageFootprint", "device_weights",
            "host_bytes_of", "host_module_bytes", "lora_slot_bytes", "module_footprint", "overhead_bytes", "peak_of",
-           "placement_of", "host_refusal_message", "refusal_message", "streams", "weights_between_stages"]
+           "placement_of", "refusal_message", "streams", "weights_between_stages"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -553,48 +553,3 @@ def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, 
                 f"(memory.check_fit=false turns the check off)")
     return (f"{head} Try {'; or '.join(advice)}. To override: config memory.limit_gib (GiB) or "
             f"memory.check_fit=false")
-
-
-def host_refusal_message(what: str, shape: tuple[int, int, int], host: HostEstimate, limit_gib: float,
-                         device: torch.device, config: RunnerConfig, estimate: MemoryEstimate,
-                         estimate_with: Callable[[OffloadConfig], MemoryEstimate]) -> str:
-    """The one-line reason a request needs more host memory than `memory.host_limit_gib`, with what to change.
-
-    On the CPU the device is the host: weights offloaded to host memory (mode model, storage cpu, and the
-    resident plan `offload.mode` 'auto' takes there) stay in the same memory, so only what the estimate says
-    is lower is advised: each module built for its own stage (`unload_modules`), blocks streamed from disk
-    and built per request, a smaller shape (activations), with their estimates.
-
-    Args:
-        estimate: the family's estimate of `shape` under `config.offload`.
-        estimate_with: the family's estimate of `shape` under another offload config.
-    """
-    head = (f"{what}: shape {list(shape)} needs an estimated {host.describe()} of host memory, more than config "
-            f"memory.host_limit_gib ({limit_gib} GiB). Try ")
-    larger = "a larger memory.host_limit_gib if the machine has it"
-    if device.type != "cpu":
-        return head + f"offload storage 'disk' (streamed weights stay on disk), `offload.mode`='auto', or {larger}"
-    options: list[str] = []  # only what fits the limit by the estimate
-    limit = limit_gib * GIB
-    if not config.unload_modules and config.offload.mode == "none":
-        unload = config.model_copy(update={"unload_modules": True})
-        nbytes = host_bytes_of(estimate, unload, device).bytes
-        if nbytes <= limit:
-            options.append(f"`unload_modules`=true (each module built for its own stage: {nbytes / GIB:.3f} GiB)")
-    disk = OffloadConfig(mode="block", storage="disk", reader="pread", lazy_load=True)
-    streamed = estimate_with(disk)
-    if any(streams(n, m, disk) for n, m in streamed.modules.items()):
-        nbytes = host_bytes_of(streamed, config.model_copy(update={"offload": disk, "unload_modules": False}),
-                               device).bytes
-        if nbytes <= limit:
-            options.append(f"`offload.mode`='block' with `offload.storage`='disk' and `offload.lazy_load`=true "
-                           f"(blocks read from disk per use: {nbytes / GIB:.3f} GiB)")
-    fixed = overhead_bytes(device)
-    if fixed < limit:
-        options.append("a smaller target_height/target_width/target_video_length (activations)")
-    else:  # the process's own fixed part is over the limit: no setting or shape of this run can fit
-        head = head.removesuffix("Try ") + (f"No setting or shape fits: the fixed overhead alone is "
-                                            f"{fixed / GIB:.2f} GiB. Try ")
-    options.append(larger)
-    return (head + "; or ".join(options) + ". On the CPU the device is the host: offloading to host memory (mode "
-            "'model', storage 'cpu', or `offload.mode`='auto', which keeps every module resident there) lowers nothing")

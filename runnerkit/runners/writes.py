@@ -202,8 +202,12 @@ def close_writer(writer: ResultWriter, interrupted: bool = False) -> None:
         except KeyboardInterrupt:
             if not abandoned:
                 abandoned = True
-                logger.warning("interrupted{}: abandoning the files of request(s) {}; their temporary files are "
-                               "removed", " again" if interrupted else "", writer.abandon())
+                stopped, again = writer.abandon(), " again" if interrupted else ""
+                if stopped:
+                    logger.warning("interrupted{}: abandoning the files of request(s) {}; their temporary files are "
+                                   "removed", again, stopped)
+                else:  # every write had ended: nothing to abandon, no file left unfinished
+                    logger.warning("interrupted{}: no request's files are being written", again)
 
 
 def is_abandoned(error: BaseException | None) -> bool:

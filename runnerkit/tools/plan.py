@@ -160,8 +160,12 @@ def _first_refusal(runner: DefaultRunner, shapes: Sequence[Shape]) -> str | None
     return None
 
 
-def plan_of(runner: DefaultRunner) -> dict[str, Any]:
+def plan_of(runner: DefaultRunner, mode_set_by: str = "in the config") -> dict[str, Any]:
     """The plan of a `for_plan` runner as one JSON-ready object (module docstring: its keys).
+
+    Args:
+        mode_set_by: where a concrete `offload.mode` came from, for `why`: "in the config" or "by the --offload
+            flag".
 
     Raises:
         ConfigError: the family's estimate needs the checkpoint (`fit.EstimateUnavailable`: e.g. one whose
@@ -210,7 +214,7 @@ def plan_of(runner: DefaultRunner) -> dict[str, Any]:
         return {**base, **report, "estimated_request_seconds": planner_seconds(report, plan)}
     cfg = runner.config  # concrete now: the config's own mode, or resident by default
     why = (f"`offload.mode` not set, every module resident: {resident_why}" if resident_why is not None else
-           f"`offload.mode` {requested.mode!r} is set in the config: not planned, judged as it is")
+           f"`offload.mode` {requested.mode!r} is set {mode_set_by}: not planned, judged as it is")
     missing = None if runner.estimate_memory(shapes[0]) is not None else (
         f"{type(runner).__name__} gives no memory estimate (estimate_memory)")
     if missing is not None or device_limit is None:
@@ -329,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         device = plan_device(config.device, config.memory.limit_gib)
         runner = runner_cls.for_plan(config, device)
         runner.memory_checks.planned_device_name = args.device_name
-        out = plan_of(runner)
+        out = plan_of(runner, "by the --offload flag" if args.offload is not None else "in the config")
     except (ValueError, NotImplementedError) as exc:  # ConfigError, CheckpointError, the family's settings checks
         logger.error("invalid input: {}: {}", args.config_json, exc)
         return 2

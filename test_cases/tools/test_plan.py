@@ -189,7 +189,7 @@ def test_a_configs_own_mode_is_judged_over_the_runs_shapes(no_checkpoints: Path,
     rc, out, err = run_plan(capsys, "--config_json", config, "--offload", "model", "--device_gib", 80, "--host_gib", 128)
     assert rc == 0, err
     assert out["shapes"] == [[512, 768, 121], [256, 384, 25]] and out["rejected"] == []
-    assert out["why"] == "`offload.mode` 'model' is set in the config: not planned, judged as it is"
+    assert out["why"] == "`offload.mode` 'model' is set by the --offload flag: not planned, judged as it is"
     assert out["device_gib"] == round(max(p.bytes for p in peaks) / GIB, 3) and out["peak_shape"] == [512, 768, 121]
     assert out["steps_per_request"] == len(DISTILLED_SIGMAS) + len(STAGE2_SIGMAS)  # the copy time counts both stages
     rc, out, err = run_plan(capsys, "--config_json", config, "--offload", "model", "--device_gib", 40, "--host_gib", 128)
@@ -207,6 +207,45 @@ def _tiny_wan(tmp_path: Path, model_path: Path, offload: dict[str, Any] | None) 
     path = tmp_path / f"{model_path.name}.json"
     path.write_text(json.dumps(data))
     return path
+
+
+ADVICE_TAIL = ("`offload.mode`='auto' (the fastest plan within both limits, if one fits); or a larger "
+               "memory.host_limit_gib if the machine has it")
+
+
+def test_a_host_refusal_of_mode_model_advises_disk_streaming_the_config_accepts(
+        no_checkpoints: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config that sets mode model itself, over the host limit: the mode is named as the config's, and the advice
+    streams from disk in a mode that allows it (storage disk alone is refused in mode model), with the host
+    memory a plan of exactly that setting estimates; the advised setting loads."""
+    config = REPO / "configs/wan/wan22_moe_i2v_a14b.json"
+    rc, out, err = run_plan(capsys, "--config_json", config, "--device_gib", 10000, "--host_gib", 64)
+    assert rc == 1 and out["offload"]["mode"] == "model", err
+    assert out["why"] == "`offload.mode` 'model' is set in the config: not planned, judged as it is"
+    data = json.loads(config.read_text())
+    data["offload"] = {**data["offload"], "mode": "block", "storage": "disk"}  # the advice, applied
+    streamed = no_checkpoints / "disk.json"
+    streamed.write_text(json.dumps(data))
+    rc_disk, out_disk, err_disk = run_plan(capsys, "--config_json", streamed, "--device_gib", 10000, "--host_gib", 64)
+    assert rc_disk == 0 and out_disk["fits"] is True, err_disk
+    assert out["refusal"].split(" Try ", 1)[1] == (
+        f"`offload.mode`='block' (or 'phase') with `offload.storage`='disk' (streamed weights stay on disk; "
+        f"estimated {out_disk['host_gib']:.3f} GiB); or {ADVICE_TAIL}")
+
+
+def test_a_host_refusal_advises_no_disk_streaming_that_would_not_fit(
+        no_checkpoints: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen-Image at 8 GiB of host memory, mode model from the flag: streaming the transformer from disk still
+    holds the 15 GiB text encoder in host memory, so only the planner (which also streams the text encoder) and
+    a larger limit are advised, and the mode is named as the flag's."""
+    config = REPO / "configs/qwen_image/qwen_image_t2i_20b.json"
+    rc, out, err = run_plan(capsys, "--config_json", config, "--device_gib", 80, "--host_gib", 8, "--offload", "model")
+    assert rc == 1, err
+    assert out["why"] == "`offload.mode` 'model' is set by the --offload flag: not planned, judged as it is"
+    assert out["refusal"].split(" Try ", 1)[1] == ADVICE_TAIL
+    rc_auto, out_auto, err_auto = run_plan(capsys, "--config_json", config, "--device_gib", 80, "--host_gib", 8,
+                                           "--offload", "auto")
+    assert rc_auto == 0 and out_auto["offload"]["storage"] == "disk", err_auto  # the advice that fits
 
 
 @pytest.mark.parametrize("offload", [None, {"mode": "block", "storage": "disk"}], ids=["auto", "block-disk"])

@@ -172,15 +172,15 @@ class LTX2Runner(DefaultRunner):
         super().__init__(config)
         config = self.config
         if config.enable_cfg:
-            raise ValueError("`enable_cfg` must be false for ltx2: the distilled checkpoints are trained without "
-                             "classifier-free guidance (set \"enable_cfg\": false)")
+            raise ValueError(f"`enable_cfg` must be false for {config.model_cls}: the distilled checkpoints are "
+                             "trained without classifier-free guidance (set \"enable_cfg\": false)")
         if config.infer_steps != len(DISTILLED_SIGMAS):
-            raise ValueError(f"`infer_steps` must be {len(DISTILLED_SIGMAS)} for ltx2 (got {config.infer_steps}): the "
-                             f"distilled model runs its trained table of {len(DISTILLED_SIGMAS)} stage-1 sigmas, then "
-                             f"{len(STAGE2_SIGMAS)} stage-2 sigmas")
+            raise ValueError(f"`infer_steps` must be {len(DISTILLED_SIGMAS)} for {config.model_cls} (got "
+                             f"{config.infer_steps}): the distilled model runs its trained table of "
+                             f"{len(DISTILLED_SIGMAS)} stage-1 sigmas, then {len(STAGE2_SIGMAS)} stage-2 sigmas")
         if (config.scheduler, config.scheduler_spacing, config.sample_shift) != ("euler", "diffusers", 1.0):
-            raise ValueError("ltx2 samples with Euler on the distilled sigma tables as given: `scheduler` 'euler', "
-                             "`scheduler_spacing` 'diffusers' and `sample_shift` 1.0 (got "
+            raise ValueError(f"{config.model_cls} samples with Euler on the distilled sigma tables as given: "
+                             "`scheduler` 'euler', `scheduler_spacing` 'diffusers' and `sample_shift` 1.0 (got "
                              f"{config.scheduler!r}, {config.scheduler_spacing!r}, {config.sample_shift})")
         if config.offload.vae_tiling and not self.DECODER_TILING:
             raise NotImplementedError("`offload.vae_tiling` is not available for ltx2 (the video VAE decodes whole)")

@@ -360,3 +360,32 @@ def test_a_frame_count_below_the_shortest_prediction_is_refused(frames: int, ref
             LTX25Runner.validate_request(request, config)
     else:
         LTX25Runner.validate_request(request, config)
+
+
+LTX25_SETTINGS_REFUSED = {
+    "infer_steps": ({"infer_steps": 2}, ("`infer_steps` must be 8 for ltx2.5 (got 2): the distilled model runs its "
+                                         "trained table of 8 stage-1 sigmas, then 3 stage-2 sigmas")),
+    "enable_cfg": ({"enable_cfg": True}, ("`enable_cfg` must be false for ltx2.5: the distilled checkpoints are "
+                                          "trained without classifier-free guidance (set \"enable_cfg\": false)")),
+    "sample_shift": ({"sample_shift": 3.0}, ("ltx2.5 samples with Euler on the distilled sigma tables as given: "
+                                             "`scheduler` 'euler', `scheduler_spacing` 'diffusers' and `sample_shift` "
+                                             "1.0 (got 'euler', 'diffusers', 3.0)")),
+}
+
+
+@pytest.mark.parametrize("case", list(LTX25_SETTINGS_REFUSED))
+def test_the_distilled_sampling_checks_name_ltx25(case: str) -> None:
+    """The distilled-sampling checks LTX-2.5 inherits from LTX-2 name the config's `model_cls`, not 'ltx2'."""
+    overrides, message = LTX25_SETTINGS_REFUSED[case]
+    with pytest.raises(ValueError) as exc:
+        make_runner(**overrides)
+    assert str(exc.value) == message
+
+
+def test_the_launch_script_names_ltx25_in_a_wrong_step_count(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    status = main(["--config_json", str(CONFIG), "--prompt", "x", "--infer_steps", "2",
+                   "--save_tensor_path", str(tmp_path / "o.safetensors")])
+    err = capsys.readouterr().err
+    assert status == 2 and "`infer_steps` must be 8 for ltx2.5 (got 2)" in err, err
