@@ -111,16 +111,23 @@ def test_streamed_fp8_transformer_equals_the_resident_load(fp8_file: tuple[str, 
     streamer.close()
 
 
-def test_t2av_request_streamed_from_an_fp8_file_equals_the_resident_run(fp8_file: tuple[str, Path],
-                                                                        tmp_path: Path) -> None:
-    """A whole tiny request (both stages, 11 transformer calls), bfloat16, block + disk vs all resident, and
-    the estimate's slots and staging slabs = what the streamer allocated (fp8 bytes + compute region)."""
-    kind, folder = fp8_file
+def _tiny_config(folder: Path) -> dict:
+    """The tiny t2av config on the CPU in bfloat16, reading the fp8 single file, upsampler and text encoder of
+    `folder` (no synthetic writing, the file's own architecture)."""
     base = {**json.loads((CONFIGS / "ltx2_t2av_tiny.json").read_text()), "device": "cpu", "dtype": "bfloat16",
             "model_path": str(folder / SINGLE_FILE), "upsampler_path": str(folder / UPSAMPLER_FILE),
             "text_encoder_path": str(folder / "text_encoder")}
     for key in ("synthetic_checkpoint", "model"):
         base.pop(key)
+    return base
+
+
+def test_t2av_request_streamed_from_an_fp8_file_equals_the_resident_run(fp8_file: tuple[str, Path],
+                                                                        tmp_path: Path) -> None:
+    """A whole tiny request (both stages, 11 transformer calls), bfloat16, block + disk vs all resident, and
+    the estimate's slots and staging slabs = what the streamer allocated (fp8 bytes + compute region)."""
+    kind, folder = fp8_file
+    base = _tiny_config(folder)
     request = RequestConfig(prompt="a red fox runs through fresh snow", seed=11, target_height=64, target_width=64,
                             target_video_length=9)
     outputs = {}
@@ -184,11 +191,7 @@ def test_storage_cpu_hands_the_fp8_state_dict_over_and_equals_the_resident_load(
     from runnerkit.offload.pinned import HostSlab
 
     kind, folder = fp8_file
-    base = {**json.loads((CONFIGS / "ltx2_t2av_tiny.json").read_text()), "device": "cpu", "dtype": "bfloat16",
-            "model_path": str(folder / SINGLE_FILE), "upsampler_path": str(folder / UPSAMPLER_FILE),
-            "text_encoder_path": str(folder / "text_encoder")}
-    for key in ("synthetic_checkpoint", "model"):
-        base.pop(key)
+    base = _tiny_config(folder)
     offload = {"mode": mode, "storage": "cpu", "pin_memory": False, "resident_blocks": kept}
     runner = LTX2Runner(load_runner_config(None, {**base, "offload": offload}))
     runner.checkpoint = ckpt = _single(folder)
