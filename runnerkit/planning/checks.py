@@ -330,7 +330,8 @@ class MemoryChecks:
                 raise MemoryFitError(f"{what}: shape {list(shape)} needs an estimated "
                                      f"{host.pinned_bytes / fit.GIB:.2f} GiB of pinned host memory ({host.describe()}), more than config "
                                      f"memory.pinned_limit_gib ({cfg.memory.pinned_limit_gib} GiB). Try "
-                                     f"{host_advice.pinned_options(cfg)}")
+                                     + host_advice.pinned_options(cfg, cfg.memory.pinned_limit_gib, device,
+                                                                  lambda off: self.estimate_with(off, shape)))
         logger.debug("{}: shape {} fits: estimated {} of {:.2f} GiB ({})", what, list(shape), peak.describe(),
                      limit.bytes / fit.GIB, limit.source)
         return peak

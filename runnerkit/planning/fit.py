@@ -450,10 +450,11 @@ class HostEstimate:
     def describe(self) -> str:
         if self.note:
             return f"{self.bytes / GIB:.2f} GiB ({self.note})"
-        held = ", ".join(f"{n} {b / GIB:.2f}" for n, b in self.modules.items()) or "no weights"
-        return (f"{self.bytes / GIB:.2f} GiB (held: {held} GiB, {self.pinned_bytes / GIB:.2f} GiB of it pinned; + "
-                f"{self.transient_bytes / GIB:.2f} GiB loading {self.transient_module or 'nothing'} through host "
-                f"memory; + {self.process_bytes / GIB:.2f} GiB process)")
+        held = ("held: " + ", ".join(f"{n} {b / GIB:.2f}" for n, b in self.modules.items())
+                + f" GiB, {self.pinned_bytes / GIB:.2f} GiB of it pinned") if self.modules else "no weights held"
+        load = (f"; + {self.transient_bytes / GIB:.2f} GiB loading {self.transient_module} through host memory"
+                if self.transient_bytes else "")
+        return f"{self.bytes / GIB:.2f} GiB ({held}{load}; + {self.process_bytes / GIB:.2f} GiB process)"
 
 
 def host_module_bytes(name: str, footprint: ModuleFootprint, config: RunnerConfig) -> int:

@@ -67,13 +67,33 @@ def disk_streaming(config: RunnerConfig) -> dict[str, Any] | None:
     return changes if accepted(config, changes) else None
 
 
-def pinned_options(config: RunnerConfig) -> str:
-    """What lowers the pinned host memory of `config` on a CUDA device (the refusal over `memory.pinned_limit_gib`):
-    pageable host memory, streaming from disk where the config accepts it (`disk_streaming`), the planner."""
+def _with(config: RunnerConfig, changes: dict[str, Any]) -> tuple[OffloadConfig, RunnerConfig]:
+    """`config` with `changes` (dotted keys of `offload` and `unload_modules`): its offload config and the run
+    config, for an estimate of the advised setting."""
+    offload = OffloadConfig.model_validate({**config.offload.model_dump(exclude_unset=True),
+                                            **{k.removeprefix("offload."): v for k, v in changes.items()
+                                               if k.startswith("offload.")}})
+    return offload, config.model_copy(update={"offload": offload,
+                                              "unload_modules": changes.get("unload_modules", config.unload_modules)})
+
+
+def pinned_options(config: RunnerConfig, limit_gib: float, device: torch.device,
+                   estimate_with: Callable[[OffloadConfig], MemoryEstimate]) -> str:
+    """What lowers the pinned host memory of `config` on a CUDA device below `limit_gib` (the refusal over
+    `memory.pinned_limit_gib`): pageable host memory; streaming from disk where the config accepts it
+    (`disk_streaming`) and its estimate's pinned bytes fit the limit, with that estimate; the planner.
+
+    Args:
+        estimate_with: the family's estimate of the refused shape under another offload config.
+    """
     options = ["`offload.pin_memory`=false (pageable copies, slower)"]
     disk = disk_streaming(config)
     if disk is not None:
-        options.append(f"{settings(disk, or_phase=True)} (one staging slab per slot)")
+        offload, changed = _with(config, disk)
+        pinned = host_bytes_of(estimate_with(offload), changed, device).pinned_bytes
+        if pinned <= limit_gib * GIB:
+            options.append(f"{settings(disk, or_phase=True)} (one staging slab per slot; estimated "
+                           f"{pinned / GIB:.3f} GiB pinned)")
     return "; or ".join([*options, "`offload.mode`='auto'"])
 
 
@@ -103,11 +123,8 @@ def host_refusal_message(what: str, shape: tuple[int, int, int], host: HostEstim
     if device.type != "cpu":
         disk = disk_streaming(config)
         if disk is not None:
-            offload = OffloadConfig.model_validate({**config.offload.model_dump(exclude_unset=True),
-                                                    **{k.removeprefix("offload."): v for k, v in disk.items()
-                                                       if k.startswith("offload.")}})
-            nbytes = host_bytes_of(estimate_with(offload), config.model_copy(
-                update={"offload": offload, "unload_modules": False}), device).bytes
+            offload, changed = _with(config, disk)
+            nbytes = host_bytes_of(estimate_with(offload), changed, device).bytes
             if nbytes <= limit:
                 options.append(f"{settings(disk, or_phase=True)} (streamed weights stay on disk; estimated {nbytes / GIB:.3f} GiB)")
         auto = {"unload_modules": False, "offload.mode": "auto"} if config.unload_modules else {"offload.mode": "auto"}

@@ -458,3 +458,16 @@ def test_an_explicit_streaming_plan_bound_by_weights_is_advised_what_sheds_them(
                                    activation_bytes=32 * GIB)  # a shape too large: no offload advice
     assert "offload.mode 'auto'" not in fit.refusal_message("request 0", (480, 832, 81), activations, 24 * GIB,
                                                              "--device_gib", CUDA, config)
+
+
+def test_a_host_estimate_reads_as_a_sentence_with_and_without_held_weights() -> None:
+    from runnerkit.planning.fit import GIB, HostEstimate
+
+    assert HostEstimate(bytes=2 * GIB, modules={}, process_bytes=2 * GIB).describe() == (
+        "2.00 GiB (no weights held; + 2.00 GiB process)")
+    assert HostEstimate(bytes=7 * GIB, modules={"text_encoder": 4 * GIB}, transient_bytes=GIB,
+                        transient_module="transformer", process_bytes=2 * GIB, pinned_bytes=4 * GIB).describe() == (
+        "7.00 GiB (held: text_encoder 4.00 GiB, 4.00 GiB of it pinned; + 1.00 GiB loading transformer through host "
+        "memory; + 2.00 GiB process)")
+    assert HostEstimate(bytes=6 * GIB, modules={"vae": 4 * GIB}, process_bytes=2 * GIB).describe() == (
+        "6.00 GiB (held: vae 4.00 GiB, 0.00 GiB of it pinned; + 2.00 GiB process)")

@@ -248,6 +248,30 @@ def test_a_host_refusal_advises_no_disk_streaming_that_would_not_fit(
     assert rc_auto == 0 and out_auto["offload"]["storage"] == "disk", err_auto  # the advice that fits
 
 
+@pytest.mark.parametrize("pinned_gib", [8, 20])
+def test_a_pinned_refusal_advises_disk_streaming_only_where_its_pinned_memory_fits(
+        no_checkpoints: Path, capsys: pytest.CaptureFixture[str], pinned_gib: int) -> None:
+    """Qwen-Image streaming from pinned memory (53.90 GiB pinned) over `memory.pinned_limit_gib`: streaming from
+    disk keeps the model-offloaded text encoder and VAE pinned (17.18 GiB), so it is advised, with that estimate,
+    only under a limit it fits (20 GiB), and the advised setting then plans; under 8 GiB it is not advised."""
+    data = json.loads((REPO / "configs/qwen_image/qwen_image_t2i_20b.json").read_text())
+    data.update(offload={"mode": "block"}, memory={"pinned_limit_gib": pinned_gib})
+    config = no_checkpoints / "pinned.json"
+    config.write_text(json.dumps(data))
+    rc, out, err = run_plan(capsys, "--config_json", config, "--device_gib", 80, "--host_gib", 64)
+    assert rc == 1, err
+    data["offload"] = {"mode": "block", "storage": "disk"}  # the advice, applied
+    streamed = no_checkpoints / "pinned_disk.json"
+    streamed.write_text(json.dumps(data))
+    rc_disk, out_disk, err_disk = run_plan(capsys, "--config_json", streamed, "--device_gib", 80, "--host_gib", 64)
+    assert round(out_disk["host_pinned_gib"], 2) == 17.18, err_disk
+    disk = (f"`offload.storage`='disk' (one staging slab per slot; estimated {out_disk['host_pinned_gib']:.3f} GiB "
+            "pinned); or " if pinned_gib == 20 else "")
+    assert out["refusal"].split(" Try ", 1)[1] == (f"`offload.pin_memory`=false (pageable copies, slower); or {disk}"
+                                                   "`offload.mode`='auto'")
+    assert rc_disk == (0 if pinned_gib == 20 else 1), err_disk
+
+
 @pytest.mark.parametrize("offload", [None, {"mode": "block", "storage": "disk"}], ids=["auto", "block-disk"])
 def test_a_checkpoint_and_the_configs_architecture_give_the_same_plan(
         tmp_path: Path, offload: dict[str, Any] | None, capsys: pytest.CaptureFixture[str]) -> None:
