@@ -22,7 +22,7 @@ from runnerkit.config import OffloadConfig
 from runnerkit.offload.disk import SafetensorsDiskReader
 from runnerkit.offload.layout import StreamSpec, dequantize_fp8_e4m3, plan_units, resident_names, split_resident
 from runnerkit.offload.pinned import pinning_disabled_by_env
-from runnerkit.offload.sources import DiskSource, HostSource
+from runnerkit.offload.sources import DiskSource, HostSource, check_handover
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.weights import CheckpointError, check_tensors, short_list, tensor_infos, to_compute
 
@@ -124,19 +124,6 @@ def _load_resident(model: nn.Module, resident_tensors: dict[str, torch.Tensor], 
     _buffers_to(model, device)
 
 
-def _check_handover(component: str, consume: bool, state_dict: Mapping[str, torch.Tensor] | None,
-                    scales: Mapping[str, torch.Tensor] | None) -> None:
-    """`stream_module`'s `consume`: both mappings must be mutable (their tensors leave them as they load).
-
-    Raises:
-        TypeError: naming the component and the types given.
-    """
-    if consume and not all(isinstance(m, MutableMapping) for m in (state_dict, scales or {})):
-        raise TypeError(f"{component}: consume=True hands `state_dict` and `scales` over (their tensors leave them "
-                        f"as they are loaded), so both must be mutable mappings; got {type(state_dict).__name__} "
-                        f"and {type(scales).__name__}")
-
-
 def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device: torch.device,
                   dtype: torch.dtype, component: str, state_dict: Mapping[str, torch.Tensor] | None = None,
                   files: list[Path] | None = None, key_map: Mapping[str, str] | None = None,
@@ -187,7 +174,7 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
     except float8_e4m3fn ones with storage "disk", which cross H2D as stored and are upcast on the device.
     """
     assert cfg.mode in ("block", "phase"), f"stream_module needs mode block/phase, got {cfg.mode}"
-    _check_handover(component, consume, state_dict, scales)
+    check_handover(component, consume, state_dict, scales)
     assert not (scales and cfg.storage == "disk"), "storage disk reads its scales from the files (`scale_map`)"
     scales = scales if scales is not None else {}
     pin = pin_memory_enabled(cfg)

@@ -79,6 +79,19 @@ class UnitSource(Protocol):
         """Source-side counters (host bytes, disk reads)."""
 
 
+def check_handover(component: str, consume: bool, tensors: Mapping[str, torch.Tensor] | None,
+                   scales: Mapping[str, torch.Tensor] | None) -> None:
+    """`consume=True` (`HostSource`, `stream_module`) hands `tensors` and `scales` over: their tensors leave
+    them as they are copied, so both must be mutable mappings (`scales` may be None).
+
+    Raises:
+        TypeError: naming `component` and the types given.
+    """
+    if consume and not all(isinstance(m, MutableMapping) for m in (tensors, scales if scales is not None else {})):
+        raise TypeError(f"{component}: consume=True removes the tensors it copies from `tensors` and `scales`, so "
+                        f"both must be mutable mappings; got {type(tensors).__name__} and {type(scales).__name__}")
+
+
 class HostSource:
     """Streamed weights kept in host memory: one exact-size `HostSlab` per unit, filled once.
 
@@ -125,10 +138,8 @@ class HostSource:
         if bad:
             raise ValueError(f"host source: a scale applies to a float8_e4m3fn tensor and is one float32 element; "
                              f"got {short_list(bad)}")
-        owned = [m for m in (tensors, scales) if isinstance(m, MutableMapping)] if consume else []
-        if consume and len(owned) != 1 + (scales is not None):
-            raise TypeError("host source: consume=True removes the units' names from `tensors` and `scales`, so both "
-                            f"must be mutable mappings; got {type(tensors).__name__} and {type(scales).__name__}")
+        check_handover("host source", consume, tensors, scales)
+        owned = [m for m in (tensors, scales) if m is not None] if consume else []
         self.weight_dtype = weight_dtype
         self.layouts = [plan_unit_layout(u, {n: tensors[n].shape for n in u.params}, dtype, weight_dtype)
                         for u in units]

@@ -102,8 +102,13 @@ def test_a_read_only_mapping_is_refused_with_consume() -> None:
 
     units = plan_units(build_on_meta(ToyModel), "block", SPEC)
     sd = state_dict_of(make_reference(seed=0))
-    with pytest.raises(TypeError, match=r"consume=True removes the units' names .* got mappingproxy and NoneType"):
+    with pytest.raises(TypeError, match=r"host source: consume=True removes the tensors it copies .* got mappingproxy and NoneType"):
         HostSource(units, MappingProxyType(sd), torch.float32, pin_memory=False, consume=True)
+    cfg = OffloadConfig(mode="block", pin_memory=False)
+    with pytest.raises(TypeError, match=r"^toy: consume=True removes .* got dict and mappingproxy$"):
+        stream_module(build_on_meta(ToyModel), SPEC, cfg, torch.device("cpu"), torch.float32, "toy", state_dict=sd,
+                      scales=MappingProxyType({}), consume=True)
+    assert len(sd) == len(state_dict_of(make_reference(seed=0)))  # refused before any tensor left it
 
 
 def test_stream_module_hands_the_state_dict_over(monkeypatch: pytest.MonkeyPatch) -> None:
