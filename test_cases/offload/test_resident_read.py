@@ -153,11 +153,12 @@ def _bf16_checkpoint(folder: Path) -> tuple[list[Path], dict[str, torch.Tensor]]
     return write_checkpoint(stored, folder), stored
 
 
-@pytest.mark.parametrize("budget", [1, SMALL, None], ids=["one-tensor", "small", "whole-part"])
+@pytest.mark.parametrize("budget", [1, SMALL, None], ids=["largest-tensor", "small", "whole-part"])
 @pytest.mark.parametrize("release", ["fp8", "bf16"])
 def test_batched_reads_load_the_same_weights_as_one_read_and_the_resident_network(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int | None, release: str) -> None:
-    """Budget None: larger than the toy (one batch, the whole-part read it replaces)."""
+    """Budget 1 byte: batches of the largest tensor's size (mostly one tensor each); None: larger than the toy
+    (one batch, the whole-part read it replaces)."""
     if budget is not None:
         monkeypatch.setattr(resident_read, "RESIDENT_BATCH_BYTES", budget)
     spy = Recorder(monkeypatch)
