@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,9 +19,11 @@ from loguru import logger
 from torch import nn
 
 from runnerkit.config import OffloadConfig
+from runnerkit.offload import resident_read
 from runnerkit.offload.disk import SafetensorsDiskReader
 from runnerkit.offload.layout import StreamSpec, dequantize_fp8_e4m3, plan_units, resident_names, split_resident
 from runnerkit.offload.pinned import pinning_disabled_by_env
+from runnerkit.offload.resident_read import read_resident_batches
 from runnerkit.offload.sources import DiskSource, HostSource, check_handover
 from runnerkit.offload.streamer import BlockStreamer
 from runnerkit.weights import CheckpointError, check_tensors, short_list, tensor_infos, to_compute
@@ -41,13 +43,17 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
             model.get_submodule(module_name)._buffers[leaf] = buf.to(device)
 
 
+Batch = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+"""Resident tensors read together: (model name -> host tensor as stored, model name -> the float32 scalar
+scale of a resident float8_e4m3fn weight)."""
+
+
 class _ResidentRead(NamedTuple):
     """What step 1 of `stream_module` (`_read_resident`) hands on."""
 
-    tensors: dict[str, torch.Tensor]
-    """Model name -> host tensor as stored, for every resident name."""
-    scales: dict[str, torch.Tensor]
-    """Model name -> the float32 scalar scale of a resident float8_e4m3fn weight."""
+    batches: Iterable[Batch]
+    """The resident tensors, batch by batch. Storage "disk": each batch is read from the files only when the
+    previous one was consumed (`resident_read.read_resident_batches`); storage "cpu": one batch of all."""
     reader: SafetensorsDiskReader | None
     """Storage "disk": the reader the streamed units are fetched with; None for storage "cpu"."""
     key_map: dict[str, str] | None
@@ -58,13 +64,15 @@ def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cf
                    state_dict: Mapping[str, torch.Tensor] | None, files: list[Path] | None,
                    key_map: Mapping[str, str] | None, shared_files: bool, scale_map: Mapping[str, str],
                    scales: Mapping[str, torch.Tensor], consume: bool) -> _ResidentRead:
-    """Step 1 of `stream_module`: check the checkpoint against the model, then read the resident tensors.
+    """Step 1 of `stream_module`: check the checkpoint against the model, then hand on the resident tensors.
 
     Decides whether the checkpoint fits `expected` (the model's state dict: names, shapes, floating
     dtypes; storage "disk": from the headers, before any weight is read, only `key_map`'s keys when
-    `shared_files`, scale tensors left out). Storage "disk" reads the resident tensors and their fp8
-    scales first, with short-lived handles closed before any block fetch opens a long-lived one.
-    Storage "cpu" with `consume`: the resident names leave `state_dict` (and `scales`).
+    `shared_files`, scale tensors left out). Storage "disk" reads nothing here: its batches (at most
+    `resident_read.RESIDENT_BATCH_BYTES` as stored, or the largest tensor; fp8 scales with their weights)
+    are read as `_load_resident` asks for them, with short-lived handles, all closed before any block
+    fetch opens a long-lived one. Storage "cpu" with `consume`: the resident names leave `state_dict`
+    (and `scales`).
 
     Raises:
         CheckpointError: as `stream_module`.
@@ -73,14 +81,13 @@ def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cf
         assert state_dict is not None, "storage cpu needs the state dict"
         assert not scale_map, "storage cpu takes its scales as tensors (`scales`)"
         check_tensors(expected, tensor_infos(state_dict), component)
-        read = _ResidentRead({n: state_dict[n] for n in resident},
-                             {n: scales[n].reshape(()) for n in resident if n in scales}, None, None)
+        batch = ({n: state_dict[n] for n in resident}, {n: scales[n].reshape(()) for n in resident if n in scales})
         if consume:  # the caller's mappings hand the resident tensors over: `_load_resident` frees them one by one
             assert isinstance(state_dict, MutableMapping) and isinstance(scales, MutableMapping)
             for n in resident:
                 state_dict.pop(n)
                 scales.pop(n, None)
-        return read
+        return _ResidentRead([batch], None, None)
     assert files is not None, "storage disk needs the checkpoint files"
     key_map = dict(key_map or {n: n for n in expected})
     reader = SafetensorsDiskReader(files, reader=cfg.reader)
@@ -89,34 +96,36 @@ def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cf
     # names, shapes and dtypes from the headers, before any weight is read
     check_tensors(expected, {inverse.get(n, n): entry for n, entry in reader.index.items()
                              if (not shared_files or n in inverse) and n not in scale_keys}, component)
-    # non-block weights first: their short-lived handles close before any block fetch opens one
     resident_scales = {n: scale_map[n] for n in resident if n in scale_map}
-    loaded = reader.load_tensors([key_map.get(n, n) for n in resident] + list(resident_scales.values()))
-    resident_tensors = {inverse.get(k, k): v for k, v in loaded.items() if k not in scale_keys}
-    scales = {n: loaded[key].reshape(()) for n, key in resident_scales.items()}
-    return _ResidentRead(resident_tensors, scales, reader, key_map)
+    batches = read_resident_batches(reader, resident, key_map, resident_scales, resident_read.RESIDENT_BATCH_BYTES)
+    return _ResidentRead(batches, reader, key_map)
 
 
-def _load_resident(model: nn.Module, resident_tensors: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
-                   spec: StreamSpec, dtype: torch.dtype, device: torch.device) -> None:
+def _load_resident(model: nn.Module, batches: Iterable[Batch], spec: StreamSpec, dtype: torch.dtype,
+                   device: torch.device) -> None:
     """Step 2 of `stream_module`: put the resident tensors on `device` in their compute dtype
     (`spec.keep_fp32` names in float32, scaled fp8 upcast), then the buffers outside the state dict.
 
-    Empties `resident_tensors` and `scales` as it goes.
+    Batch by batch: every tensor of a batch is on the device, and the batch's dicts emptied (its host
+    copies dropped), before the next batch is asked for (storage "disk": read).
     """
-    # one tensor at a time onto the device, its host copy dropped as it goes: the host never holds the
-    # resident part twice. to_compute: resident CPU weights 64-byte aligned whatever their file offsets
-    # (streamed ones are too: slabs and slots place them at ALIGNMENT offsets of allocator- or page-aligned
-    # buffers). Scaled fp8 outside the units is upcast as a resident load does (`dequantize_fp8_e4m3`), on
-    # the compute device: the host holds the stored bytes only, not an upcast copy beside them.
+    # one tensor at a time onto the device, its host copy dropped as it goes: the host holds at most one
+    # batch as stored. Off the CPU the tensor crosses as stored and is cast on the device (a blocking copy
+    # that casts would make a host copy in the compute dtype first). to_compute: resident CPU weights 64-byte
+    # aligned whatever their file offsets (streamed ones are too: slabs and slots place them at ALIGNMENT
+    # offsets of allocator- or page-aligned buffers). Scaled fp8 outside the units is upcast as a resident
+    # load does (`dequantize_fp8_e4m3`), on the compute device.
     cast: dict[str, torch.Tensor] = {}
-    for n in list(resident_tensors):
-        t = resident_tensors.pop(n)
-        target = torch.float32 if spec.keep_fp32(n) else dtype
-        if n in scales:
-            t = dequantize_fp8_e4m3(t.to(device), scales.pop(n).to(device), target)
-        cast[n] = to_compute(t, target, device)
-        del t
+    on_host = torch.device(device).type == "cpu"
+    for tensors, scales in batches:
+        for n in list(tensors):
+            t = tensors.pop(n)
+            target = torch.float32 if spec.keep_fp32(n) else dtype
+            if n in scales:
+                t = dequantize_fp8_e4m3(t.to(device), scales.pop(n).to(device), target)
+            cast[n] = to_compute(t if on_host else t.to(device), target, device)
+            del t
+        del tensors, scales  # nothing of this batch stays on the host while the next is read
     model.load_state_dict(cast, strict=False, assign=True)
     init = getattr(model, "init_non_persistent_buffers", None)
     if init is not None:
@@ -184,7 +193,7 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
     scale_map = dict(scale_map or {})
     read = _read_resident(model.state_dict(keep_vars=True), resident, cfg, component, state_dict, files, key_map,
                           shared_files, scale_map, scales, consume)
-    _load_resident(model, read.tensors, read.scales, spec, dtype, device)
+    _load_resident(model, read.batches, spec, dtype, device)
     reader, key_map = read.reader, read.key_map
     if cfg.storage == "cpu":
         assert state_dict is not None, "storage cpu needs the state dict"

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from runnerkit.config import OffloadConfig, RunnerConfig
+from runnerkit.offload import resident_read as resident_batches
 from runnerkit.offload.layout import StreamSpec, host_fill_peak, plan_unit_layout, plan_units, split_resident
 from runnerkit.offload.pinned import align_up, pinning_disabled_by_env
 
@@ -121,7 +122,10 @@ class ModuleFootprint:
             or not the weights are offloaded or streamed, for as long as the module exists (unfused
             LoRA slots, runnerkit/lora: `lora_slot_bytes`).
         stream_resident_stored_bytes: the resident part as read (fp8-stored weights at 1 byte); None: as loaded.
-        stream_load_bytes: storage cpu: the peak host bytes of its load beside the slabs (`host_fill_peak`).
+        stream_load_bytes: the peak host bytes of its load beside the slabs. Storage cpu: `host_fill_peak`;
+            storage disk: the largest batch of the resident part as read (`resident_read.batch_bound`: at most
+            `RESIDENT_BATCH_BYTES`, or the largest resident tensor with its fp8 scale). None: not computed
+            (a footprint built by hand): the whole resident part as read counts (`resident_read_bytes`).
     """
 
     weight_bytes: int
@@ -270,8 +274,8 @@ def module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable[
     # The offload keys `_module_footprint` reads (keep in step with it): the plan asks for one module under
     # hundreds of offload configs (planning/planner.py's rungs, variants and resident-unit counts) that differ
     # mostly in keys it does not read; families build their modules on meta once, so this memo hits.
-    read = ((offload.mode, offload.resident_blocks, offload.storage, offload.weight_dtype, offload.gpu_slots)
-            if streaming and offload is not None else None)
+    read = ((offload.mode, offload.resident_blocks, offload.storage, offload.weight_dtype, offload.gpu_slots,
+             resident_batches.RESIDENT_BATCH_BYTES) if streaming and offload is not None else None)
     key = (dtype, keep_fp32, stream if streaming else None, read, stream_default, frozenset(fp8_stored), lora_rank)
     memo = _FOOTPRINTS.setdefault(module, {})
     if key not in memo:
@@ -334,10 +338,17 @@ def _module_footprint(module: nn.Module, dtype: torch.dtype, keep_fp32: Callable
     saved = {n: sizes[n] - math.prod(shapes[n]) for n in fp8_stored if n in sizes}  # fp8 is read at 1 byte
     reads = [sum(sizes[p] - saved.get(p, 0) for p in u.params) for u in units]
     resident_read = total - sum(saved.values()) - sum(reads)  # resident fp8 weights are upcast on the device
+    if offload.storage == "cpu":
+        load = host_fill_peak(resident_read, reads, raws)
+    else:  # read in batches, each on the device before the next is read: every resident tensor as stored, an
+        # fp8 one with its float32 scale (4 bytes, counted whether or not the checkpoint has one), every buffer
+        streamed_names = {p for u in units for p in u.params}
+        items = [sizes[n] - saved.get(n, 0) + (4 if n in saved else 0) for n in sizes if n not in streamed_names]
+        buffers_read = part(("buffers",), lambda: [tensor_bytes(b) for _, b in module.named_buffers()])
+        load = resident_batches.batch_bound(items + buffers_read, resident_batches.RESIDENT_BATCH_BYTES)
     return ModuleFootprint(weight_bytes=total, stream_resident_bytes=total - streamed, stream_slot_bytes=slots * slot,
                            stream_host_bytes=host, stream_default=stream_default, device_extra_bytes=extra,
-                           stream_moved_bytes=sum(raws), stream_load_bytes=(
-                               host_fill_peak(resident_read, reads, raws) if offload.storage == "cpu" else None),
+                           stream_moved_bytes=sum(raws), stream_load_bytes=load,
                            stream_resident_stored_bytes=resident_read if resident_read != total - streamed else None)
 
 
@@ -494,8 +505,9 @@ def host_bytes_of(estimate: MemoryEstimate, config: RunnerConfig, device: torch.
         host = sum over modules of host_module_bytes      (offloaded weights, streamer slabs)
              + the largest module loaded onto the device through host memory
                  (resident modules and unload_modules: its weights, read whole from .pth, page by page from
-                 safetensors; a streamed module: storage disk, its resident part as stored, `resident_read_bytes`;
-                 storage cpu, the peak of (its state dict left + its slabs so far) - its slabs, `stream_load_bytes`)
+                 safetensors; a streamed module, `stream_load_bytes`: storage disk, the largest batch of its
+                 resident part as stored (`resident_read.batch_bound`); storage cpu, the peak of (its state dict
+                 left + its slabs so far) - its slabs)
              + PROCESS_HOST_BYTES
 
     On the CPU the device is the host: the total is the device estimate (`peak_of(...).bytes`).
