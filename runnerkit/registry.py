@@ -25,9 +25,11 @@ RUNNERS: dict[str, type["BaseRunner"]] = {}
 TASK_RUNNERS: dict[tuple[str, str], type["BaseRunner"]] = {}
 
 #: Where families live: every package `runnerkit/models/<family>/`. Each module of a family folder
-#: that registers runners (`@register_runner(...)` on a class) is imported at the first lookup, so
-#: a family may split its runners over several modules without them importing each other. Adding a
-#: family = one folder; nothing else names it.
+#: that registers runners (`@register_runner(...)` on a class) is imported at the first lookup of a
+#: `model_cls` it registers, so a family may split its runners over several modules without them
+#: importing each other, and a run imports its own family only (another family's imports, e.g.
+#: transformers for its text encoder, cost every process ~1.5 s of CPU at start-up).
+#: Adding a family = one folder; nothing else names it.
 MODELS_PACKAGE = "runnerkit.models"
 
 
@@ -111,17 +113,18 @@ def register_runner(name: str) -> Callable[[R], R]:
     return wrap
 
 
-def load_families() -> dict[str, type["BaseRunner"]]:
-    """Import every module of the family folders that registers runners (once; `runner_modules`);
-    return the registry."""
-    for module in family_modules():
-        importlib.import_module(module)
+def load_families(name: str | None = None) -> dict[str, type["BaseRunner"]]:
+    """Import the modules of the family folders that register runners under `model_cls` `name`
+    (every such module when None; each once; `runner_modules`); return the registry."""
+    for module, names in runner_modules().items():
+        if name is None or name in names:
+            importlib.import_module(module)
     return RUNNERS
 
 
 def tasks_of(name: str) -> list[str]:
     """Every task registered under `model_cls` `name`, in registration order."""
-    load_families()
+    load_families(name)
     return [t for (n, t) in TASK_RUNNERS if n == name]
 
 
@@ -132,9 +135,9 @@ def get_runner_cls(name: str, task: str | None = None) -> type["BaseRunner"]:
         ValueError: unknown name (listing the registered ones) or a task the family does not
             serve (listing its tasks).
     """
-    runners = load_families()
+    runners = load_families(name)
     if name not in runners:
-        raise ValueError(f"unknown `model_cls` {name!r}; registered: {sorted(runners)}")
+        raise ValueError(f"unknown `model_cls` {name!r}; registered: {sorted(load_families())}")
     if task is None:
         return runners[name]
     if (name, task) not in TASK_RUNNERS:

@@ -52,6 +52,28 @@ def test_every_module_of_a_family_folder_that_registers_a_runner_is_found(fake_m
     assert registry.tasks_of("fake") == ["edit", "t2v"]  # module order: sorted names
 
 
+def test_a_lookup_imports_only_the_modules_that_register_its_name(fake_models: str, tmp_path: Path) -> None:
+    """Another family's runner module is not imported for this name (its imports, transformers for a
+    text encoder, would be paid by every process of this family); an unknown name lists them all."""
+    other = tmp_path / "fakemodels" / "other"
+    other.mkdir()
+    (other / "__init__.py").write_text("")
+    (other / "runner.py").write_text(textwrap.dedent("""
+        from runnerkit.registry import register_runner
+
+        @register_runner("other")
+        class OtherT2V:
+            TASKS = ("t2v",)
+    """))
+    registry.runner_modules.cache_clear()
+    assert registry.get_runner_cls("fake", "t2v").__name__ == "FakeT2V"
+    assert registry.tasks_of("fake") == ["edit", "t2v"]
+    assert "fakemodels.other.runner" not in sys.modules
+    with pytest.raises(ValueError, match=r"unknown `model_cls` 'nope'; registered: \[.*'fake', .*'other'"):
+        registry.get_runner_cls("nope")
+    assert registry.get_runner_cls("other").__name__ == "OtherT2V"
+
+
 def test_a_model_cls_that_is_not_a_string_literal_is_refused_naming_the_class(fake_models: str, tmp_path: Path) -> None:
     (tmp_path / "fakemodels" / "fam" / "edit.py").write_text(textwrap.dedent("""
         from runnerkit.registry import register_runner

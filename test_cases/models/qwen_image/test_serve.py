@@ -5,18 +5,18 @@ official `openai` client's images.edit (file parts) and images.generate (JSON) c
 from __future__ import annotations
 
 import base64
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from PIL import Image
 
-from test_cases.conftest import REPO, write_config
+from runnerkit.infer import main
+from test_cases.conftest import write_config
 from test_cases.models.qwen_image.conftest import EDIT_CONFIG, qwen_config_dict, reference_images
-from test_cases.serve.test_server import Server, env, http
+from test_cases.serve.test_server import Server, http
 
 
 def wait_image_job(server: Server, job_id: str, timeout: float = 120) -> dict[str, Any]:
@@ -34,10 +34,16 @@ def test_edit_server_takes_extra_images_and_matches_the_launch_script(qwen_edit_
     config = write_config(tmp_path / "c.json", qwen_config_dict(EDIT_CONFIG, qwen_edit_ckpt))
     cache = tmp_path / "cache"
     expected = tmp_path / "cli.png"
-    cli = subprocess.run([sys.executable, "-m", "runnerkit.infer", "--config_json", str(config), "--prompt",
-                          "make it blue", "--seed", "5", "--image_path", str(a), "--extra_image_paths", str(b),
-                          "--save_result_path", str(expected)], cwd=REPO, env=env(cache), capture_output=True, text=True)
-    assert cli.returncode == 0, cli.stderr
+    # the launch script's `main` here, on one thread as the server (OMP_NUM_THREADS=1): the server is the
+    # process under test, the reference needs no interpreter of its own
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rc = main(["--config_json", str(config), "--prompt", "make it blue", "--seed", "5", "--image_path", str(a),
+                   "--extra_image_paths", str(b), "--save_result_path", str(expected)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
     server = Server(config, tmp_path / "out", cache, "--warmup")
     try:
         assert server.wait_port(), server.log()
