@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runnerkit.models.ltx2.window_blocks import window_block_mask
+
 SWIGLU_TILE_TOKENS = 16384
 """Tokens per SwiGLU tile (the reference's `_SWIGLU_TILE_SIZE`): bounds the three hidden-width
 tensors live at once independently of the resolution; the result is the untiled one up to
@@ -156,11 +158,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: object) -> Tensor:
 def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device, head_dim: int) -> object:
     """The window mask of one (grid, kernel), shared by every block of a stage: a FlexAttention `BlockMask`
     where `uses_flex(device, head_dim)`, a dense boolean [N, N] tensor elsewhere."""
-    if uses_flex(device, head_dim):
-        from torch.nn.attention.flex_attention import create_block_mask
-        n = math.prod(grid)
-        return create_block_mask(neighborhood_mask_mod(grid, kernel), B=None, H=None, Q_LEN=n, KV_LEN=n,
-                                 device=device)
+    if uses_flex(device, head_dim):  # from the window's geometry: create_block_mask would build the dense [N, N] mask
+        return window_block_mask(grid, kernel, device, neighborhood_mask_mod(grid, kernel))
     return dense_neighborhood_mask(grid, kernel, device)
 
 

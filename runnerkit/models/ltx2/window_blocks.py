@@ -1,0 +1,122 @@
+"""The FlexAttention block mask of the 3D neighborhood window, built from the window's geometry.
+
+`torch.nn.attention.flex_attention.create_block_mask` evaluates the `mask_mod` on every (query, key)
+pair: a dense [N, N] tensor and its int64 block sums. At the LTX-2.5 decoder's stage 5 (a 4x4 pixel
+patch per token) a 256x384x25 clip has N = 153,600 tokens, and that construction asks for 176 GiB;
+a 512x768x473 clip has N = 11.6 M. Here the blocks are derived from the window's extent instead:
+
+- tokens are row-major over (T, H, W); a grid row (t, h) is W consecutive tokens;
+- the queries of one query block that lie in one grid row share their t- and h-windows, and their
+  w-windows (centred, shifted inward at the border, sliding by at most one column per query) cover
+  one contiguous column range [a, b);
+- so the keys they may attend to are, for each of the kt x kh rows (t', h') of that window, the
+  flat range [t' H W + h' W + a, t' H W + h' W + b): every KV block that range touches holds at
+  least one allowed pair, and no other block does.
+
+Every listed block is a partial block (the kernel applies `mask_mod` inside it), none "full": the
+window is narrower than a block along W at every shipped kernel, so a block that every pair of a
+query block may attend to is rare; listing it as partial gives the same attention, only masked.
+`kv_indices` is [1, 1, query blocks, the most KV blocks any query block needs] (not the dense
+[.., query blocks, KV blocks] of `create_block_mask`), built in bounded chunks of grid rows.
+
+Tests: test_cases/models/ltx2/test_window_blocks.py (the block sets equal `create_block_mask`'s on
+grids and kernels of every shape class).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+BLOCK_SIZE = 128
+"""FlexAttention's default sparse block (tokens per query and per KV block)."""
+
+CHUNK_ELEMENTS = 1 << 24
+"""Candidate (query block, KV block) pairs enumerated at once: bounds the builder's temporaries
+(~16 M int64, 128 MiB each) whatever the grid."""
+
+
+def _starts(index: Tensor, size: int, kernel: int) -> Tensor:
+    """First position of each index's window: centred, shifted inward at the border (as `mask_mod`)."""
+    return torch.clamp(index - kernel // 2, 0, size - kernel)
+
+
+def window_kv_blocks(grid: tuple[int, int, int], kernel: tuple[int, int, int], device: torch.device,
+                     block: int = BLOCK_SIZE) -> tuple[Tensor, Tensor]:
+    """For each query block of the row-major (T, H, W) grid, the KV blocks holding at least one pair
+    the neighborhood window allows.
+
+    Args:
+        grid: (T, H, W) tokens per axis; kernel: window (kt, kh, kw), each <= the grid's axis.
+        device: where the tables are built and returned.
+        block: tokens per query and per KV block.
+
+    Returns:
+        kv_num_blocks [Q] int32 (Q = ceil(N / block) query blocks) and kv_indices [Q, width] int32:
+        row q lists its KV blocks in ascending order in its first kv_num_blocks[q] entries (the rest 0).
+
+    Raises:
+        ValueError: a kernel axis larger than its grid axis, or not positive.
+    """
+    T, H, W = grid
+    kt, kh, kw = kernel
+    for axis, size, k in zip("THW", grid, kernel):
+        if not 0 < k <= size:
+            raise ValueError(f"window kernel {kernel} must be positive and at most the grid {grid} on axis {axis}")
+    n, hw = T * H * W, H * W
+    num_q = math.ceil(n / block)
+    num_kv = num_q
+    rows = torch.arange(T * H, device=device)
+    first_qb, last_qb = (rows * W) // block, ((rows + 1) * W - 1) // block
+    span_q = int((last_qb - first_qb).max()) + 1
+    # (grid row, query block) pairs: the query block's queries that lie in the row
+    qb = first_qb[:, None] + torch.arange(span_q, device=device)[None, :]
+    row = rows[:, None].expand_as(qb)
+    keep = qb <= last_qb[:, None]
+    qb, row = qb[keep], row[keep]
+    col_lo = torch.clamp(qb * block - row * W, min=0)
+    col_hi = torch.clamp((qb + 1) * block - row * W, max=W) - 1
+    a, b = _starts(col_lo, W, kw), _starts(col_hi, W, kw) + kw  # the union of their w-windows
+    st, sh = _starts(row // H, T, kt), _starts(row % H, H, kh)
+    span_kv = math.ceil((int((b - a).max()) - 1) / block) + 1 if b.numel() else 1  # KV blocks one range touches
+    per_pair = kt * kh * (span_kv + 1)
+    chunk = max(1, CHUNK_ELEMENTS // per_pair)
+    dt = torch.arange(kt, device=device)
+    dh = torch.arange(kh, device=device)
+    steps = torch.arange(span_kv + 1, device=device)
+    found = []
+    for lo in range(0, qb.numel(), chunk):
+        s = slice(lo, lo + chunk)
+        base = ((st[s, None, None] + dt[None, :, None]) * hw + (sh[s, None, None] + dh[None, None, :]) * W)  # [P, kt, kh]
+        first = (base + a[s, None, None]) // block
+        last = (base + b[s, None, None] - 1) // block
+        kv = first[..., None] + steps  # [P, kt, kh, span+1]
+        valid = kv <= last[..., None]
+        keys = (qb[s, None, None, None] * num_kv + kv)[valid]
+        found.append(torch.unique(keys))
+    keys = torch.unique(torch.cat(found))  # sorted: by query block, then KV block
+    q_of, kv_of = keys // num_kv, keys % num_kv
+    counts = torch.bincount(q_of, minlength=num_q)
+    offsets = torch.cumsum(counts, 0) - counts
+    width = int(counts.max())
+    kv_indices = torch.zeros(num_q, width, dtype=torch.int32, device=device)
+    kv_indices[q_of, torch.arange(keys.numel(), device=device) - offsets[q_of]] = kv_of.to(torch.int32)
+    return counts.to(torch.int32), kv_indices
+
+
+def window_block_mask(grid: tuple[int, int, int], kernel: tuple[int, int, int], device: torch.device,
+                      mask_mod: Callable[..., Tensor], block: int = BLOCK_SIZE) -> object:
+    """The FlexAttention `BlockMask` of the window on `grid` (B and heads broadcast), from
+    `window_kv_blocks`; `mask_mod` (the window's, `neighborhood_mask_mod`) masks inside each block.
+    Forward only: no transposed (query-block) tables are built where torch lets them be skipped."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    num, indices = window_kv_blocks(grid, kernel, device, block)
+    n = math.prod(grid)
+    extra = {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
+    return BlockMask.from_kv_blocks(num[None, None], indices[None, None], BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(n, n), **extra)
