@@ -29,3 +29,20 @@ def test_cuda_window_attention_equals_the_cpu_dense_path(head_dim: int) -> None:
         want = cpu.decoder.predict(cpu.decoder.context(z), x_t, t)
         got = cuda.decoder.predict(cuda.decoder.context(z.cuda()), x_t.cuda(), t.cuda()).cpu()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_cuda_flex_attention_with_the_window_block_tables_equals_the_dense_mask() -> None:
+    """Compiled FlexAttention over the geometric block tables (window_blocks.py: narrower than the KV block
+    count, partial blocks only) on a grid of many blocks, against SDPA with the dense window mask."""
+    from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
+
+    grid, kernel = (5, 12, 200), (3, 5, 11)  # 12,000 tokens: 94 query blocks
+    n, cuda = 5 * 12 * 200, torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=g, device=cuda) for _ in range(3))
+    mask = layers.stage_mask(grid, kernel, cuda, 64)
+    assert mask.kv_indices.shape[-1] < mask.kv_indices.shape[-2]
+    got = layers.attend(q, k, v, mask)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=layers.dense_neighborhood_mask(grid, kernel, cuda), scale=1.0)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
