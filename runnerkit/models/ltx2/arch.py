@@ -61,6 +61,11 @@ class LTX2Arch(BaseModel):
         """"2.3" when the transformer has the LTX-2.3 gated attention, else "2.0"."""
         return "2.3" if self.transformer.gated_attn else "2.0"
 
+    @property
+    def release(self) -> str:
+        """The release the transformer's switches name, for messages: "2.5" (no video FFN biases) or `version`."""
+        return "2.5" if not self.transformer.ff_bias else self.version
+
     @classmethod
     def from_config_model(cls, model: dict[str, Any], partial: bool, model_cls: str) -> Self:
         """A config's `model` key validated as this architecture (`partial`: missing components allowed).

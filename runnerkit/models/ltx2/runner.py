@@ -294,7 +294,7 @@ class LTX2Runner(DefaultRunner):
         self.checkpoint = ckpt = self.checkpoints.locate()
         if ckpt.arch.vae.timestep_conditioning:
             raise NotImplementedError("a timestep-conditioned LTX-2 video VAE is not supported (no release has one)")
-        logger.info("checkpoint {} ({} layout, LTX-{}), flavour {}", ckpt.path, ckpt.layout, ckpt.arch.version,
+        logger.info("checkpoint {} ({} layout, LTX-{}), flavour {}", ckpt.path, ckpt.layout, ckpt.arch.release,
                     flavour_of(ckpt.arch))
         self.update_config(model=ckpt.arch.model_dump(mode="json"), model_path=str(ckpt.path))
         self.tokenizer = self.load_tokenizer(ckpt)

@@ -171,3 +171,12 @@ def test_checkpoint_error_names_key_and_file(tmp_path: Path) -> None:
     out = _release_like(_tiny_arch("2.3"), "2.3", tmp_path / "ckpt", {"audio_ff_bias": False})
     with pytest.raises(CheckpointError, match=rf"(?s){out / SINGLE_FILE}.*`config\.transformer\.audio_ff_bias`=False"):
         LTX2Checkpoint.open(out / SINGLE_FILE, out / UPSAMPLER_FILE, out / "text_encoder")
+
+
+def test_each_release_architecture_names_its_release() -> None:
+    """The load log's "LTX-<release>": the switches tell 2.0, 2.3 and 2.5 apart (2.5 shares 2.3's `version`)."""
+    from runnerkit.models.ltx2.arch import LTX2_19B_ARCH, LTX23_22B_ARCH
+    from runnerkit.models.ltx2.ltx25_arch import LTX25_22B_ARCH
+
+    assert [a.release for a in (LTX2_19B_ARCH, LTX23_22B_ARCH, LTX25_22B_ARCH)] == ["2.0", "2.3", "2.5"]
+    assert [a.version for a in (LTX2_19B_ARCH, LTX23_22B_ARCH, LTX25_22B_ARCH)] == ["2.0", "2.3", "2.3"]
