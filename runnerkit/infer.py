@@ -98,13 +98,15 @@ def parse_inputs(args: argparse.Namespace) -> tuple[Any, list[RequestConfig]]:
                                   lora_flag_fields)
     from runnerkit.admission import Refused, admit, check_default_shape
     from runnerkit.registry import get_runner_cls
+    from runnerkit.runners.installers import check_parallel_modes
     overrides = config_overrides(args, "launch")
     if args.config_json is None and args.model_cls is None:
         raise ConfigError("give --config_json FILE (or at least --model_cls and --model_path); see --help")
     config = load_runner_config(args.config_json, overrides, flags={"offload.mode": "--offload"})
     try:
         runner_cls = get_runner_cls(config.model_cls, config.task)
-    except ValueError as exc:
+        check_parallel_modes(config, runner_cls.PARALLEL_MODES, runner_cls.__name__)
+    except (ValueError, NotImplementedError) as exc:
         raise ConfigError(str(exc)) from None
     if config.synthetic_checkpoint is not None and not config.model_path:  # before loading: the cache folder
         from runnerkit.runners.checkpoints import check_synthetic_cache

@@ -206,11 +206,24 @@ def check_parallel(config: RunnerConfig, group: Any, modes: Collection[str], att
     if group is None:
         raise ParallelSetupError("`parallel` is set but this runner has no process group: launch with "
                                  f"`torchrun --nproc_per_node {par.world_size} -m runnerkit.infer ...`")
+    check_parallel_modes(config, modes, runner)
+    if par.ulysses > 1:
+        split_even(attention_heads(), par.ulysses, "the attention heads", "each rank attends with its share "
+                   "of the heads")
+
+
+def check_parallel_modes(config: RunnerConfig, modes: Collection[str], runner: str) -> None:
+    """Refuse a `parallel` mode the runner does not support (`PARALLEL_MODES`); the launch script calls it
+    before any process group exists, `check_parallel` again at load.
+
+    Raises:
+        NotImplementedError: naming the runner, the task, the modes asked and those supported.
+    """
+    par = config.parallel
+    if par is None:
+        return
     asked = [m for m, on in (("cfg", par.cfg > 1), ("ulysses", par.ulysses > 1)) if on]
     unsupported = [m for m in asked if m not in modes]
     if unsupported:
         raise NotImplementedError(f"`parallel`: {runner} (task {config.task!r}) does not support "
                                   f"{unsupported} parallel (supported: {sorted(modes)})")
-    if par.ulysses > 1:
-        split_even(attention_heads(), par.ulysses, "the attention heads", "each rank attends with its share "
-                   "of the heads")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from test_cases.conftest import REPO, config_dict
@@ -68,3 +69,19 @@ def test_a_request_that_cannot_fit_is_invalid_input(tiny_ckpt: Path, tmp_path: P
     lines = ERROR_LINE.findall(output)
     assert len(lines) == 1 and lines[0].startswith("invalid input: request 0 (command line): shape 4096x4096x"), output
     assert ranks == [("0", "2"), ("1", "2")], output
+
+
+def test_a_parallel_mode_the_family_lacks_is_invalid_input_before_any_group(tmp_path: Path) -> None:
+    """The tiny LTX-2 config with `parallel.ulysses` 2 (LTX-2 declares no parallel mode) is refused while the
+    launch is parsed, in one process as under torchrun (where it ended as a rank's load failure, exit 1): the
+    family's refusal, not the torchrun advice a missing process group gives."""
+    from runnerkit.config import ConfigError
+    from runnerkit.infer import build_parser, parse_inputs
+
+    config = tmp_path / "ltx2_ulysses2.json"
+    config.write_text(json.dumps(config_dict(LTX2_CONFIG, tmp_path / "unused", parallel={"ulysses": 2})))
+    args = build_parser().parse_args(["--config_json", str(config), "--prompt", "a red fox in the snow"])
+    with pytest.raises(ConfigError) as refused:
+        parse_inputs(args)
+    assert str(refused.value) == ("`parallel`: LTX2Runner (task 't2av') does not support ['ulysses'] parallel "
+                                  "(supported: [])")
