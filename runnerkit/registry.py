@@ -34,16 +34,21 @@ MODELS_PACKAGE = "runnerkit.models"
 
 
 @functools.cache
-def runner_modules() -> dict[str, tuple[str, ...]]:
-    """Module -> the `model_cls` names it registers, for every module of every family folder under
-    runnerkit/models/ that registers a runner, sorted by module name.
+def scan_families() -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """Read every module of every family folder under runnerkit/models/ whose source names
+    `register_runner` (with `ast`: nothing is imported, torch included, so the launch script can
+    list the names before it parses its arguments).
 
-    Found by reading the sources with `ast` (nothing is imported, torch included), so the launch
-    script can list the names before it parses its arguments: a decorator `@register_runner("name")`
-    (a string literal) on a class.
+    Returns:
+        (module -> the `model_cls` names it registers, sorted by module; module -> one line
+        `path:line: what is wrong` for each module that cannot be read: a syntax error, or a
+        `register_runner` whose `model_cls` is not a string literal). An unreadable module is left
+        out of the names and logged as a warning here; a lookup that misses reports it
+        (`get_runner_cls`), so the other families still run and `--help` still lists them.
     """
     package = importlib.import_module(MODELS_PACKAGE)  # runnerkit/models/__init__.py: no imports
     found: dict[str, tuple[str, ...]] = {}
+    unreadable: dict[str, str] = {}
     for family in pkgutil.iter_modules(package.__path__):
         if not family.ispkg:
             continue
@@ -52,17 +57,64 @@ def runner_modules() -> dict[str, tuple[str, ...]]:
             source = folder / f"{info.name}.py"
             if info.ispkg or not source.is_file():
                 continue
-            text = source.read_text(encoding="utf-8")
-            if "register_runner" not in text:  # no decorator can name it: skip the parse (most modules)
-                continue
-            names = _registered_names(ast.parse(text, filename=str(source)))
-            if names:
-                found[f"{MODELS_PACKAGE}.{family.name}.{info.name}"] = names
-    return dict(sorted(found.items()))
+            module = f"{MODELS_PACKAGE}.{family.name}.{info.name}"
+            try:
+                text = source.read_text(encoding="utf-8")
+                if "register_runner" not in text:  # no decorator can name it: skip the parse (most modules)
+                    continue
+                names = _registered_names(ast.parse(text, filename=str(source)))
+            except _NotLiteral as exc:
+                unreadable[module] = f"{_shown(source)}:{exc.lineno}: {exc}"
+            except (SyntaxError, ValueError) as exc:  # ValueError: undecodable bytes, a null byte
+                line = getattr(exc, "lineno", None) or 1
+                unreadable[module] = f"{_shown(source)}:{line}: cannot be parsed: {getattr(exc, 'msg', exc)}"
+            else:
+                if names:
+                    found[module] = names
+    if unreadable:
+        from loguru import logger
+        for problem in unreadable.values():
+            logger.warning(f"{problem} (its runners are not registered)")
+    return dict(sorted(found.items())), dict(sorted(unreadable.items()))
+
+
+def runner_modules() -> dict[str, tuple[str, ...]]:
+    """Module -> the `model_cls` names it registers, for every readable module of every family
+    folder that registers a runner, sorted by module name (`scan_families`)."""
+    return scan_families()[0]
+
+
+def unreadable_modules() -> list[str]:
+    """One line `path:line: what is wrong` per family module that cannot be read (`scan_families`)."""
+    return list(scan_families()[1].values())
+
+
+class _NotLiteral(TypeError):
+    def __init__(self, message: str, lineno: int) -> None:
+        super().__init__(message)
+        self.lineno = lineno
+
+
+def _shown(source: Path) -> str:
+    """`source` relative to the working directory when under it (runnerkit/models/<family>/runner.py)."""
+    try:
+        return str(source.relative_to(Path.cwd()))
+    except ValueError:
+        return str(source)
 
 
 def _registered_names(tree: ast.Module) -> tuple[str, ...]:
-    """The `model_cls` names of the `@register_runner("name")` class decorators in a module, in order."""
+    """The `model_cls` names of the `@register_runner("name")` class decorators in a module, in order.
+
+    The decorator is recognised as `register_runner`, `<module>.register_runner`, or the `as` name
+    of a `from ... import register_runner as <alias>`; its `model_cls` is the first positional
+    argument or the `name=` keyword, a string literal.
+
+    Raises:
+        _NotLiteral: a recognised decorator whose `model_cls` is not a string literal (with its line).
+    """
+    aliases = {"register_runner"} | {a.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                                     for a in node.names if a.name == "register_runner" and a.asname}
     names = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.ClassDef):
@@ -70,23 +122,27 @@ def _registered_names(tree: ast.Module) -> tuple[str, ...]:
         for deco in node.decorator_list:
             func = deco.func if isinstance(deco, ast.Call) else None
             called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-            if called == "register_runner":
+            if called == "register_runner" or (isinstance(func, ast.Name) and called in aliases):
                 assert isinstance(deco, ast.Call)
-                arg = deco.args[0] if deco.args else None
+                keyword = [k.value for k in deco.keywords if k.arg == "name"]
+                arg = deco.args[0] if deco.args else keyword[0] if keyword else None
                 if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
-                    raise TypeError(f"class {node.name}: `register_runner` takes the `model_cls` as a string literal "
-                                    "(the registry reads it from the source)")
+                    got = ast.unparse(arg) if arg is not None else "no `model_cls`"
+                    raise _NotLiteral(f"class {node.name}: `register_runner` takes the `model_cls` as a string "
+                                      f"literal (positional or `name=`), got {got} (the registry reads it from "
+                                      "the source)", deco.lineno)
                 names.append(arg.value)
     return tuple(names)
 
 
 def family_modules() -> list[str]:
-    """Every module of the family folders that registers runners, sorted (`runner_modules`)."""
+    """Every readable module of the family folders that registers runners, sorted (`runner_modules`)."""
     return list(runner_modules())
 
 
 def model_cls_names() -> list[str]:
-    """Every registered `model_cls`, sorted, without importing any family (`runner_modules`)."""
+    """Every registered `model_cls`, sorted, without importing any family (`runner_modules`; an
+    unreadable module is left out, with a warning)."""
     return sorted({name for names in runner_modules().values() for name in names})
 
 
@@ -104,8 +160,10 @@ def register_runner(name: str) -> Callable[[R], R]:
             raise ValueError(f"{cls.__qualname__} lists no TASKS; a runner registers the tasks it serves")
         taken = [t for t in tasks if (name, t) in TASK_RUNNERS]
         if taken:
+            first = TASK_RUNNERS[(name, taken[0])]
             raise ValueError(f"model_cls {name!r} is already registered for task(s) {taken} by "
-                             f"{TASK_RUNNERS[(name, taken[0])].__qualname__}")
+                             f"{first.__module__}.{first.__qualname__}; not again by "
+                             f"{cls.__module__}.{cls.__qualname__}")
         RUNNERS.setdefault(name, cls)
         TASK_RUNNERS.update({(name, t): cls for t in tasks})
         return cls
@@ -115,10 +173,17 @@ def register_runner(name: str) -> Callable[[R], R]:
 
 def load_families(name: str | None = None) -> dict[str, type["BaseRunner"]]:
     """Import the modules of the family folders that register runners under `model_cls` `name`
-    (every such module when None; each once; `runner_modules`); return the registry."""
+    (every such module when None; each once; `runner_modules`); return the registry.
+
+    Raises:
+        ValueError: `name` is None and a family module cannot be read (one line per module,
+            `path:line: what is wrong`).
+    """
     for module, names in runner_modules().items():
         if name is None or name in names:
             importlib.import_module(module)
+    if name is None and unreadable_modules():
+        raise ValueError("family modules that cannot be read: " + "; ".join(unreadable_modules()))
     return RUNNERS
 
 
@@ -132,14 +197,16 @@ def get_runner_cls(name: str, task: str | None = None) -> type["BaseRunner"]:
     """The runner class of `model_cls` `name` for `task` (None: the family's primary runner).
 
     Raises:
-        ValueError: unknown name (listing the registered ones) or a task the family does not
-            serve (listing its tasks).
+        ValueError: unknown name (listing the registered ones, read from the sources: no other
+            family is imported) or a task the family does not serve (listing its tasks); either
+            also names the family modules that cannot be read (`path:line: what is wrong`).
     """
     runners = load_families(name)
+    unread = "".join(f"; not read: {problem}" for problem in unreadable_modules())
     if name not in runners:
-        raise ValueError(f"unknown `model_cls` {name!r}; registered: {sorted(load_families())}")
+        raise ValueError(f"unknown `model_cls` {name!r}; registered: {model_cls_names()}{unread}")
     if task is None:
         return runners[name]
     if (name, task) not in TASK_RUNNERS:
-        raise ValueError(f"`task` {task!r} is not served by model_cls {name!r}; allowed: {tasks_of(name)}")
+        raise ValueError(f"`task` {task!r} is not served by model_cls {name!r}; allowed: {tasks_of(name)}{unread}")
     return TASK_RUNNERS[(name, task)]

@@ -3,6 +3,7 @@ split its runners over several modules without them importing each other."""
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -34,9 +35,9 @@ def fake_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "MODELS_PACKAGE", "fakemodels")
     registered = (dict(registry.RUNNERS), dict(registry.TASK_RUNNERS))
-    registry.runner_modules.cache_clear()
+    registry.scan_families.cache_clear()
     yield "fakemodels.fam"
-    registry.runner_modules.cache_clear()
+    registry.scan_families.cache_clear()
     for name in [m for m in sys.modules if m == "fakemodels" or m.startswith("fakemodels.")]:
         del sys.modules[name]
     registry.RUNNERS.clear(), registry.RUNNERS.update(registered[0])
@@ -65,7 +66,7 @@ def test_a_lookup_imports_only_the_modules_that_register_its_name(fake_models: s
         class OtherT2V:
             TASKS = ("t2v",)
     """))
-    registry.runner_modules.cache_clear()
+    registry.scan_families.cache_clear()
     assert registry.get_runner_cls("fake", "t2v").__name__ == "FakeT2V"
     assert registry.tasks_of("fake") == ["edit", "t2v"]
     assert "fakemodels.other.runner" not in sys.modules
@@ -74,17 +75,104 @@ def test_a_lookup_imports_only_the_modules_that_register_its_name(fake_models: s
     assert registry.get_runner_cls("other").__name__ == "OtherT2V"
 
 
-def test_a_model_cls_that_is_not_a_string_literal_is_refused_naming_the_class(fake_models: str, tmp_path: Path) -> None:
+def _add_family(root: Path, family: str, source: str) -> Path:
+    """`root/fakemodels/<family>/runner.py` holding `source` (dedented); the registry re-reads the folder."""
+    folder = root / "fakemodels" / family
+    folder.mkdir(exist_ok=True)
+    (folder / "__init__.py").write_text("")
+    (folder / "runner.py").write_text(textwrap.dedent(source).lstrip())
+    registry.scan_families.cache_clear()
+    return folder / "runner.py"
+
+
+HEADER = "from runnerkit.registry import register_runner\n"
+UNREADABLE = {  # source of the broken family's runner.py, the line reported, what it says after `path:line: `
+    "syntax error": (HEADER + '\n@register_runner("broken")\nclass Broken:\n    TASKS = ("t2v",\n',
+                     5, "cannot be parsed: "),  # the unclosed `(`
+    "non-literal": (HEADER + 'NAME = "broken"\n\n\n@register_runner(NAME)\nclass Broken:\n    TASKS = ("t2v",)\n',
+                    5, ("class Broken: `register_runner` takes the `model_cls` as a string literal (positional or "
+                        "`name=`), got NAME (the registry reads it from the source)")),
+}
+
+
+@pytest.mark.parametrize("case", UNREADABLE)
+def test_an_unreadable_module_is_one_line_naming_its_file_and_line_and_other_families_still_work(
+        fake_models: str, tmp_path: Path, case: str) -> None:
+    """A syntax error or a non-literal `model_cls` in one family's module: `--help`'s list (a warning
+    naming the file) and the other families' lookups still work; a lookup that misses, or loading
+    every family, names the file and line."""
+    from loguru import logger
+    source, line, what = UNREADABLE[case]
+    path = _add_family(tmp_path, "broken", source)
+    messages: list[str] = []
+    sink = logger.add(messages.append, format="{message}", level="WARNING")
+    try:
+        assert registry.model_cls_names() == ["fake"]
+    finally:
+        logger.remove(sink)
+    problem = f"{path}:{line}: {what}"
+    assert [(m.startswith(problem), m.rstrip().endswith("(its runners are not registered)")) for m in messages] == [
+        (True, True)]
+    assert registry.get_runner_cls("fake", "t2v").__name__ == "FakeT2V"
+    with pytest.raises(ValueError) as missed:
+        registry.get_runner_cls("broken")
+    assert str(missed.value).startswith(f"unknown `model_cls` 'broken'; registered: ['fake']; not read: {problem}")
+    with pytest.raises(ValueError, match=f"family modules that cannot be read: {re.escape(problem)}"):
+        registry.load_families()
+
+
+def test_a_keyword_or_aliased_decorator_is_read(fake_models: str, tmp_path: Path) -> None:
+    """`@register_runner(name="...")` and `from ... import register_runner as reg; @reg("...")`
+    register what the source reading finds (a name missed by the reading could never be looked up)."""
+    _add_family(tmp_path, "kw", """
+        from runnerkit.registry import register_runner
+
+        @register_runner(name="kw")
+        class KwT2V:
+            TASKS = ("t2v",)
+    """)
+    _add_family(tmp_path, "aliased", """
+        from runnerkit.registry import register_runner as reg
+
+        @reg("aliased")
+        class AliasedT2V:
+            TASKS = ("t2v",)
+    """)
+    assert registry.runner_modules() == {"fakemodels.aliased.runner": ("aliased",), f"{fake_models}.edit": ("fake",),
+                                         f"{fake_models}.runner": ("fake",), "fakemodels.kw.runner": ("kw",)}
+    assert registry.unreadable_modules() == []
+    assert registry.get_runner_cls("kw", "t2v").__name__ == "KwT2V"
+    assert registry.get_runner_cls("aliased", "t2v").__name__ == "AliasedT2V"
+
+
+def test_a_typo_lists_the_registered_names_without_importing_a_family_that_fails_to_import(
+        fake_models: str, tmp_path: Path) -> None:
+    _add_family(tmp_path, "other", """
+        import a_package_that_is_not_installed
+        from runnerkit.registry import register_runner
+
+        @register_runner("other")
+        class OtherT2V:
+            TASKS = ("t2v",)
+    """)
+    with pytest.raises(ValueError) as typo:
+        registry.get_runner_cls("fak")
+    assert str(typo.value) == "unknown `model_cls` 'fak'; registered: ['fake', 'other']"
+    assert "fakemodels.other.runner" not in sys.modules
+
+
+def test_a_duplicate_registration_names_both_classes_with_their_modules(fake_models: str, tmp_path: Path) -> None:
     (tmp_path / "fakemodels" / "fam" / "edit.py").write_text(textwrap.dedent("""
         from runnerkit.registry import register_runner
-        NAME = "fake"
 
-        @register_runner(NAME)
+        @register_runner("fake")
         class FakeEdit:
-            TASKS = ("edit",)
+            TASKS = ("t2v",)
     """))
-    with pytest.raises(TypeError, match="class FakeEdit: `register_runner` takes the `model_cls` as a string literal"):
-        registry.runner_modules()
+    with pytest.raises(ValueError) as twice:
+        registry.get_runner_cls("fake", "t2v")
+    assert str(twice.value) == (f"model_cls 'fake' is already registered for task(s) ['t2v'] by "
+                                f"{fake_models}.edit.FakeEdit; not again by {fake_models}.runner.FakeT2V")
 
 
 def test_the_names_read_from_the_sources_are_the_registered_ones() -> None:

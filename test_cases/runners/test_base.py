@@ -194,7 +194,8 @@ def test_registry_maps_each_task_to_its_runner_class() -> None:
     assert [get_runner_cls("wan2.1", t) for t in ("t2v", "i2v", "flf2v")] == [WanT2VRunner, WanI2VRunner, WanFLF2VRunner]
     assert [get_runner_cls("wan2.2_moe", t) for t in ("t2v", "i2v")] == [WanMoERunner, WanMoEI2VRunner]
     assert get_runner_cls("wan2.1") is WanT2VRunner  # no task: the family's first (primary) runner
-    with pytest.raises(ValueError, match=r"already registered for task\(s\) \['i2v'\] by WanI2VRunner"):
+    with pytest.raises(ValueError,
+                       match=r"already registered for task\(s\) \['i2v'\] by runnerkit\.models\.wan\.i2v\.WanI2VRunner"):
         register_runner("wan2.1")(WanI2VRunner)
 
 
