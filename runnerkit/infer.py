@@ -327,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         from runnerkit.serve.server import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["plan"]:  # `runnerkit plan ...`, also as `python -m runnerkit.infer plan ...` (README)
+        from runnerkit.tools.plan import main as plan_main
+
+        return plan_main(argv[1:])
     logger.remove()
     logger.add(sys.stderr, level="INFO", format=LOG_FORMAT)
     install_sigterm_handler()

@@ -454,3 +454,16 @@ def test_a_shape_no_run_takes_is_refused_as_the_launch_script_refuses_it(
     rc, out, err = run_plan(capsys, "--config_json", REPO / "configs/ltx2/ltx25_t2av_22b_distilled.json",
                             "--device_gib", 80, *flags)
     assert (rc, out) == (2, {}) and message in err, err
+
+
+def test_the_launch_scripts_module_runs_plan_as_the_command_does(no_checkpoints: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """README: `runnerkit` = `python -m runnerkit.infer`, so `python -m runnerkit.infer plan ...` is the same plan."""
+    from runnerkit.infer import main as infer_main
+
+    argv = ["plan", "--config_json", str(REPO / "configs/wan/wan_t2v_14b.json"), "--device_gib", "24",
+            "--host_gib", "64", "--json"]
+    assert cli_main(argv) == 0
+    want = capsys.readouterr().out
+    assert infer_main(argv) == 0
+    assert capsys.readouterr().out == want and json.loads(want)["offload"]["mode"] != "none"
