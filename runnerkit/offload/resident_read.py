@@ -85,8 +85,8 @@ def read_resident_batches(reader: SafetensorsDiskReader, names: Sequence[str], k
             read); while iterating, as `load_tensors`.
     """
     keys = {n: key_map.get(n, n) for n in names}
-    wanted = [*keys.values(), *(scale_map[n] for n in names if n in scale_map)]
-    missing = [k for k in wanted if k not in reader.index]
+    needed = [*keys.values(), *(scale_map[n] for n in names if n in scale_map)]
+    missing = [k for k in needed if k not in reader.index]
     if missing:
         raise CheckpointError(f"disk reader: {len(missing)} tensors are not in the checkpoint: {short_list(missing)}")
     position = {path: i for i, path in enumerate(reader.files)}
