@@ -109,7 +109,8 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
                         keep_resident, memo)
     evaluations, fitting = walk.evaluations, walk.fitting
     if not fitting:
-        raise MemoryFitError(refusal(config, evaluations, shapes, device, estimate, device_limit, host_limit,
+        closest = [walk.closest.get(i, e) for i, e in enumerate(evaluations)]
+        raise MemoryFitError(refusal(config, closest, shapes, device, estimate, device_limit, host_limit,
                                      streamable, default_streams, supported, passes_per_step, factors))
     rung, chosen = min(fitting, key=lambda x: (*x[1].rank, x[0]))
     # the rungs before the chosen one's that were left out or do not fit (those after it are slower kinds)
@@ -126,11 +127,14 @@ class _LadderWalk:
     """What `_walk_ladder` found, rung by rung."""
 
     evaluations: list[Evaluation] = field(default_factory=list)
-    """One per rung, in ladder order: its least-memory variant, or why it is left out."""
+    """One per rung, in ladder order: its base candidate (nothing kept resident beyond the keys), or why it is
+    left out."""
     fitting: list[tuple[int, Evaluation]] = field(default_factory=list)
     """(rung index, the rung's fastest variant that fits)."""
     rung_of: dict[int, int] = field(default_factory=dict)
     """Rung index -> its entry in `evaluations` (judged rungs only)."""
+    closest: dict[int, Evaluation] = field(default_factory=dict)
+    """Entry in `evaluations` -> the rung's variant that misses the least (`_least_memory`), for the refusal."""
 
 
 def _walk_ladder(requested: OffloadConfig, explicit: dict[str, object], streamable: list[str],
@@ -172,13 +176,31 @@ def _walk_ladder(requested: OffloadConfig, explicit: dict[str, object], streamab
             continue
         base = judge(off)
         walk.rung_of[rung] = len(walk.evaluations)
-        walk.evaluations.append(base)
+        variants = [base]
+
+        def recorded(variant: OffloadConfig) -> Evaluation:
+            variants.append(judge(variant))
+            return variants[-1]
+
         # a variant keeps more on the device: it can only help a rung that fits the device (less host memory)
-        best = _fastest_variant(off, base, explicit, judge, memo.tops) if keep_resident and not base.device_missing else (
-            base if base.fits else None)
+        best = _fastest_variant(off, base, explicit, recorded, memo.tops) if keep_resident and not base.device_missing \
+            else (base if base.fits else None)
+        walk.evaluations.append(base)
+        walk.closest[len(walk.evaluations) - 1] = _least_memory(variants)
         if best is not None:
             walk.fitting.append((rung, best))
     return walk
+
+
+def _least_memory(variants: Sequence[Evaluation]) -> Evaluation:
+    """The variant of a rung that misses the least: `variants[0]` (nothing kept resident) unless it fits, misses
+    device memory, or a variant that fits the device misses fewer host (and pinned) bytes. Keeping units resident
+    shrinks the host's slabs and staging, so a refusal's "closest" names the host memory the rung really needs."""
+    base = variants[0]
+    if base.fits or base.device_missing:
+        return base
+    on_device = [v for v in variants if not v.device_missing]
+    return min(on_device, key=lambda v: v.host_missing + v.pinned_missing)
 
 
 def _excluded(off: OffloadConfig, streamable: list[str], default_streams: list[str],

@@ -488,6 +488,18 @@ def test_refusal_names_the_missing_host_memory() -> None:
     assert "raise `memory.host_limit_gib`" in msg, msg
 
 
+def test_refusal_names_the_host_memory_of_the_rungs_least_memory_variant() -> None:
+    """Keeping the text encoder and the VAE resident beside disk streaming drops their host copies (9.80 ->
+    7.80 GiB): the refusal names that variant and its figure, and the figure it names is enough to fit."""
+    with pytest.raises(MemoryFitError) as err:
+        plan(80, 6)
+    msg = str(err.value)
+    closest = f"{DISK[:-1]}; resident text_encoder, vae)"
+    assert f"Closest: {closest} needs 7.80 GiB of host memory (1.80 GiB missing)" in msg, msg
+    fitted = plan(80, 7.8)
+    assert fitted.chosen.host is not None and fitted.chosen.host.bytes <= 7.8 * GIB
+
+
 def test_refusal_names_weight_dtype_auto_when_fp8_would_fit() -> None:
     with pytest.raises(MemoryFitError) as err:
         ladder_plan(16, 14, storage="cpu")  # disk excluded by the explicit storage; fp8 not allowed
