@@ -14,9 +14,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
-        from runnerkit.tools.plan import main as plan_main
+        from runnerkit.tools.plan_args import run as plan_run
 
-        return plan_main(argv[1:])
+        return plan_run(argv[1:])
     from runnerkit.infer import main as infer_main
 
     return infer_main(argv)

@@ -328,9 +328,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     if argv[:1] == ["plan"]:  # `runnerkit plan ...`, also as `python -m runnerkit.infer plan ...` (README)
-        from runnerkit.tools.plan import main as plan_main
+        from runnerkit.tools.plan_args import run as plan_run
 
-        return plan_main(argv[1:])
+        return plan_run(argv[1:])
     logger.remove()
     logger.add(sys.stderr, level="INFO", format=LOG_FORMAT)
     install_sigterm_handler()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -467,3 +469,15 @@ def test_the_launch_scripts_module_runs_plan_as_the_command_does(no_checkpoints:
     want = capsys.readouterr().out
     assert infer_main(argv) == 0
     assert capsys.readouterr().out == want and json.loads(want)["offload"]["mode"] != "none"
+
+
+@pytest.mark.parametrize("argv", [["plan", "--help"], ["plan", "--config_json", "c.json", "--device_gib", "-1"]])
+def test_help_and_bad_flags_answer_before_torch_loads(argv: list[str]) -> None:
+    """`runnerkit plan --help` (and a flag argparse refuses) needs neither torch nor a family: a fresh process
+    answers with the plan's own parser and exits without having imported torch."""
+    code = ("import sys\nfrom runnerkit.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=REPO, timeout=60)
+    status = "0" if argv[-1] == "--help" else "2"
+    assert done.stdout.splitlines()[-1] == f"exit {status} False", (done.stdout, done.stderr)
+    assert ("--device_gib DEVICE_GIB" in done.stdout) if status == "0" else ("`--device_gib` must be" in done.stderr)
