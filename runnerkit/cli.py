@@ -14,9 +14,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
-        from runnerkit.tools.plan_args import run as plan_run
+        from runnerkit.tools.plan_args import build_parser as plan_parser
 
-        return plan_run(argv[1:])
+        plan_parser().parse_args(argv[1:])  # --help and bad flags are answered before torch loads
+        from runnerkit.tools.plan import main as plan_main
+
+        return plan_main(argv[1:])
     from runnerkit.infer import main as infer_main
 
     return infer_main(argv)

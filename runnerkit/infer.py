@@ -328,9 +328,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     if argv[:1] == ["plan"]:  # `runnerkit plan ...`, also as `python -m runnerkit.infer plan ...` (README)
-        from runnerkit.tools.plan_args import run as plan_run
+        from runnerkit.tools.plan_args import build_parser as plan_parser
 
-        return plan_run(argv[1:])
+        plan_parser().parse_args(argv[1:])  # --help and bad flags are answered before torch loads
+        from runnerkit.tools.plan import main as plan_main
+
+        return plan_main(argv[1:])
     logger.remove()
     logger.add(sys.stderr, level="INFO", format=LOG_FORMAT)
     install_sigterm_handler()

@@ -1,14 +1,13 @@
 """The flags of `runnerkit plan` (runnerkit/tools/plan.py), in a module that imports neither torch nor a family,
-so that `--help` and a bad flag are answered at once: `run` parses the flags here first and imports the plan
-only for a command line that parses."""
+so that `--help` and a bad flag are answered at once: the `runnerkit` command (cli.py, infer.py) parses the flags
+here first and imports the plan only for a command line that parses."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_parser", "run"]
+__all__ = ["build_parser"]
 
 
 def _gib_flag(flag: str) -> Any:
@@ -54,12 +53,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="least severe log messages shown on stderr (default WARNING; INFO adds the planner's log)")
     return p
-
-
-def run(argv: Sequence[str]) -> int:
-    """`runnerkit plan ARGV...`: the flags parsed here (`--help`, or argparse's message and exit 2 for a bad
-    flag, before torch loads), then `runnerkit.tools.plan.main`; returns its exit status."""
-    build_parser().parse_args(list(argv))
-    from runnerkit.tools.plan import main
-
-    return main(list(argv))
