@@ -146,6 +146,18 @@ def model_cls_names() -> list[str]:
     return sorted({name for names in runner_modules().values() for name in names})
 
 
+def check_model_cls(name: str) -> None:
+    """Refuse a `model_cls` no family source registers, without importing any family (`model_cls_names`): what
+    a server checks before it opens its port.
+
+    Raises:
+        ValueError: naming the value, the registered names and the family modules that cannot be read.
+    """
+    if name not in model_cls_names():
+        unread = "".join(f"; not read: {problem}" for problem in unreadable_modules())
+        raise ValueError(f"unknown `model_cls` {name!r}; registered: {model_cls_names()}{unread}")
+
+
 def register_runner(name: str) -> Callable[[R], R]:
     """Class decorator: register a runner under `name` (the config's `model_cls`) for each task
     in its `TASKS`.
@@ -201,10 +213,13 @@ def get_runner_cls(name: str, task: str | None = None) -> type["BaseRunner"]:
             family is imported) or a task the family does not serve (listing its tasks); either
             also names the family modules that cannot be read (`path:line: what is wrong`).
     """
+    check_model_cls(name)
     runners = load_families(name)
     unread = "".join(f"; not read: {problem}" for problem in unreadable_modules())
-    if name not in runners:
-        raise ValueError(f"unknown `model_cls` {name!r}; registered: {model_cls_names()}{unread}")
+    if name not in runners:  # the source registers it, its import did not
+        sources = [m for m, names in runner_modules().items() if name in names]
+        raise ValueError(f"`model_cls` {name!r} is registered in {sources} but importing it did not register it"
+                         f"{unread}")
     if task is None:
         return runners[name]
     if (name, task) not in TASK_RUNNERS:

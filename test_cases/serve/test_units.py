@@ -694,3 +694,23 @@ def test_a_config_the_runner_refuses_names_the_flags_that_overrode_it(
     assert rc == 2, err
     assert (f"start failed: ConfigError: config {cfg} with --device 'cuda': `device` is 'cuda' but CUDA is not "
             "available; use 'cpu' or 'auto'") in err, err
+
+
+def test_an_unknown_model_cls_exits_2_before_the_port_opens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A `model_cls` no family registers is refused while the config is read (from the family sources, before
+    the HTTP server is made), naming the value and the registered names, as the launch script refuses it."""
+    import json
+
+    from runnerkit.serve import server
+
+    data = json.loads((Path(__file__).resolve().parents[2] / "configs/wan/wan_t2v_tiny.json").read_text())
+    cfg = tmp_path / "typo.json"
+    cfg.write_text(json.dumps({**data, "model_cls": "wan2.l"}))
+    made: list[Any] = []
+    monkeypatch.setattr(server, "_Server", lambda *a, **k: made.append(a))
+    rc = server.main(["--config_json", str(cfg), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and made == [], err
+    assert "invalid input: unknown `model_cls` 'wan2.l'; registered: [" in err and "'wan2.1'" in err, err
+    assert "listening" not in err, err
