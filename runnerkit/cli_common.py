@@ -29,9 +29,16 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in TORCHRUN_ENV)
 
 
+def in_stage(exc: BaseException) -> str:
+    """' in stage NAME' for an exception raised inside a pipeline stage (`Profiler.stage` tags it), else ''."""
+    stage = getattr(exc, "runnerkit_stage", None)
+    return f" in stage {stage}" if stage else ""
+
+
 def report_failure(what: str, exc: BaseException) -> None:
-    """One clear line for input errors and diagnosed failures (their traceback at DEBUG); unexpected
-    errors also get their traceback (and notes)."""
+    """One clear line for input errors and diagnosed failures (their traceback at DEBUG), naming the pipeline
+    stage it was raised in where known (`in_stage`); unexpected errors also get their traceback (and notes)."""
+    what += in_stage(exc)
     if isinstance(exc, INPUT_ERRORS + DIAGNOSED_ERRORS):
         logger.error("{}: {}: {}", what, type(exc).__name__, exc)
         logger.opt(exception=exc).debug("traceback")

@@ -176,7 +176,9 @@ class Profiler:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Time a request stage (adds up if entered twice, e.g. two text encodes).
+        """Time a request stage (adds up if entered twice, e.g. two text encodes). An exception leaving it is
+        tagged with the stage (`runnerkit_stage`, the innermost; a note on its traceback), which the failure
+        lines name (`cli_common.in_stage`).
 
         Raises:
             ValueError: inside a request, `name` is not one of the pipeline's profiling stages.
@@ -186,6 +188,11 @@ class Profiler:
         t0 = time.perf_counter()
         try:
             yield
+        except BaseException as exc:  # the innermost stage is the one named (cli_common.in_stage)
+            if getattr(exc, "runnerkit_stage", None) is None:
+                exc.runnerkit_stage = name  # type: ignore[attr-defined]
+                exc.add_note(f"[runnerkit] raised in stage: {name}")
+            raise
         finally:
             synchronize(self.device)
             if self.current is not None:

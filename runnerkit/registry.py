@@ -147,13 +147,13 @@ def model_cls_names() -> list[str]:
 
 
 def check_model_cls(name: str) -> None:
-    """Refuse a `model_cls` no family source registers, without importing any family (`model_cls_names`): what
-    a server checks before it opens its port.
+    """Refuse a `model_cls` that no family source registers (`model_cls_names`) and no imported class has
+    registered, without importing any family: what a server checks before it opens its port.
 
     Raises:
         ValueError: naming the value, the registered names and the family modules that cannot be read.
     """
-    if name not in model_cls_names():
+    if name not in RUNNERS and name not in model_cls_names():  # RUNNERS: also classes registered at run time
         unread = "".join(f"; not read: {problem}" for problem in unreadable_modules())
         raise ValueError(f"unknown `model_cls` {name!r}; registered: {model_cls_names()}{unread}")
 

@@ -163,7 +163,8 @@ def test_failed_request_mid_batch_is_reported_and_others_unaffected(
 
 def test_unexpected_error_prints_its_traceback(config_path: Path, capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bug (not an input error) shows where it happened at the default log level; exit 1."""
+    """A bug (not an input error) shows where it happened at the default log level, naming the pipeline stage
+    it was raised in; exit 1."""
     from runnerkit.models.wan.runner import WanT2VRunner
 
     def broken_step(*_: Any) -> torch.Tensor:
@@ -172,7 +173,7 @@ def test_unexpected_error_prints_its_traceback(config_path: Path, capsys: pytest
     monkeypatch.setattr(WanT2VRunner, "run_step", broken_step)
     rc, err = _cli(capsys, "--config_json", config_path, "--prompt", "x")
     assert rc == 1, err
-    assert "request 0 (command line) failed: RuntimeError: a bug in a step" in err, err
+    assert "request 0 (command line) failed in stage transformer: RuntimeError: a bug in a step" in err, err
     assert "Traceback" in err and "in broken_step" in err, err
 
 

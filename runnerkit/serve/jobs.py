@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from loguru import logger
 
+from runnerkit.cli_common import in_stage
 from runnerkit.config import RequestConfig
 
 if TYPE_CHECKING:  # torch is imported by the worker, after the port opened (server.py)
@@ -371,7 +372,7 @@ class Worker(threading.Thread):
             steps = f" (step {job.step}/{job.steps})" if job.steps else ""  # a stage without steps (a decoder)
             logger.info("job {} cancelled at stage {}{}", job.id, job.stage, steps)
         except Exception as exc:  # the request failed; end_run has cleaned up (else below)
-            status, error = "failed", f"{type(exc).__name__}: {exc}"
+            status, error = "failed", f"{type(exc).__name__}{in_stage(exc)}: {exc}"
             logger.opt(exception=exc).error("job {} failed: {}", job.id, error)
             if getattr(exc, "runnerkit_cleanup_error", None) is not None or (error_phase(exc) or "").endswith("(end_run)"):
                 self.queue.dead = f"the runner's cleanup failed after job {job.id}; its state is unknown: {error}"

@@ -142,8 +142,10 @@ def test_a_final_status_is_set_after_the_end_time_profile_and_file_cleanup(tmp_p
                                                           audit={}, shape=None, write={}))
             if outcome == "cancelled":
                 raise RequestCancelled("cancelled")
-            if outcome == "failed":
-                raise ValueError("bad")
+            if outcome == "failed":  # as `Profiler.stage` tags an error raised inside a stage
+                error = ValueError("bad")
+                error.runnerkit_stage = "transformer"  # type: ignore[attr-defined]
+                raise error
 
     folder = tmp_path / "job"
     folder.mkdir()
@@ -153,7 +155,7 @@ def test_a_final_status_is_set_after_the_end_time_profile_and_file_cleanup(tmp_p
     worker.run_job(job)
     assert job.status == outcome
     assert job.__dict__["seen"] == [{"completed_at": True, "profile": True,
-                                     "error": "ValueError: bad" if outcome == "failed" else None,
+                                     "error": "ValueError in stage transformer: bad" if outcome == "failed" else None,
                                      "files": ["result.mp4"] if outcome == "completed" else None}]
 
 
