@@ -74,7 +74,7 @@ def serve(tmp_path: Path, config: dict[str, Any], events: list[dict[str, Any]], 
 
 
 def failure_line(stderr: str, index: int) -> str:
-    lines = [ln for ln in stderr.splitlines() if f"request {index} (line {index + 1} of" in ln and "failed:" in ln]
+    lines = [ln for ln in stderr.splitlines() if f"request {index} (line {index + 1} of" in ln and " failed" in ln]
     assert len(lines) == 1, f"request {index}: expected one failure line, got {lines}\n{stderr[-3000:]}"
     return lines[0]
 
@@ -129,6 +129,7 @@ def test_streamed_file_changes_fail_only_the_affected_requests(tiny_ckpt: Path, 
             # (pread drops each batch's pages before its closing check): then the change is seen after it
             change = change.replace("before reading", "after reading")
         assert prefix + change in line, line
+        assert " failed in stage transformer: CheckpointChangedError" in line, line  # the stage that read it
         assert not outs[index].exists(), f"request {index} failed but wrote {outs[index]}"
     first = load_file(str(outs[0]))["video"]
     assert first.shape == (3, 1, 16, 16) and first.std() > 1e-3

@@ -53,10 +53,13 @@ LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {mes
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from runnerkit.registry import model_cls_names  # read from the family sources: no torch
+
     p = argparse.ArgumentParser(prog="runnerkit serve", description=__doc__, allow_abbrev=False,  # no prefix guessing
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config_json", required=True, help="runner config (JSON), as for the launch script")
-    add_flags(p, "serve", (row.name for row in OVERRIDES if "serve" in row.where))  # runnerkit/overrides.py
+    add_flags(p, "serve", (row.name for row in OVERRIDES if "serve" in row.where),  # runnerkit/overrides.py
+              choices={"model_cls": model_cls_names()})
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--max_queue", type=int, default=16, help="jobs that may wait; more get HTTP 429 (default 16)")
