@@ -4,7 +4,8 @@ A family's writer fills a private temporary folder (`partial_folder`) with its l
 large networks shard by shard (`write_sharded`), then `finish` renames it into place atomically:
 an interrupted or failed writer leaves nothing behind, and two processes writing the same
 checkpoint at once both end with one intact folder. Every synthetic checkpoint holds
-`SYNTHETIC_MARKER` (its seed and layout), which `synthetic_seed_of` reads.
+`SYNTHETIC_MARKER` (its seed, layout and dtype, `write_marker`), which `synthetic_seed_of` and
+`synthetic_dtype_of` read.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from runnerkit.weights import CheckpointError, synthetic_tensor
 SHARD_BYTES = 2 * 1024**3
 """Largest safetensors shard `write_sharded` writes (bytes)."""
 SYNTHETIC_MARKER = "runnerkit_synthetic.json"
-"""Written into every synthetic checkpoint, in every layout: {"seed", "layout", "weights": "random", ...}."""
+"""Written into every synthetic checkpoint, in every layout: {"seed", "layout", "dtype", "weights": "random", ...}."""
+
+
+def write_marker(folder: Path, seed: int, layout: str, dtype: torch.dtype) -> None:
+    """Write `SYNTHETIC_MARKER` into `folder`: the seed, layout and dtype the weights are drawn with (the values
+    depend on all three, so a run that asks for another seed or dtype refuses the folder: `synthetic_seed_of`,
+    `synthetic_dtype_of`)."""
+    marker = {"seed": seed, "layout": layout, "dtype": str(dtype).removeprefix("torch."), "weights": "random"}
+    (Path(folder) / SYNTHETIC_MARKER).write_text(json.dumps(marker))
 
 
 def synthetic_seed_of(path: Path) -> int | None:
@@ -43,6 +52,23 @@ def synthetic_seed_of(path: Path) -> int | None:
         return int(json.loads(marker.read_text())["seed"])
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{marker} is unreadable ({exc}); delete {path} to write it again") from None
+
+
+def synthetic_dtype_of(path: Path) -> str | None:
+    """The dtype name ('bfloat16', 'float32', ...) a synthetic checkpoint at `path` was written in; None if it
+    holds no synthetic weights or its marker predates the dtype (`write_marker`).
+
+    Raises:
+        CheckpointError: the marker file is unreadable.
+    """
+    marker = Path(path) / SYNTHETIC_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        dtype = json.loads(marker.read_text()).get("dtype")
+    except (ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{marker} is unreadable ({exc}); delete {path} to write it again") from None
+    return None if dtype is None else str(dtype)
 
 
 def partial_folder(out: Path) -> Path:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from runnerkit.synthetic import synthetic_seed_of
+from runnerkit.synthetic import synthetic_dtype_of, synthetic_seed_of
 from runnerkit.weights import CheckpointError
 
 if TYPE_CHECKING:
@@ -125,7 +125,8 @@ class CheckpointSource:
         (`write_synthetic_checkpoint` of the runner's class, in its `SYNTHETIC_LAYOUT`).
 
         Raises:
-            CheckpointError: no checkpoint there, or a synthetic one written with another seed.
+            CheckpointError: no checkpoint there, or a synthetic one written with another seed or, where
+                `synthetic_checkpoint` is configured, another dtype.
         """
         runner = self.runner
         cfg = runner.config
@@ -140,5 +141,9 @@ class CheckpointSource:
             if expected != seed:
                 raise CheckpointError(f"`model_path` {str(path)!r} holds synthetic weights of seed {seed}, but "
                                       f"`synthetic_checkpoint.seed` is {expected}: use another model_path or delete it")
+            written = synthetic_dtype_of(path)  # the values are drawn in it: another dtype is another checkpoint
+            if cfg.synthetic_checkpoint is not None and written is not None and written != cfg.dtype:
+                raise CheckpointError(f"`model_path` {str(path)!r} holds synthetic weights written in {written}, but "
+                                      f"`dtype` is {cfg.dtype!r}: use another model_path or delete it")
             logger.warning("model_path {} holds SYNTHETIC RANDOM weights (seed {}): the output will be noise", path, seed)
         return ckpt

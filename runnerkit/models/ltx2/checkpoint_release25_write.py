@@ -163,8 +163,7 @@ def write_release_ltx25(arch: LTX25Arch, out: Path, seed: int, dtype: torch.dtyp
     out = Path(out).absolute()
     tmp = synthetic.partial_folder(out)
     try:
-        (tmp / synthetic.SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": "release",
-                                                                  "weights": "random"}))
+        synthetic.write_marker(tmp, seed, "release", dtype)
         base = arch.base()
         ours = {c: synthetic_state_dict(base, c, seed, dtype, generator_device) for c in ("transformer", "connectors")}
         tensors = transformer_file(ours["transformer"], ours["connectors"], arch)

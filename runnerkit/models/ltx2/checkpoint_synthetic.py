@@ -206,7 +206,7 @@ def write_synthetic_ltx2(arch: LTX2Arch, out: Path, seed: int, dtype: torch.dtyp
     out = Path(out).absolute()
     tmp = synthetic.partial_folder(out)
     try:
-        (tmp / synthetic.SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
+        synthetic.write_marker(tmp, seed, layout, dtype)
         if layout == "single_file":
             _write_single_file(arch, tmp, seed, dtype, fp8_blocks, generator_device)
         else:

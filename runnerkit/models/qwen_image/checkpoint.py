@@ -289,7 +289,7 @@ def write_synthetic(arch: QwenImageArch, out: Path, seed: int, dtype: torch.dtyp
     out = Path(out).absolute()
     tmp = synthetic.partial_folder(out)
     try:
-        (tmp / synthetic.SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
+        synthetic.write_marker(tmp, seed, layout, dtype)
         shapes = {c: {k: tuple(v.shape) for k, v in sd.items()} for c, sd in expected_shapes(arch).items()}
         sched = sched_mod.QwenSchedulerConfig()
         if layout == "runnerkit":

@@ -409,7 +409,7 @@ def write_synthetic(arch: WanArch, out: Path, seed: int, dtype: torch.dtype, lay
     tmp = synthetic.partial_folder(out)
 
     def fill() -> None:
-        (tmp / SYNTHETIC_MARKER).write_text(json.dumps({"seed": seed, "layout": layout, "weights": "random"}))
+        synthetic.write_marker(tmp, seed, layout, dtype)
         weights = _SyntheticWeights(_native_shapes(arch), seed, dtype, generator_device)
         if layout == "runnerkit":
             _write_runnerkit_layout(tmp, arch, weights, transformer_only)
