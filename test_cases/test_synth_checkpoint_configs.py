@@ -141,3 +141,28 @@ def test_a_transformers_write_shows_no_progress_bars_and_leaves_the_setting_as_i
         assert seen == [False] and hf_logging.is_progress_bar_enabled() is shown
     finally:
         hf_logging.enable_progress_bar()
+
+
+@pytest.mark.parametrize("family", ["wan/wan_t2v_tiny", "qwen_image/qwen_image_t2i_tiny", "ltx2/ltx2_t2av_tiny"])
+def test_a_synthetic_checkpoint_written_in_another_dtype_is_refused(family: str, tmp_path: Path) -> None:
+    """The values of a synthetic checkpoint are drawn in its dtype: a folder written by a float32 run is refused by
+    a bfloat16 run of the same config (naming both dtypes), as a folder of another seed is, and taken again by a
+    float32 run. The marker says what was written."""
+    from runnerkit.config import load_runner_config
+    from runnerkit.registry import get_runner_cls
+    from runnerkit.weights import CheckpointError
+
+    data = {**json.loads((REPO / f"configs/{family}.json").read_text()), "model_path": str(tmp_path / "ckpt"),
+            "device": "cpu"}
+
+    def locate(dtype: str) -> Any:
+        config = load_runner_config(None, {**data, "dtype": dtype})
+        return get_runner_cls(config.model_cls, config.task)(config).checkpoints.locate()
+
+    locate("float32")
+    marker = json.loads((tmp_path / "ckpt" / synthetic.SYNTHETIC_MARKER).read_text())
+    assert (marker["dtype"], marker["seed"]) == ("float32", data["synthetic_checkpoint"]["seed"]), marker
+    with pytest.raises(CheckpointError, match=r"holds synthetic weights written in float32, but `dtype` is "
+                                              r"'bfloat16': use another model_path or delete it"):
+        locate("bfloat16")
+    locate("float32")
