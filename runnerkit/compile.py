@@ -191,13 +191,27 @@ def _dist_version(name: str) -> str:
 
 def describe_device(device: torch.device) -> str:
     """What the generated kernels are specific to: the GPU's name and compute capability, or the
-    CPU's architecture and the vector ISA torch dispatches to (e.g. 'cpu x86_64 AVX512')."""
+    CPU's architecture, the vector ISA torch dispatches to and the one inductor generates C++ for (which
+    can differ: AMX or VNNI on AVX-512 machines; torch's own cache key for CPU names neither), e.g.
+    'cpu x86_64 AVX512 inductor VecAVX512VNNI avx512 avx512_vnni'."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda {torch.cuda.get_device_name(device)} sm_{major}{minor}"
     if device.type == "cpu":
-        return f"cpu {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+        return f"cpu {platform.machine()} {torch.backends.cpu.get_cpu_capability()} inductor {_inductor_isa()}"
     return device.type
+
+
+def _inductor_isa() -> str:
+    """The vector ISA inductor's C++ code generation picks on this CPU (class and flags), or 'unknown'. Read
+    at every call: it follows inductor's config (`cpp.vec_isa_ok`, `cpp.simdlen`) and `ATEN_CPU_CAPABILITY`;
+    torch caches the probe of what the CPU supports (seconds, once per process)."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        isa = pick_vec_isa()
+    except Exception:  # noqa: BLE001  (a private module: an older or newer torch may lack it)
+        return "unknown"
+    return f"{type(isa).__name__} {isa}".strip()
 
 
 @functools.lru_cache(maxsize=None)

@@ -61,6 +61,8 @@ ENVIRONMENT_CHANGES: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "runnerkit sources": lambda mp: mp.setattr(rc, "source_fingerprint", lambda: "0123456789abcdef"),
     # the same CPU type with another vector ISA: kernels generated for one do not run on the other
     "device (cpu ISA)": lambda mp: mp.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "OTHER_ISA"),
+    # the same dispatch ISA, but inductor generates C++ for another (AMX on one AVX-512 host, VNNI on another)
+    "device (inductor ISA)": lambda mp: mp.setattr(rc, "_inductor_isa", lambda: "VecAMX avx512 amx_tile"),
 }
 
 
