@@ -226,6 +226,7 @@ class MemoryChecks:
                 runner.update_config(offload=resident)
                 return None
         shapes = list(shapes) or [self.default_shape()]
+        own = tuple(shapes)  # what requests and target sizes choose; warmup's are the family's
         if cfg.warmup:
             shapes += list(runner.warmup_shapes())
         device = self.memory_device()
@@ -238,7 +239,9 @@ class MemoryChecks:
                                       (runner.SPATIAL_FACTOR, runner.TEMPORAL_FACTOR), runner.plan_steps_per_request(),
                                       pinned_limit=None if cfg.memory.pinned_limit_gib is None else memory.MemoryLimit(
                                           int(cfg.memory.pinned_limit_gib * fit.GIB), "config memory.pinned_limit_gib"),
-                                      **dict(zip(("compute", "compute_note"), self.compute_model(shapes))))
+                                      **dict(zip(("compute", "compute_note"), self.compute_model(shapes))),
+                                      fixed_shapes=tuple(runner.warmup_shapes()) if cfg.warmup else (),
+                                      own_shapes=own)
         if not chosen:
             logger.info("memory plan: `offload.mode` not set, so the plan is automatic (`offload.mode` 'none' keeps "
                         "every module resident, or refuses)")

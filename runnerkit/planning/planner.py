@@ -53,7 +53,8 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
                  supported: SupportedFn = lambda off: None, factors: tuple[int, int] = (16, 4),
                  steps_per_request: int = 1, keep_resident: bool = True,
                  pinned_limit: MemoryLimit | None = None, compute: ComputeModel | None = None,
-                 compute_note: str = "", memo: PlanMemo | None = None) -> MemoryPlan:
+                 compute_note: str = "", memo: PlanMemo | None = None, fixed_shapes: Sequence[Shape] = (),
+                 own_shapes: Sequence[Shape] | None = None) -> MemoryPlan:
     """Resolve `config.offload` (mode auto) into the fastest concrete config that fits (module docstring).
 
     Args:
@@ -77,6 +78,9 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
         compute_note: why there is no compute model (the log and the report say it).
         memo: what is pure in a plan (`PlanMemo`), shared by plans of the same run config, shapes, estimate and
             compute model over several limits (runnerkit/tools/plan_table.py); None: a fresh one.
+        fixed_shapes / own_shapes: for the refusal's advice, those of `shapes` no target size changes (warmup's)
+            and those the requests or the config's target sizes choose (None: every shape not fixed). A shape
+            can be both.
 
     Raises:
         MemoryFitError: no allowed candidate fits (the message: GiB missing, what would fit).
@@ -111,7 +115,8 @@ def plan_offload(config: RunnerConfig, shapes: Sequence[Shape], device: torch.de
     if not fitting:
         closest = [walk.closest.get(i, e) for i, e in enumerate(evaluations)]
         raise MemoryFitError(refusal(config, closest, shapes, device, estimate, device_limit, host_limit,
-                                     streamable, default_streams, supported, passes_per_step, factors))
+                                     streamable, default_streams, supported, passes_per_step, factors,
+                                     tuple(fixed_shapes), own_shapes))
     rung, chosen = min(fitting, key=lambda x: (*x[1].rank, x[0]))
     # the rungs before the chosen one's that were left out or do not fit (those after it are slower kinds)
     rejected = [e for e in evaluations[:walk.rung_of[rung]] if not e.fits and "not evaluated" not in e.reason]

@@ -228,11 +228,14 @@ Judge = Callable[[OffloadConfig, Sequence[Shape]], Evaluation]
 def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape], device: torch.device,
             estimate: EstimateFn, device_limit: MemoryLimit, host_limit: MemoryLimit | None,
             streamable: Sequence[str], default_streams: Sequence[str], supported: SupportedFn, passes: PassesFn,
-            factors: tuple[int, int]) -> str:
-    """Why no candidate fits: the closest one with the GiB missing on the device and the host, and what
-    would fit by the planner's own estimate (every shape judged again, device and host): a candidate the
-    user's keys excluded, the family's hints (`MemoryEstimate.hints`) set on an evaluated candidate, the
-    largest smaller shapes. Advice the estimate says would still not fit is not given."""
+            factors: tuple[int, int], fixed: Sequence[Shape] = (), own: Sequence[Shape] | None = None) -> str:
+    """Why no candidate fits: the closest one with the GiB missing on the device and the host (rounded up to
+    0.01 GiB: a limit of the figure named fits that candidate), and what would fit by the planner's own estimate
+    (every shape judged again, device and host): a candidate the user's keys excluded, the family's hints
+    (`MemoryEstimate.hints`) set on an evaluated candidate, the largest smaller shapes in place of a peak shape
+    the user chooses, and `warmup` false (with a smaller shape of `own`, the shapes the requests or target sizes
+    choose, if needed) where the peak is one of `fixed` (warmup's shapes, which the family fixes: no target size
+    changes them). Advice the estimate says would still not fit is not given."""
     tried = [e for e in evaluations if e.peak is not None]
     for e in evaluations:  # the whole ladder: for whoever asks why, not for the error line
         logger.debug("memory plan candidate: {}: {}", e.name, e.reason)
@@ -245,14 +248,15 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
                 + "; ".join(f"{e.name}: {e.reason}" for e in evaluations))
     best = min(tried, key=lambda e: e.device_missing + e.host_missing + e.pinned_missing)
     assert best.peak is not None and best.host is not None
+    warmup_peak = ", a warmup shape: no target size changes it" if best.peak_shape in fixed else ""
     missing = []
     if best.device_missing:
-        missing.append(f"{best.peak.bytes / GIB:.2f} GiB on the device ({best.device_missing / GIB:.2f} GiB missing, "
-                       f"peak in stage {best.peak.stage} at shape {list(best.peak_shape or ())})")
+        missing.append(f"{_up(best.peak.bytes)} GiB on the device ({_up(best.device_missing)} GiB missing, "
+                       f"peak in stage {best.peak.stage} at shape {list(best.peak_shape or ())}{warmup_peak})")
     if best.host_missing:
-        missing.append(f"{best.host.bytes / GIB:.2f} GiB of host memory ({best.host_missing / GIB:.2f} GiB missing)")
+        missing.append(f"{_up(best.host.bytes)} GiB of host memory ({_up(best.host_missing)} GiB missing)")
     if best.pinned_missing:
-        missing.append(f"{best.host.pinned_bytes / GIB:.2f} GiB of pinned host memory ({best.pinned_missing / GIB:.2f} "
+        missing.append(f"{_up(best.host.pinned_bytes)} GiB of pinned host memory ({_up(best.pinned_missing)} "
                        "GiB over `memory.pinned_limit_gib`; `offload.pin_memory`=false pins none)")
 
     def judge(off: OffloadConfig, planned: Sequence[Shape]) -> Evaluation:
@@ -264,24 +268,58 @@ def refusal(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Seq
     if best.device_missing:
         advice += _hints(tried, shapes, judge, supported)
     if best.device_missing and not best.host_missing:
-        advice += _smaller_shapes(tried, best, shapes, judge, device, device_limit, factors, named=not on_cpu)
+        own = [s for s in shapes if s not in fixed] if own is None else list(own)
+        advice += _without_warmup(tried, best, own, fixed, judge, named=not on_cpu,
+                                  smaller=lambda t, b, rest: _smaller_shapes(t, b, rest, judge, device, device_limit,
+                                                                             factors, named=not on_cpu))
+        advice += _smaller_shapes(tried, best, shapes, judge, device, device_limit, factors, named=not on_cpu,
+                                  fixed=fixed)
     elif best.host_missing:
         advice.append("free host memory or raise `memory.host_limit_gib` (host memory barely depends on the shape)"
                       if not on_cpu else "a smaller shape or more host memory (`memory.host_limit_gib`)")
         if best.device_missing and not on_cpu:  # both short: the host advice alone leaves the device short
-            advice.append(f"a device with {best.device_missing / GIB:.2f} GiB more memory as well")
+            advice.append(f"a device with {_up(best.device_missing)} GiB more memory as well")
     if on_cpu:
         logger.debug("memory plan: {} needs {}", best.name, " and ".join(missing))
         over = []
         if best.device_missing:
-            over.append(f"{best.peak.bytes / GIB:.2f} GiB, {best.device_missing / GIB:.2f} GiB over the limit "
+            over.append(f"{_up(best.peak.bytes)} GiB, {_up(best.device_missing)} GiB over the limit "
                         f"({device_limit.bytes / GIB:.2f} GiB: {device_limit.source})")
         if best.host_missing and host_limit is not None:
-            over.append(f"{best.host.bytes / GIB:.2f} GiB, {best.host_missing / GIB:.2f} GiB over the host limit "
+            over.append(f"{_up(best.host.bytes)} GiB, {_up(best.host_missing)} GiB over the host limit "
                         f"({host_limit.bytes / GIB:.2f} GiB: {host_limit.source})")
+        advice = advice or ["more memory"]
         return (f"`offload.mode`='auto' on the CPU: {best.name} needs {' and '.join(over)}; offload cannot lower it "
                 f"(the device is the host). To fit: {'; or '.join(advice)}")
+    advice = advice or ["a device with more memory"]
     return f"{head}. Closest: {best.name} needs {' and '.join(missing)}. To fit: {'; or '.join(advice)}"
+
+
+def _up(nbytes: int) -> str:
+    """`nbytes` in GiB rounded up to 0.01, as the refusal names what is needed: a limit of that figure holds it."""
+    hundredths = -(-int(nbytes) * 100 // GIB)  # integer ceiling: no float rounding above an exact figure
+    return f"{hundredths // 100}.{hundredths % 100:02d}"
+
+
+def _without_warmup(tried: Sequence[Evaluation], best: Evaluation, own: Sequence[Shape], fixed: Sequence[Shape],
+                    judge: Judge, named: bool,
+                    smaller: Callable[[Sequence[Evaluation], Evaluation, Sequence[Shape]], list[str]]) -> list[str]:
+    """Where the closest candidate's peak is a warmup shape (`fixed`): `warmup` false, if an evaluated candidate
+    then fits the shapes the user chooses (`own`; device and host judged again), else `warmup` false with each
+    smaller shape of those that fits (`smaller`: `_smaller_shapes` over candidates judged at `own`); nothing
+    where the peak is not a warmup shape or neither fits."""
+    if best.peak_shape not in fixed or not own:
+        return []
+    at_own = [judge(e.offload, own) for e in tried if e.offload is not None]
+    for ev in at_own:
+        if ev.fits:
+            return ["`warmup` false (the first request then pays what warmup would)"
+                    + (f" ({ev.name})" if named else "")]
+    near = [e for e in at_own if e.peak is not None and not e.host_missing]
+    if not near:
+        return []
+    closest = min(near, key=lambda e: e.device_missing + e.pinned_missing)
+    return [f"`warmup` false and {text}" for text in smaller(near, closest, own) if text.startswith("target_")]
 
 
 def _would_fit(config: RunnerConfig, evaluations: Sequence[Evaluation], shapes: Sequence[Shape], judge: Judge,
@@ -333,13 +371,14 @@ def _hints(tried: Sequence[Evaluation], shapes: Sequence[Shape], judge: Judge, s
 
 def _smaller_shapes(tried: Sequence[Evaluation], best: Evaluation, shapes: Sequence[Shape], judge: Judge,
                     device: torch.device, device_limit: MemoryLimit, factors: tuple[int, int],
-                    named: bool = True) -> list[str]:
+                    named: bool = True, fixed: Sequence[Shape] = ()) -> list[str]:
     """The most frames at the same size, and the largest smaller size of the same aspect ratio on the
     family's spatial grid (`_same_ratio_sizes`) at the same frames, with which an evaluated candidate fits:
     its peak shape replaced by the smaller one, the other shapes kept, device and host judged. If neither:
     what `best` still needs at the smallest size of that aspect ratio at 1 frame (weights, activations,
     margin and fixed overhead at DEBUG), or that shape if it fits. `named`: name the candidate that fits (the
-    CPU evaluates one)."""
+    CPU evaluates one). A candidate whose peak is one of `fixed` (warmup's shapes: no target size changes them) is
+    not offered a smaller size, and when `best`'s is, neither is the smallest size."""
     spatial, temporal = factors
 
     def by(e: Evaluation, sep: str = " (") -> str:
@@ -359,7 +398,8 @@ def _smaller_shapes(tried: Sequence[Evaluation], best: Evaluation, shapes: Seque
         ev = judged(e, new)
         return ev is not None and ev.fits
 
-    usable = [e for e in tried if e.offload is not None and e.peak_shape is not None and not e.host_missing]
+    usable = [e for e in tried if e.offload is not None and e.peak_shape is not None and not e.host_missing
+              and e.peak_shape not in fixed]
     out = []
     frames = []
     for e in usable:
@@ -382,7 +422,7 @@ def _smaller_shapes(tried: Sequence[Evaluation], best: Evaluation, shapes: Seque
             out.append(f"target_height x target_width {size[0]}x{size[1]} at {size[2]} frames (aspect ratio "
                        f"{_ratio(size[0], size[1])}{by(e, '; ')}")
             break
-    if out:
+    if out or best.peak_shape in fixed:
         return out
     assert best.offload is not None and best.peak_shape is not None
     h, w, _ = best.peak_shape

@@ -22,6 +22,7 @@ host memory is what the modules keep there + the largest module loaded through i
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -116,6 +117,11 @@ LAZY_ALL = "block streaming from disk (reader pread; lazy_load; streams text_enc
 RESIDENT, MODEL = "resident (mode none)", "model offload (mode model)"
 MODEL_KEEP_TRANSFORMER = "model offload (mode model; resident transformer)"
 LAZY_ALL_UNITS = LAZY + " (10 units, resident vae)"
+
+
+def gib_up(nbytes: int) -> str:
+    """`nbytes` in GiB rounded up to 0.01, as a refusal names what is needed (exact: Fraction, no float)."""
+    return f"{math.ceil(Fraction(nbytes * 100, GIB)) / 100:.2f}"
 
 
 def named(short: str) -> str:
@@ -295,7 +301,7 @@ def test_on_the_cpu_resident_is_taken_and_said_why() -> None:
     assert "the device is the CPU" in result.why
     with pytest.raises(MemoryFitError) as err:  # the CPU's peak is not lowered by offload: refused, not streamed
         plan(10, None, device=CPU)
-    assert str(err.value).startswith(f"`offload.mode`='auto' on the CPU: {RESIDENT} needs 18.10 GiB, 8.10 GiB over "
+    assert str(err.value).startswith(f"`offload.mode`='auto' on the CPU: {RESIDENT} needs 18.11 GiB, 8.11 GiB over "
                                      "the limit (10.00 GiB: test); offload cannot lower it"), str(err.value)
 
 
@@ -312,7 +318,8 @@ def test_on_the_cpu_host_bytes_are_the_largest_shapes() -> None:
     assert result.chosen.host.bytes == big_host
     with pytest.raises(MemoryFitError) as err:  # host limit below the device limit: refused for the big shape
         plan(64, 17.8, device=CPU, shapes=(small, BASE))
-    assert (f"on the CPU: {RESIDENT} needs {big_host / GIB:.2f} GiB, {(big_host - int(17.8 * GIB)) / GIB:.2f} GiB "
+    over = big_host - int(17.8 * GIB)
+    assert (f"on the CPU: {RESIDENT} needs {gib_up(big_host)} GiB, {gib_up(over)} GiB "
             "over the host limit (17.80 GiB: test)") in str(err.value), str(err.value)
 
 
@@ -446,12 +453,12 @@ def test_refusal_names_a_fixed_overhead_above_the_limit() -> None:
 
 @pytest.mark.parametrize("device_gib, tiling_fits", [(6.0, True), (5.5, False)])
 def test_refusal_offers_a_family_hint_only_where_it_fits(device_gib: float, tiling_fits: bool) -> None:
-    """Host storage only, text encoder streamed: the closest candidate peaks in the VAE decode (6.76 GiB);
+    """Host storage only, text encoder streamed: the closest candidate peaks in the VAE decode (6.76 GiB, named 6.77: rounded up);
     tiled decoding brings it to 5.77 GiB by the same estimate: advice at a 6 GiB device, none at 5.5."""
     with pytest.raises(MemoryFitError) as err:
         plan(device_gib, 64, te_streams=True, storage="cpu")
     msg = str(err.value)
-    assert f"Closest: {BLOCK_ALL} needs 6.76 GiB on the device" in msg, msg
+    assert f"Closest: {BLOCK_ALL} needs 6.77 GiB on the device" in msg, msg
     offered = f"offload.vae_tiling=true (a family hint): {BLOCK_ALL} then fits (5.77 GiB on the device)"
     assert (offered in msg) == tiling_fits, msg
     assert ("vae_tiling" in msg) == tiling_fits, msg
@@ -541,7 +548,7 @@ def test_on_the_cpu_the_refusal_leads_with_the_reason_and_logs_the_candidates() 
     finally:
         logger.remove(sink)
     msg = str(err.value)
-    assert msg == (f"`offload.mode`='auto' on the CPU: {RESIDENT} needs 18.10 GiB, 0.60 GiB over the limit (17.50 GiB: "
+    assert msg == (f"`offload.mode`='auto' on the CPU: {RESIDENT} needs 18.11 GiB, 0.61 GiB over the limit (17.50 GiB: "
                    "test); offload cannot lower it (the device is the host). To fit: target_video_length 33 at "
                    "480x832; or target_height x target_width 240x416 at 81 frames (aspect ratio 15:26)"), msg
     assert len(msg) < 300

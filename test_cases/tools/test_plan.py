@@ -481,3 +481,50 @@ def test_help_and_bad_flags_answer_before_torch_loads(argv: list[str]) -> None:
     status = "0" if argv[-1] == "--help" else "2"
     assert done.stdout.splitlines()[-1] == f"exit {status} False", (done.stdout, done.stderr)
     assert ("--device_gib DEVICE_GIB" in done.stdout) if status == "0" else ("`--device_gib` must be" in done.stderr)
+
+
+@pytest.mark.parametrize("config, device_gib, host_gib, flag", [
+    ("qwen_image/qwen_image_t2i_20b", 80, 3, "--host_gib"),  # short of host memory
+    ("wan/wan_t2v_14b", 8, 64, "--device_gib"),  # short of device memory
+    ("ltx2/ltx23_t2av_22b_distilled", 6, 200, "--device_gib"),
+])
+def test_the_figure_a_refusal_names_is_enough(config: str, device_gib: int, host_gib: int, flag: str,
+                                              no_checkpoints: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """"Closest: X needs N GiB": N is rounded up, so a limit of exactly N fits that candidate (rounded to the
+    nearest, it fell a few bytes short and the next refusal said "0.00 GiB missing")."""
+    path = REPO / "configs" / f"{config}.json"
+    rc, out, err = run_plan(capsys, "--config_json", path, "--device_gib", device_gib, "--host_gib", host_gib,
+                            "--device_name", "none")
+    assert rc == 1, err
+    where = "of host memory" if flag == "--host_gib" else "on the device"
+    needed = re.search(rf"Closest: .* needs (\d+\.\d\d) GiB {where}", out["refusal"])
+    assert needed is not None, out["refusal"]
+    limits = {"--device_gib": device_gib, "--host_gib": host_gib, flag: needed.group(1)}
+    rc, out, err = run_plan(capsys, "--config_json", path, *(x for kv in limits.items() for x in kv),
+                            "--device_name", "none")
+    assert (rc, out["fits"]) == (0, True), out.get("refusal", err)
+
+
+def test_a_warmup_shape_at_the_peak_is_advised_with_warmup_off(no_checkpoints: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """LTX-2.3's config warms up at 512x768x121, the family's fixed shape: no target size removes it, so the
+    refusal says the peak is a warmup shape and offers smaller shapes only with `warmup` false; following the
+    first advice as given fits."""
+    data = json.loads((REPO / "configs/ltx2/ltx23_t2av_22b_distilled.json").read_text())
+    rc, out, err = run_plan(capsys, "--config_json", REPO / "configs/ltx2/ltx23_t2av_22b_distilled.json",
+                            "--device_gib", 6, "--host_gib", 200, "--device_name", "none")
+    refusal = out["refusal"]
+    assert rc == 1 and "at shape [512, 768, 121], a warmup shape: no target size changes it)" in refusal, refusal
+    advice = refusal.split("To fit: ", 1)[1].split("; or ")
+    assert advice and all(a.startswith("`warmup` false and target_") for a in advice), advice
+    frames = re.match(r"`warmup` false and target_video_length (\d+) at 512x768", advice[0])
+    assert frames is not None, advice
+    no_warmup = no_checkpoints / "no_warmup.json"
+    no_warmup.write_text(json.dumps({**data, "warmup": False}))
+    rc, out, err = run_plan(capsys, "--config_json", no_warmup, "--device_gib", 6, "--host_gib", 200,
+                            "--device_name", "none", "--target_video_length", frames.group(1))
+    assert (rc, out["fits"]) == (0, True), out.get("refusal", err)
+    rc, out, err = run_plan(capsys, "--config_json", REPO / "configs/ltx2/ltx23_t2av_22b_distilled.json",
+                            "--device_gib", 6, "--host_gib", 200, "--device_name", "none",
+                            "--target_video_length", frames.group(1))
+    assert rc == 1, "with warmup on, the smaller default shape alone does not fit"

@@ -57,7 +57,8 @@ def _direct_plan(device_gib: int, host_gib: int, vae_tiling: bool = False) -> pl
                                 lambda off: None, (64, 8),
                                 steps_per_request=len(DISTILLED_SIGMAS) + len(STAGE2_SIGMAS),
                                 compute_note=("no compute estimate: the device is unnamed "
-                                              "(planning/compute.py DEVICE_PEAKS)"))
+                                              "(planning/compute.py DEVICE_PEAKS)"),
+                                fixed_shapes=LTX25Runner.WARMUP_SHAPES["22B-2.5"], own_shapes=[tuple(SHAPES[0])])
 
 
 def test_the_80_gib_plan_equals_the_planner_on_the_release_sizes(no_checkpoints: Path,  # noqa: F811
