@@ -45,13 +45,30 @@ def synthetic_seed_of(path: Path) -> int | None:
     Raises:
         CheckpointError: the marker file is unreadable.
     """
-    marker = Path(path) / SYNTHETIC_MARKER
-    if not marker.is_file():
+    seed = _marker(path).get("seed", "missing") if (Path(path) / SYNTHETIC_MARKER).is_file() else None
+    if seed is None:
         return None
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise CheckpointError(f"{Path(path) / SYNTHETIC_MARKER} is unreadable: its `seed` is {seed!r}, not an "
+                              f"integer; delete {path} to write it again")
+    return seed
+
+
+def _marker(path: Path) -> dict[str, Any]:
+    """The JSON object of `SYNTHETIC_MARKER` in `path` (which holds one).
+
+    Raises:
+        CheckpointError: not JSON, or not a JSON object.
+    """
+    marker = Path(path) / SYNTHETIC_MARKER
     try:
-        return int(json.loads(marker.read_text())["seed"])
-    except (ValueError, KeyError, TypeError) as exc:
+        data = json.loads(marker.read_text())
+    except (ValueError, OSError) as exc:
         raise CheckpointError(f"{marker} is unreadable ({exc}); delete {path} to write it again") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{marker} is unreadable: it holds a JSON {type(data).__name__}, not an object; "
+                              f"delete {path} to write it again")
+    return data
 
 
 def synthetic_dtype_of(path: Path) -> str | None:
@@ -61,14 +78,13 @@ def synthetic_dtype_of(path: Path) -> str | None:
     Raises:
         CheckpointError: the marker file is unreadable.
     """
-    marker = Path(path) / SYNTHETIC_MARKER
-    if not marker.is_file():
+    if not (Path(path) / SYNTHETIC_MARKER).is_file():
         return None
-    try:
-        dtype = json.loads(marker.read_text()).get("dtype")
-    except (ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{marker} is unreadable ({exc}); delete {path} to write it again") from None
-    return None if dtype is None else str(dtype)
+    dtype = _marker(path).get("dtype")
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise CheckpointError(f"{Path(path) / SYNTHETIC_MARKER} is unreadable: its `dtype` is {dtype!r}, not one of "
+                              f"'float32', 'bfloat16', 'float16'; delete {path} to write it again")
+    return dtype
 
 
 def partial_folder(out: Path) -> Path:

@@ -163,6 +163,28 @@ def test_a_synthetic_checkpoint_written_in_another_dtype_is_refused(family: str,
     marker = json.loads((tmp_path / "ckpt" / synthetic.SYNTHETIC_MARKER).read_text())
     assert (marker["dtype"], marker["seed"]) == ("float32", data["synthetic_checkpoint"]["seed"]), marker
     with pytest.raises(CheckpointError, match=r"holds synthetic weights written in float32, but `dtype` is "
-                                              r"'bfloat16': use another model_path or delete it"):
+                                              r"'bfloat16': use another model_path$"):
         locate("bfloat16")
     locate("float32")
+
+
+@pytest.mark.parametrize("text, reader, message", [
+    ("[1, 2]", "seed", "is unreadable: it holds a JSON list, not an object; delete"),
+    ("{}", "seed", "is unreadable: its `seed` is 'missing', not an integer; delete"),
+    ('{"seed": "x"}', "seed", "is unreadable: its `seed` is 'x', not an integer; delete"),
+    ('{"seed": true}', "seed", "is unreadable: its `seed` is True, not an integer; delete"),
+    ('{"seed": 0, "dtype": 7}', "dtype", "is unreadable: its `dtype` is 7, not one of 'float32', 'bfloat16', "
+                                         "'float16'; delete"),
+    ('{"seed": 0', "seed", "is unreadable (Expecting"),
+])
+def test_a_damaged_marker_is_named_with_what_is_wrong(text: str, reader: str, message: str, tmp_path: Path) -> None:
+    """The synthetic checkpoint's marker, damaged: one CheckpointError naming the file, what it holds instead and
+    the folder to delete (never a Python error's wording such as 'list indices must be integers')."""
+    from runnerkit.weights import CheckpointError
+
+    (tmp_path / synthetic.SYNTHETIC_MARKER).write_text(text)
+    read = synthetic.synthetic_seed_of if reader == "seed" else synthetic.synthetic_dtype_of
+    with pytest.raises(CheckpointError) as err:
+        read(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / synthetic.SYNTHETIC_MARKER} {message}"), str(err.value)
+    assert str(err.value).endswith(f"delete {tmp_path} to write it again"), str(err.value)

@@ -140,10 +140,10 @@ class CheckpointSource:
             expected = cfg.synthetic_checkpoint.seed if cfg.synthetic_checkpoint else seed
             if expected != seed:
                 raise CheckpointError(f"`model_path` {str(path)!r} holds synthetic weights of seed {seed}, but "
-                                      f"`synthetic_checkpoint.seed` is {expected}: use another model_path or delete it")
+                                      f"`synthetic_checkpoint.seed` is {expected}: use another model_path")
             written = synthetic_dtype_of(path)  # the values are drawn in it: another dtype is another checkpoint
             if cfg.synthetic_checkpoint is not None and written is not None and written != cfg.dtype:
                 raise CheckpointError(f"`model_path` {str(path)!r} holds synthetic weights written in {written}, but "
-                                      f"`dtype` is {cfg.dtype!r}: use another model_path or delete it")
+                                      f"`dtype` is {cfg.dtype!r}: use another model_path")
             logger.warning("model_path {} holds SYNTHETIC RANDOM weights (seed {}): the output will be noise", path, seed)
         return ckpt
