@@ -30,8 +30,13 @@ decode block of the LTX-2.5 modular pipeline), `LTX2VideoDiffusionDecodePipeline
 
 from __future__ import annotations
 
+import time
+
 import torch
+from loguru import logger
 from torch import Tensor
+
+from runnerkit.memory import synchronize
 
 from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling, decode_tiled
 from runnerkit.models.ltx2.diffusion_decoder import (
@@ -84,13 +89,31 @@ def decode_video(model: LTX2DiffusionDecoder, latents: Tensor, generator: torch.
     latents = latents.to(dtype)
     if tiling is not None and tiling.applies(model.arch, tuple(latents.shape[2:])):
         return decode_tiled(model.decoder, latents, generator, steps, tiling)
+    clock = _StepClock(latents.device)
     context = model.decoder.context(latents)  # [B, T, H/p, W/p, C_5]
     B, T, Hc, Wc, _ = context.shape
     p = model.arch.patch_size
+    clock.done(f"context (stages 1-4) of latents {list(latents.shape[2:])}")
     shape = (B, model.arch.out_channels, T, Hc * p, Wc * p)
     x_t = torch.randn(shape, generator=generator, dtype=dtype).to(latents.device)
-    video = denoise_pixels(model.decoder, context, x_t, steps)
+    video = denoise_pixels(model.decoder, context, x_t, steps,
+                           on_step=lambda i, n: clock.done(f"stage-5 step {i}/{n} at {list(shape[2:])} pixels"))
     return video.float().clamp(-1.0, 1.0)
+
+
+class _StepClock:
+    """Logs (INFO) the seconds of each part of a whole decode, the device synchronized at each mark: where a
+    long decode spends its time (the context's stages, each pixel step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.last = time.perf_counter()
+
+    def done(self, what: str) -> None:
+        synchronize(self.device)
+        now = time.perf_counter()
+        logger.info("diffusion decoder: {} in {:.2f} s", what, now - self.last)
+        self.last = now
 
 
 def warm_whole_decode(model: LTX2DiffusionDecoder, latents: Tensor, tiling: DecoderTiling) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -263,14 +264,19 @@ def decode_timesteps(num_inference_steps: int) -> Tensor:
 
 
 @torch.no_grad()
-def denoise_pixels(decoder: LTX2DiffusionDecoder3d, context: Tensor, x_t: Tensor, num_inference_steps: int) -> Tensor:
+def denoise_pixels(decoder: LTX2DiffusionDecoder3d, context: Tensor, x_t: Tensor, num_inference_steps: int,
+                   on_step: Callable[[int, int], None] | None = None) -> Tensor:
     """Stage-5 loop from the noise `x_t` [B, 3, T, H, W] (decoder dtype) given `context`
-    [B, T, H/p, W/p, C_5]; returns the pixels [B, 3, T, H, W] in the decoder dtype, unclamped."""
+    [B, T, H/p, W/p, C_5]; returns the pixels [B, 3, T, H, W] in the decoder dtype, unclamped.
+    `on_step(i, n)`: called after step i (1-based) of n, e.g. to log its time."""
     B = x_t.shape[0]
     timesteps = decode_timesteps(num_inference_steps).to(x_t.device)
     x0_output = decoder.arch.decoder_model_output_type == "x0"
     if num_inference_steps == 1 and x0_output:
-        return decoder.predict(context, x_t, timesteps[:1].expand(B))
+        out = decoder.predict(context, x_t, timesteps[:1].expand(B))
+        if on_step is not None:
+            on_step(1, 1)
+        return out
     for i in range(num_inference_steps):
         t = timesteps[i].expand(B)
         t_next = timesteps[i + 1] if i + 1 < num_inference_steps else torch.zeros_like(t)
@@ -279,4 +285,6 @@ def denoise_pixels(decoder: LTX2DiffusionDecoder3d, context: Tensor, x_t: Tensor
         if x0_output:
             out = (x - out) / t.view(B, 1, 1, 1, 1)  # velocity from the x0 prediction
         x_t = (x - (t - t_next).view(-1, 1, 1, 1, 1) * out).to(x_t.dtype)
+        if on_step is not None:
+            on_step(i + 1, num_inference_steps)
     return x_t

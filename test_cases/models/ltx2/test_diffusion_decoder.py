@@ -6,6 +6,7 @@ Tolerance: float32, tiny widths, 1e-5 absolute (measured errors ~1e-6)."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -152,7 +153,7 @@ def test_noise_drawn_in_decoder_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     drawn: dict[str, torch.Tensor] = {}
 
     def capture(name: str):  # records x_t and skips stage 5
-        return lambda *args: drawn.setdefault(name, args[2] if len(args) == 4 else args[1])
+        return lambda *args, **_: drawn.setdefault(name, args[2] if len(args) == 4 else args[1])
 
     monkeypatch.setattr(reference.decoder, "denoise", capture("reference"))
     monkeypatch.setattr("runnerkit.models.ltx2.diffusion_decode.denoise_pixels", capture("ours"))
@@ -180,3 +181,21 @@ def test_the_window_attention_kernel_follows_the_device_and_head_size(monkeypatc
     q, k, v = (torch.randn(1, 2, 18, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     scores = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
     torch.testing.assert_close(layers.attend(q, k, v, mask), scores.softmax(-1) @ v, rtol=1e-5, atol=1e-6)
+
+
+def test_a_whole_decode_logs_the_seconds_of_its_context_and_each_pixel_step() -> None:
+    """Where a long decode spends its time: one INFO line for the context (stages 1-4) and one per stage-5
+    step, in order, each with its seconds (the device synchronized at each mark)."""
+    from loguru import logger
+
+    ours = build_ltx2_diffusion_decoder(ARCH, dict(reference_decoder(ARCH).state_dict()))
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="INFO", format="{message}")
+    try:
+        decode_video(ours, randn(1, 8, 2, 1, 3, seed=6), generator=7, normalized=False, num_inference_steps=3)
+    finally:
+        logger.remove(sink)
+    marks = [re.sub(r" in \d+\.\d\d s$", "", line) for line in lines if line.startswith("diffusion decoder: ")]
+    assert len(marks) == 4 and all(re.search(r" in \d+\.\d\d s$", line) for line in lines[-4:]), lines
+    assert marks[0] == "diffusion decoder: context (stages 1-4) of latents [2, 1, 3]", marks
+    assert [m.split(" at ")[0] for m in marks[1:]] == [f"diffusion decoder: stage-5 step {i}/3" for i in (1, 2, 3)]
