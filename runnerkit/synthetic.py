@@ -45,12 +45,14 @@ def synthetic_seed_of(path: Path) -> int | None:
     Raises:
         CheckpointError: the marker file is unreadable.
     """
-    seed = _marker(path).get("seed", "missing") if (Path(path) / SYNTHETIC_MARKER).is_file() else None
-    if seed is None:
+    if not (Path(path) / SYNTHETIC_MARKER).is_file():
         return None
+    marker = _marker(path)
+    seed = marker.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise CheckpointError(f"{Path(path) / SYNTHETIC_MARKER} is unreadable: its `seed` is {seed!r}, not an "
-                              f"integer; delete {path} to write it again")
+        got = f"`seed` is {seed!r}" if "seed" in marker else "`seed` is missing"
+        raise CheckpointError(f"{Path(path) / SYNTHETIC_MARKER} is unreadable: its {got}, not an integer; delete "
+                              f"{path} to write it again")
     return seed
 
 

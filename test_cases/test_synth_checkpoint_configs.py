@@ -170,7 +170,8 @@ def test_a_synthetic_checkpoint_written_in_another_dtype_is_refused(family: str,
 
 @pytest.mark.parametrize("text, reader, message", [
     ("[1, 2]", "seed", "is unreadable: it holds a JSON list, not an object; delete"),
-    ("{}", "seed", "is unreadable: its `seed` is 'missing', not an integer; delete"),
+    ("{}", "seed", "is unreadable: its `seed` is missing, not an integer; delete"),
+    ('{"seed": null}', "seed", "is unreadable: its `seed` is None, not an integer; delete"),
     ('{"seed": "x"}', "seed", "is unreadable: its `seed` is 'x', not an integer; delete"),
     ('{"seed": true}', "seed", "is unreadable: its `seed` is True, not an integer; delete"),
     ('{"seed": 0, "dtype": 7}', "dtype", "is unreadable: its `dtype` is 7, not one of 'float32', 'bfloat16', "
