@@ -716,3 +716,17 @@ def test_an_unknown_model_cls_exits_2_before_the_port_opens(
     assert rc == 2 and made == [], err
     assert "invalid input: unknown `model_cls` 'wan2.l'; registered: [" in err and "'wan2.1'" in err, err
     assert "listening" not in err, err
+
+
+def test_serve_flags_take_only_a_registered_model_cls(capsys: pytest.CaptureFixture[str]) -> None:
+    """`runnerkit serve --model_cls` lists the families as choices (read from their sources), as the launch
+    script's does: a typo is argparse's usage error, exit 2."""
+    from runnerkit.registry import model_cls_names
+    from runnerkit.serve.server import build_parser
+
+    assert build_parser().parse_args(["--config_json", "c.json", "--model_cls", "wan2.1"]).model_cls == "wan2.1"
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--config_json", "c.json", "--model_cls", "wan2.l"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --model_cls: invalid choice: 'wan2.l'" in err, err
+    assert all(repr(name) in err for name in model_cls_names()), err
