@@ -187,7 +187,8 @@ class LTX2DiffusionDecoder3d(nn.Module):
     def _stage(blocks: nn.ModuleList, x: Tensor) -> Tensor:
         """A deterministic stage's blocks on x [B, T, H, W, C], one window mask shared by them."""
         attn = blocks[0].attn if len(blocks) else None
-        mask = stage_mask(tuple(x.shape[1:4]), attn.kernel, x.device, attn.head_dim) if attn is not None else None
+        mask = (stage_mask(tuple(x.shape[1:4]), attn.kernel, x.device, attn.head_dim, x.shape[-1])
+                if attn is not None else None)
         for block in blocks:
             x = block(x, mask)
         return x
@@ -213,7 +214,7 @@ class LTX2DiffusionDecoder3d(nn.Module):
         x = x_t.reshape(B, C, T, H // p, p, W // p, p).permute(0, 2, 3, 5, 1, 6, 4)  # [B, T, H/p, W/p, C, pw, ph]
         x = self.conv_in_x_t(x.reshape(B, T, H // p, W // p, C * p * p))  # [B, T, H/p, W/p, C_5]
         mask = (stage_mask((T, H // p, W // p), self.arch.decoder_stage5_kernel, x.device,
-                           self.arch.decoder_head_dim) if self.diff_blocks else None)
+                           self.arch.decoder_head_dim, x.shape[-1]) if self.diff_blocks else None)
         for block in self.diff_blocks:
             x = block(x, context, modulation, mask)
         x = self.conv_out(self.norm_out(x))  # [B, T, H/p, W/p, C*p*p]

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runnerkit.models.ltx2.window_blocks import window_block_mask
+from runnerkit.models.ltx2.window_blocks import slab_key_frames, window_block_mask
 
 SWIGLU_TILE_TOKENS = 16384
 """Tokens per SwiGLU tile (the reference's `_SWIGLU_TILE_SIZE`): bounds the three hidden-width
@@ -84,15 +85,19 @@ def _window_starts(index: Tensor, size: int, kernel: int) -> Tensor:
     return torch.clamp(index - kernel // 2, 0, size - kernel)
 
 
-def neighborhood_mask_mod(grid: tuple[int, int, int], kernel: Kernel) -> Callable[..., Tensor]:
-    """FlexAttention `mask_mod` of the 3D neighborhood window on a row-major (T, H, W) token grid."""
+def neighborhood_mask_mod(grid: tuple[int, int, int], kernel: Kernel, q_frame0: int | Tensor = 0,
+                          k_frame0: int | Tensor = 0) -> Callable[..., Tensor]:
+    """FlexAttention `mask_mod` of the 3D neighborhood window on a row-major (T, H, W) token grid.
+
+    `q_frame0` / `k_frame0`: the grid frame of local query / key index 0, for a slab of frames
+    (`attention_slabs`); 0 for the whole grid. A 0-dim tensor keeps one compiled kernel for every slab."""
     T, H, W = grid
     kt, kh, kw = kernel
     hw = H * W
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        q_t, q_h, q_w = q_idx // hw, (q_idx % hw) // W, q_idx % W
-        k_t, k_h, k_w = kv_idx // hw, (kv_idx % hw) // W, kv_idx % W
+        q_t, q_h, q_w = q_idx // hw + q_frame0, (q_idx % hw) // W, q_idx % W
+        k_t, k_h, k_w = kv_idx // hw + k_frame0, (kv_idx % hw) // W, kv_idx % W
         st, sh, sw = _window_starts(q_t, T, kt), _window_starts(q_h, H, kh), _window_starts(q_w, W, kw)
         return ((k_t >= st) & (k_t < st + kt) & (k_h >= sh) & (k_h < sh + kh)
                 & (k_w >= sw) & (k_w < sw + kw))
@@ -100,12 +105,65 @@ def neighborhood_mask_mod(grid: tuple[int, int, int], kernel: Kernel) -> Callabl
     return mask_mod
 
 
-def dense_neighborhood_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device) -> Tensor:
-    """The neighborhood window as a boolean [N, N] mask (N = T*H*W), True where a query (row) may
-    attend to a key (column)."""
-    n = math.prod(grid)
-    idx = torch.arange(n, device=device)
-    return neighborhood_mask_mod(grid, kernel)(None, None, idx[:, None], idx[None, :])
+def dense_neighborhood_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device,
+                            frames: tuple[int, int] | None = None) -> Tensor:
+    """The neighborhood window as a boolean [Nq, Nk] mask, True where a query (row) may attend to a
+    key (column): the whole grid (N = T*H*W each), or the query frames `frames` = [t0, t1) against
+    the key frames their windows reach (`slab_key_frames`)."""
+    T, H, W = grid
+    t0, t1 = frames or (0, T)
+    k0, k1 = slab_key_frames(T, kernel[0], t0, t1)
+    iq = torch.arange((t1 - t0) * H * W, device=device)
+    ik = torch.arange((k1 - k0) * H * W, device=device)
+    return neighborhood_mask_mod(grid, kernel, t0, k0)(None, None, iq[:, None], ik[None, :])
+
+
+INDEX_LIMIT = 2**31 - 1
+"""The most elements one attention operand may span. Past it inductor's FlexAttention kernel indexes in 64 bits,
+and that variant, once compiled, also serves every smaller call: on an H100 the decoder's stage-5 window attention
+at 25x128x192 tokens took 1.78 s a call instead of 0.22 s after one call over 2^31 elements, and 24.0 s instead of
+3.0 s at 342x128x192 (bench/decoder_attention.py; bench/results/ltx25_h100_s10.md). Longer grids are split into
+slabs of frames (`attention_slabs`)."""
+
+
+@dataclass(frozen=True)
+class Slab:
+    """Query frames [t0, t1) of a grid, the key frames [k0, k1) their windows reach, and its mask (a FlexAttention
+    `BlockMask` over (t1 - t0) x (k1 - k0) frames of tokens, or a dense boolean [Nq, Nk] tensor)."""
+
+    frames: tuple[int, int]
+    keys: tuple[int, int]
+    mask: object
+
+
+@dataclass(frozen=True)
+class WindowMask:
+    """The window attention of one stage's grid, as slabs of query frames (one slab: the whole grid)."""
+
+    grid: tuple[int, int, int]
+    kernel: Kernel
+    slabs: tuple[Slab, ...]
+    limit: int
+
+
+def attention_slabs(T: int, kt: int, frame_elements: int, limit: int = INDEX_LIMIT) -> list[tuple[int, int]]:
+    """Query frame ranges [t0, t1) covering 0..T in order, as few and as even as possible, whose key frames
+    (`slab_key_frames`) span at most `limit` elements of `frame_elements` each (one frame of one video's q, k or v:
+    H * W * channels).
+
+    Raises:
+        ValueError: `kt` frames of keys already exceed `limit` (a frame too large for any slab).
+    """
+    if T * frame_elements <= limit:
+        return [(0, T)]
+    per_slab = limit // frame_elements - (kt - 1)
+    if per_slab < 1:
+        raise ValueError(f"one frame of the decoder's window attention holds {frame_elements} elements; {kt} frames "
+                         f"of keys exceed the {limit} one attention call may span: decode with tiling "
+                         f"(`offload.vae_tiling`) or at a smaller size.")
+    count = math.ceil(T / per_slab)
+    bounds = [round(i * T / count) for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 @cache
@@ -115,25 +173,6 @@ def _compiled_flex() -> Callable[..., Tensor]:
     The CPU tests take the dense-mask path."""
     from torch.nn.attention.flex_attention import flex_attention
     return torch.compile(flex_attention)
-
-
-def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, mask: object | None = None) -> Tensor:
-    """Softmax attention of each query over its 3D neighborhood window, no extra scaling.
-
-    Args:
-        q, k, v: [B, T, H, W, heads, head_dim] (the query already carries 1/sqrt(head_dim)).
-        kernel: window (T, H, W); each must be <= the grid's size on that axis.
-        mask: a prebuilt `stage_mask` for this grid and kernel (one per stage), or None to build it.
-
-    Returns:
-        [B, T, H, W, heads * head_dim].
-    """
-    B, T, H, W, heads, d = q.shape
-    if mask is None:
-        mask = stage_mask((T, H, W), kernel, q.device, d)
-    q, k, v = (t.reshape(B, T * H * W, heads, d).transpose(1, 2) for t in (q, k, v))  # [B, heads, N, d]
-    out = attend(q, k, v, mask)  # [B, heads, N, d]
-    return out.transpose(1, 2).reshape(B, T, H, W, heads * d)
 
 
 FLEX_MIN_HEAD_DIM = 16
@@ -148,19 +187,64 @@ def uses_flex(device: torch.device, head_dim: int) -> bool:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: object) -> Tensor:
-    """The attention kernel on [B, heads, N, d] (scale 1), chosen by the mask `stage_mask` built: compiled
-    FlexAttention for a `BlockMask`, `scaled_dot_product_attention` for a dense boolean [N, N] mask."""
+    """The attention kernel on q [B, heads, Nq, d], k and v [B, heads, Nk, d] (scale 1), chosen by one slab's
+    mask: compiled FlexAttention for a `BlockMask`, `scaled_dot_product_attention` for a dense boolean
+    [Nq, Nk] mask. Returns [B, heads, Nq, d]."""
     if isinstance(mask, Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
     return _compiled_flex()(q, k, v, block_mask=mask, scale=1.0)
 
 
-def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device, head_dim: int) -> object:
-    """The window mask of one (grid, kernel), shared by every block of a stage: a FlexAttention `BlockMask`
-    where `uses_flex(device, head_dim)`, a dense boolean [N, N] tensor elsewhere."""
-    if uses_flex(device, head_dim):  # from the window's geometry: create_block_mask would build the dense [N, N] mask
-        return window_block_mask(grid, kernel, device, neighborhood_mask_mod(grid, kernel))
-    return dense_neighborhood_mask(grid, kernel, device)
+def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device, head_dim: int,
+               channels: int, limit: int | None = None) -> WindowMask:
+    """The window masks of one (grid, kernel), shared by every block of a stage: one slab of query frames per
+    `attention_slabs` (one video's q of `channels` = heads x head_dim per token, at most `limit` elements of keys
+    a slab; None: `INDEX_LIMIT`), each a FlexAttention `BlockMask` where `uses_flex(device, head_dim)` (from the window's geometry:
+    create_block_mask would build the dense [N, N] mask), else a dense boolean tensor."""
+    T, H, W = grid
+    limit = INDEX_LIMIT if limit is None else limit
+    slabs = []
+    for t0, t1 in attention_slabs(T, kernel[0], H * W * channels, limit):
+        k0, k1 = slab_key_frames(T, kernel[0], t0, t1)
+        if uses_flex(device, head_dim):
+            offsets = (t0, k0) if (t0, t1) == (0, T) else (torch.tensor(t0, device=device), torch.tensor(k0, device=device))
+            mask = window_block_mask(grid, kernel, device, neighborhood_mask_mod(grid, kernel, *offsets), frames=(t0, t1))
+        else:
+            mask = dense_neighborhood_mask(grid, kernel, device, (t0, t1))
+        slabs.append(Slab((t0, t1), (k0, k1), mask))
+    return WindowMask(tuple(grid), tuple(kernel), tuple(slabs), limit)
+
+
+def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, mask: WindowMask | None = None) -> Tensor:
+    """Softmax attention of each query over its 3D neighborhood window, no extra scaling.
+
+    Args:
+        q, k, v: [B, T, H, W, heads, head_dim] (the query already carries 1/sqrt(head_dim)).
+        kernel: window (T, H, W); each must be <= the grid's size on that axis.
+        mask: a prebuilt `stage_mask` for this grid and kernel (one per stage), or None to build it.
+
+    Returns:
+        [B, T, H, W, heads * head_dim]. Grids past `INDEX_LIMIT` run one video and one slab of frames a call,
+        written into the output in place; the result is the whole grid's (each query's keys are the same).
+    """
+    B, T, H, W, heads, d = q.shape
+    if mask is None:
+        mask = stage_mask((T, H, W), kernel, q.device, d, heads * d)
+
+    def flat(x: Tensor) -> Tensor:  # [b, t, H, W, heads, d] -> [b, heads, t*H*W, d]
+        return x.reshape(x.shape[0], -1, heads, d).transpose(1, 2)
+
+    whole = q.numel() <= mask.limit
+    if whole and len(mask.slabs) == 1:
+        out = attend(flat(q), flat(k), flat(v), mask.slabs[0].mask)  # [B, heads, N, d]
+        return out.transpose(1, 2).reshape(B, T, H, W, heads * d)
+    out = q.new_empty(B, T, H, W, heads * d)
+    for items in [slice(None)] if whole else [slice(b, b + 1) for b in range(B)]:
+        for slab in mask.slabs:
+            (t0, t1), (k0, k1) = slab.frames, slab.keys
+            part = attend(flat(q[items, t0:t1]), flat(k[items, k0:k1]), flat(v[items, k0:k1]), slab.mask)
+            out[items, t0:t1].unflatten(-1, (heads, d)).copy_(part.transpose(1, 2).unflatten(1, (t1 - t0, H, W)))
+    return out
 
 
 class NeighborhoodAttention(nn.Module):
@@ -180,7 +264,7 @@ class NeighborhoodAttention(nn.Module):
         self.norm_q = nn.RMSNorm(head_dim, eps=1e-6)
         self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
 
-    def forward(self, x: Tensor, mask: object | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: WindowMask | None = None) -> Tensor:
         """x: [B, T, H, W, C] -> [B, T, H, W, C].
 
         Raises:
@@ -233,7 +317,7 @@ class NABlock(nn.Module):
         self.norm2 = nn.RMSNorm(dim, eps=1e-6)
         self.mlp = SwiGLU(dim, swiglu_hidden_dim(dim))
 
-    def forward(self, x: Tensor, mask: object | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: WindowMask | None = None) -> Tensor:
         """x: [B, T, H, W, C] -> same shape."""
         x = x + self.attn(self.norm1(x), mask)
         return x + self.mlp(self.norm2(x))
@@ -256,7 +340,7 @@ class DiffusionNABlock(nn.Module):
         self.norm2 = nn.RMSNorm(dim, eps=1e-6)
         self.mlp = SwiGLU(dim, swiglu_hidden_dim(dim))
 
-    def forward(self, x: Tensor, context: Tensor, modulation: Tensor, mask: object | None = None) -> Tensor:
+    def forward(self, x: Tensor, context: Tensor, modulation: Tensor, mask: WindowMask | None = None) -> Tensor:
         """x: [B, T, H, W, C]; context: [B, T, H, W, C_ctx]; modulation: [B, 7, C] -> [B, T, H, W, C]."""
         mod = (modulation + self.scale_shift_table)[:, :, None, None, None, :]  # [B, 7, 1, 1, 1, C]
         scale_msa, shift_msa, scale_mlp, shift_mlp = mod[:, 0], mod[:, 1], mod[:, 3], mod[:, 4]

@@ -45,8 +45,15 @@ def _starts(index: Tensor, size: int, kernel: int) -> Tensor:
     return torch.clamp(index - kernel // 2, 0, size - kernel)
 
 
+def slab_key_frames(T: int, kt: int, t0: int, t1: int) -> tuple[int, int]:
+    """The key frames [k0, k1) the windows of query frames [t0, t1) reach on a grid of T frames."""
+    def start(t: int) -> int:
+        return max(0, min(t - kt // 2, T - kt))
+    return start(t0), start(t1 - 1) + kt
+
+
 def window_kv_blocks(grid: tuple[int, int, int], kernel: tuple[int, int, int], device: torch.device,
-                     block: int = BLOCK_SIZE) -> tuple[Tensor, Tensor]:
+                     block: int = BLOCK_SIZE, frames: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
     """For each query block of the row-major (T, H, W) grid, the KV blocks holding at least one pair
     the neighborhood window allows.
 
@@ -54,9 +61,11 @@ def window_kv_blocks(grid: tuple[int, int, int], kernel: tuple[int, int, int], d
         grid: (T, H, W) tokens per axis; kernel: window (kt, kh, kw), each <= the grid's axis.
         device: where the tables are built and returned.
         block: tokens per query and per KV block.
+        frames: query frames [t0, t1) of a slab, against the key frames [k0, k1) their windows reach
+            (`slab_key_frames`), each side indexed from its first frame; None for the whole grid.
 
     Returns:
-        kv_num_blocks [Q] int32 (Q = ceil(N / block) query blocks) and kv_indices [Q, width] int32:
+        kv_num_blocks [Q] int32 (Q = ceil(Nq / block) query blocks) and kv_indices [Q, width] int32:
         row q lists its KV blocks in ascending order in its first kv_num_blocks[q] entries (the rest 0).
 
     Raises:
@@ -67,10 +76,13 @@ def window_kv_blocks(grid: tuple[int, int, int], kernel: tuple[int, int, int], d
     for axis, size, k in zip("THW", grid, kernel):
         if not 0 < k <= size:
             raise ValueError(f"window kernel {kernel} must be positive and at most the grid {grid} on axis {axis}")
-    n, hw = T * H * W, H * W
-    num_q = math.ceil(n / block)
-    num_kv = num_q
-    rows = torch.arange(T * H, device=device)
+    t0, t1 = frames or (0, T)
+    if not 0 <= t0 < t1 <= T:
+        raise ValueError(f"query frames {frames} must be a non-empty range inside the grid's {T} frames")
+    k0, k1 = slab_key_frames(T, kt, t0, t1)
+    hw = H * W
+    num_q, num_kv = math.ceil((t1 - t0) * hw / block), math.ceil((k1 - k0) * hw / block)
+    rows = torch.arange((t1 - t0) * H, device=device)  # the slab's grid rows, from its first frame
     first_qb, last_qb = (rows * W) // block, ((rows + 1) * W - 1) // block
     span_q = int((last_qb - first_qb).max()) + 1
     # (grid row, query block) pairs: the query block's queries that lie in the row
@@ -81,7 +93,7 @@ def window_kv_blocks(grid: tuple[int, int, int], kernel: tuple[int, int, int], d
     col_lo = torch.clamp(qb * block - row * W, min=0)
     col_hi = torch.clamp((qb + 1) * block - row * W, max=W) - 1
     a, b = _starts(col_lo, W, kw), _starts(col_hi, W, kw) + kw  # the union of their w-windows
-    st, sh = _starts(row // H, T, kt), _starts(row % H, H, kh)
+    st, sh = _starts(t0 + row // H, T, kt) - k0, _starts(row % H, H, kh)  # key frames counted from k0
     span_kv = math.ceil((int((b - a).max()) - 1) / block) + 1 if b.numel() else 1  # KV blocks one range touches
     per_pair = kt * kh * (span_kv + 1)
     chunk = max(1, CHUNK_ELEMENTS // per_pair)
@@ -109,14 +121,19 @@ def window_kv_blocks(grid: tuple[int, int, int], kernel: tuple[int, int, int], d
 
 
 def window_block_mask(grid: tuple[int, int, int], kernel: tuple[int, int, int], device: torch.device,
-                      mask_mod: Callable[..., Tensor], block: int = BLOCK_SIZE) -> object:
+                      mask_mod: Callable[..., Tensor], block: int = BLOCK_SIZE,
+                      frames: tuple[int, int] | None = None) -> object:
     """The FlexAttention `BlockMask` of the window on `grid` (B and heads broadcast), from
-    `window_kv_blocks`; `mask_mod` (the window's, `neighborhood_mask_mod`) masks inside each block.
+    `window_kv_blocks` (of the query frames `frames` when given); `mask_mod` (the window's,
+    `neighborhood_mask_mod`, with the slab's frame offsets) masks inside each block.
     Forward only: no transposed (query-block) tables are built where torch lets them be skipped."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    num, indices = window_kv_blocks(grid, kernel, device, block)
-    n = math.prod(grid)
+    num, indices = window_kv_blocks(grid, kernel, device, block, frames)
+    T, H, W = grid
+    t0, t1 = frames or (0, T)
+    k0, k1 = slab_key_frames(T, kernel[0], t0, t1)
+    nq, nk = (t1 - t0) * H * W, (k1 - k0) * H * W
     extra = {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
     return BlockMask.from_kv_blocks(num[None, None], indices[None, None], BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(n, n), **extra)
+                                    seq_lengths=(nq, nk), **extra)

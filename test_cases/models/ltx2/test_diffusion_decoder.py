@@ -176,7 +176,8 @@ def test_the_window_attention_kernel_follows_the_device_and_head_size(monkeypatc
     assert not layers.uses_flex(cuda, 8) and not layers.uses_flex(cpu, 64)
     monkeypatch.setattr(layers, "_compiled_flex", lambda: pytest.fail("FlexAttention called for a dense mask"))
     grid, kernel = (2, 3, 3), (1, 3, 3)
-    mask = layers.stage_mask(grid, kernel, cpu, 64)
+    (slab,) = layers.stage_mask(grid, kernel, cpu, 64, 128).slabs
+    mask = slab.mask
     assert isinstance(mask, torch.Tensor) and mask.shape == (18, 18)
     q, k, v = (torch.randn(1, 2, 18, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     scores = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))

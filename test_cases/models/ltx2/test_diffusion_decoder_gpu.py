@@ -40,7 +40,8 @@ def test_cuda_flex_attention_with_the_window_block_tables_equals_the_dense_mask(
     n, cuda = 5 * 12 * 200, torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(1, 2, n, 64, generator=g, device=cuda) for _ in range(3))
-    mask = layers.stage_mask(grid, kernel, cuda, 64)
+    (slab,) = layers.stage_mask(grid, kernel, cuda, 64, 128).slabs
+    mask = slab.mask
     assert mask.kv_indices.shape[-1] < mask.kv_indices.shape[-2]
     got = layers.attend(q, k, v, mask)
     want = torch.nn.functional.scaled_dot_product_attention(

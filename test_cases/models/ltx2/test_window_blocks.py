@@ -10,17 +10,23 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
-from runnerkit.models.ltx2.window_blocks import window_block_mask, window_kv_blocks
+from runnerkit.models.ltx2.window_blocks import slab_key_frames, window_block_mask, window_kv_blocks
 
 CPU = torch.device("cpu")
 
 
-def torch_block_sets(grid: tuple[int, int, int], kernel: tuple[int, int, int], block: int) -> torch.Tensor:
-    """[Q, Q] bool: KV blocks torch's `create_block_mask` lists for each query block (partial or full)."""
-    n = math.prod(grid)
-    mask = create_block_mask(layers.neighborhood_mask_mod(grid, kernel), None, None, n, n, device=CPU, BLOCK_SIZE=block)
-    num_q = math.ceil(n / block)
-    sets = torch.zeros(num_q, num_q, dtype=torch.bool)
+def torch_block_sets(grid: tuple[int, int, int], kernel: tuple[int, int, int], block: int,
+                     frames: tuple[int, int] | None = None) -> torch.Tensor:
+    """[Q, K] bool: KV blocks torch's `create_block_mask` lists for each query block (partial or full), of the
+    whole grid or of the query frames `frames` against the key frames their windows reach."""
+    T, H, W = grid
+    t0, t1 = frames or (0, T)
+    k0, k1 = slab_key_frames(T, kernel[0], t0, t1)
+    nq, nk = (t1 - t0) * H * W, (k1 - k0) * H * W
+    mask_mod = layers.neighborhood_mask_mod(grid, kernel, t0, k0)
+    mask = create_block_mask(mask_mod, None, None, nq, nk, device=CPU, BLOCK_SIZE=block)
+    num_q = math.ceil(nq / block)
+    sets = torch.zeros(num_q, math.ceil(nk / block), dtype=torch.bool)
     for num, idx in ((mask.kv_num_blocks, mask.kv_indices), (mask.full_kv_num_blocks, mask.full_kv_indices)):
         for q in range(num_q):
             sets[q, idx[0, 0, q, :num[0, 0, q]].long()] = True
@@ -47,6 +53,40 @@ def test_window_blocks_are_exactly_torchs_block_sets(grid: tuple[int, int, int],
     assert indices.shape[1] == int(num.max()) and num.dtype == indices.dtype == torch.int32
 
 
+# slabs of query frames: at the start, in the middle, at the end (windows shifted inward), a single frame, a slab
+# whose windows reach the whole grid, and a window of one frame
+SLABS = [((9, 5, 13), (3, 3, 5), 16, (0, 3)), ((9, 5, 13), (3, 3, 5), 16, (3, 6)), ((9, 5, 13), (5, 3, 5), 16, (6, 9)),
+         ((12, 10, 9), (11, 3, 3), 32, (4, 5)), ((6, 7, 30), (5, 3, 11), 64, (1, 5)), ((8, 4, 6), (1, 3, 3), 8, (2, 7))]
+
+
+@pytest.mark.parametrize(("grid", "kernel", "block", "frames"), SLABS,
+                         ids=[f"{g}-{k}-{b}-{f}" for g, k, b, f in SLABS])
+def test_a_slabs_blocks_are_exactly_torchs_block_sets(grid: tuple[int, int, int], kernel: tuple[int, int, int],
+                                                      block: int, frames: tuple[int, int]) -> None:
+    """Query frames [t0, t1) against the key frames [k0, k1) their windows reach, each indexed from its first
+    frame: the same block sets as torch's construction of the offset `mask_mod`."""
+    num, indices = window_kv_blocks(grid, kernel, CPU, block, frames)
+    want = torch_block_sets(grid, kernel, block, frames)
+    got = torch.zeros_like(want)
+    for q in range(num.numel()):
+        got[q, indices[q, :num[q]].long()] = True
+    assert torch.equal(got, want)
+
+
+def test_a_slab_reaches_exactly_the_key_frames_of_its_windows() -> None:
+    # T = 20, kt = 5: query frame t's window starts at clamp(t - 2, 0, 15)
+    assert slab_key_frames(20, 5, 0, 4) == (0, 6)
+    assert slab_key_frames(20, 5, 8, 12) == (6, 14)
+    assert slab_key_frames(20, 5, 16, 20) == (14, 20)
+    assert slab_key_frames(20, 20, 7, 9) == (0, 20)
+
+
+@pytest.mark.parametrize("frames", [(0, 0), (3, 2), (-1, 2), (4, 10)])
+def test_an_empty_or_outside_slab_is_refused(frames: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match=r"query frames .* must be a non-empty range inside the grid's 9 frames"):
+        window_kv_blocks((9, 5, 13), (3, 3, 5), CPU, 16, frames)
+
+
 def test_block_tables_stay_narrow_at_a_warmup_shape() -> None:
     """The LTX-2.5 decoder's stage 5 at 256x384x25 (4x4 pixel patches, an 11^3 window): 1,200 query blocks of
     at most 99 KV blocks each, not torch's dense [1200, 1200] tables over a dense [153600, 153600] mask."""
@@ -64,9 +104,9 @@ def test_the_flex_path_builds_its_mask_from_the_window(monkeypatch: pytest.Monke
     monkeypatch.setattr(layers, "uses_flex", lambda device, head_dim: True)
     monkeypatch.setattr(flex, "create_block_mask", lambda *a, **k: pytest.fail("dense block-mask construction"))
     grid, kernel = (4, 7, 200), (3, 3, 11)
-    mask = layers.stage_mask(grid, kernel, CPU, 64)
+    (slab,) = layers.stage_mask(grid, kernel, CPU, 64, 128).slabs
     num, indices = window_kv_blocks(grid, kernel, CPU)
-    assert torch.equal(mask.kv_num_blocks[0, 0], num) and torch.equal(mask.kv_indices[0, 0], indices)
+    assert torch.equal(slab.mask.kv_num_blocks[0, 0], num) and torch.equal(slab.mask.kv_indices[0, 0], indices)
 
 
 def test_a_window_larger_than_its_grid_is_refused() -> None:
