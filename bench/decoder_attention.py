@@ -1,15 +1,22 @@
-"""The LTX-2.5 diffusion decoder's windowed attention (compiled FlexAttention), timed per call (CUDA only).
+"""The LTX-2.5 diffusion decoder's window attention (compiled FlexAttention), and whole decodes, timed (CUDA only).
 
 Stage 5 of the decoder runs neighborhood attention with an 11x11x11 window over a 4x4-pixel-patch
 token grid (512x768 pixels: 128x192 tokens a frame), 4 heads of 64. Each arm runs in a fresh
-process (compile state is per process) and calls `diffusion_decoder_layers.attend` on the grids it
-names in order, the last one timed; a call whose q holds more than 2^31 elements needs 64-bit
-indexing in the generated kernel, and a dynamic kernel compiled for such a call is then reused for
-the small ones. Prints milliseconds per call (CUDA events, median of the timed calls) and the window's
-FLOPs per second (N x kt*kh*kw keys x head_dim x 4 x heads).
+process (compile state is per process):
+
+- `attention` arms call `diffusion_decoder_layers.neighborhood_attention` on the grids they name in
+  order, each timed after one untimed call. `raw_*` arms call the kernel on one [1, 4, N, 64] tensor
+  without slabs (the state before the slab split: a call over 2^31 elements compiles a 64-bit-index
+  kernel that then serves the small grid too). `row_major` / `tiled` run with slabs, in each token
+  order (`FLEX_TILE`).
+- `decoder_*` arms decode release-size random weights (bfloat16) at 25, 473 and again 25 output
+  frames of 512x768 (latents 16x24), each timed once after an untimed 25-frame decode.
+
+Prints one JSON line per arm: milliseconds per call (CUDA events) and the window's FLOPs per second
+(N x kt*kh*kw keys x head_dim x 4 x heads).
 
     python bench/decoder_attention.py                      # every arm
-    python bench/decoder_attention.py --arm small_after_big
+    python bench/decoder_attention.py --arm tiled --arm decoder_tiled
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,12 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 KERNEL = (11, 11, 11)
 HEADS, HEAD_DIM = 4, 64
 SMALL, TARGET, BIG = (25, 64, 96), (25, 128, 192), (342, 128, 192)
-ARMS = {
-    "small": [SMALL, TARGET],
-    "small_after_big": [SMALL, BIG, TARGET],
-    "big": [SMALL, TARGET, BIG],
-    "big_per_head": [SMALL, TARGET, ("per_head",) + BIG],
+ATTENTION_ARMS = {
+    "raw_small_after_big": [SMALL, BIG, TARGET],
+    "row_major": [SMALL, TARGET, BIG, TARGET],
+    "tiled": [SMALL, TARGET, BIG, TARGET],
 }
+DECODER_ARMS = ("decoder_tiled", "decoder_row_major")
+ARMS = [*ATTENTION_ARMS, *DECODER_ARMS]
 
 
 def _time(fn, repeats: int) -> list[float]:  # type: ignore[no-untyped-def]
@@ -43,55 +52,80 @@ def _time(fn, repeats: int) -> list[float]:  # type: ignore[no-untyped-def]
         fn()
         end.record()
         torch.cuda.synchronize()
-        out.append(start.elapsed_time(end))
+        out.append(round(start.elapsed_time(end), 2))
     return out
 
 
-def run_arm(name: str) -> dict:
+def attention_arm(name: str) -> dict:
     import torch
 
-    from runnerkit.models.ltx2.diffusion_decoder_layers import attend, stage_mask
+    from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
 
+    layers.FLEX_TILE = None if name != "tiled" else layers.TILE
     dev = torch.device("cuda")
     rows = []
-    for spec in ARMS[name]:
-        per_head = spec[0] == "per_head"
-        grid = tuple(spec[1:]) if per_head else tuple(spec)
+    for grid in ATTENTION_ARMS[name]:
         n = math.prod(grid)
-        q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
-        mask = stage_mask(grid, KERNEL, dev, HEAD_DIM)
-        if per_head:
+        if name.startswith("raw"):
+            q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
+            mask = layers.window_block_mask(grid, KERNEL, dev, layers.neighborhood_mask_mod(grid, KERNEL))
             def call() -> None:
-                for h in range(HEADS):
-                    attend(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], mask)
+                layers.attend(q, k, v, mask)
         else:
+            q, k, v = (torch.randn(1, *grid, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
+            mask = layers.stage_mask(grid, KERNEL, dev, HEAD_DIM, HEADS * HEAD_DIM)
             def call() -> None:
-                attend(q, k, v, mask)
+                layers.neighborhood_attention(q, k, v, KERNEL, mask)
         with torch.inference_mode():
             call()
             torch.cuda.synchronize()
             ms = _time(call, 1 if n > 4_000_000 else 5)
         flops = n * math.prod(KERNEL) * HEAD_DIM * 4 * HEADS
         ms_med = sorted(ms)[len(ms) // 2]
-        rows.append({"grid": list(grid), "per_head": per_head, "q_elements": n * HEADS * HEAD_DIM, "ms": ms,
-                     "window_tflops": round(flops / ms_med / 1e9, 1)})
+        slabs = 1 if name.startswith("raw") else len(mask.slabs)
+        rows.append({"grid": list(grid), "slabs": slabs, "ms": ms, "window_tflops": round(flops / ms_med / 1e9, 1)})
         del q, k, v, mask
         torch.cuda.empty_cache()
     return {"arm": name, "calls": rows}
 
 
+def decoder_arm(name: str) -> dict:
+    import torch
+
+    from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
+    from runnerkit.models.ltx2.diffusion_decode import decode_video
+    from runnerkit.models.ltx2.diffusion_decoder import LTX25_DIFFUSION_DECODER, LTX2DiffusionDecoder
+
+    layers.FLEX_TILE = layers.TILE if name == "decoder_tiled" else None
+    with torch.device("cuda"):
+        model = LTX2DiffusionDecoder(LTX25_DIFFUSION_DECODER).to(torch.bfloat16).eval()
+    rows = []
+    for frames in (25, 25, 473, 25):
+        latents = torch.randn(1, 128, (frames - 1) // 8 + 1, 16, 24, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            video = decode_video(model, latents, generator=0)
+        torch.cuda.synchronize()
+        rows.append({"frames": frames, "shape": list(video.shape), "s": round(time.perf_counter() - start, 3),
+                     "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
+        del video
+    return {"arm": name, "decodes": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arm", choices=sorted(ARMS), action="append", help="arms to run (default: all)")
-    p.add_argument("--child", choices=sorted(ARMS), help=argparse.SUPPRESS)
+    p.add_argument("--arm", choices=ARMS, action="append", help="arms to run (default: all)")
+    p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(run_arm(a.child)))
+        print(json.dumps(decoder_arm(a.child) if a.child in DECODER_ARMS else attention_arm(a.child)))
         return
-    for arm in a.arm or list(ARMS):
+    for arm in a.arm or ARMS:
         r = subprocess.run([sys.executable, __file__, "--child", arm], capture_output=True, text=True)
         if r.returncode:
-            print(json.dumps({"arm": arm, "error": r.stderr[-2000:]}))
+            print(json.dumps({"arm": arm, "error": r.stderr[-2000:]}), flush=True)
         else:
             print(r.stdout.strip().splitlines()[-1], flush=True)
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runnerkit.models.ltx2.window_blocks import slab_key_frames, window_block_mask
+from runnerkit.models.ltx2.window_blocks import block_mask, slab_key_frames, tiled_kv_blocks, window_block_mask
+from runnerkit.models.ltx2.window_layout import TILE, Layout, attention_slabs, window_mask_mod
 
 SWIGLU_TILE_TOKENS = 16384
 """Tokens per SwiGLU tile (the reference's `_SWIGLU_TILE_SIZE`): bounds the three hidden-width
@@ -80,36 +81,18 @@ def apply_rope_3d(x: Tensor, base: float = 10000.0) -> Tensor:
                       _rotate(x[..., dim_t + dim_h:], pos[2], base, 3)], dim=-1)
 
 
-def _window_starts(index: Tensor, size: int, kernel: int) -> Tensor:
-    """First position of the window of each index: centred, shifted inward at the border."""
-    return torch.clamp(index - kernel // 2, 0, size - kernel)
-
-
 def neighborhood_mask_mod(grid: tuple[int, int, int], kernel: Kernel, q_frame0: int | Tensor = 0,
                           k_frame0: int | Tensor = 0) -> Callable[..., Tensor]:
-    """FlexAttention `mask_mod` of the 3D neighborhood window on a row-major (T, H, W) token grid.
-
-    `q_frame0` / `k_frame0`: the grid frame of local query / key index 0, for a slab of frames
-    (`attention_slabs`); 0 for the whole grid. A 0-dim tensor keeps one compiled kernel for every slab."""
-    T, H, W = grid
-    kt, kh, kw = kernel
-    hw = H * W
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        q_t, q_h, q_w = q_idx // hw + q_frame0, (q_idx % hw) // W, q_idx % W
-        k_t, k_h, k_w = kv_idx // hw + k_frame0, (kv_idx % hw) // W, kv_idx % W
-        st, sh, sw = _window_starts(q_t, T, kt), _window_starts(q_h, H, kh), _window_starts(q_w, W, kw)
-        return ((k_t >= st) & (k_t < st + kt) & (k_h >= sh) & (k_h < sh + kh)
-                & (k_w >= sw) & (k_w < sw + kw))
-
-    return mask_mod
+    """FlexAttention `mask_mod` of the 3D neighborhood window on a row-major (T, H, W) token grid;
+    `q_frame0` / `k_frame0`: the grid frame of local query / key index 0 (window_layout.py)."""
+    return window_mask_mod(Layout(tuple(grid)), kernel, q_frame0, k_frame0)
 
 
 def dense_neighborhood_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device,
                             frames: tuple[int, int] | None = None) -> Tensor:
-    """The neighborhood window as a boolean [Nq, Nk] mask, True where a query (row) may attend to a
-    key (column): the whole grid (N = T*H*W each), or the query frames `frames` = [t0, t1) against
-    the key frames their windows reach (`slab_key_frames`)."""
+    """The neighborhood window as a boolean [Nq, Nk] mask over row-major tokens, True where a query (row) may
+    attend to a key (column): the whole grid (N = T*H*W each), or the query frames `frames` = [t0, t1)
+    against the key frames their windows reach (`slab_key_frames`)."""
     T, H, W = grid
     t0, t1 = frames or (0, T)
     k0, k1 = slab_key_frames(T, kernel[0], t0, t1)
@@ -123,47 +106,34 @@ INDEX_LIMIT = 2**31 - 1
 and that variant, once compiled, also serves every smaller call: on an H100 the decoder's stage-5 window attention
 at 25x128x192 tokens took 1.78 s a call instead of 0.22 s after one call over 2^31 elements, and 24.0 s instead of
 3.0 s at 342x128x192 (bench/decoder_attention.py; bench/results/ltx25_h100_s10.md). Longer grids are split into
-slabs of frames (`attention_slabs`)."""
+slabs of frames (window_layout.py `attention_slabs`)."""
+
+FLEX_TILE: tuple[int, int, int] | None = TILE
+"""The token order FlexAttention runs in: tiles of `window_layout.TILE` (one block each), or None for row-major
+(kept for bench/decoder_attention.py's comparison). The dense-mask path is always row-major."""
 
 
 @dataclass(frozen=True)
 class Slab:
-    """Query frames [t0, t1) of a grid, the key frames [k0, k1) their windows reach, and its mask (a FlexAttention
-    `BlockMask` over (t1 - t0) x (k1 - k0) frames of tokens, or a dense boolean [Nq, Nk] tensor)."""
+    """Query units [u0, u1) of a layout (frames, or frames of tiles), the key units [j0, j1) their windows reach,
+    their token ranges in the layout's order, and the mask (a FlexAttention `BlockMask` or a dense boolean
+    [Nq, Nk] tensor)."""
 
-    frames: tuple[int, int]
+    units: tuple[int, int]
+    key_units: tuple[int, int]
+    queries: tuple[int, int]
     keys: tuple[int, int]
     mask: object
 
 
 @dataclass(frozen=True)
 class WindowMask:
-    """The window attention of one stage's grid, as slabs of query frames (one slab: the whole grid)."""
+    """The window attention of one stage's grid: its token order and its slabs (one slab: the whole grid)."""
 
-    grid: tuple[int, int, int]
+    layout: Layout
     kernel: Kernel
     slabs: tuple[Slab, ...]
     limit: int
-
-
-def attention_slabs(T: int, kt: int, frame_elements: int, limit: int = INDEX_LIMIT) -> list[tuple[int, int]]:
-    """Query frame ranges [t0, t1) covering 0..T in order, as few and as even as possible, whose key frames
-    (`slab_key_frames`) span at most `limit` elements of `frame_elements` each (one frame of one video's q, k or v:
-    H * W * channels).
-
-    Raises:
-        ValueError: `kt` frames of keys already exceed `limit` (a frame too large for any slab).
-    """
-    if T * frame_elements <= limit:
-        return [(0, T)]
-    per_slab = limit // frame_elements - (kt - 1)
-    if per_slab < 1:
-        raise ValueError(f"one frame of the decoder's window attention holds {frame_elements} elements; {kt} frames "
-                         f"of keys exceed the {limit} one attention call may span: decode with tiling "
-                         f"(`offload.vae_tiling`) or at a smaller size.")
-    count = math.ceil(T / per_slab)
-    bounds = [round(i * T / count) for i in range(count + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 @cache
@@ -197,22 +167,55 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: object) -> Tensor:
 
 def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device, head_dim: int,
                channels: int, limit: int | None = None) -> WindowMask:
-    """The window masks of one (grid, kernel), shared by every block of a stage: one slab of query frames per
-    `attention_slabs` (one video's q of `channels` = heads x head_dim per token, at most `limit` elements of keys
-    a slab; None: `INDEX_LIMIT`), each a FlexAttention `BlockMask` where `uses_flex(device, head_dim)` (from the window's geometry:
-    create_block_mask would build the dense [N, N] mask), else a dense boolean tensor."""
-    T, H, W = grid
+    """The window masks of one (grid, kernel), shared by every block of a stage.
+
+    Where `uses_flex(device, head_dim)`: tokens in `FLEX_TILE` order and FlexAttention `BlockMask`s built from the
+    window's geometry (window_blocks.py; `create_block_mask` would build the dense [N, N] mask); elsewhere
+    row-major tokens and dense boolean masks. One slab per `attention_slabs` range: one video's q of `channels`
+    (= heads x head_dim) per token, at most `limit` elements of keys a call (None: `INDEX_LIMIT`).
+    """
+    flex = uses_flex(device, head_dim)
+    layout = Layout(tuple(grid), FLEX_TILE if flex else None)
     limit = INDEX_LIMIT if limit is None else limit
+    per_unit, f = layout.unit_tokens, layout.unit_frames
     slabs = []
-    for t0, t1 in attention_slabs(T, kernel[0], H * W * channels, limit):
-        k0, k1 = slab_key_frames(T, kernel[0], t0, t1)
-        if uses_flex(device, head_dim):
-            offsets = (t0, k0) if (t0, t1) == (0, T) else (torch.tensor(t0, device=device), torch.tensor(k0, device=device))
-            mask = window_block_mask(grid, kernel, device, neighborhood_mask_mod(grid, kernel, *offsets), frames=(t0, t1))
+    for u0, u1 in attention_slabs(layout, kernel[0], channels, limit):
+        j0, j1 = layout.key_units(kernel[0], u0, u1)
+        whole = (u0, u1) == (0, layout.units)
+        q0, k0 = (u0 * f, j0 * f) if whole or not flex else (torch.tensor(u0 * f, device=device),
+                                                               torch.tensor(j0 * f, device=device))
+        mask_mod = window_mask_mod(layout, kernel, q0, k0)
+        nq, nk = (u1 - u0) * per_unit, (j1 - j0) * per_unit
+        if not flex:
+            mask = mask_mod(None, None, torch.arange(nq, device=device)[:, None], torch.arange(nk, device=device)[None, :])
+        elif layout.tile is None:
+            mask = window_block_mask(grid, kernel, device, mask_mod, frames=(u0, u1))
         else:
-            mask = dense_neighborhood_mask(grid, kernel, device, (t0, t1))
-        slabs.append(Slab((t0, t1), (k0, k1), mask))
-    return WindowMask(tuple(grid), tuple(kernel), tuple(slabs), limit)
+            mask = block_mask(*tiled_kv_blocks(layout, kernel, device, (u0, u1)), nq, nk, mask_mod, math.prod(layout.tile))
+        slabs.append(Slab((u0, u1), (j0, j1), (u0 * per_unit, u1 * per_unit), (j0 * per_unit, j1 * per_unit), mask))
+    return WindowMask(layout, tuple(kernel), tuple(slabs), limit)
+
+
+def windowed_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Tensor:
+    """Window attention over tokens in `mask.layout` order (`Layout.arrange`): q, k, v [B, N, heads, d] (the query
+    already scaled) -> [B, N, heads * d] in the same order. Where one video's tensors span more than `mask.limit`
+    elements, one video and one slab a call, written into the output in place; the result is the whole grid's
+    (each query's keys are the same)."""
+    B, N, heads, d = q.shape
+
+    def run(qs: Tensor, ks: Tensor, vs: Tensor, m: object) -> Tensor:  # [b, n, heads, d] -> [b, n, heads * d]
+        out = attend(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), m)  # [b, heads, n, d]
+        return out.transpose(1, 2).reshape(qs.shape[0], qs.shape[1], heads * d)
+
+    whole = q.numel() <= mask.limit
+    if whole and len(mask.slabs) == 1:
+        return run(q, k, v, mask.slabs[0].mask)
+    out = q.new_empty(B, N, heads * d)
+    for items in [slice(None)] if whole else [slice(b, b + 1) for b in range(B)]:
+        for slab in mask.slabs:
+            (a, b), (c, e) = slab.queries, slab.keys
+            out[items, a:b] = run(q[items, a:b], k[items, c:e], v[items, c:e], slab.mask)
+    return out
 
 
 def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, mask: WindowMask | None = None) -> Tensor:
@@ -224,27 +227,13 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, mask
         mask: a prebuilt `stage_mask` for this grid and kernel (one per stage), or None to build it.
 
     Returns:
-        [B, T, H, W, heads * head_dim]. Grids past `INDEX_LIMIT` run one video and one slab of frames a call,
-        written into the output in place; the result is the whole grid's (each query's keys are the same).
+        [B, T, H, W, heads * head_dim] (`windowed_attention` in the mask's token order).
     """
     B, T, H, W, heads, d = q.shape
     if mask is None:
         mask = stage_mask((T, H, W), kernel, q.device, d, heads * d)
-
-    def flat(x: Tensor) -> Tensor:  # [b, t, H, W, heads, d] -> [b, heads, t*H*W, d]
-        return x.reshape(x.shape[0], -1, heads, d).transpose(1, 2)
-
-    whole = q.numel() <= mask.limit
-    if whole and len(mask.slabs) == 1:
-        out = attend(flat(q), flat(k), flat(v), mask.slabs[0].mask)  # [B, heads, N, d]
-        return out.transpose(1, 2).reshape(B, T, H, W, heads * d)
-    out = q.new_empty(B, T, H, W, heads * d)
-    for items in [slice(None)] if whole else [slice(b, b + 1) for b in range(B)]:
-        for slab in mask.slabs:
-            (t0, t1), (k0, k1) = slab.frames, slab.keys
-            part = attend(flat(q[items, t0:t1]), flat(k[items, k0:k1]), flat(v[items, k0:k1]), slab.mask)
-            out[items, t0:t1].unflatten(-1, (heads, d)).copy_(part.transpose(1, 2).unflatten(1, (t1 - t0, H, W)))
-    return out
+    arrange = mask.layout.arrange
+    return mask.layout.restore(windowed_attention(arrange(q), arrange(k), arrange(v), mask))
 
 
 class NeighborhoodAttention(nn.Module):
@@ -275,11 +264,22 @@ class NeighborhoodAttention(nn.Module):
             raise ValueError(f"neighborhood attention needs the (T, H, W) grid ({T}, {H}, {W}) to be at least "
                              f"its kernel {self.kernel} on every axis; decode a larger video.")
         shape = (B, T, H, W, self.heads, self.head_dim)
-        q = self.norm_q(self.to_q(x).view(shape)) * self.head_dim**-0.5
-        k = self.norm_k(self.to_k(x).view(shape))
-        v = self.to_v(x).view(shape)
-        out = neighborhood_attention(apply_rope_3d(q), apply_rope_3d(k), v, self.kernel, mask)
-        return self.to_out[0](out)
+        if mask is None:
+            mask = stage_mask((T, H, W), self.kernel, x.device, self.head_dim, self.heads * self.head_dim)
+        arrange = mask.layout.arrange
+        if mask.layout.tile is None:  # row-major: `arrange` is a view (the order estimate_diffusion_decoder.py walks)
+            q = self.norm_q(self.to_q(x).view(shape)) * self.head_dim**-0.5
+            k = self.norm_k(self.to_k(x).view(shape))
+            v = self.to_v(x).view(shape)
+            out = windowed_attention(arrange(apply_rope_3d(q)), arrange(apply_rope_3d(k)), arrange(v), mask)
+        else:  # tiled: each tensor copied into tile order as it is made, its grid-order copy freed at once, so the
+            # copies stay under the row-major walk's peak (two fewer activations alive at each RoPE)
+            q = arrange(apply_rope_3d(self.norm_q(self.to_q(x).view(shape)) * self.head_dim**-0.5))
+            k = arrange(apply_rope_3d(self.norm_k(self.to_k(x).view(shape))))
+            v = arrange(self.to_v(x).view(shape))
+            out = windowed_attention(q, k, v, mask)  # [B, N, C] in tile order
+        del q, k, v
+        return self.to_out[0](mask.layout.restore(out))
 
 
 class SwiGLU(nn.Module):

@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from runnerkit.models.ltx2.window_layout import Layout, window_start
+
 BLOCK_SIZE = 128
 """FlexAttention's default sparse block (tokens per query and per KV block)."""
 
@@ -40,16 +42,9 @@ CHUNK_ELEMENTS = 1 << 24
 (~16 M int64, 128 MiB each) whatever the grid."""
 
 
-def _starts(index: Tensor, size: int, kernel: int) -> Tensor:
-    """First position of each index's window: centred, shifted inward at the border (as `mask_mod`)."""
-    return torch.clamp(index - kernel // 2, 0, size - kernel)
-
-
 def slab_key_frames(T: int, kt: int, t0: int, t1: int) -> tuple[int, int]:
     """The key frames [k0, k1) the windows of query frames [t0, t1) reach on a grid of T frames."""
-    def start(t: int) -> int:
-        return max(0, min(t - kt // 2, T - kt))
-    return start(t0), start(t1 - 1) + kt
+    return window_start(t0, T, kt), window_start(t1 - 1, T, kt) + kt
 
 
 def window_kv_blocks(grid: tuple[int, int, int], kernel: tuple[int, int, int], device: torch.device,
@@ -92,8 +87,8 @@ def window_kv_blocks(grid: tuple[int, int, int], kernel: tuple[int, int, int], d
     qb, row = qb[keep], row[keep]
     col_lo = torch.clamp(qb * block - row * W, min=0)
     col_hi = torch.clamp((qb + 1) * block - row * W, max=W) - 1
-    a, b = _starts(col_lo, W, kw), _starts(col_hi, W, kw) + kw  # the union of their w-windows
-    st, sh = _starts(t0 + row // H, T, kt) - k0, _starts(row % H, H, kh)  # key frames counted from k0
+    a, b = window_start(col_lo, W, kw), window_start(col_hi, W, kw) + kw  # the union of their w-windows
+    st, sh = window_start(t0 + row // H, T, kt) - k0, window_start(row % H, H, kh)  # key frames counted from k0
     span_kv = math.ceil((int((b - a).max()) - 1) / block) + 1 if b.numel() else 1  # KV blocks one range touches
     per_pair = kt * kh * (span_kv + 1)
     chunk = max(1, CHUNK_ELEMENTS // per_pair)
@@ -120,20 +115,74 @@ def window_kv_blocks(grid: tuple[int, int, int], kernel: tuple[int, int, int], d
     return counts.to(torch.int32), kv_indices
 
 
+def block_mask(num: Tensor, indices: Tensor, nq: int, nk: int, mask_mod: Callable[..., Tensor],
+               block: int = BLOCK_SIZE) -> object:
+    """A FlexAttention `BlockMask` (B and heads broadcast) from KV tables [Q], [Q, width] of partial blocks
+    over nq queries and nk keys; `mask_mod` masks inside each block. Forward only: no transposed
+    (query-block) tables are built where torch lets them be skipped."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    extra = {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
+    return BlockMask.from_kv_blocks(num[None, None], indices[None, None], BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(nq, nk), **extra)
+
+
 def window_block_mask(grid: tuple[int, int, int], kernel: tuple[int, int, int], device: torch.device,
                       mask_mod: Callable[..., Tensor], block: int = BLOCK_SIZE,
                       frames: tuple[int, int] | None = None) -> object:
-    """The FlexAttention `BlockMask` of the window on `grid` (B and heads broadcast), from
-    `window_kv_blocks` (of the query frames `frames` when given); `mask_mod` (the window's,
-    `neighborhood_mask_mod`, with the slab's frame offsets) masks inside each block.
-    Forward only: no transposed (query-block) tables are built where torch lets them be skipped."""
-    from torch.nn.attention.flex_attention import BlockMask
-
+    """The FlexAttention `BlockMask` of the window on the row-major `grid`, from `window_kv_blocks` (of the
+    query frames `frames` when given); `mask_mod` (the window's, with the slab's frame offsets) masks inside
+    each block."""
     num, indices = window_kv_blocks(grid, kernel, device, block, frames)
     T, H, W = grid
     t0, t1 = frames or (0, T)
     k0, k1 = slab_key_frames(T, kernel[0], t0, t1)
-    nq, nk = (t1 - t0) * H * W, (k1 - k0) * H * W
-    extra = {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
-    return BlockMask.from_kv_blocks(num[None, None], indices[None, None], BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(nq, nk), **extra)
+    return block_mask(num, indices, (t1 - t0) * H * W, (k1 - k0) * H * W, mask_mod, block)
+
+
+def tiled_kv_blocks(layout: Layout, kernel: tuple[int, int, int], device: torch.device,
+                    units: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """For each query tile of a tiled `layout` (one block each, in the layout's order), the key tiles holding at
+    least one pair the window allows: per axis the tiles between the window of the tile's first and last real
+    token, and their product.
+
+    Args:
+        layout: a tiled `Layout` (tile tokens = the block size); kernel: window (kt, kh, kw) <= the grid.
+        device: where the tables are built and returned.
+        units: query frames of tiles [u0, u1) of a slab, against the key units their windows reach
+            (`Layout.key_units`), each side indexed from its first unit; None for the whole grid.
+
+    Returns:
+        kv_num_blocks [Q] int32 and kv_indices [Q, width] int32 (ascending, then 0), as `window_kv_blocks`.
+    """
+    grid, counts, tile = layout.grid, layout.counts, layout.tile
+    for axis, size, k in zip("THW", grid, kernel):
+        if not 0 < k <= size:
+            raise ValueError(f"window kernel {kernel} must be positive and at most the grid {grid} on axis {axis}")
+    u0, u1 = units or (0, counts[0])
+    if not 0 <= u0 < u1 <= counts[0]:
+        raise ValueError(f"query units {units} must be a non-empty range inside the layout's {counts[0]} units")
+    j0 = layout.key_units(kernel[0], u0, u1)[0]
+    cands, valids = [], []
+    for axis, (size, t, k) in enumerate(zip(grid, tile, kernel)):
+        first, n = (u0, u1 - u0) if axis == 0 else (0, counts[axis])
+        i = torch.arange(first, first + n, device=device)
+        lo = window_start(i * t, size, k)  # first key coordinate of the tile's windows
+        hi = window_start(torch.clamp((i + 1) * t, max=size) - 1, size, k) + k - 1  # last key coordinate
+        origin = j0 * t if axis == 0 else 0
+        lo, hi = (lo - origin) // t, (hi - origin) // t
+        cand = lo[:, None] + torch.arange(int((hi - lo).max()) + 1, device=device)  # [n, span]
+        cands.append(cand)
+        valids.append(cand <= hi[:, None])
+    (ct, ch, cw), (vt, vh, vw) = cands, valids
+    nH, nW = counts[1], counts[2]
+    keys = (ct[:, None, None, :, None, None] * nH + ch[None, :, None, None, :, None]) * nW + cw[None, None, :, None, None, :]
+    valid = vt[:, None, None, :, None, None] & vh[None, :, None, None, :, None] & vw[None, None, :, None, None, :]
+    q = ct.shape[0] * nH * nW
+    keys, valid = keys.reshape(q, -1), valid.reshape(q, -1)
+    keys = torch.sort(torch.where(valid, keys, torch.iinfo(keys.dtype).max), dim=1).values
+    num = valid.sum(1)
+    width = int(num.max())
+    keys = keys[:, :width]
+    keys = torch.where(torch.arange(width, device=device) < num[:, None], keys, 0)
+    return num.to(torch.int32), keys.to(torch.int32)

@@ -47,3 +47,22 @@ def test_cuda_flex_attention_with_the_window_block_tables_equals_the_dense_mask(
     want = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=layers.dense_neighborhood_mask(grid, kernel, cuda), scale=1.0)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("limit", [None, 3 * 2 * 24 * 32 * 128], ids=["whole", "slabs"])
+def test_cuda_tiled_flex_attention_equals_the_row_major_dense_mask(limit: int | None) -> None:
+    """Compiled FlexAttention in 2x8x8 tile order (the grid padded on every axis), whole and in slabs of frames
+    whose mask_mod reads its frame offsets from tensors, against SDPA with the dense row-major window mask."""
+    from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
+
+    grid, kernel, heads, d = (9, 20, 30), (5, 7, 7), 2, 64  # padded to 10 x 24 x 32
+    cuda = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(1, *grid, heads, d, generator=g, device=cuda) for _ in range(3))
+    mask = layers.stage_mask(grid, kernel, cuda, d, heads * d, limit=limit)
+    assert mask.layout.tile == layers.TILE and len(mask.slabs) == (1 if limit is None else 3)
+    got = layers.neighborhood_attention(q, k, v, kernel, mask)
+    flat = [t.reshape(1, -1, heads, d).transpose(1, 2) for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *flat, attn_mask=layers.dense_neighborhood_mask(grid, kernel, cuda), scale=1.0)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(1, *grid, heads * d), rtol=2e-3, atol=2e-3)

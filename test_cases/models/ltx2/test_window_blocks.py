@@ -10,7 +10,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
-from runnerkit.models.ltx2.window_blocks import slab_key_frames, window_block_mask, window_kv_blocks
+from runnerkit.models.ltx2.window_blocks import slab_key_frames, tiled_kv_blocks, window_block_mask, window_kv_blocks
+from runnerkit.models.ltx2.window_layout import TILE, Layout, window_mask_mod
 
 CPU = torch.device("cpu")
 
@@ -97,16 +98,71 @@ def test_block_tables_stay_narrow_at_a_warmup_shape() -> None:
     assert torch.equal(mask.kv_num_blocks, torch.full((1, 1, 1200), 99, dtype=torch.int32))
 
 
-def test_the_flex_path_builds_its_mask_from_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`stage_mask` where FlexAttention runs: the geometric tables, never torch's dense construction."""
+@pytest.mark.parametrize("tile", [TILE, None], ids=["tiled", "row-major"])
+def test_the_flex_path_builds_its_mask_from_the_window(monkeypatch: pytest.MonkeyPatch,
+                                                       tile: tuple[int, int, int] | None) -> None:
+    """`stage_mask` where FlexAttention runs: the geometric tables of its token order (`FLEX_TILE`), never torch's
+    dense construction."""
     import torch.nn.attention.flex_attention as flex
 
     monkeypatch.setattr(layers, "uses_flex", lambda device, head_dim: True)
+    monkeypatch.setattr(layers, "FLEX_TILE", tile)
     monkeypatch.setattr(flex, "create_block_mask", lambda *a, **k: pytest.fail("dense block-mask construction"))
     grid, kernel = (4, 7, 200), (3, 3, 11)
-    (slab,) = layers.stage_mask(grid, kernel, CPU, 64, 128).slabs
-    num, indices = window_kv_blocks(grid, kernel, CPU)
+    mask = layers.stage_mask(grid, kernel, CPU, 64, 128)
+    assert mask.layout == Layout(grid, tile)
+    (slab,) = mask.slabs
+    num, indices = window_kv_blocks(grid, kernel, CPU) if tile is None else tiled_kv_blocks(mask.layout, kernel, CPU)
     assert torch.equal(slab.mask.kv_num_blocks[0, 0], num) and torch.equal(slab.mask.kv_indices[0, 0], indices)
+
+
+def torch_tiled_block_sets(layout: Layout, kernel: tuple[int, int, int],
+                           units: tuple[int, int] | None = None) -> torch.Tensor:
+    """[Q, K] bool: the blocks torch's `create_block_mask` lists for the window's `mask_mod` in tiled order."""
+    u0, u1 = units or (0, layout.units)
+    j0, j1 = layout.key_units(kernel[0], u0, u1)
+    f, per_unit, block = layout.unit_frames, layout.unit_tokens, math.prod(layout.tile)
+    nq, nk = (u1 - u0) * per_unit, (j1 - j0) * per_unit
+    mask = create_block_mask(window_mask_mod(layout, kernel, u0 * f, j0 * f), None, None, nq, nk, device=CPU,
+                             BLOCK_SIZE=block)
+    sets = torch.zeros(nq // block, nk // block, dtype=torch.bool)
+    for num, idx in ((mask.kv_num_blocks, mask.kv_indices), (mask.full_kv_num_blocks, mask.full_kv_indices)):
+        for q in range(nq // block):
+            sets[q, idx[0, 0, q, :num[0, 0, q]].long()] = True
+    return sets
+
+
+# tiles of 2x8x8 (the shipped one) and smaller; grids padded on every axis or none; slabs at the start, middle
+# and end; windows equal to the grid, of one token, and wider than a tile
+TILED = [((5, 9, 11), (3, 3, 5), TILE, None), ((4, 16, 16), (3, 5, 5), TILE, None), ((9, 20, 19), (5, 11, 11), TILE, None),
+         ((9, 20, 19), (5, 11, 11), TILE, (1, 3)), ((7, 6, 10), (3, 3, 3), (2, 2, 4), (0, 2)),
+         ((7, 6, 10), (7, 3, 3), (2, 2, 4), (3, 4)), ((6, 5, 7), (1, 1, 1), (1, 2, 2), (2, 5)),
+         ((3, 3, 3), (3, 3, 3), (1, 2, 2), None)]
+
+
+@pytest.mark.parametrize(("grid", "kernel", "tile", "units"), TILED, ids=[f"{g}-{k}-{t}-{u}" for g, k, t, u in TILED])
+def test_tiled_blocks_are_exactly_torchs_block_sets(grid: tuple[int, int, int], kernel: tuple[int, int, int],
+                                                    tile: tuple[int, int, int], units: tuple[int, int] | None) -> None:
+    layout = Layout(grid, tile)
+    num, indices = tiled_kv_blocks(layout, kernel, CPU, units)
+    want = torch_tiled_block_sets(layout, kernel, units)
+    got = torch.zeros_like(want)
+    for q in range(num.numel()):
+        row = indices[q, :num[q]].long()
+        assert torch.all(row[1:] > row[:-1]), "each row lists its KV blocks once, ascending"
+        got[q, row] = True
+    assert torch.equal(got, want)
+    assert indices.shape[1] == int(num.max()) and num.dtype == indices.dtype == torch.int32
+
+
+def test_tiled_order_visits_fewer_blocks_at_the_release_stage5_grid() -> None:
+    """At 25x128x192 tokens with an 11^3 window: 187 KV blocks a query block in row-major order, 54.8 on average
+    in 2x8x8 tiles (the reason for the tiled order)."""
+    grid, kernel = (25, 128, 192), (11, 11, 11)
+    raster, _ = window_kv_blocks(grid, kernel, CPU)
+    tiled, _ = tiled_kv_blocks(Layout(grid, TILE), kernel, CPU)
+    assert float(raster.float().mean()) == 187.0
+    assert round(float(tiled.float().mean()), 1) == 54.8
 
 
 def test_a_window_larger_than_its_grid_is_refused() -> None:

@@ -4,47 +4,54 @@ the slabs' bounds, and the result equal to the whole grid's, for one call and fo
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
 from runnerkit.models.ltx2.diffusion_decode import decode_video
 from runnerkit.models.ltx2.diffusion_decoder import TINY_LTX25_DIFFUSION_DECODER, LTX2DiffusionDecoder
-from runnerkit.models.ltx2.window_blocks import slab_key_frames
+from runnerkit.models.ltx2.window_layout import TILE, Layout, attention_slabs
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize(("T", "kt", "frame", "limit"), [(473, 11, 128 * 192 * 256, 2**31 - 1), (25, 11, 1000, 20_000),
-                                                          (7, 3, 10, 30), (40, 1, 7, 70), (5, 5, 3, 10**9)])
-def test_slabs_cover_every_frame_once_and_their_keys_stay_under_the_limit(T: int, kt: int, frame: int,
-                                                                          limit: int) -> None:
-    slabs = layers.attention_slabs(T, kt, frame, limit)
-    assert slabs[0][0] == 0 and slabs[-1][1] == T
-    assert all(a[1] == b[0] for a, b in zip(slabs, slabs[1:])) and all(t0 < t1 for t0, t1 in slabs)
-    for t0, t1 in slabs:
-        k0, k1 = slab_key_frames(T, kt, t0, t1)
-        assert (k1 - k0) * frame <= limit
-    # as few slabs as the limit allows, as even as possible
-    assert len(slabs) == (1 if T * frame <= limit else math.ceil(T / (limit // frame - kt + 1)))
-    sizes = [t1 - t0 for t0, t1 in slabs]
+LAYOUTS = [(Layout((473, 128, 192), TILE), 11, 256, 2**31 - 1), (Layout((473, 128, 192)), 11, 256, 2**31 - 1),
+           (Layout((25, 10, 10)), 11, 10, 20_000), (Layout((7, 1, 1)), 3, 10, 30), (Layout((40, 1, 1)), 1, 7, 70),
+           (Layout((5, 1, 1)), 5, 3, 10**9), (Layout((25, 9, 13), TILE), 5, 4, 20_000)]
+
+
+@pytest.mark.parametrize(("layout", "kt", "channels", "limit"), LAYOUTS, ids=[str(i) for i in range(len(LAYOUTS))])
+def test_slabs_cover_every_unit_once_and_their_keys_stay_under_the_limit(layout: Layout, kt: int, channels: int,
+                                                                         limit: int) -> None:
+    slabs = attention_slabs(layout, kt, channels, limit)
+    unit = layout.unit_tokens * channels
+    assert slabs[0][0] == 0 and slabs[-1][1] == layout.units
+    assert all(a[1] == b[0] for a, b in zip(slabs, slabs[1:])) and all(u0 < u1 for u0, u1 in slabs)
+    for u0, u1 in slabs:
+        j0, j1 = layout.key_units(kt, u0, u1)
+        assert (j1 - j0) * unit <= limit
+    sizes = [u1 - u0 for u0, u1 in slabs]
     assert max(sizes) - min(sizes) <= 1
+    # as few as the limit allows: the even split into one slab fewer does not fit
+    if len(slabs) > 1:
+        n = len(slabs) - 1
+        fewer = [(round(i * layout.units / n), round((i + 1) * layout.units / n)) for i in range(n)]
+        assert max((lambda j: j[1] - j[0])(layout.key_units(kt, *f)) for f in fewer) * unit > limit
 
 
 def test_the_release_stage5_grid_at_473_frames_takes_two_slabs() -> None:
-    """512x768 pixels: 128x192 tokens of 256 channels a frame; 473 frames span 2.98e9 elements, so two slabs of
-    at most 331 frames (their keys at most 341 frames, 2.146e9 elements)."""
-    assert layers.attention_slabs(473, 11, 128 * 192 * 256) == [(0, 236), (236, 473)]
-    assert layers.attention_slabs(121, 11, 128 * 192 * 256) == [(0, 121)]
+    """512x768 pixels: 128x192 tokens of 256 channels a frame; 473 frames span 2.98e9 elements, so two slabs:
+    of frames (row-major) or of frames of 2x8x8 tiles (237 units of 2 frames, the last padded)."""
+    assert attention_slabs(Layout((473, 128, 192)), 11, 256, 2**31 - 1) == [(0, 236), (236, 473)]
+    assert attention_slabs(Layout((473, 128, 192), TILE), 11, 256, 2**31 - 1) == [(0, 118), (118, 237)]
+    assert attention_slabs(Layout((121, 128, 192), TILE), 11, 256, 2**31 - 1) == [(0, 61)]
 
 
 def test_a_frame_too_large_for_any_slab_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"one frame of the decoder's window attention holds 100 elements; 11 frames "
-                                         r"of keys exceed the 1000 one attention call may span: decode with tiling "
-                                         r"\(`offload.vae_tiling`\)"):
-        layers.attention_slabs(20, 11, 100, 1000)
+    with pytest.raises(ValueError, match=r"one frame of the decoder's window attention holds 100 elements; the keys "
+                                         r"of one frame's window exceed the 1000 one attention call may span: decode "
+                                         r"with tiling \(`offload.vae_tiling`\)"):
+        attention_slabs(Layout((20, 1, 1)), 11, 100, 1000)
 
 
 FRAME = 4 * 5 * 16
