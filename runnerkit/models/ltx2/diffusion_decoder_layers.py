@@ -181,9 +181,8 @@ def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device,
     slabs = []
     for u0, u1 in attention_slabs(layout, kernel[0], channels, limit):
         j0, j1 = layout.key_units(kernel[0], u0, u1)
-        whole = (u0, u1) == (0, layout.units)
-        q0, k0 = (u0 * f, j0 * f) if whole or not flex else (torch.tensor(u0 * f, device=device),
-                                                               torch.tensor(j0 * f, device=device))
+        # FlexAttention reads the slab's frame offsets from tensors: one compiled kernel for whole grids and slabs
+        q0, k0 = (torch.tensor(u0 * f, device=device), torch.tensor(j0 * f, device=device)) if flex else (u0 * f, j0 * f)
         mask_mod = window_mask_mod(layout, kernel, q0, k0)
         nq, nk = (u1 - u0) * per_unit, (j1 - j0) * per_unit
         if not flex:

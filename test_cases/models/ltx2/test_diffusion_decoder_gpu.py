@@ -31,10 +31,12 @@ def test_cuda_window_attention_equals_the_cpu_dense_path(head_dim: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
-def test_cuda_flex_attention_with_the_window_block_tables_equals_the_dense_mask() -> None:
-    """Compiled FlexAttention over the geometric block tables (window_blocks.py: narrower than the KV block
-    count, partial blocks only) on a grid of many blocks, against SDPA with the dense window mask."""
+def test_cuda_flex_attention_with_the_window_block_tables_equals_the_dense_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled FlexAttention over the row-major geometric block tables (window_blocks.py: narrower than the KV
+    block count, partial blocks only) on a grid of many blocks, against SDPA with the dense window mask."""
     from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
+
+    monkeypatch.setattr(layers, "FLEX_TILE", None)
 
     grid, kernel = (5, 12, 200), (3, 5, 11)  # 12,000 tokens: 94 query blocks
     n, cuda = 5 * 12 * 200, torch.device("cuda")
