@@ -34,6 +34,18 @@ def torch_block_sets(grid: tuple[int, int, int], kernel: tuple[int, int, int], b
     return sets
 
 
+def assert_tables_list(num: torch.Tensor, indices: torch.Tensor, want: torch.Tensor) -> None:
+    """KV tables [Q], [Q, width] list exactly the blocks of `want` [Q, K], each row once and ascending, no wider
+    than its fullest row, in int32."""
+    got = torch.zeros_like(want)
+    for q in range(num.numel()):
+        row = indices[q, :num[q]].long()
+        assert torch.all(row[1:] > row[:-1]), "each row lists its KV blocks once, ascending"
+        got[q, row] = True
+    assert torch.equal(got, want)
+    assert indices.shape[1] == int(num.max()) and num.dtype == indices.dtype == torch.int32
+
+
 # grids narrower and wider than a block along W, token counts with and without a partial last block,
 # kernels equal to the grid, of one token, and window rows spanning several blocks
 CASES = [((5, 9, 13), (3, 3, 5), 16), ((4, 7, 200), (3, 3, 11), 128), ((6, 20, 24), (5, 11, 11), 128),
@@ -45,13 +57,7 @@ def test_window_blocks_are_exactly_torchs_block_sets(grid: tuple[int, int, int],
                                                      block: int) -> None:
     num, indices = window_kv_blocks(grid, kernel, CPU, block)
     want = torch_block_sets(grid, kernel, block)
-    got = torch.zeros_like(want)
-    for q in range(num.numel()):
-        row = indices[q, :num[q]].long()
-        assert torch.all(row[1:] > row[:-1]), "each row lists its KV blocks once, ascending"
-        got[q, row] = True
-    assert torch.equal(got, want)
-    assert indices.shape[1] == int(num.max()) and num.dtype == indices.dtype == torch.int32
+    assert_tables_list(num, indices, want)
 
 
 # slabs of query frames: at the start, in the middle, at the end (windows shifted inward), a single frame, a slab
@@ -68,10 +74,7 @@ def test_a_slabs_blocks_are_exactly_torchs_block_sets(grid: tuple[int, int, int]
     frame: the same block sets as torch's construction of the offset `mask_mod`."""
     num, indices = window_kv_blocks(grid, kernel, CPU, block, frames)
     want = torch_block_sets(grid, kernel, block, frames)
-    got = torch.zeros_like(want)
-    for q in range(num.numel()):
-        got[q, indices[q, :num[q]].long()] = True
-    assert torch.equal(got, want)
+    assert_tables_list(num, indices, want)
 
 
 def test_a_slab_reaches_exactly_the_key_frames_of_its_windows() -> None:
@@ -146,13 +149,7 @@ def test_tiled_blocks_are_exactly_torchs_block_sets(grid: tuple[int, int, int], 
     layout = Layout(grid, tile)
     num, indices = tiled_kv_blocks(layout, kernel, CPU, units)
     want = torch_tiled_block_sets(layout, kernel, units)
-    got = torch.zeros_like(want)
-    for q in range(num.numel()):
-        row = indices[q, :num[q]].long()
-        assert torch.all(row[1:] > row[:-1]), "each row lists its KV blocks once, ascending"
-        got[q, row] = True
-    assert torch.equal(got, want)
-    assert indices.shape[1] == int(num.max()) and num.dtype == indices.dtype == torch.int32
+    assert_tables_list(num, indices, want)
 
 
 def test_tiled_order_visits_fewer_blocks_at_the_release_stage5_grid() -> None:
