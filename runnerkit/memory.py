@@ -28,19 +28,24 @@ class HostMemory:
     rss: resident set size now; peak_rss: high-water mark of the RSS since `reset_host_peak`
     succeeded (`peak_scope` "request"), or since the process started (`peak_scope` "process":
     the kernel offers no reset, e.g. outside Linux); available: what the kernel can still hand
-    out (`host_available_bytes`; None where unknown). Source: /proc/self/status (VmRSS, VmHWM) on
-    Linux, `resource.getrusage` elsewhere.
+    out (`host_available_bytes`; None where unknown); anon: the anonymous and shared (pinned slabs,
+    shared memory) part of the RSS now, without the pages of memory-mapped files, which the kernel
+    may drop at any time: what the planner's host estimate bounds (None where unknown). Source:
+    /proc/self/status (VmRSS, VmHWM, RssAnon, RssShmem) on Linux, `resource.getrusage` elsewhere.
     """
 
     rss_gib: float
     peak_rss_gib: float
     available_gib: float | None
     peak_scope: str = "process"
+    anon_gib: float | None = None
 
     def as_dict(self) -> dict[str, float | str]:
         out: dict[str, float | str] = {"host_rss_gib": round(self.rss_gib, 4),
                                        "host_peak_rss_gib": round(self.peak_rss_gib, 4),
                                        "host_peak_scope": self.peak_scope}
+        if self.anon_gib is not None:
+            out["host_anon_shmem_gib"] = round(self.anon_gib, 4)
         if self.available_gib is not None:
             out["host_available_gib"] = round(self.available_gib, 4)
         return out
@@ -64,7 +69,8 @@ def _proc_kib(path: str, keys: tuple[str, ...]) -> dict[str, int]:
 
 def host_memory() -> HostMemory:
     """This process's host memory now (see `HostMemory`)."""
-    status = _proc_kib("/proc/self/status", ("VmRSS", "VmHWM"))
+    status = _proc_kib("/proc/self/status", ("VmRSS", "VmHWM", "RssAnon", "RssShmem"))
+    anon = (status["RssAnon"] + status["RssShmem"]) * 1024 / GIB if "RssAnon" in status and "RssShmem" in status else None
     if "VmRSS" in status and "VmHWM" in status:
         rss, peak = status["VmRSS"] * 1024, status["VmHWM"] * 1024
     else:  # not Linux: ru_maxrss is KiB on Linux, bytes on macOS; no current RSS, the peak stands in
@@ -72,7 +78,7 @@ def host_memory() -> HostMemory:
         rss = peak
     found = host_available_bytes()  # MemAvailable, psutil or free pages; a cgroup limit if smaller
     available = found[0] / GIB if found is not None else None
-    return HostMemory(rss / GIB, peak / GIB, available, _host_peak_scope)
+    return HostMemory(rss / GIB, peak / GIB, available, _host_peak_scope, anon)
 
 
 def reset_host_peak() -> bool:

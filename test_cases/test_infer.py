@@ -233,8 +233,8 @@ def _check_request_profile(entry: dict[str, Any], index: int, shape: list[int]) 
     assert len(entry["step_seconds"]) == STEPS and all(s > 0 for s in entry["step_seconds"])
     assert sum(entry["step_seconds"]) <= stages["transformer"] + 1e-6
     memory = entry["memory"]  # CPU run: host memory, and no device-memory zeros
-    assert set(memory) == {"host_rss_gib", "host_peak_rss_gib", "host_peak_scope"}, memory
-    assert 0 < memory["host_rss_gib"] <= memory["host_peak_rss_gib"] < 64
+    assert set(memory) == {"host_rss_gib", "host_peak_rss_gib", "host_peak_scope", "host_anon_shmem_gib"}, memory
+    assert 0 < memory["host_anon_shmem_gib"] <= memory["host_rss_gib"] <= memory["host_peak_rss_gib"] < 64
     assert memory["host_peak_scope"] in ("request", "process")
     assert set(entry["audit"]) >= {"compilations", "recompilations", "reserved_growth_gib", "warmed_shape"}
     assert entry["audit"]["compilations"] == 0 and entry["audit"]["recompilations"] == 0  # compile is off
