@@ -10,7 +10,8 @@ process (compile state is per process):
   kernel that then serves the small grid too). `row_major` / `tiled` run with slabs, in each token
   order (`FLEX_TILE`).
 - `decoder_*` arms decode release-size random weights (bfloat16) at 25, 473 and again 25 output
-  frames of 512x768 (latents 16x24), each timed once after an untimed 25-frame decode.
+  frames of 512x768 (latents 16x24), each timed once after an untimed 25-frame decode;
+  `decoder_profile` lists the operators of one 25-frame decode by device time.
 
 Prints one JSON line per arm: milliseconds per call (CUDA events) and the window's FLOPs per second
 (N x kt*kh*kw keys x head_dim x 4 x heads).
@@ -39,7 +40,7 @@ ATTENTION_ARMS = {
     "row_major": [SMALL, TARGET, BIG, TARGET],
     "tiled": [SMALL, TARGET, BIG, TARGET],
 }
-DECODER_ARMS = ("decoder_tiled", "decoder_row_major")
+DECODER_ARMS = ("decoder_tiled", "decoder_row_major", "decoder_profile")
 ARMS = [*ATTENTION_ARMS, *DECODER_ARMS]
 
 
@@ -96,9 +97,11 @@ def decoder_arm(name: str) -> dict:
     from runnerkit.models.ltx2.diffusion_decode import decode_video
     from runnerkit.models.ltx2.diffusion_decoder import LTX25_DIFFUSION_DECODER, LTX2DiffusionDecoder
 
-    layers.FLEX_TILE = layers.TILE if name == "decoder_tiled" else None
+    layers.FLEX_TILE = None if name == "decoder_row_major" else layers.TILE
     with torch.device("cuda"):
         model = LTX2DiffusionDecoder(LTX25_DIFFUSION_DECODER).to(torch.bfloat16).eval()
+    if name == "decoder_profile":
+        return {"arm": name, "top_cuda_ops": profile_decode(model)}
     rows = []
     for frames in (25, 25, 473, 25):
         latents = torch.randn(1, 128, (frames - 1) // 8 + 1, 16, 24, device="cuda")
@@ -112,6 +115,29 @@ def decoder_arm(name: str) -> dict:
                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
         del video
     return {"arm": name, "decodes": rows}
+
+
+def profile_decode(model, frames: int = 25, top: int = 20) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The device time of one whole decode by operator (torch.profiler), after an untimed one: where the time
+    outside the window attention goes (the CPU noise draw shows as the gap, not as an operator)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from runnerkit.models.ltx2.diffusion_decode import decode_video
+
+    latents = torch.randn(1, 128, (frames - 1) // 8 + 1, 16, 24, device="cuda")
+    with torch.inference_mode():
+        decode_video(model, latents, generator=0)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            decode_video(model, latents, generator=0)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    rows = [{"op": e.key[:80], "calls": e.count, "self_device_ms": round(e.self_device_time_total / 1e3, 1),
+             "cpu_ms": round(e.cpu_time_total / 1e3, 1)} for e in events]
+    return [{"wall_s": round(wall, 3)}, *rows]
 
 
 def main() -> None:
