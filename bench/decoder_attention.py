@@ -9,8 +9,8 @@ process (compile state is per process):
   without slabs (the state before the slab split: a call over 2^31 elements compiles a 64-bit-index
   kernel that then serves the small grid too). `row_major` / `tiled` run with slabs, in each token
   order (`FLEX_TILE`).
-- `decoder_*` arms decode release-size random weights (bfloat16) at 25, 473 and again 25 output
-  frames of 512x768 (latents 16x24), each timed once after an untimed 25-frame decode;
+- `decoder_*` arms decode release-size random weights (bfloat16) at 25, 25, 473 and again 25 output
+  frames of 512x768 (latents 16x24), each timed (the first includes FlexAttention's compile);
   `decoder_profile` lists the operators of one 25-frame decode by device time.
 
 Prints one JSON line per arm: milliseconds per call (CUDA events) and the window's FLOPs per second

@@ -173,7 +173,14 @@ def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device,
     window's geometry (window_blocks.py; `create_block_mask` would build the dense [N, N] mask); elsewhere
     row-major tokens and dense boolean masks. One slab per `attention_slabs` range: one video's q of `channels`
     (= heads x head_dim) per token, at most `limit` elements of keys a call (None: `INDEX_LIMIT`).
+
+    Raises:
+        ValueError: a grid axis smaller than its kernel (NATTEN's window must fit), or a frame too large for
+            any slab (`attention_slabs`).
     """
+    if any(g < k for g, k in zip(grid, kernel)):
+        raise ValueError(f"neighborhood attention needs the (T, H, W) grid {tuple(grid)} to be at least its kernel "
+                         f"{tuple(kernel)} on every axis; decode a larger video.")
     flex = uses_flex(device, head_dim)
     layout = Layout(tuple(grid), FLEX_TILE if flex else None)
     limit = INDEX_LIMIT if limit is None else limit
@@ -253,15 +260,12 @@ class NeighborhoodAttention(nn.Module):
         self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
 
     def forward(self, x: Tensor, mask: WindowMask | None = None) -> Tensor:
-        """x: [B, T, H, W, C] -> [B, T, H, W, C].
+        """x: [B, T, H, W, C] -> [B, T, H, W, C]; `mask` from `stage_mask` (built here when None).
 
         Raises:
-            ValueError: a grid axis smaller than its kernel (NATTEN's window must fit).
+            ValueError: a grid axis smaller than its kernel (NATTEN's window must fit; `stage_mask`).
         """
         B, T, H, W, _ = x.shape
-        if T < self.kernel[0] or H < self.kernel[1] or W < self.kernel[2]:
-            raise ValueError(f"neighborhood attention needs the (T, H, W) grid ({T}, {H}, {W}) to be at least "
-                             f"its kernel {self.kernel} on every axis; decode a larger video.")
         shape = (B, T, H, W, self.heads, self.head_dim)
         if mask is None:
             mask = stage_mask((T, H, W), self.kernel, x.device, self.head_dim, self.heads * self.head_dim)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import replace
 
 import torch
@@ -35,7 +36,9 @@ from torch import nn
 from runnerkit.config import OffloadConfig
 from runnerkit.models.ltx2.arch25 import LTX25Arch
 from runnerkit.models.ltx2.checkpoint25 import extra_factory
-from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
+from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling, decode_grids
+from runnerkit.models.ltx2.diffusion_decoder import LTX2DiffusionDecoderArch
+from runnerkit.models.ltx2.diffusion_decoder_layers import uses_flex
 from runnerkit.models.ltx2.duration import LTX2DurationHead
 from runnerkit.models.ltx2.estimate import TEXT_TOKENS, _stream_hints, ltx2_estimate, stage_tokens
 from runnerkit.models.ltx2.estimate_decoders import vae_decode_bytes
@@ -83,6 +86,17 @@ def _meta_extra(component: str, arch: LTX25Arch) -> nn.Module:
     return extra_factory(component, arch)
 
 
+def dense_mask_bytes(decoder: LTX2DiffusionDecoderArch, latent_fhw: tuple[int, int, int], device: torch.device,
+                     tiling: DecoderTiling | None) -> int:
+    """The decoder's dense boolean window mask where FlexAttention does not run (`uses_flex`: the CPU, heads under
+    16): [N, N] at the largest stage grid a decode (or a tile) runs, alive through that stage (its slabs' masks
+    together are no larger); 0 where FlexAttention runs."""
+    if uses_flex(device, decoder.decoder_head_dim):
+        return 0
+    n = max(math.prod(grid) for pair in decode_grids(decoder, latent_fhw, tiling) for grid in pair)
+    return n * n
+
+
 def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, task: str, dtype: torch.dtype,
                    device: torch.device, offload: OffloadConfig, fp8_stored: frozenset[str] = frozenset(),
                    lora_rank: int = 0, conv_decoder: bool = False) -> MemoryEstimate:
@@ -112,9 +126,13 @@ def ltx25_estimate(arch: LTX25Arch, text_config: dict, shape: Shape, fps: int, t
             stage = replace(stage, detail=stage.detail.replace("gemma-3", "gemma-4"))
         if stage.name == "vae_decoder" and not conv_decoder:  # the same tensors kept beside it; the diffusion decode instead of the VAE's
             kept = stage.activation_bytes - vae_decode_bytes(arch.vae, grid2, s, device.type)[0]
-            decode, detail = (tiled_diffusion_decode_bytes(arch.diffusion_decoder, grid2, s, DecoderTiling())
-                              if offload.vae_tiling else diffusion_decode_bytes(arch.diffusion_decoder, grid2, s))
-            stage = StageFootprint("diffusion_decoder", "diffusion_decoder", decode + kept, detail)
+            tiling = DecoderTiling() if offload.vae_tiling else None
+            decode, detail = (tiled_diffusion_decode_bytes(arch.diffusion_decoder, grid2, s, tiling)
+                              if tiling else diffusion_decode_bytes(arch.diffusion_decoder, grid2, s))
+            mask = dense_mask_bytes(arch.diffusion_decoder, grid2, device, tiling)
+            if mask:
+                detail += f"; the dense window mask of the path without FlexAttention {mask / 2**30:.2f} GiB"
+            stage = StageFootprint("diffusion_decoder", "diffusion_decoder", decode + kept + mask, detail)
         stages.append(stage)
         if stage.name == "text_connectors":
             head_bytes = duration_head_bytes(head, s)  # type: ignore[arg-type]

@@ -52,6 +52,7 @@ from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
 from runnerkit.models.ltx2.diffusion_decode import decode_video, warm_whole_decode
 from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
+from runnerkit.models.ltx2.diffusion_decoder import LTX25_DIFFUSION_DECODER, LTX2DiffusionDecoderArch
 from runnerkit.models.ltx2.duration import MAX_SECONDS, MIN_SECONDS, frames_for_duration
 from runnerkit.models.ltx2.plan_sources import configured_arch
 from runnerkit.models.ltx2.plan_sources25 import (
@@ -253,13 +254,33 @@ class LTX25Runner(LTX2Runner):
             ValueError: naming `target_video_length`, its value and the smallest allowed.
         """
         super().validate_request(request, config)
-        frames = shape_with_defaults(request, cls.resolve_config(config))[2]
+        height, width, frames = shape_with_defaults(request, cls.resolve_config(config))
+        if config.video_decoder != "conv":
+            cls._check_decoder_windows(height, width, config)
         smallest = cls.shortest_clip(config)
         if frames is not None and frames < smallest:
             raise ValueError(f"`target_video_length` {frames}: ltx2.5 takes at least {smallest} frames at "
                              f"{config.fps or cls.DEFAULTS['fps']} fps (the shortest clip its duration head "
                              "predicts; the diffusion decoder needs several latent frames); omit it to have it "
                              "predicted")
+
+    @classmethod
+    def _check_decoder_windows(cls, height: int, width: int, config: RunnerConfig) -> None:
+        """The diffusion decoder's stage-1 attention window must fit the latent grid (later stages only grow it):
+        refused with the request rather than in the decoder after both denoising stages. The decoder's
+        architecture: the config's `model` if it has one, else the release's.
+
+        Raises:
+            ValueError: naming `target_height` / `target_width`, the size and the smallest allowed.
+        """
+        section = (config.model or {}).get("diffusion_decoder")
+        arch = LTX2DiffusionDecoderArch(**section) if section else LTX25_DIFFUSION_DECODER
+        _, kh, kw = arch.decoder_stage_kernels[0]
+        r = arch.spatial_compression_ratio
+        if height // r < kh or width // r < kw:
+            raise ValueError(f"`target_height` x `target_width` {height}x{width}: the ltx2.5 diffusion decoder's "
+                             f"attention windows need latents of at least {kh} x {kw} cells, {kh * r} x {kw * r} "
+                             "pixels; ask for a larger video, or decode with `video_decoder` 'conv'")
 
     @classmethod
     def shortest_clip(cls, config: RunnerConfig) -> int:

@@ -17,7 +17,11 @@ Every listed block is a partial block (the kernel applies `mask_mod` inside it),
 window is narrower than a block along W at every shipped kernel, so a block that every pair of a
 query block may attend to is rare; listing it as partial gives the same attention, only masked.
 `kv_indices` is [1, 1, query blocks, the most KV blocks any query block needs] (not the dense
-[.., query blocks, KV blocks] of `create_block_mask`), built in bounded chunks of grid rows.
+[.., query blocks, KV blocks] of `create_block_mask`), built in bounded chunks of grid rows. The dense
+width would be (N/128)^2 int32, 31 GiB at the 473-frame stage-5 grid. Compiled FlexAttention on CUDA
+takes the narrow tables (torch 2.11; test_diffusion_decoder_gpu.py); the BlockMask docs show the dense
+shape, and CPU inductor with dynamic shapes refuses narrow ones ("KV seqlen must be smaller than the
+block_mask size"), which the CPU path never meets (it uses a dense mask).
 
 Tests: test_cases/models/ltx2/test_window_blocks.py (the block sets equal `create_block_mask`'s on
 grids and kernels of every shape class).

@@ -135,8 +135,9 @@ def _even(units: int, count: int) -> list[tuple[int, int]]:
 
 
 def attention_slabs(layout: Layout, kt: int, channels: int, limit: int) -> list[tuple[int, int]]:
-    """Query unit ranges [u0, u1) covering every unit in order, as few and as even as possible, whose key units
-    (`Layout.key_units`) span at most `limit` elements (one video's q, k or v of `channels` per token).
+    """Query unit ranges [u0, u1) covering every unit in order: the fewest even slabs (sizes differing by at most
+    one unit; equal slabs share one compiled kernel) whose key units (`Layout.key_units`) each span at most
+    `limit` elements (one video's q, k or v of `channels` per token). An uneven split may need one slab fewer.
 
     Raises:
         ValueError: even one unit's keys exceed `limit` (a frame too large for any slab).
@@ -149,6 +150,8 @@ def attention_slabs(layout: Layout, kt: int, channels: int, limit: int) -> list[
         slabs = _even(units, count)
         if all((j1 - j0) * unit <= limit for j0, j1 in (layout.key_units(kt, *s) for s in slabs)):
             return slabs
-    raise ValueError(f"one frame of the decoder's window attention holds {unit // layout.unit_frames} elements; the "
-                     f"keys of one frame's window exceed the {limit} one attention call may span: decode with "
-                     f"tiling (`offload.vae_tiling`) or at a smaller size.")
+    T, H, W = layout.grid
+    least = min((j1 - j0) * unit for j0, j1 in (layout.key_units(kt, u, u + 1) for u in range(units)))
+    raise ValueError(f"the decoder's window attention on a {T}x{H}x{W} token grid of {channels} channels cannot be "
+                     f"split under {limit} elements a call: the keys of a single query frame's window hold {least} "
+                     f"({kt} frames); decode with tiling (`offload.vae_tiling`) or at a smaller size.")

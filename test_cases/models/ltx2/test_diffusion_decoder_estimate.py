@@ -2,14 +2,16 @@
 against the peak measured on the CPU (`torch.profiler` allocation events replayed in time order).
 
 The attention kernel is replaced by an output-only stand-in laid out as the query (what compiled
-FlexAttention allocates) and the stage masks by None: the CPU path's dense [N, N] mask is a test
-convenience that the CUDA path does not have. Float32, where the CPU runs the same allocations as
+FlexAttention allocates) and the stage masks by row-major ones holding no mask tensor (`_no_mask`): the CPU
+path's dense [N, N] mask is counted apart (`estimate25.dense_mask_bytes`), and the CUDA path has none. Float32, where the CPU runs the same allocations as
 CUDA (in bfloat16 the CPU's RMSNorm upcasts to float32 internally, CUDA's fused kernel does not).
 Configs: the peak in a stage-5 block (wide stage 5), in a deterministic block (wide stage 1), and
 at the unpatchify (narrow stage 5); the SwiGLU tiled (64 or 4 tokens: the attention point binds) and untiled.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -83,9 +85,11 @@ def test_the_tiled_token_order_stays_under_the_formula(monkeypatch: pytest.Monke
                                                        where: str) -> None:
     """FlexAttention's tiled order (CUDA) copies q, k, v and the output into another order; made one at a time
     (diffusion_decoder_layers.py `NeighborhoodAttention.forward`), the copies stay under the row-major walk the
-    formula models. Tiles of one token: the copies without padding."""
+    formula models. Tiles of 1 x 1 x 3 tokens (every grid's W here is a multiple of 3): real copies, no padding;
+    the padding of 2x8x8 tiles (a few percent of a frame at release sizes) is not measured here."""
     def tiled(grid: tuple[int, int, int], kernel: tuple[int, int, int], *args: object) -> layers.WindowMask:
-        return layers.WindowMask(Layout(grid, (1, 1, 1)), kernel, _no_mask(grid, kernel).slabs, layers.INDEX_LIMIT)
+        assert grid[2] % 3 == 0, grid
+        return layers.WindowMask(Layout(grid, (1, 1, 3)), kernel, _no_mask(grid, kernel).slabs, layers.INDEX_LIMIT)
 
     monkeypatch.setattr(layers, "attend", lambda q, k, v, mask: torch.empty_like(q))
     monkeypatch.setattr(layers, "stage_mask", tiled)
@@ -161,3 +165,20 @@ def test_release_tiled_peak() -> None:
     assert (round(tiled / 2**30, 2), round(whole / 2**30, 2)) == (13.24, 61.55)
     assert tiled_diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (4, 16, 24), 2, DecoderTiling()) == \
         diffusion_decode_bytes(LTX25_DIFFUSION_DECODER, (4, 16, 24), 2)
+
+
+def test_the_dense_window_mask_counts_only_where_flexattention_does_not_run() -> None:
+    """`estimate25.dense_mask_bytes`: the path without FlexAttention (the CPU; heads under 16 on CUDA) holds an
+    [N, N] boolean mask at the largest stage grid (stage 5's here); FlexAttention's block tables are not counted."""
+    from runnerkit.models.ltx2.diffusion_decode_tiled import decode_grids
+    from runnerkit.models.ltx2.estimate25 import dense_mask_bytes
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    latents = (4, 16, 24)  # 25 frames at 512x768
+    stage5 = decode_grids(LTX25_DIFFUSION_DECODER, latents, None)[0][1]
+    assert stage5 == (25, 128, 192)
+    assert dense_mask_bytes(LTX25_DIFFUSION_DECODER, latents, cpu, None) == (25 * 128 * 192) ** 2
+    assert dense_mask_bytes(LTX25_DIFFUSION_DECODER, latents, cuda, None) == 0
+    tiny = ARCHS["tiny"]  # heads of 8: the dense mask on CUDA too
+    n = max(math.prod(g) for pair in decode_grids(tiny, (2, 1, 3), None) for g in pair)
+    assert dense_mask_bytes(tiny, (2, 1, 3), cuda, None) == n * n > 0

@@ -224,7 +224,8 @@ def test_estimate_counts_the_new_modules_and_stages(cold: dict[str, Any]) -> Non
     """The estimate's weights of Gemma-4, the duration head and the diffusion decoder are the loaded modules'
     bytes; its stages are the pipeline's profiled stages in order (the diffusion decoder in place of the VAE
     decoder, no VAE module for t2av); the decoder's stage holds `diffusion_decode_bytes` at stage 2's grid
-    (frames omitted: at the bounds' largest count, 33 frames -> 5 latent frames)."""
+    (frames omitted: at the bounds' largest count, 33 frames -> 5 latent frames) and the CPU's dense window mask."""
+    from runnerkit.models.ltx2.estimate25 import dense_mask_bytes
     from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes
 
     runner: LTX25Runner = cold["runner"]
@@ -237,8 +238,11 @@ def test_estimate_counts_the_new_modules_and_stages(cold: dict[str, Any]) -> Non
     assert "vae" not in estimate.modules and set(estimate.modules) == set(runner.modules)
     assert tuple(s.name for s in estimate.stages) == runner.profile_stages()
     decode = next(s for s in estimate.stages if s.name == "diffusion_decoder")
-    assert decode.activation_bytes > diffusion_decode_bytes(runner.checkpoint.arch.diffusion_decoder, (5, 2, 4), 4)[0]
-    assert decode.activation_bytes < diffusion_decode_bytes(runner.checkpoint.arch.diffusion_decoder, (6, 2, 4), 4)[0]
+    decoder = runner.checkpoint.arch.diffusion_decoder
+    mask = dense_mask_bytes(decoder, (5, 2, 4), torch.device("cpu"), None)  # the CPU's dense window mask
+    assert mask > 0 and "the dense window mask" in decode.detail
+    assert decode.activation_bytes > diffusion_decode_bytes(decoder, (5, 2, 4), 4)[0] + mask
+    assert decode.activation_bytes < diffusion_decode_bytes(decoder, (6, 2, 4), 4)[0] + mask
 
 
 class FakeEnhancer:
@@ -357,6 +361,24 @@ def test_a_frame_count_below_the_shortest_prediction_is_refused(frames: int, ref
     request = RequestConfig(prompt="p", target_video_length=frames)
     if refused:
         with pytest.raises(ValueError, match=r"`target_video_length` 1: ltx2.5 takes at least 9 frames at 24 fps"):
+            LTX25Runner.validate_request(request, config)
+    else:
+        LTX25Runner.validate_request(request, config)
+
+
+@pytest.mark.parametrize("height, width, decoder, refused", [(192, 768, None, True), (512, 192, None, True),
+                                                              (256, 256, None, False), (192, 768, "conv", False)])
+def test_a_size_below_the_decoders_windows_is_refused(height: int, width: int, decoder: str | None,
+                                                      refused: bool) -> None:
+    """The release decoder's stage-1 window is 7 x 7 latent cells (224 x 224 pixels): a smaller request is refused
+    before anything loads, naming both fields and the smallest size, unless the convolutional VAE decodes."""
+    overrides = {"device": "cpu"} | ({"video_decoder": decoder} if decoder else {})
+    config = load_runner_config(CONFIGS / "ltx25_t2av_22b_distilled.json", overrides)
+    request = RequestConfig(prompt="p", target_height=height, target_width=width, target_video_length=25)
+    if refused:
+        with pytest.raises(ValueError, match=rf"`target_height` x `target_width` {height}x{width}: the ltx2.5 "
+                                             r"diffusion decoder's attention windows need latents of at least 7 x 7 "
+                                             r"cells, 224 x 224 pixels; .* `video_decoder` 'conv'"):
             LTX25Runner.validate_request(request, config)
     else:
         LTX25Runner.validate_request(request, config)

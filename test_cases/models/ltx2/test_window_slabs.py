@@ -32,7 +32,7 @@ def test_slabs_cover_every_unit_once_and_their_keys_stay_under_the_limit(layout:
         assert (j1 - j0) * unit <= limit
     sizes = [u1 - u0 for u0, u1 in slabs]
     assert max(sizes) - min(sizes) <= 1
-    # as few as the limit allows: the even split into one slab fewer does not fit
+    # the fewest even slabs: the even split into one slab fewer does not fit
     if len(slabs) > 1:
         n = len(slabs) - 1
         fewer = [(round(i * layout.units / n), round((i + 1) * layout.units / n)) for i in range(n)]
@@ -48,9 +48,10 @@ def test_the_release_stage5_grid_at_473_frames_takes_two_slabs() -> None:
 
 
 def test_a_frame_too_large_for_any_slab_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"one frame of the decoder's window attention holds 100 elements; the keys "
-                                         r"of one frame's window exceed the 1000 one attention call may span: decode "
-                                         r"with tiling \(`offload.vae_tiling`\)"):
+    with pytest.raises(ValueError, match=r"the decoder's window attention on a 20x1x1 token grid of 100 channels "
+                                         r"cannot be split under 1000 elements a call: the keys of a single query "
+                                         r"frame's window hold 1100 \(11 frames\); decode with tiling "
+                                         r"\(`offload.vae_tiling`\) or at a smaller size"):
         attention_slabs(Layout((20, 1, 1)), 11, 100, 1000)
 
 
