@@ -53,12 +53,13 @@ def _eager_flex(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layers, "_compiled_flex", lambda: flex_attention)
 
 
+@pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("limit", [None, 3 * 512 * 16], ids=["whole", "slabs"])
 def test_tiled_flex_attention_equals_row_major_dense_attention(monkeypatch: pytest.MonkeyPatch,
-                                                               limit: int | None) -> None:
+                                                               limit: int | None, B: int) -> None:
     grid, kernel, heads, d = (7, 10, 12), (3, 5, 5), 2, 8
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, *grid, heads, d, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(B, *grid, heads, d, generator=g, dtype=torch.float64) for _ in range(3))
     want = layers.neighborhood_attention(q, k, v, kernel, layers.stage_mask(grid, kernel, CPU, d, heads * d))
     _eager_flex(monkeypatch)
     mask = layers.stage_mask(grid, kernel, CPU, d, heads * d, limit=limit)
