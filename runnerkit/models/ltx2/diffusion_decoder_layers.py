@@ -8,8 +8,9 @@ tensors are channels-last: `[B, T, H, W, C]` (T frames, H/W grid rows/columns of
 Neighborhood attention: every query attends to exactly `kernel` positions per axis, a window
 centred on it and shifted inward at the grid border (NATTEN's rule, no truncation). On CUDA it
 runs as FlexAttention with a block mask (compiled: the uncompiled kernel materialises every
-score); elsewhere the same window is a dense boolean mask for `scaled_dot_product_attention`
-(fine at test sizes only: the mask is `[N, N]`).
+score), its tokens in 2x8x8 tiles (window_layout.py) and no call past `INDEX_LIMIT` elements;
+elsewhere the same window is a dense boolean mask for `scaled_dot_product_attention` (fine at
+test sizes only: the mask is `[N, N]`).
 """
 
 from __future__ import annotations
@@ -219,8 +220,8 @@ def windowed_attention(q: Tensor, k: Tensor, v: Tensor, mask: WindowMask) -> Ten
     out = q.new_empty(B, N, heads * d)
     for items in [slice(None)] if whole else [slice(b, b + 1) for b in range(B)]:
         for slab in mask.slabs:
-            (a, b), (c, e) = slab.queries, slab.keys
-            out[items, a:b] = run(q[items, a:b], k[items, c:e], v[items, c:e], slab.mask)
+            (q0, q1), (k0, k1) = slab.queries, slab.keys
+            out[items, q0:q1] = run(q[items, q0:q1], k[items, k0:k1], v[items, k0:k1], slab.mask)
     return out
 
 
