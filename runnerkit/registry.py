@@ -34,7 +34,7 @@ MODELS_PACKAGE = "runnerkit.models"
 
 
 @functools.cache
-def scan_families() -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+def scan_families() -> tuple[dict[str, tuple[str, ...]], dict[str, str], dict[str, frozenset[str] | None]]:
     """Read every module of every family folder under runnerkit/models/ whose source names
     `register_runner` (with `ast`: nothing is imported, torch included, so the launch script can
     list the names before it parses its arguments).
@@ -42,13 +42,15 @@ def scan_families() -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
     Returns:
         (module -> the `model_cls` names it registers, sorted by module; module -> one line
         `path:line: what is wrong` for each module that cannot be read: a syntax error, or a
-        `register_runner` whose `model_cls` is not a string literal). An unreadable module is left
+        `register_runner` whose `model_cls` is not a string literal; `model_cls` -> the tasks its
+        registering classes list as a `TASKS` literal in their own body, None where one does not). An unreadable module is left
         out of the names and logged as a warning here; a lookup that misses reports it
         (`get_runner_cls`), so the other families still run and `--help` still lists them.
     """
     package = importlib.import_module(MODELS_PACKAGE)  # runnerkit/models/__init__.py: no imports
     found: dict[str, tuple[str, ...]] = {}
     unreadable: dict[str, str] = {}
+    tasks: dict[str, frozenset[str] | None] = {}
     for family in pkgutil.iter_modules(package.__path__):
         if not family.ispkg:
             continue
@@ -62,20 +64,23 @@ def scan_families() -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
                 text = source.read_text(encoding="utf-8")
                 if "register_runner" not in text:  # no decorator can name it: skip the parse (most modules)
                     continue
-                names = _registered_names(ast.parse(text, filename=str(source)))
+                registrations = _registrations(ast.parse(text, filename=str(source)))
             except _NotLiteral as exc:
                 unreadable[module] = f"{_shown(source)}:{exc.lineno}: {exc}"
             except (SyntaxError, ValueError) as exc:  # ValueError: undecodable bytes, a null byte
                 line = getattr(exc, "lineno", None) or 1
                 unreadable[module] = f"{_shown(source)}:{line}: cannot be parsed: {getattr(exc, 'msg', exc)}"
             else:
-                if names:
-                    found[module] = names
+                if registrations:
+                    found[module] = tuple(name for name, _ in registrations)
+                for name, listed in registrations:
+                    known = tasks.get(name, frozenset())
+                    tasks[name] = None if known is None or listed is None else known | listed
     if unreadable:
         from loguru import logger
         for problem in unreadable.values():
             logger.warning(f"{problem} (its runners are not registered)")
-    return dict(sorted(found.items())), dict(sorted(unreadable.items()))
+    return dict(sorted(found.items())), dict(sorted(unreadable.items())), tasks
 
 
 def runner_modules() -> dict[str, tuple[str, ...]]:
@@ -103,8 +108,22 @@ def _shown(source: Path) -> str:
         return str(source)
 
 
-def _registered_names(tree: ast.Module) -> tuple[str, ...]:
-    """The `model_cls` names of the `@register_runner("name")` class decorators in a module, in order.
+def _listed_tasks(node: ast.ClassDef) -> frozenset[str] | None:
+    """The class body's own `TASKS = (...)` of string literals; None if it has none (inherited, computed)."""
+    for stmt in node.body:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == "TASKS" for t in targets):
+            value = stmt.value
+            if isinstance(value, (ast.Tuple, ast.List)) and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts):
+                return frozenset(e.value for e in value.elts)
+            return None
+    return None
+
+
+def _registrations(tree: ast.Module) -> tuple[tuple[str, frozenset[str] | None], ...]:
+    """The `model_cls` names of the `@register_runner("name")` class decorators in a module, in order, each with
+    the tasks its class lists (`_listed_tasks`).
 
     The decorator is recognised as `register_runner`, `<module>.register_runner`, or the `as` name
     of a `from ... import register_runner as <alias>`; its `model_cls` is the first positional
@@ -131,7 +150,7 @@ def _registered_names(tree: ast.Module) -> tuple[str, ...]:
                     raise _NotLiteral(f"class {node.name}: `register_runner` takes the `model_cls` as a string "
                                       f"literal (positional or `name=`), got {got} (the registry reads it from "
                                       "the source)", deco.lineno)
-                names.append(arg.value)
+                names.append((arg.value, _listed_tasks(node)))
     return tuple(names)
 
 
@@ -144,6 +163,23 @@ def model_cls_names() -> list[str]:
     """Every registered `model_cls`, sorted, without importing any family (`runner_modules`; an
     unreadable module is left out, with a warning)."""
     return sorted({name for names in runner_modules().values() for name in names})
+
+
+def check_task(name: str, task: str | None) -> None:
+    """Refuse a `task` that the classes registering `model_cls` `name` do not list, read from the family sources
+    (`scan_families`) without importing any family, and the tasks of classes already registered: what a server
+    checks before it opens its port. Nothing is refused where a class registering `name` in the sources lists its
+    tasks otherwise than as a literal, or where no source registers it (`get_runner_cls` decides then).
+
+    Raises:
+        ValueError: naming the task, the `model_cls` and the tasks allowed (as `get_runner_cls`).
+    """
+    listed = scan_families()[2].get(name)
+    if task is None or listed is None:
+        return
+    allowed = listed | {t for (n, t) in TASK_RUNNERS if n == name}  # no import (`tasks_of` would import)
+    if task not in allowed:
+        raise ValueError(f"`task` {task!r} is not served by model_cls {name!r}; allowed: {sorted(allowed)}")
 
 
 def check_model_cls(name: str) -> None:

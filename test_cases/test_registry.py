@@ -185,3 +185,17 @@ def test_the_names_read_from_the_sources_are_the_registered_ones() -> None:
         by_module.setdefault(cls.__module__, set()).add(name)
     assert by_module == {module: set(found) for module, found in registry.runner_modules().items()}
     assert registry.model_cls_names() == sorted({n for names in by_module.values() for n in names})
+
+
+def test_a_task_is_checked_from_the_sources_before_any_import(fake_models: str, tmp_path: Path) -> None:
+    """`check_task` reads the registering classes' `TASKS` literals (the union over the family's modules) without
+    importing them, as `get_runner_cls` words it; a class whose tasks are not a literal leaves its name unchecked."""
+    registry.check_task("fake", "edit")
+    registry.check_task("fake", None)
+    with pytest.raises(ValueError, match=r"^`task` 't2x' is not served by model_cls 'fake'; allowed: \['edit', 't2v'\]$"):
+        registry.check_task("fake", "t2x")
+    assert f"{fake_models}.runner" not in sys.modules
+    _add_family(tmp_path, "computed", HEADER + '\n@register_runner("computed")\nclass C:\n    TASKS = tuple(["t2v"])\n')
+    registry.check_task("computed", "anything")  # not a literal: `get_runner_cls` decides later
+    with pytest.raises(ValueError, match=r"`task` 't2x' is not served by model_cls 'fake'"):
+        registry.get_runner_cls("fake", "t2x")  # the same refusal once imported

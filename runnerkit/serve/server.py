@@ -203,7 +203,7 @@ class Server:
         # a second or two, `starting` until the runner exists.
         from runnerkit.cli_common import check_writable
         from runnerkit.config import ConfigError, load_runner_config
-        from runnerkit.registry import check_model_cls
+        from runnerkit.registry import check_model_cls, check_task
         from runnerkit.serve.app import ServerState, create_app
         from runnerkit.serve.jobs import JobQueue
 
@@ -211,6 +211,7 @@ class Server:
             self.config = load_runner_config(args.config_json, config_overrides(args, "serve"),
                                              flags={"offload.mode": "--offload"})
             check_model_cls(self.config.model_cls)  # from the family sources: before the port opens
+            check_task(self.config.model_cls, self.config.task)
             output_dir = prepare_output_dir(args.output_dir)
             check_writable(str(output_dir / "probe.mp4"), "--output_dir")
         except (ConfigError, ValueError, NotImplementedError, OSError) as exc:

@@ -718,6 +718,26 @@ def test_an_unknown_model_cls_exits_2_before_the_port_opens(
     assert "listening" not in err, err
 
 
+def test_a_task_the_family_does_not_serve_exits_2_before_the_port_opens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A `task` the `model_cls`'s runners do not list is refused while the config is read (from the family
+    sources, before the HTTP server is made), naming the task and the ones allowed."""
+    import json
+
+    from runnerkit.serve import server
+
+    data = json.loads((Path(__file__).resolve().parents[2] / "configs/wan/wan_t2v_tiny.json").read_text())
+    cfg = tmp_path / "typo.json"
+    cfg.write_text(json.dumps({**data, "task": "t2av"}))
+    made: list[Any] = []
+    monkeypatch.setattr(server, "_Server", lambda *a, **k: made.append(a))
+    rc = server.main(["--config_json", str(cfg), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and made == [], err
+    assert "invalid input: `task` 't2av' is not served by model_cls 'wan2.1'; allowed: ['flf2v', 'i2v', 't2v']" in err, err
+    assert "listening" not in err, err
+
+
 def test_serve_flags_take_only_a_registered_model_cls(capsys: pytest.CaptureFixture[str]) -> None:
     """`runnerkit serve --model_cls` lists the families as choices (read from their sources), as the launch
     script's does: a typo is argparse's usage error, exit 2."""
