@@ -698,22 +698,29 @@ def test_a_config_the_runner_refuses_names_the_flags_that_overrode_it(
             "available; use 'cpu' or 'auto'") in err, err
 
 
-def test_an_unknown_model_cls_exits_2_before_the_port_opens(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """A `model_cls` no family registers is refused while the config is read (from the family sources, before
-    the HTTP server is made), naming the value and the registered names, as the launch script refuses it."""
+def _serve_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                   **changes: str) -> str:
+    """`runnerkit serve` on the tiny Wan config with `changes`: asserts exit 2 and no HTTP server made; its stderr."""
     import json
 
     from runnerkit.serve import server
 
     data = json.loads((Path(__file__).resolve().parents[2] / "configs/wan/wan_t2v_tiny.json").read_text())
     cfg = tmp_path / "typo.json"
-    cfg.write_text(json.dumps({**data, "model_cls": "wan2.l"}))
+    cfg.write_text(json.dumps({**data, **changes}))
     made: list[Any] = []
     monkeypatch.setattr(server, "_Server", lambda *a, **k: made.append(a))
     rc = server.main(["--config_json", str(cfg), "--output_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert rc == 2 and made == [], err
+    return err
+
+
+def test_an_unknown_model_cls_exits_2_before_the_port_opens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A `model_cls` no family registers is refused while the config is read (from the family sources, before
+    the HTTP server is made), naming the value and the registered names, as the launch script refuses it."""
+    err = _serve_refused(tmp_path, monkeypatch, capsys, model_cls="wan2.l")
     assert "invalid input: unknown `model_cls` 'wan2.l'; registered: [" in err and "'wan2.1'" in err, err
     assert "listening" not in err, err
 
@@ -722,18 +729,7 @@ def test_a_task_the_family_does_not_serve_exits_2_before_the_port_opens(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A `task` the `model_cls`'s runners do not list is refused while the config is read (from the family
     sources, before the HTTP server is made), naming the task and the ones allowed."""
-    import json
-
-    from runnerkit.serve import server
-
-    data = json.loads((Path(__file__).resolve().parents[2] / "configs/wan/wan_t2v_tiny.json").read_text())
-    cfg = tmp_path / "typo.json"
-    cfg.write_text(json.dumps({**data, "task": "t2av"}))
-    made: list[Any] = []
-    monkeypatch.setattr(server, "_Server", lambda *a, **k: made.append(a))
-    rc = server.main(["--config_json", str(cfg), "--output_dir", str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert rc == 2 and made == [], err
+    err = _serve_refused(tmp_path, monkeypatch, capsys, task="t2av")
     assert "invalid input: `task` 't2av' is not served by model_cls 'wan2.1'; allowed: ['flf2v', 'i2v', 't2v']" in err, err
     assert "listening" not in err, err
 
