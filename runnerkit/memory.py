@@ -70,7 +70,9 @@ def _proc_kib(path: str, keys: tuple[str, ...]) -> dict[str, int]:
 def host_memory() -> HostMemory:
     """This process's host memory now (see `HostMemory`)."""
     status = _proc_kib("/proc/self/status", ("VmRSS", "VmHWM", "RssAnon", "RssShmem"))
-    anon = (status["RssAnon"] + status["RssShmem"]) * 1024 / GIB if "RssAnon" in status and "RssShmem" in status else None
+    anon = None
+    if "RssAnon" in status and "RssShmem" in status:
+        anon = (status["RssAnon"] + status["RssShmem"]) * 1024 / GIB
     if "VmRSS" in status and "VmHWM" in status:
         rss, peak = status["VmRSS"] * 1024, status["VmHWM"] * 1024
     else:  # not Linux: ru_maxrss is KiB on Linux, bytes on macOS; no current RSS, the peak stands in

@@ -43,8 +43,8 @@ def scan_families() -> tuple[dict[str, tuple[str, ...]], dict[str, str], dict[st
         (module -> the `model_cls` names it registers, sorted by module; module -> one line
         `path:line: what is wrong` for each module that cannot be read: a syntax error, or a
         `register_runner` whose `model_cls` is not a string literal; `model_cls` -> the tasks its
-        registering classes list as a `TASKS` literal in their own body, None where one does not). An unreadable module is left
-        out of the names and logged as a warning here; a lookup that misses reports it
+        registering classes list as a `TASKS` literal in their own body, None where one does not). An
+        unreadable module is left out of the names and logged as a warning here; a lookup that misses reports it
         (`get_runner_cls`), so the other families still run and `--help` still lists them.
     """
     package = importlib.import_module(MODELS_PACKAGE)  # runnerkit/models/__init__.py: no imports
@@ -111,7 +111,10 @@ def _shown(source: Path) -> str:
 def _listed_tasks(node: ast.ClassDef) -> frozenset[str] | None:
     """The class body's own `TASKS = (...)` of string literals; None if it has none (inherited, computed)."""
     for stmt in node.body:
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        if isinstance(stmt, ast.Assign):
+            targets = stmt.targets
+        else:
+            targets = [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
         if any(isinstance(t, ast.Name) and t.id == "TASKS" for t in targets):
             value = stmt.value
             if isinstance(value, (ast.Tuple, ast.List)) and all(

@@ -192,7 +192,8 @@ def test_a_task_is_checked_from_the_sources_before_any_import(fake_models: str, 
     importing them, as `get_runner_cls` words it; a class whose tasks are not a literal leaves its name unchecked."""
     registry.check_task("fake", "edit")
     registry.check_task("fake", None)
-    with pytest.raises(ValueError, match=r"^`task` 't2x' is not served by model_cls 'fake'; allowed: \['edit', 't2v'\]$"):
+    with pytest.raises(ValueError,
+                       match=r"^`task` 't2x' is not served by model_cls 'fake'; allowed: \['edit', 't2v'\]$"):
         registry.check_task("fake", "t2x")
     assert f"{fake_models}.runner" not in sys.modules
     _add_family(tmp_path, "computed", HEADER + '\n@register_runner("computed")\nclass C:\n    TASKS = tuple(["t2v"])\n')

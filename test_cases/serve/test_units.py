@@ -730,7 +730,8 @@ def test_a_task_the_family_does_not_serve_exits_2_before_the_port_opens(
     """A `task` the `model_cls`'s runners do not list is refused while the config is read (from the family
     sources, before the HTTP server is made), naming the task and the ones allowed."""
     err = _serve_refused(tmp_path, monkeypatch, capsys, task="t2av")
-    assert "invalid input: `task` 't2av' is not served by model_cls 'wan2.1'; allowed: ['flf2v', 'i2v', 't2v']" in err, err
+    assert ("invalid input: `task` 't2av' is not served by model_cls 'wan2.1'; "
+            "allowed: ['flf2v', 'i2v', 't2v']") in err, err
     assert "listening" not in err, err
 
 

@@ -190,15 +190,19 @@ def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device,
     for u0, u1 in attention_slabs(layout, kernel[0], channels, limit):
         j0, j1 = layout.key_units(kernel[0], u0, u1)
         # FlexAttention reads the slab's frame offsets from tensors: one compiled kernel for whole grids and slabs
-        q0, k0 = (torch.tensor(u0 * f, device=device), torch.tensor(j0 * f, device=device)) if flex else (u0 * f, j0 * f)
+        q0, k0 = u0 * f, j0 * f
+        if flex:
+            q0, k0 = torch.tensor(q0, device=device), torch.tensor(k0, device=device)
         mask_mod = window_mask_mod(layout, kernel, q0, k0)
         nq, nk = (u1 - u0) * per_unit, (j1 - j0) * per_unit
         if not flex:
-            mask = mask_mod(None, None, torch.arange(nq, device=device)[:, None], torch.arange(nk, device=device)[None, :])
+            iq, ik = torch.arange(nq, device=device), torch.arange(nk, device=device)
+            mask = mask_mod(None, None, iq[:, None], ik[None, :])
         elif layout.tile is None:
             mask = window_block_mask(grid, kernel, device, mask_mod, frames=(u0, u1))
         else:
-            mask = block_mask(*tiled_kv_blocks(layout, kernel, device, (u0, u1)), nq, nk, mask_mod, math.prod(layout.tile))
+            tables = tiled_kv_blocks(layout, kernel, device, (u0, u1))
+            mask = block_mask(*tables, nq, nk, mask_mod, math.prod(layout.tile))
         slabs.append(Slab((u0, u1), (j0, j1), (u0 * per_unit, u1 * per_unit), (j0 * per_unit, j1 * per_unit), mask))
     return WindowMask(layout, tuple(kernel), tuple(slabs), limit)
 

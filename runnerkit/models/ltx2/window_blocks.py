@@ -23,8 +23,11 @@ takes the narrow tables (torch 2.11; test_diffusion_decoder_gpu.py); the BlockMa
 shape, and CPU inductor with dynamic shapes refuses narrow ones ("KV seqlen must be smaller than the
 block_mask size"), which the CPU path never meets (it uses a dense mask).
 
+The tile order's tables (`tiled_kv_blocks`, window_layout.py): each query block is one tile, and its KV
+tiles are, per axis, those between the windows of the tile's first and last real token; their product.
+
 Tests: test_cases/models/ltx2/test_window_blocks.py (the block sets equal `create_block_mask`'s on
-grids and kernels of every shape class).
+grids and kernels of every shape class, in both orders).
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ CHUNK_ELEMENTS = 1 << 24
 
 
 def slab_key_frames(T: int, kt: int, t0: int, t1: int) -> tuple[int, int]:
-    """The key frames [k0, k1) the windows of query frames [t0, t1) reach on a grid of T frames."""
-    return window_start(t0, T, kt), window_start(t1 - 1, T, kt) + kt
+    """The key frames [k0, k1) the windows of query frames [t0, t1) reach on a grid of T frames (`Layout.key_units`
+    of the row-major order, whose units are frames)."""
+    return Layout((T, 1, 1)).key_units(kt, t0, t1)
 
 
 def window_kv_blocks(grid: tuple[int, int, int], kernel: tuple[int, int, int], device: torch.device,
@@ -126,7 +130,8 @@ def block_mask(num: Tensor, indices: Tensor, nq: int, nk: int, mask_mod: Callabl
     (query-block) tables are built where torch lets them be skipped."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    extra = {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
+    takes = inspect.signature(BlockMask.from_kv_blocks).parameters
+    extra = {"compute_q_blocks": False} if "compute_q_blocks" in takes else {}
     return BlockMask.from_kv_blocks(num[None, None], indices[None, None], BLOCK_SIZE=block, mask_mod=mask_mod,
                                     seq_lengths=(nq, nk), **extra)
 
@@ -180,7 +185,8 @@ def tiled_kv_blocks(layout: Layout, kernel: tuple[int, int, int], device: torch.
         valids.append(cand <= hi[:, None])
     (ct, ch, cw), (vt, vh, vw) = cands, valids
     nH, nW = counts[1], counts[2]
-    keys = (ct[:, None, None, :, None, None] * nH + ch[None, :, None, None, :, None]) * nW + cw[None, None, :, None, None, :]
+    keys = ((ct[:, None, None, :, None, None] * nH + ch[None, :, None, None, :, None]) * nW
+            + cw[None, None, :, None, None, :])
     valid = vt[:, None, None, :, None, None] & vh[None, :, None, None, :, None] & vw[None, None, :, None, None, :]
     q = ct.shape[0] * nH * nW
     keys, valid = keys.reshape(q, -1), valid.reshape(q, -1)

@@ -3,8 +3,8 @@ against the peak measured on the CPU (`torch.profiler` allocation events replaye
 
 The attention kernel is replaced by an output-only stand-in laid out as the query (what compiled
 FlexAttention allocates) and the stage masks by row-major ones holding no mask tensor (`_no_mask`): the CPU
-path's dense [N, N] mask is counted apart (`estimate25.dense_mask_bytes`), and the CUDA path has none. Float32, where the CPU runs the same allocations as
-CUDA (in bfloat16 the CPU's RMSNorm upcasts to float32 internally, CUDA's fused kernel does not).
+path's dense [N, N] mask is counted apart (`estimate25.dense_mask_bytes`), and the CUDA path has none.
+Float32, where the CPU runs the same allocations as CUDA (in bfloat16 the CPU's RMSNorm upcasts to float32 internally, CUDA's fused kernel does not).
 Configs: the peak in a stage-5 block (wide stage 5), in a deterministic block (wide stage 1), and
 at the unpatchify (narrow stage 5); the SwiGLU tiled (64 or 4 tokens: the attention point binds) and untiled.
 """

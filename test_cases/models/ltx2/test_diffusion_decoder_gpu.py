@@ -31,7 +31,8 @@ def test_cuda_window_attention_equals_the_cpu_dense_path(head_dim: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
-def test_cuda_flex_attention_with_the_window_block_tables_equals_the_dense_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_flex_attention_with_the_window_block_tables_equals_the_dense_mask(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled FlexAttention over the row-major geometric block tables (window_blocks.py: narrower than the KV
     block count, partial blocks only) on a grid of many blocks, against SDPA with the dense window mask."""
     from runnerkit.models.ltx2 import diffusion_decoder_layers as layers

@@ -137,7 +137,8 @@ def torch_tiled_block_sets(layout: Layout, kernel: tuple[int, int, int],
 
 # tiles of 2x8x8 (the shipped one) and smaller; grids padded on every axis or none; slabs at the start, middle
 # and end; windows equal to the grid, of one token, and wider than a tile
-TILED = [((5, 9, 11), (3, 3, 5), TILE, None), ((4, 16, 16), (3, 5, 5), TILE, None), ((9, 20, 19), (5, 11, 11), TILE, None),
+TILED = [((5, 9, 11), (3, 3, 5), TILE, None), ((4, 16, 16), (3, 5, 5), TILE, None),
+         ((9, 20, 19), (5, 11, 11), TILE, None),
          ((9, 20, 19), (5, 11, 11), TILE, (1, 3)), ((7, 6, 10), (3, 3, 3), (2, 2, 4), (0, 2)),
          ((7, 6, 10), (7, 3, 3), (2, 2, 4), (3, 4)), ((6, 5, 7), (1, 1, 1), (1, 2, 2), (2, 5)),
          ((3, 3, 3), (3, 3, 3), (1, 2, 2), None)]
