@@ -180,10 +180,13 @@ class Hint:
         offload: the offload keys it sets, e.g. {"vae_tiling": True}. The memory planner names the advice
             only where its own estimate, with these keys on an evaluated candidate, fits (planning/report.py);
             advice without keys is left out of the plan's refusal (the per-request refusal shows the text).
+        stages: the only stages whose memory the advice lowers (e.g. streaming the text encoder: its own
+            stage); the per-request refusal shows it only where the peak is in one of them. Empty: any stage.
     """
 
     text: str
     offload: dict[str, Any] = field(default_factory=dict)
+    stages: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -554,7 +557,7 @@ def refusal_message(what: str, shape: tuple[int, int, int], peak: PeakEstimate, 
     if peak.lora_slot_bytes:
         advice.append(f"a smaller lora.max_rank (the unfused LoRA slots take {peak.lora_slot_bytes / GIB:.2f} GiB at "
                       f"rank {config.lora.max_rank if config.lora else '?'}) or lora.mode 'fused' (no slots)")
-    advice += [h.text for h in hints]
+    advice += [h.text for h in hints if not h.stages or peak.stage in h.stages]
     digits = 2  # enough decimals that the estimate visibly exceeds the limit
     while digits < 6 and round(peak.bytes / GIB, digits) <= round(limit_bytes / GIB, digits):
         digits += 1

@@ -460,6 +460,21 @@ def test_an_explicit_streaming_plan_bound_by_weights_is_advised_what_sheds_them(
                                                              "--device_gib", CUDA, config)
 
 
+@pytest.mark.parametrize("stage", ["text_encoder", "diffusion_decoder"])
+def test_a_refusal_shows_stage_bound_advice_only_at_that_stage(stage: str) -> None:
+    """Advice that lowers only some stages (streaming the text encoder lowers its own) is shown only where the
+    peak is in one of them; advice naming no stage is always shown."""
+    stream = fit.Hint("STREAM-TE", {"mode": "block", "stream_modules": ("transformer", "text_encoder")},
+                      ("text_encoder",))
+    tiling = fit.Hint("TILING", {"vae_tiling": True})
+    peak = fit.PeakEstimate(bytes=33 * GIB, formula_bytes=33 * GIB, stage=stage, weight_bytes=GIB,
+                            activation_bytes=32 * GIB)
+    message = fit.refusal_message("request 0", (480, 832, 81), peak, 24 * GIB, "--device_gib", CUDA, cfg(),
+                                  (stream, tiling))
+    assert ("STREAM-TE" in message) is (stage == "text_encoder")
+    assert "TILING" in message
+
+
 def test_a_host_estimate_reads_as_a_sentence_with_and_without_held_weights() -> None:
     from runnerkit.planning.fit import GIB, HostEstimate
 

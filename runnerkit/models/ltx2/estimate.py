@@ -306,18 +306,20 @@ def _stream_hints(modules: dict[str, ModuleFootprint], offload: OffloadConfig, g
                   gemma: str = "Gemma-3") -> tuple[Hint, ...]:
     """Advice for a refusal: list the text encoder (`gemma`, `gemma_bytes` whole), the connectors, or both in
     `offload.stream_modules` (each hint keeps the modules already streamed; the planner offers one only where
-    it then fits)."""
+    it then fits, a request's refusal only where the peak is in the stage of a module it streams)."""
     listed = tuple(offload.stream_modules or ("transformer",))
     missing = [m for m in ("text_encoder", "connectors") if not streams(m, modules[m], offload)]
     words = {"text_encoder": f"the {gemma} text encoder, {gemma_bytes / 2**30:.1f} GiB, then streams its layers "
                              "instead of visiting the device whole for its stage",
              "connectors": f"the text connectors, {modules['connectors'].weight_bytes / 2**30:.1f} GiB, then stream "
                            "their 1D blocks"}
+    stage_of = {"text_encoder": "text_encoder", "connectors": "text_connectors"}
     hints = []
     for added in [[m] for m in missing] + ([missing] if len(missing) > 1 else []):
         names = listed + tuple(m for m in added if m not in listed)
         hints.append(Hint(f"offload.mode 'block' with offload.stream_modules {list(names)} ("
-                          + "; ".join(words[m] for m in added) + ")", {"mode": "block", "stream_modules": names}))
+                          + "; ".join(words[m] for m in added) + ")", {"mode": "block", "stream_modules": names},
+                          tuple(stage_of[m] for m in added)))
     return tuple(hints)
 
 
