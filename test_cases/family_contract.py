@@ -332,7 +332,8 @@ class FamilyContract:
         assert (runner.profiler.warmup is not None) == warmup
         baseline = request_spy.baseline = runner_state(runner)
         assert_request_boundary(family, runner, None, f"{mode}, after init", request_spy)
-        assert len(request_spy.states) == (len(runner.profiler.warmup["shapes"]) if warmup else 0)
+        # one dummy request per shape warmup ran (the class shapes and those a family's sweep adds)
+        assert len(request_spy.states) == (len(runner.warmed_shapes) if warmup else 0)
         got = serve_all(family, runner, tmp_path, mode, baseline, request_spy)
         if family.shapes is not None:
             assert [{k: tuple(o[k].shape) for k in family.outputs} for o in got] == list(family.shapes), mode

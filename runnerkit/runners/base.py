@@ -162,7 +162,7 @@ class BaseRunner(ABC):
         self._config_locked = False
         self._lifecycle = "new"  # new -> initialising -> ready | failed
         self._warmup_ran = False
-        #: the shapes warmup ran (`runnable_warmup_shapes` of `warmup_shapes`); () without warmup
+        #: the shapes warmup ran (the runnable class shapes, then a family's extra: `Warmup.also_warmed`); () without it
         self.warmed_shapes: tuple[Shape, ...] = ()
         #: (ident, name) of the thread that ran `init_modules` (and so warmup); see `check_serving_thread`.
         self.init_thread: tuple[int, str] | None = None
@@ -406,7 +406,6 @@ class BaseRunner(ABC):
         warmups = self.warmups
         warmups.check_supported()
         shapes = warmups.runnable_shapes(warmups.shapes())
-        self.warmed_shapes = shapes
         before = self._memory_report()
         graphs0, compile0 = dynamo_counts()[0], compile_seconds()
         hits0, misses0 = inductor_cache_counts()
@@ -424,6 +423,7 @@ class BaseRunner(ABC):
             self.compile_cache.save()
             self.profiler.compile_cache = self.compile_cache.report()
         warmups.after()
+        self.warmed_shapes = (*shapes, *warmups.also_warmed)
         after = self._memory_report()
         self.profiler.warmup = {
             "seconds": round(seconds, 4),
@@ -434,7 +434,7 @@ class BaseRunner(ABC):
             "compile_cache_hits": hits1 - hits0,
             "compile_cache_misses": misses1 - misses0,
             "memory_before": before,
-            "memory_after": after,
+            "memory_after": after, **warmups.report,  # a family's extra entries (e.g. a sweep's)
         }
         logger.info("warmup: {:.2f} s over shapes {}{}; {}", seconds, [list(s) for s in shapes],
                     f"; inductor graphs: {hits1 - hits0} from a cache, {misses1 - misses0} generated"

@@ -53,6 +53,10 @@ class Warmup:
     def __init__(self, runner: DefaultRunner) -> None:
         self.runner = runner
         self.steps_run: dict[str, list[int]] = {}
+        #: shapes a family's `run_warmup` warmed beyond the class shapes (e.g. a sweep of sequence lengths), for the
+        #: requests' `warmed_shape` audit; and what it adds to the profile's warmup section
+        self.also_warmed: list[Shape] = []
+        self.report: dict[str, Any] = {}
         #: uncovered compiled sizes (sorted (name, size) pairs) -> the request that compiled graphs for them
         self.uncovered_compiled_by: dict[tuple[tuple[str, int], ...], int] = {}
 
@@ -138,11 +142,13 @@ class Warmup:
         return InputInfo(prompt=WARMUP_PROMPT, negative_prompt=negative, seed=WARMUP_SEED, height=h, width=w,
                          frames=f, warmup=True)
 
-    def run(self, shapes: Sequence[Shape]) -> None:
+    def run(self, shapes: Sequence[Shape]) -> Any:
         """Both shapes through the real path: shape-independent encoders (text) once, then per shape
         (and per input variant, the runner's `warmup_infos`) the per-shape encoders (images), every
         denoise stage (transitions included) on `stage_steps`, and the decoders; then the media writers
-        (`media.warm_writers`). Nothing is saved; no request profile is written."""
+        (`media.warm_writers`). Nothing is saved; no request profile is written. Returns the
+        shape-independent encoders' outputs (the family's inputs type), for a family's `run_warmup` to
+        reuse."""
         runner = self.runner
         for sched in runner.schedulers.values():
             sched.generator = None  # before any encoder that could draw random numbers
@@ -160,6 +166,7 @@ class Warmup:
         if runner.decodes_here:  # the rank that saves results: the writers' imports and first encode
             assert runner.pipeline is not None, "load_modules sets the pipeline"
             logger.debug("warmup: media writers warmed: {}", media.warm_writers(runner.pipeline.outputs) or "none")
+        return shared
 
     def first_steps(self, req: RequestState, stage: DenoiseStage, sched: Scheduler) -> list[int]:
         """Steps warmup runs in `stage` (after `prepare`) by default: step 0, plus the first step of every
@@ -176,7 +183,7 @@ class Warmup:
     def stage_steps(self, req: RequestState, stage: DenoiseStage, sched: Scheduler) -> list[int]:
         """The steps warmup runs in `stage`: the runner's `warmup_steps` hook, recorded for the profile."""
         order = self.runner.warmup_steps(req, stage, sched)
-        self.steps_run[stage.name] = order
+        self.steps_run.setdefault(stage.name, order)  # the class shapes' (a family's later sweep may run fewer)
         return order
 
     def step_report(self) -> dict[str, list[int]]:

@@ -21,9 +21,11 @@ frames at 24 fps) so CPU tests reach every bucket.
 
 Warmup (the shape is known only after the text encoder): the flavour's two shapes hold the
 bounds' smallest and largest frame counts, so every predicted count lies between two warmed ones
-(compiled blocks: dynamic token dimensions after two sizes serve every count between; eager: the
-same kernels). The duration head runs in warmup (its prediction is not used there), and all three
-loops (stage 1, stage 2, the diffusion decoder's) run at both shapes.
+(compiled blocks: dynamic token dimensions after two sizes serve every count between). The duration
+head runs in warmup (its prediction is not used there), and all three loops (stage 1, stage 2, the
+diffusion decoder's) run at both shapes. Then every other count at the larger shape's size runs one
+step per stage through the transformer's first block, and the audio decoder (count_sweep.py): the
+per-shape plans of each count's token counts are built before a request needs them.
 
 `video_decoder` "conv" (the config key): the video VAE's convolutional decoder decodes instead, as LTX-2.3's runner does
 (diffusers: `LTX2Pipeline` stage 2 with an `output_type` other than "latent" decodes with its `vae`): the diffusion
@@ -38,6 +40,7 @@ Checkpoints: a diffusers folder, or Lightricks' per-component release (`model_pa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -50,6 +53,7 @@ from runnerkit.models.ltx2.arch25 import LTX25Arch, tiny_ltx25_arch
 from runnerkit.models.ltx2.checkpoint import LTX2Checkpoint, open_checked
 from runnerkit.models.ltx2.checkpoint25 import LTX25Checkpoint, write_synthetic_ltx25
 from runnerkit.models.ltx2.checkpoint_release25 import open_ltx25
+from runnerkit.models.ltx2.count_sweep import SWEEP_KEY, warm_frame_counts
 from runnerkit.models.ltx2.diffusion_decode import decode_video, warm_whole_decode
 from runnerkit.models.ltx2.diffusion_decode_tiled import DecoderTiling
 from runnerkit.models.ltx2.diffusion_decoder import LTX25_DIFFUSION_DECODER, LTX2DiffusionDecoderArch
@@ -64,12 +68,14 @@ from runnerkit.models.ltx2.plan_sources25 import (
     release_gemma4,
 )
 from runnerkit.models.ltx2.runner import LTX2Inputs, LTX2Runner, flavour_of
+from runnerkit.models.ltx2.transformer import LTX2Transformer
 from runnerkit.planning.compute import StageFlops
 from runnerkit.planning.fit import EstimateUnavailable, MemoryEstimate
 from runnerkit.registry import register_runner
-from runnerkit.runners.pipeline import DecoderStage, EncoderStage, ModuleSpec, Pipeline, Shape
+from runnerkit.runners.pipeline import DecoderStage, DenoiseStage, EncoderStage, ModuleSpec, Pipeline, Shape
 from runnerkit.runners.request_state import RequestState
 from runnerkit.runners.requests import shape_with_defaults
+from runnerkit.schedulers.base import Scheduler
 from runnerkit.weights import CheckpointError
 
 if TYPE_CHECKING:
@@ -498,6 +504,26 @@ class LTX25Runner(LTX2Runner):
         if tiling is not None and req.info.warmup:  # the largest whole decode too (its stage-4 grid tops any tile's)
             warm_whole_decode(req.modules["diffusion_decoder"], video, tiling)
         return decoded
+
+    # ---- warmup: the two shapes, then every frame count at the larger one's size ----------------
+    def run_warmup(self, shapes: Sequence[Shape]) -> None:
+        """The default warmup on `shapes`, then the frame-count sweep (count_sweep.py `warm_frame_counts`)."""
+        shared = self.warmups.run(shapes)
+        warm_frame_counts(self, shared, shapes)
+
+    def warmup_steps(self, req: RequestState, stage: DenoiseStage, sched: Scheduler) -> list[int]:
+        """Each stage's first and last step; a sweep request's first step only."""
+        return [0] if req.derived.get(SWEEP_KEY) else super().warmup_steps(req, stage, sched)
+
+    @torch.inference_mode()
+    def run_step(self, req: RequestState, stage: DenoiseStage, model: nn.Module, latents: Tensor, timestep: Tensor,
+                 step_index: int) -> Tensor:
+        """`LTX2Runner.run_step`; a sweep request's through the transformer's first block only."""
+        if not req.derived.get(SWEEP_KEY):
+            return super().run_step(req, stage, model, latents, timestep, step_index)
+        assert isinstance(model, LTX2Transformer), f"the sweep cuts an LTX2Transformer, got {type(model).__name__}"
+        with model.first_blocks(1):
+            return super().run_step(req, stage, model, latents, timestep, step_index)
 
     def sidecar_extra(self, req: RequestState) -> dict[str, Any]:
         """`duration`: `predicted` (whether the duration head chose the frame count), `frames`, `seconds`

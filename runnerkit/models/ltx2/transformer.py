@@ -29,6 +29,8 @@ block -> `head`; all of a block's weights are used inside `transformer_blocks[i]
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
@@ -162,6 +164,25 @@ class LTX2Transformer(nn.Module):
         self.proj_out = nn.Linear(dim, arch.out_channels)
         self.audio_proj_out = nn.Linear(adim, arch.audio_out_channels)
         self._rope_cache: dict[tuple[object, ...], tuple[RopeTable, ...]] = {}
+        self._block_limit: int | None = None
+
+    @contextmanager
+    def first_blocks(self, count: int) -> Iterator[None]:
+        """Inside the `with` block, `forward` runs only the first `count` transformer blocks (the input
+        embedding and the output head as always), so its output is not the model's. For warmup's frame-count
+        sweep (count_sweep.py): every block runs the same operators at the same shapes. Restored on exit, also
+        on an error.
+
+        Raises:
+            ValueError: `count` < 1, or more than the model's blocks.
+        """
+        if not 1 <= count <= len(self.transformer_blocks):
+            raise ValueError(f"`count` must be 1..{len(self.transformer_blocks)} (the model's blocks), got {count}")
+        previous, self._block_limit = self._block_limit, count
+        try:
+            yield
+        finally:
+            self._block_limit = previous
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -371,6 +392,7 @@ class LTX2Transformer(nn.Module):
                          use_cross_timestep, video_keyframes_mask)
         video, audio = pre.video, pre.audio
         inputs = pre.block_inputs()
-        for block in self.transformer_blocks:
+        blocks = self.transformer_blocks if self._block_limit is None else self.transformer_blocks[:self._block_limit]
+        for block in blocks:
             video, audio = block(video, audio, **inputs)
         return self.head(video, audio, pre.embedded, pre.audio_embedded)

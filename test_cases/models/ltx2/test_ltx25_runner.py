@@ -182,7 +182,8 @@ def test_i2av_warmup_encodes_the_first_frame_per_shape(tmp_path: Path, mocker: A
     runner = make_runner(task="i2av", warmup=True)
     runner.init_modules()
     assert head.call_count == 1
-    assert [c.args[1].info.shape for c in encoded.call_args_list] == [(64, 64, 9), (64, 128, 33)]
+    # both shapes, then once for the frame-count sweep at the larger size (count_sweep.py)
+    assert [c.args[1].info.shape for c in encoded.call_args_list] == [(64, 64, 9), (64, 128, 33), (64, 128, 9)]
     assert [c.args[1].info.shape for c in decoded.call_args_list] == [(64, 64, 9), (64, 128, 33)]
     assert runner.pipeline is not None and "vae" in {m.name for m in runner.pipeline.modules}
     assert [e.name for e in runner.pipeline.encoders] == ["text_encoder", "text_connectors", "duration_head",

@@ -1,0 +1,152 @@
+"""Warmup's frame-count sweep of LTX-2.5 (count_sweep.py): after the two class shapes, every other frame count the
+duration bounds allow, at the larger shape's size, runs step 0 of each stage through the transformer's first block
+and the audio decoder, with the modules held on the device for the whole sweep; the swept shapes count as warmed;
+a request at a swept count equals a cold runner's bit for bit and compiles nothing after a compiled warmup.
+
+The tiny flavour's bounds give 9, 17, 25 and 33 frames at 24 fps; its warmup shapes are 64x64x9 and 64x128x33, so
+the sweep runs 9, 17 and 25 at 64x128. The release's runs 56 counts at 512x768 (25 to 465).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from loguru import logger
+from safetensors.torch import load_file
+
+from runnerkit import memory
+from runnerkit.config import RequestConfig, RunnerConfig, load_runner_config
+from runnerkit.models.ltx2.count_sweep import sweep_counts
+from runnerkit.models.ltx2.runner25 import LTX25Runner
+from runnerkit.models.ltx2.transformer import LTX2Transformer
+from runnerkit.offload.model_offload import ModelOffloader
+
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ltx2" / "ltx25_t2av_tiny.json"
+SWEPT = [(64, 128, 9), (64, 128, 17), (64, 128, 25)]
+PROMPT = "a red fox runs through fresh snow, wind howls"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A cache of this module's own (the synthetic checkpoint); never the test process's gc freeze."""
+    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
+    monkeypatch.setenv("RUNNERKIT_CACHE", str(tmp_path_factory.getbasetemp() / "sweep-cache"))
+
+
+def make_runner(**overrides: Any) -> LTX25Runner:
+    return LTX25Runner(load_runner_config(CONFIG, {"device": "cpu", **overrides}))
+
+
+def serve(runner: LTX25Runner, out: Path, frames: int, index: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    path = out / f"r{index}.safetensors"
+    prof = runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3, target_video_length=frames,
+                                             save_tensor_path=str(path)), index)
+    return prof, load_file(str(path))
+
+
+def test_the_counts_are_the_bounds_grid_at_the_larger_size_less_the_warmed() -> None:
+    tiny = LTX25Runner.frame_bounds(make_runner().config)
+    assert sweep_counts(tiny, 8, LTX25Runner.WARMUP_SHAPES["debug-2.5"]) == ((64, 128), [9, 17, 25])
+    assert sweep_counts(tiny, 8, ((64, 128, 9), (64, 128, 33))) == ((64, 128), [17, 25])
+    assert sweep_counts(tiny, 8, ((64, 128, 9), (64, 64, 33))) == ((64, 128), [17, 25, 33])
+    release = LTX25Runner.frame_bounds(LTX25Runner.resolve_config(RunnerConfig(
+        model_cls="ltx2.5", task="t2av", model_path="/x", enable_cfg=False)))
+    size, counts = sweep_counts(release, 8, LTX25Runner.WARMUP_SHAPES["22B-2.5"])
+    assert size == (512, 768) and counts == list(range(25, 466, 8)) and len(counts) == 56  # 25 ran at 256x384
+
+
+def test_first_blocks_runs_only_those_and_is_restored_after_an_error() -> None:
+    """The cut itself (what `forward` then runs is counted in the warmup test below)."""
+    transformer = LTX2Transformer(make_runner().parse_arch(None).transformer)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=rf"`count` must be 1\.\.2 \(the model's blocks\), got {bad}"):
+            with transformer.first_blocks(bad):
+                pass
+    with pytest.raises(RuntimeError, match="inside"):
+        with transformer.first_blocks(1):
+            assert transformer._block_limit == 1
+            raise RuntimeError("inside")
+    assert transformer._block_limit is None
+
+
+def visits(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Visits of model-offloaded modules to the device, by name: outermost `on_device` entries."""
+    counts: Counter[str] = Counter()
+    real = ModelOffloader.on_device
+
+    def counting(self: ModelOffloader, name: str) -> Any:
+        if self._depth[name] == 0:
+            counts[name] += 1
+        return real(self, name)
+
+    monkeypatch.setattr(ModelOffloader, "on_device", counting)
+    return counts
+
+
+def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model offload: each step of the class shapes runs both blocks, each sweep step one; the sweep holds the
+    transformer and the audio decoder on the device once each; the audio decoder runs at every swept count on
+    zero latents; then a request at a swept count is warmed, logs nothing about it, and equals a cold runner's."""
+    cold = make_runner()
+    cold.init_modules()
+    _, expected = serve(cold, tmp_path, 17, 0)
+    runner = make_runner(warmup=True, offload={"mode": "model", "keep_across_stages": True})
+    steps: list[tuple[tuple[int, int, int], str, int, int]] = []
+    audio: list[tuple[tuple[int, int, int], bool]] = []
+    real_step, real_audio = LTX25Runner.run_step, LTX25Runner.run_audio_decoder
+    blocks: list[int] = []
+
+    def step(self: LTX25Runner, req: Any, stage: Any, model: Any, latents: Any, timestep: Any, i: int) -> Any:
+        if not blocks:
+            for block in model.transformer_blocks:
+                block.register_forward_pre_hook(lambda *_: blocks.append(1))
+        before = len(blocks)
+        out = real_step(self, req, stage, model, latents, timestep, i)
+        steps.append((req.info.shape, stage.name, i, len(blocks) - before))
+        return out
+
+    def decode_audio(self: LTX25Runner, req: Any, latents: torch.Tensor) -> Any:
+        audio.append((req.info.shape, bool((latents == 0).all())))
+        return real_audio(self, req, latents)
+
+    monkeypatch.setattr(LTX25Runner, "run_step", step)
+    monkeypatch.setattr(LTX25Runner, "run_audio_decoder", decode_audio)
+    counts = visits(monkeypatch)
+    runner.init_modules()
+    assert steps[:8] == [(s, n, i, 2) for s in ((64, 64, 9), (64, 128, 33))
+                         for n, last in (("stage1", 7), ("stage2", 2)) for i in (0, last)]
+    assert steps[8:] == [(s, n, 0, 1) for s in SWEPT for n in ("stage1", "stage2")]
+    assert audio == [((64, 64, 9), False), ((64, 128, 33), False), *((s, True) for s in SWEPT)]
+    assert counts["transformer"] == 3 and counts["audio_decoder"] == 3  # one per class shape, one for the sweep
+    warmup = runner.profiler.warmup
+    assert warmup is not None and warmup["steps_per_shape"] == {"stage1": [0, 7], "stage2": [0, 2]}
+    assert warmup["frame_counts"]["size"] == [64, 128] and warmup["frame_counts"]["counts"] == [9, 17, 25]
+    assert runner.warmed_shapes == ((64, 64, 9), (64, 128, 33), *SWEPT)
+    warnings: list[str] = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        prof, got = serve(runner, tmp_path, 17, 1)
+    finally:
+        logger.remove(sink)
+    assert prof.audit["warmed_shape"] is True and not [w for w in warnings if "not warmed" in w], warnings
+    assert torch.equal(got["video"], expected["video"]) and torch.equal(got["audio"], expected["audio"])
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_after_a_compiled_warmup_a_swept_count_compiles_nothing(tmp_path: Path) -> None:
+    """Regional compile (torch's `eager` backend): the sweep's counts lie between the class shapes' sizes, so the
+    first block's graphs serve them, and a request at one compiles nothing and equals the uncompiled output."""
+    eager = make_runner()
+    eager.init_modules()
+    _, expected = serve(eager, tmp_path, 17, 0)
+    compiled = make_runner(warmup=True, compile={"enabled": True, "backend": "eager"})
+    compiled.init_modules()
+    assert compiled.profiler.warmup is not None and compiled.profiler.warmup["compilations"] >= 1
+    prof, got = serve(compiled, tmp_path, 17, 1)
+    assert (prof.audit["compilations"], prof.audit["recompilations"]) == (0, 0), prof.audit
+    assert torch.equal(got["video"], expected["video"]) and torch.equal(got["audio"], expected["audio"])
