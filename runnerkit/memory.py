@@ -6,6 +6,8 @@ allocator cache unconditionally would throw away exactly what warmup paid for (A
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import os
 import resource
@@ -81,6 +83,25 @@ def host_memory() -> HostMemory:
     found = host_available_bytes()  # MemAvailable, psutil or free pages; a cgroup limit if smaller
     available = found[0] / GIB if found is not None else None
     return HostMemory(rss / GIB, peak / GIB, available, _host_peak_scope, anon)
+
+
+def trim_host_heap() -> float | None:
+    """Give the C heap's free pages back to the kernel (glibc `malloc_trim(0)`); returns the GiB the anonymous
+    RSS fell by (`HostMemory.anon_gib`), or None where there is no glibc or no /proc.
+
+    Loading frees many tensors below glibc's mmap threshold (after one large free it rises to 32 MiB), which
+    stay resident in the heap as free chunks between live ones: memory no later allocation of another size
+    reuses, and that the host estimate does not count. Called once after loading.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    before = host_memory().anon_gib
+    trim(0)
+    after = host_memory().anon_gib
+    return None if before is None or after is None else before - after
 
 
 def reset_host_peak() -> bool:
@@ -164,6 +185,8 @@ class MemorySnapshot:
             return f"cpu: host RSS {host.rss_gib:.2f} GiB{available}"
         return (f"allocated {self.allocated_gib:.2f} GiB live, reserved {self.reserved_gib:.2f} GiB "
                 f"(cache {self.reserved_gib - self.allocated_gib:.2f} GiB), free {self.free_gib:.2f} GiB")
+
+    __str__ = describe
 
 
 def snapshot(device: torch.device) -> MemorySnapshot:

@@ -322,9 +322,9 @@ class BaseRunner(ABC):
                     if hint and len(exc.args) == 1:
                         exc.args = (f"{exc.args[0]}; {hint}",)  # same exception: its type, traceback and phase stay
                     raise
-                seconds = time.perf_counter() - t0
+                seconds, trimmed = time.perf_counter() - t0, memory.trim_host_heap() or 0.0
                 self.profiler.phases["load_seconds"] = seconds
-                logger.info("load: {:.2f} s, {}", seconds, snapshot(self.device).describe())
+                logger.info("load: {:.2f} s, {}; freed heap returned: {:.2f} GiB", seconds, snapshot(self.device), trimmed)
             self._lock_config()
             logger.info("resolved config: {}", self.config.model_dump_json())
             with lifecycle_phase("load"):
