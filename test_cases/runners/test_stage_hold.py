@@ -27,6 +27,7 @@ from runnerkit.runners.pipeline import Pipeline
 from runnerkit.runners.placement import Placement, spans_across_stages
 from runnerkit.planning.planner import plan_offload
 from test_cases.planning.test_planner import CUDA, config, limit
+from test_cases.runners._visits import count_visits
 from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
 
 
@@ -63,21 +64,6 @@ def serve(runner: OneTransformer, tmp_path: Path, name: str, index: int = 0) -> 
     return load_file(str(out))["image"]
 
 
-def copies(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Visits of model-offloaded modules to the device, by name: outermost `on_device` entries (on a CUDA
-    device each is one host-to-device copy; on the CPU the weights stay where they are)."""
-    counts: Counter[str] = Counter()
-    real = ModelOffloader.on_device
-
-    def counting(self: ModelOffloader, name: str) -> Any:
-        if self._depth[name] == 0:
-            counts[name] += 1
-        return real(self, name)
-
-    monkeypatch.setattr(ModelOffloader, "on_device", counting)
-    return counts
-
-
 def test_spans_are_runs_of_consecutive_stages() -> None:
     from types import SimpleNamespace as S
 
@@ -94,7 +80,7 @@ def test_the_transformer_visits_once_per_request_and_outputs_do_not_change(
     kept = build(tmp_path, mode="model", keep_across_stages=True)
     for r in (resident, plain, kept):
         r.init_modules()
-    counts = copies(monkeypatch)
+    counts = count_visits(monkeypatch)
     reference = serve(resident, tmp_path, "resident")
     assert torch.equal(serve(plain, tmp_path, "plain"), reference)
     assert counts == {"text_encoder": 1, "transformer": 2, "upsampler": 1, "decoder": 1}  # stage 1, stage 2

@@ -9,7 +9,6 @@ the sweep runs 9, 17 and 25 at 64x128. The release's runs 56 counts at 512x768 (
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from runnerkit.config import RequestConfig, RunnerConfig, load_runner_config
 from runnerkit.models.ltx2.count_sweep import sweep_counts
 from runnerkit.models.ltx2.runner25 import LTX25Runner
 from runnerkit.models.ltx2.transformer import LTX2Transformer
-from runnerkit.offload.model_offload import ModelOffloader
+from test_cases.runners._visits import count_visits
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ltx2" / "ltx25_t2av_tiny.json"
 SWEPT = [(64, 128, 9), (64, 128, 17), (64, 128, 25)]
@@ -73,20 +72,6 @@ def test_first_blocks_runs_only_those_and_is_restored_after_an_error() -> None:
     assert transformer._block_limit is None
 
 
-def visits(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Visits of model-offloaded modules to the device, by name: outermost `on_device` entries."""
-    counts: Counter[str] = Counter()
-    real = ModelOffloader.on_device
-
-    def counting(self: ModelOffloader, name: str) -> Any:
-        if self._depth[name] == 0:
-            counts[name] += 1
-        return real(self, name)
-
-    monkeypatch.setattr(ModelOffloader, "on_device", counting)
-    return counts
-
-
 def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Model offload: each step of the class shapes runs both blocks, each sweep step one; the sweep holds the
@@ -116,7 +101,7 @@ def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(tmp_path:
 
     monkeypatch.setattr(LTX25Runner, "run_step", step)
     monkeypatch.setattr(LTX25Runner, "run_audio_decoder", decode_audio)
-    counts = visits(monkeypatch)
+    counts = count_visits(monkeypatch)
     runner.init_modules()
     assert steps[:8] == [(s, n, i, 2) for s in ((64, 64, 9), (64, 128, 33))
                          for n, last in (("stage1", 7), ("stage2", 2)) for i in (0, last)]

@@ -1,0 +1,25 @@
+"""Counting the visits of model-offloaded modules to the device (runnerkit/offload/model_offload.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from runnerkit.offload.model_offload import ModelOffloader
+
+
+def count_visits(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Visits of model-offloaded modules to the device, by name, from now on: outermost `on_device` entries (on a
+    CUDA device each is one host-to-device copy; on the CPU the weights stay where they are)."""
+    counts: Counter[str] = Counter()
+    real = ModelOffloader.on_device
+
+    def counting(self: ModelOffloader, name: str) -> Any:
+        if self._depth[name] == 0:
+            counts[name] += 1
+        return real(self, name)
+
+    monkeypatch.setattr(ModelOffloader, "on_device", counting)
+    return counts
