@@ -8,7 +8,6 @@ The toy two-stage family (two_stage.py) is changed so that both stages use `tran
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ from torch import nn
 
 from runnerkit import memory
 from runnerkit.config import OffloadConfig, RequestConfig, load_runner_config
-from runnerkit.offload.model_offload import ModelOffloader
 from runnerkit.planning import fit
 from runnerkit.planning import report as plan_report
 from runnerkit.planning.fit import GIB, MemoryEstimate, ModuleFootprint, StageFootprint
