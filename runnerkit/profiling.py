@@ -112,9 +112,6 @@ class RequestProfile:
     write: dict[str, Any] = field(default_factory=dict)
     """How its files were written: `overlapped` (on the writer thread while later requests computed),
     `seconds` (writing them), `wait_seconds` (its `save` stage waiting for a free writer slot)."""
-    admitted_shape: list[int] | None = field(default=None, repr=False)
-    """The shape admission checked (not reported): `audit.warmed_shape` asks about it, as a family's warmup covers
-    every shape its prediction can give from it (e.g. the smallest and largest frame counts a prediction can take)."""
     started: float = field(default=0.0, repr=False)
     """`time.perf_counter()` when the request began (not reported)."""
     pending_write: Any = field(default=None, repr=False)

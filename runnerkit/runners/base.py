@@ -322,9 +322,10 @@ class BaseRunner(ABC):
                     if hint and len(exc.args) == 1:
                         exc.args = (f"{exc.args[0]}; {hint}",)  # same exception: its type, traceback and phase stay
                     raise
-                seconds, trimmed = time.perf_counter() - t0, memory.trim_host_heap() or 0.0
-                self.profiler.phases["load_seconds"] = seconds
-                logger.info("load: {:.2f} s, {}; freed heap returned: {:.2f} GiB", seconds, snapshot(self.device), trimmed)
+                trimmed = memory.trim_host_heap()  # freed heap pages back to the kernel (docs/host_memory.md)
+                seconds = self.profiler.phases["load_seconds"] = time.perf_counter() - t0
+                logger.info("load: {:.2f} s, {}; freed heap returned: {}", seconds, snapshot(self.device),
+                            "n/a (no malloc_trim)" if trimmed is None else f"{trimmed:.2f} GiB")
             self._lock_config()
             logger.info("resolved config: {}", self.config.model_dump_json())
             with lifecycle_phase("load"):
@@ -407,8 +408,7 @@ class BaseRunner(ABC):
         warmups.check_supported()
         shapes = warmups.runnable_shapes(warmups.shapes())
         before = self._memory_report()
-        graphs0, compile0 = dynamo_counts()[0], compile_seconds()
-        hits0, misses0 = inductor_cache_counts()
+        graphs0, compile0, (hits0, misses0) = dynamo_counts()[0], compile_seconds(), inductor_cache_counts()
         t0 = time.perf_counter()
         self._warmup_ran = True
         try:
@@ -425,7 +425,7 @@ class BaseRunner(ABC):
         warmups.after()
         self.warmed_shapes = (*shapes, *warmups.also_warmed)
         after = self._memory_report()
-        self.profiler.warmup = {
+        self.profiler.warmup = warmups.with_report({
             "seconds": round(seconds, 4),
             "shapes": [list(s) for s in shapes],
             "steps_per_shape": warmups.step_report(),
@@ -434,9 +434,9 @@ class BaseRunner(ABC):
             "compile_cache_hits": hits1 - hits0,
             "compile_cache_misses": misses1 - misses0,
             "memory_before": before,
-            "memory_after": after, **warmups.report,  # a family's extra entries (e.g. a sweep's)
-        }
-        logger.info("warmup: {:.2f} s over shapes {}{}; {}", seconds, [list(s) for s in shapes],
+            "memory_after": after,
+        })
+        logger.info("warmup: {:.2f} s over shapes {}{}; {}", seconds, warmups.warmed_text(),
                     f"; inductor graphs: {hits1 - hits0} from a cache, {misses1 - misses0} generated"
                     if self.config.compile.enabled else "", memory.snapshot(self.device).describe())
 
@@ -490,7 +490,7 @@ class BaseRunner(ABC):
                 "recompile_reasons": reasons1[len(reasons0):],
                 "compile_seconds": round(compile_seconds() - compile0, 3),
                 "reserved_growth_gib": round(snap.reserved_gib - reserved0, 4),
-                "warmed_shape": tuple(prof.admitted_shape or prof.shape) in set(self.warmed_shapes),
+                "warmed_shape": tuple(prof.shape) in set(self.warmed_shapes),  # the shape that ran
             }
             self.profiler.end_request()
             if prof.audit["compilations"] or prof.audit["recompilations"]:

@@ -235,13 +235,13 @@ class DefaultRunner(BaseRunner):
         info = self.resolve_request(request)
         req = RequestState(info)  # the request's state; dropped when serve_request returns
         adapters.set_request(self, info)  # request state: cleared in end_run (reset_request_state)
-        prof.shape = prof.admitted_shape = list(info.shape)  # until the encoders ran (a family may predict part)
+        prof.shape = list(info.shape)  # until the encoders ran (a family may predict part)
         self.memory_checks.check_request(request, info.shape, f"request {index}")  # unless admission checked it
-        self.warmups.log_unwarmed_shape(info, index)  # after a warmup, at a shape it did not run
         if not (info.save_result_path or info.save_tensor_path):
             logger.warning("request {}: no save_result_path or save_tensor_path: the result is not saved", index)
         req.inputs = self.run_encoders(req)  # 2. encoders
         prof.shape = list(req.info.shape)  # the shape that runs (a family may predict its frames)
+        self.warmups.log_unwarmed_shape(req.info, index)  # after a warmup, at a shape it did not run
         latents = self.run_denoise(req)  # 3. denoise stages
         if not self.decodes_here:
             return  # parallel: rank 0 alone decodes and saves; this rank's part of the request is done

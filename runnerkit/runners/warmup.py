@@ -56,6 +56,7 @@ class Warmup:
         #: shapes a family's `run_warmup` warmed beyond the class shapes (e.g. a sweep of sequence lengths), for the
         #: requests' `warmed_shape` audit; and what it adds to the profile's warmup section
         self.also_warmed: list[Shape] = []
+        self.also_warmed_note = ""  # what `also_warmed` is, for the log lines (e.g. "frame counts 25..465 at ...")
         self.report: dict[str, Any] = {}
         #: uncovered compiled sizes (sorted (name, size) pairs) -> the request that compiled graphs for them
         self.uncovered_compiled_by: dict[tuple[tuple[str, int], ...], int] = {}
@@ -195,6 +196,18 @@ class Warmup:
         if not (self.runner.config.offload.lazy_load or self.runner.config.unload_modules):
             memory.freeze_gc_once()
 
+    def with_report(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """The profile's warmup section: `entry` and what the family's `run_warmup` added (`report`, new keys only)."""
+        clash = sorted(entry.keys() & self.report.keys())
+        assert not clash, f"a family's warmup report would overwrite the warmup section's {clash}"
+        return {**entry, **self.report}
+
+    def warmed_text(self) -> str:
+        """The shapes warmup ran, for a log line: the class shapes, then how many a family's sweep added, and what."""
+        warmed = self.runner.warmed_shapes
+        text = str([list(x) for x in warmed[:len(warmed) - len(self.also_warmed)]])
+        return f"{text} and {len(self.also_warmed)} more ({self.also_warmed_note})" if self.also_warmed else text
+
     # ---- requests at a shape warmup did not run ----------------------------------------------
     def log_unwarmed_shape(self, info: InputInfo, index: int) -> None:
         """After a warmup, say what a request at a shape it did not run costs (nothing for a warmed shape,
@@ -207,7 +220,7 @@ class Warmup:
         warmed = self.runner.warmed_shapes  # () unless a warmup ran
         if not warmed or info.shape in warmed:
             return
-        shapes = [list(x) for x in warmed]
+        shapes = self.warmed_text()
         if not self.runner.config.compile.enabled:
             logger.warning("request {}: shape {} was not warmed (warmup shapes: {}); expect a slower first step",
                            index, list(info.shape), shapes)

@@ -12,11 +12,11 @@ import ctypes
 import json
 import mmap
 import os
+import platform
 import subprocess
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -253,8 +253,9 @@ def test_trim_host_heap_returns_freed_heap_pages() -> None:
     done = subprocess.run([sys.executable, "-c", TRIM_DRIVER], capture_output=True, text=True, timeout=120,
                           cwd=REPO, check=True)
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    if got["returned"] is None:
-        pytest.skip("no glibc malloc_trim here")
+    if platform.libc_ver()[0] != "glibc":
+        assert got["returned"] is None, got  # nothing to call
+        pytest.skip("not glibc: no malloc_trim")
     mib = 2**20 / memory.GIB
     if got["before"] - got["freed"] > 90 * mib:
         pytest.skip("this allocator returned the freed pages itself")
@@ -262,9 +263,14 @@ def test_trim_host_heap_returns_freed_heap_pages() -> None:
     assert got["returned"] == pytest.approx(got["freed"] - got["after"], abs=2 * mib)
 
 
+@pytest.mark.parametrize("returned, said", [(0.5, "freed heap returned: 0.50 GiB"),
+                                             (None, "freed heap returned: n/a (no malloc_trim)")])
 def test_loading_gives_the_freed_heap_back_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                mocker: Any) -> None:
-    """`init_modules` trims the heap once, after the modules are loaded (before warmup)."""
+                                                returned: float | None, said: str) -> None:
+    """`init_modules` trims the heap once, after the modules are loaded (before warmup), and the load line says what
+    it gave back, or that there is no trim here."""
+    from loguru import logger
+
     from runnerkit.config import load_runner_config
     from runnerkit.models.wan.runner import WanT2VRunner
 
@@ -272,8 +278,14 @@ def test_loading_gives_the_freed_heap_back_once(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
     runner = WanT2VRunner(load_runner_config(REPO / "configs" / "wan" / "wan_t2v_tiny.json", {"device": "cpu"}))
     order: list[str] = []
-    mocker.patch.object(memory, "trim_host_heap", side_effect=lambda: order.append("trim") or 0.5)
+    monkeypatch.setattr(memory, "trim_host_heap", lambda: order.append("trim") or returned)
     load = runner.load_modules
     monkeypatch.setattr(runner, "load_modules", lambda: (load(), order.append("load"))[0])
-    runner.init_modules()
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="INFO")
+    try:
+        runner.init_modules()
+    finally:
+        logger.remove(sink)
     assert order == ["load", "trim"]
+    assert [line for line in lines if line.startswith("load: ")][0].endswith(said)

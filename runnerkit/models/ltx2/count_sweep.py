@@ -14,8 +14,10 @@ So after the two shapes, at the larger one's size, every frame count the duratio
     then the audio decoder at each count, on zero latents of the count's shape, held likewise.
 
 The video decoder is not swept: the diffusion decoder's FlexAttention is compiled with dynamic shapes at warmup's two
-counts and served the next count at its steady time (the same H100 run). Requests at another size pay the cost per
-new count as before (a warning names the shape). The swept shapes count as warmed (`requests[].audit.warmed_shape`)
+counts and served the next count at its steady time (the same H100 run). The convolutional VAE decoder
+(`video_decoder` "conv") would need a whole decode per count (seconds each at 512x768, minutes for the sweep) to
+remove a first-use cost not measured yet; it is not swept either. Requests at another size pay the cost per new
+count as before (a warning names the shape). The swept shapes count as warmed (`requests[].audit.warmed_shape`)
 and the profile's `warmup.frame_counts` records them (docs/profile.md).
 """
 
@@ -80,10 +82,11 @@ def warm_frame_counts(runner: LTX25Runner, shared: Any, shapes: Sequence[Shape])
                 for info in infos:
                     req = RequestState(info, inputs=inputs)
                     latents = torch.zeros(runner.pipeline.denoise[-1].latent_shape(info), device=runner.device)
-                    with module_on_device(runner.placement, decoder.module, req):
+                    with runner.profiler.stage(decoder.name), module_on_device(runner.placement, decoder.module, req):
                         decoder.run(req, latents)
     seconds = time.perf_counter() - start
     runner.warmups.also_warmed += [(height, width, f) for f in counts]
+    runner.warmups.also_warmed_note = f"frame counts {counts[0]}..{counts[-1]} at {height}x{width}, swept"
     runner.warmups.report["frame_counts"] = {"size": [height, width], "counts": counts, "seconds": round(seconds, 3)}
     logger.info("warmup: {} more frame counts ({}..{}) at {}x{} in {:.2f} s: one step per stage through the first "
                 "transformer block, and the audio decoder", len(counts), counts[0], counts[-1], height, width, seconds)

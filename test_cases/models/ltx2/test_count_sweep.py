@@ -131,7 +131,39 @@ def test_after_a_compiled_warmup_a_swept_count_compiles_nothing(tmp_path: Path) 
     _, expected = serve(eager, tmp_path, 17, 0)
     compiled = make_runner(warmup=True, compile={"enabled": True, "backend": "eager"})
     compiled.init_modules()
-    assert compiled.profiler.warmup is not None and compiled.profiler.warmup["compilations"] >= 1
+    warmup = compiled.profiler.warmup
+    assert warmup is not None and warmup["compilations"] >= 1 and warmup["frame_counts"]["counts"] == [9, 17, 25]
     prof, got = serve(compiled, tmp_path, 17, 1)
     assert (prof.audit["compilations"], prof.audit["recompilations"]) == (0, 0), prof.audit
     assert torch.equal(got["video"], expected["video"]) and torch.equal(got["audio"], expected["audio"])
+
+
+def test_a_predicted_count_at_another_size_is_judged_at_the_count_that_runs(tmp_path: Path) -> None:
+    """Frames omitted at 64x64 (not the sweep's size): the head predicts 25, which warmup ran only at 64x128; the
+    warning and the audit name the shape that ran, [64, 64, 25], not admission's [64, 64, 33], and the warning
+    sums up the sweep. At 64x128 the predicted count was swept: no warning."""
+    runner = make_runner(warmup=True)
+    runner.init_modules()
+    warnings: list[str] = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        small = runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3, target_height=64, target_width=64,
+                                                  save_tensor_path=str(tmp_path / "small.safetensors")), 0)
+        large = runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3,
+                                                  save_tensor_path=str(tmp_path / "large.safetensors")), 1)
+    finally:
+        logger.remove(sink)
+    assert (small.shape, small.audit["warmed_shape"]) == ([64, 64, 25], False)
+    assert (large.shape, large.audit["warmed_shape"]) == ([64, 128, 25], True)
+    assert [w for w in warnings if "not warmed" in w] == [
+        "request 0: shape [64, 64, 25] was not warmed (warmup shapes: [[64, 64, 9], [64, 128, 33]] and 3 more "
+        "(frame counts 9..25 at 64x128, swept)); expect a slower first step"]
+
+
+def test_a_family_report_cannot_overwrite_the_warmup_section() -> None:
+    warmups = make_runner().warmups
+    warmups.report["frame_counts"] = {"counts": [9]}
+    assert warmups.with_report({"seconds": 1.0}) == {"seconds": 1.0, "frame_counts": {"counts": [9]}}
+    warmups.report["seconds"] = 2.0
+    with pytest.raises(AssertionError, match=r"would overwrite the warmup section's \['seconds'\]"):
+        warmups.with_report({"seconds": 1.0})
