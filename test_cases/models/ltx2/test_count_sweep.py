@@ -138,23 +138,33 @@ def test_after_a_compiled_warmup_a_swept_count_compiles_nothing(tmp_path: Path) 
     assert torch.equal(got["video"], expected["video"]) and torch.equal(got["audio"], expected["audio"])
 
 
-def test_a_predicted_count_at_another_size_is_judged_at_the_count_that_runs(tmp_path: Path) -> None:
+def test_a_predicted_count_at_another_size_is_judged_at_the_count_that_runs(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Frames omitted at 64x64 (not the sweep's size): the head predicts 25, which warmup ran only at 64x128; the
     warning and the audit name the shape that ran, [64, 64, 25], not admission's [64, 64, 33], and the warning
-    sums up the sweep. At 64x128 the predicted count was swept: no warning."""
+    sums up the sweep. At 64x128 the predicted count was swept: no warning. A prediction of 9 at 64x64 (made so
+    here) is a class shape: warmed, though admission's [64, 64, 33] is not."""
+    from runnerkit.models.ltx2 import runner25
+
     runner = make_runner(warmup=True)
     runner.init_modules()
     warnings: list[str] = []
     sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    omitted = {"prompt": PROMPT, "seed": 3}
     try:
-        small = runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3, target_height=64, target_width=64,
+        small = runner.run_pipeline(RequestConfig(**omitted, target_height=64, target_width=64,
                                                   save_tensor_path=str(tmp_path / "small.safetensors")), 0)
-        large = runner.run_pipeline(RequestConfig(prompt=PROMPT, seed=3,
-                                                  save_tensor_path=str(tmp_path / "large.safetensors")), 1)
+        large = runner.run_pipeline(RequestConfig(**omitted, save_tensor_path=str(tmp_path / "large.safetensors")), 1)
+        real = runner25.frames_for_duration  # the bounds (0.3 s, 1.6 s) keep their counts: admission stays at 33
+        monkeypatch.setattr(runner25, "frames_for_duration",
+                            lambda seconds, *rest: real(seconds, *rest) if seconds in (0.3, 1.6) else 9)
+        nine = runner.run_pipeline(RequestConfig(**omitted, target_height=64, target_width=64,
+                                                 save_tensor_path=str(tmp_path / "nine.safetensors")), 2)
     finally:
         logger.remove(sink)
     assert (small.shape, small.audit["warmed_shape"]) == ([64, 64, 25], False)
     assert (large.shape, large.audit["warmed_shape"]) == ([64, 128, 25], True)
+    assert (nine.shape, nine.audit["warmed_shape"]) == ([64, 64, 9], True)
     assert [w for w in warnings if "not warmed" in w] == [
         "request 0: shape [64, 64, 25] was not warmed (warmup shapes: [[64, 64, 9], [64, 128, 33]] and 3 more "
         "(frame counts 9..25 at 64x128, swept)); expect a slower first step"]
