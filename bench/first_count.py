@@ -3,9 +3,9 @@ that count (runnerkit/models/ltx2/count_sweep.py) removes it.
 
 The release transformer's widths (`LTX25_22B`) with `--layers` blocks, bf16, random weights, on CUDA, attention as
 `attention: auto` resolves it; stage-2 grids at 512x768 (latents 16x24 per frame), 1024 text tokens, 25 audio latent
-frames a second. In one process:
+frames a second (stage 2's grids: stage 1's are those of half the size). In one process:
 
-    warm:   counts 25 and 473, twice each (warmup's two shapes)
+    warm:   256x384x25 and 512x768x473, twice each (warmup's two shapes)
     cold:   each `--cold` count: the first call, then the second (a request at a count warmup did not run)
     swept:  each `--swept` count: one call through the first block (`first_blocks(1)`), then the first and second
             full calls
@@ -30,9 +30,9 @@ from runnerkit.models.ltx2.transformer_arch import LTX25_22B
 TEXT_TOKENS = 1024
 
 
-def inputs(arch: object, frames: int, device: torch.device) -> dict[str, object]:
-    """One stage-2 call's keyword inputs at 512x768x`frames` (random values; only the shapes matter)."""
-    grid = ((frames - 1) // 8 + 1, 16, 24)
+def inputs(arch: object, frames: int, device: torch.device, size: tuple[int, int] = (512, 768)) -> dict[str, object]:
+    """One stage-2 call's keyword inputs at `size` x `frames` (random values; only the shapes matter)."""
+    grid = ((frames - 1) // 8 + 1, size[0] // 32, size[1] // 32)
     audio = round(frames / 24 * 25)
     t = torch.tensor([500.0], device=device)
     randn = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--cold", type=int, nargs="*", default=[121, 257])
     parser.add_argument("--swept", type=int, nargs="*", default=[169, 313])
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/first_count.py needs a CUDA device (the first-use costs it measures are CUDA's)")
     device = torch.device("cuda")
     arch = LTX25_22B.model_copy(update={"num_layers": args.layers})
     with torch.device(device):
@@ -67,8 +69,9 @@ def main() -> None:
     backend = attention.resolve("auto", device, torch.bfloat16, arch.attention_head_dim)
     attention.install(model, backend)
     print(json.dumps({"backend": backend.name, "layers": args.layers, "device": torch.cuda.get_device_name()}))
-    for frames in (25, 473, 25, 473):
-        print(json.dumps({"arm": "warm", "frames": frames, "ms": round(timed(model, inputs(arch, frames, device)), 2)}))
+    for size, frames in (((256, 384), 25), ((512, 768), 473)) * 2:  # warmup's two shapes, stage 2
+        ms = timed(model, inputs(arch, frames, device, size))
+        print(json.dumps({"arm": "warm", "size": list(size), "frames": frames, "ms": round(ms, 2)}))
     for frames in args.cold:
         kw = inputs(arch, frames, device)
         for call in ("first", "second"):

@@ -20,10 +20,12 @@ from collections import defaultdict
 from pathlib import Path
 
 HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(.*)$")
+FIELDS = {"Rss": "rss_gib", "Anonymous": "anon_gib"}
 
 
 def mappings(pid: int) -> dict[str, dict[str, float]]:
-    """Backing -> {"rss_gib", "anon_gib", "count"} summed over the process's mappings."""
+    """Backing -> {"rss_gib", "anon_gib", "count"} summed over the process's mappings. Shared memory (what RssShmem
+    counts: /dev/shm files, memfd:..., /SYSV...) shows under its own backing, resident with no anonymous pages."""
     groups: dict[str, dict[str, float]] = defaultdict(lambda: {"rss_gib": 0.0, "anon_gib": 0.0, "count": 0})
     current = None
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
@@ -33,8 +35,8 @@ def mappings(pid: int) -> dict[str, dict[str, float]]:
             current["count"] += 1
             continue
         key, _, value = line.partition(":")
-        if current is not None and key in ("Rss", "Anonymous"):
-            current["rss_gib" if key == "Rss" else "anon_gib"] += int(value.split()[0]) / 2**20
+        if current is not None and key in FIELDS:
+            current[FIELDS[key]] += int(value.split()[0]) / 2**20
     return groups
 
 
@@ -53,7 +55,13 @@ def main() -> None:
     parser.add_argument("pid", type=int)
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
-    groups = sorted(mappings(args.pid).items(), key=lambda kv: -kv[1]["rss_gib"])[: args.top]
+    try:
+        found = mappings(args.pid)
+    except (FileNotFoundError, ProcessLookupError):
+        raise SystemExit(f"no process {args.pid} (/proc/{args.pid}/smaps does not exist)") from None
+    except PermissionError:
+        raise SystemExit(f"/proc/{args.pid}/smaps cannot be read: run as the process's user or root") from None
+    groups = sorted(found.items(), key=lambda kv: -kv[1]["rss_gib"])[: args.top]
     print(json.dumps({"status_gib": status(args.pid),
                       "top": [{"backing": k, **{n: round(v, 3) for n, v in g.items()}} for k, g in groups]}))
 
