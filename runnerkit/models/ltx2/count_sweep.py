@@ -2,8 +2,9 @@
 
 Eager, a request at a frame count warmup had not run paid a one-time cost on an H100 (bench/results/ltx25_h100_s11.md):
 0.25-0.4 s on the first step of each denoise stage and 0.15-0.2 s in the audio decoder, 5% of a 121-frame request
-at 512x768. That is per-shape state the kernels build on first use (the attention and convolution plans of the new
-token counts), which the two class warmup shapes cannot hold for the other 56 counts at 512x768.
+at 512x768. Only the first step paid, and a repeat of the count did not: state built on first use per shape
+(most likely the attention and convolution plans of the new token counts; `bench/first_count.py` measures the
+transformer's part alone), which the two class warmup shapes cannot hold for the other 56 counts at 512x768.
 
 So after the two shapes, at the larger one's size, every frame count the duration bounds allow (25, 33, ..., 473 at
 24 fps for the release) that warmup has not run goes through:
