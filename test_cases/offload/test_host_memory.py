@@ -25,6 +25,7 @@ from runnerkit import memory
 from runnerkit.offload import DiskSource
 from runnerkit.offload import setup as setup_mod
 from runnerkit.offload.disk import PAGE_BYTES, SafetensorsDiskReader, page_ranges
+from test_cases._logs import logged
 from test_cases.conftest import REPO
 from test_cases.offload import _rss_driver
 
@@ -269,8 +270,6 @@ def test_loading_gives_the_freed_heap_back_once(tmp_path: Path, monkeypatch: pyt
                                                 returned: float | None, said: str) -> None:
     """`init_modules` trims the heap once, after the modules are loaded (before warmup), and the load line says what
     it gave back, or that there is no trim here."""
-    from loguru import logger
-
     from runnerkit.config import load_runner_config
     from runnerkit.models.wan.runner import WanT2VRunner
 
@@ -281,11 +280,7 @@ def test_loading_gives_the_freed_heap_back_once(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(memory, "trim_host_heap", lambda: order.append("trim") or returned)
     load = runner.load_modules
     monkeypatch.setattr(runner, "load_modules", lambda: (load(), order.append("load"))[0])
-    lines: list[str] = []
-    sink = logger.add(lambda m: lines.append(m.record["message"]), level="INFO")
-    try:
+    with logged("INFO") as lines:
         runner.init_modules()
-    finally:
-        logger.remove(sink)
     assert order == ["load", "trim"]
     assert [line for line in lines if line.startswith("load: ")][0].endswith(said)

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from loguru import logger
 from safetensors.torch import load_file
 
 from runnerkit import memory
@@ -22,6 +21,7 @@ from runnerkit.config import RequestConfig, RunnerConfig, load_runner_config
 from runnerkit.models.ltx2.count_sweep import sweep_counts
 from runnerkit.models.ltx2.runner25 import LTX25Runner
 from runnerkit.models.ltx2.transformer import LTX2Transformer
+from test_cases._logs import logged
 from test_cases.runners._visits import count_visits
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ltx2" / "ltx25_t2av_tiny.json"
@@ -112,12 +112,8 @@ def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(tmp_path:
     assert warmup is not None and warmup["steps_per_shape"] == {"stage1": [0, 7], "stage2": [0, 2]}
     assert warmup["frame_counts"]["size"] == [64, 128] and warmup["frame_counts"]["counts"] == [9, 17, 25]
     assert runner.warmed_shapes == ((64, 64, 9), (64, 128, 33), *SWEPT)
-    warnings: list[str] = []
-    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
-    try:
+    with logged("WARNING") as warnings:
         prof, got = serve(runner, tmp_path, 17, 1)
-    finally:
-        logger.remove(sink)
     assert prof.audit["warmed_shape"] is True and not [w for w in warnings if "not warmed" in w], warnings
     assert torch.equal(got["video"], expected["video"]) and torch.equal(got["audio"], expected["audio"])
 
@@ -148,10 +144,8 @@ def test_a_predicted_count_at_another_size_is_judged_at_the_count_that_runs(tmp_
 
     runner = make_runner(warmup=True)
     runner.init_modules()
-    warnings: list[str] = []
-    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
     omitted = {"prompt": PROMPT, "seed": 3}
-    try:
+    with logged("WARNING") as warnings:
         small = runner.run_pipeline(RequestConfig(**omitted, target_height=64, target_width=64,
                                                   save_tensor_path=str(tmp_path / "small.safetensors")), 0)
         large = runner.run_pipeline(RequestConfig(**omitted, save_tensor_path=str(tmp_path / "large.safetensors")), 1)
@@ -160,8 +154,6 @@ def test_a_predicted_count_at_another_size_is_judged_at_the_count_that_runs(tmp_
                             lambda seconds, *rest: real(seconds, *rest) if seconds in (0.3, 1.6) else 9)
         nine = runner.run_pipeline(RequestConfig(**omitted, target_height=64, target_width=64,
                                                  save_tensor_path=str(tmp_path / "nine.safetensors")), 2)
-    finally:
-        logger.remove(sink)
     assert (small.shape, small.audit["warmed_shape"]) == ([64, 64, 25], False)
     assert (large.shape, large.audit["warmed_shape"]) == ([64, 128, 25], True)
     assert (nine.shape, nine.audit["warmed_shape"]) == ([64, 64, 9], True)
