@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runnerkit.models.ltx2.window_blocks import block_mask, slab_key_frames, tiled_kv_blocks, window_block_mask
+from runnerkit.models.ltx2.window_blocks import block_mask, slab_key_frames, tiled_kv_blocks
 from runnerkit.models.ltx2.window_layout import TILE, Layout, attention_slabs, window_mask_mod
 
 SWIGLU_TILE_TOKENS = 16384
@@ -109,9 +109,6 @@ at 25x128x192 tokens took 1.78 s a call instead of 0.22 s after one call over 2^
 3.0 s at 342x128x192 (bench/decoder_attention.py; bench/results/ltx25_h100_s10.md). Longer grids are split into
 slabs of frames (window_layout.py `attention_slabs`)."""
 
-FLEX_TILE: tuple[int, int, int] | None = TILE
-"""The token order FlexAttention runs in: tiles of `window_layout.TILE` (one block each), or None for row-major
-(kept for bench/decoder_attention.py's comparison). The dense-mask path is always row-major."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +167,7 @@ def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device,
                channels: int, limit: int | None = None) -> WindowMask:
     """The window masks of one (grid, kernel), shared by every block of a stage.
 
-    Where `uses_flex(device, head_dim)`: tokens in `FLEX_TILE` order and FlexAttention `BlockMask`s built from the
+    Where `uses_flex(device, head_dim)`: tokens in `TILE` order and FlexAttention `BlockMask`s built from the
     window's geometry (window_blocks.py; `create_block_mask` would build the dense [N, N] mask); elsewhere
     row-major tokens and dense boolean masks. One slab per `attention_slabs` range: one video's q of `channels`
     (= heads x head_dim) per token, at most `limit` elements of keys a call (None: `INDEX_LIMIT`).
@@ -183,7 +180,7 @@ def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device,
         raise ValueError(f"neighborhood attention needs the (T, H, W) grid {tuple(grid)} to be at least its kernel "
                          f"{tuple(kernel)} on every axis; decode a larger video.")
     flex = uses_flex(device, head_dim)
-    layout = Layout(tuple(grid), FLEX_TILE if flex else None)
+    layout = Layout(tuple(grid), TILE if flex else None)
     limit = INDEX_LIMIT if limit is None else limit
     per_unit, f = layout.unit_tokens, layout.unit_frames
     slabs = []
@@ -198,8 +195,6 @@ def stage_mask(grid: tuple[int, int, int], kernel: Kernel, device: torch.device,
         if not flex:
             iq, ik = torch.arange(nq, device=device), torch.arange(nk, device=device)
             mask = mask_mod(None, None, iq[:, None], ik[None, :])
-        elif layout.tile is None:
-            mask = window_block_mask(grid, kernel, device, mask_mod, frames=(u0, u1))
         else:
             tables = tiled_kv_blocks(layout, kernel, device, (u0, u1))
             mask = block_mask(*tables, nq, nk, mask_mod, math.prod(layout.tile))
