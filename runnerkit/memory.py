@@ -186,8 +186,6 @@ class MemorySnapshot:
         return (f"allocated {self.allocated_gib:.2f} GiB live, reserved {self.reserved_gib:.2f} GiB "
                 f"(cache {self.reserved_gib - self.allocated_gib:.2f} GiB), free {self.free_gib:.2f} GiB")
 
-    __str__ = describe
-
 
 def snapshot(device: torch.device) -> MemorySnapshot:
     """Current memory of `device` (a CUDA device), or zeros for the CPU."""

@@ -324,7 +324,7 @@ class BaseRunner(ABC):
                     raise
                 trimmed = memory.trim_host_heap()  # freed heap pages back to the kernel (docs/host_memory.md)
                 seconds = self.profiler.phases["load_seconds"] = time.perf_counter() - t0
-                logger.info("load: {:.2f} s, {}; freed heap returned: {}", seconds, snapshot(self.device),
+                logger.info("load: {:.2f} s, {}; freed heap returned: {}", seconds, snapshot(self.device).describe(),
                             "n/a (no malloc_trim)" if trimmed is None else f"{trimmed:.2f} GiB")
             self._lock_config()
             logger.info("resolved config: {}", self.config.model_dump_json())
