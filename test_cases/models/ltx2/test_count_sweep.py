@@ -74,7 +74,8 @@ def test_first_blocks_runs_only_those_and_is_restored_after_an_error() -> None:
 
 def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Model offload: each step of the class shapes runs both blocks, each sweep step one; the sweep holds the
+    """Model offload: each step of the class shapes runs both blocks, each sweep step one, and each swept count
+    starts from a reset request state (its RoPE tables do not pile up); the sweep holds the
     transformer and the audio decoder on the device once each; the audio decoder runs at every swept count on
     zero latents; then a request at a swept count is warmed, logs nothing about it, and equals a cold runner's."""
     cold = make_runner()
@@ -85,6 +86,7 @@ def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(tmp_path:
     audio: list[tuple[tuple[int, int, int], bool]] = []
     real_step, real_audio = LTX25Runner.run_step, LTX25Runner.run_audio_decoder
     blocks: list[int] = []
+    rope_tables: list[int] = []
 
     def step(self: LTX25Runner, req: Any, stage: Any, model: Any, latents: Any, timestep: Any, i: int) -> Any:
         if not blocks:
@@ -93,6 +95,7 @@ def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(tmp_path:
         before = len(blocks)
         out = real_step(self, req, stage, model, latents, timestep, i)
         steps.append((req.info.shape, stage.name, i, len(blocks) - before))
+        rope_tables.append(len(model._rope_cache))  # per-request state: one grid per stage, never the sweep's all
         return out
 
     def decode_audio(self: LTX25Runner, req: Any, latents: torch.Tensor) -> Any:
@@ -106,6 +109,7 @@ def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(tmp_path:
     assert steps[:8] == [(s, n, i, 2) for s in ((64, 64, 9), (64, 128, 33))
                          for n, last in (("stage1", 7), ("stage2", 2)) for i in (0, last)]
     assert steps[8:] == [(s, n, 0, 1) for s in SWEPT for n in ("stage1", "stage2")]
+    assert rope_tables[8:] == [1, 2] * len(SWEPT)  # the request state is reset after each swept count
     assert audio == [((64, 64, 9), False), ((64, 128, 33), False), *((s, True) for s in SWEPT)]
     assert counts["transformer"] == 3 and counts["audio_decoder"] == 3  # one per class shape, one for the sweep
     warmup = runner.profiler.warmup
