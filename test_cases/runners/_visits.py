@@ -1,4 +1,5 @@
-"""Counting the visits of model-offloaded modules to the device (runnerkit/offload/model_offload.py)."""
+"""Counting the visits of model-offloaded modules to the device (runnerkit/offload/model_offload.py) and the builds
+of per-stage (`lazy_load`) ones (runnerkit/runners/placement.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import pytest
 
 from runnerkit.offload.model_offload import ModelOffloader
+from runnerkit.runners.placement import Placement
 
 
 def count_visits(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
@@ -22,4 +24,19 @@ def count_visits(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
         return real(self, name)
 
     monkeypatch.setattr(ModelOffloader, "on_device", counting)
+    return counts
+
+
+def count_builds(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Builds of per-stage (`lazy_load`) modules, by name, from now on: `Placement.on_device` entries that find the
+    module not built yet (a nested entry shares the one built)."""
+    counts: Counter[str] = Counter()
+    real = Placement.on_device
+
+    def counting(self: Placement, name: str) -> Any:
+        if name in self.loaders and name not in self.live_per_stage:
+            counts[name] += 1
+        return real(self, name)
+
+    monkeypatch.setattr(Placement, "on_device", counting)
     return counts

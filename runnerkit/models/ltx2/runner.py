@@ -576,7 +576,10 @@ class LTX2Runner(DefaultRunner):
         return sorted({0, sched.infer_steps - 1})
 
     def clear_request_state(self) -> None:
-        """RoPE tables are request state."""
-        if self.transformer is not None:
-            self.transformer.clear_cache()
+        """RoPE tables are request state: the resident transformer's, and those of a transformer built per request
+        (`lazy_load`) while a hold keeps it on the device across request states (warmup's frame-count sweep)."""
+        live = self.placement.live_per_stage.values() if self.placement is not None else ()
+        for module in (self.transformer, *live):
+            if isinstance(module, LTX2Transformer):
+                module.clear_cache()
 

@@ -9,6 +9,7 @@ the sweep runs 9, 17 and 25 at 64x128. The release's runs 56 counts at 512x768 (
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from runnerkit.models.ltx2.count_sweep import sweep_counts
 from runnerkit.models.ltx2.runner25 import LTX25Runner
 from runnerkit.models.ltx2.transformer import LTX2Transformer
 from test_cases._logs import logged
-from test_cases.runners._visits import count_visits
+from test_cases.runners._visits import count_builds, count_visits
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ltx2" / "ltx25_t2av_tiny.json"
 SWEPT = [(64, 128, 9), (64, 128, 17), (64, 128, 25)]
@@ -72,24 +73,37 @@ def test_first_blocks_runs_only_those_and_is_restored_after_an_error() -> None:
     assert transformer._block_limit is None
 
 
-def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(tmp_path: Path,
+HOLDS = {  # offload -> what counts the transformer's trips to the device
+    "model": ({"mode": "model", "keep_across_stages": True}, count_visits),
+    "block_disk_lazy_load": ({"mode": "block", "storage": "disk", "lazy_load": True, "keep_across_stages": True},
+                             count_builds),
+}
+
+
+@pytest.mark.parametrize("mode", list(HOLDS))
+def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(mode: str, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Model offload: each step of the class shapes runs both blocks, each sweep step one, and each swept count
-    starts from a reset request state (its RoPE tables do not pile up); the sweep holds the
-    transformer and the audio decoder on the device once each; the audio decoder runs at every swept count on
-    zero latents; then a request at a swept count is warmed, logs nothing about it, and equals a cold runner's."""
+    """Model offload, and a transformer built per request (`lazy_load`) and streamed from disk (the 16 GiB plan):
+    each step of the class shapes runs both blocks, each sweep step one, and each swept count starts from a reset
+    request state (the held transformer's RoPE tables do not pile up: at release size they reached 19 GiB over a
+    16 GiB cap on an H100); the sweep holds the transformer on the device once (and, model-offloaded, the audio
+    decoder); the audio decoder runs at every swept count on zero latents; then a request at a swept count is
+    warmed, logs nothing about it, and equals a cold runner's."""
     cold = make_runner()
     cold.init_modules()
     _, expected = serve(cold, tmp_path, 17, 0)
-    runner = make_runner(warmup=True, offload={"mode": "model", "keep_across_stages": True})
+    offload, counter = HOLDS[mode]
+    runner = make_runner(warmup=True, offload=offload)
     steps: list[tuple[tuple[int, int, int], str, int, int]] = []
     audio: list[tuple[tuple[int, int, int], bool]] = []
     real_step, real_audio = LTX25Runner.run_step, LTX25Runner.run_audio_decoder
     blocks: list[int] = []
     rope_tables: list[int] = []
+    hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # a transformer built per request is hooked when built
 
     def step(self: LTX25Runner, req: Any, stage: Any, model: Any, latents: Any, timestep: Any, i: int) -> Any:
-        if not blocks:
+        if model not in hooked:
+            hooked.add(model)
             for block in model.transformer_blocks:
                 block.register_forward_pre_hook(lambda *_: blocks.append(1))
         before = len(blocks)
@@ -104,14 +118,15 @@ def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(tmp_path:
 
     monkeypatch.setattr(LTX25Runner, "run_step", step)
     monkeypatch.setattr(LTX25Runner, "run_audio_decoder", decode_audio)
-    counts = count_visits(monkeypatch)
+    counts = counter(monkeypatch)
     runner.init_modules()
     assert steps[:8] == [(s, n, i, 2) for s in ((64, 64, 9), (64, 128, 33))
                          for n, last in (("stage1", 7), ("stage2", 2)) for i in (0, last)]
     assert steps[8:] == [(s, n, 0, 1) for s in SWEPT for n in ("stage1", "stage2")]
     assert rope_tables[8:] == [1, 2] * len(SWEPT)  # the request state is reset after each swept count
     assert audio == [((64, 64, 9), False), ((64, 128, 33), False), *((s, True) for s in SWEPT)]
-    assert counts["transformer"] == 3 and counts["audio_decoder"] == 3  # one per class shape, one for the sweep
+    assert counts["transformer"] == 3  # one per class shape, one for the sweep
+    assert counts["audio_decoder"] == (3 if mode == "model" else 0)  # resident under block offload
     warmup = runner.profiler.warmup
     assert warmup is not None and warmup["steps_per_shape"] == {"stage1": [0, 7], "stage2": [0, 2]}
     assert warmup["frame_counts"]["size"] == [64, 128] and warmup["frame_counts"]["counts"] == [9, 17, 25]
