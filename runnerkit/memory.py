@@ -183,7 +183,8 @@ class MemorySnapshot:
             host = host_memory()
             available = f", {host.available_gib:.2f} GiB available" if host.available_gib is not None else ""
             return f"cpu: host RSS {host.rss_gib:.2f} GiB{available}"
-        return (f"allocated {self.allocated_gib:.2f} GiB live, reserved {self.reserved_gib:.2f} GiB "
+        return (f"allocated {self.allocated_gib:.2f} GiB live (peak {self.peak_allocated_gib:.2f} GiB), "
+                f"reserved {self.reserved_gib:.2f} GiB "
                 f"(cache {self.reserved_gib - self.allocated_gib:.2f} GiB), free {self.free_gib:.2f} GiB")
 
 
