@@ -289,6 +289,6 @@ def test_loading_gives_the_freed_heap_back_once(tmp_path: Path, monkeypatch: pyt
 def test_a_device_snapshot_describes_its_peak() -> None:
     """The load, warmup and out-of-memory lines give the allocator's high-water mark beside the live bytes (a
     warmup that breaks its cap shows in its own line)."""
-    text = memory.MemorySnapshot(allocated_gib=1.5, reserved_gib=20.0, peak_allocated_gib=32.875, free_gib=40.0)
-    assert text.describe() == ("allocated 1.50 GiB live (peak 32.88 GiB), reserved 20.00 GiB (cache 18.50 GiB), "
+    snap = memory.MemorySnapshot(allocated_gib=1.5, reserved_gib=20.0, peak_allocated_gib=32.875, free_gib=40.0)
+    assert snap.describe() == ("allocated 1.50 GiB live (peak 32.88 GiB), reserved 20.00 GiB (cache 18.50 GiB), "
                                "free 40.00 GiB")
