@@ -1,4 +1,5 @@
-"""Regional compilation: the transformer's repeated block, compiled once and shared.
+"""Regional compilation: the transformer's repeated block, compiled once and shared; and a module's declared
+regions (`COMPILED_REGIONS`), for networks whose blocks cannot be compiled whole.
 
 `compile_blocks(model, blocks_attr, cfg)` replaces the `forward` of every block in
 `model.<blocks_attr>` with one `torch.compile`d function per (block class, mode, dynamic,
@@ -20,6 +21,13 @@ after warmup. true = dynamic from the first compile. Either way a dynamic dimens
 >= 2 only: torch specialises sizes 0 and 1 ("0/1 specialization"), so a request whose token count
 is 1 (e.g. one latent patch per frame and a single latent frame) compiles graphs of its own (`uncovered_sizes`; the runner
 warns at the request's start).
+
+Declared regions (`compile_regions`): a module class may name methods in `COMPILED_REGIONS`, each a pure tensor
+function of the module's parameters and tensor arguments (no Python object arguments whose attributes change with
+the input's shape: dynamo would specialise on them). Every instance's method is routed through one compiled function
+per (class, method, config), like a block's forward. The LTX-2.5 diffusion decoder declares its attention's query
+and key paths (projection, RMS norm, 3D RoPE) and its MLP tile: its blocks take a window-mask object holding the
+grid's sizes, and the attention is a compiled FlexAttention of its own.
 
 Not supported (refused at start with the reason, `check_supported`): `mode` "reduce-overhead"
 (CUDA graphs) with block/phase streaming, whose weights change addresses every step; `cache_dir`
@@ -59,7 +67,8 @@ from torch import nn
 
 from runnerkit.config import CompileConfig, OffloadConfig
 
-_COMPILED: dict[tuple[type, str, bool, str, bool], Callable[..., Any]] = {}
+_COMPILED: dict[tuple[type, str, str, bool, str, bool], Callable[..., Any]] = {}
+"""(class, method, mode, dynamic, backend, coordinate-descent tuning) -> the compiled function."""
 
 
 def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: bool = False,
@@ -104,14 +113,19 @@ def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: 
 
 def compiled_forward(block_cls: type, cfg: CompileConfig) -> Callable[..., Any]:
     """The one compiled `forward` of `block_cls` for `cfg` (created on first use, then shared)."""
-    key = (block_cls, cfg.mode, cfg.dynamic, cfg.backend, cfg.coordinate_descent_tuning)
+    return compiled_method(block_cls, "forward", cfg)
+
+
+def compiled_method(cls: type, name: str, cfg: CompileConfig) -> Callable[..., Any]:
+    """The one compiled `cls.<name>` for `cfg` (created on first use, then shared); called with the instance first."""
+    key = (cls, name, cfg.mode, cfg.dynamic, cfg.backend, cfg.coordinate_descent_tuning)
     if key not in _COMPILED:
         how: dict[str, Any] = {"mode": None if cfg.backend != "inductor" else cfg.mode}
         if cfg.coordinate_descent_tuning:  # torch.compile takes a mode or options, not both: the mode's options + ours
             from torch._inductor import list_mode_options
 
             how = {"options": {**list_mode_options(cfg.mode), "coordinate_descent_tuning": True}}
-        _COMPILED[key] = torch.compile(block_cls.forward, dynamic=True if cfg.dynamic else None, backend=cfg.backend,
+        _COMPILED[key] = torch.compile(getattr(cls, name), dynamic=True if cfg.dynamic else None, backend=cfg.backend,
                                        **how)
     return _COMPILED[key]
 
@@ -131,6 +145,23 @@ def compile_blocks(model: nn.Module, blocks_attr: str, cfg: CompileConfig) -> in
     return len(blocks)
 
 
+def compile_regions(model: nn.Module, cfg: CompileConfig) -> int:
+    """Route the `COMPILED_REGIONS` methods of every submodule of `model` (itself included) through the shared
+    compiled functions; returns how many methods were routed.
+
+    Raises:
+        TypeError: a name in `COMPILED_REGIONS` that is not a method of the class (a family declaration bug).
+    """
+    routed = 0
+    for module in model.modules():
+        for name in getattr(type(module), "COMPILED_REGIONS", ()):
+            if not callable(getattr(type(module), name, None)):
+                raise TypeError(f"{type(module).__name__}.COMPILED_REGIONS names {name!r}, not a method")
+            setattr(module, name, types.MethodType(compiled_method(type(module), name, cfg), module))
+            routed += 1
+    return routed
+
+
 def recompile_state() -> tuple[int, list[str]]:
     """(recompilations, the reasons torch gave for them) of every compiled block forward so far:
     graphs beyond the first in each forward's dynamo cache, and the guard failures torch recorded
@@ -141,10 +172,11 @@ def recompile_state() -> tuple[int, list[str]]:
     except ImportError:  # pragma: no cover - very old torch
         return 0, []
     recompiles, reasons = 0, []
-    for block_cls in {key[0] for key in _COMPILED}:
-        code = block_cls.forward.__code__
+    for cls, name in {key[:2] for key in _COMPILED}:
+        code = getattr(cls, name).__code__
+        label = cls.__name__ if name == "forward" else f"{cls.__name__}.{name}"
         recompiles += max(len(_debug_get_cache_entry_list(code)) - 1, 0)
-        reasons += [f"{block_cls.__name__}: {r}" for r in guard_failures.get(code, [])]
+        reasons += [f"{label}: {r}" for r in guard_failures.get(code, [])]
     return recompiles, reasons
 
 
@@ -162,18 +194,24 @@ def uncovered_sizes(sizes: dict[str, int]) -> dict[str, int]:
 
 @functools.cache
 def _announce(cfg: CompileConfig) -> None:
-    logger.info("compile: regional (one compiled forward per block class), mode {}{}, dynamic {}, backend {}", cfg.mode,
+    logger.info("compile: regional (one compiled forward per block class, one function per declared region), mode {}{}, "
+                "dynamic {}, backend {}", cfg.mode,
                 " + coordinate-descent tuning" if cfg.coordinate_descent_tuning else "",
                 "from the first compile" if cfg.dynamic else "automatic", cfg.backend)
 
 
 def install(model: nn.Module, blocks_attr: str | None, cfg: CompileConfig) -> None:
-    """`compile_blocks` when `cfg.enabled` and the module names its blocks; logs once per config."""
-    if cfg.enabled and blocks_attr is not None:
+    """When `cfg.enabled`: `compile_blocks` where the module names its blocks, and `compile_regions`; logs once per
+    config."""
+    if not cfg.enabled:
+        return
+    t0 = time.perf_counter()
+    blocks = compile_blocks(model, blocks_attr, cfg) if blocks_attr is not None else 0
+    regions = compile_regions(model, cfg)
+    if blocks or regions:
         _announce(cfg)
-        t0 = time.perf_counter()
-        n = compile_blocks(model, blocks_attr, cfg)
-        logger.debug("compile: {} blocks of {} routed in {:.3f} s", n, type(model).__name__, time.perf_counter() - t0)
+        logger.debug("compile: {} blocks and {} declared regions of {} routed in {:.3f} s", blocks, regions,
+                     type(model).__name__, time.perf_counter() - t0)
 
 
 # -- compile cache (compile.cache_dir) ------------------------------------------------------------

@@ -165,6 +165,36 @@ def test_coordinate_descent_tuning_reaches_inductor_with_the_modes_options(monke
                      {"mode": mode, "dynamic": None, "backend": "inductor"}]
 
 
+class _Part(torch.nn.Module):
+    COMPILED_REGIONS = ("double",)
+
+    def double(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+class _Bad(torch.nn.Module):
+    COMPILED_REGIONS = ("missing",)
+
+
+def test_declared_regions_share_one_compiled_function_per_class_and_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`COMPILED_REGIONS` (a network whose blocks cannot be compiled whole, e.g. the LTX-2.5 diffusion decoder): every
+    instance's method goes through one compiled function of its class and method; `install` routes them with
+    compile on and leaves them alone with it off; a name that is no method is refused with the class named."""
+    compiled: list[str] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn.__qualname__) or fn)
+    monkeypatch.setattr(regional_compile, "_COMPILED", {})
+    net = torch.nn.Sequential(_Part(), torch.nn.Sequential(_Part()))
+    regional_compile.install(net, None, CompileConfig(enabled=False))
+    assert compiled == [] and "double" not in vars(net[0])
+    regional_compile.install(net, None, CompileConfig(enabled=True))
+    assert compiled == ["_Part.double"]
+    assert net[0].double.__func__ is net[1][0].double.__func__ is regional_compile._COMPILED[
+        (_Part, "double", "default", False, "inductor", False)]
+    assert torch.equal(net[1][0].double(torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(TypeError, match=r"_Bad\.COMPILED_REGIONS names 'missing', not a method"):
+        regional_compile.compile_regions(_Bad(), CompileConfig(enabled=True))
+
+
 ONE_TOKEN = (16, 16, 1)
 """Latent 1x2x2, one transformer token: a size torch never serves from a dynamic dimension."""
 TOKENS = {(32, 48, 9): 18, (64, 64, 13): 64, (16, 16, 5): 2, ONE_TOKEN: 1}

@@ -244,7 +244,12 @@ def neighborhood_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Kernel, mask
 
 class NeighborhoodAttention(nn.Module):
     """QKV projections, per-head RMSNorm of q and k, q scaled by 1/sqrt(head_dim), 3D RoPE on q
-    and k (in that order, as the reference), windowed attention, output projection."""
+    and k (in that order, as the reference), windowed attention, output projection.
+
+    `query` and `key` are compiled regions (runnerkit/compile.py `compile_regions`, with `compile.enabled`): tensor
+    functions of the input alone, so one graph with dynamic sizes serves every stage and grid."""
+
+    COMPILED_REGIONS = ("query", "key")
 
     def __init__(self, dim: int, kernel: Kernel, head_dim: int) -> None:
         super().__init__()
@@ -259,34 +264,49 @@ class NeighborhoodAttention(nn.Module):
         self.norm_q = nn.RMSNorm(head_dim, eps=1e-6)
         self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
 
+    def query(self, x: Tensor) -> Tensor:
+        """x: [B, T, H, W, C] -> q [B, T, H, W, heads, head_dim]: projected, RMS-normed per head, scaled by
+        1/sqrt(head_dim), rotated by the 3D RoPE."""
+        return apply_rope_3d(self.norm_q(self.to_q(x).unflatten(-1, (-1, self.head_dim))) * self.head_dim**-0.5)
+
+    def key(self, x: Tensor) -> Tensor:
+        """x: [B, T, H, W, C] -> k [B, T, H, W, heads, head_dim]: projected, RMS-normed per head, rotated."""
+        return apply_rope_3d(self.norm_k(self.to_k(x).unflatten(-1, (-1, self.head_dim))))
+
     def forward(self, x: Tensor, mask: WindowMask | None = None) -> Tensor:
         """x: [B, T, H, W, C] -> [B, T, H, W, C]; `mask` from `stage_mask` (built here when None).
 
         Raises:
             ValueError: a grid axis smaller than its kernel (NATTEN's window must fit; `stage_mask`).
         """
-        B, T, H, W, _ = x.shape
-        shape = (B, T, H, W, self.heads, self.head_dim)
+        T, H, W = x.shape[1:4]
         if mask is None:
             mask = stage_mask((T, H, W), self.kernel, x.device, self.head_dim, self.heads * self.head_dim)
-        arrange = mask.layout.arrange
-        if mask.layout.tile is None:  # row-major: `arrange` is a view (the order estimate_diffusion_decoder.py walks)
-            q = self.norm_q(self.to_q(x).view(shape)) * self.head_dim**-0.5
-            k = self.norm_k(self.to_k(x).view(shape))
-            v = self.to_v(x).view(shape)
-            out = windowed_attention(arrange(apply_rope_3d(q)), arrange(apply_rope_3d(k)), arrange(v), mask)
-        else:  # tiled: each tensor copied into tile order as it is made, its grid-order copy freed at once, so the
-            # copies stay under the row-major walk's peak (two fewer activations alive at each RoPE)
-            q = arrange(apply_rope_3d(self.norm_q(self.to_q(x).view(shape)) * self.head_dim**-0.5))
-            k = arrange(apply_rope_3d(self.norm_k(self.to_k(x).view(shape))))
-            v = arrange(self.to_v(x).view(shape))
-            out = windowed_attention(q, k, v, mask)  # [B, N, C] in tile order
+        arrange = mask.layout.arrange  # row-major: a view; tiled: a copy, the grid-order tensor freed at once
+        q = arrange(self.query(x))
+        k = arrange(self.key(x))
+        v = arrange(self.to_v(x).unflatten(-1, (-1, self.head_dim)))
+        out = windowed_attention(q, k, v, mask)  # [B, N, C] in the mask's token order
         del q, k, v
         return self.to_out[0](mask.layout.restore(out))
 
 
+def swiglu_tiles(n: int) -> list[tuple[int, int]]:
+    """[start, stop) token ranges of `SWIGLU_TILE_TOKENS` covering `n` tokens; a last range of one token joins the
+    one before it (a compiled region serves sizes >= 2 from its dynamic graph, runnerkit/compile.py
+    `MIN_DYNAMIC_SIZE`)."""
+    size = SWIGLU_TILE_TOKENS
+    tiles = [(start, min(start + size, n)) for start in range(0, n, size)]
+    if len(tiles) > 1 and tiles[-1][1] - tiles[-1][0] == 1:
+        tiles[-2:] = [(tiles[-2][0], n)]
+    return tiles
+
+
 class SwiGLU(nn.Module):
-    """`w_down(silu(w_gate(x)) * w_up(x))`, evaluated `SWIGLU_TILE_TOKENS` tokens at a time."""
+    """`w_down(silu(w_gate(x)) * w_up(x))`, evaluated `SWIGLU_TILE_TOKENS` tokens at a time (`swiglu_tiles`);
+    `tile` is a compiled region (`compile.enabled`)."""
+
+    COMPILED_REGIONS = ("tile",)
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -294,19 +314,19 @@ class SwiGLU(nn.Module):
         self.w_gate = nn.Linear(dim, hidden_dim, bias=False)
         self.w_down = nn.Linear(hidden_dim, dim, bias=False)
 
-    def _mlp(self, x: Tensor) -> Tensor:
+    def tile(self, x: Tensor) -> Tensor:
+        """x: [B, n, C] -> [B, n, C]."""
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [B, *grid, C] -> same shape."""
-        B, C = x.shape[0], x.shape[-1]
-        n = x[0, ..., 0].numel()
-        if n <= SWIGLU_TILE_TOKENS:
-            return self._mlp(x)
-        flat = x.reshape(B, n, C)
+        flat = x.reshape(x.shape[0], -1, x.shape[-1])
+        tiles = swiglu_tiles(flat.shape[1])
+        if len(tiles) == 1:
+            return self.tile(flat).reshape(x.shape)
         out = torch.empty_like(flat)
-        for start in range(0, n, SWIGLU_TILE_TOKENS):
-            out[:, start:start + SWIGLU_TILE_TOKENS] = self._mlp(flat[:, start:start + SWIGLU_TILE_TOKENS])
+        for start, stop in tiles:
+            out[:, start:stop] = self.tile(flat[:, start:stop])
         return out.reshape(x.shape)
 
 

@@ -8,17 +8,22 @@ its cast to the decoder's dtype and the copy with the padding frames, alive thro
 
 At a token grid of N tokens and width C (a = B N C s):
 - deterministic block (`NABlock`), at the attention kernel's output: the block input kept by the
-  caller, norm1's output, q, k, v (their projections, normed and scaled), the rotated q and k and
-  the kernel's output: 8a (FlexAttention lays its output out as the query, [B, N, heads, d], so
-  the transpose back to [B, T, H, W, C] is a view). Its MLP holds the input, the
+  caller, norm1's output, the rotated q and k (each projection and its normed copy freed once
+  rotated), v and the kernel's output: 6a (FlexAttention lays its output out as the query,
+  [B, N, heads, d], so the transpose back to [B, T, H, W, C] is a view). As many are alive while
+  k's RMS norm runs (the block's tensors, the rotated q, k's projection, the norm's two products),
+  with its float32 statistics (B N heads) beside them: that point binds. Its MLP holds the input, the
   residual sum, norm2's output and the tiled output (4a) beside one tile's three hidden-width
   tensors (`SWIGLU_TILE_TOKENS` tokens; untiled under that count).
 - in bfloat16 the RoPE's float32 temporaries outgrow that point: while k's last (W, 3/8 of
-  head_dim) chunk rotates, q, k, v, the rotated q and k's other chunks are alive beside the
-  chunk's float32 copy, two half-chunk products and their float32 stack (~9.9a in a diffusion
+  head_dim) chunk rotates, the normed k, the rotated q and k's other chunks are alive beside the
+  chunk's float32 copy, two half-chunk products and their float32 stack (~7.9a in a diffusion
   block at head_dim 64); in float32 they stay under the attention point.
-- diffusion block: the same plus the context sum (input + context_proj): 9a, and the AdaLN
+- diffusion block: the same plus the context sum (input + context_proj): 7a, and the AdaLN
   modulated copy where the plain block has the norm's output.
+- the tiled token order (CUDA) copies q, k and v into tile order as each is made, the grid-order
+  tensor freed at once: one activation more for an instant, under the points above; compiled
+  (`compile.enabled`), the query and key paths keep no float32 temporaries.
 - upsampler: its input, the projection (prod(stride) x C_out per token) and the pixel-shuffle copy
   of it; the last one's copy IS the context (a view of it, frames cropped), alive through stage 5.
 - stage 5 around the blocks: the context, the noise canvas x_t [B, 3, F, H, W] in s, the timestep
@@ -32,7 +37,7 @@ formula bounds the measured peak (test_cases/models/ltx2/test_diffusion_decoder_
 
 LTX-2.5 at 512x768x121 in bfloat16 (latent 16x16x24): stage 5 is 121 x 128 x 192 = 2.97 M tokens x
 256 channels, 1.42 GiB per activation; the peak is in a diffusion block (9 of them, beside the
-1.62 GiB context storage and the 0.27 GiB noise) and the RoPE's float32 temporaries: 15.9 GiB.
+1.62 GiB context storage and the 0.27 GiB noise) and the RoPE's float32 temporaries: 13.1 GiB.
 """
 
 from __future__ import annotations
@@ -48,9 +53,9 @@ from runnerkit.models.ltx2.layers import TIMESTEP_FEATURES
 
 F32 = 4
 
-BLOCK_COPIES = 8
+BLOCK_COPIES = 6
 """Activations alive in a deterministic block at the attention output (see the module doc)."""
-DIFFUSION_BLOCK_COPIES = 9
+DIFFUSION_BLOCK_COPIES = 7
 """Activations alive in a stage-5 block at the attention output (the context sum added)."""
 MLP_COPIES = 4
 """Activations alive in a block's MLP beside the tile: input, residual sum, normed input, output."""
@@ -71,11 +76,12 @@ def _block_peak(stage: _Stage, batch: int, s: int, copies: int, stored: int, hea
     tiled = per_batch > layers.SWIGLU_TILE_TOKENS
     tile = batch * min(per_batch, layers.SWIGLU_TILE_TOKENS)
     mlp = (MLP_COPIES - (0 if tiled else 1)) * a + 3 * tile * layers.swiglu_hidden_dim(stage.width) * s
-    return stored - a + max(copies * a, mlp, _rope_k_peak(stage, s, head_dim, copies))
+    norm_k = copies * a + stage.tokens * stage.width // head_dim * F32  # + its float32 statistics per head
+    return stored - a + max(norm_k, mlp, _rope_k_peak(stage, s, head_dim, copies))
 
 
 def _rope_k_peak(stage: _Stage, s: int, head_dim: int, copies: int) -> int:
-    """Rotating k's last (W) chunk of c elements: q, k, v, the rotated q and the block's tensors
+    """Rotating k's last (W) chunk of c elements: the rotated q, the normed k and the block's tensors
     before them (copies - 2), k's rotated T and H chunks, and float32 temporaries: the chunk's
     float32 copy (none in float32), two half-chunk products and their stack."""
     a = stage.tokens * stage.width * s

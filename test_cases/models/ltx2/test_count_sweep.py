@@ -140,7 +140,14 @@ def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(mode: str
 @pytest.mark.usefixtures("fresh_compiler")
 def test_after_a_compiled_warmup_a_swept_count_compiles_nothing(tmp_path: Path) -> None:
     """Regional compile (torch's `eager` backend): the sweep's counts lie between the class shapes' sizes, so the
-    first block's graphs serve them, and a request at one compiles nothing and equals the uncompiled output."""
+    first block's graphs serve them; the diffusion decoder's declared regions (its attention's query and key paths,
+    its MLP tile), compiled at the class shapes' decodes with every size dynamic, serve a count warmup did not
+    decode; a request at a swept count compiles nothing and equals the uncompiled output."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from runnerkit import compile as regional_compile
+    from runnerkit.models.ltx2.diffusion_decoder_layers import NeighborhoodAttention, SwiGLU
+
     eager = make_runner()
     eager.init_modules()
     _, expected = serve(eager, tmp_path, 17, 0)
@@ -148,6 +155,15 @@ def test_after_a_compiled_warmup_a_swept_count_compiles_nothing(tmp_path: Path) 
     compiled.init_modules()
     warmup = compiled.profiler.warmup
     assert warmup is not None and warmup["compilations"] >= 1 and warmup["frame_counts"]["counts"] == [9, 17, 25]
+    decoder = compiled.placement.resident_modules["diffusion_decoder"]
+    regions = [(m, name) for m in decoder.modules() for name in getattr(type(m), "COMPILED_REGIONS", ())]
+    assert {(type(m), name) for m, name in regions} == {(NeighborhoodAttention, "query"),
+                                                        (NeighborhoodAttention, "key"), (SwiGLU, "tile")}
+    for module, name in regions:  # every instance through the one compiled function of its class and method
+        assert getattr(module, name).__func__ is regional_compile.compiled_method(type(module), name,
+                                                                                  compiled.config.compile)
+    for cls, name in ((NeighborhoodAttention, "query"), (NeighborhoodAttention, "key"), (SwiGLU, "tile")):
+        assert _debug_get_cache_entry_list(getattr(cls, name).__code__), (cls, name)  # warmup compiled it
     prof, got = serve(compiled, tmp_path, 17, 1)
     assert (prof.audit["compilations"], prof.audit["recompilations"]) == (0, 0), prof.audit
     assert torch.equal(got["video"], expected["video"]) and torch.equal(got["audio"], expected["audio"])

@@ -77,6 +77,32 @@ def test_forward_parity(pair: tuple[LTX2DiffusionDecoder, LTX2VideoDiffusionDeco
     assert report("decoder stage-5 prediction", got, expected) <= TOL
 
 
+def test_a_one_token_mlp_tail_joins_the_tile_before_and_matches(
+        pair: tuple[LTX2DiffusionDecoder, LTX2VideoDiffusionDecoderModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """SwiGLU tiles of 11 tokens here and in diffusers: stage 1's 12 tokens run as one tile of 12 here (no one-token
+    tile for a compiled region to specialise on), as 11 + 1 in diffusers; the other stages' 48, 84, 156 and 432
+    tokens tile alike; the context and the stage-5 prediction still match the reference."""
+    from diffusers.models.autoencoders import ltx2_diffusion_decoder as reference_module
+
+    from runnerkit.models.ltx2 import diffusion_decoder_layers as layers
+
+    monkeypatch.setattr(layers, "SWIGLU_TILE_TOKENS", 11)
+    monkeypatch.setattr(reference_module, "_SWIGLU_TILE_SIZE", 11)
+    assert layers.swiglu_tiles(12) == [(0, 12)] and layers.swiglu_tiles(11) == [(0, 11)]
+    assert layers.swiglu_tiles(48) == [(0, 11), (11, 22), (22, 33), (33, 44), (44, 48)]
+    assert layers.swiglu_tiles(23) == [(0, 11), (11, 23)]
+    ours, reference = pair
+    z = randn(*SHAPES[0], seed=1)
+    with torch.no_grad():
+        context_ref = reference.decoder.forward_stage_4(reference.decoder.forward_stages_1_to_3(z))
+        assert report("decoder context, 11-token tiles", ours.decoder.context(z), context_ref) <= TOL
+        x_t = randn(*ours.pixel_shape(SHAPES[0]), seed=2)
+        t = torch.tensor([0.7])
+        expected = reference.decoder.forward_diffusion_step(context_ref, x_t, t)
+        got = ours.decoder.predict(context_ref, x_t, t)
+    assert report("decoder stage-5 prediction, 11-token tiles", got, expected) <= TOL
+
+
 @pytest.mark.parametrize("steps, output", [(1, "x0"), (3, "x0"), (2, "v")])
 def test_decode_pipeline_parity(steps: int, output: str) -> None:
     """decode_video == LTX2VideoDiffusionDecodePipeline(output_type="pt") end to end: latent

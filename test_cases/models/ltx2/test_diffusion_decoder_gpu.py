@@ -51,3 +51,36 @@ def test_cuda_tiled_flex_attention_equals_the_row_major_dense_mask(limit: int | 
     want = torch.nn.functional.scaled_dot_product_attention(
         *flat, attn_mask=layers.dense_neighborhood_mask(grid, kernel, cuda), scale=1.0)
     torch.testing.assert_close(got, want.transpose(1, 2).reshape(1, *grid, heads * d), rtol=2e-3, atol=2e-3)
+
+
+def test_compiled_regions_on_cuda_equal_eager_and_serve_a_third_shape_without_compiling() -> None:
+    """Inductor compiles the decoder's declared regions (the attention's query and key paths, the MLP tile;
+    runnerkit/compile.py `compile_regions`) at two latent shapes; a third compiles nothing, and every decode equals
+    the eager decoder's within 1e-3 (float32)."""
+    from torch._dynamo.utils import counters
+
+    from runnerkit import compile as regional_compile
+    from runnerkit.config import CompileConfig
+
+    arch = TINY_LTX25_DIFFUSION_DECODER.model_copy(update={"decoder_head_dim": 16,
+                                                          "decoder_stage_channels": (64, 32, 32, 32, 16)})
+    torch.manual_seed(0)
+    eager = LTX2DiffusionDecoder(arch).cuda().eval()
+    compiled = LTX2DiffusionDecoder(arch).cuda().eval()
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    regional_compile._COMPILED.clear()
+    assert regional_compile.compile_regions(compiled, CompileConfig(enabled=True)) > 0
+    g = torch.Generator().manual_seed(1)
+    graphs = []
+    for f, h, w in ((2, 1, 3), (4, 2, 3), (3, 2, 4)):
+        z = torch.randn(1, arch.latent_channels, f, h, w, generator=g).cuda()
+        x_t = torch.randn(*eager.pixel_shape(tuple(z.shape)), generator=g).cuda()
+        t = torch.tensor([0.7], device="cuda")
+        before = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            want = eager.decoder.predict(eager.decoder.context(z), x_t, t)
+            got = compiled.decoder.predict(compiled.decoder.context(z), x_t, t)
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    assert graphs[0] >= 1 and graphs[2] == 0, graphs
