@@ -194,8 +194,8 @@ def uncovered_sizes(sizes: dict[str, int]) -> dict[str, int]:
 
 @functools.cache
 def _announce(cfg: CompileConfig) -> None:
-    logger.info("compile: regional (one compiled forward per block class, one function per declared region), mode {}{}, "
-                "dynamic {}, backend {}", cfg.mode,
+    logger.info("compile: regional (one compiled forward per block class, one function per declared region), "
+                "mode {}{}, dynamic {}, backend {}", cfg.mode,
                 " + coordinate-descent tuning" if cfg.coordinate_descent_tuning else "",
                 "from the first compile" if cfg.dynamic else "automatic", cfg.backend)
 
