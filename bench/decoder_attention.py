@@ -9,8 +9,10 @@ process (compile state is per process):
   the state before the slab split, where a call over 2^31 elements compiles a 64-bit-index kernel that
   then serves the small grid too); `tiled` with slabs. The row-major order these were first compared with
   is gone from the code; its numbers stay in bench/results/ltx25_h100_s10.md.
-- `decoder_*` arms decode release-size random weights (bfloat16) at 25, 25, 473 and again 25 output
-  frames of 512x768 (latents 16x24), each timed (the first includes FlexAttention's compile);
+- `decoder_*` arms decode release-size random weights (bfloat16) at 512x768 (latents 16x24), each decode timed
+  (the first includes FlexAttention's compile): `decoder_tiled` at 25, 25, 473 and again 25 output frames;
+  `decoder_eager` and `decoder_regions` (the decoder's declared regions compiled by inductor, runnerkit/compile.py
+  `compile_regions`) at 25, 121, 25, 121 and 57 (a count neither ran before: its compilations are counted);
   `decoder_profile` lists the operators of one 25-frame decode by device time.
 
 Prints one JSON line per arm: milliseconds per call (CUDA events) and the window's FLOPs per second
@@ -18,6 +20,7 @@ Prints one JSON line per arm: milliseconds per call (CUDA events) and the window
 
     python bench/decoder_attention.py                      # every arm
     python bench/decoder_attention.py --arm tiled --arm decoder_tiled
+    python bench/decoder_attention.py --arm decoder_eager --arm decoder_regions
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ ATTENTION_ARMS = {
     "raw_small_after_big": [SMALL, BIG, TARGET],
     "tiled": [SMALL, TARGET, BIG, TARGET],
 }
-DECODER_ARMS = ("decoder_tiled", "decoder_profile")
+DECODER_FRAMES = {"decoder_tiled": (25, 25, 473, 25), "decoder_eager": (25, 121, 25, 121, 57),
+                  "decoder_regions": (25, 121, 25, 121, 57)}
+DECODER_ARMS = (*DECODER_FRAMES, "decoder_profile")
 ARMS = [*ATTENTION_ARMS, *DECODER_ARMS]
 
 
@@ -89,12 +94,20 @@ def decoder_arm(name: str) -> dict:
     from runnerkit.models.ltx2.diffusion_decode import decode_video
     from runnerkit.models.ltx2.diffusion_decoder import LTX25_DIFFUSION_DECODER, LTX2DiffusionDecoder
 
+    from torch._dynamo.utils import counters
+
+    from runnerkit.compile import compile_regions
+    from runnerkit.config import CompileConfig
+
     with torch.device("cuda"):
         model = LTX2DiffusionDecoder(LTX25_DIFFUSION_DECODER).to(torch.bfloat16).eval()
     if name == "decoder_profile":
         return {"arm": name, "top_cuda_ops": profile_decode(model)}
+    if name == "decoder_regions":
+        compile_regions(model, CompileConfig(enabled=True))
     rows = []
-    for frames in (25, 25, 473, 25):
+    for frames in DECODER_FRAMES[name]:
+        graphs = counters["stats"]["unique_graphs"]
         latents = torch.randn(1, 128, (frames - 1) // 8 + 1, 16, 24, device="cuda")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -103,7 +116,8 @@ def decoder_arm(name: str) -> dict:
             video = decode_video(model, latents, generator=0)
         torch.cuda.synchronize()
         rows.append({"frames": frames, "shape": list(video.shape), "s": round(time.perf_counter() - start, 3),
-                     "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
+                     "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                     "graphs_compiled": counters["stats"]["unique_graphs"] - graphs})
         del video
     return {"arm": name, "decodes": rows}
 
