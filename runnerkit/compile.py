@@ -25,9 +25,8 @@ warns at the request's start).
 Declared regions (`compile_regions`): a module class may name methods in `COMPILED_REGIONS`, each a pure tensor
 function of the module's parameters and tensor arguments (no Python object arguments whose attributes change with
 the input's shape: dynamo would specialise on them). Every instance's method is routed through one compiled function
-per (class, method, config), like a block's forward. The LTX-2.5 diffusion decoder declares its attention's query
-and key paths (projection, RMS norm, 3D RoPE) and its MLP tile: its blocks take a window-mask object holding the
-grid's sizes, and the attention is a compiled FlexAttention of its own.
+per (class, method, config), like a block's forward: for a network whose blocks take objects holding the input's
+sizes, or run a compiled kernel of their own (docs/compile.md names the families that declare regions).
 
 Not supported (refused at start with the reason, `check_supported`): `mode` "reduce-overhead"
 (CUDA graphs) with block/phase streaming, whose weights change addresses every step; `cache_dir`
