@@ -90,14 +90,12 @@ def attention_arm(name: str) -> dict:
 
 def decoder_arm(name: str) -> dict:
     import torch
-
-    from runnerkit.models.ltx2.diffusion_decode import decode_video
-    from runnerkit.models.ltx2.diffusion_decoder import LTX25_DIFFUSION_DECODER, LTX2DiffusionDecoder
-
     from torch._dynamo.utils import counters
 
     from runnerkit.compile import compile_regions
     from runnerkit.config import CompileConfig
+    from runnerkit.models.ltx2.diffusion_decode import decode_video
+    from runnerkit.models.ltx2.diffusion_decoder import LTX25_DIFFUSION_DECODER, LTX2DiffusionDecoder
 
     with torch.device("cuda"):
         model = LTX2DiffusionDecoder(LTX25_DIFFUSION_DECODER).to(torch.bfloat16).eval()

@@ -161,22 +161,29 @@ def compile_regions(model: nn.Module, cfg: CompileConfig) -> int:
     return routed
 
 
-def recompile_state() -> tuple[int, list[str]]:
-    """(recompilations, the reasons torch gave for them) of every compiled block forward so far:
-    graphs beyond the first in each forward's dynamo cache, and the guard failures torch recorded
-    for it (one per cached graph it could not reuse)."""
+def recompile_state() -> tuple[int, dict[str, list[str]]]:
+    """(recompilations, the reasons torch gave for them, by compiled function) of every compiled block forward and
+    declared region so far: graphs beyond the first in each function's dynamo cache, and the guard failures torch
+    recorded for it (one per cached graph it could not reuse), labelled "Block" or "Class.method". Each function's
+    list only grows: `new_reasons` takes what a stretch of work added."""
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         from torch._dynamo.utils import guard_failures
     except ImportError:  # pragma: no cover - very old torch
-        return 0, []
-    recompiles, reasons = 0, []
-    for cls, name in {key[:2] for key in _COMPILED}:
+        return 0, {}
+    recompiles, reasons = 0, {}
+    for cls, name in dict.fromkeys(key[:2] for key in _COMPILED):
         code = getattr(cls, name).__code__
         label = cls.__name__ if name == "forward" else f"{cls.__name__}.{name}"
         recompiles += max(len(_debug_get_cache_entry_list(code)) - 1, 0)
-        reasons += [f"{label}: {r}" for r in guard_failures.get(code, [])]
+        reasons[label] = list(guard_failures.get(code, []))
     return recompiles, reasons
+
+
+def new_reasons(before: dict[str, list[str]], after: dict[str, list[str]]) -> list[str]:
+    """The recompile reasons in `after` that `before` (both `recompile_state()[1]`) did not hold, function by
+    function, each as "label: reason"."""
+    return [f"{label}: {r}" for label, rs in after.items() for r in rs[len(before.get(label, [])):]]
 
 
 MIN_DYNAMIC_SIZE = 2

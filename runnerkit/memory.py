@@ -104,6 +104,12 @@ def trim_host_heap() -> float | None:
     return None if before is None or after is None else before - after
 
 
+def reset_device_peak(device: torch.device) -> None:
+    """Restart the CUDA allocator's peak-allocated mark of `device` (a phase's own peak); nothing elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def reset_host_peak() -> bool:
     """Restart the host peak-RSS high-water mark (Linux: write 5 to /proc/self/clear_refs).
 

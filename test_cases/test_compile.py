@@ -195,6 +195,35 @@ def test_declared_regions_share_one_compiled_function_per_class_and_method(monke
         regional_compile.compile_regions(_Bad(), CompileConfig(enabled=True))
 
 
+class _TwoRegions(torch.nn.Module):
+    COMPILED_REGIONS = ("f", "g")
+
+    def f(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def g(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_recompile_reasons_are_taken_function_by_function() -> None:
+    """Two compiled functions, each recompiled earlier; then only the first recompiles: the new reasons are its own
+    (one per cached graph torch tried), labelled with its class and method, never the other's older ones (a flat
+    list sliced at its old length would hand those over)."""
+    m = _TwoRegions()
+    regional_compile.compile_regions(m, CompileConfig(enabled=True, backend="eager"))
+    for shape in ((3,), (4,), (2, 2)):
+        m.f(torch.ones(shape))
+        m.g(torch.ones(shape))
+    count0, before = regional_compile.recompile_state()
+    assert set(before) == {"_TwoRegions.f", "_TwoRegions.g"} and before["_TwoRegions.g"]
+    m.f(torch.ones(2, 2, 2))
+    count1, after = regional_compile.recompile_state()
+    reasons = regional_compile.new_reasons(before, after)
+    assert count1 - count0 == 1 and reasons and all(r.startswith("_TwoRegions.f: ") for r in reasons), reasons
+    assert len(reasons) == len(after["_TwoRegions.f"]) - len(before["_TwoRegions.f"])  # one per cached graph tried
+
+
 ONE_TOKEN = (16, 16, 1)
 """Latent 1x2x2, one transformer token: a size torch never serves from a dynamic dimension."""
 TOKENS = {(32, 48, 9): 18, (64, 64, 13): 64, (16, 16, 5): 2, ONE_TOKEN: 1}

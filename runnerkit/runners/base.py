@@ -408,6 +408,7 @@ class BaseRunner(ABC):
         warmups.check_supported()
         shapes = warmups.runnable_shapes(warmups.shapes())
         before = self._memory_report()
+        memory.reset_device_peak(self.device)  # the `after` report's and the summary line's peak: warmup's own
         graphs0, compile0, (hits0, misses0) = dynamo_counts()[0], compile_seconds(), inductor_cache_counts()
         t0 = time.perf_counter()
         self._warmup_ran = True
@@ -465,8 +466,7 @@ class BaseRunner(ABC):
         compile0 = compile_seconds()
         recompiles0, reasons0 = regional_compile.recompile_state()
         reserved0 = memory.snapshot(self.device).reserved_gib
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        memory.reset_device_peak(self.device)
         memory.reset_host_peak()
         t0 = prof.started = time.perf_counter()
         error: BaseException | None = None
@@ -487,7 +487,7 @@ class BaseRunner(ABC):
             prof.audit = {
                 "compilations": graphs1 - graphs0,
                 "recompilations": recompiles1 - recompiles0,
-                "recompile_reasons": reasons1[len(reasons0):],
+                "recompile_reasons": regional_compile.new_reasons(reasons0, reasons1),
                 "compile_seconds": round(compile_seconds() - compile0, 3),
                 "reserved_growth_gib": round(snap.reserved_gib - reserved0, 4),
                 "warmed_shape": tuple(prof.shape) in set(self.warmed_shapes),  # the shape that ran

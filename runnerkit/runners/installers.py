@@ -107,7 +107,8 @@ class SequenceParallel:
 
 @dataclass(frozen=True)
 class RegionalCompile:
-    """Regional compilation of the module's blocks (`ModuleSpec.blocks`; a no-op when compile is off)."""
+    """Regional compilation of the module's blocks (`ModuleSpec.blocks`) and of its declared regions
+    (`COMPILED_REGIONS`, runnerkit/compile.py); a no-op when compile is off."""
 
     name: ClassVar[str] = "compile"
     config: CompileConfig

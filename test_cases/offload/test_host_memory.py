@@ -286,6 +286,26 @@ def test_loading_gives_the_freed_heap_back_once(tmp_path: Path, monkeypatch: pyt
     assert [line for line in lines if line.startswith("load: ")][0].endswith(said)
 
 
+def test_warmup_and_each_request_start_the_device_peak_afresh(tiny_ckpt: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device's peak mark restarts before warmup's work and before each request's, so warmup's summary line and
+    `warmup.memory_after.peak_allocated_gib` give warmup's own peak, not the load's (CUDA's mark; recorded here)."""
+    from runnerkit.config import RequestConfig, load_runner_config
+    from runnerkit.models.wan.runner import WanT2VRunner
+    from test_cases.conftest import tiny_config_dict
+
+    events: list[str] = []
+    monkeypatch.setattr(memory, "freeze_gc_once", lambda: False)
+    monkeypatch.setattr(memory, "reset_device_peak", lambda device: events.append(f"reset {device.type}"))
+    real = WanT2VRunner.run_warmup
+    monkeypatch.setattr(WanT2VRunner, "run_warmup", lambda self, shapes: events.append("warmup") or real(self, shapes))
+    runner = WanT2VRunner(load_runner_config(None, tiny_config_dict(tiny_ckpt, warmup=True)))
+    runner.init_modules()
+    assert events == ["reset cpu", "warmup"]
+    runner.run_pipeline(RequestConfig(prompt="a fox", seed=1, save_tensor_path=str(tmp_path / "r.safetensors")), 0)
+    assert events == ["reset cpu", "warmup", "reset cpu"]
+
+
 def test_a_device_snapshot_describes_its_peak() -> None:
     """The load, warmup and out-of-memory lines give the allocator's high-water mark beside the live bytes (a
     warmup that breaks its cap shows in its own line)."""

@@ -74,7 +74,7 @@ def _block_peak(stage: _Stage, batch: int, s: int, copies: int, stored: int, hea
     a = stage.tokens * stage.width * s
     per_batch = stage.tokens // batch
     tiled = per_batch > layers.SWIGLU_TILE_TOKENS
-    tile = batch * min(per_batch, layers.SWIGLU_TILE_TOKENS)
+    tile = batch * max(stop - start for start, stop in layers.swiglu_tiles(per_batch))  # a one-token tail joins
     mlp = (MLP_COPIES - (0 if tiled else 1)) * a + 3 * tile * layers.swiglu_hidden_dim(stage.width) * s
     norm_k = copies * a + stage.tokens * stage.width // head_dim * F32  # + its float32 statistics per head
     return stored - a + max(norm_k, mlp, _rope_k_peak(stage, s, head_dim, copies))

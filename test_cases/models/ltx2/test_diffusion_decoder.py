@@ -92,6 +92,9 @@ def test_a_one_token_mlp_tail_joins_the_tile_before_and_matches(
     assert layers.swiglu_tiles(48) == [(0, 11), (11, 22), (22, 33), (33, 44), (44, 48)]
     assert layers.swiglu_tiles(23) == [(0, 11), (11, 23)]
     ours, reference = pair
+    tiles: list[int] = []
+    real = layers.SwiGLU.tile
+    monkeypatch.setattr(layers.SwiGLU, "tile", lambda self, x: tiles.append(x.shape[1]) or real(self, x))
     z = randn(*SHAPES[0], seed=1)
     with torch.no_grad():
         context_ref = reference.decoder.forward_stage_4(reference.decoder.forward_stages_1_to_3(z))
@@ -101,6 +104,8 @@ def test_a_one_token_mlp_tail_joins_the_tile_before_and_matches(
         expected = reference.decoder.forward_diffusion_step(context_ref, x_t, t)
         got = ours.decoder.predict(context_ref, x_t, t)
     assert report("decoder stage-5 prediction, 11-token tiles", got, expected) <= TOL
+    assert tiles[:6] == [12, 11, 11, 11, 11, 4], tiles  # stage 1 whole (11 + 1 joined), stage 2's 48 in tiles
+    assert 1 not in tiles
 
 
 @pytest.mark.parametrize("steps, output", [(1, "x0"), (3, "x0"), (2, "v")])

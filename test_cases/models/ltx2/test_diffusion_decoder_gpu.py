@@ -53,6 +53,7 @@ def test_cuda_tiled_flex_attention_equals_the_row_major_dense_mask(limit: int | 
     torch.testing.assert_close(got, want.transpose(1, 2).reshape(1, *grid, heads * d), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.usefixtures("fresh_compiler")
 def test_compiled_regions_on_cuda_equal_eager_and_serve_a_third_shape_without_compiling() -> None:
     """Inductor compiles the decoder's declared regions (the attention's query and key paths, the MLP tile;
     runnerkit/compile.py `compile_regions`) at two latent shapes; a third compiles nothing, and every decode equals
@@ -68,8 +69,6 @@ def test_compiled_regions_on_cuda_equal_eager_and_serve_a_third_shape_without_co
     eager = LTX2DiffusionDecoder(arch).cuda().eval()
     compiled = LTX2DiffusionDecoder(arch).cuda().eval()
     compiled.load_state_dict(eager.state_dict())
-    torch._dynamo.reset()
-    regional_compile._COMPILED.clear()
     assert regional_compile.compile_regions(compiled, CompileConfig(enabled=True)) > 0
     g = torch.Generator().manual_seed(1)
     graphs = []
