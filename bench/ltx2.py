@@ -13,8 +13,13 @@ seconds are therefore far lower than the real model's; every other module has th
 
 Each arm is its own process (runs `worker`): a runner built from the checkpoint with the arm's
 settings (warmup: --warmup and offload none; cold: no warmup; block: block offload from pinned
-host memory, warmup), `--requests` requests per shape, each with its profile (stages, steps),
-peak device memory and the outputs' digests (equal across arms: same seed).
+host memory, warmup; compiled: warmup and offload none with regional compile, its compile cache
+`--compile_cache` emptied first; compiled_cached: the same, starting from the cache the compiled
+arm saved), `--requests` requests per shape, each with its profile (stages, steps, the audit's
+compilations), peak device memory and the outputs' digests (equal across the eager arms, and
+across the compiled ones: same seed).
+
+    python3 bench/ltx2.py --ckpt /tmp/ltx22 --arms warmup compiled compiled_cached --requests 3 --out $OUT/ltx2c
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -36,6 +42,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "warmup": {"warmup": True, "offload": {"mode": "none"}},
     "cold": {"warmup": False, "offload": {"mode": "none"}},
     "block": {"warmup": True, "offload": {"mode": "block"}},
+    "compiled": {"warmup": True, "offload": {"mode": "none"}, "compile": {"enabled": True}, "fresh_cache": True},
+    "compiled_cached": {"warmup": True, "offload": {"mode": "none"}, "compile": {"enabled": True}},
 }
 STAGE1_STEPS = 8
 
@@ -63,9 +71,16 @@ def worker(args: argparse.Namespace) -> None:
     arm = ARMS[args.arm]
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     h, w, f = shapes[0]
+    compile_cfg: dict[str, Any] = {}
+    if "compile" in arm:
+        if arm.get("fresh_cache"):
+            shutil.rmtree(args.compile_cache, ignore_errors=True)
+        compile_cfg = {**arm["compile"], "backend": args.compile_backend}
+        if args.compile_backend == "inductor":  # the only backend with artifacts to cache
+            compile_cfg["cache_dir"] = args.compile_cache
     config = RunnerConfig(model_cls="ltx2", task="t2av", model_path=args.ckpt, dtype=args.dtype, device=args.device,
                           enable_cfg=False, target_height=h, target_width=w, target_video_length=f, fps=24,
-                          warmup=arm["warmup"], offload=arm["offload"])
+                          warmup=arm["warmup"], offload=arm["offload"], compile=compile_cfg)
     t0 = time.perf_counter()
     runner = LTX2Runner(config)
     runner.init_modules()
@@ -108,7 +123,8 @@ def summarize(runs: dict[str, dict[str, Any]], requests: int) -> list[list[Any]]
                          " ".join(f"{r['seconds']:.2f}" for r in group),
                          f"{group[0]['seconds'] / last['seconds']:.3f}",
                          " ".join(f"{k}={v:.2f}" for k, v in last["stages"].items()),
-                         f"{max(r['peak_gib'] for r in group):.1f}"])
+                         f"{max(r['peak_gib'] for r in group):.1f}",
+                         sum(r["audit"]["compilations"] for r in group)])
     return rows
 
 
@@ -122,6 +138,9 @@ def main() -> None:
     p.add_argument("--out", required=False)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run with a tiny checkpoint")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--compile_cache", default=str(Path(tempfile.gettempdir()) / "runnerkit_bench_ltx2_compile"),
+                   help="compile.cache_dir of the compiled arms (emptied by `compiled`, reused by `compiled_cached`)")
+    p.add_argument("--compile_backend", default="inductor", help="eager: a CPU smoke run of the compiled arms")
     add_worker_flags(p, ARMS)
     args = p.parse_args()
     if args.worker:
@@ -134,16 +153,21 @@ def main() -> None:
         result = Path(f"{args.out}_{arm}.json")
         runs[arm] = run_worker(Path(__file__), ["--ckpt", args.ckpt, "--shapes", *args.shapes, "--requests",
                                                 str(args.requests), "--arm", arm, "--device", args.device,
-                                                "--dtype", args.dtype], result)
+                                                "--dtype", args.dtype, "--compile_cache", args.compile_cache,
+                                                "--compile_backend", args.compile_backend], result)
         Path(f"{args.out}.json").write_text(json.dumps(runs, indent=1, default=str))
     header = ["arm", "shape", "load s", "warmup s", "stage-1 step s (median, min-max)", "stage-2 step s",
-              "requests s", "req1/req3", "stages of the last request (s)", "peak GiB"]
+              "requests s", "req1/req3", "stages of the last request (s)", "peak GiB", "compilations in requests"]
     table = markdown_table(header, summarize(runs, args.requests))
-    digests = {arm: [r["digests"] for r in run["requests"]] for arm, run in runs.items()}
-    same = len({json.dumps(d, sort_keys=True) for d in digests.values()}) == 1
-    Path(f"{args.out}.md").write_text(table + f"\n\noutputs bit-identical across arms: {same}\n")
+    lines = []
+    for kind, group in (("eager", [a for a in runs if "compile" not in ARMS[a]]),
+                        ("compiled", [a for a in runs if "compile" in ARMS[a]])):
+        digests = {json.dumps([r["digests"] for r in runs[a]["requests"]], sort_keys=True) for a in group}
+        if len(group) > 1:
+            lines.append(f"outputs bit-identical across the {kind} arms ({', '.join(group)}): {len(digests) == 1}")
+    Path(f"{args.out}.md").write_text(table + "\n\n" + "\n".join(lines) + "\n")
     print(table)
-    print(f"outputs bit-identical across arms: {same}")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
