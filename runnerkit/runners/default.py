@@ -325,7 +325,7 @@ class DefaultRunner(BaseRunner):
                     noise_pred = self.run_step(req, stage, model, latents, timestep, i)
                     sched.step_post(noise_pred)
                 # marked: while the launch script's bar shows the steps, it drops these lines (runnerkit/progress.py)
-                logger.bind(denoise_step=True).info("{} {}/{}", label, i + 1, sched.infer_steps)
+                logger.bind(denoise_step=True).log(req.step_log_level, "{} {}/{}", label, i + 1, sched.infer_steps)
                 previous = i
                 self.report_progress(info, stage.name, i + 1, sched.infer_steps)  # a cancel stops here
         return sched.latents

@@ -44,6 +44,8 @@ class RequestState:
             by name; the family owns the names.
         enhanced_prompt: the prompt the family's prompt enhancer wrote for `info.prompt` (`info.enhance_prompt`),
             which the text encoder read instead; None: not enhanced. The sidecar records it beside the prompt.
+        step_log_level: loguru level of the per-step lines ("stage1 step 3/8"); "DEBUG" for the dummy requests
+            of a family's warmup sweep, whose many one-step runs would flood the log.
     """
 
     info: InputInfo
@@ -53,6 +55,7 @@ class RequestState:
     stage: DenoiseStage | None = None
     derived: dict[str, Any] = field(default_factory=dict)
     enhanced_prompt: str | None = None
+    step_log_level: str = "INFO"
 
     @property
     def stage_index(self) -> int | None:

@@ -72,7 +72,7 @@ def warm_frame_counts(runner: LTX25Runner, shared: Any, shapes: Sequence[Shape])
         for name in dict.fromkeys(n for stage in runner.pipeline.denoise for n in stage.transformers):
             held.enter_context(module_on_device(runner.placement, name))
         for info in infos:
-            req = RequestState(info, inputs=inputs, derived={SWEEP_KEY: True})
+            req = RequestState(info, inputs=inputs, derived={SWEEP_KEY: True}, step_log_level="DEBUG")
             try:
                 runner.run_denoise(req, warmup=True)
             finally:

@@ -87,8 +87,9 @@ def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(mode: str
     each step of the class shapes runs both blocks, each sweep step one, and each swept count starts from a reset
     request state (the held transformer's RoPE tables do not pile up: at release size they reached 19 GiB over a
     16 GiB cap on an H100); the sweep holds the transformer on the device once (and, model-offloaded, the audio
-    decoder); the audio decoder runs at every swept count on zero latents; then a request at a swept count is
-    warmed, logs nothing about it, and equals a cold runner's."""
+    decoder); the audio decoder runs at every swept count on zero latents; the sweep's step lines are DEBUG (the
+    class shapes' stay INFO); then a request at a swept count is warmed, logs nothing about it, and equals a cold
+    runner's."""
     cold = make_runner()
     cold.init_modules()
     _, expected = serve(cold, tmp_path, 17, 0)
@@ -119,7 +120,8 @@ def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(mode: str
     monkeypatch.setattr(LTX25Runner, "run_step", step)
     monkeypatch.setattr(LTX25Runner, "run_audio_decoder", decode_audio)
     counts = counter(monkeypatch)
-    runner.init_modules()
+    with logged("INFO") as lines:
+        runner.init_modules()
     assert steps[:8] == [(s, n, i, 2) for s in ((64, 64, 9), (64, 128, 33))
                          for n, last in (("stage1", 7), ("stage2", 2)) for i in (0, last)]
     assert steps[8:] == [(s, n, 0, 1) for s in SWEPT for n in ("stage1", "stage2")]
@@ -131,6 +133,8 @@ def test_warmup_sweeps_the_other_counts_through_one_block_and_one_step(mode: str
     assert warmup is not None and warmup["steps_per_shape"] == {"stage1": [0, 7], "stage2": [0, 2]}
     assert warmup["frame_counts"]["size"] == [64, 128] and warmup["frame_counts"]["counts"] == [9, 17, 25]
     assert runner.warmed_shapes == ((64, 64, 9), (64, 128, 33), *SWEPT)
+    step_lines = [m for m in lines if " step " in m and m.startswith("warmup [")]
+    assert len(step_lines) == 8 and not [m for m in step_lines if "[64, 128, 9]" in m or "[64, 128, 17]" in m]
     with logged("WARNING") as warnings:
         prof, got = serve(runner, tmp_path, 17, 1)
     assert prof.audit["warmed_shape"] is True and not [w for w in warnings if "not warmed" in w], warnings
