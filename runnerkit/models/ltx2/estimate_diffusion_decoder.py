@@ -73,8 +73,9 @@ def _block_peak(stage: _Stage, batch: int, s: int, copies: int, stored: int, hea
     of the stage input's storage (a temporal x2 upsampler's output is a view one frame short)."""
     a = stage.tokens * stage.width * s
     per_batch = stage.tokens // batch
-    tiled = per_batch > layers.SWIGLU_TILE_TOKENS
-    tile = batch * max(stop - start for start, stop in layers.swiglu_tiles(per_batch))  # a one-token tail joins
+    tiles = layers.swiglu_tiles(per_batch)  # as the forward splits them (a one-token tail joins the tile before)
+    tiled = len(tiles) > 1
+    tile = batch * max(stop - start for start, stop in tiles)
     mlp = (MLP_COPIES - (0 if tiled else 1)) * a + 3 * tile * layers.swiglu_hidden_dim(stage.width) * s
     norm_k = copies * a + stage.tokens * stage.width // head_dim * F32  # + its float32 statistics per head
     return stored - a + max(norm_k, mlp, _rope_k_peak(stage, s, head_dim, copies))
