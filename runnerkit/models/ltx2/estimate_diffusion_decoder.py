@@ -19,6 +19,8 @@ At a token grid of N tokens and width C (a = B N C s):
   head_dim) chunk rotates, the normed k, the rotated q and k's other chunks are alive beside the
   chunk's float32 copy, two half-chunk products and their float32 stack (~7.9a in a diffusion
   block at head_dim 64); in float32 they stay under the attention point.
+- a stage of two or more blocks: its caller holds the stage's input (the upsampler's storage) beside a
+  later block's tensors.
 - diffusion block: the same plus the context sum (input + context_proj): 7a, and the AdaLN
   modulated copy where the plain block has the norm's output.
 - the tiled token order (CUDA) copies q, k and v into tile order as each is made, the grid-order
@@ -121,7 +123,9 @@ def _deterministic_stages(arch: LTX2DiffusionDecoderArch, grid: tuple[int, int, 
         stage = _Stage(batch * math.prod(grid), arch.decoder_stage_channels[i])
         a = stage.tokens * stage.width * s
         shuffled = stage.tokens * math.prod(stride) * (stage.width // reduction) * s
-        for name, live in ((f"stage {i + 1} block", _block_peak(stage, batch, s, BLOCK_COPIES, stored, arch.decoder_head_dim)),
+        # the caller holds the stage's input through its blocks: beside a later block's own input when there are two
+        held = stored + (a if arch.decoder_stage_depths[i] > 1 else 0)
+        for name, live in ((f"stage {i + 1} block", _block_peak(stage, batch, s, BLOCK_COPIES, held, arch.decoder_head_dim)),
                            (f"upsampler {i + 1}", a + 2 * shuffled)):
             if arch.decoder_stage_depths[i] or name.startswith("upsampler"):
                 peak = max(peak, (base + live, name))
@@ -208,10 +212,8 @@ def tiled_diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tup
             for j, (w0, w1) in enumerate(tiles_w):
                 alive = base + previous + group + sum(row) + sum(above[j:])
                 grid4 = (t1 - t0 + (plan.ghost if t1 == plan.frames else 0), h1 - h0, w1 - w0)
-                a4 = batch * math.prod(grid4) * arch.decoder_stage_channels[3] * s
-                # the first block reads a view of the features; a later one its predecessor's output
-                peak, context, _ = _deterministic_stages(arch, grid4, batch, s, range(3, 4),
-                                                         a4 if arch.decoder_stage_depths[3] > 1 else 0, alive, peak)
+                # the blocks read a view of the features (counted in `alive`): no storage of the stage's own
+                peak, context, _ = _deterministic_stages(arch, grid4, batch, s, range(3, 4), 0, alive, peak)
                 grid5 = (frames, (h1 - h0) * up[1], (w1 - w0) * up[2])
                 points, *_ = _stage5_points(arch, grid5, batch, s, alive + context)
                 peak = max([peak, *points])

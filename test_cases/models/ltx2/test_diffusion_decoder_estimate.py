@@ -50,7 +50,7 @@ ARCHS = {
 }
 CASES = [("wide-stage5", 64, "stage 5 block"), ("wide-stage5", None, "stage 5 block"),
          ("wide-stage1", 4, "unpatchify"), ("wide-stage1", None, "stage 4 block"),
-         ("tiny", 64, "unpatchify")]
+         ("tiny", 64, "unpatchify"), ("wide-stage4", None, "stage 4 block")]
 
 
 def _no_mask(grid: tuple[int, int, int], kernel: tuple[int, int, int], *args: object) -> layers.WindowMask:
