@@ -57,13 +57,18 @@ def rope_dim_split(head_dim: int) -> tuple[int, int, int]:
     return dim_t, dim_hw, dim_hw
 
 
+def _angles(positions: Tensor, d: int, base: float) -> Tensor:
+    """RoPE angles [n, d/2] (float32, radians) of `positions` [n] for `d` rotated channels."""
+    inv_freqs = (1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d)).float()
+    return positions[:, None] * inv_freqs[None, :]
+
+
 def _rotate(x: Tensor, positions: Tensor, base: float, axis: int) -> Tensor:
     """Rotate the interleaved pairs of `x` [B, T, H, W, heads, d] by `positions` along `axis` (1-3)."""
     d = x.shape[-1]
-    inv_freqs = (1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)).float()
     shape = [1, 1, 1, 1, 1, d // 2]
     shape[axis] = positions.shape[0]
-    angles = (positions[:, None] * inv_freqs[None, :]).reshape(shape)  # broadcast over B, heads
+    angles = _angles(positions, d, base).reshape(shape)  # broadcast over B, heads
     pairs = x.unflatten(-1, (d // 2, 2)).float()  # [..., d/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]
     cos, sin = angles.cos(), angles.sin()
@@ -71,9 +76,34 @@ def _rotate(x: Tensor, positions: Tensor, base: float, axis: int) -> Tensor:
     return rotated.flatten(-2).to(x.dtype)
 
 
+def _rope_3d_one_pass(x: Tensor, base: float) -> Tensor:
+    """`apply_rope_3d` as one elementwise pass over `x` [B, T, H, W, heads, head_dim] (half precision):
+    the per-axis angles gathered into one float32 table [T, H, W, head_dim/2] shared by the heads, each
+    pair rotated as (e, o) -> (e cos - o sin, o cos + e sin). The same floats as the per-axis form; what
+    a compiled region runs, where the per-axis form's concatenation of float32 results makes inductor
+    keep them (two activations of float32 beside the projection and the output)."""
+    d = x.shape[-1]
+    T, H, W = x.shape[1:4]
+    tables = []
+    for axis, (n, width) in enumerate(zip((T, H, W), rope_dim_split(d))):
+        shape = [1, 1, 1, 1, 1, width // 2, 1]
+        shape[axis + 1] = n
+        positions = torch.arange(n, dtype=torch.float32, device=x.device)
+        tables.append(_angles(positions, width, base).reshape(shape).expand(1, T, H, W, 1, width // 2, 1))
+    angles = torch.cat(tables, dim=-2)  # [1, T, H, W, 1, d/2, 1]
+    pairs = x.unflatten(-1, (d // 2, 2)).float()  # [..., d/2, (e, o)]
+    sign = torch.tensor([-1.0, 1.0], device=x.device)
+    rotated = pairs * angles.cos() + pairs.flip(-1) * (angles.sin() * sign)
+    return rotated.to(x.dtype).flatten(-2)
+
+
 def apply_rope_3d(x: Tensor, base: float = 10000.0) -> Tensor:
     """Absolute 3D RoPE on `x` [B, T, H, W, heads, head_dim]: positions are the 0-based grid
-    indices (only relative offsets matter inside a local window); float32 math, `x.dtype` out."""
+    indices (only relative offsets matter inside a local window); float32 math, `x.dtype` out.
+    Eager, one axis's channels at a time (float32 temporaries of one chunk); compiled in half
+    precision, one elementwise pass (`_rope_3d_one_pass`)."""
+    if torch.compiler.is_compiling() and x.dtype != torch.float32:
+        return _rope_3d_one_pass(x, base)
     dim_t, dim_h, _ = rope_dim_split(x.shape[-1])
     T, H, W = x.shape[1:4]
     pos = [torch.arange(n, dtype=torch.float32, device=x.device) for n in (T, H, W)]

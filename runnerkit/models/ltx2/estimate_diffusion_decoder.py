@@ -24,8 +24,11 @@ At a token grid of N tokens and width C (a = B N C s):
 - diffusion block: the same plus the context sum (input + context_proj): 7a, and the AdaLN
   modulated copy where the plain block has the norm's output.
 - the tiled token order (CUDA) copies q, k and v into tile order as each is made, the grid-order
-  tensor freed at once: one activation more for an instant, under the points above; compiled
-  (`compile.enabled`), the query and key paths keep no float32 temporaries.
+  tensor freed at once: one activation more for an instant, under the points above.
+- compiled (`compile.enabled`) in half precision, the key region holds k's projection, the
+  output and the RoPE's float32 angle table [T, H, W, head_dim/2] (`_rope_3d_one_pass`) where
+  eager holds the norm's two products: the table more than the norm point, under the RoPE point
+  wherever a stage has two or more heads.
 - upsampler: its input, the projection (prod(stride) x C_out per token) and the pixel-shuffle copy
   of it; the last one's copy IS the context (a view of it, frames cropped), alive through stage 5.
 - stage 5 around the blocks: the context, the noise canvas x_t [B, 3, F, H, W] in s, the timestep
@@ -80,7 +83,16 @@ def _block_peak(stage: _Stage, batch: int, s: int, copies: int, stored: int, hea
     tile = batch * max(stop - start for start, stop in tiles)
     mlp = (MLP_COPIES - (0 if tiled else 1)) * a + 3 * tile * layers.swiglu_hidden_dim(stage.width) * s
     norm_k = copies * a + stage.tokens * stage.width // head_dim * F32  # + its float32 statistics per head
-    return stored - a + max(norm_k, mlp, _rope_k_peak(stage, s, head_dim, copies))
+    compiled_k = (copies - 2) * a + compiled_key_bytes(stage.tokens, stage.width, batch, s, head_dim) if s != F32 else 0
+    return stored - a + max(norm_k, mlp, _rope_k_peak(stage, s, head_dim, copies), compiled_k)
+
+
+def compiled_key_bytes(tokens: int, width: int, batch: int, s: int, head_dim: int) -> int:
+    """Bytes the compiled key region (`NeighborhoodAttention.key` under `compile.enabled`, half precision)
+    allocates beside its input, `tokens` (B x T x H x W) of `width` channels: k's projection and output, the
+    RMS norm's float32 statistics per head and the RoPE's float32 angle table [T, H, W, head_dim/2], shared
+    by the batch and the heads (diffusion_decoder_layers.py `_rope_3d_one_pass`)."""
+    return 2 * tokens * width * s + tokens * width // head_dim * F32 + tokens // batch * head_dim // 2 * F32
 
 
 def _rope_k_peak(stage: _Stage, s: int, head_dim: int, copies: int) -> int:
@@ -125,7 +137,8 @@ def _deterministic_stages(arch: LTX2DiffusionDecoderArch, grid: tuple[int, int, 
         shuffled = stage.tokens * math.prod(stride) * (stage.width // reduction) * s
         # the caller holds the stage's input through its blocks: beside a later block's own input when there are two
         held = stored + (a if arch.decoder_stage_depths[i] > 1 else 0)
-        for name, live in ((f"stage {i + 1} block", _block_peak(stage, batch, s, BLOCK_COPIES, held, arch.decoder_head_dim)),
+        block = _block_peak(stage, batch, s, BLOCK_COPIES, held, arch.decoder_head_dim)
+        for name, live in ((f"stage {i + 1} block", block),
                            (f"upsampler {i + 1}", a + 2 * shuffled)):
             if arch.decoder_stage_depths[i] or name.startswith("upsampler"):
                 peak = max(peak, (base + live, name))
@@ -182,7 +195,8 @@ def tiled_diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tup
     step (the release); the untiled `diffusion_decode_bytes` when the latents fit one tile. Stages 1-3 on
     the whole latent as untiled; then, tile by tile in the decode's order, stage 4 and stage 5 on the tile
     beside what stays alive: the latents, the features (stage 3's upsampler storage), the output video
-    (decoder dtype; its float32 copy at the end), the previous and the current temporal group (decoder dtype) and the row tiles still to blend
+    (decoder dtype; its float32 copy at the end), the previous and the current temporal group (decoder dtype)
+    and the row tiles still to blend
     from (the current row's and the previous row's not yet consumed). A multi-step decode's noise canvas
     is added; its per-step float32 temporaries are not counted.
 
@@ -227,4 +241,5 @@ def tiled_diffusion_decode_bytes(arch: LTX2DiffusionDecoderArch, latent_fhw: tup
     gib = 2**30
     tiles = len(tiles_t) * len(tiles_h) * len(tiles_w)
     return peak[0], (f"tiled diffusion decode peak in {peak[1]}: {tiles} tiles, the largest stage-5 grid "
-                     f"{'x'.join(map(str, largest))}, features {features / gib:.2f} GiB, output {total * s / gib:.2f} GiB")
+                     f"{'x'.join(map(str, largest))}, features {features / gib:.2f} GiB, "
+                     f"output {total * s / gib:.2f} GiB")

@@ -4,7 +4,8 @@ against the peak measured on the CPU (`torch.profiler` allocation events replaye
 The attention kernel is replaced by an output-only stand-in laid out as the query (what compiled
 FlexAttention allocates) and the stage masks by row-major ones holding no mask tensor (`_no_mask`): the CPU
 path's dense [N, N] mask is counted apart (`estimate25.dense_mask_bytes`), and the CUDA path has none.
-Float32, where the CPU runs the same allocations as CUDA (in bfloat16 the CPU's RMSNorm upcasts to float32 internally, CUDA's fused kernel does not).
+Float32, where the CPU runs the same allocations as CUDA (in bfloat16 the CPU's RMSNorm upcasts to float32
+internally, CUDA's fused kernel does not).
 Configs: the peak in a stage-5 block (wide stage 5), in a deterministic block's untiled MLP (wide stage 1; with
 the MLP tiled it peaks at the unpatchify), and at the unpatchify (narrow stage 5); the SwiGLU tiled (64 or 4 tokens:
 the attention point binds) and untiled. The tiled decode's cases below have the attention point of a deterministic
@@ -14,6 +15,7 @@ block bind (wide stages 3 and 4).
 from __future__ import annotations
 
 import math
+import shutil
 from typing import Any
 
 import pytest
@@ -30,7 +32,11 @@ from runnerkit.models.ltx2.diffusion_decoder import (
     LTX2DiffusionDecoderArch,
 )
 from runnerkit.models.ltx2.diffusion_decoder_layers import Slab
-from runnerkit.models.ltx2.estimate_diffusion_decoder import diffusion_decode_bytes, tiled_diffusion_decode_bytes
+from runnerkit.models.ltx2.estimate_diffusion_decoder import (
+    compiled_key_bytes,
+    diffusion_decode_bytes,
+    tiled_diffusion_decode_bytes,
+)
 from runnerkit.models.ltx2.window_layout import Layout
 from test_cases._memory import peak_tensor_bytes
 from test_cases.models.ltx2._parity import randn
@@ -113,6 +119,35 @@ def test_the_tiled_token_order_stays_under_the_formula(monkeypatch: pytest.Monke
         measured = peak_tensor_bytes(lambda: decode_video(model, latents, generator=0)) + latents.numel() * 4
     formula, detail = diffusion_decode_bytes(ARCHS[name], (2, 1, 3), 4, batch=1)
     assert 0.999 <= formula / measured <= 1.003, f"{formula} / {measured} = {formula / measured:.5f} ({detail})"
+
+
+def test_the_one_pass_rope_gives_the_per_axis_floats() -> None:
+    """`_rope_3d_one_pass` (what a compiled half-precision region runs) equals the eager per-axis RoPE bit for
+    bit: the same angles, the pair rotation's products and sums in the same order."""
+    for dtype in (torch.bfloat16, torch.float32):
+        x = randn(2, 5, 6, 7, 3, 64, seed=1).to(dtype)
+        assert torch.equal(layers._rope_3d_one_pass(x, 10000.0), layers.apply_rope_3d(x)), dtype
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU backend needs a C++ compiler (g++ or c++ on PATH)")
+@pytest.mark.usefixtures("fresh_compiler")
+def test_the_compiled_key_region_allocates_what_the_formula_counts() -> None:
+    """Compiled by inductor in bfloat16, the key region allocates k's projection, the norm's statistics, the
+    RoPE's angle table and the output (`compiled_key_bytes`). The per-axis RoPE compiled keeps its three
+    float32 rotated chunks as well (two activations more: measured 1.15 stage-5 activations over eager's peak
+    on an H100), so a compiled region dispatches to the one-pass form."""
+    torch.manual_seed(0)
+    attn = layers.NeighborhoodAttention(256, (3, 3, 3), 64).to(torch.bfloat16).eval().requires_grad_(False)
+    x = randn(1, 4, 8, 12, 256, seed=0).to(torch.bfloat16)
+    key = torch.compile(attn.key, backend="inductor")
+    with torch.inference_mode():
+        want = attn.key(x)
+        got = key(x)
+        measured = peak_tensor_bytes(lambda: key(x), min_events=2)
+    torch.testing.assert_close(got, want, rtol=0, atol=2**-5)  # inductor's float32 math, rounded to bfloat16
+    formula = compiled_key_bytes(4 * 8 * 12, 256, 1, 2, 64)
+    assert 0.999 <= formula / measured <= 1.003, f"{formula} / {measured} = {formula / measured:.5f}"
 
 
 def test_release_peak() -> None:
