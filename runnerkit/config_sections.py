@@ -40,6 +40,12 @@ class OffloadConfig(StrictModel):
     gpu_slots: int = Field(2, ge=2, le=64, description="Device slots that streamed blocks/phases rotate through.")
     prefetch_depth: int = Field(1, ge=1, le=63, description="Units copied ahead of the one computing (< gpu_slots).")
     reader: Literal["mmap", "pread"] = Field("mmap", description="How disk storage reads safetensors files.")
+    page_cache: Literal["auto", "keep", "drop"] = Field(
+        "auto", description="Storage disk with reader pread: keep the streamed files' pages in the OS page cache, so "
+        "that steps after the first read them from memory, or drop the pages each read brought in, so that "
+        "streaming a checkpoint larger than RAM evicts nothing else (every step then reads the disk). auto: keep "
+        "when the streamed files take at most half of the host's available memory and no cgroup memory limit "
+        "applies (cached pages count against one); otherwise drop.")
     weight_dtype: Literal["same", "fp8_e4m3", "auto"] = Field(
         "same", description="Storage dtype of streamed weights: same (the compute dtype), or fp8_e4m3 (quantized at "
         "load into host memory, storage cpu only; upcast at compute: lossy). auto (with mode auto only): the "
@@ -103,6 +109,10 @@ class OffloadConfig(StrictModel):
                                  "either stays on the device whole or streams its blocks")
         if self.reader != "mmap" and self.storage != "disk":
             raise ValueError(f"`offload.reader`={self.reader!r} applies to `offload.storage`='disk' only")
+        if self.page_cache != "auto" and not (self.storage == "disk" and self.reader == "pread"):
+            raise ValueError(f"`offload.page_cache`={self.page_cache!r} applies to `offload.storage`='disk' with "
+                             f"`offload.reader`='pread' only (got storage={self.storage!r}, reader={self.reader!r}); "
+                             "allowed there: 'auto', 'keep', 'drop'")
         if self.prefetch_depth >= self.gpu_slots:
             raise ValueError(f"`offload.prefetch_depth` ({self.prefetch_depth}) must be < `offload.gpu_slots` "
                              f"({self.gpu_slots}): a slot is needed for the unit computing now")

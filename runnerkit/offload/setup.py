@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,6 +18,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from runnerkit import memory
 from runnerkit.config import OffloadConfig
 from runnerkit.offload import resident_read
 from runnerkit.offload.disk import SafetensorsDiskReader
@@ -32,6 +33,33 @@ from runnerkit.weights import CheckpointError, check_tensors, short_list, tensor
 def pin_memory_enabled(cfg: OffloadConfig) -> bool:
     """Config `pin_memory`, forced off by env RUNNERKIT_DISABLE_PINNED=1."""
     return cfg.pin_memory and not pinning_disabled_by_env()
+
+
+PAGE_CACHE_SHARE = 0.5
+"""`offload.page_cache` auto keeps the streamed files' pages when the files take at most this share of the
+host's available memory (`memory.host_available_bytes`)."""
+
+
+def page_cache_kept(files: Sequence[Path], setting: str) -> tuple[bool, str]:
+    """Whether a pread reader of `files` keeps their pages in the page cache (`offload.page_cache`), and why.
+
+    auto: keep when the files' total size is at most `PAGE_CACHE_SHARE` of the host's available memory and
+    no cgroup memory limit applies (a cgroup counts cached pages against its limit); drop otherwise, and
+    where the available memory is unknown.
+    """
+    if setting != "auto":
+        return setting == "keep", f"offload.page_cache={setting}"
+    limit = memory.cgroup_memory_limit()
+    if limit is not None:
+        return False, f"a cgroup memory limit applies ({limit}): cached pages count against it"
+    available = memory.host_available_bytes()
+    size = sum(Path(f).stat().st_size for f in files)
+    if available is None:
+        return False, "the host's available memory is unknown"
+    words = f"the files' {size / memory.GIB:.2f} GiB against {available[0] / memory.GIB:.2f} GiB available"
+    if size <= PAGE_CACHE_SHARE * available[0]:
+        return True, f"{words} ({available[1]})"
+    return False, f"{words} ({available[1]}): more than {PAGE_CACHE_SHARE:.0%}"
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:
@@ -90,7 +118,11 @@ def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cf
         return _ResidentRead([batch], None, None)
     assert files is not None, "storage disk needs the checkpoint files"
     key_map = dict(key_map or {n: n for n in expected})
-    reader = SafetensorsDiskReader(files, reader=cfg.reader)
+    keep, why = page_cache_kept(files, cfg.page_cache) if cfg.reader == "pread" else (False, "")
+    reader = SafetensorsDiskReader(files, reader=cfg.reader, drop_pages=not keep)
+    if cfg.reader == "pread":
+        logger.info("{}: page cache of the streamed files {}: {}", component, "kept" if keep else
+                    "dropped after each read", why)
     inverse = {v: k for k, v in key_map.items()}
     scale_keys = set(scale_map.values())
     # names, shapes and dtypes from the headers, before any weight is read

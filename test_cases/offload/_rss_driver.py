@@ -86,8 +86,10 @@ def write_checkpoint(path: Path, num_blocks: int) -> list[tuple[str, int, int]]:
     return [(n, start + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0]) for n, h in header.items()]
 
 
-def stream(files: list[Path], reader: str, gpu_slots: int, steps: int, num_blocks: int) -> tuple[object, dict]:
-    """Stream `WideToy` from `files` for `steps` forward passes; returns (streamer, measurements)."""
+def stream(files: list[Path], reader: str, gpu_slots: int, steps: int, num_blocks: int,
+           page_cache: str = "drop") -> tuple[object, dict]:
+    """Stream `WideToy` from `files` for `steps` forward passes; returns (streamer, measurements).
+    `page_cache`: `offload.page_cache` of reader pread (the host-memory bounds are the dropping reader's)."""
     from runnerkit import memory
     from runnerkit.config import OffloadConfig
     from runnerkit.offload.layout import StreamSpec
@@ -98,7 +100,7 @@ def stream(files: list[Path], reader: str, gpu_slots: int, steps: int, num_block
     model = build_on_meta(lambda: WideToy(num_blocks))
     x = torch.full((1, 4, DIM), 0.5)
     cfg = OffloadConfig(mode="block", storage="disk", reader=reader, pin_memory=False, gpu_slots=gpu_slots,
-                        prefetch_depth=1)
+                        prefetch_depth=1, page_cache=page_cache if reader == "pread" else "auto")
     before = memory.host_memory()
     io_before = memory.disk_io()
     peak_reset = memory.reset_host_peak()  # False: VmHWM counts from the process start (the test skips)

@@ -15,7 +15,6 @@ import os
 import platform
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,7 @@ import torch
 
 from runnerkit import memory
 from runnerkit.offload import DiskSource
-from runnerkit.offload import setup as setup_mod
-from runnerkit.offload.disk import PAGE_BYTES, SafetensorsDiskReader, page_ranges
+from runnerkit.offload.disk import PAGE_BYTES, page_ranges
 from test_cases._logs import logged
 from test_cases.conftest import REPO
 from test_cases.offload import _rss_driver
@@ -119,7 +117,7 @@ def test_pread_streaming_keeps_the_page_cache_bounded(tmp_path: Path, monkeypatc
     """Streaming 16 blocks of 4 MiB with reader pread from a file none of whose pages are cached: after
     each unit fetch at most 3 units + 2 read-ahead windows of the file are cached (if that is less
     than half the file: otherwise nothing is shown), and after the request (`streamer.reset()`) none
-    of it; with `drop_pages=False` (the control) all of it."""
+    of it; with `offload.page_cache` keep (the control) all of it."""
     checkpoint = tmp_path / "wide.safetensors"
     tensors = _rss_driver.write_checkpoint(checkpoint, 16)  # 64 MiB, written back to the disk (fsync)
     spans = [(offset, nbytes) for _, offset, nbytes in tensors]
@@ -130,7 +128,6 @@ def test_pread_streaming_keeps_the_page_cache_bounded(tmp_path: Path, monkeypatc
     os.close(fd)
     if cached < total or resident_pages(checkpoint, spans)[0]:  # e.g. tmpfs: pages are the file itself
         pytest.skip(f"this file system does not show a file's cached pages as cached and dropped ({cached} of {total})")
-    monkeypatch.setattr(setup_mod, "SafetensorsDiskReader", partial(SafetensorsDiskReader, drop_pages=drop))
     during: list[int] = []
     real_fetch = DiskSource.fetch
 
@@ -140,7 +137,8 @@ def test_pread_streaming_keeps_the_page_cache_bounded(tmp_path: Path, monkeypatc
         return out
 
     monkeypatch.setattr(DiskSource, "fetch", sampled_fetch)
-    streamer, found = _rss_driver.stream([checkpoint], "pread", gpu_slots=2, steps=1, num_blocks=16)
+    streamer, found = _rss_driver.stream([checkpoint], "pread", gpu_slots=2, steps=1, num_blocks=16,
+                                         page_cache="drop" if drop else "keep")
     after_request = resident_pages(checkpoint, spans)[0]  # `stream` ended with streamer.reset()
     streamer.close()
     assert len(during) == 16 + 1  # every unit, then the wrap read-ahead's fetch of unit 0
