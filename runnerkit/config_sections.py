@@ -44,8 +44,9 @@ class OffloadConfig(StrictModel):
         "auto", description="Storage disk with reader pread: keep the streamed files' pages in the OS page cache, so "
         "that steps after the first read them from memory, or drop the pages each read brought in, so that "
         "streaming a checkpoint larger than RAM evicts nothing else (every step then reads the disk). auto: keep "
-        "when the streamed files take at most half of the host's available memory and no cgroup memory limit "
-        "applies (cached pages count against one); otherwise drop.")
+        "when the streamed files the process keeps cached take at most half of the host's available memory (the "
+        "smaller of MemAvailable and what a cgroup memory limit leaves); otherwise drop. Each file is decided once "
+        "per process.")
     weight_dtype: Literal["same", "fp8_e4m3", "auto"] = Field(
         "same", description="Storage dtype of streamed weights: same (the compute dtype), or fp8_e4m3 (quantized at "
         "load into host memory, storage cpu only; upcast at compute: lossy). auto (with mode auto only): the "
@@ -77,12 +78,18 @@ class OffloadConfig(StrictModel):
     @model_validator(mode="after")
     def _combinations(self) -> OffloadConfig:
         if self.mode == "auto":  # the other keys constrain the plan; each candidate is validated as concrete
+            set_ = self.model_fields_set
+            if self.page_cache != "auto" and (("storage" in set_ and self.storage != "disk")
+                                              or ("reader" in set_ and self.reader != "pread")):
+                raise ValueError(f"`offload.page_cache`={self.page_cache!r} applies to `offload.storage`='disk' with "
+                                 f"`offload.reader`='pread' only; the config sets storage={self.storage!r}, "
+                                 f"reader={self.reader!r}")
             return self
         if self.weight_dtype == "auto":
             raise ValueError(f"`offload.weight_dtype`='auto' lets the memory planner choose the storage dtype; it "
                              f"needs `offload.mode`='auto' (got {self.mode!r}): use 'same' or 'fp8_e4m3'")
         streaming = self.mode in ("block", "phase")
-        inert = [f for f in ("gpu_slots", "prefetch_depth", "reader", "stream_modules", "resident_blocks")
+        inert = [f for f in ("gpu_slots", "prefetch_depth", "reader", "page_cache", "stream_modules", "resident_blocks")
                  if f in self.model_fields_set and not streaming]
         inert += [f for f in ("pin_memory", "resident_modules", "keep_across_stages")
                   if f in self.model_fields_set and self.mode == "none"]

@@ -275,12 +275,6 @@ def _cgroup_available() -> tuple[int, str] | None:
     return None
 
 
-def cgroup_memory_limit() -> str | None:
-    """This container's cgroup memory limit in words ("cgroup v2 memory.max 64.00 GiB"), or None without one."""
-    found = _cgroup_available()
-    return found[1] if found is not None else None
-
-
 def host_available_bytes() -> tuple[int, str] | None:
     """Host memory a new allocation can use, in bytes, and its source; None if unknown.
 

@@ -36,30 +36,44 @@ def pin_memory_enabled(cfg: OffloadConfig) -> bool:
 
 
 PAGE_CACHE_SHARE = 0.5
-"""`offload.page_cache` auto keeps the streamed files' pages when the files take at most this share of the
-host's available memory (`memory.host_available_bytes`)."""
+"""`offload.page_cache` auto keeps streamed files cached while all the files this process keeps take at most
+this share of the host's available memory (`memory.host_available_bytes`)."""
+
+_PAGE_CACHE_DECIDED: dict[Path, bool] = {}
+"""auto's decision per streamed file (resolved path -> kept), made once per process: a module built again
+(lazy load, another runner) reads its files as before, and files shared by modules count once."""
 
 
 def page_cache_kept(files: Sequence[Path], setting: str) -> tuple[bool, str]:
     """Whether a pread reader of `files` keeps their pages in the page cache (`offload.page_cache`), and why.
 
-    auto: keep when the files' total size is at most `PAGE_CACHE_SHARE` of the host's available memory and
-    no cgroup memory limit applies (a cgroup counts cached pages against its limit); drop otherwise, and
-    where the available memory is unknown.
+    auto: files decided before keep their decision; the others are kept when their size plus that of the
+    files already kept is at most `PAGE_CACHE_SHARE` of the host's available memory (the smaller of
+    MemAvailable and what a cgroup memory limit leaves), and dropped otherwise or where the available memory
+    is unknown. A reader keeps its files' pages only if every one of them is kept.
+
+    Raises:
+        OSError: a file that cannot be `stat`ed (the reader, built first, has checked them).
     """
     if setting != "auto":
         return setting == "keep", f"offload.page_cache={setting}"
-    limit = memory.cgroup_memory_limit()
-    if limit is not None:
-        return False, f"a cgroup memory limit applies ({limit}): cached pages count against it"
+    paths = [Path(f).resolve() for f in files]
+    if all(p in _PAGE_CACHE_DECIDED for p in paths):
+        kept = all(_PAGE_CACHE_DECIDED[p] for p in paths)
+        return kept, "as decided for these files earlier in this process"
+    new = {p: p.stat().st_size for p in paths if p not in _PAGE_CACHE_DECIDED}
+    before = sum(p.stat().st_size for p, kept in _PAGE_CACHE_DECIDED.items() if kept)
     available = memory.host_available_bytes()
-    size = sum(Path(f).stat().st_size for f in files)
     if available is None:
+        _PAGE_CACHE_DECIDED.update(dict.fromkeys(new, False))
         return False, "the host's available memory is unknown"
-    words = f"the files' {size / memory.GIB:.2f} GiB against {available[0] / memory.GIB:.2f} GiB available"
-    if size <= PAGE_CACHE_SHARE * available[0]:
-        return True, f"{words} ({available[1]})"
-    return False, f"{words} ({available[1]}): more than {PAGE_CACHE_SHARE:.0%}"
+    total = before + sum(new.values())
+    keep = total <= PAGE_CACHE_SHARE * available[0]
+    _PAGE_CACHE_DECIDED.update(dict.fromkeys(new, keep))
+    kept = keep and all(_PAGE_CACHE_DECIDED[p] for p in paths)
+    words = (f"{total / memory.GIB:.2f} GiB of files kept with these against {available[0] / memory.GIB:.2f} GiB "
+             f"available ({available[1]})")
+    return kept, words if keep else f"{words}: more than {PAGE_CACHE_SHARE:.0%}"
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:
@@ -118,9 +132,10 @@ def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cf
         return _ResidentRead([batch], None, None)
     assert files is not None, "storage disk needs the checkpoint files"
     key_map = dict(key_map or {n: n for n in expected})
-    keep, why = page_cache_kept(files, cfg.page_cache) if cfg.reader == "pread" else (False, "")
-    reader = SafetensorsDiskReader(files, reader=cfg.reader, drop_pages=not keep)
+    reader = SafetensorsDiskReader(files, reader=cfg.reader)  # checks the files (CheckpointError)
     if cfg.reader == "pread":
+        keep, why = page_cache_kept(files, cfg.page_cache)
+        reader.drop_pages = reader.drop_pages and not keep
         logger.info("{}: page cache of the streamed files {}: {}", component, "kept" if keep else
                     "dropped after each read", why)
     inverse = {v: k for k, v in key_map.items()}

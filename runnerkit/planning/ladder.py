@@ -83,7 +83,10 @@ def constrain(candidate: Candidate, explicit: dict[str, Any]) -> tuple[OffloadCo
     for key, value in explicit.items():
         if key in MATCH_KEYS and key in data and data[key] != value:
             return None, f"`offload.{key}`={value!r} is set in the config (this candidate uses {data[key]!r})"
-        data[key] = value
+        if key != "page_cache":
+            data[key] = value
+    if "page_cache" in explicit and data.get("storage") == "disk" and data.get("reader") == "pread":
+        data["page_cache"] = explicit["page_cache"]  # how the pread rungs read; the other rungs have no page cache
     try:
         return OffloadConfig.model_validate(data), ""
     except ValidationError as exc:
