@@ -39,9 +39,10 @@ PAGE_CACHE_SHARE = 0.5
 """`offload.page_cache` auto keeps streamed files cached while all the files this process keeps take at most
 this share of the host's available memory (`memory.host_available_bytes`)."""
 
-_PAGE_CACHE_DECIDED: dict[Path, bool] = {}
-"""auto's decision per streamed file (resolved path -> kept), made once per process: a module built again
-(lazy load, another runner) reads its files as before, and files shared by modules count once."""
+_PAGE_CACHE_DECIDED: dict[Path, tuple[bool, int]] = {}
+"""auto's decision per streamed file (resolved path -> (kept, size in bytes)), made once per process: a
+module built again (lazy load, another runner) reads its files as before, and files shared by modules count
+once."""
 
 
 def page_cache_kept(files: Sequence[Path], setting: str) -> tuple[bool, str]:
@@ -59,18 +60,18 @@ def page_cache_kept(files: Sequence[Path], setting: str) -> tuple[bool, str]:
         return setting == "keep", f"offload.page_cache={setting}"
     paths = [Path(f).resolve() for f in files]
     if all(p in _PAGE_CACHE_DECIDED for p in paths):
-        kept = all(_PAGE_CACHE_DECIDED[p] for p in paths)
+        kept = all(_PAGE_CACHE_DECIDED[p][0] for p in paths)
         return kept, "as decided for these files earlier in this process"
     new = {p: p.stat().st_size for p in paths if p not in _PAGE_CACHE_DECIDED}
-    before = sum(p.stat().st_size for p, kept in _PAGE_CACHE_DECIDED.items() if kept)
     available = memory.host_available_bytes()
+    keep = False
+    if available is not None:
+        total = sum(size for kept, size in _PAGE_CACHE_DECIDED.values() if kept) + sum(new.values())
+        keep = total <= PAGE_CACHE_SHARE * available[0]
+    _PAGE_CACHE_DECIDED.update({p: (keep, size) for p, size in new.items()})
     if available is None:
-        _PAGE_CACHE_DECIDED.update(dict.fromkeys(new, False))
         return False, "the host's available memory is unknown"
-    total = before + sum(new.values())
-    keep = total <= PAGE_CACHE_SHARE * available[0]
-    _PAGE_CACHE_DECIDED.update(dict.fromkeys(new, keep))
-    kept = keep and all(_PAGE_CACHE_DECIDED[p] for p in paths)
+    kept = keep and all(_PAGE_CACHE_DECIDED[p][0] for p in paths)
     words = (f"{total / memory.GIB:.2f} GiB of files kept with these against {available[0] / memory.GIB:.2f} GiB "
              f"available ({available[1]})")
     return kept, words if keep else f"{words}: more than {PAGE_CACHE_SHARE:.0%}"

@@ -79,9 +79,10 @@ def _rotate(x: Tensor, positions: Tensor, base: float, axis: int) -> Tensor:
 def _rope_3d_one_pass(x: Tensor, base: float) -> Tensor:
     """`apply_rope_3d` as one elementwise pass over `x` [B, T, H, W, heads, head_dim] (half precision):
     the per-axis angles gathered into one float32 table [T, H, W, head_dim/2] shared by the heads, each
-    pair rotated as (e, o) -> (e cos - o sin, o cos + e sin). The same floats as the per-axis form; what
-    a compiled region runs, where the per-axis form's concatenation of float32 results makes inductor
-    keep them (two activations of float32 beside the projection and the output)."""
+    pair rotated as (e, o) -> (e cos - o sin, o cos + e sin). Run eagerly, the same floats as the per-axis
+    form; compiled, within inductor's rounding. What a compiled region runs, where the per-axis form's
+    concatenation of float32 results makes inductor keep them (two activations of float32 beside the
+    projection and the output)."""
     d = x.shape[-1]
     T, H, W = x.shape[1:4]
     tables = []

@@ -26,9 +26,10 @@ At a token grid of N tokens and width C (a = B N C s):
 - the tiled token order (CUDA) copies q, k and v into tile order as each is made, the grid-order
   tensor freed at once: one activation more for an instant, under the points above.
 - compiled (`compile.enabled`) in half precision, the key region holds k's projection, its output,
-  the norm's statistics and the RoPE's float32 angle table [T, H, W, head_dim/2] (`_rope_3d_one_pass`,
-  `compiled_key_bytes`) beside the block's tensors and q (copies - 3): the output and the table
-  (a / heads) where eager holds the norm's two products, so under the norm point; not a point of its own.
+  the norm's statistics and the RoPE's float32 angle table [T, H, W, head_dim/2] (`_rope_3d_one_pass`)
+  beside the block's tensors and q (copies - 3): the output and the table (a / heads) where eager holds
+  the norm's two products, so under the norm point; not a point of its own (measured with CPU inductor:
+  test_diffusion_decoder_estimate.py `compiled_key_bytes`).
 - upsampler: its input, the projection (prod(stride) x C_out per token) and the pixel-shuffle copy
   of it; the last one's copy IS the context (a view of it, frames cropped), alive through stage 5.
 - stage 5 around the blocks: the context, the noise canvas x_t [B, 3, F, H, W] in s, the timestep
@@ -84,14 +85,6 @@ def _block_peak(stage: _Stage, batch: int, s: int, copies: int, stored: int, hea
     mlp = (MLP_COPIES - (0 if tiled else 1)) * a + 3 * tile * layers.swiglu_hidden_dim(stage.width) * s
     norm_k = copies * a + stage.tokens * stage.width // head_dim * F32  # + its float32 statistics per head
     return stored - a + max(norm_k, mlp, _rope_k_peak(stage, s, head_dim, copies))
-
-
-def compiled_key_bytes(tokens: int, width: int, batch: int, s: int, head_dim: int) -> int:
-    """Bytes the compiled key region (`NeighborhoodAttention.key` under `compile.enabled`, half precision)
-    allocates beside its input, `tokens` (B x T x H x W) of `width` channels: k's projection and output, the
-    RMS norm's float32 statistics per head and the RoPE's float32 angle table [T, H, W, head_dim/2], shared
-    by the batch and the heads (diffusion_decoder_layers.py `_rope_3d_one_pass`)."""
-    return 2 * tokens * width * s + tokens * width // head_dim * F32 + tokens // batch * head_dim // 2 * F32
 
 
 def _rope_k_peak(stage: _Stage, s: int, head_dim: int, copies: int) -> int:

@@ -34,7 +34,6 @@ from runnerkit.models.ltx2.diffusion_decoder import (
 from runnerkit.models.ltx2.diffusion_decoder_layers import Slab
 from runnerkit.models.ltx2.estimate_diffusion_decoder import (
     BLOCK_COPIES,
-    compiled_key_bytes,
     diffusion_decode_bytes,
     tiled_diffusion_decode_bytes,
 )
@@ -58,6 +57,14 @@ ARCHS = {
 CASES = [("wide-stage5", 64, "stage 5 block"), ("wide-stage5", None, "stage 5 block"),
          ("wide-stage1", 4, "unpatchify"), ("wide-stage1", None, "stage 4 block"),
          ("tiny", 64, "unpatchify"), ("wide-stage4", None, "stage 4 block")]
+
+
+def compiled_key_bytes(tokens: int, width: int, batch: int, s: int, head_dim: int) -> int:
+    """Bytes the compiled key region (`NeighborhoodAttention.key` under `compile.enabled`, half precision)
+    allocates beside its input, `tokens` (B x T x H x W) of `width` channels: k's projection and output, the
+    RMS norm's float32 statistics per head and the RoPE's float32 angle table [T, H, W, head_dim/2], shared
+    by the batch and the heads (`_rope_3d_one_pass`)."""
+    return 2 * tokens * width * s + tokens * width // head_dim * 4 + tokens // batch * head_dim // 2 * 4
 
 
 def _no_mask(grid: tuple[int, int, int], kernel: tuple[int, int, int], *args: object) -> layers.WindowMask:
