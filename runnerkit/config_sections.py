@@ -47,6 +47,11 @@ class OffloadConfig(StrictModel):
         "when the streamed files the process keeps cached take at most half of the host's available memory (the "
         "smaller of MemAvailable and what a cgroup memory limit leaves); otherwise drop. Each file is decided once "
         "per process.")
+    read_threads: int = Field(
+        4, ge=1, le=64, description="Storage disk with reader pread: threads that read a streamed unit's bytes at "
+        "once, each a contiguous part (one thread copies out of the page cache at a single core's memory "
+        "bandwidth, a few GB/s on a server CPU; a cold disk is read at a deeper queue). 1: one thread. Reads "
+        "smaller than 4 MiB a thread use fewer.")
     weight_dtype: Literal["same", "fp8_e4m3", "auto"] = Field(
         "same", description="Storage dtype of streamed weights: same (the compute dtype), or fp8_e4m3 (quantized at "
         "load into host memory, storage cpu only; upcast at compute: lossy). auto (with mode auto only): the "
@@ -75,21 +80,27 @@ class OffloadConfig(StrictModel):
         "`gpu_slots`. 0: every unit streams. More than a module has: all of its units stay. Streamed text "
         "encoders and connectors (once per request) stream every unit.")
 
+    def _pread_keys(self) -> list[str]:
+        """The keys set here that act on reader pread only: `page_cache` other than 'auto', `read_threads`."""
+        return [f for f in ("page_cache", "read_threads")
+                if (self.page_cache != "auto" if f == "page_cache" else f in self.model_fields_set)]
+
     @model_validator(mode="after")
     def _combinations(self) -> OffloadConfig:
         if self.mode == "auto":  # the other keys constrain the plan; each candidate is validated as concrete
             set_ = self.model_fields_set
-            if self.page_cache != "auto" and (("storage" in set_ and self.storage != "disk")
-                                              or ("reader" in set_ and self.reader != "pread")):
-                raise ValueError(f"`offload.page_cache`={self.page_cache!r} applies to `offload.storage`='disk' with "
-                                 f"`offload.reader`='pread' only; the config sets storage={self.storage!r}, "
-                                 f"reader={self.reader!r}")
+            pread_only = [f"`offload.{f}`={getattr(self, f)!r}" for f in self._pread_keys()]
+            if pread_only and (("storage" in set_ and self.storage != "disk")
+                               or ("reader" in set_ and self.reader != "pread")):
+                raise ValueError(f"{pread_only[0]} applies to `offload.storage`='disk' with `offload.reader`='pread' "
+                                 f"only; the config sets storage={self.storage!r}, reader={self.reader!r}")
             return self
         if self.weight_dtype == "auto":
             raise ValueError(f"`offload.weight_dtype`='auto' lets the memory planner choose the storage dtype; it "
                              f"needs `offload.mode`='auto' (got {self.mode!r}): use 'same' or 'fp8_e4m3'")
         streaming = self.mode in ("block", "phase")
-        inert = [f for f in ("gpu_slots", "prefetch_depth", "reader", "page_cache", "stream_modules", "resident_blocks")
+        inert = [f for f in ("gpu_slots", "prefetch_depth", "reader", "page_cache", "read_threads", "stream_modules",
+                             "resident_blocks")
                  if f in self.model_fields_set and not streaming]
         inert += [f for f in ("pin_memory", "resident_modules", "keep_across_stages")
                   if f in self.model_fields_set and self.mode == "none"]
@@ -116,10 +127,12 @@ class OffloadConfig(StrictModel):
                                  "either stays on the device whole or streams its blocks")
         if self.reader != "mmap" and self.storage != "disk":
             raise ValueError(f"`offload.reader`={self.reader!r} applies to `offload.storage`='disk' only")
-        if self.page_cache != "auto" and not (self.storage == "disk" and self.reader == "pread"):
-            raise ValueError(f"`offload.page_cache`={self.page_cache!r} applies to `offload.storage`='disk' with "
-                             f"`offload.reader`='pread' only (got storage={self.storage!r}, reader={self.reader!r}); "
-                             "allowed there: 'auto', 'keep', 'drop'")
+        pread_only = self._pread_keys()
+        if pread_only and not (self.storage == "disk" and self.reader == "pread"):
+            allowed = "'auto', 'keep', 'drop'" if pread_only[0] == "page_cache" else "an int from 1 to 64"
+            raise ValueError(f"`offload.{pread_only[0]}`={getattr(self, pread_only[0])!r} applies to "
+                             f"`offload.storage`='disk' with `offload.reader`='pread' only (got storage={self.storage!r}, "
+                             f"reader={self.reader!r}); allowed there: {allowed}")
         if self.prefetch_depth >= self.gpu_slots:
             raise ValueError(f"`offload.prefetch_depth` ({self.prefetch_depth}) must be < `offload.gpu_slots` "
                              f"({self.gpu_slots}): a slot is needed for the unit computing now")

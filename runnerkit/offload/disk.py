@@ -15,7 +15,9 @@ Readers: "mmap" maps each file once (lazily) and copies tensor bytes out of the 
 the caller's buffer (a clone: nothing handed out aliases the mapping); the mapping keeps no
 descriptor open (see `_map`); "pread" reads with `os.preadv` into the caller's buffer (no mapping): a batch's tensors are
 sorted by file offset and those at most `READ_GAP_BYTES` apart read by one scatter read per run
-(`coalesce_reads`), so a streamed unit costs a few large sequential reads.
+(`coalesce_reads`), so a streamed unit costs a few large sequential reads; with `read_threads` > 1
+the runs are cut into that many parts read at once (`pread_jobs`: one thread copies out of the page
+cache at one core's memory bandwidth).
 
 Host memory (docs/host_memory.md): after each batch of reads (`read_many`, `load_tensors`), with
 `drop_pages` (the default), the pages the batch read are let go, each tensor's byte range rounded
@@ -65,6 +67,7 @@ import ctypes
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -73,6 +76,7 @@ import torch
 from loguru import logger
 
 from runnerkit.offload.disk_ranges import MADVISE, PAGE_BYTES, READ_GAP_BYTES, coalesce_reads, page_ranges
+from runnerkit.offload.pread_jobs import ReadJob, Segment, preadv_job, split_jobs
 from runnerkit.weights import (
     SAFETENSORS_DTYPES,
     CheckpointError,
@@ -150,9 +154,6 @@ def read_header(fd: int, path: Path) -> tuple[int, dict[str, TensorIndexEntry]]:
     return read_safetensors_header(fd, path)
 
 
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
-
-
 class SafetensorsDiskReader:
     """Key index over safetensors files, and byte reads with one handle per file.
 
@@ -163,9 +164,11 @@ class SafetensorsDiskReader:
         drop_pages: after each batch of reads, drop the pages it read: from the page cache
             (pread, `posix_fadvise`) or from this process's mapping (mmap, `madvise`); see the
             module docstring. False keeps them (tests of the old behaviour).
+        read_threads: pread: threads that read one batch's bytes at once, each a contiguous part
+            (`pread_jobs`); 1 reads them in this thread. The mmap reader reads in this thread.
 
     Raises:
-        ValueError: `reader` not in ("mmap", "pread").
+        ValueError: `reader` not in ("mmap", "pread"), or `read_threads` < 1.
         CheckpointError: a file is missing or damaged (any header `weights.read_safetensors_header`
             refuses: it names the file and the tensor), or a tensor appears in two files.
 
@@ -173,9 +176,14 @@ class SafetensorsDiskReader:
     what was indexed (module docstring); the reader stays usable and re-checks at the next read.
     """
 
-    def __init__(self, files: Sequence[Path | str], reader: ReaderKind = "mmap", drop_pages: bool = True) -> None:
+    def __init__(self, files: Sequence[Path | str], reader: ReaderKind = "mmap", drop_pages: bool = True,
+                 read_threads: int = 1) -> None:
         if reader not in ("mmap", "pread"):
             raise ValueError(f"`reader` must be 'mmap' or 'pread', got {reader!r}")
+        if read_threads < 1:
+            raise ValueError(f"`read_threads` must be at least 1, got {read_threads}")
+        self.read_threads = read_threads if reader == "pread" else 1
+        self._pool: ThreadPoolExecutor | None = None  # read_threads - 1 workers, started at the first batch
         if not files:
             raise CheckpointError("disk reader: no .safetensors files given")
         self.reader: ReaderKind = reader
@@ -351,8 +359,7 @@ class SafetensorsDiskReader:
             if self.reader == "pread":
                 runs = [[batch[i] for i in run] for run in coalesce_reads(spans, self.max_gap)]
                 spans = [(run[0][0].offset, run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset) for run in runs]
-                for run in runs:
-                    self._read_run(handle, run)
+                self._read_runs(handle, runs)
             else:
                 for entry, dst in batch:
                     self._read(handle, entry, dst)
@@ -361,53 +368,61 @@ class SafetensorsDiskReader:
                 self._drop_read_pages(handle, spans)
         self._check(handle, batch[0][0], "after", len(batch) - 1)
 
-    def _read_run(self, handle: _Handle, run: Sequence[tuple[TensorIndexEntry, torch.Tensor]]) -> None:
-        """pread: read a run of tensors in file order (`coalesce_reads`) with few `os.preadv` calls,
-        each scattering one contiguous file range into the tensors' destinations (uint8 [nbytes],
-        CPU, contiguous) and the gaps between them into a scratch buffer (discarded). Only inside
-        `_read_batch`.
+    def _read_runs(self, handle: _Handle, runs: Sequence[Sequence[tuple[TensorIndexEntry, torch.Tensor]]]) -> None:
+        """pread: read runs of tensors in file order (`coalesce_reads`), each a contiguous file range
+        scattered into the tensors' destinations (uint8 [nbytes], CPU, contiguous) and the gaps between
+        them into a scratch buffer (discarded); with `read_threads` > 1 cut into that many jobs read at
+        once (`pread_jobs`). Only inside `_read_batch`.
 
         Raises:
             CheckpointChangedError / CheckpointError: a short read (the file was cut), naming the
                 tensor the read stopped in.
+            OSError: a failed read (after every job ended: no thread writes into a destination later).
         """
-        segments: list[tuple[memoryview, TensorIndexEntry | None]] = []  # in file order; None: a gap
+        segmented: list[tuple[int, list[Segment]]] = []
         scratch: memoryview | None = None
-        end = run[0][0].offset
-        for entry, dst in run:
-            assert dst.dtype == torch.uint8 and dst.device.type == "cpu" and dst.is_contiguous() \
-                and dst.numel() == entry.nbytes, f"bad destination for {entry.name}: {dst.dtype} {tuple(dst.shape)}"
-            gap = entry.offset - end
-            if gap > 0:
-                if scratch is None or len(scratch) < gap:
-                    scratch = memoryview(bytearray(max(gap, self.max_gap)))
-                segments.append((scratch[:gap], None))
-            if entry.nbytes:
-                segments.append((memoryview(dst.numpy()), entry))
-            end = entry.offset + entry.nbytes
+        for run in runs:
+            segments: list[Segment] = []  # in file order; entry None: a gap
+            end = run[0][0].offset
+            for entry, dst in run:
+                assert dst.dtype == torch.uint8 and dst.device.type == "cpu" and dst.is_contiguous() \
+                    and dst.numel() == entry.nbytes, f"bad destination for {entry.name}: {dst.dtype} {tuple(dst.shape)}"
+                gap = entry.offset - end
+                if gap > 0:
+                    if scratch is None or len(scratch) < gap:
+                        scratch = memoryview(bytearray(max(gap, self.max_gap)))
+                    segments.append((scratch[:gap], None))  # gaps share the scratch: their bytes are discarded
+                if entry.nbytes:
+                    segments.append((memoryview(dst.numpy()), entry))
+                end = entry.offset + entry.nbytes
+            segmented.append((run[0][0].offset, segments))
+        jobs = split_jobs(segmented, self.read_threads)
         start = time.perf_counter()
-        offset = run[0][0].offset
-        at = 0  # first segment not read completely
-        while at < len(segments):
-            batch = [view for view, _ in segments[at:at + _IOV_MAX]]
-            n = os.preadv(handle.fd, batch, offset)
-            self.read_calls += 1
-            if n <= 0:
-                entry = next((e for _, e in segments[at:] if e is not None), run[-1][0])
-                self._check(handle, entry, "while")  # a truncation shows here as a short read
-                raise CheckpointError(f"{entry.path}: unexpected end of file reading {entry.name!r}")
-            offset += n
-            while n > 0:  # consume n bytes of segments (the last one possibly in part)
-                view, entry = segments[at]
-                if n >= len(view):
-                    n -= len(view)
-                    at += 1
-                else:
-                    segments[at] = (view[n:], entry)
-                    n = 0
-        self.bytes_read += sum(e.nbytes for e, _ in run)
-        self.gap_bytes_read += offset - run[0][0].offset - sum(e.nbytes for e, _ in run)
+        results = self._run_jobs(handle.fd, jobs)
         self.read_seconds += time.perf_counter() - start
+        self.read_calls += sum(calls for calls, _ in results)
+        short = next((entry for _, entry in results if entry is not None), None)
+        if short is not None:
+            self._check(handle, short, "while")  # a truncation shows here as a short read
+            raise CheckpointError(f"{short.path}: unexpected end of file reading {short.name!r}")
+        for run in runs:
+            nbytes = sum(e.nbytes for e, _ in run)
+            self.bytes_read += nbytes
+            self.gap_bytes_read += run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset - nbytes
+
+    def _run_jobs(self, fd: int, jobs: list[ReadJob]) -> list[tuple[int, TensorIndexEntry | None]]:
+        """`preadv_job` of each job: the first in this thread, the others on the reader's pool at once;
+        returns when every job ended (re-raising the first failure)."""
+        if len(jobs) == 1 or self.read_threads == 1:
+            return [preadv_job(fd, job) for job in jobs]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.read_threads - 1, thread_name_prefix="runnerkit-pread")
+        futures = [self._pool.submit(preadv_job, fd, job) for job in jobs[1:]]
+        try:
+            first = preadv_job(fd, jobs[0])
+        finally:
+            wait(futures)  # no job may still write into a destination once this returns or raises
+        return [first, *(f.result() for f in futures)]
 
     def _drop_read_pages(self, handle: _Handle, spans: list[tuple[int, int]]) -> None:
         """Let go of the pages of `spans` (file byte `(offset, nbytes)`) once their bytes were copied
@@ -569,6 +584,9 @@ class SafetensorsDiskReader:
         for handle in self._long_lived.values():
             self._close(handle)
         self._long_lived.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def stats(self) -> dict[str, float]:
         """Tensor bytes read, header bytes read, seconds spent reading, GB/s (tensor bytes), and for

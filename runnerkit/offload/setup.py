@@ -133,7 +133,8 @@ def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cf
         return _ResidentRead([batch], None, None)
     assert files is not None, "storage disk needs the checkpoint files"
     key_map = dict(key_map or {n: n for n in expected})
-    reader = SafetensorsDiskReader(files, reader=cfg.reader)  # checks the files (CheckpointError)
+    reader = SafetensorsDiskReader(files, reader=cfg.reader,  # checks the files (CheckpointError)
+                                   read_threads=cfg.read_threads if cfg.reader == "pread" else 1)
     if cfg.reader == "pread":
         keep, why = page_cache_kept(files, cfg.page_cache)
         reader.drop_pages = reader.drop_pages and not keep

@@ -19,11 +19,13 @@ from runnerkit.planning.fit import GIB, HostEstimate, MemoryEstimate, PeakEstima
 from runnerkit.runners.pipeline import Shape
 from runnerkit.planning.compute import ComputeModel
 
-__all__ = ["MATCH_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "PassesFn", "SupportedFn",
+__all__ = ["MATCH_KEYS", "PREAD_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "PassesFn", "SupportedFn",
            "candidate_name", "constrain", "evaluate", "explicit_keys", "ladder", "measure", "verdict"]
 
 #: Explicit keys a ladder candidate must match where it sets them (else the candidate is left out).
 MATCH_KEYS = ("storage", "lazy_load", "weight_dtype")
+#: Explicit keys that set how the pread rungs read (storage disk, reader pread); the other rungs ignore them.
+PREAD_KEYS = ("page_cache", "read_threads")
 
 #: (estimate of a shape under a concrete offload config) -> MemoryEstimate; raises what estimate_memory raises.
 EstimateFn = Callable[[OffloadConfig, Shape], MemoryEstimate]
@@ -83,10 +85,10 @@ def constrain(candidate: Candidate, explicit: dict[str, Any]) -> tuple[OffloadCo
     for key, value in explicit.items():
         if key in MATCH_KEYS and key in data and data[key] != value:
             return None, f"`offload.{key}`={value!r} is set in the config (this candidate uses {data[key]!r})"
-        if key != "page_cache":
+        if key not in PREAD_KEYS:
             data[key] = value
-    if "page_cache" in explicit and data.get("storage") == "disk" and data.get("reader") == "pread":
-        data["page_cache"] = explicit["page_cache"]  # how the pread rungs read; the other rungs have no page cache
+    if data.get("storage") == "disk" and data.get("reader") == "pread":  # how the pread rungs read; the others
+        data.update({k: v for k, v in explicit.items() if k in PREAD_KEYS})  # have no page cache or read threads
     try:
         return OffloadConfig.model_validate(data), ""
     except ValidationError as exc:

@@ -87,9 +87,10 @@ def write_checkpoint(path: Path, num_blocks: int) -> list[tuple[str, int, int]]:
 
 
 def stream(files: list[Path], reader: str, gpu_slots: int, steps: int, num_blocks: int,
-           page_cache: str = "drop") -> tuple[object, dict]:
+           page_cache: str = "drop", read_threads: int | None = None) -> tuple[object, dict]:
     """Stream `WideToy` from `files` for `steps` forward passes; returns (streamer, measurements).
-    `page_cache`: `offload.page_cache` of reader pread (the host-memory bounds are the dropping reader's)."""
+    `page_cache`: `offload.page_cache` of reader pread (the host-memory bounds are the dropping reader's);
+    `read_threads`: `offload.read_threads` (None: not set)."""
     from runnerkit import memory
     from runnerkit.config import OffloadConfig
     from runnerkit.offload.layout import StreamSpec
@@ -100,7 +101,8 @@ def stream(files: list[Path], reader: str, gpu_slots: int, steps: int, num_block
     model = build_on_meta(lambda: WideToy(num_blocks))
     x = torch.full((1, 4, DIM), 0.5)
     cfg = OffloadConfig(mode="block", storage="disk", reader=reader, pin_memory=False, gpu_slots=gpu_slots,
-                        prefetch_depth=1, page_cache=page_cache if reader == "pread" else "auto")
+                        prefetch_depth=1, page_cache=page_cache if reader == "pread" else "auto",
+                        **({} if read_threads is None else {"read_threads": read_threads}))
     before = memory.host_memory()
     io_before = memory.disk_io()
     peak_reset = memory.reset_host_peak()  # False: VmHWM counts from the process start (the test skips)

@@ -101,17 +101,17 @@ def test_os_sees_one_handle_per_shard(sd: dict[str, torch.Tensor], files: list[P
     thread) and at the end, `/proc/self/fd` shows at most one descriptor per shard and
     `/proc/self/maps` at most one mapping of it; both shards of the split block were opened."""
     sampler = HandleSampler(files)
-    real_read, real_run, real_fetch = SafetensorsDiskReader._read, SafetensorsDiskReader._read_run, DiskSource.fetch
+    real_read, real_runs, real_fetch = SafetensorsDiskReader._read, SafetensorsDiskReader._read_runs, DiskSource.fetch
 
     def sampled_read(self: SafetensorsDiskReader, handle: _Handle, entry: object, dst: torch.Tensor) -> None:
         sampler.sample(f"before reading {entry.name}")
         real_read(self, handle, entry, dst)
         sampler.sample(f"after reading {entry.name}")
 
-    def sampled_run(self: SafetensorsDiskReader, handle: _Handle, run: list) -> None:  # pread: a run of tensors
-        sampler.sample(f"before reading {run[0][0].name}")
-        real_run(self, handle, run)
-        sampler.sample(f"after reading {run[0][0].name}")
+    def sampled_runs(self: SafetensorsDiskReader, handle: _Handle, runs: list) -> None:  # pread: runs of tensors
+        sampler.sample(f"before reading {runs[0][0][0].name}")
+        real_runs(self, handle, runs)
+        sampler.sample(f"after reading {runs[0][0][0].name}")
 
     def sampled_fetch(self: DiskSource, unit: int, slot: int, engine: object) -> torch.Tensor:
         out = real_fetch(self, unit, slot, engine)
@@ -119,7 +119,7 @@ def test_os_sees_one_handle_per_shard(sd: dict[str, torch.Tensor], files: list[P
         return out
 
     monkeypatch.setattr(SafetensorsDiskReader, "_read", sampled_read)
-    monkeypatch.setattr(SafetensorsDiskReader, "_read_run", sampled_run)
+    monkeypatch.setattr(SafetensorsDiskReader, "_read_runs", sampled_runs)
     monkeypatch.setattr(DiskSource, "fetch", sampled_fetch)
     sampler.start_polling()
     try:

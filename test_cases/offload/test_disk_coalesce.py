@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runnerkit.offload import disk
+from runnerkit.offload import disk, pread_jobs
 from runnerkit.offload.disk import SafetensorsDiskReader, coalesce_reads
 
 
@@ -81,7 +81,7 @@ def test_short_reads_and_the_iovec_limit_are_resumed(tmp_path: Path, monkeypatch
     runs longer than the iovec limit (3 here): the reads resume where they stopped."""
     path, sd = _checkpoint(tmp_path)
     real = os.preadv
-    monkeypatch.setattr(disk, "_IOV_MAX", 3)
+    monkeypatch.setattr(pread_jobs, "IOV_MAX", 3)
 
     def short(fd: int, buffers: list[memoryview], offset: int) -> int:
         assert len(buffers) <= 3

@@ -1,0 +1,233 @@
+"""pread with `read_threads` > 1: a batch's runs are cut into jobs (`split_jobs`) that threads read at
+once; every byte still lands where a one-thread read puts it, the jobs really overlap, a short read
+names its tensor, and a failed job is raised only once every other job has ended."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runnerkit.config import OffloadConfig
+from runnerkit.offload import pread_jobs
+from runnerkit.offload.disk import SafetensorsDiskReader
+from runnerkit.offload.pread_jobs import ReadJob, preadv_job, split_jobs
+from runnerkit.planning.ladder import Candidate, constrain
+from runnerkit.weights import CheckpointError
+from test_cases.offload import _rss_driver
+
+
+def _runs(lengths: list[list[int]], gap_at: set[tuple[int, int]]) -> tuple[list, bytes, list[bytearray]]:
+    """Runs of segments over a fake file: run r starts 1000 * r bytes after the previous one ends; the
+    segment (r, s) in `gap_at` is a gap (entry None). Returns (runs, the file's bytes, the destinations)."""
+    file = bytes(range(256)) * 200
+    runs, dsts, pos = [], [], 0
+    for r, run in enumerate(lengths):
+        pos += 1000 * r
+        segments = []
+        offset = pos
+        for s, n in enumerate(run):
+            dst = bytearray(n)
+            dsts.append(dst)
+            segments.append((memoryview(dst), None if (r, s) in gap_at else f"t{r}.{s}"))
+            pos += n
+        runs.append((offset, segments))
+    return runs, file, dsts
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 40])
+def test_split_jobs_cover_every_byte_once_in_file_order(parts: int) -> None:
+    """Jobs read as if from the file (each its range into its views) fill every destination with the
+    file's bytes at its offset; jobs never join two runs, follow each other in file order, and are of
+    the size `total / parts` (rounded up) but the last of each run; one job per run with 1 part."""
+    lengths = [[10, 333, 7, 1], [500], [3, 0, 64, 120]]
+    runs, file, dsts = _runs(lengths, gap_at={(0, 2)})
+    jobs = split_jobs(runs, parts, min_bytes=1)
+    for job in jobs:
+        at = job.offset
+        for view, _ in job.segments:
+            view[:] = file[at:at + len(view)]
+            at += len(view)
+    expected = [file[offset:offset + sum(len(v) for v, _ in segments)] for offset, segments in runs]
+    got = [b"".join(bytes(v) for v, _ in segments) for _, segments in runs]
+    assert got == expected
+    total = sum(map(sum, lengths))
+    size = total if parts == 1 else -(-total // parts)
+    for r, (offset, segments) in enumerate(runs):
+        mine = [j for j in jobs if offset <= j.offset < offset + sum(len(v) for v, _ in segments) + 1]
+        lens = [sum(len(v) for v, _ in j.segments) for j in mine]
+        assert [j.offset for j in mine] == [offset + sum(lens[:i]) for i in range(len(mine))]
+        assert all(n == size for n in lens[:-1]) and 0 < lens[-1] <= size
+        assert all(j.last == next(e for _, e in reversed(segments) if e is not None) for j in mine)
+    if parts == 1:
+        assert len(jobs) == len(runs)
+
+
+def test_split_jobs_keep_small_batches_whole() -> None:
+    """Below `MIN_JOB_BYTES` a thread, a batch is not cut: 3 MiB in 4 parts is one job."""
+    runs = [(0, [(memoryview(bytearray(3 << 20)), "t")])]
+    assert len(split_jobs(runs, 4)) == 1
+    assert [sum(len(v) for v, _ in j.segments) for j in split_jobs(runs, 4, min_bytes=1 << 20)] == [1 << 20] * 3
+
+
+def test_a_short_read_inside_a_gap_names_the_runs_last_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    job = ReadJob(100, [(memoryview(bytearray(8)), None), (memoryview(bytearray(8)), None)], "last tensor")
+    monkeypatch.setattr(os, "preadv", lambda fd, views, offset: 0)
+    assert preadv_job(-1, job) == (1, "last tensor")
+    job = ReadJob(100, [(memoryview(bytearray(8)), None), (memoryview(bytearray(8)), "b")], "last tensor")
+    assert preadv_job(-1, job) == (1, "b")
+
+
+def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    sd = {f"blocks.{b}.{k}": torch.randn(n, generator=gen) for b in range(3)
+          for k, n in (("attn.weight", 4096), ("ff.weight", 6000), ("norm.weight", 33))}
+    path = tmp_path / "model.safetensors"
+    save_file(sd, str(path))
+    return path, sd
+
+
+def _read(reader: SafetensorsDiskReader, names: list[str]) -> dict[str, torch.Tensor]:
+    dsts = [(n, torch.full((reader.index[n].nbytes,), 0xAB, dtype=torch.uint8)) for n in names]
+    reader.read_many(dsts)
+    return {n: d.view(torch.float32) for n, d in dsts}
+
+
+@pytest.mark.parametrize("keys, jobs", [(("attn.weight", "ff.weight", "norm.weight"), 3),
+                                         (("attn.weight", "norm.weight"), 4)], ids=["one-run", "two-runs"])
+def test_threads_read_the_same_bytes_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keys: tuple[str, ...],
+                                             jobs: int) -> None:
+    """read_threads 3: each unit's bytes equal the tensors. A unit read whole is one run (its tensors are
+    adjacent in the file), cut into three jobs that meet at a barrier inside `preadv` (they run at once, on
+    three threads); read without its middle tensor (max_gap 0), two runs of 16,384 and 132 bytes make jobs
+    of 5,506, 5,506, 5,372 and 132 bytes. `read_calls` counts every job's call."""
+    path, sd = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+    real = os.preadv
+    barrier = threading.Barrier(3, timeout=10)
+    threads: set[int] = set()
+    sizes: list[int] = []
+
+    def meeting(fd: int, views: list[memoryview], offset: int) -> int:
+        threads.add(threading.get_ident())
+        sizes.append(sum(len(v) for v in views))
+        if jobs == 3:
+            barrier.wait()  # BrokenBarrierError after 10 s if the three jobs ran one after another
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(os, "preadv", meeting)
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
+    reader.max_gap = 0
+    for b in range(3):
+        names = [f"blocks.{b}.{k}" for k in keys]
+        got = _read(reader, names)
+        assert all(torch.equal(got[n], sd[n]) for n in names)
+    assert reader.read_calls == 3 * jobs and reader.gap_bytes_read == 0
+    assert reader.bytes_read == 3 * sum(sd[f"blocks.0.{k}"].numel() * 4 for k in keys)
+    if jobs == 3:
+        assert len(threads) == 3 and sorted(sizes[:3]) == [13_504, 13_506, 13_506]
+    else:
+        assert sorted(sizes[:4]) == [132, 5_372, 5_506, 5_506]
+    reader.close()
+    assert reader._pool is None
+
+
+def test_a_cut_file_names_the_tensor_a_job_stopped_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads past byte `cut` of the file return nothing (a file cut while streamed, its identity kept):
+    the error names the tensor that holds byte `cut`, read by a job on a worker thread."""
+    path, _ = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=4)
+    reader.max_gap = 1 << 20
+    ff = reader.index["blocks.1.ff.weight"]
+    cut = ff.offset + ff.nbytes // 2
+    real = os.preadv
+
+    def cut_file(fd: int, views: list[memoryview], offset: int) -> int:
+        if offset >= cut:
+            return 0
+        return real(fd, [v[:cut - offset] for v in views[:1]], offset)
+
+    monkeypatch.setattr(os, "preadv", cut_file)
+    names = [f"blocks.1.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")]
+    with pytest.raises(CheckpointError, match=r"unexpected end of file reading 'blocks.1.ff.weight'"):
+        _read(reader, names)
+    reader.close()
+
+
+@pytest.mark.parametrize("failing", ["main", "worker"])
+def test_a_failed_job_is_raised_after_every_other_job_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            failing: str) -> None:
+    """One job's `preadv` fails (EIO) at once while the others take 0.2 s: the error reaches the caller
+    only after they have written their bytes (none writes into a destination after the read returned)."""
+    path, _ = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
+    reader.max_gap = 1 << 20
+    first = reader.index["blocks.0.attn.weight"].offset  # the unit's first byte: the job on the calling thread
+    fail_at = first if failing == "main" else first + 2 * 13_506  # jobs of 13,506 bytes: the third, on a worker
+    real, done = os.preadv, []
+
+    def slow_or_failing(fd: int, views: list[memoryview], offset: int) -> int:
+        if offset == fail_at:
+            raise OSError(errno.EIO, "Input/output error")
+        time.sleep(0.2)
+        n = real(fd, views, offset)
+        done.append(offset)
+        return n
+
+    monkeypatch.setattr(os, "preadv", slow_or_failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        _read(reader, [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
+    assert len(done) == 2
+    reader.close()
+
+
+def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "wide.safetensors"
+    _rss_driver.write_checkpoint(checkpoint, 4)
+    for reader, threads, want in (("pread", 3, 3), ("pread", None, 4), ("mmap", None, 1)):
+        streamer, _ = _rss_driver.stream([checkpoint], reader, gpu_slots=2, steps=1, num_blocks=4,
+                                         read_threads=threads)
+        try:
+            assert streamer.source.reader.read_threads == want  # type: ignore[attr-defined]
+        finally:
+            streamer.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"mode": "block", "storage": "disk", "read_threads": 2}, r"`offload.read_threads`=2 applies to "
+     r"`offload.storage`='disk' with `offload.reader`='pread' only \(got storage='disk', reader='mmap'\); allowed "
+     r"there: an int from 1 to 64"),
+    ({"mode": "block", "read_threads": 4}, r"`offload.read_threads`=4 applies to .* \(got storage='cpu'"),
+    ({"mode": "model", "read_threads": 2}, r"`offload.read_threads` has no effect with `offload.mode`='model'"),
+    ({"mode": "auto", "storage": "cpu", "read_threads": 2}, r"`offload.read_threads`=2 applies to "
+     r"`offload.storage`='disk' with `offload.reader`='pread' only; the config sets storage='cpu', reader='mmap'"),
+    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": 0}, "greater than or equal to 1"),
+    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": 65}, "less than or equal to 64"),
+    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": "4"}, "valid integer"),
+], ids=["reader-mmap", "storage-cpu", "model", "auto-storage-cpu", "zero", "too-many", "string"])
+def test_read_threads_outside_pread_streaming_or_out_of_range_are_refused(keys: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig(**keys)
+
+
+def test_in_a_plan_read_threads_set_how_the_pread_rungs_read() -> None:
+    """Mode auto: `read_threads` excludes no rung; the pread rungs take it, the others keep the default."""
+    explicit = {"read_threads": 8}
+    assert OffloadConfig(mode="auto", read_threads=8).read_threads == 8
+    host_rung, reason = constrain(Candidate({"mode": "block", "storage": "cpu", "weight_dtype": "same",
+                                             "lazy_load": False, "stream_modules": None}), explicit)
+    assert reason == "" and host_rung is not None and host_rung.read_threads == 4
+    assert "read_threads" not in host_rung.model_fields_set
+    disk_rung, _ = constrain(Candidate({"mode": "block", "storage": "disk", "reader": "pread", "weight_dtype": "same",
+                                        "lazy_load": True, "stream_modules": None}), explicit)
+    assert disk_rung is not None and disk_rung.read_threads == 8
+    resident, _ = constrain(Candidate({"mode": "none"}), explicit)
+    assert resident is not None and resident.read_threads == 4
