@@ -47,11 +47,19 @@ class OffloadConfig(StrictModel):
         "when the streamed files the process keeps cached take at most half of the host's available memory (the "
         "smaller of MemAvailable and what a cgroup memory limit leaves); otherwise drop. Each file is decided once "
         "per process.")
-    read_threads: int = Field(
-        4, ge=1, le=64, description="Storage disk with reader pread: threads that read a streamed unit's bytes at "
-        "once, each a contiguous part (one thread copies out of the page cache at a single core's memory "
-        "bandwidth, a few GB/s on a server CPU; a cold disk is read at a deeper queue). 1: one thread. Reads "
-        "smaller than 4 MiB a thread use fewer.")
+    read_threads: int | Literal["auto"] = Field(
+        "auto", description="Storage disk with reader pread: threads that read a streamed unit's bytes at once, each "
+        "a contiguous part (one thread copies out of the page cache at a single core's memory bandwidth, a few GB/s "
+        "on a server CPU; a cold disk is read at a deeper queue). auto: 4, or the CPUs this process may run on if "
+        "fewer. 1: one thread. Reads smaller than 4 MiB a thread use fewer.")
+
+    @field_validator("read_threads", mode="before")
+    @classmethod
+    def _read_threads_value(cls, v: Any) -> Any:
+        if v != "auto" and not (type(v) is int and 1 <= v <= 64):  # one message for both members of the union
+            raise ValueError("must be 'auto' or an int from 1 to 64")  # the formatted error adds the value
+        return v
+
     weight_dtype: Literal["same", "fp8_e4m3", "auto"] = Field(
         "same", description="Storage dtype of streamed weights: same (the compute dtype), or fp8_e4m3 (quantized at "
         "load into host memory, storage cpu only; upcast at compute: lossy). auto (with mode auto only): the "
@@ -82,8 +90,7 @@ class OffloadConfig(StrictModel):
 
     def _pread_keys(self) -> list[str]:
         """The keys set here that act on reader pread only: `page_cache` other than 'auto', `read_threads`."""
-        return [f for f in ("page_cache", "read_threads")
-                if (self.page_cache != "auto" if f == "page_cache" else f in self.model_fields_set)]
+        return [f for f in ("page_cache", "read_threads") if getattr(self, f) != "auto"]
 
     @model_validator(mode="after")
     def _combinations(self) -> OffloadConfig:
@@ -129,7 +136,7 @@ class OffloadConfig(StrictModel):
             raise ValueError(f"`offload.reader`={self.reader!r} applies to `offload.storage`='disk' only")
         pread_only = self._pread_keys()
         if pread_only and not (self.storage == "disk" and self.reader == "pread"):
-            allowed = "'auto', 'keep', 'drop'" if pread_only[0] == "page_cache" else "an int from 1 to 64"
+            allowed = "'auto', 'keep', 'drop'" if pread_only[0] == "page_cache" else "'auto' or an int from 1 to 64"
             raise ValueError(f"`offload.{pread_only[0]}`={getattr(self, pread_only[0])!r} applies to "
                              f"`offload.storage`='disk' with `offload.reader`='pread' only (got storage={self.storage!r}, "
                              f"reader={self.reader!r}); allowed there: {allowed}")

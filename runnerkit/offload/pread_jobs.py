@@ -15,13 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["IOV_MAX", "MIN_JOB_BYTES", "ReadJob", "preadv_job", "split_jobs"]
+__all__ = ["AUTO_READ_THREADS", "IOV_MAX", "MIN_JOB_BYTES", "ReadJob", "preadv_job", "read_threads", "split_jobs"]
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 """Most buffers one `os.preadv` call is given."""
 
 MIN_JOB_BYTES = 4 << 20
 """Runs are cut into jobs of at least this many bytes (smaller ones cost more in hand-offs than they gain)."""
+
+AUTO_READ_THREADS = 4
+"""`offload.read_threads` auto: this many, or the CPUs the process may run on if fewer."""
 
 Segment = tuple[memoryview, Any]  # a destination view, and its tensor's index entry (None: a gap, discarded)
 
@@ -34,6 +37,15 @@ class ReadJob:
     offset: int
     segments: list[Segment]
     last: Any
+
+
+def read_threads(setting: int | str) -> int:
+    """`offload.read_threads` as a count: an int as it is; "auto" `AUTO_READ_THREADS`, or the CPUs this
+    process may run on (its affinity mask) if fewer."""
+    if setting != "auto":
+        return int(setting)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(AUTO_READ_THREADS, cpus))
 
 
 def split_jobs(runs: Sequence[tuple[int, list[Segment]]], parts: int, min_bytes: int | None = None) -> list[ReadJob]:

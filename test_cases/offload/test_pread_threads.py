@@ -189,10 +189,19 @@ def test_a_failed_job_is_raised_after_every_other_job_ended(tmp_path: Path, monk
     reader.close()
 
 
-def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cpus, want", [(16, 4), (2, 2), (1, 1)])
+def test_auto_takes_four_threads_or_the_cpus_the_process_may_use(monkeypatch: pytest.MonkeyPatch, cpus: int,
+                                                                 want: int) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert pread_jobs.read_threads("auto") == want and pread_jobs.read_threads(7) == 7
+
+
+def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit count, auto (3 CPUs here: 3 threads) and the mmap reader (one thread)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     checkpoint = tmp_path / "wide.safetensors"
     _rss_driver.write_checkpoint(checkpoint, 4)
-    for reader, threads, want in (("pread", 3, 3), ("pread", None, 4), ("mmap", None, 1)):
+    for reader, threads, want in (("pread", 5, 5), ("pread", None, 3), ("mmap", None, 1)):
         streamer, _ = _rss_driver.stream([checkpoint], reader, gpu_slots=2, steps=1, num_blocks=4,
                                          read_threads=threads)
         try:
@@ -204,18 +213,20 @@ def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path) -> 
 @pytest.mark.parametrize("keys, message", [
     ({"mode": "block", "storage": "disk", "read_threads": 2}, r"`offload.read_threads`=2 applies to "
      r"`offload.storage`='disk' with `offload.reader`='pread' only \(got storage='disk', reader='mmap'\); allowed "
-     r"there: an int from 1 to 64"),
+     r"there: 'auto' or an int from 1 to 64"),
     ({"mode": "block", "read_threads": 4}, r"`offload.read_threads`=4 applies to .* \(got storage='cpu'"),
     ({"mode": "model", "read_threads": 2}, r"`offload.read_threads` has no effect with `offload.mode`='model'"),
     ({"mode": "auto", "storage": "cpu", "read_threads": 2}, r"`offload.read_threads`=2 applies to "
      r"`offload.storage`='disk' with `offload.reader`='pread' only; the config sets storage='cpu', reader='mmap'"),
-    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": 0}, "greater than or equal to 1"),
-    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": 65}, "less than or equal to 64"),
-    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": "4"}, "valid integer"),
-], ids=["reader-mmap", "storage-cpu", "model", "auto-storage-cpu", "zero", "too-many", "string"])
+    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": 0}, "must be 'auto' or an int from 1 to 64"),
+    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": 65}, "must be 'auto' or an int from 1 to 64"),
+    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": "4"}, "must be 'auto' or an int from 1 to 64"),
+    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": True}, "must be 'auto' or an int from 1 to 64"),
+], ids=["reader-mmap", "storage-cpu", "model", "auto-storage-cpu", "zero", "too-many", "string", "bool"])
 def test_read_threads_outside_pread_streaming_or_out_of_range_are_refused(keys: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         OffloadConfig(**keys)
+    assert len(refused.value.errors()) == 1  # type: ignore[attr-defined]  # one error, not one per union member
 
 
 def test_in_a_plan_read_threads_set_how_the_pread_rungs_read() -> None:
@@ -224,10 +235,9 @@ def test_in_a_plan_read_threads_set_how_the_pread_rungs_read() -> None:
     assert OffloadConfig(mode="auto", read_threads=8).read_threads == 8
     host_rung, reason = constrain(Candidate({"mode": "block", "storage": "cpu", "weight_dtype": "same",
                                              "lazy_load": False, "stream_modules": None}), explicit)
-    assert reason == "" and host_rung is not None and host_rung.read_threads == 4
-    assert "read_threads" not in host_rung.model_fields_set
+    assert reason == "" and host_rung is not None and host_rung.read_threads == "auto"
     disk_rung, _ = constrain(Candidate({"mode": "block", "storage": "disk", "reader": "pread", "weight_dtype": "same",
                                         "lazy_load": True, "stream_modules": None}), explicit)
     assert disk_rung is not None and disk_rung.read_threads == 8
     resident, _ = constrain(Candidate({"mode": "none"}), explicit)
-    assert resident is not None and resident.read_threads == 4
+    assert resident is not None and resident.read_threads == "auto"
