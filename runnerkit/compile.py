@@ -66,8 +66,8 @@ from torch import nn
 
 from runnerkit.config import CompileConfig, OffloadConfig
 
-_COMPILED: dict[tuple[type, str, str, bool, str, bool], Callable[..., Any]] = {}
-"""(class, method, mode, dynamic, backend, coordinate-descent tuning) -> the compiled function."""
+_COMPILED: dict[tuple[type, str, str, bool, str, bool, bool], Callable[..., Any]] = {}
+"""(class, method, mode, dynamic, backend, coordinate-descent tuning, deterministic) -> the compiled function."""
 
 
 def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: bool = False,
@@ -104,10 +104,25 @@ def check_supported(cfg: CompileConfig, offload: OffloadConfig, unload_modules: 
         raise NotImplementedError(
             f"`compile.coordinate_descent_tuning` does nothing on device {device.type!r}: inductor tunes the "
             "launch configurations of the Triton kernels it generates for CUDA; remove it")
+    if cfg.deterministic and device is not None and device.type != "cuda":
+        raise NotImplementedError(
+            f"`compile.deterministic` does nothing on device {device.type!r}: inductor benchmarks kernel "
+            "configurations on CUDA devices only (CPU kernels are not chosen by timing); remove it")
+    if cfg.deterministic and not hasattr(_inductor_config(), "deterministic"):
+        raise NotImplementedError(
+            f"`compile.deterministic` needs torch >= 2.10 (inductor's deterministic mode); this is torch "
+            f"{torch.__version__}: upgrade torch or remove it")
     if cfg.mode == "reduce-overhead" and device is not None and device.type != "cuda":
         raise NotImplementedError(
             f"`compile.mode`='reduce-overhead' (CUDA graphs) does nothing on device {device.type!r}: use mode "
             "'default'")
+
+
+def _inductor_config() -> Any:
+    """torch._inductor.config (imported when asked: importing inductor takes a while)."""
+    from torch._inductor import config
+
+    return config
 
 
 def compiled_forward(block_cls: type, cfg: CompileConfig) -> Callable[..., Any]:
@@ -117,13 +132,14 @@ def compiled_forward(block_cls: type, cfg: CompileConfig) -> Callable[..., Any]:
 
 def compiled_method(cls: type, name: str, cfg: CompileConfig) -> Callable[..., Any]:
     """The one compiled `cls.<name>` for `cfg` (created on first use, then shared); called with the instance first."""
-    key = (cls, name, cfg.mode, cfg.dynamic, cfg.backend, cfg.coordinate_descent_tuning)
+    key = (cls, name, cfg.mode, cfg.dynamic, cfg.backend, cfg.coordinate_descent_tuning, cfg.deterministic)
     if key not in _COMPILED:
         how: dict[str, Any] = {"mode": None if cfg.backend != "inductor" else cfg.mode}
-        if cfg.coordinate_descent_tuning:  # torch.compile takes a mode or options, not both: the mode's options + ours
+        ours = {k: True for k in ("coordinate_descent_tuning", "deterministic") if getattr(cfg, k)}
+        if ours:  # torch.compile takes a mode or options, not both: the mode's options + ours
             from torch._inductor import list_mode_options
 
-            how = {"options": {**list_mode_options(cfg.mode), "coordinate_descent_tuning": True}}
+            how = {"options": {**list_mode_options(cfg.mode), **ours}}
         _COMPILED[key] = torch.compile(getattr(cls, name), dynamic=True if cfg.dynamic else None, backend=cfg.backend,
                                        **how)
     return _COMPILED[key]
@@ -202,7 +218,8 @@ def uncovered_sizes(sizes: dict[str, int]) -> dict[str, int]:
 def _announce(cfg: CompileConfig) -> None:
     logger.info("compile: regional (one compiled forward per block class, one function per declared region), "
                 "mode {}{}, dynamic {}, backend {}", cfg.mode,
-                " + coordinate-descent tuning" if cfg.coordinate_descent_tuning else "",
+                (" + coordinate-descent tuning" if cfg.coordinate_descent_tuning else "")
+                + (" + deterministic" if cfg.deterministic else ""),
                 "from the first compile" if cfg.dynamic else "automatic", cfg.backend)
 
 
@@ -293,6 +310,7 @@ def cache_fields(*, runner: type, model: dict[str, Any], dtype: str, cfg: Compil
         "dtype": dtype,
         "compile.mode": cfg.mode,
         "compile.coordinate_descent_tuning": cfg.coordinate_descent_tuning,
+        "compile.deterministic": cfg.deterministic,
         "compile.dynamic": cfg.dynamic,
         "compile.backend": cfg.backend,
         "attention": attention or "none",

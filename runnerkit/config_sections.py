@@ -172,6 +172,12 @@ class CompileConfig(StrictModel):
         "normalization/modulation kernels of a block run closer to memory bandwidth, the first compile takes "
         "longer (warmup pays it; the compile cache keeps the result). Already part of the 'max-autotune' modes; "
         "inductor backend only. Measured in bench/results/summary.md.")
+    deterministic: bool = Field(
+        False, description="Inductor's deterministic mode (torch >= 2.10, CUDA): no on-device benchmarking that "
+        "changes numerics (the reduction kernels' block sizes and warps, matmul padding, template autotuning), so "
+        "two processes (a fresh compile, a saved compile cache) give bit-identical outputs. Without it inductor "
+        "picks some reduction configurations by timing, and outputs of the same seed can differ in the last bits "
+        "between processes. Costs some speed (measured in bench/results). Inductor backend only.")
     dynamic: bool = Field(False, description="false: torch's automatic dynamic shapes (a dimension that changes "
                           "between calls becomes dynamic at its first recompile); true: dynamic from the first compile.")
     backend: Literal["inductor", "aot_eager", "eager"] = Field(
@@ -188,18 +194,19 @@ class CompileConfig(StrictModel):
 
     @model_validator(mode="after")
     def _settings_act(self) -> CompileConfig:
-        changed = [k for k in ("mode", "coordinate_descent_tuning", "dynamic", "backend", "cache_dir")
+        changed = [k for k in ("mode", "coordinate_descent_tuning", "deterministic", "dynamic", "backend", "cache_dir")
                    if k in self.model_fields_set
-                   and (k != "coordinate_descent_tuning" or self.coordinate_descent_tuning)]  # false: the default
+                   and (k not in ("coordinate_descent_tuning", "deterministic") or getattr(self, k))]  # false: default
         if not self.enabled and changed:
             raise ValueError(f"`compile.{changed[0]}` does nothing while `compile.enabled` is false: set "
                              "`enabled: true` or remove it")
         if self.backend != "inductor" and self.mode != "default":
             raise ValueError(f"`compile.mode`={self.mode!r} only acts with `compile.backend`='inductor' (got "
                              f"{self.backend!r}): remove it")
-        if self.coordinate_descent_tuning and self.backend != "inductor":
-            raise ValueError(f"`compile.coordinate_descent_tuning` only acts with `compile.backend`='inductor' (got "
-                             f"{self.backend!r}): remove it")
+        for key in ("coordinate_descent_tuning", "deterministic"):
+            if getattr(self, key) and self.backend != "inductor":
+                raise ValueError(f"`compile.{key}` only acts with `compile.backend`='inductor' (got "
+                                 f"{self.backend!r}): remove it")
         if self.coordinate_descent_tuning and self.mode.startswith("max-autotune"):
             raise ValueError(f"`compile.coordinate_descent_tuning` is already on in `compile.mode`={self.mode!r}: "
                              "remove it")

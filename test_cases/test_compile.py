@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from runnerkit import compile as regional_compile
-from runnerkit.config import CompileConfig, RequestConfig, load_runner_config
+from runnerkit.config import CompileConfig, OffloadConfig, RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.models.wan.transformer import WanTransformer3D
 from runnerkit.runners.building import ModuleBuilder
@@ -115,6 +115,7 @@ def test_streaming_and_lazy_load_share_the_compiled_code(tiny_ckpt: Path, tmp_pa
     ({"compile": {"enabled": True, "mode": "reduce-overhead"}}, "does nothing on device 'cpu'"),
     ({"compile": {"enabled": True, "coordinate_descent_tuning": True}},
      "`compile.coordinate_descent_tuning` does nothing on device 'cpu'"),
+    ({"compile": {"enabled": True, "deterministic": True}}, "`compile.deterministic` does nothing on device 'cpu'"),
     ({"offload": {"mode": "block", "storage": "disk", "lazy_load": True}, "compile": {"enabled": True, "mode":
      "reduce-overhead"}}, "CUDA graphs"),
 ])
@@ -133,7 +134,10 @@ def test_unsupported_combinations_are_refused_with_the_reason(tiny_ckpt: Path, o
                                                 ({"enabled": True, "backend": "aot_eager",
                                                   "coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning"),
                                                 ({"enabled": True, "mode": "max-autotune-no-cudagraphs",
-                                                  "coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning")])
+                                                  "coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning"),
+                                                ({"deterministic": True}, "compile.deterministic"),
+                                                ({"enabled": True, "backend": "eager", "deterministic": True},
+                                                 "compile.deterministic")])
 def test_compile_settings_that_do_nothing_are_refused(tiny_ckpt: Path, compile_cfg: dict[str, Any], field: str) -> None:
     from runnerkit.config import ConfigError
 
@@ -165,6 +169,38 @@ def test_coordinate_descent_tuning_reaches_inductor_with_the_modes_options(monke
                      {"mode": mode, "dynamic": None, "backend": "inductor"}]
 
 
+@pytest.mark.parametrize("flags, options", [
+    ({"deterministic": True}, {"deterministic": True}),
+    ({"deterministic": True, "coordinate_descent_tuning": True}, {"coordinate_descent_tuning": True,
+                                                                  "deterministic": True}),
+])
+def test_deterministic_mode_reaches_inductor(monkeypatch: pytest.MonkeyPatch, flags: dict[str, bool],
+                                             options: dict[str, Any]) -> None:
+    """`compile.deterministic` is inductor's `deterministic` option beside the mode's options, and a compiled function
+    of its own (a run without it shares none of its graphs)."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    monkeypatch.setattr(regional_compile, "_COMPILED", {})
+
+    class Block(torch.nn.Module):
+        pass
+
+    regional_compile.compiled_forward(Block, CompileConfig(enabled=True, **flags))
+    regional_compile.compiled_forward(Block, CompileConfig(enabled=True))
+    assert calls == [{"options": options, "dynamic": None, "backend": "inductor"},
+                     {"mode": "default", "dynamic": None, "backend": "inductor"}]
+
+
+def test_deterministic_mode_needs_an_inductor_that_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor import config as inductor_config
+
+    cfg = CompileConfig(enabled=True, deterministic=True)
+    regional_compile.check_supported(cfg, OffloadConfig(mode="none"), device=torch.device("cuda"))  # nothing raised
+    monkeypatch.delattr(inductor_config, "deterministic")
+    with pytest.raises(NotImplementedError, match=r"`compile.deterministic` needs torch >= 2.10 .*this is torch"):
+        regional_compile.check_supported(cfg, OffloadConfig(mode="none"), device=torch.device("cuda"))
+
+
 class _Part(torch.nn.Module):
     COMPILED_REGIONS = ("double",)
 
@@ -189,7 +225,7 @@ def test_declared_regions_share_one_compiled_function_per_class_and_method(monke
     regional_compile.install(net, None, CompileConfig(enabled=True))
     assert compiled == ["_Part.double"]
     assert net[0].double.__func__ is net[1][0].double.__func__ is regional_compile._COMPILED[
-        (_Part, "double", "default", False, "inductor", False)]
+        (_Part, "double", "default", False, "inductor", False, False)]
     assert torch.equal(net[1][0].double(torch.ones(2)), torch.full((2,), 2.0))
     with pytest.raises(TypeError, match=r"_Bad\.COMPILED_REGIONS names 'missing', not a method"):
         regional_compile.compile_regions(_Bad(), CompileConfig(enabled=True))

@@ -21,7 +21,7 @@ from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
 #: What the key must cover, by field name (README "Compile cache"). A field added to
 #: `cache_fields` without a case below fails `test_every_key_field_has_a_case`.
 FIELDS = {"format", "torch", "cuda", "triton", "python", "device", "runner", "runnerkit sources", "model", "dtype",
-          "compile.mode", "compile.coordinate_descent_tuning", "compile.dynamic", "compile.backend", "attention", "offload.mode", "offload.weight_dtype",
+          "compile.mode", "compile.coordinate_descent_tuning", "compile.deterministic", "compile.dynamic", "compile.backend", "attention", "offload.mode", "offload.weight_dtype",
           "text_buckets", "lora", "compute_dtype", "parallel.ulysses"}
 
 
@@ -40,6 +40,7 @@ ARGUMENT_CHANGES: dict[str, dict[str, Any]] = {
     "dtype": {"dtype": "bfloat16"},
     "compile.mode": {"cfg": CompileConfig(enabled=True, mode="max-autotune")},
     "compile.coordinate_descent_tuning": {"cfg": CompileConfig(enabled=True, coordinate_descent_tuning=True)},
+    "compile.deterministic": {"cfg": CompileConfig(enabled=True, deterministic=True)},
     "compile.dynamic": {"cfg": CompileConfig(enabled=True, dynamic=True)},
     "compile.backend": {"cfg": CompileConfig(enabled=True, backend="aot_eager")},
     "attention": {"attention": "sdpa_math"},
