@@ -275,14 +275,17 @@ class JobQueue:
     def finish(self, job: Job) -> None:
         """`job` ended (its final status is set): apply retention."""
         self.computed(job)
-        self._apply_retention()
+        self.apply_retention()
 
-    def _apply_retention(self) -> None:
+    def apply_retention(self, completing: Job | None = None) -> None:
         """Delete the oldest results (earlier runs' job folders first) beyond the limits; the newest
-        completed job is always kept, whatever its size."""
+        completed job is always kept, whatever its size. `completing`: a job whose result is written and
+        whose status is not set yet, counted as the newest (so that a client that sees it completed no
+        longer finds what it pushed out). A removed job is marked `expired` before its folder goes."""
         with self._lock:
-            done = [j for j in self.jobs.values() if j.status in FINAL and not j.expired and j.folder.exists()]
-        done.sort(key=lambda j: j.completed_at or 0)
+            done = [j for j in self.jobs.values() if (j.status in FINAL or j is completing) and not j.expired
+                    and j.folder.exists()]
+        done.sort(key=lambda j: (j is completing, j.completed_at or 0))
         orphans = [f for f in self._orphans if f.exists()]
         entries: list[tuple[Path, Job | None]] = [(f, None) for f in orphans] + [(j.folder, j) for j in done]
         sizes = {folder: sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) for folder, _ in entries}
@@ -290,10 +293,10 @@ class JobQueue:
         while len(entries) > 1 and ((self.keep_jobs is not None and len(entries) > self.keep_jobs)
                                     or (self.keep_bytes is not None and total > self.keep_bytes)):
             folder, job = entries.pop(0)
+            if job is not None:
+                job.expired = True  # first: its content is no longer offered while the files go
             shutil.rmtree(folder, ignore_errors=True)
             total -= sizes[folder]
-            if job is not None:
-                job.expired = True
             logger.info("retention: removed {} ({} bytes{})", folder.name, sizes[folder],
                         "" if job is not None else ", from an earlier run")
 
@@ -409,9 +412,9 @@ class Worker(threading.Thread):
         self._finish(job, status, message, prof)
 
     def _finish(self, job: Job, status: Status | None, error: str | None, prof: RequestProfile | None) -> None:
-        """The job's last fields, then its status (last: a client that sees it, reading without a lock,
-        also sees the end time, profile and error, and none of a failed or cancelled job's files), then
-        retention and `on_done`."""
+        """The job's last fields, then (completed) the retention it causes, then its status (last: a client
+        that sees it, reading without a lock, also sees the end time, profile and error, none of a failed or
+        cancelled job's files, and no result the retention removed), then `on_done`."""
         try:
             if prof is not None:
                 if job.resolved:
@@ -421,6 +424,8 @@ class Worker(threading.Thread):
             if status != "completed":  # nothing of a failed or cancelled job is kept (nor counted as kept)
                 shutil.rmtree(job.folder, ignore_errors=True)
             job.completed_at, job.error = time.time(), error
+            if status == "completed":
+                self.queue.apply_retention(completing=job)  # before the status a client waits for
             if status is not None:
                 job.status = status
         finally:

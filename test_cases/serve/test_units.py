@@ -7,6 +7,7 @@ import base64
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,7 +16,8 @@ from runnerkit.config import RequestConfig, load_runner_config
 from runnerkit.registry import get_runner_cls
 from runnerkit.runners.base import Progress, RequestCancelled
 from runnerkit.serve.app import InputError, _api_wording, _decode_image
-from runnerkit.serve.jobs import Job, JobQueue
+from runnerkit.serve import jobs
+from runnerkit.serve.jobs import Job, JobQueue, Worker
 from test_cases.conftest import tiny_config_dict
 
 PNG = bytes.fromhex("89504e470d0a1a0a") + bytes(range(200))  # any bytes: decoding only checks base64
@@ -65,14 +67,35 @@ def test_retention_removes_earlier_runs_first_and_always_keeps_the_newest(tmp_pa
     queue = JobQueue(tmp_path, max_queue=4, keep_jobs=2, keep_bytes=None)
     a = _finished(queue, "job_a", 10, 1.0)
     b = _finished(queue, "job_b", 10, 2.0)
-    queue._apply_retention()
+    queue.apply_retention()
     assert not old.exists() and a.folder.exists() and b.folder.exists()  # the earlier run's folder went first
     c = _finished(queue, "job_c", 10, 3.0)
-    queue._apply_retention()
+    queue.apply_retention()
     assert (a.expired, b.expired, c.expired) == (True, False, False) and not a.folder.exists()
     queue.keep_bytes = 1  # smaller than any result: only the newest stays
-    queue._apply_retention()
+    queue.apply_retention()
     assert (b.expired, c.expired) == (True, False) and c.folder.exists()
+
+
+def test_a_completing_job_pushes_out_the_oldest_before_its_status_is_seen(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's `_finish` applies the retention a completed job causes before it sets the status, counting
+    that job as the newest; a removed job is marked expired before its folder goes (a client never sees
+    `content_available` true for a result that is gone, nor a new job completed beside an old one it pushed out)."""
+    queue = JobQueue(tmp_path, max_queue=4, keep_jobs=2, keep_bytes=None)
+    a = _finished(queue, "job_a", 10, 1.0)
+    b = _finished(queue, "job_b", 10, 2.0)
+    c = _finished(queue, "job_c", 10, 3.0)
+    c.status, c.completed_at = "in_progress", None
+    seen: list[tuple[str, bool, bool, str]] = []
+    real_rmtree = jobs.shutil.rmtree
+    monkeypatch.setattr(jobs.shutil, "rmtree", lambda folder, **kw: (
+        seen.append((Path(folder).name, a.expired, a.folder.exists(), c.status)), real_rmtree(folder, **kw)))
+    worker = SimpleNamespace(queue=queue, on_done=lambda job: None, runner=None)
+    Worker._finish(worker, c, "completed", None, None)  # type: ignore[arg-type]
+    assert seen == [("job_a", True, True, "in_progress")]  # expired first, then removed, before c's status
+    assert (a.expired, b.expired, c.expired, c.status) == (True, False, False, "completed")
+    assert not a.folder.exists() and b.folder.exists() and c.folder.exists()
 
 
 def test_cancel_between_decoder_chunks_stops_the_decode_and_frees_its_cache(tiny_ckpt: Path) -> None:
