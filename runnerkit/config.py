@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from runnerkit.config_sections import (
+    PREAD_KEYS,
     CompileConfig,
     LoRAConfig,
     LoRARequest,
@@ -37,7 +38,7 @@ from runnerkit.config_sections import (
 from runnerkit.config_sections import StrictModel as _Strict
 
 __all__ = ["FAMILY_DEFAULTED", "MAX_EXTRA_IMAGES", "MAX_FRAMES", "MAX_PROMPT_CHARS", "MAX_SIDE", "MAX_TEXT_BUCKET",
-           "REQUEST_DEFAULT_FIELDS", "CompileConfig", "ConfigError", "ConfigLockedError", "FrozenDict", "FrozenList",
+           "PREAD_KEYS", "REQUEST_DEFAULT_FIELDS", "CompileConfig", "ConfigError", "ConfigLockedError", "FrozenDict", "FrozenList",
            "LoRAConfig", "LoRARequest", "MemoryConfig", "OffloadConfig", "ParallelConfig", "RequestConfig",
            "RunnerConfig", "SyntheticCheckpointConfig", "as_request", "deep_freeze", "field_path",
            "format_validation_error", "invalid_lines", "load_requests", "load_runner_config", "lora_flag_fields",

@@ -13,8 +13,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["CompileConfig", "LoRAConfig", "LoRARequest", "MemoryConfig", "OffloadConfig", "ParallelConfig",
+__all__ = ["PREAD_KEYS", "CompileConfig", "LoRAConfig", "LoRARequest", "MemoryConfig", "OffloadConfig", "ParallelConfig",
            "PromptEnhancerConfig", "StrictModel", "SyntheticCheckpointConfig", "lora_flag_fields", "parse_lora_flag"]
+
+
+PREAD_KEYS = ("page_cache", "read_threads")
+"""Offload keys that act on storage disk with reader pread only (in a plan: on the pread rungs)."""
+_PREAD_ALLOWED = {"page_cache": "'auto', 'keep', 'drop'", "read_threads": "'auto' or an int from 1 to 64"}
 
 
 class StrictModel(BaseModel):
@@ -57,7 +62,7 @@ class OffloadConfig(StrictModel):
     @classmethod
     def _read_threads_value(cls, v: Any) -> Any:
         if v != "auto" and not (type(v) is int and 1 <= v <= 64):  # one message for both members of the union
-            raise ValueError("must be 'auto' or an int from 1 to 64")  # the formatted error adds the value
+            raise ValueError(f"must be {_PREAD_ALLOWED['read_threads']}")  # the formatted error adds the value
         return v
 
     weight_dtype: Literal["same", "fp8_e4m3", "auto"] = Field(
@@ -89,18 +94,21 @@ class OffloadConfig(StrictModel):
         "encoders and connectors (once per request) stream every unit.")
 
     def _pread_keys(self) -> list[str]:
-        """The keys set here that act on reader pread only: `page_cache` other than 'auto', `read_threads`."""
-        return [f for f in ("page_cache", "read_threads") if getattr(self, f) != "auto"]
+        """The `PREAD_KEYS` set here to something other than 'auto'."""
+        return [f for f in PREAD_KEYS if getattr(self, f) != "auto"]
 
     @model_validator(mode="after")
     def _combinations(self) -> OffloadConfig:
         if self.mode == "auto":  # the other keys constrain the plan; each candidate is validated as concrete
             set_ = self.model_fields_set
-            pread_only = [f"`offload.{f}`={getattr(self, f)!r}" for f in self._pread_keys()]
+            pread_only = self._pread_keys()
             if pread_only and (("storage" in set_ and self.storage != "disk")
                                or ("reader" in set_ and self.reader != "pread")):
-                raise ValueError(f"{pread_only[0]} applies to `offload.storage`='disk' with `offload.reader`='pread' "
-                                 f"only; the config sets storage={self.storage!r}, reader={self.reader!r}")
+                key = pread_only[0]
+                raise ValueError(f"`offload.{key}`={getattr(self, key)!r} applies to `offload.storage`='disk' with "
+                                 f"`offload.reader`='pread' only (allowed there: {_PREAD_ALLOWED[key]}); the config "
+                                 f"sets " + ", ".join(f"{k}={getattr(self, k)!r}" for k in ("storage", "reader")
+                                                      if k in set_))
             return self
         if self.weight_dtype == "auto":
             raise ValueError(f"`offload.weight_dtype`='auto' lets the memory planner choose the storage dtype; it "
@@ -136,7 +144,7 @@ class OffloadConfig(StrictModel):
             raise ValueError(f"`offload.reader`={self.reader!r} applies to `offload.storage`='disk' only")
         pread_only = self._pread_keys()
         if pread_only and not (self.storage == "disk" and self.reader == "pread"):
-            allowed = "'auto', 'keep', 'drop'" if pread_only[0] == "page_cache" else "'auto' or an int from 1 to 64"
+            allowed = _PREAD_ALLOWED[pread_only[0]]
             raise ValueError(f"`offload.{pread_only[0]}`={getattr(self, pread_only[0])!r} applies to "
                              f"`offload.storage`='disk' with `offload.reader`='pread' only (got storage={self.storage!r}, "
                              f"reader={self.reader!r}); allowed there: {allowed}")

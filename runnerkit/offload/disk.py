@@ -67,7 +67,6 @@ import ctypes
 import mmap
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -76,7 +75,7 @@ import torch
 from loguru import logger
 
 from runnerkit.offload.disk_ranges import MADVISE, PAGE_BYTES, READ_GAP_BYTES, coalesce_reads, page_ranges
-from runnerkit.offload.pread_jobs import ReadJob, Segment, preadv_job, split_jobs
+from runnerkit.offload.pread_jobs import PreadPool, Segment, split_jobs
 from runnerkit.weights import (
     SAFETENSORS_DTYPES,
     CheckpointError,
@@ -180,10 +179,8 @@ class SafetensorsDiskReader:
                  read_threads: int = 1) -> None:
         if reader not in ("mmap", "pread"):
             raise ValueError(f"`reader` must be 'mmap' or 'pread', got {reader!r}")
-        if read_threads < 1:
-            raise ValueError(f"`read_threads` must be at least 1, got {read_threads}")
-        self.read_threads = read_threads if reader == "pread" else 1
-        self._pool: ThreadPoolExecutor | None = None  # read_threads - 1 workers, started at the first batch
+        self._pool = PreadPool(read_threads if reader == "pread" else 1)  # ValueError below 1
+        self.read_threads = self._pool.threads
         if not files:
             raise CheckpointError("disk reader: no .safetensors files given")
         self.reader: ReaderKind = reader
@@ -377,7 +374,8 @@ class SafetensorsDiskReader:
         Raises:
             CheckpointChangedError / CheckpointError: a short read (the file was cut), naming the
                 tensor the read stopped in.
-            OSError: a failed read (after every job ended: no thread writes into a destination later).
+            OSError: a failed read (after every job ended: no thread writes into a destination later;
+                `PreadPool.run`).
         """
         segmented: list[tuple[int, list[Segment]]] = []
         scratch: memoryview | None = None
@@ -398,7 +396,7 @@ class SafetensorsDiskReader:
             segmented.append((run[0][0].offset, segments))
         jobs = split_jobs(segmented, self.read_threads)
         start = time.perf_counter()
-        results = self._run_jobs(handle.fd, jobs)
+        results = self._pool.run(handle.fd, jobs)
         self.read_seconds += time.perf_counter() - start
         self.read_calls += sum(calls for calls, _ in results)
         short = next((entry for _, entry in results if entry is not None), None)
@@ -409,20 +407,6 @@ class SafetensorsDiskReader:
             nbytes = sum(e.nbytes for e, _ in run)
             self.bytes_read += nbytes
             self.gap_bytes_read += run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset - nbytes
-
-    def _run_jobs(self, fd: int, jobs: list[ReadJob]) -> list[tuple[int, TensorIndexEntry | None]]:
-        """`preadv_job` of each job: the first in this thread, the others on the reader's pool at once;
-        returns when every job ended (re-raising the first failure)."""
-        if len(jobs) == 1 or self.read_threads == 1:
-            return [preadv_job(fd, job) for job in jobs]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.read_threads - 1, thread_name_prefix="runnerkit-pread")
-        futures = [self._pool.submit(preadv_job, fd, job) for job in jobs[1:]]
-        try:
-            first = preadv_job(fd, jobs[0])
-        finally:
-            wait(futures)  # no job may still write into a destination once this returns or raises
-        return [first, *(f.result() for f in futures)]
 
     def _drop_read_pages(self, handle: _Handle, spans: list[tuple[int, int]]) -> None:
         """Let go of the pages of `spans` (file byte `(offset, nbytes)`) once their bytes were copied
@@ -579,14 +563,13 @@ class SafetensorsDiskReader:
         return advised
 
     def close(self) -> None:
-        """Close every long-lived handle (and mapping), after `drop_cached()`. The reader can fetch again afterwards."""
+        """Close every long-lived handle (and mapping), after `drop_cached()`, and stop the read threads. The reader
+        can fetch again afterwards."""
         self.drop_cached()
         for handle in self._long_lived.values():
             self._close(handle)
         self._long_lived.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._pool.close()
 
     def stats(self) -> dict[str, float]:
         """Tensor bytes read, header bytes read, seconds spent reading, GB/s (tensor bytes), and for

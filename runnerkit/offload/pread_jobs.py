@@ -10,12 +10,17 @@ by its own `os.preadv` calls (`preadv_job`); a cold disk is read at a deeper que
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
-__all__ = ["AUTO_READ_THREADS", "IOV_MAX", "MIN_JOB_BYTES", "ReadJob", "preadv_job", "read_threads", "split_jobs"]
+from runnerkit.weights import TensorIndexEntry
+
+__all__ = ["AUTO_READ_THREADS", "IOV_MAX", "MIN_JOB_BYTES", "PreadPool", "ReadJob", "preadv_job",
+           "resolve_read_threads", "split_jobs"]
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 """Most buffers one `os.preadv` call is given."""
@@ -26,7 +31,8 @@ MIN_JOB_BYTES = 4 << 20
 AUTO_READ_THREADS = 4
 """`offload.read_threads` auto: this many, or the CPUs the process may run on if fewer."""
 
-Segment = tuple[memoryview, Any]  # a destination view, and its tensor's index entry (None: a gap, discarded)
+Segment = tuple[memoryview, TensorIndexEntry | None]  # a destination view, its tensor's entry (None: a gap, discarded)
+JobResult = tuple[int, TensorIndexEntry | None]  # `os.preadv` calls, and the tensor a short read stopped in (or None)
 
 
 @dataclass
@@ -36,16 +42,26 @@ class ReadJob:
 
     offset: int
     segments: list[Segment]
-    last: Any
+    last: TensorIndexEntry | None
 
 
-def read_threads(setting: int | str) -> int:
-    """`offload.read_threads` as a count: an int as it is; "auto" `AUTO_READ_THREADS`, or the CPUs this
-    process may run on (its affinity mask) if fewer."""
+def _cgroup_cpus(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
+    """The CPUs a cgroup v2 CPU quota allows ("<quota> <period>" in `cpu.max`, rounded up), or None (no quota,
+    "max", or no such file)."""
+    try:
+        quota, period = path.read_text().split()[:2]
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        return None
+
+
+def resolve_read_threads(setting: int | str) -> int:
+    """`offload.read_threads` as a count: an int as it is; "auto" `AUTO_READ_THREADS`, or fewer where the
+    process may use fewer CPUs (its affinity mask, a cgroup CPU quota)."""
     if setting != "auto":
         return int(setting)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(AUTO_READ_THREADS, cpus))
+    return max(1, min(AUTO_READ_THREADS, cpus, _cgroup_cpus() or cpus))
 
 
 def split_jobs(runs: Sequence[tuple[int, list[Segment]]], parts: int, min_bytes: int | None = None) -> list[ReadJob]:
@@ -77,7 +93,7 @@ def split_jobs(runs: Sequence[tuple[int, list[Segment]]], parts: int, min_bytes:
     return jobs
 
 
-def preadv_job(fd: int, job: ReadJob) -> tuple[int, Any]:
+def preadv_job(fd: int, job: ReadJob) -> JobResult:
     """Read the job's range with `os.preadv` calls (at most `IOV_MAX` views each) until it is read.
 
     Returns:
@@ -104,3 +120,64 @@ def preadv_job(fd: int, job: ReadJob) -> tuple[int, Any]:
                 segments[at] = (view[n:], entry)
                 n = 0
     return calls, None
+
+
+def _settle(futures: list[Future[JobResult]]) -> None:
+    """Return once no job of `futures` runs: the ones not started are cancelled when anything interrupts, and an
+    interrupt that arrives while waiting (Ctrl-C, a SIGTERM handler's exception) is held until then and raised."""
+    held: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as exc:  # noqa: BLE001  re-raised below, once no thread writes into a destination
+            held = held or exc
+            for future in futures:
+                future.cancel()
+    if held is not None:
+        raise held
+
+
+class PreadPool:
+    """Runs a batch's jobs (`split_jobs`) on `threads` threads: the first job on the calling thread, the others
+    on `threads - 1` workers started at the first batch that has more than one job.
+
+    `run` returns only once every job ended, also when one failed or the caller was interrupted (jobs not
+    started are then cancelled): no thread writes into a destination after `run` returned or raised.
+    """
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"`read_threads` must be at least 1, got {threads}")
+        self.threads = threads
+        self._executor: ThreadPoolExecutor | None = None
+
+    def run(self, fd: int, jobs: list[ReadJob]) -> list[JobResult]:
+        """`preadv_job(fd, job)` of every job, in job order.
+
+        Raises:
+            OSError: the first failed read, after every job ended.
+        """
+        if len(jobs) <= 1 or self.threads == 1:
+            return [preadv_job(fd, job) for job in jobs]
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self.threads - 1, thread_name_prefix="runnerkit-pread")
+        futures = [self._executor.submit(preadv_job, fd, job) for job in jobs[1:]]
+        try:
+            first = preadv_job(fd, jobs[0])
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            try:
+                _settle(futures)
+            except BaseException:  # noqa: BLE001  a second interrupt while settling: the first one goes on
+                pass
+            raise
+        _settle(futures)
+        return [first, *(future.result() for future in futures)]
+
+    def close(self) -> None:
+        """Stop the workers (after the jobs they run); a later `run` starts them again."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

@@ -24,7 +24,7 @@ from runnerkit.offload import resident_read
 from runnerkit.offload.disk import SafetensorsDiskReader
 from runnerkit.offload.layout import StreamSpec, dequantize_fp8_e4m3, plan_units, resident_names, split_resident
 from runnerkit.offload.pinned import pinning_disabled_by_env
-from runnerkit.offload.pread_jobs import read_threads
+from runnerkit.offload.pread_jobs import resolve_read_threads
 from runnerkit.offload.resident_read import read_resident_batches
 from runnerkit.offload.sources import DiskSource, HostSource, check_handover
 from runnerkit.offload.streamer import BlockStreamer
@@ -135,7 +135,7 @@ def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cf
     assert files is not None, "storage disk needs the checkpoint files"
     key_map = dict(key_map or {n: n for n in expected})
     reader = SafetensorsDiskReader(files, reader=cfg.reader,  # checks the files (CheckpointError)
-                                   read_threads=read_threads(cfg.read_threads) if cfg.reader == "pread" else 1)
+                                   read_threads=resolve_read_threads(cfg.read_threads) if cfg.reader == "pread" else 1)
     if cfg.reader == "pread":
         keep, why = page_cache_kept(files, cfg.page_cache)
         reader.drop_pages = reader.drop_pages and not keep
@@ -261,5 +261,6 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
     logger.info("{}: {} streaming of {} units from {}, {} of {} units resident (offload.resident_blocks={}; "
                 "host memory pinned: {}, slots={}, prefetch={}, reader={})", component, cfg.mode, len(units),
                 cfg.storage, len(kept), len(planned), cfg.resident_blocks, source.pinned, streamer.num_slots,
-                cfg.prefetch_depth, cfg.reader if cfg.storage == "disk" else "-")
+                cfg.prefetch_depth, "-" if reader is None else
+                f"pread, {reader.read_threads} read threads" if cfg.reader == "pread" else cfg.reader)
     return streamer

@@ -13,19 +13,17 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from runnerkit.config import OffloadConfig, RunnerConfig
+from runnerkit.config import PREAD_KEYS, OffloadConfig, RunnerConfig
 from runnerkit.memory import MemoryLimit
 from runnerkit.planning.fit import GIB, HostEstimate, MemoryEstimate, PeakEstimate, host_bytes_of, peak_of
 from runnerkit.runners.pipeline import Shape
 from runnerkit.planning.compute import ComputeModel
 
-__all__ = ["MATCH_KEYS", "PREAD_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "PassesFn", "SupportedFn",
+__all__ = ["MATCH_KEYS", "Candidate", "EstimateFn", "Evaluation", "MemoryPlan", "PassesFn", "SupportedFn",
            "candidate_name", "constrain", "evaluate", "explicit_keys", "ladder", "measure", "verdict"]
 
 #: Explicit keys a ladder candidate must match where it sets them (else the candidate is left out).
 MATCH_KEYS = ("storage", "lazy_load", "weight_dtype")
-#: Explicit keys that set how the pread rungs read (storage disk, reader pread); the other rungs ignore them.
-PREAD_KEYS = ("page_cache", "read_threads")
 
 #: (estimate of a shape under a concrete offload config) -> MemoryEstimate; raises what estimate_memory raises.
 EstimateFn = Callable[[OffloadConfig, Shape], MemoryEstimate]

@@ -20,6 +20,7 @@ from runnerkit.offload.disk import SafetensorsDiskReader
 from runnerkit.offload.pread_jobs import ReadJob, preadv_job, split_jobs
 from runnerkit.planning.ladder import Candidate, constrain
 from runnerkit.weights import CheckpointError
+from test_cases._logs import logged
 from test_cases.offload import _rss_driver
 
 
@@ -135,7 +136,7 @@ def test_threads_read_the_same_bytes_at_once(tmp_path: Path, monkeypatch: pytest
     else:
         assert sorted(sizes[:4]) == [132, 5_372, 5_506, 5_506]
     reader.close()
-    assert reader._pool is None
+    assert reader._pool._executor is None
 
 
 def test_a_cut_file_names_the_tensor_a_job_stopped_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,25 +190,92 @@ def test_a_failed_job_is_raised_after_every_other_job_ended(tmp_path: Path, monk
     reader.close()
 
 
-@pytest.mark.parametrize("cpus, want", [(16, 4), (2, 2), (1, 1)])
-def test_auto_takes_four_threads_or_the_cpus_the_process_may_use(monkeypatch: pytest.MonkeyPatch, cpus: int,
-                                                                 want: int) -> None:
+@pytest.mark.parametrize("cpus, quota, want", [(16, "max 100000", 4), (2, None, 2), (1, None, 1),
+                                               (16, "250000 100000", 3), (16, "50000 100000", 1)])
+def test_auto_takes_four_threads_or_the_cpus_the_process_may_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 cpus: int, quota: str | None, want: int) -> None:
+    """auto: 4, or fewer CPUs in the affinity mask, or a cgroup v2 CPU quota (2.5 CPUs: 3 threads); an int as is."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
-    assert pread_jobs.read_threads("auto") == want and pread_jobs.read_threads(7) == 7
+    cpu_max = tmp_path / "cpu.max"
+    if quota is not None:
+        cpu_max.write_text(quota + "\n")
+    monkeypatch.setattr(pread_jobs._cgroup_cpus, "__defaults__", (cpu_max,))
+    assert pread_jobs.resolve_read_threads("auto") == want and pread_jobs.resolve_read_threads(7) == 7
+
+
+@pytest.mark.parametrize("where", ["caller's job", "wait"])
+def test_an_interrupt_returns_only_once_no_thread_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         where: str) -> None:
+    """Ctrl-C in the calling thread's own job (and again while it then waits), or while it waits for the workers:
+    the interrupt surfaces only after the running jobs wrote their bytes (none writes afterwards), and the job
+    queued behind the two workers is cancelled. Four jobs: the runs attn.0 | norm.0 attn.1 | norm.1 attn.2 | norm.2
+    (the ff tensors between them not read, max_gap 0)."""
+    path, _ = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
+    reader.max_gap = 0
+    first = reader.index["blocks.0.attn.weight"].offset
+    real, started, done = os.preadv, [], []
+
+    def slow_workers(fd: int, views: list[memoryview], offset: int) -> int:
+        started.append(offset)
+        if offset == first:
+            time.sleep(0.05)  # the workers have taken their jobs
+            if where == "caller's job":
+                raise KeyboardInterrupt("in the caller's job")
+            return real(fd, views, offset)
+        time.sleep(0.3)
+        n = real(fd, views, offset)
+        done.append(offset)
+        return n
+
+    monkeypatch.setattr(os, "preadv", slow_workers)
+    real_wait, waits = pread_jobs.wait, []
+
+    def interrupted_wait(futures: list) -> object:  # a Ctrl-C lands in the first wait
+        waits.append(len(futures))
+        if len(waits) == 1:
+            raise KeyboardInterrupt("while waiting")
+        return real_wait(futures)
+
+    monkeypatch.setattr(pread_jobs, "wait", interrupted_wait)
+    names = [f"blocks.{b}.{k}" for b in range(3) for k in ("attn.weight", "norm.weight")]
+    with pytest.raises(KeyboardInterrupt, match="in the caller's job" if where == "caller's job" else "while waiting"):
+        _read(reader, names)
+    assert len(waits) == 2 and len(started) == 3 and len(done) == 2  # the fourth job never started
+    time.sleep(0.5)
+    assert len(started) == 3 and len(done) == 2  # nothing ran after the raise
+    reader.close()
+
+
+def test_a_batch_of_zero_size_tensors_reads_nothing(tmp_path: Path) -> None:
+    """A file whose part of a batch holds only empty tensors has no job (no read), with any thread count."""
+    path = tmp_path / "empty.safetensors"
+    save_file({"a": torch.zeros(0), "b": torch.ones(10)}, str(path))
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=2)
+    assert reader.load_tensors(["a"])["a"].shape == (0,) and reader.read_calls == 0
+    assert torch.equal(reader.load_tensors(["a", "b"])["b"], torch.ones(10))
+    reader.close()
 
 
 def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An explicit count, auto (3 CPUs here: 3 threads) and the mmap reader (one thread)."""
+    """An explicit count, auto (3 CPUs here: 3 threads) and the mmap reader (one thread); the streaming log line says
+    how many threads read."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    monkeypatch.setattr(pread_jobs._cgroup_cpus, "__defaults__", (tmp_path / "no-cpu.max",))
     checkpoint = tmp_path / "wide.safetensors"
     _rss_driver.write_checkpoint(checkpoint, 4)
-    for reader, threads, want in (("pread", 5, 5), ("pread", None, 3), ("mmap", None, 1)):
-        streamer, _ = _rss_driver.stream([checkpoint], reader, gpu_slots=2, steps=1, num_blocks=4,
-                                         read_threads=threads)
+    for reader, threads, want, said in (("pread", 5, 5, "reader=pread, 5 read threads)"),
+                                        ("pread", None, 3, "reader=pread, 3 read threads)"),
+                                        ("mmap", None, 1, "reader=mmap)")):
+        with logged() as lines:
+            streamer, _ = _rss_driver.stream([checkpoint], reader, gpu_slots=2, steps=1, num_blocks=4,
+                                             read_threads=threads)
         try:
             assert streamer.source.reader.read_threads == want  # type: ignore[attr-defined]
         finally:
             streamer.close()  # type: ignore[attr-defined]
+        assert [line for line in lines if "streaming of" in line][0].endswith(said)
 
 
 @pytest.mark.parametrize("keys, message", [
@@ -217,11 +285,10 @@ def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path, mon
     ({"mode": "block", "read_threads": 4}, r"`offload.read_threads`=4 applies to .* \(got storage='cpu'"),
     ({"mode": "model", "read_threads": 2}, r"`offload.read_threads` has no effect with `offload.mode`='model'"),
     ({"mode": "auto", "storage": "cpu", "read_threads": 2}, r"`offload.read_threads`=2 applies to "
-     r"`offload.storage`='disk' with `offload.reader`='pread' only; the config sets storage='cpu', reader='mmap'"),
-    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": 0}, "must be 'auto' or an int from 1 to 64"),
-    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": 65}, "must be 'auto' or an int from 1 to 64"),
-    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": "4"}, "must be 'auto' or an int from 1 to 64"),
-    ({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": True}, "must be 'auto' or an int from 1 to 64"),
+     r"`offload.storage`='disk' with `offload.reader`='pread' only \(allowed there: 'auto' or an int from 1 to "
+     r"64\); the config sets storage='cpu' \[type"),
+    *[({"mode": "block", "storage": "disk", "reader": "pread", "read_threads": value},
+       "must be 'auto' or an int from 1 to 64") for value in (0, 65, "4", True)],
 ], ids=["reader-mmap", "storage-cpu", "model", "auto-storage-cpu", "zero", "too-many", "string", "bool"])
 def test_read_threads_outside_pread_streaming_or_out_of_range_are_refused(keys: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message) as refused:
