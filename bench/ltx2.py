@@ -78,11 +78,13 @@ def worker(args: argparse.Namespace) -> None:
     h, w, f = shapes[0]
     compile_cfg: dict[str, Any] = {}
     if "compile" in arm:
+        # one cache folder per compile setting: the deterministic pair never empties the other pair's cache
+        cache = args.compile_cache + ("_deterministic" if arm["compile"].get("deterministic") else "")
         if arm.get("fresh_cache"):
-            shutil.rmtree(args.compile_cache, ignore_errors=True)
+            shutil.rmtree(cache, ignore_errors=True)
         compile_cfg = {**arm["compile"], "backend": args.compile_backend}
         if args.compile_backend == "inductor":  # the only backend with artifacts to cache
-            compile_cfg["cache_dir"] = args.compile_cache
+            compile_cfg["cache_dir"] = cache
     config = RunnerConfig(model_cls="ltx2", task="t2av", model_path=args.ckpt, dtype=args.dtype, device=args.device,
                           enable_cfg=False, target_height=h, target_width=w, target_video_length=f, fps=24,
                           warmup=arm["warmup"], offload=arm["offload"], compile=compile_cfg)
@@ -145,7 +147,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run with a tiny checkpoint")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--compile_cache", default=str(Path(tempfile.gettempdir()) / "runnerkit_bench_ltx2_compile"),
-                   help="compile.cache_dir of the compiled arms (emptied by `compiled`, reused by `compiled_cached`)")
+                   help="compile.cache_dir of the compiled arms (emptied by `compiled`, reused by `compiled_cached`; "
+                   "the deterministic pair uses this path + '_deterministic')")
     p.add_argument("--compile_backend", default="inductor", help="eager: a CPU smoke run of the compiled arms")
     add_worker_flags(p, ARMS)
     args = p.parse_args()

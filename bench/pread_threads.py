@@ -1,19 +1,21 @@
 """The pread reader's throughput per `read_threads`: streamed units read from a safetensors file into one
 staging buffer (pinned where CUDA is there), from the page cache (`--page_cache keep`: the file's pages
-stay cached, as `offload.page_cache` keep/auto leaves them) or from the disk (`drop`: every read's pages
-dropped after it, so every pass reads the disk).
+stay cached, as `offload.page_cache` keep/auto leaves them) or from the disk (`drop`: the file's pages are
+dropped before each pass and every read's pages after it, so every pass reads the disk).
 
     python3 bench/pread_threads.py --dir /tmp/pread --gib 8 --threads 1 2 4 8 --out $OUT/pread_threads
 
-Writes `<dir>/units.safetensors` (float8-sized bytes: uint8 tensors, `--units` units of six tensors each),
-then per thread count `--passes` passes over every unit (the first pass of `keep` also fills the page
-cache, so it is reported apart), and prints a table: GB/s per pass, median [min-max] of the later passes.
+Writes `<dir>/units_<gib>g_<units>.safetensors` once (uint8 tensors, `--units` units of six tensors each; the
+name carries the sizes, so another size writes another file), syncs it to the disk, then per thread count
+`--passes` passes over every unit, and prints a table: GB/s of each pass, median [min-max]. With `keep` the
+file is in the page cache from its write (unless the host evicted it: then the first pass reads the disk).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -55,11 +57,12 @@ def main() -> None:
     args = p.parse_args()
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "units.safetensors"
+    path = folder / f"units_{args.gib:g}g_{args.units}.safetensors"
     unit_bytes = int(args.gib * 2**30) // args.units
     if not path.is_file():
         t0 = time.perf_counter()
         write(path, args.units, unit_bytes)
+        os.sync()  # written back: dropping the pages then really empties the cache
         print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s", flush=True)
     pinned = torch.cuda.is_available()
     rows, raw = [], {}
@@ -71,6 +74,10 @@ def main() -> None:
         staging = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         rates = []
         for _ in range(args.passes):
+            if args.page_cache == "drop":
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
             t0, total = time.perf_counter(), 0
             for unit in names:
                 at, reads = 0, []
@@ -82,12 +89,11 @@ def main() -> None:
                 total += at
             rates.append(total / (time.perf_counter() - t0) / 1e9)
         reader.close()
-        later = rates[1:] if args.page_cache == "keep" and len(rates) > 1 else rates
         raw[threads] = rates
-        rows.append([threads, f"{rates[0]:.2f}", f"{statistics.median(later):.2f} [{min(later):.2f}-{max(later):.2f}]",
+        rows.append([threads, f"{statistics.median(rates):.2f} [{min(rates):.2f}-{max(rates):.2f}]",
                      " ".join(f"{r:.2f}" for r in rates)])
         print(f"read_threads {threads}: GB/s per pass {[round(r, 2) for r in rates]}", flush=True)
-    header = ["read_threads", "first pass GB/s", "GB/s (median [min-max] of the later passes)", "every pass"]
+    header = ["read_threads", f"GB/s, median [min-max] of {args.passes} passes ({args.page_cache})", "every pass"]
     table = markdown_table(header, rows)
     print(table)
     if args.out:

@@ -13,8 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["PREAD_KEYS", "CompileConfig", "LoRAConfig", "LoRARequest", "MemoryConfig", "OffloadConfig", "ParallelConfig",
-           "PromptEnhancerConfig", "StrictModel", "SyntheticCheckpointConfig", "lora_flag_fields", "parse_lora_flag"]
+__all__ = ["PREAD_KEYS", "CompileConfig", "LoRAConfig", "LoRARequest", "MemoryConfig", "OffloadConfig",
+           "ParallelConfig", "PromptEnhancerConfig", "StrictModel", "SyntheticCheckpointConfig", "lora_flag_fields",
+           "parse_lora_flag"]
 
 
 PREAD_KEYS = ("page_cache", "read_threads")
@@ -146,8 +147,8 @@ class OffloadConfig(StrictModel):
         if pread_only and not (self.storage == "disk" and self.reader == "pread"):
             allowed = _PREAD_ALLOWED[pread_only[0]]
             raise ValueError(f"`offload.{pread_only[0]}`={getattr(self, pread_only[0])!r} applies to "
-                             f"`offload.storage`='disk' with `offload.reader`='pread' only (got storage={self.storage!r}, "
-                             f"reader={self.reader!r}); allowed there: {allowed}")
+                             "`offload.storage`='disk' with `offload.reader`='pread' only (got "
+                             f"storage={self.storage!r}, reader={self.reader!r}); allowed there: {allowed}")
         if self.prefetch_depth >= self.gpu_slots:
             raise ValueError(f"`offload.prefetch_depth` ({self.prefetch_depth}) must be < `offload.gpu_slots` "
                              f"({self.gpu_slots}): a slot is needed for the unit computing now")
@@ -183,9 +184,9 @@ class CompileConfig(StrictModel):
     deterministic: bool = Field(
         False, description="Inductor's deterministic mode (torch >= 2.10, CUDA): no on-device benchmarking that "
         "changes numerics (the reduction kernels' block sizes and warps, matmul padding, template autotuning), so "
-        "two processes (a fresh compile, a saved compile cache) give bit-identical outputs. Without it inductor "
-        "picks some reduction configurations by timing, and outputs of the same seed can differ in the last bits "
-        "between processes. Costs some speed (measured in bench/results). Inductor backend only.")
+        "that two processes (a fresh compile, a saved compile cache) are expected to give bit-identical outputs. "
+        "Without it inductor picks some reduction configurations by timing, and the outputs of a seed can differ in "
+        "the last bits between processes. Expected to cost some speed (docs/compile.md). Inductor backend only.")
     dynamic: bool = Field(False, description="false: torch's automatic dynamic shapes (a dimension that changes "
                           "between calls becomes dynamic at its first recompile); true: dynamic from the first compile.")
     backend: Literal["inductor", "aot_eager", "eager"] = Field(

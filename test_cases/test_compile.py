@@ -127,17 +127,16 @@ def test_unsupported_combinations_are_refused_with_the_reason(tiny_ckpt: Path, o
 
 
 
-@pytest.mark.parametrize("compile_cfg, field", [({"backend": "eager"}, "compile.backend"),
-                                                ({"coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning"),
-                                                ({"enabled": True, "backend": "eager", "mode": "max-autotune"},
-                                                 "compile.mode"),
-                                                ({"enabled": True, "backend": "aot_eager",
-                                                  "coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning"),
-                                                ({"enabled": True, "mode": "max-autotune-no-cudagraphs",
-                                                  "coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning"),
-                                                ({"deterministic": True}, "compile.deterministic"),
-                                                ({"enabled": True, "backend": "eager", "deterministic": True},
-                                                 "compile.deterministic")])
+@pytest.mark.parametrize("compile_cfg, field", [
+    ({"backend": "eager"}, "compile.backend"),
+    ({"coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning"),
+    ({"enabled": True, "backend": "eager", "mode": "max-autotune"}, "compile.mode"),
+    ({"enabled": True, "backend": "aot_eager", "coordinate_descent_tuning": True}, "compile.coordinate_descent_tuning"),
+    ({"enabled": True, "mode": "max-autotune-no-cudagraphs", "coordinate_descent_tuning": True},
+     "compile.coordinate_descent_tuning"),
+    ({"deterministic": True}, "compile.deterministic"),
+    ({"enabled": True, "backend": "eager", "deterministic": True}, "compile.deterministic"),
+])
 def test_compile_settings_that_do_nothing_are_refused(tiny_ckpt: Path, compile_cfg: dict[str, Any], field: str) -> None:
     from runnerkit.config import ConfigError
 

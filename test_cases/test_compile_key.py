@@ -21,8 +21,9 @@ from test_cases.runners.two_stage import TwoStageImageRunner, config_dict
 #: What the key must cover, by field name (README "Compile cache"). A field added to
 #: `cache_fields` without a case below fails `test_every_key_field_has_a_case`.
 FIELDS = {"format", "torch", "cuda", "triton", "python", "device", "runner", "runnerkit sources", "model", "dtype",
-          "compile.mode", "compile.coordinate_descent_tuning", "compile.deterministic", "compile.dynamic", "compile.backend", "attention", "offload.mode", "offload.weight_dtype",
-          "text_buckets", "lora", "compute_dtype", "parallel.ulysses"}
+          "compile.mode", "compile.coordinate_descent_tuning", "compile.deterministic", "compile.dynamic",
+          "compile.backend", "attention", "offload.mode", "offload.weight_dtype", "text_buckets", "lora",
+          "compute_dtype", "parallel.ulysses"}
 
 
 class OtherRunner:

@@ -17,7 +17,8 @@ whose estimate fits every shape the run will serve, on the device and on the hos
 when that is only the transformers. Offload keys the user set explicitly constrain the ladder
 (`constrain`): a key the ladder sets (storage, lazy_load, weight_dtype) must match; reader and
 stream_modules replace the ladder's; page_cache and read_threads go to the pread rungs only; the rest are
-added; a candidate the result is not a valid concrete config for (e.g. `gpu_slots` with mode none) is left out, with the validator's reason.
+added; a candidate the result is not a valid concrete config for (e.g. `gpu_slots` with mode none) is left out,
+with the validator's reason.
 
 On the CPU the device is the host and offload cannot lower the peak: the first allowed candidate
 (resident, unless explicit keys exclude it) is taken if it fits. Nothing fits: `MemoryFitError`
