@@ -22,6 +22,7 @@ from runnerkit.planning.ladder import Candidate, constrain
 from runnerkit.weights import CheckpointError
 from test_cases._logs import logged
 from test_cases.offload import _rss_driver
+from test_cases.offload.test_disk_coalesce import _read_unit as _read
 
 
 def _runs(lengths: list[list[int]], gap_at: set[tuple[int, int]]) -> tuple[list, bytes, list[bytearray]]:
@@ -92,12 +93,6 @@ def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     path = tmp_path / "model.safetensors"
     save_file(sd, str(path))
     return path, sd
-
-
-def _read(reader: SafetensorsDiskReader, names: list[str]) -> dict[str, torch.Tensor]:
-    dsts = [(n, torch.full((reader.index[n].nbytes,), 0xAB, dtype=torch.uint8)) for n in names]
-    reader.read_many(dsts)
-    return {n: d.view(torch.float32) for n, d in dsts}
 
 
 @pytest.mark.parametrize("keys, jobs", [(("attn.weight", "ff.weight", "norm.weight"), 3),
