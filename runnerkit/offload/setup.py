@@ -261,6 +261,12 @@ def stream_module(model: nn.Module, spec: StreamSpec, cfg: OffloadConfig, device
     logger.info("{}: {} streaming of {} units from {}, {} of {} units resident (offload.resident_blocks={}; "
                 "host memory pinned: {}, slots={}, prefetch={}, reader={})", component, cfg.mode, len(units),
                 cfg.storage, len(kept), len(planned), cfg.resident_blocks, source.pinned, streamer.num_slots,
-                cfg.prefetch_depth, "-" if reader is None else
-                f"pread, {reader.read_threads} read threads" if cfg.reader == "pread" else cfg.reader)
+                cfg.prefetch_depth, _reader_name(reader))
     return streamer
+
+
+def _reader_name(reader: SafetensorsDiskReader | None) -> str:
+    """How a streamer reads, for its log line: '-' (host memory), 'mmap', 'pread, N read threads'."""
+    if reader is None:
+        return "-"
+    return f"pread, {reader.read_threads} read threads" if reader.reader == "pread" else reader.reader
