@@ -50,7 +50,7 @@ def _cgroup_cpus(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
     "max", or no such file)."""
     try:
         quota, period = path.read_text().split()[:2]
-        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+        return None if quota == "max" or int(period) <= 0 else max(1, math.ceil(int(quota) / int(period)))
     except (OSError, ValueError):
         return None
 
@@ -122,20 +122,20 @@ def preadv_job(fd: int, job: ReadJob) -> JobResult:
     return calls, None
 
 
-def _settle(futures: list[Future[JobResult]]) -> None:
-    """Return once no job of `futures` runs: the ones not started are cancelled when anything interrupts, and an
-    interrupt that arrives while waiting (Ctrl-C, a SIGTERM handler's exception) is held until then and raised."""
+def _settle(futures: list[Future[JobResult]], cancel: bool) -> BaseException | None:
+    """Return once no job of `futures` runs (the ones not started cancelled first with `cancel`, or once anything
+    interrupts): an interrupt that arrives meanwhile (Ctrl-C, a SIGTERM handler's exception) is held and returned,
+    the first one if several, for the caller to raise once no thread writes into a destination."""
     held: BaseException | None = None
     while True:
         try:
+            if cancel:
+                for future in futures:
+                    future.cancel()
             wait(futures)
-            break
-        except BaseException as exc:  # noqa: BLE001  re-raised below, once no thread writes into a destination
-            held = held or exc
-            for future in futures:
-                future.cancel()
-    if held is not None:
-        raise held
+            return held
+        except BaseException as exc:  # noqa: BLE001  returned to the caller, raised there
+            held, cancel = held or exc, True
 
 
 class PreadPool:
@@ -160,20 +160,20 @@ class PreadPool:
         """
         if len(jobs) <= 1 or self.threads == 1:
             return [preadv_job(fd, job) for job in jobs]
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=self.threads - 1, thread_name_prefix="runnerkit-pread")
-        futures = [self._executor.submit(preadv_job, fd, job) for job in jobs[1:]]
-        try:
+        futures: list[Future[JobResult]] = []
+        try:  # every submission inside: an interrupt between two still settles the jobs already queued
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self.threads - 1,
+                                                    thread_name_prefix="runnerkit-pread")
+            for job in jobs[1:]:
+                futures.append(self._executor.submit(preadv_job, fd, job))
             first = preadv_job(fd, jobs[0])
         except BaseException:
-            for future in futures:
-                future.cancel()
-            try:
-                _settle(futures)
-            except BaseException:  # noqa: BLE001  a second interrupt while settling: the first one goes on
-                pass
+            _settle(futures, cancel=True)  # a second interrupt meanwhile is dropped: the first one goes on
             raise
-        _settle(futures)
+        held = _settle(futures, cancel=False)
+        if held is not None:
+            raise held
         return [first, *(future.result() for future in futures)]
 
     def close(self) -> None:

@@ -269,4 +269,5 @@ def _reader_name(reader: SafetensorsDiskReader | None) -> str:
     """How a streamer reads, for its log line: '-' (host memory), 'mmap', 'pread, N read threads'."""
     if reader is None:
         return "-"
-    return f"pread, {reader.read_threads} read threads" if reader.reader == "pread" else reader.reader
+    threads = reader.read_threads
+    return f"pread, {threads} read thread{'s' if threads > 1 else ''}" if reader.reader == "pread" else reader.reader

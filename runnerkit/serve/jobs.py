@@ -288,7 +288,7 @@ class JobQueue:
         done.sort(key=lambda j: (j is completing, j.completed_at or 0))
         orphans = [f for f in self._orphans if f.exists()]
         entries: list[tuple[Path, Job | None]] = [(f, None) for f in orphans] + [(j.folder, j) for j in done]
-        sizes = {folder: sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) for folder, _ in entries}
+        sizes = {folder: _folder_bytes(folder) for folder, _ in entries}
         total = sum(sizes.values())
         while len(entries) > 1 and ((self.keep_jobs is not None and len(entries) > self.keep_jobs)
                                     or (self.keep_bytes is not None and total > self.keep_bytes)):
@@ -299,6 +299,20 @@ class JobQueue:
             total -= sizes[folder]
             logger.info("retention: removed {} ({} bytes{})", folder.name, sizes[folder],
                         "" if job is not None else ", from an earlier run")
+
+
+def _folder_bytes(folder: Path) -> int:
+    """The bytes of the files under `folder`; a file or the folder removed meanwhile (a DELETE) counts 0."""
+    total = 0
+    try:
+        for f in folder.rglob("*"):
+            try:
+                total += f.stat().st_size if f.is_file() else 0
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return total
 
 
 class Worker(threading.Thread):
@@ -425,7 +439,11 @@ class Worker(threading.Thread):
                 shutil.rmtree(job.folder, ignore_errors=True)
             job.completed_at, job.error = time.time(), error
             if status == "completed":
-                self.queue.apply_retention(completing=job)  # before the status a client waits for
+                try:
+                    self.queue.apply_retention(completing=job)  # before the status a client waits for
+                except Exception as exc:  # noqa: BLE001  e.g. a folder deleted meanwhile: the job is done all the same
+                    logger.opt(exception=exc).warning("job {}: retention failed ({}): the job completes; the "
+                                                      "retention runs again when the next job ends", job.id, exc)
             if status is not None:
                 job.status = status
         finally:

@@ -8,6 +8,7 @@ import errno
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -186,7 +187,8 @@ def test_a_failed_job_is_raised_after_every_other_job_ended(tmp_path: Path, monk
 
 
 @pytest.mark.parametrize("cpus, quota, want", [(16, "max 100000", 4), (2, None, 2), (1, None, 1),
-                                               (16, "250000 100000", 3), (16, "50000 100000", 1)])
+                                               (16, "250000 100000", 3), (16, "50000 100000", 1),
+                                               (16, "100000 0", 4), (16, "abc def", 4), (16, "", 4)])
 def test_auto_takes_four_threads_or_the_cpus_the_process_may_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  cpus: int, quota: str | None, want: int) -> None:
     """auto: 4, or fewer CPUs in the affinity mask, or a cgroup v2 CPU quota (2.5 CPUs: 3 threads); an int as is."""
@@ -243,6 +245,40 @@ def test_an_interrupt_returns_only_once_no_thread_writes(tmp_path: Path, monkeyp
     reader.close()
 
 
+def test_an_interrupt_between_submissions_settles_the_jobs_already_queued(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the second job is being handed to the pool: the first queued job (on a worker, slowed) has
+    written its bytes when the interrupt surfaces, and nothing writes afterwards."""
+    path, _ = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
+    reader.max_gap = 1 << 20
+    real, done = os.preadv, []
+
+    def slow(fd: int, views: list[memoryview], offset: int) -> int:
+        time.sleep(0.2)
+        n = real(fd, views, offset)
+        done.append(offset)
+        return n
+
+    real_submit, submitted = ThreadPoolExecutor.submit, []
+
+    def interrupted_submit(self: ThreadPoolExecutor, *args: object) -> object:
+        submitted.append(1)
+        if len(submitted) == 2:
+            raise KeyboardInterrupt("while submitting")
+        return real_submit(self, *args)
+
+    monkeypatch.setattr(os, "preadv", slow)
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", interrupted_submit)
+    with pytest.raises(KeyboardInterrupt, match="while submitting"):
+        _read(reader, [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
+    assert len(done) == 1
+    time.sleep(0.4)
+    assert len(done) == 1
+    reader.close()
+
+
 def test_a_batch_of_zero_size_tensors_reads_nothing(tmp_path: Path) -> None:
     """A file whose part of a batch holds only empty tensors has no job (no read), with any thread count."""
     path = tmp_path / "empty.safetensors"
@@ -261,6 +297,7 @@ def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path, mon
     checkpoint = tmp_path / "wide.safetensors"
     _rss_driver.write_checkpoint(checkpoint, 4)
     for reader, threads, want, said in (("pread", 5, 5, "reader=pread, 5 read threads)"),
+                                        ("pread", 1, 1, "reader=pread, 1 read thread)"),
                                         ("pread", None, 3, "reader=pread, 3 read threads)"),
                                         ("mmap", None, 1, "reader=mmap)")):
         with logged() as lines:

@@ -98,6 +98,24 @@ def test_a_completing_job_pushes_out_the_oldest_before_its_status_is_seen(tmp_pa
     assert not a.folder.exists() and b.folder.exists() and c.folder.exists()
 
 
+def test_a_failing_retention_still_completes_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention raising before the status is set (a folder deleted meanwhile): the job still turns completed."""
+    queue = JobQueue(tmp_path, max_queue=4, keep_jobs=2, keep_bytes=None)
+    job = _finished(queue, "job_a", 10, 1.0)
+    job.status = "in_progress"
+    calls: list[object] = []
+
+    def failing(completing: object = None) -> None:
+        calls.append(completing)
+        if completing is not None:
+            raise FileNotFoundError("a folder deleted meanwhile")
+
+    monkeypatch.setattr(queue, "apply_retention", failing)
+    Worker._finish(SimpleNamespace(queue=queue, on_done=lambda j: None, runner=None),  # type: ignore[arg-type]
+                   job, "completed", None, None)
+    assert job.status == "completed" and calls == [job, None]
+
+
 def test_cancel_between_decoder_chunks_stops_the_decode_and_frees_its_cache(tiny_ckpt: Path) -> None:
     """An observer raising at the second VAE chunk stops the request there (not after the whole
     decode), the VAE's feature cache is released, and the next request is unaffected."""
