@@ -272,10 +272,11 @@ class JobQueue:
             if self.running is job:
                 self.running = None
 
-    def finish(self, job: Job) -> None:
-        """`job` ended (its final status is set): apply retention."""
+    def finish(self, job: Job, retained: bool = False) -> None:
+        """`job` ended (its final status is set): apply retention, unless `retained` (already applied for it)."""
         self.computed(job)
-        self.apply_retention()
+        if not retained:
+            self.apply_retention()
 
     def apply_retention(self, completing: Job | None = None) -> None:
         """Delete the oldest results (earlier runs' job folders first) beyond the limits; the newest
@@ -429,6 +430,7 @@ class Worker(threading.Thread):
         """The job's last fields, then (completed) the retention it causes, then its status (last: a client
         that sees it, reading without a lock, also sees the end time, profile and error, none of a failed or
         cancelled job's files, and no result the retention removed), then `on_done`."""
+        retained = False
         try:
             if prof is not None:
                 if job.resolved:
@@ -441,13 +443,14 @@ class Worker(threading.Thread):
             if status == "completed":
                 try:
                     self.queue.apply_retention(completing=job)  # before the status a client waits for
+                    retained = True
                 except Exception as exc:  # noqa: BLE001  e.g. a folder deleted meanwhile: the job is done all the same
                     logger.opt(exception=exc).warning("job {}: retention failed ({}): the job completes; the "
                                                       "retention runs again when the next job ends", job.id, exc)
             if status is not None:
                 job.status = status
         finally:
-            self.queue.finish(job)
+            self.queue.finish(job, retained)  # once per job: each pass sizes every kept result folder
             self.on_done(job)
 
 

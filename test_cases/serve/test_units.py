@@ -96,6 +96,12 @@ def test_a_completing_job_pushes_out_the_oldest_before_its_status_is_seen(tmp_pa
     assert seen == [("job_a", True, True, "in_progress")]  # expired first, then removed, before c's status
     assert (a.expired, b.expired, c.expired, c.status) == (True, False, False, "completed")
     assert not a.folder.exists() and b.folder.exists() and c.folder.exists()
+    scans = []
+    monkeypatch.setattr(jobs, "_folder_bytes", lambda folder: scans.append(folder.name) or 10)
+    d = _finished(queue, "job_d", 10, 4.0)
+    d.status = "in_progress"
+    Worker._finish(worker, d, "completed", None, None)  # type: ignore[arg-type]
+    assert sorted(scans) == ["job_b", "job_c", "job_d"] and b.expired  # one pass a job: each folder sized once
 
 
 def test_a_failing_retention_still_completes_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
