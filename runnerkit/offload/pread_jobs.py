@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,20 +123,57 @@ def preadv_job(fd: int, job: ReadJob) -> JobResult:
     return calls, None
 
 
-def _settle(futures: list[Future[JobResult]], cancel: bool) -> BaseException | None:
-    """Return once no job of `futures` runs (the ones not started cancelled first with `cancel`, or once anything
-    interrupts): an interrupt that arrives meanwhile (Ctrl-C, a SIGTERM handler's exception) is held and returned,
-    the first one if several, for the caller to raise once no thread writes into a destination."""
-    held: BaseException | None = None
-    while True:
+class _Batch:
+    """The jobs of one `PreadPool.run` handed to workers. A worker runs a job only if the batch is not cancelled
+    when the job starts, and counts it while it runs: that count, not the futures the submissions return (an
+    interrupt can land after a job was queued and before its future came back), says when no thread writes."""
+
+    def __init__(self, fd: int, jobs: list[ReadJob]) -> None:
+        self.fd, self.jobs = fd, jobs
+        self.results: list[JobResult | BaseException | None] = [None] * len(jobs)
+        self.cond = threading.Condition()
+        self.running = 0  # jobs started and not ended
+        self.ended = 0  # jobs run to their end or skipped
+        self.cancelled = False
+
+    def work(self, index: int) -> None:
+        """Run job `index` (on a worker) unless the batch was cancelled; its result or exception kept."""
+        with self.cond:
+            if self.cancelled:
+                self.ended += 1
+                self.cond.notify_all()
+                return
+            self.running += 1
         try:
-            if cancel:
-                for future in futures:
-                    future.cancel()
-            wait(futures)
-            return held
-        except BaseException as exc:  # noqa: BLE001  returned to the caller, raised there
-            held, cancel = held or exc, True
+            self.results[index] = preadv_job(self.fd, self.jobs[index])
+        except BaseException as exc:  # noqa: BLE001  raised by the caller once every job ended
+            self.results[index] = exc
+        finally:
+            with self.cond:
+                self.running -= 1
+                self.ended += 1
+                self.cond.notify_all()
+
+    def _wait(self, predicate: Callable[[], bool]) -> None:
+        """Wait (holding `cond`) until `predicate()` is true."""
+        self.cond.wait_for(predicate)
+
+    def settle(self, submitted: int, cancel: bool) -> BaseException | None:
+        """Return once `submitted` jobs ended, or (with `cancel`, or once anything interrupts) once the batch is
+        cancelled and no job runs: an interrupt that arrives meanwhile (Ctrl-C, a SIGTERM handler's exception) is
+        held and returned, the first one if several, for the caller to raise once no thread writes."""
+        held: BaseException | None = None
+        while True:
+            try:
+                with self.cond:
+                    if cancel:
+                        self.cancelled = True
+                        self._wait(lambda: self.running == 0)
+                    else:
+                        self._wait(lambda: self.ended >= submitted)
+                return held
+            except BaseException as exc:  # noqa: BLE001  returned to the caller, raised there
+                held, cancel = held or exc, True
 
 
 class PreadPool:
@@ -143,7 +181,7 @@ class PreadPool:
     on `threads - 1` workers started at the first batch that has more than one job.
 
     `run` returns only once every job ended, also when one failed or the caller was interrupted (jobs not
-    started are then cancelled): no thread writes into a destination after `run` returned or raised.
+    started are then skipped): no thread writes into a destination after `run` returned or raised.
     """
 
     def __init__(self, threads: int) -> None:
@@ -156,25 +194,28 @@ class PreadPool:
         """`preadv_job(fd, job)` of every job, in job order.
 
         Raises:
-            OSError: the first failed read, after every job ended.
+            OSError: the first failed read in job order, after every job ended.
         """
         if len(jobs) <= 1 or self.threads == 1:
             return [preadv_job(fd, job) for job in jobs]
-        futures: list[Future[JobResult]] = []
+        batch = _Batch(fd, jobs)
         try:  # every submission inside: an interrupt between two still settles the jobs already queued
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=self.threads - 1,
                                                     thread_name_prefix="runnerkit-pread")
-            for job in jobs[1:]:
-                futures.append(self._executor.submit(preadv_job, fd, job))
-            first = preadv_job(fd, jobs[0])
+            for index in range(1, len(jobs)):
+                self._executor.submit(batch.work, index)
+            batch.results[0] = preadv_job(fd, jobs[0])
         except BaseException:
-            _settle(futures, cancel=True)  # a second interrupt meanwhile is dropped: the first one goes on
+            batch.settle(0, cancel=True)  # a second interrupt meanwhile is dropped: the first one goes on
             raise
-        held = _settle(futures, cancel=False)
+        held = batch.settle(len(jobs) - 1, cancel=False)
         if held is not None:
             raise held
-        return [first, *(future.result() for future in futures)]
+        for result in batch.results:
+            if isinstance(result, BaseException):
+                raise result
+        return batch.results  # type: ignore[return-value]  every job ran: no None, no exception
 
     def close(self) -> None:
         """Stop the workers (after the jobs they run); a later `run` starts them again."""

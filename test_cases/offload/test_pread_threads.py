@@ -205,7 +205,7 @@ def test_an_interrupt_returns_only_once_no_thread_writes(tmp_path: Path, monkeyp
                                                          where: str) -> None:
     """Ctrl-C in the calling thread's own job, while it waits for the workers, or both (the first one surfaces):
     the interrupt surfaces only after the running jobs wrote their bytes (none writes afterwards), and the job
-    queued behind the two workers is cancelled. Four jobs: the runs attn.0 | norm.0 attn.1 | norm.1 attn.2 | norm.2
+    queued behind the two workers is skipped. Four jobs: the runs attn.0 | norm.0 attn.1 | norm.1 attn.2 | norm.2
     (the ff tensors between them not read, max_gap 0)."""
     path, _ = _checkpoint(tmp_path)
     monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
@@ -227,19 +227,21 @@ def test_an_interrupt_returns_only_once_no_thread_writes(tmp_path: Path, monkeyp
         return n
 
     monkeypatch.setattr(os, "preadv", slow_workers)
-    real_wait, waits = pread_jobs.wait, []
+    real_wait, waits = pread_jobs._Batch._wait, []
 
-    def interrupted_wait(futures: list) -> object:  # a Ctrl-C lands in the first wait
-        waits.append(len(futures))
+    def interrupted_wait(batch: pread_jobs._Batch, predicate: object) -> None:  # a Ctrl-C lands in the first wait
+        waits.append(batch.cancelled)
         if len(waits) == 1 and where != "caller's job":
             raise KeyboardInterrupt("while waiting")
-        return real_wait(futures)
+        real_wait(batch, predicate)
 
-    monkeypatch.setattr(pread_jobs, "wait", interrupted_wait)
+    monkeypatch.setattr(pread_jobs._Batch, "_wait", interrupted_wait)
     names = [f"blocks.{b}.{k}" for b in range(3) for k in ("attn.weight", "norm.weight")]
     with pytest.raises(KeyboardInterrupt, match="while waiting" if where == "wait" else "in the caller's job"):
         _read(reader, names)
-    assert len(waits) == (1 if where == "caller's job" else 2) and len(started) == 3 and len(done) == 2  # no 4th job
+    # `waits`: whether the batch was cancelled at each wait; after an interrupt the wait is repeated cancelling
+    assert waits == {"caller's job": [True], "wait": [False, True], "both": [True, True]}[where]
+    assert len(started) == 3 and len(done) == 2  # the 4th job, queued behind the two workers, did not run
     time.sleep(0.5)
     assert len(started) == 3 and len(done) == 2  # nothing ran after the raise
     reader.close()
@@ -276,6 +278,43 @@ def test_an_interrupt_between_submissions_settles_the_jobs_already_queued(tmp_pa
     assert len(done) == 1
     time.sleep(0.4)
     assert len(done) == 1
+    reader.close()
+
+
+def test_an_interrupt_after_a_job_was_queued_still_waits_for_it(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C inside the second submission after its job was queued (the submission's future never comes back;
+    an interrupt inside the pool's thread start does this): that job either has written its bytes when the
+    interrupt surfaces or never runs; nothing writes afterwards."""
+    path, _ = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
+    reader.max_gap = 1 << 20
+    real, done = os.preadv, []
+
+    def slow(fd: int, views: list[memoryview], offset: int) -> int:
+        time.sleep(0.2)
+        n = real(fd, views, offset)
+        done.append(offset)
+        return n
+
+    real_submit, submitted = ThreadPoolExecutor.submit, []
+
+    def queued_then_interrupted(self: ThreadPoolExecutor, *args: object) -> object:
+        future = real_submit(self, *args)
+        submitted.append(future)
+        if len(submitted) == 2:
+            time.sleep(0.05)  # both workers have taken their jobs
+            raise KeyboardInterrupt("after queueing")
+        return future
+
+    monkeypatch.setattr(os, "preadv", slow)
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", queued_then_interrupted)
+    with pytest.raises(KeyboardInterrupt, match="after queueing"):
+        _read(reader, [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
+    assert len(done) == 2  # both workers' jobs wrote before the raise; the caller's own job never started
+    time.sleep(0.4)
+    assert len(done) == 2
     reader.close()
 
 
