@@ -29,6 +29,7 @@ import asyncio
 import base64
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -418,10 +419,15 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
             return error(409, f"job {job_id} is {job.status}; its content exists once it is completed")
         if job.status != "completed":
             return error(409, f"job {job_id} is {job.status}: it has no content")
-        if job.expired or not job.result_path.is_file():
-            return error(410, f"the files of job {job_id} were removed by the retention limit")
-        return FileResponse(job.result_path, media_type="image/png" if kind == "image" else "video/mp4",
-                            filename=f"{job_id}{job.result_path.suffix}")
+        gone = f"the files of job {job_id} were removed by the retention limit"
+        if not state.queue.open_content(job):
+            return error(410, gone)
+        if not job.result_path.is_file():
+            state.queue.close_content(job)
+            return error(410, gone)
+        return _HeldFileResponse(job.result_path, media_type="image/png" if kind == "image" else "video/mp4",
+                                 filename=f"{job_id}{job.result_path.suffix}",
+                                 release=lambda: state.queue.close_content(job))
 
     def delete(job_id: str) -> Any:
         """A finished job: forgotten, its files deleted (`{id, object: "video.deleted", deleted: true}`, as
@@ -448,6 +454,21 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
     app.add_api_route(f"/v1/{plural}/{{job_id}}", get_job, methods=["GET"])
     app.add_api_route(f"/v1/{plural}/{{job_id}}/content", content, methods=["GET"])
     app.add_api_route(f"/v1/{plural}/{{job_id}}", delete, methods=["DELETE"])
+
+
+class _HeldFileResponse(FileResponse):
+    """A `FileResponse` that calls `release` once it was sent, failed or was cancelled (a client gone): the job
+    queue removes a result's folder only after the downloads under way ended (`JobQueue.open_content`)."""
+
+    def __init__(self, *args: Any, release: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def _remove(folder: Path) -> None:

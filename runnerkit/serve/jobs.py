@@ -149,7 +149,8 @@ class JobQueue:
     Retention: after a job ends, the oldest results are deleted while more than `keep_jobs`
     results are kept, or they exceed `keep_bytes` (None: no limit), job folders left in the output
     folder by earlier runs first; the newest result is always kept. Records of deleted results
-    stay, marked `expired`.
+    stay, marked `expired`. A result being downloaded (`open_content`) is removed (by retention or
+    DELETE) once its last download ends: no new download starts, the running ones finish.
     """
 
     def __init__(self, output_dir: Path, max_queue: int, keep_jobs: int | None, keep_bytes: int | None) -> None:
@@ -165,6 +166,8 @@ class JobQueue:
         #: Why a running job cannot be cancelled (None: it can; `parallel` sets it, docs/multi_gpu.md).
         self.running_cancel_refused: str | None = None
         self.running: Job | None = None
+        self._readers: dict[Path, int] = {}  # a job folder: the downloads of its result under way
+        self._doomed: set[Path] = set()  # folders removed (retention, DELETE) while downloaded: deleted by the last
         # Job folders of earlier runs in the same output folder: counted (and removed first) by retention.
         self._orphans = sorted((f for f in output_dir.glob("job_*") if f.is_dir()), key=lambda f: f.stat().st_mtime)
 
@@ -246,8 +249,40 @@ class JobQueue:
             if job is None or job.status not in FINAL:
                 return False
             del self.jobs[job_id]
-        shutil.rmtree(job.folder, ignore_errors=True)
+            busy = self._defer_if_read(job.folder)
+        if not busy:
+            shutil.rmtree(job.folder, ignore_errors=True)
         return True
+
+    def open_content(self, job: Job) -> bool:
+        """A download of `job`'s result starts: False if the result is gone (expired, or the job deleted);
+        otherwise its folder stays until the matching `close_content`."""
+        with self._lock:
+            if job.expired or self.jobs.get(job.id) is not job:
+                return False
+            self._readers[job.folder] = self._readers.get(job.folder, 0) + 1
+            return True
+
+    def close_content(self, job: Job) -> None:
+        """A download that `open_content` started ended (sent, failed or cancelled): the folder goes now if it
+        was removed meanwhile."""
+        with self._lock:
+            left = self._readers.pop(job.folder, 1) - 1
+            if left:
+                self._readers[job.folder] = left
+            doomed = not left and job.folder in self._doomed
+            if doomed:
+                self._doomed.discard(job.folder)
+        if doomed:
+            shutil.rmtree(job.folder, ignore_errors=True)
+            logger.info("{}: removed after its last download", job.folder.name)
+
+    def _defer_if_read(self, folder: Path) -> bool:
+        """(Holding the lock.) True if `folder` is being downloaded: its removal then waits for the last one."""
+        if self._readers.get(folder, 0) > 0:
+            self._doomed.add(folder)
+            return True
+        return False
 
     def close(self, cancel_running: bool) -> None:
         """Stop accepting; cancel every queued job, and the running one if `cancel_running`."""
@@ -294,12 +329,16 @@ class JobQueue:
         while len(entries) > 1 and ((self.keep_jobs is not None and len(entries) > self.keep_jobs)
                                     or (self.keep_bytes is not None and total > self.keep_bytes)):
             folder, job = entries.pop(0)
-            if job is not None:
-                job.expired = True  # first: its content is no longer offered while the files go
-            shutil.rmtree(folder, ignore_errors=True)
+            with self._lock:
+                if job is not None:
+                    job.expired = True  # first: its content is no longer offered while the files go
+                busy = self._defer_if_read(folder)
+            if not busy:
+                shutil.rmtree(folder, ignore_errors=True)
             total -= sizes[folder]
-            logger.info("retention: removed {} ({} bytes{})", folder.name, sizes[folder],
-                        "" if job is not None else ", from an earlier run")
+            logger.info("retention: removed {} ({} bytes{}{})", folder.name, sizes[folder],
+                        "" if job is not None else ", from an earlier run",
+                        ", its files once its downloads end" if busy else "")
 
 
 def _folder_bytes(folder: Path) -> int:
