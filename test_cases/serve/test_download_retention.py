@@ -100,3 +100,11 @@ def test_a_result_not_downloaded_is_removed_at_once(tmp_path: Path) -> None:
     _finished(queue, "job_b", 10, 2.0)
     queue.apply_retention()
     assert a.expired and not a.folder.exists() and _content(app, "job_a")[0] == 410
+
+
+def test_a_download_that_looked_the_job_up_before_a_delete_is_refused(tmp_path: Path) -> None:
+    """A DELETE between the content endpoint's lookup and its start: the download does not start (the folder goes)."""
+    _, queue = _kept(tmp_path)
+    a = queue.jobs["job_a"]
+    assert queue.delete("job_a") and not a.folder.exists()
+    assert not queue.open_content(a) and not queue._readers
