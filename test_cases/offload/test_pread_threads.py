@@ -247,10 +247,13 @@ def test_an_interrupt_returns_only_once_no_thread_writes(tmp_path: Path, monkeyp
     reader.close()
 
 
-def test_an_interrupt_between_submissions_settles_the_jobs_already_queued(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ctrl-C while the second job is being handed to the pool: the first queued job (on a worker, slowed) has
-    written its bytes when the interrupt surfaces, and nothing writes afterwards."""
+@pytest.mark.parametrize("when", ["before queueing", "after queueing"])
+def test_an_interrupt_in_a_submission_settles_the_jobs_already_queued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     when: str) -> None:
+    """Ctrl-C while the second of two worker jobs is handed to the pool, before it was queued or after (the
+    submission's future then never comes back, as with an interrupt inside the pool's thread start): each queued
+    job (slowed) has written its bytes when the interrupt surfaces, the caller's own job never started, and
+    nothing writes afterwards."""
     path, _ = _checkpoint(tmp_path)
     monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
     reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
@@ -267,54 +270,22 @@ def test_an_interrupt_between_submissions_settles_the_jobs_already_queued(tmp_pa
 
     def interrupted_submit(self: ThreadPoolExecutor, *args: object) -> object:
         submitted.append(1)
-        if len(submitted) == 2:
-            raise KeyboardInterrupt("while submitting")
-        return real_submit(self, *args)
-
-    monkeypatch.setattr(os, "preadv", slow)
-    monkeypatch.setattr(ThreadPoolExecutor, "submit", interrupted_submit)
-    with pytest.raises(KeyboardInterrupt, match="while submitting"):
-        _read(reader, [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
-    assert len(done) == 1
-    time.sleep(0.4)
-    assert len(done) == 1
-    reader.close()
-
-
-def test_an_interrupt_after_a_job_was_queued_still_waits_for_it(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ctrl-C inside the second submission after its job was queued (the submission's future never comes back;
-    an interrupt inside the pool's thread start does this): that job either has written its bytes when the
-    interrupt surfaces or never runs; nothing writes afterwards."""
-    path, _ = _checkpoint(tmp_path)
-    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
-    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
-    reader.max_gap = 1 << 20
-    real, done = os.preadv, []
-
-    def slow(fd: int, views: list[memoryview], offset: int) -> int:
-        time.sleep(0.2)
-        n = real(fd, views, offset)
-        done.append(offset)
-        return n
-
-    real_submit, submitted = ThreadPoolExecutor.submit, []
-
-    def queued_then_interrupted(self: ThreadPoolExecutor, *args: object) -> object:
+        if len(submitted) == 2 and when == "before queueing":
+            raise KeyboardInterrupt(when)
         future = real_submit(self, *args)
-        submitted.append(future)
         if len(submitted) == 2:
             time.sleep(0.05)  # both workers have taken their jobs
-            raise KeyboardInterrupt("after queueing")
+            raise KeyboardInterrupt(when)
         return future
 
     monkeypatch.setattr(os, "preadv", slow)
-    monkeypatch.setattr(ThreadPoolExecutor, "submit", queued_then_interrupted)
-    with pytest.raises(KeyboardInterrupt, match="after queueing"):
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", interrupted_submit)
+    with pytest.raises(KeyboardInterrupt, match=when):
         _read(reader, [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
-    assert len(done) == 2  # both workers' jobs wrote before the raise; the caller's own job never started
+    queued = 1 if when == "before queueing" else 2
+    assert len(done) == queued
     time.sleep(0.4)
-    assert len(done) == 2
+    assert len(done) == queued
     reader.close()
 
 
