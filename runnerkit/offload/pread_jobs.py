@@ -10,13 +10,14 @@ by its own `os.preadv` calls (`preadv_job`); a cold disk is read at a deeper que
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Empty, SimpleQueue
 
 from runnerkit.weights import TensorIndexEntry
 
@@ -124,101 +125,129 @@ def preadv_job(fd: int, job: ReadJob) -> JobResult:
 
 
 class _Batch:
-    """The jobs of one `PreadPool.run` handed to workers. A worker runs a job only if the batch is not cancelled
-    when the job starts, and counts it while it runs: that count, not the futures the submissions return (an
-    interrupt can land after a job was queued and before its future came back), says when no thread writes."""
+    """The jobs of one `PreadPool.run`, claimed one at a time (`claims`, an atomic counter) by the calling thread
+    and by the workers it was handed to. Each worker says which batch it is in a job of (`_Worker.busy`, set
+    before it claims and cleared after it stored the result) and leaves a token on `wake` when it clears it; a
+    job claimed once `cancelled` is set is skipped. The calling thread touches only C-level objects (the counter,
+    a `SimpleQueue`, attributes), never a Python lock: an interrupt landing anywhere in it leaves nothing held."""
 
     def __init__(self, fd: int, jobs: list[ReadJob]) -> None:
         self.fd, self.jobs = fd, jobs
-        self.results: list[JobResult | BaseException | None] = [None] * len(jobs)
-        self.cond = threading.Condition()
-        self.running = 0  # jobs started and not ended
-        self.ended = 0  # jobs run to their end or skipped
+        self.results: list[JobResult | Exception | None] = [None] * len(jobs)
+        self.claims = itertools.count()
         self.cancelled = False
+        self.wake: SimpleQueue[None] = SimpleQueue()
 
-    def work(self, index: int) -> None:
-        """Run job `index` (on a worker) unless the batch was cancelled; its result or exception kept."""
-        with self.cond:
-            if self.cancelled:
-                self.ended += 1
-                self.cond.notify_all()
-                return
-            self.running += 1
+    def drain(self, worker: _Worker | None = None) -> None:
+        """Claim and run jobs until none is left or the batch is cancelled; a failed read is kept as the job's
+        result and cancels the jobs not started. On the calling thread (`worker` None) an interrupt propagates."""
+        while True:
+            if worker is not None:
+                worker.busy = self
+            index = next(self.claims)
+            if index >= len(self.jobs) or self.cancelled:
+                break
+            try:
+                self.results[index] = preadv_job(self.fd, self.jobs[index])
+            except Exception as exc:  # noqa: BLE001  raised by the caller once no thread reads
+                self.results[index], self.cancelled = exc, True
+            if worker is not None:
+                worker.busy = None
+                self.wake.put(None)
+        if worker is not None:
+            worker.busy = None
+            self.wake.put(None)
+
+    def nap(self) -> None:
+        """Wait for a worker's token, at most 50 ms."""
         try:
-            self.results[index] = preadv_job(self.fd, self.jobs[index])
-        except BaseException as exc:  # noqa: BLE001  raised by the caller once every job ended
-            self.results[index] = exc
-        finally:
-            with self.cond:
-                self.running -= 1
-                self.ended += 1
-                self.cond.notify_all()
+            self.wake.get(timeout=0.05)
+        except Empty:
+            pass
 
-    def _wait(self, predicate: Callable[[], bool]) -> None:
-        """Wait (holding `cond`) until `predicate()` is true."""
-        self.cond.wait_for(predicate)
-
-    def settle(self, submitted: int, cancel: bool) -> BaseException | None:
-        """Return once `submitted` jobs ended, or (with `cancel`, or once anything interrupts) once the batch is
-        cancelled and no job runs: an interrupt that arrives meanwhile (Ctrl-C, a SIGTERM handler's exception) is
-        held and returned, the first one if several, for the caller to raise once no thread writes."""
+    def settle(self, workers: Sequence[_Worker]) -> BaseException | None:
+        """Return once no worker is in a job of this batch: an interrupt that arrives meanwhile (Ctrl-C, a SIGTERM
+        handler's exception) cancels the batch and is held and returned, the first one if several, for the
+        caller to raise once no thread writes."""
         held: BaseException | None = None
         while True:
             try:
-                with self.cond:
-                    if cancel:
-                        self.cancelled = True
-                        self._wait(lambda: self.running == 0)
-                    else:
-                        self._wait(lambda: self.ended >= submitted)
+                while any(w.busy is self for w in workers):
+                    self.nap()
                 return held
             except BaseException as exc:  # noqa: BLE001  returned to the caller, raised there
-                held, cancel = held or exc, True
+                held = held or exc
+                self.cancelled = True
+
+
+class _Worker(threading.Thread):
+    """A read thread: takes batches from the pool's inbox and drains them, until it takes None. A daemon (a worker
+    that an interrupt left unstarted never holds up the interpreter's exit)."""
+
+    def __init__(self, inbox: SimpleQueue[_Batch | None], index: int) -> None:
+        super().__init__(name=f"runnerkit-pread-{index}", daemon=True)
+        self.inbox = inbox
+        self.busy: _Batch | None = None
+
+    def run(self) -> None:
+        while (batch := self.inbox.get()) is not None:
+            batch.drain(self)
 
 
 class PreadPool:
-    """Runs a batch's jobs (`split_jobs`) on `threads` threads: the first job on the calling thread, the others
-    on `threads - 1` workers started at the first batch that has more than one job.
+    """Runs a batch's jobs (`split_jobs`) on `threads` threads: the calling thread and `threads - 1` workers
+    (started at the first batch that has more than one job) claim the jobs one at a time.
 
-    `run` returns only once every job ended, also when one failed or the caller was interrupted (jobs not
-    started are then skipped): no thread writes into a destination after `run` returned or raised.
+    `run` returns or raises only once no thread is in a job of the batch, also when a job failed or the caller
+    was interrupted (jobs not started are then skipped): no thread writes into a destination afterwards. A second
+    interrupt while the first is handled may return before that (by the time it takes a worker to end its job).
     """
 
     def __init__(self, threads: int) -> None:
         if threads < 1:
             raise ValueError(f"`read_threads` must be at least 1, got {threads}")
         self.threads = threads
-        self._executor: ThreadPoolExecutor | None = None
+        self._inbox: SimpleQueue[_Batch | None] = SimpleQueue()
+        self._workers: list[_Worker] = []
+
+    def _hand_off(self, batch: _Batch) -> None:
+        """Start the workers not running yet and give each the batch."""
+        while len(self._workers) < self.threads - 1:
+            worker = _Worker(self._inbox, len(self._workers))
+            self._workers.append(worker)  # first: a started worker is always one `settle` looks at
+            worker.start()
+        for _ in self._workers:
+            self._inbox.put(batch)
 
     def run(self, fd: int, jobs: list[ReadJob]) -> list[JobResult]:
         """`preadv_job(fd, job)` of every job, in job order.
 
         Raises:
-            OSError: the first failed read in job order, after every job ended.
+            OSError (or another exception of a job): the first failed read in job order, once no thread reads.
         """
         if len(jobs) <= 1 or self.threads == 1:
             return [preadv_job(fd, job) for job in jobs]
         batch = _Batch(fd, jobs)
-        try:  # every submission inside: an interrupt between two still settles the jobs already queued
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=self.threads - 1,
-                                                    thread_name_prefix="runnerkit-pread")
-            for index in range(1, len(jobs)):
-                self._executor.submit(batch.work, index)
-            batch.results[0] = preadv_job(fd, jobs[0])
+        try:  # the wait too: an interrupt as it starts is handled here
+            self._hand_off(batch)
+            batch.drain()
+            held = batch.settle(self._workers)
         except BaseException:
-            batch.settle(0, cancel=True)  # a second interrupt meanwhile is dropped: the first one goes on
+            batch.cancelled = True
+            batch.settle(self._workers)  # a second interrupt meanwhile is dropped: the first one goes on
             raise
-        held = batch.settle(len(jobs) - 1, cancel=False)
         if held is not None:
             raise held
-        for result in batch.results:
-            if isinstance(result, BaseException):
-                raise result
+        failed = next((r for r in batch.results if isinstance(r, Exception)), None)
+        if failed is not None:
+            raise failed
         return batch.results  # type: ignore[return-value]  every job ran: no None, no exception
 
     def close(self) -> None:
         """Stop the workers (after the jobs they run); a later `run` starts them again."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        workers, self._workers = self._workers, []
+        for _ in workers:
+            self._inbox.put(None)
+        for worker in workers:
+            if worker.is_alive():  # (not one whose start an interrupt cut short)
+                worker.join()

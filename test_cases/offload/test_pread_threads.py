@@ -5,11 +5,14 @@ names its tensor, and a failed job is raised only once every other job has ended
 from __future__ import annotations
 
 import errno
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -132,7 +135,7 @@ def test_threads_read_the_same_bytes_at_once(tmp_path: Path, monkeypatch: pytest
     else:
         assert sorted(sizes[:4]) == [132, 5_372, 5_506, 5_506]
     reader.close()
-    assert reader._pool._executor is None
+    assert reader._pool._workers == [] and not [t for t in threading.enumerate() if t.name.startswith("runnerkit-pread")]
 
 
 def test_a_cut_file_names_the_tensor_a_job_stopped_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,21 +161,24 @@ def test_a_cut_file_names_the_tensor_a_job_stopped_in(tmp_path: Path, monkeypatc
     reader.close()
 
 
-@pytest.mark.parametrize("failing", ["main", "worker"])
+@pytest.mark.parametrize("failing", ["caller", "worker"])
 def test_a_failed_job_is_raised_after_every_other_job_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             failing: str) -> None:
-    """One job's `preadv` fails (EIO) at once while the others take 0.2 s: the error reaches the caller
-    only after they have written their bytes (none writes into a destination after the read returned)."""
+    """Three jobs on three threads (they meet at a barrier first); one job's `preadv`, on the calling thread or on
+    a worker, then fails (EIO) at once while the others take 0.2 s: the error reaches the caller only after they
+    have written their bytes (none writes into a destination after the read returned)."""
     path, _ = _checkpoint(tmp_path)
     monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
     reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
     reader.max_gap = 1 << 20
-    first = reader.index["blocks.0.attn.weight"].offset  # the unit's first byte: the job on the calling thread
-    fail_at = first if failing == "main" else first + 2 * 13_506  # jobs of 13,506 bytes: the third, on a worker
-    real, done = os.preadv, []
+    caller, real, done, failed = threading.get_ident(), os.preadv, [], []
+    barrier = threading.Barrier(3, timeout=10)
 
     def slow_or_failing(fd: int, views: list[memoryview], offset: int) -> int:
-        if offset == fail_at:
+        barrier.wait()
+        on_caller = threading.get_ident() == caller
+        if on_caller == (failing == "caller") and not failed:
+            failed.append(offset)
             raise OSError(errno.EIO, "Input/output error")
         time.sleep(0.2)
         n = real(fd, views, offset)
@@ -182,7 +188,7 @@ def test_a_failed_job_is_raised_after_every_other_job_ended(tmp_path: Path, monk
     monkeypatch.setattr(os, "preadv", slow_or_failing)
     with pytest.raises(OSError, match="Input/output error"):
         _read(reader, [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
-    assert len(done) == 2
+    assert len(done) == 2 and len(failed) == 1
     reader.close()
 
 
@@ -204,20 +210,21 @@ def test_auto_takes_four_threads_or_the_cpus_the_process_may_use(tmp_path: Path,
 def test_an_interrupt_returns_only_once_no_thread_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          where: str) -> None:
     """Ctrl-C in the calling thread's own job, while it waits for the workers, or both (the first one surfaces):
-    the interrupt surfaces only after the running jobs wrote their bytes (none writes afterwards), and the job
-    queued behind the two workers is skipped. Four jobs: the runs attn.0 | norm.0 attn.1 | norm.1 attn.2 | norm.2
-    (the ff tensors between them not read, max_gap 0)."""
+    the interrupt surfaces only after the workers' running jobs wrote their bytes (none writes afterwards); after
+    an interrupt in its job, the fourth job is skipped. Four jobs: the runs attn.0 | norm.0 attn.1 | norm.1
+    attn.2 | norm.2 (the ff tensors between them not read, max_gap 0); the first three start together (barrier)."""
     path, _ = _checkpoint(tmp_path)
     monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
     reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
     reader.max_gap = 0
-    first = reader.index["blocks.0.attn.weight"].offset
-    real, started, done = os.preadv, [], []
+    caller, real, started, done = threading.get_ident(), os.preadv, [], []
+    barrier = threading.Barrier(3, timeout=10)
 
     def slow_workers(fd: int, views: list[memoryview], offset: int) -> int:
         started.append(offset)
-        if offset == first:
-            time.sleep(0.05)  # the workers have taken their jobs
+        if len(started) <= 3:
+            barrier.wait()
+        if threading.get_ident() == caller:
             if where != "wait":
                 raise KeyboardInterrupt("in the caller's job")
             return real(fd, views, offset)
@@ -227,65 +234,101 @@ def test_an_interrupt_returns_only_once_no_thread_writes(tmp_path: Path, monkeyp
         return n
 
     monkeypatch.setattr(os, "preadv", slow_workers)
-    real_wait, waits = pread_jobs._Batch._wait, []
+    real_nap, naps = pread_jobs._Batch.nap, []
 
-    def interrupted_wait(batch: pread_jobs._Batch, predicate: object) -> None:  # a Ctrl-C lands in the first wait
-        waits.append(batch.cancelled)
-        if len(waits) == 1 and where != "caller's job":
+    def interrupted_nap(batch: pread_jobs._Batch) -> None:  # a Ctrl-C lands in the first wait
+        naps.append(batch.cancelled)
+        if len(naps) == 1 and where != "caller's job":
             raise KeyboardInterrupt("while waiting")
-        real_wait(batch, predicate)
+        real_nap(batch)
 
-    monkeypatch.setattr(pread_jobs._Batch, "_wait", interrupted_wait)
+    monkeypatch.setattr(pread_jobs._Batch, "nap", interrupted_nap)
     names = [f"blocks.{b}.{k}" for b in range(3) for k in ("attn.weight", "norm.weight")]
     with pytest.raises(KeyboardInterrupt, match="while waiting" if where == "wait" else "in the caller's job"):
         _read(reader, names)
-    # `waits`: whether the batch was cancelled at each wait; after an interrupt the wait is repeated cancelling
-    assert waits == {"caller's job": [True], "wait": [False, True], "both": [True, True]}[where]
-    assert len(started) == 3 and len(done) == 2  # the 4th job, queued behind the two workers, did not run
+    assert len(done) == 2 and len(started) == (4 if where == "wait" else 3)  # "wait": the caller ran the 4th
+    assert naps[0] == (where != "wait")  # the batch is cancelled before the wait that follows an interrupt
     time.sleep(0.5)
-    assert len(started) == 3 and len(done) == 2  # nothing ran after the raise
+    assert len(done) == 2 and len(started) == (4 if where == "wait" else 3)  # nothing ran after the raise
     reader.close()
 
 
-@pytest.mark.parametrize("when", ["before queueing", "after queueing"])
-def test_an_interrupt_in_a_submission_settles_the_jobs_already_queued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                     when: str) -> None:
-    """Ctrl-C while the second of two worker jobs is handed to the pool, before it was queued or after (the
-    submission's future then never comes back, as with an interrupt inside the pool's thread start): each queued
-    job (slowed) has written its bytes when the interrupt surfaces, the caller's own job never started, and
-    nothing writes afterwards."""
+@pytest.mark.parametrize("when", ["before the hand-off", "after the hand-off"])
+def test_an_interrupt_in_the_hand_off_settles_the_jobs_the_workers_took(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      when: str) -> None:
+    """Ctrl-C while the batch is handed to the workers, before they got it or after (they took a job each, 0.2 s):
+    the jobs the workers started have written their bytes when the interrupt surfaces, the third job (the
+    caller's to claim) never runs, and nothing writes afterwards."""
     path, _ = _checkpoint(tmp_path)
     monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
     reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
     reader.max_gap = 1 << 20
-    real, done = os.preadv, []
+    real, started, done = os.preadv, [], []
 
     def slow(fd: int, views: list[memoryview], offset: int) -> int:
+        started.append(offset)
         time.sleep(0.2)
         n = real(fd, views, offset)
         done.append(offset)
         return n
 
-    real_submit, submitted = ThreadPoolExecutor.submit, []
+    real_hand_off = pread_jobs.PreadPool._hand_off
 
-    def interrupted_submit(self: ThreadPoolExecutor, *args: object) -> object:
-        submitted.append(1)
-        if len(submitted) == 2 and when == "before queueing":
-            raise KeyboardInterrupt(when)
-        future = real_submit(self, *args)
-        if len(submitted) == 2:
-            time.sleep(0.05)  # both workers have taken their jobs
-            raise KeyboardInterrupt(when)
-        return future
+    def interrupted(pool: pread_jobs.PreadPool, batch: pread_jobs._Batch) -> None:
+        if when == "after the hand-off":
+            real_hand_off(pool, batch)
+            while len(started) < 2:  # both workers took a job
+                time.sleep(0.001)
+        raise KeyboardInterrupt(when)
 
     monkeypatch.setattr(os, "preadv", slow)
-    monkeypatch.setattr(ThreadPoolExecutor, "submit", interrupted_submit)
+    monkeypatch.setattr(pread_jobs.PreadPool, "_hand_off", interrupted)
     with pytest.raises(KeyboardInterrupt, match=when):
         _read(reader, [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
-    queued = 1 if when == "before queueing" else 2
-    assert len(done) == queued
+    ran = 2 if when == "after the hand-off" else 0
+    assert len(done) == ran
     time.sleep(0.4)
-    assert len(done) == queued
+    assert len(done) == len(started) == ran
+    reader.close()
+
+
+def test_an_interrupt_as_the_wait_begins_still_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C raised on entry to the wait for the workers (where Python checks for signals as a function is
+    called, before any `try` of that function): the workers' running jobs have written their bytes when it
+    surfaces, and nothing writes afterwards."""
+    path, _ = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
+    reader.max_gap = 1 << 20
+    caller, real, done = threading.get_ident(), os.preadv, []
+    barrier = threading.Barrier(3, timeout=10)
+
+    def slow_workers(fd: int, views: list[memoryview], offset: int) -> int:
+        barrier.wait()  # each of the three jobs on its own thread
+        if threading.get_ident() != caller:
+            time.sleep(0.3)
+        n = real(fd, views, offset)
+        done.append(threading.get_ident() != caller)
+        return n
+
+    entered = []
+
+    def interrupt_on_entry(frame: Any, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code is pread_jobs._Batch.settle.__code__ and not entered:
+            entered.append(1)
+            raise KeyboardInterrupt("as the wait begins")
+
+    monkeypatch.setattr(os, "preadv", slow_workers)
+    sys.settrace(interrupt_on_entry)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="as the wait begins"):
+            _read(reader, [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
+    finally:
+        sys.settrace(None)
+    assert entered and done.count(True) == 2
+    time.sleep(0.4)
+    assert done.count(True) == 2
     reader.close()
 
 
@@ -350,3 +393,15 @@ def test_in_a_plan_read_threads_set_how_the_pread_rungs_read() -> None:
     assert disk_rung is not None and disk_rung.read_threads == 8
     resident, _ = constrain(Candidate({"mode": "none"}), explicit)
     assert resident is not None and resident.read_threads == "auto"
+
+
+def test_real_interrupts_at_random_moments_leave_no_thread_writing(tmp_path: Path) -> None:
+    """SIGALRM raising KeyboardInterrupt at 600 random moments of threaded reads, in a fresh process
+    (`_pread_signal_driver.py`): no worker read ends after an interrupt reached the caller, no other exception,
+    the reads after it are right, no read thread is left after `close`, and the process ends (no lock left held)."""
+    done = subprocess.run([sys.executable, "-m", "test_cases.offload._pread_signal_driver", str(tmp_path), "600", "7"],
+                          capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    stats = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stats["interrupted"] > 100 and stats["interrupted"] + stats["completed"] == 600, stats
+    assert (stats["late_writes"], stats["other"], stats["wrong"], stats["threads_left"]) == (0, 0, 0, 0), stats
