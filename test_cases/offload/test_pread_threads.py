@@ -164,18 +164,21 @@ def test_a_cut_file_names_the_tensor_a_job_stopped_in(tmp_path: Path, monkeypatc
 @pytest.mark.parametrize("failing", ["caller", "worker"])
 def test_a_failed_job_is_raised_after_every_other_job_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             failing: str) -> None:
-    """Three jobs on three threads (they meet at a barrier first); one job's `preadv`, on the calling thread or on
-    a worker, then fails (EIO) at once while the others take 0.2 s: the error reaches the caller only after they
-    have written their bytes (none writes into a destination after the read returned)."""
+    """Four jobs (the runs attn.0 | norm.0 attn.1 | norm.1 attn.2 | norm.2), the first three on three threads (they
+    meet at a barrier); one of them, on the calling thread or on a worker, then fails (EIO) at once while the
+    others take 0.2 s: the error reaches the caller only after they have written their bytes (none writes into a
+    destination after the read returned), and the fourth job, not started, is skipped."""
     path, _ = _checkpoint(tmp_path)
     monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
     reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
-    reader.max_gap = 1 << 20
-    caller, real, done, failed = threading.get_ident(), os.preadv, [], []
+    reader.max_gap = 0
+    caller, real, done, failed, started = threading.get_ident(), os.preadv, [], [], []
     barrier = threading.Barrier(3, timeout=10)
 
     def slow_or_failing(fd: int, views: list[memoryview], offset: int) -> int:
-        barrier.wait()
+        started.append(offset)
+        if len(started) <= 3:
+            barrier.wait()
         on_caller = threading.get_ident() == caller
         if on_caller == (failing == "caller") and not failed:
             failed.append(offset)
@@ -187,8 +190,8 @@ def test_a_failed_job_is_raised_after_every_other_job_ended(tmp_path: Path, monk
 
     monkeypatch.setattr(os, "preadv", slow_or_failing)
     with pytest.raises(OSError, match="Input/output error"):
-        _read(reader, [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
-    assert len(done) == 2 and len(failed) == 1
+        _read(reader, [f"blocks.{b}.{k}" for b in range(3) for k in ("attn.weight", "norm.weight")])
+    assert len(done) == 2 and len(failed) == 1 and len(started) == 3
     reader.close()
 
 
