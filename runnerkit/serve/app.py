@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -408,7 +409,9 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
         job = job_or_404(job_id, kind)
         return job if isinstance(job, JSONResponse) else job.as_dict()
 
-    def content(job_id: str, variant: str | None = None) -> Any:
+    async def content(job_id: str, variant: str | None = None) -> Any:
+        # async: no hand-off to a worker thread, so the response built after `open_content` always reaches the
+        # client's task and releases the hold when it was sent, failed or was cancelled
         if variant not in (None, kind):
             return error(422, f"`variant` {variant!r}: only the {kind} itself is offered (no thumbnail or "
                               "spritesheet)", "variant")
@@ -421,13 +424,17 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
             return error(409, f"job {job_id} is {job.status}: it has no content")
         gone = f"the files of job {job_id} were removed by the retention limit"
         if not state.queue.open_content(job):
-            return error(410, gone)
-        if not job.result_path.is_file():
+            return job_or_404(job_id, kind) if state.queue.get(job_id) is None else error(410, gone)
+        try:
+            stat = os.stat(job.result_path)
+            return _HeldFileResponse(job.result_path, media_type="image/png" if kind == "image" else "video/mp4",
+                                     filename=f"{job_id}{job.result_path.suffix}", stat_result=stat,
+                                     release=lambda: state.queue.close_content(job))
+        except BaseException as exc:
             state.queue.close_content(job)
-            return error(410, gone)
-        return _HeldFileResponse(job.result_path, media_type="image/png" if kind == "image" else "video/mp4",
-                                 filename=f"{job_id}{job.result_path.suffix}",
-                                 release=lambda: state.queue.close_content(job))
+            if isinstance(exc, FileNotFoundError):
+                return error(410, gone)
+            raise
 
     def delete(job_id: str) -> Any:
         """A finished job: forgotten, its files deleted (`{id, object: "video.deleted", deleted: true}`, as

@@ -485,7 +485,7 @@ class Worker(threading.Thread):
                     retained = True
                 except Exception as exc:  # noqa: BLE001  e.g. a folder deleted meanwhile: the job is done all the same
                     logger.opt(exception=exc).warning("job {}: retention failed ({}): the job completes; the "
-                                                      "retention runs again when the next job ends", job.id, exc)
+                                                      "retention is tried again once its status is set", job.id, exc)
             if status is not None:
                 job.status = status
         finally:

@@ -4,6 +4,7 @@ gets every byte, no new download starts, and the folder goes with the last one."
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,16 @@ from test_cases.serve.test_units import _finished, _image_state
 BODY = bytes(range(256)) * 4096  # 1 MiB: several chunks of the file response
 
 
+def _endpoint(app: Any, job_id: str) -> Any:
+    """The content endpoint's response for `job_id` (the endpoint called directly, as its route would)."""
+    route = next(r for r in app.routes if getattr(r, "path", None) == "/v1/images/{job_id}/content")
+    return asyncio.run(route.endpoint(job_id))
+
+
 def _content(app: Any, job_id: str, on_start: Any = None) -> tuple[int, bytes]:
     """GET the job's content through its endpoint and the response's ASGI call; `on_start()` runs when the
     response's start message is sent (the file is opened after it)."""
-    route = next(r for r in app.routes if getattr(r, "path", None) == "/v1/images/{job_id}/content")
-    reply = route.endpoint(job_id)
+    reply = _endpoint(app, job_id)
     status, body = reply.status_code, bytearray()
 
     async def receive() -> dict[str, Any]:
@@ -74,8 +80,7 @@ def test_a_download_that_fails_still_lets_the_folder_go(tmp_path: Path) -> None:
     """The client goes away mid-download (the send raises): the removal deferred meanwhile still happens."""
     app, queue = _kept(tmp_path)
     a = queue.jobs["job_a"]
-    route = next(r for r in app.routes if getattr(r, "path", None) == "/v1/images/{job_id}/content")
-    reply = route.endpoint("job_a")
+    reply = _endpoint(app, "job_a")
 
     async def receive() -> dict[str, Any]:
         await asyncio.sleep(3600)
@@ -108,3 +113,28 @@ def test_a_download_that_looked_the_job_up_before_a_delete_is_refused(tmp_path: 
     a = queue.jobs["job_a"]
     assert queue.delete("job_a") and not a.folder.exists()
     assert not queue.open_content(a) and not queue._readers
+
+
+@pytest.mark.parametrize("error, status", [(FileNotFoundError, 410), (PermissionError, None)])
+def test_a_response_that_cannot_be_built_holds_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       error: type[OSError], status: int | None) -> None:
+    """The result file vanished by other hands after the download was admitted (410), or cannot be read (the
+    error propagates): the hold is released either way, so a later removal deletes the folder at once."""
+    app, queue = _kept(tmp_path)
+    a = queue.jobs["job_a"]
+    real_stat = os.stat
+
+    def failing(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if Path(path) == a.result_path:
+            raise error(2, "refused", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", failing)
+    if status is None:
+        with pytest.raises(PermissionError):
+            _endpoint(app, "job_a")
+    else:
+        assert _endpoint(app, "job_a").status_code == status
+    monkeypatch.setattr(os, "stat", real_stat)
+    assert not queue._readers
+    assert queue.delete("job_a") and not a.folder.exists()
