@@ -67,6 +67,7 @@ import ctypes
 import mmap
 import os
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -140,6 +141,10 @@ class _Handle:
         self.mapping: torch.Tensor | None = None  # uint8 [file size] over a private read mapping
         self.identity: FileIdentity | None = None
 
+    @property
+    def is_open(self) -> bool:
+        return self.fd >= 0 or self.mapping is not None
+
 
 def read_header(fd: int, path: Path) -> tuple[int, dict[str, TensorIndexEntry]]:
     """Read and check the header of an open safetensors file (`weights.read_safetensors_header`).
@@ -188,7 +193,8 @@ class SafetensorsDiskReader:
         self.dropped_bytes = 0  # bytes of whole pages let go after reads (`_drop_read_pages`)
         self.files = [Path(f) for f in files]
         self._long_lived: dict[Path, _Handle] = {}
-        self._open_count: dict[Path, int] = {}
+        # Every handle not yet garbage: one an interrupt kept from its owner (inside `_open`) goes with it.
+        self._handles: weakref.WeakSet[_Handle] = weakref.WeakSet()
         self._identity: dict[Path, FileIdentity] = {}  # per file: the identity reads expect
         self._headers: dict[Path, tuple[int, dict[str, TensorIndexEntry]]] = {}  # per file: what a restored file must match
         self.bytes_read = 0
@@ -224,22 +230,26 @@ class SafetensorsDiskReader:
     # -- handles (every open and close goes through these two methods; tests spy on them) --
 
     def _open(self, path: Path) -> _Handle:
-        assert self._open_count.get(path, 0) == 0, f"a second handle on {path} would be opened"
-        fd = os.open(path, os.O_RDONLY)
-        self._open_count[path] = 1
-        return _Handle(path, fd)
+        assert not any(h.path == path and h.is_open for h in self._handles), \
+            f"a second handle on {path} would be opened"
+        handle = _Handle(path, os.open(path, os.O_RDONLY))
+        self._handles.add(handle)
+        return handle
 
     def _close(self, handle: _Handle) -> None:
         if handle.mapping is not None:
             handle.mapping = None  # the last reference: unmapped now (reads hand out copies only)
         elif handle.fd >= 0:  # (-1: `_map` closed it and failed to map)
-            os.close(handle.fd)
-            handle.fd = -1  # the number may be reused by the next open: never pass it on again
-        self._open_count[handle.path] -= 1
+            fd, handle.fd = handle.fd, -1  # first: the number may be reused by the next open, never pass it on
+            os.close(fd)
 
     def open_handles(self) -> dict[Path, int]:
-        """Open handles per file right now (each value is 0 or 1)."""
-        return {p: n for p, n in self._open_count.items() if n}
+        """Open handles per file right now (each value is 1)."""
+        out: dict[Path, int] = {}
+        for handle in list(self._handles):
+            if handle.is_open:
+                out[handle.path] = out.get(handle.path, 0) + 1
+        return out
 
     # -- file identity (module docstring: files that change while they are streamed) --
 

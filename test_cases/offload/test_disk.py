@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -159,6 +161,30 @@ def test_second_handle_on_a_file_is_refused(files: list[Path]) -> None:
     with pytest.raises(AssertionError, match="second handle"):
         reader._open(files[0])
     reader._close(handle)
+
+
+def test_an_interrupt_inside_open_leaves_the_reader_usable(files: list[Path]) -> None:
+    """Ctrl-C as the short-lived handle of `load_tensors` is being built (the descriptor open, the handle not yet
+    returned): the next load opens the file again (the lost handle counts as open no longer once it is
+    garbage), and its bytes are right."""
+    reader = SafetensorsDiskReader(files, reader="pread")
+    name = next(iter(reader.index))
+    want = reader.load_tensors([name])[name]
+    fired = []
+
+    def interrupt_in_handle(frame: Any, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code is _Handle.__init__.__code__ and not fired:
+            fired.append(1)
+            raise KeyboardInterrupt("inside _open")
+
+    sys.settrace(interrupt_in_handle)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="inside _open"):
+            reader.load_tensors([name])
+    finally:
+        sys.settrace(None)
+    assert fired and torch.equal(reader.load_tensors([name])[name], want) and reader.open_handles() == {}
+    reader.close()
 
 
 def test_planning_reads_headers_only(files: list[Path], monkeypatch: pytest.MonkeyPatch, mocker: MockerFixture) -> None:
