@@ -14,6 +14,7 @@ import itertools
 import math
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,6 +210,8 @@ class PreadPool:
         self.threads = threads
         self._inbox: SimpleQueue[_Batch | None] = SimpleQueue()
         self._workers: list[_Worker] = []
+        # A pool dropped without `close` (its reader garbage): its workers get their None and end.
+        weakref.finalize(self, _stop, self._inbox, self._workers)
 
     def _hand_off(self, batch: _Batch) -> None:
         """Start the workers not running yet and give each the batch."""
@@ -245,9 +248,15 @@ class PreadPool:
 
     def close(self) -> None:
         """Stop the workers (after the jobs they run); a later `run` starts them again."""
-        workers, self._workers = self._workers, []
-        for _ in workers:
-            self._inbox.put(None)
+        workers = list(self._workers)
+        _stop(self._inbox, self._workers)
         for worker in workers:
             if worker.is_alive():  # (not one whose start an interrupt cut short)
                 worker.join()
+
+
+def _stop(inbox: SimpleQueue[_Batch | None], workers: list[_Worker]) -> None:
+    """Give each of `workers` a None (it ends once it takes it) and forget them."""
+    for _ in workers:
+        inbox.put(None)
+    workers.clear()

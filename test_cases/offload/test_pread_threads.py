@@ -5,6 +5,7 @@ names its tensor, and a failed job is raised only once every other job has ended
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import subprocess
@@ -408,3 +409,24 @@ def test_real_interrupts_at_random_moments_leave_no_thread_writing(tmp_path: Pat
     stats = json.loads(done.stdout.strip().splitlines()[-1])
     assert stats["interrupted"] > 100 and stats["interrupted"] + stats["completed"] == 600, stats
     assert (stats["late_writes"], stats["other"], stats["wrong"], stats["threads_left"]) == (0, 0, 0, 0), stats
+
+
+def test_a_reader_dropped_without_close_stops_its_read_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers built and dropped (a module built per request, never closed): their pools' workers end."""
+    path, _ = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+
+    def workers() -> int:
+        return sum(t.name.startswith("runnerkit-pread") for t in threading.enumerate())
+
+    before = workers()
+    for _ in range(5):
+        reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
+        reader.load_tensors([f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
+        assert workers() == before + 2
+        del reader
+        gc.collect()
+    deadline = time.monotonic() + 5
+    while workers() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert workers() == before
