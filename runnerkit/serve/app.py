@@ -459,7 +459,7 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
     app.add_api_route(f"/v1/{plural}", post, methods=["POST"])
     app.add_api_route(f"/v1/{plural}", list_jobs, methods=["GET"])
     app.add_api_route(f"/v1/{plural}/{{job_id}}", get_job, methods=["GET"])
-    app.add_api_route(f"/v1/{plural}/{{job_id}}/content", content, methods=["GET"])
+    app.add_api_route(f"/v1/{plural}/{{job_id}}/content", content, methods=["GET", "HEAD"])  # HEAD: size, type
     app.add_api_route(f"/v1/{plural}/{{job_id}}", delete, methods=["DELETE"])
 
 

@@ -138,3 +138,16 @@ def test_a_response_that_cannot_be_built_holds_nothing(tmp_path: Path, monkeypat
     monkeypatch.setattr(os, "stat", real_stat)
     assert not queue._readers
     assert queue.delete("job_a") and not a.folder.exists()
+
+
+def test_head_on_the_content_gives_its_size_and_type_and_holds_nothing(tmp_path: Path) -> None:
+    """HEAD (a player probing the file before its range requests): 200 with the length and the type, no body."""
+    from starlette.testclient import TestClient
+
+    app, queue = _kept(tmp_path)
+    with TestClient(app) as client:
+        reply = client.head("/v1/images/job_a/content")
+        assert (reply.status_code, reply.headers["content-length"], reply.headers["content-type"], reply.content) \
+            == (200, str(len(BODY)), "image/png", b"")
+        assert client.head("/v1/images/job_x/content").status_code == 404
+    assert not queue._readers
