@@ -145,6 +145,14 @@ class _Handle:
     def is_open(self) -> bool:
         return self.fd >= 0 or self.mapping is not None
 
+    def __del__(self) -> None:  # a handle an interrupt kept from its owner: its descriptor is not left open
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
 
 def read_header(fd: int, path: Path) -> tuple[int, dict[str, TensorIndexEntry]]:
     """Read and check the header of an open safetensors file (`weights.read_safetensors_header`).
@@ -232,7 +240,12 @@ class SafetensorsDiskReader:
     def _open(self, path: Path) -> _Handle:
         assert not any(h.path == path and h.is_open for h in self._handles), \
             f"a second handle on {path} would be opened"
-        handle = _Handle(path, os.open(path, os.O_RDONLY))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            handle = _Handle(path, fd)
+        except BaseException:
+            os.close(fd)
+            raise
         self._handles.add(handle)
         return handle
 
@@ -480,8 +493,8 @@ class SafetensorsDiskReader:
             CheckpointChangedError: the file at the path changed before it was mapped.
         """
         assert handle.identity is not None, f"{handle.path}: data handles are opened by `_open_data`"
-        os.close(handle.fd)
-        handle.fd = -1
+        fd, handle.fd = handle.fd, -1  # first: never closed twice
+        os.close(fd)
         try:
             storage = torch.UntypedStorage.from_file(str(handle.path), shared=False, nbytes=handle.identity.size)
         except RuntimeError as exc:  # e.g. the file is now smaller than the mapping

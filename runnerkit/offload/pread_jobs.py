@@ -134,14 +134,15 @@ class _Batch:
 
     def __init__(self, fd: int, jobs: list[ReadJob]) -> None:
         self.fd, self.jobs = fd, jobs
-        self.results: list[JobResult | Exception | None] = [None] * len(jobs)
+        self.results: list[JobResult | BaseException | None] = [None] * len(jobs)
         self.claims = itertools.count()
         self.cancelled = False
         self.wake: SimpleQueue[None] = SimpleQueue()
 
     def drain(self, worker: _Worker | None = None) -> None:
-        """Claim and run jobs until none is left or the batch is cancelled; a failed read is kept as the job's
-        result and cancels the jobs not started. On the calling thread (`worker` None) an interrupt propagates."""
+        """Claim and run jobs until none is left or the batch is cancelled; a failed job's exception is kept as
+        its result and cancels the jobs not started (a worker never dies of one). On the calling thread (`worker`
+        None) an interrupt propagates."""
         while True:
             if worker is not None:
                 worker.busy = self
@@ -150,7 +151,9 @@ class _Batch:
                 break
             try:
                 self.results[index] = preadv_job(self.fd, self.jobs[index])
-            except Exception as exc:  # noqa: BLE001  raised by the caller once no thread reads
+            except BaseException as exc:  # noqa: BLE001  raised by the caller once no thread reads
+                if worker is None and not isinstance(exc, Exception):
+                    raise  # the calling thread's interrupt
                 self.results[index], self.cancelled = exc, True
             if worker is not None:
                 worker.busy = None
@@ -182,17 +185,28 @@ class _Batch:
 
 
 class _Worker(threading.Thread):
-    """A read thread: takes batches from the pool's inbox and drains them, until it takes None. A daemon (a worker
-    that an interrupt left unstarted never holds up the interpreter's exit)."""
+    """A read thread: takes batches from its own inbox and drains them, until it takes None. A daemon (a worker
+    that an interrupt left half started never holds up the interpreter's exit); its own inbox, so that a worker the
+    pool no longer counts is never handed a batch."""
 
-    def __init__(self, inbox: SimpleQueue[_Batch | None], index: int) -> None:
+    def __init__(self, index: int) -> None:
         super().__init__(name=f"runnerkit-pread-{index}", daemon=True)
-        self.inbox = inbox
+        self.inbox: SimpleQueue[_Batch | None] = SimpleQueue()
         self.busy: _Batch | None = None
+        self.ended = False
+
+    @property
+    def serving(self) -> bool:
+        """Whether it runs and takes batches. Read without a lock (`Thread.is_alive` may take one, and an
+        interrupt inside it can mark a running thread stopped, CPython issue 45274's recovery path)."""
+        return self.ident is not None and not self.ended
 
     def run(self) -> None:
-        while (batch := self.inbox.get()) is not None:
-            batch.drain(self)
+        try:
+            while (batch := self.inbox.get()) is not None:
+                batch.drain(self)
+        finally:
+            self.ended = True
 
 
 class PreadPool:
@@ -208,19 +222,24 @@ class PreadPool:
         if threads < 1:
             raise ValueError(f"`read_threads` must be at least 1, got {threads}")
         self.threads = threads
-        self._inbox: SimpleQueue[_Batch | None] = SimpleQueue()
         self._workers: list[_Worker] = []
         # A pool dropped without `close` (its reader garbage): its workers get their None and end.
-        weakref.finalize(self, _stop, self._inbox, self._workers)
+        weakref.finalize(self, _stop, self._workers)
 
-    def _hand_off(self, batch: _Batch) -> None:
-        """Start the workers not running yet and give each the batch."""
+    def _hand_off(self, batch: _Batch, helpers: int) -> None:
+        """Replace the workers that ended, start the missing ones, and give the batch to `helpers` of those that
+        serve (a worker whose start an interrupt cut short before its thread ran keeps its place and gets none)."""
+        self._workers[:] = [w for w in self._workers if not w.ended]
         while len(self._workers) < self.threads - 1:
-            worker = _Worker(self._inbox, len(self._workers))
+            worker = _Worker(len(self._workers))
             self._workers.append(worker)  # first: a started worker is always one `settle` looks at
-            worker.start()
-        for _ in self._workers:
-            self._inbox.put(batch)
+            try:
+                worker.start()
+            except RuntimeError:  # "can't start new thread": it never runs
+                self._workers.remove(worker)
+                raise
+        for worker in [w for w in self._workers if w.serving][:helpers]:
+            worker.inbox.put(batch)
 
     def run(self, fd: int, jobs: list[ReadJob]) -> list[JobResult]:
         """`preadv_job(fd, job)` of every job, in job order.
@@ -232,7 +251,7 @@ class PreadPool:
             return [preadv_job(fd, job) for job in jobs]
         batch = _Batch(fd, jobs)
         try:  # the wait too: an interrupt as it starts is handled here
-            self._hand_off(batch)
+            self._hand_off(batch, min(self.threads, len(jobs)) - 1)
             batch.drain()
             held = batch.settle(self._workers)
         except BaseException:
@@ -241,7 +260,7 @@ class PreadPool:
             raise
         if held is not None:
             raise held
-        failed = next((r for r in batch.results if isinstance(r, Exception)), None)
+        failed = next((r for r in batch.results if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
         return batch.results  # type: ignore[return-value]  every job ran: no None, no exception
@@ -249,14 +268,14 @@ class PreadPool:
     def close(self) -> None:
         """Stop the workers (after the jobs they run); a later `run` starts them again."""
         workers = list(self._workers)
-        _stop(self._inbox, self._workers)
+        _stop(self._workers)
         for worker in workers:
-            if worker.is_alive():  # (not one whose start an interrupt cut short)
+            if worker.serving:  # (not one whose start an interrupt cut short: it ends at its None if it runs)
                 worker.join()
 
 
-def _stop(inbox: SimpleQueue[_Batch | None], workers: list[_Worker]) -> None:
+def _stop(workers: list[_Worker]) -> None:
     """Give each of `workers` a None (it ends once it takes it) and forget them."""
-    for _ in workers:
-        inbox.put(None)
+    for worker in workers:
+        worker.inbox.put(None)
     workers.clear()

@@ -135,8 +135,9 @@ def test_threads_read_the_same_bytes_at_once(tmp_path: Path, monkeypatch: pytest
         assert len(threads) == 3 and sorted(sizes[:3]) == [13_504, 13_506, 13_506]
     else:
         assert sorted(sizes[:4]) == [132, 5_372, 5_506, 5_506]
+    workers = list(reader._pool._workers)
     reader.close()
-    assert reader._pool._workers == [] and not [t for t in threading.enumerate() if t.name.startswith("runnerkit-pread")]
+    assert reader._pool._workers == [] and len(workers) == 2 and not any(w.is_alive() for w in workers)
 
 
 def test_a_cut_file_names_the_tensor_a_job_stopped_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -279,9 +280,9 @@ def test_an_interrupt_in_the_hand_off_settles_the_jobs_the_workers_took(tmp_path
 
     real_hand_off = pread_jobs.PreadPool._hand_off
 
-    def interrupted(pool: pread_jobs.PreadPool, batch: pread_jobs._Batch) -> None:
+    def interrupted(pool: pread_jobs.PreadPool, batch: pread_jobs._Batch, helpers: int) -> None:
         if when == "after the hand-off":
-            real_hand_off(pool, batch)
+            real_hand_off(pool, batch, helpers)
             while len(started) < 2:  # both workers took a job
                 time.sleep(0.001)
         raise KeyboardInterrupt(when)
@@ -430,3 +431,58 @@ def test_a_reader_dropped_without_close_stops_its_read_threads(tmp_path: Path, m
     while workers() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert workers() == before
+
+
+def test_a_job_raising_a_base_exception_on_a_worker_surfaces_and_the_worker_stays(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's job raising SystemExit (not an Exception): the read raises it once no thread reads, the worker
+    keeps serving, and the next read is right."""
+    path, sd = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
+    reader.max_gap = 1 << 20
+    caller, real, raised = threading.get_ident(), os.preadv, []
+    barrier = threading.Barrier(3, timeout=10)
+
+    def exiting(fd: int, views: list[memoryview], offset: int) -> int:
+        if not raised:
+            barrier.wait()
+            if threading.get_ident() != caller and not raised:
+                raised.append(offset)
+                raise SystemExit("from a job")
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(os, "preadv", exiting)
+    names = [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")]
+    with pytest.raises(SystemExit, match="from a job"):
+        _read(reader, names)
+    assert all(w.serving for w in reader._pool._workers) and len(reader._pool._workers) == 2
+    got = _read(reader, names)
+    assert all(torch.equal(got[n], sd[n]) for n in names)
+    reader.close()
+
+
+def test_a_worker_that_cannot_start_is_not_handed_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second worker's start fails ("can't start new thread"): that read raises, the worker is dropped (no
+    batch waits in its inbox), and the next read starts it again and is right."""
+    path, sd = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
+    reader.max_gap = 1 << 20
+    real_start, starts = pread_jobs._Worker.start, []
+
+    def failing_once(worker: pread_jobs._Worker) -> None:
+        starts.append(worker)
+        if len(starts) == 2:
+            raise RuntimeError("can't start new thread")
+        real_start(worker)
+
+    monkeypatch.setattr(pread_jobs._Worker, "start", failing_once)
+    names = [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")]
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        _read(reader, names)
+    assert reader._pool._workers == starts[:1] and starts[1].inbox.empty()
+    got = _read(reader, names)
+    assert all(torch.equal(got[n], sd[n]) for n in names) and len(starts) == 3
+    assert [w.serving for w in reader._pool._workers] == [True, True]
+    reader.close()
