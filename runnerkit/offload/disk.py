@@ -63,11 +63,13 @@ same identity and is not seen.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import time
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -148,10 +150,8 @@ class _Handle:
     def __del__(self) -> None:  # a handle an interrupt kept from its owner: its descriptor is not left open
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def read_header(fd: int, path: Path) -> tuple[int, dict[str, TensorIndexEntry]]:
@@ -258,11 +258,7 @@ class SafetensorsDiskReader:
 
     def open_handles(self) -> dict[Path, int]:
         """Open handles per file right now (each value is 1)."""
-        out: dict[Path, int] = {}
-        for handle in list(self._handles):
-            if handle.is_open:
-                out[handle.path] = out.get(handle.path, 0) + 1
-        return out
+        return dict(Counter(h.path for h in list(self._handles) if h.is_open))
 
     # -- file identity (module docstring: files that change while they are streamed) --
 

@@ -422,19 +422,9 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
             return error(409, f"job {job_id} is {job.status}; its content exists once it is completed")
         if job.status != "completed":
             return error(409, f"job {job_id} is {job.status}: it has no content")
-        gone = f"the files of job {job_id} were removed by the retention limit"
         if not state.queue.open_content(job):
-            return job_or_404(job_id, kind) if state.queue.get(job_id) is None else error(410, gone)
-        try:
-            stat = os.stat(job.result_path)
-            return _HeldFileResponse(job.result_path, media_type="image/png" if kind == "image" else "video/mp4",
-                                     filename=f"{job_id}{job.result_path.suffix}", stat_result=stat,
-                                     release=lambda: state.queue.close_content(job))
-        except BaseException as exc:
-            state.queue.close_content(job)
-            if isinstance(exc, FileNotFoundError):
-                return error(410, gone)
-            raise
+            return job_or_404(job_id, kind) if state.queue.get(job_id) is None else error(410, _gone(job_id))
+        return _held_file(state.queue, job)
 
     def delete(job_id: str) -> Any:
         """A finished job: forgotten, its files deleted (`{id, object: "video.deleted", deleted: true}`, as
@@ -461,6 +451,25 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
     app.add_api_route(f"/v1/{plural}/{{job_id}}", get_job, methods=["GET"])
     app.add_api_route(f"/v1/{plural}/{{job_id}}/content", content, methods=["GET", "HEAD"])  # HEAD: size, type
     app.add_api_route(f"/v1/{plural}/{{job_id}}", delete, methods=["DELETE"])
+
+
+def _gone(job_id: str) -> str:
+    return f"the files of job {job_id} were removed by the retention limit"
+
+
+def _held_file(queue: JobQueue, job: Job) -> Response:
+    """The result file of `job`, whose download `queue.open_content` admitted: released when sent, failed or
+    cancelled, or here if the response cannot be built (410 when the file is gone)."""
+    try:
+        stat = os.stat(job.result_path)
+        return _HeldFileResponse(job.result_path, media_type="image/png" if job.kind == "image" else "video/mp4",
+                                 filename=f"{job.id}{job.result_path.suffix}", stat_result=stat,
+                                 release=lambda: queue.close_content(job))
+    except BaseException as exc:
+        queue.close_content(job)
+        if isinstance(exc, FileNotFoundError):
+            return error(410, _gone(job.id))
+        raise
 
 
 class _HeldFileResponse(FileResponse):
