@@ -148,7 +148,7 @@ class _Handle:
         return self.fd >= 0 or self.mapping is not None
 
     def __del__(self) -> None:  # a handle an interrupt kept from its owner: its descriptor is not left open
-        if self.fd >= 0:
+        if getattr(self, "fd", -1) >= 0:  # (an `__init__` cut short has none: `_open` closed it)
             fd, self.fd = self.fd, -1
             with contextlib.suppress(OSError):
                 os.close(fd)
