@@ -165,8 +165,7 @@ def test_second_handle_on_a_file_is_refused(files: list[Path]) -> None:
 
 def test_an_interrupt_inside_open_leaves_the_reader_usable(files: list[Path]) -> None:
     """Ctrl-C as the short-lived handle of `load_tensors` is being built (the descriptor open, the handle not yet
-    returned): the next load opens the file again (the lost handle counts as open no longer once it is
-    garbage), and its bytes are right."""
+    returned): its descriptor is closed, the next load opens the file again and its bytes are right."""
     reader = SafetensorsDiskReader(files, reader="pread")
     name = next(iter(reader.index))
     want = reader.load_tensors([name])[name]
@@ -184,6 +183,8 @@ def test_an_interrupt_inside_open_leaves_the_reader_usable(files: list[Path]) ->
     finally:
         sys.settrace(None)
     assert fired and torch.equal(reader.load_tensors([name])[name], want) and reader.open_handles() == {}
+    path = reader.index[name].path
+    assert open_fds({os.path.realpath(path): path.name}) == {path.name: 0}  # the lost handle's descriptor closed
     reader.close()
 
 
