@@ -100,6 +100,15 @@ def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return path, sd
 
 
+def _threaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_gap: int) -> tuple[dict, SafetensorsDiskReader]:
+    """`_checkpoint`'s tensors and a pread reader of it with 3 read threads, jobs of at least 64 bytes."""
+    path, sd = _checkpoint(tmp_path)
+    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
+    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
+    reader.max_gap = max_gap
+    return sd, reader
+
+
 @pytest.mark.parametrize("keys, jobs", [(("attn.weight", "ff.weight", "norm.weight"), 3),
                                          (("attn.weight", "norm.weight"), 4)], ids=["one-run", "two-runs"])
 def test_threads_read_the_same_bytes_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keys: tuple[str, ...],
@@ -170,10 +179,7 @@ def test_a_failed_job_is_raised_after_every_other_job_ended(tmp_path: Path, monk
     meet at a barrier); one of them, on the calling thread or on a worker, then fails (EIO) at once while the
     others take 0.2 s: the error reaches the caller only after they have written their bytes (none writes into a
     destination after the read returned), and the fourth job, not started, is skipped."""
-    path, _ = _checkpoint(tmp_path)
-    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
-    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
-    reader.max_gap = 0
+    _, reader = _threaded(tmp_path, monkeypatch, max_gap=0)
     caller, real, done, failed, started = threading.get_ident(), os.preadv, [], [], []
     barrier = threading.Barrier(3, timeout=10)
 
@@ -218,10 +224,7 @@ def test_an_interrupt_returns_only_once_no_thread_writes(tmp_path: Path, monkeyp
     the interrupt surfaces only after the workers' running jobs wrote their bytes (none writes afterwards); after
     an interrupt in its job, the fourth job is skipped. Four jobs: the runs attn.0 | norm.0 attn.1 | norm.1
     attn.2 | norm.2 (the ff tensors between them not read, max_gap 0); the first three start together (barrier)."""
-    path, _ = _checkpoint(tmp_path)
-    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
-    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
-    reader.max_gap = 0
+    _, reader = _threaded(tmp_path, monkeypatch, max_gap=0)
     caller, real, started, done = threading.get_ident(), os.preadv, [], []
     barrier = threading.Barrier(3, timeout=10)
 
@@ -265,10 +268,7 @@ def test_an_interrupt_in_the_hand_off_settles_the_jobs_the_workers_took(tmp_path
     """Ctrl-C while the batch is handed to the workers, before they got it or after (they took a job each, 0.2 s):
     the jobs the workers started have written their bytes when the interrupt surfaces, the third job (the
     caller's to claim) never runs, and nothing writes afterwards."""
-    path, _ = _checkpoint(tmp_path)
-    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
-    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
-    reader.max_gap = 1 << 20
+    _, reader = _threaded(tmp_path, monkeypatch, max_gap=1 << 20)
     real, started, done = os.preadv, [], []
 
     def slow(fd: int, views: list[memoryview], offset: int) -> int:
@@ -302,10 +302,7 @@ def test_an_interrupt_as_the_wait_begins_still_waits(tmp_path: Path, monkeypatch
     """Ctrl-C raised on entry to the wait for the workers (where Python checks for signals as a function is
     called, before any `try` of that function): the workers' running jobs have written their bytes when it
     surfaces, and nothing writes afterwards."""
-    path, _ = _checkpoint(tmp_path)
-    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
-    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
-    reader.max_gap = 1 << 20
+    _, reader = _threaded(tmp_path, monkeypatch, max_gap=1 << 20)
     caller, real, done = threading.get_ident(), os.preadv, []
     barrier = threading.Barrier(3, timeout=10)
 
@@ -433,14 +430,11 @@ def test_a_reader_dropped_without_close_stops_its_read_threads(tmp_path: Path, m
     assert workers() == before
 
 
-def test_a_job_raising_a_base_exception_on_a_worker_surfaces_and_the_worker_stays(tmp_path: Path,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_workers_base_exception_surfaces_and_the_worker_stays(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker's job raising SystemExit (not an Exception): the read raises it once no thread reads, the worker
     keeps serving, and the next read is right."""
-    path, sd = _checkpoint(tmp_path)
-    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
-    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
-    reader.max_gap = 1 << 20
+    sd, reader = _threaded(tmp_path, monkeypatch, max_gap=1 << 20)
     caller, real, raised = threading.get_ident(), os.preadv, []
     barrier = threading.Barrier(3, timeout=10)
 
@@ -465,10 +459,7 @@ def test_a_job_raising_a_base_exception_on_a_worker_surfaces_and_the_worker_stay
 def test_a_worker_that_cannot_start_is_not_handed_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The second worker's start fails ("can't start new thread"): that read raises, the worker is dropped (no
     batch waits in its inbox), and the next read starts it again and is right."""
-    path, sd = _checkpoint(tmp_path)
-    monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
-    reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
-    reader.max_gap = 1 << 20
+    sd, reader = _threaded(tmp_path, monkeypatch, max_gap=1 << 20)
     real_start, starts = pread_jobs._Worker.start, []
 
     def failing_once(worker: pread_jobs._Worker) -> None:
