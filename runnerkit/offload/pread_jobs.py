@@ -205,6 +205,7 @@ class _Worker(threading.Thread):
         try:
             while (batch := self.inbox.get()) is not None:
                 batch.drain(self)
+                batch = None  # not held while waiting: its destinations are never freed here at interpreter exit
         finally:
             self.ended = True
 
@@ -223,8 +224,9 @@ class PreadPool:
             raise ValueError(f"`read_threads` must be at least 1, got {threads}")
         self.threads = threads
         self._workers: list[_Worker] = []
-        # A pool dropped without `close` (its reader garbage): its workers get their None and end.
-        weakref.finalize(self, _stop, self._workers)
+        # A pool dropped without `close` (its reader garbage): its workers get their None and end. Not at
+        # interpreter exit: daemon threads woken then would run while the interpreter tears down.
+        weakref.finalize(self, _stop, self._workers).atexit = False
 
     def _hand_off(self, batch: _Batch, helpers: int) -> None:
         """Replace the workers that ended, start the missing ones, and give the batch to `helpers` of those that

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -476,4 +477,25 @@ def test_a_worker_that_cannot_start_is_not_handed_batches(tmp_path: Path, monkey
     got = _read(reader, names)
     assert all(torch.equal(got[n], sd[n]) for n in names) and len(starts) == 3
     assert [w.serving for w in reader._pool._workers] == [True, True]
+    reader.close()
+
+
+def test_no_worker_holds_a_batch_after_the_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a read returned, no read thread keeps its batch (and so its destination tensors): a worker that still
+    held one when the interpreter exits would free tensors while the interpreter tears down (a C++ abort)."""
+    _, reader = _threaded(tmp_path, monkeypatch, max_gap=1 << 20)
+    batches: list[weakref.ref] = []
+    real_init = pread_jobs._Batch.__init__
+
+    def recording(batch: pread_jobs._Batch, *args: Any) -> None:
+        real_init(batch, *args)
+        batches.append(weakref.ref(batch))
+
+    monkeypatch.setattr(pread_jobs._Batch, "__init__", recording)
+    for _ in range(3):
+        _read(reader, [f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
+    deadline = time.monotonic() + 5
+    while any(ref() is not None for ref in batches) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(batches) == 3 and all(ref() is None for ref in batches)
     reader.close()
