@@ -30,10 +30,12 @@ class _HoldTorch:
     waits in the loader's exec_module (the torch module's own lock), not in find_spec (which runs under
     the interpreter's global import lock and would block every other thread's imports)."""
 
+    done = False  # set, not removed from sys.meta_path: a thread walking that list while it shrinks skips a finder
+
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != "torch" or self.done:
             return None
-        sys.meta_path.remove(self)
+        self.done = True
         spec = importlib.util.find_spec("torch")
         real = spec.loader
 
