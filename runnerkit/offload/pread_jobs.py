@@ -147,20 +147,19 @@ class _Batch:
             if worker is not None:
                 worker.busy = self
             index = next(self.claims)
-            if index >= len(self.jobs) or self.cancelled:
-                break
-            try:
-                self.results[index] = preadv_job(self.fd, self.jobs[index])
-            except BaseException as exc:  # noqa: BLE001  raised by the caller once no thread reads
-                if worker is None and not isinstance(exc, Exception):
-                    raise  # the calling thread's interrupt
-                self.results[index], self.cancelled = exc, True
+            done = index >= len(self.jobs) or self.cancelled
+            if not done:
+                try:
+                    self.results[index] = preadv_job(self.fd, self.jobs[index])
+                except BaseException as exc:  # noqa: BLE001  raised by the caller once no thread reads
+                    if worker is None and not isinstance(exc, Exception):
+                        raise  # the calling thread's interrupt
+                    self.results[index], self.cancelled = exc, True
             if worker is not None:
                 worker.busy = None
                 self.wake.put(None)
-        if worker is not None:
-            worker.busy = None
-            self.wake.put(None)
+            if done:
+                return
 
     def nap(self) -> None:
         """Wait for a worker's token, at most 50 ms."""

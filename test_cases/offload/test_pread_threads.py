@@ -414,21 +414,17 @@ def test_a_reader_dropped_without_close_stops_its_read_threads(tmp_path: Path, m
     """Readers built and dropped (a module built per request, never closed): their pools' workers end."""
     path, _ = _checkpoint(tmp_path)
     monkeypatch.setattr(pread_jobs, "MIN_JOB_BYTES", 64)
-
-    def workers() -> int:
-        return sum(t.name.startswith("runnerkit-pread") for t in threading.enumerate())
-
-    before = workers()
+    workers: list[threading.Thread] = []
     for _ in range(5):
         reader = SafetensorsDiskReader([path], reader="pread", read_threads=3)
         reader.load_tensors([f"blocks.0.{k}" for k in ("attn.weight", "ff.weight", "norm.weight")])
-        assert workers() == before + 2
+        workers += reader._pool._workers
         del reader
         gc.collect()
-    deadline = time.monotonic() + 5
-    while workers() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert workers() == before
+    assert len(workers) == 10
+    for worker in workers:
+        worker.join(timeout=5)
+    assert not any(w.is_alive() for w in workers)
 
 
 def test_a_workers_base_exception_surfaces_and_the_worker_stays(tmp_path: Path,
