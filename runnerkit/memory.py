@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from loguru import logger
 
+from runnerkit.cgroup import memory_available
+
 GIB = 1024**3
 
 
@@ -221,8 +223,6 @@ class MemoryLimit:
 
 
 MEMINFO = Path("/proc/meminfo")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge number (2^63 rounded to pages)
 
 
 def _meminfo_available() -> int | None:
@@ -234,44 +234,6 @@ def _meminfo_available() -> int | None:
                 return int(line.split()[1]) * 1024  # kB
     except (OSError, ValueError, IndexError):
         return None
-    return None
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _stat_value(path: Path, key: str) -> int:
-    try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key and value.strip().isdigit():
-                return int(value)
-    except OSError:
-        pass
-    return 0
-
-
-def _cgroup_available() -> tuple[int, str] | None:
-    """Bytes left under this container's cgroup memory limit (limit - usage + inactive file cache,
-    the reclaimable part, as `docker stats` counts it), or None without a limit.
-
-    cgroup v2: /sys/fs/cgroup/memory.max, memory.current, memory.stat `inactive_file`;
-    v1: /sys/fs/cgroup/memory/memory.limit_in_bytes, memory.usage_in_bytes, memory.stat `total_inactive_file`.
-    """
-    for limit_file, usage_file, stat_file, key, name in (
-            (CGROUP_ROOT / "memory.max", CGROUP_ROOT / "memory.current", CGROUP_ROOT / "memory.stat",
-             "inactive_file", "cgroup v2 memory.max"),
-            (CGROUP_ROOT / "memory" / "memory.limit_in_bytes", CGROUP_ROOT / "memory" / "memory.usage_in_bytes",
-             CGROUP_ROOT / "memory" / "memory.stat", "total_inactive_file", "cgroup v1 memory.limit_in_bytes")):
-        limit, usage = _read_int(limit_file), _read_int(usage_file)
-        if limit is None or usage is None or limit >= _UNLIMITED:
-            continue
-        return max(0, limit - usage + _stat_value(stat_file, key)), f"{name} {limit / GIB:.2f} GiB"
     return None
 
 
@@ -296,7 +258,7 @@ def host_available_bytes() -> tuple[int, str] | None:
                 found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free pages (os.sysconf)"
             except (ValueError, OSError, AttributeError):
                 found = None
-    cgroup = _cgroup_available()
+    cgroup = memory_available()
     if cgroup is not None and (found is None or cgroup[0] < found[0]):
         return cgroup[0], f"{cgroup[1]} minus its usage"
     return found

@@ -11,15 +11,14 @@ by its own `os.preadv` calls (`preadv_job`); a cold disk is read at a deeper que
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from queue import Empty, SimpleQueue
 
+from runnerkit.cgroup import cpu_quota
 from runnerkit.weights import TensorIndexEntry
 
 __all__ = ["AUTO_READ_THREADS", "IOV_MAX", "MIN_JOB_BYTES", "PreadPool", "ReadJob", "preadv_job",
@@ -48,23 +47,13 @@ class ReadJob:
     last: TensorIndexEntry | None
 
 
-def _cgroup_cpus(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
-    """The CPUs a cgroup v2 CPU quota allows ("<quota> <period>" in `cpu.max`, rounded up), or None (no quota,
-    "max", or no such file)."""
-    try:
-        quota, period = path.read_text().split()[:2]
-        return None if quota == "max" or int(period) <= 0 else max(1, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        return None
-
-
 def resolve_read_threads(setting: int | str) -> int:
     """`offload.read_threads` as a count: an int as it is; "auto" `AUTO_READ_THREADS`, or fewer where the
     process may use fewer CPUs (its affinity mask, a cgroup CPU quota)."""
     if setting != "auto":
         return int(setting)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(AUTO_READ_THREADS, cpus, _cgroup_cpus() or cpus))
+    return max(1, min(AUTO_READ_THREADS, cpus, cpu_quota() or cpus))
 
 
 def split_jobs(runs: Sequence[tuple[int, list[Segment]]], parts: int, min_bytes: int | None = None) -> list[ReadJob]:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from runnerkit import cgroup
 from runnerkit.config import OffloadConfig
 from runnerkit.offload import pread_jobs
 from runnerkit.offload.disk import SafetensorsDiskReader
@@ -211,10 +212,10 @@ def test_auto_takes_four_threads_or_the_cpus_the_process_may_use(tmp_path: Path,
                                                                  cpus: int, quota: str | None, want: int) -> None:
     """auto: 4, or fewer CPUs in the affinity mask, or a cgroup v2 CPU quota (2.5 CPUs: 3 threads); an int as is."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
-    cpu_max = tmp_path / "cpu.max"
     if quota is not None:
-        cpu_max.write_text(quota + "\n")
-    monkeypatch.setattr(pread_jobs._cgroup_cpus, "__defaults__", (cpu_max,))
+        (tmp_path / "cpu.max").write_text(quota + "\n")
+    monkeypatch.setattr(cgroup, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(cgroup, "MEMBERSHIP", tmp_path / "no-membership")
     assert pread_jobs.resolve_read_threads("auto") == want and pread_jobs.resolve_read_threads(7) == 7
 
 
@@ -349,7 +350,7 @@ def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path, mon
     """An explicit count, auto (3 CPUs here: 3 threads) and the mmap reader (one thread); the streaming log line says
     how many threads read."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
-    monkeypatch.setattr(pread_jobs._cgroup_cpus, "__defaults__", (tmp_path / "no-cpu.max",))
+    monkeypatch.setattr(cgroup, "CGROUP_ROOT", tmp_path / "no-cgroup")
     checkpoint = tmp_path / "wide.safetensors"
     _rss_driver.write_checkpoint(checkpoint, 4)
     for reader, threads, want, said in (("pread", 5, 5, "reader=pread, 5 read threads)"),

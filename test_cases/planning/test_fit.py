@@ -16,7 +16,7 @@ import pytest
 import torch
 from loguru import logger
 
-from runnerkit import memory
+from runnerkit import cgroup, memory
 from runnerkit.config import ConfigError, RequestConfig, load_runner_config
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.planning import fit
@@ -233,7 +233,8 @@ def test_cpu_limit_sources_and_fallbacks(tmp_path: Path, monkeypatch: pytest.Mon
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8388608 kB\n")
     monkeypatch.setattr(memory, "MEMINFO", meminfo)
-    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path / "no_cgroup")
+    monkeypatch.setattr(cgroup, "CGROUP_ROOT", tmp_path / "no_cgroup")
+    monkeypatch.setattr(cgroup, "MEMBERSHIP", tmp_path / "no_membership")
     assert memory.host_available_bytes() == (8 * GIB, "MemAvailable of /proc/meminfo")
     # a cgroup v2 limit that leaves less: limit - usage + inactive file cache
     cg = tmp_path / "cgroup"
@@ -241,7 +242,7 @@ def test_cpu_limit_sources_and_fallbacks(tmp_path: Path, monkeypatch: pytest.Mon
     (cg / "memory.max").write_text(f"{6 * GIB}\n")
     (cg / "memory.current").write_text(f"{3 * GIB}\n")
     (cg / "memory.stat").write_text(f"anon 1\ninactive_file {1 * GIB}\n")
-    monkeypatch.setattr(memory, "CGROUP_ROOT", cg)
+    monkeypatch.setattr(cgroup, "CGROUP_ROOT", cg)
     available, source = memory.host_available_bytes()
     assert available == 4 * GIB and "cgroup v2 memory.max" in source
     (cg / "memory.max").write_text("max\n")  # no limit: back to MemAvailable

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from runnerkit import memory
+from runnerkit import cgroup, memory
 from runnerkit.cli import main as cli_main
 from runnerkit.config import OffloadConfig, RunnerConfig, load_runner_config
 from runnerkit.memory import MemoryLimit
@@ -378,8 +378,8 @@ def test_bad_input_exits_2_naming_it(argv: list[str], message: str, no_checkpoin
     assert message in " ".join(captured.err.split())
 
 
-@pytest.mark.parametrize("cgroup", ["v2", "v1", "none"])
-def test_default_limits_are_this_machines(cgroup: str, no_checkpoints: Path, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("version", ["v2", "v1", "none"])
+def test_default_limits_are_this_machines(version: str, no_checkpoints: Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """No flags: the CUDA device's free + held less 1 GiB for the libraries; the host's available memory,
     here the container's cgroup limit less its usage (smaller than MemAvailable) or, without a cgroup limit,
@@ -388,23 +388,24 @@ def test_default_limits_are_this_machines(cgroup: str, no_checkpoints: Path, mon
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * GIB)
     root = no_checkpoints / "cgroup"
-    files = ({"memory.max": 16 * GIB, "memory.current": 6 * GIB} if cgroup == "v2" else
-             {"memory/memory.limit_in_bytes": 16 * GIB, "memory/memory.usage_in_bytes": 6 * GIB} if cgroup == "v1"
+    files = ({"memory.max": 16 * GIB, "memory.current": 6 * GIB} if version == "v2" else
+             {"memory/memory.limit_in_bytes": 16 * GIB, "memory/memory.usage_in_bytes": 6 * GIB} if version == "v1"
              else {})
     for name, value in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(f"{value}\n")
-    monkeypatch.setattr(memory, "CGROUP_ROOT", root)
+    monkeypatch.setattr(cgroup, "CGROUP_ROOT", root)
+    monkeypatch.setattr(cgroup, "MEMBERSHIP", root / "no_membership")
     monkeypatch.setattr(memory, "_meminfo_available", lambda: 100 * GIB)
     monkeypatch.setattr(memory, "host_memory", lambda: SimpleNamespace(rss_gib=0.5))
     rc, out, err = run_plan(capsys, "--config_json", REPO / "configs/wan/wan_t2v_1.3b.json")
     assert rc == 0, err
     assert out["device_limit_gib"] == 31.0 and "kept for the CUDA libraries" in out["device_limit_source"]
-    if cgroup == "none":
+    if version == "none":
         assert out["host_limit_gib"] == 100.5 and out["host_limit_source"] == (
             "100.00 GiB available (MemAvailable of /proc/meminfo) + 0.50 GiB held by this process")
     else:
-        assert out["host_limit_gib"] == 10.5 and f"cgroup {cgroup}" in out["host_limit_source"]
+        assert out["host_limit_gib"] == 10.5 and f"cgroup {version}" in out["host_limit_source"]
 
 
 def test_a_plan_short_of_both_limits_advises_for_both(no_checkpoints: Path, capsys: pytest.CaptureFixture[str]) -> None:
