@@ -242,7 +242,8 @@ def host_available_bytes() -> tuple[int, str] | None:
 
     /proc/meminfo MemAvailable (Linux), else psutil's `virtual_memory().available` if psutil is
     installed, else free pages (`os.sysconf`: conservative, ignores reclaimable cache); then the
-    smaller of that and what the container's cgroup limit leaves.
+    smaller of that and what the cgroup memory limits on this process's groups leave
+    (`runnerkit.cgroup.memory_available`).
     """
     found: tuple[int, str] | None = None
     available = _meminfo_available()
