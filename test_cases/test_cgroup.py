@@ -44,7 +44,8 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def _v2_memory(limit: int | str, current: int, inactive: int = 0) -> dict[str, str]:
-    return {"memory.max": str(limit), "memory.current": str(current), "memory.stat": f"anon 1\ninactive_file {inactive}"}
+    return {"memory.max": str(limit), "memory.current": str(current),
+            "memory.stat": f"anon 1\ninactive_file {inactive}"}
 
 
 @pytest.mark.parametrize("membership, groups, want", [
