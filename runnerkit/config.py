@@ -20,8 +20,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
+from runnerkit import json_strict
 from runnerkit.config_sections import (
     PREAD_KEYS,
     CompileConfig,
@@ -38,11 +40,11 @@ from runnerkit.config_sections import (
 from runnerkit.config_sections import StrictModel as _Strict
 
 __all__ = ["FAMILY_DEFAULTED", "MAX_EXTRA_IMAGES", "MAX_FRAMES", "MAX_PROMPT_CHARS", "MAX_SIDE", "MAX_TEXT_BUCKET",
-           "PREAD_KEYS", "REQUEST_DEFAULT_FIELDS", "CompileConfig", "ConfigError", "ConfigLockedError", "FrozenDict", "FrozenList",
-           "LoRAConfig", "LoRARequest", "MemoryConfig", "OffloadConfig", "ParallelConfig", "RequestConfig",
-           "RunnerConfig", "SyntheticCheckpointConfig", "as_request", "deep_freeze", "field_path",
-           "format_validation_error", "invalid_lines", "load_requests", "load_runner_config", "lora_flag_fields",
-           "parse_lora_flag", "read_requests", "validate_model_arch"]
+           "PREAD_KEYS", "REQUEST_DEFAULT_FIELDS", "REVALIDATED", "CompileConfig", "ConfigError", "ConfigLockedError",
+           "FrozenDict", "FrozenList", "LoRAConfig", "LoRARequest", "MemoryConfig", "OffloadConfig", "ParallelConfig",
+           "RequestConfig", "RunnerConfig", "SyntheticCheckpointConfig", "as_request", "deep_freeze", "field_path",
+           "fill_family_defaults", "format_validation_error", "invalid_lines", "load_runner_config",
+           "lora_flag_fields", "parse_lora_flag", "read_requests", "validate_model_arch"]
 
 MAX_SIDE = 8192  # pixels: bounds a request far above any released model resolution (720p video, 1328 px images)
 MAX_FRAMES = 1025  # frames
@@ -51,6 +53,9 @@ MAX_FRAMES = 1025  # frames
 #: "the family's default", filled in by `BaseRunner.resolve_config` before anything else reads them.
 FAMILY_DEFAULTED = ("infer_steps", "target_height", "target_width", "target_video_length", "fps",
                     "sample_shift", "sample_guide_scale", "scheduler", "scheduler_spacing")
+#: `model_validate(..., context={REVALIDATED: True})`: a config validated before, its family's defaults filled in
+#: (`fill_family_defaults`); the checks of what a user may set together are not repeated on it.
+REVALIDATED = "revalidated"
 
 
 MAX_TEXT_BUCKET = 1024
@@ -178,6 +183,27 @@ class RunnerConfig(_Strict):
     @classmethod
     def _table_from_json(cls, v: Any) -> Any:
         return tuple(v) if isinstance(v, list) else v  # JSON has no tuples
+
+    @field_validator("sample_sigmas")
+    @classmethod
+    def _table(cls, v: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if v is not None and (not all(0 < x <= 1 for x in v) or any(b >= a for a, b in zip(v, v[1:]))):
+            raise ValueError(f"`sample_sigmas` must be strictly decreasing values in (0, 1] (got {list(v)})")
+        return v
+
+    @model_validator(mode="after")
+    def _fixed_table(self, info: ValidationInfo) -> RunnerConfig:
+        if self.sample_sigmas is None:
+            return self
+        given = [f"`{k}`" for k in ("sample_shift", "scheduler_spacing") if getattr(self, k) is not None]
+        if given and not (info.context or {}).get(REVALIDATED):  # a family's defaults fill them in a resolved config
+            raise ValueError(f"`sample_sigmas` is used as given, so {' and '.join(given)} would do nothing: "
+                             f"remove {'them' if len(given) > 1 else 'it'} (or remove `sample_sigmas`)")
+        if self.scheduler == "unipc" and self.sample_sigmas[0] >= 1:
+            raise ValueError(f"`sample_sigmas` starts at {self.sample_sigmas[0]}, but `scheduler` 'unipc' needs every "
+                             "sigma below 1 (its log-SNR is -inf at 1): start the table below 1, or set `scheduler` "
+                             "'euler'")
+        return self
 
     @field_validator("sample_guide_scale", mode="before")
     @classmethod
@@ -482,9 +508,11 @@ def load_runner_config(path: str | Path | None, overrides: dict[str, Any],
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} " + ("is a folder, not a file" if p.is_dir() else "does not exist"))
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
+            data = json_strict.loads(p.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid UTF-8 JSON: {exc}") from None
+        except json_strict.DuplicateKeyError as exc:
+            raise ConfigError(f"config file {str(p)!r}: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a JSON object (got {type(data).__name__})")
         where = f"the config file {str(p)!r}"
@@ -517,7 +545,7 @@ def load_runner_config(path: str | Path | None, overrides: dict[str, Any],
 
 def read_requests(path: str | Path) -> tuple[list[RequestConfig], list[tuple[int, str]], int]:
     """Every line of a `--requests` .jsonl file: (the valid requests, (line number, problem) of each invalid
-    line, the count of non-empty lines). `load_requests` refuses the file if any line is invalid.
+    line, the count of non-empty lines).
 
     Raises:
         ConfigError: the file is missing, a folder, or not UTF-8 text.
@@ -537,6 +565,13 @@ def read_requests(path: str | Path) -> tuple[list[RequestConfig], list[tuple[int
             continue
         lines += 1
         try:
+            json_strict.loads(line)
+        except json_strict.DuplicateKeyError as exc:
+            problems.append((n, f"request on line {n} of {str(p)!r}: {exc}"))
+            continue
+        except ValueError:  # not JSON: pydantic's message below names the problem
+            pass
+        try:
             request = RequestConfig.model_validate_json(line)
         except ValidationError as exc:
             problems.append((n, format_validation_error(exc, f"request on line {n} of {str(p)!r}")))
@@ -546,18 +581,17 @@ def read_requests(path: str | Path) -> tuple[list[RequestConfig], list[tuple[int
     return requests, problems, lines
 
 
-def load_requests(path: str | Path) -> list[RequestConfig]:
-    """Read and validate every line of a `--requests` .jsonl file before anything is loaded.
-
-    Raises:
-        ConfigError: naming the line number and field of every bad line (all at once).
-    """
-    requests, problems, lines = read_requests(path)
-    if problems:  # every bad line at once, not one per run
-        raise ConfigError(invalid_lines(problems, lines))
-    if not requests:
-        raise ConfigError(f"requests file {str(path)!r} holds no request")
-    return requests
+def fill_family_defaults(config: RunnerConfig, defaults: Mapping[str, Any]) -> RunnerConfig:
+    """`config` with `defaults` (a family's, for the settings it leaves unset) filled in and validated again.
+    Raises ValueError for a combination only the defaults make (e.g. `sample_sigmas` that its scheduler refuses)."""
+    if not defaults:
+        return config
+    try:
+        return RunnerConfig.model_validate({**config.model_dump(exclude_unset=True), **defaults},
+                                           context={REVALIDATED: True})
+    except ValidationError as exc:
+        origins = {k: f"{v!r}, {config.model_cls}'s default" for k, v in defaults.items()}
+        raise ValueError(format_validation_error(exc, "config with the family's defaults", origins)) from None
 
 
 def invalid_lines(problems: list[tuple[int, str]], lines: int) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from runnerkit.config import OffloadConfig, RunnerConfig
+from runnerkit.config import REVALIDATED, OffloadConfig, RunnerConfig
 from runnerkit.planning.fit import GIB, HostEstimate, MemoryEstimate, host_bytes_of, overhead_bytes, streams
 
 __all__ = ["accepted", "disk_streaming", "host_refusal_message", "pinned_options", "settings"]
@@ -43,7 +43,7 @@ def accepted(config: RunnerConfig, changes: dict[str, Any]) -> bool:
         else:
             data[key] = value
     try:
-        type(config).model_validate(data)
+        type(config).model_validate(data, context={REVALIDATED: True})
     except ValueError:
         return False
     return True

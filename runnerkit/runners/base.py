@@ -46,7 +46,8 @@ from loguru import logger
 
 from runnerkit import compile as regional_compile
 from runnerkit import memory
-from runnerkit.config import FAMILY_DEFAULTED, ConfigLockedError, RunnerConfig, deep_freeze
+from runnerkit.config import (FAMILY_DEFAULTED, REVALIDATED, ConfigLockedError, RunnerConfig, deep_freeze,
+                              fill_family_defaults)
 from runnerkit.memory import snapshot
 from runnerkit.profiling import Profiler, RequestProfile, compile_seconds, dynamo_counts, inductor_cache_counts
 from runnerkit.runners.checkpoints import CheckpointSource
@@ -251,9 +252,7 @@ class BaseRunner(ABC):
         missing = [k for k in unset if k not in cls.DEFAULTS]
         if missing:
             raise ValueError(f"model_cls {config.model_cls!r} has no default for {missing}; set them in the config")
-        if not unset:
-            return config
-        return RunnerConfig.model_validate({**config.model_dump(exclude_unset=True), **{k: cls.DEFAULTS[k] for k in unset}})
+        return fill_family_defaults(config, {k: cls.DEFAULTS[k] for k in unset})
 
     @property
     def config(self) -> RunnerConfig:
@@ -268,7 +267,8 @@ class BaseRunner(ABC):
         """
         if self._config_locked:
             raise ConfigLockedError(f"config is locked after load_modules; refused change of {sorted(changes)}")
-        self._config = RunnerConfig.model_validate({**self._config.model_dump(exclude_unset=True), **changes})
+        self._config = RunnerConfig.model_validate({**self._config.model_dump(exclude_unset=True), **changes},
+                                                   context={REVALIDATED: True})
 
     @contextmanager
     def config_trial(self, **changes: Any) -> Iterator[None]:

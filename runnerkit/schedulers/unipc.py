@@ -80,10 +80,14 @@ class FlowUniPCScheduler(Scheduler):
             sigmas: a fixed sigma table used as given (`Scheduler.__init__`).
 
         Raises:
-            ValueError: `solver_order` not in (1, 2), or a base argument out of range.
+            ValueError: `solver_order` not in (1, 2), a `sigmas` table that starts at 1 (the log-SNR is
+                -inf there), or a base argument out of range.
         """
         if solver_order not in (1, 2):
             raise ValueError(f"`solver_order` must be 1 or 2, got {solver_order!r}")
+        if sigmas is not None and len(sigmas) and float(sigmas[0]) >= 1:
+            raise ValueError(f"UniPC needs every sigma below 1 (its log-SNR is -inf at 1), got `sigmas` starting at "
+                             f"{sigmas[0]!r}")
         self.solver_order = solver_order
         super().__init__(num_train_timesteps=num_train_timesteps, shift=shift, spacing=spacing, sigmas=sigmas)
 

@@ -29,6 +29,7 @@ try:
 except ImportError:  # python-multipart before 0.0.13 names its module `multipart`
     from multipart.multipart import MultipartParseError, MultipartParser, parse_options_header  # type: ignore[no-redef]
 
+from runnerkit import json_strict
 from runnerkit.config import MAX_EXTRA_IMAGES
 
 MAX_IMAGE_BYTES = 32 * 1024**2
@@ -149,7 +150,9 @@ async def _read_all(body: CountedBody) -> bytes:
 async def _json_object(body: CountedBody) -> dict[str, Any]:
     raw = await _read_all(body)
     try:
-        value = json.loads(raw)
+        value = json_strict.loads(raw)
+    except json_strict.DuplicateKeyError as exc:
+        raise InputError(f"the JSON body: {exc}", exc.key) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"malformed JSON body: {exc} (send a JSON object or a multipart form)") from None
     except RecursionError:  # the decoder recurses once per level: ~1000 levels end it
@@ -303,7 +306,9 @@ async def form_fields(items: list[tuple[str, str | bytes]]) -> dict[str, Any]:
             if "lora" in fields:
                 raise InputError("`lora` is given twice in the form", "lora")
             try:
-                fields["lora"] = json.loads(value)
+                fields["lora"] = json_strict.loads(value)
+            except json_strict.DuplicateKeyError as exc:
+                raise InputError(f"`lora` as a form part: {exc}", "lora") from None
             except (ValueError, RecursionError):
                 raise InputError(f"`lora` as a form part must be a JSON list of {{\"path\": name, \"strength\": x}} "
                                  f"(got {shown(value)})", "lora") from None
