@@ -31,7 +31,10 @@ MIN_JOB_BYTES = 4 << 20
 """Runs are cut into jobs of at least this many bytes (smaller ones cost more in hand-offs than they gain)."""
 
 AUTO_READ_THREADS = 4
-"""`offload.read_threads` auto: this many, or the CPUs the process may run on if fewer."""
+"""`offload.read_threads` auto for files whose pages stay in the page cache: this many, or the CPUs the process
+may run on if fewer (a copy out of the page cache runs at one core's memory bandwidth: on the H100 machine 5.0 GB/s
+with 1 thread, 18.1 GB/s with 4; bench/results/pread_threads_h100_s16.md). Files read from the disk take 1 thread:
+more read slower there (4 threads 0.82-0.91 x one thread's 1.7 GB/s)."""
 
 Segment = tuple[memoryview, TensorIndexEntry | None]  # a destination view, its tensor's entry (None: a gap, discarded)
 JobResult = tuple[int, TensorIndexEntry | None]  # `os.preadv` calls, and the tensor a short read stopped in (or None)
@@ -47,11 +50,14 @@ class ReadJob:
     last: TensorIndexEntry | None
 
 
-def resolve_read_threads(setting: int | str) -> int:
-    """`offload.read_threads` as a count: an int as it is; "auto" `AUTO_READ_THREADS`, or fewer where the
-    process may use fewer CPUs (its affinity mask, a cgroup CPU quota)."""
+def resolve_read_threads(setting: int | str, from_disk: bool = False) -> int:
+    """`offload.read_threads` as a count: an int as it is; "auto" 1 for files read `from_disk` (their pages
+    dropped after each read, `offload.page_cache`), else `AUTO_READ_THREADS`, or fewer where the process may use
+    fewer CPUs (its affinity mask, a cgroup CPU quota)."""
     if setting != "auto":
         return int(setting)
+    if from_disk:
+        return 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(AUTO_READ_THREADS, cpus, cpu_quota() or cpus))
 

@@ -55,7 +55,7 @@ def page_cache_kept(files: Sequence[Path], setting: str) -> tuple[bool, str]:
     is unknown. A reader keeps its files' pages only if every one of them is kept.
 
     Raises:
-        OSError: a file that cannot be `stat`ed (the reader, built first, has checked them).
+        OSError: a file that cannot be `stat`ed (`stream_module` then lets the reader name it).
     """
     if setting != "auto":
         return setting == "keep", f"offload.page_cache={setting}"
@@ -134,10 +134,17 @@ def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cf
         return _ResidentRead([batch], None, None)
     assert files is not None, "storage disk needs the checkpoint files"
     key_map = dict(key_map or {n: n for n in expected})
-    reader = SafetensorsDiskReader(files, reader=cfg.reader,  # checks the files (CheckpointError)
-                                   read_threads=resolve_read_threads(cfg.read_threads) if cfg.reader == "pread" else 1)
+    kept: tuple[bool, str] | None = None  # pread: whether the files' pages stay in the page cache, and why
     if cfg.reader == "pread":
-        keep, why = page_cache_kept(files, cfg.page_cache)
+        try:
+            kept = page_cache_kept(files, cfg.page_cache)
+        except OSError:  # a file that cannot be stat'ed: the reader names it (CheckpointError)
+            pass
+    threads = resolve_read_threads(cfg.read_threads, from_disk=kept is not None and not kept[0])
+    reader = SafetensorsDiskReader(files, reader=cfg.reader,  # checks the files (CheckpointError)
+                                   read_threads=threads if cfg.reader == "pread" else 1)
+    if cfg.reader == "pread":
+        keep, why = kept if kept is not None else page_cache_kept(files, cfg.page_cache)
         reader.drop_pages = reader.drop_pages and not keep
         logger.info("{}: page cache of the streamed files {}: {}", component, "kept" if keep else
                     "dropped after each read", why)

@@ -217,6 +217,8 @@ def test_auto_takes_four_threads_or_the_cpus_the_process_may_use(tmp_path: Path,
     monkeypatch.setattr(cgroup, "CGROUP_ROOT", tmp_path)
     monkeypatch.setattr(cgroup, "MEMBERSHIP", tmp_path / "no-membership")
     assert pread_jobs.resolve_read_threads("auto") == want and pread_jobs.resolve_read_threads(7) == 7
+    assert pread_jobs.resolve_read_threads("auto", from_disk=True) == 1  # every read from the disk: one thread
+    assert pread_jobs.resolve_read_threads(7, from_disk=True) == 7
 
 
 @pytest.mark.parametrize("where", ["caller's job", "wait", "both"])
@@ -347,19 +349,20 @@ def test_a_batch_of_zero_size_tensors_reads_nothing(tmp_path: Path) -> None:
 
 
 def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An explicit count, auto (3 CPUs here: 3 threads) and the mmap reader (one thread); the streaming log line says
-    how many threads read."""
+    """An explicit count, auto (3 CPUs here: 3 threads where the pages are kept, 1 where each read goes to the disk)
+    and the mmap reader (one thread); the streaming log line says how many threads read."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     monkeypatch.setattr(cgroup, "CGROUP_ROOT", tmp_path / "no-cgroup")
     checkpoint = tmp_path / "wide.safetensors"
     _rss_driver.write_checkpoint(checkpoint, 4)
-    for reader, threads, want, said in (("pread", 5, 5, "reader=pread, 5 read threads)"),
-                                        ("pread", 1, 1, "reader=pread, 1 read thread)"),
-                                        ("pread", None, 3, "reader=pread, 3 read threads)"),
-                                        ("mmap", None, 1, "reader=mmap)")):
+    for reader, cache, threads, want, said in (("pread", "drop", 5, 5, "reader=pread, 5 read threads)"),
+                                               ("pread", "keep", 1, 1, "reader=pread, 1 read thread)"),
+                                               ("pread", "keep", None, 3, "reader=pread, 3 read threads)"),
+                                               ("pread", "drop", None, 1, "reader=pread, 1 read thread)"),
+                                               ("mmap", "auto", None, 1, "reader=mmap)")):
         with logged() as lines:
             streamer, _ = _rss_driver.stream([checkpoint], reader, gpu_slots=2, steps=1, num_blocks=4,
-                                             read_threads=threads)
+                                             page_cache=cache, read_threads=threads)
         try:
             assert streamer.source.reader.read_threads == want  # type: ignore[attr-defined]
         finally:
