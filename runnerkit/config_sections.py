@@ -56,8 +56,9 @@ class OffloadConfig(StrictModel):
     read_threads: int | Literal["auto"] = Field(
         "auto", description="Storage disk with reader pread: threads that read a streamed unit's bytes at once, each "
         "a contiguous part (one thread copies out of the page cache at a single core's memory bandwidth, a few GB/s "
-        "on a server CPU; a cold disk is read at a deeper queue). auto: 4, or fewer where the process may use "
-        "fewer CPUs (affinity mask, cgroup CPU quota). 1: one thread. Reads smaller than 4 MiB a thread use fewer.")
+        "on a server CPU). auto: where the files' pages stay cached (`page_cache`) 4, or fewer where the process may "
+        "use fewer CPUs (affinity mask, cgroup CPU quotas); where each read goes to the disk (pages dropped) 1, as "
+        "more threads read a virtio disk slower (docs/offload.md). Reads smaller than 4 MiB a thread use fewer.")
 
     @field_validator("read_threads", mode="before")
     @classmethod
