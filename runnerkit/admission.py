@@ -218,6 +218,9 @@ def check_default_shape(runner_cls: type, config: Any, source: str) -> None:
     """
     try:
         resolved = runner_cls.resolve_config(config)
+    except ValueError as exc:  # a combination the family's defaults make
+        raise ConfigError(f"{source}: {exc}") from None
+    try:
         runner_cls.validate_shape(resolved.target_height, resolved.target_width, resolved.target_video_length)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc} (the default shape of every request)") from None

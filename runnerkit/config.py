@@ -12,7 +12,6 @@ Unknown keys, wrong types and out-of-range values are errors that name the field
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 import typing
@@ -509,10 +508,10 @@ def load_runner_config(path: str | Path | None, overrides: dict[str, Any],
             raise ConfigError(f"config file {str(p)!r} " + ("is a folder, not a file" if p.is_dir() else "does not exist"))
         try:
             data = json_strict.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid UTF-8 JSON: {exc}") from None
         except json_strict.DuplicateKeyError as exc:
             raise ConfigError(f"config file {str(p)!r}: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # not JSON or UTF-8, a huge integer, nesting past ~1000 levels
+            raise ConfigError(f"config file {str(p)!r} is not valid UTF-8 JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a JSON object (got {type(data).__name__})")
         where = f"the config file {str(p)!r}"
@@ -569,7 +568,7 @@ def read_requests(path: str | Path) -> tuple[list[RequestConfig], list[tuple[int
         except json_strict.DuplicateKeyError as exc:
             problems.append((n, f"request on line {n} of {str(p)!r}: {exc}"))
             continue
-        except ValueError:  # not JSON: pydantic's message below names the problem
+        except (ValueError, RecursionError):  # not JSON, or too deep: pydantic's message below names the problem
             pass
         try:
             request = RequestConfig.model_validate_json(line)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from runnerkit.admission import check_default_shape
 from runnerkit.config import ConfigError, RunnerConfig, load_runner_config, read_requests
 from runnerkit.models.wan.runner import WanT2VRunner
 from runnerkit.planning.host_advice import accepted
@@ -36,16 +37,21 @@ def test_a_config_file_naming_a_key_twice_is_refused_naming_it(tmp_path: Path) -
     assert str(exc.value) == (f"config file {str(path)!r}: key 'infer_steps' appears twice in one JSON object "
                               "(values 4 and 7): keep one")
     path.write_text('{"model_cls": "wan2.1", "offload": {"mode": "block", "mode": "none"}}')
-    with pytest.raises(ConfigError, match="key 'mode' appears twice in one JSON object"):
+    with pytest.raises(ConfigError, match="key 'mode' appears twice in one JSON object of `offload` "):
+        load_runner_config(path, {})
+    path.write_text('{"model_cls": "wan2.1", "x": ' + "[" * 3000 + "]" * 3000 + "}")  # past json's recursion
+    with pytest.raises(ConfigError, match="is not valid UTF-8 JSON: maximum recursion depth exceeded"):
         load_runner_config(path, {})
 
 
 def test_a_requests_line_naming_a_key_twice_is_refused_with_its_line(tmp_path: Path) -> None:
     """Every bad line is reported (the duplicate beside a line pydantic refuses); the good line is kept."""
     path = tmp_path / "r.jsonl"
-    path.write_text('{"prompt": "a", "seed": 1}\n{"prompt": "b", "seed": 1, "seed": 2}\n{"prompt": 5}\n')
+    path.write_text('{"prompt": "a", "seed": 1}\n{"prompt": "b", "seed": 1, "seed": 2}\n{"prompt": 5}\n'
+                    + "[" * 5000 + "]" * 5000 + "\n")  # a line too deep for `json`: refused as pydantic refuses it
     requests, problems, lines = read_requests(path)
-    assert [r.prompt for r in requests] == ["a"] and lines == 3 and [n for n, _ in problems] == [2, 3]
+    assert [r.prompt for r in requests] == ["a"] and lines == 4 and [n for n, _ in problems] == [2, 3, 4]
+    assert "recursion limit exceeded" in problems[2][1], problems[2]
     assert problems[0][1] == (f"request on line 2 of {str(path)!r}: key 'seed' appears twice in one JSON object "
                               "(values 1 and 2): keep one")
     assert "prompt" in problems[1][1] and "Input should be a valid string" in problems[1][1], problems
@@ -95,6 +101,9 @@ def test_unipc_refuses_a_table_from_1_also_as_the_family_default(tmp_path: Path)
     assert str(exc.value).startswith("invalid config with the family's defaults:\n  (top level): `sample_sigmas` "
                                      "starts at 1.0, but `scheduler` 'unipc'"), exc.value
     assert "(`scheduler`='unipc', wan2.1's default)" in str(exc.value), exc.value
+    with pytest.raises(ConfigError) as refused:  # the launch script's and the server's check before loading
+        check_default_shape(WanT2VRunner, config, "config c.json")
+    assert str(refused.value) == f"config c.json: {exc.value}", refused.value  # not blamed on the default shape
     assert WanT2VRunner.for_plan(_config(tmp_path, ("sample_shift", "scheduler"), sample_sigmas=[0.99, 0.75, 0.5,
                                                                                                   0.25]))
     with pytest.raises(ValueError, match="UniPC needs every sigma below 1"):

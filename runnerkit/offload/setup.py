@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -140,7 +141,8 @@ def _read_resident(expected: Mapping[str, torch.Tensor], resident: list[str], cf
             kept = page_cache_kept(files, cfg.page_cache)
         except OSError:  # a file that cannot be stat'ed: the reader names it (CheckpointError)
             pass
-    threads = resolve_read_threads(cfg.read_threads, from_disk=kept is not None and not kept[0])
+    dropped = kept is not None and not kept[0] and hasattr(os, "posix_fadvise")  # else the pages stay cached
+    threads = resolve_read_threads(cfg.read_threads, from_disk=dropped)
     reader = SafetensorsDiskReader(files, reader=cfg.reader,  # checks the files (CheckpointError)
                                    read_threads=threads if cfg.reader == "pread" else 1)
     if cfg.reader == "pread":

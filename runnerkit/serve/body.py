@@ -18,7 +18,6 @@ body, or a chunked one (its length is unknown), is not drained: the answer goes 
 
 from __future__ import annotations
 
-import json
 import re
 import urllib.parse
 from typing import Any
@@ -152,8 +151,8 @@ async def _json_object(body: CountedBody) -> dict[str, Any]:
     try:
         value = json_strict.loads(raw)
     except json_strict.DuplicateKeyError as exc:
-        raise InputError(f"the JSON body: {exc}", exc.key) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"the JSON body: {exc}", exc.field) from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer over Python's digit limit
         raise InputError(f"malformed JSON body: {exc} (send a JSON object or a multipart form)") from None
     except RecursionError:  # the decoder recurses once per level: ~1000 levels end it
         raise InputError(f"the JSON body nests arrays and objects too deeply to be decoded; a request field nests "

@@ -300,22 +300,31 @@ def test_n_10_is_accepted_and_11_refused_naming_n(tmp_path: Path) -> None:
 
 # ---- a key given twice -----------------------------------------------------------------------
 def test_a_json_body_naming_a_key_twice_is_422_naming_it(tmp_path: Path) -> None:
-    """`json` would keep the last `seed` silently; the body is refused naming the key and both values (a long value
-    shortened), also for a key twice inside a field's object and in a form's `lora` part."""
+    """`json` would keep the last `seed` silently; the body is refused naming the key as the client sent it (its
+    path inside a field's object) and both values (a long value shortened), also in a form's `lora` part."""
     app = create_app(_video_state(tmp_path))
     raw = b'{"prompt": "x", "seed": 1, "negative_prompt": "' + b"n" * 500 + b'", "seed": 2}'
     status, reply = post(app, "/v1/videos", pieces(raw)).reply()
     err = _error_shape(422, reply)
     assert (status, err["param"], err["message"]) == (
         422, "seed", "the JSON body: key 'seed' appears twice in one JSON object (values 1 and 2): keep one"), reply
-    raw = b'{"prompt": "x", "lora": [{"path": "a", "path": "' + b"b" * 100 + b'"}]}'
+    raw = b'{"prompt": "x", "lora": [{"path": "a"}, {"path": "a", "path": "' + b"b" * 100 + b'"}]}'
     status, reply = post(app, "/v1/videos", pieces(raw)).reply()
-    assert (status, _error_shape(422, reply)["message"]) == (
-        422, "the JSON body: key 'path' appears twice in one JSON object (values 'a' and 'bbbbbbbbbbbbbbbbbbbbbbbbbb"
-             "bbbbbbbbbbbbbbbbbbbbb... (102 characters)): keep one"), reply
+    err = _error_shape(422, reply)
+    assert (status, err["param"], err["message"]) == (
+        422, "lora[1].path", "the JSON body: key 'path' appears twice in one JSON object of `lora[1]` (values 'a' "
+                             f"and '{'b' * 47}... (102 characters)): keep one"), reply
     form = b'prompt=x&lora=%5B%7B%22path%22%3A%22a%22%2C%22path%22%3A%22b%22%7D%5D'  # [{"path":"a","path":"b"}]
     status, reply = post(app, "/v1/videos", pieces(form), "application/x-www-form-urlencoded").reply()
     err = _error_shape(422, reply)
     assert (status, err["param"], err["message"]) == (
-        422, "lora", "`lora` as a form part: key 'path' appears twice in one JSON object (values 'a' and 'b'): "
-                     "keep one"), reply
+        422, "lora", "`lora` as a form part: key 'path' appears twice in one JSON object of `[0]` (values 'a' and "
+                     "'b'): keep one"), reply
+
+
+def test_an_integer_past_the_digit_limit_is_422_not_500(tmp_path: Path) -> None:
+    """Python refuses to convert an integer of more than 4300 digits (a ValueError that is no JSONDecodeError)."""
+    raw = b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}"
+    status, reply = post(create_app(_video_state(tmp_path)), "/v1/videos", pieces(raw)).reply()
+    err = _error_shape(422, reply)
+    assert status == 422 and err["message"].startswith("malformed JSON body: Exceeds the limit (4300 digits)"), reply

@@ -174,6 +174,10 @@ class LTX2Runner(DefaultRunner):
         if config.enable_cfg:
             raise ValueError(f"`enable_cfg` must be false for {config.model_cls}: the distilled checkpoints are "
                              "trained without classifier-free guidance (set \"enable_cfg\": false)")
+        if config.sample_sigmas is not None:
+            raise ValueError(f"`sample_sigmas` is not used by {config.model_cls}: the distilled model runs its trained "
+                             "sigma tables (DISTILLED_SIGMAS, STAGE2_SIGMAS of runnerkit/models/ltx2/runner.py): "
+                             "remove it")
         if config.infer_steps != len(DISTILLED_SIGMAS):
             raise ValueError(f"`infer_steps` must be {len(DISTILLED_SIGMAS)} for {config.model_cls} (got "
                              f"{config.infer_steps}): the distilled model runs its trained table of "

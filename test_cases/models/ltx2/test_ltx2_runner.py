@@ -386,6 +386,7 @@ def bad_input_argv(case: str, tmp_path: Path) -> list[str]:
                                "--prompt", "a fox"],
         "enable_cfg": lambda: config(enable_cfg=True),
         "infer_steps": lambda: [*t2av, "--infer_steps", "4"],
+        "sample_sigmas": lambda: config(sample_sigmas=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]),
     }
     return cases[case]()
 
@@ -399,6 +400,7 @@ BAD_INPUTS = {
     "image_path": "`image_path` (--image_path) is required by task 'i2av'",
     "enable_cfg": "`enable_cfg` must be false for ltx2",
     "infer_steps": "`infer_steps` must be 8 for ltx2 (got 4)",
+    "sample_sigmas": "`sample_sigmas` is not used by ltx2: the distilled model runs its trained sigma tables",
 }
 
 
