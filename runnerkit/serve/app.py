@@ -421,7 +421,7 @@ def add_job_routes(app: FastAPI, state: ServerState, kind: str, plural: str, sub
         if job.status in ("queued", "in_progress"):
             return error(409, f"job {job_id} is {job.status}; its content exists once it is completed")
         if job.status != "completed":
-            return error(409, f"job {job_id} is {job.status}: it has no content")
+            return error(409, f"job {job_id} has status {job.status!r}: it has no content")
         if not state.queue.open_content(job):
             return job_or_404(job_id, kind) if state.queue.get(job_id) is None else error(410, _gone(job_id))
         return _held_file(state.queue, job)

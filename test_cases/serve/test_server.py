@@ -362,6 +362,9 @@ def test_cancel_running_and_queued(shared: tuple[Server, Any], references: Any) 
     q = server.job(queued)
     assert (q["status"], q["started_at"], q["step"], q["steps_total"]) == ("cancelled", None, 0, 0), q
     assert not (server.out_dir / queued).exists()
+    r = server.get(f"/v1/videos/{queued}/content")
+    assert (r.status, r.json()["error"]["message"]) == (409, f"job {queued} has status 'cancelled': it has no "
+                                                              "content"), r.body
 
 
 # ---- 6. validation ----------------------------------------------------------------------------
