@@ -15,10 +15,9 @@ __all__ = ["DuplicateKeyError", "loads"]
 
 class DuplicateKeyError(ValueError):
     """A JSON object of the text names `key` twice; `where` is the path of that object ("" at the top level,
-    e.g. "lora[0]" or "model.transformer"), `field` the key's path ("lora[0].strength")."""
+    e.g. "lora[0]" or "model.transformer"); `field` is the key's path ("lora[0].strength")."""
 
     def __init__(self, key: str, where: str, first: Any, second: Any) -> None:
-        self.key, self.where = key, where
         self.field = f"{where}.{key}" if where else key
         place = f" of `{where}`" if where else ""
         super().__init__(f"key {_short(key)} appears twice in one JSON object{place} (values {_short(first)} and "
@@ -77,5 +76,6 @@ def loads(text: str | bytes) -> Any:
         path_and_object = _repeated(value)
         assert path_and_object is not None, "the object marked while decoding is in the value"
         path, marked = path_and_object
-        raise DuplicateKeyError(*marked.repeated[:1], path, *marked.repeated[1:])
+        key, first, second = marked.repeated
+        raise DuplicateKeyError(key, path, first, second)
     return value

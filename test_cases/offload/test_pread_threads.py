@@ -349,8 +349,8 @@ def test_a_batch_of_zero_size_tensors_reads_nothing(tmp_path: Path) -> None:
 
 
 def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An explicit count, auto (3 CPUs here: 3 threads where the pages are kept, 1 where each read goes to the disk)
-    and the mmap reader (one thread); the streaming log line says how many threads read."""
+    """An explicit count, auto (3 CPUs here: 3 threads where the pages are kept or cannot be dropped, 1 where each
+    read goes to the disk) and the mmap reader (one thread); the streaming log line says how many threads read."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     monkeypatch.setattr(cgroup, "CGROUP_ROOT", tmp_path / "no-cgroup")
     checkpoint = tmp_path / "wide.safetensors"
@@ -368,6 +368,12 @@ def test_read_threads_reach_the_reader_through_stream_module(tmp_path: Path, mon
         finally:
             streamer.close()  # type: ignore[attr-defined]
         assert [line for line in lines if "streaming of" in line][0].endswith(said)
+    monkeypatch.delattr(os, "posix_fadvise", raising=False)  # no way to drop pages: they stay cached, 3 threads
+    streamer, _ = _rss_driver.stream([checkpoint], "pread", gpu_slots=2, steps=1, num_blocks=4, page_cache="drop")
+    try:
+        assert streamer.source.reader.read_threads == 3  # type: ignore[attr-defined]
+    finally:
+        streamer.close()  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("keys, message", [
